@@ -1,0 +1,128 @@
+"""Typed, frozen configuration objects.
+
+Defaults live here once; the CLI and the offline API read them from these dataclasses.
+User input errors raise ``ValueError`` with the field name and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a user dtype spelling ("bfloat16", "bf16", torch.float32, ...) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; use one of float32, bfloat16, float16")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16"
+        )
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM semantics). ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(
+                f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(
+                f"SamplingParams.top_k must be >= 0 (0 disables top-k), got {self.top_k}"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"SamplingParams.{name} must be >= 0 or None, got {value}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """DFlash speculative decoding settings.
+
+    ``num_speculative_tokens`` is K, the number of MASK slots (draft tokens) per step; the drafter
+    block holds K + 1 rows (the bonus token first). ``None`` means ``block_size - 1``.
+    """
+
+    draft: str
+    num_speculative_tokens: int | None = None
+    method: str = "dflash"
+
+    def __post_init__(self) -> None:
+        if self.method.lower() != "dflash":
+            raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(
+                "num_speculative_tokens must be >= 1 (or None for block_size - 1), got "
+                f"{self.num_speculative_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide settings.
+
+    ``max_model_len``: longest sequence (prompt + output); ``None`` = the model's
+    ``max_position_embeddings`` capped at 8192. ``num_kv_blocks``: ``None`` sizes the cache for
+    ``max_num_seqs`` full-length sequences.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    speculative: SpeculativeConfig | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")

@@ -1,0 +1,101 @@
+"""Flat varlen batches: build the per-forward metadata and run a model over the paged cache.
+
+All index math happens here once per forward on host tensors (pinned on CUDA) and is shipped
+with one non-blocking copy; the model forward itself never reads device values back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.layers import ForwardContext
+from .attention import AttentionBackend, AttentionMetadata
+from .kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One request's slice of a flat forward.
+
+    ``num_tokens`` query tokens at positions ``start_pos ..``; after their K/V are written the
+    request sees keys at positions ``< seq_len``.
+    """
+
+    num_tokens: int
+    start_pos: int
+    seq_len: int
+    block_table: list[int]
+
+
+def build_metadata(
+    items: list[ForwardItem],
+    block_size: int,
+    scratch_slot: int,
+    device: torch.device,
+    is_causal: bool = True,
+) -> AttentionMetadata:
+    """Index tensors for a flat batch of ``T = sum(num_tokens)`` tokens from ``R`` requests."""
+    r = len(items)
+    qmax = max(it.num_tokens for it in items)
+    lmax = max(it.seq_len for it in items)
+    max_blocks = max(max(len(it.block_table) for it in items), -(-lmax // block_size))
+    scratch_block = scratch_slot // block_size
+    tables = torch.full((r, max_blocks), scratch_block, dtype=torch.long)
+    starts = torch.tensor([it.start_pos for it in items], dtype=torch.long)
+    counts = torch.tensor([it.num_tokens for it in items], dtype=torch.long)
+    seq_lens = torch.tensor([it.seq_len for it in items], dtype=torch.long)
+    for i, it in enumerate(items):
+        tables[i, : len(it.block_table)] = torch.tensor(it.block_table, dtype=torch.long)
+    col = torch.arange(qmax)
+    q_valid = col.view(1, -1) < counts.view(-1, 1)  # [R, Qmax]
+    q_pos = torch.where(q_valid, starts.view(-1, 1) + col.view(1, -1), torch.full((), -1))
+    offsets = torch.cumsum(counts, 0) - counts
+    query_index = torch.where(q_valid, offsets.view(-1, 1) + col.view(1, -1), torch.zeros((), dtype=torch.long))
+    flat_index = (torch.arange(r).view(-1, 1) * qmax + col.view(1, -1))[q_valid]
+    positions = q_pos[q_valid]
+    req_of_token = torch.arange(r).repeat_interleave(counts)
+    slot_mapping = tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    j = torch.arange(lmax)
+    key_slots = tables[:, j // block_size] * block_size + (j % block_size).view(1, -1)
+    key_slots = torch.where(j.view(1, -1) < seq_lens.view(-1, 1), key_slots, torch.full((), scratch_slot))
+    pin = device.type == "cuda"
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+
+    return AttentionMetadata(
+        positions=dev(positions), slot_mapping=dev(slot_mapping), flat_index=dev(flat_index),
+        query_index=dev(query_index), query_positions=dev(q_pos), key_slots=dev(key_slots),
+        seq_lens=dev(seq_lens), is_causal=is_causal,
+    )
+
+
+class ModelRunner:
+    """Owns a model, its KV cache and the attention backend; runs flat forwards."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+
+    def context(self, items: list[ForwardItem], is_causal: bool = True) -> ForwardContext:
+        meta = build_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,
+                              self.device, is_causal)
+        return ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: list[int] | torch.Tensor,
+        items: list[ForwardItem],
+        tap_layer_ids: tuple[int, ...] = (),
+        is_causal: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device)
+        ctx = self.context(items, is_causal)
+        return self.model(ids, ctx, tap_layer_ids)

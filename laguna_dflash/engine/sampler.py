@@ -1,0 +1,74 @@
+"""Token sampling: greedy, temperature, top-k, top-p; per-request seeded generators.
+
+Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from
+``p`` exactly and needs no host sync (no ``torch.multinomial``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits [N, V]`` -> probabilities ``[N, V]`` float32 after temperature, top-k, top-p.
+
+    top-k keeps the k largest logits; top-p then keeps the smallest prefix of the sorted
+    distribution whose mass reaches ``top_p`` (the token crossing the threshold is kept).
+    """
+    scores = logits.float() / temperature
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    rows_per_request: int = 1,
+) -> torch.Tensor:
+    """Sample one token per row of ``logits [R * rows_per_request, V]`` -> ``[R * rows]`` int64.
+
+    Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
+    own params and generator (``None`` = the global RNG).
+    """
+    out = torch.argmax(logits, dim=-1)
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if p.is_greedy:
+            continue
+        rows = slice(i * rows_per_request, (i + 1) * rows_per_request)
+        probs = filtered_probs(logits[rows], p.temperature, p.top_k, p.top_p)
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        out[rows] = torch.argmax(probs / noise, dim=-1)
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:
+    """Per row: ``{token: logprob}`` for the chosen token plus the ``n`` most likely ones.
+
+    Log-probabilities of the raw model distribution (before temperature / top-k / top-p).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+    result = []
+    if n > 0:
+        vals, ids = torch.topk(logp, min(n, logp.shape[-1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+    for r, tok in enumerate(tokens.tolist()):
+        entry = {int(tok): float(chosen[r])}
+        if n > 0:
+            for v, t in zip(vals[r], ids[r]):
+                entry.setdefault(int(t), float(v))
+        result.append(entry)
+    return result

@@ -1,0 +1,88 @@
+"""Request state: tokens, KV block table, sampling state, spec-decode counters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request.
+
+    Decode invariant: every token except the last has target KV (``num_computed ==
+    len(token_ids) - 1``); the last token is the pending bonus token. ``pending_context`` holds
+    target taps ``[n, n_taps * H]`` of committed positions ``pending_start .. pending_start+n-1``
+    that are not yet in the drafter's KV cache.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    pending_context: torch.Tensor | None = None
+    pending_start: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # spec-decode counters (vLLM meaning)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    trace: list[dict] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
+        """Append generated tokens, applying stop ids, EOS, max_tokens and max_model_len.
+
+        Returns how many were kept; sets ``finish_reason`` when the request ends.
+        """
+        p = self.params
+        stops = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stops.update(self.eos_token_ids)
+        kept = 0
+        for tok in tokens:
+            self.output_token_ids.append(tok)
+            kept += 1
+            if tok in stops:
+                self.finish_reason = "stop"
+            elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                self.status = Status.FINISHED
+                break
+        return kept

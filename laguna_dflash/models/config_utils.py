@@ -1,0 +1,44 @@
+"""Small helpers for reading HF ``config.json`` dicts with clear errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigReader:
+    """Typed access to a config dict; a missing or malformed field names itself and the fix."""
+
+    def __init__(self, cfg: dict, architecture: str) -> None:
+        self.cfg = cfg
+        self.architecture = architecture
+
+    def int(self, key: str, default: Any = ...) -> int:
+        value = self.cfg.get(key, default)
+        if value is ... or value is None:
+            if default is ...:
+                raise ValueError(
+                    f"config.json for {self.architecture} lacks required field {key!r}; add it"
+                )
+            value = default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ValueError(
+                f"config.json field {key!r} must be an integer, got {value!r} ({type(value).__name__})"
+            )
+        return int(value)
+
+    def check_len(self, key: str, values: list, expected: int) -> None:
+        if not isinstance(values, list) or len(values) != expected:
+            raise ValueError(
+                f"config.json field {key!r} must be a list of num_hidden_layers={expected} entries, "
+                f"got {values!r}"
+            )
+
+
+def eos_ids(cfg: dict) -> tuple[int, ...]:
+    """``eos_token_id`` as a tuple (it may be an int, a list or absent)."""
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(e) for e in eos)

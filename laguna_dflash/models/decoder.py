@@ -1,0 +1,249 @@
+"""The decoder-only causal LM shared by the Laguna and Qwen3 target families.
+
+A family module turns its HF ``config.json`` into a :class:`ModelSpec`; this module builds the
+network from it and declares where each parameter comes from on disk
+(:meth:`DecoderLM.checkpoint_groups`), so there is one implementation of the forward pass and
+one of the name mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layers import MLP, Attention, DecoderLayer, ForwardContext, MoE, RMSNorm
+from .rope import RopeSpec, RotaryEmbedding
+
+# A destination is a (disk tensor name, view of a parameter to copy into).
+Destination = tuple[str, torch.Tensor]
+# A group lists alternative on-disk spellings of the same parameters; the loader picks the first
+# option whose first name is present in the checkpoint.
+Group = list[list[Destination]]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    routed_scaling_factor: float = 1.0
+    logit_softcapping: float = 0.0
+    score_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    num_heads: int
+    rope: RopeSpec
+    sliding_window: int | None = None
+    gating: str | None = None
+    has_sinks: bool = False
+    is_moe: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    layers: tuple[LayerSpec, ...]
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    moe: MoESpec | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def build_rotaries(layer_ropes: list[RopeSpec]) -> tuple[list[RotaryEmbedding], dict]:
+    """One :class:`RotaryEmbedding` per distinct spec; returns (unique list, spec -> rotary)."""
+    by_spec: dict[RopeSpec, RotaryEmbedding] = {}
+    for spec in layer_ropes:
+        if spec not in by_spec:
+            by_spec[spec] = RotaryEmbedding(spec)
+    return list(by_spec.values()), by_spec
+
+
+class DecoderLM(nn.Module):
+    """Embedding, pre-norm decoder layers, final RMSNorm, (tied or untied) lm_head."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.rotaries, by_spec = build_rotaries([layer.rope for layer in spec.layers])
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self._make_attention(i, layer, by_spec[layer.rope]),
+                         self._make_mlp(layer), spec.hidden_size, spec.rms_norm_eps)
+            for i, layer in enumerate(spec.layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def _make_attention(self, index: int, layer: LayerSpec, rotary: RotaryEmbedding) -> Attention:
+        s = self.spec
+        return Attention(
+            s.hidden_size, layer.num_heads, s.num_kv_heads, s.head_dim, rotary,
+            cache_index=index, sliding_window=layer.sliding_window, gating=layer.gating,
+            has_sinks=layer.has_sinks, qkv_bias=s.qkv_bias, o_bias=s.o_bias, eps=s.rms_norm_eps,
+        )
+
+    def _make_mlp(self, layer: LayerSpec) -> nn.Module:
+        s = self.spec
+        if not layer.is_moe:
+            return MLP(s.hidden_size, s.intermediate_size)
+        m = s.moe
+        assert m is not None
+        return MoE(
+            s.hidden_size, m.num_experts, m.top_k, m.moe_intermediate_size,
+            m.shared_intermediate_size, routed_scaling_factor=m.routed_scaling_factor,
+            logit_softcapping=m.logit_softcapping, score_func=m.score_func,
+            norm_topk_prob=m.norm_topk_prob,
+        )
+
+    # ---- runtime -------------------------------------------------------------------------------
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, H]``: the output projection (the embedding matrix when tied)."""
+        return self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def prepare_rope(self, max_positions: int, device: torch.device | str) -> None:
+        """Build the cos/sin tables for positions ``< max_positions`` on ``device``."""
+        for rotary in self.rotaries:
+            rotary.ensure(max_positions)
+            rotary.to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        tap_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over the flat batch.
+
+        input_ids [T] int64 -> (final-normed hidden ``[T, H]``, taps ``[T, n_taps * H]`` or None).
+        Tap ``i`` is the OUTPUT of layer ``i`` (residual stream before the final norm, HF's
+        ``hidden_states[i + 1]``), concatenated in ``tap_layer_ids`` order.
+        """
+        h = self.embed_tokens(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(tap_layer_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx)
+            if i in wanted:
+                taps[i] = h
+        tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
+        return self.norm(h), tapped
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    # ---- checkpoint layout -----------------------------------------------------------------------
+
+    def ignorable_tensors(self) -> set[str]:
+        """On-disk tensors that may be present but are not loaded (a tied lm_head copy)."""
+        return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+
+    def checkpoint_groups(self, prefix: str = "model.") -> list[Group]:
+        """Where every parameter comes from on disk (HF names; split or fused alternatives)."""
+        groups: list[Group] = [
+            [[(f"{prefix}embed_tokens.weight", self.embed_tokens.weight)]],
+            [[(f"{prefix}norm.weight", self.norm.weight)]],
+        ]
+        if not self.spec.tie_word_embeddings:
+            groups.append([[("lm_head.weight", self.lm_head.weight)]])
+        for i, layer in enumerate(self.layers):
+            p = f"{prefix}layers.{i}."
+            groups += [
+                [[(p + "input_layernorm.weight", layer.input_layernorm.weight)]],
+                [[(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)]],
+            ]
+            groups += attention_groups(layer.self_attn, p + "self_attn.")
+            if isinstance(layer.mlp, MoE):
+                groups += moe_groups(layer.mlp, p + "mlp.")
+            else:
+                groups += mlp_groups(layer.mlp, p + "mlp.")
+        return groups
+
+
+def attention_groups(attn: Attention, p: str) -> list[Group]:
+    """q/k/v split on disk (HF) or fused ``qkv_proj`` (Poolside drafter), plus o/g/norms/sinks."""
+    q, kv = attn.q_size, attn.kv_size
+    w = attn.qkv_proj.weight
+    groups: list[Group] = [[
+        [(p + "q_proj.weight", w[:q]), (p + "k_proj.weight", w[q : q + kv]),
+         (p + "v_proj.weight", w[q + kv :])],
+        [(p + "qkv_proj.weight", w)],
+    ]]
+    if attn.qkv_proj.bias is not None:
+        b = attn.qkv_proj.bias
+        groups.append([
+            [(p + "q_proj.bias", b[:q]), (p + "k_proj.bias", b[q : q + kv]),
+             (p + "v_proj.bias", b[q + kv :])],
+            [(p + "qkv_proj.bias", b)],
+        ])
+    groups.append([[(p + "o_proj.weight", attn.o_proj.weight)]])
+    if attn.o_proj.bias is not None:
+        groups.append([[(p + "o_proj.bias", attn.o_proj.bias)]])
+    if attn.gating is not None:
+        groups.append([[(p + "g_proj.weight", attn.g_proj.weight)]])
+    groups += [[[(p + "q_norm.weight", attn.q_norm.weight)]], [[(p + "k_norm.weight", attn.k_norm.weight)]]]
+    if attn.sinks is not None:
+        groups.append([[(p + "sink", attn.sinks)], [(p + "sinks", attn.sinks)]])
+    return groups
+
+
+def mlp_groups(mlp: MLP, p: str) -> list[Group]:
+    """Dense SwiGLU: split ``gate_proj``/``up_proj`` or fused ``gate_up_proj``; ``down_proj``."""
+    i = mlp.intermediate_size
+    w = mlp.gate_up_proj.weight
+    return [
+        [[(p + "gate_proj.weight", w[:i]), (p + "up_proj.weight", w[i:])],
+         [(p + "gate_up_proj.weight", w)]],
+        [[(p + "down_proj.weight", mlp.down_proj.weight)]],
+    ]
+
+
+def moe_groups(moe: MoE, p: str) -> list[Group]:
+    """Real Laguna on-disk names (per expert, ``shared_expert``, bias under ``experts.``) or the
+    fused names transformers uses in memory (``experts.gate_up_proj [E, 2I, H]``,
+    ``gate.e_score_correction_bias``, ``shared_experts``)."""
+    im = moe.intermediate_size
+    per_expert: list[Destination] = []
+    for e in range(moe.num_experts):
+        gu = moe.experts_gate_up[e]
+        per_expert += [
+            (f"{p}experts.{e}.gate_proj.weight", gu[:im]),
+            (f"{p}experts.{e}.up_proj.weight", gu[im:]),
+            (f"{p}experts.{e}.down_proj.weight", moe.experts_down[e]),
+        ]
+    fused = [(p + "experts.gate_up_proj", moe.experts_gate_up), (p + "experts.down_proj", moe.experts_down)]
+    groups: list[Group] = [
+        [[(p + "gate.weight", moe.gate.weight)]],
+        [[(p + "experts.e_score_correction_bias", moe.e_score_correction_bias)],
+         [(p + "gate.e_score_correction_bias", moe.e_score_correction_bias)]],
+        [per_expert, fused],
+    ]
+    if moe.shared_expert is not None:
+        # On disk "shared_expert." (singular); transformers in memory "shared_experts.".
+        singular = mlp_groups(moe.shared_expert, p + "shared_expert.")
+        plural = mlp_groups(moe.shared_expert, p + "shared_experts.")
+        groups += [
+            [singular[0][0], plural[0][0], singular[0][1], plural[0][1]],
+            [singular[1][0], plural[1][0]],
+        ]
+    return groups

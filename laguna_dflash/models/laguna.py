@@ -1,0 +1,162 @@
+"""Poolside Laguna target (``LagunaForCausalLM``): config resolution onto the shared decoder.
+
+Every config form a released checkpoint uses resolves here (reference/laguna.md sections 1-3):
+nested ``rope_parameters`` by layer type or the flat form with ``swa_rope_parameters``; MLP layer
+kinds from ``mlp_layer_types`` or ``mlp_only_layers`` / ``decoder_sparse_step``; gating from
+``gating`` / ``gating_types`` and, when ambiguous, from the ``g_proj`` weight shape.
+"""
+
+from __future__ import annotations
+
+from .config_utils import ConfigReader, eos_ids
+from .decoder import DecoderLM, LayerSpec, MoESpec, ModelSpec
+from .rope import RopeSpec
+
+# transformers' LagunaConfig defaults, used when config.json has no RoPE settings at all.
+_DEFAULT_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+}
+
+
+def resolve_layer_rope(cfg: dict, layer_type: str) -> dict:
+    """RoPE dict of one layer type, in vLLM's resolution order.
+
+    1. nested ``rope_parameters[layer_type]`` (falling back to ``full_attention``), else the flat
+       dict (``rope_parameters`` or legacy ``rope_scaling``);
+    2. on sliding layers ``swa_rope_parameters`` wins;
+    3. a top-level ``partial_rotary_factor`` / ``rope_theta`` fill only what the dict lacks.
+    """
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if not rope and "rope_theta" not in cfg:
+        rope = _DEFAULT_ROPE
+    rope = dict(rope or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        chosen = rope.get(layer_type) or rope.get("full_attention")
+        if chosen is None:
+            raise ValueError(
+                f"config.json rope_parameters has no entry for {layer_type!r} nor 'full_attention'"
+            )
+        chosen = dict(chosen)
+    else:
+        chosen = rope
+    if layer_type == "sliding_attention" and cfg.get("swa_rope_parameters"):
+        chosen = dict(cfg["swa_rope_parameters"])
+    if "partial_rotary_factor" not in chosen and cfg.get("partial_rotary_factor") is not None:
+        chosen["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    if "rope_theta" not in chosen and cfg.get("rope_theta") is not None:
+        chosen["rope_theta"] = cfg["rope_theta"]
+    return chosen
+
+
+def resolve_moe_layers(cfg: dict, num_layers: int) -> list[bool]:
+    """Which layers are MoE: ``mlp_layer_types`` (HF v5) or ``mlp_only_layers``/``decoder_sparse_step``."""
+    num_experts = cfg.get("num_experts", 0) or 0
+    if cfg.get("mlp_layer_types") is not None:
+        kinds = cfg["mlp_layer_types"]
+        if len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
+            raise ValueError(
+                "config.json mlp_layer_types must list 'dense' or 'sparse' for each of the "
+                f"{num_layers} layers, got {kinds}"
+            )
+        return [k == "sparse" and num_experts > 0 for k in kinds]
+    if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        return [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    return [i > 0 and num_experts > 0 for i in range(num_layers)]
+
+
+def resolve_gating(cfg: dict, layer: int, num_heads: int, head_dim: int, g_rows: int | None) -> str | None:
+    """``None`` / ``"per-head"`` / ``"per-element"`` for one layer.
+
+    ``gating: true`` is ambiguous across implementations (per-head in transformers and vLLM,
+    per-element in Poolside's remote code), so the ``g_proj`` row count decides when known.
+    """
+    types = cfg.get("gating_types")
+    gating = types[layer] if types else cfg.get("gating", True)
+    if gating is False or gating is None or gating in ("none", "disabled"):
+        return None
+    if isinstance(gating, str):
+        g = gating.replace("_", "-")
+        if g not in ("per-head", "per-element"):
+            raise ValueError(
+                f"config.json gating={gating!r} is not understood; use true, false, 'per-head' or "
+                "'per-element'"
+            )
+        return g
+    if g_rows == num_heads * head_dim and g_rows != num_heads:
+        return "per-element"
+    return "per-head"
+
+
+def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, prefix: str = "model.") -> ModelSpec:
+    """Resolve a Laguna ``config.json`` dict (plus on-disk tensor shapes) into a :class:`ModelSpec`."""
+    r = ConfigReader(cfg, "LagunaForCausalLM")
+    shapes = shapes or {}
+    num_layers = r.int("num_hidden_layers")
+    hidden = r.int("hidden_size")
+    num_heads = r.int("num_attention_heads")
+    head_dim = r.int("head_dim", hidden // num_heads)
+    max_pos = r.int("max_position_embeddings", 131072)
+    heads = cfg.get("num_attention_heads_per_layer") or [num_heads] * num_layers
+    layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
+    r.check_len("num_attention_heads_per_layer", heads, num_layers)
+    r.check_len("layer_types", layer_types, num_layers)
+    is_moe = resolve_moe_layers(cfg, num_layers)
+    sinks = bool(cfg.get("swa_attention_sink_enabled", False))
+    window = cfg.get("sliding_window")
+    layers = []
+    for i in range(num_layers):
+        lt = layer_types[i]
+        if lt not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"config.json layer_types[{i}]={lt!r}; use full_attention or sliding_attention")
+        is_sliding = lt == "sliding_attention"
+        if is_sliding and not window:
+            raise ValueError("config.json has sliding_attention layers but no sliding_window; set it")
+        g_shape = shapes.get(f"{prefix}layers.{i}.self_attn.g_proj.weight")
+        layers.append(LayerSpec(
+            num_heads=heads[i],
+            rope=RopeSpec.from_dict(resolve_layer_rope(cfg, lt), head_dim, max_pos),
+            sliding_window=int(window) if is_sliding else None,
+            gating=resolve_gating(cfg, i, heads[i], head_dim, g_shape[0] if g_shape else None),
+            has_sinks=sinks and is_sliding,
+            is_moe=is_moe[i],
+        ))
+    moe = None
+    if any(is_moe):
+        moe = MoESpec(
+            num_experts=r.int("num_experts"),
+            top_k=r.int("num_experts_per_tok"),
+            moe_intermediate_size=r.int("moe_intermediate_size"),
+            shared_intermediate_size=r.int("shared_expert_intermediate_size", 0),
+            routed_scaling_factor=float(cfg.get("moe_routed_scaling_factor", 1.0)),
+            logit_softcapping=float(cfg.get("moe_router_logit_softcapping", 0.0) or 0.0),
+            score_func=cfg.get("moe_router_score_func", "sigmoid"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        )
+        if cfg.get("moe_apply_router_weight_on_input"):
+            raise ValueError("moe_apply_router_weight_on_input=true is not supported (no release uses it)")
+    return ModelSpec(
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        num_kv_heads=r.int("num_key_value_heads", num_heads),
+        head_dim=head_dim,
+        intermediate_size=r.int("intermediate_size"),
+        layers=tuple(layers),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos,
+        moe=moe,
+        eos_token_ids=eos_ids(cfg),
+    )
+
+
+class LagunaForCausalLM(DecoderLM):
+    """Laguna MoE target with aux hidden-state taps."""
+
+    @classmethod
+    def from_config(cls, cfg: dict, shapes: dict | None = None) -> LagunaForCausalLM:
+        return cls(laguna_spec(cfg, shapes))

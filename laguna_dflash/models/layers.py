@@ -1,0 +1,250 @@
+"""Building blocks shared by every model family: RMSNorm, attention, SwiGLU MLP, sigmoid MoE.
+
+Weights are stored fused the way the fast path wants them (``qkv_proj`` rows Q|K|V,
+``gate_up_proj`` rows gate|up, experts stacked ``[E, 2I, H]`` / ``[E, H, I]``); the loader maps
+the split on-disk names onto row slices of these tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine.attention import AttentionBackend, AttentionMetadata
+from .rope import RotaryEmbedding
+
+
+@dataclass
+class ForwardContext:
+    """What the layers of one forward need besides activations.
+
+    kv_caches: per cache-layer ``(k_cache, v_cache)``, each ``[num_slots, num_kv_heads, head_dim]``.
+    """
+
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    backend: AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    """``w * (x / sqrt(mean(x^2) + eps))``: statistics in fp32, cast back, then the plain weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rms_norm_grouped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [G, ..., D]`` with one weight row per group ``[G, D]``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.view(weight.shape[0], *([1] * (x.dim() - 2)), weight.shape[1])
+    return w * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA attention with QK-RMSNorm before RoPE, optional softplus output gate and sinks.
+
+    gating: ``None`` (no gate), ``"per-head"`` (``g_proj [nh, H]``, one gate per head broadcast
+    over head_dim) or ``"per-element"`` (``g_proj [nh*hd, H]``). The gate reads the same normed
+    input as Q/K/V and multiplies the attention output before ``o_proj``; softplus runs in fp32.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        *,
+        cache_index: int,
+        sliding_window: int | None = None,
+        gating: str | None = None,
+        has_sinks: bool = False,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
+                f"({num_kv_heads})"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.gating = gating
+        if gating is not None:
+            gate_dim = num_heads if gating == "per-head" else self.q_size
+            self.g_proj = nn.Linear(hidden_size, gate_dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if has_sinks else None
+        self.rotary = rotary
+        self.sliding_window = sliding_window
+        self.cache_index = cache_index
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``x [T, H]`` (already input-normed) -> ``[T, H]``; writes this forward's K/V."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        positions = ctx.meta.positions
+        q = self.rotary.apply(q, positions)
+        k = self.rotary.apply(k, positions)
+        k_cache, v_cache = ctx.kv_caches[self.cache_index]
+        ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
+        out = ctx.backend.attend(
+            q, k_cache, v_cache, ctx.meta, scale=self.scale,
+            sliding_window=self.sliding_window, sinks=self.sinks,
+        )
+        out = self.apply_gate(out, x)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def apply_gate(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out [T, nh, hd]`` times ``softplus(g_proj(x))`` (fp32 softplus), per head or element."""
+        if self.gating is None:
+            return out
+        gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
+        if self.gating == "per-head":
+            return out * gate.unsqueeze(-1)
+        return out * gate.view_as(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` with fused ``gate_up_proj [2I, H]`` (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Laguna MoE: router scores, biased top-k selection, renormalised weights, shared expert.
+
+    ``s = sigmoid(z)`` (or ``sqrt(softplus(z))``) with ``z = softcap(x Wr^T)`` in fp32; experts are
+    chosen by ``topk(s + e_score_correction_bias)`` but weighted by the UNBIASED ``s``,
+    renormalised over the top-k; ``y = scale * sum_j w_j expert_j(x) + shared(x)`` (shared not
+    scaled).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        shared_intermediate_size: int,
+        *,
+        routed_scaling_factor: float = 1.0,
+        logit_softcapping: float = 0.0,
+        score_func: str = "sigmoid",
+        norm_topk_prob: bool = True,
+    ) -> None:
+        super().__init__()
+        if score_func not in ("sigmoid", "sqrtsoftplus"):
+            raise ValueError(
+                f"moe_router_score_func={score_func!r} is not supported; use sigmoid or sqrtsoftplus"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.intermediate_size = moe_intermediate_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size))
+        self.shared_expert = (
+            MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size > 0 else None
+        )
+        self.routed_scaling_factor = routed_scaling_factor
+        self.logit_softcapping = logit_softcapping
+        self.score_func = score_func
+        self.norm_topk_prob = norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> (weights ``[T, k]`` in x's dtype, expert ids ``[T, k]`` int64)."""
+        logits = F.linear(x, self.gate.weight).float()
+        if self.logit_softcapping > 0:
+            c = self.logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.sqrt(F.softplus(logits))
+        biased = scores + self.e_score_correction_bias.float()
+        _, ids = torch.topk(biased, self.top_k, dim=-1)
+        weights = scores.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        routed = self.experts_forward(x, weights, ids)
+        out = routed * self.routed_scaling_factor
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out
+
+    def experts_forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Reference grouped expert loop over the experts actually hit: ``[T, H]``.
+
+        Sorts the ``T*k`` assignments by expert and runs one SwiGLU GEMM pair per hit expert.
+        (One host sync for the per-expert counts; the GPU fused-MoE path replaces this.)
+        """
+        t, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        w_sorted = weights.reshape(-1)[order]
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            h = x[rows]
+            gate, up = F.linear(h, self.experts_gate_up[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            out.index_add_(0, rows, h * w_sorted[start : start + count, None])
+            start += count
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -50,23 +50,31 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """Boolean mask ``[R, 1, Qmax, Lmax]`` (True = attend), cached per window size."""
-        if sliding_window in self._masks:
-            return self._masks[sliding_window]
+    def mask(self, sliding_window: int | None, is_causal: bool | None = None) -> torch.Tensor:
+        """Boolean mask ``[R, 1, Qmax, Lmax]`` (True = attend), cached per (window, causality).
+
+        ``is_causal=None`` uses the forward's default. A bidirectional windowed layer (DFlash
+        ``use_swa``) sees keys with ``|p - j| < W``.
+        """
+        causal = self.is_causal if is_causal is None else is_causal
+        key = (sliding_window, causal)
+        if key in self._masks:
+            return self._masks[key]
         lmax = self.key_slots.shape[1]
         j = torch.arange(lmax, device=self.key_slots.device).view(1, 1, lmax)
         p = self.query_positions.unsqueeze(-1)  # [R, Qmax, 1]
         allowed = j < self.seq_lens.view(-1, 1, 1)
-        if self.is_causal:
+        if causal:
             allowed = allowed & (j <= p)
         if sliding_window is not None:
             allowed = allowed & (j > p - sliding_window)
+            if not causal:
+                allowed = allowed & (j < p + sliding_window)
         # Padding queries (p < 0) attend to key 0 only so the softmax stays finite; their output
         # is never read.
         allowed = allowed | ((p < 0) & (j == 0))
         mask = allowed.unsqueeze(1)
-        self._masks[sliding_window] = mask
+        self._masks[key] = mask
         return mask
 
 
@@ -97,6 +105,7 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        is_causal: bool | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -121,6 +130,7 @@ class TorchSDPABackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        is_causal: bool | None = None,
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype."""
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -128,7 +138,7 @@ class TorchSDPABackend(AttentionBackend):
         qp = q[meta.query_index].transpose(1, 2)  # [R, H, Qmax, D]
         kp = k_cache[meta.key_slots].to(q.dtype).transpose(1, 2)  # [R, KVH, Lmax, D]
         vp = v_cache[meta.key_slots].to(q.dtype).transpose(1, 2)
-        mask = meta.mask(sliding_window)
+        mask = meta.mask(sliding_window, is_causal)
         if sinks is None:
             out = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True

@@ -9,7 +9,7 @@ kinds from ``mlp_layer_types`` or ``mlp_only_layers`` / ``decoder_sparse_step``;
 from __future__ import annotations
 
 from .config_utils import ConfigReader, eos_ids
-from .decoder import DecoderLM, LayerSpec, MoESpec, ModelSpec
+from .decoder import DecoderLM, LayerSpec, ModelSpec, MoESpec
 from .rope import RopeSpec
 
 # transformers' LagunaConfig defaults, used when config.json has no RoPE settings at all.

@@ -29,6 +29,12 @@ class ForwardContext:
     backend: AttentionBackend
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dim, statistics in fp32, result in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``w * (x / sqrt(mean(x^2) + eps))``: statistics in fp32, cast back, then the plain weight."""
 
@@ -38,17 +44,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
 
 
 def rms_norm_grouped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x [G, ..., D]`` with one weight row per group ``[G, D]``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     w = weight.view(weight.shape[0], *([1] * (x.dim() - 2)), weight.shape[1])
-    return w * xf.to(x.dtype)
+    return w * rms_normalize(x, eps)
 
 
 class Attention(nn.Module):
@@ -74,6 +76,7 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         eps: float = 1e-6,
+        is_causal: bool | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -95,6 +98,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.cache_index = cache_index
+        self.is_causal = is_causal  # None: the forward's default (causal targets, DFlash per config)
         self.scale = head_dim**-0.5
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -112,7 +116,7 @@ class Attention(nn.Module):
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale,
-            sliding_window=self.sliding_window, sinks=self.sinks,
+            sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal,
         )
         out = self.apply_gate(out, x)
         return self.o_proj(out.reshape(t, self.q_size))

@@ -181,6 +181,8 @@ def load_model(
     _fail_on_mismatch(info, dests, set(getattr(model, "ignorable_tensors", lambda: ())()))
     stream_weights(info, dests)
     model.eval().requires_grad_(False)
+    if hasattr(model, "checkpoint_dir"):
+        model.checkpoint_dir = info.path
     if hasattr(model, "post_load"):
         model.post_load()
     logger.info("loaded %s from %s (%s, %s)", info.architecture, path, dtype, device)

@@ -1,0 +1,7 @@
+"""laguna-dflash: serve Poolside Laguna MoE models fast with DFlash speculative decoding."""
+
+from .config import SamplingParams
+from .llm import LLM, RequestOutput
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

@@ -1,0 +1,1 @@
+"""Engine: paged KV cache, attention backends, scheduler, runner, spec decoding, lifecycle."""

@@ -1,0 +1,264 @@
+"""Request lifecycle: load models, size the KV cache, run scheduled steps, collect outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig, SamplingParams, resolve_dtype
+from ..models.loader import inspect_checkpoint, load_model
+from ..models.registry import DRAFT_ARCHITECTURES
+from .attention import get_attention_backend
+from .kv_cache import BlockAllocator, KVCache
+from .runner import ForwardItem, ModelRunner
+from .sampler import sample_rows, top_logprobs
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .spec_decode import DFlashProposer, SpecDecodingStats, num_accepted
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET_BYTES = 2 << 30
+
+
+@dataclass
+class EngineTimings:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Owns the target (and optional DFlash drafter), the paged caches and the scheduler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available; use --device cpu")
+        self.dtype = resolve_dtype(config.dtype)
+        info = inspect_checkpoint(config.model)
+        if info.architecture in DRAFT_ARCHITECTURES:
+            raise ValueError(
+                f"{config.model} holds a drafter ({info.architecture}); pass it as draft=, and the "
+                "target checkpoint as model="
+            )
+        self.model_config = info.config
+        self.target = load_model(config.model, self.dtype, self.device)
+        spec = self.target.spec
+        self.max_model_len = min(config.max_model_len or min(spec.max_position_embeddings, 8192),
+                                 spec.max_position_embeddings)
+        self.drafter = None
+        self.num_speculative_tokens = 0
+        if config.speculative is not None:
+            self._load_drafter(config)
+        k = self.num_speculative_tokens
+        max_positions = self.max_model_len + k + 1
+        self.target.prepare_rope(max_positions, self.device)
+        self.eos_token_ids = spec.eos_token_ids
+        self.backend = get_attention_backend("auto")
+        blocks_per_seq = -(-max_positions // config.block_size)
+        num_blocks = config.num_kv_blocks or self._default_num_blocks(blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"num_kv_blocks={num_blocks} cannot hold one max_model_len={self.max_model_len} "
+                f"sequence ({blocks_per_seq} blocks of {config.block_size}); raise it or lower max_model_len"
+            )
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads,
+                     spec.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.target, kv, self.backend, self.device)
+        self.proposer = None
+        self.spec_stats = SpecDecodingStats(k) if k else None
+        if self.drafter is not None:
+            d = self.drafter
+            self.drafter.prepare_rope(max_positions, self.device)
+            dkv = KVCache(d.num_cache_layers, num_blocks, config.block_size, d.num_kv_heads,
+                          d.head_dim, self.dtype, self.device)
+            self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k)
+        self.scheduler = Scheduler(
+            self.allocator, config.max_num_seqs,
+            max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
+        )
+        self.tap_layer_ids = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
+        self._ids = itertools.count()
+        self.timings = EngineTimings()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        logger.info(
+            "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s",
+            info.architecture, self.dtype, self.device, self.max_model_len, num_blocks,
+            config.block_size, f"dflash K={k}" if k else "off",
+        )
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _load_drafter(self, config: EngineConfig) -> None:
+        sc = config.speculative
+        info = inspect_checkpoint(sc.draft)
+        if info.architecture not in DRAFT_ARCHITECTURES:
+            raise ValueError(
+                f"draft={sc.draft} holds {info.architecture}, not a DFlash drafter; supported: "
+                f"{', '.join(sorted(DRAFT_ARCHITECTURES))}"
+            )
+        self.drafter = load_model(sc.draft, self.dtype, self.device, target=self.target)
+        block = self.drafter.block_size
+        k = sc.num_speculative_tokens or block - 1
+        if k > block - 1:
+            logger.warning(
+                "num_speculative_tokens=%d exceeds the drafter's trained block_size-1=%d; "
+                "acceptance will suffer", k, block - 1,
+            )
+        self.num_speculative_tokens = k
+
+    def _default_num_blocks(self, blocks_per_seq: int) -> int:
+        spec = self.target.spec
+        layers = spec.num_layers + (self.drafter.num_cache_layers if self.drafter is not None else 0)
+        per_block = KVCache.bytes_per_block(layers, self.config.block_size, spec.num_kv_heads,
+                                            spec.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.8)
+        else:
+            budget = _CPU_KV_BUDGET_BYTES
+        wanted = blocks_per_seq * self.config.max_num_seqs
+        return max(blocks_per_seq, min(wanted, budget // per_block))
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> Sequence:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty; pass at least one token")
+        vocab = self.target.spec.vocab_size
+        bad = [t for t in prompt_token_ids if not (0 <= int(t) < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        seq = Sequence(next(self._ids), [int(t) for t in prompt_token_ids], params,
+                       eos_token_ids=self.eos_token_ids, prompt=prompt)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def _gens(self, seqs: list[Sequence]) -> list[torch.Generator]:
+        return [s.generator or self.generator for s in seqs]
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled forward; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        if batch.is_prefill:
+            self._prefill(batch.sequences)
+            self.timings.prefill_s += time.perf_counter() - t0
+        else:
+            if self.proposer is not None:
+                self._spec_decode(batch.sequences)
+            else:
+                self._decode(batch.sequences)
+            self.timings.decode_s += time.perf_counter() - t0
+        self.timings.num_steps += 1
+        finished = [s for s in batch.sequences if s.is_finished]
+        for s in finished:
+            self.scheduler.finish(s)
+        return finished
+
+    def _commit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor | None) -> None:
+        kept = seq.append_tokens(tokens, self.max_model_len)
+        if seq.logprobs is not None and logits is not None:
+            chosen = torch.tensor(tokens[:kept])
+            seq.logprobs += top_logprobs(logits[:kept], chosen, seq.params.logprobs)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        items = [ForwardItem(s.num_tokens, 0, s.num_tokens, s.block_table) for s in seqs]
+        ids = [t for s in seqs for t in s.token_ids]
+        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
+        ends = torch.tensor([it.num_tokens for it in items]).cumsum(0)
+        last_rows = (ends - 1).to(self.device)
+        logits = self.target.compute_logits(hidden[last_rows])
+        tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
+        start = 0
+        for i, s in enumerate(seqs):
+            n = items[i].num_tokens
+            if s.params.prompt_logprobs is not None and s.prompt_logprobs is None:
+                rows = self.target.compute_logits(hidden[start : start + n - 1])
+                s.prompt_logprobs = [None] + top_logprobs(
+                    rows, torch.tensor(s.prompt_token_ids[1:]), s.params.prompt_logprobs)
+            if taps is not None:
+                s.pending_context, s.pending_start = taps[start : start + n], 0
+            s.num_computed = n
+            self._commit(s, [tokens[i]], logits[i : i + 1])
+            start += n
+        self.timings.num_prefill_tokens += len(ids)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
+        hidden, _ = self.runner.forward([s.last_token for s in seqs], items)
+        logits = self.target.compute_logits(hidden)
+        tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
+        for i, s in enumerate(seqs):
+            s.num_computed = s.num_tokens
+            self._commit(s, [tokens[i]], logits[i : i + 1])
+        self.timings.num_decode_tokens += len(seqs)
+
+    def _spec_decode(self, seqs: list[Sequence]) -> None:
+        """One DFlash step for the whole batch: draft, verify, accept, commit, roll back."""
+        k = self.num_speculative_tokens
+        drafts = self.proposer.propose(seqs)  # [R, K]
+        anchors = [s.num_tokens - 1 for s in seqs]  # position P of each bonus token
+        ids = torch.cat([torch.tensor([s.last_token for s in seqs], device=drafts.device).view(-1, 1),
+                         drafts], dim=1).reshape(-1)
+        items = [ForwardItem(k + 1, p, p + k + 1, s.block_table) for p, s in zip(anchors, seqs)]
+        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
+        logits = self.target.compute_logits(hidden)  # [R*(K+1), V]
+        target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
+        target_tokens = target_tokens.view(len(seqs), k + 1)
+        accepted = num_accepted(drafts, target_tokens)
+        # One host sync per step, after the device work: bring back what commits need.
+        accepted_list, target_list = accepted.tolist(), target_tokens.tolist()
+        draft_list = drafts.tolist()
+        logits = logits.view(len(seqs), k + 1, -1)
+        taps = taps.view(len(seqs), k + 1, -1)
+        for i, s in enumerate(seqs):
+            a, p = accepted_list[i], anchors[i]
+            s.num_drafts += 1
+            s.num_draft_tokens += k
+            s.num_accepted_tokens += a
+            if len(s.num_accepted_tokens_per_pos) < k:
+                s.num_accepted_tokens_per_pos += [0] * (k - len(s.num_accepted_tokens_per_pos))
+            for j in range(a):
+                s.num_accepted_tokens_per_pos[j] += 1
+            self.spec_stats.observe(a)
+            if self.config.extra.get("trace"):
+                s.trace.append({"anchor_position": p, "draft_tokens": draft_list[i], "num_accepted": a})
+            # Committed: the bonus and the a accepted drafts (positions P..P+a) now have target
+            # KV; their taps become the drafter's next context. Rows beyond are rolled back by
+            # length: they stay in the cache, invisible, and are overwritten next step.
+            s.num_computed = p + a + 1
+            s.pending_context, s.pending_start = taps[i, : a + 1], p
+            self._commit(s, target_list[i][: a + 1], logits[i, : a + 1])
+        self.timings.num_decode_tokens += sum(a + 1 for a in accepted_list)

@@ -1,0 +1,125 @@
+"""DFlash speculative decoding: the proposer (drafter side) and acceptance (verifier side).
+
+Acceptance rule (greedy and sampled alike). The target's verify forward over
+``[bonus, d_1..d_K]`` gives, at row ``i``, the target's choice ``t_i`` for position ``P+i+1``
+(argmax at temperature 0, else a sample from the target's filtered distribution). Draft ``d_k``
+is accepted while every earlier one was and ``d_k == t_{k-1}``; the request then emits
+``t_0 .. t_a`` (``a`` accepted drafts plus one bonus/correction token). With argmax (one-hot)
+drafts this is standard speculative sampling: ``d`` is accepted with probability ``p(d)`` and on
+rejection the emitted token is distributed as ``p`` restricted to ``!= d``, renormalised — so the
+output distribution is exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .runner import ForwardItem, ModelRunner
+from .sequence import Sequence
+
+
+def num_accepted(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """``draft_tokens [R, K]``, ``target_tokens [R, K+1]`` -> accepted drafts ``[R]`` (0..K).
+
+    Longest prefix with ``d_k == t_{k-1}``, via a cumulative product (on the device, no loop).
+    """
+    match = (draft_tokens == target_tokens[:, :-1]).to(torch.int32)
+    return torch.cumprod(match, dim=1).sum(dim=1)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Engine-wide counters with vLLM's meaning; acceptance length = 1 + accepted / drafts."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.num_speculative_tokens
+        self.num_accepted_tokens += accepted
+        for k in range(accepted):
+            self.num_accepted_tokens_per_pos[k] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        n = max(self.num_drafts, 1)
+        return [c / n for c in self.num_accepted_tokens_per_pos]
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+class DFlashProposer:
+    """Runs the drafter: context K/V precompute, then one block forward for all requests.
+
+    The drafter's KV cache shares the target's slot index space (same block tables), so the
+    context K/V of position ``j`` lives at the slot of the target's KV of ``j``.
+    """
+
+    def __init__(self, drafter: torch.nn.Module, kv_cache: KVCache, runner: ModelRunner,
+                 num_speculative_tokens: int) -> None:
+        self.drafter = drafter
+        self.kv_cache = kv_cache
+        self.runner = runner
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
+        bs = self.kv_cache.block_size
+        pos = torch.arange(start, start + count)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def store_context(self, seqs: list[Sequence]) -> None:
+        """Write drafter context K/V for every request's pending target taps (all layers at once)."""
+        pending = [s for s in seqs if s.pending_context is not None and s.pending_context.shape[0]]
+        if not pending:
+            return
+        device = self.runner.device
+        features = torch.cat([s.pending_context for s in pending], dim=0)
+        positions = torch.cat([torch.arange(s.pending_start, s.pending_start + s.pending_context.shape[0])
+                               for s in pending])
+        slots = torch.cat([self.slots(s, s.pending_start, s.pending_context.shape[0]) for s in pending])
+        context = self.drafter.combine_hidden_states(features)
+        self.drafter.precompute_and_store_context_kv(
+            context, positions.to(device), slots.to(device), self.kv_cache.layers
+        )
+        for s in pending:
+            s.pending_context = None
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Draft tokens ``[R, K]`` int64 for the running requests (argmax of the shared lm_head)."""
+        self.store_context(seqs)
+        k = self.num_speculative_tokens
+        mask_id = self.drafter.mask_token_id
+        ids, items = [], []
+        for s in seqs:
+            p = s.num_tokens - 1  # position of the pending bonus token
+            ids += [s.last_token] + [mask_id] * k
+            items.append(ForwardItem(k + 1, p, p + k + 1, s.block_table))
+        hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal)[0]
+        hidden = hidden.view(len(seqs), k + 1, -1)[:, 1:]
+        logits = self.drafter.compute_logits(hidden.reshape(len(seqs) * k, -1))
+        return torch.argmax(logits, dim=-1).view(len(seqs), k)

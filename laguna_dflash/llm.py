@@ -1,0 +1,150 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .engine.engine import LLMEngine
+from .engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """Result of one prompt. ``logprobs``: per generated token ``{token_id: logprob}`` (the chosen
+    token plus the top-n); ``prompt_logprobs``: the same per prompt position (``None`` first)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM-style access (``out.outputs[0].text``); n=1, so the output itself."""
+        return [self]
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer via transformers' AutoTokenizer, or None if it has none."""
+    path = Path(path)
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        logger.warning("%s has a tokenizer but transformers is not installed; token ids only", path)
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class LLM:
+    """Offline batched generation with optional DFlash speculative decoding.
+
+    ``LLM(model=DIR, draft=None, dtype="float32", device="cpu", max_model_len=None,
+    num_speculative_tokens=None, **engine_options)``; engine options are the fields of
+    :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        draft: str | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        num_speculative_tokens: int | None = None,
+        **engine_options,
+    ) -> None:
+        speculative = None
+        if draft is not None:
+            speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens)
+        elif num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens was given without draft=; pass a DFlash drafter directory")
+        extra = {"trace": bool(engine_options.pop("trace", False))}
+        self.config = EngineConfig(model=str(model), dtype=dtype, device=device,
+                                   max_model_len=max_model_len, speculative=speculative,
+                                   extra=extra, **engine_options)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = load_tokenizer(model)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer; pass prompt_token_ids instead of text")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: str | list[str] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompt_token_ids: list[list[int]] | list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); one :class:`RequestOutput` each, in order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts= (text) or prompt_token_ids=")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        texts: list[str | None]
+        if prompts is not None:
+            texts = list(prompts)
+            token_lists = [self.encode(p) for p in prompts]
+        else:
+            token_lists = [list(t) for t in prompt_token_ids]
+            texts = [None] * len(token_lists)
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(token_lists)
+        if len(params_list) != len(token_lists):
+            raise ValueError(
+                f"got {len(params_list)} sampling_params for {len(token_lists)} prompts; pass one or one each"
+            )
+        seqs = [self.engine.add_request(ids, p, prompt=t)
+                for ids, p, t in zip(token_lists, params_list, texts)]
+        while self.engine.has_unfinished:
+            self.engine.step()
+        return [self._output(s) for s in seqs]
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        metrics = {}
+        if self.engine.proposer is not None:
+            drafts = s.num_drafts
+            metrics = {
+                "num_drafts": drafts,
+                "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),
+                "mean_acceptance_length": 1 + s.num_accepted_tokens / drafts if drafts else 0.0,
+            }
+            if s.trace:
+                metrics["trace"] = s.trace
+        return RequestOutput(
+            request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
+            token_ids=list(s.output_token_ids), text=self.decode(s.output_token_ids),
+            finish_reason=s.finish_reason, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+            metrics=metrics,
+        )
+
+    def get_metrics(self) -> dict:
+        """Engine-wide counters (spec decoding and timings)."""
+        t = self.engine.timings
+        out = {"prefill_s": t.prefill_s, "decode_s": t.decode_s,
+               "num_prefill_tokens": t.num_prefill_tokens, "num_decode_tokens": t.num_decode_tokens,
+               "num_steps": t.num_steps}
+        if self.engine.spec_stats is not None:
+            out.update(self.engine.spec_stats.as_dict())
+        return out

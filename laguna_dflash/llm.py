@@ -79,7 +79,7 @@ class LLM:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model} has no tokenizer; pass prompt_token_ids instead of text")
+            raise ValueError(f"{self.config.model} has no tokenizer; pass token ids instead of text (prompt_token_ids= or --prompt-ids)")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int]) -> str | None:

@@ -164,6 +164,23 @@ class LLMEngine:
     def _gens(self, seqs: list[Sequence]) -> list[torch.Generator]:
         return [s.generator or self.generator for s in seqs]
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Target logits ``[T, V]`` float32 for every position of one prompt (scoring/debugging).
+
+        Runs one prefill through the paged cache on temporarily borrowed blocks.
+        """
+        n = len(token_ids)
+        need = self.allocator.blocks_needed(n, 0)
+        if not self.allocator.can_allocate(need):
+            raise RuntimeError("no free KV blocks to score the prompt; wait for running requests")
+        blocks = self.allocator.allocate(need)
+        try:
+            hidden, _ = self.runner.forward(token_ids, [ForwardItem(n, 0, n, blocks)])
+            return self.target.compute_logits(hidden)
+        finally:
+            self.allocator.free(blocks)
+
     # ---- steps ---------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:

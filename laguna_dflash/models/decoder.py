@@ -180,15 +180,19 @@ class DecoderLM(nn.Module):
         return groups
 
 
-def attention_groups(attn: Attention, p: str) -> list[Group]:
-    """q/k/v split on disk (HF) or fused ``qkv_proj`` (Poolside drafter), plus o/g/norms/sinks."""
+def attention_groups(attn: Attention, p: str, fused_first: bool = False) -> list[Group]:
+    """q/k/v split on disk (HF) or fused ``qkv_proj`` (Poolside drafter), plus o/g/norms/sinks.
+
+    ``fused_first`` makes the fused spelling canonical (what the writer emits).
+    """
     q, kv = attn.q_size, attn.kv_size
     w = attn.qkv_proj.weight
-    groups: list[Group] = [[
+    qkv: Group = [
         [(p + "q_proj.weight", w[:q]), (p + "k_proj.weight", w[q : q + kv]),
          (p + "v_proj.weight", w[q + kv :])],
         [(p + "qkv_proj.weight", w)],
-    ]]
+    ]
+    groups: list[Group] = [qkv[::-1] if fused_first else qkv]
     if attn.qkv_proj.bias is not None:
         b = attn.qkv_proj.bias
         groups.append([

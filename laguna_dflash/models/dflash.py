@@ -150,6 +150,7 @@ class DFlashDraftModel(nn.Module):
     """DFlash drafter, Qwen3 flavour: ``context = hidden_norm(fc(taps))`` feeds every layer's K/V."""
 
     architecture = "DFlashDraftModel"
+    fused_qkv_on_disk = False  # z-lab checkpoints store q/k/v split
 
     def __init__(self, spec: DraftSpec, target: nn.Module | None = None) -> None:
         super().__init__()
@@ -226,7 +227,7 @@ class DFlashDraftModel(nn.Module):
                 [[(p + "input_layernorm.weight", layer.input_layernorm.weight)]],
                 [[(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)]],
             ]
-            groups += attention_groups(layer.self_attn, p + "self_attn.")
+            groups += attention_groups(layer.self_attn, p + "self_attn.", self.fused_qkv_on_disk)
             groups += mlp_groups(layer.mlp, p + "mlp.")
         return groups
 

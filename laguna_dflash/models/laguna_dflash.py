@@ -93,6 +93,7 @@ class DFlashLaguna(DFlashDraftModel):
     """Laguna flavour of the DFlash drafter."""
 
     architecture = "DFlashLagunaForCausalLM"
+    fused_qkv_on_disk = True  # Poolside checkpoints store the fused qkv_proj
 
     def __init__(self, spec: DraftSpec, target: nn.Module | None = None) -> None:
         super().__init__(spec, target)

@@ -1,0 +1,31 @@
+# make test  : bootstrap .venv (CPU torch, pinned test deps) and run lint + the test suite
+# make demo  : bootstrap .venv and run speculative decoding on a small Laguna + DFlash pair
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
+	touch $@
+
+.PHONY: install test lint demo clean
+install: $(VENV)/.installed
+
+lint: install
+	$(PY) -m ruff check laguna_dflash tests benchmarks
+
+test: lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m laguna_dflash.models.random_init .demo-pair
+	$(VENV)/bin/laguna-dflash generate --model .demo-pair/target --no-spec --prompt-ids 5,6,7,8,9 --max-new-tokens 48
+	$(VENV)/bin/laguna-dflash generate --model .demo-pair/target --draft .demo-pair/draft --prompt-ids 5,6,7,8,9 --max-new-tokens 48
+
+clean:
+	rm -rf $(VENV) .demo-pair .pytest_cache

@@ -1,0 +1,96 @@
+"""Random-weight checkpoints in the real on-disk formats (demo before training, smoke tests).
+
+``write_random_pair(dir)`` writes ``dir/target`` (a tiny Laguna MoE with sliding and full
+layers, gating, shared expert) and ``dir/draft`` (a Poolside-format Laguna DFlash drafter).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .laguna import LagunaForCausalLM
+from .laguna_dflash import DFlashLaguna
+from .writer import save_checkpoint
+
+
+def tiny_laguna_config(vocab_size: int = 512, num_layers: int = 4, hidden_size: int = 64) -> dict:
+    """A small config with every Laguna feature the releases use (SWA/full mix, YaRN, MoE)."""
+    layer_types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+    return {
+        "architectures": ["LagunaForCausalLM"], "model_type": "laguna",
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_attention_heads_per_layer": [4 if t == "full_attention" else 8 for t in layer_types],
+        "layer_types": layer_types, "sliding_window": 64, "gating": "per-head",
+        "mlp_layer_types": ["dense"] + ["sparse"] * (num_layers - 1),
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size,
+        "shared_expert_intermediate_size": hidden_size, "moe_routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 1.0},
+        },
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    }
+
+
+def tiny_laguna_draft_config(target_cfg: dict, num_layers: int = 2, block_size: int = 8,
+                             mask_token_id: int = 3) -> dict:
+    """A Poolside-format ``DFlashLagunaForCausalLM`` config for ``target_cfg``."""
+    depth = target_cfg["num_hidden_layers"]
+    taps = sorted({1 % depth, depth // 2, depth - 1})
+    hidden = target_cfg["hidden_size"]
+    return {
+        "architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna",
+        "hidden_size": hidden, "intermediate_size": 4 * hidden, "num_hidden_layers": num_layers,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+        "attention_bias": False, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "max_position_embeddings": target_cfg["max_position_embeddings"],
+        "sliding_window": target_cfg.get("sliding_window", 512),
+        "layer_types": ["sliding_attention"] * num_layers, "gating": "per-head", "num_experts": 0,
+        "vocab_size": target_cfg["vocab_size"], "draft_vocab_size": target_cfg["vocab_size"],
+        "eagle_aux_hidden_state_layer_ids": [t + 1 for t in taps],
+        "dflash_config": {"block_size": block_size, "mask_token_id": mask_token_id,
+                          "num_target_layers": depth, "target_layer_ids": taps, "causal": True},
+    }
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Scaled normal init: matrices ``N(0, 1/fan_in)``, norms ``1 + 0.1 N``, biases small."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        elif name.endswith("norm.weight") or ".aux_hidden_norms." in name:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.01 * torch.randn(p.shape, generator=g))
+
+
+def write_random_pair(directory: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """Write a random tiny Laguna target and Laguna DFlash drafter; returns (target, draft)."""
+    directory = Path(directory)
+    tcfg = tiny_laguna_config()
+    target = LagunaForCausalLM.from_config(tcfg)
+    randomize_(target, seed)
+    tdir = save_checkpoint(target, directory / "target", tcfg)
+    dcfg = tiny_laguna_draft_config(tcfg)
+    draft = DFlashLaguna.from_config(dcfg, {}, target)
+    randomize_(draft, seed + 1)
+    ddir = save_checkpoint(draft, directory / "draft", dcfg)
+    return tdir, ddir
+
+
+if __name__ == "__main__":
+    import sys
+
+    out = sys.argv[1] if len(sys.argv) > 1 else "random-pair"
+    t, d = write_random_pair(out)
+    print(f"wrote {t} and {d}")

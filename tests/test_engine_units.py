@@ -1,0 +1,112 @@
+"""CPU unit tests: block allocator, scheduler, sampler filters, acceptance, metadata masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laguna_dflash.config import EngineConfig, SamplingParams, SpeculativeConfig
+from laguna_dflash.engine.attention import AttentionMetadata
+from laguna_dflash.engine.kv_cache import BlockAllocator
+from laguna_dflash.engine.runner import ForwardItem, build_metadata
+from laguna_dflash.engine.sampler import filtered_probs, sample_rows
+from laguna_dflash.engine.scheduler import Scheduler
+from laguna_dflash.engine.sequence import Sequence, Status
+from laguna_dflash.engine.spec_decode import SpecDecodingStats, num_accepted
+
+
+def test_allocator_allocates_frees_and_counts():
+    a = BlockAllocator(4, 8)
+    assert a.blocks_needed(17, 0) == 3 and a.blocks_needed(16, 2) == 0
+    got = a.allocate(3)
+    assert len(set(got)) == 3 and a.num_free_blocks == 1
+    assert not a.can_allocate(2)
+    a.free(got)
+    assert a.num_free_blocks == 4
+
+
+def test_scheduler_preempts_newest_when_blocks_run_out():
+    alloc = BlockAllocator(4, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=64)
+    p = SamplingParams(max_tokens=100)
+    s1, s2 = Sequence(0, [1] * 6, p), Sequence(1, [1] * 6, p)
+    sched.add(s1)
+    sched.add(s2)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.sequences == [s1, s2]  # 2 blocks each (7 positions)
+    for s in (s1, s2):
+        s.num_computed = 6
+        s.output_token_ids += [1, 1, 1]  # 9 tokens: decode needs positions 0..8 -> 3 blocks
+    batch = sched.schedule()
+    assert not batch.is_prefill and batch.sequences == [s1]
+    assert s2.status == Status.WAITING and s2.block_table == [] and s2.num_preemptions == 1
+    assert alloc.num_free_blocks == 1
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = filtered_probs(logits, 1.0, top_k=2, top_p=1.0)
+    assert (p[0, 2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)[0]
+    p = filtered_probs(logits, 1.0, top_k=0, top_p=float(full[0]) + 1e-3)
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()  # the token crossing top_p is kept
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
+    logits = torch.randn(4, 50)
+    sp = SamplingParams(temperature=0.8, seed=1)
+    g1 = [torch.Generator().manual_seed(7) for _ in range(4)]
+    g2 = [torch.Generator().manual_seed(7) for _ in range(4)]
+    a = sample_rows(logits, [sp] * 4, g1)
+    b = sample_rows(logits, [sp] * 4, g2)
+    assert torch.equal(a, b)
+    greedy = sample_rows(logits, [SamplingParams(temperature=0)] * 4, [None] * 4)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_num_accepted_is_longest_matching_prefix():
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 2, 3], [4, 4, 4]])
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [0, 2, 3, 4], [4, 4, 4, 4]])
+    assert num_accepted(drafts, target).tolist() == [3, 1, 0, 3]
+
+
+def test_spec_stats_meaning():
+    st = SpecDecodingStats(3)
+    for a in (3, 1, 0):
+        st.observe(a)
+    assert st.num_drafts == 3 and st.num_draft_tokens == 9 and st.num_accepted_tokens == 4
+    assert st.num_accepted_tokens_per_pos == [2, 1, 1]
+    assert st.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+
+
+def test_metadata_masks_sliding_window_includes_current_token():
+    items = [ForwardItem(5, 0, 5, [0, 1]), ForwardItem(1, 7, 8, [2, 3])]
+    meta: AttentionMetadata = build_metadata(items, 4, 16, torch.device("cpu"))
+    m = meta.mask(3)[:, 0]
+    # request 0, query at position 4 sees keys 2, 3, 4 (window 3 incl. itself)
+    assert m[0, 4, :5].tolist() == [False, False, True, True, True]
+    # request 1, one query at position 7 sees 5, 6, 7 and nothing past its length
+    assert m[1, 0, :8].tolist() == [False] * 5 + [True] * 3
+    full = meta.mask(None)[:, 0]
+    assert full[1, 0, :8].all() and not full[0, 2, 3]
+    assert meta.slot_mapping.tolist() == [0, 1, 2, 3, 4, 15]  # pos 7 -> block 3 offset 3
+    bidir = build_metadata(items, 4, 16, torch.device("cpu"), is_causal=False).mask(None)[:, 0]
+    assert bidir[0, 0, :5].all()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k"),
+    ("max_tokens", 0, "max_tokens"), ("logprobs", -1, "logprobs"),
+])
+def test_sampling_params_errors_name_the_field(field, value, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**{field: value})
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model="x", dtype="int8")
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(model="x", device="tpu")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(draft="d", num_speculative_tokens=0)

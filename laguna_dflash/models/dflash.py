@@ -53,6 +53,7 @@ class DraftSpec:
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     qkv_bias: bool = False
+    input_embedding_scale: float = 1.0
 
 
 def dflash_value(cfg: dict, name: str, default=None):
@@ -143,6 +144,7 @@ def qwen3_draft_spec(cfg: dict, target: nn.Module | None, arch: str = "DFlashDra
         target_layer_ids=tuple(int(t) for t in taps), block_size=int(dflash_value(cfg, "block_size", 16)),
         mask_token_id=int(mask_id), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
+        input_embedding_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
     )
 
 
@@ -337,6 +339,8 @@ class DFlashDraftModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_weight)
+        if self.spec.input_embedding_scale != 1.0:
+            h = h * self.spec.input_embedding_scale
         if self.mask_embedding is not None:
             is_mask = (input_ids == self.mask_token_id).unsqueeze(-1)
             h = torch.where(is_mask, self.mask_embedding.to(h.dtype), h)

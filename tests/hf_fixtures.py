@@ -12,20 +12,25 @@ What ``save_pretrained`` writes for Laguna (transformers 5.17.0)
 In memory, ``LagunaForCausalLM`` holds fused expert tensors, but ``save_pretrained``
 reverses the ``conversion_mapping["laguna"]`` renames and writes the real on-disk
 Laguna names: experts one by one, the score bias under ``mlp.experts.`` and a
-singular ``shared_expert``.  For a sparse layer ``l`` with ``E`` experts:
+singular ``shared_expert``.  For a sparse layer with ``E`` experts of width ``I``
+(shared expert width ``Is``).  On disk (``save_pretrained``; style ``"per_expert"``)::
 
-====================================================  ===============  =========================================
-on disk (``save_pretrained``, style ``"per_expert"``) shape            in memory (style ``"fused"``)
-====================================================  ===============  =========================================
-``model.layers.1.mlp.experts.3.gate_proj.weight``     ``[I, H]``       ``model.layers.1.mlp.experts.gate_up_proj``
-``model.layers.1.mlp.experts.3.up_proj.weight``       ``[I, H]``         ``[E, 2I, H]``, rows ``[:I]`` gate, ``[I:]`` up
-``model.layers.1.mlp.experts.3.down_proj.weight``     ``[H, I]``       ``model.layers.1.mlp.experts.down_proj [E, H, I]``
-``model.layers.1.mlp.experts.e_score_correction_bias`` ``[E]``          ``model.layers.1.mlp.gate.e_score_correction_bias``
-``model.layers.1.mlp.gate.weight``  (router)          ``[E, H]``       (same name)
-``model.layers.1.mlp.shared_expert.gate_proj.weight`` ``[Is, H]``      ``model.layers.1.mlp.shared_experts.gate_proj.weight``
-``model.layers.1.mlp.shared_expert.up_proj.weight``   ``[Is, H]``      ``model.layers.1.mlp.shared_experts.up_proj.weight``
-``model.layers.1.mlp.shared_expert.down_proj.weight`` ``[H, Is]``      ``model.layers.1.mlp.shared_experts.down_proj.weight``
-====================================================  ===============  =========================================
+    model.layers.1.mlp.experts.3.gate_proj.weight          [I, H]
+    model.layers.1.mlp.experts.3.up_proj.weight            [I, H]
+    model.layers.1.mlp.experts.3.down_proj.weight          [H, I]
+    model.layers.1.mlp.experts.e_score_correction_bias     [E]
+    model.layers.1.mlp.gate.weight                         [E, H]   (router)
+    model.layers.1.mlp.shared_expert.gate_proj.weight      [Is, H]
+    model.layers.1.mlp.shared_expert.up_proj.weight        [Is, H]
+    model.layers.1.mlp.shared_expert.down_proj.weight      [H, Is]
+
+In memory (transformers' parameter names; style ``"fused"``)::
+
+    model.layers.1.mlp.experts.gate_up_proj                [E, 2I, H]  rows [:I] gate, [I:] up
+    model.layers.1.mlp.experts.down_proj                   [E, H, I]
+    model.layers.1.mlp.gate.e_score_correction_bias        [E]
+    model.layers.1.mlp.gate.weight                         [E, H]
+    model.layers.1.mlp.shared_experts.{gate,up,down}_proj.weight  (plural "experts")
 
 Names that are the same in both styles::
 
@@ -47,7 +52,10 @@ Names that are the same in both styles::
                                                            sliding layers only; transformers ignores it)
 
 All tensors are float32 and the safetensors metadata is ``{"format": "pt"}``.
-``transformers`` loads either style (see ``test_fused_style_loads_in_transformers``).
+``transformers`` loads either style (see ``test_fused_style_loads_in_transformers``), but
+not bit-identically: fused tensors are used straight from the unaligned safetensors mmap,
+per-expert ones are stacked into fresh aligned memory, and CPU matmul kernels round by
+alignment (~7e-7 on the logits).  Compare across load paths with a tolerance.
 
 Behaviour of transformers 5.17 worth knowing (checked in ``test_hf_fixtures.py``)
 ----------------------------------------------------------------------------------
@@ -60,11 +68,13 @@ Behaviour of transformers 5.17 worth knowing (checked in ``test_hf_fixtures.py``
 * YaRN: an explicit ``attention_factor`` is used as-is to scale cos/sin of the rotated channels
   (no ``0.1*ln(s)+1`` on top); when absent it defaults to ``0.1*ln(factor)+1``.  ``truncate`` is
   read from the TOP level of ``rope_parameters`` (the nested dict), so a per-layer-type
-  ``truncate`` is ignored and truncation is always on for Laguna.
+  ``truncate`` is ignored (and a top-level one crashes): truncation is always on for Laguna.
 * Experts: transformers' default ``experts_implementation`` is ``"grouped_mm"`` when available;
   the runners here force ``"eager"`` (and ``attn_implementation="eager"``).
 * ``LagunaConfig`` accepts unknown keys (``moe_router_score_func``, ``swa_attention_sink_enabled``)
   and writes them to config.json, but the model ignores them silently.
+* Threads: on this shared 2-core box, multi-threaded torch next to another busy process was
+  ~18x slower on these tiny models; the builders and runners use one thread (``single_thread``).
 * Qwen3: ``sliding_window`` is forced to ``None`` unless ``use_sliding_window=True``; with it,
   ``layer_types`` selects which layers slide.
 """
@@ -104,6 +114,7 @@ __all__ = [
     "rewrite_config_legacy_mlp",
     "save_checkpoint_tensors",
     "shard_checkpoint",
+    "single_thread",
 ]
 
 # --------------------------------------------------------------------------------------
@@ -159,7 +170,11 @@ _YARN_DEFAULT_FACTOR = {
     "partial_rotary_factor": 0.5,
 }
 _DEFAULT_SLIDING = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
-_DEFAULT_FULL_PARTIAL = {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5}
+_DEFAULT_FULL_PARTIAL = {
+    "rope_type": "default",
+    "rope_theta": 500000.0,
+    "partial_rotary_factor": 0.5,
+}
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
@@ -293,7 +308,7 @@ QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 #: A fixed prompt used to check that a random model is not degenerate.
-_PROBE_IDS = [3, 17, 101, 42, 250, 7, 99, 5, 380, 64, 128, 33, 12, 200, 150, 9, 77, 301, 11, 90, 45, 260, 8, 140]
+_PROBE_IDS = [(37 * i + 3) % 383 + 1 for i in range(24)]
 
 # --------------------------------------------------------------------------------------
 # safetensors I/O
@@ -385,7 +400,9 @@ def save_checkpoint_tensors(
     (directory / _INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def shard_checkpoint(directory: str | Path, num_shards: int, interleave: bool = False) -> list[Path]:
+def shard_checkpoint(
+    directory: str | Path, num_shards: int, interleave: bool = False
+) -> list[Path]:
     """Rewrite the checkpoint in ``directory`` as ``num_shards`` HF shards plus the index json.
 
     Works on a single-file or an already-sharded checkpoint; returns the shard paths.
@@ -420,7 +437,9 @@ def _to_fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for prefix, by_expert in experts.items():
         count = len(by_expert)
         if sorted(by_expert) != list(range(count)):
-            raise ValueError(f"{prefix}: expert indices are not 0..{count - 1}: {sorted(by_expert)}")
+            raise ValueError(
+                f"{prefix}: expert indices are not 0..{count - 1}: {sorted(by_expert)}"
+            )
         gate_up, down = [], []
         for e in range(count):
             parts = by_expert[e]
@@ -522,7 +541,9 @@ def _check_not_degenerate(model: torch.nn.Module) -> None:
     spread = logits.std(dim=-1).min().item()
     distinct = len(set(logits.argmax(-1).tolist()))
     if not torch.isfinite(logits).all() or spread < 0.5 or distinct < 3:
-        raise AssertionError(f"degenerate fixture: min logit std {spread:.3f}, {distinct} distinct argmax")
+        raise AssertionError(
+            f"degenerate fixture: min logit std {spread:.3f}, {distinct} distinct argmax"
+        )
 
 
 def _laguna_classes() -> tuple[type, type]:
@@ -553,17 +574,20 @@ def make_laguna_checkpoint(
     return _build_laguna(Path(directory), copy.deepcopy(LAGUNA_CONFIGS[name]), seed, sink_value)
 
 
-def _build_laguna(directory: Path, kwargs: dict[str, Any], seed: int, sink_value: float | None) -> Path:
+def _build_laguna(
+    directory: Path, kwargs: dict[str, Any], seed: int, sink_value: float | None
+) -> Path:
     """Build, randomise, check and save a Laguna model from LagunaConfig ``kwargs``."""
     directory.mkdir(parents=True, exist_ok=True)
     config_cls, model_cls = _laguna_classes()
     config = config_cls(**kwargs)
     config.architectures = ["LagunaForCausalLM"]
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    _randomise_parameters(model, seed)
-    _check_not_degenerate(model)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    with single_thread():
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32).eval()
+        _randomise_parameters(model, seed)
+        _check_not_degenerate(model)
+        model.save_pretrained(str(directory), safe_serialization=True)
     if getattr(config, "swa_attention_sink_enabled", False):
         _add_sinks(directory, config, seed, sink_value)
     return directory
@@ -621,11 +645,12 @@ def make_qwen3_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     config = Qwen3Config(**{**copy.deepcopy(QWEN3_CONFIGS[variant]), **overrides})
     config.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    _randomise_parameters(model, seed)
-    _check_not_degenerate(model)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    with single_thread():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+        _randomise_parameters(model, seed)
+        _check_not_degenerate(model)
+        model.save_pretrained(str(directory), safe_serialization=True)
     return directory
 
 
@@ -644,7 +669,9 @@ def _write_config(directory: Path, config: dict[str, Any]) -> None:
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def rewrite_config_flat_rope(directory: str | Path, top_level_rope_theta: bool = True) -> dict[str, Any]:
+def rewrite_config_flat_rope(
+    directory: str | Path, top_level_rope_theta: bool = True
+) -> dict[str, Any]:
     """Convert nested ``rope_parameters`` into the older flat form, in place; return the config.
 
     ``rope_parameters`` becomes the full-attention dict, ``swa_rope_parameters`` the
@@ -777,6 +804,37 @@ def _sqrtsoftplus_router_forward(
 
 
 @contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch CPU ops on one intra-op thread inside the block, then restore the count.
+
+    The tiny fixture models are faster on one thread, and on a shared 2-core machine
+    multi-threaded torch next to another busy process is 10-20x slower (spinning threads).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _quiet_transformers(enabled: bool = True) -> Iterator[None]:
+    """Temporarily raise transformers' log level to ERROR (hides expected load reports)."""
+    from transformers.utils import logging as hf_logging
+
+    if not enabled:
+        yield
+        return
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+@contextlib.contextmanager
 def hf_reference_model(
     directory: str | Path,
     sinks: bool | None = None,
@@ -784,7 +842,8 @@ def hf_reference_model(
 ) -> Iterator[Any]:
     """Load the checkpoint in ``directory`` with transformers as the reference model.
 
-    Eager attention, eager experts, ``dtype`` weights, eval mode.  Laguna extras that
+    Eager attention, eager experts, ``dtype`` weights, eval mode, one torch thread inside
+    the block (see ``single_thread``).  Laguna extras that
     transformers ignores are patched into THIS model instance only, for the duration of the
     context: ``moe_router_score_func: "sqrtsoftplus"`` in config.json replaces each router's
     forward; sinks (``sinks=None`` follows ``swa_attention_sink_enabled`` in config.json) load
@@ -800,11 +859,13 @@ def hf_reference_model(
     if score_func not in ("sigmoid", "sqrtsoftplus"):
         raise NotImplementedError(f"moe_router_score_func={score_func!r}")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(single_thread())
         attn_impl = stack.enter_context(_registered_sink_attention()) if use_sinks else "eager"
         kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_impl}
         if config.get("num_experts"):
             kwargs["experts_implementation"] = "eager"
-        model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
+        with _quiet_transformers(use_sinks):  # the sink tensors are "unexpected" to transformers
+            model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
         if use_sinks:
             tensors = load_checkpoint_tensors(directory)
             found = 0
@@ -814,7 +875,9 @@ def hf_reference_model(
                 attn = model.model.layers[layer].self_attn
                 sink = tensors.get(f"model.layers.{layer}.self_attn.sink")
                 if sink is None:
-                    raise KeyError(f"sinks requested but model.layers.{layer}.self_attn.sink is missing")
+                    raise KeyError(
+                        f"sinks requested but model.layers.{layer}.self_attn.sink is missing"
+                    )
                 assert sink.shape == (attn.num_heads,), (sink.shape, attn.num_heads)
                 attn.fixture_sink = sink.to(dtype)
                 found += 1
@@ -911,7 +974,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_CORPUS_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "colorsys.py")
+_CORPUS_MODULES = (
+    "textwrap.py",
+    "string.py",
+    "heapq.py",
+    "bisect.py",
+    "fnmatch.py",
+    "shlex.py",
+    "colorsys.py",
+)
 _CORPUS_PROSE = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a block of tokens "
     "with a small model and verifies them with the large one in a single forward pass. "
@@ -965,7 +1036,9 @@ def make_tokenizer(directory: str | Path, vocab_size: int, update_model_config: 
         tokenizer.add_special_tokens([f"<|reserved_{filler}|>"])
         filler += 1
     if tokenizer.get_vocab_size() != vocab_size:
-        raise AssertionError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}")
+        raise AssertionError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}"
+        )
     ids = {token: tokenizer.token_to_id(token) for token in TOKENIZER_SPECIAL_TOKENS}
     assert list(ids.values()) == list(range(len(TOKENIZER_SPECIAL_TOKENS))), ids
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -985,7 +1058,11 @@ def make_tokenizer(directory: str | Path, vocab_size: int, update_model_config: 
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
     eos_ids = [ids["<|eos|>"], ids["<|end|>"]]
-    special = {"bos_token_id": ids["<|bos|>"], "eos_token_id": eos_ids, "pad_token_id": ids["<|pad|>"]}
+    special = {
+        "bos_token_id": ids["<|bos|>"],
+        "eos_token_id": eos_ids,
+        "pad_token_id": ids["<|pad|>"],
+    }
     generation_path = directory / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
     generation.update(special)
@@ -993,7 +1070,9 @@ def make_tokenizer(directory: str | Path, vocab_size: int, update_model_config: 
     if update_model_config and (directory / "config.json").exists():
         config = _read_config(directory)
         if config.get("vocab_size") not in (None, vocab_size):
-            raise ValueError(f"config.json vocab_size {config['vocab_size']} != tokenizer {vocab_size}")
+            raise ValueError(
+                f"config.json vocab_size {config['vocab_size']} != tokenizer {vocab_size}"
+            )
         config.update(special)
         _write_config(directory, config)
     return ids["<|eos|>"]

@@ -110,3 +110,17 @@ def test_config_errors():
         EngineConfig(model="x", device="tpu")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(draft="d", num_speculative_tokens=0)
+
+
+def test_moe_gather_path_equals_grouped_loop():
+    from laguna_dflash.models.layers import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(16, 6, 2, 8, 8, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(5, 16)
+    weights, ids = moe.route(x)
+    torch.testing.assert_close(moe.experts_forward_gather(x, weights, ids),
+                               moe.experts_forward(x, weights, ids), rtol=1e-5, atol=1e-6)

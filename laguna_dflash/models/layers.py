@@ -203,13 +203,33 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    # Below this many (token, expert) pairs the sync-free gather path runs (decode / verify).
+    max_gather_pairs = 32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        routed = self.experts_forward(x, weights, ids)
+        if ids.numel() <= self.max_gather_pairs:
+            routed = self.experts_forward_gather(x, weights, ids)
+        else:
+            routed = self.experts_forward(x, weights, ids)
         out = routed * self.routed_scaling_factor
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out
+
+    def experts_forward_gather(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Sync-free path for few tokens: gather each pair's expert weights and batch-matmul.
+
+        ``[T, H]``; reads ``T*k`` expert matrices, so it is only used for small ``T*k``.
+        """
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        gate, up = torch.bmm(self.experts_gate_up[flat], h).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(self.experts_down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def experts_forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

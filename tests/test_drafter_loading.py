@@ -1,0 +1,139 @@
+"""Drafter checkpoints: both formats load; config errors name the field; spec CLI flags work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.cli import main
+from laguna_dflash.models.loader import CheckpointError, load_model
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    import dflash_fixtures as df
+
+    root = tmp_path_factory.mktemp("drafters")
+    target = df.make_tiny_laguna_target(root / "target", seed=2)
+    return {
+        "target": target,
+        "poolside": df.make_poolside_laguna_drafter(root / "poolside", target, seed=4, block_size=4),
+        "zlab": df.make_zlab_drafter(root / "zlab", target, seed=4, num_layers=2, block_size=4,
+                                     block_size_top_level=True),
+    }
+
+
+def _copy_with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "dflash_config":
+            cfg["dflash_config"].update(value)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_formats_and_top_level_fallbacks(ckpts):
+    target = load_model(ckpts["target"])
+    pool = load_model(ckpts["poolside"], target=target)
+    zlab = load_model(ckpts["zlab"], target=target)
+    assert type(pool).__name__ == "DFlashLaguna" and pool.is_causal and pool.block_size == 4
+    assert type(zlab).__name__ == "DFlashDraftModel" and not zlab.is_causal
+    assert zlab.block_size == 4  # read from the top level (z-lab's published placement)
+    assert pool.layers[0].self_attn.gating == "per-head"
+    assert pool.layers[0].self_attn.sliding_window is not None  # compute-time window
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types must be uniform"),
+    ({"draft_vocab_size": 1000}, "draft_vocab_size=1000"),
+    ({"dflash_config": {"target_layer_ids": []}}, "target_layer_ids is empty"),
+    ({"dflash_config": {"target_layer_ids": [1, 9]}}, r"target_layer_ids \[9\]"),
+    ({"dflash_config": {"mask_token_id": None}}, "mask_token_id"),
+    ({"dflash_config": {"mask_token_id": 5000}}, "outside the target vocabulary"),
+    ({"num_experts": 4}, "num_experts must be 0"),
+])
+def test_laguna_drafter_config_errors(ckpts, tmp_path, changes, needle):
+    bad = _copy_with_config(ckpts["poolside"], tmp_path / "bad", **changes)
+    target = load_model(ckpts["target"])
+    with pytest.raises(ValueError, match=needle):
+        load_model(bad, target=target)
+
+
+def test_fc_width_mismatch_names_tensor(ckpts, tmp_path):
+    bad = _copy_with_config(ckpts["zlab"], tmp_path / "bad", dflash_config={"target_layer_ids": [1]})
+    target = load_model(ckpts["target"])
+    with pytest.raises(CheckpointError, match=r"fc.weight .*shape"):
+        load_model(bad, target=target)
+
+
+def test_missing_and_unexpected_drafter_tensors(ckpts, tmp_path):
+    target = load_model(ckpts["target"])
+    for mode in ("missing", "unexpected"):
+        bad = tmp_path / mode
+        shutil.copytree(ckpts["poolside"], bad)
+        tensors = load_file(bad / "model.safetensors")
+        if mode == "missing":
+            del tensors["aux_hidden_norms.1.weight"]
+        else:
+            tensors["layers.0.self_attn.extra.weight"] = torch.zeros(2)
+        save_file(tensors, bad / "model.safetensors")
+        needle = "aux_hidden_norms.1.weight" if mode == "missing" else "layers.0.self_attn.extra.weight"
+        with pytest.raises(CheckpointError, match=needle):
+            load_model(bad, target=target)
+
+
+def test_mask_embedding_file_replaces_mask_rows(ckpts, tmp_path):
+    d = tmp_path / "with_mask"
+    shutil.copytree(ckpts["zlab"], d)
+    hidden = json.loads((d / "config.json").read_text())["hidden_size"]
+    emb = torch.randn(hidden)
+    torch.save(emb, d / "mask_embedding.pt")
+    target = load_model(ckpts["target"])
+    drafter = load_model(d, target=target)
+    ids = torch.tensor([1, drafter.mask_token_id, 2])
+    h = drafter.embed(ids)
+    torch.testing.assert_close(h[1], emb)
+    torch.testing.assert_close(h[0], target.embed_tokens.weight[1])
+
+
+def test_draft_passed_as_model_and_target_as_draft_are_errors(ckpts):
+    with pytest.raises(ValueError, match="pass it as draft="):
+        LLM(ckpts["poolside"])
+    with pytest.raises(ValueError, match="not a DFlash drafter"):
+        LLM(ckpts["target"], draft=ckpts["target"])
+
+
+def test_cli_spec_json_counters_and_trace(ckpts, capsys):
+    args = ["generate", "--model", str(ckpts["target"]), "--prompt-ids", "4,8,15,16,23,42",
+            "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    assert main(args + ["--no-spec", "--draft", str(ckpts["poolside"])]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert "num_drafts" not in base
+    assert main(args + ["--draft", str(ckpts["poolside"]), "--num-speculative-tokens", "2", "--trace"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == base["token_ids"]
+    assert spec["num_draft_tokens"] == 2 * spec["num_drafts"] and len(spec["trace"]) == spec["num_drafts"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    step = spec["trace"][0]
+    assert step["anchor_position"] == 6 and len(step["draft_tokens"]) == 2
+    assert 0 <= step["num_accepted"] <= 2
+    assert main(["generate", "--model", str(ckpts["target"]), "--prompt-ids", "1",
+                 "--num-speculative-tokens", "3"]) == 2
+    assert "needs --draft" in capsys.readouterr().err
+
+
+def test_smaller_k_than_block_and_llm_api(ckpts):
+    llm = LLM(ckpts["target"], draft=ckpts["poolside"], num_speculative_tokens=1)
+    assert llm.engine.num_speculative_tokens == 1
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0, max_tokens=5))
+    assert out[0].metrics["num_draft_tokens"] == out[0].metrics["num_drafts"]
+    with pytest.raises(ValueError, match="without draft"):
+        LLM(ckpts["target"], num_speculative_tokens=2)

@@ -1,0 +1,109 @@
+"""Context-K/V precompute: fused (one GEMM, grouped K-norm, one RoPE) vs the per-layer loop.
+
+Builds DFlash drafters with random weights at real shapes (Laguna-XS-2.1-DFlash: 5 layers,
+hidden 2048, 64 heads, 8 KV heads, head_dim 128; and the same shapes for the Qwen3 flavour),
+checks the two paths agree, and times both in the same run for several context-row counts
+(decode steps commit a+1 <= 16 rows; a prefill commits the whole prompt). Prints a table.
+
+    python benchmarks/bench_context_kv.py --device cpu --dtype float32
+    python benchmarks/bench_context_kv.py --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from laguna_dflash.config import resolve_dtype
+from laguna_dflash.models.dflash import DFlashDraftModel, qwen3_draft_spec
+from laguna_dflash.models.laguna_dflash import DFlashLaguna, laguna_draft_spec
+from laguna_dflash.models.random_init import randomize_
+
+
+def xs_draft_config(num_layers: int) -> dict:
+    return {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": num_layers,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0, "max_position_embeddings": 262144, "sliding_window": 512,
+        "layer_types": ["sliding_attention"] * num_layers, "gating": "per-head", "num_experts": 0,
+        "vocab_size": 100352, "draft_vocab_size": 100352,
+        "dflash_config": {"block_size": 16, "mask_token_id": 12, "num_target_layers": 40,
+                          "target_layer_ids": [1, 13, 25, 33, 39], "causal": True},
+    }
+
+
+def build(flavour: str, num_layers: int, device: torch.device, dtype: torch.dtype):
+    cfg = xs_draft_config(num_layers)
+    if flavour == "laguna":
+        model = DFlashLaguna(laguna_draft_spec(cfg, {}, None))
+    else:
+        model = DFlashDraftModel(qwen3_draft_spec(cfg, None))
+    randomize_(model, seed=0)
+    model = model.to(device=device, dtype=dtype).eval()
+    model._build_context_kv_buffers()
+    model.prepare_rope(8192, device)
+    return model
+
+
+def caches(model, num_slots: int, device, dtype):
+    return [(torch.zeros(num_slots, model.num_kv_heads, model.head_dim, device=device, dtype=dtype),
+             torch.zeros(num_slots, model.num_kv_heads, model.head_dim, device=device, dtype=dtype))
+            for _ in model.layers]
+
+
+def per_layer(model, context, positions, slots, kv):
+    for (k, v), (kc, vc) in zip(model.reference_context_kv(context, positions), kv):
+        kc.index_copy_(0, slots, k.to(kc.dtype))
+        vc.index_copy_(0, slots, v.to(vc.dtype))
+
+
+def timeit(fn, device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--rows", default="1,4,16,64,512")
+    ap.add_argument("--iters", type=int, default=0, help="0 = auto (more on GPU)")
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), resolve_dtype(args.dtype)
+    iters = args.iters or (200 if device.type == "cuda" else 20)
+    print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"dtype={dtype}, drafter layers={args.layers}, torch {torch.__version__}")
+    print(f"{'flavour':8} {'rows':>5} {'per-layer us':>13} {'fused us':>10} {'speedup':>8} {'max|diff|':>10}")
+    for flavour in ("laguna", "qwen3"):
+        model = build(flavour, args.layers, device, dtype)
+        for n in (int(r) for r in args.rows.split(",")):
+            g = torch.Generator(device="cpu").manual_seed(n)
+            context = torch.randn(n, 2048, generator=g).to(device=device, dtype=dtype)
+            positions = torch.randint(0, 4096, (n,), generator=g).to(device)
+            slots = torch.randperm(4096, generator=g)[:n].to(device)
+            kv_ref, kv_fused = caches(model, 4096, device, dtype), caches(model, 4096, device, dtype)
+            per_layer(model, context, positions, slots, kv_ref)
+            model.precompute_and_store_context_kv(context, positions, slots, kv_fused)
+            diff = max((a[slots] - b[slots]).abs().max().item()
+                       for ref, fused in zip(kv_ref, kv_fused) for a, b in zip(ref, fused))
+            t_ref = timeit(lambda: per_layer(model, context, positions, slots, kv_ref), device, iters)
+            t_fused = timeit(lambda: model.precompute_and_store_context_kv(
+                context, positions, slots, kv_fused), device, iters)
+            print(f"{flavour:8} {n:5d} {t_ref * 1e6:13.1f} {t_fused * 1e6:10.1f} "
+                  f"{t_ref / t_fused:7.2f}x {diff:10.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -98,9 +98,11 @@ def main() -> None:
             model.precompute_and_store_context_kv(context, positions, slots, kv_fused)
             diff = max((a[slots] - b[slots]).abs().max().item()
                        for ref, fused in zip(kv_ref, kv_fused) for a, b in zip(ref, fused))
-            t_ref = timeit(lambda: per_layer(model, context, positions, slots, kv_ref), device, iters)
-            t_fused = timeit(lambda: model.precompute_and_store_context_kv(
-                context, positions, slots, kv_fused), device, iters)
+            args_ref = (model, context, positions, slots, kv_ref)
+            t_ref = timeit(lambda a=args_ref: per_layer(*a), device, iters)
+            args_fused = (context, positions, slots, kv_fused)
+            t_fused = timeit(lambda m=model, a=args_fused: m.precompute_and_store_context_kv(*a),
+                             device, iters)
             print(f"{flavour:8} {n:5d} {t_ref * 1e6:13.1f} {t_fused * 1e6:10.1f} "
                   f"{t_ref / t_fused:7.2f}x {diff:10.2e}")
 

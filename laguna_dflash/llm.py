@@ -113,8 +113,14 @@ class LLM:
             raise ValueError(
                 f"got {len(params_list)} sampling_params for {len(token_lists)} prompts; pass one or one each"
             )
-        seqs = [self.engine.add_request(ids, p, prompt=t)
-                for ids, p, t in zip(token_lists, params_list, texts)]
+        seqs = []
+        try:
+            for ids, p, t in zip(token_lists, params_list, texts):
+                seqs.append(self.engine.add_request(ids, p, prompt=t))
+        except Exception:
+            for s in seqs:  # a rejected batch leaves nothing behind
+                self.engine.abort(s)
+            raise
         while self.engine.has_unfinished:
             self.engine.step()
         return [self._output(s) for s in seqs]

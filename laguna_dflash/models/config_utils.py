@@ -26,6 +26,33 @@ class ConfigReader:
             )
         return int(value)
 
+    def float(self, key: str, default: Any = ...) -> float:
+        value = self.cfg.get(key, default)
+        if value is ... or value is None:
+            if default is ...:
+                raise ValueError(f"config.json for {self.architecture} lacks required field {key!r}; add it")
+            value = default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config.json field {key!r} must be a number, got {value!r} ({type(value).__name__})")
+        return float(value)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        value = self.cfg.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ValueError(f"config.json field {key!r} must be true or false, got {value!r} ({type(value).__name__})")
+        return value
+
+    def positive_int(self, key: str, default: Any = ...) -> int:
+        value = self.int(key, default)
+        if value <= 0:
+            raise ValueError(f"config.json field {key!r} must be > 0, got {value}")
+        return value
+
+    def optional_int(self, key: str) -> int | None:
+        return None if self.cfg.get(key) is None else self.positive_int(key)
+
     def check_len(self, key: str, values: list, expected: int) -> None:
         if not isinstance(values, list) or len(values) != expected:
             raise ValueError(

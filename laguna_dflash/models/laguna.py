@@ -51,7 +51,7 @@ def resolve_layer_rope(cfg: dict, layer_type: str) -> dict:
 
 def resolve_moe_layers(cfg: dict, num_layers: int) -> list[bool]:
     """Which layers are MoE: ``mlp_layer_types`` (HF v5) or ``mlp_only_layers``/``decoder_sparse_step``."""
-    num_experts = cfg.get("num_experts", 0) or 0
+    num_experts = ConfigReader(cfg, "LagunaForCausalLM").int("num_experts", 0)
     if cfg.get("mlp_layer_types") is not None:
         kinds = cfg["mlp_layer_types"]
         if len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
@@ -62,7 +62,7 @@ def resolve_moe_layers(cfg: dict, num_layers: int) -> list[bool]:
         return [k == "sparse" and num_experts > 0 for k in kinds]
     if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:
         dense = set(cfg.get("mlp_only_layers") or [])
-        step = cfg.get("decoder_sparse_step", 1) or 1
+        step = ConfigReader(cfg, "LagunaForCausalLM").positive_int("decoder_sparse_step", 1)
         return [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
     return [i > 0 and num_experts > 0 for i in range(num_layers)]
 
@@ -94,18 +94,18 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
     """Resolve a Laguna ``config.json`` dict (plus on-disk tensor shapes) into a :class:`ModelSpec`."""
     r = ConfigReader(cfg, "LagunaForCausalLM")
     shapes = shapes or {}
-    num_layers = r.int("num_hidden_layers")
-    hidden = r.int("hidden_size")
-    num_heads = r.int("num_attention_heads")
-    head_dim = r.int("head_dim", hidden // num_heads)
-    max_pos = r.int("max_position_embeddings", 131072)
+    num_layers = r.positive_int("num_hidden_layers")
+    hidden = r.positive_int("hidden_size")
+    num_heads = r.positive_int("num_attention_heads")
+    head_dim = r.positive_int("head_dim", hidden // num_heads)
+    max_pos = r.positive_int("max_position_embeddings", 131072)
     heads = cfg.get("num_attention_heads_per_layer") or [num_heads] * num_layers
     layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
     r.check_len("num_attention_heads_per_layer", heads, num_layers)
     r.check_len("layer_types", layer_types, num_layers)
     is_moe = resolve_moe_layers(cfg, num_layers)
-    sinks = bool(cfg.get("swa_attention_sink_enabled", False))
-    window = cfg.get("sliding_window")
+    sinks = r.bool("swa_attention_sink_enabled")
+    window = r.optional_int("sliding_window")
     layers = []
     for i in range(num_layers):
         lt = layer_types[i]
@@ -130,24 +130,24 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
             top_k=r.int("num_experts_per_tok"),
             moe_intermediate_size=r.int("moe_intermediate_size"),
             shared_intermediate_size=r.int("shared_expert_intermediate_size", 0),
-            routed_scaling_factor=float(cfg.get("moe_routed_scaling_factor", 1.0)),
-            logit_softcapping=float(cfg.get("moe_router_logit_softcapping", 0.0) or 0.0),
+            routed_scaling_factor=r.float("moe_routed_scaling_factor", 1.0),
+            logit_softcapping=r.float("moe_router_logit_softcapping", 0.0),
             score_func=cfg.get("moe_router_score_func", "sigmoid"),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            norm_topk_prob=r.bool("norm_topk_prob", True),
         )
-        if cfg.get("moe_apply_router_weight_on_input"):
+        if r.bool("moe_apply_router_weight_on_input"):
             raise ValueError("moe_apply_router_weight_on_input=true is not supported (no release uses it)")
     return ModelSpec(
-        vocab_size=r.int("vocab_size"),
+        vocab_size=r.positive_int("vocab_size"),
         hidden_size=hidden,
-        num_kv_heads=r.int("num_key_value_heads", num_heads),
+        num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
         head_dim=head_dim,
-        intermediate_size=r.int("intermediate_size"),
+        intermediate_size=r.positive_int("intermediate_size"),
         layers=tuple(layers),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))),
-        o_bias=bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        qkv_bias=r.bool("qkv_bias", r.bool("attention_bias")),
+        o_bias=r.bool("attention_bias"),
+        tie_word_embeddings=r.bool("tie_word_embeddings"),
         max_position_embeddings=max_pos,
         moe=moe,
         eos_token_ids=eos_ids(cfg),

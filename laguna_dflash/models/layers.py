@@ -208,6 +208,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.training:
+            self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
         if ids.numel() <= self.max_gather_pairs:
             routed = self.experts_forward_gather(x, weights, ids)
         else:
@@ -254,7 +256,7 @@ class MoE(nn.Module):
             h = x[rows]
             gate, up = F.linear(h, self.experts_gate_up[expert]).chunk(2, dim=-1)
             h = F.linear(F.silu(gate) * up, self.experts_down[expert])
-            out.index_add_(0, rows, h * w_sorted[start : start + count, None])
+            out.index_add_(0, rows, (h * w_sorted[start : start + count, None]).to(out.dtype))
             start += count
         return out
 

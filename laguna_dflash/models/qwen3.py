@@ -29,15 +29,15 @@ def qwen3_layer_types(cfg: dict, num_layers: int) -> list[str]:
 def qwen3_spec(cfg: dict, shapes: dict | None = None) -> ModelSpec:
     """Resolve a Qwen3 ``config.json`` dict into a :class:`ModelSpec`."""
     r = ConfigReader(cfg, "Qwen3ForCausalLM")
-    num_layers = r.int("num_hidden_layers")
-    hidden = r.int("hidden_size")
-    num_heads = r.int("num_attention_heads")
-    head_dim = r.int("head_dim", hidden // num_heads)
-    max_pos = r.int("max_position_embeddings", 40960)
+    num_layers = r.positive_int("num_hidden_layers")
+    hidden = r.positive_int("hidden_size")
+    num_heads = r.positive_int("num_attention_heads")
+    head_dim = r.positive_int("head_dim", hidden // num_heads)
+    max_pos = r.positive_int("max_position_embeddings", 40960)
     layer_types = qwen3_layer_types(cfg, num_layers)
     r.check_len("layer_types", layer_types, num_layers)
     rope = RopeSpec.from_dict(qwen3_rope(cfg), head_dim, max_pos)
-    window = cfg.get("sliding_window")
+    window = r.optional_int("sliding_window")
     layers = tuple(
         LayerSpec(
             num_heads=num_heads, rope=rope,
@@ -45,18 +45,18 @@ def qwen3_spec(cfg: dict, shapes: dict | None = None) -> ModelSpec:
         )
         for lt in layer_types
     )
-    bias = bool(cfg.get("attention_bias", False))
+    bias = r.bool("attention_bias")
     return ModelSpec(
-        vocab_size=r.int("vocab_size"),
+        vocab_size=r.positive_int("vocab_size"),
         hidden_size=hidden,
-        num_kv_heads=r.int("num_key_value_heads", num_heads),
+        num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
         head_dim=head_dim,
-        intermediate_size=r.int("intermediate_size"),
+        intermediate_size=r.positive_int("intermediate_size"),
         layers=layers,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
         qkv_bias=bias,
         o_bias=bias,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=r.bool("tie_word_embeddings"),
         max_position_embeddings=max_pos,
         eos_token_ids=eos_ids(cfg),
     )

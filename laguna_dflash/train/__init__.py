@@ -1,0 +1,1 @@
+"""Training: demo target pretraining and DFlash drafter distillation."""

@@ -1,0 +1,231 @@
+"""``laguna-dflash train-draft``: distil a DFlash drafter for a frozen target.
+
+Recipe (reference/dflash.md section 6): the target (embeddings and lm_head shared and frozen)
+regenerates the data as its own greedy continuations of corpus prompts; one target forward over
+each whole sequence gives the taps; per sequence, random anchors ``a`` in the generated part;
+block input ``[x_a, MASK x (S-1)]`` at positions ``a .. a+S-1``; the block attends to context
+strictly before its anchor plus its own block (causal inside the block for a causal drafter);
+slot ``k`` is labelled with ``x_{a+k}`` (same-position labels) and weighted ``exp(-(k-1)/gamma)``.
+Checkpoints are written in the Poolside (Laguna flavour) or z-lab (Qwen3 flavour) format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..engine.attention import AttentionMetadata
+from ..models.dflash import DFlashDraftModel, qwen3_draft_spec
+from ..models.laguna_dflash import DFlashLaguna, laguna_draft_spec
+from ..models.layers import ForwardContext
+from ..models.loader import load_model, read_config
+from ..models.random_init import randomize_
+from ..models.writer import save_checkpoint
+from .backend import BlockTrainingBackend, DenseTrainingBackend, dense_metadata
+from .common import autocast, cosine_lr, load_state, save_state, seed_everything
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    target: str
+    out_dir: str
+    flavour: str = "laguna"  # or "qwen3"
+    num_layers: int = 2
+    block_size: int = 16
+    num_taps: int = 3
+    num_anchors: int = 32
+    gamma: float = 7.0
+    mask_token_id: int | None = None
+    prompt_len: int = 64
+    gen_len: int = 192
+    num_sequences: int = 2048
+    batch_size: int = 16
+    steps: int = 2000
+    lr: float = 1e-3
+    warmup: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    gen_batch_size: int = 256
+    corpus_tokens: str | None = None  # a .npy token stream; default: the target's training corpus
+    save_every: int = 500
+    log_every: int = 50
+    time_budget_s: float | None = None  # shrink the schedule so training ends within it
+
+
+def default_taps(depth: int, n: int) -> list[int]:
+    """Evenly spaced taps from layer 1 to the last layer (the last tap is pre-final-norm)."""
+    if n == 1:
+        return [depth // 2]
+    return sorted({round(1 + i * (depth - 2) / (n - 1)) for i in range(n)})
+
+
+def draft_config(c: DraftTrainConfig, target_cfg: dict) -> dict:
+    """config.json of the drafter, in the chosen flavour's on-disk schema."""
+    hidden = target_cfg["hidden_size"]
+    head_dim = target_cfg.get("head_dim", 64)
+    taps = default_taps(target_cfg["num_hidden_layers"], c.num_taps)
+    mask_id = c.mask_token_id if c.mask_token_id is not None else target_cfg.get("mask_token_id")
+    if mask_id is None:
+        raise ValueError("the target config has no mask_token_id; pass --mask-token-id (a reserved row)")
+    dflash = {"block_size": c.block_size, "mask_token_id": int(mask_id),
+              "num_target_layers": target_cfg["num_hidden_layers"], "target_layer_ids": taps}
+    common = {
+        "hidden_size": hidden, "intermediate_size": 4 * hidden, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": 2 * hidden // head_dim, "num_key_value_heads": 2, "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": target_cfg.get("max_position_embeddings", 4096),
+        "vocab_size": target_cfg["vocab_size"], "hidden_act": "silu", "attention_bias": False,
+    }
+    if c.flavour == "laguna":
+        return {**common, "architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna",
+                "rope_theta": 500000.0, "sliding_window": target_cfg.get("sliding_window", 512),
+                "layer_types": ["sliding_attention"] * c.num_layers, "gating": "per-head",
+                "num_experts": 0, "draft_vocab_size": target_cfg["vocab_size"],
+                "eagle_aux_hidden_state_layer_ids": [t + 1 for t in taps],
+                "dflash_config": {**dflash, "causal": True}}
+    if c.flavour == "qwen3":
+        return {**common, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                "rope_theta": 1000000.0, "num_target_layers": target_cfg["num_hidden_layers"],
+                "dflash_config": dflash}
+    raise ValueError(f"--flavour must be 'laguna' or 'qwen3', got {c.flavour!r}")
+
+
+def regenerate(c: DraftTrainConfig, work: Path) -> torch.Tensor:
+    """``[N, prompt_len + gen_len]`` int64: corpus prompts + the target's greedy continuations."""
+    cache = work / "regenerated.npy"
+    if cache.is_file():
+        return torch.from_numpy(np.load(cache).astype(np.int64))
+    from ..config import SamplingParams
+    from ..llm import LLM
+
+    stream_path = Path(c.corpus_tokens) if c.corpus_tokens else Path(c.target) / "work" / "train_tokens.npy"
+    if not stream_path.is_file():
+        raise ValueError(f"no corpus token stream at {stream_path}; pass --corpus-tokens FILE.npy")
+    stream = np.load(stream_path).astype(np.int64)
+    rng = np.random.default_rng(c.seed)
+    starts = rng.integers(0, len(stream) - c.prompt_len, size=c.num_sequences)
+    prompts = [stream[s : s + c.prompt_len].tolist() for s in starts]
+    dtype = "bfloat16" if c.device.startswith("cuda") else "float32"
+    llm = LLM(c.target, dtype=dtype, device=c.device, max_num_seqs=c.gen_batch_size,
+              max_model_len=c.prompt_len + c.gen_len + 1)
+    params = SamplingParams(temperature=0, max_tokens=c.gen_len, ignore_eos=True)
+    rows = []
+    for i in tqdm(range(0, len(prompts), c.gen_batch_size), desc="regenerate"):
+        chunk = prompts[i : i + c.gen_batch_size]
+        outs = llm.generate(prompt_token_ids=chunk, sampling_params=params)
+        rows += [p + o.token_ids for p, o in zip(chunk, outs)]
+    data = np.asarray(rows, dtype=np.int32)
+    np.save(cache, data)
+    del llm
+    return torch.from_numpy(data.astype(np.int64))
+
+
+def block_metadata(positions: torch.Tensor, is_causal: bool) -> AttentionMetadata:
+    """Only ``positions`` and causality are read by the block-training backend."""
+    dummy = positions.new_zeros(1, 1)
+    return AttentionMetadata(positions=positions, slot_mapping=positions, flat_index=positions,
+                             query_index=dummy, query_positions=dummy, key_slots=dummy,
+                             seq_lens=dummy[0], is_causal=is_causal)
+
+
+def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: torch.Generator) -> torch.Tensor:
+    """Weighted same-position CE of the drafter on ``seqs [B, T]`` (see module docstring)."""
+    b, t = seqs.shape
+    device = seqs.device
+    s = c.block_size
+    with torch.no_grad():
+        meta = dense_metadata(b, t, device)
+        ctx = ForwardContext(meta, [(None, None)] * len(target.layers), DenseTrainingBackend())
+        _, taps = target(seqs.reshape(-1), ctx, drafter.target_layer_ids)
+    context = drafter.combine_hidden_states(taps)
+    context_kv = drafter.reference_context_kv(context, meta.positions)
+    # anchors in the generated part, so that labels are the target's own continuation
+    low, high = c.prompt_len - 1, t - 2
+    anchors = torch.randint(low, high + 1, (b, c.num_anchors), generator=gen).sort(dim=1).values.to(device)
+    slot = torch.arange(s, device=device)
+    positions = (anchors.unsqueeze(-1) + slot).reshape(-1)  # [B*N*S]
+    ids = torch.full((b, c.num_anchors, s), drafter.mask_token_id, device=device)
+    ids[:, :, 0] = seqs.gather(1, anchors)
+    backend = BlockTrainingBackend(anchors, t, s)
+    fctx = ForwardContext(block_metadata(positions, drafter.is_causal), context_kv, backend)
+    h = drafter.embed(ids.reshape(-1))
+    for layer in drafter.layers:
+        h = layer(h, fctx)
+    h = drafter.norm(h).view(b, c.num_anchors, s, -1)[:, :, 1:]
+    logits = drafter.compute_logits(h.reshape(-1, h.shape[-1]))
+    label_pos = (anchors.unsqueeze(-1) + slot[1:]).clamp(max=t - 1)
+    labels = seqs.gather(1, label_pos.view(b, -1)).view(-1)
+    valid = ((anchors.unsqueeze(-1) + slot[1:]) < t).reshape(-1).float()
+    weights = torch.exp(-(slot[1:].float() - 1) / c.gamma).repeat(b * c.num_anchors) * valid
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum() / weights.sum()
+
+
+def train_draft(c: DraftTrainConfig) -> Path:
+    out = Path(c.out_dir)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    seed_everything(c.seed)
+    device = torch.device(c.device)
+    data = regenerate(c, work)
+    target = load_model(c.target, torch.float32, device)
+    target_cfg = read_config(c.target)
+    cfg = draft_config(c, target_cfg)
+    if c.flavour == "laguna":
+        drafter = DFlashLaguna(laguna_draft_spec(cfg, {}, target), target)
+    else:
+        drafter = DFlashDraftModel(qwen3_draft_spec(cfg, target), target)
+    randomize_(drafter, c.seed)
+    drafter.to(device).train()
+    target.prepare_rope(data.shape[1] + c.block_size, device)
+    drafter.prepare_rope(data.shape[1] + c.block_size, device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=c.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    state_path = work / "train_state.pt"
+    start, _ = load_state(state_path, drafter, opt)
+    gen = torch.Generator().manual_seed(c.seed + start)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    total = c.steps
+    bar = tqdm(total=c.steps, desc="train-draft", initial=start)
+    step = start
+    while step < total:
+        if c.time_budget_s and step == start + 20:
+            per_step = (time.perf_counter() - t0) / 20
+            total = min(total, start + int(c.time_budget_s / per_step))
+            bar.total = total
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, total, c.lr, c.warmup)
+        idx = torch.randint(0, data.shape[0], (c.batch_size,), generator=gen)
+        with autocast(device):
+            loss = draft_loss(drafter, target, data[idx].to(device), c, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise RuntimeError(f"train-draft diverged at step {step} (loss {losses[-1]}); lower --lr")
+        if (step + 1) % c.log_every == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-c.log_every:]):.3f}")
+        if (step + 1) % c.save_every == 0:
+            save_state(state_path, drafter, opt, step + 1)
+        step += 1
+        bar.update(1)
+    bar.close()
+    drafter.eval()
+    save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
+    summary = {"config": asdict(c), "losses": losses, "seconds": time.perf_counter() - t0,
+               "num_sequences": int(data.shape[0])}
+    (work / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    return out

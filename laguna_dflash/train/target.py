@@ -1,0 +1,167 @@
+"""``laguna-dflash train-target``: pretrain a small Laguna-architecture MoE on Python source.
+
+The model has the real Laguna features at small sizes (sliding and full layers with per-layer
+head counts, partial YaRN RoPE on full layers, softplus per-head gating, QK-norm, a dense first
+layer, sigmoid-routed experts with a correction bias and a shared expert). It is written in the
+Hugging Face layout the loader reads, with its byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..models.laguna import LagunaForCausalLM
+from ..models.layers import ForwardContext
+from ..models.random_init import randomize_
+from ..models.writer import save_checkpoint
+from . import data
+from .backend import DenseTrainingBackend, dense_metadata
+from .common import autocast, balance_moe_, cosine_lr, load_state, save_state, seed_everything
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TargetTrainConfig:
+    out_dir: str
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 256
+    sliding_window: int = 128
+    seq_len: int = 512
+    batch_size: int = 32
+    steps: int = 2000
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    seed: int = 0
+    device: str = "cpu"
+    max_corpus_bytes: int | None = None
+    save_every: int = 500
+    log_every: int = 50
+    time_budget_s: float | None = None  # shrink the schedule so training ends within it
+
+
+def demo_target_config(c: TargetTrainConfig) -> dict:
+    """config.json of the demo target: full attention every 3rd layer, sliding otherwise."""
+    types = ["full_attention" if i % 3 == 0 else "sliding_attention" for i in range(c.num_layers)]
+    head_dim = min(64, max(16, c.hidden_size // 4))
+    return {
+        "architectures": ["LagunaForCausalLM"], "model_type": "laguna",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": 4 * c.hidden_size,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.hidden_size // head_dim,
+        "num_key_value_heads": 2, "head_dim": head_dim,
+        "num_attention_heads_per_layer": [c.hidden_size // head_dim * (1 if t == "full_attention" else 2)
+                                          for t in types],
+        "layer_types": types, "sliding_window": c.sliding_window, "gating": "per-head",
+        "mlp_layer_types": ["dense"] + ["sparse"] * (c.num_layers - 1),
+        "num_experts": c.num_experts, "num_experts_per_tok": c.top_k,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "shared_expert_intermediate_size": c.moe_intermediate_size,
+        "moe_routed_scaling_factor": 2.5, "moe_router_logit_softcapping": 0.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 1.0},
+        },
+        "bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID,
+        "mask_token_id": data.MASK_ID, "torch_dtype": "bfloat16",
+    }
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``tokens [B, T+1]`` through the inference modules."""
+    b, t1 = tokens.shape
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    meta = dense_metadata(b, t1 - 1, tokens.device)
+    ctx = ForwardContext(meta, [(None, None)] * len(model.layers), DenseTrainingBackend())
+    hidden, _ = model(inputs.reshape(-1), ctx)
+    logits = model.compute_logits(hidden)
+    return F.cross_entropy(logits, labels.reshape(-1))
+
+
+def build_corpus(c: TargetTrainConfig, out: Path) -> np.ndarray:
+    """Train the tokenizer (once) and encode the training split; cached under ``out/work``."""
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "train_tokens.npy"
+    texts = data.read_texts(data.stdlib_files("train"), c.max_corpus_bytes)
+    if not (out / "tokenizer.json").is_file():
+        data.train_tokenizer(texts, c.vocab_size, out)
+    if cache.is_file():
+        return np.load(cache)
+    tokens = data.encode_corpus(texts, data.load_tokenizer(out))
+    np.save(cache, tokens)
+    logger.info("corpus: %d files, %d tokens", len(texts), len(tokens))
+    return tokens
+
+
+def train_target(c: TargetTrainConfig) -> Path:
+    out = Path(c.out_dir)
+    seed_everything(c.seed)
+    device = torch.device(c.device)
+    tokens = torch.from_numpy(build_corpus(c, out).astype(np.int64))
+    cfg = demo_target_config(c)
+    model = LagunaForCausalLM.from_config(cfg)
+    randomize_(model, c.seed)
+    model.to(device).train()
+    model.prepare_rope(c.seq_len + 1, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
+    state_path = out / "work" / "train_state.pt"
+    start, _ = load_state(state_path, model, opt)
+    gen = torch.Generator().manual_seed(c.seed + start)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    total = c.steps
+    bar = tqdm(total=c.steps, desc="train-target", initial=start)
+    step = start
+    while step < total:
+        if c.time_budget_s and step == start + 20:
+            per_step = (time.perf_counter() - t0) / 20
+            total = min(total, start + int(c.time_budget_s / per_step))
+            bar.total = total
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, total, c.lr, c.warmup)
+        starts = torch.randint(0, len(tokens) - c.seq_len - 1, (c.batch_size,), generator=gen)
+        batch = torch.stack([tokens[s : s + c.seq_len + 1] for s in starts.tolist()]).to(device)
+        with autocast(device):
+            loss = lm_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        balance_moe_(model, 1e-3)
+        losses.append(loss.item())
+        if (step + 1) % c.log_every == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-c.log_every:]):.3f}")
+        if (step + 1) % c.save_every == 0:
+            save_state(state_path, model, opt, step + 1)
+        step += 1
+        bar.update(1)
+    bar.close()
+    model.eval()
+    save_checkpoint(model, out, cfg, dtype=torch.bfloat16)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID}) + "\n")
+    summary = {"config": asdict(c), "final_loss": float(np.mean(losses[-50:])) if losses else None,
+               "first_loss": losses[0] if losses else None, "seconds": time.perf_counter() - t0,
+               "num_corpus_tokens": len(tokens), "losses": losses}
+    (out / "work" / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("train-target done: %s", summary)
+    return out

@@ -1,0 +1,257 @@
+"""Acceptance: ``laguna-dflash generate`` (``python -m laguna_dflash generate``).
+
+Two real subprocess runs (the console entry point as users call it: JSON output and an error
+exit); everything else calls ``laguna_dflash.cli.main(argv)`` in-process, which is what the
+console script runs.  Output must agree with the offline API (``LLM.generate``), and user
+errors must end with a non-zero exit code and ONE readable ``error: ...`` line on stderr, no
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import hf_fixtures as hf
+import pytest
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.cli import main
+
+CONFIG = "xs_mini"
+PROMPT_IDS = [1, 2, 3, 17, 42, 99, 200, 311, 5, 8]  # longer than the window of 7
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hf.make_laguna_checkpoint(tmp_path_factory.mktemp("cli") / CONFIG, CONFIG, seed=9)
+
+
+@pytest.fixture(scope="module")
+def tok_ckpt(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same weights with a tokenizer (vocab 384) next to them."""
+    d = Path(shutil.copytree(ckpt, tmp_path_factory.mktemp("cli-tok") / "ckpt"))
+    hf.make_tokenizer(d, 384)
+    return d
+
+
+def _run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """Run ``cli.main`` in-process; returns (exit code, stdout, stderr). argparse exits count."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse errors
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_error_line(code: int, err: str, *needles: str) -> str:
+    """Non-zero exit, no traceback, exactly one ``error:`` line, mentioning every needle."""
+    assert code != 0
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if re.search(r"(^|: )error: ", ln)]
+    assert len(lines) == 1, f"expected one error line, stderr was:\n{err}"
+    for needle in needles:
+        assert re.search(needle, lines[0], re.IGNORECASE), f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def _greedy_ids(model: Path, ids: list[int], n: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return (
+        LLM(model=str(model)).generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Subprocess: the real entry point
+# --------------------------------------------------------------------------------------------
+
+
+def _subprocess(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-m", "laguna_dflash", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_subprocess_json_output_matches_llm_generate(ckpt: Path):
+    """``python -m laguna_dflash generate --prompt-ids ... --json`` prints exactly one JSON object
+    (token_ids, text, finish_reason, timings) whose greedy token ids equal ``LLM.generate``'s."""
+    proc = _subprocess(
+        [
+            "--model",
+            str(ckpt),
+            "--prompt-ids",
+            ",".join(map(str, PROMPT_IDS)),
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"stdout should be one JSON object:\n{proc.stdout}"
+    obj = json.loads(lines[0])
+    assert {"token_ids", "text", "finish_reason", "timings"} <= set(obj)
+    assert obj["token_ids"] == _greedy_ids(ckpt, PROMPT_IDS, 12)
+    assert obj["finish_reason"] == "length"
+    assert obj["text"] is None  # no tokenizer in this checkpoint
+    assert isinstance(obj["timings"], dict) and obj["timings"]
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in obj["timings"].values())
+
+
+def test_subprocess_missing_model_is_one_error_line(tmp_path: Path):
+    """A missing model directory: exit code != 0, one ``error:`` line naming the path."""
+    missing = tmp_path / "nope"
+    proc = _subprocess(["--model", str(missing), "--prompt-ids", "1,2,3"])
+    _assert_one_error_line(proc.returncode, proc.stderr, re.escape(str(missing)))
+    assert proc.stdout == ""
+
+
+# --------------------------------------------------------------------------------------------
+# In-process: cli.main
+# --------------------------------------------------------------------------------------------
+
+
+def test_main_json_greedy_equals_llm_generate(ckpt: Path, capsys: pytest.CaptureFixture):
+    """In-process ``main([... --json])`` returns 0 and prints one JSON object whose token ids are
+    ``LLM.generate``'s greedy ids (the CLI default is greedy); timings has load/prefill/decode."""
+    code, out, err = _run_main(
+        [
+            "generate",
+            "--model",
+            str(ckpt),
+            "--prompt-ids",
+            " 1, 2,3,17,42,99,200,311,5,8",
+            "--max-new-tokens",
+            "20",
+            "--ignore-eos",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["token_ids"] == _greedy_ids(ckpt, PROMPT_IDS, 20)
+    assert obj["finish_reason"] == "length"
+    for key in ("load_s", "prefill_s", "decode_s"):
+        assert key in obj["timings"]
+
+
+def test_main_respects_eos_without_ignore_eos(ckpt: Path, tmp_path: Path, capsys):
+    """Without ``--ignore-eos`` the config's EOS stops generation (finish_reason "stop")."""
+    ref = _greedy_ids(ckpt, PROMPT_IDS, 20)
+    k = next(i for i in range(1, len(ref)) if ref[i] not in ref[:i])
+    d = Path(shutil.copytree(ckpt, tmp_path / "eos"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = ref[k]
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = _run_main(
+        [
+            "generate",
+            "--model",
+            str(d),
+            "--prompt-ids",
+            ",".join(map(str, PROMPT_IDS)),
+            "--max-new-tokens",
+            "20",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["token_ids"] == ref[: k + 1] and obj["finish_reason"] == "stop"
+
+
+def test_main_text_prompt_with_tokenizer(tok_ckpt: Path, capsys: pytest.CaptureFixture):
+    """``--prompt TEXT`` (and the positional TEXT) uses the checkpoint's tokenizer: JSON text and
+    ids equal ``LLM.generate(prompts=[TEXT])``; plain mode prints the text on stdout and a
+    stats line on stderr."""
+    text = "def main():\n    print('hello"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = LLM(model=str(tok_ckpt)).generate([text], params)[0]
+    assert ref.text is not None
+    base = ["generate", "--model", str(tok_ckpt), "--max-new-tokens", "8", "--ignore-eos"]
+    for argv in (base + ["--prompt", text, "--json"], base + [text, "--json"]):
+        code, out, err = _run_main(argv, capsys)
+        assert code == 0, err
+        obj = json.loads(out)
+        assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
+    code, out, err = _run_main(base + ["--prompt", text], capsys)
+    assert code == 0, err
+    assert out == ref.text + "\n"
+    assert "8 tokens" in err and "Traceback" not in err
+
+
+def test_main_missing_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """A model directory that does not exist: exit != 0, one error line naming it."""
+    missing = tmp_path / "missing-model"
+    code, _, err = _run_main(["generate", "--model", str(missing), "--prompt-ids", "1,2"], capsys)
+    _assert_one_error_line(code, err, re.escape(str(missing)))
+
+
+@pytest.mark.parametrize("bad", ["1,x,3", "1;2;3", "one"])
+def test_main_bad_prompt_ids(ckpt: Path, capsys: pytest.CaptureFixture, bad: str):
+    """``--prompt-ids`` that are not comma-separated integers: exit != 0, one error line that
+    names ``--prompt-ids``."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "--prompt-ids", bad], capsys)
+    _assert_one_error_line(code, err, "prompt-ids")
+
+
+def test_main_prompt_ids_outside_vocab(ckpt: Path, capsys: pytest.CaptureFixture):
+    """Ids outside the vocabulary are a user error reported on one line, not a traceback."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "--prompt-ids", "1,384"], capsys)
+    _assert_one_error_line(code, err, "vocab")
+
+
+def test_main_text_prompt_without_tokenizer(ckpt: Path, capsys: pytest.CaptureFixture):
+    """A text prompt for a checkpoint without tokenizer files: one error line about the tokenizer."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "--prompt", "hello"], capsys)
+    _assert_one_error_line(code, err, "tokenizer")
+
+
+def test_main_num_speculative_tokens_without_draft(ckpt: Path, capsys: pytest.CaptureFixture):
+    """``--num-speculative-tokens`` without ``--draft``: one error line naming both options."""
+    code, _, err = _run_main(
+        [
+            "generate",
+            "--model",
+            str(ckpt),
+            "--prompt-ids",
+            "1,2,3",
+            "--num-speculative-tokens",
+            "4",
+        ],
+        capsys,
+    )
+    _assert_one_error_line(code, err, "num-speculative-tokens", "draft")
+
+
+def test_main_needs_exactly_one_prompt(ckpt: Path, capsys: pytest.CaptureFixture):
+    """Neither or both of a text prompt and ``--prompt-ids``: one error line, exit != 0."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt)], capsys)
+    _assert_one_error_line(code, err, "prompt")
+    code, _, err = _run_main(
+        ["generate", "--model", str(ckpt), "--prompt", "hi", "--prompt-ids", "1"], capsys
+    )
+    _assert_one_error_line(code, err, "prompt")
+
+
+def test_main_broken_checkpoint_is_one_error_line(ckpt: Path, tmp_path: Path, capsys):
+    """A checkpoint that fails to load (invalid config.json) is reported on one error line."""
+    d = Path(shutil.copytree(ckpt, tmp_path / "broken"))
+    (d / "config.json").write_text("{not json")
+    code, _, err = _run_main(["generate", "--model", str(d), "--prompt-ids", "1,2"], capsys)
+    _assert_one_error_line(code, err, "JSON")

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true",
                    help="with --json: per step anchor position, draft tokens, accepted count")
+    from .server.args import add_server_args
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(s)
+    add_server_args(s)
+    s.set_defaults(log_level="INFO")
     return parser
 
 
@@ -99,6 +105,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``laguna-dflash serve``: resolve the flags (logged once), load, serve until interrupted."""
+    from .server.args import resolve_server_config
+
+    config = resolve_server_config(args)
+    try:
+        from .server.launcher import serve
+    except ImportError as e:
+        raise RuntimeError(f"serve needs the server extras: pip install 'laguna-dflash[serve]' ({e})") from e
+    return serve(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -107,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except (ValueError, RuntimeError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

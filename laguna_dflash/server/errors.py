@@ -13,6 +13,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    499: "ClientDisconnectedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -33,7 +34,10 @@ class APIError(Exception):
     def body(self) -> dict:
         error_type = _ERROR_TYPES.get(self.status)
         if error_type is None:
-            error_type = HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+            try:
+                error_type = HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+            except ValueError:
+                error_type = "Error"
         return {"error": {"message": self.message, "type": error_type, "param": self.param,
                           "code": self.status}}
 

@@ -58,6 +58,7 @@ class DraftTrainConfig:
     device: str = "cpu"
     gen_batch_size: int = 256
     corpus_tokens: str | None = None  # a .npy token stream; default: the target's training corpus
+    regen_budget_s: float | None = None  # stop regenerating (keep what is done) after this long
     save_every: int = 500
     log_every: int = 50
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
@@ -120,7 +121,11 @@ def regenerate(c: DraftTrainConfig, work: Path) -> torch.Tensor:
               max_model_len=c.prompt_len + c.gen_len + 1)
     params = SamplingParams(temperature=0, max_tokens=c.gen_len, ignore_eos=True)
     rows = []
+    t0 = time.perf_counter()
     for i in tqdm(range(0, len(prompts), c.gen_batch_size), desc="regenerate"):
+        if rows and c.regen_budget_s and time.perf_counter() - t0 > c.regen_budget_s:
+            logger.warning("regeneration budget reached: %d of %d sequences", len(rows), len(prompts))
+            break
         chunk = prompts[i : i + c.gen_batch_size]
         outs = llm.generate(prompt_token_ids=chunk, sampling_params=params)
         rows += [p + o.token_ids for p, o in zip(chunk, outs)]
@@ -197,13 +202,19 @@ def train_draft(c: DraftTrainConfig) -> Path:
     losses: list[float] = []
     t0 = time.perf_counter()
     total = c.steps
+    t_mark, step_mark = t0, start
     bar = tqdm(total=c.steps, desc="train-draft", initial=start)
     step = start
     while step < total:
-        if c.time_budget_s and step == start + 20:
-            per_step = (time.perf_counter() - t0) / 20
-            total = min(total, start + int(c.time_budget_s / per_step))
-            bar.total = total
+        if c.time_budget_s and step >= start + 8:
+            # re-plan the schedule from the recent step rate so training ends within budget
+            elapsed = time.perf_counter() - t0
+            rate = (time.perf_counter() - t_mark) / (step - step_mark) if step > step_mark else 0
+            if rate > 0:
+                total = min(c.steps, step + int(max(0.0, c.time_budget_s - elapsed) / rate))
+                bar.total = total
+        if step == start + 3:
+            t_mark, step_mark = time.perf_counter(), step
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, total, c.lr, c.warmup)
         idx = torch.randint(0, data.shape[0], (c.batch_size,), generator=gen)
@@ -220,6 +231,7 @@ def train_draft(c: DraftTrainConfig) -> Path:
             bar.set_postfix(loss=f"{np.mean(losses[-c.log_every:]):.3f}")
         if (step + 1) % c.save_every == 0:
             save_state(state_path, drafter, opt, step + 1)
+            save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
         step += 1
         bar.update(1)
     bar.close()

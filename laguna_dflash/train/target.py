@@ -52,6 +52,7 @@ class TargetTrainConfig:
     save_every: int = 500
     log_every: int = 50
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
+    max_shard_bytes: int | None = 15 << 20
 
 
 def demo_target_config(c: TargetTrainConfig) -> dict:
@@ -129,13 +130,19 @@ def train_target(c: TargetTrainConfig) -> Path:
     losses: list[float] = []
     t0 = time.perf_counter()
     total = c.steps
+    t_mark, step_mark = t0, start
     bar = tqdm(total=c.steps, desc="train-target", initial=start)
     step = start
     while step < total:
-        if c.time_budget_s and step == start + 20:
-            per_step = (time.perf_counter() - t0) / 20
-            total = min(total, start + int(c.time_budget_s / per_step))
-            bar.total = total
+        if c.time_budget_s and step >= start + 40 and step % 20 == 0:
+            # re-plan the schedule from the recent step rate so training ends within budget
+            elapsed = time.perf_counter() - t0
+            rate = (time.perf_counter() - t_mark) / (step - step_mark) if step > step_mark else 0
+            if rate > 0:
+                total = min(c.steps, step + int(max(0.0, c.time_budget_s - elapsed) / rate))
+                bar.total = total
+        if step == start + 20:
+            t_mark, step_mark = time.perf_counter(), step
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, total, c.lr, c.warmup)
         starts = torch.randint(0, len(tokens) - c.seq_len - 1, (c.batch_size,), generator=gen)
@@ -156,7 +163,7 @@ def train_target(c: TargetTrainConfig) -> Path:
         bar.update(1)
     bar.close()
     model.eval()
-    save_checkpoint(model, out, cfg, dtype=torch.bfloat16)
+    save_checkpoint(model, out, cfg, dtype=torch.bfloat16, max_shard_bytes=c.max_shard_bytes)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID}) + "\n")
     summary = {"config": asdict(c), "final_loss": float(np.mean(losses[-50:])) if losses else None,

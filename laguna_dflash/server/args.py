@@ -1,0 +1,236 @@
+"""``laguna-dflash serve`` flags and the one function that resolves (and logs) the configuration.
+
+Speculative decoding can be configured in three spellings, which all fill one
+:class:`SpeculativeConfig`:
+
+- ours: ``--draft DIR [--num-speculative-tokens K]``;
+- vLLM: ``--speculative-config '{"method": "dflash", "model": DIR, "num_speculative_tokens": K}'``;
+- SGLang: ``--speculative-algorithm DFLASH --speculative-draft-model-path DIR
+  --speculative-num-draft-tokens N`` where N is the verify width, i.e. the block size, which
+  INCLUDES the bonus slot: K = N - 1 (``--speculative-dflash-block-size`` is a synonym).
+
+Spellings may be mixed as long as they agree; two flags giving different values are an error that
+names both flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import EngineConfig, SpeculativeConfig
+from ..models.dflash import dflash_value
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LAGUNA_DFLASH_API_KEY"
+
+
+@dataclass(frozen=True)
+class SpeculativeChoice:
+    """Where the speculative settings came from (for the start-up log and /server_info)."""
+
+    config: SpeculativeConfig | None
+    draft_flag: str | None = None
+    tokens_flag: str | None = None
+    block_size: int | None = None  # the drafter's, when its config.json could be read
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``serve`` needs, resolved once from the command line."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    served_model_name: str = ""
+    tokenizer: str | None = None
+    generation_defaults: dict = field(default_factory=dict)
+    log_stats_interval_s: float = 10.0
+    uvicorn_log_level: str = "warning"
+    speculative: SpeculativeChoice = field(default_factory=lambda: SpeculativeChoice(None))
+
+    def describe(self) -> dict:
+        """The resolved settings as plain values (logged at start-up, shown by /server_info)."""
+        e = self.engine
+        spec = self.speculative
+        k = None
+        if spec.config is not None:
+            k = spec.config.num_speculative_tokens
+            if k is None and spec.block_size is not None:
+                k = spec.block_size - 1
+        return {
+            "model": e.model,
+            "served_model_name": self.served_model_name,
+            "tokenizer": self.tokenizer,
+            "host": self.host,
+            "port": self.port,
+            "api_key": "set" if self.api_key else "none",
+            "dtype": e.dtype,
+            "device": e.device,
+            "max_model_len": e.max_model_len or "auto (model limit, at most 8192)",
+            "block_size": e.block_size,
+            "num_kv_blocks": e.num_kv_blocks or "auto",
+            "max_num_seqs": e.max_num_seqs,
+            "max_num_batched_tokens": e.max_num_batched_tokens,
+            "speculative_method": "dflash" if spec.config is not None else "off",
+            "draft": spec.config.draft if spec.config is not None else None,
+            "draft_from": spec.draft_flag,
+            "num_speculative_tokens": k if k is not None else (
+                "drafter block_size - 1" if spec.config is not None else 0),
+            "num_speculative_tokens_from": spec.tokens_flag or (
+                "drafter block_size" if spec.config is not None else None),
+            "generation_defaults": dict(self.generation_defaults),
+            "log_stats_interval_s": self.log_stats_interval_s,
+        }
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``serve`` beyond the shared engine flags (``cli.add_engine_args``)."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default loopback; use 0.0.0.0 to expose the server)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send (default: the --model argument)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="most requests decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens, help="prefill token budget per step")
+    p.add_argument("--seed", type=int, default=EngineConfig.seed, help="engine sampling seed")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto: sampling defaults from the model's generation_config.json")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between engine / SpecDecoding log lines while busy (0: off)")
+    g = p.add_argument_group("speculative decoding, vLLM and SGLang spellings")
+    g.add_argument("--speculative-config", default=None,
+                   help='vLLM JSON: {"method": "dflash", "model": DIR, "num_speculative_tokens": K}')
+    g.add_argument("--speculative-algorithm", default=None, help="SGLang: DFLASH")
+    g.add_argument("--speculative-draft-model-path", default=None, help="SGLang: drafter directory")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="SGLang: verify width incl. the bonus token (K + 1)")
+    g.add_argument("--speculative-dflash-block-size", type=int, default=None,
+                   help="SGLang: DFlash block size (must equal --speculative-num-draft-tokens)")
+
+
+def _agree(kind: str, candidates: list[tuple[str, object]]) -> tuple[str | None, object]:
+    """The one value all flags give, or a ValueError naming two flags that disagree."""
+    if not candidates:
+        return None, None
+    first_flag, first = candidates[0]
+    for flag, value in candidates[1:]:
+        if value != first:
+            raise ValueError(
+                f"conflicting {kind}: {first_flag} gives {first!r} but {flag} gives {value!r}; "
+                "set it once (or make both flags agree)")
+    return first_flag, first
+
+
+def _vllm_spec(text: str) -> dict:
+    flag = "--speculative-config"
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON ({e}); e.g. "
+                         '\'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'') from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(cfg).__name__}")
+    method = str(cfg.get("method") or "dflash")
+    if method.lower() != "dflash":
+        raise ValueError(f"{flag} method {method!r} is not supported; use \"dflash\"")
+    if not cfg.get("model"):
+        raise ValueError(f'{flag} needs "model": the DFlash drafter directory')
+    ignored = sorted(set(cfg) - {"method", "model", "num_speculative_tokens"})
+    if ignored:
+        logger.warning("%s: ignoring keys %s (not used by this engine)", flag, ", ".join(ignored))
+    return cfg
+
+
+def _draft_block_size(draft: str) -> int | None:
+    """The drafter's DFlash block size from its config.json (None if unreadable)."""
+    try:
+        cfg = json.loads((Path(draft) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = dflash_value(cfg, "block_size") if isinstance(cfg, dict) else None
+    return int(value) if value else None
+
+
+def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
+    """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
+    drafts: list[tuple[str, object]] = []
+    tokens: list[tuple[str, object]] = []
+    if getattr(args, "draft", None):
+        drafts.append(("--draft", os.path.normpath(args.draft)))
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        tokens.append(("--num-speculative-tokens", args.num_speculative_tokens))
+    if getattr(args, "speculative_config", None):
+        cfg = _vllm_spec(args.speculative_config)
+        drafts.append(("--speculative-config model", os.path.normpath(str(cfg["model"]))))
+        if cfg.get("num_speculative_tokens") is not None:
+            tokens.append(("--speculative-config num_speculative_tokens",
+                           int(cfg["num_speculative_tokens"])))
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm is not None and algorithm.upper() != "DFLASH":
+        raise ValueError(f"--speculative-algorithm {algorithm} is not supported; use DFLASH")
+    if getattr(args, "speculative_draft_model_path", None):
+        drafts.append(("--speculative-draft-model-path",
+                       os.path.normpath(args.speculative_draft_model_path)))
+    elif algorithm is not None:
+        raise ValueError("--speculative-algorithm DFLASH requires --speculative-draft-model-path DIR")
+    for flag in ("--speculative-num-draft-tokens", "--speculative-dflash-block-size"):
+        width = getattr(args, flag[2:].replace("-", "_"), None)
+        if width is None:
+            continue
+        if width < 2:
+            raise ValueError(f"{flag} is the verify width incl. the bonus token; it must be >= 2, "
+                             f"got {width}")
+        tokens.append((f"{flag} (minus the bonus token)", width - 1))
+    draft_flag, draft = _agree("draft models", drafts)
+    tokens_flag, k = _agree("numbers of speculative tokens", tokens)
+    if draft is None:
+        if tokens_flag is not None:
+            raise ValueError(f"{tokens_flag.split(' ')[0]} needs a drafter: pass --draft DIR "
+                             "(or --speculative-config / --speculative-draft-model-path)")
+        return SpeculativeChoice(None)
+    if getattr(args, "no_spec", False):
+        logger.warning("--no-spec: ignoring the drafter given by %s", draft_flag)
+        return SpeculativeChoice(None)
+    return SpeculativeChoice(SpeculativeConfig(draft=str(draft), num_speculative_tokens=k),
+                             draft_flag=draft_flag, tokens_flag=tokens_flag,
+                             block_size=_draft_block_size(str(draft)))
+
+
+def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
+    """Resolve every derived setting from parsed ``serve`` flags and log the result once."""
+    from .sampling import load_generation_defaults
+
+    spec = resolve_speculative(args)
+    engine = EngineConfig(
+        model=str(args.model), dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, speculative=spec.config,
+        seed=args.seed,
+    )
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    defaults = load_generation_defaults(args.model) if args.generation_config == "auto" else {}
+    config = ServerConfig(
+        engine=engine, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        served_model_name=args.served_model_name or str(args.model),
+        tokenizer=args.tokenizer or str(args.model), generation_defaults=defaults,
+        log_stats_interval_s=max(0.0, float(args.log_stats_interval)),
+        uvicorn_log_level=str(args.log_level).lower(), speculative=spec,
+    )
+    logger.info("resolved serve configuration: %s",
+                ", ".join(f"{k}={v}" for k, v in config.describe().items()))
+    return config

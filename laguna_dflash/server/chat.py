@@ -1,0 +1,152 @@
+"""``POST /v1/chat/completions``: messages through the tokenizer's chat template, then generate."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .errors import APIError, bad_request
+from .protocol import ChatCompletionRequest, ChatMessage
+from .sampling import build_sampling_params, reject_unsupported, resolve_max_tokens, stop_strings
+from .serving import SSE_DONE, Delta, Job, Serving, sse
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as the template expects it; text parts of a list content are joined."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts are supported", "messages")
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    elif content is None:
+        data["content"] = ""
+    return data
+
+
+def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text the tokenizer's chat template makes of ``messages``."""
+    tok = serving.require_tokenizer("chat")
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("the model's tokenizer has no chat template; use /v1/completions")
+    try:
+        return tok.apply_chat_template(
+            [_message_dict(m) for m in messages], tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
+        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
+
+
+def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float]],
+              n: int) -> list[dict]:
+    """Chat ``logprobs.content`` entries: the chosen token and the ``n`` most likely ones."""
+
+    def entry(token: int, value: float) -> dict:
+        s = serving.token_str(token)
+        return {"token": s, "logprob": value, "bytes": list(s.encode("utf-8"))}
+
+    out = []
+    for t, lp in zip(tokens, logprobs):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:n]
+        out.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in top]})
+    return out
+
+
+def _num_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def _events(serving: Serving, job: Job, req: ChatCompletionRequest,
+                  n_logprobs: int | None) -> AsyncIterator[str]:
+    opts = req.stream_options
+    base = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
+            "model": serving.model_name}
+
+    def chunk(delta: dict, logprobs: list | None = None, finish: str | None = None,
+              stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                  "logprobs": None if logprobs is None else {"content": logprobs},
+                                  "finish_reason": finish, "stop_reason": stop_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = {**base, "choices": [choice]}
+        if opts is not None and opts.continuous_usage_stats:
+            body["usage"] = job.usage()
+        return sse(body)
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for d in serving.generate(job):
+            wants_tokens = n_logprobs is not None or req.return_token_ids
+            if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
+                continue
+            lps = None
+            if n_logprobs is not None and d.logprobs is not None:
+                lps = _logprobs(serving, d.token_ids, d.logprobs, n_logprobs)
+            yield chunk({"content": d.text} if d.text else {}, lps, d.finish_reason,
+                        d.stop_reason, d.token_ids if req.return_token_ids else None)
+        if opts is not None and opts.include_usage:
+            final = {**base, "choices": [], "usage": job.usage()}
+            metrics = serving.spec_metrics(job)
+            if metrics is not None:
+                final["metrics"] = metrics
+            yield sse(final)
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+def _response(serving: Serving, job: Job, req: ChatCompletionRequest, deltas: list[Delta],
+              n_logprobs: int | None) -> dict:
+    tokens = [t for d in deltas for t in d.token_ids]
+    last = deltas[-1]
+    choice: dict[str, Any] = {
+        "index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+        "logprobs": None, "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+    if n_logprobs is not None:
+        lps = [lp for d in deltas for lp in (d.logprobs or [])]
+        choice["logprobs"] = {"content": _logprobs(serving, tokens, lps, n_logprobs)}
+    if req.return_token_ids:
+        choice["token_ids"] = tokens
+        choice["prompt_token_ids"] = job.prompt_token_ids
+    body = {"id": job.request_id, "object": "chat.completion", "created": job.created,
+            "model": serving.model_name, "choices": [choice], "usage": job.usage()}
+    metrics = serving.spec_metrics(job)
+    if metrics is not None:
+        body["metrics"] = metrics
+    return body
+
+
+async def create_chat_completion(serving: Serving, request: Request) -> Response:
+    req = await serving.parse(request, ChatCompletionRequest)
+    serving.check_model(req.model)
+    reject_unsupported(req)
+    n_logprobs = _num_logprobs(req)
+    text = render_chat(serving, req.messages, req.add_generation_prompt,
+                       req.continue_final_message, req.chat_template_kwargs)
+    ids = serving.check_prompt(serving.encode(text, req.add_special_tokens), "messages")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param)
+    params = build_sampling_params(req, max_tokens, n_logprobs, serving.config.generation_defaults,
+                                   "top_logprobs")
+    stop = stop_strings(req)
+    job = await serving.start("chatcmpl", ids, params, stop, req.skip_special_tokens,
+                              req.include_stop_str_in_output)
+    if req.stream:
+        return serving.sse_response(_events(serving, job, req, n_logprobs))
+    deltas = await serving.collect(job, request)
+    return JSONResponse(_response(serving, job, req, deltas, n_logprobs))

@@ -1,0 +1,128 @@
+"""``POST /v1/completions``: request -> job -> JSON response or SSE chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .errors import APIError, bad_request
+from .protocol import CompletionRequest
+from .sampling import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    build_sampling_params,
+    reject_unsupported,
+    resolve_max_tokens,
+    stop_strings,
+)
+from .serving import SSE_DONE, Delta, Job, Serving, sse
+
+
+def _prompt_ids(serving: Serving, req: CompletionRequest) -> list[int]:
+    """One prompt: a string, a list with one string, token ids, or a list with one id list."""
+    p = req.prompt
+    if isinstance(p, str):
+        return serving.encode(p, req.add_special_tokens)
+    if not p:
+        raise bad_request("the prompt is empty", "prompt")
+    if isinstance(p[0], int):
+        return list(p)
+    if len(p) != 1:
+        raise bad_request(f"only one prompt per request is supported, got {len(p)}", "prompt")
+    if isinstance(p[0], str):
+        return serving.encode(p[0], req.add_special_tokens)
+    return list(p[0])
+
+
+def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float]],
+              offset: int) -> tuple[dict, int]:
+    """The completions ``logprobs`` object for ``tokens``; ``offset`` is the text offset so far."""
+    strs = [serving.token_str(t) for t in tokens]
+    offsets = []
+    for s in strs:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": strs,
+        "token_logprobs": [lp[t] for t, lp in zip(tokens, logprobs)],
+        "top_logprobs": [{serving.token_str(k): v for k, v in lp.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }, offset
+
+
+def _choice(serving: Serving, req: CompletionRequest, text: str, tokens: list[int],
+            logprobs: list[dict[int, float]] | None, offset: int, finish: str | None,
+            stop_reason: str | int | None) -> tuple[dict, int]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+              "stop_reason": stop_reason}
+    if req.logprobs is not None and logprobs is not None:
+        choice["logprobs"], offset = _logprobs(serving, tokens, logprobs, offset)
+    if req.return_token_ids:
+        choice["token_ids"] = tokens
+    return choice, offset
+
+
+async def _events(serving: Serving, job: Job, req: CompletionRequest) -> AsyncIterator[str]:
+    opts = req.stream_options
+    base = {"id": job.request_id, "object": "text_completion", "created": job.created,
+            "model": serving.model_name}
+    offset, first = 0, True
+    try:
+        async for d in serving.generate(job):
+            wants_tokens = req.logprobs is not None or req.return_token_ids
+            if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
+                continue
+            choice, offset = _choice(serving, req, d.text, d.token_ids, d.logprobs, offset,
+                                     d.finish_reason, d.stop_reason)
+            if req.return_token_ids and first:
+                choice["prompt_token_ids"] = job.prompt_token_ids
+            first = False
+            chunk = {**base, "choices": [choice]}
+            if opts is not None and opts.continuous_usage_stats:
+                chunk["usage"] = job.usage()
+            yield sse(chunk)
+        if opts is not None and opts.include_usage:
+            final = {**base, "choices": [], "usage": job.usage()}
+            metrics = serving.spec_metrics(job)
+            if metrics is not None:
+                final["metrics"] = metrics
+            yield sse(final)
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+def _response(serving: Serving, job: Job, req: CompletionRequest, deltas: list[Delta]) -> dict:
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    last = deltas[-1]
+    choice, _ = _choice(serving, req, "".join(d.text for d in deltas), tokens, logprobs, 0,
+                        last.finish_reason, last.stop_reason)
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = job.prompt_token_ids
+    body = {"id": job.request_id, "object": "text_completion", "created": job.created,
+            "model": serving.model_name, "choices": [choice], "usage": job.usage()}
+    metrics = serving.spec_metrics(job)
+    if metrics is not None:
+        body["metrics"] = metrics
+    return body
+
+
+async def create_completion(serving: Serving, request: Request) -> Response:
+    req = await serving.parse(request, CompletionRequest)
+    serving.check_model(req.model)
+    reject_unsupported(req)
+    ids = serving.check_prompt(_prompt_ids(serving, req), "prompt")
+    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), serving.max_model_len,
+                                    DEFAULT_COMPLETION_MAX_TOKENS)
+    params = build_sampling_params(req, max_tokens, req.logprobs,
+                                   serving.config.generation_defaults)
+    stop = stop_strings(req)
+    job = await serving.start("cmpl", ids, params, stop, req.skip_special_tokens,
+                              req.include_stop_str_in_output)
+    if req.stream:
+        return serving.sse_response(_events(serving, job, req))
+    return JSONResponse(_response(serving, job, req, await serving.collect(job, request)))

@@ -1,0 +1,127 @@
+"""Request fields -> :class:`SamplingParams`, with OpenAI/vLLM defaults and 400s for bad values."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from ..config import SamplingParams
+from .errors import bad_request
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+logger = logging.getLogger(__name__)
+
+#: Largest number of top log-probabilities a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+#: Default ``max_tokens`` of a completion request (OpenAI and vLLM).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: ``generation_config.json`` keys used as defaults for fields a request leaves out.
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
+
+
+def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
+    """Sampling defaults from the checkpoint's ``generation_config.json`` (as vLLM applies them).
+
+    A plain OpenAI client cannot send ``top_k``, so a model that recommends one (Laguna: 20)
+    only gets it this way. Missing file or keys -> ``{}``.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        logger.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+    return {k: data[k] for k in GENERATION_DEFAULT_KEYS if data.get(k) is not None}
+
+
+def reject_unsupported(req: SamplingFields) -> None:
+    """400 for fields whose non-default values this server cannot honour."""
+    if req.n not in (None, 1):
+        raise bad_request(f"n={req.n} is not supported; only n=1 is", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported; leave it at 0", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        if req.best_of not in (None, 1):
+            raise bad_request(f"best_of={req.best_of} is not supported; only 1 is", "best_of")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools and req.tool_choice != "none":
+            raise bad_request("tool calling is not supported", "tools")
+        kind = (req.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise bad_request(f"response_format type {kind!r} is not supported", "response_format")
+
+
+def stop_strings(req: SamplingFields) -> tuple[str, ...]:
+    """The request's stop strings as a tuple (``stop`` may be one string or a list)."""
+    if req.stop is None:
+        return ()
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if any(not s for s in stops):
+        raise bad_request("stop strings must be non-empty", "stop")
+    return stops
+
+
+def _number(value: float, name: str) -> float:
+    if not math.isfinite(value):
+        raise bad_request(f"{name} must be a finite number, got {value}", name)
+    return float(value)
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       default: int | None, param: str = "max_tokens") -> int:
+    """The completion budget: the request's (checked against the context) or the default.
+
+    ``default=None`` means "whatever the context leaves" (chat); a default never exceeds it.
+    """
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if default is None else max(1, min(default, room))
+    if requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+            f"{requested} in the completion). Please reduce the length of the prompt or "
+            f"{param}.", param)
+    return requested
+
+
+def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | None,
+                          defaults: dict[str, float],
+                          logprobs_param: str = "logprobs") -> SamplingParams:
+    """Validate the sampling fields and build the engine's :class:`SamplingParams`."""
+    temperature = _number(req.temperature if req.temperature is not None
+                          else defaults.get("temperature", 1.0), "temperature")
+    if temperature < 0:
+        raise bad_request(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
+    top_p = _number(req.top_p if req.top_p is not None else defaults.get("top_p", 1.0), "top_p")
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = int(req.top_k if req.top_k is not None else defaults.get("top_k", 0))
+    if top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (disabled) or >= 1, got {top_k}", "top_k")
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}",
+                          logprobs_param)
+    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+        raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    try:
+        return SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
+            stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
+            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=num_logprobs,
+        )
+    except ValueError as e:  # SamplingParams' own checks; the message names the field
+        raise bad_request(str(e)) from e

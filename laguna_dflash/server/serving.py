@@ -1,0 +1,238 @@
+"""What completions and chat share: parsing, prompt checks, running a request, SSE framing.
+
+A request becomes a :class:`Job`; :meth:`Serving.generate` turns the engine's token outputs into
+:class:`Delta` s (text, tokens, logprobs, finish). Streaming sends one SSE event per delta;
+non-streaming concatenates the same deltas, so both give the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from ..config import SamplingParams
+from .args import ServerConfig
+from .async_engine import AsyncEngine, ClientDisconnected, RequestStream
+from .detokenizer import IncrementalDetokenizer, OutputText
+from .errors import APIError, bad_request, from_validation_error
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class Delta:
+    """New output of one request: text that may be sent now and the tokens behind it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Job:
+    """One running request as the HTTP layer sees it."""
+
+    request_id: str
+    created: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    text: OutputText
+    stream: RequestStream
+    num_output_tokens: int = 0
+    spec: dict | None = None
+
+    def usage(self) -> dict:
+        p, c = len(self.prompt_token_ids), self.num_output_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+#: Largest request body accepted (413 above it).
+MAX_BODY_BYTES = 64 << 20
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Resolve when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a server that answers at once must not make this spin
+
+
+class Serving:
+    """Shared state of the OpenAI routes: the engine, the tokenizer, the model's limits."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, config: ServerConfig) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = config.served_model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.target.spec.vocab_size
+        self.num_speculative_tokens = engine.engine.num_speculative_tokens
+        self.created = int(time.time())
+
+    # ---- request parsing -----------------------------------------------------------------
+
+    async def parse(self, request: Request, model: type[M]) -> M:
+        """The JSON body validated into ``model`` (400 for malformed JSON or bad fields)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"malformed JSON body: {e}") from e
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e) from e
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer, and the model has none; "
+                              "send token ids to /v1/completions instead")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.require_tokenizer("a text prompt")
+        return list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_prompt(self, ids: list[int], param: str) -> list[int]:
+        """400 unless the prompt is non-empty, in the vocabulary and leaves room for output."""
+        if not ids:
+            raise bad_request("the prompt is empty; send at least one token", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.vocab_size})", param)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(ids)} tokens, which leaves no room for the completion. "
+                "Please shorten the prompt.", param)
+        return ids
+
+    def token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- running -------------------------------------------------------------------------
+
+    async def start(self, prefix: str, prompt_ids: list[int], params: SamplingParams,
+                    stop: tuple[str, ...], skip_special_tokens: bool,
+                    include_stop_str: bool) -> Job:
+        """Submit to the engine and wait until it accepted the request (4xx/5xx otherwise)."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        detok = (IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        stream = self.engine.submit(request_id, prompt_ids, params)
+        await stream.accepted()
+        return Job(request_id, int(time.time()), prompt_ids, params,
+                   OutputText(detok, stop, include_stop_str), stream)
+
+    async def generate(self, job: Job,
+                       disconnected: asyncio.Future | None = None) -> AsyncIterator[Delta]:
+        """Deltas until the request finishes; the engine request is aborted if this stops early."""
+        stream = job.stream
+        stop_ids = set(job.params.stop_token_ids or ())
+        try:
+            while True:
+                out = await stream.next(disconnected)
+                tokens: list[int] = []
+                logprobs = [] if out.new_logprobs is not None else None
+                finish: str | None = None
+                stop_reason: str | int | None = None
+                for i, token in enumerate(out.new_token_ids):
+                    tokens.append(token)
+                    if logprobs is not None:
+                        logprobs.append(out.new_logprobs[i])
+                    if job.text.add_token(token):
+                        finish, stop_reason = "stop", job.text.stop_hit
+                        break
+                job.num_output_tokens += len(tokens)
+                job.spec = out.spec
+                if finish is not None:
+                    stream.abort("stop")  # a stop string: free the engine request now
+                elif out.finished:
+                    job.text.finish()
+                    finish = out.finish_reason
+                    if job.text.stop_hit is not None:
+                        finish, stop_reason = "stop", job.text.stop_hit
+                    elif finish == "stop" and tokens and tokens[-1] in stop_ids:
+                        stop_reason = tokens[-1]
+                yield Delta(job.text.take(final=finish is not None), tokens, logprobs, finish,
+                            stop_reason)
+                if finish is not None:
+                    return
+        finally:
+            stream.abort()
+
+    async def collect(self, job: Job, request: Request) -> list[Delta]:
+        """Run a non-streamed request to the end; abort it if the client disconnects."""
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            return [d async for d in self.generate(job, watcher)]
+        except ClientDisconnected:
+            logger.info("client disconnected; aborted %s", job.request_id)
+            raise APIError(499, "client disconnected") from None
+        finally:
+            watcher.cancel()
+
+    def spec_metrics(self, job: Job) -> dict | None:
+        """Per-request speculative decoding metrics (vLLM's ``metrics.speculative_decoding``)."""
+        s = job.spec
+        if s is None:
+            return None
+        k, drafts = self.num_speculative_tokens, s["num_drafts"]
+        per_pos = s["num_accepted_tokens_per_pos"] or [0] * k
+        # steps that accepted exactly a drafts: per_pos[a-1] - per_pos[a] (per_pos[-1] = drafts)
+        bounds = [drafts, *per_pos, 0]
+        histogram = [bounds[a] - bounds[a + 1] for a in range(k + 1)]
+        accepted = s["num_accepted_tokens"]
+        return {"speculative_decoding": {
+            "num_spec_tokens": k,
+            "num_spec_steps": drafts,
+            "num_draft_tokens": s["num_draft_tokens"],
+            "num_accepted_draft_tokens": accepted,
+            "num_accepted_tokens_per_pos": list(per_pos),
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "draft_acceptance_rate": accepted / s["num_draft_tokens"] if s["num_draft_tokens"]
+            else 0.0,
+            "acceptance_histogram": histogram,
+        }}
+
+    @staticmethod
+    def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,589 @@
+"""A live server on 127.0.0.1 (background thread, free port) driven by the official openai client
+and raw HTTP: parity with offline greedy decoding, streaming, load with speculation, metrics,
+disconnects, bad input, auth and an engine failure.
+
+The stack: a tiny Laguna target (vocab 384) with a byte-level BPE tokenizer and chat template,
+and a briefly distilled z-lab DFlash drafter (block 4, K = 3) so drafts are sometimes accepted and
+steps deliver several tokens. The KV cache is small (100 blocks of 8) so the load test makes
+requests wait and get preempted. Offline references come from a target-only ``LLM`` (greedy
+speculative output is lossless, so it must match).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.cli import build_parser
+from laguna_dflash.engine.engine import LLMEngine
+from laguna_dflash.server.app import build_app
+from laguna_dflash.server.args import resolve_server_config
+from laguna_dflash.server.launcher import ServerThread, build_serving
+
+KEY = "test-key"
+NAME = "laguna-tiny"
+MAX_MODEL_LEN = 256
+K = 3
+
+WORDS = ("def", "class", "return", "import", "the", "quick", "brown", "fox", "speculative",
+         "decoding", "block", "token", "print", "value", "list", "for", "while", "lambda")
+
+
+@dataclass
+class Stack:
+    url: str
+    target: Path
+    draft: Path
+    engine: LLMEngine
+    offline: LLM
+    client: openai.OpenAI
+
+    def http(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"},
+                            timeout=kw.pop("timeout", 60.0), **kw)
+
+    def greedy(self, prompts: list[str] | None = None, ids: list[list[int]] | None = None,
+               max_tokens: int = 24, **kw):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+        if ids is not None:
+            return self.offline.generate(prompt_token_ids=ids, sampling_params=params)
+        return self.offline.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    import dflash_fixtures as df
+    import hf_fixtures as hf
+
+    root = tmp_path_factory.mktemp("server")
+    target = df.make_tiny_laguna_target(root / "target", seed=0, vocab_size=384)
+    draft = df.make_zlab_drafter(root / "draft", target, num_layers=1, block_size=K + 1,
+                                 distill_steps=500)
+    hf.make_tokenizer(target, 384)
+    args = build_parser().parse_args([
+        "serve", "--model", str(target), "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", str(draft), "--speculative-num-draft-tokens", str(K + 1),
+        "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8", "--num-kv-blocks", "100",
+        "--api-key", KEY, "--served-model-name", NAME, "--log-stats-interval", "1",
+    ])
+    serving = build_serving(resolve_server_config(args))
+    server = ServerThread(build_app(serving)).start()
+    offline = LLM(str(target), block_size=8, max_model_len=MAX_MODEL_LEN)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        yield Stack(server.url, target, draft, serving.engine.engine, offline, client)
+    finally:
+        client.close()
+        server.stop()
+
+
+def _metrics(stack: Stack) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, without the model_name label."""
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")
+            values[key] = float(value)
+    return values
+
+
+def _wait_idle(stack: Stack, timeout: float = 15.0) -> dict[str, float]:
+    """Wait until nothing runs or waits and every KV block is free again; return the metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(stack)
+        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["laguna_dflash:kv_cache_free_blocks"] == m["laguna_dflash:kv_cache_total_blocks"])
+        if idle:
+            assert m["vllm:kv_cache_usage_perc"] == 0.0
+            return m
+        assert time.monotonic() < deadline, f"server did not become idle: {m}"
+        time.sleep(0.05)
+
+
+def _prompts(n: int, seed: int) -> list[str]:
+    return [" ".join(WORDS[(seed * 7 + i * 5 + j * 3) % len(WORDS)] for j in range(1 + (i + seed) % 6))
+            + f" {i}" for i in range(n)]
+
+
+def _stream_text(stream) -> tuple[str, str | None, object]:
+    """(text, finish_reason, usage) of a streamed completion."""
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return text, finish, usage
+
+
+# ---- the HTTP surface ----------------------------------------------------------------------------
+
+
+def test_models_health_version_and_auth(stack):
+    models = stack.client.models.list()
+    assert models.data[0].id == NAME and models.data[0].model_extra["root"] == str(stack.target)
+    health = httpx.get(stack.url + "/health")  # open without a key (load balancer probes)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert httpx.get(stack.url + "/version").json()["version"]
+    assert httpx.get(stack.url + "/metrics").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(stack.url + "/v1/completions", headers=headers,
+                       json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert "API key" in r.json()["error"]["message"]
+    assert httpx.get(stack.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=stack.url + "/v1", api_key="nope", max_retries=0).models.list()
+    info = stack.http().get("/server_info").json()
+    assert info["num_speculative_tokens"] == K and info["speculative_method"] == "dflash"
+    assert info["draft_from"].startswith("--speculative-draft-model-path")
+
+
+def test_completions_equal_offline_greedy_streamed_and_not(stack):
+    prompts = ["def quicksort(arr):", "The quick brown fox", "import os\nimport sys\n"]
+    want = stack.greedy(prompts)
+    for prompt, ref in zip(prompts, want):
+        full = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                               temperature=0)
+        assert full.object == "text_completion" and full.id.startswith("cmpl-")
+        assert full.model == NAME and isinstance(full.created, int)
+        assert full.choices[0].text == ref.text
+        assert full.choices[0].finish_reason == ref.finish_reason
+        assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert full.usage.completion_tokens == len(ref.token_ids)
+        spec = full.model_extra["metrics"]["speculative_decoding"]
+        assert spec["num_spec_tokens"] == K and spec["num_draft_tokens"] == K * spec["num_spec_steps"]
+        stream = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
+        text, finish, usage = _stream_text(stream)
+        assert text == full.choices[0].text and finish == ref.finish_reason
+        assert usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_equals_offline_greedy_streamed_and_not(stack):
+    tok = stack.offline.tokenizer
+    for messages in ([{"role": "user", "content": "hello there"}],
+                     [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": [{"type": "text", "text": "sort a list"}]}]):
+        flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                 else m["content"][0]["text"]} for m in messages]
+        ids = tok.encode(tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)
+        ref = stack.greedy(ids=[ids], max_tokens=20)[0]
+        full = stack.client.chat.completions.create(model=NAME, messages=messages, max_tokens=20,
+                                                    temperature=0)
+        assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+        assert full.choices[0].message.role == "assistant"
+        assert full.choices[0].message.content == ref.text
+        assert full.choices[0].finish_reason == ref.finish_reason
+        assert full.usage.prompt_tokens == len(ids)
+        chunks = list(stack.client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert all(c.object == "chat.completion.chunk" for c in chunks)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == ref.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+
+
+def test_token_id_prompts_and_returned_token_ids(stack):
+    ids = [[11, 57, 300, 42, 9], [200]]
+    refs = stack.greedy(ids=ids, max_tokens=16)
+    for prompt in (ids[0], [ids[0]]):
+        out = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=16,
+                                              temperature=0, extra_body={"return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == refs[0].token_ids
+        assert out.choices[0].model_extra["prompt_token_ids"] == ids[0]
+        assert out.choices[0].text == refs[0].text
+    out = stack.client.completions.create(model=NAME, prompt=["The quick brown fox"], max_tokens=8,
+                                          temperature=0)
+    assert out.choices[0].text == stack.greedy(["The quick brown fox"], max_tokens=8)[0].text
+
+
+def test_stop_strings_and_stop_token_ids(stack):
+    prompt = "class Node:"
+    ref = stack.greedy([prompt], max_tokens=40, ignore_eos=True)[0]
+    text = ref.text
+    # a two-character stop string from the middle of the text, without replacement characters
+    start = next(i for i in range(6, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    cut = text.index(stop)
+    for include, expected in ((False, text[:cut]), (True, text[: cut + 2])):
+        body = {"ignore_eos": True, "include_stop_str_in_output": include}
+        full = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=40,
+                                               temperature=0, stop=[stop, "\x00never"],
+                                               extra_body=body)
+        assert full.choices[0].text == expected
+        assert full.choices[0].finish_reason == "stop"
+        assert full.choices[0].model_extra["stop_reason"] == stop
+        assert full.usage.completion_tokens < len(ref.token_ids)
+        streamed, finish, _ = _stream_text(stack.client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True,
+            extra_body=body))
+        assert streamed == expected and finish == "stop"
+    stop_id = ref.token_ids[7]
+    first = ref.token_ids.index(stop_id)
+    out = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                          extra_body={"stop_token_ids": [stop_id],
+                                                      "ignore_eos": True, "return_token_ids": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop_id
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids[: first + 1]
+    _wait_idle(stack)  # the engine requests stopped by a stop string were aborted and freed
+
+
+def test_logprobs(stack):
+    prompt = "def main():"
+    ref = stack.offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=2))[0]
+    full = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                           logprobs=2)
+    lp = full.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ref.token_ids)
+    for got, tok, want in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
+        assert got == pytest.approx(want[tok], abs=1e-4)
+    # keyed by token text: distinct byte tokens that decode to the same U+FFFD collapse
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert any(len(t) >= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = []
+    for chunk in stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=12,
+                                                 temperature=0, logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == lp.token_logprobs
+    chat = stack.client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+
+
+def test_seeded_sampling_is_reproducible_streamed_and_not(stack):
+    kw = dict(model=NAME, prompt="lambda x:", max_tokens=24, temperature=0.9, seed=1234,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a = stack.client.completions.create(**kw).choices[0].text
+    b = stack.client.completions.create(**kw).choices[0].text
+    streamed, _, _ = _stream_text(stack.client.completions.create(stream=True, **kw))
+    assert a == b == streamed
+
+
+def test_tokenize_and_detokenize(stack):
+    tok = stack.offline.tokenizer
+    with stack.http() as http:
+        r = http.post("/tokenize", json={"model": NAME, "prompt": "def f(x):"}).json()
+        assert r["tokens"] == tok.encode("def f(x):") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == MAX_MODEL_LEN
+        r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert r["tokens"][0] == tok.bos_token_id and r["tokens"][-1] == 6  # <|assistant|>
+        assert http.post("/detokenize", json={"tokens": tok.encode("héllo")}).json() == {
+            "prompt": "héllo"}
+        assert http.post("/detokenize", json={"tokens": [9999]}).status_code == 400
+
+
+# ---- load, metrics, disconnects ------------------------------------------------------------------
+
+
+async def _one_stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int):
+    stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+    text, finish, usage, spec, chunks = "", None, None, None, 0
+    async for chunk in stream:
+        if chunk.choices:
+            chunks += 1
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+            spec = chunk.model_extra["metrics"]["speculative_decoding"]
+    return text, finish, usage, spec, chunks
+
+
+async def _wave(url: str, prompts: list[str], max_tokens: int):
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
+                                  timeout=120) as client:
+        return await asyncio.gather(*[_one_stream(client, p, max_tokens) for p in prompts])
+
+
+def test_load_64_concurrent_streams_in_waves(stack, caplog):
+    caplog.set_level(logging.INFO, logger="laguna_dflash.server.stats_log")
+    waves = [_prompts(64, seed) for seed in range(3)]
+    max_tokens = 24
+    before = _wait_idle(stack)
+    results = []
+    for prompts in waves:
+        want = stack.greedy(prompts, max_tokens=max_tokens)
+        got = asyncio.run(_wave(stack.url, prompts, max_tokens))
+        for ref, (text, finish, usage, _, _) in zip(want, got):
+            assert (text, finish) == (ref.text, ref.finish_reason)
+            assert usage.completion_tokens == len(ref.token_ids)
+        results += got
+    after = _wait_idle(stack)  # every KV block is free again
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = sum(len(w) for w in waves)
+    specs = [r[3] for r in results]
+    # the engine-wide counters add up to the per-request ones
+    assert d["vllm:spec_decode_num_drafts_total"] == sum(s["num_spec_steps"] for s in specs) > 0
+    assert d["vllm:spec_decode_num_draft_tokens_total"] == K * d["vllm:spec_decode_num_drafts_total"]
+    accepted = d["vllm:spec_decode_num_accepted_tokens_total"]
+    assert accepted == sum(s["num_accepted_draft_tokens"] for s in specs)
+    assert 0 < accepted <= d["vllm:spec_decode_num_draft_tokens_total"]
+    per_pos = [d[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+               for i in range(K)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert d["vllm:generation_tokens_total"] == sum(r[2].completion_tokens for r in results)
+    assert d["vllm:prompt_tokens_total"] == sum(r[2].prompt_tokens for r in results)
+    finished = sum(d[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in
+                   ("stop", "length"))
+    assert finished == n and d['vllm:request_success_total{finished_reason="error"}'] == 0
+    assert d["vllm:time_to_first_token_seconds_count"] == n
+    assert d["vllm:e2e_request_latency_seconds_count"] == n
+    assert d["vllm:num_preemptions_total"] > 0  # the small cache made requests wait and preempt
+    assert any(r[4] < r[2].completion_tokens for r in results)  # multi-token chunks happened
+    deadline = time.monotonic() + 5
+    while "SpecDecoding metrics: Mean acceptance length:" not in caplog.text:
+        assert time.monotonic() < deadline, "no periodic SpecDecoding log line"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def slow_engine(stack, monkeypatch):
+    """Make each engine step take >= 20 ms so long requests are surely still running."""
+    step = stack.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(stack.engine, "step", slow_step)
+
+
+def test_disconnects_abort_requests_and_free_their_blocks(stack, slow_engine):
+    before = _wait_idle(stack)
+    body = {"model": NAME, "prompt": "print", "max_tokens": 220, "temperature": 0,
+            "ignore_eos": True}
+    with stack.http() as http:
+        streams = []
+        for _ in range(4):
+            r = http.send(http.build_request("POST", "/v1/completions",
+                                             json={**body, "stream": True}), stream=True)
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept alive: closing it would close the response
+            line = next(ln for ln in lines if ln.startswith("data: "))
+            assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+            streams.append((r, lines))
+        m = _metrics(stack)
+        assert m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 4
+        assert m["vllm:kv_cache_usage_perc"] > 0
+        for r, _ in streams:
+            r.close()  # the client goes away mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+        with stack.http(timeout=0.5) as http:
+            http.post("/v1/completions", json=body)
+    after = _wait_idle(stack)
+    assert after['vllm:request_success_total{finished_reason="abort"}'] - before.get(
+        'vllm:request_success_total{finished_reason="abort"}', 0) == 5
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < 5 * 220  # they really stopped early
+
+
+# ---- bad input and failures ----------------------------------------------------------------------
+
+
+def _good_request_in_background(stack, max_tokens: int = 80):
+    """A streamed request running while the test does something else; returns (thread, result)."""
+    result: dict = {}
+    started = threading.Event()
+
+    def run():
+        text = ""
+        for chunk in stack.client.completions.create(
+                model=NAME, prompt="def good(x):", max_tokens=max_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                result["finish"] = chunk.choices[0].finish_reason
+            started.set()
+        result["text"] = text
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(30)
+    return thread, result
+
+
+LONG = list(range(10, 10 + MAX_MODEL_LEN))
+
+BAD_REQUESTS = [
+    # (path, body or raw bytes, status, param, message needle)
+    ("/v1/completions", b"{not json", 400, None, "malformed JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"model": NAME, "max_tokens": 4}, 400, "prompt", "Field required"),
+    ("/v1/chat/completions", {"model": NAME}, 400, "messages", "Field required"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+     404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt", "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, 400,
+     "messages", "maximum context length"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 254}, 400, "max_tokens",
+     "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 10**6}, 400, "max_completion_tokens",
+     "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_k": -7}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n", "only n=1"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
+    ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["ok", ""]}, 400, "stop", "non-empty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, 400, "frequency_penalty",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages", "text content"),
+    ("/v1/nope", {}, 404, None, "Not Found"),
+]
+
+
+def test_bad_inputs_get_openai_errors_while_a_good_request_succeeds(stack):
+    want = stack.greedy(["def good(x):"], max_tokens=80, ignore_eos=True)[0]
+    thread, result = _good_request_in_background(stack)
+    with stack.http() as http:
+        for path, body, status, param, needle in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert r.status_code == status, (path, body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == status and error["param"] == param, (body, error)
+            assert needle in error["message"], (body, error)
+        r = http.post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 0})
+        assert r.status_code == 400  # streamed requests are checked before the stream starts
+        assert http.get("/v1/completions").status_code == 405
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        stack.client.completions.create(model=NAME, prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        stack.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    thread.join(60)
+    assert result["text"] == want.text and result["finish"] == "length"
+    _wait_idle(stack)
+
+
+def test_engine_failure_fails_only_that_request(stack, monkeypatch):
+    poison = [3, 1, 4, 1, 5, 9, 2, 6]
+    prefill = stack.engine._prefill
+
+    def failing_prefill(seqs):
+        if any(s.prompt_token_ids == poison for s in seqs):
+            raise RuntimeError("injected failure")
+        return prefill(seqs)
+
+    monkeypatch.setattr(stack.engine, "_prefill", failing_prefill)
+    want = stack.greedy(["def good(x):"], max_tokens=60, ignore_eos=True)[0]
+    before = _metrics(stack)
+    thread, result = _good_request_in_background(stack, max_tokens=60)
+    with stack.http() as http:
+        r = http.post("/v1/completions", json={"prompt": poison, "max_tokens": 8})
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": poison, "max_tokens": 8, "stream": True})
+        events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 500
+        assert http.post("/v1/completions", json={"prompt": [7, 8], "max_tokens": 3}).status_code == 200
+    thread.join(60)
+    assert result["text"] == want.text  # the request sharing the engine was not disturbed
+    after = _wait_idle(stack)
+    assert after['vllm:request_success_total{finished_reason="error"}'] - before[
+        'vllm:request_success_total{finished_reason="error"}'] == 2
+    assert httpx.get(stack.url + "/health").status_code == 200
+
+
+def test_metrics_expose_the_vllm_names(stack):
+    names = set(re.sub(r"\{.*", "", k) for k in _metrics(stack))
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "vllm:request_success_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert name in names, name
+
+
+def test_cli_serve_runs_a_server_with_the_vllm_spelling(stack, tmp_path):
+    """``python -m laguna_dflash serve`` end to end in a subprocess (stopped by its pid)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = json.dumps({"method": "dflash", "model": str(stack.draft), "num_speculative_tokens": 2})
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "laguna_dflash", "serve", "--model", str(stack.target),
+           "--speculative-config", spec, "--port", str(port), "--max-model-len", "128",
+           "--block-size", "8", "--num-kv-blocks", "40"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model=str(stack.target), prompt="def f(x):", max_tokens=12,
+                                        temperature=0)
+        assert out.choices[0].text == stack.greedy(["def f(x):"], max_tokens=12)[0].text
+        assert out.model_extra["metrics"]["speculative_decoding"]["num_spec_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    text = log.read_text()
+    assert text.count("resolved serve configuration") == 1, text
+    assert "num_speculative_tokens=2" in text and "draft_from=--speculative-config model" in text

@@ -1,0 +1,147 @@
+"""``serve`` flag resolution: the three speculative spellings, conflicts, the one start-up log line.
+
+No server and no model are started here: these call the resolution functions directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from laguna_dflash.cli import build_parser, main
+from laguna_dflash.server.args import (
+    API_KEY_ENV,
+    resolve_server_config,
+    resolve_speculative,
+)
+
+
+def _args(*flags: str):
+    return build_parser().parse_args(["serve", "--model", "/models/target", *flags])
+
+
+def _draft_dir(tmp_path: Path, block_size: int = 16) -> str:
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(
+        {"architectures": ["DFlashLagunaForCausalLM"], "dflash_config": {"block_size": block_size}}))
+    return str(d)
+
+
+def test_vllm_spelling():
+    spec = resolve_speculative(_args(
+        "--speculative-config", '{"method": "dflash", "model": "/d", "num_speculative_tokens": 15}'))
+    assert spec.config.draft == "/d" and spec.config.num_speculative_tokens == 15
+    assert spec.draft_flag == "--speculative-config model"
+
+
+def test_vllm_spelling_without_method_or_k():
+    spec = resolve_speculative(_args("--speculative-config", '{"model": "/d"}'))
+    assert spec.config.draft == "/d" and spec.config.num_speculative_tokens is None
+
+
+def test_sglang_spelling_counts_the_bonus_slot():
+    spec = resolve_speculative(_args(
+        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
+        "--speculative-num-draft-tokens", "16"))
+    assert spec.config.draft == "/d"
+    assert spec.config.num_speculative_tokens == 15  # 16 verify slots = bonus + 15 drafts
+
+
+def test_sglang_block_size_flag_is_a_synonym():
+    spec = resolve_speculative(_args(
+        "--speculative-algorithm", "dflash", "--speculative-draft-model-path", "/d",
+        "--speculative-dflash-block-size", "8"))
+    assert spec.config.num_speculative_tokens == 7
+
+
+def test_own_spelling():
+    spec = resolve_speculative(_args("--draft", "/d", "--num-speculative-tokens", "5"))
+    assert spec.config.draft == "/d" and spec.config.num_speculative_tokens == 5
+    assert spec.draft_flag == "--draft" and spec.tokens_flag == "--num-speculative-tokens"
+
+
+def test_no_speculation_by_default_and_with_no_spec():
+    assert resolve_speculative(_args()).config is None
+    assert resolve_speculative(_args("--draft", "/d", "--no-spec")).config is None
+
+
+def test_spellings_that_agree_may_be_mixed():
+    spec = resolve_speculative(_args(
+        "--draft", "/d/", "--speculative-config", '{"model": "/d", "num_speculative_tokens": 15}',
+        "--speculative-num-draft-tokens", "16"))
+    assert spec.config.draft == "/d" and spec.config.num_speculative_tokens == 15
+
+
+@pytest.mark.parametrize("flags, first, second", [
+    (("--draft", "/a", "--speculative-config", '{"model": "/b"}'),
+     "--draft", "--speculative-config"),
+    (("--draft", "/a", "--speculative-draft-model-path", "/b", "--speculative-algorithm", "DFLASH"),
+     "--draft", "--speculative-draft-model-path"),
+    (("--speculative-config", '{"model": "/a"}', "--speculative-draft-model-path", "/b"),
+     "--speculative-config", "--speculative-draft-model-path"),
+    (("--draft", "/a", "--num-speculative-tokens", "7", "--speculative-num-draft-tokens", "16"),
+     "--num-speculative-tokens", "--speculative-num-draft-tokens"),
+    (("--speculative-config", '{"model": "/a", "num_speculative_tokens": 15}',
+      "--speculative-draft-model-path", "/a", "--speculative-num-draft-tokens", "8"),
+     "--speculative-config", "--speculative-num-draft-tokens"),
+    (("--draft", "/a", "--speculative-num-draft-tokens", "16",
+      "--speculative-dflash-block-size", "8"),
+     "--speculative-num-draft-tokens", "--speculative-dflash-block-size"),
+])
+def test_conflicting_spellings_name_both_flags(flags, first, second):
+    with pytest.raises(ValueError, match="conflicting") as info:
+        resolve_speculative(_args(*flags))
+    assert first in str(info.value) and second in str(info.value)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--speculative-config", '{"method": "eagle", "model": "/d"}'), "method 'eagle'"),
+    (("--speculative-config", "{not json"), "--speculative-config is not valid JSON"),
+    (("--speculative-config", '["/d"]'), "must be a JSON object"),
+    (("--speculative-config", '{"method": "dflash"}'), 'needs "model"'),
+    (("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d"), "EAGLE"),
+    (("--speculative-algorithm", "DFLASH"), "requires --speculative-draft-model-path"),
+    (("--draft", "/d", "--speculative-num-draft-tokens", "1"), "must be >= 2"),
+    (("--num-speculative-tokens", "3",), "--num-speculative-tokens needs a drafter"),
+    (("--speculative-num-draft-tokens", "16",), "--speculative-num-draft-tokens needs a drafter"),
+])
+def test_bad_speculative_flags(flags, needle):
+    with pytest.raises(ValueError) as info:
+        resolve_speculative(_args(*flags))
+    assert needle in str(info.value)
+
+
+def test_resolved_config_defaults_and_single_log_line(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    draft = _draft_dir(tmp_path, block_size=16)
+    caplog.set_level(logging.INFO, logger="laguna_dflash.server.args")
+    config = resolve_server_config(_args("--speculative-config", json.dumps({"model": draft})))
+    assert config.host == "127.0.0.1" and config.port == 8000  # loopback by default
+    assert config.served_model_name == "/models/target" and config.api_key is None
+    assert config.engine.speculative.draft == draft
+    described = config.describe()
+    assert described["num_speculative_tokens"] == 15  # from the drafter's block_size 16
+    assert described["num_speculative_tokens_from"] == "drafter block_size"
+    lines = [r.getMessage() for r in caplog.records if "resolved serve configuration" in r.getMessage()]
+    assert len(lines) == 1
+    assert "num_speculative_tokens=15" in lines[0] and "draft_from=--speculative-config" in lines[0]
+    assert "api_key=none" in lines[0]
+
+
+def test_api_key_from_environment_is_not_logged(caplog, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    caplog.set_level(logging.INFO, logger="laguna_dflash.server.args")
+    config = resolve_server_config(_args("--served-model-name", "laguna"))
+    assert config.api_key == "s3cret" and config.served_model_name == "laguna"
+    assert "s3cret" not in caplog.text and "s3cret" not in repr(config)
+
+
+def test_cli_serve_conflict_exits_with_an_error_naming_both_flags(capsys):
+    code = main(["serve", "--model", "/models/target", "--draft", "/a",
+                 "--speculative-draft-model-path", "/b", "--speculative-algorithm", "DFLASH"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--draft" in err and "--speculative-draft-model-path" in err

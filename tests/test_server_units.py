@@ -1,0 +1,218 @@
+"""Server building blocks without a server: incremental detokenization, stop strings, sampling
+field checks, Prometheus rendering and the SpecDecoding log line."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from laguna_dflash.server.detokenizer import IncrementalDetokenizer, OutputText
+from laguna_dflash.server.errors import APIError
+from laguna_dflash.server.metrics import EngineSnapshot, ServerMetrics, SpecCounters
+from laguna_dflash.server.protocol import ChatCompletionRequest, CompletionRequest
+from laguna_dflash.server.sampling import (
+    build_sampling_params,
+    reject_unsupported,
+    resolve_max_tokens,
+    stop_strings,
+)
+from laguna_dflash.server.stats_log import StatsLogger, format_spec_decoding_line
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    import hf_fixtures as hf
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    hf.make_tokenizer(d, VOCAB, update_model_config=False)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def _stream(tokenizer, ids, stop=(), include=False, skip=True):
+    """Feed ids one at a time like the server does; return (streamed deltas, final OutputText)."""
+    out = OutputText(IncrementalDetokenizer(tokenizer, skip), tuple(stop), include)
+    deltas = []
+    for t in ids:
+        if out.add_token(t):
+            break
+        deltas.append(out.take(final=False))
+    else:
+        out.finish()
+    deltas.append(out.take(final=True))
+    return deltas, out
+
+
+def test_incremental_text_equals_full_decode_on_multibyte_text(tokenizer):
+    text = "héllo wörld ✓ 日本語 naïve café — ünïcödé 🙂 def f(x):\n    return x"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 4  # byte-level pieces: many chars span several tokens
+    deltas, out = _stream(tokenizer, ids)
+    assert "".join(deltas) == out.text == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in d for d in deltas)  # never a half character
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_text_equals_full_decode_on_random_ids(tokenizer, skip):
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
+        deltas, out = _stream(tokenizer, ids, skip=skip)
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_stop_string_never_streamed_and_text_cut_before_it(tokenizer):
+    text = "alpha beta gamma delta epsilon"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas, out = _stream(tokenizer, ids, stop=("gamma", "zeta"))
+    assert out.stop_hit == "gamma"
+    assert "".join(deltas) == out.text == "alpha beta "
+    deltas, out = _stream(tokenizer, ids, stop=["delta", "a g"], include=True)
+    assert out.stop_hit == "a g" and "".join(deltas) == "alpha beta g"
+
+
+def test_stop_string_in_the_held_back_tail_is_found_at_the_end(tokenizer):
+    ids = tokenizer.encode("one two", add_special_tokens=False)
+    deltas, out = _stream(tokenizer, ids, stop=("two",))
+    assert "".join(deltas) == "one " and out.stop_hit == "two"
+
+
+def _completion(**fields):
+    return CompletionRequest(prompt="x", **fields)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_bad_sampling_values_are_400_naming_the_field(fields, param):
+    with pytest.raises(APIError) as info:
+        build_sampling_params(_completion(**fields), 4, None, {})
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_sampling_defaults_and_generation_config():
+    p = build_sampling_params(_completion(top_k=-1), 4, 2, {})
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.logprobs) == (1.0, 1.0, 0, 4, 2)
+    p = build_sampling_params(_completion(temperature=0.0), 4, None, {"temperature": 0.7, "top_k": 20})
+    assert (p.temperature, p.top_k) == (0.0, 20)  # request wins, model default fills the rest
+    with pytest.raises(APIError, match="logprobs must be in"):
+        build_sampling_params(_completion(), 4, 21, {})
+
+
+def test_max_tokens_rules():
+    assert resolve_max_tokens(None, 10, 100, 16) == 16
+    assert resolve_max_tokens(None, 95, 100, 16) == 5  # a default never overflows the context
+    assert resolve_max_tokens(None, 10, 100, None) == 90
+    for bad in (0, -3, 91):
+        with pytest.raises(APIError) as info:
+            resolve_max_tokens(bad, 10, 100, 16)
+        assert info.value.status == 400 and info.value.param == "max_tokens"
+    with pytest.raises(APIError, match="maximum context length is 100"):
+        resolve_max_tokens(91, 10, 100, 16)
+
+
+@pytest.mark.parametrize("request_, param", [
+    (CompletionRequest(prompt="x", n=2), "n"),
+    (CompletionRequest(prompt="x", echo=True), "echo"),
+    (CompletionRequest(prompt="x", presence_penalty=0.5), "presence_penalty"),
+    (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
+    (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                           tools=[{"type": "function"}]), "tools"),
+    (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                           response_format={"type": "json_object"}), "response_format"),
+])
+def test_unsupported_fields_are_rejected(request_, param):
+    with pytest.raises(APIError) as info:
+        reject_unsupported(request_)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_stop_field_forms():
+    assert stop_strings(_completion(stop="x")) == ("x",)
+    assert stop_strings(_completion(stop=["a", "bc"])) == ("a", "bc")
+    assert stop_strings(_completion()) == ()
+    with pytest.raises(APIError):
+        stop_strings(_completion(stop=["a", ""]))
+
+
+def test_error_body_shape():
+    body = APIError(404, "The model `x` does not exist.", "model").body()
+    assert body == {"error": {"message": "The model `x` does not exist.", "type": "NotFoundError",
+                              "param": "model", "code": 404}}
+
+
+def _parse(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def test_metrics_render_names_histograms_and_escaping():
+    m = ServerMetrics('m"1')
+    m.add_prompt_tokens(7)
+    m.observe_tokens(2, ttft_s=0.03, itl_s=None)
+    m.observe_tokens(3, ttft_s=None, itl_s=0.02)
+    m.observe_finished("length", 0.4, num_preemptions=1)
+    spec = SpecCounters(3, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=5,
+                        num_accepted_tokens_per_pos=(3, 2, 0))
+    text = m.render(EngineSnapshot(num_running=1, num_waiting=2, num_free_blocks=6, num_blocks=8,
+                                   spec=spec))
+    v = _parse(text)
+    label = 'model_name="m\\"1"'
+    assert v[f"vllm:prompt_tokens_total{{{label}}}"] == 7
+    assert v[f"vllm:generation_tokens_total{{{label}}}"] == 5
+    assert v[f'vllm:request_success_total{{{label},finished_reason="length"}}'] == 1
+    assert v[f"vllm:kv_cache_usage_perc{{{label}}}"] == pytest.approx(0.25)
+    assert v[f"vllm:num_requests_waiting{{{label}}}"] == 2
+    assert v[f'vllm:time_to_first_token_seconds_bucket{{{label},le="0.02"}}'] == 0
+    assert v[f'vllm:time_to_first_token_seconds_bucket{{{label},le="0.04"}}'] == 1
+    assert v[f'vllm:time_to_first_token_seconds_bucket{{{label},le="+Inf"}}'] == 1
+    assert v[f"vllm:inter_token_latency_seconds_count{{{label}}}"] == 1
+    assert v[f"vllm:spec_decode_num_drafts_total{{{label}}}"] == 4
+    assert v[f"vllm:spec_decode_num_draft_tokens_total{{{label}}}"] == 12
+    assert v[f"vllm:spec_decode_num_accepted_tokens_total{{{label}}}"] == 5
+    assert v[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="1"}}'] == 2
+    assert "# TYPE vllm:spec_decode_num_drafts_total counter" in text
+    assert "# TYPE vllm:e2e_request_latency_seconds histogram" in text
+
+
+def test_spec_decoding_log_line_format():
+    line = format_spec_decoding_line(10, 30, 12, [7, 4, 1], elapsed_s=2.0)
+    assert line == (
+        "SpecDecoding metrics: Mean acceptance length: 2.20, Accepted throughput: 6.00 tokens/s, "
+        "Drafted throughput: 15.00 tokens/s, Accepted: 12 tokens, Drafted: 30 tokens, "
+        "Per-position acceptance rate: 0.700, 0.400, 0.100, Avg Draft acceptance rate: 40.0%")
+
+
+def test_stats_logger_logs_interval_deltas_only_when_busy(caplog):
+    caplog.set_level(logging.INFO, logger="laguna_dflash.server.stats_log")
+    metrics = ServerMetrics("m")
+    log = StatsLogger(metrics, interval_s=5.0)
+    start = log._last_time
+    first = SpecCounters(2, 4, 8, 3, (2, 1))
+    log.maybe_log(EngineSnapshot(num_running=1, num_blocks=4, num_free_blocks=4, spec=first),
+                  now=start + 1.0)
+    assert not caplog.records  # interval not over yet
+    log.maybe_log(EngineSnapshot(num_running=1, num_blocks=4, num_free_blocks=4, spec=first),
+                  now=start + 5.0)
+    second = SpecCounters(2, 6, 12, 5, (3, 2))
+    log.maybe_log(EngineSnapshot(num_blocks=4, num_free_blocks=4, spec=second), now=start + 10.0)
+    spec_lines = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
+    assert len(spec_lines) == 2
+    assert "Accepted: 2 tokens, Drafted: 4 tokens" in spec_lines[1]  # the delta, not the total
+    assert "Per-position acceptance rate: 0.500, 0.500" in spec_lines[1]
+    caplog.clear()
+    log.maybe_log(EngineSnapshot(num_blocks=4, num_free_blocks=4, spec=second), now=start + 20.0)
+    assert not caplog.records  # idle: nothing to report

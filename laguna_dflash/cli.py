@@ -1,12 +1,18 @@
-"""Command line: ``laguna-dflash generate ...`` (also ``python -m laguna_dflash generate``)."""
+"""Command line: ``laguna-dflash generate | serve | bench | train-target | train-draft``.
+
+Also ``python -m laguna_dflash ...``. ``generate`` and ``bench`` without ``--model`` use the
+embedded demo pair.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 import time
+import typing
 
 from .config import EngineConfig, SamplingParams
 
@@ -22,8 +28,10 @@ def _parse_ids(text: str) -> list[int]:
         ) from e
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target checkpoint directory (HF layout)")
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required,
+                   help="target checkpoint directory (HF layout)"
+                   + ("" if model_required else "; default: the embedded demo pair"))
     p.add_argument("--draft", help="DFlash drafter checkpoint directory (enables speculation)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step K (default: the drafter's block_size - 1)")
@@ -40,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="laguna-dflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
-    add_engine_args(g)
+    add_engine_args(g, model_required=False)
     g.add_argument("text", nargs="?", help="prompt text (same as --prompt)")
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in --model)")
     g.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
@@ -53,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true",
                    help="with --json: per step anchor position, draft tokens, accepted count")
+    g.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run target-only and report both speeds (default: on for the demo pair)")
+    b = sub.add_parser("bench", help="tokens/s with and without speculation on a prompt set")
+    add_engine_args(b, model_required=False)
+    b.add_argument("--prompts", help="JSON list / JSON Lines of prompts (default: held-out set)")
+    b.add_argument("--num-prompts", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    b.add_argument("--plot", help="save the per-position acceptance plot to this PNG")
+    b.add_argument("--json", action="store_true")
+    from .train.draft import DraftTrainConfig
+    from .train.target import TargetTrainConfig
+
+    add_dataclass_args(sub.add_parser("train-target", help="pretrain a small Laguna MoE on Python source"),
+                       TargetTrainConfig)
+    add_dataclass_args(sub.add_parser("train-draft", help="distil a DFlash drafter for a target"),
+                       DraftTrainConfig)
     from .server.args import add_server_args
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -62,9 +87,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` per dataclass field, defaults taken from the dataclass (defined once)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        required = f.default is dataclasses.MISSING
+        default = None if required else f.default
+        p.add_argument(flag, dest=f.name, type=base, required=required, default=default,
+                       help=f"default: {default}" if not required else "required")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(config_class=cls)
+
+
+def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
+    """(model, draft, is_demo): the embedded pair when no --model is given."""
+    if args.model is not None:
+        return args.model, (None if args.no_spec else args.draft), False
+    from .demo import demo_pair
+
+    target, draft = demo_pair()
+    if args.draft is not None:
+        draft = args.draft
+    return target, (None if args.no_spec else draft), True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
 
+    model, draft, is_demo = resolve_pair(args)
+    compare = is_demo if args.compare is None else args.compare
     prompt = args.prompt if args.prompt is not None else args.text
     if (prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of a prompt (TEXT or --prompt) or --prompt-ids")
@@ -72,11 +126,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
     )
-    draft = None if args.no_spec else args.draft
     if args.num_speculative_tokens is not None and draft is None:
         raise ValueError("--num-speculative-tokens needs --draft DIR (and no --no-spec)")
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, draft=draft, dtype=args.dtype, device=args.device,
+    llm = LLM(model=model, draft=draft, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, trace=args.trace)
     load_s = time.perf_counter() - t0
@@ -88,6 +141,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decode_tps = len(out.token_ids) / m["decode_s"] if m["decode_s"] > 0 else 0.0
     timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
                "decode_tokens_per_s": decode_tps}
+    if compare and draft is not None:
+        base = LLM(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
+        base_out = (base.generate(prompts=[prompt], sampling_params=params)[0] if prompt is not None
+                    else base.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0])
+        base_s = base.get_metrics()["decode_s"]
+        timings["target_only_decode_tokens_per_s"] = len(base_out.token_ids) / base_s if base_s > 0 else 0.0
+        timings["speedup"] = timings["decode_tokens_per_s"] / max(timings["target_only_decode_tokens_per_s"], 1e-9)
+        timings["outputs_identical"] = base_out.token_ids == out.token_ids
     if args.json:
         obj = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                "timings": timings}
@@ -97,11 +159,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 obj["trace"] = out.metrics.get("trace", [])
         print(json.dumps(obj))
         return 0
-    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
-    stats = f"[{len(out.token_ids)} tokens, {decode_tps:.1f} tok/s decode, finish={out.finish_reason}"
+    print((prompt or "") + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+    stats = f"[{len(out.token_ids)} tokens, finish={out.finish_reason}"
     if draft is not None:
         stats += f", mean acceptance length {out.metrics['mean_acceptance_length']:.2f}"
-    print(stats + "]", file=sys.stderr)
+    stats += f", {decode_tps:.1f} tok/s" + (" with DFlash" if draft is not None else "")
+    if "target_only_decode_tokens_per_s" in timings:
+        stats += (f", {timings['target_only_decode_tokens_per_s']:.1f} tok/s target-only, "
+                  f"speedup {timings['speedup']:.2f}x")
+    print(stats + "]")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_result, load_prompts, run_bench, save_acceptance_plot
+
+    model, draft, _ = resolve_pair(args)
+    if draft is None:
+        raise ValueError("bench compares with and without speculation: it needs a drafter (--draft DIR)")
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    else:
+        from .demo import heldout_prompts
+
+        prompts = heldout_prompts()
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
+                       args.num_speculative_tokens, args.device, args.dtype)
+    if args.plot:
+        save_acceptance_plot(result, args.plot)
+    print(json.dumps(result.as_dict()) if args.json else format_result(result))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cls = args.config_class
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    config = cls(**values)
+    if args.command == "train-target":
+        from .train.target import train_target
+
+        out = train_target(config)
+    else:
+        from .train.draft import train_draft
+
+        out = train_draft(config)
+    print(f"wrote {out}")
     return 0
 
 
@@ -127,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command in ("train-target", "train-draft"):
+            return cmd_train(args)
     except (ValueError, RuntimeError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,131 @@
+"""``laguna-dflash bench``: the same prompts with and without speculation, in one run.
+
+Both engines load the same target; the speculative one adds the drafter. Each prompt set is run
+once as warm-up and then timed. Reported: decode tokens/s of each, their ratio, the mean
+acceptance length (``1 + accepted / drafts``) and the per-position acceptance rate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SamplingParams
+from .llm import LLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    num_prompts: int
+    num_tokens: int
+    target_only_tokens_per_s: float
+    spec_tokens_per_s: float
+    speedup: float
+    mean_acceptance_length: float
+    per_position_acceptance_rate: list[float]
+    outputs_identical: bool
+    num_speculative_tokens: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """A prompt file: a JSON list of strings, or JSON Lines of strings / {"prompt": ...}."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+        if isinstance(data, list):
+            return [p if isinstance(p, str) else p["prompt"] for p in data]
+    except json.JSONDecodeError:
+        pass
+    prompts = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i + 1} is not JSON; use a JSON list or JSON Lines of prompts") from e
+        prompts.append(item if isinstance(item, str) else item["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def _timed_generate(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
+    outs, t_decode = [], 0.0
+    for i in range(0, len(prompts), batch_size):
+        before = llm.engine.timings.decode_s
+        outs += llm.generate(prompts[i : i + batch_size], params)
+        t_decode += llm.engine.timings.decode_s - before
+    return outs, t_decode
+
+
+def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 128,
+              batch_size: int = 1, num_speculative_tokens: int | None = None,
+              device: str = "cpu", dtype: str = "float32") -> BenchResult:
+    """Greedy decode every prompt with and without the drafter; decode time excludes prefill."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    base = LLM(model, device=device, dtype=dtype)
+    spec = LLM(model, draft=draft, device=device, dtype=dtype,
+               num_speculative_tokens=num_speculative_tokens)
+    warm = prompts[: min(2, len(prompts))]
+    _timed_generate(base, warm, params, batch_size)
+    _timed_generate(spec, warm, params, batch_size)
+    stats_before = dict(spec.get_metrics())
+    base_outs, t_base = _timed_generate(base, prompts, params, batch_size)
+    spec_outs, t_spec = _timed_generate(spec, prompts, params, batch_size)
+    after = spec.get_metrics()
+    drafts = after["num_drafts"] - stats_before["num_drafts"]
+    accepted = after["num_accepted_tokens"] - stats_before["num_accepted_tokens"]
+    per_pos = [a - b for a, b in zip(after["num_accepted_tokens_per_pos"],
+                                     stats_before["num_accepted_tokens_per_pos"])]
+    # decode tokens exclude the first token of each request (it comes from the prefill)
+    num_tokens = sum(len(o.token_ids) - 1 for o in base_outs)
+    return BenchResult(
+        num_prompts=len(prompts), num_tokens=num_tokens,
+        target_only_tokens_per_s=num_tokens / t_base, spec_tokens_per_s=num_tokens / t_spec,
+        speedup=t_base / t_spec, mean_acceptance_length=1 + accepted / max(drafts, 1),
+        per_position_acceptance_rate=[c / max(drafts, 1) for c in per_pos],
+        outputs_identical=[o.token_ids for o in base_outs] == [o.token_ids for o in spec_outs],
+        num_speculative_tokens=spec.engine.num_speculative_tokens,
+    )
+
+
+def format_result(r: BenchResult) -> str:
+    rates = ", ".join(f"{x:.3f}" for x in r.per_position_acceptance_rate)
+    return "\n".join([
+        f"prompts {r.num_prompts}, decode tokens {r.num_tokens}, K={r.num_speculative_tokens}",
+        f"{'mode':<14}{'tokens/s':>10}",
+        f"{'target-only':<14}{r.target_only_tokens_per_s:>10.1f}",
+        f"{'dflash':<14}{r.spec_tokens_per_s:>10.1f}",
+        f"speedup {r.speedup:.2f}x, mean acceptance length {r.mean_acceptance_length:.2f}, "
+        f"outputs identical: {r.outputs_identical}",
+        f"per-position acceptance rate: {rates}",
+    ])
+
+
+def save_acceptance_plot(r: BenchResult, path: str | Path) -> None:
+    """Bar chart of the per-position acceptance rate (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from e
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    positions = list(range(1, len(r.per_position_acceptance_rate) + 1))
+    ax.bar(positions, r.per_position_acceptance_rate, color="#3b7dd8")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"DFlash per-position acceptance (mean acceptance length {r.mean_acceptance_length:.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -159,7 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 obj["trace"] = out.metrics.get("trace", [])
         print(json.dumps(obj))
         return 0
-    print((prompt or "") + (out.text if out.text is not None else " ".join(map(str, out.token_ids))))
+    shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+    print(((prompt or "") if is_demo else "") + shown)
     stats = f"[{len(out.token_ids)} tokens, finish={out.finish_reason}"
     if draft is not None:
         stats += f", mean acceptance length {out.metrics['mean_acceptance_length']:.2f}"
@@ -167,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if "target_only_decode_tokens_per_s" in timings:
         stats += (f", {timings['target_only_decode_tokens_per_s']:.1f} tok/s target-only, "
                   f"speedup {timings['speedup']:.2f}x")
-    print(stats + "]")
+    print(stats + "]", file=sys.stderr)
     return 0
 
 

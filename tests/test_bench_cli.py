@@ -62,7 +62,7 @@ def test_generate_without_model_uses_demo_dir(pair, capsys, monkeypatch, tmp_pat
     (demo / "draft").symlink_to(draft)
     monkeypatch.setenv("LAGUNA_DFLASH_DEMO_DIR", str(demo))
     assert main(["generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--ignore-eos"]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "mean acceptance length" in out and "target-only" in out and "speedup" in out
     monkeypatch.setenv("LAGUNA_DFLASH_DEMO_DIR", str(tmp_path / "missing"))
     assert main(["generate", "--prompt-ids", "1"]) == 2

@@ -203,14 +203,14 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    # Below this many (token, expert) pairs the sync-free gather path runs (decode / verify).
-    max_gather_pairs = 32
+    # The sync-free gather path copies one expert's weights per (token, expert) pair, so it only
+    # pays on a GPU (no host sync, one batched GEMM) and only while pairs <= num_experts.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.training:
             self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
-        if ids.numel() <= self.max_gather_pairs:
+        if x.is_cuda and ids.numel() <= self.num_experts:
             routed = self.experts_forward_gather(x, weights, ids)
         else:
             routed = self.experts_forward(x, weights, ids)

@@ -16,6 +16,17 @@ from .laguna_dflash import DFlashLaguna
 from .writer import save_checkpoint
 
 
+def small_rope_parameters() -> dict:
+    """Laguna's RoPE layout at small scale: partial YaRN on full layers, plain on sliding."""
+    return {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 1.0},
+    }
+
+
 def tiny_laguna_config(vocab_size: int = 512, num_layers: int = 4, hidden_size: int = 64) -> dict:
     """A small config with every Laguna feature the releases use (SWA/full mix, YaRN, MoE)."""
     layer_types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
@@ -29,13 +40,7 @@ def tiny_laguna_config(vocab_size: int = 512, num_layers: int = 4, hidden_size: 
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size,
         "shared_expert_intermediate_size": hidden_size, "moe_routed_scaling_factor": 2.5,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "rope_parameters": {
-            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
-                               "original_max_position_embeddings": 1024, "beta_fast": 32.0,
-                               "beta_slow": 1.0, "partial_rotary_factor": 0.5},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
-                                  "partial_rotary_factor": 1.0},
-        },
+        "rope_parameters": small_rope_parameters(),
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     }
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +68,64 @@ def balance_moe_(model: torch.nn.Module, rate: float) -> None:
         with torch.no_grad():
             module.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
         module.last_expert_ids = None
+
+
+def run_training(
+    desc: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[int], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    warmup: int,
+    state_path: Path,
+    save_every: int,
+    log_every: int,
+    time_budget_s: float | None = None,
+    after_step: Callable[[], None] | None = None,
+    on_save: Callable[[], None] | None = None,
+) -> tuple[list[float], float]:
+    """The shared optimisation loop: cosine LR, grad clip 1.0, resumable state, progress bar.
+
+    With ``time_budget_s`` the schedule is re-planned from the measured step rate so training
+    (and its LR decay) ends within the budget. Returns (losses, seconds).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    start, _ = load_state(state_path, model, optimizer)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    t_mark, step_mark, total = t0, start, steps
+    bar = tqdm(total=steps, desc=desc, initial=start)
+    step = start
+    while step < total:
+        if time_budget_s and step >= start + 8:
+            rate = (time.perf_counter() - t_mark) / (step - step_mark) if step > step_mark else 0.0
+            if rate > 0:
+                remaining = max(0.0, time_budget_s - (time.perf_counter() - t0))
+                total = min(steps, step + int(remaining / rate))
+                bar.total = total
+        if step == start + 3:
+            t_mark, step_mark = time.perf_counter(), step
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, total, lr, warmup)
+        loss = loss_fn(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise RuntimeError(f"{desc} diverged at step {step} (loss {losses[-1]}); lower --lr")
+        if (step + 1) % log_every == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-log_every:]):.3f}")
+        if (step + 1) % save_every == 0:
+            save_state(state_path, model, optimizer, step + 1)
+            if on_save is not None:
+                on_save()
+        step += 1
+        bar.update(1)
+    bar.close()
+    return losses, time.perf_counter() - t0

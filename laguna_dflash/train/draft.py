@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from ..models.loader import load_model, read_config
 from ..models.random_init import randomize_
 from ..models.writer import save_checkpoint
 from .backend import BlockTrainingBackend, DenseTrainingBackend, dense_metadata
-from .common import autocast, cosine_lr, load_state, save_state, seed_everything
+from .common import autocast, run_training, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -194,50 +193,24 @@ def train_draft(c: DraftTrainConfig) -> Path:
     drafter.to(device).train()
     target.prepare_rope(data.shape[1] + c.block_size, device)
     drafter.prepare_rope(data.shape[1] + c.block_size, device)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=c.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    state_path = work / "train_state.pt"
-    start, _ = load_state(state_path, drafter, opt)
-    gen = torch.Generator().manual_seed(c.seed + start)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    total = c.steps
-    t_mark, step_mark = t0, start
-    bar = tqdm(total=c.steps, desc="train-draft", initial=start)
-    step = start
-    while step < total:
-        if c.time_budget_s and step >= start + 8:
-            # re-plan the schedule from the recent step rate so training ends within budget
-            elapsed = time.perf_counter() - t0
-            rate = (time.perf_counter() - t_mark) / (step - step_mark) if step > step_mark else 0
-            if rate > 0:
-                total = min(c.steps, step + int(max(0.0, c.time_budget_s - elapsed) / rate))
-                bar.total = total
-        if step == start + 3:
-            t_mark, step_mark = time.perf_counter(), step
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, total, c.lr, c.warmup)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=c.lr,
+                            betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(c.seed)
+
+    def loss_fn(step: int) -> torch.Tensor:
         idx = torch.randint(0, data.shape[0], (c.batch_size,), generator=gen)
         with autocast(device):
-            loss = draft_loss(drafter, target, data[idx].to(device), c, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            raise RuntimeError(f"train-draft diverged at step {step} (loss {losses[-1]}); lower --lr")
-        if (step + 1) % c.log_every == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-c.log_every:]):.3f}")
-        if (step + 1) % c.save_every == 0:
-            save_state(state_path, drafter, opt, step + 1)
-            save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
-        step += 1
-        bar.update(1)
-    bar.close()
+            return draft_loss(drafter, target, data[idx].to(device), c, gen)
+
+    losses, seconds = run_training(
+        "train-draft", drafter, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,
+        state_path=work / "train_state.pt", save_every=c.save_every, log_every=c.log_every,
+        time_budget_s=c.time_budget_s,
+        on_save=lambda: save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16),
+    )
     drafter.eval()
     save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
-    summary = {"config": asdict(c), "losses": losses, "seconds": time.perf_counter() - t0,
+    summary = {"config": asdict(c), "losses": losses, "seconds": seconds,
                "num_sequences": int(data.shape[0])}
     (work / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return out

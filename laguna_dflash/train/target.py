@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from ..models.laguna import LagunaForCausalLM
 from ..models.layers import ForwardContext
-from ..models.random_init import randomize_
+from ..models.random_init import randomize_, small_rope_parameters
 from ..models.writer import save_checkpoint
 from . import data
 from .backend import DenseTrainingBackend, dense_metadata
-from .common import autocast, balance_moe_, cosine_lr, load_state, save_state, seed_everything
+from .common import autocast, balance_moe_, run_training, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +71,7 @@ def demo_target_config(c: TargetTrainConfig) -> dict:
         "shared_expert_intermediate_size": c.moe_intermediate_size,
         "moe_routed_scaling_factor": 2.5, "moe_router_logit_softcapping": 0.0,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "rope_parameters": {
-            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
-                               "original_max_position_embeddings": 1024, "beta_fast": 32.0,
-                               "beta_slow": 1.0, "partial_rotary_factor": 0.5},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
-                                  "partial_rotary_factor": 1.0},
-        },
+        "rope_parameters": small_rope_parameters(),
         "bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID,
         "mask_token_id": data.MASK_ID, "torch_dtype": "bfloat16",
     }
@@ -122,52 +114,28 @@ def train_target(c: TargetTrainConfig) -> Path:
     randomize_(model, c.seed)
     model.to(device).train()
     model.prepare_rope(c.seq_len + 1, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
-    state_path = out / "work" / "train_state.pt"
-    start, _ = load_state(state_path, model, opt)
-    gen = torch.Generator().manual_seed(c.seed + start)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    total = c.steps
-    t_mark, step_mark = t0, start
-    bar = tqdm(total=c.steps, desc="train-target", initial=start)
-    step = start
-    while step < total:
-        if c.time_budget_s and step >= start + 40 and step % 20 == 0:
-            # re-plan the schedule from the recent step rate so training ends within budget
-            elapsed = time.perf_counter() - t0
-            rate = (time.perf_counter() - t_mark) / (step - step_mark) if step > step_mark else 0
-            if rate > 0:
-                total = min(c.steps, step + int(max(0.0, c.time_budget_s - elapsed) / rate))
-                bar.total = total
-        if step == start + 20:
-            t_mark, step_mark = time.perf_counter(), step
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, total, c.lr, c.warmup)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.lr,
+                            betas=(0.9, 0.95), weight_decay=c.weight_decay)
+    gen = torch.Generator().manual_seed(c.seed)
+
+    def loss_fn(step: int) -> torch.Tensor:
         starts = torch.randint(0, len(tokens) - c.seq_len - 1, (c.batch_size,), generator=gen)
         batch = torch.stack([tokens[s : s + c.seq_len + 1] for s in starts.tolist()]).to(device)
         with autocast(device):
-            loss = lm_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        balance_moe_(model, 1e-3)
-        losses.append(loss.item())
-        if (step + 1) % c.log_every == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-c.log_every:]):.3f}")
-        if (step + 1) % c.save_every == 0:
-            save_state(state_path, model, opt, step + 1)
-        step += 1
-        bar.update(1)
-    bar.close()
+            return lm_loss(model, batch)
+
+    losses, seconds = run_training(
+        "train-target", model, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,
+        state_path=out / "work" / "train_state.pt", save_every=c.save_every,
+        log_every=c.log_every, time_budget_s=c.time_budget_s,
+        after_step=lambda: balance_moe_(model, 1e-3),
+    )
     model.eval()
     save_checkpoint(model, out, cfg, dtype=torch.bfloat16, max_shard_bytes=c.max_shard_bytes)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID}) + "\n")
     summary = {"config": asdict(c), "final_loss": float(np.mean(losses[-50:])) if losses else None,
-               "first_loss": losses[0] if losses else None, "seconds": time.perf_counter() - t0,
+               "first_loss": losses[0] if losses else None, "seconds": seconds,
                "num_corpus_tokens": len(tokens), "losses": losses}
     (out / "work" / "train_summary.json").write_text(json.dumps(summary, indent=2))
     logger.info("train-target done: %s", summary)

@@ -113,6 +113,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     speculative: SpeculativeConfig | None = None
+    load_format: str = "auto"
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -124,5 +125,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} is not supported; use 'auto' or 'dummy'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")

@@ -124,3 +124,21 @@ def test_moe_gather_path_equals_grouped_loop():
     weights, ids = moe.route(x)
     torch.testing.assert_close(moe.experts_forward_gather(x, weights, ids),
                                moe.experts_forward(x, weights, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_dummy_load_format_needs_only_config(tmp_path):
+    """load_format='dummy': real shapes from config.json, random weights, no safetensors."""
+    from laguna_dflash import LLM
+    from laguna_dflash.models.random_init import write_random_pair
+
+    target, draft = write_random_pair(tmp_path, seed=0)
+    (target / "model.safetensors").unlink()
+    (draft / "model.safetensors").unlink()
+    llm = LLM(str(target), draft=str(draft), load_format="dummy")
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]],
+                       sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].token_ids) == 6
+    moe = llm.engine.target.layers[1].mlp
+    assert moe.experts_gate_up.std() > 0  # really initialised, not left empty
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig(model="x", load_format="pt")

@@ -6,11 +6,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..config import EngineConfig, SamplingParams, resolve_dtype
-from ..models.loader import inspect_checkpoint, load_model
+from ..models.loader import CheckpointInfo, inspect_checkpoint, load_model, read_config
 from ..models.registry import DRAFT_ARCHITECTURES
 from .attention import get_attention_backend
 from .kv_cache import BlockAllocator, KVCache
@@ -44,14 +45,15 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available; use --device cpu")
         self.dtype = resolve_dtype(config.dtype)
-        info = inspect_checkpoint(config.model)
+        info = (inspect_checkpoint(config.model) if config.load_format == "auto"
+                else CheckpointInfo(Path(config.model), read_config(config.model), {}, {}))
         if info.architecture in DRAFT_ARCHITECTURES:
             raise ValueError(
                 f"{config.model} holds a drafter ({info.architecture}); pass it as draft=, and the "
                 "target checkpoint as model="
             )
         self.model_config = info.config
-        self.target = load_model(config.model, self.dtype, self.device)
+        self.target = load_model(config.model, self.dtype, self.device, config.load_format)
         spec = self.target.spec
         self.max_model_len = min(config.max_model_len or min(spec.max_position_embeddings, 8192),
                                  spec.max_position_embeddings)
@@ -101,13 +103,15 @@ class LLMEngine:
 
     def _load_drafter(self, config: EngineConfig) -> None:
         sc = config.speculative
-        info = inspect_checkpoint(sc.draft)
+        info = (inspect_checkpoint(sc.draft) if config.load_format == "auto"
+                else CheckpointInfo(Path(sc.draft), read_config(sc.draft), {}, {}))
         if info.architecture not in DRAFT_ARCHITECTURES:
             raise ValueError(
                 f"draft={sc.draft} holds {info.architecture}, not a DFlash drafter; supported: "
                 f"{', '.join(sorted(DRAFT_ARCHITECTURES))}"
             )
-        self.drafter = load_model(sc.draft, self.dtype, self.device, target=self.target)
+        self.drafter = load_model(sc.draft, self.dtype, self.device, config.load_format,
+                                  target=self.target)
         block = self.drafter.block_size
         k = sc.num_speculative_tokens or block - 1
         if k > block - 1:

@@ -166,12 +166,19 @@ def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    load_format: str = "auto",
     **build_kwargs,
 ) -> torch.nn.Module:
     """Load a registered architecture from a local HF checkpoint directory.
 
+    ``load_format="dummy"`` reads only ``config.json`` and fills every weight with scaled random
+    values directly on ``device`` (vLLM's ``--load-format dummy``: real shapes, no checkpoint).
     ``build_kwargs`` go to the class's ``from_config`` (drafters take the target there).
     """
+    if load_format == "dummy":
+        return _dummy_model(Path(path), dtype, device, **build_kwargs)
+    if load_format != "auto":
+        raise ValueError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
     info = inspect_checkpoint(path)
     cls = resolve_architecture(info.architecture)
     with torch.device("meta"):
@@ -186,4 +193,21 @@ def load_model(
     if hasattr(model, "post_load"):
         model.post_load()
     logger.info("loaded %s from %s (%s, %s)", info.architecture, path, dtype, device)
+    return model
+
+
+@torch.no_grad()
+def _dummy_model(path: Path, dtype: torch.dtype, device, **build_kwargs) -> torch.nn.Module:
+    from .random_init import randomize_
+
+    cfg = read_config(path)
+    cls = resolve_architecture(cfg["architectures"][0])
+    with torch.device("meta"):
+        model = cls.from_config(cfg, {}, **build_kwargs)
+    materialize(model, dtype, device)
+    randomize_(model, seed=0)
+    model.eval().requires_grad_(False)
+    if hasattr(model, "post_load"):
+        model.post_load()
+    logger.info("built %s with dummy weights (%s, %s)", cfg["architectures"][0], dtype, device)
     return model

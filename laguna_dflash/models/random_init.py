@@ -68,15 +68,17 @@ def tiny_laguna_draft_config(target_cfg: dict, num_layers: int = 2, block_size: 
 
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Scaled normal init: matrices ``N(0, 1/fan_in)``, norms ``1 + 0.1 N``, biases small."""
-    g = torch.Generator().manual_seed(seed)
+    """Scaled normal init in place (on the parameters' device): matrices ``N(0, 1/fan_in)``,
+    norms ``1 + 0.1 N``, other vectors ``0.01 N``. Deterministic for a seed and device."""
+    devices = {p.device for p in model.parameters()}
+    g = torch.Generator(device=next(iter(devices))).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if p.dim() >= 2:
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
         elif name.endswith("norm.weight") or ".aux_hidden_norms." in name:
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            p.normal_(1.0, 0.1, generator=g)
         else:
-            p.copy_(0.01 * torch.randn(p.shape, generator=g))
+            p.normal_(0.0, 0.01, generator=g)
 
 
 def write_random_pair(directory: str | Path, seed: int = 0) -> tuple[Path, Path]:

@@ -96,6 +96,10 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         required = f.default is dataclasses.MISSING
         default = None if required else f.default
+        if base is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"default: {default}")
+            continue
         p.add_argument(flag, dest=f.name, type=base, required=required, default=default,
                        help=f"default: {default}" if not required else "required")
     p.add_argument("--log-level", default="INFO")

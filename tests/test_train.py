@@ -70,7 +70,8 @@ def test_block_training_forward_equals_inference(pair, monkeypatch):
             torch.testing.assert_close(train_logits[0, j, :valid], infer[:valid], rtol=1e-4, atol=1e-4)
 
 
-def test_train_target_and_draft_smoke_loss_goes_down(tmp_path):
+@pytest.mark.parametrize("flavour,distill", [("laguna", True), ("qwen3", False)])
+def test_train_target_and_draft_smoke_loss_goes_down(tmp_path, flavour, distill):
     torch.manual_seed(0)
     tdir = train_target(TargetTrainConfig(
         out_dir=str(tmp_path / "target"), vocab_size=300, hidden_size=64, num_layers=3,
@@ -79,11 +80,12 @@ def test_train_target_and_draft_smoke_loss_goes_down(tmp_path):
     losses = json.loads((tdir / "work" / "train_summary.json").read_text())["losses"]
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 0.5
     ddir = train_draft(DraftTrainConfig(
-        target=str(tdir), out_dir=str(tmp_path / "draft"), num_layers=1, block_size=4, num_anchors=4,
+        target=str(tdir), out_dir=str(tmp_path / "draft"), flavour=flavour, distill=distill,
+        num_layers=1, block_size=4, num_anchors=4,
         prompt_len=16, gen_len=16, num_sequences=16, batch_size=4, steps=20, warmup=2, log_every=5,
         gen_batch_size=16))
     losses = json.loads((ddir / "work" / "train_summary.json").read_text())["losses"]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
     target = load_model(tdir)
-    drafter = load_model(ddir, target=target)  # written in the Poolside format, loads strictly
-    assert type(drafter).__name__ == "DFlashLaguna"
+    drafter = load_model(ddir, target=target)  # written in the flavour's format, loads strictly
+    assert type(drafter).__name__ == {"laguna": "DFlashLaguna", "qwen3": "DFlashDraftModel"}[flavour]

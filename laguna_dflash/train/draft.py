@@ -45,6 +45,7 @@ class DraftTrainConfig:
     num_taps: int = 3
     num_anchors: int = 32
     gamma: float = 7.0
+    distill: bool = True  # soft labels: the target's own distribution at each labelled position
     mask_token_id: int | None = None
     prompt_len: int = 64
     gen_len: int = 192
@@ -150,7 +151,7 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
     with torch.no_grad():
         meta = dense_metadata(b, t, device)
         ctx = ForwardContext(meta, [(None, None)] * len(target.layers), DenseTrainingBackend())
-        _, taps = target(seqs.reshape(-1), ctx, drafter.target_layer_ids)
+        hidden, taps = target(seqs.reshape(-1), ctx, drafter.target_layer_ids)
     context = drafter.combine_hidden_states(taps)
     context_kv = drafter.reference_context_kv(context, meta.positions)
     # anchors in the generated part, so that labels are the target's own continuation
@@ -171,7 +172,14 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
     labels = seqs.gather(1, label_pos.view(b, -1)).view(-1)
     valid = ((anchors.unsqueeze(-1) + slot[1:]) < t).reshape(-1).float()
     weights = torch.exp(-(slot[1:].float() - 1) / c.gamma).repeat(b * c.num_anchors) * valid
-    ce = F.cross_entropy(logits, labels, reduction="none")
+    if c.distill:
+        # the target's distribution for the token at a+k is its output at row a+k-1
+        rows = (torch.arange(b, device=device).view(b, 1, 1) * t + label_pos - 1).reshape(-1)
+        with torch.no_grad():
+            teacher = torch.softmax(target.compute_logits(hidden[rows]), dim=-1)
+        ce = -(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    else:
+        ce = F.cross_entropy(logits, labels, reduction="none")
     return (ce * weights).sum() / weights.sum()
 
 

@@ -1,0 +1,151 @@
+"""Laguna-XS-2.1-size decode on one GPU: ceilings, target-only step, DFlash step, the floor.
+
+Dummy weights at the real shapes (reference/laguna.md sections 2, 4.1), bf16, batch 1, a 1k
+context. Prints the device-to-device copy bandwidth and bf16 GEMM rate measured in the same run,
+the eager engine's target-only decode step and DFlash step (K=15, random drafter, so acceptance
+is ~0: this is the per-step cost), and the bandwidth floor of a decode step: bytes of the active
+parameters plus the KV read, over the measured bandwidth.
+
+    python benchmarks/bench_gpu_xs.py [--layers 40] [--context 1024] [--new-tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from laguna_dflash import LLM, SamplingParams
+
+
+def xs_target_config(num_layers: int) -> dict:
+    types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+    return {
+        "architectures": ["LagunaForCausalLM"], "model_type": "laguna", "vocab_size": 100352,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": num_layers,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+        "num_attention_heads_per_layer": [48 if t == "full_attention" else 64 for t in types],
+        "layer_types": types, "sliding_window": 512, "gating": "per-head",
+        "mlp_layer_types": ["dense"] + ["sparse"] * (num_layers - 1), "num_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "moe_routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 32.0,
+                               "original_max_position_embeddings": 8192, "beta_fast": 64.0,
+                               "beta_slow": 1.0, "partial_rotary_factor": 0.5,
+                               "attention_factor": 1.3465735902799727},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+        },
+        "eos_token_id": [2, 24],
+    }
+
+
+def xs_draft_config(num_target_layers: int) -> dict:
+    taps = [t for t in (1, 13, 25, 33, 39) if t < num_target_layers] or [0]
+    return {
+        "architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 5, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "max_position_embeddings": 262144, "sliding_window": 512,
+        "layer_types": ["sliding_attention"] * 5, "gating": "per-head", "num_experts": 0,
+        "vocab_size": 100352, "draft_vocab_size": 100352,
+        "dflash_config": {"block_size": 16, "mask_token_id": 12, "num_target_layers": num_target_layers,
+                          "target_layer_ids": taps, "causal": True},
+    }
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - t0)  # read + write
+
+
+def gemm_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
+
+
+def active_bytes(model, context: int) -> int:
+    """Bytes a batch-1 decode step must read: all non-expert weights except the embedding table,
+    top_k of E experts per MoE layer, and the visible KV (full layers: context; SWA: window)."""
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if name.startswith("embed_tokens"):
+            continue
+        if "experts_" in name:
+            moe = model.spec.moe
+            n = n * moe.top_k // moe.num_experts
+        total += n
+    s = model.spec
+    per_token = 2 * s.num_kv_heads * s.head_dim * 2
+    for layer in s.layers:
+        total += per_token * (min(context, layer.sliding_window) if layer.sliding_window else context)
+    return total
+
+
+def step_time(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, int]:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)  # warm-up
+    before = llm.get_metrics()
+    llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    torch.cuda.synchronize()
+    after = llm.get_metrics()
+    steps = after["num_steps"] - before["num_steps"] - 1  # minus the prefill
+    return (after["decode_s"] - before["decode_s"]) / steps, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    args = ap.parse_args()
+    bw, tflops = copy_bandwidth(), gemm_tflops()
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir, ddir = Path(tmp) / "target", Path(tmp) / "draft"
+        tdir.mkdir()
+        ddir.mkdir()
+        (tdir / "config.json").write_text(json.dumps(xs_target_config(args.layers)))
+        (ddir / "config.json").write_text(json.dumps(xs_draft_config(args.layers)))
+        common = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=args.context + 256,
+                      num_kv_blocks=(args.context + 512) // 16 * 2, max_num_seqs=2)
+        t0 = time.perf_counter()
+        spec = LLM(str(tdir), draft=str(ddir), **common)
+        load_s = time.perf_counter() - t0
+        prompt = torch.randint(100, 100000, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+        floor = active_bytes(spec.engine.target, args.context) / bw
+        spec_s, _ = step_time(spec, prompt, args.new_tokens)
+        # target-only on the same weights (two 67 GB copies would not fit): detach the proposer
+        engine = spec.engine
+        proposer, engine.proposer, engine.tap_layer_ids = engine.proposer, None, ()
+        base_s, _ = step_time(spec, prompt, args.new_tokens)
+        engine.proposer = proposer
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
+          f"context {args.context}, dummy load {load_s:.1f}s")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s")
+    print(f"{'what':<34}{'ms':>10}{'x floor':>10}")
+    print(f"{'bandwidth floor (decode step)':<34}{floor * 1e3:>10.2f}{1.0:>10.2f}")
+    print(f"{'target-only decode step':<34}{base_s * 1e3:>10.2f}{base_s / floor:>10.2f}")
+    print(f"{'DFlash step (K=15, draft+verify)':<34}{spec_s * 1e3:>10.2f}{spec_s / floor:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

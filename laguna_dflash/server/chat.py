@@ -122,12 +122,7 @@ def _response(serving: Serving, job: Job, req: ChatCompletionRequest, deltas: li
     if req.return_token_ids:
         choice["token_ids"] = tokens
         choice["prompt_token_ids"] = job.prompt_token_ids
-    body = {"id": job.request_id, "object": "chat.completion", "created": job.created,
-            "model": serving.model_name, "choices": [choice], "usage": job.usage()}
-    metrics = serving.spec_metrics(job)
-    if metrics is not None:
-        body["metrics"] = metrics
-    return body
+    return serving.response_body(job, "chat.completion", choice)
 
 
 async def create_chat_completion(serving: Serving, request: Request) -> Response:

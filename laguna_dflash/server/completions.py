@@ -103,12 +103,7 @@ def _response(serving: Serving, job: Job, req: CompletionRequest, deltas: list[D
                         last.finish_reason, last.stop_reason)
     if req.return_token_ids:
         choice["prompt_token_ids"] = job.prompt_token_ids
-    body = {"id": job.request_id, "object": "text_completion", "created": job.created,
-            "model": serving.model_name, "choices": [choice], "usage": job.usage()}
-    metrics = serving.spec_metrics(job)
-    if metrics is not None:
-        body["metrics"] = metrics
-    return body
+    return serving.response_body(job, "text_completion", choice)
 
 
 async def create_completion(serving: Serving, request: Request) -> Response:

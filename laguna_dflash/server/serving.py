@@ -209,6 +209,15 @@ class Serving:
         finally:
             watcher.cancel()
 
+    def response_body(self, job: Job, obj: str, choice: dict) -> dict:
+        """The non-streamed response envelope shared by completions and chat."""
+        body = {"id": job.request_id, "object": obj, "created": job.created,
+                "model": self.model_name, "choices": [choice], "usage": job.usage()}
+        metrics = self.spec_metrics(job)
+        if metrics is not None:
+            body["metrics"] = metrics
+        return body
+
     def spec_metrics(self, job: Job) -> dict | None:
         """Per-request speculative decoding metrics (vLLM's ``metrics.speculative_decoding``)."""
         s = job.spec

@@ -78,9 +78,11 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
 
     def encode(self, text: str) -> list[int]:
+        """Tokenize a text prompt the way vLLM's offline API and ``/v1/completions`` do (with
+        the tokenizer's special tokens, e.g. BOS, when its post-processor adds them)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer; pass token ids instead of text (prompt_token_ids= or --prompt-ids)")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step K (default: the drafter's block_size - 1)")
     p.add_argument("--no-spec", action="store_true", help="ignore --draft: target-only decoding")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="pick the draft length per step (<= K, 0 = no drafting) from measured "
+                        "acceptance and step cost")
     p.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | bfloat16 | float16")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -135,7 +138,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=model, draft=draft, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
-              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, trace=args.trace)
+              adaptive_k=args.adaptive_k and draft is not None, block_size=args.block_size,
+              num_kv_blocks=args.num_kv_blocks, trace=args.trace)
     load_s = time.perf_counter() - t0
     if prompt is not None:
         out = llm.generate(prompts=[prompt], sampling_params=params)[0]
@@ -190,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = heldout_prompts()
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
-                       args.num_speculative_tokens, args.device, args.dtype)
+                       args.num_speculative_tokens, args.device, args.dtype, args.adaptive_k)
     if args.plot:
         save_acceptance_plot(result, args.plot)
     print(json.dumps(result.as_dict()) if args.json else format_result(result))

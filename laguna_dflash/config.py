@@ -84,6 +84,7 @@ class SpeculativeConfig:
     draft: str
     num_speculative_tokens: int | None = None
     method: str = "dflash"
+    adaptive: bool = False  # pick K <= num_speculative_tokens per step (engine/adaptive_k.py)
 
     def __post_init__(self) -> None:
         if self.method.lower() != "dflash":

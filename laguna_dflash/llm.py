@@ -51,7 +51,8 @@ class LLM:
     """Offline batched generation with optional DFlash speculative decoding.
 
     ``LLM(model=DIR, draft=None, dtype="float32", device="cpu", max_model_len=None,
-    num_speculative_tokens=None, **engine_options)``; engine options are the fields of
+    num_speculative_tokens=None, adaptive_k=False, **engine_options)``; ``adaptive_k`` picks
+    K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting); engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
 
@@ -63,11 +64,13 @@ class LLM:
         device: str = "cpu",
         max_model_len: int | None = None,
         num_speculative_tokens: int | None = None,
+        adaptive_k: bool = False,
         **engine_options,
     ) -> None:
         speculative = None
         if draft is not None:
-            speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens)
+            speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
+                                            adaptive=adaptive_k)
         elif num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens was given without draft=; pass a DFlash drafter directory")
         extra = {"trace": bool(engine_options.pop("trace", False))}

@@ -142,3 +142,23 @@ def test_dummy_load_format_needs_only_config(tmp_path):
     assert moe.experts_gate_up.std() > 0  # really initialised, not left empty
     with pytest.raises(ValueError, match="load_format"):
         EngineConfig(model="x", load_format="pt")
+
+
+def test_adaptive_k_policy_picks_what_pays():
+    from laguna_dflash.engine.adaptive_k import AdaptiveK
+
+    pol = AdaptiveK(max_k=4, explore_every=1000)
+    assert pol.choose(1) == 4  # measure the full draft first
+    pol.observe(4, 1, [0], seconds=3.0)
+    assert pol.choose(1) == 0  # then plain decode once
+    pol.observe(0, 1, [], seconds=1.0)
+    for _ in range(50):  # drafts never accepted: speculation costs 3x for nothing
+        pol.observe(4, 1, [0], seconds=3.0)
+    assert pol.choose(1) == 0
+    good = AdaptiveK(max_k=4, explore_every=1000)
+    good.observe(4, 1, [4], seconds=2.0)
+    good.observe(0, 1, [], seconds=1.0)
+    for _ in range(50):  # everything accepted: 5 tokens for 2x the cost
+        good.observe(4, 1, [4, 4], seconds=2.0)
+    assert good.choose(1) == 4
+    assert good.choose(64) == 4  # a new batch-size bucket is measured first

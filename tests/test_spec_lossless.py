@@ -95,3 +95,25 @@ def test_spec_under_kv_pressure_preempts_and_stays_lossless(pairs, caplog):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert any("preempting" in r.message for r in caplog.records)  # pressure was real
     assert llm.engine.allocator.num_free_blocks == 40
+
+
+@pytest.mark.parametrize("pair_name", ["laguna+poolside", "qwen3+zlab"])
+def test_adaptive_k_is_lossless_and_counts_drafted_tokens(pairs, pair_name):
+    """Adaptive K switches between K values and plain decoding; output never changes and the
+    drafter's context stays complete across target-only steps."""
+    target, draft = pairs[pair_name]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(8, seed=5)
+    want = [o.token_ids for o in LLM(target).generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = LLM(target, draft=draft, adaptive_k=True)
+    llm.engine.adaptive_k.explore_every = 3  # force frequent switching in a short run
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == want
+    seen_k = {k for k, _ in llm.engine.adaptive_k.step_time}
+    assert 0 in seen_k and BLOCK_SIZE - 1 in seen_k
+    stats = llm.get_metrics()
+    assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"] <= (BLOCK_SIZE - 1) * stats["num_drafts"]
+    for o in got:
+        per_pos = o.metrics["num_accepted_tokens_per_pos"]
+        assert sum(per_pos) == o.metrics["num_accepted_tokens"]
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))

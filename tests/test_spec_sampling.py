@@ -73,16 +73,19 @@ def gof_pvalue(samples: np.ndarray, expected_p: np.ndarray) -> float:
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=1.6, top_k=8, top_p=0.95),
 ], ids=["t1", "t1.6-topk-topp"])
-def test_spec_sampling_matches_target_distribution(pair, params):
+def test_spec_sampling_matches_target_distribution(pair, params, adaptive):
     target, draft = pair
     base = LLM(target, max_num_seqs=128)
     p2, p3 = exact_token_distributions(base, params)
     assert (p2 > 0.02).sum() >= 3 and (p3 > 0.02).sum() >= 3  # genuinely spread
-    spec = LLM(target, draft=draft, max_num_seqs=128)
+    spec = LLM(target, draft=draft, max_num_seqs=128, adaptive_k=adaptive)
+    if adaptive:
+        spec.engine.adaptive_k.explore_every = 2  # switch K often
     for llm in (base, spec):
         tokens = sampled_tokens(llm, params)
         for column, expected in ((1, p2), (2, p3)):

@@ -13,6 +13,7 @@ import torch
 from ..config import EngineConfig, SamplingParams, resolve_dtype
 from ..models.loader import CheckpointInfo, inspect_checkpoint, load_model, read_config
 from ..models.registry import DRAFT_ARCHITECTURES
+from .adaptive_k import AdaptiveK
 from .attention import get_attention_backend
 from .kv_cache import BlockAllocator, KVCache
 from .runner import ForwardItem, ModelRunner
@@ -79,6 +80,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.target, kv, self.backend, self.device)
         self.proposer = None
         self.spec_stats = SpecDecodingStats(k) if k else None
+        adaptive = config.speculative is not None and config.speculative.adaptive
+        self.adaptive_k = AdaptiveK(k) if adaptive and k else None
         if self.drafter is not None:
             d = self.drafter
             self.drafter.prepare_rope(max_positions, self.device)
@@ -197,11 +200,18 @@ class LLMEngine:
             self._prefill(batch.sequences)
             self.timings.prefill_s += time.perf_counter() - t0
         else:
-            if self.proposer is not None:
-                self._spec_decode(batch.sequences)
+            seqs = batch.sequences
+            k = self.num_speculative_tokens
+            if self.adaptive_k is not None:
+                k = self.adaptive_k.choose(len(seqs))
+            if self.proposer is not None and k > 0:
+                accepted = self._spec_decode(seqs, k)
             else:
-                self._decode(batch.sequences)
-            self.timings.decode_s += time.perf_counter() - t0
+                accepted = self._decode(seqs)
+            seconds = time.perf_counter() - t0
+            if self.adaptive_k is not None:
+                self.adaptive_k.observe(k, len(seqs), accepted, seconds)
+            self.timings.decode_s += seconds
         self.timings.num_steps += 1
         finished = [s for s in batch.sequences if s.is_finished]
         for s in finished:
@@ -236,20 +246,30 @@ class LLMEngine:
             start += n
         self.timings.num_prefill_tokens += len(ids)
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode(self, seqs: list[Sequence]) -> list[int]:
+        """One target-only token per request. With a drafter loaded (adaptive K chose 0) the
+        taps of the committed token are appended to the pending context, so the drafter's KV
+        stays complete for the next speculative step."""
         items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
-        hidden, _ = self.runner.forward([s.last_token for s in seqs], items)
+        hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
         logits = self.target.compute_logits(hidden)
         tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
         for i, s in enumerate(seqs):
+            if taps is not None:
+                row = taps[i : i + 1]
+                if s.pending_context is None:
+                    s.pending_context, s.pending_start = row, s.num_tokens - 1
+                else:
+                    s.pending_context = torch.cat([s.pending_context, row])
             s.num_computed = s.num_tokens
             self._commit(s, [tokens[i]], logits[i : i + 1])
         self.timings.num_decode_tokens += len(seqs)
+        return []
 
-    def _spec_decode(self, seqs: list[Sequence]) -> None:
-        """One DFlash step for the whole batch: draft, verify, accept, commit, roll back."""
-        k = self.num_speculative_tokens
-        drafts = self.proposer.propose(seqs)  # [R, K]
+    def _spec_decode(self, seqs: list[Sequence], k: int) -> list[int]:
+        """One DFlash step for the whole batch with ``k`` drafts each: draft, verify, accept,
+        commit, roll back. Returns the accepted-draft count per request."""
+        drafts = self.proposer.propose(seqs, k)  # [R, k]
         anchors = [s.num_tokens - 1 for s in seqs]  # position P of each bonus token
         ids = torch.cat([torch.tensor([s.last_token for s in seqs], device=drafts.device).view(-1, 1),
                          drafts], dim=1).reshape(-1)
@@ -269,11 +289,12 @@ class LLMEngine:
             s.num_drafts += 1
             s.num_draft_tokens += k
             s.num_accepted_tokens += a
-            if len(s.num_accepted_tokens_per_pos) < k:
-                s.num_accepted_tokens_per_pos += [0] * (k - len(s.num_accepted_tokens_per_pos))
+            max_k = self.num_speculative_tokens
+            if len(s.num_accepted_tokens_per_pos) < max_k:
+                s.num_accepted_tokens_per_pos += [0] * (max_k - len(s.num_accepted_tokens_per_pos))
             for j in range(a):
                 s.num_accepted_tokens_per_pos[j] += 1
-            self.spec_stats.observe(a)
+            self.spec_stats.observe(a, k)
             if self.config.extra.get("trace"):
                 s.trace.append({"anchor_position": p, "draft_tokens": draft_list[i], "num_accepted": a})
             # Committed: the bonus and the a accepted drafts (positions P..P+a) now have target
@@ -283,3 +304,4 @@ class LLMEngine:
             s.pending_context, s.pending_start = taps[i, : a + 1], p
             self._commit(s, target_list[i][: a + 1], logits[i, : a + 1])
         self.timings.num_decode_tokens += sum(a + 1 for a in accepted_list)
+        return accepted_list

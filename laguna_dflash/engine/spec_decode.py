@@ -44,9 +44,10 @@ class SpecDecodingStats:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
 
-    def observe(self, accepted: int) -> None:
+    def observe(self, accepted: int, num_draft_tokens: int | None = None) -> None:
+        """One request's step: ``num_draft_tokens`` drafted (default K), ``accepted`` taken."""
         self.num_drafts += 1
-        self.num_draft_tokens += self.num_speculative_tokens
+        self.num_draft_tokens += self.num_speculative_tokens if num_draft_tokens is None else num_draft_tokens
         self.num_accepted_tokens += accepted
         for k in range(accepted):
             self.num_accepted_tokens_per_pos[k] += 1
@@ -109,10 +110,11 @@ class DFlashProposer:
             s.pending_context = None
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Draft tokens ``[R, K]`` int64 for the running requests (argmax of the shared lm_head)."""
+    def propose(self, seqs: list[Sequence], k: int | None = None) -> torch.Tensor:
+        """Draft tokens ``[R, k]`` int64 (default k = K) for the running requests (argmax of the
+        shared lm_head)."""
         self.store_context(seqs)
-        k = self.num_speculative_tokens
+        k = k or self.num_speculative_tokens
         mask_id = self.drafter.mask_token_id
         ids, items = [], []
         for s in seqs:

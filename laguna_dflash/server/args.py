@@ -203,7 +203,8 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     if getattr(args, "no_spec", False):
         logger.warning("--no-spec: ignoring the drafter given by %s", draft_flag)
         return SpeculativeChoice(None)
-    return SpeculativeChoice(SpeculativeConfig(draft=str(draft), num_speculative_tokens=k),
+    return SpeculativeChoice(SpeculativeConfig(draft=str(draft), num_speculative_tokens=k,
+                                               adaptive=bool(getattr(args, "adaptive_k", False))),
                              draft_flag=draft_flag, tokens_flag=tokens_flag,
                              block_size=_draft_block_size(str(draft)))
 

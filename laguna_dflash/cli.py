@@ -19,6 +19,14 @@ from .config import EngineConfig, SamplingParams
 logger = logging.getLogger("laguna_dflash")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one readable line and exit code 2 (``--help`` still prints usage)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -48,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="laguna-dflash", description=__doc__)
+    parser = _Parser(prog="laguna-dflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_args(g, model_required=False)

@@ -56,6 +56,7 @@ def _assert_one_error_line(code: int, err: str, *needles: str) -> str:
     assert "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if re.search(r"(^|: )error: ", ln)]
     assert len(lines) == 1, f"expected one error line, stderr was:\n{err}"
+    assert err.strip().splitlines() == lines, f"stderr holds more than the error line:\n{err}"
     for needle in needles:
         assert re.search(needle, lines[0], re.IGNORECASE), f"{needle!r} not in {lines[0]!r}"
     return lines[0]

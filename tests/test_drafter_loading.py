@@ -137,3 +137,46 @@ def test_smaller_k_than_block_and_llm_api(ckpts):
     assert out[0].metrics["num_draft_tokens"] == out[0].metrics["num_drafts"]
     with pytest.raises(ValueError, match="without draft"):
         LLM(ckpts["target"], num_speculative_tokens=2)
+
+
+def test_qwen3_drafter_layer_attention_resolution():
+    """vLLM's per-layer rules: layer_types -> sliding layers causal + windowed, full layers
+    bidirectional; use_swa -> all windowed and bidirectional; is_causal / dflash_config.causal
+    override causality for every layer."""
+    from laguna_dflash.models.dflash import resolve_qwen3_draft_layers
+
+    mixed = resolve_qwen3_draft_layers(
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, 2)
+    assert [(s.sliding_window, s.is_causal) for s in mixed] == [(8, True), (None, False)]
+    swa = resolve_qwen3_draft_layers({"use_swa": True, "sliding_window": 8}, 2)
+    assert [(s.sliding_window, s.is_causal) for s in swa] == [(8, False), (8, False)]
+    forced = resolve_qwen3_draft_layers({"dflash_config": {"causal": True}}, 2)
+    assert all(s.is_causal and s.sliding_window is None for s in forced)
+    with pytest.raises(ValueError, match="sliding_window"):
+        resolve_qwen3_draft_layers({"use_swa": True}, 1)
+
+
+def test_attention_sink_bias_loads_and_very_negative_sinks_change_nothing(ckpts, tmp_path):
+    """dflash_config.attention_sink_bias adds a per-head sink logit to every drafter layer; a sink
+    of -1e4 contributes nothing, so drafts equal the sink-free drafter's."""
+    base_dir = ckpts["zlab"]
+    sink_dir = _copy_with_config(base_dir, tmp_path / "sinks", dflash_config={"attention_sink_bias": True})
+    tensors = load_file(sink_dir / "model.safetensors")
+    heads = json.loads((sink_dir / "config.json").read_text())["num_attention_heads"]
+    for i in range(2):
+        tensors[f"layers.{i}.self_attn.sinks"] = torch.full((heads,), -1e4)
+    save_file(tensors, sink_dir / "model.safetensors")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    plain = LLM(ckpts["target"], draft=base_dir, trace=True).generate(prompt_token_ids=prompts, sampling_params=params)
+    sinked_llm = LLM(ckpts["target"], draft=sink_dir, trace=True)
+    assert sinked_llm.engine.drafter.layers[0].self_attn.sinks is not None
+    sinked = sinked_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.metrics["trace"] for o in sinked] == [o.metrics["trace"] for o in plain]
+    # and a large positive sink really changes the drafts (the parameter is used)
+    for i in range(2):
+        tensors[f"layers.{i}.self_attn.sinks"] = torch.full((heads,), 30.0)
+    save_file(tensors, sink_dir / "model.safetensors")
+    loud = LLM(ckpts["target"], draft=sink_dir, trace=True).generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in loud] == [o.token_ids for o in plain]  # still lossless
+    assert [o.metrics["trace"] for o in loud] != [o.metrics["trace"] for o in plain]

@@ -3,7 +3,8 @@
     python -m laguna_dflash.train.pipeline OUT --device cuda --target-budget-s 200 \\
         --draft-budget-s 240 [--target-steps 600] [--num-sequences 8192] [--block-size 8]
 
-Writes ``OUT/target`` (sharded under 15 MiB per file), ``OUT/draft`` and ``OUT/report.json``
+Defaults follow the CPU step-cost study in docs/PERFORMANCE.md (12 layers, 4 experts of 128,
+a one-layer drafter, block 8). Writes ``OUT/target`` (sharded under 15 MiB per file), ``OUT/draft`` and ``OUT/report.json``
 (losses, held-out target loss, held-out mean acceptance length and per-position rates on
 ``assets/demo/heldout_prompts.json``), so the results of a remote GPU run fit its file limits.
 """
@@ -45,11 +46,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--target-layers", type=int, default=12)
+    ap.add_argument("--num-experts", type=int, default=4)
+    ap.add_argument("--moe-intermediate-size", type=int, default=128)
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--target-budget-s", type=float, default=200)
     ap.add_argument("--num-sequences", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=8)
-    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--draft-steps", type=int, default=20000)
     ap.add_argument("--draft-budget-s", type=float, default=240)
     args = ap.parse_args()
@@ -57,6 +61,8 @@ def main() -> None:
     t0 = time.perf_counter()
     tdir, ddir = args.out / "target", args.out / "draft"
     train_target(TargetTrainConfig(out_dir=str(tdir), device=args.device, batch_size=64,
+                                   num_layers=args.target_layers, num_experts=args.num_experts,
+                                   moe_intermediate_size=args.moe_intermediate_size,
                                    steps=args.target_steps, time_budget_s=args.target_budget_s,
                                    save_every=10**9))
     train_draft(DraftTrainConfig(target=str(tdir), out_dir=str(ddir), device=args.device,

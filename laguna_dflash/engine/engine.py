@@ -6,12 +6,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..config import EngineConfig, SamplingParams, resolve_dtype
-from ..models.loader import CheckpointInfo, inspect_checkpoint, load_model, read_config
+from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from .adaptive_k import AdaptiveK
 from .attention import get_attention_backend
@@ -46,8 +45,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available; use --device cpu")
         self.dtype = resolve_dtype(config.dtype)
-        info = (inspect_checkpoint(config.model) if config.load_format == "auto"
-                else CheckpointInfo(Path(config.model), read_config(config.model), {}, {}))
+        info = describe_checkpoint(config.model, config.load_format)
         if info.architecture in DRAFT_ARCHITECTURES:
             raise ValueError(
                 f"{config.model} holds a drafter ({info.architecture}); pass it as draft=, and the "
@@ -106,8 +104,7 @@ class LLMEngine:
 
     def _load_drafter(self, config: EngineConfig) -> None:
         sc = config.speculative
-        info = (inspect_checkpoint(sc.draft) if config.load_format == "auto"
-                else CheckpointInfo(Path(sc.draft), read_config(sc.draft), {}, {}))
+        info = describe_checkpoint(sc.draft, config.load_format)
         if info.architecture not in DRAFT_ARCHITECTURES:
             raise ValueError(
                 f"draft={sc.draft} holds {info.architecture}, not a DFlash drafter; supported: "

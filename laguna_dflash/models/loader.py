@@ -98,6 +98,13 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     return CheckpointInfo(path=path, config=cfg, files=files, shapes=shapes)
 
 
+def describe_checkpoint(path: str | Path, load_format: str = "auto") -> CheckpointInfo:
+    """What :func:`load_model` will read: the full tensor index, or only config.json for dummy."""
+    if load_format == "dummy":
+        return CheckpointInfo(Path(path), read_config(path), {}, {})
+    return inspect_checkpoint(path)
+
+
 def _select_destinations(groups: list, available: set[str]) -> dict[str, torch.Tensor]:
     """Pick one spelling per group (the first whose first name is on disk) -> name: destination."""
     chosen: dict[str, torch.Tensor] = {}

@@ -162,3 +162,21 @@ def test_adaptive_k_policy_picks_what_pays():
         good.observe(4, 1, [4, 4], seconds=2.0)
     assert good.choose(1) == 4
     assert good.choose(64) == 4  # a new batch-size bucket is measured first
+
+
+def test_failed_step_names_its_requests(tmp_path, monkeypatch):
+    from laguna_dflash import LLM
+    from laguna_dflash.engine.engine import StepError
+    from laguna_dflash.models.random_init import write_random_pair
+
+    target, _ = write_random_pair(tmp_path, seed=0)
+    engine = LLM(str(target)).engine
+    seqs = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=4)) for _ in range(2)]
+
+    def boom(*args, **kwargs):
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr(engine.runner, "forward", boom)
+    with pytest.raises(StepError, match="injected") as info:
+        engine.step()
+    assert info.value.sequences == seqs

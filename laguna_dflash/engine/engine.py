@@ -36,6 +36,15 @@ class EngineTimings:
     extra: dict = field(default_factory=dict)
 
 
+class StepError(RuntimeError):
+    """A step's forward failed; ``sequences`` are the requests that step held (the caller can fail
+    exactly those and keep serving the others)."""
+
+    def __init__(self, sequences: list[Sequence], cause: BaseException) -> None:
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.sequences = sequences
+
+
 class LLMEngine:
     """Owns the target (and optional DFlash drafter), the paged caches and the scheduler."""
 
@@ -188,10 +197,19 @@ class LLMEngine:
     # ---- steps ---------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Run one scheduled forward; returns the requests that finished in it."""
+        """Run one scheduled forward; returns the requests that finished in it.
+
+        Raises :class:`StepError` (naming the step's requests) if the forward fails.
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        try:
+            return self._run(batch)
+        except Exception as e:
+            raise StepError(list(batch.sequences), e) from e
+
+    def _run(self, batch) -> list[Sequence]:
         t0 = time.perf_counter()
         if batch.is_prefill:
             self._prefill(batch.sequences)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
-from ..engine.engine import LLMEngine
+from ..engine.engine import LLMEngine, StepError
 from ..engine.sequence import Sequence
 from .errors import APIError
 from .metrics import EngineSnapshot, ServerMetrics, SpecCounters
@@ -286,14 +286,15 @@ class AsyncEngine:
     def _fail_step(self, error: Exception) -> None:
         """``engine.step`` raised: fail the requests of that step, keep everyone else.
 
-        The step's batch is not returned on failure, so it is reconstructed: a prefill batch is
-        the running requests with nothing computed yet; otherwise the whole decode batch (all
-        running requests); with nothing running, the head of the queue (it could not be placed).
+        A :class:`StepError` names the step's requests; any other error (raised before a batch
+        was formed, e.g. no room for the head of the queue) fails the head of the queue.
         """
         logger.exception("engine step failed")
         sched = self.engine.scheduler
-        running = list(sched.running)
-        suspects = [s for s in running if s.num_computed == 0] or running or list(sched.waiting)[:1]
+        if isinstance(error, StepError):
+            suspects = error.sequences
+        else:
+            suspects = list(sched.waiting)[:1] or list(sched.running)
         failed = {id(s) for s in suspects}
         message = f"internal error while generating: {type(error).__name__}: {error}"
         out: list[tuple[_Request, object]] = []

@@ -7,6 +7,7 @@ is ~0: this is the per-step cost), and the bandwidth floor of a decode step: byt
 parameters plus the KV read, over the measured bandwidth.
 
     python benchmarks/bench_gpu_xs.py [--layers 40] [--context 1024] [--new-tokens 24]
+    python benchmarks/bench_gpu_xs.py --device cpu --layers 2 --hidden 256 --context 64  # wiring
 """
 
 from __future__ import annotations
@@ -58,27 +59,33 @@ def xs_draft_config(num_target_layers: int) -> dict:
     }
 
 
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    torch.cuda.synchronize()
+    sync(device)
     return 2 * nbytes * 10 / (time.perf_counter() - t0)  # read + write
 
 
-def gemm_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+def gemm_tflops(device: str, n: int = 8192) -> float:
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(10):
         a @ b
-    torch.cuda.synchronize()
+    sync(device)
     return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
@@ -106,7 +113,7 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, int]
     llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)  # warm-up
     before = llm.get_metrics()
     llm.generate(prompt_token_ids=[prompt], sampling_params=params)
-    torch.cuda.synchronize()
+    sync(llm.config.device)
     after = llm.get_metrics()
     steps = after["num_steps"] - before["num_steps"] - 1  # minus the prefill
     return (after["decode_s"] - before["decode_s"]) / steps, steps
@@ -117,34 +124,58 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--simulated", default="1,2,4,8", help="simulated acceptance lengths to time")
+    ap.add_argument("--device", default="cuda", help="cpu runs a wiring check at small sizes")
+    ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
     args = ap.parse_args()
-    bw, tflops = copy_bandwidth(), gemm_tflops()
+    cpu = not args.device.startswith("cuda")
+    bw = copy_bandwidth(args.device, 64 << 20 if cpu else 4 << 30)
+    tflops = gemm_tflops(args.device, 512 if cpu else 8192)
     with tempfile.TemporaryDirectory() as tmp:
         tdir, ddir = Path(tmp) / "target", Path(tmp) / "draft"
         tdir.mkdir()
         ddir.mkdir()
-        (tdir / "config.json").write_text(json.dumps(xs_target_config(args.layers)))
-        (ddir / "config.json").write_text(json.dumps(xs_draft_config(args.layers)))
-        common = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=args.context + 256,
+        tcfg, dcfg = xs_target_config(args.layers), xs_draft_config(args.layers)
+        if args.hidden != 2048:  # CPU wiring check: shrink every width, keep the structure
+            f = args.hidden / 2048
+            for c in (tcfg, dcfg):
+                c.update(hidden_size=args.hidden, intermediate_size=int(8192 * f), vocab_size=4096)
+            dcfg["draft_vocab_size"] = 4096
+            tcfg.update(num_experts=16, moe_intermediate_size=int(512 * f),
+                        shared_expert_intermediate_size=int(512 * f))
+        (tdir / "config.json").write_text(json.dumps(tcfg))
+        (ddir / "config.json").write_text(json.dumps(dcfg))
+        common = dict(dtype="float32" if cpu else "bfloat16", device=args.device, load_format="dummy",
+                      max_model_len=args.context + 256,
                       num_kv_blocks=(args.context + 512) // 16 * 2, max_num_seqs=2)
         t0 = time.perf_counter()
         spec = LLM(str(tdir), draft=str(ddir), **common)
         load_s = time.perf_counter() - t0
-        prompt = torch.randint(100, 100000, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+        prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
+                               generator=torch.Generator().manual_seed(0)).tolist()
         floor = active_bytes(spec.engine.target, args.context) / bw
         spec_s, _ = step_time(spec, prompt, args.new_tokens)
-        # target-only on the same weights (two 67 GB copies would not fit): detach the proposer
         engine = spec.engine
+        simulated = {}
+        for length in (float(x) for x in args.simulated.split(",")):
+            engine.simulated_acceptance, engine._sim_carry = length, 0.0
+            simulated[length] = step_time(spec, prompt, args.new_tokens)[0] / length  # s per token
+        engine.simulated_acceptance = None
+        # target-only on the same weights (two 67 GB copies would not fit): detach the proposer
         proposer, engine.proposer, engine.tap_layer_ids = engine.proposer, None, ()
         base_s, _ = step_time(spec, prompt, args.new_tokens)
         engine.proposer = proposer
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
+    name = torch.cuda.get_device_name() if not cpu else "cpu"
+    print(f"device {name}, torch {torch.__version__}, layers {args.layers}, "
           f"context {args.context}, dummy load {load_s:.1f}s")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s")
     print(f"{'what':<34}{'ms':>10}{'x floor':>10}")
     print(f"{'bandwidth floor (decode step)':<34}{floor * 1e3:>10.2f}{1.0:>10.2f}")
     print(f"{'target-only decode step':<34}{base_s * 1e3:>10.2f}{base_s / floor:>10.2f}")
     print(f"{'DFlash step (K=15, draft+verify)':<34}{spec_s * 1e3:>10.2f}{spec_s / floor:>10.2f}")
+    print(f"{'simulated acceptance length':<34}{'tok/s':>10}{'x target':>10}")
+    for length, per_token in simulated.items():
+        print(f"{length:<34.1f}{1 / per_token:>10.1f}{base_s / per_token:>10.2f}")
 
 
 if __name__ == "__main__":

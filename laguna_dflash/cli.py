@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step K (default: the drafter's block_size - 1)")
     p.add_argument("--no-spec", action="store_true", help="ignore --draft: target-only decoding")
+    p.add_argument("--simulate-acceptance-length", type=float, default=None,
+                   help="benchmarking only: accept drafts blindly at this mean acceptance length "
+                        "(output is not the target's)")
     p.add_argument("--adaptive-k", action="store_true",
                    help="pick the draft length per step (<= K, 0 = no drafting) from measured "
                         "acceptance and step cost")
@@ -146,7 +149,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=model, draft=draft, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
-              adaptive_k=args.adaptive_k and draft is not None, block_size=args.block_size,
+              adaptive_k=args.adaptive_k and draft is not None,
+              simulate_acceptance_length=args.simulate_acceptance_length if draft else None,
+              block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, trace=args.trace)
     load_s = time.perf_counter() - t0
     if prompt is not None:

@@ -85,10 +85,18 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     method: str = "dflash"
     adaptive: bool = False  # pick K <= num_speculative_tokens per step (engine/adaptive_k.py)
+    # benchmarking only (SGLang's SGLANG_SIMULATE_ACC_LEN): accept drafts without checking so that
+    # the mean acceptance length is this value; the output is then not the target's
+    simulate_acceptance_length: float | None = None
 
     def __post_init__(self) -> None:
         if self.method.lower() != "dflash":
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
+        if self.simulate_acceptance_length is not None and self.simulate_acceptance_length < 1:
+            raise ValueError(
+                "simulate_acceptance_length must be >= 1 (it counts the bonus token), got "
+                f"{self.simulate_acceptance_length}"
+            )
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
                 "num_speculative_tokens must be >= 1 (or None for block_size - 1), got "

@@ -65,12 +65,14 @@ class LLM:
         max_model_len: int | None = None,
         num_speculative_tokens: int | None = None,
         adaptive_k: bool = False,
+        simulate_acceptance_length: float | None = None,
         **engine_options,
     ) -> None:
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
-                                            adaptive=adaptive_k)
+                                            adaptive=adaptive_k,
+                                            simulate_acceptance_length=simulate_acceptance_length)
         elif num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens was given without draft=; pass a DFlash drafter directory")
         extra = {"trace": bool(engine_options.pop("trace", False))}

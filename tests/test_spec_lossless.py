@@ -117,3 +117,17 @@ def test_adaptive_k_is_lossless_and_counts_drafted_tokens(pairs, pair_name):
         per_pos = o.metrics["num_accepted_tokens_per_pos"]
         assert sum(per_pos) == o.metrics["num_accepted_tokens"]
         assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+
+
+def test_simulated_acceptance_length_for_benchmarks(pairs):
+    """Benchmark switch: drafts accepted so that the mean acceptance length is the given value
+    (K=5, L=3.5 -> 2 or 3 accepted per step, 2.5 on average); committed tokens stay consistent."""
+    target, draft = pairs["laguna+poolside"]
+    llm = LLM(target, draft=draft, simulate_acceptance_length=3.5)
+    out = llm.generate(prompt_token_ids=_prompts(2, seed=1),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
+    stats = llm.get_metrics()
+    assert stats["mean_acceptance_length"] == pytest.approx(3.5, abs=0.1)
+    assert all(len(o.token_ids) == 41 for o in out)
+    with pytest.raises(ValueError, match="simulate_acceptance_length"):
+        LLM(target, draft=draft, simulate_acceptance_length=0.5)

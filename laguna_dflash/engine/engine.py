@@ -87,6 +87,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.target, kv, self.backend, self.device)
         self.proposer = None
         self.spec_stats = SpecDecodingStats(k) if k else None
+        sim = config.speculative.simulate_acceptance_length if config.speculative else None
+        self.simulated_acceptance = sim if k else None
+        self._sim_carry = 0.0
+        if self.simulated_acceptance is not None:
+            logger.warning("simulated acceptance length %.2f: drafts are accepted without checking, "
+                           "output is NOT the target's (benchmarking only)", sim)
         adaptive = config.speculative is not None and config.speculative.adaptive
         self.adaptive_k = AdaptiveK(k) if adaptive and k else None
         if self.drafter is not None:
@@ -281,6 +287,14 @@ class LLMEngine:
         self.timings.num_decode_tokens += len(seqs)
         return []
 
+    def _simulated_accept(self, k: int) -> int:
+        """Accepted drafts for a simulated mean acceptance length L: ``L - 1`` on average, as
+        integers (a running remainder carries the fraction), capped at ``k``."""
+        want = self.simulated_acceptance - 1.0 + self._sim_carry
+        a = int(want)
+        self._sim_carry = want - a
+        return max(0, min(k, a))
+
     def _spec_decode(self, seqs: list[Sequence], k: int) -> list[int]:
         """One DFlash step for the whole batch with ``k`` drafts each: draft, verify, accept,
         commit, roll back. Returns the accepted-draft count per request."""
@@ -297,6 +311,8 @@ class LLMEngine:
         # One host sync per step, after the device work: bring back what commits need.
         accepted_list, target_list = accepted.tolist(), target_tokens.tolist()
         draft_list = drafts.tolist()
+        if self.simulated_acceptance is not None:
+            accepted_list = [self._simulated_accept(k) for _ in seqs]
         logits = logits.view(len(seqs), k + 1, -1)
         taps = taps.view(len(seqs), k + 1, -1)
         for i, s in enumerate(seqs):
@@ -317,6 +333,9 @@ class LLMEngine:
             # length: they stay in the cache, invisible, and are overwritten next step.
             s.num_computed = p + a + 1
             s.pending_context, s.pending_start = taps[i, : a + 1], p
-            self._commit(s, target_list[i][: a + 1], logits[i, : a + 1])
+            # emitted = accepted drafts + the target's token after them (with real acceptance
+            # d_j == t_{j-1}, so this is t_0..t_a; with simulated acceptance it keeps the
+            # committed tokens equal to the verified rows whose KV is kept)
+            self._commit(s, draft_list[i][:a] + [target_list[i][a]], logits[i, : a + 1])
         self.timings.num_decode_tokens += sum(a + 1 for a in accepted_list)
         return accepted_list

@@ -204,7 +204,9 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         logger.warning("--no-spec: ignoring the drafter given by %s", draft_flag)
         return SpeculativeChoice(None)
     return SpeculativeChoice(SpeculativeConfig(draft=str(draft), num_speculative_tokens=k,
-                                               adaptive=bool(getattr(args, "adaptive_k", False))),
+                                               adaptive=bool(getattr(args, "adaptive_k", False)),
+                                               simulate_acceptance_length=getattr(
+                                                   args, "simulate_acceptance_length", None)),
                              draft_flag=draft_flag, tokens_flag=tokens_flag,
                              block_size=_draft_block_size(str(draft)))
 

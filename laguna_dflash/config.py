@@ -6,7 +6,7 @@ User input errors raise ``ValueError`` with the field name and how to fix it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -124,7 +124,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    trace: bool = False  # record, per spec step, anchor position, draft tokens, accepted count
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -75,10 +75,9 @@ class LLM:
                                             simulate_acceptance_length=simulate_acceptance_length)
         elif num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens was given without draft=; pass a DFlash drafter directory")
-        extra = {"trace": bool(engine_options.pop("trace", False))}
         self.config = EngineConfig(model=str(model), dtype=dtype, device=device,
                                    max_model_len=max_model_len, speculative=speculative,
-                                   extra=extra, **engine_options)
+                                   **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = load_tokenizer(model)
 

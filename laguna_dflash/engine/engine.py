@@ -326,7 +326,7 @@ class LLMEngine:
             for j in range(a):
                 s.num_accepted_tokens_per_pos[j] += 1
             self.spec_stats.observe(a, k)
-            if self.config.extra.get("trace"):
+            if self.config.trace:
                 s.trace.append({"anchor_position": p, "draft_tokens": draft_list[i], "num_accepted": a})
             # Committed: the bonus and the a accepted drafts (positions P..P+a) now have target
             # KV; their taps become the drafter's next context. Rows beyond are rolled back by

@@ -99,11 +99,7 @@ async def _events(serving: Serving, job: Job, req: ChatCompletionRequest,
             yield chunk({"content": d.text} if d.text else {}, lps, d.finish_reason,
                         d.stop_reason, d.token_ids if req.return_token_ids else None)
         if opts is not None and opts.include_usage:
-            final = {**base, "choices": [], "usage": job.usage()}
-            metrics = serving.spec_metrics(job)
-            if metrics is not None:
-                final["metrics"] = metrics
-            yield sse(final)
+            yield sse(serving.usage_chunk(job, base))
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE

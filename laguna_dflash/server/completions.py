@@ -83,11 +83,7 @@ async def _events(serving: Serving, job: Job, req: CompletionRequest) -> AsyncIt
                 chunk["usage"] = job.usage()
             yield sse(chunk)
         if opts is not None and opts.include_usage:
-            final = {**base, "choices": [], "usage": job.usage()}
-            metrics = serving.spec_metrics(job)
-            if metrics is not None:
-                final["metrics"] = metrics
-            yield sse(final)
+            yield sse(serving.usage_chunk(job, base))
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE

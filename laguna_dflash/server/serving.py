@@ -218,6 +218,14 @@ class Serving:
             body["metrics"] = metrics
         return body
 
+    def usage_chunk(self, job: Job, base: dict) -> dict:
+        """The final streamed chunk (``stream_options.include_usage``): usage and spec metrics."""
+        final = {**base, "choices": [], "usage": job.usage()}
+        metrics = self.spec_metrics(job)
+        if metrics is not None:
+            final["metrics"] = metrics
+        return final
+
     def spec_metrics(self, job: Job) -> dict | None:
         """Per-request speculative decoding metrics (vLLM's ``metrics.speculative_decoding``)."""
         s = job.spec

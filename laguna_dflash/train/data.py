@@ -103,7 +103,11 @@ def encode_corpus(texts: list[str], tokenizer) -> np.ndarray:
 
 def prompts_from_texts(texts: list[str], num_prompts: int, seed: int, min_lines: int = 3) -> list[str]:
     """Code prompts: the source up to and including a ``def``/``class`` header line, taking the
-    header plus up to ``min_lines`` lines of preceding context (deterministic for a seed)."""
+    header plus up to ``min_lines`` lines of preceding context (deterministic for a seed).
+
+    The header's newline is left off: the byte-level BPE merges a newline with the indentation
+    that follows it, so a prompt ending in a bare newline would ask for a token boundary the
+    model never saw in training (and its continuation would start at column 0)."""
     rng = random.Random(seed)
     candidates = []
     for text in texts:
@@ -112,7 +116,7 @@ def prompts_from_texts(texts: list[str], num_prompts: int, seed: int, min_lines:
             stripped = line.lstrip()
             if (stripped.startswith("def ") or stripped.startswith("class ")) and line.rstrip().endswith(":"):
                 start = max(0, i - min_lines)
-                candidates.append("".join(lines[start : i + 1]))
+                candidates.append("".join(lines[start : i + 1]).rstrip("\n"))
     rng.shuffle(candidates)
     return candidates[:num_prompts]
 

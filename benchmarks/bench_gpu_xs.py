@@ -108,15 +108,16 @@ def active_bytes(model, context: int) -> int:
     return total
 
 
-def step_time(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, int]:
+def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) -> float:
+    """Mean seconds per decode (or DFlash) step of ``batch`` copies of ``prompt``."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)  # warm-up
+    llm.generate(prompt_token_ids=[prompt[:64]] * batch, sampling_params=params)  # warm-up
     before = llm.get_metrics()
-    llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
     sync(llm.config.device)
     after = llm.get_metrics()
-    steps = after["num_steps"] - before["num_steps"] - 1  # minus the prefill
-    return (after["decode_s"] - before["decode_s"]) / steps, steps
+    steps = after["num_decode_steps"] - before["num_decode_steps"]
+    return (after["decode_s"] - before["decode_s"]) / steps
 
 
 def main() -> None:
@@ -124,11 +125,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--batches", default="1,4,16,64", help="batch sizes to time")
+    ap.add_argument("--ks", default="1,3,7,15", help="draft counts K for the batch-1 DFlash step")
     ap.add_argument("--simulated", default="1,2,4,8", help="simulated acceptance lengths to time")
+    ap.add_argument("--sim-k", type=int, default=7, help="K used for the simulated-acceptance runs")
     ap.add_argument("--device", default="cuda", help="cpu runs a wiring check at small sizes")
     ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
     args = ap.parse_args()
     cpu = not args.device.startswith("cuda")
+    batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth(args.device, 64 << 20 if cpu else 4 << 30)
     tflops = gemm_tflops(args.device, 512 if cpu else 8192)
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,37 +150,51 @@ def main() -> None:
                         shared_expert_intermediate_size=int(512 * f))
         (tdir / "config.json").write_text(json.dumps(tcfg))
         (ddir / "config.json").write_text(json.dumps(dcfg))
+        max_batch = max(batches)
         common = dict(dtype="float32" if cpu else "bfloat16", device=args.device, load_format="dummy",
-                      max_model_len=args.context + 256,
-                      num_kv_blocks=(args.context + 512) // 16 * 2, max_num_seqs=2)
+                      max_model_len=args.context + 256, max_num_seqs=max_batch,
+                      num_kv_blocks=(args.context + 320) // 16 * (max_batch + 1))
         t0 = time.perf_counter()
         spec = LLM(str(tdir), draft=str(ddir), **common)
         load_s = time.perf_counter() - t0
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
         floor = active_bytes(spec.engine.target, args.context) / bw
-        spec_s, _ = step_time(spec, prompt, args.new_tokens)
         engine = spec.engine
-        simulated = {}
-        for length in (float(x) for x in args.simulated.split(",")):
-            engine.simulated_acceptance, engine._sim_carry = length, 0.0
-            simulated[length] = step_time(spec, prompt, args.new_tokens)[0] / length  # s per token
+        max_k = engine.num_speculative_tokens
+        # DFlash step (draft K tokens + verify K+1) at batch 1, random drafter; acceptance is
+        # forced to 1 (no drafts kept) so every step costs the same
+        engine.simulated_acceptance, engine._sim_carry = 1.0, 0.0
+        k_steps = {}
+        for k in (int(x) for x in args.ks.split(",")):
+            engine.num_speculative_tokens = min(k, max_k)
+            k_steps[k] = step_time(spec, prompt, args.new_tokens)
+        engine.num_speculative_tokens = min(args.sim_k, max_k)
+        simulated = {}  # (batch, length) -> seconds per token per request
+        for b in batches:
+            for length in (float(x) for x in args.simulated.split(",")):
+                engine.simulated_acceptance, engine._sim_carry = length, 0.0
+                simulated[b, length] = step_time(spec, prompt, args.new_tokens, b) / length
         engine.simulated_acceptance = None
         # target-only on the same weights (two 67 GB copies would not fit): detach the proposer
         proposer, engine.proposer, engine.tap_layer_ids = engine.proposer, None, ()
-        base_s, _ = step_time(spec, prompt, args.new_tokens)
+        base = {b: step_time(spec, prompt, args.new_tokens, b) for b in batches}
         engine.proposer = proposer
     name = torch.cuda.get_device_name() if not cpu else "cpu"
     print(f"device {name}, torch {torch.__version__}, layers {args.layers}, "
           f"context {args.context}, dummy load {load_s:.1f}s")
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s")
-    print(f"{'what':<34}{'ms':>10}{'x floor':>10}")
-    print(f"{'bandwidth floor (decode step)':<34}{floor * 1e3:>10.2f}{1.0:>10.2f}")
-    print(f"{'target-only decode step':<34}{base_s * 1e3:>10.2f}{base_s / floor:>10.2f}")
-    print(f"{'DFlash step (K=15, draft+verify)':<34}{spec_s * 1e3:>10.2f}{spec_s / floor:>10.2f}")
-    print(f"{'simulated acceptance length':<34}{'tok/s':>10}{'x target':>10}")
-    for length, per_token in simulated.items():
-        print(f"{length:<34.1f}{1 / per_token:>10.1f}{base_s / per_token:>10.2f}")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s\n")
+    print("| batch-1 step | ms | x floor |\n|---|---:|---:|")
+    print(f"| bandwidth floor (decode) | {floor * 1e3:.2f} | 1.00 |")
+    print(f"| target-only decode | {base[1] * 1e3:.2f} | {base[1] / floor:.2f} |" if 1 in base else "")
+    for k, t in k_steps.items():
+        print(f"| DFlash K={k} (draft + verify {k + 1}) | {t * 1e3:.2f} | {t / floor:.2f} |")
+    lengths = sorted({length for _, length in simulated})
+    print(f"\n| batch | target-only tok/s | " + " | ".join(f"L={x:g} tok/s (x)" for x in lengths) + " |")
+    print("|---:|---:|" + "---:|" * len(lengths))
+    for b in batches:
+        cells = [f"{b / simulated[b, x]:.1f} ({base[b] / simulated[b, x]:.2f}x)" for x in lengths]
+        print(f"| {b} | {b / base[b]:.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

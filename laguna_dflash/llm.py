@@ -156,7 +156,7 @@ class LLM:
         t = self.engine.timings
         out = {"prefill_s": t.prefill_s, "decode_s": t.decode_s,
                "num_prefill_tokens": t.num_prefill_tokens, "num_decode_tokens": t.num_decode_tokens,
-               "num_steps": t.num_steps}
+               "num_steps": t.num_steps, "num_decode_steps": t.num_decode_steps}
         if self.engine.spec_stats is not None:
             out.update(self.engine.spec_stats.as_dict())
         return out

@@ -33,6 +33,7 @@ class EngineTimings:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_steps: int = 0
+    num_decode_steps: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -233,6 +234,7 @@ class LLMEngine:
             if self.adaptive_k is not None:
                 self.adaptive_k.observe(k, len(seqs), accepted, seconds)
             self.timings.decode_s += seconds
+            self.timings.num_decode_steps += 1
         self.timings.num_steps += 1
         finished = [s for s in batch.sequences if s.is_finished]
         for s in finished:

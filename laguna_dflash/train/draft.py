@@ -59,6 +59,7 @@ class DraftTrainConfig:
     gen_batch_size: int = 256
     corpus_tokens: str | None = None  # a .npy token stream; default: the target's training corpus
     regen_budget_s: float | None = None  # stop regenerating (keep what is done) after this long
+    init_from: str | None = None  # start from this drafter checkpoint (its config wins) instead of random
     save_every: int = 500
     log_every: int = 50
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
@@ -147,7 +148,7 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
     """Weighted same-position CE of the drafter on ``seqs [B, T]`` (see module docstring)."""
     b, t = seqs.shape
     device = seqs.device
-    s = c.block_size
+    s = drafter.block_size
     with torch.no_grad():
         meta = dense_metadata(b, t, device)
         ctx = ForwardContext(meta, [(None, None)] * len(target.layers), DenseTrainingBackend())
@@ -192,15 +193,22 @@ def train_draft(c: DraftTrainConfig) -> Path:
     data = regenerate(c, work)
     target = load_model(c.target, torch.float32, device)
     target_cfg = read_config(c.target)
-    cfg = draft_config(c, target_cfg)
-    if c.flavour == "laguna":
-        drafter = DFlashLaguna(laguna_draft_spec(cfg, {}, target), target)
+    if c.init_from:
+        cfg = read_config(c.init_from)
+        drafter = load_model(c.init_from, torch.float32, device, target=target)
+        shared = {id(p) for p in target.parameters()}
+        for p in drafter.parameters():
+            p.requires_grad_(id(p) not in shared)
     else:
-        drafter = DFlashDraftModel(qwen3_draft_spec(cfg, target), target)
-    randomize_(drafter, c.seed)
+        cfg = draft_config(c, target_cfg)
+        if c.flavour == "laguna":
+            drafter = DFlashLaguna(laguna_draft_spec(cfg, {}, target), target)
+        else:
+            drafter = DFlashDraftModel(qwen3_draft_spec(cfg, target), target)
+        randomize_(drafter, c.seed)
     drafter.to(device).train()
-    target.prepare_rope(data.shape[1] + c.block_size, device)
-    drafter.prepare_rope(data.shape[1] + c.block_size, device)
+    target.prepare_rope(data.shape[1] + drafter.block_size, device)
+    drafter.prepare_rope(data.shape[1] + drafter.block_size, device)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=c.lr,
                             betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(c.seed)

@@ -190,7 +190,7 @@ def main() -> None:
     for k, t in k_steps.items():
         print(f"| DFlash K={k} (draft + verify {k + 1}) | {t * 1e3:.2f} | {t / floor:.2f} |")
     lengths = sorted({length for _, length in simulated})
-    print(f"\n| batch | target-only tok/s | " + " | ".join(f"L={x:g} tok/s (x)" for x in lengths) + " |")
+    print("\n| batch | target-only tok/s | " + " | ".join(f"L={x:g} tok/s (x)" for x in lengths) + " |")
     print("|---:|---:|" + "---:|" * len(lengths))
     for b in batches:
         cells = [f"{b / simulated[b, x]:.1f} ({base[b] / simulated[b, x]:.2f}x)" for x in lengths]

@@ -5,6 +5,10 @@ hidden 2048, 64 heads, 8 KV heads, head_dim 128; and the same shapes for the Qwe
 checks the two paths agree, and times both in the same run for several context-row counts
 (decode steps commit a+1 <= 16 rows; a prefill commits the whole prompt). Prints a table.
 
+On CUDA with triton, a second table times what follows the GEMM (grouped K-RMSNorm + RoPE + the
+cache writes of every layer): the torch reference ops vs the ONE-launch Triton kernel of
+``kernels/context_kv.py`` (which the model's fused path uses there; ``fused us`` above includes it).
+
     python benchmarks/bench_context_kv.py --device cpu --dtype float32
     python benchmarks/bench_context_kv.py --device cuda --dtype bfloat16
 """
@@ -17,6 +21,7 @@ import time
 import torch
 
 from laguna_dflash.config import resolve_dtype
+from laguna_dflash.kernels import context_kv as ckv
 from laguna_dflash.models.dflash import DFlashDraftModel, qwen3_draft_spec
 from laguna_dflash.models.laguna_dflash import DFlashLaguna, laguna_draft_spec
 from laguna_dflash.models.random_init import randomize_
@@ -105,6 +110,32 @@ def main() -> None:
                              device, iters)
             print(f"{flavour:8} {n:5d} {t_ref * 1e6:13.1f} {t_fused * 1e6:10.1f} "
                   f"{t_ref / t_fused:7.2f}x {diff:10.2e}")
+    if device.type == "cuda" and ckv.is_available(device):
+        bench_norm_rope_write(args, device, dtype, iters)
+
+
+def bench_norm_rope_write(args, device: torch.device, dtype: torch.dtype, iters: int) -> None:
+    """After the GEMM: torch K-norm + RoPE + per-layer writes vs the one Triton launch."""
+    print(f"norm+rope+write after the GEMM ({args.layers} layers, kv heads 8, head_dim 128)")
+    print(f"{'flavour':8} {'rows':>5} {'torch us':>9} {'triton us':>10} {'speedup':>8} {'max|diff|':>10}")
+    for flavour in ("laguna", "qwen3"):
+        model = build(flavour, args.layers, device, dtype)
+        for n in (int(r) for r in args.rows.split(",")):
+            g = torch.Generator(device="cpu").manual_seed(n)
+            context = torch.randn(n, 2048, generator=g).to(device=device, dtype=dtype)
+            positions = torch.randint(0, 4096, (n,), generator=g).to(device)
+            slots = torch.randperm(4096, generator=g)[:n].to(device)
+            k, v = model._project_context_kv(context)
+            common = (k, v, model.context_k_norm_weight, model.spec.rms_norm_eps, model.rotary.cos,
+                      model.rotary.sin, positions, slots)
+            kv_ref, kv_tri = caches(model, 4096, device, dtype), caches(model, 4096, device, dtype)
+            ckv.context_kv_reference(*common, kv_ref)
+            ckv.fused_context_kv_(*common, kv_tri)
+            diff = max((a[slots].float() - b[slots].float()).abs().max().item()
+                       for ref, tri in zip(kv_ref, kv_tri) for a, b in zip(ref, tri))
+            t_ref = timeit(lambda a=common, c=kv_ref: ckv.context_kv_reference(*a, c), device, iters)
+            t_tri = timeit(lambda a=common, c=kv_tri: ckv.fused_context_kv_(*a, c), device, iters)
+            print(f"{flavour:8} {n:5d} {t_ref * 1e6:9.1f} {t_tri * 1e6:10.1f} {t_ref / t_tri:7.2f}x {diff:10.2e}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
 from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm, rms_norm_grouped
@@ -153,6 +154,7 @@ class DFlashDraftModel(nn.Module):
 
     architecture = "DFlashDraftModel"
     fused_qkv_on_disk = False  # z-lab checkpoints store q/k/v split
+    use_triton_context_kv = True  # False forces the torch context-K/V path (set per instance)
 
     def __init__(self, spec: DraftSpec, target: nn.Module | None = None) -> None:
         super().__init__()
@@ -309,8 +311,19 @@ class DFlashDraftModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         """Write context K/V for ``context [N, H]`` at ``positions [N]`` / ``slots [N]`` into every
-        layer's cache: one GEMM, one grouped K-norm, one RoPE over all layers, the writes."""
+        layer's cache: one GEMM, one grouped K-norm, one RoPE over all layers, the writes.
+
+        On CUDA with triton, K-norm + RoPE + writes run as ONE Triton launch
+        (``kernels/context_kv.py``), unless ``use_triton_context_kv`` is False or a flavour
+        overrides ``_normalize_context_k``; elsewhere the torch ops below."""
         k, v = self._project_context_kv(context)
+        if (self.use_triton_context_kv and k.is_cuda
+                and type(self)._normalize_context_k is DFlashDraftModel._normalize_context_k
+                and context_kv_kernels.is_available(k.device)):
+            context_kv_kernels.fused_context_kv_(
+                k, v, self.context_k_norm_weight, self.spec.rms_norm_eps, self.rotary.cos,
+                self.rotary.sin, positions, slots, kv_caches)
+            return
         k = self._normalize_context_k(k)
         num_layers, n = k.shape[0], k.shape[1]
         k = self.rotary.apply(k.reshape(num_layers * n, *k.shape[2:]), positions.repeat(num_layers))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
+from ..kernels import fused_moe
 from .rope import RotaryEmbedding
 
 
@@ -203,14 +204,30 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    # With ``use_fused_moe`` (class or instance), on a GPU up to ``fused_moe_max_pairs``
+    # (token, expert) pairs go to the fused Triton kernels (kernels/fused_moe.py: each hit
+    # expert's weights read once, no host sync, static launch shapes). Off by default until the
+    # current version of the kernel has been checked and timed on a GPU (docs/PERFORMANCE.md).
     # The sync-free gather path copies one expert's weights per (token, expert) pair, so it only
     # pays on a GPU (no host sync, one batched GEMM) and only while pairs <= num_experts.
+    use_fused_moe: bool = False
+    fused_moe_max_pairs: int = 256
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.training:
             self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
-        if x.is_cuda and ids.numel() <= self.num_experts:
+        if (
+            x.is_cuda
+            and self.use_fused_moe
+            and not self.training
+            and ids.numel() <= self.fused_moe_max_pairs
+            and fused_moe.is_available(x.device)
+        ):
+            routed = fused_moe.fused_moe_experts(
+                x, ids, weights, self.experts_gate_up, self.experts_down
+            )
+        elif x.is_cuda and ids.numel() <= self.num_experts:
             routed = self.experts_forward_gather(x, weights, ids)
         else:
             routed = self.experts_forward(x, weights, ids)

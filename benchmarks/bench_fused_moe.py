@@ -1,0 +1,161 @@
+"""One Laguna-XS-2.1 MoE layer's routed experts at decode / verify sizes: fused Triton vs torch.
+
+Shapes (reference/laguna.md section 6.1): hidden 2048, 256 experts of intermediate 512, top-8,
+bf16; ``gate_up [256, 1024, 2048]`` + ``down [256, 2048, 512]`` = 6 MiB per expert. For T = 1, 2,
+4, 8, 16 tokens (uniform random routing, fixed seed) it times
+
+* ``fused``: ``kernels.fused_moe.fused_moe_experts`` (what ``MoE.forward`` runs on a GPU with ``MoE.use_fused_moe``);
+* ``gather``: ``MoE.experts_forward_gather`` (the previous GPU path: one expert copy per pair);
+* ``loop``: ``MoE.experts_forward`` (grouped loop over the experts hit, one host sync);
+
+eagerly, and the first two also replayed from a CUDA graph (``graph``), against the bandwidth
+floor: bytes of the distinct experts hit over the device-to-device copy bandwidth measured in the
+same run. Weights rotate over ``--layers`` copies so the experts are not already in L2 (50 MB),
+as in a real forward where every layer has its own experts. Checks every path against the fp32
+reference before timing. Prints a markdown table.
+
+    python benchmarks/bench_fused_moe.py
+    python benchmarks/bench_fused_moe.py --sweep   # also try kernel tile configs at T=1 and T=16
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from laguna_dflash.kernels import fused_moe
+from laguna_dflash.models.layers import MoE
+
+E, K, H, INTER = 256, 8, 2048, 512
+EXPERT_BYTES = (2 * INTER * H + H * INTER) * 2  # bf16
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes moved per second (read + write) by a large device-to-device copy."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 10
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 2 * reps / (start.elapsed_time(end) / 1e3)
+
+
+def time_per_call(fns: list[Callable[[], object]], reps: int) -> float:
+    """Microseconds per call, cycling through ``fns`` (one per layer copy) ``reps`` times."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        for fn in fns:
+            fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(fns))
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """Capture ``fn`` (static inputs) into a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--layers", type=int, default=8, help="weight copies to rotate (> L2)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also time kernel tile configs")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    assert fused_moe.is_available(device), "needs a CUDA GPU (sm80+) with triton"
+    torch.manual_seed(0)
+    bw = copy_bandwidth(device)
+    layers = []
+    for _ in range(args.layers):
+        moe = MoE(H, E, K, INTER, 0).to(device=device, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            moe.experts_gate_up.normal_(0, H**-0.5)
+            moe.experts_down.normal_(0, INTER**-0.5)
+        layers.append(moe)
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s, "
+          f"{args.layers} layer copies of {E * EXPERT_BYTES / 2**30:.2f} GiB\n")
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for t in [int(s) for s in args.tokens.split(",")]:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(device)
+        w = torch.rand(t, K, generator=g)
+        w = (w / w.sum(-1, keepdim=True)).to(device=device, dtype=torch.bfloat16)
+        x = torch.randn(t, H, generator=g).to(device=device, dtype=torch.bfloat16)
+        distinct = int(ids.unique().numel())
+        m0 = layers[0]
+        with torch.no_grad():
+            ref = fused_moe.moe_experts_reference(
+                x.float(), ids, w.float(), m0.experts_gate_up.float(), m0.experts_down.float())
+            scale = ref.abs().max().item()
+            for name, out in (
+                ("fused", fused_moe.fused_moe_experts(x, ids, w, m0.experts_gate_up, m0.experts_down)),
+                ("gather", m0.experts_forward_gather(x, w, ids)),
+                ("loop", m0.experts_forward(x, w, ids)),
+            ):
+                err = (out.float() - ref).abs().max().item() / scale
+                assert err < 3e-2, f"T={t} {name}: relative error {err:.3g} vs the fp32 reference"
+            fused = [partial(fused_moe.fused_moe_experts, x, ids, w, m.experts_gate_up,
+                             m.experts_down) for m in layers]
+            gather = [partial(m.experts_forward_gather, x, w, ids) for m in layers]
+            loop = [partial(m.experts_forward, x, w, ids) for m in layers]
+            row = {"T": t, "pairs": t * K, "experts hit": distinct,
+                   "floor": distinct * EXPERT_BYTES / bw * 1e6}
+            row["fused"] = time_per_call(fused, args.reps)
+            row["fused graph"] = time_per_call([graphed(f) for f in fused], args.reps)
+            row["gather"] = time_per_call(gather, args.reps)
+            row["gather graph"] = time_per_call([graphed(f) for f in gather], args.reps)
+            row["loop"] = time_per_call(loop, max(2, args.reps // 4))
+            if args.sweep and t in (1, 16):
+                sweep(row, fused, args.reps)
+        rows.append(row)
+    cols = ["T", "pairs", "experts hit", "floor", "fused", "fused graph", "gather", "gather graph",
+            "loop"]
+    print("times in microseconds per layer; floor = bytes of the experts hit / copy bandwidth\n")
+    print("| " + " | ".join(cols) + " | fused graph / floor |")
+    print("|" + "---|" * (len(cols) + 1))
+    for r in rows:
+        cells = [str(r[c]) if isinstance(r[c], int) else f"{r[c]:.1f}" for c in cols]
+        print("| " + " | ".join(cells) + f" | {r['fused graph'] / r['floor']:.2f} |")
+
+
+def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
+    """Time a few (BLOCK_N, BLOCK_K, warps, stages) per kernel (graph replay); prints the best."""
+    base_gu, base_dn = fused_moe._GATE_UP_CFG, fused_moe._DOWN_CFG
+    results = []
+    for gu in [(16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (32, 64, 2, 6)]:
+        for dn in [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
+                   (32, 256, 2, 3)]:
+            fused_moe._GATE_UP_CFG, fused_moe._DOWN_CFG = gu, dn
+            results.append((time_per_call([graphed(f) for f in fused], reps), gu, dn))
+    fused_moe._GATE_UP_CFG, fused_moe._DOWN_CFG = base_gu, base_dn
+    results.sort()
+    print(f"T={row['T']} sweep (graph us, gate_up cfg, down cfg), best 5 of {len(results)}, "
+          f"floor {row['floor']:.1f}: " + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:5]))
+
+
+if __name__ == "__main__":
+    main()

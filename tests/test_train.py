@@ -89,3 +89,39 @@ def test_train_target_and_draft_smoke_loss_goes_down(tmp_path, flavour, distill)
     target = load_model(tdir)
     drafter = load_model(ddir, target=target)  # written in the flavour's format, loads strictly
     assert type(drafter).__name__ == {"laguna": "DFlashLaguna", "qwen3": "DFlashDraftModel"}[flavour]
+
+
+def test_cached_target_states_give_the_same_loss(pair):
+    """One target pass kept in memory (CPU: float32) = the target run inside every step."""
+    from laguna_dflash.train.draft import cached_target_states
+
+    target, drafter = pair
+    seqs = torch.randint(5, 500, (3, 40), generator=torch.Generator().manual_seed(2))
+    cfg = DraftTrainConfig(target="", out_dir="", block_size=drafter.block_size, num_anchors=3, prompt_len=10)
+    cache = cached_target_states(target, seqs, drafter.target_layer_ids, torch.device("cpu"), chunk=2)
+    assert cache[0].shape[:2] == cache[1].shape[:2] == (3, 40)
+    idx = torch.tensor([2, 0])
+    with torch.no_grad():
+        ref = draft_loss(drafter, target, seqs[idx], cfg, torch.Generator().manual_seed(3))
+        got = draft_loss(drafter, target, seqs[idx], cfg, torch.Generator().manual_seed(3),
+                         (cache[0][idx], cache[1][idx]))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_train_draft_continues_from_a_checkpoint(tmp_path):
+    """``init_from`` starts from the given drafter's weights (its first loss is the trained one),
+    with the cached-target-states path."""
+    torch.manual_seed(0)
+    tdir = train_target(TargetTrainConfig(
+        out_dir=str(tmp_path / "target"), vocab_size=300, hidden_size=64, num_layers=3,
+        moe_intermediate_size=32, seq_len=64, batch_size=4, steps=10, warmup=2, lr=3e-3,
+        max_corpus_bytes=200_000, log_every=5))
+    common = dict(target=str(tdir), num_layers=1, block_size=4, num_anchors=4, prompt_len=16, gen_len=16,
+                  num_sequences=16, batch_size=4, warmup=2, log_every=5, gen_batch_size=16)
+    first = train_draft(DraftTrainConfig(out_dir=str(tmp_path / "d1"), steps=30, **common))
+    first_losses = json.loads((first / "work" / "train_summary.json").read_text())["losses"]
+    second = train_draft(DraftTrainConfig(out_dir=str(tmp_path / "d2"), steps=5, init_from=str(first),
+                                          cache_target_states=True, **common))
+    second_losses = json.loads((second / "work" / "train_summary.json").read_text())["losses"]
+    assert second_losses[0] < first_losses[0] - 0.5
+    assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())

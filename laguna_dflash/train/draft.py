@@ -60,6 +60,7 @@ class DraftTrainConfig:
     corpus_tokens: str | None = None  # a .npy token stream; default: the target's training corpus
     regen_budget_s: float | None = None  # stop regenerating (keep what is done) after this long
     init_from: str | None = None  # start from this drafter checkpoint (its config wins) instead of random
+    cache_target_states: bool = False  # one frozen-target pass over the data, kept in memory (bf16)
     save_every: int = 500
     log_every: int = 50
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
@@ -144,15 +145,47 @@ def block_metadata(positions: torch.Tensor, is_causal: bool) -> AttentionMetadat
                              seq_lens=dummy[0], is_causal=is_causal)
 
 
-def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: torch.Generator) -> torch.Tensor:
-    """Weighted same-position CE of the drafter on ``seqs [B, T]`` (see module docstring)."""
+@torch.no_grad()
+def target_states(target, seqs: torch.Tensor, tap_layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target over ``seqs [B, T]``: (last hidden ``[B*T, H]``, taps ``[B*T, n*H]``)."""
+    b, t = seqs.shape
+    meta = dense_metadata(b, t, seqs.device)
+    ctx = ForwardContext(meta, [(None, None)] * len(target.layers), DenseTrainingBackend())
+    return target(seqs.reshape(-1), ctx, tap_layer_ids)
+
+
+def cached_target_states(target, data: torch.Tensor, tap_layer_ids, device: torch.device,
+                         chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``target_states`` of every sequence of ``data [N, T]``, kept on the CPU (bf16 when the
+    target runs on CUDA under autocast, float32 on CPU): (``[N, T, H]``, ``[N, T, n*H]``).
+    Costs one target pass instead of one per step."""
+    store = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hiddens, taps = [], []
+    for i in tqdm(range(0, data.shape[0], chunk), desc="target states"):
+        seqs = data[i : i + chunk].to(device)
+        with autocast(device):
+            h, x = target_states(target, seqs, tap_layer_ids)
+        hiddens.append(h.to("cpu", store).view(*seqs.shape, -1))
+        taps.append(x.to("cpu", store).view(*seqs.shape, -1))
+    return torch.cat(hiddens), torch.cat(taps)
+
+
+def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: torch.Generator,
+               states: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Weighted same-position CE of the drafter on ``seqs [B, T]`` (see module docstring).
+
+    ``states``: the target's (last hidden, taps) for ``seqs`` if already computed (see
+    ``cached_target_states``); otherwise the target runs here.
+    """
     b, t = seqs.shape
     device = seqs.device
     s = drafter.block_size
-    with torch.no_grad():
-        meta = dense_metadata(b, t, device)
-        ctx = ForwardContext(meta, [(None, None)] * len(target.layers), DenseTrainingBackend())
-        hidden, taps = target(seqs.reshape(-1), ctx, drafter.target_layer_ids)
+    meta = dense_metadata(b, t, device)
+    if states is None:
+        hidden, taps = target_states(target, seqs, drafter.target_layer_ids)
+    else:
+        dtype = drafter.embed_weight.dtype
+        hidden, taps = (x.reshape(b * t, -1).to(device, dtype) for x in states)
     context = drafter.combine_hidden_states(taps)
     context_kv = drafter.reference_context_kv(context, meta.positions)
     # anchors in the generated part, so that labels are the target's own continuation
@@ -213,10 +246,13 @@ def train_draft(c: DraftTrainConfig) -> Path:
                             betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(c.seed)
 
+    cache = cached_target_states(target, data, drafter.target_layer_ids, device) if c.cache_target_states else None
+
     def loss_fn(step: int) -> torch.Tensor:
         idx = torch.randint(0, data.shape[0], (c.batch_size,), generator=gen)
+        states = None if cache is None else (cache[0][idx], cache[1][idx])
         with autocast(device):
-            return draft_loss(drafter, target, data[idx].to(device), c, gen)
+            return draft_loss(drafter, target, data[idx].to(device), c, gen, states)
 
     losses, seconds = run_training(
         "train-draft", drafter, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,

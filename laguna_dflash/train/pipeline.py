@@ -72,6 +72,7 @@ def draft_train_config(args: argparse.Namespace, out: Path, draft_dir: Path) -> 
                             num_sequences=args.num_sequences, gen_batch_size=512,
                             batch_size=args.draft_batch_size, steps=args.draft_steps,
                             time_budget_s=args.draft_budget_s, regen_budget_s=args.regen_budget_s,
+                            init_from=args.init_from, lr=args.draft_lr, warmup=args.draft_warmup,
                             save_every=10**9)
 
 
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--draft-batch-size", type=int, default=32)
     ap.add_argument("--draft-steps", type=int, default=20000)
     ap.add_argument("--draft-budget-s", type=float, default=190)
+    ap.add_argument("--draft-lr", type=float, default=1e-3)
+    ap.add_argument("--draft-warmup", type=int, default=100)
+    ap.add_argument("--init-from", default=None, help="continue from this drafter checkpoint")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.stage in ("all", "target"):

@@ -125,9 +125,13 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     trace: bool = False  # record, per spec step, anchor position, draft tokens, accepted count
+    attention_backend: str = "auto"  # "auto" (torch SDPA) | "torch_sdpa" | "triton" (paged, opt-in)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if self.attention_backend not in ("auto", "torch_sdpa", "triton"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
+                             "use 'auto', 'torch_sdpa' or 'triton'")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -162,11 +162,15 @@ _BACKENDS = {"torch_sdpa": TorchSDPABackend}
 
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Return a backend by name; ``auto`` picks the torch SDPA reference."""
+    """Return a backend by name; ``auto`` picks the torch SDPA reference. ``triton`` is the
+    paged Triton backend (engine/triton_attention.py; not yet measured on a GPU, so opt-in)."""
     if name == "auto":
         name = "torch_sdpa"
+    if name == "triton":
+        from .triton_attention import register  # lazy: triton_attention imports this module
+
+        register()
     if name not in _BACKENDS:
-        raise ValueError(
-            f"attention backend {name!r} is unknown; available: {', '.join(sorted(_BACKENDS))}"
-        )
+        available = ", ".join(sorted({*_BACKENDS, "triton", "auto"}))
+        raise ValueError(f"attention backend {name!r} is unknown; available: {available}")
     return _BACKENDS[name]()

@@ -74,7 +74,7 @@ class LLMEngine:
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         self.eos_token_ids = spec.eos_token_ids
-        self.backend = get_attention_backend("auto")
+        self.backend = get_attention_backend(config.attention_backend)
         blocks_per_seq = -(-max_positions // config.block_size)
         num_blocks = config.num_kv_blocks or self._default_num_blocks(blocks_per_seq)
         if num_blocks < blocks_per_seq:

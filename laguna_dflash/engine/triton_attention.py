@@ -1,0 +1,79 @@
+"""Triton paged-attention backend: :class:`TorchSDPABackend` semantics, read from the paged cache.
+
+``TritonPagedBackend.attend`` hands the per-forward index tensors of :class:`AttentionMetadata`
+straight to :func:`laguna_dflash.kernels.paged_attention.paged_attention`:
+
+* ``query_index [R, Qmax]`` / ``query_positions [R, Qmax]``: which flat token each padded query
+  is, and its position (``-1`` marks padding). The kernel loads queries through ``query_index``
+  and writes each result to its flat row, so ``flat_index`` is not needed (no padded output).
+* ``key_slots [R, Lmax]``: the slot of key position ``j``, i.e. the block table already expanded
+  per key (``table[j // block_size] * block_size + j % block_size``); the kernel reads one slot
+  per key and gathers that key's ``[head_dim]`` row of its KV head. No block table and no start
+  position are needed: positions come from ``query_positions`` and visibility from ``seq_lens``.
+* ``seq_lens [R]`` and ``is_causal``: the mask rule of ``AttentionMetadata.mask``, applied per
+  tile on the device (no mask tensor is built).
+
+Nothing here reads device values on the host, and the launch grid depends only on the shapes of
+these tensors, so a forward through this backend can be captured in a CUDA graph once the
+metadata lives in persistent buffers.
+
+Where the kernel cannot run (a CPU without ``TRITON_INTERPRET=1``, no triton, a pre-Ampere GPU)
+``attend`` falls back to the torch SDPA reference, like the other kernels' hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import paged_attention as pa
+from . import attention
+from .attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+
+
+class TritonPagedBackend(AttentionBackend):
+    """Paged attention in one Triton launch per layer (two with split-K).
+
+    ``num_splits`` / ``block_n`` override the kernel's launch choices (tests, tuning); ``None``
+    lets :func:`~laguna_dflash.kernels.paged_attention.paged_attention` pick from the shapes.
+    """
+
+    name = "triton"
+
+    def __init__(self, *, num_splits: int | None = None, block_n: int | None = None) -> None:
+        self.num_splits = num_splits
+        self.block_n = block_n
+        self.fallback: AttentionBackend = TorchSDPABackend()
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> torch.Tensor:
+        """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
+
+        Same semantics as :meth:`TorchSDPABackend.attend`: mask ``AttentionMetadata.mask(
+        sliding_window, is_causal)``, sinks as an extra per-head logit in the denominator,
+        ``is_causal=None`` takes ``meta.is_causal``.
+        """
+        if not pa.is_available(q.device):
+            return self.fallback.attend(q, k_cache, v_cache, meta, scale=scale,
+                                        sliding_window=sliding_window, sinks=sinks, is_causal=is_causal)
+        causal = meta.is_causal if is_causal is None else is_causal
+        return pa.paged_attention(
+            q, k_cache, v_cache, meta.query_index, meta.query_positions, meta.key_slots,
+            meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
+            num_splits=self.num_splits, block_n=self.block_n,
+        )
+
+
+def register() -> None:
+    """Make ``get_attention_backend("triton")`` return a :class:`TritonPagedBackend` (not the
+    default: ``auto`` stays the torch SDPA reference)."""
+    attention._BACKENDS.setdefault(TritonPagedBackend.name, TritonPagedBackend)

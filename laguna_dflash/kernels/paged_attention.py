@@ -1,0 +1,485 @@
+"""Paged attention over the KV cache in Triton: decode, verify, the DFlash drafter block, prefill.
+
+Same contract as ``TorchSDPABackend.attend`` (``engine/attention.py``), computed straight from the
+paged cache: no padded copy of the context, no ``[R, Qmax, Lmax]`` mask.
+
+Inputs (the fields of ``AttentionMetadata``): ``T`` flat query tokens of ``R`` requests; padded
+query ``(r, i)`` (``i < Qmax``) is flat token ``query_index[r, i]`` at absolute position
+``p = query_positions[r, i]`` (``p < 0``: padding); key ``j`` of request ``r`` is at cache slot
+``key_slots[r, j]`` and is visible when ``j < seq_lens[r]``.
+
+Math, per request ``r``, query head ``h``, its KV head ``g = h // G`` (GQA, ``G = H / KVH``)::
+
+    s_j   = scale * <q_{p,h}, K[key_slots[r, j], g]>                     for allowed j
+    out   = sum_j exp(s_j - m) V[key_slots[r, j], g] / (exp(sink_h - m) + sum_j exp(s_j - m))
+
+with ``m`` any shift (the running max below) and the sink term present only for layers with
+sinks (``sink_h`` a raw logit: it is not scaled). ``j`` is allowed when ``j < seq_len`` and
+
+    causal:                 j <= p
+    window W, causal:       p - W < j <= p
+    window W, bidirectional |p - j| < W         (the DFlash ``use_swa`` layers)
+    bidirectional, no W:    every j < seq_len   (the drafter block sees the context + whole block)
+
+exactly ``AttentionMetadata.mask``. Padding queries are not computed (the output is indexed by
+flat token, and every flat token is one valid padded query).
+
+Tiling. One program owns request ``r``, KV head ``g`` and a tile of ``BLOCK_Q`` consecutive
+queries; its ``BLOCK_M = BLOCK_Q * G`` (padded to a power of two, >= 16) rows are the pairs
+(query, head of the group), row ``m`` -> query ``m // G``, head ``g * G + m % G``. So the K/V
+tile of a KV head is loaded once for all the query heads that share it, and a single decode
+token with ``G = 8`` still fills a 16-row MMA. The program walks key tiles of ``BLOCK_N`` keys
+with the online softmax of flash attention (base 2: logits are pre-multiplied by
+``scale * log2(e)``)::
+
+    m'   = max(m, max_j s_j)          alpha = 2^(m - m')     P_j = 2^(s_j - m')
+    l'   = alpha * l + sum_j P_j      acc'  = alpha * acc + P @ V_tile
+
+in fp32 (``P`` is rounded to the input dtype for the second MMA, as in flash attention).
+Only the key tiles some row of the program can see are visited: ``[lo, hi)`` with
+``hi = min(seq_len, p_max + 1)`` (causal) or ``min(seq_len, p_max + W)`` (bidirectional window)
+or ``seq_len``, and ``lo = p_min - W + 1`` with a window; elementwise masks inside the tile do the
+rest. Loop bounds are read on the device: the grid depends only on shapes.
+
+Split-K (flash decoding): when ``R * KVH * ceil(Qmax / BLOCK_Q)`` programs cannot fill the GPU
+(decode of a few long requests) the key axis ``[0, Lmax)`` is cut into ``S`` chunks of
+``split_len`` keys (a multiple of ``BLOCK_N``, ``S`` chosen from the shapes on the host). Each
+program then writes its unnormalised ``acc``, ``m`` and ``l`` to fp32 scratch and a second
+kernel merges them (sink included)::
+
+    M = max(max_s m_s, sink)    out = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
+
+Rows that see no key at all (impossible for a valid query: it sees itself) produce zeros.
+
+Triton's CPU interpreter (``TRITON_INTERPRET=1``) cannot run a loop to a bound read from a tensor,
+so there the key loop runs a static count of tiles over the whole split and masks the tiles
+outside ``[lo, hi)``; the tile body is the same function in both modes. Its bf16 ``tl.dot`` is
+also wrong in triton 3.6, so the interpreter multiplies in fp32 (bf16 products are exact in fp32:
+same result up to accumulation order).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+__all__ = ["choose_num_splits", "is_available", "paged_attention"]
+
+
+# ---- availability ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpret_mode() -> bool:
+    """Whether triton decorates kernels for its CPU interpreter now (``TRITON_INTERPRET=1``,
+    read by triton when a function is decorated, not at import)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+@functools.cache
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def is_available(device: torch.device | str) -> bool:
+    """Whether :func:`paged_attention` can run on ``device``: triton importable and either a CUDA
+    device of compute capability >= 8.0 (bf16 MMA), or a CPU under ``TRITON_INTERPRET=1``."""
+    device = torch.device(device)
+    if not _triton_importable():
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available() and _cuda_capability(device.index)[0] >= 8
+    return device.type == "cpu" and _interpret_mode()
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------
+#
+# Plain Python here; :func:`_kernels` decorates copies bound to a fresh globals dict (triton stays
+# an optional import, and helpers resolve through that dict both compiled and interpreted), as in
+# ``kernels/context_kv.py``. log2(e) is spelled as a literal: jitted code may only read constexpr
+# globals.
+
+
+def _mma(a, b, IEEE: tl.constexpr):
+    # a @ b with fp32 accumulation. IEEE: exact fp32 products (fp32 inputs, where the default
+    # would be tf32; and the CPU interpreter, whose bf16 tl.dot is wrong in triton 3.6).
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def _attend_tile(
+    start, lo, hi, q, pos, m_i, l_i, acc,
+    ks_row_ptr, stride_ks_j, k_head_ptr, v_head_ptr,
+    stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
+    offs_d, d_ok, scale_log2, window,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    # One key tile [start, start + BLOCK_N) of one program; returns the updated (m, l, acc).
+    # q [BLOCK_M, BLOCK_D] in the input dtype, pos [BLOCK_M] query positions (-1: no query).
+    j = start + tl.arange(0, BLOCK_N)
+    j_in = (j >= lo) & (j < hi)  # hi <= seq_len <= Lmax: in-bounds key_slots, visible keys
+    slot = tl.load(ks_row_ptr + j * stride_ks_j, mask=j_in, other=0).to(tl.int64)
+    kv_mask = j_in[:, None] & d_ok[None, :]
+    # keys outside [lo, hi) load as 0 (never the scratch slot's contents: 0 * NaN would poison P@V)
+    k = tl.load(k_head_ptr + slot[:, None] * stride_kc_s + offs_d[None, :] * stride_kc_d,
+                mask=kv_mask, other=0.0).to(q.dtype)
+    s = _mma(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N] base-2 logits, fp32
+
+    # AttentionMetadata.mask, per (row, key)
+    jj = j[None, :]
+    pp = pos[:, None]
+    allowed = j_in[None, :]
+    if CAUSAL:
+        allowed = allowed & (jj <= pp)
+    if HAS_WINDOW:
+        allowed = allowed & (jj > pp - window)
+        if not CAUSAL:
+            allowed = allowed & (jj < pp + window)
+    s = tl.where(allowed, s, float("-inf"))
+
+    # online softmax; a row with nothing allowed so far keeps m = -inf, and shifts by 0 instead
+    # (so 2^(-inf - -inf) never appears)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head_ptr + slot[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
+                mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
+    query_index_ptr, query_pos_ptr, key_slots_ptr, seq_lens_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_kc_s, stride_kc_h, stride_kc_d,
+    stride_vc_s, stride_vc_h, stride_vc_d,
+    stride_ot, stride_oh, stride_od,
+    stride_qi_r, stride_qi_q, stride_qp_r, stride_qp_q, stride_ks_r, stride_ks_j,
+    num_tokens, qmax, split_len, scale_log2, window,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
+):
+    # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    q_tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    # rows = (query of the tile, head of the GQA group)
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = q_tile * BLOCK_Q + offs_m // GROUP
+    head = g * GROUP + offs_m % GROUP
+    row_in = (offs_m < BLOCK_Q * GROUP) & (qi < qmax)
+    pos = tl.load(query_pos_ptr + r * stride_qp_r + qi * stride_qp_q, mask=row_in, other=-1).to(tl.int64)
+    row_ok = pos >= 0
+    token = tl.load(query_index_ptr + r * stride_qi_r + qi * stride_qi_q, mask=row_ok, other=0).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + r).to(tl.int64)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # keys [lo, hi) that some row of the tile can see, cut to this program's split
+    p_max = tl.max(pos, 0)  # -1 when the tile holds no query
+    p_min = tl.min(tl.where(row_ok, pos, p_max), 0)
+    if CAUSAL:
+        hi = tl.minimum(seq_len, p_max + 1)
+    elif HAS_WINDOW:
+        hi = tl.minimum(seq_len, p_max + window)
+    else:
+        hi = seq_len
+    hi = tl.where(p_max >= 0, hi, 0)
+    if HAS_WINDOW:
+        lo = tl.maximum(p_min - window + 1, 0)
+    else:
+        lo = p_min * 0
+    split_lo = split.to(tl.int64) * split_len
+    lo = tl.maximum(lo, split_lo)
+    hi = tl.minimum(hi, split_lo + split_len)
+
+    ks_row_ptr = key_slots_ptr + r * stride_ks_r
+    k_head_ptr = k_cache_ptr + g * stride_kc_h
+    v_head_ptr = v_cache_ptr + g * stride_vc_h
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if DYNAMIC_LOOP:
+        # compiled: visit only the tiles overlapping [lo, hi) (split_lo is tile-aligned)
+        for start in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                start, lo, hi, q, pos, m_i, l_i, acc, ks_row_ptr, stride_ks_j, k_head_ptr, v_head_ptr,
+                stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d, offs_d, d_ok, scale_log2, window,
+                CAUSAL, HAS_WINDOW, BLOCK_N, IEEE)
+    else:
+        # interpreter: every tile of the split, those outside [lo, hi) fully masked (a constexpr
+        # trip count: the interpreter holds even scalar arguments as arrays)
+        for t in range(SPLIT_TILES):
+            m_i, l_i, acc = _attend_tile(
+                split_lo + t * BLOCK_N, lo, hi, q, pos, m_i, l_i, acc, ks_row_ptr, stride_ks_j,
+                k_head_ptr, v_head_ptr, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
+                offs_d, d_ok, scale_log2, window, CAUSAL, HAS_WINDOW, BLOCK_N, IEEE)
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            # the sink joins the denominator only: l += 2^(sink - m) after shifting to
+            # m' = max(m, sink) (sink in base 2 too)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+        # rows that saw nothing have acc = 0, l = 0: divide by 1 instead (output 0)
+        out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partial results of split s for (token, head): row (s * T + token) * H + head
+        prow = (split.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_m_ptr + prow, m_i, mask=row_ok)
+        tl.store(part_l_ptr + prow, l_i, mask=row_ok)
+
+
+def _merge_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr,
+    num_tokens, stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    prow = (offs_s.to(tl.int64) * num_tokens + t) * NUM_HEADS + h
+    m = tl.load(part_m_ptr + prow, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(part_l_ptr + prow, mask=s_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m - m_use)  # 0 for splits that saw no key
+    denom = tl.sum(lsum * w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_use)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0)
+    out = out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """(attention kernel, merge kernel) for one mode (``interpret`` is the cache key; triton reads
+    the environment)."""
+    del interpret
+    import triton
+    import triton.language as tl
+
+    namespace = {"__name__": __name__, "__builtins__": __builtins__, "tl": tl, "triton": triton}
+    for fn in (_mma, _attend_tile, _paged_attention_kernel, _merge_splits_kernel):
+        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
+        copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
+        namespace[fn.__name__] = triton.jit(copy)
+    return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
+
+
+# ---- launch configuration -------------------------------------------------------------------------
+
+_TARGET_ROWS = 64  # BLOCK_M aimed at: query tokens x heads of a GQA group per program
+_MIN_SPLIT_KEYS = 512  # split-K only cuts the key axis into chunks of at least this many keys
+_MAX_SPLITS = 16
+
+
+def _block_q(qmax: int, group: int) -> int:
+    return max(1, min(qmax, _TARGET_ROWS // group))
+
+
+def _num_warps(block_m: int, block_d: int) -> int:
+    # the fp32 accumulator [BLOCK_M, BLOCK_D] plus Q, a K/V tile and the logits stay in registers:
+    # 8 warps from 64 x 128 up (sm_90 build: 4 warps there need ~200-255 registers a thread)
+    return 8 if block_m * block_d >= 64 * 128 else 4
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
+    """Split-K factor from shapes only (CUDA-graph safe): 1 unless ``num_programs`` (requests x
+    KV heads x query tiles) leaves the GPU under-filled and the key axis is long; then enough
+    chunks of >= 512 keys to reach about two programs per SM, at most 16. Always 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * _num_sms(device.index)
+    if num_programs >= target or max_keys < 2 * _MIN_SPLIT_KEYS:
+        return 1
+    return max(1, min(_MAX_SPLITS, -(-target // num_programs), max_keys // _MIN_SPLIT_KEYS))
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks) -> None:
+    if q.dim() != 3 or q.dtype not in _DTYPES:
+        raise ValueError(f"q must be [T, num_heads, head_dim] fp32/bf16/fp16, got {tuple(q.shape)} {q.dtype}")
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"K/V caches must be [num_slots, kv_heads, head_dim] of one shape, got "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if k_cache.dtype not in _DTYPES or v_cache.dtype not in _DTYPES:
+        raise ValueError(f"unsupported cache dtype {k_cache.dtype} / {v_cache.dtype}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or num_heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (GQA needs "
+                         "num_heads % kv_heads == 0 and one head_dim)")
+    if query_index.dim() != 2 or query_positions.shape != query_index.shape:
+        raise ValueError("query_index / query_positions must both be [R, Qmax]")
+    r = query_index.shape[0]
+    if key_slots.dim() != 2 or key_slots.shape[0] != r or seq_lens.shape != (r,):
+        raise ValueError(f"key_slots must be [R, Lmax] and seq_lens [R] with R = {r}")
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
+    tensors = [q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens]
+    if sinks is not None:
+        tensors.append(sinks)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("all inputs of paged_attention must be on one device")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_index: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` fp32 / bf16 / fp16, any strides.
+        k_cache, v_cache: ``[num_slots, kv_heads, head_dim]`` (fp32 / bf16 / fp16, any strides);
+            read in q's dtype (as the reference casts them).
+        query_index: ``[R, Qmax]`` int32/int64, flat token of each padded query.
+        query_positions: ``[R, Qmax]`` int32/int64, absolute position (``< 0``: padding).
+        key_slots: ``[R, Lmax]`` int32/int64, cache slot of key position ``j``.
+        seq_lens: ``[R]`` int32/int64, visible keys per request (``<= Lmax``).
+        scale: logit scale (``head_dim ** -0.5`` usually).
+        causal: ``j <= p`` (targets) or not (the DFlash block: all ``j < seq_len``).
+        sliding_window: ``W``: ``p - W < j`` (and ``j < p + W`` when not causal), or ``None``.
+        sinks: ``[num_heads]`` per-head sink logits (denominator only), rounded to q's dtype
+            as the reference does, or ``None``.
+        num_splits: split-K factor; ``None`` picks one from the shapes (:func:`choose_num_splits`).
+        block_n: keys per tile (power of two >= 16); ``None``: 64.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
+        ``R, Qmax, Lmax``, the head counts and dims (CUDA-graph capturable, no host sync).
+    """
+    _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks)
+    t, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    r, qmax = query_index.shape
+    lmax = key_slots.shape[1]
+    out = torch.empty((t, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if t == 0 or r == 0 or lmax == 0:
+        return out.zero_()
+
+    group = num_heads // kv_heads
+    block_q = _block_q(qmax, group)
+    block_m = max(16, _next_pow2(block_q * group))
+    block_d = max(16, _next_pow2(head_dim))
+    block_n = block_n or 64
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    q_tiles = -(-qmax // block_q)
+    if num_splits is None:
+        num_splits = choose_num_splits(r * kv_heads * q_tiles, lmax, q.device)
+    # chunks of whole tiles; drop chunks that would start past Lmax
+    keys_per_split = -(-lmax // max(1, num_splits))
+    split_tiles = -(-keys_per_split // block_n)
+    split_len = split_tiles * block_n
+    num_splits = -(-lmax // split_len)
+
+    interpret = _interpret_mode()
+    ieee = q.dtype == torch.float32 or interpret
+    window = int(sliding_window) if sliding_window is not None else 0
+    if sinks is not None:
+        sinks = sinks.to(q.dtype)  # the reference adds sink logits in q's dtype
+    if num_splits > 1:
+        part_acc = torch.empty((num_splits, t, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_splits, t, num_heads), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    attn_kernel, merge_kernel = _kernels(interpret)
+    attn_kernel[(r, kv_heads, q_tiles * num_splits)](
+        q, k_cache, v_cache, out, sinks if sinks is not None else out,
+        query_index, query_positions, key_slots, seq_lens,
+        part_acc, part_m, part_l,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *query_index.stride(), *query_positions.stride(), *key_slots.stride(),
+        t, qmax, split_len, float(scale) * 1.4426950408889634, window,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
+        SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
+        num_warps=_num_warps(block_m, block_d), num_stages=2,
+    )
+    if num_splits > 1:
+        merge_kernel[(t, num_heads)](
+            part_acc, part_m, part_l, sinks if sinks is not None else out, out,
+            t, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
+            num_warps=1 if block_d <= 64 else 2,
+        )
+    return out

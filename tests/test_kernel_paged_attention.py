@@ -1,0 +1,387 @@
+"""Triton paged attention (``kernels/paged_attention.py``, ``engine/triton_attention.py``).
+
+``TritonPagedBackend.attend`` must equal ``TorchSDPABackend.attend`` on identical random caches and
+metadata built by the engine's own ``build_metadata`` (random, non-contiguous block tables, block
+size 16, a sentinel in the scratch block):
+
+* under Triton's CPU interpreter (``TRITON_INTERPRET=1``, in ONE child pytest so the variable never
+  reaches other tests): decode (Q=1), verify (Q=4, 8), the DFlash drafter block (Q=8
+  bidirectional), mixed batches (prefill chunk + decode + verify, different context lengths),
+  sliding window (causal and bidirectional), sinks, the per-layer causality override, split-K,
+  GQA ratios 1/4/8 x head_dim 64/128, fp32 (tight) and bf16 (loose);
+* without a GPU: the compiled (non-interpreter) kernel builds for sm_90 with ptxas, unspilled;
+* on CUDA (skipped without one): the same cases, long contexts with split-K, CUDA-graph capture and
+  replay on new metadata, no host sync, and a timing table vs the SDPA reference (``-s`` shows it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from laguna_dflash.engine import attention
+from laguna_dflash.engine.attention import AttentionMetadata, TorchSDPABackend
+from laguna_dflash.engine.runner import ForwardItem, build_metadata
+from laguna_dflash.engine.triton_attention import TritonPagedBackend, register
+from laguna_dflash.kernels import paged_attention as pa
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
+cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
+
+TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+       torch.bfloat16: {"rtol": 3e-2, "atol": 3e-2}}  # a few bf16 ulps of outputs ~1
+BLOCK_SIZE = 16
+NUM_HEADS = 8
+SENTINEL = 1e3  # scratch block contents: visible in the output if a masked key leaked in
+
+
+def make_case(specs: list[tuple[int, int]], kv_heads: int, head_dim: int, dtype: torch.dtype,
+              causal: bool, device: str = "cpu", num_heads: int = NUM_HEADS, seed: int = 0,
+              num_blocks: int | None = None):
+    """Random caches + metadata for requests ``(context_len, num_tokens)``: the new tokens sit at
+    positions ``context_len ..`` and see ``seq_len = context_len + num_tokens`` keys.
+
+    Returns (q [T, H, D] as a strided view, k_cache, v_cache, meta, items)."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-(c + n) // BLOCK_SIZE) for c, n in specs)
+    num_blocks = num_blocks or need + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-monotonic tables
+    items = []
+    for ctx, n in specs:
+        nb = -(-(ctx + n) // BLOCK_SIZE)
+        items.append(ForwardItem(num_tokens=n, start_pos=ctx, seq_len=ctx + n,
+                                 block_table=[perm.pop() for _ in range(nb)]))
+    scratch_slot = num_blocks * BLOCK_SIZE
+    meta = build_metadata(items, BLOCK_SIZE, scratch_slot, torch.device(device), is_causal=causal)
+    shape = ((num_blocks + 1) * BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    k_cache[scratch_slot:] = SENTINEL
+    v_cache[scratch_slot:] = SENTINEL
+    t = meta.num_tokens
+    # q as the model makes it: a view into a wider projection output (row stride != H * D)
+    qkv = torch.randn(t, num_heads * head_dim + 2 * kv_heads * head_dim, generator=g).to(dtype).to(device)
+    q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
+    return q, k_cache.to(device), v_cache.to(device), meta, items
+
+
+class _NoFallback(TorchSDPABackend):
+    def attend(self, *args, **kwargs):
+        pytest.fail("TritonPagedBackend fell back to the torch reference where the kernel is available")
+
+
+def compare(q, k_cache, v_cache, meta: AttentionMetadata, *, window=None, sinks=None, is_causal=None,
+            num_splits=None, block_n=None, tol=None) -> float:
+    scale = q.shape[-1] ** -0.5
+    kwargs = {"scale": scale, "sliding_window": window, "sinks": sinks, "is_causal": is_causal}
+    want = TorchSDPABackend().attend(q, k_cache, v_cache, meta, **kwargs)
+    backend = TritonPagedBackend(num_splits=num_splits, block_n=block_n)
+    if pa.is_available(q.device):  # the interpreter child and CUDA: the kernel must run
+        backend.fallback = _NoFallback()
+    got = backend.attend(q, k_cache, v_cache, meta, **kwargs)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert torch.isfinite(got).all()
+    tol = dict(tol or TOL[q.dtype])
+    # outputs are softmax averages of N(0, 1) values: over long contexts they shrink, so the
+    # absolute tolerance scales with the reference's magnitude (a dropped key must still show)
+    tol["atol"] *= min(1.0, want.abs().amax().item())
+    torch.testing.assert_close(got, want, **tol)
+    return (got.float() - want.float()).abs().max().item()
+
+
+# (id, [(context_len, num_tokens)], causal, window, sinks, kv_heads, head_dim, num_splits)
+CASES = [
+    ("decode", [(5, 1), (37, 1), (80, 1), (130, 1)], True, None, False, 1, 128, None),
+    ("verify4", [(3, 4), (40, 4), (77, 4)], True, None, False, 2, 64, None),
+    ("verify8", [(0, 8), (21, 8), (64, 8), (100, 8)], True, None, False, 1, 128, None),
+    ("draft_block8", [(9, 8), (50, 8), (120, 8)], False, None, False, 2, 128, None),
+    ("mixed_causal", [(0, 20), (37, 1), (12, 8), (70, 4)], True, None, False, 2, 64, None),
+    ("mixed_block", [(0, 8), (33, 5), (90, 8)], False, None, False, 8, 64, None),
+    ("window_causal", [(0, 20), (37, 1), (12, 8), (70, 4)], True, 16, False, 2, 64, None),
+    ("window_bidir", [(9, 8), (50, 8), (120, 8)], False, 8, False, 1, 128, None),
+    ("window_bidir_narrow", [(9, 8), (50, 16), (0, 16)], False, 3, False, 1, 64, None),  # W < Q, 2 q-tiles
+    ("sinks_window_causal", [(3, 4), (40, 4), (77, 1)], True, 16, True, 2, 128, None),
+    ("sinks_causal", [(0, 20), (45, 8)], True, None, True, 8, 64, None),
+    ("sinks_bidir", [(9, 8), (50, 8)], False, None, True, 2, 64, None),
+    ("split2_decode", [(200, 1), (37, 1), (150, 1)], True, None, True, 1, 128, 2),
+    ("split3_verify", [(150, 8), (60, 4)], True, None, False, 2, 64, 3),
+    ("split3_block_window", [(140, 8), (10, 8)], False, 24, True, 2, 64, 3),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_interpreted_matches_sdpa(case, dtype):
+    name, specs, causal, window, has_sinks, kv_heads, head_dim, splits = case
+    q, kc, vc, meta, _ = make_case(specs, kv_heads, head_dim, dtype, causal, seed=len(name))
+    sinks = torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(3)) * 2 if has_sinks else None
+    compare(q, kc, vc, meta, window=window, sinks=sinks, num_splits=splits, block_n=16)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads", [8, 2, 1], ids=["gqa1", "gqa4", "gqa8"])
+def test_interpreted_gqa_head_dim(kv_heads, head_dim, dtype):
+    """A mixed causal batch over the GQA ratios 1 / 4 / 8 and head_dim 64 / 128 (default tile)."""
+    q, kc, vc, meta, _ = make_case([(0, 12), (70, 1), (21, 8)], kv_heads, head_dim, dtype, True,
+                                   seed=kv_heads + head_dim)
+    compare(q, kc, vc, meta)
+
+
+@interpreted
+def test_interpreted_causality_override_and_group_padding():
+    """The per-layer ``is_causal`` override beats ``meta.is_causal`` both ways; a GQA group of 3
+    (rows not a power of two) and head_dim 80 (padded to a 128-wide tile)."""
+    q, kc, vc, meta, _ = make_case([(9, 8), (40, 3)], 2, 64, torch.float32, causal=True)
+    compare(q, kc, vc, meta, is_causal=False, block_n=16)
+    q, kc, vc, meta, _ = make_case([(9, 8), (40, 3)], 2, 80, torch.float32, causal=False, num_heads=6)
+    compare(q, kc, vc, meta, is_causal=True, window=5, block_n=16)
+    compare(q, kc, vc, meta, block_n=32)
+
+
+@interpreted
+def test_interpreted_is_available():
+    assert pa.is_available("cpu")
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
+def test_kernel_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", __file__],
+        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__),
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+# ---- without a GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / interpreter on")
+def test_cpu_without_interpreter_falls_back_to_sdpa():
+    assert not pa.is_available("cpu")
+    q, kc, vc, meta, _ = make_case([(5, 3), (20, 1)], 2, 64, torch.float32, True)
+    backend = TritonPagedBackend()
+    got = backend.attend(q, kc, vc, meta, scale=0.125, sliding_window=4)
+    want = TorchSDPABackend().attend(q, kc, vc, meta, scale=0.125, sliding_window=4)
+    assert torch.equal(got, want)
+
+
+def test_register_exposes_triton_backend(monkeypatch):
+    monkeypatch.setattr(attention, "_BACKENDS", dict(attention._BACKENDS))  # restored afterwards
+    with pytest.raises(ValueError, match="unknown"):
+        attention.get_attention_backend("flash")
+    register()
+    assert isinstance(attention.get_attention_backend("triton"), TritonPagedBackend)
+    assert isinstance(attention.get_attention_backend("auto"), TorchSDPABackend)
+
+
+def test_rejects_bad_inputs():
+    q, kc, vc, meta, _ = make_case([(5, 3)], 2, 64, torch.float32, True)
+    args = (meta.query_index, meta.query_positions, meta.key_slots, meta.seq_lens)
+    with pytest.raises(ValueError, match="GQA"):
+        pa.paged_attention(q[:, :3], kc, vc, *args, scale=1.0, causal=True)
+    with pytest.raises(ValueError, match="sinks"):
+        pa.paged_attention(q, kc, vc, *args, scale=1.0, causal=True, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="block_n"):
+        pa.paged_attention(q, kc, vc, *args, scale=1.0, causal=True, block_n=24)
+
+
+def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], num_warps: int):
+    """Compile ``kernel`` ahead of time for sm_90 (no GPU needed) with the specialisations a real
+    launch gets (unit strides as constants, 16-aligned pointers and strides); ptxas -v on the PTX
+    -> (compiled kernel, spill-store bytes per function)."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = ptr_types.get(name, "fp32" if name == "scale_log2" else "i32")
+        if name.endswith("_ptr") or name in aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": 2})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
+                              capture_output=True, text=True, check=True)
+    return compiled, [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+
+
+def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
+                 window: bool, sinks: bool):
+    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
+    attn, merge = pa._kernels(False)
+    block_q = pa._block_q(qmax, group)
+    block_m = max(16, pa._next_pow2(block_q * group))
+    consts = dict(NUM_HEADS=group * 4, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_Q=block_q,
+                  BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
+                  NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0)
+    consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
+                                  "stride_qi_q", "stride_qp_q", "stride_ks_j")})
+    ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr")}
+    ptrs.update({n: "*i64" for n in ("query_index_ptr", "query_pos_ptr", "key_slots_ptr", "seq_lens_ptr")})
+    ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
+    builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
+                                             "stride_vc_s", "stride_vc_h", "stride_ot", "stride_oh"),
+                        pa._num_warps(block_m, head_dim))]
+    if splits > 1:
+        mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
+                       BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1)
+        builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh"), 1 if head_dim <= 64 else 2))
+    return builds
+
+
+_PTXAS = HAS_TRITON and os.path.exists(os.path.join(
+    os.path.dirname(importlib.util.find_spec("triton").origin), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
+@pytest.mark.parametrize("cfg", [
+    ("bf16", 128, 8, 1, 1, True, False, True),    # decode, GQA 8, sinks
+    ("bf16", 128, 8, 8, 4, True, True, True),     # verify, split-K, window
+    ("bf16", 128, 1, 64, 1, False, True, False),  # drafter block / prefill tile, bidirectional SWA
+    ("bf16", 64, 4, 16, 1, False, False, False),
+], ids=lambda c: "-".join(map(str, c)))
+def test_compiles_for_sm90_without_spills(cfg):
+    """The compiled path (dynamic key loop) is not what the interpreter runs: check it builds."""
+    builds = _sm90_builds(*cfg)
+    assert len(builds) == (2 if cfg[4] > 1 else 1)
+    for compiled, spills in builds:
+        assert "cubin" in compiled.asm
+        assert spills and max(spills) == 0, spills
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_cuda_matches_sdpa(case, dtype):
+    name, specs, causal, window, has_sinks, kv_heads, head_dim, splits = case
+    q, kc, vc, meta, _ = make_case(specs, kv_heads, head_dim, dtype, causal, device="cuda", seed=len(name))
+    sinks = (torch.randn(NUM_HEADS) * 2).cuda() if has_sinks else None
+    for block_n in (16, None):
+        compare(q, kc, vc, meta, window=window, sinks=sinks, num_splits=splits, block_n=block_n)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads", [8, 2, 1], ids=["gqa1", "gqa4", "gqa8"])
+def test_cuda_gqa_head_dim(kv_heads, head_dim, dtype):
+    q, kc, vc, meta, _ = make_case([(0, 12), (70, 1), (21, 8)], kv_heads, head_dim, dtype, True,
+                                   device="cuda", seed=kv_heads + head_dim)
+    compare(q, kc, vc, meta)
+
+
+@cuda
+@pytest.mark.parametrize("causal,window,sinks", [(True, None, False), (True, 512, True), (False, None, False),
+                                                 (False, 256, True)])
+@pytest.mark.parametrize("qlen", [1, 8, 64, 300])
+def test_cuda_long_context(qlen, causal, window, sinks):
+    """Long contexts (split-K kicks in for few requests), bf16, 32 heads over 4 KV heads."""
+    specs = [(4000, qlen), (1500, qlen)] if qlen <= 64 else [(0, qlen), (2000, qlen)]
+    q, kc, vc, meta, _ = make_case(specs, 4, 128, torch.bfloat16, causal, device="cuda", num_heads=32)
+    sink = (torch.randn(32) * 2).cuda() if sinks else None
+    compare(q, kc, vc, meta, window=window, sinks=sink)
+    for splits in (1, 5):
+        compare(q, kc, vc, meta, window=window, sinks=sink, num_splits=splits)
+
+
+@cuda
+def test_cuda_no_host_sync_and_graph_capture():
+    """Capture one attend in a CUDA graph; replay it after refilling the metadata buffers with a
+    different batch of the same shapes (other lengths, positions and block tables)."""
+    dtype = torch.bfloat16
+    q, kc, vc, meta, _ = make_case([(100, 4), (296, 4)], 2, 128, dtype, True, device="cuda", seed=1,
+                                   num_blocks=64)
+    q2, _, _, meta2, _ = make_case([(296, 4), (53, 3)], 2, 128, dtype, True, device="cuda", seed=2,
+                                   num_blocks=64)
+    assert meta2.key_slots.shape == meta.key_slots.shape and meta2.query_index.shape == meta.query_index.shape
+    sinks = torch.randn(NUM_HEADS, device="cuda")
+    backend = TritonPagedBackend()
+    kwargs = {"scale": 128 ** -0.5, "sliding_window": 64, "sinks": sinks}
+    q_buf = q.contiguous().clone()
+    backend.attend(q_buf, kc, vc, meta, **kwargs)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.attend(q_buf, kc, vc, meta, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.attend(q_buf, kc, vc, meta, **kwargs)
+    graph.replay()
+    torch.testing.assert_close(out, TorchSDPABackend().attend(q_buf, kc, vc, meta, **kwargs), **TOL[dtype])
+    # same shapes: T = 8 vs 7 differ, so pad batch 2 to the captured token count with its own layout
+    t = q_buf.shape[0]
+    q2_full = torch.zeros_like(q_buf)
+    q2_full[: q2.shape[0]] = q2
+    for name in ("query_index", "query_positions", "key_slots", "seq_lens"):
+        getattr(meta, name).copy_(getattr(meta2, name))
+    q_buf.copy_(q2_full)
+    graph.replay()
+    want = TorchSDPABackend().attend(q2.contiguous(), kc, vc, meta2, **kwargs)
+    torch.testing.assert_close(out[: want.shape[0]], want, **TOL[dtype])
+    assert out.shape[0] == t
+
+
+@cuda
+def test_cuda_timing_report():
+    """Times the kernel vs the SDPA reference on engine-like shapes (printed with ``-s``)."""
+    from triton.testing import do_bench
+
+    rows = []
+    for label, specs, causal, window in [
+        ("decode R=32 ctx=2k", [(2000, 1)] * 32, True, None),
+        ("decode R=4 ctx=16k", [(16000, 1)] * 4, True, None),
+        ("verify R=32 Q=8 ctx=2k", [(2000, 8)] * 32, True, None),
+        ("verify R=32 Q=8 ctx=2k W=512", [(2000, 8)] * 32, True, 512),
+        ("draft block R=32 Q=16 ctx=2k bidir", [(2000, 16)] * 32, False, None),
+        ("prefill 1x2048", [(0, 2048)], True, None),
+    ]:
+        q, kc, vc, meta, _ = make_case(specs, 8, 128, torch.bfloat16, causal, device="cuda", num_heads=64)
+        kwargs = {"scale": 128 ** -0.5, "sliding_window": window}
+        compare(q, kc, vc, meta, window=window)
+        t_tri = do_bench(functools.partial(TritonPagedBackend().attend, q, kc, vc, meta, **kwargs))
+        t_ref = do_bench(functools.partial(TorchSDPABackend().attend, q, kc, vc, meta, **kwargs))
+        rows.append(f"{label:40s} triton {t_tri * 1e3:9.1f} us   sdpa-gather {t_ref * 1e3:9.1f} us")
+    print("\n" + "\n".join(rows))
+
+
+def test_engine_config_selects_the_triton_backend() -> None:
+    """``attention_backend="triton"`` reaches the paged backend; a typo is a clear error."""
+    from laguna_dflash.config import EngineConfig
+    from laguna_dflash.engine.attention import get_attention_backend
+    from laguna_dflash.engine.triton_attention import TritonPagedBackend
+
+    assert isinstance(get_attention_backend("triton"), TritonPagedBackend)
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(model="x", attention_backend="flash")

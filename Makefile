@@ -1,5 +1,5 @@
 # make test  : bootstrap .venv (CPU torch, pinned test deps) and run lint + the test suite
-# make demo  : bootstrap .venv and run speculative decoding on a small Laguna + DFlash pair
+# make demo  : bootstrap .venv and run speculative decoding with the embedded Laguna + DFlash pair
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
@@ -23,9 +23,7 @@ test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install
-	$(PY) -m laguna_dflash.models.random_init .demo-pair
-	$(VENV)/bin/laguna-dflash generate --model .demo-pair/target --no-spec --prompt-ids 5,6,7,8,9 --max-new-tokens 48
-	$(VENV)/bin/laguna-dflash generate --model .demo-pair/target --draft .demo-pair/draft --prompt-ids 5,6,7,8,9 --max-new-tokens 48
+	$(VENV)/bin/laguna-dflash generate "def quicksort(arr):"
 
 clean:
 	rm -rf $(VENV) .demo-pair .pytest_cache

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .availability import interpret_mode, triton_can_run
+
 if TYPE_CHECKING:
     import triton.language as tl
 
@@ -51,33 +53,10 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 # ---- availability ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpret_mode() -> bool:
-    """Whether triton decorates kernels for its CPU interpreter now (``TRITON_INTERPRET=1``,
-    read by triton when a function is decorated, not at import)."""
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
 def is_available(device: torch.device | str) -> bool:
     """Whether :func:`fused_context_kv_` can run on ``device``: triton importable and either a
     CUDA device, or ``TRITON_INTERPRET=1`` (the interpreter runs on CPU tensors)."""
-    device = torch.device(device)
-    if not _triton_importable():
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and _interpret_mode()
+    return triton_can_run(device)
 
 
 # ---- torch reference ------------------------------------------------------------------------------
@@ -302,7 +281,7 @@ def fused_context_kv_(
     v_caches = tuple(vc for _, vc in kv_caches)
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     num_warps = max(1, min(8, block_h * block_d // 256))
-    kernel = _kernels(_interpret_mode())
+    kernel = _kernels(interpret_mode())
     kernel[(n, num_layers)](
         k, v, k_norm_weight, cos, sin, positions, slots, k_caches, v_caches,
         *k.stride(), *v.stride(), *k_norm_weight.stride(), cos.stride(0),

@@ -66,6 +66,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .availability import interpret_mode, triton_can_run
+
 if TYPE_CHECKING:
     import triton.language as tl
 
@@ -75,38 +77,10 @@ __all__ = ["choose_num_splits", "is_available", "paged_attention"]
 # ---- availability ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpret_mode() -> bool:
-    """Whether triton decorates kernels for its CPU interpreter now (``TRITON_INTERPRET=1``,
-    read by triton when a function is decorated, not at import)."""
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
-@functools.cache
-def _cuda_capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def is_available(device: torch.device | str) -> bool:
     """Whether :func:`paged_attention` can run on ``device``: triton importable and either a CUDA
     device of compute capability >= 8.0 (bf16 MMA), or a CPU under ``TRITON_INTERPRET=1``."""
-    device = torch.device(device)
-    if not _triton_importable():
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available() and _cuda_capability(device.index)[0] >= 8
-    return device.type == "cpu" and _interpret_mode()
+    return triton_can_run(device, min_major=8)
 
 
 # ---- Triton kernels -------------------------------------------------------------------------------
@@ -448,7 +422,7 @@ def paged_attention(
     split_len = split_tiles * block_n
     num_splits = -(-lmax // split_len)
 
-    interpret = _interpret_mode()
+    interpret = interpret_mode()
     ieee = q.dtype == torch.float32 or interpret
     window = int(sliding_window) if sliding_window is not None else 0
     if sinks is not None:

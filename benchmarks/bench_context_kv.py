@@ -94,10 +94,7 @@ def main() -> None:
     for flavour in ("laguna", "qwen3"):
         model = build(flavour, args.layers, device, dtype)
         for n in (int(r) for r in args.rows.split(",")):
-            g = torch.Generator(device="cpu").manual_seed(n)
-            context = torch.randn(n, 2048, generator=g).to(device=device, dtype=dtype)
-            positions = torch.randint(0, 4096, (n,), generator=g).to(device)
-            slots = torch.randperm(4096, generator=g)[:n].to(device)
+            context, positions, slots = context_rows(n, device, dtype)
             kv_ref, kv_fused = caches(model, 4096, device, dtype), caches(model, 4096, device, dtype)
             per_layer(model, context, positions, slots, kv_ref)
             model.precompute_and_store_context_kv(context, positions, slots, kv_fused)
@@ -114,6 +111,15 @@ def main() -> None:
         bench_norm_rope_write(args, device, dtype, iters)
 
 
+def context_rows(n: int, device: torch.device, dtype: torch.dtype):
+    """``n`` random context rows ``[n, 2048]``, their positions and distinct cache slots (seeded by n)."""
+    g = torch.Generator(device="cpu").manual_seed(n)
+    context = torch.randn(n, 2048, generator=g).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 4096, (n,), generator=g).to(device)
+    slots = torch.randperm(4096, generator=g)[:n].to(device)
+    return context, positions, slots
+
+
 def bench_norm_rope_write(args, device: torch.device, dtype: torch.dtype, iters: int) -> None:
     """After the GEMM: torch K-norm + RoPE + per-layer writes vs the one Triton launch."""
     print(f"norm+rope+write after the GEMM ({args.layers} layers, kv heads 8, head_dim 128)")
@@ -121,10 +127,7 @@ def bench_norm_rope_write(args, device: torch.device, dtype: torch.dtype, iters:
     for flavour in ("laguna", "qwen3"):
         model = build(flavour, args.layers, device, dtype)
         for n in (int(r) for r in args.rows.split(",")):
-            g = torch.Generator(device="cpu").manual_seed(n)
-            context = torch.randn(n, 2048, generator=g).to(device=device, dtype=dtype)
-            positions = torch.randint(0, 4096, (n,), generator=g).to(device)
-            slots = torch.randperm(4096, generator=g)[:n].to(device)
+            context, positions, slots = context_rows(n, device, dtype)
             k, v = model._project_context_kv(context)
             common = (k, v, model.context_k_norm_weight, model.spec.rms_norm_eps, model.rotary.cos,
                       model.rotary.sin, positions, slots)

@@ -60,7 +60,7 @@ class DraftTrainConfig:
     corpus_tokens: str | None = None  # a .npy token stream; default: the target's training corpus
     regen_budget_s: float | None = None  # stop regenerating (keep what is done) after this long
     init_from: str | None = None  # start from this drafter checkpoint (its config wins) instead of random
-    cache_target_states: bool = False  # one frozen-target pass over the data, kept in memory (bf16)
+    cache_target_states: bool = False  # one frozen-target pass over the data, kept in CPU memory
     save_every: int = 500
     log_every: int = 50
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
@@ -146,10 +146,11 @@ def block_metadata(positions: torch.Tensor, is_causal: bool) -> AttentionMetadat
 
 
 @torch.no_grad()
-def target_states(target, seqs: torch.Tensor, tap_layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def target_states(target, seqs: torch.Tensor, tap_layer_ids,
+                  meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen target over ``seqs [B, T]``: (last hidden ``[B*T, H]``, taps ``[B*T, n*H]``)."""
     b, t = seqs.shape
-    meta = dense_metadata(b, t, seqs.device)
+    meta = meta if meta is not None else dense_metadata(b, t, seqs.device)
     ctx = ForwardContext(meta, [(None, None)] * len(target.layers), DenseTrainingBackend())
     return target(seqs.reshape(-1), ctx, tap_layer_ids)
 
@@ -182,7 +183,7 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
     s = drafter.block_size
     meta = dense_metadata(b, t, device)
     if states is None:
-        hidden, taps = target_states(target, seqs, drafter.target_layer_ids)
+        hidden, taps = target_states(target, seqs, drafter.target_layer_ids, meta)
     else:
         dtype = drafter.embed_weight.dtype
         hidden, taps = (x.reshape(b * t, -1).to(device, dtype) for x in states)

@@ -1,13 +1,23 @@
-"""Laguna-XS-2.1-size decode on one GPU: ceilings, target-only step, DFlash step, the floor.
+"""Laguna-XS-2.1-size decode on one GPU: ceilings, the floor, target-only and DFlash steps.
 
-Dummy weights at the real shapes (reference/laguna.md sections 2, 4.1), bf16, batch 1, a 1k
-context. Prints the device-to-device copy bandwidth and bf16 GEMM rate measured in the same run,
-the eager engine's target-only decode step and DFlash step (K=15, random drafter, so acceptance
-is ~0: this is the per-step cost), and the bandwidth floor of a decode step: bytes of the active
-parameters plus the KV read, over the measured bandwidth.
+Dummy weights at the real shapes (reference/laguna.md sections 2, 4.1; ``load_format="dummy"``),
+bf16, a 1k-token context, the engine's defaults (CUDA graphs, Triton attention and MoE, fused
+elementwise chains). Prints, from one run:
 
-    python benchmarks/bench_gpu_xs.py [--layers 40] [--context 1024] [--new-tokens 24]
-    python benchmarks/bench_gpu_xs.py --device cpu --layers 2 --hidden 256 --context 64  # wiring
+* the device-to-device copy bandwidth and the bf16 GEMM rate, measured here;
+* the bandwidth floor of a batch-1 decode step (bytes of the active parameters plus the KV read,
+  over the measured bandwidth), the target-only decode step, and DFlash steps at K = 1, 3, 7, 15
+  (random drafter, acceptance forced to 1, so every step costs the same) split into context
+  precompute, drafter block and target verify;
+* with ``--variants``: the batch-1 decode step with CUDA graphs / eager, fused / unfused
+  elementwise chains, Triton / torch SDPA attention, fused Triton / grouped_mm MoE;
+* with ``--profile``: kernels per eager decode step, fused and unfused;
+* tokens/s at simulated acceptance lengths (SGLang's SIMULATE_ACC_LEN: drafts accepted without
+  checking) against target-only at batch 1, 4, 16, 64, best K per cell (K = 0 is no drafting).
+
+    python benchmarks/bench_gpu_xs.py --new-tokens 32 --variants --profile   # H200
+    python benchmarks/bench_gpu_xs.py --device cpu --layers 2 --hidden 256 --context 64 \
+        --batches 1,4 --ks 1,3 --simulated 1,4                               # CPU wiring check
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ from pathlib import Path
 import torch
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.attention import get_attention_backend
+from laguna_dflash.models import fusion
+from laguna_dflash.models.layers import MoE
 
 
 def xs_target_config(num_layers: int) -> dict:
@@ -108,16 +121,127 @@ def active_bytes(model, context: int) -> int:
     return total
 
 
-def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) -> float:
-    """Mean seconds per decode (or DFlash) step of ``batch`` copies of ``prompt``."""
+def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm: bool = True) -> float:
+    """Mean seconds per decode (or DFlash) step of ``batch`` copies of ``prompt``; the warm-up
+    run has the same shapes, so CUDA graphs are captured before timing."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt_token_ids=[prompt[:64]] * batch, sampling_params=params)  # warm-up
+    if warm:
+        llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
     before = llm.get_metrics()
     llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
     sync(llm.config.device)
     after = llm.get_metrics()
     steps = after["num_decode_steps"] - before["num_decode_steps"]
     return (after["decode_s"] - before["decode_s"]) / steps
+
+
+def graph_runners(llm: LLM) -> list:
+    engine = llm.engine
+    return [engine.runner] + ([engine.proposer.runner] if engine.proposer is not None else [])
+
+
+def set_graphs(llm: LLM, saved: list | None) -> list:
+    """Detach (``saved=None``) or restore the CUDA-graph runners; captured graphs are dropped
+    either way, so the next run recaptures with the current fusion setting."""
+    runners = graph_runners(llm)
+    current = [r.graphs for r in runners]
+    for r, g in zip(runners, saved if saved is not None else [None] * len(runners)):
+        r.graphs = g
+    for g in current + (saved or []):
+        if g is not None:
+            g.graphs.clear()
+    return current
+
+
+def time_variants(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """Batch-1 target-only decode step: CUDA graphs vs eager, fused elementwise chains or not,
+    Triton vs torch SDPA attention, fused vs grouped-GEMM MoE (same weights; the engine's
+    default is the first row)."""
+    engine, out = llm.engine, {}
+    default_backend = engine.backend
+    rows = [("cuda graphs", True, "triton", True), ("cuda graphs", False, "triton", True),
+            ("cuda graphs", True, "triton", False), ("eager", True, "triton", True),
+            ("eager", False, "triton", True), ("eager", False, "torch_sdpa", True)]
+    for mode, fuse, backend, fused_moe in rows:
+        saved = set_graphs(llm, None) if mode == "eager" else None
+        fusion.enabled, MoE.use_fused_moe = fuse, fused_moe
+        for r in graph_runners(llm):
+            if r.graphs is not None:
+                r.graphs.graphs.clear()
+        engine.backend = engine.runner.backend = get_attention_backend(backend)
+        name = (f"{mode}, {'fused' if fuse else 'unfused'} elementwise, {backend} attention, "
+                f"{'fused Triton' if fused_moe else 'grouped_mm'} MoE")
+        out[name] = step_time(llm, prompt, new_tokens)
+        if saved is not None:
+            set_graphs(llm, saved)
+        engine.backend = engine.runner.backend = default_backend
+    fusion.enabled, MoE.use_fused_moe = True, True
+    for r in graph_runners(llm):
+        if r.graphs is not None:
+            r.graphs.graphs.clear()
+    return out
+
+
+def count_kernels(llm: LLM, prompt: list[int], new_tokens: int = 8) -> dict[str, tuple[float, float]]:
+    """Per batch-1 decode step, run eagerly: (kernels launched, summed kernel ms), with the
+    elementwise chains fused and not. Each kernel is one node of the step's CUDA graph. Two
+    generations that differ by ``new_tokens`` decode steps are profiled; the difference is
+    divided by ``new_tokens`` (prefill cancels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels_of(max_tokens: int) -> tuple[int, float]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)
+        sync("cuda")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)
+            sync("cuda")
+        ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(ks), sum(e.device_time for e in ks) / 1e3
+
+    saved, out = set_graphs(llm, None), {}
+    for fuse in (True, False):
+        fusion.enabled = fuse
+        (n1, ms1), (n2, ms2) = kernels_of(2), kernels_of(2 + new_tokens)
+        out["fused" if fuse else "unfused"] = ((n2 - n1) / new_tokens, (ms2 - ms1) / new_tokens)
+    fusion.enabled = True
+    set_graphs(llm, saved)
+    return out
+
+
+class PhaseClock:
+    """Accumulates synchronised wall time of the drafter's context precompute, the drafter
+    block forward and the target's decode-phase forward (benchmark only: it syncs)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        engine = llm.engine
+        self._wrap(engine.proposer, "store_context", "context precompute")
+        for runner, name in ((engine.proposer.runner, "drafter block"), (engine.runner, "target forward")):
+            if runner.graphs is not None:
+                self._wrap(runner.graphs, "forward", name)
+
+    def _wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            sync("cuda")
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync("cuda")
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return out
+
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.counts.clear()
+
+    def mean_ms(self, name: str) -> float:
+        return 1e3 * self.totals.get(name, 0.0) / max(self.counts.get(name, 0), 1)
 
 
 def main() -> None:
@@ -128,9 +252,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64", help="batch sizes to time")
     ap.add_argument("--ks", default="1,3,7,15", help="draft counts K for the batch-1 DFlash step")
     ap.add_argument("--simulated", default="1,2,4,8", help="simulated acceptance lengths to time")
-    ap.add_argument("--sim-k", type=int, default=7, help="K used for the simulated-acceptance runs")
+    ap.add_argument("--sim-ks", default="0,1,3,7", help="K values tried per simulated-acceptance cell")
     ap.add_argument("--device", default="cuda", help="cpu runs a wiring check at small sizes")
     ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
+    ap.add_argument("--attention-backend", default="auto", help="auto | torch_sdpa | triton")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time batch-1 target-only decode per attention backend x MoE path")
+    ap.add_argument("--profile", action="store_true",
+                    help="count the kernels (graph nodes) of an eager batch-1 decode step")
     args = ap.parse_args()
     cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]
@@ -152,6 +281,7 @@ def main() -> None:
         (ddir / "config.json").write_text(json.dumps(dcfg))
         max_batch = max(batches)
         common = dict(dtype="float32" if cpu else "bfloat16", device=args.device, load_format="dummy",
+                      attention_backend=args.attention_backend,
                       max_model_len=args.context + 256, max_num_seqs=max_batch,
                       num_kv_blocks=(args.context + 320) // 16 * (max_batch + 1))
         t0 = time.perf_counter()
@@ -164,36 +294,70 @@ def main() -> None:
         max_k = engine.num_speculative_tokens
         # DFlash step (draft K tokens + verify K+1) at batch 1, random drafter; acceptance is
         # forced to 1 (no drafts kept) so every step costs the same
+        clock = PhaseClock(spec) if not cpu else None
         engine.simulated_acceptance, engine._sim_carry = 1.0, 0.0
-        k_steps = {}
+        k_steps, phases = {}, {}
         for k in (int(x) for x in args.ks.split(",")):
             engine.num_speculative_tokens = min(k, max_k)
-            k_steps[k] = step_time(spec, prompt, args.new_tokens)
-        engine.num_speculative_tokens = min(args.sim_k, max_k)
-        simulated = {}  # (batch, length) -> seconds per token per request
+            step_time(spec, prompt, args.new_tokens)  # warm-up: capture this K's graphs
+            if clock:
+                clock.reset()
+            k_steps[k] = step_time(spec, prompt, args.new_tokens, warm=False)
+            if clock:
+                phases[k] = {n: clock.mean_ms(n) for n in ("context precompute", "drafter block", "target forward")}
+        simulated = {}  # (batch, length) -> (seconds per token per request, K)
+        sim_ks = [int(x) for x in args.sim_ks.split(",")]
         for b in batches:
             for length in (float(x) for x in args.simulated.split(",")):
-                engine.simulated_acceptance, engine._sim_carry = length, 0.0
-                simulated[b, length] = step_time(spec, prompt, args.new_tokens, b) / length
+                # K = 0 (no drafting: the target decodes, the drafter's context still kept)
+                # is always a candidate; K > 0 only where K + 1 >= L
+                for k in (k for k in sim_ks if (k == 0 or k + 1 >= length) and k <= max_k):
+                    engine.num_speculative_tokens = k
+                    engine.simulated_acceptance, engine._sim_carry = length, 0.0
+                    # tokens per step: the bonus plus min(K, L - 1) accepted drafts
+                    t = step_time(spec, prompt, args.new_tokens, b) / (1 + min(k, length - 1))
+                    if (b, length) not in simulated or t < simulated[b, length][0]:
+                        simulated[b, length] = (t, k)
         engine.simulated_acceptance = None
+        engine.num_speculative_tokens = max_k
         # target-only on the same weights (two 67 GB copies would not fit): detach the proposer
         proposer, engine.proposer, engine.tap_layer_ids = engine.proposer, None, ()
         base = {b: step_time(spec, prompt, args.new_tokens, b) for b in batches}
+        variants = time_variants(spec, prompt, args.new_tokens) if args.variants else {}
+        kernels = count_kernels(spec, prompt) if args.profile and not cpu else {}
         engine.proposer = proposer
     name = torch.cuda.get_device_name() if not cpu else "cpu"
     print(f"device {name}, torch {torch.__version__}, layers {args.layers}, "
-          f"context {args.context}, dummy load {load_s:.1f}s")
+          f"context {args.context}, dummy load {load_s:.1f}s, attention {engine.backend.name}, "
+          f"cuda graphs {engine.runner.graphs is not None}")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s\n")
-    print("| batch-1 step | ms | x floor |\n|---|---:|---:|")
-    print(f"| bandwidth floor (decode) | {floor * 1e3:.2f} | 1.00 |")
-    print(f"| target-only decode | {base[1] * 1e3:.2f} | {base[1] / floor:.2f} |" if 1 in base else "")
+    print("| batch-1 step | ms | x floor | context precompute ms | drafter block ms | target forward ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| bandwidth floor (decode) | {floor * 1e3:.2f} | 1.00 | | | |")
+    if 1 in base:
+        print(f"| target-only decode | {base[1] * 1e3:.2f} | {base[1] / floor:.2f} | | | |")
     for k, t in k_steps.items():
-        print(f"| DFlash K={k} (draft + verify {k + 1}) | {t * 1e3:.2f} | {t / floor:.2f} |")
+        ph = phases.get(k, {})
+        cells = " | ".join(f"{ph[n]:.2f}" if n in ph else "" for n in
+                           ("context precompute", "drafter block", "target forward"))
+        print(f"| DFlash K={k} (draft {k}, verify {k + 1}) | {t * 1e3:.2f} | {t / floor:.2f} | {cells} |")
+    if variants:
+        print("\n| batch-1 target-only decode variant | ms | x floor |\n|---|---:|---:|")
+        for name, t in variants.items():
+            print(f"| {name} | {t * 1e3:.2f} | {t / floor:.2f} |")
+    if kernels:
+        print("\n| eager batch-1 decode step | kernels | summed kernel ms |")
+        print("|---|---:|---:|")
+        for name, (n, ms) in kernels.items():
+            print(f"| {name} elementwise chains | {n:.0f} | {ms:.2f} |")
     lengths = sorted({length for _, length in simulated})
-    print("\n| batch | target-only tok/s | " + " | ".join(f"L={x:g} tok/s (x)" for x in lengths) + " |")
+    print("\nsimulated acceptance length L (every step accepts L - 1 drafts on average); best K of "
+          f"{args.sim_ks} per cell, shown as tok/s (x target-only, K)")
+    print("\n| batch | target-only tok/s | " + " | ".join(f"L={x:g}" for x in lengths) + " |")
     print("|---:|---:|" + "---:|" * len(lengths))
     for b in batches:
-        cells = [f"{b / simulated[b, x]:.1f} ({base[b] / simulated[b, x]:.2f}x)" for x in lengths]
+        cells = [f"{b / simulated[b, x][0]:.1f} ({base[b] / simulated[b, x][0]:.2f}x, K={simulated[b, x][1]})"
+                 for x in lengths]
         print(f"| {b} | {b / base[b]:.1f} | " + " | ".join(cells) + " |")
 
 

@@ -56,7 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV block size")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--attention-backend", default=EngineConfig.attention_backend,
-                   help="auto (torch SDPA) | torch_sdpa | triton (paged Triton kernels, GPU, opt-in)")
+                   help="auto (paged Triton kernels on a GPU, torch SDPA elsewhere) | torch_sdpa | triton")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode-phase forwards eagerly instead of replaying CUDA graphs (GPU)")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -155,7 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               simulate_acceptance_length=args.simulate_acceptance_length if draft else None,
               block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, trace=args.trace,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     load_s = time.perf_counter() - t0
     if prompt is not None:
         out = llm.generate(prompts=[prompt], sampling_params=params)[0]
@@ -168,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if compare and draft is not None:
         base = LLM(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                   attention_backend=args.attention_backend)
+                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
         base_out = (base.generate(prompts=[prompt], sampling_params=params)[0] if prompt is not None
                     else base.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0])
         base_s = base.get_metrics()["decode_s"]
@@ -212,7 +214,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
                        args.num_speculative_tokens, args.device, args.dtype, args.adaptive_k,
-                       args.attention_backend)
+                       args.attention_backend, args.enforce_eager)
     if args.plot:
         save_acceptance_plot(result, args.plot)
     print(json.dumps(result.as_dict()) if args.json else format_result(result))

@@ -110,7 +110,8 @@ class EngineConfig:
 
     ``max_model_len``: longest sequence (prompt + output); ``None`` = the model's
     ``max_position_embeddings`` capped at 8192. ``num_kv_blocks``: ``None`` sizes the cache for
-    ``max_num_seqs`` full-length sequences.
+    ``max_num_seqs`` full-length sequences. On CUDA, decode, verify and drafter-block forwards
+    replay CUDA graphs (``engine/cuda_graph.py``) unless ``enforce_eager``.
     """
 
     model: str
@@ -125,7 +126,9 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     trace: bool = False  # record, per spec step, anchor position, draft tokens, accepted count
-    attention_backend: str = "auto"  # "auto" (torch SDPA) | "torch_sdpa" | "triton" (paged, opt-in)
+    # "auto": the paged Triton kernels on a GPU that runs them, else the torch SDPA reference
+    attention_backend: str = "auto"  # | "torch_sdpa" | "triton"
+    enforce_eager: bool = False  # True: no CUDA graphs for decode-phase forwards (vLLM's flag)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -161,9 +161,20 @@ class TorchSDPABackend(AttentionBackend):
 _BACKENDS = {"torch_sdpa": TorchSDPABackend}
 
 
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` (the paged kernels, engine/triton_attention.py) on a GPU that
+    runs Triton, else ``torch_sdpa``; other names unchanged."""
+    if name != "auto":
+        return name
+    from ..kernels.availability import triton_can_run
+
+    return "triton" if device.type == "cuda" and triton_can_run(device, min_major=8) else "torch_sdpa"
+
+
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Return a backend by name; ``auto`` picks the torch SDPA reference. ``triton`` is the
-    paged Triton backend (engine/triton_attention.py; not yet measured on a GPU, so opt-in)."""
+    """Return a backend by name; ``auto`` picks the torch SDPA reference (the engine resolves
+    ``auto`` per device first: :func:`resolve_backend_name`). ``triton`` is the paged Triton
+    backend (engine/triton_attention.py)."""
     if name == "auto":
         name = "torch_sdpa"
     if name == "triton":

@@ -13,7 +13,8 @@ from ..config import EngineConfig, SamplingParams, resolve_dtype
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from .adaptive_k import AdaptiveK
-from .attention import get_attention_backend
+from .attention import get_attention_backend, resolve_backend_name
+from .cuda_graph import CUDAGraphRunner
 from .kv_cache import BlockAllocator, KVCache
 from .runner import ForwardItem, ModelRunner
 from .sampler import sample_rows, top_logprobs
@@ -74,7 +75,7 @@ class LLMEngine:
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         self.eos_token_ids = spec.eos_token_ids
-        self.backend = get_attention_backend(config.attention_backend)
+        self.backend = get_attention_backend(resolve_backend_name(config.attention_backend, self.device))
         blocks_per_seq = -(-max_positions // config.block_size)
         num_blocks = config.num_kv_blocks or self._default_num_blocks(blocks_per_seq)
         if num_blocks < blocks_per_seq:
@@ -102,6 +103,10 @@ class LLMEngine:
             dkv = KVCache(d.num_cache_layers, num_blocks, config.block_size, d.num_kv_heads,
                           d.head_dim, self.dtype, self.device)
             self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
+                runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
+                                                config.max_num_seqs, self.max_model_len, k + 1)
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs,
             max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
@@ -111,9 +116,10 @@ class LLMEngine:
         self.timings = EngineTimings()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         logger.info(
-            "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s",
-            info.architecture, self.dtype, self.device, self.max_model_len, num_blocks,
-            config.block_size, f"dflash K={k}" if k else "off",
+            "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s, "
+            "attention=%s, cuda graphs=%s", info.architecture, self.dtype, self.device,
+            self.max_model_len, num_blocks, config.block_size, f"dflash K={k}" if k else "off",
+            self.backend.name, self.runner.graphs is not None,
         )
 
     # ---- setup ---------------------------------------------------------------------------------

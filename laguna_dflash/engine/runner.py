@@ -12,6 +12,7 @@ import torch
 
 from ..models.layers import ForwardContext
 from .attention import AttentionBackend, AttentionMetadata
+from .cuda_graph import CUDAGraphRunner
 from .kv_cache import KVCache
 
 
@@ -81,6 +82,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        self.graphs: CUDAGraphRunner | None = None  # set by the engine on CUDA unless enforce_eager
 
     def context(self, items: list[ForwardItem], is_causal: bool = True) -> ForwardContext:
         meta = build_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,
@@ -95,7 +97,12 @@ class ModelRunner:
         tap_layer_ids: tuple[int, ...] = (),
         is_causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None)."""
+        """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None).
+
+        Decode-phase batches (every request ``q`` new tokens) replay a CUDA graph when enabled.
+        """
+        if self.graphs is not None and self.graphs.can_run(items, len(input_ids)):
+            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal)
         ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device)
         ctx = self.context(items, is_causal)
         return self.model(ids, ctx, tap_layer_ids)

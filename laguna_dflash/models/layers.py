@@ -15,6 +15,8 @@ from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
 from ..kernels import fused_moe
+from . import fusion
+from .fusion import rms_normalize
 from .rope import RotaryEmbedding
 
 
@@ -30,12 +32,6 @@ class ForwardContext:
     backend: AttentionBackend
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dim, statistics in fp32, result in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     """``w * (x / sqrt(mean(x^2) + eps))``: statistics in fp32, cast back, then the plain weight."""
 
@@ -45,7 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps)
+        return fusion.rms_norm(x, self.weight, self.eps)
 
 
 def rms_norm_grouped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,12 +103,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         positions = ctx.meta.positions
-        q = self.rotary.apply(q, positions)
-        k = self.rotary.apply(k, positions)
+        q = self.norm_rope(self.q_norm, q.view(t, self.num_heads, self.head_dim), positions)
+        k = self.norm_rope(self.k_norm, k.view(t, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
         out = ctx.backend.attend(
@@ -122,14 +116,19 @@ class Attention(nn.Module):
         out = self.apply_gate(out, x)
         return self.o_proj(out.reshape(t, self.q_size))
 
+    def norm_rope(self, norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm then RoPE of ``x [T, heads, head_dim]`` (one fused kernel on CUDA)."""
+        rot = self.rotary
+        return fusion.rms_norm_rope(x, norm.weight, norm.eps, rot.cos, rot.sin, positions,
+                                    rot.spec.rotary_dim)
+
     def apply_gate(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out [T, nh, hd]`` times ``softplus(g_proj(x))`` (fp32 softplus), per head or element."""
         if self.gating is None:
             return out
-        gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
-        if self.gating == "per-head":
-            return out * gate.unsqueeze(-1)
-        return out * gate.view_as(out)
+        gate = self.g_proj(x)
+        gate = gate.unsqueeze(-1) if self.gating == "per-head" else gate.view_as(out)
+        return fusion.softplus_gate(out, gate)
 
 
 class MLP(nn.Module):
@@ -142,8 +141,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fusion.silu_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
@@ -204,13 +202,14 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    # With ``use_fused_moe`` (class or instance), on a GPU up to ``fused_moe_max_pairs``
-    # (token, expert) pairs go to the fused Triton kernels (kernels/fused_moe.py: each hit
-    # expert's weights read once, no host sync, static launch shapes). Off by default until the
-    # current version of the kernel has been checked and timed on a GPU (docs/PERFORMANCE.md).
-    # The sync-free gather path copies one expert's weights per (token, expert) pair, so it only
-    # pays on a GPU (no host sync, one batched GEMM) and only while pairs <= num_experts.
-    use_fused_moe: bool = False
+    # Expert paths, chosen from shapes only (so a CUDA graph captures one of them):
+    # * GPU, up to ``fused_moe_max_pairs`` (token, expert) pairs: the fused Triton kernels
+    #   (kernels/fused_moe.py: each hit expert's weights read once, no host sync, static grid;
+    #   measured in docs/PERFORMANCE.md). ``use_fused_moe=False`` turns them off.
+    # * GPU, more pairs, bf16/fp16 on sm90+: one sorted grouped GEMM pair (torch._grouped_mm),
+    #   also sync-free, for verify batches and prefill.
+    # * otherwise (CPU, fp32, training): the reference loop over the experts hit (one host sync).
+    use_fused_moe: bool = True
     fused_moe_max_pairs: int = 256
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,14 +226,38 @@ class MoE(nn.Module):
             routed = fused_moe.fused_moe_experts(
                 x, ids, weights, self.experts_gate_up, self.experts_down
             )
+        elif x.is_cuda and not self.training and grouped_mm_available(x):
+            routed = self.experts_forward_grouped(x, weights, ids)
         elif x.is_cuda and ids.numel() <= self.num_experts:
             routed = self.experts_forward_gather(x, weights, ids)
         else:
             routed = self.experts_forward(x, weights, ids)
-        out = routed * self.routed_scaling_factor
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return routed * self.routed_scaling_factor
+        return fusion.scale_add(routed, self.routed_scaling_factor, self.shared_expert(x))
+
+    def experts_forward_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Sync-free grouped GEMM over the experts hit, any token count: ``[T, H]``.
+
+        The ``T*k`` pairs are sorted by expert; ``offs[e]`` (int32, on the device) is the end of
+        expert ``e``'s rows, so ``torch._grouped_mm`` multiplies rows ``offs[e-1]:offs[e]`` by
+        expert ``e`` (empty groups read nothing). Results go back to pair order and are summed
+        over ``k`` in a fixed order (deterministic, unlike an atomic scatter-add).
+        """
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = x[order // k]
+        gate, up = torch._grouped_mm(h, self.experts_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=offs)
+        pairs = torch.empty_like(y)
+        pairs[order] = y
+        return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def experts_forward_gather(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -278,6 +301,15 @@ class MoE(nn.Module):
         return out
 
 
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs for ``x``: a half-precision CUDA tensor on sm90+."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
@@ -289,5 +321,6 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        h, x = fusion.add_rms_norm(h, self.self_attn(self.input_layernorm(h), ctx), norm.weight, norm.eps)
+        return h + self.mlp(x)

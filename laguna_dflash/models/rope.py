@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fusion
+
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -123,13 +125,4 @@ class RotaryEmbedding:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [N, heads, head_dim]`` at ``positions [N]`` (int64); returns a new tensor."""
-        rot = self.spec.rotary_dim
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        half = rot // 2
-        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-        out = x_rot * cos + rotated * sin
-        if x_pass.shape[-1] == 0:
-            return out
-        return torch.cat([out, x_pass], dim=-1)
+        return fusion.rope(x, self.cos, self.sin, positions, self.spec.rotary_dim)

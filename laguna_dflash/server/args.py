@@ -222,6 +222,8 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, speculative=spec.config,
         seed=args.seed,
+        attention_backend=getattr(args, "attention_backend", EngineConfig.attention_backend),
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -1,0 +1,179 @@
+"""CUDA graphs for the fixed-shape forwards of a decode step: target decode / verify, drafter block.
+
+A decode-phase forward runs ``R`` requests with the same number ``q`` of new tokens each
+(target decode ``q = 1``, verify and drafter block ``q = K + 1``). It is replayed from a graph
+captured for the key ``(R_pad, q, L_pad, is_causal, taps)``:
+
+* ``R_pad``: the smallest capture batch size ``>= R``. Padding requests write their K/V into the
+  scratch block (every row of their block table is the scratch block) and attend to their own
+  ``q`` keys there, so they stay finite; their outputs are dropped.
+* ``L_pad``: the key length, a power of two ``>= max(seq_len)`` (at least 256, a multiple of the
+  KV block size), so the key axis of the attention metadata is static while wasting at most 2x.
+
+Everything the forward reads lives in persistent device buffers (token ids, first position,
+visible length and block table per request); the attention metadata (positions, slot mapping,
+key slots, query index) is recomputed from them *inside* the graph, so a replay needs only three
+small host-to-device copies of request state and no device-to-host read. Graphs are captured
+lazily, the first time a key is seen, after two eager warm-up runs on a side stream (Triton
+compiles there); all graphs share one memory pool. Outputs are copied out of the graph's static
+tensors before the next replay can overwrite them. Prefill and the drafter's context K/V
+precompute stay eager (their token counts vary).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..models.layers import ForwardContext
+from .attention import AttentionBackend, AttentionMetadata
+from .kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+MIN_KEY_BUCKET = 256
+
+
+def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs``
+    (so padding wastes at most 7 requests above 8, at most half below)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return tuple(sorted(set(sizes + [max_num_seqs])))
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [R_pad * q, H] static output
+    taps: torch.Tensor | None  # [R_pad * q, n_taps * H] static output
+
+
+class CUDAGraphRunner:
+    """Replays decode-phase forwards of ``model`` from CUDA graphs (see the module docstring).
+
+    ``max_tokens_per_request`` bounds ``q`` (K + 1); ``max_model_len`` bounds ``seq_len``.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device, max_num_seqs: int, max_model_len: int,
+                 max_tokens_per_request: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.batch_sizes = capture_batch_sizes(max_num_seqs)
+        self.max_tokens_per_request = max_tokens_per_request
+        bs = kv_cache.block_size
+        self.block_size = bs
+        self.scratch_block = kv_cache.scratch_slot // bs
+        self.max_keys = self.key_bucket(max_model_len + max_tokens_per_request)
+        max_r, max_q = self.batch_sizes[-1], max_tokens_per_request
+        self.input_ids = torch.zeros(max_r * max_q, dtype=torch.long, device=device)
+        self.start_pos = torch.zeros(max_r, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(max_r, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_r, self.max_keys // bs, dtype=torch.long, device=device)
+        self.graphs: dict[tuple, _Captured] = {}
+        self.pool = None
+
+    def key_bucket(self, num_keys: int) -> int:
+        """Smallest power of two ``>= num_keys`` (min ``MIN_KEY_BUCKET``), a multiple of the
+        block size."""
+        n = max(MIN_KEY_BUCKET, self.block_size)
+        while n < num_keys:
+            n *= 2
+        return -(-n // self.block_size) * self.block_size
+
+    def can_run(self, items: list, num_input_ids: int) -> bool:
+        """True when the forward has the decode-phase shape this runner replays."""
+        if not items or len(items) > self.batch_sizes[-1]:
+            return False
+        q = items[0].num_tokens
+        return (
+            q <= self.max_tokens_per_request
+            and num_input_ids == q * len(items)
+            and all(it.num_tokens == q and it.start_pos + q == it.seq_len for it in items)
+            and max(it.seq_len for it in items) <= self.max_keys
+        )
+
+    def _metadata(self, r: int, q: int, num_keys: int, is_causal: bool) -> AttentionMetadata:
+        """Attention metadata of the padded batch, computed on the device from the buffers."""
+        bs = self.block_size
+        tables = self.block_tables[:r, : num_keys // bs]
+        col = torch.arange(q, device=self.device)
+        q_pos = self.start_pos[:r, None] + col  # [R, q]
+        slots = tables.gather(1, q_pos // bs) * bs + q_pos % bs
+        j = torch.arange(num_keys, device=self.device)
+        key_slots = tables[:, j // bs] * bs + j % bs  # [R, L]
+        seq_lens = self.seq_lens[:r]
+        key_slots = torch.where(j < seq_lens[:, None], key_slots, self.kv_cache.scratch_slot)
+        flat = torch.arange(r * q, device=self.device)
+        return AttentionMetadata(
+            positions=q_pos.reshape(-1), slot_mapping=slots.reshape(-1), flat_index=flat,
+            query_index=flat.view(r, q), query_positions=q_pos, key_slots=key_slots,
+            seq_lens=seq_lens, is_causal=is_causal,
+        )
+
+    def _run_model(self, r: int, q: int, num_keys: int, is_causal: bool,
+                   tap_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        meta = self._metadata(r, q, num_keys, is_causal)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
+        return self.model(self.input_ids[: r * q], ctx, tap_layer_ids)
+
+    def _capture(self, r: int, q: int, num_keys: int, is_causal: bool,
+                 tap_layer_ids: tuple[int, ...]) -> _Captured:
+        # Warm-up runs (Triton compiles, cuBLAS picks its kernels) compute the same forward the
+        # replay will, so their K/V writes are idempotent.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run_model(r, q, num_keys, is_causal, tap_layer_ids)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, taps = self._run_model(r, q, num_keys, is_causal, tap_layer_ids)
+        self.pool = graph.pool()
+        logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys", r, q, num_keys)
+        return _Captured(graph, hidden, taps)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
+                is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds."""
+        r, q = len(items), items[0].num_tokens
+        r_pad = next(b for b in self.batch_sizes if b >= r)
+        num_keys = self.key_bucket(max(it.seq_len for it in items))
+        nb = num_keys // self.block_size
+        # Request state on the host, padded: padding requests sit at positions 0..q-1 of the
+        # scratch block.
+        state = torch.zeros(2, r_pad, dtype=torch.long)
+        state[1, r:] = q
+        state[0, :r] = torch.tensor([it.start_pos for it in items])
+        state[1, :r] = torch.tensor([it.seq_len for it in items])
+        tables = torch.full((r_pad, nb), self.scratch_block, dtype=torch.long)
+        for i, it in enumerate(items):
+            n = min(len(it.block_table), nb)
+            tables[i, :n] = torch.tensor(it.block_table[:n], dtype=torch.long)
+        if self.device.type == "cuda":
+            state, tables = state.pin_memory(), tables.pin_memory()
+        self.start_pos[:r_pad].copy_(state[0], non_blocking=True)
+        self.seq_lens[:r_pad].copy_(state[1], non_blocking=True)
+        self.block_tables[:r_pad, :nb].copy_(tables, non_blocking=True)
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.device.type == "cpu" and self.device.type == "cuda":
+            ids = ids.pin_memory()
+        self.input_ids[: r * q].copy_(ids, non_blocking=True)
+        self.input_ids[r * q : r_pad * q].zero_()
+        if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
+            hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
+            return hidden[: r * q], taps[: r * q] if taps is not None else None
+        key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
+        captured.graph.replay()
+        hidden = captured.hidden[: r * q].clone()
+        taps = captured.taps[: r * q].clone() if captured.taps is not None else None
+        return hidden, taps

@@ -1,0 +1,123 @@
+"""One kernel per elementwise chain: ``torch.compile`` of a layer's pure-tensor functions on CUDA.
+
+Under CUDA graphs a decode step has no launch overhead left, but every kernel still costs a few
+microseconds of GPU time however little it computes. Eagerly, a Laguna layer runs ~85 kernels
+per forward, most of them tiny: an fp32 RMSNorm is seven (cast, square, mean, add, rsqrt, two
+multiplies and a cast back), a partial RoPE about ten. At batch 1 those dominate the step
+(docs/PERFORMANCE.md). The functions below are the bodies of those chains; :func:`fused` runs
+each through ``torch.compile`` (Inductor emits one Triton kernel per chain) for CUDA tensors in
+inference, and the eager body everywhere else (CPU, training), which stays the reference the
+tests compare against.
+
+Compilation happens on the first CUDA call of each variant, i.e. in prefill or in the eager
+warm-up before a CUDA graph is captured, never inside a capture. If compiling fails the error is
+logged once and the eager body is used from then on. ``enabled = False`` turns fusion off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+enabled = True
+
+Fn = TypeVar("Fn", bound=Callable)
+
+
+def fused(fn: Fn) -> Fn:
+    """Wrap ``fn`` (first argument a tensor): compiled on CUDA in inference, eager otherwise."""
+    compiled: Callable | None = None
+    broken = False
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        nonlocal compiled, broken
+        if not enabled or broken or not args[0].is_cuda or torch.is_grad_enabled():
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        try:
+            return compiled(*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, keep serving
+            broken = True
+            logger.warning("torch.compile of %s failed, running it eagerly: %s", fn.__name__, e)
+            return fn(*args)
+
+    wrapper.eager = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dim, statistics in fp32, result in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; statistics in fp32, normalised
+    value cast back to x's dtype before the weight (as the references do)."""
+    return weight * rms_normalize(x, eps)
+
+
+@fused
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: ``(h + delta, rms_norm(h + delta))``, ``[T, H]`` each."""
+    h = h + delta
+    return h, weight * rms_normalize(h, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos + rotated * sin
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+@fused
+def rope(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+         positions: torch.Tensor, rot: int) -> torch.Tensor:
+    """Rotate the first ``rot`` dims of ``x [N, heads, head_dim]`` at ``positions [N]`` (NeoX
+    halves); tables ``[max_pos, rot]`` fp32, cast to x's dtype."""
+    cos = cos_table[positions].unsqueeze(1).to(x.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(x.dtype)
+    return _rotate(x, cos, sin, rot)
+
+
+@fused
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos_table: torch.Tensor,
+                  sin_table: torch.Tensor, positions: torch.Tensor, rot: int) -> torch.Tensor:
+    """Per-head RMSNorm then RoPE (the Q/K path of an attention layer) in one kernel."""
+    x = weight * rms_normalize(x, eps)
+    cos = cos_table[positions].unsqueeze(1).to(x.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(x.dtype)
+    return _rotate(x, cos, sin, rot)
+
+
+@fused
+def softplus_gate(out: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
+    """``out [T, nh, hd]`` times ``softplus(gate_logits)`` (fp32 softplus, cast to out's dtype);
+    ``gate_logits`` is ``[T, nh, 1]`` (per head) or ``[T, nh, hd]`` (per element)."""
+    return out * F.softplus(gate_logits.float()).to(out.dtype)
+
+
+@fused
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of ``gate_up [T, 2I]`` (gate half first) -> ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@fused
+def scale_add(x: torch.Tensor, scale: float, y: torch.Tensor) -> torch.Tensor:
+    """``x * scale + y``."""
+    return x * scale + y

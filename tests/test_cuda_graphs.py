@@ -1,0 +1,170 @@
+"""CUDA-graph runner: padded, fixed-shape decode-phase forwards give the eager engine's output.
+
+CPU tests drive ``CUDAGraphRunner`` through its eager padded path (same buffers, same on-device
+metadata, no capture), so the padding rules (batch buckets, key buckets, scratch-block padding
+requests) are checked everywhere. CUDA tests capture and replay real graphs and compare with
+``enforce_eager=True`` on the same weights, for target-only decoding and DFlash speculation.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.cuda_graph import CUDAGraphRunner, capture_batch_sizes
+from laguna_dflash.engine.runner import ForwardItem, build_metadata
+
+BLOCK_SIZE = 6
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    import dflash_fixtures as df
+
+    root = tmp_path_factory.mktemp("graphs")
+    target = df.make_tiny_laguna_target(root / "laguna", seed=0)
+    draft = df.make_poolside_laguna_drafter(root / "poolside", target, seed=0, block_size=BLOCK_SIZE)
+    return target, draft
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 3, 9, 17, 26, 5, 33, 12][:n]
+    return [[rng.randrange(0, 60) for _ in range(length)] for length in lengths]
+
+
+def _attach_graph_runners(llm: LLM) -> None:
+    """Route the engine's decode-phase forwards through CUDAGraphRunner (eager on CPU)."""
+    engine = llm.engine
+    runners = [engine.runner] + ([engine.proposer.runner] if engine.proposer else [])
+    for runner in runners:
+        runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, runner.backend, engine.device,
+                                        engine.config.max_num_seqs, engine.max_model_len,
+                                        engine.num_speculative_tokens + 1)
+
+
+def test_capture_batch_sizes():
+    assert capture_batch_sizes(1) == (1,)
+    assert capture_batch_sizes(5) == (1, 2, 4, 5)
+    assert capture_batch_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert capture_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+
+
+def test_padded_metadata_matches_build_metadata():
+    """Real rows of the on-device padded metadata equal the runner's per-forward metadata."""
+    from laguna_dflash.engine.kv_cache import KVCache
+
+    kv = KVCache(1, 40, 4, 1, 8, torch.float32, "cpu")
+    runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=8,
+                             max_model_len=100, max_tokens_per_request=3)
+    items = [ForwardItem(3, 10, 13, [5, 2, 9, 7]), ForwardItem(3, 0, 3, [1]), ForwardItem(3, 4, 7, [3, 4])]
+    ref = build_metadata(items, 4, kv.scratch_slot, torch.device("cpu"))
+    runner.start_pos[:4] = torch.tensor([10, 0, 4, 0])
+    runner.seq_lens[:4] = torch.tensor([13, 3, 7, 3])
+    runner.block_tables[:4] = runner.scratch_block
+    for i, it in enumerate(items):
+        runner.block_tables[i, : len(it.block_table)] = torch.tensor(it.block_table)
+    meta = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    assert meta.key_slots.shape == (4, 256)
+    assert torch.equal(meta.positions[:9], ref.positions)
+    assert torch.equal(meta.slot_mapping[:9], ref.slot_mapping)
+    assert torch.equal(meta.key_slots[:3, : ref.key_slots.shape[1]], ref.key_slots)
+    assert (meta.key_slots[:3, ref.key_slots.shape[1]:] == kv.scratch_slot).all()
+    # the padding request writes and reads only inside the scratch block
+    scratch = range(kv.scratch_slot, kv.scratch_slot + 4)
+    assert all(int(s) in scratch for s in meta.slot_mapping[9:])
+
+
+def test_can_run_only_decode_phase_shapes():
+    from laguna_dflash.engine.kv_cache import KVCache
+
+    kv = KVCache(1, 40, 4, 1, 8, torch.float32, "cpu")
+    runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=2,
+                             max_model_len=100, max_tokens_per_request=4)
+    decode = [ForwardItem(1, 5, 6, [0, 1]), ForwardItem(1, 2, 3, [2])]
+    assert runner.can_run(decode, 2)
+    assert not runner.can_run(decode + [ForwardItem(1, 0, 1, [3])], 3)  # above the largest batch
+    assert not runner.can_run([ForwardItem(5, 0, 5, [0, 1])], 5)  # q above K + 1
+    assert not runner.can_run([ForwardItem(2, 0, 2, [0]), ForwardItem(1, 0, 1, [1])], 3)  # mixed q
+    assert not runner.can_run([ForwardItem(2, 0, 3, [0])], 2)  # chunk that does not end the sequence
+
+
+@pytest.mark.parametrize("use_draft", [False, True])
+def test_padded_runner_matches_unpadded_on_cpu(pair, use_draft):
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1) if use_draft else {}
+    plain = LLM(target, block_size=4, max_num_seqs=6, **kw)
+    padded = LLM(target, block_size=4, max_num_seqs=6, **kw)
+    _attach_graph_runners(padded)
+    for batch_size in (1, 3, 5):  # 3 and 5 pad to batch buckets 4 and 6
+        prompts = _prompts(batch_size, seed=batch_size)
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+        got = [o.token_ids for o in padded.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("use_draft", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_match_eager_on_cuda(pair, use_draft, dtype):
+    """Replayed graphs give the eager engine's tokens (same kernels, same shapes per request)."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1) if use_draft else {}
+    eager = LLM(target, device="cuda", dtype=dtype, enforce_eager=True, max_num_seqs=8, **kw)
+    graphed = LLM(target, device="cuda", dtype=dtype, max_num_seqs=8, **kw)
+    assert graphed.engine.runner.graphs is not None
+    for batch_size in (1, 3, 5):  # batch buckets 1, 4, 8: padded and unpadded
+        prompts = _prompts(batch_size, seed=batch_size)
+        want = [o.token_ids for o in eager.generate(prompt_token_ids=prompts, sampling_params=params)]
+        got = [o.token_ids for o in graphed.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+    assert graphed.engine.runner.graphs.graphs, "no graph was captured"
+
+
+@needs_cuda
+def test_graphed_spec_is_lossless_in_float32(pair):
+    """With graphs on, float32 speculation on the GPU equals float32 target-only decoding."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(target, device="cuda", max_num_seqs=8)
+    spec = LLM(target, draft=draft, device="cuda", num_speculative_tokens=BLOCK_SIZE - 1, max_num_seqs=8)
+    for batch_size in (1, 3, 5):
+        prompts = _prompts(batch_size, seed=10 + batch_size)
+        want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+        got = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+
+
+@needs_cuda
+def test_fused_elementwise_chains_match_eager_on_cuda():
+    """Each torch.compile'd chain (models/fusion.py) equals its eager body in float32."""
+    from laguna_dflash.models import fusion as f
+
+    g = torch.Generator("cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    pos = torch.tensor([0, 3, 17, 250, 9], device="cuda")
+    cases = [
+        (f.rms_norm, (rnd(5, 256), rnd(256), 1e-6)),
+        (f.add_rms_norm, (rnd(5, 256), rnd(5, 256), rnd(256), 1e-6)),
+        (f.rope, (rnd(5, 4, 64), rnd(256, 32), rnd(256, 32), pos, 32)),
+        (f.rms_norm_rope, (rnd(5, 4, 64), rnd(64), 1e-6, rnd(256, 64), rnd(256, 64), pos, 64)),
+        (f.softplus_gate, (rnd(5, 4, 64), rnd(5, 4, 1))),
+        (f.silu_mul, (rnd(5, 128),)),
+        (f.scale_add, (rnd(5, 256), 2.5, rnd(5, 256))),
+    ]
+    with torch.inference_mode():
+        for fn, args in cases:
+            got, want = fn(*args), fn.eager(*args)
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=fn.__name__)

@@ -168,3 +168,19 @@ def test_fused_elementwise_chains_match_eager_on_cuda():
             want = want if isinstance(want, tuple) else (want,)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=fn.__name__)
+
+
+def test_cpu_engine_uses_sdpa_and_no_graphs(pair):
+    """``attention_backend="auto"`` is the torch SDPA reference on CPU, and graphs are CUDA-only."""
+    target, _ = pair
+    llm = LLM(target, block_size=4)
+    assert llm.engine.backend.name == "torch_sdpa"
+    assert llm.engine.runner.graphs is None
+
+
+def test_enforce_eager_flag_parses():
+    from laguna_dflash.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "x", "--model", "m", "--enforce-eager"])
+    assert args.enforce_eager is True
+    assert build_parser().parse_args(["generate", "x", "--model", "m"]).enforce_eager is False

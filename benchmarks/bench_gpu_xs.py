@@ -182,31 +182,43 @@ def time_variants(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, flo
     return out
 
 
-def count_kernels(llm: LLM, prompt: list[int], new_tokens: int = 8) -> dict[str, tuple[float, float]]:
+def count_kernels(llm: LLM, prompt: list[int], new_tokens: int = 8
+                  ) -> tuple[dict[str, tuple[float, float]], list[tuple[str, float, float]]]:
     """Per batch-1 decode step, run eagerly: (kernels launched, summed kernel ms), with the
-    elementwise chains fused and not. Each kernel is one node of the step's CUDA graph. Two
-    generations that differ by ``new_tokens`` decode steps are profiled; the difference is
-    divided by ``new_tokens`` (prefill cancels)."""
+    elementwise chains fused and not, and the fused step's kernels by name (count, ms per
+    step), largest first. Each kernel is one node of the step's CUDA graph. Two generations that
+    differ by ``new_tokens`` decode steps are profiled; the difference is divided by
+    ``new_tokens`` (prefill cancels)."""
+    from collections import Counter
+
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels_of(max_tokens: int) -> tuple[int, float]:
+    def kernels_of(max_tokens: int) -> tuple[Counter, Counter]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)
         sync("cuda")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=params)
             sync("cuda")
-        ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return len(ks), sum(e.device_time for e in ks) / 1e3
+        counts, times = Counter(), Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                counts[e.name[:70]] += 1
+                times[e.name[:70]] += e.device_time / 1e3
+        return counts, times
 
-    saved, out = set_graphs(llm, None), {}
+    saved, out, by_name = set_graphs(llm, None), {}, []
     for fuse in (True, False):
         fusion.enabled = fuse
-        (n1, ms1), (n2, ms2) = kernels_of(2), kernels_of(2 + new_tokens)
-        out["fused" if fuse else "unfused"] = ((n2 - n1) / new_tokens, (ms2 - ms1) / new_tokens)
+        (c1, t1), (c2, t2) = kernels_of(2), kernels_of(2 + new_tokens)
+        c2.subtract(c1)
+        t2.subtract(t1)
+        out["fused" if fuse else "unfused"] = (sum(c2.values()) / new_tokens, sum(t2.values()) / new_tokens)
+        if fuse:
+            by_name = sorted(((n, c2[n] / new_tokens, t2[n] / new_tokens) for n in c2), key=lambda r: -r[2])
     fusion.enabled = True
     set_graphs(llm, saved)
-    return out
+    return out, by_name
 
 
 class PhaseClock:
@@ -324,7 +336,7 @@ def main() -> None:
         proposer, engine.proposer, engine.tap_layer_ids = engine.proposer, None, ()
         base = {b: step_time(spec, prompt, args.new_tokens, b) for b in batches}
         variants = time_variants(spec, prompt, args.new_tokens) if args.variants else {}
-        kernels = count_kernels(spec, prompt) if args.profile and not cpu else {}
+        kernels, by_name = count_kernels(spec, prompt) if args.profile and not cpu else ({}, [])
         engine.proposer = proposer
     name = torch.cuda.get_device_name() if not cpu else "cpu"
     print(f"device {name}, torch {torch.__version__}, layers {args.layers}, "
@@ -350,6 +362,9 @@ def main() -> None:
         print("|---|---:|---:|")
         for name, (n, ms) in kernels.items():
             print(f"| {name} elementwise chains | {n:.0f} | {ms:.2f} |")
+        print("\n| kernel (fused step, top 15 by time) | per step | ms per step |\n|---|---:|---:|")
+        for name, n, ms in by_name[:15]:
+            print(f"| `{name}` | {n:.0f} | {ms:.3f} |")
     lengths = sorted({length for _, length in simulated})
     print("\nsimulated acceptance length L (every step accepts L - 1 drafts on average); best K of "
           f"{args.sim_ks} per cell, shown as tok/s (x target-only, K)")

@@ -97,15 +97,16 @@ class DFlashProposer:
         pending = [s for s in seqs if s.pending_context is not None and s.pending_context.shape[0]]
         if not pending:
             return
-        device = self.runner.device
+        device = torch.device(self.runner.device)
         features = torch.cat([s.pending_context for s in pending], dim=0)
         positions = torch.cat([torch.arange(s.pending_start, s.pending_start + s.pending_context.shape[0])
                                for s in pending])
         slots = torch.cat([self.slots(s, s.pending_start, s.pending_context.shape[0]) for s in pending])
+        index = torch.stack([positions, slots])
+        if device.type == "cuda":  # one asynchronous copy instead of two pageable (blocking) ones
+            index = index.pin_memory().to(device, non_blocking=True)
         context = self.drafter.combine_hidden_states(features)
-        self.drafter.precompute_and_store_context_kv(
-            context, positions.to(device), slots.to(device), self.kv_cache.layers
-        )
+        self.drafter.precompute_and_store_context_kv(context, index[0], index[1], self.kv_cache.layers)
         for s in pending:
             s.pending_context = None
 

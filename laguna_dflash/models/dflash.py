@@ -24,7 +24,8 @@ from torch import nn
 from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
-from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm, rms_norm_grouped
+from .fusion import rms_norm_grouped
+from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm
 from .qwen3 import qwen3_rope
 from .rope import RopeSpec
 

@@ -68,6 +68,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @fused
+def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_normalize` as one kernel (the drafter's shared context statistic)."""
+    return rms_normalize(x, eps)
+
+
+@fused
+def rms_norm_grouped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [G, ..., D]`` with one weight row per group ``[G, D]``."""
+    w = weight.view(weight.shape[0], *([1] * (x.dim() - 2)), weight.shape[1])
+    return w * rms_normalize(x, eps)
+
+
+@fused
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm: ``(h + delta, rms_norm(h + delta))``, ``[T, H]`` each."""

@@ -16,7 +16,6 @@ from torch import nn
 from ..engine.attention import AttentionBackend, AttentionMetadata
 from ..kernels import fused_moe
 from . import fusion
-from .fusion import rms_normalize
 from .rope import RotaryEmbedding
 
 
@@ -42,12 +41,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fusion.rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm_grouped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x [G, ..., D]`` with one weight row per group ``[G, D]``."""
-    w = weight.view(weight.shape[0], *([1] * (x.dim() - 2)), weight.shape[1])
-    return w * rms_normalize(x, eps)
 
 
 class Attention(nn.Module):

@@ -131,6 +131,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @fused
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, softcap: float,
+              score_func: str, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> (weights ``[T, k]`` in the logits' dtype, ids ``[T, k]``).
+
+    ``s = sigmoid(z)`` (or ``sqrt(softplus(z))``), ``z`` the (soft-capped) logits in fp32;
+    experts by ``topk(s + bias)``, weighted by the unbiased ``s``, renormalised when asked.
+    """
+    z = logits.float()
+    if softcap > 0:
+        z = torch.tanh(z / softcap) * softcap
+    scores = torch.sigmoid(z) if score_func == "sigmoid" else torch.sqrt(F.softplus(z))
+    _, ids = torch.topk(scores + bias.float(), top_k, dim=-1)
+    weights = scores.gather(-1, ids)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+@fused
 def scale_add(x: torch.Tensor, scale: float, y: torch.Tensor) -> torch.Tensor:
     """``x * scale + y``."""
     return x * scale + y

@@ -180,20 +180,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> (weights ``[T, k]`` in x's dtype, expert ids ``[T, k]`` int64)."""
-        logits = F.linear(x, self.gate.weight).float()
-        if self.logit_softcapping > 0:
-            c = self.logit_softcapping
-            logits = torch.tanh(logits / c) * c
-        if self.score_func == "sigmoid":
-            scores = torch.sigmoid(logits)
-        else:
-            scores = torch.sqrt(F.softplus(logits))
-        biased = scores + self.e_score_correction_bias.float()
-        _, ids = torch.topk(biased, self.top_k, dim=-1)
-        weights = scores.gather(-1, ids)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return fusion.moe_route(F.linear(x, self.gate.weight), self.e_score_correction_bias,
+                                self.top_k, self.logit_softcapping, self.score_func,
+                                self.norm_topk_prob)
 
     # Expert paths, chosen from shapes only (so a CUDA graph captures one of them):
     # * GPU, up to ``fused_moe_max_pairs`` (token, expert) pairs: the fused Triton kernels

@@ -37,16 +37,6 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(0, 60) for _ in range(length)] for length in lengths]
 
 
-def _attach_graph_runners(llm: LLM) -> None:
-    """Route the engine's decode-phase forwards through CUDAGraphRunner (eager on CPU)."""
-    engine = llm.engine
-    runners = [engine.runner] + ([engine.proposer.runner] if engine.proposer else [])
-    for runner in runners:
-        runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, runner.backend, engine.device,
-                                        engine.config.max_num_seqs, engine.max_model_len,
-                                        engine.num_speculative_tokens + 1)
-
-
 def test_capture_batch_sizes():
     assert capture_batch_sizes(1) == (1,)
     assert capture_batch_sizes(5) == (1, 2, 4, 5)
@@ -100,7 +90,7 @@ def test_padded_runner_matches_unpadded_on_cpu(pair, use_draft):
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1) if use_draft else {}
     plain = LLM(target, block_size=4, max_num_seqs=6, **kw)
     padded = LLM(target, block_size=4, max_num_seqs=6, **kw)
-    _attach_graph_runners(padded)
+    padded.engine.attach_graph_runners()
     for batch_size in (1, 3, 5):  # 3 and 5 pad to batch buckets 4 and 6
         prompts = _prompts(batch_size, seed=batch_size)
         want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]

@@ -104,9 +104,7 @@ class LLMEngine:
                           d.head_dim, self.dtype, self.device)
             self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k)
         if self.device.type == "cuda" and not config.enforce_eager:
-            for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
-                runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
-                                                config.max_num_seqs, self.max_model_len, k + 1)
+            self.attach_graph_runners()
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs,
             max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
@@ -123,6 +121,14 @@ class LLMEngine:
         )
 
     # ---- setup ---------------------------------------------------------------------------------
+
+    def attach_graph_runners(self) -> None:
+        """Route the target's and the drafter's decode-phase forwards through a
+        :class:`CUDAGraphRunner` (on CPU it runs the same padded forward eagerly: tests)."""
+        for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
+            runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
+                                            self.config.max_num_seqs, self.max_model_len,
+                                            self.num_speculative_tokens + 1)
 
     def _load_drafter(self, config: EngineConfig) -> None:
         sc = config.speculative

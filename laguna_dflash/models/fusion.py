@@ -88,7 +88,10 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return h, weight * rms_normalize(h, eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+          positions: torch.Tensor, rot: int) -> torch.Tensor:
+    cos = cos_table[positions].unsqueeze(1).to(x.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(x.dtype)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     half = rot // 2
     rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
@@ -101,19 +104,14 @@ def rope(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
          positions: torch.Tensor, rot: int) -> torch.Tensor:
     """Rotate the first ``rot`` dims of ``x [N, heads, head_dim]`` at ``positions [N]`` (NeoX
     halves); tables ``[max_pos, rot]`` fp32, cast to x's dtype."""
-    cos = cos_table[positions].unsqueeze(1).to(x.dtype)
-    sin = sin_table[positions].unsqueeze(1).to(x.dtype)
-    return _rotate(x, cos, sin, rot)
+    return _rope(x, cos_table, sin_table, positions, rot)
 
 
 @fused
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos_table: torch.Tensor,
                   sin_table: torch.Tensor, positions: torch.Tensor, rot: int) -> torch.Tensor:
     """Per-head RMSNorm then RoPE (the Q/K path of an attention layer) in one kernel."""
-    x = weight * rms_normalize(x, eps)
-    cos = cos_table[positions].unsqueeze(1).to(x.dtype)
-    sin = sin_table[positions].unsqueeze(1).to(x.dtype)
-    return _rotate(x, cos, sin, rot)
+    return _rope(weight * rms_normalize(x, eps), cos_table, sin_table, positions, rot)
 
 
 @fused

@@ -80,9 +80,10 @@ class _NoFallback(TorchSDPABackend):
 
 
 def compare(q, k_cache, v_cache, meta: AttentionMetadata, *, window=None, sinks=None, is_causal=None,
-            num_splits=None, block_n=None, tol=None) -> float:
+            num_splits=None, block_n=None, tol=None, gate=None) -> float:
     scale = q.shape[-1] ** -0.5
-    kwargs = {"scale": scale, "sliding_window": window, "sinks": sinks, "is_causal": is_causal}
+    kwargs = {"scale": scale, "sliding_window": window, "sinks": sinks, "is_causal": is_causal,
+              "gate": gate}
     want = TorchSDPABackend().attend(q, k_cache, v_cache, meta, **kwargs)
     backend = TritonPagedBackend(num_splits=num_splits, block_n=block_n)
     if pa.is_available(q.device):  # the interpreter child and CUDA: the kernel must run
@@ -137,6 +138,38 @@ def test_interpreted_gqa_head_dim(kv_heads, head_dim, dtype):
     q, kc, vc, meta, _ = make_case([(0, 12), (70, 1), (21, 8)], kv_heads, head_dim, dtype, True,
                                    seed=kv_heads + head_dim)
     compare(q, kc, vc, meta)
+
+
+def _gate_cases(device: str = "cpu"):
+    """(q, caches, meta, gate) with per-head and per-element gates; the per-head logits are a
+    column slice of a wider projection (as the engine passes them), covering softplus's tails."""
+    q, kc, vc, meta, _ = make_case([(5, 1), (150, 1), (40, 4)], 2, 64, torch.float32, True, device=device)
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(q.shape[0], NUM_HEADS + 3, generator=g) * 6
+    wide[0, :3] = torch.tensor([-30.0, 25.0, 0.0])  # e^g below 1e-4, above the threshold, 0
+    per_element = torch.randn(q.shape[0], NUM_HEADS, q.shape[2], generator=g)
+    return q, kc, vc, meta, wide[:, 1 : NUM_HEADS + 1].to(device), per_element.to(device)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_interpreted_output_gate(splits, dtype):
+    """``gate`` multiplies by softplus in the store (split or not) as the torch reference does."""
+    q, kc, vc, meta, per_head, per_element = _gate_cases()
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    for gate in (per_head, per_element.to(dtype)):
+        compare(q, kc, vc, meta, gate=gate, num_splits=splits, block_n=16)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_cuda_output_gate(splits, dtype):
+    q, kc, vc, meta, per_head, per_element = _gate_cases("cuda")
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    for gate in (per_head, per_element.to(dtype)):
+        compare(q, kc, vc, meta, gate=gate, num_splits=splits)
 
 
 @interpreted
@@ -240,10 +273,11 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
     block_m = max(16, pa._next_pow2(block_q * group))
     consts = dict(NUM_HEADS=group * 4, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_Q=block_q,
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
-                  NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0)
+                  NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
+                  HAS_GATE=splits == 1)  # the engine gates Laguna's output in the last store
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
-    ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr")}
+    ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr")}
     ptrs.update({n: "*i64" for n in ("query_index_ptr", "query_pos_ptr", "key_slots_ptr", "seq_lens_ptr")})
     ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
@@ -251,8 +285,9 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                         pa._num_warps(block_m, head_dim))]
     if splits > 1:
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
-                       BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1)
-        builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh"), 1 if head_dim <= 64 else 2))
+                       BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True)
+        builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh", "stride_gt"),
+                                1 if head_dim <= 64 else 2))
     return builds
 
 

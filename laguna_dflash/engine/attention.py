@@ -106,7 +106,13 @@ class AttentionBackend:
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
+
+        ``gate``: output-gate logits ``[T, num_heads]`` (per head) or ``[T, num_heads, head_dim]``
+        (per element); the output is multiplied by ``softplus(gate)`` (:func:`apply_output_gate`).
+        """
         raise NotImplementedError
 
 
@@ -131,8 +137,9 @@ class TorchSDPABackend(AttentionBackend):
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype."""
+        """Same contract as :meth:`AttentionBackend.attend`."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         r, qmax = meta.query_index.shape
         qp = q[meta.query_index].transpose(1, 2)  # [R, H, Qmax, D]
@@ -155,7 +162,17 @@ class TorchSDPABackend(AttentionBackend):
                 qp, kp, vp, attn_mask=bias, scale=scale, enable_gqa=True
             )
         out = out.transpose(1, 2).reshape(r * qmax, num_heads, head_dim)
-        return out[meta.flat_index]
+        return apply_output_gate(out[meta.flat_index], gate)
+
+
+def apply_output_gate(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """``out [T, nh, hd]`` times ``softplus(gate)`` (fp32 softplus rounded to out's dtype; Laguna's
+    attention output gate); ``gate`` ``[T, nh]`` per head or ``[T, nh, hd]`` per element."""
+    if gate is None:
+        return out
+    from ..models import fusion  # the models import this module
+
+    return fusion.softplus_gate(out, gate.unsqueeze(-1) if gate.dim() == 2 else gate.view_as(out))
 
 
 _BACKENDS = {"torch_sdpa": TorchSDPABackend}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import EngineConfig, SamplingParams, resolve_dtype
+from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from .adaptive_k import AdaptiveK
@@ -72,6 +73,10 @@ class LLMEngine:
         if config.speculative is not None:
             self._load_drafter(config)
         k = self.num_speculative_tokens
+        if self.device.type == "cuda":  # the fast path's weight layout (same values)
+            for model in (self.target, self.drafter):
+                if model is not None:
+                    fuse_for_inference(model)
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         self.eos_token_ids = spec.eos_token_ids

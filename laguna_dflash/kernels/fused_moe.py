@@ -229,6 +229,7 @@ def fused_moe_experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """Routed experts with two Triton kernels; same contract as :func:`moe_experts_reference`.
 
@@ -239,9 +240,13 @@ def fused_moe_experts(
         gate_up: ``[E, 2I, H]`` (last dim contiguous), same dtype as ``x``.
         down: ``[E, H, I]`` (last dim contiguous), same dtype as ``x``.
 
+        reduce: sum over the ``k`` pairs of each token here (``False``: return the pairs, for
+            a caller that fuses the sum with what follows).
+
     Returns:
-        ``[T, H]`` in ``x.dtype``. No host synchronisation; launch shapes depend only on
-        ``T*k``, ``E``, ``H`` and ``I`` (CUDA-graph capturable).
+        ``[T, H]`` in ``x.dtype`` (``[T, k, H]``, each pair's weighted output, when not
+        ``reduce``). No host synchronisation; launch shapes depend only on ``T*k``, ``E``, ``H``
+        and ``I`` (CUDA-graph capturable).
     """
     t, k = expert_ids.shape
     e, two_i, hidden = gate_up.shape
@@ -250,7 +255,7 @@ def fused_moe_experts(
     assert gate_up.dtype == x.dtype == down.dtype, "x and expert weights must share a dtype"
     p = t * k
     if p == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if reduce else x.new_zeros(t, k, hidden)
     # the kernels address x, h, out and the expert weights as contiguous (strides from H and I)
     x = x.contiguous()
     gate_up = gate_up.contiguous()  # no-ops for the stored parameters
@@ -279,4 +284,4 @@ def fused_moe_experts(
         num_warps=nw, num_stages=ns,
     )
     # deterministic reduction over the k slots of each token (fp32 accumulation inside torch)
-    return out_pairs.sum(dim=1)
+    return out_pairs.sum(dim=1) if reduce else out_pairs

@@ -100,6 +100,17 @@ def _mma(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
+def _softplus_rounded(g, dtype):
+    # The output gate's factor as the reference computes it: softplus in fp32, rounded to the
+    # output dtype (``out * F.softplus(g.float()).to(out.dtype)``; the caller rounds ``out`` to
+    # that dtype first). softplus(g) = log(1 + e^g), and g itself above torch's threshold 20;
+    # log(1 + y) ~ y - y^2/2 for tiny y, where 1 + y would round to 1 in fp32.
+    g = g.to(tl.float32)
+    y = tl.exp(tl.minimum(g, 20.0))
+    sp = tl.where(y < 1e-4, y * (1.0 - 0.5 * y), tl.log(1.0 + y))
+    return tl.where(g > 20.0, g, sp).to(dtype).to(tl.float32)
+
+
 def _attend_tile(
     start, lo, hi, q, pos, m_i, l_i, acc,
     ks_row_ptr, stride_ks_j, k_head_ptr, v_head_ptr,
@@ -144,7 +155,7 @@ def _attend_tile(
 
 
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, gate_ptr,
     query_index_ptr, query_pos_ptr, key_slots_ptr, seq_lens_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
     stride_qt, stride_qh, stride_qd,
@@ -152,10 +163,10 @@ def _paged_attention_kernel(
     stride_vc_s, stride_vc_h, stride_vc_d,
     stride_ot, stride_oh, stride_od,
     stride_qi_r, stride_qi_q, stride_qp_r, stride_qp_q, stride_ks_r, stride_ks_j,
-    num_tokens, qmax, split_len, scale_log2, window,
+    stride_gt, stride_gh, num_tokens, qmax, split_len, scale_log2, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
@@ -231,6 +242,10 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None]
         # rows that saw nothing have acc = 0, l = 0: divide by 1 instead (output 0)
         out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        if HAS_GATE:
+            g = tl.load(gate_ptr + token * stride_gt + head * stride_gh, mask=row_ok, other=0.0)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(
+                g, out_ptr.dtype.element_ty)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -242,10 +257,10 @@ def _paged_attention_kernel(
 
 
 def _merge_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr,
-    num_tokens, stride_ot, stride_oh, stride_od,
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, gate_ptr, out_ptr,
+    num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
     t = tl.program_id(0).to(tl.int64)
@@ -270,6 +285,9 @@ def _merge_splits_kernel(
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0)
     out = out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
+    if HAS_GATE:
+        g = tl.load(gate_ptr + t * stride_gt + h * stride_gh)
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(g, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -283,7 +301,7 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     namespace = {"__name__": __name__, "__builtins__": __builtins__, "tl": tl, "triton": triton}
-    for fn in (_mma, _attend_tile, _paged_attention_kernel, _merge_splits_kernel):
+    for fn in (_mma, _softplus_rounded, _attend_tile, _paged_attention_kernel, _merge_splits_kernel):
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
         copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
         copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
@@ -294,8 +312,12 @@ def _kernels(interpret: bool):
 # ---- launch configuration -------------------------------------------------------------------------
 
 _TARGET_ROWS = 64  # BLOCK_M aimed at: query tokens x heads of a GQA group per program
-_MIN_SPLIT_KEYS = 512  # split-K only cuts the key axis into chunks of at least this many keys
-_MAX_SPLITS = 16
+# Split-K only cuts the key axis into chunks of at least this many keys. One 64-key tile per
+# program at decode: a program's tiles run one after another (slot load -> K/V gather -> MMA), so
+# latency, not bandwidth, bounds a program; at 512-key chunks a batch-1 Laguna-XS step spent
+# ~34 us per layer in this kernel (docs/PERFORMANCE.md), most programs idle.
+_MIN_SPLIT_KEYS = 64
+_MAX_SPLITS = 32
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -320,7 +342,8 @@ def _num_sms(index: int | None) -> int:
 def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
     """Split-K factor from shapes only (CUDA-graph safe): 1 unless ``num_programs`` (requests x
     KV heads x query tiles) leaves the GPU under-filled and the key axis is long; then enough
-    chunks of >= 512 keys to reach about two programs per SM, at most 16. Always 1 on CPU."""
+    chunks of >= ``_MIN_SPLIT_KEYS`` keys to reach about two programs per SM, at most
+    ``_MAX_SPLITS``. Always 1 on CPU."""
     if device.type != "cuda":
         return 1
     target = 2 * _num_sms(device.index)
@@ -374,6 +397,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
@@ -392,6 +416,9 @@ def paged_attention(
             as the reference does, or ``None``.
         num_splits: split-K factor; ``None`` picks one from the shapes (:func:`choose_num_splits`).
         block_n: keys per tile (power of two >= 16); ``None``: 64.
+        gate: ``[T, num_heads]`` per-head output-gate logits (any float dtype, any strides) or
+            ``None``: the output is multiplied by ``softplus(gate)`` in the store (Laguna's
+            ``out * F.softplus(g.float()).to(out.dtype)``, one kernel less per layer).
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
@@ -399,6 +426,9 @@ def paged_attention(
     """
     _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks)
     t, num_heads, head_dim = q.shape
+    if gate is not None and (gate.shape != (t, num_heads) or gate.device != q.device):
+        raise ValueError(f"gate must be [T, num_heads] = [{t}, {num_heads}] on {q.device}, got "
+                         f"{tuple(gate.shape)} on {gate.device}")
     kv_heads = k_cache.shape[1]
     r, qmax = query_index.shape
     lmax = key_slots.shape[1]
@@ -436,24 +466,27 @@ def paged_attention(
     attn_kernel, merge_kernel = _kernels(interpret)
     attn_kernel[(r, kv_heads, q_tiles * num_splits)](
         q, k_cache, v_cache, out, sinks if sinks is not None else out,
+        gate if gate is not None else out,
         query_index, query_positions, key_slots, seq_lens,
         part_acc, part_m, part_l,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *query_index.stride(), *query_positions.stride(), *key_slots.stride(),
-        t, qmax, split_len, float(scale) * 1.4426950408889634, window,
+        *(gate.stride() if gate is not None else (0, 0)), t, qmax, split_len, float(scale) * 1.4426950408889634, window,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
+        HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         num_warps=_num_warps(block_m, block_d), num_stages=2,
     )
     if num_splits > 1:
         merge_kernel[(t, num_heads)](
-            part_acc, part_m, part_l, sinks if sinks is not None else out, out,
-            t, *out.stride(),
+            part_acc, part_m, part_l, sinks if sinks is not None else out,
+            gate if gate is not None else out, out,
+            t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
+            HAS_GATE=gate is not None,
             num_warps=1 if block_d <= 64 else 2,
         )
     return out

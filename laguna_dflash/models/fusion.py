@@ -148,6 +148,16 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, softcap: flo
 
 
 @fused
+def sum_pairs(pairs: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``pairs [T, P, H]`` (each (token, expert) pair's weighted output) summed over ``P`` in
+    fp32, plus ``residual [T, H]`` when given; in pairs' dtype."""
+    out = pairs.float().sum(1)
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(pairs.dtype)
+
+
+@fused
 def scale_add(x: torch.Tensor, scale: float, y: torch.Tensor) -> torch.Tensor:
     """``x * scale + y``."""
     return x * scale + y

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import fused_moe
+from ..kernels import fused_moe, moe_routing, qk_norm_rope_cache
 from . import fusion
 from .rope import RotaryEmbedding
 
@@ -91,37 +91,75 @@ class Attention(nn.Module):
         self.is_causal = is_causal  # None: the forward's default (causal targets, DFlash per config)
         self.scale = head_dim**-0.5
 
+    # Fast path (inference, where the Triton kernels run; the eager bodies stay the reference):
+    # Q/K norm + RoPE + K/V cache write in one kernel; Q|K|V|gate as one GEMM once fused.
+    use_fused_qk_cache: bool = True
+    qkvg_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
+        row views of ``qkvg_weight [q + 2kv + gate, H]`` (no copy kept; call after loading and
+        after the last ``.to()``, since moving the module would split the views again)."""
+        if self.gating is None or self.qkv_proj.bias is not None or self.qkvg_weight is not None:
+            return
+        n = self.qkv_proj.weight.shape[0]
+        fused = torch.cat([self.qkv_proj.weight.detach(), self.g_proj.weight.detach()])
+        self.qkv_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
+        self.g_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
+        self.qkvg_weight = fused
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [T, H]`` -> (``qkv [T, q + 2kv]``, gate logits ``[T, nh]`` / ``[T, nh, hd]`` or None)."""
+        if self.qkvg_weight is not None:
+            out = F.linear(x, self.qkvg_weight)
+            n = self.q_size + 2 * self.kv_size
+            qkv, gate = out[:, :n], out[:, n:]
+        else:
+            qkv = self.qkv_proj(x)
+            gate = self.g_proj(x) if self.gating is not None else None
+        if gate is not None and self.gating != "per-head":
+            gate = gate.view(x.shape[0], self.num_heads, self.head_dim)
+        return qkv, gate
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``x [T, H]`` (already input-normed) -> ``[T, H]``; writes this forward's K/V."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv, gate = self.project(x)
         positions = ctx.meta.positions
-        q = self.norm_rope(self.q_norm, q.view(t, self.num_heads, self.head_dim), positions)
-        k = self.norm_rope(self.k_norm, k.view(t, self.num_kv_heads, self.head_dim), positions)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
+        rot = self.rotary
+        if self._fused_qk_cache_runs(qkv, ctx):
+            q = qk_norm_rope_cache.qk_norm_rope_cache(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
+                rot.spec.rotary_dim, ctx.meta.slot_mapping, k_cache, v_cache)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.norm_rope(self.q_norm, q.view(t, self.num_heads, self.head_dim), positions)
+            k = self.norm_rope(self.k_norm, k.view(t, self.num_kv_heads, self.head_dim), positions)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale,
-            sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal,
+            sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
         )
-        out = self.apply_gate(out, x)
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
+        # Only where the backend stores K/V the standard way (training backends keep them
+        # instead) and nothing needs gradients.
+        return (
+            self.use_fused_qk_cache
+            and not torch.is_grad_enabled()
+            and type(ctx.backend).write_kv is AttentionBackend.write_kv
+            and qk_norm_rope_cache.is_available(qkv.device)
+        )
 
     def norm_rope(self, norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per-head RMSNorm then RoPE of ``x [T, heads, head_dim]`` (one fused kernel on CUDA)."""
         rot = self.rotary
         return fusion.rms_norm_rope(x, norm.weight, norm.eps, rot.cos, rot.sin, positions,
                                     rot.spec.rotary_dim)
-
-    def apply_gate(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out [T, nh, hd]`` times ``softplus(g_proj(x))`` (fp32 softplus), per head or element."""
-        if self.gating is None:
-            return out
-        gate = self.g_proj(x)
-        gate = gate.unsqueeze(-1) if self.gating == "per-head" else gate.view_as(out)
-        return fusion.softplus_gate(out, gate)
 
 
 class MLP(nn.Module):
@@ -133,8 +171,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fusion.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``, plus ``residual`` when given."""
+        out = self.down_proj(fusion.silu_mul(self.gate_up_proj(x)))
+        return out if residual is None else residual + out
 
 
 class MoE(nn.Module):
@@ -185,38 +225,85 @@ class MoE(nn.Module):
                                 self.norm_topk_prob)
 
     # Expert paths, chosen from shapes only (so a CUDA graph captures one of them):
-    # * GPU, up to ``fused_moe_max_pairs`` (token, expert) pairs: the fused Triton kernels
-    #   (kernels/fused_moe.py: each hit expert's weights read once, no host sync, static grid;
-    #   measured in docs/PERFORMANCE.md). ``use_fused_moe=False`` turns them off.
+    # * GPU, up to ``fused_moe_max_pairs`` (token, expert) pairs: routing in one Triton kernel
+    #   (kernels/moe_routing.py) and the fused expert kernels (kernels/fused_moe.py: each hit
+    #   expert's weights read once, no host sync, static grid; measured in docs/PERFORMANCE.md),
+    #   with the shared expert as one more always-on pair once :meth:`fold_shared_expert` ran.
+    #   ``use_fused_moe=False`` turns them off.
     # * GPU, more pairs, bf16/fp16 on sm90+: one sorted grouped GEMM pair (torch._grouped_mm),
     #   also sync-free, for verify batches and prefill.
     # * otherwise (CPU, fp32, training): the reference loop over the experts hit (one host sync).
     use_fused_moe: bool = True
     fused_moe_max_pairs: int = 256
+    # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
+    gate_up_with_shared: torch.Tensor | None = None
+    down_with_shared: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        if self.training:
-            self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
-        if (
+    def fold_shared_expert(self) -> None:
+        """Inference: stack the shared expert after the routed ones (when its width matches,
+        as in every Laguna) so the fused kernels run it as pair ``E`` with weight 1, instead of
+        three more GEMV/activation kernels. The expert and shared parameters become views of
+        the stacked tensors (no copy kept; call after loading and the last ``.to()``)."""
+        shared = self.shared_expert
+        if (shared is None or shared.intermediate_size != self.intermediate_size
+                or shared.gate_up_proj.bias is not None or self.gate_up_with_shared is not None):
+            return
+        e = self.num_experts
+        gate_up = torch.cat([self.experts_gate_up.detach(), shared.gate_up_proj.weight.detach()[None]])
+        down = torch.cat([self.experts_down.detach(), shared.down_proj.weight.detach()[None]])
+        self.experts_gate_up = nn.Parameter(gate_up[:e], requires_grad=False)
+        self.experts_down = nn.Parameter(down[:e], requires_grad=False)
+        shared.gate_up_proj.weight = nn.Parameter(gate_up[e], requires_grad=False)
+        shared.down_proj.weight = nn.Parameter(down[e], requires_grad=False)
+        self.gate_up_with_shared, self.down_with_shared = gate_up, down
+
+    def _fused_kernels_run(self, x: torch.Tensor) -> bool:
+        num_pairs = x.shape[0] * (self.top_k + (self.gate_up_with_shared is not None))
+        return (
             x.is_cuda
             and self.use_fused_moe
             and not self.training
-            and ids.numel() <= self.fused_moe_max_pairs
+            and not torch.is_grad_enabled()
+            and num_pairs <= self.fused_moe_max_pairs
             and fused_moe.is_available(x.device)
-        ):
-            routed = fused_moe.fused_moe_experts(
-                x, ids, weights, self.experts_gate_up, self.experts_down
-            )
-        elif x.is_cuda and not self.training and grouped_mm_available(x):
+        )
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``, plus ``residual`` when given (added in the same kernel as
+        the fused path's sum over the pairs)."""
+        if self._fused_kernels_run(x):
+            return self.fused_forward(x, residual)
+        weights, ids = self.route(x)
+        if self.training:
+            self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
+        if x.is_cuda and not self.training and grouped_mm_available(x):
             routed = self.experts_forward_grouped(x, weights, ids)
         elif x.is_cuda and ids.numel() <= self.num_experts:
             routed = self.experts_forward_gather(x, weights, ids)
         else:
             routed = self.experts_forward(x, weights, ids)
         if self.shared_expert is None:
-            return routed * self.routed_scaling_factor
-        return fusion.scale_add(routed, self.routed_scaling_factor, self.shared_expert(x))
+            out = routed * self.routed_scaling_factor
+        else:
+            out = fusion.scale_add(routed, self.routed_scaling_factor, self.shared_expert(x))
+        return out if residual is None else residual + out
+
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The GPU small-batch path: router GEMM, one routing kernel (weights already times the
+        routed scaling factor), the two fused expert kernels over all pairs (the shared expert
+        included once folded), one kernel summing the pairs (and the residual)."""
+        folded = self.gate_up_with_shared is not None
+        logits = F.linear(x, self.gate.weight)
+        weights, ids = moe_routing.fused_moe_route(
+            logits, self.e_score_correction_bias, self.top_k, self.logit_softcapping,
+            self.score_func, self.norm_topk_prob, scale=self.routed_scaling_factor,
+            num_shared=int(folded))
+        pairs = fused_moe.fused_moe_experts(
+            x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
+            self.down_with_shared if folded else self.experts_down, reduce=False)
+        if not folded and self.shared_expert is not None:
+            residual = self.shared_expert(x) if residual is None else residual + self.shared_expert(x)
+        return fusion.sum_pairs(pairs, residual)
 
     def experts_forward_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -292,6 +379,17 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     )
 
 
+def fuse_for_inference(model: nn.Module) -> None:
+    """Re-lay a loaded model's weights for the GPU fast path, values unchanged: Q|K|V|gate as
+    one GEMM (:meth:`Attention.fuse_projections`), the shared expert stacked after the routed
+    ones (:meth:`MoE.fold_shared_expert`). Inference only (the new views need no gradient)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.fuse_projections()
+        elif isinstance(module, MoE):
+            module.fold_shared_expert()
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
@@ -305,4 +403,4 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         norm = self.post_attention_layernorm
         h, x = fusion.add_rms_norm(h, self.self_attn(self.input_layernorm(h), ctx), norm.weight, norm.eps)
-        return h + self.mlp(x)
+        return self.mlp(x, residual=h)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine.attention import AttentionBackend, AttentionMetadata
+from ..engine.attention import AttentionBackend, AttentionMetadata, apply_output_gate
 
 
 def dense_metadata(batch: int, seq_len: int, device: torch.device) -> AttentionMetadata:
@@ -39,7 +39,7 @@ class DenseTrainingBackend(AttentionBackend):
         self._kv = (k, v)
 
     def attend(self, q, k_cache, v_cache, meta, *, scale, sliding_window=None, sinks=None,
-               is_causal=None) -> torch.Tensor:
+               is_causal=None, gate=None) -> torch.Tensor:
         if sinks is not None:
             raise NotImplementedError("training with attention sinks is not supported")
         k, v = self._kv
@@ -53,7 +53,7 @@ class DenseTrainingBackend(AttentionBackend):
         else:
             out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask(sliding_window, causal),
                                                  scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * t, *q.shape[1:])
+        return apply_output_gate(out.transpose(1, 2).reshape(b * t, *q.shape[1:]), gate)
 
 
 class BlockTrainingBackend(AttentionBackend):
@@ -103,7 +103,7 @@ class BlockTrainingBackend(AttentionBackend):
         self._kv = (k, v)
 
     def attend(self, q, k_cache, v_cache, meta, *, scale, sliding_window=None, sinks=None,
-               is_causal=None) -> torch.Tensor:
+               is_causal=None, gate=None) -> torch.Tensor:
         k, v = self._kv
         b = self.anchors.shape[0]
         nq = q.shape[0] // b
@@ -116,4 +116,4 @@ class BlockTrainingBackend(AttentionBackend):
         causal = meta.is_causal if is_causal is None else is_causal
         out = F.scaled_dot_product_attention(heads_first(q, nq), kp, vp, scale=scale, enable_gqa=True,
                                              attn_mask=self.mask(sliding_window, causal))
-        return out.transpose(1, 2).reshape(b * nq, *q.shape[1:])
+        return apply_output_gate(out.transpose(1, 2).reshape(b * nq, *q.shape[1:]), gate)

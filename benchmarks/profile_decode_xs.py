@@ -1,0 +1,197 @@
+"""Where a batch-1 Laguna-XS-2.1-size decode step spends its time, on one GPU.
+
+Target only (dummy bf16 weights at the real shapes, a 1k-token context, engine defaults). Prints:
+
+* the engine's decode step (``decode_s / num_decode_steps``), the replay of the step's CUDA graph
+  alone (CUDA events, back to back), and so the host's share of the step;
+* the graph's kernels, from a profile of replays: count and summed time per replay, the gap
+  (replay time minus kernel time), the kernels by name, and the kernel sequence of the first
+  layers in launch order (``--sequence N``);
+* batch-1 GEMV time against the weight bytes for the step's projection shapes (``torch.nn.functional
+  .linear`` at M = 1, weights rotated over copies so they come from HBM, in a CUDA graph);
+* with ``--switch module:attr=value`` (repeatable): the same numbers with the switch set, for A/B
+  comparisons of fast-path options in one run.
+
+    python benchmarks/profile_decode_xs.py --sequence 70
+    python benchmarks/profile_decode_xs.py --switch laguna_dflash.models.fusion:enabled=False
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from bench_gpu_xs import active_bytes, copy_bandwidth, xs_target_config
+
+from laguna_dflash import LLM, SamplingParams
+
+
+def parse_switch(text: str) -> tuple[object, str, object]:
+    target, value = text.split("=", 1)
+    module, attr = target.split(":")
+    obj = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for p in path:
+        obj = getattr(obj, p)
+    return obj, name, json.loads(value.lower() if value in ("True", "False") else value)
+
+
+def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    before = llm.get_metrics()
+    llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    torch.cuda.synchronize()
+    after = llm.get_metrics()
+    steps = after["num_decode_steps"] - before["num_decode_steps"]
+    return 1e3 * (after["decode_s"] - before["decode_s"]) / steps
+
+
+def decode_graph(llm: LLM):
+    graphs = llm.engine.runner.graphs.graphs
+    key = max((k for k in graphs if k[0] == 1 and k[1] == 1), key=lambda k: k[2])
+    return graphs[key].graph
+
+
+def replay_ms(graph, n: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def graph_kernels(graph, n: int = 3) -> list[list[tuple[str, float, float]]]:
+    """Kernels of ``n`` replays: per replay a list of (name, start us, duration us) in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            graph.replay()
+            torch.cuda.synchronize()
+    events = sorted(
+        ((e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+         for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda x: x[1],
+    )
+    if not events:
+        return []
+    # replays are separated by a host sync: split at the largest gaps
+    gaps = sorted(range(1, len(events)), key=lambda i: events[i][1] - events[i - 1][1])[-(n - 1):]
+    bounds = [0, *sorted(gaps), len(events)]
+    return [events[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def gemv_table(device: str, shapes: dict[str, tuple[int, int]], copies: int = 8) -> list[tuple]:
+    rows = []
+    x = torch.randn(1, 1, device=device, dtype=torch.bfloat16)
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(4):
+                for w in ws:
+                    torch.nn.functional.linear(x, w)
+        ms = replay_ms(g, 20) / (4 * copies)
+        rows.append((name, n, k, ms * 1e3, n * k * 2 / (ms * 1e-3) / 1e12))
+        del ws, g
+    return rows
+
+
+def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float) -> None:
+    step = engine_step_ms(llm, prompt, args.new_tokens)
+    graph = decode_graph(llm)
+    replay = replay_ms(graph)
+    replays = graph_kernels(graph)
+    print(f"\n## {label}\n")
+    print("| engine step ms | graph replay ms | host share ms | floor ms | step x floor | replay x floor |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {step:.2f} | {replay:.2f} | {step - replay:.2f} | {floor_ms:.2f} | "
+          f"{step / floor_ms:.2f} | {replay / floor_ms:.2f} |")
+    if not replays:
+        print("\n(no kernels recorded inside the graph replay)")
+        return
+    one = replays[-1]
+    kernel_ms = sum(d for _, _, d in one) / 1e3
+    span_ms = (one[-1][1] + one[-1][2] - one[0][1]) / 1e3
+    print(f"\nkernels per replay {len(one)}, summed kernel time {kernel_ms:.2f} ms, first-to-last span "
+          f"{span_ms:.2f} ms, so {1e3 * (span_ms - kernel_ms) / max(len(one) - 1, 1):.2f} us between kernels")
+    by_name, count = Counter(), Counter()
+    for name, _, d in one:
+        by_name[name[:80]] += d
+        count[name[:80]] += 1
+    print("\n| kernel | per replay | us per replay | share |\n|---|---:|---:|---:|")
+    for name, us in by_name.most_common(args.top):
+        print(f"| `{name}` | {count[name]} | {us:.0f} | {us / 10 / kernel_ms:.1f}% |")
+    if args.sequence:
+        print("\n| # | kernel (launch order) | us | gap before us |\n|---:|---|---:|---:|")
+        for i, (name, start, d) in enumerate(one[: args.sequence]):
+            gap = start - (one[i - 1][1] + one[i - 1][2]) if i else 0.0
+            print(f"| {i} | `{name[:90]}` | {d:.1f} | {gap:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--sequence", type=int, default=0, help="print the first N kernels in order")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="module:attr=value[;module:attr=value] to compare against the defaults "
+                         "(repeatable)")
+    ap.add_argument("--gemv", action="store_true", help="also time M=1 GEMVs of the step's shapes")
+    args = ap.parse_args()
+    bw = copy_bandwidth("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(xs_target_config(args.layers)))
+        t0 = time.perf_counter()
+        llm = LLM(tmp, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
+                  max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2)
+        load_s = time.perf_counter() - t0
+        prompt = torch.randint(100, 100000, (args.context,),
+                               generator=torch.Generator().manual_seed(0)).tolist()
+        floor_ms = 1e3 * active_bytes(llm.engine.target, args.context) / bw
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
+              f"context {args.context}, load {load_s:.0f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
+        report("defaults", llm, prompt, args, floor_ms)
+        for text in args.switch:
+            saved = []
+            for part in text.split(";"):
+                obj, name, value = parse_switch(part)
+                saved.append((obj, name, getattr(obj, name)))
+                setattr(obj, name, value)
+            llm.engine.runner.graphs.graphs.clear()
+            try:
+                report(text, llm, prompt, args, floor_ms)
+            except Exception as e:  # noqa: BLE001 - a broken switch must not lose the other rows
+                print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
+            for obj, name, value in reversed(saved):
+                setattr(obj, name, value)
+            llm.engine.runner.graphs.graphs.clear()
+    if args.gemv:
+        h = 2048
+        shapes = {"qkv (64 heads)": (8192 + 2048, h), "qkv+gate (64 heads)": (8192 + 2048 + 64, h),
+                  "o (64 heads)": (h, 8192), "router": (256, h), "shared gate_up": (1024, h),
+                  "shared down": (h, 512), "dense gate_up": (16384, h), "lm_head": (100352, h)}
+        print("\n| GEMV M=1 | N | K | us | TB/s of weights |\n|---|---:|---:|---:|---:|")
+        for name, n, k, us, tbs in gemv_table("cuda", shapes):
+            print(f"| {name} | {n} | {k} | {us:.1f} | {tbs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The GPU fast path at the layer level: weight re-layout and the fused kernels inside the layers.
+
+* ``fuse_for_inference`` (the engine runs it on CUDA) keeps every parameter's values: Q|K|V|gate
+  become one GEMM weight whose row views are the old parameters, the shared expert is stacked
+  after the routed experts; CPU outputs stay the same.
+* Under Triton's CPU interpreter (ONE child process, the variable must not reach other tests):
+  ``MoE.fused_forward`` (routing kernel, fused experts with the folded shared expert, the pairs'
+  sum with the residual) equals the torch path, folded or not; ``Attention.forward`` with the
+  fused Q/K norm + RoPE + cache-write kernel and the gate in the attention store equals the eager
+  chain (output and cache contents).
+* On CUDA: the same comparisons at Laguna-XS-2.1 widths.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from laguna_dflash.engine.attention import TorchSDPABackend
+from laguna_dflash.engine.runner import ForwardItem, build_metadata
+from laguna_dflash.engine.triton_attention import TritonPagedBackend
+from laguna_dflash.kernels.availability import triton_importable
+from laguna_dflash.models.layers import Attention, ForwardContext, MoE, fuse_for_inference
+from laguna_dflash.models.rope import RopeSpec, RotaryEmbedding
+
+TOL = {"float32": 1e-5, "bfloat16": 3e-2}
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _moe(hidden: int, e: int, k: int, inter: int, shared: int, dtype: torch.dtype, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(hidden, e, k, inter, shared, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, hidden**-0.5)
+        moe.e_score_correction_bias.uniform_(-0.1, 0.1)
+    return moe.to(dtype).eval()
+
+
+def _attention(hidden: int, heads: int, kv_heads: int, head_dim: int, rot: float, window: int | None,
+               gating: str | None, dtype: torch.dtype, seed: int = 0) -> Attention:
+    torch.manual_seed(seed)
+    rotary = RotaryEmbedding(RopeSpec(head_dim=head_dim, theta=10000.0, partial_rotary_factor=rot))
+    rotary.ensure(512)
+    attn = Attention(hidden, heads, kv_heads, head_dim, rotary, cache_index=0, sliding_window=window,
+                     gating=gating)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, hidden**-0.5)
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    return attn.to(dtype).eval()
+
+
+def _context(specs: list[tuple[int, int]], kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: str, seed: int = 0) -> ForwardContext:
+    """Random caches and metadata for requests ``(context_len, new_tokens)`` (block size 16)."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-(c + n) // 16) for c, n in specs)
+    perm = torch.randperm(need + 2, generator=g).tolist()
+    items = [ForwardItem(n, c, c + n, [perm.pop() for _ in range(-(-(c + n) // 16))]) for c, n in specs]
+    num_slots = (need + 3) * 16
+    meta = build_metadata(items, 16, num_slots - 16, torch.device(device))
+    caches = [(torch.randn(num_slots, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype),
+               torch.randn(num_slots, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype))]
+    return ForwardContext(meta=meta, kv_caches=caches, backend=TorchSDPABackend())
+
+
+# ----------------------------------------------------------------------------- re-layout (CPU)
+
+
+def test_fold_shared_expert_keeps_values_and_outputs() -> None:
+    moe = _moe(32, 8, 2, 16, 16, torch.float32)
+    before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+    x, residual = torch.randn(5, 32), torch.randn(5, 32)
+    with torch.no_grad():
+        want = moe(x, residual)
+        fuse_for_inference(moe)
+        got = moe(x, residual)
+    assert torch.equal(got, want)
+    assert {n: p for n, p in moe.named_parameters()}.keys() == before.keys()
+    for n, p in moe.named_parameters():
+        assert torch.equal(p, before[n]), n
+    stacked = moe.gate_up_with_shared
+    assert stacked.shape == (9, 32, 32)
+    assert moe.experts_gate_up.data_ptr() == stacked.data_ptr()  # views, no second copy
+    assert moe.shared_expert.gate_up_proj.weight.data_ptr() == stacked[8].data_ptr()
+    assert moe.shared_expert.down_proj.weight.data_ptr() == moe.down_with_shared[8].data_ptr()
+
+
+def test_fold_needs_a_shared_expert_of_the_expert_width() -> None:
+    moe = _moe(32, 8, 2, 16, 24, torch.float32)
+    fuse_for_inference(moe)
+    assert moe.gate_up_with_shared is None
+    moe = _moe(32, 8, 2, 16, 0, torch.float32)
+    fuse_for_inference(moe)
+    assert moe.gate_up_with_shared is None
+
+
+@pytest.mark.parametrize("gating", ["per-head", "per-element"])
+def test_fuse_projections_keeps_values_and_outputs(gating: str) -> None:
+    attn = _attention(64, 4, 2, 16, 1.0, None, gating, torch.float32)
+    before = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    x = torch.randn(6, 64)
+    ctx = _context([(3, 2), (20, 4)], 2, 16, torch.float32, "cpu")
+    caches = [c.clone() for c in ctx.kv_caches[0]]
+    with torch.no_grad():
+        want = attn(x, ctx)
+        want_caches = [c.clone() for c in ctx.kv_caches[0]]
+        ctx.kv_caches[0] = tuple(c.clone() for c in caches)
+        fuse_for_inference(attn)
+        got = attn(x, ctx)
+    assert attn.qkvg_weight is not None
+    assert attn.qkv_proj.weight.data_ptr() == attn.qkvg_weight.data_ptr()
+    for n, p in attn.named_parameters():
+        assert torch.equal(p, before[n]), n
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for c, w in zip(ctx.kv_caches[0], want_caches):
+        torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-6)
+
+
+def test_ungated_attention_is_not_refused() -> None:
+    attn = _attention(64, 4, 2, 16, 1.0, None, None, torch.float32)
+    fuse_for_inference(attn)
+    assert attn.qkvg_weight is None
+
+
+# ----------------------------------------------------------------------------- kernels in the layers
+
+
+def _moe_cases(device: str) -> dict[str, float]:
+    """Relative error of ``MoE.fused_forward`` against the torch path (an fp32 copy) per case."""
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for fold in (False, True):
+            for t in (1, 3):
+                moe = _moe(48, 16, 4, 24, 24, dtype, seed=t).to(device)
+                ref = copy.deepcopy(moe).float()
+                ref.use_fused_moe = False
+                x = torch.randn(t, 48, dtype=dtype, device=device)
+                residual = torch.randn(t, 48, dtype=dtype, device=device)
+                with torch.no_grad():
+                    want = ref(x.float(), residual.float())
+                    if fold:
+                        fuse_for_inference(moe)
+                    got = moe.fused_forward(x, residual)
+                errors[f"moe-{dtype}-fold{fold}-T{t}"] = _rel_err(got, want)
+    return errors
+
+
+def _attention_cases(device: str) -> dict[str, float]:
+    """Relative error of ``Attention.forward`` with the fused Q/K/cache kernel and fused gate
+    against the eager chain, for the output and the written cache rows."""
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for rot, window, gating in ((1.0, None, "per-head"), (0.5, 16, "per-head"), (1.0, None, "per-element")):
+            attn = _attention(64, 8, 2, 32, rot, window, gating, dtype, seed=int(rot * 10)).to(device)
+            attn.rotary.to(device)
+            x = torch.randn(6, 64, dtype=dtype, device=device)
+            ctx = _context([(3, 2), (40, 4)], 2, 32, dtype, device)
+            caches = [c.clone() for c in ctx.kv_caches[0]]
+            name = f"attn-{dtype}-rot{rot}-w{window}-{gating}"
+            with torch.no_grad():
+                attn.use_fused_qk_cache = False
+                want = attn(x, ctx)
+                want_caches = [c.clone() for c in ctx.kv_caches[0]]
+                ctx.kv_caches[0] = tuple(c.clone() for c in caches)
+                attn.use_fused_qk_cache = True
+                fuse_for_inference(attn)
+                ctx.backend = TritonPagedBackend()
+                got = attn(x, ctx)
+            errors[name] = _rel_err(got, want)
+            slots = ctx.meta.slot_mapping
+            errors[name + "-cache"] = max(_rel_err(c[slots], w[slots]) for c, w in zip(ctx.kv_caches[0], want_caches))
+            untouched = torch.ones(caches[0].shape[0], dtype=torch.bool, device=device)
+            untouched[slots] = False
+            errors[name + "-untouched"] = float(not all(
+                torch.equal(c[untouched], w[untouched]) for c, w in zip(ctx.kv_caches[0], want_caches)))
+    return errors
+
+
+def _case_tol(name: str) -> float:
+    if name.endswith("-untouched"):
+        return 0.0
+    return TOL["bfloat16" if "bfloat16" in name else "float32"] * (3 if name.startswith("moe") else 1)
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors() -> dict[str, float]:
+    if not triton_importable():
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interpreter-cases"],
+        env=env, capture_output=True, text=True, timeout=600,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
+    assert len(interpreter_errors) == 8 + 18
+    bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
+    assert not bad, bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layers_on_cuda_match_eager() -> None:
+    errors = {**_moe_cases("cuda"), **_attention_cases("cuda")}
+    bad = {n: e for n, e in errors.items() if not e <= _case_tol(n)}
+    assert not bad, bad
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-cases"]:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    print(json.dumps({**_moe_cases("cpu"), **_attention_cases("cpu")}))

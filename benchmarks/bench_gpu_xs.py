@@ -149,7 +149,7 @@ def set_graphs(llm: LLM, saved: list | None) -> list:
         r.graphs = g
     for g in current + (saved or []):
         if g is not None:
-            g.graphs.clear()
+            g.reset()
     return current
 
 
@@ -167,7 +167,7 @@ def time_variants(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, flo
         fusion.enabled, MoE.use_fused_moe = fuse, fused_moe
         for r in graph_runners(llm):
             if r.graphs is not None:
-                r.graphs.graphs.clear()
+                r.graphs.reset()
         engine.backend = engine.runner.backend = get_attention_backend(backend)
         name = (f"{mode}, {'fused' if fuse else 'unfused'} elementwise, {backend} attention, "
                 f"{'fused Triton' if fused_moe else 'grouped_mm'} MoE")
@@ -178,7 +178,7 @@ def time_variants(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, flo
     fusion.enabled, MoE.use_fused_moe = True, True
     for r in graph_runners(llm):
         if r.graphs is not None:
-            r.graphs.graphs.clear()
+            r.graphs.reset()
     return out
 
 

@@ -175,14 +175,14 @@ def main() -> None:
                 obj, name, value = parse_switch(part)
                 saved.append((obj, name, getattr(obj, name)))
                 setattr(obj, name, value)
-            llm.engine.runner.graphs.graphs.clear()
+            llm.engine.runner.graphs.reset()
             try:
                 report(text, llm, prompt, args, floor_ms)
             except Exception as e:  # noqa: BLE001 - a broken switch must not lose the other rows
                 print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
             for obj, name, value in reversed(saved):
                 setattr(obj, name, value)
-            llm.engine.runner.graphs.graphs.clear()
+            llm.engine.runner.graphs.reset()
     if args.gemv:
         h = 2048
         shapes = {"qkv (64 heads)": (8192 + 2048, h), "qkv+gate (64 heads)": (8192 + 2048 + 64, h),

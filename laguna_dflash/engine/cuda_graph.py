@@ -70,11 +70,27 @@ class CUDAGraphRunner:
         self.scratch_block = kv_cache.scratch_slot // bs
         self.max_keys = self.key_bucket(max_model_len + max_tokens_per_request)
         max_r, max_q = self.batch_sizes[-1], max_tokens_per_request
-        self.input_ids = torch.zeros(max_r * max_q, dtype=torch.long, device=device)
-        self.start_pos = torch.zeros(max_r, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(max_r, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_r, self.max_keys // bs, dtype=torch.long, device=device)
+        # Request state, one row per request: [start_pos, seq_len, block table (max_blocks),
+        # token ids (max_q)]. Filled on the host in a reused (pinned on CUDA) buffer and shipped
+        # with ONE copy per forward; the views below are what the captured forwards read.
+        self.max_blocks = self.max_keys // bs
+        self.ids_offset = 2 + self.max_blocks
+        width = self.ids_offset + max_q
+        pin = device.type == "cuda"
+        self.host_state = torch.zeros(max_r, width, dtype=torch.long, pin_memory=pin)
+        self.host_rows = self.host_state.numpy()
+        self.copied = torch.cuda.Event() if pin else None  # the last copy out of host_state
+        self.state = torch.zeros(max_r, width, dtype=torch.long, device=device)
+        self.start_pos = self.state[:, 0]
+        self.seq_lens = self.state[:, 1]
+        self.block_tables = self.state[:, 2 : self.ids_offset]
         self.graphs: dict[tuple, _Captured] = {}
+        self.pool = None
+
+    def reset(self) -> None:
+        """Drop every captured graph and their memory pool (the next forward recaptures, e.g.
+        after a fast-path switch changed what a forward launches)."""
+        self.graphs.clear()
         self.pool = None
 
     def key_bucket(self, num_keys: int) -> int:
@@ -119,7 +135,8 @@ class CUDAGraphRunner:
                    tap_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = self._metadata(r, q, num_keys, is_causal)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
-        return self.model(self.input_ids[: r * q], ctx, tap_layer_ids)
+        input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
+        return self.model(input_ids, ctx, tap_layer_ids)
 
     def _capture(self, r: int, q: int, num_keys: int, is_causal: bool,
                  tap_layer_ids: tuple[int, ...]) -> _Captured:
@@ -147,25 +164,22 @@ class CUDAGraphRunner:
         num_keys = self.key_bucket(max(it.seq_len for it in items))
         nb = num_keys // self.block_size
         # Request state on the host, padded: padding requests sit at positions 0..q-1 of the
-        # scratch block.
-        state = torch.zeros(2, r_pad, dtype=torch.long)
-        state[1, r:] = q
-        state[0, :r] = torch.tensor([it.start_pos for it in items])
-        state[1, :r] = torch.tensor([it.seq_len for it in items])
-        tables = torch.full((r_pad, nb), self.scratch_block, dtype=torch.long)
+        # scratch block, with token id 0.
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous forward's copy has left the buffer
+        rows = self.host_rows
+        rows[:r_pad, : self.ids_offset + q] = 0
+        rows[r:r_pad, 1] = q
+        rows[:r_pad, 2 : 2 + nb] = self.scratch_block
+        ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
         for i, it in enumerate(items):
             n = min(len(it.block_table), nb)
-            tables[i, :n] = torch.tensor(it.block_table[:n], dtype=torch.long)
-        if self.device.type == "cuda":
-            state, tables = state.pin_memory(), tables.pin_memory()
-        self.start_pos[:r_pad].copy_(state[0], non_blocking=True)
-        self.seq_lens[:r_pad].copy_(state[1], non_blocking=True)
-        self.block_tables[:r_pad, :nb].copy_(tables, non_blocking=True)
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if ids.device.type == "cpu" and self.device.type == "cuda":
-            ids = ids.pin_memory()
-        self.input_ids[: r * q].copy_(ids, non_blocking=True)
-        self.input_ids[r * q : r_pad * q].zero_()
+            rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
+            rows[i, 2 : 2 + n] = it.block_table[:n]
+            rows[i, self.ids_offset : self.ids_offset + q] = ids[i * q : (i + 1) * q]
+        self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
             hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
             return hidden[: r * q], taps[: r * q] if taps is not None else None

@@ -173,6 +173,17 @@ def test_cuda_output_gate(splits, dtype):
 
 
 @interpreted
+def test_interpreted_strided_seq_lens():
+    """Metadata columns of a wider state buffer (as the CUDA-graph runner holds them) give the
+    same result as contiguous ones."""
+    q, kc, vc, meta, _ = make_case([(5, 1), (150, 1), (40, 1)], 2, 64, torch.float32, True)
+    state = torch.stack([meta.seq_lens, torch.zeros_like(meta.seq_lens)], dim=1)
+    meta.seq_lens = state[:, 0]
+    assert not meta.seq_lens.is_contiguous()
+    compare(q, kc, vc, meta, num_splits=2, block_n=16)
+
+
+@interpreted
 def test_interpreted_causality_override_and_group_padding():
     """The per-layer ``is_causal`` override beats ``meta.is_causal`` both ways; a GQA group of 3
     (rows not a power of two) and head_dim 80 (padded to a 128-wide tile)."""

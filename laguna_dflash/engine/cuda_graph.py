@@ -122,7 +122,7 @@ class CUDAGraphRunner:
         slots = tables.gather(1, q_pos // bs) * bs + q_pos % bs
         j = torch.arange(num_keys, device=self.device)
         key_slots = tables[:, j // bs] * bs + j % bs  # [R, L]
-        seq_lens = self.seq_lens[:r]
+        seq_lens = self.seq_lens[:r].contiguous()  # a column of the state: strided
         key_slots = torch.where(j < seq_lens[:, None], key_slots, self.kv_cache.scratch_slot)
         flat = torch.arange(r * q, device=self.device)
         return AttentionMetadata(

@@ -408,7 +408,8 @@ def paged_attention(
         query_index: ``[R, Qmax]`` int32/int64, flat token of each padded query.
         query_positions: ``[R, Qmax]`` int32/int64, absolute position (``< 0``: padding).
         key_slots: ``[R, Lmax]`` int32/int64, cache slot of key position ``j``.
-        seq_lens: ``[R]`` int32/int64, visible keys per request (``<= Lmax``).
+        seq_lens: ``[R]`` int32/int64, visible keys per request (``<= Lmax``); any stride
+            (copied when not contiguous).
         scale: logit scale (``head_dim ** -0.5`` usually).
         causal: ``j <= p`` (targets) or not (the DFlash block: all ``j < seq_len``).
         sliding_window: ``W``: ``p - W < j`` (and ``j < p + W`` when not causal), or ``None``.
@@ -425,6 +426,7 @@ def paged_attention(
         ``R, Qmax, Lmax``, the head counts and dims (CUDA-graph capturable, no host sync).
     """
     _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks)
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[r] at offset r (no stride)
     t, num_heads, head_dim = q.shape
     if gate is not None and (gate.shape != (t, num_heads) or gate.device != q.device):
         raise ValueError(f"gate must be [T, num_heads] = [{t}, {num_heads}] on {q.device}, got "

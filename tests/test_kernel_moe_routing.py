@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter_child import run_interpreted_child
 
 from laguna_dflash.kernels import moe_routing
 from laguna_dflash.kernels.moe_routing import fused_moe_route
@@ -69,14 +68,7 @@ def _assert_matches_reference(logits, bias, top_k, softcap, score_func, norm) ->
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
 def test_kernel_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", __file__],
-        env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__),
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert "passed" in summary and "skipped" not in summary, summary
+    run_interpreted_child(__file__)
 
 
 # (E, top_k, T, softcap, norm_topk_prob): Laguna's shape with every flag combination, the others

@@ -34,13 +34,13 @@ launch, a program per (row, layer) holding that row's ``[kv_heads, head_dim]`` t
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from .availability import interpret_mode, triton_can_run
+from .jit import DTYPE_CODE, _round_to, jit_functions
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -119,21 +119,6 @@ def context_kv_reference(
 # included at ``import triton``: set the variable before the process imports triton.
 
 
-def _round_to(x, DTYPE: tl.constexpr):
-    # fp32 x -> the nearest value of dtype code DTYPE (0 fp32, 1 bf16, 2 fp16; see _DTYPE_CODE),
-    # round to nearest even, kept in fp32. bf16 rounding is done
-    # on the bits (add 0x7fff plus the lowest kept bit, drop the low 16 bits): that is torch's cast,
-    # and it is also exact in Triton's CPU interpreter, whose fp32 -> bf16 casts truncate.
-    if DTYPE == 1:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif DTYPE == 2:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
-
-
 def _context_kv_kernel(
     k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
     k_caches, v_caches,  # tuples of NUM_LAYERS cache tensors (separate allocations)
@@ -199,26 +184,16 @@ def _context_kv_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    import triton
-    import triton.language as tl
-
-    namespace = {"__name__": __name__, "__builtins__": __builtins__, "tl": tl, "triton": triton}
-    for fn in (_round_to, _context_kv_kernel):
-        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
-        copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
-        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
-        namespace[fn.__name__] = triton.jit(copy)
+    namespace = jit_functions(__name__, (_round_to, _context_kv_kernel))
     return namespace["_context_kv_kernel"]
 
 
-# dtype codes of the kernel's constexpr dtype arguments (triton 3.6 does not specialise on dtypes)
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    if dtype not in _DTYPE_CODE:
+    if dtype not in DTYPE_CODE:
         raise TypeError(f"fused_context_kv_ supports float32, bfloat16 and float16, got {dtype}")
-    return _DTYPE_CODE[dtype]
+    return DTYPE_CODE[dtype]
 
 
 def _check(k, v, k_norm_weight, cos, sin, positions, slots, kv_caches) -> None:

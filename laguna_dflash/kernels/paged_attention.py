@@ -61,12 +61,12 @@ same result up to accumulation order).
 from __future__ import annotations
 
 import functools
-import types
 from typing import TYPE_CHECKING
 
 import torch
 
 from .availability import interpret_mode, triton_can_run
+from .jit import jit_functions
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -297,15 +297,7 @@ def _kernels(interpret: bool):
     """(attention kernel, merge kernel) for one mode (``interpret`` is the cache key; triton reads
     the environment)."""
     del interpret
-    import triton
-    import triton.language as tl
-
-    namespace = {"__name__": __name__, "__builtins__": __builtins__, "tl": tl, "triton": triton}
-    for fn in (_mma, _softplus_rounded, _attend_tile, _paged_attention_kernel, _merge_splits_kernel):
-        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
-        copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
-        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
-        namespace[fn.__name__] = triton.jit(copy)
+    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _attend_tile, _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 
 

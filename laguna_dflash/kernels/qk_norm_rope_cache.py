@@ -39,12 +39,12 @@ on shapes and no value is read back on the host, so the call is CUDA-graph captu
 from __future__ import annotations
 
 import functools
-import types
 from typing import TYPE_CHECKING
 
 import torch
 
 from .availability import interpret_mode, triton_can_run
+from .jit import DTYPE_CODE, _round_to, jit_functions
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -65,21 +65,6 @@ def is_available(device: torch.device | str) -> bool:
 # dict both compiled and in the CPU interpreter. Triton picks the interpreter from
 # ``TRITON_INTERPRET`` when it decorates (and at ``import triton``), so the variable must be set
 # before the process imports triton.
-
-
-def _round_to(x, DTYPE: tl.constexpr):
-    # fp32 x -> the nearest value of dtype code DTYPE (0 fp32, 1 bf16, 2 fp16; see _DTYPE_CODE),
-    # round to nearest even, kept in fp32. bf16 is rounded on the bits (add 0x7fff plus the lowest
-    # kept bit, drop the low 16 bits): torch's cast, and exact also in Triton 3.6's CPU
-    # interpreter, whose fp32 -> bf16 casts truncate.
-    if DTYPE == 1:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif DTYPE == 2:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
 
 
 def _norm_rope_row(
@@ -151,20 +136,10 @@ def _qk_norm_rope_cache_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    import triton
-    import triton.language as tl
-
-    namespace = {"__name__": __name__, "__builtins__": __builtins__, "tl": tl, "triton": triton}
-    for fn in (_round_to, _norm_rope_row, _qk_norm_rope_cache_kernel):
-        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
-        copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
-        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
-        namespace[fn.__name__] = triton.jit(copy)
+    namespace = jit_functions(__name__, (_round_to, _norm_rope_row, _qk_norm_rope_cache_kernel))
     return namespace["_qk_norm_rope_cache_kernel"]
 
 
-# dtype codes of the kernel's constexpr dtype arguments (see _round_to)
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _check(
@@ -178,7 +153,7 @@ def _check(
                         ("head_dim", head_dim)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if qkv.dtype not in _DTYPE_CODE:
+    if qkv.dtype not in DTYPE_CODE:
         raise ValueError(f"qkv must be float32, bfloat16 or float16, got {qkv.dtype}")
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] < width:
@@ -206,7 +181,7 @@ def _check(
         if cache.dim() != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [num_slots, num_kv_heads={num_kv_heads}, "
                              f"head_dim={head_dim}], got {tuple(cache.shape)}")
-        if cache.dtype not in _DTYPE_CODE:
+        if cache.dtype not in DTYPE_CODE:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {cache.dtype}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}")
@@ -277,7 +252,7 @@ def qk_norm_rope_cache(
         *k_cache.stride(), *v_cache.stride(),
         float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rot,
-        BLOCK_D=block_d, DTYPE=_DTYPE_CODE[qkv.dtype], CACHE_DTYPE=_DTYPE_CODE[k_cache.dtype],
+        BLOCK_D=block_d, DTYPE=DTYPE_CODE[qkv.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype],
         num_warps=max(1, min(4, block_d // 128)),
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
     )

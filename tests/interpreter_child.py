@@ -1,0 +1,24 @@
+"""Run a test file's ``-k interpreted`` tests in a child pytest under Triton's CPU interpreter.
+
+Triton's interpreter needs ``TRITON_INTERPRET=1`` before triton is imported (its standard-library
+functions such as ``tl.sum`` are decorated at import, and the package imports triton early), so
+the interpreted tests run in ONE child process with the variable set; in the parent they skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_interpreted_child(test_file: str, timeout: int = 300) -> None:
+    """Every ``interpreted`` test of ``test_file`` passes in the child, and none is skipped."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", test_file],
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(test_file),
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary, summary

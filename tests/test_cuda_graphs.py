@@ -98,6 +98,33 @@ def test_padded_runner_matches_unpadded_on_cpu(pair, use_draft):
         assert got == want, f"batch {batch_size}"
 
 
+def _drafter_caches(llm: LLM) -> list[torch.Tensor]:
+    """Every drafter cache tensor without the scratch block (padding rows write there)."""
+    kv = llm.engine.proposer.kv_cache
+    return [c[: kv.scratch_slot] for layer in kv.layers for c in layer]
+
+
+def test_padded_context_precompute_matches_eager_on_cpu(pair):
+    """The drafter's decode-step context K/V through ContextGraphRunner's padded layout (run
+    eagerly on CPU, what CUDA replays) equals the eager per-step precompute, and the padded path
+    is really taken (prefill contexts stay eager)."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
+    plain, padded = LLM(target, **kw), LLM(target, **kw)
+    padded.engine.attach_graph_runners()
+    runner = padded.engine.proposer.context_graphs
+    calls = []
+    original = runner.run
+    runner.run = lambda pending, slots_of: (calls.append(len(pending)), original(pending, slots_of))
+    prompts = _prompts(3, seed=7)
+    plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    padded.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert calls and max(calls) == 3, calls
+    for got, want in zip(_drafter_caches(padded), _drafter_caches(plain)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @needs_cuda
 @pytest.mark.parametrize("use_draft", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -115,6 +142,25 @@ def test_graphs_match_eager_on_cuda(pair, use_draft, dtype):
         got = [o.token_ids for o in graphed.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert got == want, f"batch {batch_size}"
     assert graphed.engine.runner.graphs.graphs, "no graph was captured"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype):
+    """The replayed drafter-context graph writes the eager engine's drafter caches."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, max_num_seqs=8, dtype=dtype)
+    eager = LLM(target, device="cuda", enforce_eager=True, **kw)
+    graphed = LLM(target, device="cuda", **kw)
+    prompts = _prompts(5, seed=11)
+    eager.generate(prompt_token_ids=prompts, sampling_params=params)
+    graphed.generate(prompt_token_ids=prompts, sampling_params=params)
+    runner = graphed.engine.proposer.context_graphs
+    assert runner.graphs and not runner.is_broken
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    for got, want in zip(_drafter_caches(graphed), _drafter_caches(eager)):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @needs_cuda

@@ -10,20 +10,24 @@ captured for the key ``(R_pad, q, L_pad, is_causal, taps)``:
 * ``L_pad``: the key length, a power of two ``>= max(seq_len)`` (at least 256, a multiple of the
   KV block size), so the key axis of the attention metadata is static while wasting at most 2x.
 
-Everything the forward reads lives in persistent device buffers (token ids, first position,
-visible length and block table per request); the attention metadata (positions, slot mapping,
-key slots, query index) is recomputed from them *inside* the graph, so a replay needs only three
-small host-to-device copies of request state and no device-to-host read. Graphs are captured
+Everything the forward reads lives in one persistent device buffer, a row per request (first
+position, visible length, block table, token ids), filled in a reused pinned host buffer and
+shipped with ONE copy; the attention metadata (positions, slot mapping, key slots, query index)
+is recomputed from it *inside* the graph, so a replay needs no device-to-host read. Its columns
+are strided views: kernels must honour their strides (or get contiguous copies). Graphs are captured
 lazily, the first time a key is seen, after two eager warm-up runs on a side stream (Triton
 compiles there); all graphs share one memory pool. Outputs are copied out of the graph's static
-tensors before the next replay can overwrite them. Prefill and the drafter's context K/V
-precompute stay eager (their token counts vary).
+tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary);
+the drafter's context K/V precompute of a decode step replays from its own graphs
+(engine/context_graph.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +37,8 @@ from .kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MIN_KEY_BUCKET = 256
 
 
@@ -41,6 +47,23 @@ def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     (so padding wastes at most 7 requests above 8, at most half below)."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return tuple(sorted(set(sizes + [max_num_seqs])))
+
+
+def capture_graph(fn: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T, object]:
+    """Capture ``fn`` in a CUDA graph in memory pool ``pool`` (``None``: a new one) after two
+    eager warm-up runs on a side stream (Triton and torch.compile build there, cuBLAS picks its
+    kernels). Returns (graph, ``fn``'s static outputs, the pool to share with later captures).
+    The warm-ups compute what the replay will, so their writes (K/V) must be idempotent."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out, graph.pool()
 
 
 @dataclass
@@ -140,18 +163,8 @@ class CUDAGraphRunner:
 
     def _capture(self, r: int, q: int, num_keys: int, is_causal: bool,
                  tap_layer_ids: tuple[int, ...]) -> _Captured:
-        # Warm-up runs (Triton compiles, cuBLAS picks its kernels) compute the same forward the
-        # replay will, so their K/V writes are idempotent.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run_model(r, q, num_keys, is_causal, tap_layer_ids)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, taps = self._run_model(r, q, num_keys, is_causal, tap_layer_ids)
-        self.pool = graph.pool()
+        graph, (hidden, taps), self.pool = capture_graph(
+            lambda: self._run_model(r, q, num_keys, is_causal, tap_layer_ids), self.device, self.pool)
         logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys", r, q, num_keys)
         return _Captured(graph, hidden, taps)
 

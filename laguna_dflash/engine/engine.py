@@ -15,6 +15,7 @@ from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from .adaptive_k import AdaptiveK
 from .attention import get_attention_backend, resolve_backend_name
+from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner
 from .kv_cache import BlockAllocator, KVCache
 from .runner import ForwardItem, ModelRunner
@@ -129,11 +130,17 @@ class LLMEngine:
 
     def attach_graph_runners(self) -> None:
         """Route the target's and the drafter's decode-phase forwards through a
-        :class:`CUDAGraphRunner` (on CPU it runs the same padded forward eagerly: tests)."""
+        :class:`CUDAGraphRunner`, and the drafter's decode-step context precompute through a
+        :class:`ContextGraphRunner` (on CPU both run the same padded forwards eagerly: tests)."""
         for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
             runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
                                             self.config.max_num_seqs, self.max_model_len,
                                             self.num_speculative_tokens + 1)
+        if self.proposer is not None:
+            taps = len(self.drafter.target_layer_ids) * self.target.spec.hidden_size
+            self.proposer.context_graphs = ContextGraphRunner(
+                self.drafter, self.proposer.kv_cache, self.device, self.config.max_num_seqs,
+                self.num_speculative_tokens + 1, taps, self.dtype)
 
     def _load_drafter(self, config: EngineConfig) -> None:
         sc = config.speculative

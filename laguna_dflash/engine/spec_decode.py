@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .context_graph import ContextGraphRunner
 from .kv_cache import KVCache
 from .runner import ForwardItem, ModelRunner
 from .sequence import Sequence
@@ -84,6 +85,8 @@ class DFlashProposer:
         self.kv_cache = kv_cache
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        # set by the engine with the graph runners (CUDA unless enforce_eager; CPU tests)
+        self.context_graphs: ContextGraphRunner | None = None
 
     def slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         bs = self.kv_cache.block_size
@@ -96,6 +99,11 @@ class DFlashProposer:
         """Write drafter context K/V for every request's pending target taps (all layers at once)."""
         pending = [s for s in seqs if s.pending_context is not None and s.pending_context.shape[0]]
         if not pending:
+            return
+        if self.context_graphs is not None and self.context_graphs.can_run(pending):
+            self.context_graphs.run(pending, self.slots)
+            for s in pending:
+                s.pending_context = None
             return
         device = torch.device(self.runner.device)
         features = torch.cat([s.pending_context for s in pending], dim=0)

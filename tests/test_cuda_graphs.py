@@ -125,6 +125,46 @@ def test_padded_context_precompute_matches_eager_on_cpu(pair):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+class _AlwaysZero:
+    """An adaptive-K policy stub that never drafts."""
+
+    def choose(self, batch_size: int) -> int:
+        return 0
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def test_target_only_steps_keep_the_drafter_context_bounded(pair):
+    """With K = 0 chosen step after step, pending taps are stored every K + 1 rows (not kept
+    growing), the output is the target's, and the stored context equals the eager path's."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
+    base = LLM(target, block_size=4, max_num_seqs=6)
+    plain, padded = LLM(target, **kw), LLM(target, **kw)
+    padded.engine.attach_graph_runners()
+    prompts = _prompts(3, seed=5)
+    want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+    for llm in (plain, padded):
+        engine = llm.engine
+        engine.adaptive_k = _AlwaysZero()
+        seen = []
+        decode = engine._decode
+
+        def watched(seqs, decode=decode, seen=seen):
+            out = decode(seqs)
+            seen.extend(s.pending_context.shape[0] for s in seqs if s.pending_context is not None)
+            return out
+
+        engine._decode = watched
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want
+        assert seen and max(seen) <= BLOCK_SIZE - 1, seen  # stored on reaching K + 1 rows
+    for got, want_cache in zip(_drafter_caches(padded), _drafter_caches(plain)):
+        torch.testing.assert_close(got, want_cache, rtol=1e-5, atol=1e-5)
+
+
 @needs_cuda
 @pytest.mark.parametrize("use_draft", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -296,7 +296,9 @@ class LLMEngine:
     def _decode(self, seqs: list[Sequence]) -> list[int]:
         """One target-only token per request. With a drafter loaded (adaptive K chose 0) the
         taps of the committed token are appended to the pending context, so the drafter's KV
-        stays complete for the next speculative step."""
+        stays complete for the next speculative step; a pending context reaching K + 1 rows is
+        stored right away (the size the context graphs take), so a long run of target-only
+        steps neither grows it without bound nor falls back to the eager precompute."""
         items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
         hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
         logits = self.target.compute_logits(hidden)
@@ -310,6 +312,11 @@ class LLMEngine:
                     s.pending_context = torch.cat([s.pending_context, row])
             s.num_computed = s.num_tokens
             self._commit(s, [tokens[i]], logits[i : i + 1])
+        if taps is not None:
+            full = [s for s in seqs if s.pending_context is not None
+                    and s.pending_context.shape[0] > self.num_speculative_tokens]
+            if full:
+                self.proposer.store_context(full)
         self.timings.num_decode_tokens += len(seqs)
         return []
 

@@ -340,7 +340,7 @@ def main() -> None:
         engine.proposer = proposer
     name = torch.cuda.get_device_name() if not cpu else "cpu"
     print(f"device {name}, torch {torch.__version__}, layers {args.layers}, "
-          f"context {args.context}, dummy load {load_s:.1f}s, attention {engine.backend.name}, "
+          f"context {args.context}, dummy load + warm-up {load_s:.1f}s, attention {engine.backend.name}, "
           f"cuda graphs {engine.runner.graphs is not None}")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s\n")
     print("| batch-1 step | ms | x floor | context precompute ms | drafter block ms | target forward ms |")

@@ -167,7 +167,7 @@ def main() -> None:
                                generator=torch.Generator().manual_seed(0)).tolist()
         floor_ms = 1e3 * active_bytes(llm.engine.target, args.context) / bw
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
-              f"context {args.context}, load {load_s:.0f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
+              f"context {args.context}, load + warm-up {load_s:.0f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
         report("defaults", llm, prompt, args, floor_ms)
         for text in args.switch:
             saved = []

@@ -165,6 +165,29 @@ def test_target_only_steps_keep_the_drafter_context_bounded(pair):
         torch.testing.assert_close(got, want_cache, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_warmup_leaves_no_trace(pair, adaptive):
+    """The warm-up (run at start on CUDA) serves and forgets two requests: counters are zero, every
+    KV block is free again, and the next requests get what a fresh engine gives."""
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6,
+              adaptive_k=adaptive)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    fresh, warmed = LLM(target, **kw), LLM(target, **kw)
+    engine = warmed.engine
+    engine.warmup()
+    metrics = warmed.get_metrics()
+    assert metrics["num_steps"] == metrics["num_prefill_tokens"] == metrics["num_drafts"] == 0
+    assert not engine.has_unfinished
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert (engine.adaptive_k is not None) == adaptive
+    prompts = _prompts(3, seed=2)
+    want = fresh.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = warmed.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert warmed.get_metrics()["num_drafts"] == fresh.get_metrics()["num_drafts"]
+
+
 @needs_cuda
 @pytest.mark.parametrize("use_draft", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

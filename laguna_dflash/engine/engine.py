@@ -125,8 +125,31 @@ class LLMEngine:
             self.max_model_len, num_blocks, config.block_size, f"dflash K={k}" if k else "off",
             self.backend.name, self.runner.graphs is not None,
         )
+        if self.device.type == "cuda":
+            self.warmup()
 
     # ---- setup ---------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Serve two short greedy requests and forget them, so the first real request does not
+        pay the one-time work: ``torch.compile`` of the fused chains (it specialises on the first
+        prompt length and compiles a dynamic version at the second), Triton builds, and the
+        batch-1 CUDA graphs (decode, or verify + drafter block + drafter context). Statistics,
+        timings and the adaptive-K state are reset afterwards; blocks return to the pool."""
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for n in (8, 16):
+            n = max(1, min(n, self.max_model_len - params.max_tokens - self.num_speculative_tokens - 1))
+            self.add_request([0] * n, params)
+            while self.has_unfinished:
+                self.step()
+        k = self.num_speculative_tokens
+        self.timings = EngineTimings()
+        self.spec_stats = SpecDecodingStats(k) if k else None
+        self.adaptive_k = AdaptiveK(k) if self.adaptive_k is not None else None
+        self._sim_carry = 0.0
+        self._ids = itertools.count()
+        logger.info("warm-up done in %.1fs", time.perf_counter() - t0)
 
     def attach_graph_runners(self) -> None:
         """Route the target's and the drafter's decode-phase forwards through a

@@ -129,6 +129,9 @@ class EngineConfig:
     # "auto": the paged Triton kernels on a GPU that runs them, else the torch SDPA reference
     attention_backend: str = "auto"  # | "torch_sdpa" | "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode-phase forwards (vLLM's flag)
+    # Experimental, not yet measured on a GPU: also replay the drafter's decode-step context K/V
+    # precompute from CUDA graphs (engine/context_graph.py); by default it stays eager.
+    graph_context_precompute: bool = False
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -113,6 +113,8 @@ def test_padded_context_precompute_matches_eager_on_cpu(pair):
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
     plain, padded = LLM(target, **kw), LLM(target, **kw)
     padded.engine.attach_graph_runners()
+    assert padded.engine.proposer.context_graphs is None  # opt-in
+    padded.engine.attach_context_graphs()
     runner = padded.engine.proposer.context_graphs
     calls = []
     original = runner.run
@@ -144,6 +146,7 @@ def test_target_only_steps_keep_the_drafter_context_bounded(pair):
     base = LLM(target, block_size=4, max_num_seqs=6)
     plain, padded = LLM(target, **kw), LLM(target, **kw)
     padded.engine.attach_graph_runners()
+    padded.engine.attach_context_graphs()
     prompts = _prompts(3, seed=5)
     want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
     for llm in (plain, padded):
@@ -215,7 +218,7 @@ def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, max_num_seqs=8, dtype=dtype)
     eager = LLM(target, device="cuda", enforce_eager=True, **kw)
-    graphed = LLM(target, device="cuda", **kw)
+    graphed = LLM(target, device="cuda", graph_context_precompute=True, **kw)
     prompts = _prompts(5, seed=11)
     eager.generate(prompt_token_ids=prompts, sampling_params=params)
     graphed.generate(prompt_token_ids=prompts, sampling_params=params)

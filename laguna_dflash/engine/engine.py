@@ -153,17 +153,23 @@ class LLMEngine:
 
     def attach_graph_runners(self) -> None:
         """Route the target's and the drafter's decode-phase forwards through a
-        :class:`CUDAGraphRunner`, and the drafter's decode-step context precompute through a
-        :class:`ContextGraphRunner` (on CPU both run the same padded forwards eagerly: tests)."""
+        :class:`CUDAGraphRunner` (on CPU it runs the same padded forward eagerly: tests), and
+        with ``graph_context_precompute`` the drafter's context precompute too."""
         for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
             runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
                                             self.config.max_num_seqs, self.max_model_len,
                                             self.num_speculative_tokens + 1)
-        if self.proposer is not None:
-            taps = len(self.drafter.target_layer_ids) * self.target.spec.hidden_size
-            self.proposer.context_graphs = ContextGraphRunner(
-                self.drafter, self.proposer.kv_cache, self.device, self.config.max_num_seqs,
-                self.num_speculative_tokens + 1, taps, self.dtype)
+        if self.proposer is not None and self.config.graph_context_precompute:
+            self.attach_context_graphs()
+
+    def attach_context_graphs(self) -> None:
+        """Route the drafter's decode-step context precompute through a
+        :class:`ContextGraphRunner` (``EngineConfig.graph_context_precompute``; on CPU it runs
+        the same padded computation eagerly: tests)."""
+        taps = len(self.drafter.target_layer_ids) * self.target.spec.hidden_size
+        self.proposer.context_graphs = ContextGraphRunner(
+            self.drafter, self.proposer.kv_cache, self.device, self.config.max_num_seqs,
+            self.num_speculative_tokens + 1, taps, self.dtype)
 
     def _load_drafter(self, config: EngineConfig) -> None:
         sc = config.speculative

@@ -78,6 +78,7 @@ class LLMEngine:
             for model in (self.target, self.drafter):
                 if model is not None:
                     fuse_for_inference(model)
+            torch.cuda.empty_cache()  # the replaced tensors' blocks: free for the KV cache sizing
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         self.eos_token_ids = spec.eos_token_ids

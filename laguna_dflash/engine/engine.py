@@ -326,8 +326,8 @@ class LLMEngine:
     def _decode(self, seqs: list[Sequence]) -> list[int]:
         """One target-only token per request. With a drafter loaded (adaptive K chose 0) the
         taps of the committed token are appended to the pending context, so the drafter's KV
-        stays complete for the next speculative step; a pending context reaching K + 1 rows is
-        stored right away (the size the context graphs take), so a long run of target-only
+        stays complete for the next speculative step; a pending context reaching K_max + 1 rows
+        is stored right away (the size the context graphs take), so a long run of target-only
         steps neither grows it without bound nor falls back to the eager precompute."""
         items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
         hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
@@ -343,8 +343,9 @@ class LLMEngine:
             s.num_computed = s.num_tokens
             self._commit(s, [tokens[i]], logits[i : i + 1])
         if taps is not None:
+            max_rows = self.proposer.num_speculative_tokens + 1  # K_max + 1, whatever K is now
             full = [s for s in seqs if s.pending_context is not None
-                    and s.pending_context.shape[0] > self.num_speculative_tokens]
+                    and s.pending_context.shape[0] >= max_rows]
             if full:
                 self.proposer.store_context(full)
         self.timings.num_decode_tokens += len(seqs)

@@ -170,7 +170,7 @@ class LLMEngine:
         taps = len(self.drafter.target_layer_ids) * self.target.spec.hidden_size
         self.proposer.context_graphs = ContextGraphRunner(
             self.drafter, self.proposer.kv_cache, self.device, self.config.max_num_seqs,
-            self.num_speculative_tokens + 1, taps, self.dtype)
+            self.proposer.num_speculative_tokens + 1, taps, self.dtype)  # K_max + 1 rows
 
     def _load_drafter(self, config: EngineConfig) -> None:
         sc = config.speculative

@@ -27,6 +27,7 @@ from laguna_dflash.engine.attention import TorchSDPABackend
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
 from laguna_dflash.engine.triton_attention import TritonPagedBackend
 from laguna_dflash.kernels.availability import triton_importable
+from laguna_dflash.models import fusion
 from laguna_dflash.models.layers import Attention, ForwardContext, MoE, fuse_for_inference
 from laguna_dflash.models.rope import RopeSpec, RotaryEmbedding
 
@@ -82,11 +83,11 @@ def _context(specs: list[tuple[int, int]], kv_heads: int, head_dim: int, dtype: 
 def test_fold_shared_expert_keeps_values_and_outputs() -> None:
     moe = _moe(32, 8, 2, 16, 16, torch.float32)
     before = {n: p.detach().clone() for n, p in moe.named_parameters()}
-    x, residual = torch.randn(5, 32), torch.randn(5, 32)
+    x = torch.randn(5, 32)
     with torch.no_grad():
-        want = moe(x, residual)
+        want = moe(x)
         fuse_for_inference(moe)
-        got = moe(x, residual)
+        got = moe(x, keep_pairs=True)  # CPU: the reference path, summed
     assert torch.equal(got, want)
     assert {n: p for n, p in moe.named_parameters()}.keys() == before.keys()
     for n, p in moe.named_parameters():
@@ -150,11 +151,15 @@ def _moe_cases(device: str) -> dict[str, float]:
                 x = torch.randn(t, 48, dtype=dtype, device=device)
                 residual = torch.randn(t, 48, dtype=dtype, device=device)
                 with torch.no_grad():
-                    want = ref(x.float(), residual.float())
+                    want = residual.float() + ref(x.float())
                     if fold:
                         fuse_for_inference(moe)
-                    got = moe.fused_forward(x, residual)
-                errors[f"moe-{dtype}-fold{fold}-T{t}"] = _rel_err(got, want)
+                    summed = fusion.add(residual, moe.fused_forward(x))
+                    deferred = fusion.add_rms_norm(residual, moe.fused_forward(x, keep_pairs=True),
+                                                   torch.ones_like(residual[0]), 1e-6)[0]
+                name = f"moe-{dtype}-fold{fold}-T{t}"
+                errors[name] = _rel_err(summed, want)
+                errors[name + "-deferred"] = _rel_err(deferred, want)
     return errors
 
 
@@ -210,7 +215,7 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 8 + 18
+    assert len(interpreter_errors) == 16 + 18
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 

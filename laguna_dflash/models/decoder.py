@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import MLP, Attention, DecoderLayer, ForwardContext, MoE, RMSNorm
+from .layers import MLP, Attention, DecoderLayer, ForwardContext, MoE, RMSNorm, run_layers
 from .rope import RopeSpec, RotaryEmbedding
 
 # A destination is a (disk tensor name, view of a parameter to copy into).
@@ -138,15 +138,9 @@ class DecoderLM(nn.Module):
         Tap ``i`` is the OUTPUT of layer ``i`` (residual stream before the final norm, HF's
         ``hidden_states[i + 1]``), concatenated in ``tap_layer_ids`` order.
         """
-        h = self.embed_tokens(input_ids)
-        taps: dict[int, torch.Tensor] = {}
-        wanted = set(tap_layer_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, ctx)
-            if i in wanted:
-                taps[i] = h
+        hidden, taps = run_layers(self.layers, self.embed_tokens(input_ids), ctx, self.norm, tap_layer_ids)
         tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
-        return self.norm(h), tapped
+        return hidden, tapped
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""

@@ -25,7 +25,7 @@ from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
 from .fusion import rms_norm_grouped
-from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm
+from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm, run_layers
 from .qwen3 import qwen3_rope
 from .rope import RopeSpec
 
@@ -368,10 +368,7 @@ class DFlashDraftModel(nn.Module):
         Block K/V are written at the block's positions; the context K/V already in the cache
         (positions ``< P``) and the block are visible per each layer's causality / window.
         """
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h, ctx)
-        return self.norm(h), None
+        return run_layers(self.layers, self.embed(input_ids), ctx, self.norm)[0], None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""

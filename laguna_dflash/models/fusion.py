@@ -80,12 +80,32 @@ def rms_norm_grouped(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return w * rms_normalize(x, eps)
 
 
+def _add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``h [T, H]`` plus ``delta``: ``[T, H]`` (one bf16/fp32 add, as the references do) or the
+    fused MoE's pairs ``[T, P, H]``, summed over ``P`` in fp32 with ``h`` and rounded once. The
+    pairs are added one by one (P is small and static per graph), which Inductor keeps in the
+    same kernel as what follows (a reduction over P would be a kernel of its own)."""
+    if delta.dim() == h.dim():
+        return h + delta
+    out = h.float()
+    for p in range(delta.shape[1]):
+        out = out + delta[:, p].float()
+    return out.to(h.dtype)
+
+
 @fused
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then RMSNorm: ``(h + delta, rms_norm(h + delta))``, ``[T, H]`` each."""
-    h = h + delta
+    """Residual add then RMSNorm: ``(h + delta, rms_norm(h + delta))``, ``[T, H]`` each;
+    ``delta`` may be MoE pairs ``[T, P, H]`` (:func:`_add`)."""
+    h = _add(h, delta)
     return h, weight * rms_normalize(h, eps)
+
+
+@fused
+def add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """:func:`_add` as one kernel: the residual stream after a layer whose add was deferred."""
+    return _add(h, delta)
 
 
 def _rope(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
@@ -145,16 +165,6 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, softcap: flo
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(logits.dtype), ids
-
-
-@fused
-def sum_pairs(pairs: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """``pairs [T, P, H]`` (each (token, expert) pair's weighted output) summed over ``P`` in
-    fp32, plus ``residual [T, H]`` when given; in pairs' dtype."""
-    out = pairs.float().sum(1)
-    if residual is not None:
-        out = out + residual.float()
-    return out.to(pairs.dtype)
 
 
 @fused

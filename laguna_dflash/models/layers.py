@@ -171,10 +171,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``, plus ``residual`` when given."""
-        out = self.down_proj(fusion.silu_mul(self.gate_up_proj(x)))
-        return out if residual is None else residual + out
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``."""
+        return self.down_proj(fusion.silu_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
@@ -268,11 +267,12 @@ class MoE(nn.Module):
             and fused_moe.is_available(x.device)
         )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``, plus ``residual`` when given (added in the same kernel as
-        the fused path's sum over the pairs)."""
+    def forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``. ``keep_pairs``: the fused path may return its pairs
+        ``[T, P, H]`` unsummed (each already weighted; the caller sums them with the residual
+        add, :func:`fusion.add_rms_norm`)."""
         if self._fused_kernels_run(x):
-            return self.fused_forward(x, residual)
+            return self.fused_forward(x, keep_pairs)
         weights, ids = self.route(x)
         if self.training:
             self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
@@ -286,12 +286,13 @@ class MoE(nn.Module):
             out = routed * self.routed_scaling_factor
         else:
             out = fusion.scale_add(routed, self.routed_scaling_factor, self.shared_expert(x))
-        return out if residual is None else residual + out
+        return out
 
-    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def fused_forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """The GPU small-batch path: router GEMM, one routing kernel (weights already times the
         routed scaling factor), the two fused expert kernels over all pairs (the shared expert
-        included once folded), one kernel summing the pairs (and the residual)."""
+        included once folded); the pairs ``[T, P, H]`` when ``keep_pairs`` and folded, else
+        their sum ``[T, H]``."""
         folded = self.gate_up_with_shared is not None
         logits = F.linear(x, self.gate.weight)
         weights, ids = moe_routing.fused_moe_route(
@@ -301,9 +302,11 @@ class MoE(nn.Module):
         pairs = fused_moe.fused_moe_experts(
             x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
             self.down_with_shared if folded else self.experts_down, reduce=False)
+        if folded and keep_pairs:
+            return pairs
         if not folded and self.shared_expert is not None:
-            residual = self.shared_expert(x) if residual is None else residual + self.shared_expert(x)
-        return fusion.sum_pairs(pairs, residual)
+            return fusion.add(self.shared_expert(x), pairs)
+        return fusion.add(pairs[:, 0], pairs[:, 1:])
 
     def experts_forward_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -391,7 +394,11 @@ def fuse_for_inference(model: nn.Module) -> None:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``.
+
+    :meth:`forward_deferred` leaves the last add to the caller, who fuses it into the next
+    layer's input norm (or the final norm): one kernel less per layer, and the MoE pairs' sum
+    rides along (:func:`run_layers`)."""
 
     def __init__(self, attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -401,6 +408,38 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``h [T, H]`` -> the layer's output ``[T, H]``."""
+        residual, delta = self.forward_deferred(h, None, ctx)
+        return fusion.add(residual, delta)
+
+    def forward_deferred(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on input ``residual + delta`` (``delta`` None: ``residual`` alone; else
+        ``[T, H]`` or MoE pairs ``[T, P, H]``) -> ``(residual, delta)`` whose sum is its output."""
+        norm = self.input_layernorm
+        if delta is None:
+            x = norm(residual)
+        else:
+            residual, x = fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
         norm = self.post_attention_layernorm
-        h, x = fusion.add_rms_norm(h, self.self_attn(self.input_layernorm(h), ctx), norm.weight, norm.eps)
-        return self.mlp(x, residual=h)
+        residual, x = fusion.add_rms_norm(residual, self.self_attn(x, ctx), norm.weight, norm.eps)
+        delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
+        return residual, delta
+
+
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, ctx: ForwardContext, final_norm: RMSNorm,
+               tap_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``h [T, H]`` through ``layers`` then ``final_norm`` -> (normed ``[T, H]``, taps): tap
+    ``i`` is layer ``i``'s output ``[T, H]``. Each layer's residual add runs fused with the next
+    norm (:meth:`DecoderLayer.forward_deferred`); tap layers add it on their own."""
+    residual, delta = h, None
+    taps: dict[int, torch.Tensor] = {}
+    wanted = set(tap_layer_ids)
+    for i, layer in enumerate(layers):
+        residual, delta = layer.forward_deferred(residual, delta, ctx)
+        if i in wanted:
+            residual, delta = fusion.add(residual, delta), None
+            taps[i] = residual
+    if delta is None:
+        return final_norm(residual), taps
+    return fusion.add_rms_norm(residual, delta, final_norm.weight, final_norm.eps)[1], taps

@@ -68,7 +68,7 @@ class ContextGraphRunner:
     @torch.inference_mode()
     def run(self, pending: list, slots_of) -> None:
         """Write the context K/V of every request's pending rows; ``slots_of(seq, start, n)``
-        gives a request's drafter cache slots (``[n]`` int64) for positions ``start ..``."""
+        gives a request's drafter cache slots (``[n]`` int64 numpy) for positions ``start ..``."""
         r, m = len(pending), self.rows_per_request
         r_pad = next(b for b in self.batch_sizes if b >= r)
         if self.copied is not None:
@@ -80,7 +80,7 @@ class ContextGraphRunner:
         for i, s in enumerate(pending):
             n, start = s.pending_context.shape[0], s.pending_start
             rows[0, i * m : i * m + n] = range(start, start + n)
-            rows[1, i * m : i * m + n] = slots_of(s, start, n).numpy()
+            rows[1, i * m : i * m + n] = slots_of(s, start, n)
             rows[2, num_real : num_real + n] = range(i * m, i * m + n)
             num_real += n
         self.index[:, : r_pad * m].copy_(self.host_index[:, : r_pad * m], non_blocking=True)

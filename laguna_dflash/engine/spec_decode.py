@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .context_graph import ContextGraphRunner
@@ -88,11 +89,11 @@ class DFlashProposer:
         # set by the engine with the graph runners (CUDA unless enforce_eager; CPU tests)
         self.context_graphs: ContextGraphRunner | None = None
 
-    def slots(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
+    def slots(self, seq: Sequence, start: int, count: int) -> np.ndarray:
+        """Drafter cache slots ``[count]`` int64 of ``seq``'s positions ``start ..`` (host)."""
         bs = self.kv_cache.block_size
-        pos = torch.arange(start, start + count)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return table[pos // bs] * bs + pos % bs
+        pos = np.arange(start, start + count)
+        return np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
 
     @torch.inference_mode()
     def store_context(self, seqs: list[Sequence]) -> None:
@@ -106,12 +107,13 @@ class DFlashProposer:
                 s.pending_context = None
             return
         device = torch.device(self.runner.device)
-        features = torch.cat([s.pending_context for s in pending], dim=0)
-        positions = torch.cat([torch.arange(s.pending_start, s.pending_start + s.pending_context.shape[0])
-                               for s in pending])
-        slots = torch.cat([self.slots(s, s.pending_start, s.pending_context.shape[0]) for s in pending])
-        index = torch.stack([positions, slots])
-        if device.type == "cuda":  # one asynchronous copy instead of two pageable (blocking) ones
+        features = torch.cat([s.pending_context for s in pending], dim=0) if len(pending) > 1 \
+            else pending[0].pending_context
+        index = torch.from_numpy(np.concatenate([  # [2, N]: positions, slots (built on the host)
+            np.stack([np.arange(s.pending_start, s.pending_start + s.pending_context.shape[0]),
+                      self.slots(s, s.pending_start, s.pending_context.shape[0])])
+            for s in pending], axis=1))
+        if device.type == "cuda":  # one asynchronous copy
             index = index.pin_memory().to(device, non_blocking=True)
         context = self.drafter.combine_hidden_states(features)
         self.drafter.precompute_and_store_context_kv(context, index[0], index[1], self.kv_cache.layers)

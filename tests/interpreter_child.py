@@ -7,6 +7,7 @@ the interpreted tests run in ONE child process with the variable set; in the par
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,3 +23,16 @@ def run_interpreted_child(test_file: str, timeout: int = 300) -> None:
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "skipped" not in summary, summary
+
+
+def interpreter_script_json(script: str, timeout: int = 300) -> dict:
+    """Run ``python script --interpreter-cases`` under the interpreter (from the repository root)
+    and return the JSON object its last output line holds (the script's per-case results)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--interpreter-cases"],
+        env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(script))),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

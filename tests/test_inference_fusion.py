@@ -16,12 +16,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import interpreter_script_json
 
 from laguna_dflash.engine.attention import TorchSDPABackend
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
@@ -204,14 +203,7 @@ def _case_tol(name: str) -> float:
 def interpreter_errors() -> dict[str, float]:
     if not triton_importable():
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter-cases"],
-        env=env, capture_output=True, text=True, timeout=600,
-        cwd=str(Path(__file__).resolve().parents[1]),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_script_json(__file__, timeout=600)
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import interpreter_script_json
 
 from laguna_dflash.kernels.fused_moe import (
     HAS_TRITON,
@@ -138,14 +137,7 @@ def _run_interpreter_cases() -> dict[str, float]:
 def interpreter_errors() -> dict[str, float]:
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter-cases"],
-        env=env, capture_output=True, text=True, timeout=300,
-        cwd=str(Path(__file__).resolve().parents[1]),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_script_json(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("case", _CASES, ids=_case_id)

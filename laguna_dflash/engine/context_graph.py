@@ -83,7 +83,7 @@ class ContextGraphRunner:
             rows[1, i * m : i * m + n] = slots_of(s, start, n)
             rows[2, num_real : num_real + n] = range(i * m, i * m + n)
             num_real += n
-        self.index[:, : r_pad * m].copy_(self.host_index[:, : r_pad * m], non_blocking=True)
+        self.index.copy_(self.host_index, non_blocking=True)  # whole (contiguous, a few KB)
         if self.copied is not None:
             self.copied.record()
         features = torch.cat([s.pending_context for s in pending]) if r > 1 else pending[0].pending_context

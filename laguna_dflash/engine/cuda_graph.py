@@ -184,15 +184,20 @@ class CUDAGraphRunner:
         rows[:r_pad, : self.ids_offset + q] = 0
         rows[r:r_pad, 1] = q
         rows[:r_pad, 2 : 2 + nb] = self.scratch_block
-        ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
+        # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
+        # copied tensor to tensor, never read back on the host (no sync on the step path)
+        is_tensor = isinstance(input_ids, torch.Tensor)
         for i, it in enumerate(items):
             n = min(len(it.block_table), nb)
             rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
             rows[i, 2 : 2 + n] = it.block_table[:n]
-            rows[i, self.ids_offset : self.ids_offset + q] = ids[i * q : (i + 1) * q]
+            if not is_tensor:
+                rows[i, self.ids_offset : self.ids_offset + q] = input_ids[i * q : (i + 1) * q]
         self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if is_tensor:
+            self.state[:r, self.ids_offset : self.ids_offset + q].copy_(input_ids.view(r, q))
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
             hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
             return hidden[: r * q], taps[: r * q] if taps is not None else None

@@ -86,7 +86,7 @@ class DFlashProposer:
         self.kv_cache = kv_cache
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
-        # set by the engine with the graph runners (CUDA unless enforce_eager; CPU tests)
+        # set by LLMEngine.attach_context_graphs (EngineConfig.graph_context_precompute)
         self.context_graphs: ContextGraphRunner | None = None
 
     def slots(self, seq: Sequence, start: int, count: int) -> np.ndarray:
@@ -103,9 +103,12 @@ class DFlashProposer:
             return
         if self.context_graphs is not None and self.context_graphs.can_run(pending):
             self.context_graphs.run(pending, self.slots)
-            for s in pending:
-                s.pending_context = None
-            return
+        else:
+            self._store_context_eagerly(pending)
+        for s in pending:
+            s.pending_context = None
+
+    def _store_context_eagerly(self, pending: list[Sequence]) -> None:
         device = torch.device(self.runner.device)
         features = torch.cat([s.pending_context for s in pending], dim=0) if len(pending) > 1 \
             else pending[0].pending_context
@@ -117,8 +120,6 @@ class DFlashProposer:
             index = index.pin_memory().to(device, non_blocking=True)
         context = self.drafter.combine_hidden_states(features)
         self.drafter.precompute_and_store_context_kv(context, index[0], index[1], self.kv_cache.layers)
-        for s in pending:
-            s.pending_context = None
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int | None = None) -> torch.Tensor:

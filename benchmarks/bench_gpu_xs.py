@@ -317,19 +317,19 @@ def main() -> None:
             k_steps[k] = step_time(spec, prompt, args.new_tokens, warm=False)
             if clock:
                 phases[k] = {n: clock.mean_ms(n) for n in ("context precompute", "drafter block", "target forward")}
-        # the same step with the drafter's context precompute replayed from CUDA graphs
-        # (EngineConfig.graph_context_precompute, off by default)
-        if engine.runner.graphs is not None and 3 in k_steps:
+        # the same step with the drafter's context precompute eager (graph_context_precompute=False)
+        context_graphs = engine.proposer.context_graphs
+        if context_graphs is not None and 3 in k_steps:
             engine.num_speculative_tokens = min(3, max_k)
-            engine.attach_context_graphs()
+            engine.proposer.context_graphs = None
             step_time(spec, prompt, args.new_tokens)
             if clock:
                 clock.reset()
-            k_steps["3, context graph"] = step_time(spec, prompt, args.new_tokens, warm=False)
+            k_steps["3, eager context"] = step_time(spec, prompt, args.new_tokens, warm=False)
             if clock:
-                phases["3, context graph"] = {n: clock.mean_ms(n) for n in
+                phases["3, eager context"] = {n: clock.mean_ms(n) for n in
                                               ("context precompute", "drafter block", "target forward")}
-            engine.proposer.context_graphs = None
+            engine.proposer.context_graphs = context_graphs
         simulated = {}  # (batch, length) -> (seconds per token per request, K)
         sim_ks = [int(x) for x in args.sim_ks.split(",")]
         for b in batches:

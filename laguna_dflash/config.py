@@ -129,9 +129,11 @@ class EngineConfig:
     # "auto": the paged Triton kernels on a GPU that runs them, else the torch SDPA reference
     attention_backend: str = "auto"  # | "torch_sdpa" | "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode-phase forwards (vLLM's flag)
-    # Experimental, not yet measured on a GPU: also replay the drafter's decode-step context K/V
-    # precompute from CUDA graphs (engine/context_graph.py); by default it stays eager.
-    graph_context_precompute: bool = False
+    # Also replay the drafter's decode-step context K/V precompute from CUDA graphs
+    # (engine/context_graph.py; with CUDA graphs only, so not under enforce_eager). On the H200 at
+    # XS-2.1 size it cut that phase from 0.82 to 0.23 ms per batch-1 step (docs/PERFORMANCE.md);
+    # False keeps it eager, as DESIGN.md first planned (its row counts vary per step).
+    graph_context_precompute: bool = True
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -112,10 +112,12 @@ def test_padded_context_precompute_matches_eager_on_cpu(pair):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
     plain, padded = LLM(target, **kw), LLM(target, **kw)
-    padded.engine.attach_graph_runners()
-    assert padded.engine.proposer.context_graphs is None  # opt-in
-    padded.engine.attach_context_graphs()
+    opted_out = LLM(target, graph_context_precompute=False, **kw).engine
+    opted_out.attach_graph_runners()
+    assert opted_out.proposer.context_graphs is None and opted_out.runner.graphs is not None
+    padded.engine.attach_graph_runners()  # with the context graphs: on by default
     runner = padded.engine.proposer.context_graphs
+    assert runner is not None
     calls = []
     original = runner.run
     runner.run = lambda pending, slots_of: (calls.append(len(pending)), original(pending, slots_of))
@@ -157,7 +159,7 @@ def test_target_only_steps_keep_the_drafter_context_bounded(pair):
 
         def watched(seqs, decode=decode, seen=seen):
             out = decode(seqs)
-            seen.extend(s.pending_context.shape[0] for s in seqs if s.pending_context is not None)
+            seen.extend(s.num_pending for s in seqs if s.num_pending)
             return out
 
         engine._decode = watched
@@ -289,3 +291,112 @@ def test_enforce_eager_flag_parses():
     args = build_parser().parse_args(["generate", "x", "--model", "m", "--enforce-eager"])
     assert args.enforce_eager is True
     assert build_parser().parse_args(["generate", "x", "--model", "m"]).enforce_eager is False
+
+
+def test_pending_rows_gather_per_source():
+    """Pending taps referencing several source tensors (a verify step's rows, then target-only
+    steps' rows) are gathered in request and position order: eagerly and into a padded layout."""
+    from laguna_dflash.config import SamplingParams as SP
+    from laguna_dflash.engine.pending_taps import copy_rows, gather_pending_taps, plan_rows
+    from laguna_dflash.engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(0)
+    verify, step1, step2 = (torch.randn(n, 5, generator=g) for n in (8, 2, 2))
+    a, b = Sequence(0, [1], SP()), Sequence(1, [1], SP())
+    a.add_pending_taps(verify, 0, 3, 10)
+    a.add_pending_taps(step1, 0, 1, 13)
+    a.add_pending_taps(step2, 0, 1, 14)
+    b.add_pending_taps(verify, 4, 2, 20)
+    b.add_pending_taps(step1, 1, 1, 22)
+    want_a = torch.cat([verify[0:3], step1[0:1], step2[0:1]])
+    want_b = torch.cat([verify[4:6], step1[1:2]])
+    groups, rows = plan_rows([a, b], [0, 5])
+    got = gather_pending_taps([a, b], torch.from_numpy(rows), rows, groups)
+    torch.testing.assert_close(got, torch.cat([want_a, want_b]), rtol=0, atol=0)
+    groups, rows = plan_rows([a, b], [0, 8])  # padded: request i at row 8 * i
+    dest = torch.zeros(16, 5)
+    copy_rows(dest, groups, torch.from_numpy(rows))
+    torch.testing.assert_close(dest[:5], want_a, rtol=0, atol=0)
+    torch.testing.assert_close(dest[8:11], want_b, rtol=0, atol=0)
+    assert dest[5:8].abs().sum() == 0 and dest[11:].abs().sum() == 0
+    c = Sequence(2, [1], SP())  # one contiguous run of one source: a view, no copy
+    c.add_pending_taps(verify, 2, 4, 0)
+    groups, rows = plan_rows([c], [0])
+    got = gather_pending_taps([c], torch.from_numpy(rows), rows, groups)
+    assert got.data_ptr() == verify[2].data_ptr() and got.shape == (4, 5)
+    with pytest.raises(AssertionError, match="contiguous"):
+        c.add_pending_taps(step1, 0, 1, 7)
+
+
+class _Alternating:
+    """An adaptive-K policy stub: target-only steps in runs of 1, 2 and 3, then a full draft."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.pattern, self.step = k, [0, k, 0, 0, k, 0, 0, 0, k], 0
+
+    def choose(self, batch_size: int) -> int:
+        self.step += 1
+        return self.pattern[self.step % len(self.pattern)]
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("context_graphs", [False, True])
+def test_stored_context_rows_are_the_taps_of_their_positions(pair, context_graphs):
+    """Switching between target-only and speculative steps, every context row the drafter
+    stores (eagerly, or through the padded context-graph layout) is the target's tap row of the
+    position it is stored for (the taps of a full prefill of the final sequence), and the output
+    is the target's."""
+    target, draft = pair
+    k = BLOCK_SIZE - 1
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(3, seed=11)
+    want = [o.token_ids for o in LLM(target, block_size=4, max_num_seqs=4)
+            .generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = LLM(target, draft=draft, num_speculative_tokens=k, block_size=4, max_num_seqs=4)
+    engine = llm.engine
+    if context_graphs:
+        engine.attach_graph_runners()
+        engine.attach_context_graphs()
+    engine.adaptive_k = _Alternating(k)
+    drafter, scratch = engine.drafter, engine.proposer.kv_cache.scratch_slot
+    stored = []  # (features row, position, slot) per stored real row, in store order
+    combine, store = drafter.combine_hidden_states, drafter.precompute_and_store_context_kv
+    seen_features = []
+
+    def combine_spy(features):
+        seen_features.append(features.clone())
+        return combine(features)
+
+    def store_spy(context, positions, slots, layers):
+        features = seen_features.pop()
+        for row, pos, slot in zip(features, positions.tolist(), slots.tolist()):
+            if slot != scratch:
+                stored.append((row, pos, slot))
+        return store(context, positions, slots, layers)
+
+    drafter.combine_hidden_states, drafter.precompute_and_store_context_kv = combine_spy, store_spy
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outputs] == want
+    assert len(stored) > sum(len(p) for p in prompts) + 12  # prefills plus decode-phase stores
+    # reference taps: one prefill over each final sequence, in a fresh engine
+    ref = LLM(target, draft=draft, num_speculative_tokens=k, block_size=4, max_num_seqs=4).engine
+    taps_of = {}
+    for p, o in zip(prompts, outputs):
+        tokens = p + o.token_ids
+        blocks = ref.allocator.allocate(ref.allocator.blocks_needed(len(tokens), 0))
+        _, taps = ref.runner.forward(tokens, [ForwardItem(len(tokens), 0, len(tokens), blocks)],
+                                     ref.tap_layer_ids)
+        ref.allocator.free(blocks)
+        taps_of[tuple(p)] = taps
+    by_len = {len(p): tuple(p) for p in prompts}
+    assert len(by_len) == len(prompts)
+    num_checked = 0
+    for row, pos, _slot in stored:
+        # which request: the one whose taps at pos match (positions overlap between requests)
+        errors = [float((taps_of[key][pos] - row).abs().max()) for key in taps_of
+                  if pos < taps_of[key].shape[0]]
+        assert min(errors) < 1e-4, (pos, errors)
+        num_checked += 1
+    assert num_checked == len(stored)

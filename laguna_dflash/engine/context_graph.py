@@ -7,7 +7,8 @@ issued eagerly by the host each step. Here they replay from a graph captured per
 size ``R_pad`` with ``M = K_max + 1`` rows per request:
 
 * row ``i * M + j`` of the static ``features [R_pad * M, n_taps * H_t]`` holds request ``i``'s
-  ``j``-th pending tap row, written by one ``index_copy_`` from the concatenated pending rows;
+  ``j``-th pending tap row, copied there by one ``index_select`` + ``index_copy_`` per source
+  tensor of the pending rows (engine/pending_taps.py: one per step that produced them);
 * the static ``positions`` / ``slots`` give those rows' positions and drafter cache slots; rows
   without a pending tap (short requests, padding requests) get position 0 and the scratch slot,
   so they compute on stale finite features and write only the scratch block.
@@ -26,6 +27,7 @@ import torch
 
 from .cuda_graph import capture_batch_sizes, capture_graph
 from .kv_cache import KVCache
+from .pending_taps import copy_rows, plan_rows
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +48,12 @@ class ContextGraphRunner:
         max_rows = self.batch_sizes[-1] * rows_per_request
         self.features = torch.zeros(max_rows, feature_dim, dtype=dtype, device=device)
         pin = device.type == "cuda"
-        # rows: positions, slots (R_pad * M each), index_copy_ destinations (N real rows)
-        self.host_index = torch.zeros(3, max_rows, dtype=torch.long, pin_memory=pin)
+        # rows: positions, slots (R_pad * M each), then for the N real rows: destination rows in
+        # ``features`` and rows of their source tensors (engine/pending_taps.plan_rows)
+        self.host_index = torch.zeros(4, max_rows, dtype=torch.long, pin_memory=pin)
         self.host_rows = self.host_index.numpy()
         self.copied = torch.cuda.Event() if pin else None  # the last copy out of host_index
-        self.index = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        self.index = torch.zeros(4, max_rows, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.is_broken = False  # a capture failed: the eager path from then on
@@ -58,7 +61,7 @@ class ContextGraphRunner:
     def can_run(self, pending: list) -> bool:
         """Every request has at most ``rows_per_request`` pending rows and the batch fits."""
         return (not self.is_broken and 0 < len(pending) <= self.batch_sizes[-1]
-                and all(s.pending_context.shape[0] <= self.rows_per_request for s in pending))
+                and all(s.num_pending <= self.rows_per_request for s in pending))
 
     def _run_model(self, num_rows: int) -> None:
         context = self.drafter.combine_hidden_states(self.features[:num_rows])
@@ -76,18 +79,17 @@ class ContextGraphRunner:
         rows = self.host_rows
         rows[0, : r_pad * m] = 0
         rows[1, : r_pad * m] = self.kv_cache.scratch_slot
-        num_real = 0
         for i, s in enumerate(pending):
-            n, start = s.pending_context.shape[0], s.pending_start
+            n, start = s.num_pending, s.pending_start
             rows[0, i * m : i * m + n] = range(start, start + n)
             rows[1, i * m : i * m + n] = slots_of(s, start, n)
-            rows[2, num_real : num_real + n] = range(i * m, i * m + n)
-            num_real += n
+        groups, copy_rows_host = plan_rows(pending, [i * m for i in range(r)])
+        num_real = copy_rows_host.shape[1]
+        rows[2:, :num_real] = copy_rows_host
         self.index.copy_(self.host_index, non_blocking=True)  # whole (contiguous, a few KB)
         if self.copied is not None:
             self.copied.record()
-        features = torch.cat([s.pending_context for s in pending]) if r > 1 else pending[0].pending_context
-        self.features.index_copy_(0, self.index[2, :num_real], features.to(self.features.dtype))
+        copy_rows(self.features, groups, self.index[2:, :num_real])
         if self.device.type != "cuda":  # CPU: the same padded computation, eagerly
             self._run_model(r_pad * m)
             return

@@ -296,6 +296,8 @@ class LLMEngine:
         return finished
 
     def _commit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor | None) -> None:
+        """Append ``tokens``; ``logits [n, V]`` of their rows only when the request wants
+        logprobs (callers skip the slice otherwise: a tensor op per request per step)."""
         kept = seq.append_tokens(tokens, self.max_model_len)
         if seq.logprobs is not None and logits is not None:
             chosen = torch.tensor(tokens[:kept])
@@ -317,35 +319,32 @@ class LLMEngine:
                 s.prompt_logprobs = [None] + top_logprobs(
                     rows, torch.tensor(s.prompt_token_ids[1:]), s.params.prompt_logprobs)
             if taps is not None:
-                s.pending_context, s.pending_start = taps[start : start + n], 0
+                s.clear_pending_taps()
+                s.add_pending_taps(taps, start, n, 0)
             s.num_computed = n
-            self._commit(s, [tokens[i]], logits[i : i + 1])
+            self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
             start += n
         self.timings.num_prefill_tokens += len(ids)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
         """One target-only token per request. With a drafter loaded (adaptive K chose 0) the
-        taps of the committed token are appended to the pending context, so the drafter's KV
-        stays complete for the next speculative step; a pending context reaching K_max + 1 rows
-        is stored right away (the size the context graphs take), so a long run of target-only
-        steps neither grows it without bound nor falls back to the eager precompute."""
+        taps of the committed token join the pending taps (a row reference, no tensor op per
+        request), so the drafter's KV stays complete for the next speculative step; pending taps
+        reaching K_max + 1 rows are stored right away (the size the context graphs take), so a
+        long run of target-only steps neither holds them without bound nor falls back to the
+        eager precompute, and the store is amortised over K_max + 1 steps."""
         items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
         hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
         logits = self.target.compute_logits(hidden)
         tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
         for i, s in enumerate(seqs):
-            if taps is not None:
-                row = taps[i : i + 1]
-                if s.pending_context is None:
-                    s.pending_context, s.pending_start = row, s.num_tokens - 1
-                else:
-                    s.pending_context = torch.cat([s.pending_context, row])
+            if taps is not None:  # row i of this step's taps: referenced, no tensor op
+                s.add_pending_taps(taps, i, 1, s.num_tokens - 1)
             s.num_computed = s.num_tokens
-            self._commit(s, [tokens[i]], logits[i : i + 1])
+            self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
         if taps is not None:
             max_rows = self.proposer.num_speculative_tokens + 1  # K_max + 1, whatever K is now
-            full = [s for s in seqs if s.pending_context is not None
-                    and s.pending_context.shape[0] >= max_rows]
+            full = [s for s in seqs if s.num_pending >= max_rows]
             if full:
                 self.proposer.store_context(full)
         self.timings.num_decode_tokens += len(seqs)
@@ -378,7 +377,6 @@ class LLMEngine:
         if self.simulated_acceptance is not None:
             accepted_list = [self._simulated_accept(k) for _ in seqs]
         logits = logits.view(len(seqs), k + 1, -1)
-        taps = taps.view(len(seqs), k + 1, -1)
         for i, s in enumerate(seqs):
             a, p = accepted_list[i], anchors[i]
             s.num_drafts += 1
@@ -396,10 +394,12 @@ class LLMEngine:
             # KV; their taps become the drafter's next context. Rows beyond are rolled back by
             # length: they stay in the cache, invisible, and are overwritten next step.
             s.num_computed = p + a + 1
-            s.pending_context, s.pending_start = taps[i, : a + 1], p
+            s.clear_pending_taps()
+            s.add_pending_taps(taps, i * (k + 1), a + 1, p)  # rows of taps [R * (K+1), D]
             # emitted = accepted drafts + the target's token after them (with real acceptance
             # d_j == t_{j-1}, so this is t_0..t_a; with simulated acceptance it keeps the
             # committed tokens equal to the verified rows whose KV is kept)
-            self._commit(s, draft_list[i][:a] + [target_list[i][a]], logits[i, : a + 1])
+            self._commit(s, draft_list[i][:a] + [target_list[i][a]],
+                         logits[i, : a + 1] if s.logprobs is not None else None)
         self.timings.num_decode_tokens += sum(a + 1 for a in accepted_list)
         return accepted_list

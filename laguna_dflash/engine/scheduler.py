@@ -113,7 +113,7 @@ class Scheduler:
         self.running.remove(seq)
         self.release(seq)
         seq.status = Status.WAITING
-        seq.pending_context = None
+        seq.clear_pending_taps()
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 

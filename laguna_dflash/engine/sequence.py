@@ -21,9 +21,11 @@ class Sequence:
     """One request.
 
     Decode invariant: every token except the last has target KV (``num_computed ==
-    len(token_ids) - 1``); the last token is the pending bonus token. ``pending_context`` holds
-    target taps ``[n, n_taps * H]`` of committed positions ``pending_start .. pending_start+n-1``
-    that are not yet in the drafter's KV cache.
+    len(token_ids) - 1``); the last token is the pending bonus token. The target taps
+    ``[n_taps * H]`` of committed positions ``pending_start .. pending_start + num_pending - 1``
+    that are not yet in the drafter's KV cache are ``pending_taps``: segments ``(source,
+    first_row, num_rows)``, in position order, of a step's batch taps ``source [N, n_taps * H]``
+    (rows are referenced, not sliced: no tensor op per request on the step path).
     """
 
     request_id: int
@@ -37,8 +39,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    pending_context: torch.Tensor | None = None
+    pending_taps: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     pending_start: int = 0
+    num_pending: int = 0
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # spec-decode counters (vLLM meaning)
@@ -64,6 +67,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def add_pending_taps(self, source: torch.Tensor, first_row: int, num_rows: int,
+                         start_pos: int) -> None:
+        """Queue rows ``first_row ..`` of ``source`` as the taps of positions ``start_pos ..``
+        (which must follow the queued ones)."""
+        if not self.pending_taps:
+            self.pending_start = start_pos
+        assert start_pos == self.pending_start + self.num_pending, "pending taps must be contiguous"
+        self.pending_taps.append((source, first_row, num_rows))
+        self.num_pending += num_rows
+
+    def clear_pending_taps(self) -> None:
+        self.pending_taps = []
+        self.num_pending = 0
 
     def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
         """Append generated tokens, applying stop ids, EOS, max_tokens and max_model_len.

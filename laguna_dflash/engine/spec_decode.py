@@ -19,6 +19,7 @@ import torch
 
 from .context_graph import ContextGraphRunner
 from .kv_cache import KVCache
+from .pending_taps import gather_pending_taps, plan_rows
 from .runner import ForwardItem, ModelRunner
 from .sequence import Sequence
 
@@ -98,7 +99,7 @@ class DFlashProposer:
     @torch.inference_mode()
     def store_context(self, seqs: list[Sequence]) -> None:
         """Write drafter context K/V for every request's pending target taps (all layers at once)."""
-        pending = [s for s in seqs if s.pending_context is not None and s.pending_context.shape[0]]
+        pending = [s for s in seqs if s.num_pending]
         if not pending:
             return
         if self.context_graphs is not None and self.context_graphs.can_run(pending):
@@ -106,18 +107,19 @@ class DFlashProposer:
         else:
             self._store_context_eagerly(pending)
         for s in pending:
-            s.pending_context = None
+            s.clear_pending_taps()
 
     def _store_context_eagerly(self, pending: list[Sequence]) -> None:
         device = torch.device(self.runner.device)
-        features = torch.cat([s.pending_context for s in pending], dim=0) if len(pending) > 1 \
-            else pending[0].pending_context
-        index = torch.from_numpy(np.concatenate([  # [2, N]: positions, slots (built on the host)
-            np.stack([np.arange(s.pending_start, s.pending_start + s.pending_context.shape[0]),
-                      self.slots(s, s.pending_start, s.pending_context.shape[0])])
-            for s in pending], axis=1))
+        counts = [s.num_pending for s in pending]
+        groups, rows = plan_rows(pending, np.cumsum([0] + counts[:-1]).tolist())
+        index = torch.from_numpy(np.concatenate([  # [4, N]: positions, slots, gather rows (host)
+            np.concatenate([np.stack([np.arange(s.pending_start, s.pending_start + n),
+                                      self.slots(s, s.pending_start, n)])
+                            for s, n in zip(pending, counts)], axis=1), rows]))
         if device.type == "cuda":  # one asynchronous copy
             index = index.pin_memory().to(device, non_blocking=True)
+        features = gather_pending_taps(pending, index[2:], rows, groups)
         context = self.drafter.combine_hidden_states(features)
         self.drafter.precompute_and_store_context_kv(context, index[0], index[1], self.kv_cache.layers)
 

@@ -18,8 +18,8 @@ are strided views: kernels must honour their strides (or get contiguous copies).
 lazily, the first time a key is seen, after two eager warm-up runs on a side stream (Triton
 compiles there); all graphs share one memory pool. Outputs are copied out of the graph's static
 tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary);
-so does the drafter's context K/V precompute unless ``EngineConfig.graph_context_precompute``
-(experimental) replays it from its own graphs (engine/context_graph.py).
+the drafter's decode-step context K/V precompute replays from its own graphs
+(engine/context_graph.py) unless ``EngineConfig.graph_context_precompute`` is False.
 """
 
 from __future__ import annotations

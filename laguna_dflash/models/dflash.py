@@ -25,7 +25,7 @@ from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
 from .fusion import rms_norm_grouped
-from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm, run_layers
+from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm, linear, run_layers
 from .qwen3 import qwen3_rope
 from .rope import RopeSpec
 
@@ -279,7 +279,7 @@ class DFlashDraftModel(nn.Module):
     def combine_hidden_states(self, taps: torch.Tensor) -> torch.Tensor:
         """Taps ``[N, n_taps * H_t]`` -> context rows ``[N, H]``: Qwen3 flavour is ``fc`` only
         (``hidden_norm`` is applied in the projection, as in vLLM)."""
-        return self.fc(taps.to(self.fc.weight.dtype))
+        return linear(taps.to(self.fc.weight.dtype), self.fc.weight, self.fc.bias)
 
     def _build_context_kv_buffers(self) -> None:
         """Stack every layer's K|V rows ``[L * 2 * kv, H]`` and K-norm weights ``[L, hd]``."""
@@ -295,7 +295,7 @@ class DFlashDraftModel(nn.Module):
     def _project_context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ONE GEMM for all layers: ``[N, H]`` -> K, V each ``[L, N, kv_heads, hd]``."""
         return self._split_context_kv(
-            F.linear(self.hidden_norm(context), self.context_kv_weight, self.context_kv_bias))
+            linear(self.hidden_norm(context), self.context_kv_weight, self.context_kv_bias))
 
     def _split_context_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N, L * 2 * kv]`` GEMM output -> K, V each ``[L, N, kv_heads, hd]`` (layer-major)."""

@@ -16,7 +16,6 @@ serve all layers.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import fusion
@@ -25,7 +24,7 @@ from .decoder import Group
 from .dflash import DFlashDraftModel, DraftLayerSpec, DraftSpec, check_target_compat, dflash_value
 from .fusion import rms_norm_grouped
 from .laguna import resolve_gating, resolve_layer_rope
-from .layers import DecoderLayer, RMSNorm
+from .layers import DecoderLayer, RMSNorm, linear
 from .rope import RopeSpec
 
 
@@ -132,7 +131,7 @@ class DFlashLaguna(DFlashDraftModel):
     def _project_context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weight-free RMS normalisation (shared statistic), then ONE GEMM with folded weights."""
         x = fusion.rms_norm_unweighted(context, self.spec.rms_norm_eps)
-        return self._split_context_kv(F.linear(x, self.context_kv_weight, self.context_kv_bias))
+        return self._split_context_kv(linear(x, self.context_kv_weight, self.context_kv_bias))
 
     def context_kv_input(self, layer: DecoderLayer, context: torch.Tensor) -> torch.Tensor:
         return layer.input_layernorm(context)

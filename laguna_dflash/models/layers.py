@@ -14,9 +14,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import fused_moe, moe_routing, qk_norm_rope_cache
+from ..kernels import fused_moe, moe_routing, qk_norm_rope_cache, skinny_gemm
 from . import fusion
 from .rope import RotaryEmbedding
+
+# Decode-phase GEMMs (M <= 16 rows: decode, verify, the drafter block) through the Triton skinny
+# GEMM (kernels/skinny_gemm.py) on CUDA; False: cuBLAS everywhere (an A/B switch for benchmarks).
+use_skinny_gemm = False  # until measured on the H200
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA with
+    M <= 16 and no bias: the skinny GEMM (streams the weight once at close to copy bandwidth,
+    split-K reduced in the same launch); otherwise ``F.linear``."""
+    if (bias is None and use_skinny_gemm and x.is_cuda and not torch.is_grad_enabled()
+            and skinny_gemm.can_use(x, weight)):
+        return skinny_gemm.skinny_gemm(x, weight)
+    return F.linear(x, weight, bias)
 
 
 @dataclass
@@ -111,12 +125,12 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [T, H]`` -> (``qkv [T, q + 2kv]``, gate logits ``[T, nh]`` / ``[T, nh, hd]`` or None)."""
         if self.qkvg_weight is not None:
-            out = F.linear(x, self.qkvg_weight)
+            out = linear(x, self.qkvg_weight)
             n = self.q_size + 2 * self.kv_size
             qkv, gate = out[:, :n], out[:, n:]
         else:
-            qkv = self.qkv_proj(x)
-            gate = self.g_proj(x) if self.gating is not None else None
+            qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+            gate = linear(x, self.g_proj.weight, self.g_proj.bias) if self.gating is not None else None
         if gate is not None and self.gating != "per-head":
             gate = gate.view(x.shape[0], self.num_heads, self.head_dim)
         return qkv, gate
@@ -143,7 +157,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, ctx.meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
         )
-        return self.o_proj(out.reshape(t, self.q_size))
+        return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them
@@ -173,7 +187,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        return self.down_proj(fusion.silu_mul(self.gate_up_proj(x)))
+        h = fusion.silu_mul(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        return linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class MoE(nn.Module):
@@ -219,7 +234,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> (weights ``[T, k]`` in x's dtype, expert ids ``[T, k]`` int64)."""
-        return fusion.moe_route(F.linear(x, self.gate.weight), self.e_score_correction_bias,
+        return fusion.moe_route(linear(x, self.gate.weight), self.e_score_correction_bias,
                                 self.top_k, self.logit_softcapping, self.score_func,
                                 self.norm_topk_prob)
 
@@ -294,7 +309,7 @@ class MoE(nn.Module):
         included once folded); the pairs ``[T, P, H]`` when ``keep_pairs`` and folded, else
         their sum ``[T, H]``."""
         folded = self.gate_up_with_shared is not None
-        logits = F.linear(x, self.gate.weight)
+        logits = linear(x, self.gate.weight)
         weights, ids = moe_routing.fused_moe_route(
             logits, self.e_score_correction_bias, self.top_k, self.logit_softcapping,
             self.score_func, self.norm_topk_prob, scale=self.routed_scaling_factor,

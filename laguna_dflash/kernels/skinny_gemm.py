@@ -1,0 +1,522 @@
+"""Skinny GEMM ``y = x @ W^T`` for decode / verify batches (1..16 rows): one Triton launch that
+streams the weight once.
+
+For ``x [M, K]``, ``W [N, K]`` (the ``nn.Linear`` layout) and ``M <= 16``::
+
+    y[m, n] = sum_k x[m, k] * W[n, k]          fp32 accumulation, y rounded once to x.dtype
+
+which is ``F.linear(x, W)`` up to the order of the fp32 additions (bf16 / fp16 products are exact
+in fp32, so only the summation order differs; the result is within one output ulp of the exact
+sum, plus the fp32 accumulation error).
+
+Why: at batch 1 these GEMMs are pure weight streaming (``2 N K`` bytes, the activations are a
+few KiB), but on an H200 cuBLAS runs them at ~2.6-3.2 TB/s of the ~4.3 TB/s copy bandwidth, and
+for the ``o_proj`` shapes (``N = 2048``, long ``K``) it splits K and adds a separate
+``splitKreduce`` kernel (~1.7 us). Here the tile shapes are picked per shape (:func:`default_config`,
+filled from ``benchmarks/bench_skinny_gemm.py``) and the split-K reduction happens inside the
+same launch.
+
+Grid ``(ceil(N / BLOCK_N), SPLIT_K)``: program ``(j, s)`` owns output columns
+``[j BLOCK_N, (j + 1) BLOCK_N)`` and the K chunk ``[s Ks, (s + 1) Ks)`` (``Ks`` = ``K / SPLIT_K``
+rounded up to a multiple of ``BLOCK_K``). It loops over its chunk ``BLOCK_K`` at a time, loading
+the ``[BLOCK_N, BLOCK_K]`` weight tile (``evict_first``: each weight byte is read once)
+and the rows of ``x`` over the same K range (L2-resident, re-read by every column tile), two ways:
+
+* ``USE_DOT = False`` (the default for ``M <= 4``; only for ``M <= 4``): a GEMV. Each row of x
+  has its own fp32 ``[BLOCK_N, BLOCK_K]`` accumulator in the weight tile's register layout, so a
+  step is one FMA per weight element and row with no cross-thread traffic; the K reduction
+  (``tl.sum``) happens once, after the loop. The x slice is loaded either already in the weight
+  tile's shape (``X_BCAST``, stride 0 along N: same layout, no shared memory or barrier in the
+  loop, the redundant lanes hit L1) or as a ``[BLOCK_K]`` vector broadcast after the load (the
+  compiler then spreads it through shared memory, two barriers a step). With ``num_stages >= 2``
+  the next step's loads are issued before this step's FMAs (Triton's pipeliner only stages loads
+  that feed ``tl.dot``, so the GEMV double-buffers in registers). Checked on the sm_90 PTX
+  (offline compile): no shared memory or barrier in the loop, 16-byte loads; a 3-D
+  ``[M, BLOCK_N, BLOCK_K]`` formulation instead round-trips the weight tile itself through
+  shared memory every step.
+* ``USE_DOT = True`` (default for ``M > 4``): ``acc [BLOCK_N, M_PAD] += W_tile @ x_tile^T`` on
+  the tensor cores, with ``M_PAD = 16`` (tl.dot's minimum) and the weight as the wide operand
+  ("swap AB": the padding falls on the 16-wide side). Triton stages the weight tiles through
+  shared memory with ``cp.async`` (``num_stages`` deep); on sm_90 this is ``wgmma m64n16k16``
+  for ``BLOCK_N >= 64`` and 4 warps, ``mma.sync`` otherwise.
+
+The trip count ``Ks / BLOCK_K`` is a compile-time constant (one compile per weight shape and
+config; the interpreter cannot loop over a runtime bound).
+
+Split-K (``SPLIT_K > 1``) without a second launch, deterministic: every program stores its fp32
+partial ``[M, BLOCK_N]`` into a workspace slab ``part[s]`` (plain stores), then (CTA barrier)
+one thread increments the column tile's arrival counter with an ``acq_rel`` atomic (the CUTLASS
+semaphore pattern: barrier, then a gpu-scope release by one thread). The program that sees
+``SPLIT_K - 1`` arrived last: it reads the ``SPLIT_K`` partials from L2 (``.cg``) and sums them
+IN SPLIT ORDER ``s = 0, 1, ...`` (so the result does not depend on the arrival order; bitwise
+reproducible), rounds to the output dtype, stores ``y`` and resets the counter to 0. The
+partials need no reset (every call overwrites the slabs it reads), so a call leaves the
+workspace ready for the next one: no memset launch, CUDA-graph replayable.
+
+The workspace (``part [SPLIT_K, 16, N]`` fp32 and ``counters [ceil(N / 8)]`` int32, zeroed once)
+is cached per ``(device, N, SPLIT_K)`` in a module dict and never freed (a captured graph keeps
+pointing at it). Make the first call of a shape outside a CUDA-graph capture (the compile /
+warm-up call does this); a first call inside a capture still works, the zeroing is then
+recorded into the graph and the buffer comes from the graph's pool. Two split-K calls with the
+same ``(N, SPLIT_K)`` must not run concurrently on different streams (they share counters).
+
+The grid and every launch argument depend only on the shapes and the config (no host sync, no
+data-dependent sizes): capturable. fp32 inputs accumulate exact products (``tl.dot`` in "ieee"
+precision, not tf32). Under Triton's CPU interpreter the dot path also runs in fp32 (its bf16
+``tl.dot`` is wrong in triton 3.6) and the output is rounded on the bits (its fp32 -> bf16 cast
+truncates; ``jit._round_to``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .availability import interpret_mode, triton_can_run
+from .jit import DTYPE_CODE, _round_to, jit_functions
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+__all__ = [
+    "MAX_M",
+    "SkinnyConfig",
+    "can_use",
+    "default_config",
+    "is_available",
+    "skinny_gemm",
+    "skinny_gemm_reference",
+]
+
+MAX_M = 16  # rows of x; also the row capacity of the split-K workspace
+_MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
+_MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NUM_SMS_H200 = 132
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch configuration of :func:`skinny_gemm`.
+
+    Attributes:
+        block_n: output columns (weight rows) per program, a power of two in [8, 1024]
+            (>= 16 with the dot path).
+        block_k: K elements per loop step, a power of two in [16, 4096].
+        split_k: programs along K per column tile (1 = no split), in [1, 64]; reduced
+            in-kernel (module docstring). Trimmed to the number of non-empty chunks.
+        num_warps: warps per program (1, 2, 4, 8 or 16).
+        num_stages: dot path: Triton's software-pipelining depth (shared-memory stages of the
+            weight tile); GEMV path: 1 = plain loop, >= 2 = the loads of the next K step are
+            issued before this step's FMAs (a register double buffer). >= 1.
+        use_dot: ``tl.dot`` on a 16-row padded x (True), the GEMV (False; ``M <= 4`` only), or
+            None: dot for ``M > 4``.
+        evict_first: load the weight with ``eviction_policy="evict_first"`` (streamed once).
+        x_bcast: GEMV path only: load x in the weight tile's shape (True) or as a vector
+            broadcast through shared memory (False); see the module docstring.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool | None = None
+    evict_first: bool = True
+    x_bcast: bool = True
+
+
+# Measured best configs, keyed by (m_bucket, N, K) with m_bucket = next_pow2(M) (1, 2, 4, 8, 16).
+# Filled from the dict that benchmarks/bench_skinny_gemm.py prints. A lookup for M tries the
+# buckets >= next_pow2(M) in increasing order (a config tuned for more rows is valid for fewer),
+# then falls back to :func:`_heuristic_config`.
+_MEASURED: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _dot_auto(m: int) -> bool:
+    return m > _MAX_GEMV_M
+
+
+def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """Shape-only guess for an H200 (132 SMs), used until measured values are filled in.
+
+    GEMV path (``M <= 4``): ``M_PAD * BLOCK_N * BLOCK_K = 4096`` keeps the fp32 accumulators at
+    32 registers a thread with 4 warps (~70-95 registers in all at sm_90, with the prefetch);
+    BLOCK_K = 128 (one 256-byte bf16 row segment per 16 threads, 16-byte vector loads).
+    Dot path: 64 x 128 weight tiles (16 KiB), 4 stages.
+    Split-K doubles while the grid is under ~2 programs per SM and every chunk keeps >= 4
+    K steps.
+    """
+    m_pad = _next_pow2(m)
+    if _dot_auto(m):
+        block_n, block_k, stages = 64, 128, 4
+    else:
+        block_k, stages = 128, 2
+        block_n = max(_MIN_BLOCK_N, 4096 // (m_pad * block_k))
+    tiles = _cdiv(n, block_n)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * _NUM_SMS_H200 and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def default_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """Config for ``x [m, k] @ W[n, k]^T``: the measured table (``_MEASURED``, smallest bucket
+    ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic. ``1 <= m <= 16``."""
+    bucket = _next_pow2(m)
+    while bucket <= MAX_M:
+        cfg = _MEASURED.get((bucket, n, k))
+        if cfg is not None:
+            return cfg
+        bucket *= 2
+    return _heuristic_config(m, n, k)
+
+
+# ---- availability -----------------------------------------------------------------------------------
+
+
+def is_available(device: torch.device | str) -> bool:
+    """Triton importable and a CUDA device of compute capability >= 8.0 (bf16 ``tl.dot``), or a
+    CPU under ``TRITON_INTERPRET=1``."""
+    return triton_can_run(device, min_major=8)
+
+
+def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`skinny_gemm` accepts ``(x, weight)`` and can run where they live: both 2-D
+    on one device where :func:`is_available`, ``1 <= M <= 16`` (``M = 0`` is also accepted),
+    matching K, one dtype of fp32 / bf16 / fp16, weight with unit column stride. (Any K and N;
+    ragged tiles are masked.)"""
+    return (
+        x.dim() == 2 and weight.dim() == 2
+        and x.shape[0] <= MAX_M and x.shape[1] == weight.shape[1]
+        and x.dtype in _DTYPES and weight.dtype == x.dtype
+        and x.device == weight.device
+        and (weight.stride(1) == 1 or weight.shape[1] <= 1)
+        and is_available(x.device)
+    )
+
+
+# ---- torch reference ------------------------------------------------------------------------------
+
+
+def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``: ``x [M, K] @ weight[N, K]^T -> [M, N]`` in x.dtype."""
+    return F.linear(x, weight)
+
+
+# ---- Triton kernel ----------------------------------------------------------------------------------
+#
+# Plain Python here; :func:`_kernels` decorates copies bound to a fresh globals dict (triton stays an
+# optional import; helpers resolve through that dict both compiled and interpreted), as in
+# ``kernels/context_kv.py``.
+
+
+def _load_w(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    # a weight tile; unmasked when the tiles divide N and K (no predicates, widest vectors)
+    if MASKED:
+        if EVICT_FIRST:
+            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        if EVICT_FIRST:
+            w = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs)
+    return w
+
+
+def _gemv_loads(
+    w_rows, x_ptr, k0, ok, offs_n, zero_n, M, N, K, stride_xm, stride_xk,
+    BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    X_BCAST: tl.constexpr,
+):
+    # the weight tile [BLOCK_N, BLOCK_K] at k0 and the x rows' slices (rows past M_PAD: row 0's,
+    # unused); ok = False masks everything off (a prefetch past the chunk)
+    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    w = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
+                MASK_W, EVICT_FIRST)
+    if X_BCAST:
+        # x rows loaded with the weight tile's shape (stride 0 along n): the same layout as w, no
+        # shared-memory shuffle or barrier in the loop; the redundant lanes hit L1
+        kk = offs_k[None, :] + zero_n
+    else:
+        # x rows as [BLOCK_K] vectors, broadcast after the load (the compiler spreads them
+        # through shared memory: one store, a few loads, two barriers per step)
+        kk = offs_k
+    x0 = tl.load(x_ptr + kk * stride_xk, mask=(kk < K) & ok, other=0.0)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if M_PAD > 1:
+        x1 = tl.load(x_ptr + stride_xm + kk * stride_xk, mask=(kk < K) & (M > 1) & ok, other=0.0)
+    if M_PAD > 2:
+        x2 = tl.load(x_ptr + 2 * stride_xm + kk * stride_xk, mask=(kk < K) & (M > 2) & ok, other=0.0)
+        x3 = tl.load(x_ptr + 3 * stride_xm + kk * stride_xk, mask=(kk < K) & (M > 3) & ok, other=0.0)
+    return w, x0, x1, x2, x3
+
+
+def _bcast(x, X_BCAST: tl.constexpr):
+    # an x slice loaded as [BLOCK_N, BLOCK_K] (X_BCAST) or as [BLOCK_K], in fp32, ready to
+    # multiply the weight tile
+    if X_BCAST:
+        v = x.to(tl.float32)
+    else:
+        v = x.to(tl.float32)[None, :]
+    return v
+
+
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym,
+    K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr,
+):
+    # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
+    # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
+    # interpreter holds scalar arguments as arrays, which range() rejects).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k_start = pid_k * (K_ITERS * BLOCK_K)
+
+    if USE_DOT:
+        # acc[n, m] += W[n, k] x[m, k]: the weight is the wide (M-side) operand
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        for i in range(K_ITERS):
+            k0 = k_start + i * BLOCK_K
+            offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+            w = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K),
+                        MASK_W, EVICT_FIRST)
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        out = tl.trans(acc)  # [M_PAD, BLOCK_N]
+    else:
+        # GEMV, M_PAD <= 4 rows: one [BLOCK_N, BLOCK_K] fp32 accumulator per row, all in the
+        # weight tile's layout (one FMA per element and row; the K reduction once, at the end).
+        # PREFETCH: the loads of step i + 1 are issued before the FMAs of step i (a register
+        # double buffer; Triton's pipeliner only stages loads that feed tl.dot)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        zero_n = offs_n[:, None] * 0
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if M_PAD > 1:
+            acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if M_PAD > 2:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if PREFETCH:
+            w, x0, x1, x2, x3 = _gemv_loads(
+                w_rows, x_ptr, k_start, True, offs_n, zero_n, M, N, K, stride_xm, stride_xk,
+                BLOCK_K, M_PAD, MASK_W, EVICT_FIRST, X_BCAST)
+        for i in range(K_ITERS):
+            if PREFETCH:
+                cw, c0, c1, c2, c3 = w, x0, x1, x2, x3
+                w, x0, x1, x2, x3 = _gemv_loads(
+                    w_rows, x_ptr, k_start + (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n,
+                    M, N, K, stride_xm, stride_xk, BLOCK_K, M_PAD, True, EVICT_FIRST, X_BCAST)
+            else:
+                cw, c0, c1, c2, c3 = _gemv_loads(
+                    w_rows, x_ptr, k_start + i * BLOCK_K, True, offs_n, zero_n, M, N, K,
+                    stride_xm, stride_xk, BLOCK_K, M_PAD, MASK_W, EVICT_FIRST, X_BCAST)
+            cw = cw.to(tl.float32)
+            acc0 += cw * _bcast(c0, X_BCAST)
+            if M_PAD > 1:
+                acc1 += cw * _bcast(c1, X_BCAST)
+            if M_PAD > 2:
+                acc2 += cw * _bcast(c2, X_BCAST)
+                acc3 += cw * _bcast(c3, X_BCAST)
+        rows = tl.arange(0, M_PAD)[:, None]
+        out = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)  # [M_PAD, BLOCK_N]
+        if M_PAD > 1:
+            out = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], out)
+        if M_PAD > 2:
+            out = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], out)
+            out = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], out)
+
+    offs_mo = tl.arange(0, M_PAD)[:, None]
+    offs_no = (n0 + tl.arange(0, BLOCK_N))[None, :]
+    o_mask = (offs_mo < M) & (offs_no < N)
+    y_ptrs = y_ptr + offs_mo * stride_ym + offs_no
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, _round_to(out, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # partial -> part[pid_k, m, n]; the last of the SPLIT_K programs of this column tile sums
+        # the slabs in split order, stores y and re-arms the counter (module docstring)
+        part = part_ptr + offs_mo * N + offs_no
+        tl.store(part + pid_k * (PART_ROWS * N), out, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * (PART_ROWS * N), mask=o_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, _round_to(total, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
+    del interpret
+    namespace = jit_functions(__name__, (_round_to, _load_w, _gemv_loads, _bcast, _skinny_gemm_kernel))
+    return namespace["_skinny_gemm_kernel"]
+
+
+# ---- split-K workspace ------------------------------------------------------------------------------
+
+_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials ``[split_k, 16, n]`` fp32, counters ``[ceil(n / 8)]`` int32 zeros) for one
+    ``(device, n, split_k)``, allocated once and kept (graphs may point at them)."""
+    key = (device, n, split_k)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        part = torch.empty((split_k, MAX_M, n), dtype=torch.float32, device=device)
+        counters = torch.zeros(_cdiv(n, _MIN_BLOCK_N), dtype=torch.int32, device=device)
+        ws = _WORKSPACES[key] = (part, counters)
+    return ws
+
+
+# ---- host side --------------------------------------------------------------------------------------
+
+
+def _is_pow2(v: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def _check_config(cfg: SkinnyConfig, use_dot: bool, m: int) -> None:
+    if not isinstance(cfg, SkinnyConfig):
+        raise ValueError(f"config must be a SkinnyConfig or None, got {type(cfg).__name__}")
+    if not use_dot and m > _MAX_GEMV_M:
+        raise ValueError(f"config.use_dot=False (GEMV) supports M <= {_MAX_GEMV_M}, got M={m}; "
+                         "use use_dot=True or None")
+    lo_n = 16 if use_dot else _MIN_BLOCK_N
+    if not (_is_pow2(cfg.block_n) and lo_n <= cfg.block_n <= 1024):
+        raise ValueError(f"config.block_n must be a power of two in [{lo_n}, 1024]"
+                         f"{' (tl.dot path)' if use_dot else ''}, got {cfg.block_n!r}")
+    if not (_is_pow2(cfg.block_k) and 16 <= cfg.block_k <= 4096):
+        raise ValueError(f"config.block_k must be a power of two in [16, 4096], got {cfg.block_k!r}")
+    if isinstance(cfg.split_k, bool) or not isinstance(cfg.split_k, int) or not 1 <= cfg.split_k <= 64:
+        raise ValueError(f"config.split_k must be an int in [1, 64], got {cfg.split_k!r}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config.num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps!r}")
+    if isinstance(cfg.num_stages, bool) or not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
+        raise ValueError(f"config.num_stages must be an int >= 1, got {cfg.num_stages!r}")
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K], got shape {tuple(getattr(x, 'shape', ()))}; "
+                         "flatten the leading dims first")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [N, K], got shape "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"x has M={x.shape[0]} rows; skinny_gemm supports M <= {MAX_M} "
+                         "(use F.linear for larger batches)")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K={x.shape[1]}] and weight [N, K={weight.shape[1]}] disagree on K")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}; cast one")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}; move them to one device")
+    if weight.stride(1) != 1 and weight.shape[1] > 1:
+        raise ValueError(f"weight must have unit column stride (e.g. contiguous), got strides "
+                         f"{tuple(weight.stride())}; pass weight.contiguous()")
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``x @ weight^T`` for at most 16 rows in one Triton launch (see the module docstring).
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= 16``, any strides.
+        weight: ``[N, K]`` of x's dtype and device, unit column stride (any row stride).
+        config: tiles and launch options; ``None``: :func:`default_config` ``(M, N, K)``.
+
+    Returns:
+        ``[M, N]`` contiguous in x.dtype: ``F.linear(x, weight)`` up to the fp32 accumulation
+        order (fp32 accumulation; one rounding at the end). Bitwise reproducible for a given
+        config. Runs where :func:`is_available` says (CUDA sm80+, or a CPU under the
+        interpreter); check :func:`can_use` first to fall back to ``F.linear``.
+    """
+    _check(x, weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = default_config(m, n, k) if config is None else config
+    if not isinstance(cfg, SkinnyConfig):
+        raise ValueError(f"config must be a SkinnyConfig or None, got {type(cfg).__name__}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0 or k == 0:
+        _check_config(cfg, _use_dot(cfg, m), m)
+        return y.zero_()
+    interpret = interpret_mode()
+    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret)
+    if split_k > 1:
+        part, counters = _workspace(x.device, n, split_k)
+    else:
+        part = counters = y  # unused
+    _kernels(interpret)[grid](
+        x, weight, y, part, counters,
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0),
+        **meta,
+    )
+    return y
+
+
+def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
+    return _dot_auto(m) if cfg.use_dot is None else bool(cfg.use_dot)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
+          interpret: bool) -> tuple[tuple[int, int], int, dict]:
+    """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
+    (cached per shape and config: the eager host path is a dict lookup and one launch)."""
+    use_dot = _use_dot(cfg, m)
+    _check_config(cfg, use_dot, m)
+    block_k = cfg.block_k
+    k_per_split = _cdiv(_cdiv(k, cfg.split_k), block_k) * block_k  # K / split up to BLOCK_K
+    split_k = _cdiv(k, k_per_split)  # drop chunks that would start past K
+    meta = dict(
+        K_ITERS=k_per_split // block_k, M_PAD=16 if use_dot else _next_pow2(m),
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        USE_DOT=use_dot, IEEE=use_dot and (dtype == torch.float32 or interpret),
+        MASK_W=n % cfg.block_n != 0 or k != split_k * k_per_split,
+        EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
+        PREFETCH=not use_dot and cfg.num_stages > 1,
+        OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (_cdiv(n, cfg.block_n), split_k), split_k, meta

@@ -244,6 +244,9 @@ def test_default_config_table(monkeypatch) -> None:
         assert sg.default_config(1, 256, 2048) is four
         assert sg.default_config(5, 256, 2048) is sixteen
         assert sg.default_config(1, 256, 4096) == sg._heuristic_config(1, 256, 4096)
+        # only measured shapes count as tuned (layers.linear keeps cuBLAS for the others)
+        assert sg.is_tuned(1, 256, 2048) and sg.is_tuned(16, 256, 2048)
+        assert not sg.is_tuned(17, 256, 2048) and not sg.is_tuned(1, 256, 4096)
     finally:
         monkeypatch.undo()
         sg.default_config.cache_clear()
@@ -423,3 +426,25 @@ def test_bound_helper_can_fail() -> None:
     _assert_close_to_exact(y, x, w)
     with pytest.raises(AssertionError, match="bound"):
         _assert_close_to_exact(y * (1 + 2.0**-9), x, w)
+
+
+@cuda
+def test_cuda_layers_linear_takes_the_kernel_only_where_tuned(monkeypatch) -> None:
+    """``models.layers.linear`` routes a tuned decode shape through the kernel (same values as
+    F.linear up to accumulation order) and keeps cuBLAS for untuned shapes, biases and M > 16."""
+    from laguna_dflash.models import layers
+
+    calls = []
+    original = sg.skinny_gemm
+    monkeypatch.setattr(sg, "skinny_gemm", lambda x, w, cfg=None: (calls.append(x.shape[0]), original(x, w, cfg))[1])
+    with torch.inference_mode():
+        for m in (1, 4, 16):
+            x, w = _problem(m, 2048, 8192, torch.bfloat16, seed=m, device="cuda")  # o_proj: tuned
+            _assert_close_to_exact(layers.linear(x, w), x, w)
+        assert calls == [1, 4, 16]
+        x, w = _problem(17, 2048, 8192, torch.bfloat16, seed=0, device="cuda")
+        layers.linear(x, w)
+        x, w = _problem(1, 2048 + 40, 2048, torch.bfloat16, seed=0, device="cuda")  # untuned
+        layers.linear(x, w)
+        layers.linear(x, w, torch.zeros(w.shape[0], device="cuda", dtype=w.dtype))
+        assert calls == [1, 4, 16]

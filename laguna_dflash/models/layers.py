@@ -20,15 +20,17 @@ from .rope import RotaryEmbedding
 
 # Decode-phase GEMMs (M <= 16 rows: decode, verify, the drafter block) through the Triton skinny
 # GEMM (kernels/skinny_gemm.py) on CUDA; False: cuBLAS everywhere (an A/B switch for benchmarks).
-use_skinny_gemm = False  # until measured on the H200
+use_skinny_gemm = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA with
-    M <= 16 and no bias: the skinny GEMM (streams the weight once at close to copy bandwidth,
-    split-K reduced in the same launch); otherwise ``F.linear``."""
+    M <= 16, no bias and a shape the skinny GEMM was tuned for (where it beat cuBLAS on the
+    H200: it streams the weight once, split-K reduced in the same launch); otherwise
+    ``F.linear``."""
     if (bias is None and use_skinny_gemm and x.is_cuda and not torch.is_grad_enabled()
-            and skinny_gemm.can_use(x, weight)):
+            and skinny_gemm.can_use(x, weight)
+            and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])):
         return skinny_gemm.skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
 

@@ -164,6 +164,46 @@ def test_adaptive_k_policy_picks_what_pays():
     assert good.choose(64) == 4  # a new batch-size bucket is measured first
 
 
+def _run_policy(pol, steps: int, accepted_of_k, seconds_of_k) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        k = pol.choose(1)
+        chosen.append(k)
+        pol.observe(k, 1, [accepted_of_k(k)] if k else [], seconds=seconds_of_k(k))
+    return chosen
+
+
+def test_adaptive_k_exploration_backs_off_while_drafting_does_not_pay():
+    from laguna_dflash.engine.adaptive_k import AdaptiveK
+
+    def cost(k):  # measured shape at XS-2.1 size: a full-K step ~3.5x a decode step
+        return 1.0 + 0.17 * k
+
+    useless = AdaptiveK(max_k=15, explore_every=16, max_explore_every=256)
+    chosen = _run_policy(useless, 2000, lambda k: 0, cost)
+    fixed = AdaptiveK(max_k=15, explore_every=16, max_explore_every=16)  # no backoff
+    _run_policy(fixed, 2000, lambda k: 0, cost)
+    # without backoff every 16th step explores; with it the interval grows 32, 64, 128, 256
+    assert fixed.num_explorations == 2000 // 16
+    assert useless.num_explorations <= 12, useless.num_explorations
+    assert useless.explore_interval == 256
+    assert chosen[-1000:].count(15) <= 4
+    assert chosen[-100:].count(0) >= 99
+    # the drafter starts to pay: the next exploration sees it, the interval resets, drafting resumes
+    chosen = _run_policy(useless, 600, lambda k: k, cost)
+    assert useless.explore_interval == 16
+    assert chosen[-50:].count(0) == 0
+
+
+def test_adaptive_k_keeps_exploring_often_while_drafting_pays():
+    from laguna_dflash.engine.adaptive_k import AdaptiveK
+
+    pol = AdaptiveK(max_k=7, explore_every=16)
+    chosen = _run_policy(pol, 320, lambda k: min(k, 3), lambda k: 1.0 + 0.1 * k)
+    assert pol.explore_interval == 16 and pol.num_explorations == 320 // 16
+    assert 3 in chosen[-20:]
+
+
 def test_failed_step_names_its_requests(tmp_path, monkeypatch):
     from laguna_dflash import LLM
     from laguna_dflash.engine.engine import StepError

@@ -8,7 +8,14 @@ measured on this engine (K = 0 is plain target-only decoding). The policy picks
 drafter, or a MoE target whose verify touches many experts, it falls back towards K = 0 and is
 never much slower than target-only decoding. Acceptance rates are exponential moving averages;
 every ``explore_every`` steps the full K runs so the estimates for long drafts stay fresh.
-Changing K never changes the output: acceptance is still exact.
+
+Exploration backs off: an exploration step after which plain decoding (K = 0) is still the best
+choice doubles the interval, up to ``max_explore_every``; one after which drafting pays resets
+it. With a drafter that never helps (every draft rejected) a full-K step costs about 3.5x a
+decode step at Laguna-XS-2.1 size on an H200 (docs/PERFORMANCE.md), so exploring every 16 steps
+would alone cost ~15% of throughput; at the 256-step cap it costs ~1%. The price is reaction
+time: after a long run of K = 0 a change in the traffic is noticed within ``max_explore_every``
+steps. Changing K never changes the output: acceptance is still exact.
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ def batch_bucket(batch_size: int) -> int:
 
 
 class AdaptiveK:
-    def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.1) -> None:
+    def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.1,
+                 max_explore_every: int = 256) -> None:
         self.max_k = max_k
         self.explore_every = explore_every
+        self.max_explore_every = max(max_explore_every, explore_every)
         self.ema = ema
         self.rates = [1.0] * max_k  # optimistic start: first steps draft the full block
         self.step_time: dict[tuple[int, int], float] = {}  # (K, batch bucket) -> seconds
         self.num_steps = 0
+        self.explore_interval = explore_every  # current; backs off while K = 0 stays best
+        self.steps_since_explore = 0
+        self.num_explorations = 0
+        self._exploring_bucket: int | None = None  # set by choose() for an exploration step
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.rates[:k])
@@ -47,11 +60,23 @@ class AdaptiveK:
     def choose(self, batch_size: int) -> int:
         """K for the next step of ``batch_size`` requests (0 = target-only decode)."""
         self.num_steps += 1
+        self.steps_since_explore += 1
         bucket = batch_bucket(batch_size)
-        if (self.max_k, bucket) not in self.step_time or self.num_steps % self.explore_every == 0:
+        if (self.max_k, bucket) not in self.step_time:
+            return self.max_k
+        if self.steps_since_explore >= self.explore_interval:
+            self.steps_since_explore = 0
+            self.num_explorations += 1
+            self._exploring_bucket = bucket
             return self.max_k
         if (0, bucket) not in self.step_time:
             return 0  # measure plain decode once
+        return self.best_k(bucket)
+
+    def best_k(self, bucket: int) -> int:
+        """``argmax_K`` expected tokens per second at this batch bucket (0 without a K = 0 cost)."""
+        if (0, bucket) not in self.step_time:
+            return 0
         best, best_rate = 0, self.expected_tokens(0) / self.step_time[(0, bucket)]
         for k in range(1, self.max_k + 1):
             cost = self.cost(k, bucket)
@@ -69,3 +94,10 @@ class AdaptiveK:
         for pos in range(k):
             rate = sum(a > pos for a in accepted) / len(accepted)
             self.rates[pos] = (1 - self.ema) * self.rates[pos] + self.ema * rate
+        bucket = self._exploring_bucket
+        if bucket is not None:  # the outcome of an exploration step: back off or reset
+            self._exploring_bucket = None
+            if self.best_k(bucket) == 0:
+                self.explore_interval = min(2 * self.explore_interval, self.max_explore_every)
+            else:
+                self.explore_interval = self.explore_every

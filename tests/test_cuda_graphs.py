@@ -310,20 +310,26 @@ def test_pending_rows_gather_per_source():
     b.add_pending_taps(step1, 1, 1, 22)
     want_a = torch.cat([verify[0:3], step1[0:1], step2[0:1]])
     want_b = torch.cat([verify[4:6], step1[1:2]])
-    groups, rows = plan_rows([a, b], [0, 5])
-    got = gather_pending_taps([a, b], torch.from_numpy(rows), rows, groups)
+    sources, rows = plan_rows([a, b], [0, 5])
+    got = gather_pending_taps([a, b], torch.from_numpy(rows), rows, sources)
     torch.testing.assert_close(got, torch.cat([want_a, want_b]), rtol=0, atol=0)
-    groups, rows = plan_rows([a, b], [0, 8])  # padded: request i at row 8 * i
+    sources, rows = plan_rows([a, b], [0, 8])  # padded: request i at row 8 * i
     dest = torch.zeros(16, 5)
-    copy_rows(dest, groups, torch.from_numpy(rows))
+    copy_rows(dest, sources, torch.from_numpy(rows))
     torch.testing.assert_close(dest[:5], want_a, rtol=0, atol=0)
     torch.testing.assert_close(dest[8:11], want_b, rtol=0, atol=0)
     assert dest[5:8].abs().sum() == 0 and dest[11:].abs().sum() == 0
     c = Sequence(2, [1], SP())  # one contiguous run of one source: a view, no copy
     c.add_pending_taps(verify, 2, 4, 0)
-    groups, rows = plan_rows([c], [0])
-    got = gather_pending_taps([c], torch.from_numpy(rows), rows, groups)
+    sources, rows = plan_rows([c], [0])
+    got = gather_pending_taps([c], torch.from_numpy(rows), rows, sources)
     assert got.data_ptr() == verify[2].data_ptr() and got.shape == (4, 5)
+    d, e = Sequence(3, [1], SP()), Sequence(4, [1], SP())  # one source, rows apart: a verify step
+    d.add_pending_taps(verify, 1, 1, 0)
+    e.add_pending_taps(verify, 5, 2, 0)
+    sources, rows = plan_rows([d, e], [0, 1])
+    got = gather_pending_taps([d, e], torch.from_numpy(rows), rows, sources)
+    torch.testing.assert_close(got, verify[[1, 5, 6]], rtol=0, atol=0)
     with pytest.raises(AssertionError, match="contiguous"):
         c.add_pending_taps(step1, 0, 1, 7)
 

@@ -7,8 +7,9 @@ issued eagerly by the host each step. Here they replay from a graph captured per
 size ``R_pad`` with ``M = K_max + 1`` rows per request:
 
 * row ``i * M + j`` of the static ``features [R_pad * M, n_taps * H_t]`` holds request ``i``'s
-  ``j``-th pending tap row, copied there by one ``index_select`` + ``index_copy_`` per source
-  tensor of the pending rows (engine/pending_taps.py: one per step that produced them);
+  ``j``-th pending tap row, copied there by one ``index_select`` + ``index_copy_`` from the
+  source tensors of the pending rows (engine/pending_taps.py; several sources are concatenated
+  first);
 * the static ``positions`` / ``slots`` give those rows' positions and drafter cache slots; rows
   without a pending tap (short requests, padding requests) get position 0 and the scratch slot,
   so they compute on stale finite features and write only the scratch block.
@@ -83,13 +84,13 @@ class ContextGraphRunner:
             n, start = s.num_pending, s.pending_start
             rows[0, i * m : i * m + n] = range(start, start + n)
             rows[1, i * m : i * m + n] = slots_of(s, start, n)
-        groups, copy_rows_host = plan_rows(pending, [i * m for i in range(r)])
+        sources, copy_rows_host = plan_rows(pending, [i * m for i in range(r)])
         num_real = copy_rows_host.shape[1]
         rows[2:, :num_real] = copy_rows_host
         self.index.copy_(self.host_index, non_blocking=True)  # whole (contiguous, a few KB)
         if self.copied is not None:
             self.copied.record()
-        copy_rows(self.features, groups, self.index[2:, :num_real])
+        copy_rows(self.features, sources, self.index[2:, :num_real])
         if self.device.type != "cuda":  # CPU: the same padded computation, eagerly
             self._run_model(r_pad * m)
             return

@@ -112,14 +112,14 @@ class DFlashProposer:
     def _store_context_eagerly(self, pending: list[Sequence]) -> None:
         device = torch.device(self.runner.device)
         counts = [s.num_pending for s in pending]
-        groups, rows = plan_rows(pending, np.cumsum([0] + counts[:-1]).tolist())
+        sources, rows = plan_rows(pending, np.cumsum([0] + counts[:-1]).tolist())
         index = torch.from_numpy(np.concatenate([  # [4, N]: positions, slots, gather rows (host)
             np.concatenate([np.stack([np.arange(s.pending_start, s.pending_start + n),
                                       self.slots(s, s.pending_start, n)])
                             for s, n in zip(pending, counts)], axis=1), rows]))
         if device.type == "cuda":  # one asynchronous copy
             index = index.pin_memory().to(device, non_blocking=True)
-        features = gather_pending_taps(pending, index[2:], rows, groups)
+        features = gather_pending_taps(pending, index[2:], rows, sources)
         context = self.drafter.combine_hidden_states(features)
         self.drafter.precompute_and_store_context_kv(context, index[0], index[1], self.kv_cache.layers)
 

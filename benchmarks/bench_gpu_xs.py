@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.adaptive_k import AdaptiveK
 from laguna_dflash.engine.attention import get_attention_backend
 from laguna_dflash.models import fusion
 from laguna_dflash.models.layers import MoE
@@ -133,6 +134,17 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm
     after = llm.get_metrics()
     steps = after["num_decode_steps"] - before["num_decode_steps"]
     return (after["decode_s"] - before["decode_s"]) / steps
+
+
+def decode_tokens_per_s(llm: LLM, prompt: list[int], new_tokens: int, batch: int) -> float:
+    """Decode-phase tokens per second of ``batch`` copies of ``prompt`` (committed tokens over
+    decode wall time: what a speculating engine delivers)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    before = llm.get_metrics()
+    llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
+    sync(llm.config.device)
+    after = llm.get_metrics()
+    return (after["num_decode_tokens"] - before["num_decode_tokens"]) / (after["decode_s"] - before["decode_s"])
 
 
 def graph_runners(llm: LLM) -> list:
@@ -265,6 +277,8 @@ def main() -> None:
     ap.add_argument("--ks", default="1,3,7,15", help="draft counts K for the batch-1 DFlash step")
     ap.add_argument("--simulated", default="1,2,4,8", help="simulated acceptance lengths to time")
     ap.add_argument("--sim-ks", default="0,1,3,7", help="K values tried per simulated-acceptance cell")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="also time the adaptive-K engine per simulated-acceptance cell")
     ap.add_argument("--rounds", type=int, default=2,
                     help="interleaved repeats of the target-only and simulated cells (min kept)")
     ap.add_argument("--device", default="cuda", help="cpu runs a wiring check at small sizes")
@@ -357,6 +371,24 @@ def main() -> None:
                         t = step_time(spec, prompt, args.new_tokens, b, warm=rnd == 0) / (1 + min(k, length - 1))
                         if (b, length) not in simulated or t < simulated[b, length][0]:
                             simulated[b, length] = (t, k)
+        # The adaptive-K engine (--adaptive-k) per cell: it picks K itself from measured step
+        # times and acceptance, exploring the full K now and then. A fresh policy per cell learns
+        # in a warm-up run of the same length; graphs for the K values it picks later are
+        # captured inside the timed run (pessimistic).
+        adaptive = {}  # (batch, length) -> (tok/s, mean K drafted per step)
+        if args.adaptive:
+            for b in batches:
+                for length in (float(x) for x in args.simulated.split(",")):
+                    engine.num_speculative_tokens = max_k
+                    engine.adaptive_k = AdaptiveK(max_k)
+                    engine.simulated_acceptance, engine._sim_carry = length, 0.0
+                    decode_tokens_per_s(spec, prompt, 4 * args.new_tokens, b)  # learn
+                    drafted = engine.spec_stats.num_draft_tokens, engine.timings.num_decode_steps
+                    rate = decode_tokens_per_s(spec, prompt, 4 * args.new_tokens, b)
+                    steps = engine.timings.num_decode_steps - drafted[1]
+                    mean_k = (engine.spec_stats.num_draft_tokens - drafted[0]) / max(1, steps) / b
+                    adaptive[b, length] = (rate, mean_k)
+            engine.adaptive_k = None
         engine.simulated_acceptance = None
         engine.num_speculative_tokens = max_k
         engine.proposer, engine.tap_layer_ids = None, ()  # target-only for the variants
@@ -400,6 +432,15 @@ def main() -> None:
         cells = [f"{b / simulated[b, x][0]:.1f} ({base[b] / simulated[b, x][0]:.2f}x, K={simulated[b, x][1]})"
                  for x in lengths]
         print(f"| {b} | {b / base[b]:.1f} | " + " | ".join(cells) + " |")
+    if adaptive:
+        print(f"\nthe adaptive-K engine (--adaptive-k, K <= {max_k} chosen per step) at the same "
+              "simulated acceptance: tok/s (x target-only, mean K drafted per step)")
+        print("\n| batch | " + " | ".join(f"L={x:g}" for x in lengths) + " |")
+        print("|---:|" + "---:|" * len(lengths))
+        for b in batches:
+            cells = [f"{adaptive[b, x][0]:.1f} ({adaptive[b, x][0] * base[b] / b:.2f}x, "
+                     f"K={adaptive[b, x][1]:.1f})" for x in lengths]
+            print(f"| {b} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -371,9 +371,13 @@ class LLMEngine:
         target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
         target_tokens = target_tokens.view(len(seqs), k + 1)
         accepted = num_accepted(drafts, target_tokens)
-        # One host sync per step, after the device work: bring back what commits need.
-        accepted_list, target_list = accepted.tolist(), target_tokens.tolist()
-        draft_list = drafts.tolist()
+        # One host sync per step, after the device work: bring back what commits need, in one
+        # copy ([R, 1 + (K+1) + K]: accepted count, target tokens, drafts).
+        rows = torch.cat([accepted.view(-1, 1).to(drafts.dtype), target_tokens.to(drafts.dtype),
+                          drafts], dim=1).tolist()
+        accepted_list = [row[0] for row in rows]
+        target_list = [row[1 : k + 2] for row in rows]
+        draft_list = [row[k + 2 :] for row in rows]
         if self.simulated_acceptance is not None:
             accepted_list = [self._simulated_accept(k) for _ in seqs]
         logits = logits.view(len(seqs), k + 1, -1)

@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# GPU correctness first, then the numbers, in as few device calls as the 10-minute limit allows:
-#   bash benchmarks/gpu_check.sh            # all three stages (~9.5 minutes: tight)
-#   bash benchmarks/gpu_check.sh tests      # or one stage per call: tests | profile | bench
+# GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
+#   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh profile    # batch-1 step: replay vs floor, per-kernel table,
+#                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
+#   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
+#                                           # simulated-acceptance table (~3.5 min)
+#   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
+#   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
-# README). Timeouts keep each stage inside its share of a call.
+# README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
-stage=${1:-all}
+stage=${1:-tests}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
 quiet() { grep -Ev "warn|Warn"; }
-if [ "$stage" = all ] || [ "$stage" = tests ]; then
-  echo "== graphs, fast path, losslessness on the GPU"
-  timeout 220 python -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py \
-    tests/test_inference_fusion.py --tb=short 2>&1 | quiet | tail -8
-fi
-if [ "$stage" = all ] || [ "$stage" = profile ]; then
-  echo "== where the batch-1 decode step goes"
-  timeout 100 python benchmarks/profile_decode_xs.py --top 12 2>&1 | quiet | tail -30
-fi
-if [ "$stage" = all ] || [ "$stage" = bench ]; then
-  echo "== XS-2.1 size: floor, DFlash steps, variants, simulated acceptance"
-  timeout 240 python benchmarks/bench_gpu_xs.py --new-tokens 32 --variants --profile 2>&1 \
-    | quiet | tail -60
-fi
+case "$stage" in
+  tests)
+    echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
+    timeout 330 python -m pytest -q -x -rA -p no:cacheprovider tests/test_cuda_graphs.py \
+      tests/test_inference_fusion.py tests/test_kernel_skinny_gemm.py --tb=short 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "^PASSED.*interpreted" | tail -40 ;;
+  profile)
+    echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
+    timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
+      --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
+  bench)
+    echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"
+    timeout 300 python benchmarks/bench_gpu_xs.py --new-tokens 32 --rounds 2 2>&1 | quiet | tail -40 ;;
+  adaptive)
+    echo "== the adaptive-K engine against target-only"
+    timeout 300 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 1,16 \
+      --simulated 1,4 --rounds 1 --adaptive 2>&1 | quiet | tail -30 ;;
+  sweep)
+    echo "== skinny GEMM tile sweep"
+    timeout 300 python benchmarks/bench_skinny_gemm.py --m 1,4,16 \
+      --shapes 10240x2048,2048x10240 --budget 185 2>&1 | quiet | grep -v OutOfResources | tail -70 ;;
+  *) echo "unknown stage $stage: tests | profile | bench | adaptive | sweep"; exit 2 ;;
+esac

@@ -7,6 +7,8 @@ bf16; ``gate_up [256, 1024, 2048]`` + ``down [256, 2048, 512]`` = 6 MiB per expe
 * ``fused``: ``kernels.fused_moe.fused_moe_experts`` (what ``MoE.forward`` runs on a GPU with ``MoE.use_fused_moe``);
 * ``gather``: ``MoE.experts_forward_gather`` (the previous GPU path: one expert copy per pair);
 * ``loop``: ``MoE.experts_forward`` (grouped loop over the experts hit, one host sync);
+* ``gemv`` (T = 1 only): ``kernels.moe_gemv.moe_gemv_experts`` (per-pair GEMVs, ``MoE.use_moe_gemv``),
+  eager and replayed, with ``--sweep`` over its tile configs;
 
 eagerly, and the first two also replayed from a CUDA graph (``graph``), against the bandwidth
 floor: bytes of the distinct experts hit over the device-to-device copy bandwidth measured in the
@@ -26,7 +28,7 @@ from functools import partial
 
 import torch
 
-from laguna_dflash.kernels import fused_moe
+from laguna_dflash.kernels import fused_moe, moe_gemv
 from laguna_dflash.models.layers import MoE
 
 E, K, H, INTER = 256, 8, 2048, 512
@@ -121,6 +123,10 @@ def main() -> None:
             ):
                 err = (out.float() - ref).abs().max().item() / scale
                 assert err < 3e-2, f"T={t} {name}: relative error {err:.3g} vs the fp32 reference"
+            if t == 1:
+                out = moe_gemv.moe_gemv_experts(x, ids, w, m0.experts_gate_up, m0.experts_down).sum(1)
+                err = (out.float() - ref).abs().max().item() / scale
+                assert err < 3e-2, f"T=1 gemv: relative error {err:.3g} vs the fp32 reference"
             fused = [partial(fused_moe.fused_moe_experts, x, ids, w, m.experts_gate_up,
                              m.experts_down) for m in layers]
             gather = [partial(m.experts_forward_gather, x, w, ids) for m in layers]
@@ -132,16 +138,22 @@ def main() -> None:
             row["gather"] = time_per_call(gather, args.reps)
             row["gather graph"] = time_per_call([graphed(f) for f in gather], args.reps)
             row["loop"] = time_per_call(loop, max(2, args.reps // 4))
+            if t == 1:  # the per-pair GEMVs (pairs unsummed, as the engine runs them)
+                gemv = [partial(moe_gemv.moe_gemv_experts, x, ids, w, m.experts_gate_up,
+                                m.experts_down) for m in layers]
+                row["gemv graph"] = time_per_call([graphed(f) for f in gemv], args.reps)
+                if args.sweep:
+                    sweep_gemv(row, gemv, args.reps)
             if args.sweep and t in (1, 16):
                 sweep(row, fused, args.reps)
         rows.append(row)
     cols = ["T", "pairs", "experts hit", "floor", "fused", "fused graph", "gather", "gather graph",
-            "loop"]
+            "loop", "gemv graph"]
     print("times in microseconds per layer; floor = bytes of the experts hit / copy bandwidth\n")
     print("| " + " | ".join(cols) + " | fused graph / floor |")
     print("|" + "---|" * (len(cols) + 1))
     for r in rows:
-        cells = [str(r[c]) if isinstance(r[c], int) else f"{r[c]:.1f}" for c in cols]
+        cells = ["" if c not in r else str(r[c]) if isinstance(r[c], int) else f"{r[c]:.1f}" for c in cols]
         print("| " + " | ".join(cells) + f" | {r['fused graph'] / r['floor']:.2f} |")
 
 
@@ -161,6 +173,20 @@ def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
     print(f"T={row['T']} sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
           f"floor {row['floor']:.1f}, current {current:.1f}: "
           + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]))
+
+
+def sweep_gemv(row: dict, gemv: list[Callable[[], object]], reps: int) -> None:
+    """Time (BLOCK_N, BLOCK_K, warps) per GEMV kernel (graph replay); prints the best."""
+    base_gu, base_dn = moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG
+    results = []
+    for gu in [(8, 256, 4), (16, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 4), (8, 512, 8)]:
+        for dn in [(16, 256, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4), (16, 512, 4), (64, 128, 4)]:
+            moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG = gu, dn
+            results.append((time_per_call([graphed(f) for f in gemv], reps), gu, dn))
+    moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG = base_gu, base_dn
+    results.sort()
+    print(f"T=1 gemv sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
+          f"floor {row['floor']:.1f}: " + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 #                                           # simulated-acceptance table (~3.5 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
+#   bash benchmarks/gpu_check.sh moe        # per-pair GEMV MoE (T = 1) vs fused_moe: kernel
+#                                           # sweep, then the decode step with it on (~4 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -37,5 +39,12 @@ case "$stage" in
     echo "== skinny GEMM tile sweep"
     timeout 300 python benchmarks/bench_skinny_gemm.py --m 1,4,16 \
       --shapes 10240x2048,2048x10240 --budget 185 2>&1 | quiet | grep -v OutOfResources | tail -70 ;;
-  *) echo "unknown stage $stage: tests | profile | bench | adaptive | sweep"; exit 2 ;;
+  moe)
+    echo "== batch-1 MoE: per-pair GEMVs against the grouped fused kernels"
+    timeout 150 python -m pytest -q -rA -p no:cacheprovider tests/test_kernel_moe_gemv.py 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8
+    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
+    timeout 150 python benchmarks/profile_decode_xs.py --top 8 \
+      --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=True" 2>&1 | quiet | tail -40 ;;
+  *) echo "unknown stage $stage: tests | profile | bench | adaptive | sweep | moe"; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import fused_moe, moe_routing, qk_norm_rope_cache, skinny_gemm
+from ..kernels import fused_moe, moe_gemv, moe_routing, qk_norm_rope_cache, skinny_gemm
 from . import fusion
 from .rope import RotaryEmbedding
 
@@ -251,6 +251,9 @@ class MoE(nn.Module):
     # * otherwise (CPU, fp32, training): the reference loop over the experts hit (one host sync).
     use_fused_moe: bool = True
     fused_moe_max_pairs: int = 256
+    # ONE token (batch-1 decode): the per-pair GEMV kernels (kernels/moe_gemv.py) instead of the
+    # grouped fused kernels. Off until measured on a GPU (bench_fused_moe.py times both).
+    use_moe_gemv: bool = False
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None
@@ -316,9 +319,12 @@ class MoE(nn.Module):
             logits, self.e_score_correction_bias, self.top_k, self.logit_softcapping,
             self.score_func, self.norm_topk_prob, scale=self.routed_scaling_factor,
             num_shared=int(folded))
-        pairs = fused_moe.fused_moe_experts(
-            x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
-            self.down_with_shared if folded else self.experts_down, reduce=False)
+        experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
+                   self.down_with_shared if folded else self.experts_down)
+        if self.use_moe_gemv and x.shape[0] == 1:
+            pairs = moe_gemv.moe_gemv_experts(*experts)
+        else:
+            pairs = fused_moe.fused_moe_experts(*experts, reduce=False)
         if folded and keep_pairs:
             return pairs
         if not folded and self.shared_expert is not None:

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 from interpreter_child import run_interpreted_child
+from test_kernel_fused_moe import _problem as fused_moe_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
@@ -29,17 +30,9 @@ cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="
 
 
 def _problem(t, k, e, hidden, inter, dtype, seed, device="cpu", share=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, hidden, generator=g)
-    gate_up = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
-    down = torch.randn(e, hidden, inter, generator=g) / inter**0.5
-    if share:
-        ids = torch.arange(k).repeat(t, 1)
-    else:
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=g)
-    return tuple(a.to(device=device, dtype=dtype if a.is_floating_point() else a.dtype)
-                 for a in (x, ids, weights, gate_up, down))
+    """x, ids, weights, gate_up, down as in the fused-MoE tests (``share``: every token on the
+    same experts)."""
+    return fused_moe_problem(t, k, e, hidden, inter, dtype, seed, same_experts=share, device=device)
 
 
 def _pairs_reference(x, ids, weights, gate_up, down) -> torch.Tensor:

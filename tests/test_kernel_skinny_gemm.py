@@ -429,22 +429,38 @@ def test_bound_helper_can_fail() -> None:
 
 
 @cuda
-def test_cuda_layers_linear_takes_the_kernel_only_where_tuned(monkeypatch) -> None:
-    """``models.layers.linear`` routes a tuned decode shape through the kernel (same values as
-    F.linear up to accumulation order) and keeps cuBLAS for untuned shapes, biases and M > 16."""
+def test_cuda_layers_linear_takes_the_kernel_only_while_a_graph_is_built_and_where_tuned(monkeypatch) -> None:
+    """``models.layers.linear`` routes a tuned decode shape through the kernel while a CUDA
+    graph is built (same values as F.linear up to accumulation order) and keeps cuBLAS eagerly
+    (its launch costs less host time), for untuned shapes, biases and M > 16."""
     from laguna_dflash.models import layers
 
     calls = []
     original = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda x, w, cfg=None: (calls.append(x.shape[0]), original(x, w, cfg))[1])
     with torch.inference_mode():
-        for m in (1, 4, 16):
-            x, w = _problem(m, 2048, 8192, torch.bfloat16, seed=m, device="cuda")  # o_proj: tuned
-            _assert_close_to_exact(layers.linear(x, w), x, w)
-        assert calls == [1, 4, 16]
-        x, w = _problem(17, 2048, 8192, torch.bfloat16, seed=0, device="cuda")
+        x, w = _problem(1, 2048, 8192, torch.bfloat16, seed=0, device="cuda")  # o_proj: tuned
         layers.linear(x, w)
-        x, w = _problem(1, 2048 + 40, 2048, torch.bfloat16, seed=0, device="cuda")  # untuned
-        layers.linear(x, w)
-        layers.linear(x, w, torch.zeros(w.shape[0], device="cuda", dtype=w.dtype))
+        assert calls == []  # eager: cuBLAS
+        with layers.building_cuda_graph():
+            for m in (1, 4, 16):
+                x, w = _problem(m, 2048, 8192, torch.bfloat16, seed=m, device="cuda")
+                _assert_close_to_exact(layers.linear(x, w), x, w)
+            assert calls == [1, 4, 16]
+            x, w = _problem(17, 2048, 8192, torch.bfloat16, seed=0, device="cuda")
+            layers.linear(x, w)
+            x, w = _problem(1, 2048 + 40, 2048, torch.bfloat16, seed=0, device="cuda")  # untuned
+            layers.linear(x, w)
+            layers.linear(x, w, torch.zeros(w.shape[0], device="cuda", dtype=w.dtype))
         assert calls == [1, 4, 16]
+
+
+def test_graph_build_scope_nests_and_unwinds() -> None:
+    from laguna_dflash.models import layers
+
+    assert layers._num_graph_builds == 0
+    with pytest.raises(RuntimeError), layers.building_cuda_graph():
+        with layers.building_cuda_graph():
+            assert layers._num_graph_builds == 2
+        raise RuntimeError("a failed capture")
+    assert layers._num_graph_builds == 0

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from ..models.layers import ForwardContext
+from ..models.layers import ForwardContext, building_cuda_graph
 from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
 
@@ -56,13 +56,14 @@ def capture_graph(fn: Callable[[], T], device: torch.device, pool) -> tuple[torc
     The warm-ups compute what the replay will, so their writes (K/V) must be idempotent."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    with building_cuda_graph():  # graph-only kernel choices (models.layers.linear)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out, graph.pool()
 
 

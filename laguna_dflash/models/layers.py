@@ -7,6 +7,8 @@ the split on-disk names onto row slices of these tensors.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +23,30 @@ from .rope import RotaryEmbedding
 # Decode-phase GEMMs (M <= 16 rows: decode, verify, the drafter block) through the Triton skinny
 # GEMM (kernels/skinny_gemm.py) on CUDA; False: cuBLAS everywhere (an A/B switch for benchmarks).
 use_skinny_gemm = True
+# Only while a CUDA graph is built (engine.cuda_graph.capture_graph: its warm-ups and the
+# capture): the kernel saves GPU time, but its Python launch costs more host time than a cuBLAS
+# call, which a replay does not pay and an eager forward (enforce_eager, prefill, fallbacks) does.
+_num_graph_builds = 0
+
+
+@contextlib.contextmanager
+def building_cuda_graph() -> Iterator[None]:
+    """Scope of a CUDA-graph build: :func:`linear` may take the skinny GEMM inside it."""
+    global _num_graph_builds
+    _num_graph_builds += 1
+    try:
+        yield
+    finally:
+        _num_graph_builds -= 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA with
-    M <= 16, no bias and a shape the skinny GEMM was tuned for (where it beat cuBLAS on the
-    H200: it streams the weight once, split-K reduced in the same launch); otherwise
-    ``F.linear``."""
-    if (bias is None and use_skinny_gemm and x.is_cuda and not torch.is_grad_enabled()
-            and skinny_gemm.can_use(x, weight)
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA
+    while a CUDA graph is built, with M <= 16, no bias and a shape the skinny GEMM was tuned for
+    (where it beat cuBLAS on the H200: it streams the weight once, split-K reduced in the same
+    launch); otherwise ``F.linear``."""
+    if (_num_graph_builds and bias is None and use_skinny_gemm and x.is_cuda
+            and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
             and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])):
         return skinny_gemm.skinny_gemm(x, weight)
     return F.linear(x, weight, bias)

@@ -7,10 +7,18 @@ the interpreted tests run in ONE child process with the variable set; in the par
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# True in the child process (and wherever the variable is set before triton is imported)
+INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 
 
 def run_interpreted_child(test_file: str, timeout: int = 300) -> None:

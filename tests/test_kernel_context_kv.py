@@ -10,12 +10,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
-from interpreter_child import run_interpreted_child
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 
 from laguna_dflash.kernels import context_kv as ckv
 from laguna_dflash.models.dflash import DFlashDraftModel, qwen3_draft_spec
@@ -23,7 +20,6 @@ from laguna_dflash.models.laguna_dflash import DFlashLaguna, laguna_draft_spec
 from laguna_dflash.models.random_init import randomize_
 from laguna_dflash.models.rope import RopeSpec, RotaryEmbedding
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
        torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},  # one bf16 ulp
@@ -145,8 +141,6 @@ def test_reference_matches_per_layer_loop():
 # functions such as tl.sum are decorated at import, and the package imports triton early), so the
 # interpreted tests run in a child pytest with the variable set; in this process they skip.
 
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")

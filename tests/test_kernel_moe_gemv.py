@@ -11,21 +11,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
-from interpreter_child import run_interpreted_child
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from test_kernel_fused_moe import _problem as fused_moe_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
 
 

@@ -13,21 +13,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
-from interpreter_child import run_interpreted_child
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 
 from laguna_dflash.kernels import moe_routing
 from laguna_dflash.kernels.moe_routing import fused_moe_route
 from laguna_dflash.models import fusion
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
 # the interpreter evaluates both sides of the kernel's where()s in numpy: exp overflows and 0 / 0
 # in discarded lanes warn

@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 import torch
-from interpreter_child import run_interpreted_child
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 
 from laguna_dflash.engine import attention
 from laguna_dflash.engine.attention import AttentionMetadata, TorchSDPABackend
@@ -31,10 +31,7 @@ from laguna_dflash.engine.runner import ForwardItem, build_metadata
 from laguna_dflash.engine.triton_attention import TritonPagedBackend, register
 from laguna_dflash.kernels import paged_attention as pa
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
 
 TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5},

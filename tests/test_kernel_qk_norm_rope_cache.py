@@ -14,17 +14,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
-from interpreter_child import run_interpreted_child
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 
 from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
 from laguna_dflash.models.fusion import rms_norm_rope
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
        torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2},  # one bf16 ulp
        torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
@@ -115,8 +111,6 @@ def check(a: dict, max_mismatch: float = 1.0) -> None:
 # test_kernel_context_kv.py), so the interpreted tests run in a child pytest with the variable set;
 # in this process they skip.
 
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")

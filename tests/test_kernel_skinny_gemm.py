@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -31,15 +30,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_child import run_interpreted_child
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 
 from laguna_dflash.kernels import skinny_gemm as sg
 from laguna_dflash.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child pytest")
 cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
 REPO = Path(__file__).resolve().parent.parent
 

@@ -203,27 +203,30 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
 
 
-def is_tuned(m: int, n: int, k: int) -> bool:
-    """Whether a measured config covers ``x [m, k] @ W[n, k]^T`` (a bucket ``>= next_pow2(m)``);
-    callers keep cuBLAS for the other shapes (the heuristic can be slower than cuBLAS)."""
+def _measured(m: int, n: int, k: int) -> SkinnyConfig | None:
+    """The measured config of the smallest bucket ``>= next_pow2(m)`` of this ``(n, k)``, or None."""
     bucket = _next_pow2(max(1, m))
     while bucket <= MAX_M:
-        if (bucket, n, k) in _MEASURED:
-            return True
+        cfg = _MEASURED.get((bucket, n, k))
+        if cfg is not None:
+            return cfg
         bucket *= 2
-    return False
+    return None
+
+
+def is_tuned(m: int, n: int, k: int) -> bool:
+    """Whether a measured config covers ``x [m, k] @ W[n, k]^T``; callers keep cuBLAS for the
+    other shapes (the heuristic can be slower than cuBLAS)."""
+    return _measured(m, n, k) is not None
 
 
 @functools.lru_cache(maxsize=1024)
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """Config for ``x [m, k] @ W[n, k]^T``: the measured table (``_MEASURED``, smallest bucket
     ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic. ``1 <= m <= 16``."""
-    bucket = _next_pow2(m)
-    while bucket <= MAX_M:
-        cfg = _MEASURED.get((bucket, n, k))
-        if cfg is not None:
-            return cfg
-        bucket *= 2
+    cfg = _measured(m, n, k)
+    if cfg is not None:
+        return cfg
     return _heuristic_config(m, n, k)
 
 

@@ -7,6 +7,8 @@
 #                                           # simulated-acceptance table (~3.5 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
+#   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
+#                                           # kernel sweep, then the skinny GEMM tests (~9.5 min)
 #   bash benchmarks/gpu_check.sh moe        # per-pair GEMV MoE (T = 1) vs fused_moe: kernel
 #                                           # sweep, then the decode step with it on (~4 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
@@ -24,6 +26,16 @@ case "$stage" in
     timeout 330 python -m pytest -q -x -rA -p no:cacheprovider tests/test_cuda_graphs.py \
       tests/test_inference_fusion.py tests/test_kernel_skinny_gemm.py --tb=short 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "^PASSED.*interpreted" | tail -40 ;;
+  verify)
+    echo "== graphs, fast path, GEMV MoE: losslessness and kernels on the GPU"
+    timeout 300 python -m pytest -q -rA -p no:cacheprovider tests/test_cuda_graphs.py \
+      tests/test_inference_fusion.py tests/test_kernel_moe_gemv.py --tb=short 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "^PASSED.*interpreted" | tail -60
+    echo "== T = 1 MoE: per-pair GEMVs against the grouped fused kernels"
+    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
+    echo "== skinny GEMM"
+    timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernel_skinny_gemm.py --tb=short 2>&1 \
+      | grep -E "FAILED|ERROR|passed|failed|Error" | tail -20 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -46,5 +58,5 @@ case "$stage" in
     timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
     timeout 150 python benchmarks/profile_decode_xs.py --top 8 \
       --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=True" 2>&1 | quiet | tail -40 ;;
-  *) echo "unknown stage $stage: tests | profile | bench | adaptive | sweep | moe"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | profile | bench | adaptive | sweep | moe"; exit 2 ;;
 esac

@@ -136,6 +136,15 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm
     return (after["decode_s"] - before["decode_s"]) / steps
 
 
+def prefill_time(llm: LLM, prompt: list[int], batch: int) -> float:
+    """Seconds of the prefill step of ``batch`` copies of ``prompt`` (one token generated: no
+    decode step); with a drafter it includes the prompts' drafter context store."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    before = llm.get_metrics()
+    llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
+    return llm.get_metrics()["prefill_s"] - before["prefill_s"]
+
+
 def decode_tokens_per_s(llm: LLM, prompt: list[int], new_tokens: int, batch: int) -> float:
     """Decode-phase tokens per second of ``batch`` copies of ``prompt`` (committed tokens over
     decode wall time: what a speculating engine delivers)."""
@@ -351,6 +360,7 @@ def main() -> None:
         # between minutes, more than the K = 0 overhead being measured.
         simulated = {}  # (batch, length) -> (seconds per token per request, K)
         base = {}  # batch -> seconds per target-only step
+        prefill = {}  # (batch, with the drafter's context store) -> seconds per prefill step
         sim_ks = [int(x) for x in args.sim_ks.split(",")]
         proposer = engine.proposer
         for b in batches:
@@ -360,7 +370,11 @@ def main() -> None:
                 engine.simulated_acceptance = None
                 t = step_time(spec, prompt, args.new_tokens, b, warm=rnd == 0)
                 base[b] = min(t, base.get(b, t))
+                t = prefill_time(spec, prompt, b)
+                prefill[b, False] = min(t, prefill.get((b, False), t))
                 engine.proposer, engine.tap_layer_ids = proposer, tuple(engine.drafter.target_layer_ids)
+                t = prefill_time(spec, prompt, b)
+                prefill[b, True] = min(t, prefill.get((b, True), t))
                 for length in (float(x) for x in args.simulated.split(",")):
                     # K = 0 (no drafting: the target decodes, the drafter's context still kept)
                     # is always a candidate; K > 0 only where K + 1 >= L
@@ -432,6 +446,11 @@ def main() -> None:
         cells = [f"{b / simulated[b, x][0]:.1f} ({base[b] / simulated[b, x][0]:.2f}x, K={simulated[b, x][1]})"
                  for x in lengths]
         print(f"| {b} | {b / base[b]:.1f} | " + " | ".join(cells) + " |")
+    print(f"\nprefill step of the {args.context}-token prompt(s), ms (the drafter's context store of "
+          "the prompts runs in it)\n\n| batch | target-only | with the drafter | ratio |\n|---:|---:|---:|---:|")
+    for b in batches:
+        print(f"| {b} | {prefill[b, False] * 1e3:.2f} | {prefill[b, True] * 1e3:.2f} | "
+              f"{prefill[b, True] / prefill[b, False]:.2f} |")
     if adaptive:
         print(f"\nthe adaptive-K engine (--adaptive-k, K <= {max_k} chosen per step) at the same "
               "simulated acceptance: tok/s (x target-only, mean K drafted per step)")

@@ -9,8 +9,8 @@
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
 #                                           # kernel sweep, then the skinny GEMM tests (~9.5 min)
-#   bash benchmarks/gpu_check.sh moe        # per-pair GEMV MoE (T = 1) vs fused_moe: kernel
-#                                           # sweep, then the decode step with it on (~4 min)
+#   bash benchmarks/gpu_check.sh moe        # graphs + GEMV-MoE tests, GEMV vs fused MoE at
+#                                           # T = 1, 2, 4, decode-step A/B (~8 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -32,7 +32,7 @@ case "$stage" in
       tests/test_inference_fusion.py tests/test_kernel_moe_gemv.py --tb=short 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "^PASSED.*interpreted" | tail -60
     echo "== T = 1 MoE: per-pair GEMVs against the grouped fused kernels"
-    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
+    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1,2,4 --top-k 9 2>&1 | quiet | tail -12
     echo "== skinny GEMM"
     timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernel_skinny_gemm.py --tb=short 2>&1 \
       | grep -E "FAILED|ERROR|passed|failed|Error" | tail -20 ;;
@@ -52,11 +52,14 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --m 1,4,16 \
       --shapes 10240x2048,2048x10240 --budget 185 2>&1 | quiet | grep -v OutOfResources | tail -70 ;;
   moe)
-    echo "== batch-1 MoE: per-pair GEMVs against the grouped fused kernels"
-    timeout 150 python -m pytest -q -rA -p no:cacheprovider tests/test_kernel_moe_gemv.py 2>&1 \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -8
-    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
-    timeout 150 python benchmarks/profile_decode_xs.py --top 8 \
-      --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=True" 2>&1 | quiet | tail -40 ;;
+    echo "== graphs and GEMV MoE tests (the engine with the GEMV MoE on by default)"
+    timeout 220 python -m pytest -q -rA -p no:cacheprovider tests/test_cuda_graphs.py \
+      tests/test_kernel_moe_gemv.py --tb=short 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" \
+      | grep -v "^PASSED.*interpreted" | tail -40
+    echo "== MoE at T = 1, 2, 4: per-pair GEMVs against the grouped fused kernels"
+    timeout 120 python benchmarks/bench_fused_moe.py --tokens 1,2,4 --top-k 9 2>&1 | quiet | tail -8
+    echo "== batch-1 decode step: GEMV MoE (default) against fused_moe"
+    timeout 160 python benchmarks/profile_decode_xs.py --top 10 \
+      --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=False" 2>&1 | quiet | tail -45 ;;
   *) echo "unknown stage $stage: tests | verify | profile | bench | adaptive | sweep | moe"; exit 2 ;;
 esac

@@ -406,3 +406,24 @@ def test_stored_context_rows_are_the_taps_of_their_positions(pair, context_graph
         assert min(errors) < 1e-4, (pos, errors)
         num_checked += 1
     assert num_checked == len(stored)
+
+
+def test_prefill_stores_the_prompts_context(pair):
+    """The prefill step writes the drafter's context K/V of every prompt position (no pending
+    taps survive it: the decode steps never carry a prompt-sized store), and only those slots."""
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in _prompts(3, seed=5)]
+    layers = engine.proposer.kv_cache.layers
+    before = [tuple(t.clone() for t in layer) for layer in layers]
+    engine.step()  # the prefill of all three prompts
+    assert all(s.num_computed == len(s.prompt_token_ids) for s in seqs)
+    assert all(s.num_pending == 0 for s in seqs)
+    written = {int(slot) for s in seqs
+               for slot in engine.proposer.slots(s, 0, len(s.prompt_token_ids))}
+    for layer, old in zip(layers, before):
+        for new_t, old_t in zip(layer, old):  # K and V caches [slots, heads, head_dim]
+            changed = {int(i) for i in (new_t != old_t).flatten(1).any(1).nonzero().flatten()}
+            assert changed == written

@@ -307,23 +307,26 @@ class LLMEngine:
         items = [ForwardItem(s.num_tokens, 0, s.num_tokens, s.block_table) for s in seqs]
         ids = [t for s in seqs for t in s.token_ids]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
-        ends = torch.tensor([it.num_tokens for it in items]).cumsum(0)
-        last_rows = (ends - 1).to(self.device)
+        counts = [it.num_tokens for it in items]
+        starts = [0] + list(itertools.accumulate(counts))[:-1]
+        if taps is not None:
+            # The prompts' drafter context K/V belongs to prefill (vLLM's proposer runs right
+            # after the target's prefill): queued before this step's one host sync, so TTFT pays
+            # it and the decode steps do not; the taps [sum(n), layers * H] are freed now.
+            for s, start, n in zip(seqs, starts, counts):
+                s.clear_pending_taps()
+                s.add_pending_taps(taps, start, n, 0)
+            self.proposer.store_context(seqs)
+        last_rows = torch.tensor([start + n - 1 for start, n in zip(starts, counts)]).to(self.device)
         logits = self.target.compute_logits(hidden[last_rows])
         tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
-        start = 0
-        for i, s in enumerate(seqs):
-            n = items[i].num_tokens
+        for i, (s, start, n) in enumerate(zip(seqs, starts, counts)):
             if s.params.prompt_logprobs is not None and s.prompt_logprobs is None:
                 rows = self.target.compute_logits(hidden[start : start + n - 1])
                 s.prompt_logprobs = [None] + top_logprobs(
                     rows, torch.tensor(s.prompt_token_ids[1:]), s.params.prompt_logprobs)
-            if taps is not None:
-                s.clear_pending_taps()
-                s.add_pending_taps(taps, start, n, 0)
             s.num_computed = n
             self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
-            start += n
         self.timings.num_prefill_tokens += len(ids)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:

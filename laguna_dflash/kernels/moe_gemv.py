@@ -26,10 +26,11 @@ reduction once after the loop.
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
-cannot loop to a runtime bound). On the H200 at Laguna-XS-2.1 shapes (9 pairs: top-8 plus the
-folded shared expert) one layer's experts take 19.8-20.7 us against 30.5 us for ``fused_moe``
-(CUDA-graph replays, floor 13.3 us; docs/PERFORMANCE.md), so ``MoE`` takes this path for one
-token (``MoE.use_moe_gemv``, ``MoE.moe_gemv_max_tokens``).
+cannot loop to a runtime bound). On the H200 at Laguna-XS-2.1 shapes (9 pairs per token: top-8
+plus the folded shared expert) one layer's experts take 19.8 / 36.4 / 57.3 us at T = 1 / 2 / 4
+against 30.5 / 45.9 / 71.4 us for ``fused_moe`` (CUDA-graph replays; floors 13.3 / 26.5 / 50.1
+us; docs/PERFORMANCE.md): at these sizes few pairs share an expert, so ``MoE`` takes this path
+up to ``MoE.moe_gemv_max_tokens`` = 4 tokens (``MoE.use_moe_gemv``).
 """
 
 from __future__ import annotations

@@ -268,11 +268,12 @@ class MoE(nn.Module):
     # * otherwise (CPU, fp32, training): the reference loop over the experts hit (one host sync).
     use_fused_moe: bool = True
     fused_moe_max_pairs: int = 256
-    # Up to ``moe_gemv_max_tokens`` tokens (batch-1 decode): the per-pair GEMV kernels
-    # (kernels/moe_gemv.py) instead of the grouped fused kernels; at one token every pair has its
-    # own expert and they are 1.5x faster on the H200 (bench_fused_moe.py times both).
+    # Up to ``moe_gemv_max_tokens`` tokens (decode at batch <= 4, batch-1 verify of K <= 3): the
+    # per-pair GEMV kernels (kernels/moe_gemv.py) instead of the grouped fused kernels. Few pairs
+    # share an expert there; on the H200 they take 19.8 / 36.4 / 57.3 us per layer at T = 1 / 2 /
+    # 4 against 30.5 / 45.9 / 71.4 (bench_fused_moe.py, XS-2.1 shapes; larger T not measured).
     use_moe_gemv: bool = True
-    moe_gemv_max_tokens: int = 1
+    moe_gemv_max_tokens: int = 4
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None

@@ -5,6 +5,7 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
+#   bash benchmarks/gpu_check.sh final      # the lossless/graph/GEMV tests, then bench (~6 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
@@ -40,6 +41,12 @@ case "$stage" in
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
       --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
+  final)
+    echo "== losslessness with graphs, GEMV MoE on the GPU"
+    timeout 120 python -m pytest -q -rA -p no:cacheprovider tests/test_cuda_graphs.py \
+      tests/test_kernel_moe_gemv.py -k "lossless or graphs_match or prefill_stores or xs21" \
+      --tb=short 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed" | tail -14
+    bash "$0" bench ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"
     timeout 300 python benchmarks/bench_gpu_xs.py --new-tokens 32 --rounds 2 2>&1 | quiet | tail -40 ;;
@@ -61,5 +68,5 @@ case "$stage" in
     echo "== batch-1 decode step: GEMV MoE (default) against fused_moe"
     timeout 160 python benchmarks/profile_decode_xs.py --top 10 \
       --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=False" 2>&1 | quiet | tail -45 ;;
-  *) echo "unknown stage $stage: tests | verify | profile | bench | adaptive | sweep | moe"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe"; exit 2 ;;
 esac

@@ -5,7 +5,7 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh final      # the lossless/graph/GEMV tests, then bench (~6 min)
+#   bash benchmarks/gpu_check.sh final      # the lossless + GEMV tests, then bench (~7 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
@@ -21,31 +21,37 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
 quiet() { grep -Ev "warn|Warn"; }
+# gpu_tests SECONDS PYTEST_ARGS...: one line per test as it finishes (-v), so a run cut by the
+# timeout still shows which tests passed; the summary line only when it completes.
+gpu_tests() {
+  local limit=$1; shift
+  timeout "$limit" python -m pytest -v -p no:cacheprovider --tb=short "$@" 2>&1 \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "interpreted.*PASSED" \
+    | sed -E 's/^tests\///; s/ +\[ *[0-9]+%\]$//'
+  [ "${PIPESTATUS[0]}" = 124 ] && echo "(cut at ${limit} s: the tests not listed did not run)"
+  return 0
+}
 case "$stage" in
   tests)
     echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
-    timeout 330 python -m pytest -q -x -rA -p no:cacheprovider tests/test_cuda_graphs.py \
-      tests/test_inference_fusion.py tests/test_kernel_skinny_gemm.py --tb=short 2>&1 \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "^PASSED.*interpreted" | tail -40 ;;
+    gpu_tests 330 -x tests/test_cuda_graphs.py tests/test_inference_fusion.py \
+      tests/test_kernel_skinny_gemm.py | tail -60 ;;
   verify)
     echo "== graphs, fast path, GEMV MoE: losslessness and kernels on the GPU"
-    timeout 300 python -m pytest -q -rA -p no:cacheprovider tests/test_cuda_graphs.py \
-      tests/test_inference_fusion.py tests/test_kernel_moe_gemv.py --tb=short 2>&1 \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "^PASSED.*interpreted" | tail -60
-    echo "== T = 1 MoE: per-pair GEMVs against the grouped fused kernels"
-    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1,2,4 --top-k 9 2>&1 | quiet | tail -12
+    gpu_tests 300 tests/test_cuda_graphs.py tests/test_inference_fusion.py \
+      tests/test_kernel_moe_gemv.py | tail -60
+    echo "== T = 1 MoE: per-pair GEMVs against the grouped fused kernels, tile sweep"
+    timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
     echo "== skinny GEMM"
-    timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernel_skinny_gemm.py --tb=short 2>&1 \
-      | grep -E "FAILED|ERROR|passed|failed|Error" | tail -20 ;;
+    gpu_tests 110 tests/test_kernel_skinny_gemm.py | grep -v PASSED | tail -20 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
       --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
   final)
     echo "== losslessness with graphs, GEMV MoE on the GPU"
-    timeout 120 python -m pytest -q -rA -p no:cacheprovider tests/test_cuda_graphs.py \
-      tests/test_kernel_moe_gemv.py -k "lossless or graphs_match or prefill_stores or xs21" \
-      --tb=short 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed" | tail -14
+    gpu_tests 240 tests/test_cuda_graphs.py tests/test_kernel_moe_gemv.py \
+      -k "lossless or prefill_stores or xs21" | tail -14
     bash "$0" bench ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"
@@ -60,9 +66,7 @@ case "$stage" in
       --shapes 10240x2048,2048x10240 --budget 185 2>&1 | quiet | grep -v OutOfResources | tail -70 ;;
   moe)
     echo "== graphs and GEMV MoE tests (the engine with the GEMV MoE on by default)"
-    timeout 220 python -m pytest -q -rA -p no:cacheprovider tests/test_cuda_graphs.py \
-      tests/test_kernel_moe_gemv.py --tb=short 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" \
-      | grep -v "^PASSED.*interpreted" | tail -40
+    gpu_tests 220 tests/test_cuda_graphs.py tests/test_kernel_moe_gemv.py | tail -40
     echo "== MoE at T = 1, 2, 4: per-pair GEMVs against the grouped fused kernels"
     timeout 120 python benchmarks/bench_fused_moe.py --tokens 1,2,4 --top-k 9 2>&1 | quiet | tail -8
     echo "== batch-1 decode step: GEMV MoE (default) against fused_moe"

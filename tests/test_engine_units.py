@@ -164,12 +164,14 @@ def test_adaptive_k_policy_picks_what_pays():
     assert good.choose(64) == 4  # a new batch-size bucket is measured first
 
 
-def _run_policy(pol, steps: int, accepted_of_k, seconds_of_k) -> list[int]:
+def _run_policy(pol, steps: int, accepted_of_k, seconds_of_k, intervals: list | None = None) -> list[int]:
     chosen = []
     for _ in range(steps):
         k = pol.choose(1)
         chosen.append(k)
         pol.observe(k, 1, [accepted_of_k(k)] if k else [], seconds=seconds_of_k(k))
+        if intervals is not None:
+            intervals.append(pol.explore_interval)
     return chosen
 
 
@@ -190,18 +192,33 @@ def test_adaptive_k_exploration_backs_off_while_drafting_does_not_pay():
     assert chosen[-1000:].count(15) <= 4
     assert chosen[-100:].count(0) >= 99
     # the drafter starts to pay: the next exploration sees it, the interval resets, drafting resumes
-    chosen = _run_policy(useless, 600, lambda k: k, cost)
-    assert useless.explore_interval == 16
+    intervals = []
+    chosen = _run_policy(useless, 600, lambda k: k, cost, intervals)
+    assert intervals[0] == 256 and 16 in intervals
     assert chosen[-50:].count(0) == 0
 
 
-def test_adaptive_k_keeps_exploring_often_while_drafting_pays():
+def test_adaptive_k_exploration_backs_off_while_the_best_k_stays():
     from laguna_dflash.engine.adaptive_k import AdaptiveK
 
-    pol = AdaptiveK(max_k=7, explore_every=16)
-    chosen = _run_policy(pol, 320, lambda k: min(k, 3), lambda k: 1.0 + 0.1 * k)
-    assert pol.explore_interval == 16 and pol.num_explorations == 320 // 16
-    assert 3 in chosen[-20:]
+    def cost(k):
+        return 1.0 + 0.1 * k
+
+    pol = AdaptiveK(max_k=7, explore_every=16, max_explore_every=256)
+    chosen = _run_policy(pol, 2000, lambda k: min(k, 3), cost)  # drafts pay up to 3 tokens
+    assert chosen[-100:].count(3) >= 99
+    assert pol.explore_interval == 256 and pol.num_explorations <= 12, pol.num_explorations
+    # longer drafts start to be accepted: the next exploration sees it, the best K changes, the
+    # interval resets and the policy moves to the full block
+    intervals = []
+    chosen = _run_policy(pol, 600, lambda k: k, cost, intervals)
+    assert intervals[0] == 256 and 16 in intervals
+    assert chosen[-50:].count(7) == 50
+    assert pol.explore_interval > 16  # and backs off again once the new choice holds
+    # without backoff the same traffic explores every 16th step
+    fixed = AdaptiveK(max_k=7, explore_every=16, max_explore_every=16)
+    _run_policy(fixed, 2000, lambda k: min(k, 3), cost)
+    assert fixed.num_explorations == 2000 // 16
 
 
 def test_failed_step_names_its_requests(tmp_path, monkeypatch):

@@ -12,6 +12,8 @@
 #                                           # kernel sweep, then the skinny GEMM tests (~9.5 min)
 #   bash benchmarks/gpu_check.sh moe        # graphs + GEMV-MoE tests, GEMV vs fused MoE at
 #                                           # T = 1, 2, 4, decode-step A/B (~8 min)
+#   bash benchmarks/gpu_check.sh pdl        # skinny GEMM with programmatic dependent launch:
+#                                           # tests, then the decode-step A/B (~5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -72,5 +74,10 @@ case "$stage" in
     echo "== batch-1 decode step: GEMV MoE (default) against fused_moe"
     timeout 160 python benchmarks/profile_decode_xs.py --top 10 \
       --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=False" 2>&1 | quiet | tail -45 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe"; exit 2 ;;
+  pdl)
+    echo "== skinny GEMM with programmatic dependent launch: code, graph chain, decode-step A/B"
+    gpu_tests 150 tests/test_kernel_skinny_gemm.py -k "pdl or programmatic" | tail -8
+    timeout 200 python benchmarks/profile_decode_xs.py --top 10 \
+      --switch "laguna_dflash.kernels.skinny_gemm:USE_PDL=True" 2>&1 | quiet | tail -45 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl"; exit 2 ;;
 esac

@@ -290,15 +290,17 @@ def test_benchmark_cpu_wiring_check() -> None:
 # ---- offline sm_90 compile (no GPU needed) -------------------------------------------------------------
 
 
-def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig) -> str:
+def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False) -> str:
     """PTX of the kernel compiled for an H100/H200 (sm_90) with bf16 inputs, through ptxas (the
     launch's own constexprs from ``_plan``); no driver or GPU involved."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     kernel = sg._kernels(False)
-    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False)[2])
+    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl)[2])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+    if "launch_pdl" in meta:
+        options["launch_pdl"] = meta.pop("launch_pdl")
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     constexprs = {"stride_xk": 1, **meta}  # triton specialises a unit stride the same way
     signature = {a: pointers.get(a, "constexpr" if a in constexprs else "i32") for a in kernel.arg_names}
@@ -348,6 +350,40 @@ def test_sm90_code_shape() -> None:
     assert any("cp.async" in b and "wgmma.mma_async" in b for b in _loop_bodies(ptx))
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert "atom" not in _compile_sm90(8, 2048, 2048, SkinnyConfig(32, 64, 1, 4, 3, use_dot=True))
+
+
+@pytest.mark.skipif(not _can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_programmatic_dependent_launch_code() -> None:
+    """``USE_PDL``: the GEMV loads its first weight tile, then waits for the previous kernel
+    (griddepcontrol.wait) before the loop, and signals its dependents after the loop; the dot
+    path waits before any load; without PDL neither instruction is emitted."""
+    gemv = SkinnyConfig(16, 256, 4, 4, 2, use_dot=False)
+    assert "griddepcontrol" not in _compile_sm90(1, 2048, 8192, gemv)
+    ptx = _compile_sm90(1, 2048, 8192, gemv, pdl=True)
+    wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    first_weight = ptx.index("ld.global.L1::evict_first")
+    loop = ptx.index("Loop Header") if "Loop Header" in ptx else wait + 1
+    assert first_weight < wait < loop < signal
+    assert ptx.count("griddepcontrol.wait") == 1
+    early = [line for line in ptx[:wait].splitlines() if "ld.global" in line]
+    assert early and all("evict_first" in line for line in early)  # weights only, never x
+    ptx = _compile_sm90(16, 2048, 8192, SkinnyConfig(64, 128, 4, 4, 4, use_dot=True), pdl=True)
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" not in ptx[:wait] and "cp.async" not in ptx[:wait]
+    assert wait < ptx.index("griddepcontrol.launch_dependents")
+
+
+def test_pdl_is_opt_in_and_needs_a_compiled_sm90_gpu(monkeypatch) -> None:
+    cfg = SkinnyConfig(16, 256, 4, 4, 2, use_dot=False)
+    meta = sg._plan(1, 2048, 8192, torch.bfloat16, cfg, False)[2]
+    assert meta["PDL"] is False and "launch_pdl" not in meta
+    meta = sg._plan(1, 2048, 8192, torch.bfloat16, cfg, False, True)[2]
+    assert meta["PDL"] is True and meta["launch_pdl"] is True
+    assert sg.USE_PDL is False  # off until measured
+    monkeypatch.setattr(sg, "USE_PDL", True)
+    assert not sg._pdl_runs(torch.device("cpu"), False)
+    if HAS_CUDA:
+        assert not sg._pdl_runs(torch.device("cuda"), True)  # never under the interpreter
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------
@@ -413,6 +449,41 @@ def test_cuda_graph_capture(m) -> None:
         for cfg, out in zip(configs, outs):
             assert torch.equal(out, skinny_gemm(x, w, cfg))
             _assert_close_to_exact(out, x, w)
+
+
+@cuda
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
+def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
+    """With ``USE_PDL`` each GEMM may start while the kernel writing its x still runs: inside a
+    captured chain (x written by the previous kernel, split-K and not) the results equal the
+    non-PDL launches bitwise, over replays with new inputs."""
+    configs = [SkinnyConfig(16, 256, 4, 4, 2, use_dot=False), SkinnyConfig(16, 256, 1, 4, 2, use_dot=False),
+               SkinnyConfig(64, 128, 4, 4, 4, use_dot=True)]
+    src, w = _problem(4, 2048, 8192, torch.bfloat16, seed=0, device="cuda")
+    x = torch.empty_like(src)
+    want = {}
+    for cfg in configs:
+        want[cfg] = skinny_gemm(src * 2, w, cfg)
+    monkeypatch.setattr(sg, "USE_PDL", True)
+    for cfg in configs:  # compile outside the capture
+        torch.mul(src, 2, out=x)
+        assert torch.equal(skinny_gemm(x, w, cfg), want[cfg])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = []
+        for cfg in configs:
+            torch.mul(src, 2, out=x)  # the producer of x, right before the dependent launch
+            outs.append(skinny_gemm(x, w, cfg))
+    for seed in (1, 2, 3):
+        src.copy_(_problem(4, 2048, 8192, torch.bfloat16, seed=seed, device="cuda")[0])
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(sg, "USE_PDL", False)
+        for cfg, out in zip(configs, outs):
+            assert torch.equal(out, skinny_gemm(src * 2, w, cfg)), cfg
+        monkeypatch.setattr(sg, "USE_PDL", True)
 
 
 def test_bound_helper_can_fail() -> None:

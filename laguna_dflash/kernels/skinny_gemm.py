@@ -93,6 +93,15 @@ __all__ = [
 ]
 
 MAX_M = 16  # rows of x; also the row capacity of the split-K workspace
+# Programmatic dependent launch (sm90+, compiled only; opt-in, NOT yet measured on a GPU): the
+# kernel is launched with ``launch_pdl`` so the GPU may start it while the previous kernel drains;
+# a program loads its first weight tile (never written in a forward), then waits
+# (``griddepcontrol.wait``) before touching x, partials or outputs, and signals its dependents
+# once its weights are read. Every program waits unconditionally, so completion stays ordered.
+# Meant to cut the per-launch latency the H200 profile shows on these 121 launches per decode
+# step; ``profile_decode_xs.py --switch laguna_dflash.kernels.skinny_gemm:USE_PDL=True`` A/Bs it
+# (graphs must be re-captured after switching, which the profile script does).
+USE_PDL = False
 _MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
 _MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -284,6 +293,14 @@ def _load_w(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr):
     return w
 
 
+def _gemv_w_load(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr, MASK_W: tl.constexpr,
+                 EVICT_FIRST: tl.constexpr):
+    # the weight tile [BLOCK_N, BLOCK_K] at k0; ok = False masks it off (a prefetch past the chunk)
+    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    return _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
+                   MASK_W, EVICT_FIRST)
+
+
 def _gemv_loads(
     w_rows, x_ptr, k0, ok, offs_n, zero_n, M, N, K, stride_xm, stride_xk,
     BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr,
@@ -291,9 +308,16 @@ def _gemv_loads(
 ):
     # the weight tile [BLOCK_N, BLOCK_K] at k0 and the x rows' slices (rows past M_PAD: row 0's,
     # unused); ok = False masks everything off (a prefetch past the chunk)
+    w = _gemv_w_load(w_rows, k0, ok, offs_n, N, K, BLOCK_K, MASK_W, EVICT_FIRST)
+    x0, x1, x2, x3 = _gemv_x_loads(x_ptr, k0, ok, zero_n, M, K, stride_xm, stride_xk, BLOCK_K,
+                                   M_PAD, X_BCAST)
+    return w, x0, x1, x2, x3
+
+
+def _gemv_x_loads(x_ptr, k0, ok, zero_n, M, K, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
+                  M_PAD: tl.constexpr, X_BCAST: tl.constexpr):
+    # the x rows' slices at k0 for _gemv_loads
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    w = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
-                MASK_W, EVICT_FIRST)
     if X_BCAST:
         # x rows loaded with the weight tile's shape (stride 0 along n): the same layout as w, no
         # shared-memory shuffle or barrier in the loop; the redundant lanes hit L1
@@ -311,7 +335,7 @@ def _gemv_loads(
     if M_PAD > 2:
         x2 = tl.load(x_ptr + 2 * stride_xm + kk * stride_xk, mask=(kk < K) & (M > 2) & ok, other=0.0)
         x3 = tl.load(x_ptr + 3 * stride_xm + kk * stride_xk, mask=(kk < K) & (M > 3) & ok, other=0.0)
-    return w, x0, x1, x2, x3
+    return x0, x1, x2, x3
 
 
 def _bcast(x, X_BCAST: tl.constexpr):
@@ -330,7 +354,7 @@ def _skinny_gemm_kernel(
     K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
@@ -340,6 +364,8 @@ def _skinny_gemm_kernel(
     n0 = pid_n * BLOCK_N
     k_start = pid_k * (K_ITERS * BLOCK_K)
 
+    if PDL and (USE_DOT or not PREFETCH):
+        tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): x is ready now
     if USE_DOT:
         # acc[n, m] += W[n, k] x[m, k]: the weight is the wide (M-side) operand
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -374,9 +400,13 @@ def _skinny_gemm_kernel(
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
-            w, x0, x1, x2, x3 = _gemv_loads(
-                w_rows, x_ptr, k_start, True, offs_n, zero_n, M, N, K, stride_xm, stride_xk,
-                BLOCK_K, M_PAD, MASK_W, EVICT_FIRST, X_BCAST)
+            # PDL: the first weight tile is loaded while the previous kernel may still run (the
+            # weights are never written in a forward); x, its output, only after gdc_wait
+            w = _gemv_w_load(w_rows, k_start, True, offs_n, N, K, BLOCK_K, MASK_W, EVICT_FIRST)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            x0, x1, x2, x3 = _gemv_x_loads(x_ptr, k_start, True, zero_n, M, K, stride_xm, stride_xk,
+                                           BLOCK_K, M_PAD, X_BCAST)
         for i in range(K_ITERS):
             if PREFETCH:
                 cw, c0, c1, c2, c3 = w, x0, x1, x2, x3
@@ -402,6 +432,8 @@ def _skinny_gemm_kernel(
             out = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], out)
             out = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], out)
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the weights are read: let the next kernel start
     offs_mo = tl.arange(0, M_PAD)[:, None]
     offs_no = (n0 + tl.arange(0, BLOCK_N))[None, :]
     o_mask = (offs_mo < M) & (offs_no < N)
@@ -428,7 +460,8 @@ def _skinny_gemm_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _load_w, _gemv_loads, _bcast, _skinny_gemm_kernel))
+    namespace = jit_functions(__name__, (_round_to, _load_w, _gemv_w_load, _gemv_x_loads, _gemv_loads,
+                                         _bcast, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -524,7 +557,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         _check_config(cfg, _use_dot(cfg, m), m)
         return y.zero_()
     interpret = interpret_mode()
-    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret)
+    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, _pdl_runs(x.device, interpret))
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
@@ -541,9 +574,15 @@ def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
     return _dot_auto(m) if cfg.use_dot is None else bool(cfg.use_dot)
 
 
+def _pdl_runs(device: torch.device, interpret: bool) -> bool:
+    """:data:`USE_PDL`, where programmatic dependent launch exists (compiled, CUDA sm90+)."""
+    return (USE_PDL and not interpret and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
-          interpret: bool) -> tuple[tuple[int, int], int, dict]:
+          interpret: bool, pdl: bool = False) -> tuple[tuple[int, int], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
     (cached per shape and config: the eager host path is a dict lookup and one launch)."""
     use_dot = _use_dot(cfg, m)
@@ -558,7 +597,9 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         MASK_W=n % cfg.block_n != 0 or k != split_k * k_per_split,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
-        OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M,
+        OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if pdl:
+        meta["launch_pdl"] = True
     return (_cdiv(n, cfg.block_n), split_k), split_k, meta

@@ -12,8 +12,8 @@
 #                                           # kernel sweep, then the skinny GEMM tests (~9.5 min)
 #   bash benchmarks/gpu_check.sh moe        # graphs + GEMV-MoE tests, GEMV vs fused MoE at
 #                                           # T = 1, 2, 4, decode-step A/B (~8 min)
-#   bash benchmarks/gpu_check.sh pdl        # skinny GEMM with programmatic dependent launch:
-#                                           # tests, then the decode-step A/B (~5 min)
+#   bash benchmarks/gpu_check.sh pdl        # programmatic dependent launch (kernels/pdl.py):
+#                                           # tests, then the decode-step A/B (~6 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -75,9 +75,10 @@ case "$stage" in
     timeout 160 python benchmarks/profile_decode_xs.py --top 10 \
       --switch "laguna_dflash.models.layers:MoE.use_moe_gemv=False" 2>&1 | quiet | tail -45 ;;
   pdl)
-    echo "== skinny GEMM with programmatic dependent launch: code, graph chain, decode-step A/B"
-    gpu_tests 150 tests/test_kernel_skinny_gemm.py -k "pdl or programmatic" | tail -8
+    echo "== programmatic dependent launch: kernel and engine tests, then the decode-step A/B"
+    gpu_tests 200 tests/test_kernel_skinny_gemm.py tests/test_cuda_graphs.py \
+      -k "programmatic or pdl" | tail -8
     timeout 200 python benchmarks/profile_decode_xs.py --top 10 \
-      --switch "laguna_dflash.kernels.skinny_gemm:USE_PDL=True" 2>&1 | quiet | tail -45 ;;
+      --switch "laguna_dflash.kernels.pdl:USE_PDL=True" 2>&1 | quiet | tail -45 ;;
   *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl"; exit 2 ;;
 esac

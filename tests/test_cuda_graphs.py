@@ -213,6 +213,31 @@ def test_graphs_match_eager_on_cuda(pair, use_draft, dtype):
 
 
 @needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm90+")
+def test_programmatic_dependent_launch_keeps_the_tokens_on_cuda(pair, monkeypatch):
+    """``kernels.pdl.USE_PDL`` only changes when kernels start, never what they compute: the
+    graphed engine (routing and GEMV MoE kernels launched early, waiting on their inputs) gives
+    the same bf16 tokens as without it, target-only and speculative, at batch 1, 3 and 5."""
+    from laguna_dflash.kernels import pdl
+
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for kw in ({}, dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1)):
+        llm = LLM(target, device="cuda", dtype="bfloat16", max_num_seqs=8, **kw)
+        runners = [llm.engine.runner] + ([llm.engine.proposer.runner] if llm.engine.proposer else [])
+        want, got = [], []
+        for use_pdl, out in ((False, want), (True, got)):
+            monkeypatch.setattr(pdl, "USE_PDL", use_pdl)
+            for r in runners:
+                r.graphs.reset()  # recapture with the launches of this setting
+            for batch_size in (1, 3, 5):
+                prompts = _prompts(batch_size, seed=batch_size)
+                out += [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype):
     """The replayed drafter-context graph writes the eager engine's drafter caches."""

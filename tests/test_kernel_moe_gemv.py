@@ -4,6 +4,7 @@
   process): one token with nine pairs (Laguna decode with the folded shared expert), several
   tokens sharing experts, ragged tiles on both N and K (H, I not multiples of the blocks),
   fp32 (tight) and bf16; the weighted pairs, unsummed, as ``fused_moe_experts(reduce=False)``.
+* Offline sm_90 compile (no GPU): the order of the programmatic-dependent-launch instructions.
 * On CUDA (skipped without one): Laguna-XS-2.1 shapes against the reference and the
   ``fused_moe`` kernels, ``MoE.forward`` with ``use_moe_gemv``, and CUDA-graph capture.
 * Everywhere: input validation.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from ptx_sm90 import can_compile_sm90, compile_sm90
 from test_kernel_fused_moe import _problem as fused_moe_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
@@ -113,3 +115,40 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
+
+
+def _compile_sm90(which: int, pdl: bool) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
+    from laguna_dflash.kernels import moe_gemv
+
+    kernel = moe_gemv._kernels(False)[which]
+    bn, bk, nw = (moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG)[which]
+    h, inter = 2048, 512
+    if which == 0:
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
+        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
+    else:
+        pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
+        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
+    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl)
+    return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_programmatic_dependent_launch_order() -> None:
+    """With ``kernels.pdl.USE_PDL`` (rules in kernels/pdl.py): gate_up waits before any global
+    load; down reads only its expert id (through L2) and weight tiles before it waits for h;
+    both signal their dependents after the wait; without PDL no griddepcontrol at all."""
+    for which in (0, 1):
+        assert "griddepcontrol" not in _compile_sm90(which, False)
+        ptx = _compile_sm90(which, True)
+        assert ptx.count("griddepcontrol.wait") == 1
+        wait = ptx.index("griddepcontrol.wait")
+        assert wait < ptx.index("griddepcontrol.launch_dependents")
+        early = [line.strip() for line in ptx[:wait].splitlines() if "ld.global" in line]
+        if which == 0:
+            assert early == []
+        else:
+            assert any(".cg" in line for line in early)  # the expert id, from L2
+            assert all(".cg" in line or "evict_first" in line for line in early), early
+            assert any("evict_first" in line for line in early)  # the first weight tile

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from ptx_sm90 import can_compile_sm90, compile_sm90
 
 from laguna_dflash.kernels import moe_routing
 from laguna_dflash.kernels.moe_routing import fused_moe_route
@@ -211,3 +212,29 @@ def test_cuda_graph_capture() -> None:
     w_ref, ids_ref = fused_moe_route(logits, *args, scale=SCALE, num_shared=1)
     assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
     assert torch.equal(ids[:, :8], _reference(logits, *args)[1])
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_programmatic_dependent_launch_order() -> None:
+    """With ``kernels.pdl.USE_PDL``: only the bias (a parameter) is loaded before the wait for
+    the router GEMM's logits; the dependents are signalled after the wait; off: no griddepcontrol."""
+    types = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*bf16", "ids_ptr": "*i64",
+             "softcap": "fp32", "scale": "fp32"}
+
+    def ptx_of(pdl: bool) -> str:
+        constexprs = dict(stride_le=1, stride_b=1, NUM_EXPERTS=256, BLOCK_E=256, TOP_K=8, NUM_SHARED=1,
+                          K_PAD=16, HAS_SOFTCAP=False, SQRT_SOFTPLUS=False, NORM=True, OUT_BF16=True, PDL=pdl)
+        return compile_sm90(moe_routing._moe_route_kernel, types, constexprs,
+                            {"num_warps": 1, "launch_pdl": pdl})
+
+    assert "griddepcontrol" not in ptx_of(False)
+    ptx = ptx_of(True)
+    assert ptx.count("griddepcontrol.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < ptx.index("griddepcontrol.launch_dependents")
+    early = [line for line in ptx[:wait].splitlines() if "ld.global" in line]
+    late = [line for line in ptx[wait:].splitlines() if "ld.global" in line]
+    # one warp, 256 experts: the fp32 bias is 8 values a thread, two 16-byte loads; the bf16
+    # logits (one more 16-byte load, then the chosen experts' re-read) come after the wait
+    assert len(early) == 2 and all("v4.b32" in line for line in early), early
+    assert late

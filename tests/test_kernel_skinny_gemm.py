@@ -31,7 +31,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from ptx_sm90 import can_compile_sm90, compile_sm90
 
+from laguna_dflash.kernels import pdl
 from laguna_dflash.kernels import skinny_gemm as sg
 from laguna_dflash.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
@@ -293,21 +295,12 @@ def test_benchmark_cpu_wiring_check() -> None:
 def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False) -> str:
     """PTX of the kernel compiled for an H100/H200 (sm_90) with bf16 inputs, through ptxas (the
     launch's own constexprs from ``_plan``); no driver or GPU involved."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    kernel = sg._kernels(False)
     meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl)[2])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    constexprs = {"stride_xk": 1, **meta}  # triton specialises a unit stride the same way
-    signature = {a: pointers.get(a, "constexpr" if a in constexprs else "i32") for a in kernel.arg_names}
-    divisible = [i for i, a in enumerate(kernel.arg_names) if signature[a] != "constexpr" and a != "M"]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return compile_sm90(sg._kernels(False), pointers, {"stride_xk": 1, **meta}, options)
 
 
 def _loop_bodies(ptx: str) -> list[str]:
@@ -321,17 +314,7 @@ def _loop_bodies(ptx: str) -> list[str]:
     return bodies
 
 
-def _can_compile_sm90() -> bool:
-    if not HAS_TRITON or INTERPRETED:
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 def test_sm90_code_shape() -> None:
     """What the GPU will run, checked without a GPU: the GEMV K loop has no shared memory or
     barrier and streams the weight with 16-byte evict_first loads (also with the prefetch); the
@@ -352,9 +335,9 @@ def test_sm90_code_shape() -> None:
     assert "atom" not in _compile_sm90(8, 2048, 2048, SkinnyConfig(32, 64, 1, 4, 3, use_dot=True))
 
 
-@pytest.mark.skipif(not _can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 def test_sm90_programmatic_dependent_launch_code() -> None:
-    """``USE_PDL``: the GEMV loads its first weight tile, then waits for the previous kernel
+    """``pdl.USE_PDL``: the GEMV loads its first weight tile, then waits for the previous kernel
     (griddepcontrol.wait) before the loop, and signals its dependents after the loop; the dot
     path waits before any load; without PDL neither instruction is emitted."""
     gemv = SkinnyConfig(16, 256, 4, 4, 2, use_dot=False)
@@ -379,11 +362,11 @@ def test_pdl_is_opt_in_and_needs_a_compiled_sm90_gpu(monkeypatch) -> None:
     assert meta["PDL"] is False and "launch_pdl" not in meta
     meta = sg._plan(1, 2048, 8192, torch.bfloat16, cfg, False, True)[2]
     assert meta["PDL"] is True and meta["launch_pdl"] is True
-    assert sg.USE_PDL is False  # off until measured
-    monkeypatch.setattr(sg, "USE_PDL", True)
-    assert not sg._pdl_runs(torch.device("cpu"), False)
+    assert pdl.USE_PDL is False  # off until measured
+    monkeypatch.setattr(pdl, "USE_PDL", True)
+    assert not pdl.active(torch.device("cpu"), False)
     if HAS_CUDA:
-        assert not sg._pdl_runs(torch.device("cuda"), True)  # never under the interpreter
+        assert not pdl.active(torch.device("cuda"), True)  # never under the interpreter
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------
@@ -454,7 +437,7 @@ def test_cuda_graph_capture(m) -> None:
 @cuda
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
 def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
-    """With ``USE_PDL`` each GEMM may start while the kernel writing its x still runs: inside a
+    """With ``pdl.USE_PDL`` each GEMM may start while the kernel writing its x still runs: inside a
     captured chain (x written by the previous kernel, split-K and not) the results equal the
     non-PDL launches bitwise, over replays with new inputs."""
     configs = [SkinnyConfig(16, 256, 4, 4, 2, use_dot=False), SkinnyConfig(16, 256, 1, 4, 2, use_dot=False),
@@ -464,7 +447,7 @@ def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
     want = {}
     for cfg in configs:
         want[cfg] = skinny_gemm(src * 2, w, cfg)
-    monkeypatch.setattr(sg, "USE_PDL", True)
+    monkeypatch.setattr(pdl, "USE_PDL", True)
     for cfg in configs:  # compile outside the capture
         torch.mul(src, 2, out=x)
         assert torch.equal(skinny_gemm(x, w, cfg), want[cfg])
@@ -480,10 +463,10 @@ def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
         for _ in range(20):
             graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setattr(sg, "USE_PDL", False)
+        monkeypatch.setattr(pdl, "USE_PDL", False)
         for cfg, out in zip(configs, outs):
             assert torch.equal(out, skinny_gemm(src * 2, w, cfg)), cfg
-        monkeypatch.setattr(sg, "USE_PDL", True)
+        monkeypatch.setattr(pdl, "USE_PDL", True)
 
 
 def test_bound_helper_can_fail() -> None:

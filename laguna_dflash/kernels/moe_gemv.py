@@ -26,7 +26,9 @@ reduction once after the loop.
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
-cannot loop to a runtime bound). On the H200 at Laguna-XS-2.1 shapes (9 pairs per token: top-8
+cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (opt-in, unmeasured) both kernels
+use programmatic dependent launch; the down kernel reads its expert ids and first weight tile
+before it waits for gate_up's ``h`` (kernels/pdl.py). On the H200 at Laguna-XS-2.1 shapes (9 pairs per token: top-8
 plus the folded shared expert) one layer's experts take 19.8 / 36.4 / 57.3 us at T = 1 / 2 / 4
 against 30.5 / 45.9 / 71.4 us for ``fused_moe`` (CUDA-graph replays; floors 13.3 / 26.5 / 50.1
 us; docs/PERFORMANCE.md): at these sizes few pairs share an expert, so ``MoE`` takes this path
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 
@@ -60,23 +63,34 @@ def is_available(device: torch.device | str) -> bool:
     return triton_can_run(device)
 
 
-def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
-    # weight tile [BLOCK_N, BLOCK_K] at column k0 and the x slice in the same shape (stride 0
-    # along n); ok = False masks everything (the prefetch past the last tile)
+def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
+    # weight tile [BLOCK_N, BLOCK_K] at column k0; ok = False masks it (the prefetch past the end)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    w = tl.load(w_rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
-                other=0.0, eviction_policy="evict_first")
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
+                   other=0.0, eviction_policy="evict_first")
+
+
+def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
+    # the x slice at column k0 in the weight tile's shape (stride 0 along n)
+    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     kk = offs_k[None, :] + zero_n
-    x = tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
-    return w, x
+    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
+
+
+def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
+    # weight tile and x slice at column k0 (see _tile_w, _tile_x)
+    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
     expert = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,6 +110,8 @@ def _gate_up_gemv_kernel(
         xf = cx.to(tl.float32)
         acc_g += cg.to(tl.float32) * xf
         acc_u += cu.to(tl.float32) * xf
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
@@ -107,20 +123,31 @@ def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
-    expert = tl.load(ids_ptr + p).to(tl.int64)
+    if PDL:
+        # launched while gate_up may still run, but after every gate_up program passed its wait:
+        # the routing kernel's ids are complete; read them through L2 (kernels/pdl.py, rule 3)
+        expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + p).to(tl.int64)
     h_row = h_ptr + p.to(tl.int64) * INTER
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
     rows = w_ptr + expert * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w, hs = _tile_gemv(rows, h_row, 0, True, offs_n, zero_n, H, INTER, BLOCK_K)
+    w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # h is gate_up's output
+    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
     for i in range(K_ITERS):
         cw, ch = w, hs
         w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
                            BLOCK_K)
         acc += cw.to(tl.float32) * ch.to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
              mask=offs_n < H)
@@ -130,7 +157,8 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_gemv, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
+                                  _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -173,14 +201,18 @@ def moe_gemv_experts(
     ids = expert_ids.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
-    gate_up_kernel, down_kernel = _kernels(interpret_mode())
+    interpret = interpret_mode()
+    gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
+    use_pdl = pdl.active(x.device, interpret)
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, num_warps=nw)
+        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
+        **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
         h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-inter // bk), OUT_DTYPE=code, num_warps=nw)
+        K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
+        **pdl.launch_options(use_pdl))
     return out

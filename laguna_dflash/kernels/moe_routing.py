@@ -41,13 +41,16 @@ is). Divisions and the square root are correctly rounded (``div_rn``, ``sqrt_rn`
 (plain ``/`` and ``tl.sqrt`` compile to approximate PTX instructions).
 bf16 results are rounded to nearest even on the bits before the store, because the interpreter's
 fp32 -> bf16 cast truncates (compiled, the store's cast would round the same way).
+With ``kernels.pdl.USE_PDL`` (opt-in, unmeasured) the kernel uses programmatic dependent launch:
+the bias is loaded before it waits for the router GEMM's logits (kernels/pdl.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .availability import triton_can_run
+from . import pdl
+from .availability import interpret_mode, triton_can_run
 
 try:  # the package must import without triton (CPU-only installs)
     import triton
@@ -120,16 +123,20 @@ if HAS_TRITON:
         NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
-        OUT_BF16: tl.constexpr,
+        OUT_BF16: tl.constexpr, PDL: tl.constexpr,
     ):
         # program t routes token t; outputs are contiguous [T, TOP_K + NUM_SHARED]
         row = tl.program_id(0).to(tl.int64)
         logits_row = logits_ptr + row * stride_lt
         offs = tl.arange(0, BLOCK_E)
         valid = offs < NUM_EXPERTS
+        # the bias is a parameter (no kernel writes it): loaded before the PDL wait
+        bias = tl.load(bias_ptr + offs * stride_b, mask=valid, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the logits are the router GEMM's output
         z = tl.load(logits_row + offs * stride_le, mask=valid, other=0.0).to(tl.float32)
         s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
-        key = s + tl.load(bias_ptr + offs * stride_b, mask=valid, other=0.0).to(tl.float32)
+        key = s + bias
         key = tl.where(key != key, float("inf"), key)  # NaN ranks first, as in torch.topk
 
         # order-preserving int32 of the fp32 key (negative floats: flip the magnitude bits), in
@@ -148,6 +155,8 @@ if HAS_TRITON:
             ids = tl.where(kk == i, idx, ids)
             packed = tl.where(offs == idx, -9223372036854775807, packed)
 
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         # weights: the unbiased scores of the chosen experts (re-read logits, same math)
         routed = kk < TOP_K
         z_sel = tl.load(logits_row + ids * stride_le, mask=routed, other=0.0).to(tl.float32)
@@ -229,6 +238,7 @@ def fused_moe_route(
         return weights, ids
     assert HAS_TRITON, "fused_moe_route needs triton (check is_available first)"
     block_e = triton.next_power_of_2(e)
+    use_pdl = pdl.active(logits.device, interpret_mode())
     _moe_route_kernel[(t,)](
         logits, bias, weights, ids,
         logits.stride(0), logits.stride(1), bias.stride(0),
@@ -236,7 +246,8 @@ def fused_moe_route(
         NUM_EXPERTS=e, BLOCK_E=block_e, TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=triton.next_power_of_2(k_out),
         HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
-        NORM=bool(norm_topk_prob), OUT_BF16=logits.dtype == torch.bfloat16,
+        NORM=bool(norm_topk_prob), OUT_BF16=logits.dtype == torch.bfloat16, PDL=use_pdl,
         num_warps=max(1, min(4, block_e // 256)),  # 8 keys a thread; one warp up to E = 256
+        **pdl.launch_options(use_pdl),
     )
     return weights, ids

@@ -60,6 +60,10 @@ warm-up call does this); a first call inside a capture still works, the zeroing 
 recorded into the graph and the buffer comes from the graph's pool. Two split-K calls with the
 same ``(N, SPLIT_K)`` must not run concurrently on different streams (they share counters).
 
+With ``kernels.pdl.USE_PDL`` (opt-in, unmeasured) the kernel is launched with programmatic
+dependent launch: a program loads its first weight tile, then waits for the previous kernel
+before it loads x, and signals its dependents once its weights are read (kernels/pdl.py).
+
 The grid and every launch argument depend only on the shapes and the config (no host sync, no
 data-dependent sizes): capturable. fp32 inputs accumulate exact products (``tl.dot`` in "ieee"
 precision, not tf32). Under Triton's CPU interpreter the dot path also runs in fp32 (its bf16
@@ -76,8 +80,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
+from .pdl import launch_options
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -93,15 +99,6 @@ __all__ = [
 ]
 
 MAX_M = 16  # rows of x; also the row capacity of the split-K workspace
-# Programmatic dependent launch (sm90+, compiled only; opt-in, NOT yet measured on a GPU): the
-# kernel is launched with ``launch_pdl`` so the GPU may start it while the previous kernel drains;
-# a program loads its first weight tile (never written in a forward), then waits
-# (``griddepcontrol.wait``) before touching x, partials or outputs, and signals its dependents
-# once its weights are read. Every program waits unconditionally, so completion stays ordered.
-# Meant to cut the per-launch latency the H200 profile shows on these 121 launches per decode
-# step; ``profile_decode_xs.py --switch laguna_dflash.kernels.skinny_gemm:USE_PDL=True`` A/Bs it
-# (graphs must be re-captured after switching, which the profile script does).
-USE_PDL = False
 _MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
 _MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -557,7 +554,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         _check_config(cfg, _use_dot(cfg, m), m)
         return y.zero_()
     interpret = interpret_mode()
-    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, _pdl_runs(x.device, interpret))
+    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret))
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
@@ -572,12 +569,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
 
 def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
     return _dot_auto(m) if cfg.use_dot is None else bool(cfg.use_dot)
-
-
-def _pdl_runs(device: torch.device, interpret: bool) -> bool:
-    """:data:`USE_PDL`, where programmatic dependent launch exists (compiled, CUDA sm90+)."""
-    return (USE_PDL and not interpret and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -598,8 +589,6 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
-    if pdl:
-        meta["launch_pdl"] = True
     return (_cdiv(n, cfg.block_n), split_k), split_k, meta

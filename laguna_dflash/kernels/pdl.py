@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL) for the decode-path Triton kernels: opt-in, NOT yet measured.
+
+A batch-1 decode step on the H200 is ~460 short kernels (docs/PERFORMANCE.md); each boundary
+costs a launch ramp and a drain. With PDL (sm90+) a kernel launched with ``launch_pdl=True`` may
+be scheduled as soon as every program of the previous kernel has executed
+``griddepcontrol.launch_dependents`` (or exited), and its programs run until they execute
+``griddepcontrol.wait``, which returns once the previous kernel has completed and its writes are
+visible. Kernels that opt in here follow three rules:
+
+1. Every program executes ``gdc_wait`` exactly once, unconditionally, before it reads anything
+   the previous kernel may write and before it writes anything. So a PDL kernel completes only
+   after its predecessor did, and completion stays ordered along the stream.
+2. ``gdc_launch_dependents`` comes after ``gdc_wait`` in every program. So when a PDL kernel is
+   launched, the kernel two back has completed (every program of the one in between has passed
+   its wait).
+3. Before its wait a program reads only tensors that no kernel of the forward writes (weights,
+   the routing bias) or, through L2 (``.cg``, never a possibly stale L1 line), outputs of the
+   kernel two back when the kernel in between is one of these kernels (rule 2). Example: the
+   GEMV MoE's down kernel reads the expert ids of the routing kernel before it waits for the
+   gate_up kernel.
+
+Kernels launched normally (torch, torch.compile, cuBLAS) keep full stream ordering either way,
+and a PDL kernel after one of them simply launches when that one's programs exit.
+
+``USE_PDL`` switches it on for the skinny GEMM, the routing kernel and the GEMV MoE kernels:
+``python benchmarks/profile_decode_xs.py --switch laguna_dflash.kernels.pdl:USE_PDL=True``
+A/Bs it (the profile re-captures the graphs). Under the CPU interpreter (no ``griddepcontrol``)
+and below sm90 it is off whatever the switch says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+USE_PDL = False
+
+
+def active(device: torch.device, interpret: bool) -> bool:
+    """:data:`USE_PDL`, where programmatic dependent launch exists (compiled, CUDA sm90+)."""
+    return (USE_PDL and not interpret and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword of a kernel call: ``{"launch_pdl": True}`` or nothing."""
+    return {"launch_pdl": True} if pdl else {}

@@ -1,0 +1,40 @@
+"""Offline sm_90 (H100 / H200) compile of a Triton kernel to PTX: no driver, no GPU.
+
+Used by the kernel tests to check what the GPU would run (loop bodies, load kinds, the order of
+``griddepcontrol`` instructions) on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+from interpreter_child import HAS_TRITON, INTERPRETED
+
+
+def can_compile_sm90() -> bool:
+    """Triton's CUDA backend importable, and this process not under the interpreter."""
+    if not HAS_TRITON or INTERPRETED:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict) -> str:
+    """PTX of ``kernel`` (a ``triton.jit`` function) for sm_90 through ptxas.
+
+    ``types``: argument name -> type (``"*bf16"``, ``"fp32"``...); ``constexprs``: the constexpr
+    arguments' values (unit strides may be given here too: triton specialises them the same
+    way); every other argument is an i32 scalar; ``options``: compile options (``num_warps``,
+    ``num_stages``, ``launch_pdl``...). Pointer and i32 arguments but ``M`` are marked
+    16-divisible, as triton does for aligned launches.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    signature = {a: types.get(a, "constexpr" if a in constexprs else "i32") for a in kernel.arg_names}
+    divisible = [i for i, a in enumerate(kernel.arg_names)
+                 if signature[a] == "i32" and a != "M" or signature[a].startswith("*")]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

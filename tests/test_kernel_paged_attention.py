@@ -234,7 +234,8 @@ def test_rejects_bad_inputs():
         pa.paged_attention(q, kc, vc, *args, scale=1.0, causal=True, block_n=24)
 
 
-def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], num_warps: int):
+def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], num_warps: int,
+              pdl: bool = False):
     """Compile ``kernel`` ahead of time for sm_90 (no GPU needed) with the specialisations a real
     launch gets (unit strides as constants, 16-aligned pointers and strides); ptxas -v on the PTX
     -> (compiled kernel, spill-store bytes per function)."""
@@ -255,7 +256,7 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": 2})
+                              options={"num_warps": num_warps, "num_stages": 2, "launch_pdl": pdl})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -267,7 +268,7 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
-                 window: bool, sinks: bool):
+                 window: bool, sinks: bool, pdl: bool = False):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
@@ -275,7 +276,8 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
     consts = dict(NUM_HEADS=group * 4, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_Q=block_q,
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
-                  HAS_GATE=splits == 1)  # the engine gates Laguna's output in the last store
+                  HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
+                  PDL=pdl)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr")}
@@ -283,12 +285,13 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
     ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
                                              "stride_vc_s", "stride_vc_h", "stride_ot", "stride_oh"),
-                        pa._num_warps(block_m, head_dim))]
+                        pa._num_warps(block_m, head_dim), pdl)]
     if splits > 1:
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
-                       BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True)
+                       BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True,
+                       PDL=pdl)
         builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh", "stride_gt"),
-                                1 if head_dim <= 64 else 2))
+                                1 if head_dim <= 64 else 2, pdl))
     return builds
 
 
@@ -309,6 +312,25 @@ def test_compiles_for_sm90_without_spills(cfg):
     assert len(builds) == (2 if cfg[4] > 1 else 1)
     for compiled, spills in builds:
         assert "cubin" in compiled.asm
+        assert spills and max(spills) == 0, spills
+
+
+@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
+def test_sm90_programmatic_dependent_launch_order():
+    """With ``kernels.pdl.USE_PDL`` (rules in kernels/pdl.py) the attention and merge kernels wait
+    for their inputs before any global load and signal their dependents after the wait; without
+    it neither instruction is emitted."""
+    cfg = ("bf16", 128, 8, 1, 4, True, False, True)  # batch-1 decode with split-K and sinks
+    for compiled, _ in _sm90_builds(*cfg):
+        assert "griddepcontrol" not in compiled.asm["ptx"]
+    builds = _sm90_builds(*cfg, pdl=True)
+    assert len(builds) == 2
+    for compiled, spills in builds:
+        ptx = compiled.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") == 1
+        wait = ptx.index("griddepcontrol.wait")
+        assert wait < ptx.index("griddepcontrol.launch_dependents")
+        assert "ld.global" not in ptx[:wait]
         assert spills and max(spills) == 0, spills
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from ptx_sm90 import can_compile_sm90, compile_sm90
 
 from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
 from laguna_dflash.models.fusion import rms_norm_rope
@@ -230,3 +231,25 @@ def test_cuda_graph_capture():
     torch.testing.assert_close(static_q, q_ref, **TOL[torch.bfloat16])
     torch.testing.assert_close(a["k_cache"], k_ref, **TOL[torch.bfloat16])
     torch.testing.assert_close(a["v_cache"], v_ref, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_programmatic_dependent_launch_order() -> None:
+    """With ``kernels.pdl.USE_PDL`` every program waits for the QKV GEMM before any global load,
+    then signals the attention kernel; without it no griddepcontrol is emitted."""
+    types = {n: "*bf16" for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
+
+    def ptx_of(pdl: bool) -> str:
+        constexprs = dict(stride_xd=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
+                          NUM_HEADS=8, NUM_KV_HEADS=2, HEAD_DIM=128, ROT_DIM=64, BLOCK_D=128,
+                          DTYPE=1, CACHE_DTYPE=1, PDL=pdl)
+        return compile_sm90(qnrc._kernels(False), types, constexprs,
+                            {"num_warps": 1, "enable_fp_fusion": False, "launch_pdl": pdl})
+
+    assert "griddepcontrol" not in ptx_of(False)
+    ptx = ptx_of(True)
+    assert ptx.count("griddepcontrol.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < ptx.index("griddepcontrol.launch_dependents")
+    assert "ld.global" not in ptx[:wait] and "ld.global" in ptx[wait:]

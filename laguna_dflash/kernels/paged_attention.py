@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import jit_functions
 
@@ -168,8 +169,11 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
+    if PDL:  # kernels/pdl.py: q and the new keys are the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     q_tile = tl.program_id(2) // NUM_SPLITS
@@ -230,6 +234,8 @@ def _paged_attention_kernel(
                 k_head_ptr, v_head_ptr, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                 offs_d, d_ok, scale_log2, window, CAUSAL, HAS_WINDOW, BLOCK_N, IEEE)
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         if HAS_SINKS:
@@ -261,8 +267,12 @@ def _merge_splits_kernel(
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
+    if PDL:  # kernels/pdl.py: the partials are the attention kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -447,6 +457,7 @@ def paged_attention(
     num_splits = -(-lmax // split_len)
 
     interpret = interpret_mode()
+    use_pdl = pdl.active(q.device, interpret)
     ieee = q.dtype == torch.float32 or interpret
     window = int(sliding_window) if sliding_window is not None else 0
     if sinks is not None:
@@ -471,7 +482,8 @@ def paged_attention(
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
-        num_warps=_num_warps(block_m, block_d), num_stages=2,
+        PDL=use_pdl, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:
         merge_kernel[(t, num_heads)](
@@ -480,7 +492,7 @@ def paged_attention(
             t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
-            HAS_GATE=gate is not None,
-            num_warps=1 if block_d <= 64 else 2,
+            HAS_GATE=gate is not None, PDL=use_pdl,
+            num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 
@@ -103,9 +104,13 @@ def _qk_norm_rope_cache_kernel(
     eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # program (t, h): Q head h (h < NUM_HEADS) or K head g = h - NUM_HEADS plus V head g.
     # Q head h and K head g both start at column h * HEAD_DIM; V head g at (h + NUM_KV_HEADS) * HEAD_DIM.
+    if PDL:  # kernels/pdl.py: wait for the QKV GEMM, then let the attention kernel launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -242,7 +247,9 @@ def qk_norm_rope_cache(
     import triton
 
     block_d = triton.next_power_of_2(head_dim)
-    kernel = _kernels(interpret_mode())
+    interpret = interpret_mode()
+    use_pdl = pdl.active(qkv.device, interpret)
+    kernel = _kernels(interpret)
     kernel[(t, num_heads + num_kv_heads)](
         qkv, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, q,
         k_cache, v_cache,
@@ -253,7 +260,8 @@ def qk_norm_rope_cache(
         float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rot,
         BLOCK_D=block_d, DTYPE=DTYPE_CODE[qkv.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype],
-        num_warps=max(1, min(4, block_d // 128)),
+        PDL=use_pdl, num_warps=max(1, min(4, block_d // 128)),
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
+        **pdl.launch_options(use_pdl),
     )
     return q

@@ -42,15 +42,16 @@ def parse_switch(text: str) -> tuple[object, str, object]:
     return obj, name, json.loads(value.lower() if value in ("True", "False") else value)
 
 
-def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """(mean ms per decode step, the greedy tokens of the timed run)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=[prompt], sampling_params=params)
     before = llm.get_metrics()
-    llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
     torch.cuda.synchronize()
     after = llm.get_metrics()
     steps = after["num_decode_steps"] - before["num_decode_steps"]
-    return 1e3 * (after["decode_s"] - before["decode_s"]) / steps
+    return 1e3 * (after["decode_s"] - before["decode_s"]) / steps, list(out[0].token_ids)
 
 
 def decode_graph(llm: LLM):
@@ -112,19 +113,26 @@ def gemv_table(device: str, shapes: dict[str, tuple[int, int]], copies: int = 8)
     return rows
 
 
-def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float) -> None:
-    step = engine_step_ms(llm, prompt, args.new_tokens)
+def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
+           reference: list[int] | None = None) -> list[int]:
+    """Print one variant's numbers; returns its greedy tokens. ``reference``: the defaults'
+    tokens, to say whether the switch changed the output (a switch that only changes launch
+    timing, like PDL, must not; one that changes the summation order may, in bf16)."""
+    step, tokens = engine_step_ms(llm, prompt, args.new_tokens)
     graph = decode_graph(llm)
     replay = replay_ms(graph)
     replays = graph_kernels(graph)
     print(f"\n## {label}\n")
+    if reference is not None:
+        same = sum(a == b for a, b in zip(tokens, reference))
+        print(f"greedy tokens equal to the defaults': {same} of {len(reference)}\n")
     print("| engine step ms | graph replay ms | host share ms | floor ms | step x floor | replay x floor |")
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {step:.2f} | {replay:.2f} | {step - replay:.2f} | {floor_ms:.2f} | "
           f"{step / floor_ms:.2f} | {replay / floor_ms:.2f} |")
     if not replays:
         print("\n(no kernels recorded inside the graph replay)")
-        return
+        return tokens
     one = replays[-1]
     kernel_ms = sum(d for _, _, d in one) / 1e3
     span_ms = (one[-1][1] + one[-1][2] - one[0][1]) / 1e3
@@ -142,6 +150,7 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float) -> No
         for i, (name, start, d) in enumerate(one[: args.sequence]):
             gap = start - (one[i - 1][1] + one[i - 1][2]) if i else 0.0
             print(f"| {i} | `{name[:90]}` | {d:.1f} | {gap:.1f} |")
+    return tokens
 
 
 def main() -> None:
@@ -168,7 +177,7 @@ def main() -> None:
         floor_ms = 1e3 * active_bytes(llm.engine.target, args.context) / bw
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
               f"context {args.context}, load + warm-up {load_s:.0f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
-        report("defaults", llm, prompt, args, floor_ms)
+        reference = report("defaults", llm, prompt, args, floor_ms)
         for text in args.switch:
             saved = []
             for part in text.split(";"):
@@ -177,7 +186,7 @@ def main() -> None:
                 setattr(obj, name, value)
             llm.engine.runner.graphs.reset()
             try:
-                report(text, llm, prompt, args, floor_ms)
+                report(text, llm, prompt, args, floor_ms, reference)
             except Exception as e:  # noqa: BLE001 - a broken switch must not lose the other rows
                 print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
             for obj, name, value in reversed(saved):

@@ -217,24 +217,33 @@ def test_graphs_match_eager_on_cuda(pair, use_draft, dtype):
                     reason="programmatic dependent launch needs sm90+")
 def test_programmatic_dependent_launch_keeps_the_tokens_on_cuda(pair, monkeypatch):
     """``kernels.pdl.USE_PDL`` only changes when kernels start, never what they compute: the
-    graphed engine (routing and GEMV MoE kernels launched early, waiting on their inputs) gives
-    the same bf16 tokens as without it, target-only and speculative, at batch 1, 3 and 5."""
+    graphed engine (its Triton kernels launched early, waiting on their inputs) gives the same
+    bf16 tokens as without it, target-only and speculative, at batch 1, 3 and 5; and the same
+    draft tokens at every step (the drafter's context K/V, attention and MoE-free layers: a race
+    there would change drafts, not the verified output)."""
     from laguna_dflash.kernels import pdl
 
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for kw in ({}, dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1)):
+    for kw in ({}, dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, trace=True)):
         llm = LLM(target, device="cuda", dtype="bfloat16", max_num_seqs=8, **kw)
-        runners = [llm.engine.runner] + ([llm.engine.proposer.runner] if llm.engine.proposer else [])
+        engine = llm.engine
+        runners = [engine.runner] + ([engine.proposer.runner] if engine.proposer else [])
         want, got = [], []
         for use_pdl, out in ((False, want), (True, got)):
             monkeypatch.setattr(pdl, "USE_PDL", use_pdl)
             for r in runners:
                 r.graphs.reset()  # recapture with the launches of this setting
+            if engine.proposer is not None and engine.proposer.context_graphs is not None:
+                engine.proposer.context_graphs.graphs.clear()
             for batch_size in (1, 3, 5):
                 prompts = _prompts(batch_size, seed=batch_size)
-                out += [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+                for o in llm.generate(prompt_token_ids=prompts, sampling_params=params):
+                    drafts = [step["draft_tokens"] for step in o.metrics.get("trace", [])]
+                    out.append((o.token_ids, drafts))
         assert got == want
+        if engine.proposer is not None:
+            assert any(drafts for _, drafts in want)  # the drafts were really compared
 
 
 @needs_cuda

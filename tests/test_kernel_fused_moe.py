@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from interpreter_child import interpreter_script_json
+from ptx_sm90 import can_compile_sm90, compile_sm90
 
 from laguna_dflash.kernels.fused_moe import (
     HAS_TRITON,
@@ -226,3 +227,28 @@ def test_cuda_grouped_path_large_batch_and_graph_capture() -> None:
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-cases"]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     print(json.dumps(_run_interpreter_cases()))
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_programmatic_dependent_launch_order() -> None:
+    """With ``kernels.pdl.USE_PDL`` both kernels wait for their inputs before any global load and
+    signal their dependents after the wait; off: no griddepcontrol (kernels/pdl.py)."""
+    from laguna_dflash.kernels import fused_moe
+
+    for kernel, types, constexprs in (
+        (fused_moe._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"},
+         dict(K_TOP=9, H=2048, INTER=512)),
+        (fused_moe._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16",
+                                  "out_ptr": "*bf16"}, dict(H=2048, INTER=512)),
+    ):
+        common = dict(P_PAD=64, M_TILES=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False)
+        for pdl in (False, True):
+            ptx = compile_sm90(kernel, types, {**constexprs, **common, "PDL": pdl},
+                               {"num_warps": 4, "num_stages": 4, "launch_pdl": pdl})
+            if not pdl:
+                assert "griddepcontrol" not in ptx
+                continue
+            assert ptx.count("griddepcontrol.wait") == 1
+            wait = ptx.index("griddepcontrol.wait")
+            assert wait < ptx.index("griddepcontrol.launch_dependents")
+            assert "ld.global" not in ptx[:wait] and "cp.async" not in ptx[:wait]

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 
@@ -130,9 +131,12 @@ def _context_kv_kernel(
     eps,
     NUM_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    IN_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+    IN_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (row, layer) owns the [NUM_HEADS, HEAD_DIM] tile of one context row in one layer
+    if PDL:  # kernels/pdl.py: k and v are the fused K|V GEMM's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -256,7 +260,9 @@ def fused_context_kv_(
     v_caches = tuple(vc for _, vc in kv_caches)
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     num_warps = max(1, min(8, block_h * block_d // 256))
-    kernel = _kernels(interpret_mode())
+    interpret = interpret_mode()
+    use_pdl = pdl.active(k.device, interpret)
+    kernel = _kernels(interpret)
     kernel[(n, num_layers)](
         k, v, k_norm_weight, cos, sin, positions, slots, k_caches, v_caches,
         *k.stride(), *v.stride(), *k_norm_weight.stride(), cos.stride(0),
@@ -265,6 +271,7 @@ def fused_context_kv_(
         NUM_LAYERS=num_layers, NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_DIM=cos.shape[-1],
         BLOCK_H=block_h, BLOCK_D=block_d, IN_DTYPE=_dtype_code(k.dtype),
         NORM_DTYPE=_dtype_code(norm_dtype), CACHE_DTYPE=_dtype_code(k_caches[0].dtype),
-        num_warps=num_warps,
+        PDL=use_pdl, num_warps=num_warps,
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
+        **pdl.launch_options(use_pdl),
     )

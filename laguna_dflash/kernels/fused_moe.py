@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .availability import triton_can_run
+from . import pdl
+from .availability import interpret_mode, triton_can_run
 
 try:  # the package must import without triton (CPU-only installs)
     import triton
@@ -145,8 +146,11 @@ if HAS_TRITON:
         x_ptr, w_ptr, ids_ptr, h_ptr, P,
         K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
         P_PAD: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # kernels/pdl.py: the ids and x are earlier kernels' outputs
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # program (i, n): if pair i owns its expert e's run, for every pair p of the run
         #   h[p, n] = silu(sum_c x[tok(p), c] Wg[n, c]) * (sum_c x[tok(p), c] Wu[n, c])
         # over this program's BLOCK_N columns n; Wg = rows 0..I-1, Wu = rows I..2I-1 of
@@ -187,8 +191,11 @@ if HAS_TRITON:
         h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, P,
         H: tl.constexpr, INTER: tl.constexpr,
         P_PAD: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # kernels/pdl.py: h is the gate_up kernel's output
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # program (i, n): if pair i owns its expert e's run, for every pair p of the run
         #   out_pairs[p, n] = rw[p] * sum_j h[p, j] Wd[n, j]     (fp32 accumulate)
         # over this program's BLOCK_N output columns n; Wd = down[e] (contiguous [H, I]).
@@ -269,19 +276,20 @@ def fused_moe_experts(
     block_m = _block_m(t)
     m_tiles = triton.cdiv(t, block_m)
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"  # cpu: the interpreter
+    use_pdl = pdl.active(x.device, interpret_mode())
     bn, bk, nw, ns = _GATE_UP_CFG
     _gate_up_kernel[(p, triton.cdiv(inter, bn))](
         x, gate_up, ids, h, p,
         K_TOP=k, H=hidden, INTER=inter,
         P_PAD=p_pad, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        num_warps=nw, num_stages=ns,
+        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
     )
     bn, bk, nw, ns = _DOWN_CFG
     _down_kernel[(p, triton.cdiv(hidden, bn))](
         h, down, ids, rw, out_pairs, p,
         H=hidden, INTER=inter,
         P_PAD=p_pad, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        num_warps=nw, num_stages=ns,
+        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
     )
     # deterministic reduction over the k slots of each token (fp32 accumulation inside torch)
     return out_pairs.sum(dim=1) if reduce else out_pairs

@@ -22,9 +22,11 @@ visible. Kernels that opt in here follow three rules:
 Kernels launched normally (torch, torch.compile, cuBLAS) keep full stream ordering either way,
 and a PDL kernel after one of them simply launches when that one's programs exit.
 
-``USE_PDL`` switches it on for the skinny GEMM (Q|K|V|gate, o_proj, router), the Q/K norm + RoPE +
-cache kernel, paged attention and its split merge, the routing kernel and the GEMV MoE kernels:
-9 of a decode layer's 11 launches (the two torch.compile'd norm chains stay normal launches).
+``USE_PDL`` switches it on for every Triton kernel of the decode, verify and drafter steps: the
+skinny GEMM (Q|K|V|gate, o_proj, router), the Q/K norm + RoPE + cache kernel, paged attention and
+its split merge, the routing kernel, the GEMV and fused MoE kernels, and the drafter's context
+K-norm + RoPE + cache kernel. At batch-1 decode that is 9 of a layer's 11 launches (the two
+torch.compile'd norm chains stay normal launches).
 ``python benchmarks/profile_decode_xs.py --switch laguna_dflash.kernels.pdl:USE_PDL=True``
 A/Bs it (the profile re-captures the graphs). Under the CPU interpreter (no ``griddepcontrol``)
 and below sm90 it is off whatever the switch says.

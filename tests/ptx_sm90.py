@@ -38,3 +38,13 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def loads_before_pdl_wait(ptx: str) -> list[str]:
+    """Checks the programmatic-dependent-launch order of one kernel's PTX (kernels/pdl.py):
+    exactly one ``griddepcontrol.wait``, and ``launch_dependents`` after it. Returns the global
+    loads (``ld.global`` / ``cp.async``) issued before the wait, for the caller to check."""
+    assert ptx.count("griddepcontrol.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < ptx.index("griddepcontrol.launch_dependents")
+    return [line.strip() for line in ptx[:wait].splitlines() if "ld.global" in line or "cp.async" in line]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import can_compile_sm90, compile_sm90
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 from test_kernel_fused_moe import _problem as fused_moe_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
@@ -141,11 +141,7 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
     both signal their dependents after the wait; without PDL no griddepcontrol at all."""
     for which in (0, 1):
         assert "griddepcontrol" not in _compile_sm90(which, False)
-        ptx = _compile_sm90(which, True)
-        assert ptx.count("griddepcontrol.wait") == 1
-        wait = ptx.index("griddepcontrol.wait")
-        assert wait < ptx.index("griddepcontrol.launch_dependents")
-        early = [line.strip() for line in ptx[:wait].splitlines() if "ld.global" in line]
+        early = loads_before_pdl_wait(_compile_sm90(which, True))
         if which == 0:
             assert early == []
         else:

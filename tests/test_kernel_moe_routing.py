@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import can_compile_sm90, compile_sm90
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 
 from laguna_dflash.kernels import moe_routing
 from laguna_dflash.kernels.moe_routing import fused_moe_route
@@ -229,11 +229,8 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
 
     assert "griddepcontrol" not in ptx_of(False)
     ptx = ptx_of(True)
-    assert ptx.count("griddepcontrol.wait") == 1
-    wait = ptx.index("griddepcontrol.wait")
-    assert wait < ptx.index("griddepcontrol.launch_dependents")
-    early = [line for line in ptx[:wait].splitlines() if "ld.global" in line]
-    late = [line for line in ptx[wait:].splitlines() if "ld.global" in line]
+    early = loads_before_pdl_wait(ptx)
+    late = [line for line in ptx[ptx.index("griddepcontrol.wait"):].splitlines() if "ld.global" in line]
     # one warp, 256 experts: the fp32 bias is 8 values a thread, two 16-byte loads; the bf16
     # logits (one more 16-byte load, then the chosen experts' re-read) come after the wait
     assert len(early) == 2 and all("v4.b32" in line for line in early), early

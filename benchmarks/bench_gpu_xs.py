@@ -23,6 +23,7 @@ elementwise chains). Prints, from one run:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import tempfile
 import time
@@ -71,6 +72,18 @@ def xs_draft_config(num_target_layers: int) -> dict:
         "dflash_config": {"block_size": 16, "mask_token_id": 12, "num_target_layers": num_target_layers,
                           "target_layer_ids": taps, "causal": True},
     }
+
+
+def parse_switch(text: str) -> tuple[object, str, object]:
+    """``module:attr[.attr]=value`` (value as JSON; True / False accepted) -> (object, attribute
+    name, value), e.g. ``laguna_dflash.kernels.pdl:USE_PDL=True``."""
+    target, value = text.split("=", 1)
+    module, attr = target.split(":")
+    obj = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for p in path:
+        obj = getattr(obj, p)
+    return obj, name, json.loads(value.lower() if value in ("True", "False") else value)
 
 
 def sync(device: str) -> None:
@@ -297,7 +310,13 @@ def main() -> None:
                     help="also time batch-1 target-only decode per attention backend x MoE path")
     ap.add_argument("--profile", action="store_true",
                     help="count the kernels (graph nodes) of an eager batch-1 decode step")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="module:attr=value set for the whole run before the engine is built "
+                         "(repeatable), e.g. laguna_dflash.kernels.pdl:USE_PDL=True")
     args = ap.parse_args()
+    for text in args.switch:
+        obj, name, value = parse_switch(text)
+        setattr(obj, name, value)
     cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth(args.device, 64 << 20 if cpu else 4 << 30)
@@ -413,7 +432,8 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, layers {args.layers}, "
           f"context {args.context}, dummy load + warm-up {load_s:.1f}s, attention {engine.backend.name}, "
           f"cuda graphs {engine.runner.graphs is not None}")
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s\n")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s"
+          + (f", switches: {'; '.join(args.switch)}" if args.switch else "") + "\n")
     print("| batch-1 step | ms | x floor | context precompute ms | drafter block ms | target forward ms |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| bandwidth floor (decode) | {floor * 1e3:.2f} | 1.00 | | | |")

@@ -19,7 +19,6 @@ Target only (dummy bf16 weights at the real shapes, a 1k-token context, engine d
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import tempfile
 import time
@@ -27,19 +26,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import active_bytes, copy_bandwidth, xs_target_config
+from bench_gpu_xs import active_bytes, copy_bandwidth, parse_switch, xs_target_config
 
 from laguna_dflash import LLM, SamplingParams
-
-
-def parse_switch(text: str) -> tuple[object, str, object]:
-    target, value = text.split("=", 1)
-    module, attr = target.split(":")
-    obj = importlib.import_module(module)
-    *path, name = attr.split(".")
-    for p in path:
-        obj = getattr(obj, p)
-    return obj, name, json.loads(value.lower() if value in ("True", "False") else value)
 
 
 def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:

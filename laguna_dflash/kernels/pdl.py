@@ -34,15 +34,21 @@ and below sm90 it is off whatever the switch says.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 USE_PDL = False
 
 
+@functools.cache
+def _is_sm90_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def active(device: torch.device, interpret: bool) -> bool:
     """:data:`USE_PDL`, where programmatic dependent launch exists (compiled, CUDA sm90+)."""
-    return (USE_PDL and not interpret and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return USE_PDL and not interpret and device.type == "cuda" and _is_sm90_or_newer(device.index)
 
 
 def launch_options(pdl: bool) -> dict:

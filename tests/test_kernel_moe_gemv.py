@@ -6,7 +6,8 @@
   fp32 (tight) and bf16; the weighted pairs, unsummed, as ``fused_moe_experts(reduce=False)``.
 * Offline sm_90 compile (no GPU): the order of the programmatic-dependent-launch instructions.
 * On CUDA (skipped without one): Laguna-XS-2.1 shapes against the reference and the
-  ``fused_moe`` kernels, ``MoE.forward`` with ``use_moe_gemv``, and CUDA-graph capture.
+  ``fused_moe`` kernels, ``MoE.forward`` with ``use_moe_gemv`` (the default) against it off, and
+  CUDA-graph capture.
 * Everywhere: input validation.
 """
 
@@ -103,8 +104,9 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
     moe.fold_shared_expert()
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
+        monkeypatch.setattr(MoE, "use_moe_gemv", False)  # the grouped fused kernels
         want = moe(x)
-        monkeypatch.setattr(MoE, "use_moe_gemv", True)
+        monkeypatch.setattr(MoE, "use_moe_gemv", True)  # the default since it was measured
         got = moe(x)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
         graph = torch.cuda.CUDAGraph()

@@ -14,6 +14,8 @@
 #                                           # T = 1, 2, 4, decode-step A/B (~8 min)
 #   bash benchmarks/gpu_check.sh pdl        # programmatic dependent launch (kernels/pdl.py):
 #                                           # tests, then the decode-step A/B (~6 min)
+#   bash benchmarks/gpu_check.sh norms      # the add + RMSNorm kernel and the CUDA engine tests,
+#                                           # then the decode-step A/B: norm kernel, PDL (~7 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -79,6 +81,15 @@ case "$stage" in
     gpu_tests 200 tests/test_kernel_skinny_gemm.py tests/test_cuda_graphs.py \
       -k "programmatic or pdl" | tail -8
     timeout 200 python benchmarks/profile_decode_xs.py --top 10 \
-      --switch "laguna_dflash.kernels.pdl:USE_PDL=True" 2>&1 | quiet | tail -45 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl"; exit 2 ;;
+      --switch "laguna_dflash.kernels.pdl:USE_PDL=False" 2>&1 | quiet | tail -45 ;;
+  norms)
+    echo "== add + RMSNorm kernel; engine on CUDA (graphs, PDL, losslessness) with it"
+    gpu_tests 170 tests/test_kernel_add_rms_norm.py tests/test_cuda_graphs.py -k "cuda or lossless" \
+      | grep -Ev "test_cuda_equals_eager.*PASSED" | tail -24
+    echo "== batch-1 decode step: defaults (norm kernel, PDL) against each switched off"
+    N=laguna_dflash.models.fusion:use_norm_kernel P=laguna_dflash.kernels.pdl:USE_PDL
+    timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
+      --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms"; exit 2 ;;
 esac

@@ -350,14 +350,13 @@ def test_sm90_programmatic_dependent_launch_code() -> None:
     assert loads_before_pdl_wait(ptx) == []
 
 
-def test_pdl_is_opt_in_and_needs_a_compiled_sm90_gpu(monkeypatch) -> None:
+def test_pdl_needs_a_compiled_sm90_gpu(monkeypatch) -> None:
     cfg = SkinnyConfig(16, 256, 4, 4, 2, use_dot=False)
     meta = sg._plan(1, 2048, 8192, torch.bfloat16, cfg, False)[2]
     assert meta["PDL"] is False and "launch_pdl" not in meta
     meta = sg._plan(1, 2048, 8192, torch.bfloat16, cfg, False, True)[2]
     assert meta["PDL"] is True and meta["launch_pdl"] is True
-    assert pdl.USE_PDL is False  # off until measured
-    monkeypatch.setattr(pdl, "USE_PDL", True)
+    assert pdl.USE_PDL is True  # on by default since the H200 A/B (docs/PERFORMANCE.md)
     assert not pdl.active(torch.device("cpu"), False)
     if HAS_CUDA:
         assert not pdl.active(torch.device("cuda"), True)  # never under the interpreter

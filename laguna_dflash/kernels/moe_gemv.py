@@ -26,7 +26,7 @@ reduction once after the loop.
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
-cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (opt-in, unmeasured) both kernels
+cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (on by default) both kernels
 use programmatic dependent launch; the down kernel reads its expert ids and first weight tile
 before it waits for gate_up's ``h`` (kernels/pdl.py). On the H200 at Laguna-XS-2.1 shapes (9 pairs per token: top-8
 plus the folded shared expert) one layer's experts take 19.8 / 36.4 / 57.3 us at T = 1 / 2 / 4

@@ -41,7 +41,7 @@ is). Divisions and the square root are correctly rounded (``div_rn``, ``sqrt_rn`
 (plain ``/`` and ``tl.sqrt`` compile to approximate PTX instructions).
 bf16 results are rounded to nearest even on the bits before the store, because the interpreter's
 fp32 -> bf16 cast truncates (compiled, the store's cast would round the same way).
-With ``kernels.pdl.USE_PDL`` (opt-in, unmeasured) the kernel uses programmatic dependent launch:
+With ``kernels.pdl.USE_PDL`` (on by default) the kernel uses programmatic dependent launch:
 the bias is loaded before it waits for the router GEMM's logits (kernels/pdl.py).
 """
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the decode-path Triton kernels: opt-in, NOT yet measured.
+"""Programmatic dependent launch (PDL) for the decode-path Triton kernels, on by default (sm90+).
 
 A batch-1 decode step on the H200 is ~460 short kernels (docs/PERFORMANCE.md); each boundary
 costs a launch ramp and a drain. With PDL (sm90+) a kernel launched with ``launch_pdl=True`` may
@@ -24,10 +24,12 @@ and a PDL kernel after one of them simply launches when that one's programs exit
 
 ``USE_PDL`` switches it on for every Triton kernel of the decode, verify and drafter steps: the
 skinny GEMM (Q|K|V|gate, o_proj, router), the Q/K norm + RoPE + cache kernel, paged attention and
-its split merge, the routing kernel, the GEMV and fused MoE kernels, and the drafter's context
-K-norm + RoPE + cache kernel. At batch-1 decode that is 9 of a layer's 11 launches (the two
-torch.compile'd norm chains stay normal launches).
-``python benchmarks/profile_decode_xs.py --switch laguna_dflash.kernels.pdl:USE_PDL=True``
+its split merge, the routing kernel, the GEMV and fused MoE kernels, the residual add + RMSNorm
+kernel, and the drafter's context K-norm + RoPE + cache kernel: every launch of a batch-1 target
+decode layer. On the H200 at Laguna-XS-2.1 size it took the batch-1 decode graph replay from
+2.54 to 2.39 ms with the two norm chains still torch.compile'd (normal launches), greedy tokens
+unchanged (docs/PERFORMANCE.md, "Fifth pass").
+``python benchmarks/profile_decode_xs.py --switch laguna_dflash.kernels.pdl:USE_PDL=False``
 A/Bs it (the profile re-captures the graphs). Under the CPU interpreter (no ``griddepcontrol``)
 and below sm90 it is off whatever the switch says.
 """
@@ -38,7 +40,7 @@ import functools
 
 import torch
 
-USE_PDL = False
+USE_PDL = True
 
 
 @functools.cache

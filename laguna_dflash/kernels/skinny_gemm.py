@@ -60,7 +60,7 @@ warm-up call does this); a first call inside a capture still works, the zeroing 
 recorded into the graph and the buffer comes from the graph's pool. Two split-K calls with the
 same ``(N, SPLIT_K)`` must not run concurrently on different streams (they share counters).
 
-With ``kernels.pdl.USE_PDL`` (opt-in, unmeasured) the kernel is launched with programmatic
+With ``kernels.pdl.USE_PDL`` (on by default) the kernel is launched with programmatic
 dependent launch: a program loads its first weight tile, then waits for the previous kernel
 before it loads x, and signals its dependents once its weights are read (kernels/pdl.py).
 

@@ -24,9 +24,16 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from ..kernels import add_rms_norm as norm_kernel
+
 logger = logging.getLogger(__name__)
 
 enabled = True
+# CUDA inference: the residual add + RMSNorm chains (rms_norm, add_rms_norm, add on [T, H] rows)
+# through the Triton kernel of kernels/add_rms_norm.py, which takes part in programmatic
+# dependent launch, instead of torch.compile's kernels, which are normal launches (two pipeline
+# drains per layer in a PDL graph). Same math; False: torch.compile (an A/B switch).
+use_norm_kernel = True
 
 Fn = TypeVar("Fn", bound=Callable)
 
@@ -60,11 +67,30 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_kernel_runs(h: torch.Tensor, delta: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> bool:
+    return (use_norm_kernel and enabled and h.is_cuda and not torch.is_grad_enabled()
+            and norm_kernel.can_run(h, delta, weight))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; statistics in fp32, normalised
     value cast back to x's dtype before the weight (as the references do)."""
     return weight * rms_normalize(x, eps)
+
+
+_rms_norm_fused = fused(_rms_norm)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`_rms_norm`: the Triton kernel where it runs (:data:`use_norm_kernel`), else one
+    torch.compile'd kernel on CUDA, eager elsewhere."""
+    if _norm_kernel_runs(x, None, weight):
+        return norm_kernel.add_rms_norm(x, None, weight, eps)[1]
+    return _rms_norm_fused(x, weight, eps)
+
+
+rms_norm.eager = _rms_norm  # type: ignore[attr-defined]
 
 
 @fused
@@ -93,19 +119,41 @@ def _add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return out.to(h.dtype)
 
 
-@fused
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm: ``(h + delta, rms_norm(h + delta))``, ``[T, H]`` each;
     ``delta`` may be MoE pairs ``[T, P, H]`` (:func:`_add`)."""
     h = _add(h, delta)
     return h, weight * rms_normalize(h, eps)
 
 
-@fused
-def add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def _add_only(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """:func:`_add` as one kernel: the residual stream after a layer whose add was deferred."""
     return _add(h, delta)
+
+
+_add_rms_norm_fused = fused(_add_rms_norm)
+_add_fused = fused(_add_only)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_add_rms_norm` as one kernel (dispatched as :func:`rms_norm`)."""
+    if _norm_kernel_runs(h, delta, weight):
+        return norm_kernel.add_rms_norm(h, delta, weight, eps)
+    return _add_rms_norm_fused(h, delta, weight, eps)
+
+
+def add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """:func:`_add` as one kernel (dispatched as :func:`rms_norm`): the residual stream after a
+    layer whose add was deferred."""
+    if _norm_kernel_runs(h, delta, None):
+        return norm_kernel.add_rms_norm(h, delta, None, 0.0)[0]
+    return _add_fused(h, delta)
+
+
+add_rms_norm.eager = _add_rms_norm  # type: ignore[attr-defined]
+add.eager = _add_only  # type: ignore[attr-defined]
 
 
 def _rope(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,

@@ -6,22 +6,47 @@ quantity ``num_accepted_tokens_per_pos / num_drafts`` measures). It costs ``t(K)
 measured on this engine (K = 0 is plain target-only decoding). The policy picks
 ``argmax_K (1 + sum_{k<=K} r_k) / t(K)``, so speculation is used only where it pays: with a weak
 drafter, or a MoE target whose verify touches many experts, it falls back towards K = 0 and is
-never much slower than target-only decoding. Acceptance rates are exponential moving averages;
-every ``explore_every`` steps the full K runs so the estimates for long drafts stay fresh.
+never much slower than target-only decoding. Changing K never changes the output: acceptance is
+still exact.
 
-Exploration backs off while it changes nothing: an exploration step after which the best K is
-the one chosen before it doubles the interval, up to ``max_explore_every``; one that changes
-the choice resets it. A full-K step is expensive: with a drafter that never helps it costs about
-3.5x a decode step at Laguna-XS-2.1 size on an H200, so exploring every 16 steps would alone
-cost ~15% of throughput; and where drafting pays at a short K, exploring K = 15 every 16 steps
-took the adaptive engine to 1.41x target-only at batch 16 against 1.61x for the best fixed K
-(docs/PERFORMANCE.md). At the 256-step cap exploration costs ~1%. The price is reaction time: a
-change in the traffic that only longer drafts would reveal is noticed within
-``max_explore_every`` steps (a drop in acceptance shows at once, in the positions every step
-drafts). Changing K never changes the output: acceptance is still exact.
+Measuring. The first step of each power-of-two batch bucket drafts the full ``max_k`` block and
+the second is a plain decode, so every K has a cost (measured, or interpolated between measured
+K) and every position a rate. Rates are bias-corrected moving averages: the first observation of
+a position replaces the prior, the n-th has weight ``max(ema, 1/n)``, and a position's
+observation count decays by ``1 - ema`` for each step that did not draft it, so a rate last seen
+long ago (a position only explorations reach) is replaced, not nudged, by a fresh observation.
+Step times are averages too, robust to the one-off slow steps a CUDA-graph capture causes (the
+first step at a new K, batch or key bucket): see ``_observe_time``. What keeps a wrong estimate
+from locking the policy onto a bad K is in the class docstring.
+
+Exploring. Every ``explore_every`` steps the policy drafts one level above its current choice
+``b``: ``K = min(max_k, 2 b + 1)`` (0 -> 1 -> 3 -> 7 -> 15), which measures the rates just above
+``b`` and the step cost there. If longer drafts pay, the choice grows and the next exploration
+reaches further. Exploration backs off while it changes nothing: an exploration after which the
+best K is the one chosen before it doubles the interval, up to ``max_explore_every``; one that
+changes the choice resets it, so a climb 3 -> 7 -> 15 takes one long interval and then short
+ones. The price is reaction time: a change in the traffic that only longer drafts would reveal is
+noticed within ``max_explore_every`` steps (a drop in acceptance shows at once, in the positions
+every step drafts).
+
+Why (measured on an H200 at Laguna-XS-2.1 size, 128-token generations, BEFORE this scheme; a
+full-K step costs ~3.5x a plain decode step there, ``t(K) ~ 1 + 0.17 K`` decode steps at
+batch 1): the previous policy started every rate at an optimistic 1.0 moved by an EMA of 0.1,
+so with drafts never accepted it spent ~17 full-K steps before it stopped drafting, and every
+exploration drafted the full ``max_k``. Against the best fixed K it reached, at batch 1, 0.94x
+target-only vs 0.98x (K = 0) with no draft ever accepted and 1.79x vs 2.01x (K = 3) at
+acceptance length 4; at batch 16 and length 4, 1.35x vs 1.41x. Now the first observation
+settles a rate and exploring while K = 0 is best costs ~1.2x a decode step instead of 3.5x
+(tests/test_engine_units.py::test_adaptive_k_simulated_time_is_close_to_the_best_fixed_k
+simulates the cost model above: 1024 tokens within 0.4% / 1.5% of the best fixed K at acceptance
+length 1 / 4, against 5.7% / 6.6% before). Where acceptance is random (e.g. geometric), a batch-1
+step observes one request, so the rates are noisy and the same simulation puts the policy ~5-8%
+behind the best fixed K (as before this change; ~1% at batch 16).
 """
 
 from __future__ import annotations
+
+from bisect import insort
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -30,36 +55,136 @@ def batch_bucket(batch_size: int) -> int:
 
 
 class AdaptiveK:
+    """Per-step K from measured acceptance and step cost (see the module docstring).
+
+    Estimates can be wrong in two directions, and only one of them is dangerous:
+
+    * Optimistic (a K looks better than it is: a stale high rate, an interpolated cost that is
+      too low) corrects itself: choosing K drafts positions 1..K and times a K-step, exactly the
+      quantities that made K look good, so the next ``best_k`` sees the truth (a few steps).
+    * Pessimistic (a K looks worse than it is) persists as long as K is not run, so every
+      source of it is bounded: costs are made non-decreasing in K from above (``_points``), a
+      first step time at a new K does not count until a second one confirms it, a K = 0 time
+      that a drafting step undercuts is measured again (``choose``), an observation can raise
+      a step time by at most ``ema * (max_jump - 1)``, the level above the choice is re-measured
+      by every exploration, and a rate not drafted for a while is replaced by its next
+      observation (time-decayed counts, ``_observe_rates``). So a K that pays is found within
+      one exploration interval per level, and no single slow or unlucky step locks it out.
+    """
+
     def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.1,
-                 max_explore_every: int = 256) -> None:
+                 max_explore_every: int = 256, max_jump: float = 2.0) -> None:
         self.max_k = max_k
         self.explore_every = explore_every
         self.max_explore_every = max(max_explore_every, explore_every)
         self.ema = ema
-        self.rates = [1.0] * max_k  # optimistic start: first steps draft the full block
+        self.max_jump = max_jump  # a step-time observation counts as at most this x the estimate
+        self.rates = [1.0] * max_k  # prior only: the first observation of a position replaces it
+        self._rate_n = [0.0] * max_k  # effective observation count per position (<= 1 / ema)
+        self._rate_seen = [0] * max_k  # observed-step index of each position's last observation
         self.step_time: dict[tuple[int, int], float] = {}  # (K, batch bucket) -> seconds
+        self._time_n: dict[tuple[int, int], int] = {}  # (K, batch bucket) -> observations
+        self._usable: dict[int, list[int]] = {}  # bucket -> sorted K whose step time counts
+        self._best: dict[int, int] = {}  # bucket -> best K; cleared by every observe()
         self.num_steps = 0
-        self.explore_interval = explore_every  # current; backs off while K = 0 stays best
+        self._num_observed = 0
+        self.explore_interval = explore_every  # current; backs off while the best K stays
         self.steps_since_explore = 0
         self.num_explorations = 0
         self._exploring_bucket: int | None = None  # set by choose() for an exploration step
         self._best_before_exploring = 0  # the choice the exploration step interrupted
 
+    # ---- estimates ---------------------------------------------------------------------------
+
     def expected_tokens(self, k: int) -> float:
-        return 1.0 + sum(self.rates[:k])
+        """``1 + sum_{j<=k} r_j`` with each rate capped by the rates before it (``_best_of``)."""
+        total, cap = 1.0, 1.0
+        for r in self.rates[:k]:
+            cap = min(cap, r)
+            total += cap
+        return total
+
+    def _points(self, bucket: int) -> tuple[list[int], list[float]]:
+        """Measured K (sorted) and their step times, made non-decreasing in K from above.
+
+        Drafting more never makes a step cheaper, so the true ``t`` is non-decreasing in K, and
+        timing noise is one-sided (captures, allocator, host hiccups only ever add time). Hence
+        ``min_{K' >= K} t_meas(K')`` is still an upper bound on ``t(K)`` and at least as
+        accurate as ``t_meas(K)``. This matters for the K nobody runs any more: a K = 0 time
+        measured once while a decode graph was being captured would otherwise make target-only
+        decoding look expensive for good, and the policy would keep drafting at zero acceptance.
+        With ``t`` non-decreasing and ``expected_tokens`` non-decreasing, a K whose extra
+        positions add no tokens never beats a smaller one (ties keep the smaller K).
+        """
+        ks = self._usable.get(bucket, [])
+        ts = [self.step_time[(k, bucket)] for k in ks]
+        for i in range(len(ts) - 2, -1, -1):
+            if ts[i] > ts[i + 1]:
+                ts[i] = ts[i + 1]
+        return ks, ts
 
     def cost(self, k: int, bucket: int) -> float | None:
-        """Measured seconds per step at K, interpolated linearly between measured K values."""
-        if (k, bucket) in self.step_time:
-            return self.step_time[(k, bucket)]
-        known = sorted(x for x, b in self.step_time if b == bucket)
-        lower = [x for x in known if x < k]
-        upper = [x for x in known if x > k]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-            w = (k - a) / (b - a)
-            return self.step_time[(a, bucket)] * (1 - w) + self.step_time[(b, bucket)] * w
+        """Seconds per step at K: measured (see ``_points``), or linear between the measured K
+        around it; None outside the measured range."""
+        ks, ts = self._points(bucket)
+        for i, x in enumerate(ks):
+            if x == k:
+                return ts[i]
+            if x > k:
+                if i == 0:
+                    return None
+                a = ks[i - 1]
+                return ts[i - 1] + (ts[i] - ts[i - 1]) * (k - a) / (x - a)
         return None
+
+    def best_k(self, bucket: int) -> int:
+        """``argmax_K`` expected tokens per second at this batch bucket (0 without a K = 0 cost).
+        Computed once per observed step and cached until the next ``observe``."""
+        best = self._best.get(bucket)
+        if best is None:
+            best = self._best[bucket] = self._best_of(bucket)
+        return best
+
+    def _best_of(self, bucket: int) -> int:
+        """The argmax over K in one pass over K = 0..max_k.
+
+        Rates: the true ``r_k`` is non-increasing in k (accepting k+1 drafts needs the first
+        k), but the estimates need not be, because positions are refreshed at different times:
+        a position past what recent steps drafted may hold a high rate from the bucket's first
+        full-K step. Each rate is therefore capped by the rates before it, which are fresher
+        (drafted at least as often) and are upper bounds of it. Whatever optimism is left is
+        the self-correcting kind (see the class docstring).
+
+        Costs: only measured K and linear interpolation between them (``cost``); with the
+        full-K block measured first in every bucket there is no extrapolation. Interpolation
+        can be off for a K never run (the true curve has steps, e.g. at GEMM tiles), but within
+        ``(b, 2b + 1]`` both ends are measured: ``b`` is what runs, ``2b + 1`` what explores
+        (from its second exploration on, see ``_observe_time``); a cost too low there is the
+        self-correcting kind; one too high can hide a slightly better K between the two
+        measured ends, but not stop the climb past them.
+        """
+        ks, ts = self._points(bucket)
+        if not ks or ks[0] != 0:
+            return 0  # K = 0 not measured yet in this bucket
+        best, best_rate = 0, 1.0 / ts[0]
+        tokens, cap, seg = 1.0, 1.0, 0
+        rates = self.rates
+        for k in range(1, ks[-1] + 1):
+            r = rates[k - 1]
+            if r < cap:
+                cap = r
+            if cap <= 0.0:
+                break  # no more tokens from longer drafts, and costs do not decrease
+            tokens += cap
+            while ks[seg + 1] < k:
+                seg += 1
+            a, b = ks[seg], ks[seg + 1]
+            t = ts[seg] + (ts[seg + 1] - ts[seg]) * (k - a) / (b - a)
+            if tokens > best_rate * t:
+                best, best_rate = k, tokens / t
+        return best
+
+    # ---- policy ------------------------------------------------------------------------------
 
     def choose(self, batch_size: int) -> int:
         """K for the next step of ``batch_size`` requests (0 = target-only decode)."""
@@ -67,42 +192,93 @@ class AdaptiveK:
         self.steps_since_explore += 1
         bucket = batch_bucket(batch_size)
         if (self.max_k, bucket) not in self.step_time:
-            return self.max_k
+            return self.max_k  # measure every position and the full-block cost once
+        n0 = self._time_n.get((0, bucket))
+        if n0 is None:
+            return 0  # measure plain decode once
+        best = self.best_k(bucket)
+        if n0 == 1 and best and self.step_time[(0, bucket)] > self.cost(best, bucket):
+            # The one K = 0 time exceeds a drafting step's: it caught a graph capture. _points
+            # caps it at t(best), which only makes K = 0 tie with ``best``, and near-zero
+            # acceptance would keep drafting on that tie; one more decode step settles it.
+            return 0
         if self.steps_since_explore >= self.explore_interval:
             self.steps_since_explore = 0
             self.num_explorations += 1
             self._exploring_bucket = bucket
-            self._best_before_exploring = self.best_k(bucket)
-            return self.max_k
-        if (0, bucket) not in self.step_time:
-            return 0  # measure plain decode once
-        return self.best_k(bucket)
-
-    def best_k(self, bucket: int) -> int:
-        """``argmax_K`` expected tokens per second at this batch bucket (0 without a K = 0 cost)."""
-        if (0, bucket) not in self.step_time:
-            return 0
-        best, best_rate = 0, self.expected_tokens(0) / self.step_time[(0, bucket)]
-        for k in range(1, self.max_k + 1):
-            cost = self.cost(k, bucket)
-            if cost is not None and self.expected_tokens(k) / cost > best_rate:
-                best, best_rate = k, self.expected_tokens(k) / cost
+            self._best_before_exploring = best
+            return min(self.max_k, 2 * best + 1)  # one level up (at max_k: the choice itself)
         return best
 
     def observe(self, k: int, batch_size: int, accepted: list[int], seconds: float) -> None:
         """After a step at K: each request's accepted-draft count and the step's wall time."""
-        key = (k, batch_bucket(batch_size))
-        prev = self.step_time.get(key)
-        self.step_time[key] = seconds if prev is None else (1 - self.ema) * prev + self.ema * seconds
-        if k == 0 or not accepted:
-            return
-        for pos in range(k):
-            rate = sum(a > pos for a in accepted) / len(accepted)
-            self.rates[pos] = (1 - self.ema) * self.rates[pos] + self.ema * rate
-        bucket = self._exploring_bucket
-        if bucket is not None:  # the outcome of an exploration step: back off or reset
+        self._num_observed += 1
+        bucket = batch_bucket(batch_size)
+        self._observe_time(k, bucket, seconds)
+        if k and accepted:
+            self._observe_rates(k, accepted)
+        self._best.clear()  # rates are shared by all buckets
+        bucket_explored = self._exploring_bucket
+        if bucket_explored is not None:  # the outcome of an exploration step: back off or reset
             self._exploring_bucket = None
-            if self.best_k(bucket) == self._best_before_exploring:
+            if self.best_k(bucket_explored) == self._best_before_exploring:
                 self.explore_interval = min(2 * self.explore_interval, self.max_explore_every)
             else:
                 self.explore_interval = self.explore_every
+        self.best_k(bucket)  # computed here, once; choose() reads the cache
+
+    def _observe_time(self, k: int, bucket: int, seconds: float) -> None:
+        """Step times: the first step at a new (K, bucket) often includes a CUDA-graph capture
+        (two eager runs and the capture: several times a replayed step). So it only counts where
+        nothing else would (K = 0 and the full K, which anchor the interpolation); any other K
+        keeps its interpolated cost until a second step confirms it. The estimate after two
+        steps is the smaller one (noise only adds time), then a bias-corrected mean (weight
+        ``max(ema, 1/(n-1))``) of observations capped at ``max_jump`` x the estimate, so a
+        capture at a key-length boundary later on moves it by at most ``ema * (max_jump - 1)``
+        (10%) instead of making the K look several times slower and locking it out."""
+        key = (k, bucket)
+        n = self._time_n.get(key, 0) + 1
+        self._time_n[key] = n
+        prev = self.step_time.get(key)
+        if prev is None:
+            self.step_time[key] = seconds
+        elif n == 2:
+            self.step_time[key] = min(prev, seconds)
+        else:
+            w = max(self.ema, 1.0 / (n - 1))
+            self.step_time[key] = prev + w * (min(seconds, self.max_jump * prev) - prev)
+        usable = self._usable.setdefault(bucket, [])
+        if k not in usable and (n >= 2 or k == 0 or k == self.max_k):
+            insort(usable, k)
+
+    def _observe_rates(self, k: int, accepted: list[int]) -> None:
+        """Per position p < K: the fraction of requests that accepted more than p drafts.
+
+        Weight ``1/n`` with ``n`` the position's observation count capped at ``1/ema`` (the
+        bias-corrected EMA: the first observation replaces the prior, then a running mean until
+        the weight reaches ``ema``). ``n`` decays by ``1 - ema`` per observed step that did not
+        draft the position: the weight an every-step EMA gives a value that old. Positions
+        every step drafts keep ``n = 1/ema`` (weight ``ema``); positions only explorations reach
+        (every 16..256 steps) get weight ~0.3..1, so after a change in the traffic one
+        exploration at the level above the choice shows it. With the plain count, weight 0.1
+        after ten explorations, a climb 3 -> 7 -> 15 took ~9 explorations, ~2300 steps at the
+        256-step interval, instead of ~50 (test_adaptive_k_climbs_level_by_level_...).
+        Noise in a one-request exploration is tolerable: a high reading is optimistic (runs,
+        corrects), a low one waits for the next exploration.
+        """
+        m = len(accepted)
+        hist = [0] * (k + 1)
+        for a in accepted:
+            hist[a if a < k else k] += 1
+        now, decay, n_max = self._num_observed, 1.0 - self.ema, 1.0 / self.ema
+        rates, counts, seen = self.rates, self._rate_n, self._rate_seen
+        above = m  # requests that accepted more than ``pos`` drafts
+        for pos in range(k):
+            above -= hist[pos]
+            n = counts[pos]
+            gap = now - seen[pos]
+            if gap > 1:
+                n *= decay ** (gap - 1)
+            n = min(n + 1.0, n_max)
+            counts[pos], seen[pos] = n, now
+            rates[pos] += (above / m - rates[pos]) / n

@@ -133,8 +133,9 @@ def test_not_available_on_a_cpu_without_the_interpreter():
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("num_pairs", [-1, 0, 10])
 def test_sm90_programmatic_dependent_launch_order(num_pairs):
-    """With ``kernels.pdl.USE_PDL`` every program waits for its predecessor before any global
-    load (h, delta and the weight), then signals; without it no griddepcontrol is emitted."""
+    """With ``kernels.pdl.USE_PDL`` a program loads only the weight (``evict_last``) before it
+    waits for its predecessor, h and delta after; then it signals. Without PDL no
+    griddepcontrol is emitted."""
     types = {n: "*bf16" for n in ("h_ptr", "d_ptr", "w_ptr", "res_ptr", "out_ptr")}
     types["eps"] = "fp32"
 
@@ -146,7 +147,10 @@ def test_sm90_programmatic_dependent_launch_order(num_pairs):
 
     assert "griddepcontrol" not in ptx_of(False)
     ptx = ptx_of(True)
-    assert loads_before_pdl_wait(ptx) == [] and "ld.global" in ptx
+    early = loads_before_pdl_wait(ptx)
+    assert early and all("L2::cache_hint" in line for line in early), early  # the weight only
+    after = ptx[ptx.index("griddepcontrol.wait"):].splitlines()
+    assert any("ld.global" in line and "cache_hint" not in line for line in after)  # h, delta
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------

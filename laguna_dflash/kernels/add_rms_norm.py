@@ -20,8 +20,8 @@ flips a rounding of ``y`` in well under 1% of the elements).
 
 Grid ``(T,)``: one program per row, the whole row in registers (``H <= MAX_HIDDEN``). The launch
 depends only on shapes and nothing is read back on the host: CUDA-graph capturable. Under PDL
-the program waits before its first load (the weight too: 4 KiB, L2-resident, not worth a rule
-of its own) and signals its dependents right after.
+a program loads the weight row (a parameter, kept in L2 with ``evict_last``), then waits for its
+predecessor before it loads ``h`` or ``delta``, and signals its dependents right after the wait.
 """
 
 from __future__ import annotations
@@ -57,12 +57,14 @@ def _add_rms_norm_kernel(
     WRITE_RESIDUAL: tl.constexpr, WRITE_NORM: tl.constexpr, DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/pdl.py: wait for the kernel writing delta, then let the next GEMM launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     in_row = i < HIDDEN
+    if WRITE_NORM:  # a parameter no kernel writes: loaded before the wait (kernels/pdl.py rule 3)
+        w = tl.load(w_ptr + i, mask=in_row, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if PDL:  # kernels/pdl.py: wait for the kernel writing delta, then let the next GEMM launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.load(h_ptr + t * stride_ht + i, mask=in_row, other=0.0).to(tl.float32)
     if NUM_PAIRS == 0:
         s = _round_to(s + tl.load(d_ptr + t * stride_dt + i, mask=in_row, other=0.0).to(tl.float32),
@@ -77,7 +79,6 @@ def _add_rms_norm_kernel(
     if WRITE_NORM:
         mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
         inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
-        w = tl.load(w_ptr + i, mask=in_row, other=0.0).to(tl.float32)
         y = _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
         tl.store(out_ptr + t * stride_ot + i, y, mask=in_row)
 

@@ -18,7 +18,7 @@ from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner
 from .kv_cache import BlockAllocator, KVCache
-from .runner import ForwardItem, ModelRunner
+from .runner import ForwardItem, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -366,8 +366,10 @@ class LLMEngine:
         commit, roll back. Returns the accepted-draft count per request."""
         drafts = self.proposer.propose(seqs, k)  # [R, k]
         anchors = [s.num_tokens - 1 for s in seqs]  # position P of each bonus token
-        ids = torch.cat([torch.tensor([s.last_token for s in seqs], device=drafts.device).view(-1, 1),
-                         drafts], dim=1).reshape(-1)
+        # No host sync between draft and verify: the host prepares the verify launch while the
+        # drafter runs (a blocking upload here would first wait for the whole draft)
+        bonus = to_device_async(torch.tensor([s.last_token for s in seqs]), drafts.device)
+        ids = torch.cat([bonus.view(-1, 1), drafts], dim=1).reshape(-1)
         items = [ForwardItem(k + 1, p, p + k + 1, s.block_table) for p, s in zip(anchors, seqs)]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
         logits = self.target.compute_logits(hidden)  # [R*(K+1), V]

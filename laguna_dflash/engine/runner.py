@@ -6,6 +6,7 @@ with one non-blocking copy; the model forward itself never reads device values b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,20 @@ class ForwardItem:
     start_pos: int
     seq_len: int
     block_table: list[int]
+
+
+# False: plain blocking uploads in to_device_async (an A/B switch for benchmarks)
+async_uploads = True
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host: to CUDA through pinned memory
+    (``non_blocking``; the caching host allocator keeps the buffer until the copy ran). A plain
+    ``.to("cuda")`` of pageable memory synchronises the stream first, so the host would wait
+    for every kernel queued so far before it could prepare the next launch."""
+    if device.type == "cuda" and async_uploads:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def build_metadata(
@@ -61,11 +76,7 @@ def build_metadata(
     j = torch.arange(lmax)
     key_slots = tables[:, j // block_size] * block_size + (j % block_size).view(1, -1)
     key_slots = torch.where(j.view(1, -1) < seq_lens.view(-1, 1), key_slots, torch.full((), scratch_slot))
-    pin = device.type == "cuda"
-
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
-
+    dev = functools.partial(to_device_async, device=device)
     return AttentionMetadata(
         positions=dev(positions), slot_mapping=dev(slot_mapping), flat_index=dev(flat_index),
         query_index=dev(query_index), query_positions=dev(q_pos), key_slots=dev(key_slots),

@@ -12,6 +12,8 @@ tests compare against.
 Compilation happens on the first CUDA call of each variant, i.e. in prefill or in the eager
 warm-up before a CUDA graph is captured, never inside a capture. If compiling fails the error is
 logged once and the eager body is used from then on. ``enabled = False`` turns fusion off.
+The residual add + RMSNorm chains (:func:`rms_norm`, :func:`add_rms_norm`, :func:`add`) take the
+Triton kernel of kernels/add_rms_norm.py instead where it runs (:data:`use_norm_kernel`).
 """
 
 from __future__ import annotations

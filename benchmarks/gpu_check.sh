@@ -16,6 +16,10 @@
 #                                           # tests, then the decode-step A/B (~6 min)
 #   bash benchmarks/gpu_check.sh norms      # the add + RMSNorm kernel and the CUDA engine tests,
 #                                           # then the decode-step A/B: norm kernel, PDL (~7 min)
+#   bash benchmarks/gpu_check.sh host       # where the GPU waits for the host in a batch-1 step
+#                                           # (gc, graph reset, labelled profile), lm_head (~3 min)
+#   bash benchmarks/gpu_check.sh ctxstore   # the CUDA graph tests, then the step A/B of the drafter
+#                                           # context stored by the verify graph (~7 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -48,6 +52,16 @@ case "$stage" in
     timeout 150 python benchmarks/bench_fused_moe.py --tokens 1 --top-k 9 --sweep 2>&1 | quiet | tail -12
     echo "== skinny GEMM"
     gpu_tests 110 tests/test_kernel_skinny_gemm.py | grep -v PASSED | tail -20 ;;
+  host)
+    echo "== the GPU's idle time in a batch-1 step, by host phase; lm_head GEMV"
+    timeout 330 python benchmarks/host_timeline.py 2>&1 | quiet | grep -v "USDT\|profiler" | tail -70 ;;
+  ctxstore)
+    echo "== graphs and losslessness with the verify's context store"
+    gpu_tests 230 tests/test_cuda_graphs.py | tail -40
+    echo "== step times: context stored in the verify graph (default) or by the next propose"
+    timeout 300 python benchmarks/host_timeline.py --rounds 3 \
+      --switch laguna_dflash.engine.engine:store_context_in_verify=False 2>&1 | quiet \
+      | grep -v "USDT\|profiler" | tail -75 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \

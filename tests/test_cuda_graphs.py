@@ -105,9 +105,10 @@ def _drafter_caches(llm: LLM) -> list[torch.Tensor]:
 
 
 def test_padded_context_precompute_matches_eager_on_cpu(pair):
-    """The drafter's decode-step context K/V through ContextGraphRunner's padded layout (run
-    eagerly on CPU, what CUDA replays) equals the eager per-step precompute, and the padded path
-    is really taken (prefill contexts stay eager)."""
+    """The drafter's decode-step context K/V through the padded layouts run eagerly on CPU (what
+    CUDA replays: ContextGraphRunner for the taps target-only steps leave pending, the verify
+    graph's own store) equals the eager per-step precompute, and the context-graph path is
+    really taken (prefill contexts stay eager)."""
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
@@ -122,8 +123,9 @@ def test_padded_context_precompute_matches_eager_on_cpu(pair):
     original = runner.run
     runner.run = lambda pending, slots_of: (calls.append(len(pending)), original(pending, slots_of))
     prompts = _prompts(3, seed=7)
-    plain.generate(prompt_token_ids=prompts, sampling_params=params)
-    padded.generate(prompt_token_ids=prompts, sampling_params=params)
+    for llm in (plain, padded):  # target-only steps between the speculative ones: pending taps
+        llm.engine.adaptive_k = _Alternating(BLOCK_SIZE - 1)
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert calls and max(calls) == 3, calls
     for got, want in zip(_drafter_caches(padded), _drafter_caches(plain)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -382,12 +384,18 @@ class _Alternating:
         pass
 
 
+@pytest.mark.parametrize("in_verify", [True, False])
 @pytest.mark.parametrize("context_graphs", [False, True])
-def test_stored_context_rows_are_the_taps_of_their_positions(pair, context_graphs):
-    """Switching between target-only and speculative steps, every context row the drafter
-    stores (eagerly, or through the padded context-graph layout) is the target's tap row of the
-    position it is stored for (the taps of a full prefill of the final sequence), and the output
-    is the target's."""
+def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs, in_verify, monkeypatch):
+    """Switching between target-only and speculative steps, every context row a drafter block
+    can see (the positions before its anchor) was last written with the target's tap row of that
+    position (the taps of a full prefill of the final sequence), eagerly or through the padded
+    layouts; the verify's own store also writes rows of rejected drafts (checked: some are), at
+    positions no block reads before rewriting them (``in_verify``; else only committed rows are
+    stored, as pending taps). The output is the target's."""
+    from laguna_dflash.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "store_context_in_verify", in_verify)
     target, draft = pair
     k = BLOCK_SIZE - 1
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -400,8 +408,10 @@ def test_stored_context_rows_are_the_taps_of_their_positions(pair, context_graph
         engine.attach_graph_runners()
         engine.attach_context_graphs()
     engine.adaptive_k = _Alternating(k)
-    drafter, scratch = engine.drafter, engine.proposer.kv_cache.scratch_slot
-    stored = []  # (features row, position, slot) per stored real row, in store order
+    drafter, proposer = engine.drafter, engine.proposer
+    scratch = proposer.kv_cache.scratch_slot
+    last_written = {}  # drafter cache slot -> the feature row last stored there
+    writes = []  # (position, feature row) of every real row stored, in order
     combine, store = drafter.combine_hidden_states, drafter.precompute_and_store_context_kv
     seen_features = []
 
@@ -413,13 +423,29 @@ def test_stored_context_rows_are_the_taps_of_their_positions(pair, context_graph
         features = seen_features.pop()
         for row, pos, slot in zip(features, positions.tolist(), slots.tolist()):
             if slot != scratch:
-                stored.append((row, pos, slot))
+                last_written[slot] = row
+                writes.append((pos, row))
         return store(context, positions, slots, layers)
 
+    reads = []  # (prompt, anchor, the rows visible to the block at positions 0 .. anchor - 1)
+    proposing = []
+    propose, block_forward = proposer.propose, proposer.runner.forward
+
+    def propose_spy(seqs, k=None):
+        proposing[:] = seqs
+        return propose(seqs, k)
+
+    def block_spy(*args, **kwargs):  # after propose's store of the pending taps
+        for s in proposing:
+            anchor = s.num_tokens - 1
+            rows = [last_written.get(int(slot)) for slot in proposer.slots(s, 0, anchor)]
+            reads.append((tuple(s.prompt_token_ids), anchor, rows))
+        return block_forward(*args, **kwargs)
+
     drafter.combine_hidden_states, drafter.precompute_and_store_context_kv = combine_spy, store_spy
+    proposer.propose, proposer.runner.forward = propose_spy, block_spy
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == want
-    assert len(stored) > sum(len(p) for p in prompts) + 12  # prefills plus decode-phase stores
     # reference taps: one prefill over each final sequence, in a fresh engine
     ref = LLM(target, draft=draft, num_speculative_tokens=k, block_size=4, max_num_seqs=4).engine
     taps_of = {}
@@ -430,16 +456,20 @@ def test_stored_context_rows_are_the_taps_of_their_positions(pair, context_graph
                                      ref.tap_layer_ids)
         ref.allocator.free(blocks)
         taps_of[tuple(p)] = taps
-    by_len = {len(p): tuple(p) for p in prompts}
-    assert len(by_len) == len(prompts)
     num_checked = 0
-    for row, pos, _slot in stored:
-        # which request: the one whose taps at pos match (positions overlap between requests)
-        errors = [float((taps_of[key][pos] - row).abs().max()) for key in taps_of
-                  if pos < taps_of[key].shape[0]]
-        assert min(errors) < 1e-4, (pos, errors)
-        num_checked += 1
-    assert num_checked == len(stored)
+    for prompt, anchor, rows in reads:
+        for pos, row in enumerate(rows):
+            assert row is not None, (prompt, anchor, pos)
+            error = float((taps_of[prompt][pos] - row).abs().max())
+            assert error < 1e-4, (prompt, anchor, pos, error)
+            num_checked += 1
+    assert len(reads) >= 3 * 3 and num_checked > len(reads) * min(map(len, prompts))
+    # every stored row is some request's tap row of its position, except rejected drafts'
+    def matches_some_request(pos, row):
+        return any(pos < t.shape[0] and float((t[pos] - row).abs().max()) < 1e-4 for t in taps_of.values())
+
+    num_rejected = sum(not matches_some_request(pos, row) for pos, row in writes)
+    assert num_rejected > 0 if in_verify else num_rejected == 0
 
 
 def test_prefill_stores_the_prompts_context(pair):

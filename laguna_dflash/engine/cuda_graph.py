@@ -2,7 +2,7 @@
 
 A decode-phase forward runs ``R`` requests with the same number ``q`` of new tokens each
 (target decode ``q = 1``, verify and drafter block ``q = K + 1``). It is replayed from a graph
-captured for the key ``(R_pad, q, L_pad, is_causal, taps)``:
+captured for the key ``(R_pad, q, L_pad, is_causal, taps, stores context)``:
 
 * ``R_pad``: the smallest capture batch size ``>= R``. Padding requests write their K/V into the
   scratch block (every row of their block table is the scratch block) and attend to their own
@@ -17,9 +17,11 @@ is recomputed from it *inside* the graph, so a replay needs no device-to-host re
 are strided views: kernels must honour their strides (or get contiguous copies). Graphs are captured
 lazily, the first time a key is seen, after two eager warm-up runs on a side stream (Triton
 compiles there); all graphs share one memory pool. Outputs are copied out of the graph's static
-tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary);
-the drafter's decode-step context K/V precompute replays from its own graphs
-(engine/context_graph.py) unless ``EngineConfig.graph_context_precompute`` is False.
+tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary).
+The verify forward of a DFlash step captures the drafter's context K/V store of its taps after
+the target's layers (``ModelRunner.forward(store_context=True)``); the context K/V of the taps
+left pending by target-only steps replays from its own graphs (engine/context_graph.py) unless
+``EngineConfig.graph_context_precompute`` is False.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from ..models.layers import ForwardContext, building_cuda_graph
 from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .runner import ContextStore
 
 logger = logging.getLogger(__name__)
 
@@ -155,24 +160,32 @@ class CUDAGraphRunner:
             seq_lens=seq_lens, is_causal=is_causal,
         )
 
-    def _run_model(self, r: int, q: int, num_keys: int, is_causal: bool,
-                   tap_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_model(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
+                   context_store: ContextStore | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = self._metadata(r, q, num_keys, is_causal)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
         input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
-        return self.model(input_ids, ctx, tap_layer_ids)
+        hidden, taps = self.model(input_ids, ctx, tap_layer_ids)
+        if context_store is not None:  # padding requests' rows go to the scratch slots
+            context_store(taps, meta.positions, meta.slot_mapping)
+            taps = None
+        return hidden, taps
 
-    def _capture(self, r: int, q: int, num_keys: int, is_causal: bool,
-                 tap_layer_ids: tuple[int, ...]) -> _Captured:
+    def _capture(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
+                 context_store: ContextStore | None) -> _Captured:
         graph, (hidden, taps), self.pool = capture_graph(
-            lambda: self._run_model(r, q, num_keys, is_causal, tap_layer_ids), self.device, self.pool)
-        logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys", r, q, num_keys)
+            lambda: self._run_model(r, q, num_keys, is_causal, tap_layer_ids, context_store),
+            self.device, self.pool)
+        logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys%s", r, q, num_keys,
+                    ", with the drafter's context store" if context_store is not None else "")
         return _Captured(graph, hidden, taps)
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
-                is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds."""
+                is_causal: bool, context_store: ContextStore | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
+        (``context_store``: captured into the graph, after the forward)."""
         r, q = len(items), items[0].num_tokens
         r_pad = next(b for b in self.batch_sizes if b >= r)
         num_keys = self.key_bucket(max(it.seq_len for it in items))
@@ -200,12 +213,14 @@ class CUDAGraphRunner:
         if is_tensor:
             self.state[:r, self.ids_offset : self.ids_offset + q].copy_(input_ids.view(r, q))
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
-            hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
+            hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
+                                           context_store)
             return hidden[: r * q], taps[: r * q] if taps is not None else None
-        key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
+        key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids))
+            captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
+                                                        tuple(tap_layer_ids), context_store)
         captured.graph.replay()
         hidden = captured.hidden[: r * q].clone()
         taps = captured.taps[: r * q].clone() if captured.taps is not None else None

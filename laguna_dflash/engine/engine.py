@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET_BYTES = 2 << 30
 
+# True: the verify forward writes the drafter's context K/V of all its K + 1 rows itself, inside
+# its CUDA graph, before the step's host sync (the next step starts with the drafter block).
+# Rows past the accepted ones are rejected drafts' context, at positions the drafter never reads
+# before rewriting them: a slot is read only at a committed position (whose correct context is
+# stored after its commit, so after any such write) or inside a drafter block (which writes its
+# own K/V there first). False: the committed rows become pending taps, stored by the next
+# step's propose (an A/B switch for benchmarks).
+store_context_in_verify = True
+
 
 @dataclass
 class EngineTimings:
@@ -110,6 +119,8 @@ class LLMEngine:
             dkv = KVCache(d.num_cache_layers, num_blocks, config.block_size, d.num_kv_heads,
                           d.head_dim, self.dtype, self.device)
             self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k)
+            assert dkv.scratch_slot == kv.scratch_slot  # one slot index space (store_rows)
+            self.runner.context_store = self.proposer.store_rows
         if self.device.type == "cuda" and not config.enforce_eager:
             self.attach_graph_runners()
         self.scheduler = Scheduler(
@@ -371,7 +382,8 @@ class LLMEngine:
         bonus = to_device_async(torch.tensor([s.last_token for s in seqs]), drafts.device)
         ids = torch.cat([bonus.view(-1, 1), drafts], dim=1).reshape(-1)
         items = [ForwardItem(k + 1, p, p + k + 1, s.block_table) for p, s in zip(anchors, seqs)]
-        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
+        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
+                                           store_context=store_context_in_verify)
         logits = self.target.compute_logits(hidden)  # [R*(K+1), V]
         target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
         target_tokens = target_tokens.view(len(seqs), k + 1)
@@ -400,11 +412,12 @@ class LLMEngine:
             if self.config.trace:
                 s.trace.append({"anchor_position": p, "draft_tokens": draft_list[i], "num_accepted": a})
             # Committed: the bonus and the a accepted drafts (positions P..P+a) now have target
-            # KV; their taps become the drafter's next context. Rows beyond are rolled back by
-            # length: they stay in the cache, invisible, and are overwritten next step.
+            # KV (and drafter context: stored by the verify, or pending below). Rows beyond are
+            # rolled back by length: they stay in the cache, invisible, and are overwritten.
             s.num_computed = p + a + 1
-            s.clear_pending_taps()
-            s.add_pending_taps(taps, i * (k + 1), a + 1, p)  # rows of taps [R * (K+1), D]
+            if taps is not None:  # rows of taps [R * (K+1), D]
+                s.clear_pending_taps()
+                s.add_pending_taps(taps, i * (k + 1), a + 1, p)
             # emitted = accepted drafts + the target's token after them (with real acceptance
             # d_j == t_{j-1}, so this is t_0..t_a; with simulated acceptance it keeps the
             # committed tokens equal to the verified rows whose KV is kept)

@@ -7,6 +7,7 @@ with one non-blocking copy; the model forward itself never reads device values b
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,10 @@ class ForwardItem:
 
 # False: plain blocking uploads in to_device_async (an A/B switch for benchmarks)
 async_uploads = True
+
+# Writes the drafter's context K/V of a forward's taps: (taps [T, n_taps * H] in the model
+# dtype, positions [T] int64, cache slots [T] int64), all on the device.
+ContextStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -94,6 +99,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs: CUDAGraphRunner | None = None  # set by the engine on CUDA unless enforce_eager
+        # set by the engine with a drafter: what ``forward(store_context=True)`` hands its taps to
+        self.context_store: ContextStore | None = None
 
     def context(self, items: list[ForwardItem], is_causal: bool = True) -> ForwardContext:
         meta = build_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,
@@ -107,13 +114,22 @@ class ModelRunner:
         items: list[ForwardItem],
         tap_layer_ids: tuple[int, ...] = (),
         is_causal: bool = True,
+        store_context: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None).
 
         Decode-phase batches (every request ``q`` new tokens) replay a CUDA graph when enabled.
+        ``store_context``: the taps go to ``context_store`` at the tokens' positions and cache
+        slots inside the forward (inside its CUDA graph), and are not returned (``None``).
         """
+        store = self.context_store if store_context else None
+        assert store is not None or not store_context, "store_context needs a context_store"
         if self.graphs is not None and self.graphs.can_run(items, len(input_ids)):
-            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal)
+            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store)
         ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device)
         ctx = self.context(items, is_causal)
-        return self.model(ids, ctx, tap_layer_ids)
+        hidden, taps = self.model(ids, ctx, tap_layer_ids)
+        if store is not None:
+            store(taps, ctx.meta.positions, ctx.meta.slot_mapping)
+            taps = None
+        return hidden, taps

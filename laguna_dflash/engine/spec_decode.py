@@ -96,6 +96,14 @@ class DFlashProposer:
         pos = np.arange(start, start + count)
         return np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
 
+    def store_rows(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the context K/V of ``taps [N, n_taps * H_t]`` at ``positions [N]`` / drafter
+        cache ``slots [N]`` (int64, on the device): the verify forward's context store
+        (``ModelRunner.context_store``; it runs inside the verify's CUDA graph). The slots are
+        the target's: both caches share one slot index space (same blocks, same scratch slot)."""
+        context = self.drafter.combine_hidden_states(taps)
+        self.drafter.precompute_and_store_context_kv(context, positions, slots, self.kv_cache.layers)
+
     @torch.inference_mode()
     def store_context(self, seqs: list[Sequence]) -> None:
         """Write drafter context K/V for every request's pending target taps (all layers at once)."""

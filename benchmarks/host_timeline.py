@@ -1,0 +1,287 @@
+"""Where the GPU waits for the host in a batch-1 decode step (Laguna-XS-2.1 size, one GPU).
+
+The engine step takes longer than the GPU work it queues (fifth pass: 2.58 ms target-only
+against a 2.30 ms graph replay; a K = 3 DFlash step 5.39 ms against 4.72 ms of synchronised
+phases). This script finds where that time goes:
+
+* step times (no profiler) of target-only decode and a K = 3 DFlash step, with the defaults and
+  with each ``--switch`` (rows interleaved over ``--rounds``, graphs recaptured per row);
+* a profile of a few steps with the engine's phases labelled (``record_function`` around
+  ``Scheduler.schedule``, ``_commit``, the graph runners' host preparation, ``replay``,
+  ``compute_logits``, sampling, ...): the GPU's idle gaps, each attributed to the innermost
+  labelled phase the host was in (profiler overhead inflates host time, so read the shares, and
+  take absolute step times from the first table);
+* ``lm_head`` (100352 x 2048, 411 MB) at M = 1, 3, 4: ``F.linear`` (cuBLAS, what
+  ``compute_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated.
+
+    python benchmarks/host_timeline.py                     # H200
+    python benchmarks/host_timeline.py --switch laguna_dflash.engine.engine:store_context_in_verify=False
+    python benchmarks/host_timeline.py --layers 4          # quicker, same phases
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from bench_gpu_xs import parse_switch, step_time, sync, xs_draft_config, xs_target_config
+
+from laguna_dflash import LLM
+from laguna_dflash.engine import context_graph, cuda_graph, scheduler, spec_decode
+from laguna_dflash.engine import engine as engine_mod
+
+
+def label(obj, attr: str, name: str) -> None:
+    """Wrap ``obj.attr`` (a function or method) in ``record_function(name)``."""
+    fn = getattr(obj, attr)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+
+    setattr(obj, attr, wrapped)
+
+
+def install_labels(llm: LLM) -> None:
+    engine = llm.engine
+    label(scheduler.Scheduler, "schedule", "H schedule")
+    label(engine_mod.LLMEngine, "_run", "H step")
+    label(engine_mod.LLMEngine, "_commit", "H commit")
+    label(engine_mod.LLMEngine, "_decode", "H decode")
+    label(engine_mod.LLMEngine, "_spec_decode", "H spec_decode")
+    label(engine_mod, "sample_rows", "H sample_rows")
+    label(engine_mod, "num_accepted", "H num_accepted")
+    label(spec_decode.DFlashProposer, "propose", "H propose")
+    label(spec_decode.DFlashProposer, "store_context", "H store_context")
+    label(context_graph.ContextGraphRunner, "run", "H context graph run")
+    label(cuda_graph.CUDAGraphRunner, "forward", "H graph forward")
+    label(torch.cuda.CUDAGraph, "replay", "H replay")
+    label(engine.target, "compute_logits", "H target compute_logits")
+    if engine.drafter is not None:
+        label(engine.drafter, "compute_logits", "H drafter compute_logits")
+
+
+def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, float, float, int]:
+    """(idle us per innermost host label, host us per label (inclusive), summed GPU busy us,
+    window us, steps) of a profile.
+
+    GPU work = kernels and memcpys/memsets; gaps between them shorter than ``min_gap_us`` are
+    counted as busy (launch spacing inside graphs)."""
+    events = prof.events()
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    ranges = [(e.time_range.start, e.time_range.end, e.name) for e in events
+              if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("H ")]
+    # decode steps only (a generate call starts with a prefill step)
+    decodes = [r for r in ranges if r[2] in ("H decode", "H spec_decode")]
+    steps = [r for r in ranges if r[2] == "H step" and any(r[0] <= d[0] < r[1] for d in decodes)]
+    host = Counter()
+    for s, e, name in ranges:
+        if any(r[0] <= s < r[1] for r in steps):
+            host[name] += e - s
+    if not gpu or not steps:
+        return Counter(), host, 0.0, 0.0, len(steps)
+    lo, hi = min(r[0] for r in steps), max(r[1] for r in steps)
+    busy, gaps, cur = 0.0, [], None
+    for s, e in gpu:
+        if e <= lo or s >= hi:
+            continue
+        s, e = max(s, lo), min(e, hi)
+        if cur is None:
+            if s > lo:
+                gaps.append((lo, s))
+            cur = [s, e]
+        elif s - cur[1] > min_gap_us:
+            busy += cur[1] - cur[0]
+            gaps.append((cur[1], s))
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+        if cur[1] < hi:
+            gaps.append((cur[1], hi))
+    out = Counter()
+    ranges.sort(key=lambda r: (r[0], -r[1]))
+    for gs, ge in gaps:
+        # walk the gap in pieces: each piece to the innermost (latest-starting) label covering it
+        cuts = sorted({gs, ge, *[t for r in ranges for t in r[:2] if gs < t < ge]})
+        for a, b in zip(cuts, cuts[1:]):
+            mid = (a + b) / 2
+            inner = [r for r in ranges if r[0] <= mid < r[1]]
+            name = max(inner, key=lambda r: r[0])[2] if inner else "(outside any label)"
+            out[name] += b - a
+    return out, host, busy, hi - lo, len(steps)
+
+
+@contextlib.contextmanager
+def switched(texts: list[str]):
+    """Set ``module:attr=value`` switches for the block, restore them after."""
+    saved = []
+    for text in texts:
+        obj, name, value = parse_switch(text)
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def profile_steps(llm: LLM, prompt: list[int], new_tokens: int) -> tuple:
+    from torch.profiler import ProfilerActivity, profile
+
+    step_time(llm, prompt, new_tokens, warm=False)
+    sync(llm.config.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step_time(llm, prompt, new_tokens, warm=False)
+        sync(llm.config.device)
+    return idle_by_phase(prof)
+
+
+def print_profile(title: str, result: tuple, top: int) -> None:
+    idle, host, busy, window, steps = result
+    if not steps:
+        print(f"\n{title}: nothing recorded")
+        return
+    total_idle = sum(idle.values())
+    print(f"\n{title} (profiled, {steps} steps): per step {window / steps:.0f} us, GPU busy "
+          f"{busy / steps:.0f} us, GPU idle {total_idle / steps:.0f} us\n")
+    print("| host phase | host us per step (inclusive) | GPU idle us per step in it | share of idle |\n"
+          "|---|---:|---:|---:|")
+    for name in sorted(set(host) | set(idle), key=lambda n: (-idle[n], -host[n]))[:top]:
+        print(f"| {name[2:] if name.startswith('H ') else name} | {host[name] / steps:.1f} | "
+              f"{idle[name] / steps:.1f} | {100 * idle[name] / max(total_idle, 1e-9):.0f}% |")
+
+
+def lm_head_table(device: str, n: int = 100352, k: int = 2048, copies: int = 3) -> list[tuple]:
+    from laguna_dflash.kernels import skinny_gemm
+
+    rows = []
+    ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    for m in (1, 3, 4):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        cfg = skinny_gemm.default_config(m, n, k)
+        for name, fn in (("F.linear", lambda w, x=x: torch.nn.functional.linear(x, w)),
+                         ("skinny", lambda w, x=x, cfg=cfg: skinny_gemm.skinny_gemm(x, w, cfg))):
+            for w in ws:
+                fn(w)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(4):
+                    for w in ws:
+                        fn(w)
+            g.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            us = 1e3 * start.elapsed_time(end) / (10 * 4 * copies)
+            rows.append((m, name, us, n * k * 2 / (us * 1e-6) / 1e12))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--device", default="cuda", help="cpu: a wiring check at small widths")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="module:attr=value[;module:attr=value]: a row against the defaults "
+                         "(repeatable; the first also gets the profile tables)")
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    if not cpu:  # before the engine takes the memory
+        print("| lm_head M | kernel | us | TB/s |\n|---:|---|---:|---:|")
+        for m, name, us, tbs in lm_head_table("cuda"):
+            print(f"| {m} | {name} | {us:.1f} | {tbs:.2f} |")
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir, ddir = Path(tmp) / "target", Path(tmp) / "draft"
+        tdir.mkdir()
+        ddir.mkdir()
+        tcfg, dcfg = xs_target_config(args.layers), xs_draft_config(args.layers)
+        if cpu:  # shrink every width, keep the structure
+            for c in (tcfg, dcfg):
+                c.update(hidden_size=128, intermediate_size=256, vocab_size=512, head_dim=32)
+            dcfg["draft_vocab_size"] = 512
+            tcfg.update(num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+        (tdir / "config.json").write_text(json.dumps(tcfg))
+        (ddir / "config.json").write_text(json.dumps(dcfg))
+        llm = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
+                  device=args.device, load_format="dummy", enforce_eager=cpu,
+                  max_model_len=args.context + 256, max_num_seqs=1,
+                  num_kv_blocks=(args.context + 320) // 16 * 2)
+        engine = llm.engine
+        prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
+                               generator=torch.Generator().manual_seed(0)).tolist()
+        proposer, taps = engine.proposer, engine.tap_layer_ids
+        engine.simulated_acceptance, engine._sim_carry = 1.0, 0.0
+        engine.num_speculative_tokens = args.k
+
+        @contextlib.contextmanager
+        def target_only():
+            engine.proposer, engine.tap_layer_ids = None, ()
+            try:
+                yield
+            finally:
+                engine.proposer, engine.tap_layer_ids = proposer, taps
+
+        def reset_graphs():
+            for g in (engine.runner.graphs, proposer.runner.graphs):
+                if g is not None:
+                    g.reset()
+            if proposer.context_graphs is not None:
+                proposer.context_graphs.graphs.clear()
+                proposer.context_graphs.pool = None
+
+        print(f"\n{torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
+              f"layers {args.layers}, context {args.context}, K = {args.k} (acceptance forced to 1)")
+        # rows: the defaults, then each --switch, interleaved over rounds (min kept), every row
+        # on graphs captured after a reset
+        variants = [("defaults", [])] + [(text, text.split(";")) for text in args.switch]
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(args.rounds):
+            for name, texts in variants:
+                with switched(texts):
+                    reset_graphs()
+                    for mode in ("target-only", f"DFlash K={args.k}"):
+                        with target_only() if mode == "target-only" else contextlib.nullcontext():
+                            step_time(llm, prompt, args.new_tokens)  # captures
+                            t = 1e3 * step_time(llm, prompt, args.new_tokens, warm=False)
+                        best[name, mode] = min(t, best.get((name, mode), t))
+                reset_graphs()
+        print(f"\n| variant | target-only ms | DFlash K={args.k} ms | {args.k + 1} tokens per step: "
+              "x target-only |\n|---|---:|---:|---:|")
+        for name, _ in variants:
+            base, spec = best[name, "target-only"], best[name, f"DFlash K={args.k}"]
+            print(f"| {name} | {base:.2f} | {spec:.2f} | {(args.k + 1) * base / spec:.2f} |")
+        install_labels(llm)
+        for name, texts in variants[:2]:
+            with switched(texts):
+                reset_graphs()
+                with target_only():
+                    print_profile(f"{name}: target-only decode",
+                                  profile_steps(llm, prompt, args.new_tokens), args.top)
+                print_profile(f"{name}: DFlash K={args.k}", profile_steps(llm, prompt, args.new_tokens),
+                              args.top)
+            reset_graphs()
+
+if __name__ == "__main__":
+    main()

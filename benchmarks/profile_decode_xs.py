@@ -29,6 +29,8 @@ import torch
 from bench_gpu_xs import active_bytes, copy_bandwidth, parse_switch, xs_target_config
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.cuda_graph import CUDAGraphRunner
+from laguna_dflash.engine.runner import ForwardItem
 
 
 def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
@@ -43,9 +45,24 @@ def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float,
     return 1e3 * (after["decode_s"] - before["decode_s"]) / steps, list(out[0].token_ids)
 
 
-def decode_graph(llm: LLM):
-    graphs = llm.engine.runner.graphs.graphs
-    key = max((k for k in graphs if k[0] == 1 and k[1] == 1), key=lambda k: k[2])
+def decode_graph(llm: LLM, q: int = 1, context: int = 1024):
+    """The batch-1 graph of ``q`` tokens per request (1: the decode step; > 1: a verify-shaped
+    target forward at the end of a ``context``-token sequence, captured here if needed)."""
+    engine = llm.engine
+    runner = engine.runner
+    if q > runner.graphs.max_tokens_per_request:  # a target-only engine captures q = 1 only
+        runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, runner.backend, runner.device,
+                                        1, engine.max_model_len, q)
+    if q > 1 and not any(k[0] == 1 and k[1] == q for k in runner.graphs.graphs):
+        allocator = engine.allocator
+        blocks = allocator.allocate(allocator.blocks_needed(context + q, 0))
+        try:
+            runner.forward(list(range(100, 100 + q)), [ForwardItem(q, context, context + q, blocks)])
+            torch.cuda.synchronize()
+        finally:
+            allocator.free(blocks)  # the graph keeps only shapes; its slots are rewritten per replay
+    graphs = runner.graphs.graphs
+    key = max((k for k in graphs if k[0] == 1 and k[1] == q), key=lambda k: k[2])
     return graphs[key].graph
 
 
@@ -108,7 +125,7 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     tokens, to say whether the switch changed the output (a switch that only changes launch
     timing, like PDL, must not; one that changes the summation order may, in bf16)."""
     step, tokens = engine_step_ms(llm, prompt, args.new_tokens)
-    graph = decode_graph(llm)
+    graph = decode_graph(llm, args.q, args.context)
     replay = replay_ms(graph)
     replays = graph_kernels(graph)
     print(f"\n## {label}\n")
@@ -153,6 +170,9 @@ def main() -> None:
                     help="module:attr=value[;module:attr=value] to compare against the defaults "
                          "(repeatable)")
     ap.add_argument("--gemv", action="store_true", help="also time M=1 GEMVs of the step's shapes")
+    ap.add_argument("--q", type=int, default=1,
+                    help="profile the batch-1 graph of this many tokens (4: a K = 3 verify's target "
+                         "forward; its replay against the decode floor is then only a reference)")
     args = ap.parse_args()
     bw = copy_bandwidth("cuda")
     with tempfile.TemporaryDirectory() as tmp:

@@ -251,15 +251,17 @@ def test_programmatic_dependent_launch_keeps_the_tokens_on_cuda(pair, monkeypatc
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype):
-    """The replayed drafter-context graph writes the eager engine's drafter caches."""
+    """The replayed drafter-context graph (the taps target-only steps leave pending) and the
+    verify graph's own context store write the eager engine's drafter caches."""
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, max_num_seqs=8, dtype=dtype)
     eager = LLM(target, device="cuda", enforce_eager=True, **kw)
     graphed = LLM(target, device="cuda", graph_context_precompute=True, **kw)
     prompts = _prompts(5, seed=11)
-    eager.generate(prompt_token_ids=prompts, sampling_params=params)
-    graphed.generate(prompt_token_ids=prompts, sampling_params=params)
+    for llm in (eager, graphed):
+        llm.engine.adaptive_k = _Alternating(BLOCK_SIZE - 1)
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
     runner = graphed.engine.proposer.context_graphs
     assert runner.graphs and not runner.is_broken
     tol = 1e-5 if dtype == "float32" else 3e-2

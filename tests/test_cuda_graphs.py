@@ -104,11 +104,15 @@ def _drafter_caches(llm: LLM) -> list[torch.Tensor]:
     return [c[: kv.scratch_slot] for layer in kv.layers for c in layer]
 
 
-def test_padded_context_precompute_matches_eager_on_cpu(pair):
+def test_padded_context_precompute_matches_eager_on_cpu(pair, monkeypatch):
     """The drafter's decode-step context K/V through the padded layouts run eagerly on CPU (what
     CUDA replays: ContextGraphRunner for the taps target-only steps leave pending, the verify
     graph's own store) equals the eager per-step precompute, and the context-graph path is
-    really taken (prefill contexts stay eager)."""
+    really taken (prefill contexts stay eager). Without drafts ahead: their blocks write
+    drafter K/V the eager engine never writes, at positions no block reads before rewriting."""
+    from laguna_dflash.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "draft_ahead", False)
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
@@ -250,9 +254,13 @@ def test_programmatic_dependent_launch_keeps_the_tokens_on_cuda(pair, monkeypatc
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype):
+def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype, monkeypatch):
     """The replayed drafter-context graph (the taps target-only steps leave pending) and the
-    verify graph's own context store write the eager engine's drafter caches."""
+    verify graph's own context store write the eager engine's drafter caches (drafts ahead off:
+    their blocks write where the eager engine does not)."""
+    from laguna_dflash.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "draft_ahead", False)
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, max_num_seqs=8, dtype=dtype)
@@ -394,7 +402,8 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
     position (the taps of a full prefill of the final sequence), eagerly or through the padded
     layouts; the verify's own store also writes rows of rejected drafts (checked: some are), at
     positions no block reads before rewriting them (``in_verify``; else only committed rows are
-    stored, as pending taps). The output is the target's."""
+    stored, as pending taps). Blocks queued ahead read at the anchors the device computed. The
+    output is the target's."""
     from laguna_dflash.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "store_context_in_verify", in_verify)
@@ -430,22 +439,21 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
         return store(context, positions, slots, layers)
 
     reads = []  # (prompt, anchor, the rows visible to the block at positions 0 .. anchor - 1)
-    proposing = []
-    propose, block_forward = proposer.propose, proposer.runner.forward
+    num_ahead = 0  # blocks queued ahead, at anchors known only on the device
+    block_forward = proposer.runner.forward
 
-    def propose_spy(seqs, k=None):
-        proposing[:] = seqs
-        return propose(seqs, k)
-
-    def block_spy(*args, **kwargs):  # after propose's store of the pending taps
-        for s in proposing:
-            anchor = s.num_tokens - 1
+    def block_spy(input_ids, items, *args, start_pos=None, **kwargs):
+        nonlocal num_ahead
+        num_ahead += start_pos is not None
+        anchors = start_pos.tolist() if start_pos is not None else [it.start_pos for it in items]
+        for it, anchor in zip(items, anchors):
+            s = next(s for s in engine.scheduler.running if s.block_table is it.block_table)
             rows = [last_written.get(int(slot)) for slot in proposer.slots(s, 0, anchor)]
             reads.append((tuple(s.prompt_token_ids), anchor, rows))
-        return block_forward(*args, **kwargs)
+        return block_forward(input_ids, items, *args, start_pos=start_pos, **kwargs)
 
     drafter.combine_hidden_states, drafter.precompute_and_store_context_kv = combine_spy, store_spy
-    proposer.propose, proposer.runner.forward = propose_spy, block_spy
+    proposer.runner.forward = block_spy
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == want
     # reference taps: one prefill over each final sequence, in a fresh engine
@@ -472,6 +480,50 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
 
     num_rejected = sum(not matches_some_request(pos, row) for pos, row in writes)
     assert num_rejected > 0 if in_verify else num_rejected == 0
+    # drafts ahead need the verify's store and the graph runner (here its eager padded path)
+    assert num_ahead > 0 if in_verify and context_graphs else num_ahead == 0
+
+
+@pytest.mark.parametrize("simulated", [None, 3.0])
+def test_drafts_ahead_are_the_drafts_proposed_after_the_sync(pair, monkeypatch, simulated):
+    """Each DFlash step queues the next step's drafter block from device values (anchor
+    ``P + a + 1``, bonus ``t_a``) before its host sync. The drafts of every step equal those of
+    an engine that proposes after the sync, at batch 1, 3 and 5 (padded batches, requests
+    finishing at different steps), with real and with simulated acceptance (``a`` fixed at 2
+    there, so an anchor off by one would change the drafts); the queued drafts are really used
+    (most steps skip ``propose``), and the output is the target's."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6,
+              trace=True, simulate_acceptance_length=simulated)
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(engine_module, "draft_ahead", ahead)
+        llm = LLM(target, **kw)
+        engine = llm.engine
+        engine.attach_graph_runners()  # CPU: the padded path the graphs replay, run eagerly
+        calls = []
+        propose = engine.proposer.propose
+        engine.proposer.propose = (lambda seqs, k=None, calls=calls, propose=propose:
+                                   (calls.append(1), propose(seqs, k))[1])
+        out = []
+        for batch_size in (1, 3, 5):
+            prompts = _prompts(batch_size, seed=20 + batch_size)
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=params):
+                out.append((o.token_ids, [step["draft_tokens"] for step in o.metrics["trace"]]))
+        runs.append((out, len(calls), engine.timings.num_decode_steps))
+    (want, proposed_before, steps_before), (got, proposed_ahead, steps_ahead) = runs
+    assert got == want
+    assert steps_ahead == steps_before and proposed_before == steps_before
+    assert proposed_ahead < steps_ahead / 2, (proposed_ahead, steps_ahead)
+    if simulated is None:
+        base = LLM(target, block_size=4, max_num_seqs=6)
+        for batch_size, start in ((1, 0), (3, 1), (5, 4)):
+            prompts = _prompts(batch_size, seed=20 + batch_size)
+            tokens = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+            assert tokens == [t for t, _ in got[start : start + batch_size]]
 
 
 def test_prefill_stores_the_prompts_context(pair):

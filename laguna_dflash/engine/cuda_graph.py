@@ -182,10 +182,11 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
-                is_causal: bool, context_store: ContextStore | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                is_causal: bool, context_store: ContextStore | None = None,
+                start_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
-        (``context_store``: captured into the graph, after the forward)."""
+        (``context_store``: captured into the graph, after the forward; ``start_pos [R]`` on the
+        device: written over the items' first positions, which then only bound the key length)."""
         r, q = len(items), items[0].num_tokens
         r_pad = next(b for b in self.batch_sizes if b >= r)
         num_keys = self.key_bucket(max(it.seq_len for it in items))
@@ -212,6 +213,9 @@ class CUDAGraphRunner:
             self.copied.record()
         if is_tensor:
             self.state[:r, self.ids_offset : self.ids_offset + q].copy_(input_ids.view(r, q))
+        if start_pos is not None:
+            self.start_pos[:r].copy_(start_pos)
+            self.seq_lens[:r].copy_(start_pos + q)
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
             hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
                                            context_store)

@@ -18,7 +18,7 @@ from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner
 from .kv_cache import BlockAllocator, KVCache
-from .runner import ForwardItem, ModelRunner, to_device_async
+from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -36,6 +36,29 @@ _CPU_KV_BUDGET_BYTES = 2 << 30
 # own K/V there first). False: the committed rows become pending taps, stored by the next
 # step's propose (an A/B switch for benchmarks).
 store_context_in_verify = True
+
+# True: each DFlash step queues the NEXT step's drafter block right behind its own acceptance,
+# from device values (anchors P + a + 1, bonus tokens t_a), before its host sync waits; the host
+# then commits and schedules while the GPU drafts. The next step uses those drafts when its batch
+# is the same requests with the same K at the anchors assumed, else it proposes as usual. Needs
+# store_context_in_verify (no pending taps) and the drafter's CUDA graph runner. False: every
+# step proposes after the previous one's sync (an A/B switch for benchmarks).
+draft_ahead = True
+
+
+@dataclass
+class DraftsAhead:
+    """Drafts ``[R, k]`` (device) queued by the previous step for requests ``request_ids`` at
+    anchors ``anchors`` (filled in once that step's acceptance reached the host)."""
+
+    request_ids: tuple[int, ...]
+    k: int
+    drafts: torch.Tensor
+    anchors: list[int] = field(default_factory=list)
+
+    def fits(self, seqs: list[Sequence], k: int) -> bool:
+        return (self.k == k and self.request_ids == tuple(s.request_id for s in seqs)
+                and self.anchors == [s.num_tokens - 1 for s in seqs])
 
 
 @dataclass
@@ -131,6 +154,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.timings = EngineTimings()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._drafts_ahead: DraftsAhead | None = None  # queued by the last DFlash step
         logger.info(
             "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s, "
             "attention=%s, cuda graphs=%s", info.architecture, self.dtype, self.device,
@@ -161,6 +185,7 @@ class LLMEngine:
         self.adaptive_k = AdaptiveK(k) if self.adaptive_k is not None else None
         self._sim_carry = 0.0
         self._ids = itertools.count()
+        self._drafts_ahead = None
         logger.info("warm-up done in %.1fs", time.perf_counter() - t0)
 
     def attach_graph_runners(self) -> None:
@@ -283,6 +308,7 @@ class LLMEngine:
 
     def _run(self, batch) -> list[Sequence]:
         t0 = time.perf_counter()
+        ahead, self._drafts_ahead = self._drafts_ahead, None  # for this step only
         if batch.is_prefill:
             self._prefill(batch.sequences)
             self.timings.prefill_s += time.perf_counter() - t0
@@ -292,7 +318,7 @@ class LLMEngine:
             if self.adaptive_k is not None:
                 k = self.adaptive_k.choose(len(seqs))
             if self.proposer is not None and k > 0:
-                accepted = self._spec_decode(seqs, k)
+                accepted = self._spec_decode(seqs, k, ahead)
             else:
                 accepted = self._decode(seqs)
             seconds = time.perf_counter() - t0
@@ -364,6 +390,26 @@ class LLMEngine:
         self.timings.num_decode_tokens += len(seqs)
         return []
 
+    def _queue_drafts_ahead(self, seqs: list[Sequence], k: int, anchors: list[int],
+                            accepted: torch.Tensor, target_tokens: torch.Tensor,
+                            taps: torch.Tensor | None) -> DraftsAhead | None:
+        """Queue the next step's drafter block from this step's device results (``accepted
+        [R]``, ``target_tokens [R, k + 1]``): request ``i`` continues at ``P_i + a_i + 1 <=
+        P_i + k + 1`` with bonus ``t_{a_i}``. Its KV blocks are grown to cover that block first
+        (no preemption: when blocks are short, nothing is queued)."""
+        if not draft_ahead or taps is not None or self.proposer.runner.graphs is None:
+            return None
+        max_anchors = [p + k + 1 for p in anchors]
+        if not all(self.scheduler.reserve(s, m + k + 1) for s, m in zip(seqs, max_anchors)):
+            return None
+        device = target_tokens.device
+        starts = to_device_async(torch.tensor(anchors), device) + accepted + 1
+        bonus = target_tokens.gather(1, accepted.view(-1, 1).to(torch.long)).view(-1)
+        drafts = self.proposer.propose_ahead(seqs, k, max_anchors, starts, bonus)
+        if drafts is None:
+            return None
+        return DraftsAhead(tuple(s.request_id for s in seqs), k, drafts)
+
     def _simulated_accept(self, k: int) -> int:
         """Accepted drafts for a simulated mean acceptance length L: ``L - 1`` on average, as
         integers (a running remainder carries the fraction), capped at ``k``."""
@@ -372,10 +418,14 @@ class LLMEngine:
         self._sim_carry = want - a
         return max(0, min(k, a))
 
-    def _spec_decode(self, seqs: list[Sequence], k: int) -> list[int]:
-        """One DFlash step for the whole batch with ``k`` drafts each: draft, verify, accept,
+    def _spec_decode(self, seqs: list[Sequence], k: int, ahead: DraftsAhead | None = None) -> list[int]:
+        """One DFlash step for the whole batch with ``k`` drafts each: draft (or take the drafts
+        the previous step queued, ``ahead``), verify, accept, queue the next step's drafts,
         commit, roll back. Returns the accepted-draft count per request."""
-        drafts = self.proposer.propose(seqs, k)  # [R, k]
+        if ahead is not None and ahead.fits(seqs, k):
+            drafts = ahead.drafts  # [R, k]
+        else:
+            drafts = self.proposer.propose(seqs, k)
         anchors = [s.num_tokens - 1 for s in seqs]  # position P of each bonus token
         # No host sync between draft and verify: the host prepares the verify launch while the
         # drafter runs (a blocking upload here would first wait for the whole draft)
@@ -387,16 +437,24 @@ class LLMEngine:
         logits = self.target.compute_logits(hidden)  # [R*(K+1), V]
         target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
         target_tokens = target_tokens.view(len(seqs), k + 1)
-        accepted = num_accepted(drafts, target_tokens)
+        if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
+            accepted = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),
+                                       drafts.device)
+        else:
+            accepted = num_accepted(drafts, target_tokens)
         # One host sync per step, after the device work: bring back what commits need, in one
-        # copy ([R, 1 + (K+1) + K]: accepted count, target tokens, drafts).
-        rows = torch.cat([accepted.view(-1, 1).to(drafts.dtype), target_tokens.to(drafts.dtype),
-                          drafts], dim=1).tolist()
+        # copy ([R, 1 + (K+1) + K]: accepted count, target tokens, drafts). The next step's
+        # drafter block is queued behind the copy, so the wait below does not include it.
+        result = HostCopy(torch.cat([accepted.view(-1, 1).to(drafts.dtype), target_tokens.to(drafts.dtype),
+                                     drafts], dim=1))
+        ahead = self._queue_drafts_ahead(seqs, k, anchors, accepted, target_tokens, taps)
+        rows = result.tolist()
         accepted_list = [row[0] for row in rows]
         target_list = [row[1 : k + 2] for row in rows]
         draft_list = [row[k + 2 :] for row in rows]
-        if self.simulated_acceptance is not None:
-            accepted_list = [self._simulated_accept(k) for _ in seqs]
+        if ahead is not None:
+            ahead.anchors = [p + a + 1 for p, a in zip(anchors, accepted_list)]
+            self._drafts_ahead = ahead
         logits = logits.view(len(seqs), k + 1, -1)
         for i, s in enumerate(seqs):
             a, p = accepted_list[i], anchors[i]

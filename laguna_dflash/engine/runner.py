@@ -50,6 +50,27 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+class HostCopy:
+    """A device tensor's copy to the host, queued now; :meth:`tolist` waits for the stream only
+    up to this point, so work queued after it (the next step's draft) keeps the GPU busy while
+    the host reads the result. On CPU it is the tensor itself."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.done = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = t
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 def build_metadata(
     items: list[ForwardItem],
     block_size: int,
@@ -115,17 +136,21 @@ class ModelRunner:
         tap_layer_ids: tuple[int, ...] = (),
         is_causal: bool = True,
         store_context: bool = False,
+        start_pos: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None).
 
         Decode-phase batches (every request ``q`` new tokens) replay a CUDA graph when enabled.
         ``store_context``: the taps go to ``context_store`` at the tokens' positions and cache
         slots inside the forward (inside its CUDA graph), and are not returned (``None``).
+        ``start_pos [R]`` int64 on the device: the requests' first positions, known only there
+        (the items' positions are upper bounds); graphs only (``graphs.can_run`` must hold).
         """
         store = self.context_store if store_context else None
         assert store is not None or not store_context, "store_context needs a context_store"
         if self.graphs is not None and self.graphs.can_run(items, len(input_ids)):
-            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store)
+            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, start_pos)
+        assert start_pos is None, "device start positions need the graph runner"
         ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device)
         ctx = self.context(items, is_causal)
         hidden, taps = self.model(ids, ctx, tap_layer_ids)

@@ -53,6 +53,11 @@ class Scheduler:
         seq.block_table += self.allocator.allocate(need)
         return True
 
+    def reserve(self, seq: Sequence, num_positions: int) -> bool:
+        """Grow ``seq``'s block table to hold ``num_positions`` positions if blocks are free
+        (no preemption); False when they are not."""
+        return self._reserve(seq, num_positions)
+
     def release(self, seq: Sequence) -> None:
         """Free a request's KV blocks (finished, aborted or preempted)."""
         self.allocator.free(seq.block_table)

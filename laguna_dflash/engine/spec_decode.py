@@ -143,7 +143,33 @@ class DFlashProposer:
             p = s.num_tokens - 1  # position of the pending bonus token
             ids += [s.last_token] + [mask_id] * k
             items.append(ForwardItem(k + 1, p, p + k + 1, s.block_table))
-        hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal)[0]
-        hidden = hidden.view(len(seqs), k + 1, -1)[:, 1:]
-        logits = self.drafter.compute_logits(hidden.reshape(len(seqs) * k, -1))
-        return torch.argmax(logits, dim=-1).view(len(seqs), k)
+        return self._drafts(ids, items, k)
+
+    @torch.inference_mode()
+    def propose_ahead(self, seqs: list[Sequence], k: int, max_anchors: list[int],
+                      anchors: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor | None:
+        """Draft tokens ``[R, k]`` for the NEXT step, queued before this step's results reach
+        the host: request ``i``'s block ``[bonus[i], MASK x k]`` starts at ``anchors[i]`` (int64
+        on the device, ``<= max_anchors[i]``). Needs the drafter's graph runner (it takes
+        positions from the device) and block tables covering ``max_anchors[i] + k``; no pending
+        taps (the verify stored the context). None when it cannot run: the next step proposes."""
+        graphs = self.runner.graphs
+        bs = self.kv_cache.block_size
+        items = [ForwardItem(k + 1, m, m + k + 1, s.block_table) for m, s in zip(max_anchors, seqs)]
+        if (graphs is None or not graphs.can_run(items, len(seqs) * (k + 1))
+                or any(s.num_pending or len(s.block_table) * bs < m + k + 1
+                       for m, s in zip(max_anchors, seqs))):
+            return None
+        mask = torch.full((len(seqs), k), self.drafter.mask_token_id, dtype=bonus.dtype,
+                          device=bonus.device)
+        ids = torch.cat([bonus.view(-1, 1), mask], dim=1).reshape(-1)
+        return self._drafts(ids, items, k, anchors)
+
+    def _drafts(self, ids: list[int] | torch.Tensor, items: list[ForwardItem], k: int,
+                start_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The drafter block forward and the argmax of its ``k`` mask rows -> ``[R, k]`` int64."""
+        r = len(items)
+        hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, start_pos=start_pos)[0]
+        hidden = hidden.view(r, k + 1, -1)[:, 1:]
+        logits = self.drafter.compute_logits(hidden.reshape(r * k, -1))
+        return torch.argmax(logits, dim=-1).view(r, k)

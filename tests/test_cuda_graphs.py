@@ -526,6 +526,40 @@ def test_drafts_ahead_are_the_drafts_proposed_after_the_sync(pair, monkeypatch, 
             assert tokens == [t for t, _ in got[start : start + batch_size]]
 
 
+def test_drafts_ahead_survive_aborts_and_kv_pressure(pair):
+    """With drafts queued ahead (graph runners' padded path on CPU): aborting a request between
+    steps, and a KV cache small enough that requests are preempted and recomputed (the drafts
+    ahead also grow block tables), leave the other requests' output equal to the target's."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = _prompts(5, seed=31)
+    want = [o.token_ids for o in LLM(target, block_size=4, max_num_seqs=6)
+            .generate(prompt_token_ids=prompts, sampling_params=params)]
+    # abort: request 1 goes after a few speculative steps; the batch changes under the drafts ahead
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_num_seqs=6)
+    engine = llm.engine
+    engine.attach_graph_runners()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    assert engine._drafts_ahead is not None
+    engine.abort(seqs[1])
+    while engine.has_unfinished:
+        engine.step()
+    assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    # KV pressure: preemption and recompute with drafts ahead
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_num_seqs=6,
+              num_kv_blocks=40, max_model_len=64)
+    engine = llm.engine
+    engine.attach_graph_runners()
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))[1]
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert preempted, "no preemption: the test did not create KV pressure"
+    assert got == want
+
+
 def test_prefill_stores_the_prompts_context(pair):
     """The prefill step writes the drafter's context K/V of every prompt position (no pending
     taps survive it: the decode steps never carry a prompt-sized store), and only those slots."""

@@ -22,7 +22,7 @@ from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec_decode import DFlashProposer, SpecDecodingStats, num_accepted
+from .spec_decode import DFlashProposer, DraftsAhead, SpecDecodingStats, num_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +44,6 @@ store_context_in_verify = True
 # store_context_in_verify (no pending taps) and the drafter's CUDA graph runner. False: every
 # step proposes after the previous one's sync (an A/B switch for benchmarks).
 draft_ahead = True
-
-
-@dataclass
-class DraftsAhead:
-    """Drafts ``[R, k]`` (device) queued by the previous step for requests ``request_ids`` at
-    anchors ``anchors`` (filled in once that step's acceptance reached the host)."""
-
-    request_ids: tuple[int, ...]
-    k: int
-    drafts: torch.Tensor
-    anchors: list[int] = field(default_factory=list)
-
-    def fits(self, seqs: list[Sequence], k: int) -> bool:
-        return (self.k == k and self.request_ids == tuple(s.request_id for s in seqs)
-                and self.anchors == [s.num_tokens - 1 for s in seqs])
 
 
 @dataclass
@@ -399,16 +384,10 @@ class LLMEngine:
         (no preemption: when blocks are short, nothing is queued)."""
         if not draft_ahead or taps is not None or self.proposer.runner.graphs is None:
             return None
-        max_anchors = [p + k + 1 for p in anchors]
-        if not all(self.scheduler.reserve(s, m + k + 1) for s, m in zip(seqs, max_anchors)):
+        # the next block ends at P + a + 1 + k <= P + 2k + 1
+        if not all(self.scheduler.reserve(s, p + 2 * k + 2) for s, p in zip(seqs, anchors)):
             return None
-        device = target_tokens.device
-        starts = to_device_async(torch.tensor(anchors), device) + accepted + 1
-        bonus = target_tokens.gather(1, accepted.view(-1, 1).to(torch.long)).view(-1)
-        drafts = self.proposer.propose_ahead(seqs, k, max_anchors, starts, bonus)
-        if drafts is None:
-            return None
-        return DraftsAhead(tuple(s.request_id for s in seqs), k, drafts)
+        return self.proposer.propose_ahead(seqs, k, anchors, accepted, target_tokens)
 
     def _simulated_accept(self, k: int) -> int:
         """Accepted drafts for a simulated mean acceptance length L: ``L - 1`` on average, as

@@ -20,7 +20,7 @@ import torch
 from .context_graph import ContextGraphRunner
 from .kv_cache import KVCache
 from .pending_taps import gather_pending_taps, plan_rows
-from .runner import ForwardItem, ModelRunner
+from .runner import ForwardItem, ModelRunner, to_device_async
 from .sequence import Sequence
 
 
@@ -72,6 +72,22 @@ class SpecDecodingStats:
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "mean_acceptance_length": self.mean_acceptance_length,
         }
+
+
+@dataclass
+class DraftsAhead:
+    """Drafts ``[R, k]`` (device) queued by a DFlash step for the next one, for requests
+    ``request_ids``, at ``anchors`` (filled in once that step's acceptance reached the host)."""
+
+    request_ids: tuple[int, ...]
+    k: int
+    drafts: torch.Tensor
+    anchors: list[int] = field(default_factory=list)
+
+    def fits(self, seqs: list[Sequence], k: int) -> bool:
+        """Whether the step of ``seqs`` with ``k`` drafts is the one these drafts were made for."""
+        return (self.k == k and self.request_ids == tuple(s.request_id for s in seqs)
+                and self.anchors == [s.num_tokens - 1 for s in seqs])
 
 
 class DFlashProposer:
@@ -146,24 +162,28 @@ class DFlashProposer:
         return self._drafts(ids, items, k)
 
     @torch.inference_mode()
-    def propose_ahead(self, seqs: list[Sequence], k: int, max_anchors: list[int],
-                      anchors: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor | None:
-        """Draft tokens ``[R, k]`` for the NEXT step, queued before this step's results reach
-        the host: request ``i``'s block ``[bonus[i], MASK x k]`` starts at ``anchors[i]`` (int64
-        on the device, ``<= max_anchors[i]``). Needs the drafter's graph runner (it takes
-        positions from the device) and block tables covering ``max_anchors[i] + k``; no pending
-        taps (the verify stored the context). None when it cannot run: the next step proposes."""
+    def propose_ahead(self, seqs: list[Sequence], k: int, anchors: list[int], accepted: torch.Tensor,
+                      target_tokens: torch.Tensor) -> DraftsAhead | None:
+        """The NEXT step's drafts, queued from this step's device results before they reach the
+        host: request ``i`` (bonus at ``anchors[i] = P``, ``accepted [R]`` drafts taken, target
+        tokens ``[R, k + 1]``) continues with a block ``[t_a, MASK x k]`` at ``P + a + 1 <=
+        P + k + 1``. Needs the drafter's graph runner (it takes first positions from the device),
+        block tables covering ``P + 2k + 1`` and no pending taps (the verify stored the
+        context); else None, and the next step proposes."""
         graphs = self.runner.graphs
         bs = self.kv_cache.block_size
+        max_anchors = [p + k + 1 for p in anchors]
         items = [ForwardItem(k + 1, m, m + k + 1, s.block_table) for m, s in zip(max_anchors, seqs)]
         if (graphs is None or not graphs.can_run(items, len(seqs) * (k + 1))
                 or any(s.num_pending or len(s.block_table) * bs < m + k + 1
                        for m, s in zip(max_anchors, seqs))):
             return None
-        mask = torch.full((len(seqs), k), self.drafter.mask_token_id, dtype=bonus.dtype,
-                          device=bonus.device)
-        ids = torch.cat([bonus.view(-1, 1), mask], dim=1).reshape(-1)
-        return self._drafts(ids, items, k, anchors)
+        device = target_tokens.device
+        starts = to_device_async(torch.tensor(anchors), device) + accepted + 1
+        bonus = target_tokens.gather(1, accepted.view(-1, 1).to(torch.long))  # [R, 1]
+        mask = torch.full((len(seqs), k), self.drafter.mask_token_id, dtype=bonus.dtype, device=device)
+        ids = torch.cat([bonus, mask], dim=1).reshape(-1)
+        return DraftsAhead(tuple(s.request_id for s in seqs), k, self._drafts(ids, items, k, starts))
 
     def _drafts(self, ids: list[int] | torch.Tensor, items: list[ForwardItem], k: int,
                 start_pos: torch.Tensor | None = None) -> torch.Tensor:

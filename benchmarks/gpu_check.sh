@@ -22,6 +22,8 @@
 #                                           # context stored by the verify graph (~7 min)
 #   bash benchmarks/gpu_check.sh ahead      # lossless / graph tests with drafts queued ahead, then
 #                                           # the step A/B of draft_ahead (~7 min)
+#   bash benchmarks/gpu_check.sh decode-ahead  # the CUDA graph tests, then the step A/B of
+#                                           # decode_ahead (target forwards queued ahead; ~7 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -71,6 +73,14 @@ case "$stage" in
     echo "== step times: drafts queued ahead (default) or proposed after the sync"
     timeout 150 python benchmarks/host_timeline.py --rounds 3 --top 8 \
       --switch laguna_dflash.engine.engine:draft_ahead=False 2>&1 | quiet \
+      | grep -v "USDT\|profiler" | sed -n '/^| variant/,$p' | head -40 ;;
+  decode-ahead)
+    echo "== graphs and losslessness, target forwards queued ahead (tests switch it on themselves)"
+    gpu_tests 250 tests/test_cuda_graphs.py -k "forward_ahead or lossless_in_float32 \
+      or graphs_match_eager_on_cuda" | tail -14
+    echo "== step times: target forwards queued ahead, against the default (off)"
+    timeout 150 python benchmarks/host_timeline.py --rounds 3 --top 8 \
+      --switch laguna_dflash.engine.engine:decode_ahead=True 2>&1 | quiet \
       | grep -v "USDT\|profiler" | sed -n '/^| variant/,$p' | head -40 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"

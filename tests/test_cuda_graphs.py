@@ -163,8 +163,8 @@ def test_target_only_steps_keep_the_drafter_context_bounded(pair):
         seen = []
         decode = engine._decode
 
-        def watched(seqs, decode=decode, seen=seen):
-            out = decode(seqs)
+        def watched(seqs, *args, decode=decode, seen=seen):
+            out = decode(seqs, *args)
             seen.extend(s.num_pending for s in seqs if s.num_pending)
             return out
 
@@ -542,7 +542,7 @@ def test_drafts_ahead_survive_aborts_and_kv_pressure(pair):
     seqs = [engine.add_request(p, params) for p in prompts]
     for _ in range(4):
         engine.step()
-    assert engine._drafts_ahead is not None
+    assert engine._ahead is not None
     engine.abort(seqs[1])
     while engine.has_unfinished:
         engine.step()
@@ -555,6 +555,74 @@ def test_drafts_ahead_survive_aborts_and_kv_pressure(pair):
     preempted = []
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))[1]
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert preempted, "no preemption: the test did not create KV pressure"
+    assert got == want
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_forward_ahead_keeps_every_token(pair, monkeypatch, graphs):
+    """``decode_ahead``: each target-only step queues the next step's forward with its sampled
+    tokens (on the device) as input ids. Greedy and seeded sampled tokens equal those of an
+    engine that runs each forward after the sync, at batch 1, 3 and 5 with requests ending at
+    different steps (the next batch takes a subset of the rows), through the graph runner's
+    padded path and eagerly; and most steps take the forward queued ahead."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, _ = pair
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(engine_module, "decode_ahead", ahead)
+        llm = LLM(target, block_size=4, max_num_seqs=6)
+        engine = llm.engine
+        if graphs:
+            engine.attach_graph_runners()
+        fresh, queued = [], []
+        forward = engine.runner.forward
+
+        def spy(input_ids, *args, forward=forward, fresh=fresh, queued=queued, **kwargs):
+            (queued if isinstance(input_ids, torch.Tensor) else fresh).append(len(args[0]))
+            return forward(input_ids, *args, **kwargs)
+
+        engine.runner.forward = spy
+        out = []
+        for batch_size in (1, 3, 5):
+            prompts = _prompts(batch_size, seed=40 + batch_size)
+            params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.8, top_p=0.9, seed=7 + i,
+                                     max_tokens=6 + 5 * i, ignore_eos=True) for i in range(batch_size)]
+            out += [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        runs.append((out, len(fresh), len(queued)))
+    (want, fresh_before, queued_before), (got, fresh_ahead, queued_ahead) = runs
+    assert got == want
+    assert queued_before == 0
+    assert queued_ahead > 2 * fresh_ahead, (fresh_ahead, queued_ahead)
+
+
+def test_forward_ahead_survives_aborts_and_kv_pressure(pair, monkeypatch):
+    """With target forwards queued ahead: an abort between steps, and a KV cache small enough
+    that requests are preempted and recomputed, leave the other requests' tokens unchanged."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = _prompts(5, seed=33)
+    want = [o.token_ids for o in LLM(target, block_size=4, max_num_seqs=6)
+            .generate(prompt_token_ids=prompts, sampling_params=params)]
+    monkeypatch.setattr(engine_module, "decode_ahead", True)
+    engine = LLM(target, block_size=4, max_num_seqs=6).engine
+    engine.attach_graph_runners()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    assert isinstance(engine._ahead, engine_module.ForwardAhead)
+    engine.abort(seqs[1])
+    while engine.has_unfinished:
+        engine.step()
+    assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    llm = LLM(target, block_size=4, max_num_seqs=6, num_kv_blocks=30, max_model_len=64)
+    preempted = []
+    preempt = llm.engine.scheduler._preempt
+    llm.engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))[1]
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert preempted, "no preemption: the test did not create KV pressure"
     assert got == want

@@ -14,6 +14,7 @@ from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from .adaptive_k import AdaptiveK
+from .ahead import DraftsAhead, ForwardAhead
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner
@@ -22,7 +23,7 @@ from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec_decode import DFlashProposer, DraftsAhead, SpecDecodingStats, num_accepted
+from .spec_decode import DFlashProposer, SpecDecodingStats, num_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,14 @@ store_context_in_verify = True
 # store_context_in_verify (no pending taps) and the drafter's CUDA graph runner. False: every
 # step proposes after the previous one's sync (an A/B switch for benchmarks).
 draft_ahead = True
+
+# True: a target-only step of an engine without a drafter queues the NEXT step's target forward
+# behind its own sampling, with the sampled tokens as input ids on the device (positions are
+# known on the host), before its host sync; the next step takes those hidden states when every
+# request of its batch was in that forward at the position assumed (engine/ahead.py). Sampling
+# stays in the step itself (seeded sampling draws the same numbers). Not timed on a GPU yet, so
+# off by default: an A/B switch (benchmarks/gpu_check.sh decode-ahead).
+decode_ahead = False
 
 
 @dataclass
@@ -139,7 +148,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.timings = EngineTimings()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._drafts_ahead: DraftsAhead | None = None  # queued by the last DFlash step
+        self._ahead: DraftsAhead | ForwardAhead | None = None  # queued by the last step
         logger.info(
             "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s, "
             "attention=%s, cuda graphs=%s", info.architecture, self.dtype, self.device,
@@ -170,7 +179,7 @@ class LLMEngine:
         self.adaptive_k = AdaptiveK(k) if self.adaptive_k is not None else None
         self._sim_carry = 0.0
         self._ids = itertools.count()
-        self._drafts_ahead = None
+        self._ahead = None
         logger.info("warm-up done in %.1fs", time.perf_counter() - t0)
 
     def attach_graph_runners(self) -> None:
@@ -293,7 +302,7 @@ class LLMEngine:
 
     def _run(self, batch) -> list[Sequence]:
         t0 = time.perf_counter()
-        ahead, self._drafts_ahead = self._drafts_ahead, None  # for this step only
+        ahead, self._ahead = self._ahead, None  # for this step only
         if batch.is_prefill:
             self._prefill(batch.sequences)
             self.timings.prefill_s += time.perf_counter() - t0
@@ -303,9 +312,9 @@ class LLMEngine:
             if self.adaptive_k is not None:
                 k = self.adaptive_k.choose(len(seqs))
             if self.proposer is not None and k > 0:
-                accepted = self._spec_decode(seqs, k, ahead)
+                accepted = self._spec_decode(seqs, k, ahead if isinstance(ahead, DraftsAhead) else None)
             else:
-                accepted = self._decode(seqs)
+                accepted = self._decode(seqs, ahead if isinstance(ahead, ForwardAhead) else None)
             seconds = time.perf_counter() - t0
             if self.adaptive_k is not None:
                 self.adaptive_k.observe(k, len(seqs), accepted, seconds)
@@ -351,17 +360,29 @@ class LLMEngine:
             self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
         self.timings.num_prefill_tokens += len(ids)
 
-    def _decode(self, seqs: list[Sequence]) -> list[int]:
-        """One target-only token per request. With a drafter loaded (adaptive K chose 0) the
+    def _decode(self, seqs: list[Sequence], ahead: ForwardAhead | None = None) -> list[int]:
+        """One target-only token per request (its forward possibly queued by the previous step,
+        ``ahead``; with ``decode_ahead`` this step queues the next one's). With a drafter loaded
+        (adaptive K chose 0) the
         taps of the committed token join the pending taps (a row reference, no tensor op per
         request), so the drafter's KV stays complete for the next speculative step; pending taps
         reaching K_max + 1 rows are stored right away (the size the context graphs take), so a
         long run of target-only steps neither holds them without bound nor falls back to the
         eager precompute, and the store is amortised over K_max + 1 steps."""
-        items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
-        hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
+        rows = ahead.rows_for(seqs) if ahead is not None else None
+        if rows is None:
+            items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
+            hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
+        else:  # no taps: only engines without a drafter queue forwards ahead
+            taps = None
+            hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
+                      else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.compute_logits(hidden)
-        tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
+        sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
+        result = HostCopy(sampled)
+        if decode_ahead and self.proposer is None:
+            self._ahead = self._queue_forward_ahead(seqs, sampled)
+        tokens = result.tolist()
         for i, s in enumerate(seqs):
             if taps is not None:  # row i of this step's taps: referenced, no tensor op
                 s.add_pending_taps(taps, i, 1, s.num_tokens - 1)
@@ -374,6 +395,19 @@ class LLMEngine:
                 self.proposer.store_context(full)
         self.timings.num_decode_tokens += len(seqs)
         return []
+
+    def _queue_forward_ahead(self, seqs: list[Sequence], sampled: torch.Tensor) -> ForwardAhead | None:
+        """Queue the next step's target forward: request ``i``'s token ``sampled[i]`` (device)
+        at position ``num_tokens`` (its block table grown to hold it; no preemption: when
+        blocks are short, nothing is queued). Not when every request ends with this token."""
+        if all(len(s.output_token_ids) + 1 >= s.params.max_tokens for s in seqs):
+            return None
+        positions = [s.num_tokens for s in seqs]
+        if not all(self.scheduler.reserve(s, p + 1) for s, p in zip(seqs, positions)):
+            return None
+        items = [ForwardItem(1, p, p + 1, s.block_table) for p, s in zip(positions, seqs)]
+        hidden, _ = self.runner.forward(sampled, items)
+        return ForwardAhead(tuple(s.request_id for s in seqs), positions, hidden)
 
     def _queue_drafts_ahead(self, seqs: list[Sequence], k: int, anchors: list[int],
                             accepted: torch.Tensor, target_tokens: torch.Tensor,
@@ -433,7 +467,7 @@ class LLMEngine:
         draft_list = [row[k + 2 :] for row in rows]
         if ahead is not None:
             ahead.anchors = [p + a + 1 for p, a in zip(anchors, accepted_list)]
-            self._drafts_ahead = ahead
+            self._ahead = ahead
         logits = logits.view(len(seqs), k + 1, -1)
         for i, s in enumerate(seqs):
             a, p = accepted_list[i], anchors[i]

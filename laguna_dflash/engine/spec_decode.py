@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .ahead import DraftsAhead
 from .context_graph import ContextGraphRunner
 from .kv_cache import KVCache
 from .pending_taps import gather_pending_taps, plan_rows
@@ -72,22 +73,6 @@ class SpecDecodingStats:
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "mean_acceptance_length": self.mean_acceptance_length,
         }
-
-
-@dataclass
-class DraftsAhead:
-    """Drafts ``[R, k]`` (device) queued by a DFlash step for the next one, for requests
-    ``request_ids``, at ``anchors`` (filled in once that step's acceptance reached the host)."""
-
-    request_ids: tuple[int, ...]
-    k: int
-    drafts: torch.Tensor
-    anchors: list[int] = field(default_factory=list)
-
-    def fits(self, seqs: list[Sequence], k: int) -> bool:
-        """Whether the step of ``seqs`` with ``k`` drafts is the one these drafts were made for."""
-        return (self.k == k and self.request_ids == tuple(s.request_id for s in seqs)
-                and self.anchors == [s.num_tokens - 1 for s in seqs])
 
 
 class DFlashProposer:

@@ -363,12 +363,12 @@ class LLMEngine:
     def _decode(self, seqs: list[Sequence], ahead: ForwardAhead | None = None) -> list[int]:
         """One target-only token per request (its forward possibly queued by the previous step,
         ``ahead``; with ``decode_ahead`` this step queues the next one's). With a drafter loaded
-        (adaptive K chose 0) the
-        taps of the committed token join the pending taps (a row reference, no tensor op per
-        request), so the drafter's KV stays complete for the next speculative step; pending taps
-        reaching K_max + 1 rows are stored right away (the size the context graphs take), so a
-        long run of target-only steps neither holds them without bound nor falls back to the
-        eager precompute, and the store is amortised over K_max + 1 steps."""
+        (adaptive K chose 0) the taps of the committed token join the pending taps (a row
+        reference, no tensor op per request), so the drafter's KV stays complete for the next
+        speculative step; pending taps reaching K_max + 1 rows are stored right away (the size
+        the context graphs take), so a long run of target-only steps neither holds them without
+        bound nor falls back to the eager precompute, and the store is amortised over K_max + 1
+        steps."""
         rows = ahead.rows_for(seqs) if ahead is not None else None
         if rows is None:
             items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
@@ -379,10 +379,12 @@ class LLMEngine:
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.compute_logits(hidden)
         sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
-        result = HostCopy(sampled)
-        if decode_ahead and self.proposer is None:
+        if decode_ahead and self.proposer is None:  # the wait excludes the forward queued ahead
+            result = HostCopy(sampled)
             self._ahead = self._queue_forward_ahead(seqs, sampled)
-        tokens = result.tolist()
+            tokens = result.tolist()
+        else:
+            tokens = sampled.tolist()
         for i, s in enumerate(seqs):
             if taps is not None:  # row i of this step's taps: referenced, no tensor op
                 s.add_pending_taps(taps, i, 1, s.num_tokens - 1)

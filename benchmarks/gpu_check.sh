@@ -43,6 +43,16 @@ gpu_tests() {
   [ "${PIPESTATUS[0]}" = 124 ] && echo "(cut at ${limit} s: the tests not listed did not run)"
   return 0
 }
+# step_ab PYTEST_K SWITCH: the CUDA graph tests selected by PYTEST_K (all when empty), then the
+# batch-1 step A/B of host_timeline.py (defaults against module:attr=value SWITCH) and the
+# profile of where the GPU waits for the host.
+step_ab() {
+  echo "== tests/test_cuda_graphs.py ${1:+-k \"$1\"}"
+  gpu_tests 250 tests/test_cuda_graphs.py ${1:+-k "$1"} | tail -30
+  echo "== step times and GPU idle time: defaults against $2"
+  timeout 150 python benchmarks/host_timeline.py --rounds 3 --top 8 --switch "$2" 2>&1 | quiet \
+    | grep -v "USDT\|profiler" | sed -n '/^| variant/,$p' | head -60
+}
 case "$stage" in
   tests)
     echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
@@ -60,28 +70,13 @@ case "$stage" in
     echo "== the GPU's idle time in a batch-1 step, by host phase; lm_head GEMV"
     timeout 330 python benchmarks/host_timeline.py 2>&1 | quiet | grep -v "USDT\|profiler" | tail -70 ;;
   ctxstore)
-    echo "== graphs and losslessness with the verify's context store"
-    gpu_tests 230 tests/test_cuda_graphs.py | tail -40
-    echo "== step times: context stored in the verify graph (default) or by the next propose"
-    timeout 300 python benchmarks/host_timeline.py --rounds 3 \
-      --switch laguna_dflash.engine.engine:store_context_in_verify=False 2>&1 | quiet \
-      | grep -v "USDT\|profiler" | tail -75 ;;
+    step_ab "" laguna_dflash.engine.engine:store_context_in_verify=False ;;
   ahead)
-    echo "== losslessness and graphs with the next step's drafts queued ahead"
-    gpu_tests 250 tests/test_cuda_graphs.py -k "lossless_in_float32 or drafts_ahead or reads_only \
-      or graphs_match_eager_on_cuda and True" | tail -14
-    echo "== step times: drafts queued ahead (default) or proposed after the sync"
-    timeout 150 python benchmarks/host_timeline.py --rounds 3 --top 8 \
-      --switch laguna_dflash.engine.engine:draft_ahead=False 2>&1 | quiet \
-      | grep -v "USDT\|profiler" | sed -n '/^| variant/,$p' | head -40 ;;
-  decode-ahead)
-    echo "== graphs and losslessness, target forwards queued ahead (tests switch it on themselves)"
-    gpu_tests 250 tests/test_cuda_graphs.py -k "forward_ahead or lossless_in_float32 \
-      or graphs_match_eager_on_cuda" | tail -14
-    echo "== step times: target forwards queued ahead, against the default (off)"
-    timeout 150 python benchmarks/host_timeline.py --rounds 3 --top 8 \
-      --switch laguna_dflash.engine.engine:decode_ahead=True 2>&1 | quiet \
-      | grep -v "USDT\|profiler" | sed -n '/^| variant/,$p' | head -40 ;;
+    step_ab "lossless_in_float32 or drafts_ahead or reads_only or graphs_match_eager_on_cuda and True" \
+      laguna_dflash.engine.engine:draft_ahead=False ;;
+  decode-ahead)  # off by default: the tests switch it on themselves
+    step_ab "forward_ahead or lossless_in_float32 or graphs_match_eager_on_cuda" \
+      laguna_dflash.engine.engine:decode_ahead=True ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \

@@ -100,8 +100,9 @@ class DFlashProposer:
     def store_rows(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the context K/V of ``taps [N, n_taps * H_t]`` at ``positions [N]`` / drafter
         cache ``slots [N]`` (int64, on the device): the verify forward's context store
-        (``ModelRunner.context_store``; it runs inside the verify's CUDA graph). The slots are
-        the target's: both caches share one slot index space (same blocks, same scratch slot)."""
+        (``ModelRunner.context_store``; it runs inside the verify's CUDA graph) and the eager
+        store of pending taps. The slots are the target's: both caches share one slot index
+        space (same blocks, same scratch slot)."""
         context = self.drafter.combine_hidden_states(taps)
         self.drafter.precompute_and_store_context_kv(context, positions, slots, self.kv_cache.layers)
 
@@ -128,9 +129,7 @@ class DFlashProposer:
                             for s, n in zip(pending, counts)], axis=1), rows]))
         if device.type == "cuda":  # one asynchronous copy
             index = index.pin_memory().to(device, non_blocking=True)
-        features = gather_pending_taps(pending, index[2:], rows, sources)
-        context = self.drafter.combine_hidden_states(features)
-        self.drafter.precompute_and_store_context_kv(context, index[0], index[1], self.kv_cache.layers)
+        self.store_rows(gather_pending_taps(pending, index[2:], rows, sources), index[0], index[1])
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int | None = None) -> torch.Tensor:

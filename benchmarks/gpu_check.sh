@@ -23,7 +23,7 @@
 #   bash benchmarks/gpu_check.sh ahead      # lossless / graph tests with drafts queued ahead, then
 #                                           # the step A/B of draft_ahead (~7 min)
 #   bash benchmarks/gpu_check.sh decode-ahead  # the CUDA graph tests, then the step A/B of
-#                                           # decode_ahead (target forwards queued ahead; ~7 min)
+#                                           # decode_ahead (target forwards queued ahead; ~4 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -74,9 +74,9 @@ case "$stage" in
   ahead)
     step_ab "lossless_in_float32 or drafts_ahead or reads_only or graphs_match_eager_on_cuda and True" \
       laguna_dflash.engine.engine:draft_ahead=False ;;
-  decode-ahead)  # off by default: the tests switch it on themselves
+  decode-ahead)
     step_ab "forward_ahead or lossless_in_float32 or graphs_match_eager_on_cuda" \
-      laguna_dflash.engine.engine:decode_ahead=True ;;
+      laguna_dflash.engine.engine:decode_ahead=False ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \

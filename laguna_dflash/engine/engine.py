@@ -46,13 +46,15 @@ store_context_in_verify = True
 # step proposes after the previous one's sync (an A/B switch for benchmarks).
 draft_ahead = True
 
-# True: a target-only step of an engine without a drafter queues the NEXT step's target forward
-# behind its own sampling, with the sampled tokens as input ids on the device (positions are
-# known on the host), before its host sync; the next step takes those hidden states when every
-# request of its batch was in that forward at the position assumed (engine/ahead.py). Sampling
-# stays in the step itself (seeded sampling draws the same numbers). Not timed on a GPU yet, so
-# off by default: an A/B switch (benchmarks/gpu_check.sh decode-ahead).
-decode_ahead = False
+# A target-only step of an engine without a drafter queues the NEXT step's target forward behind
+# its own sampling, with the sampled tokens as input ids on the device (positions are known on
+# the host), before its host sync; the next step takes those hidden states when every request of
+# its batch was in that forward at the position assumed (engine/ahead.py). Sampling stays in the
+# step itself (seeded sampling draws the same numbers). None: where the target runs CUDA graphs
+# (the host then commits and schedules while the GPU computes; H200 batch-1 step 2.72 -> 2.42 ms,
+# docs/PERFORMANCE.md); elsewhere the queued forward would only run early, and is wasted when a
+# request stops. True: always (the CPU tests run it eagerly). False: never (A/B switch).
+decode_ahead: bool | None = None
 
 
 @dataclass
@@ -379,7 +381,8 @@ class LLMEngine:
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.compute_logits(hidden)
         sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
-        if decode_ahead and self.proposer is None:  # the wait excludes the forward queued ahead
+        queue_ahead = decode_ahead if decode_ahead is not None else self.runner.graphs is not None
+        if queue_ahead and self.proposer is None:  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
             self._ahead = self._queue_forward_ahead(seqs, sampled)
             tokens = result.tolist()

@@ -24,6 +24,8 @@
 #                                           # the step A/B of draft_ahead (~7 min)
 #   bash benchmarks/gpu_check.sh decode-ahead  # the CUDA graph tests, then the step A/B of
 #                                           # decode_ahead (target forwards queued ahead; ~4 min)
+#   bash benchmarks/gpu_check.sh prefetch   # L2 prefetch: micro-benchmark, tests, then the decode-step
+#                                           # A/B of the o_proj prefetch from attention (~3.5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -77,6 +79,15 @@ case "$stage" in
   decode-ahead)
     step_ab "forward_ahead or lossless_in_float32 or graphs_match_eager_on_cuda" \
       laguna_dflash.engine.engine:decode_ahead=False ;;
+  prefetch)
+    echo "== a weight prefetched into L2 before its GEMM (cold / prefetched / warm)"
+    timeout 100 python benchmarks/bench_l2_prefetch.py --programs 1,8,132,264 2>&1 | quiet | tail -12
+    echo "== L2 prefetch tests, losslessness and graphs with it"
+    gpu_tests 200 tests/test_kernel_l2_prefetch.py tests/test_kernel_paged_attention.py \
+      tests/test_cuda_graphs.py -k "prefetch or sm90 or lossless_in_float32 or graphs_match_eager_on_cuda" | tail -20
+    echo "== batch-1 decode step: defaults against o_proj prefetched by attention"
+    timeout 200 python benchmarks/profile_decode_xs.py --top 12 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" 2>&1 | quiet | tail -50 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \

@@ -269,7 +269,7 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
-                 window: bool, sinks: bool, pdl: bool = False):
+                 window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
@@ -278,10 +278,12 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
                   HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
-                  PDL=pdl)
+                  PDL=pdl, PREFETCH=256 if prefetch else 0)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
-    ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr")}
+    ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
+                                     "prefetch_ptr")}
+    ptrs.update(prefetch_nbytes="i64", prefetch_chunk="i64")
     ptrs.update({n: "*i64" for n in ("query_index_ptr", "query_pos_ptr", "key_slots_ptr", "seq_lens_ptr")})
     ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
@@ -331,6 +333,23 @@ def test_sm90_programmatic_dependent_launch_order():
         assert spills and max(spills) == 0, spills
 
 
+@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
+def test_sm90_l2_prefetch_is_issued_before_the_pdl_wait():
+    """With a weight to prefetch (kernels/l2_prefetch.py) the attention kernel issues TMA bulk
+    L2 prefetches, each predicated on a non-empty chunk, before its PDL wait (the weight is
+    never written: rule 3 of kernels/pdl.py) and no other global access there; without one it
+    issues none. Still no spills."""
+    cfg = ("bf16", 128, 8, 1, 4, True, False, True)  # batch-1 decode with split-K and sinks
+    attn, _ = _sm90_builds(*cfg, pdl=True)
+    assert "prefetch" not in attn[0].asm["ptx"]
+    (compiled, spills), _ = _sm90_builds(*cfg, pdl=True, prefetch=True)
+    ptx = compiled.asm["ptx"]
+    before_wait = loads_before_pdl_wait(ptx)
+    assert before_wait and all("cp.async.bulk.prefetch.L2.global" in line for line in before_wait)
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 1
+    assert spills and max(spills) == 0, spills
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------------
 
 
@@ -367,6 +386,34 @@ def test_cuda_long_context(qlen, causal, window, sinks):
     compare(q, kc, vc, meta, window=window, sinks=sink)
     for splits in (1, 5):
         compare(q, kc, vc, meta, window=window, sinks=sink, num_splits=splits)
+
+
+@cuda
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
+@pytest.mark.parametrize("splits", [1, None])
+def test_cuda_l2_prefetch_changes_no_value(splits):
+    """An L2 prefetch of a weight from the attention programs (the decode path's ``o_proj``
+    hint) leaves the output bitwise equal and the weight untouched, with and without split-K,
+    eagerly and in a CUDA graph."""
+    from laguna_dflash.kernels import l2_prefetch
+
+    q, kc, vc, meta, _ = make_case([(1000, 1), (300, 4)], 8, 128, torch.bfloat16, True, device="cuda",
+                                   num_heads=64)
+    weight = torch.randn(2048, 8192 + 8, device="cuda", dtype=torch.bfloat16)  # 33.6 MB
+    before = weight.clone()
+    args = (q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots, meta.seq_lens)
+    kwargs = dict(scale=128**-0.5, causal=True, num_splits=splits)
+    assert l2_prefetch.plan(weight, 256) is not None  # the prefetch path really runs here
+    want = pa.paged_attention(*args, **kwargs)
+    got = pa.paged_attention(*args, **kwargs, prefetch=weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = pa.paged_attention(*args, **kwargs, prefetch=weight)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(graphed, want)
+    assert torch.equal(weight, before)
+    assert l2_prefetch.prefetch_l2(weight) and torch.equal(weight, before)
 
 
 @cuda

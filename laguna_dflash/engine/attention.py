@@ -107,11 +107,15 @@ class AttentionBackend:
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
+        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
 
         ``gate``: output-gate logits ``[T, num_heads]`` (per head) or ``[T, num_heads, head_dim]``
         (per element); the output is multiplied by ``softplus(gate)`` (:func:`apply_output_gate`).
+        ``prefetch``: a weight the next kernel reads (``o_proj``'s); a backend may bring it into
+        L2 while it attends (kernels/l2_prefetch.py). A hint: no value changes, and backends
+        that cannot prefetch ignore it.
         """
         raise NotImplementedError
 
@@ -138,8 +142,9 @@ class TorchSDPABackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
+        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Same contract as :meth:`AttentionBackend.attend`."""
+        """Same contract as :meth:`AttentionBackend.attend` (``prefetch`` ignored)."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         r, qmax = meta.query_index.shape
         qp = q[meta.query_index].transpose(1, 2)  # [R, H, Qmax, D]

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import pdl
+from . import l2_prefetch, pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import jit_functions
 
@@ -73,6 +73,8 @@ if TYPE_CHECKING:
     import triton.language as tl
 
 __all__ = ["choose_num_splits", "is_available", "paged_attention"]
+
+_prefetch_l2 = l2_prefetch._prefetch_l2  # a helper of the attention kernel (jitted with it)
 
 
 # ---- availability ---------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ def _attend_tile(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, gate_ptr,
     query_index_ptr, query_pos_ptr, key_slots_ptr, seq_lens_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, prefetch_ptr, prefetch_nbytes, prefetch_chunk,
     stride_qt, stride_qh, stride_qd,
     stride_kc_s, stride_kc_h, stride_kc_d,
     stride_vc_s, stride_vc_h, stride_vc_d,
@@ -169,9 +171,14 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
+    if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
+        # (kernels/l2_prefetch.py); never written, so issued before the PDL wait
+        part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+                + tl.program_id(2))
+        _prefetch_l2(prefetch_ptr, prefetch_nbytes, prefetch_chunk, part, PREFETCH)
     if PDL:  # kernels/pdl.py: q and the new keys are the previous kernel's output
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
@@ -307,7 +314,8 @@ def _kernels(interpret: bool):
     """(attention kernel, merge kernel) for one mode (``interpret`` is the cache key; triton reads
     the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _attend_tile, _paged_attention_kernel, _merge_splits_kernel))
+    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _attend_tile, _prefetch_l2,
+                                         _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 
 
@@ -400,6 +408,7 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     gate: torch.Tensor | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
@@ -422,6 +431,10 @@ def paged_attention(
         gate: ``[T, num_heads]`` per-head output-gate logits (any float dtype, any strides) or
             ``None``: the output is multiplied by ``softplus(gate)`` in the store (Laguna's
             ``out * F.softplus(g.float()).to(out.dtype)``, one kernel less per layer).
+        prefetch: a weight the kernels after this one read (``o_proj``'s at decode), or
+            ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
+            before they wait for the previous kernel (kernels/l2_prefetch.py; CUDA sm90+ and a
+            contiguous, 16-byte aligned weight, else ignored). Changes no value.
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
@@ -469,11 +482,14 @@ def paged_attention(
     else:
         part_acc = part_m = part_l = out  # unused
     attn_kernel, merge_kernel = _kernels(interpret)
-    attn_kernel[(r, kv_heads, q_tiles * num_splits)](
+    grid = (r, kv_heads, q_tiles * num_splits)
+    prefetch_plan = l2_prefetch.plan(prefetch, grid[0] * grid[1] * grid[2])
+    attn_kernel[grid](
         q, k_cache, v_cache, out, sinks if sinks is not None else out,
         gate if gate is not None else out,
         query_index, query_positions, key_slots, seq_lens,
         part_acc, part_m, part_l,
+        prefetch if prefetch_plan is not None else out, *(prefetch_plan or (0, 0)),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *query_index.stride(), *query_positions.stride(), *key_slots.stride(),
         *(gate.stride() if gate is not None else (0, 0)), t, qmax, split_len, float(scale) * 1.4426950408889634, window,
@@ -482,7 +498,7 @@ def paged_attention(
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
-        PDL=use_pdl, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0, num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:

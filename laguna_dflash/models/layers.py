@@ -128,6 +128,11 @@ class Attention(nn.Module):
     # Q/K norm + RoPE + K/V cache write in one kernel; Q|K|V|gate as one GEMM once fused.
     use_fused_qk_cache: bool = True
     qkvg_weight: torch.Tensor | None = None
+    # True: up to skinny_gemm.MAX_M tokens, ``o_proj.weight`` goes to the backend as an L2
+    # prefetch hint (kernels/l2_prefetch.py). Off: on the H200 it did not pay (batch-1 replay
+    # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
+    # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
+    prefetch_o_proj: bool = False
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -172,9 +177,13 @@ class Attention(nn.Module):
             k = self.norm_rope(self.k_norm, k.view(t, self.num_kv_heads, self.head_dim), positions)
             v = v.view(t, self.num_kv_heads, self.head_dim)
             ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
+        # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
+        # kernel may bring into L2 meanwhile (the HBM is idle during attention)
+        prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
+            prefetch=prefetch,
         )
         return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 

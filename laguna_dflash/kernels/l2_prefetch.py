@@ -1,0 +1,104 @@
+"""Weights into L2 ahead of the kernel that reads them, issued by a latency-bound kernel before.
+
+At batch-1 decode a Laguna layer alternates kernels that stream weights from HBM (the GEMMs and
+the MoE GEMVs, near the copy bandwidth) with short kernels that barely touch it (Q/K norm + RoPE,
+paged attention and its merge, the norms, the routing): for ~12 us a layer, from the Q/K norm to
+the ``o_proj`` GEMM, the HBM is idle (docs/PERFORMANCE.md). :func:`prefetch_l2` lets one of those
+kernels ask the memory system to bring the NEXT weight (``o_proj``'s 33.5 MB at XS-2.1 size; the
+H200's L2 holds 50 MB) into L2 meanwhile, so the GEMM after it reads L2 instead of HBM.
+
+Mechanism (sm90+): ``cp.async.bulk.prefetch.L2.global [addr], size`` (PTX ISA 8.0), a TMA bulk
+prefetch: fire and forget, no registers or shared memory held, the issuing program goes on at
+once. The bytes ``[0, nbytes)`` of a contiguous weight are cut into ``num_parts x BLOCK`` chunks
+of ``chunk`` bytes (a multiple of 16, as the instruction needs; the last chunks are cut short or
+empty); program ``part`` of the issuing kernel prefetches its ``BLOCK`` chunks, one per lane
+(``BLOCK`` >= the kernel's thread count, so no lane repeats another's). A prefetch is a hint: it
+changes no value anywhere, only where the next reads find the bytes. The weights are never
+written during a forward, so a program may issue it before its programmatic-dependent-launch wait
+(kernels/pdl.py, rule 3).
+
+Only compiled for CUDA sm90+ (the CPU interpreter cannot run inline PTX): :func:`plan` returns
+``None`` elsewhere and callers then skip the prefetch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from .availability import cuda_capability, interpret_mode, triton_importable
+from .jit import jit_functions
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+__all__ = ["PREFETCH_BLOCK", "chunk_bytes", "plan", "prefetch_function", "prefetch_l2"]
+
+# chunks per issuing program: >= the threads of the issuing kernels (8 warps = 256 lanes)
+PREFETCH_BLOCK = 256
+
+
+def _prefetch_l2(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr):
+    # bytes [c * chunk, (c + 1) * chunk) of [0, nbytes) for the BLOCK chunks c of program ``part``;
+    # empty chunks (past nbytes) are predicated off inside the asm
+    c = part.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    off = c * chunk
+    size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
+    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
+    # standalone (benchmarks/bench_l2_prefetch.py): program p prefetches its BLOCK chunks
+    _prefetch_l2(base_ptr, nbytes, chunk, tl.program_id(0), BLOCK)
+
+
+@functools.cache
+def _kernels():
+    namespace = jit_functions(__name__, (_prefetch_l2, _prefetch_l2_kernel))
+    return namespace["_prefetch_l2"], namespace["_prefetch_l2_kernel"]
+
+
+def prefetch_function():
+    """The ``triton.jit`` helper for issuing kernels: ``_prefetch_l2(base_ptr, nbytes, chunk,
+    part, BLOCK)`` (program ``part``'s share of a :func:`plan`)."""
+    return _kernels()[0]
+
+
+def plan(weight: torch.Tensor | None, num_parts: int, block: int = PREFETCH_BLOCK) -> tuple[int, int] | None:
+    """``(nbytes, chunk)`` for prefetching ``weight`` from ``num_parts`` programs of ``block``
+    lanes each, or ``None`` when it cannot run: no weight, not contiguous, not 16-byte aligned,
+    not on a CUDA sm90+ device, or under the interpreter. ``nbytes`` is rounded down to 16 (the
+    last < 16 bytes are not prefetched)."""
+    if weight is None or weight.device.type != "cuda" or num_parts < 1:
+        return None
+    if not triton_importable() or interpret_mode() or cuda_capability(weight.device.index) < (9, 0):
+        return None
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        return None
+    nbytes = weight.numel() * weight.element_size() // 16 * 16
+    if nbytes == 0:
+        return None
+    return nbytes, chunk_bytes(nbytes, num_parts, block)
+
+
+def chunk_bytes(nbytes: int, num_parts: int, block: int = PREFETCH_BLOCK) -> int:
+    """Bytes per lane so that ``num_parts x block`` lanes cover ``nbytes`` (a multiple of 16):
+    the smallest multiple of 16 that does."""
+    return -(-nbytes // (num_parts * block * 16)) * 16
+
+
+def prefetch_l2(weight: torch.Tensor, num_programs: int = 132) -> bool:
+    """Launch a kernel of ``num_programs`` programs that prefetches ``weight`` into L2 (for
+    benchmarks; the decode path issues prefetches from inside its kernels). Returns whether it
+    ran (see :func:`plan`)."""
+    p = plan(weight, num_programs)
+    if p is None:
+        return False
+    nbytes, chunk = p
+    _kernels()[1][(num_programs,)](weight, nbytes, chunk, BLOCK=PREFETCH_BLOCK, num_warps=4)
+    return True

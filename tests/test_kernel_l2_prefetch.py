@@ -1,0 +1,49 @@
+"""kernels/l2_prefetch.py: the chunk plan covers every byte of a weight exactly once, and the
+prefetch only runs where it can (CUDA sm90+, compiled, contiguous and 16-byte aligned)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laguna_dflash.kernels import l2_prefetch
+
+
+def _chunks(nbytes: int, chunk: int, num_parts: int, block: int) -> list[tuple[int, int]]:
+    # the kernel's (offset, size) per lane: size = clamp(nbytes - offset, 0, chunk)
+    out = []
+    for part in range(num_parts):
+        for lane in range(block):
+            off = (part * block + lane) * chunk
+            out.append((off, min(max(nbytes - off, 0), chunk)))
+    return out
+
+
+@pytest.mark.parametrize("nbytes,num_parts,block", [(33_554_432, 256, 256), (16, 1, 256),
+                                                      (48_000, 7, 32), (4096 * 16 + 16, 3, 4)])
+def test_plan_covers_every_byte_once(nbytes, num_parts, block):
+    chunk = l2_prefetch.chunk_bytes(nbytes, num_parts, block)
+    assert chunk % 16 == 0 and chunk > 0
+    covered = 0
+    for off, size in _chunks(nbytes, chunk, num_parts, block):
+        assert size % 16 == 0 and size >= 0  # the instruction's size operand: a multiple of 16
+        if size:
+            assert off == covered  # contiguous, in order, no overlap
+            covered += size
+    assert covered == nbytes
+
+
+def test_plan_is_none_where_the_prefetch_cannot_run():
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert l2_prefetch.plan(None, 4) is None
+    assert l2_prefetch.plan(w, 4) is None  # CPU
+    assert not l2_prefetch.prefetch_l2(w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_plan_on_cuda():
+    w = torch.zeros(128, 64, dtype=torch.bfloat16, device="cuda")
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    assert (l2_prefetch.plan(w, 4) is not None) == sm90
+    assert l2_prefetch.plan(w[:, 1:], 4) is None  # not contiguous
+    assert l2_prefetch.plan(w.view(-1)[1:], 4) is None  # not 16-byte aligned

@@ -5,7 +5,14 @@ the MoE GEMVs, near the copy bandwidth) with short kernels that barely touch it 
 paged attention and its merge, the norms, the routing): for ~12 us a layer, from the Q/K norm to
 the ``o_proj`` GEMM, the HBM is idle (docs/PERFORMANCE.md). :func:`prefetch_l2` lets one of those
 kernels ask the memory system to bring the NEXT weight (``o_proj``'s 33.5 MB at XS-2.1 size; the
-H200's L2 holds 50 MB) into L2 meanwhile, so the GEMM after it reads L2 instead of HBM.
+H200's L2 holds 60 MiB) into L2 meanwhile, so the GEMM after it reads L2 instead of HBM.
+
+Measured (H200, ``benchmarks/bench_l2_prefetch.py``, docs/PERFORMANCE.md "Seventh pass"): it
+lands (1 or 8 issuing programs do as well as 132), but an L2-resident weight makes the batch-1
+skinny GEMM only ~15% faster (``o_proj`` 15.1 -> 12.4 us event-timed: the GEMV is bound by its
+load latency, not by HBM), and issuing it from the attention programs slowed attention by about
+as much: the decode replay went 2.26 -> 2.29 ms. So the decode path leaves it off
+(``Attention.prefetch_o_proj``).
 
 Mechanism (sm90+): ``cp.async.bulk.prefetch.L2.global [addr], size`` (PTX ISA 8.0), a TMA bulk
 prefetch: fire and forget, no registers or shared memory held, the issuing program goes on at

@@ -6,6 +6,11 @@ Used by the kernel tests to check what the GPU would run (loop bodies, load kind
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
+
 from interpreter_child import HAS_TRITON, INTERPRETED
 
 
@@ -38,6 +43,22 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def compile_sm90_spills(kernel, types: dict[str, str], constexprs: dict, options: dict) -> tuple[str, list[int]]:
+    """:func:`compile_sm90`, then ``ptxas -v`` (triton's own) on the PTX: (PTX, spill-store bytes
+    of each function)."""
+    import triton
+
+    ptx = compile_sm90(kernel, types, constexprs, options)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
+                              capture_output=True, text=True, check=True)
+    return ptx, [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
 
 
 def loads_before_pdl_wait(ptx: str) -> list[str]:

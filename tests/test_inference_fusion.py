@@ -4,10 +4,10 @@
   become one GEMM weight whose row views are the old parameters, the shared expert is stacked
   after the routed experts; CPU outputs stay the same.
 * Under Triton's CPU interpreter (ONE child process, the variable must not reach other tests):
-  ``MoE.fused_forward`` (routing kernel, fused experts with the folded shared expert, the pairs'
-  sum with the residual) equals the torch path, folded or not; ``Attention.forward`` with the
-  fused Q/K norm + RoPE + cache-write kernel and the gate in the attention store equals the eager
-  chain (output and cache contents).
+  ``MoE.fused_forward`` (the router GEMM + routing kernel, or the two apart; fused experts with
+  the folded shared expert; the pairs' sum with the residual) equals the torch path, folded or
+  not; ``Attention.forward`` with the fused Q/K norm + RoPE + cache-write kernel and the gate in
+  the attention store equals the eager chain (output and cache contents).
 * On CUDA: the same comparisons at Laguna-XS-2.1 widths.
 """
 
@@ -156,9 +156,12 @@ def _moe_cases(device: str) -> dict[str, float]:
                     summed = fusion.add(residual, moe.fused_forward(x))
                     deferred = fusion.add_rms_norm(residual, moe.fused_forward(x, keep_pairs=True),
                                                    torch.ones_like(residual[0]), 1e-6)[0]
+                    moe.use_fused_router = False  # router GEMM and routing kernel apart
+                    two_launch = fusion.add(residual, moe.fused_forward(x))
                 name = f"moe-{dtype}-fold{fold}-T{t}"
                 errors[name] = _rel_err(summed, want)
                 errors[name + "-deferred"] = _rel_err(deferred, want)
+                errors[name + "-unfused-router"] = _rel_err(two_launch, want)
     return errors
 
 
@@ -207,7 +210,7 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 16 + 18
+    assert len(interpreter_errors) == 24 + 18
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 

@@ -268,8 +268,9 @@ class MoE(nn.Module):
 
     # Expert paths, chosen from shapes only (so a CUDA graph captures one of them):
     # * GPU, up to ``fused_moe_max_pairs`` (token, expert) pairs: routing in one Triton kernel
-    #   (kernels/moe_routing.py) and the fused expert kernels (kernels/fused_moe.py: each hit
-    #   expert's weights read once, no host sync, static grid; measured in docs/PERFORMANCE.md),
+    #   (kernels/moe_routing.py; with the router GEMM in the same launch for few tokens) and the fused
+    #   expert kernels (kernels/fused_moe.py: each hit expert's weights read once, no host sync,
+    #   static grid; measured in docs/PERFORMANCE.md),
     #   with the shared expert as one more always-on pair once :meth:`fold_shared_expert` ran.
     #   ``use_fused_moe=False`` turns them off.
     # * GPU, more pairs, bf16/fp16 on sm90+: one sorted grouped GEMM pair (torch._grouped_mm),
@@ -283,6 +284,16 @@ class MoE(nn.Module):
     # 4 against 30.5 / 45.9 / 71.4 (bench_fused_moe.py, XS-2.1 shapes; larger T not measured).
     use_moe_gemv: bool = True
     moe_gemv_max_tokens: int = 4
+    # Up to ``fused_router_max_tokens`` tokens (at most kernels/moe_routing.MAX_ROUTER_TOKENS = 16)
+    # and a bias-free router: the router GEMM and the routing in ONE launch
+    # (moe_routing.fused_router_route) instead of the router GEMM (linear) then the routing
+    # kernel: one kernel boundary less per sparse layer. Its last program routes every token
+    # alone, so it pays only for a few tokens: on the H200 (benchmarks/bench_router_route.py,
+    # E = 256, H = 2048) 4.3 / 4.8 / 5.4 / 5.6 us per layer at T = 1 / 2 / 3 / 4 against 5.1 /
+    # 5.8 / 5.8 / 5.8 for the skinny GEMM + routing kernel, but 7.1 against 5.9 at T = 8.
+    # False: the two-launch path everywhere (the A/B baseline).
+    use_fused_router: bool = True
+    fused_router_max_tokens: int = 4
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None
@@ -338,16 +349,21 @@ class MoE(nn.Module):
         return out
 
     def fused_forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
-        """The GPU small-batch path: router GEMM, one routing kernel (weights already times the
-        routed scaling factor), the two fused expert kernels over all pairs (the shared expert
-        included once folded); the pairs ``[T, P, H]`` when ``keep_pairs`` and folded, else
-        their sum ``[T, H]``."""
+        """The GPU small-batch path: router GEMM and routing (weights already times the routed
+        scaling factor; one launch with :attr:`use_fused_router`), the two fused expert kernels
+        over all pairs (the shared expert included once folded); the pairs ``[T, P, H]`` when
+        ``keep_pairs`` and folded, else their sum ``[T, H]``."""
         folded = self.gate_up_with_shared is not None
-        logits = linear(x, self.gate.weight)
-        weights, ids = moe_routing.fused_moe_route(
-            logits, self.e_score_correction_bias, self.top_k, self.logit_softcapping,
-            self.score_func, self.norm_topk_prob, scale=self.routed_scaling_factor,
-            num_shared=int(folded))
+        route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
+                 self.norm_topk_prob)
+        if (self.use_fused_router and x.shape[0] <= self.fused_router_max_tokens
+                and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
+            weights, ids = moe_routing.fused_router_route(
+                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
+        else:
+            weights, ids = moe_routing.fused_moe_route(
+                linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor,
+                num_shared=int(folded))
         experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
         if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:

@@ -260,18 +260,31 @@ class PhaseClock:
     """Records synchronised wall times of the drafter's context precompute, the drafter block
     forward and the target's decode-phase forward (benchmark only: it syncs). Reported as the
     median per call: the first context store of a request holds its whole prompt (1k rows),
-    an outlier a mean would spread over the step."""
+    an outlier a mean would spread over the step.
+
+    The syncs serialise host and GPU, which undoes the work each step queues ahead of its host
+    sync (drafts, forwards): step times must be taken with the clock removed (a context
+    manager: ``with PhaseClock(llm) as clock:`` wraps, leaving the block unwraps)."""
 
     def __init__(self, llm: LLM) -> None:
         self.times: dict[str, list[float]] = {}
+        self._saved: list[tuple[object, str]] = []
         engine = llm.engine
         self._wrap(engine.proposer, "store_context", "context precompute")
         for runner, name in ((engine.proposer.runner, "drafter block"), (engine.runner, "target forward")):
             if runner.graphs is not None:
                 self._wrap(runner.graphs, "forward", name)
 
+    def __enter__(self) -> PhaseClock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, attr in self._saved:
+            delattr(obj, attr)  # the instance attribute shadowed the method: the method is back
+
     def _wrap(self, obj, attr: str, name: str) -> None:
         fn = getattr(obj, attr)
+        self._saved.append((obj, attr))
 
         def timed(*args, **kwargs):
             sync("cuda")
@@ -351,29 +364,30 @@ def main() -> None:
         max_k = engine.num_speculative_tokens
         # DFlash step (draft K tokens + verify K+1) at batch 1, random drafter; acceptance is
         # forced to 1 (no drafts kept) so every step costs the same
-        clock = PhaseClock(spec) if not cpu else None
-        engine.simulated_acceptance, engine._sim_carry = 1.0, 0.0
         k_steps, phases = {}, {}
+        engine.simulated_acceptance, engine._sim_carry = 1.0, 0.0
+
+        def time_k(label) -> None:
+            # the step time without the clock's syncs, then (GPU) its phases in a run with them
+            step_time(spec, prompt, args.new_tokens)  # warm-up: capture this K's graphs
+            k_steps[label] = step_time(spec, prompt, args.new_tokens, warm=False)
+            if not cpu:
+                with PhaseClock(spec) as clock:
+                    step_time(spec, prompt, args.new_tokens, warm=False)
+                    phases[label] = {n: clock.median_ms(n) for n in
+                                     ("context precompute", "drafter block", "target forward")}
+
+        # DFlash step (draft K tokens + verify K+1) at batch 1, random drafter; acceptance is
+        # forced to 1 (no drafts kept) so every step costs the same
         for k in (int(x) for x in args.ks.split(",")):
             engine.num_speculative_tokens = min(k, max_k)
-            step_time(spec, prompt, args.new_tokens)  # warm-up: capture this K's graphs
-            if clock:
-                clock.reset()
-            k_steps[k] = step_time(spec, prompt, args.new_tokens, warm=False)
-            if clock:
-                phases[k] = {n: clock.median_ms(n) for n in ("context precompute", "drafter block", "target forward")}
+            time_k(k)
         # the same step with the drafter's context stored by the next step (its context graph)
         # instead of by the verify graph, and so without the drafts queued ahead
         if 3 in k_steps:
             engine.num_speculative_tokens = min(3, max_k)
             engine_module.store_context_in_verify = False
-            step_time(spec, prompt, args.new_tokens)
-            if clock:
-                clock.reset()
-            k_steps["3, context after verify"] = step_time(spec, prompt, args.new_tokens, warm=False)
-            if clock:
-                phases["3, context after verify"] = {n: clock.median_ms(n) for n in
-                                                     ("context precompute", "drafter block", "target forward")}
+            time_k("3, context after verify")
             engine_module.store_context_in_verify = True
         # Simulated acceptance against target-only, interleaved per batch size and repeated
         # (--rounds; the minimum per cell is kept): this host's step times drift by 10-15%

@@ -26,8 +26,8 @@
 #                                           # decode_ahead (target forwards queued ahead; ~4 min)
 #   bash benchmarks/gpu_check.sh prefetch   # L2 prefetch: micro-benchmark, tests, then the decode-step
 #                                           # A/B of the o_proj prefetch from attention (~3.5 min)
-#   bash benchmarks/gpu_check.sh fusions    # split merge inside attention, router GEMM + routing in
-#                                           # one kernel: tests, then the decode-step A/B (~7 min)
+#   bash benchmarks/gpu_check.sh fusions    # router GEMM + routing in one kernel: tests, then the
+#                                           # decode-step A/B (~5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -91,13 +91,13 @@ case "$stage" in
     timeout 200 python benchmarks/profile_decode_xs.py --top 12 \
       --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" 2>&1 | quiet | tail -50 ;;
   fusions)
-    echo "== attention with its own split merge, the fused router: kernels, graphs, losslessness"
-    gpu_tests 100 tests/test_kernel_paged_attention.py tests/test_kernel_moe_routing.py | grep -v PASSED | tail -12
+    echo "== the fused router GEMM + routing: kernel tests, graphs, losslessness"
+    gpu_tests 100 tests/test_kernel_moe_routing.py | grep -v PASSED | tail -12
     gpu_tests 150 tests/test_cuda_graphs.py -k "lossless_in_float32 or graphs_match_eager_on_cuda" | tail -8
-    echo "== batch-1 decode step: defaults against the split merge kernel, the router GEMM + routing kernel"
-    A=laguna_dflash.kernels.paged_attention:fuse_split_merge R=laguna_dflash.models.layers:MoE.use_fused_router
-    timeout 260 python benchmarks/profile_decode_xs.py --top 10 --switch "$A=False" --switch "$R=False" \
-      --switch "$A=False;$R=False" 2>&1 | quiet | grep -E "^\||^##|equal|kernels per" | grep -v "^| kernel\|^|---" | head -60 ;;
+    echo "== batch-1 decode step: defaults against the router GEMM and the routing kernel apart"
+    timeout 200 python benchmarks/profile_decode_xs.py --top 10 \
+      --switch "laguna_dflash.models.layers:MoE.use_fused_router=False" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^| kernel\|^|---" | head -40 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \

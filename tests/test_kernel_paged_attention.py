@@ -160,42 +160,6 @@ def test_interpreted_output_gate(splits, dtype):
         compare(q, kc, vc, meta, gate=gate, num_splits=splits, block_n=16)
 
 
-_SPLIT_CASES = [c for c in CASES if c[-1]]
-
-
-def _split_merge_both_ways(device: str, monkeypatch) -> None:
-    # every split-K case with the attention kernel merging its own splits and with the merge
-    # kernel: both match the reference and each other closely; the fused merge leaves its arrival
-    # counters re-armed (0) after each call, so a second call gives the same output bitwise
-    for name, specs, causal, window, has_sinks, kv_heads, head_dim, splits in _SPLIT_CASES:
-        q, kc, vc, meta, _ = make_case(specs, kv_heads, head_dim, torch.float32, causal, device=device,
-                                       seed=len(name))
-        sinks = (torch.randn(NUM_HEADS) * 2).to(device) if has_sinks else None
-        args = (q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots, meta.seq_lens)
-        kwargs = dict(scale=q.shape[-1] ** -0.5, causal=causal, sliding_window=window, sinks=sinks,
-                      num_splits=splits, block_n=16)
-        outs = {}
-        for fused in (True, False):
-            monkeypatch.setattr(pa, "fuse_split_merge", fused)
-            compare(q, kc, vc, meta, window=window, sinks=sinks, num_splits=splits, block_n=16)
-            outs[fused] = pa.paged_attention(*args, **kwargs)
-            if fused:
-                assert int(pa._COUNTERS[q.device].abs().sum()) == 0
-                assert torch.equal(pa.paged_attention(*args, **kwargs), outs[fused])
-        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
-
-
-@interpreted
-def test_interpreted_split_merge_fused_and_separate(monkeypatch):
-    """Split-K partials merged by the last program of each tile (default) or by the merge kernel."""
-    _split_merge_both_ways("cpu", monkeypatch)
-
-
-@cuda
-def test_cuda_split_merge_fused_and_separate(monkeypatch):
-    _split_merge_both_ways("cuda", monkeypatch)
-
-
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -305,29 +269,27 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
-                 window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 fused_merge: bool = True):
-    """The attention kernel (and the merge kernel with split-K, unless the attention kernel merges
-    its own splits) as ``paged_attention`` launches them."""
+                 window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False):
+    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
     block_m = max(16, pa._next_pow2(block_q * group))
     consts = dict(NUM_HEADS=group * 4, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_Q=block_q,
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
-                  HAS_GATE=splits == 1 or fused_merge,  # the engine gates Laguna's output in the last store
-                  PDL=pdl, PREFETCH=256 if prefetch else 0, FUSED_MERGE=splits > 1 and fused_merge)
+                  HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
+                  PDL=pdl, PREFETCH=256 if prefetch else 0)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
                                      "prefetch_ptr")}
     ptrs.update(prefetch_nbytes="i64", prefetch_chunk="i64")
     ptrs.update({n: "*i64" for n in ("query_index_ptr", "query_pos_ptr", "key_slots_ptr", "seq_lens_ptr")})
-    ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}, count_ptr="*i32")
+    ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
                                              "stride_vc_s", "stride_vc_h", "stride_ot", "stride_oh"),
                         pa._num_warps(block_m, head_dim), pdl)]
-    if splits > 1 and not fused_merge:
+    if splits > 1:
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
                        BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True,
                        PDL=pdl)
@@ -350,15 +312,7 @@ _PTXAS = HAS_TRITON and os.path.exists(os.path.join(
 def test_compiles_for_sm90_without_spills(cfg):
     """The compiled path (dynamic key loop) is not what the interpreter runs: check it builds."""
     builds = _sm90_builds(*cfg)
-    assert len(builds) == 1
-    if cfg[4] > 1:  # split-K: the attention kernel merging its own splits, and the two-kernel way
-        ptx = builds[0][0].asm["ptx"]
-        assert "atom.global.gpu.acq_rel.add" in ptx, \
-            [line for line in ptx.splitlines() if "atom" in line]
-        assert "ld.global.cg" in ptx
-        unfused = _sm90_builds(*cfg, fused_merge=False)
-        assert len(unfused) == 2
-        builds += unfused
+    assert len(builds) == (2 if cfg[4] > 1 else 1)
     for compiled, spills in builds:
         assert "cubin" in compiled.asm
         assert spills and max(spills) == 0, spills
@@ -370,10 +324,10 @@ def test_sm90_programmatic_dependent_launch_order():
     for their inputs before any global load and signal their dependents after the wait; without
     it neither instruction is emitted."""
     cfg = ("bf16", 128, 8, 1, 4, True, False, True)  # batch-1 decode with split-K and sinks
-    for compiled, _ in _sm90_builds(*cfg) + _sm90_builds(*cfg, fused_merge=False):
+    for compiled, _ in _sm90_builds(*cfg):
         assert "griddepcontrol" not in compiled.asm["ptx"]
-    builds = _sm90_builds(*cfg, pdl=True) + _sm90_builds(*cfg, pdl=True, fused_merge=False)
-    assert len(builds) == 3
+    builds = _sm90_builds(*cfg, pdl=True)
+    assert len(builds) == 2
     for compiled, spills in builds:
         assert loads_before_pdl_wait(compiled.asm["ptx"]) == []
         assert spills and max(spills) == 0, spills
@@ -386,9 +340,9 @@ def test_sm90_l2_prefetch_is_issued_before_the_pdl_wait():
     never written: rule 3 of kernels/pdl.py) and no other global access there; without one it
     issues none. Still no spills."""
     cfg = ("bf16", 128, 8, 1, 4, True, False, True)  # batch-1 decode with split-K and sinks
-    [(plain, _)] = _sm90_builds(*cfg, pdl=True)
-    assert "prefetch" not in plain.asm["ptx"]
-    [(compiled, spills)] = _sm90_builds(*cfg, pdl=True, prefetch=True)
+    attn, _ = _sm90_builds(*cfg, pdl=True)
+    assert "prefetch" not in attn[0].asm["ptx"]
+    (compiled, spills), _ = _sm90_builds(*cfg, pdl=True, prefetch=True)
     ptx = compiled.asm["ptx"]
     before_wait = loads_before_pdl_wait(ptx)
     assert before_wait and all("cp.async.bulk.prefetch.L2.global" in line for line in before_wait)

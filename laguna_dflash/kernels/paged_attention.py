@@ -44,17 +44,10 @@ rest. Loop bounds are read on the device: the grid depends only on shapes.
 Split-K (flash decoding): when ``R * KVH * ceil(Qmax / BLOCK_Q)`` programs cannot fill the GPU
 (decode of a few long requests) the key axis ``[0, Lmax)`` is cut into ``S`` chunks of
 ``split_len`` keys (a multiple of ``BLOCK_N``, ``S`` chosen from the shapes on the host). Each
-program then writes its unnormalised ``acc``, ``m`` and ``l`` to fp32 scratch, and they are merged
-(sink included)::
+program then writes its unnormalised ``acc``, ``m`` and ``l`` to fp32 scratch and a second
+kernel merges them (sink included)::
 
     M = max(max_s m_s, sink)    out = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
-
-by the LAST of the tile's ``S`` programs to finish (``fuse_split_merge``, the default): after its
-partials, a program takes a ticket from the tile's arrival counter (CTA barrier, then one
-``acq_rel`` atomic, as in kernels/skinny_gemm.py); the one that draws ``S - 1`` reads all ``S``
-partials through L2, merges them in split order (so the result does not depend on the arrival
-order) and re-arms the counter to 0 (no memset: graph-replayable). Otherwise a second kernel
-merges them.
 
 Rows that see no key at all (impossible for a valid query: it sees itself) produce zeros.
 
@@ -164,59 +157,10 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-def _finish_rows(
-    m_i, l_i, acc, token, head, row_ok, offs_d, d_ok, sinks_ptr, gate_ptr, out_ptr,
-    stride_gt, stride_gh, stride_ot, stride_oh, stride_od,
-    HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-):
-    # out = acc / l for rows (token, head) with the sink in the denominator and the output gate,
-    # stored in the output dtype; (m, l, acc) relative to the shift m (base 2)
-    if HAS_SINKS:
-        # the sink joins the denominator only: l += 2^(sink - m) after shifting to
-        # m' = max(m, sink) (sink in base 2 too)
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.exp2(sink - m_fin)
-        acc = acc * alpha[:, None]
-    # rows that saw nothing have acc = 0, l = 0: divide by 1 instead (output 0)
-    out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-    if HAS_GATE:
-        g = tl.load(gate_ptr + token * stride_gt + head * stride_gh, mask=row_ok, other=0.0)
-        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(
-            g, out_ptr.dtype.element_ty)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-def _merge_own_splits(
-    part_acc_ptr, part_m_ptr, part_l_ptr, prow0, split_rows, row_ok, offs_d, d_ok,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):
-    # (M, l, acc) of rows over all splits: M = max_s m_s, l = sum_s 2^(m_s - M) l_s,
-    # acc = sum_s 2^(m_s - M) acc_s, in split order; split s of a row at prow0 + s * split_rows.
-    # Read through L2 (.cg): other programs wrote them (after the semaphore's acquire)
-    m_all = tl.full(prow0.shape, float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(part_m_ptr + prow0 + s * split_rows, mask=row_ok,
-                                          other=float("-inf"), cache_modifier=".cg"))
-    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)  # no key anywhere: every weight is 0
-    l_all = tl.zeros(prow0.shape, tl.float32)
-    acc = tl.zeros([prow0.shape[0], offs_d.shape[0]], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        prow = prow0 + s * split_rows
-        w = tl.exp2(tl.load(part_m_ptr + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    - m_use)
-        l_all += w * tl.load(part_l_ptr + prow, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
-                                    mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-    return m_all, l_all, acc
-
-
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, gate_ptr,
     query_index_ptr, query_pos_ptr, key_slots_ptr, seq_lens_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, count_ptr, prefetch_ptr, prefetch_nbytes, prefetch_chunk,
+    part_acc_ptr, part_m_ptr, part_l_ptr, prefetch_ptr, prefetch_nbytes, prefetch_chunk,
     stride_qt, stride_qh, stride_qd,
     stride_kc_s, stride_kc_h, stride_kc_d,
     stride_vc_s, stride_vc_h, stride_vc_d,
@@ -227,7 +171,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
     if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
@@ -299,31 +243,30 @@ def _paged_attention_kernel(
 
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        _finish_rows(m_i, l_i, acc, token, head, row_ok, offs_d, d_ok, sinks_ptr, gate_ptr, out_ptr,
-                     stride_gt, stride_gh, stride_ot, stride_oh, stride_od, HAS_SINKS, HAS_GATE)
+        if HAS_SINKS:
+            # the sink joins the denominator only: l += 2^(sink - m) after shifting to
+            # m' = max(m, sink) (sink in base 2 too)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+        # rows that saw nothing have acc = 0, l = 0: divide by 1 instead (output 0)
+        out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        if HAS_GATE:
+            g = tl.load(gate_ptr + token * stride_gt + head * stride_gh, mask=row_ok, other=0.0)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(
+                g, out_ptr.dtype.element_ty)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partial results of split s for (token, head): row (s * T + token) * H + head
-        split_rows = num_tokens * NUM_HEADS
-        prow = split.to(tl.int64) * split_rows + token * NUM_HEADS + head
-        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=row_ok[:, None] & d_ok[None, :])
+        prow = (split.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
-        if FUSED_MERGE:
-            # the last of the tile's NUM_SPLITS programs to arrive merges them (the semaphore of
-            # kernels/skinny_gemm.py: barrier, one acq_rel atomic; the last re-arms the counter)
-            tile = ((r * tl.num_programs(1) + g) * (tl.num_programs(2) // NUM_SPLITS) + q_tile)
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                m_all, l_all, acc_all = _merge_own_splits(
-                    part_acc_ptr, part_m_ptr, part_l_ptr, prow - split.to(tl.int64) * split_rows,
-                    split_rows, row_ok, offs_d, d_ok, HEAD_DIM, NUM_SPLITS)
-                _finish_rows(m_all, l_all, acc_all, token, head, row_ok, offs_d, d_ok, sinks_ptr,
-                             gate_ptr, out_ptr, stride_gt, stride_gh, stride_ot, stride_oh, stride_od,
-                             HAS_SINKS, HAS_GATE)
-                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def _merge_splits_kernel(
@@ -371,8 +314,8 @@ def _kernels(interpret: bool):
     """(attention kernel, merge kernel) for one mode (``interpret`` is the cache key; triton reads
     the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _attend_tile, _prefetch_l2, _finish_rows,
-                                         _merge_own_splits, _paged_attention_kernel, _merge_splits_kernel))
+    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _attend_tile, _prefetch_l2,
+                                         _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 
 
@@ -385,27 +328,6 @@ _TARGET_ROWS = 64  # BLOCK_M aimed at: query tokens x heads of a GQA group per p
 # ~34 us per layer in this kernel (docs/PERFORMANCE.md), most programs idle.
 _MIN_SPLIT_KEYS = 64
 _MAX_SPLITS = 32
-# Split-K partials merged by the last program of each query tile to finish (a semaphore per
-# tile, in the attention kernel) instead of a second launch; False: the merge kernel (A/B switch)
-fuse_split_merge = True
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 zeros on ``device``: the fused merge's arrival counters, one per query
-    tile, re-armed to 0 by the kernel itself. Allocated once per device and kept (captured graphs
-    point at them); grown (a new buffer, the old one kept) for a larger grid. Make the first call
-    of a size outside a CUDA-graph capture. Launches on different streams must not overlap."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(1024, _next_pow2(n)), dtype=torch.int32, device=device)
-        _KEPT.append(_COUNTERS.get(device))
-        _COUNTERS[device] = buf
-    return buf
-
-
-_KEPT: list[torch.Tensor | None] = []  # outgrown counter buffers a captured graph may still use
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -559,8 +481,6 @@ def paged_attention(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
-    fused_merge = num_splits > 1 and fuse_split_merge
-    counters = _counters(q.device, r * kv_heads * q_tiles) if fused_merge else out
     attn_kernel, merge_kernel = _kernels(interpret)
     grid = (r, kv_heads, q_tiles * num_splits)
     prefetch_plan = l2_prefetch.plan(prefetch, grid[0] * grid[1] * grid[2])
@@ -568,7 +488,7 @@ def paged_attention(
         q, k_cache, v_cache, out, sinks if sinks is not None else out,
         gate if gate is not None else out,
         query_index, query_positions, key_slots, seq_lens,
-        part_acc, part_m, part_l, counters,
+        part_acc, part_m, part_l,
         prefetch if prefetch_plan is not None else out, *(prefetch_plan or (0, 0)),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *query_index.stride(), *query_positions.stride(), *key_slots.stride(),
@@ -576,12 +496,12 @@ def paged_attention(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None and (num_splits == 1 or fused_merge), NUM_SPLITS=num_splits, IEEE=ieee,
-        DYNAMIC_LOOP=not interpret, SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
-        PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0, FUSED_MERGE=fused_merge,
-        num_warps=_num_warps(block_m, block_d), num_stages=2, **pdl.launch_options(use_pdl),
+        HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
+        SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
+        PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        **pdl.launch_options(use_pdl),
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         merge_kernel[(t, num_heads)](
             part_acc, part_m, part_l, sinks if sinks is not None else out,
             gate if gate is not None else out, out,

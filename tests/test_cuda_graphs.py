@@ -141,6 +141,9 @@ class _AlwaysZero:
     def choose(self, batch_size: int) -> int:
         return 0
 
+    def expects_target_only(self, batch_size: int) -> bool:
+        return True
+
     def observe(self, *args) -> None:
         pass
 
@@ -390,6 +393,9 @@ class _Alternating:
         self.step += 1
         return self.pattern[self.step % len(self.pattern)]
 
+    def expects_target_only(self, batch_size: int) -> bool:  # the next choose(), exactly
+        return self.pattern[(self.step + 1) % len(self.pattern)] == 0
+
     def observe(self, *args) -> None:
         pass
 
@@ -596,6 +602,56 @@ def test_forward_ahead_keeps_every_token(pair, monkeypatch, graphs):
     assert got == want
     assert queued_before == 0
     assert queued_ahead > 2 * fresh_ahead, (fresh_ahead, queued_ahead)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_forward_ahead_with_a_drafter_keeps_its_context(pair, monkeypatch, graphs):
+    """With a drafter loaded, K = 0 steps queue the next target forward too, and the next K = 0
+    step takes its hidden states and its taps (pending taps referencing the queued forward's
+    rows). With K switching between 0 and 3 step by step, every speculative step's drafts (which
+    read the drafter's context built from those taps) and every token equal those of an engine
+    running each forward after the sync, at batch 1, 3 and 5 (requests ending at different
+    steps: the next batch takes a subset of the rows); most K = 0 steps after a K = 0 step take
+    the queued forward, and a queued forward a speculative step does not take changes nothing."""
+    import itertools
+
+    from laguna_dflash.engine import engine as engine_module
+
+    target, draft = pair
+    schedule = [0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 3]  # K of each step, cycled
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(engine_module, "decode_ahead", ahead)
+        llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_num_seqs=6,
+                  trace=True)
+        engine = llm.engine
+        if graphs:
+            engine.attach_graph_runners()
+        taken = []
+        decode, step, counter = engine._decode, engine.step, itertools.count()
+
+        def spy(seqs, ahead=None, decode=decode, taken=taken):
+            taken.append(ahead is not None and ahead.taps is not None and ahead.rows_for(seqs) is not None)
+            return decode(seqs, ahead)
+
+        def stepper(engine=engine, step=step, counter=counter):
+            engine.num_speculative_tokens = schedule[next(counter) % len(schedule)]
+            return step()
+
+        engine._decode, engine.step = spy, stepper
+        out = []
+        for batch_size in (1, 3, 5):
+            prompts = _prompts(batch_size, seed=50 + batch_size)
+            params = [SamplingParams(temperature=0, max_tokens=10 + 4 * i, ignore_eos=True)
+                      for i in range(batch_size)]
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=params):
+                out.append((o.token_ids, [st["draft_tokens"] for st in o.metrics["trace"]]))
+        runs.append((out, taken))
+    (want, taken_before), (got, taken_ahead) = runs
+    assert got == want
+    assert any(len(drafts) for _, drafts in got)  # speculative steps really drafted
+    assert not any(taken_before)
+    assert sum(taken_ahead) > len(taken_ahead) / 3, (sum(taken_ahead), len(taken_ahead))
 
 
 def test_forward_ahead_survives_aborts_and_kv_pressure(pair, monkeypatch):

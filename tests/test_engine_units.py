@@ -239,6 +239,35 @@ def test_adaptive_k_never_accepted_stops_drafting_at_once_and_explores_at_k1():
     assert explored == [1] * pol.num_explorations and 5 <= len(explored) <= 8, explored
 
 
+@pytest.mark.parametrize("accepted", [0, 3])
+def test_adaptive_k_expects_target_only_predicts_the_next_choice(accepted):
+    """``expects_target_only`` (asked during a K = 0 step, before its ``observe``, as the
+    engine does to queue the next forward ahead) is never True before a drafting step, and is
+    True for most K = 0 steps that follow one; it changes no state. With drafts accepted (best
+    K = 3) it stays False."""
+    from laguna_dflash.engine.adaptive_k import AdaptiveK
+
+    pol = AdaptiveK(max_k=15, explore_every=16, max_explore_every=256)
+    predicted, chosen = [], []
+    for _ in range(1000):
+        k = pol.choose(1)
+        chosen.append(k)
+        if k == 0:
+            state = (pol.num_steps, pol.steps_since_explore, pol.explore_interval, dict(pol._best))
+            predicted.append(pol.expects_target_only(1))
+            assert state == (pol.num_steps, pol.steps_since_explore, pol.explore_interval, dict(pol._best))
+        else:
+            predicted.append(False)
+        pol.observe(k, 1, [min(k, accepted)] if k else [], seconds=_xs_cost(k))
+    followed = [(p, chosen[i + 1]) for i, p in enumerate(predicted[:-1]) if chosen[i] == 0]
+    assert all(nxt == 0 for p, nxt in followed if p)  # a True is never followed by drafting
+    if accepted == 0:
+        zero_zero = [p for p, nxt in followed if nxt == 0]
+        assert sum(zero_zero) >= 0.95 * len(zero_zero), (sum(zero_zero), len(zero_zero))
+    else:
+        assert not any(predicted[20:])
+
+
 def test_adaptive_k_explores_one_level_up_and_settles_on_the_best_k():
     """Acceptance up to 3 tokens: K = 3 from the third step on, explorations at 2 * 3 + 1 = 7."""
     from laguna_dflash.engine.adaptive_k import AdaptiveK

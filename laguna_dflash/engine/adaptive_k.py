@@ -211,6 +211,18 @@ class AdaptiveK:
             return min(self.max_k, 2 * best + 1)  # one level up (at max_k: the choice itself)
         return best
 
+    def expects_target_only(self, batch_size: int) -> bool:
+        """Whether the next :meth:`choose` for ``batch_size`` requests is expected to return 0,
+        from the state before this step's :meth:`observe` (no side effects): K = 0 is the best
+        choice now and no measurement or exploration is due. The engine queues a target-only
+        forward ahead only then (a wrong guess wastes that forward, nothing else)."""
+        bucket = batch_bucket(batch_size)
+        if (self.max_k, bucket) not in self.step_time or self._time_n.get((0, bucket)) is None:
+            return False
+        if self.steps_since_explore + 1 >= self.explore_interval:
+            return False
+        return self.best_k(bucket) == 0
+
     def observe(self, k: int, batch_size: int, accepted: list[int], seconds: float) -> None:
         """After a step at K: each request's accepted-draft count and the step's wall time."""
         self._num_observed += 1

@@ -8,7 +8,8 @@ batch is what was assumed (else it runs its own):
 * a DFlash step queues the next drafter block (anchor ``P + a + 1``, bonus ``t_a`` on the
   device): :class:`DraftsAhead` (``engine.draft_ahead``);
 * a target-only step queues the next target forward with its sampled tokens as input ids
-  (positions are known on the host): :class:`ForwardAhead` (``engine.decode_ahead``).
+  (positions are known on the host): :class:`ForwardAhead` (``engine.decode_ahead``); with a
+  drafter loaded (K = 0 steps) it also returns the taps the drafter's context needs.
 
 Work queued for a batch that then changes is dropped; its cache writes land at positions that
 are rewritten before they are read (or in blocks freed after it, in stream order).
@@ -42,11 +43,13 @@ class DraftsAhead:
 @dataclass
 class ForwardAhead:
     """Final-normed hidden states ``[R, H]`` of a target forward queued by a target-only step,
-    one row per request of ``request_ids``, for the token at ``positions``."""
+    one row per request of ``request_ids``, for the token at ``positions``; with a drafter, its
+    taps ``[R, num_taps * H]`` (else None)."""
 
     request_ids: tuple[int, ...]
     positions: list[int]
     hidden: torch.Tensor
+    taps: torch.Tensor | None = None
 
     def rows_for(self, seqs: list[Sequence]) -> list[int] | None:
         """Rows of ``hidden`` for a decode step of ``seqs`` (each computing its last token), or

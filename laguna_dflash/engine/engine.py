@@ -46,11 +46,15 @@ store_context_in_verify = True
 # step proposes after the previous one's sync (an A/B switch for benchmarks).
 draft_ahead = True
 
-# A target-only step of an engine without a drafter queues the NEXT step's target forward behind
-# its own sampling, with the sampled tokens as input ids on the device (positions are known on
-# the host), before its host sync; the next step takes those hidden states when every request of
-# its batch was in that forward at the position assumed (engine/ahead.py). Sampling stays in the
-# step itself (seeded sampling draws the same numbers). None: where the target runs CUDA graphs
+# A target-only step queues the NEXT step's target forward behind its own sampling, with the
+# sampled tokens as input ids on the device (positions are known on the host), before its host
+# sync; the next step takes those hidden states (and, with a drafter, the taps, which then join
+# the pending taps as a fresh forward's would) when every request of its batch was in that
+# forward at the position assumed (engine/ahead.py). Sampling stays in the step itself (seeded
+# sampling draws the same numbers). With a drafter the next step must be target-only too: fixed
+# K = 0, or adaptive K whose policy expects K = 0 next (AdaptiveK.expects_target_only); a queued
+# forward the next step does not take is wasted work, never a wrong token. None: where the
+# target runs CUDA graphs
 # (the host then commits and schedules while the GPU computes; H200 batch-1 step 2.72 -> 2.42 ms,
 # docs/PERFORMANCE.md); elsewhere the queued forward would only run early, and is wasted when a
 # request stops. True: always (the CPU tests run it eagerly). False: never (A/B switch).
@@ -371,26 +375,28 @@ class LLMEngine:
         the context graphs take), so a long run of target-only steps neither holds them without
         bound nor falls back to the eager precompute, and the store is amortised over K_max + 1
         steps."""
-        rows = ahead.rows_for(seqs) if ahead is not None else None
+        # the forward queued ahead, if it computed this step's tokens (with taps iff we tap)
+        fits = ahead is not None and (ahead.taps is not None) == bool(self.tap_layer_ids)
+        rows = ahead.rows_for(seqs) if fits else None
         if rows is None:
             items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
             hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
-        else:  # no taps: only engines without a drafter queue forwards ahead
-            taps = None
+            tap_rows = range(len(seqs))
+        else:
+            taps, tap_rows = ahead.taps, rows  # pending taps reference rows of the ahead's taps
             hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.compute_logits(hidden)
         sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
-        queue_ahead = decode_ahead if decode_ahead is not None else self.runner.graphs is not None
-        if queue_ahead and self.proposer is None:  # the wait excludes the forward queued ahead
+        if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
             self._ahead = self._queue_forward_ahead(seqs, sampled)
             tokens = result.tolist()
         else:
             tokens = sampled.tolist()
         for i, s in enumerate(seqs):
-            if taps is not None:  # row i of this step's taps: referenced, no tensor op
-                s.add_pending_taps(taps, i, 1, s.num_tokens - 1)
+            if taps is not None:  # this request's row of the taps: referenced, no tensor op
+                s.add_pending_taps(taps, tap_rows[i], 1, s.num_tokens - 1)
             s.num_computed = s.num_tokens
             self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
         if taps is not None:
@@ -400,6 +406,16 @@ class LLMEngine:
                 self.proposer.store_context(full)
         self.timings.num_decode_tokens += len(seqs)
         return []
+
+    def _queues_forward_ahead(self, batch_size: int) -> bool:
+        """Whether this target-only step queues the next one's forward (``decode_ahead``): the
+        next step of an engine with a drafter must be target-only too."""
+        on = decode_ahead if decode_ahead is not None else self.runner.graphs is not None
+        if not on or self.proposer is None:
+            return on
+        if self.adaptive_k is not None:
+            return self.adaptive_k.expects_target_only(batch_size)
+        return self.num_speculative_tokens == 0
 
     def _queue_forward_ahead(self, seqs: list[Sequence], sampled: torch.Tensor) -> ForwardAhead | None:
         """Queue the next step's target forward: request ``i``'s token ``sampled[i]`` (device)
@@ -411,8 +427,8 @@ class LLMEngine:
         if not all(self.scheduler.reserve(s, p + 1) for s, p in zip(seqs, positions)):
             return None
         items = [ForwardItem(1, p, p + 1, s.block_table) for p, s in zip(positions, seqs)]
-        hidden, _ = self.runner.forward(sampled, items)
-        return ForwardAhead(tuple(s.request_id for s in seqs), positions, hidden)
+        hidden, taps = self.runner.forward(sampled, items, self.tap_layer_ids)
+        return ForwardAhead(tuple(s.request_id for s in seqs), positions, hidden, taps)
 
     def _queue_drafts_ahead(self, seqs: list[Sequence], k: int, anchors: list[int],
                             accepted: torch.Tensor, target_tokens: torch.Tensor,

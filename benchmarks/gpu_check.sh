@@ -5,7 +5,8 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh final      # the lossless + GEMV tests, then bench (~7 min)
+#   bash benchmarks/gpu_check.sh final      # the lossless, GEMV and forwards-ahead tests, then bench
+#                                           # (~9 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
@@ -105,7 +106,7 @@ case "$stage" in
   final)
     echo "== losslessness with graphs, GEMV MoE on the GPU"
     gpu_tests 240 tests/test_cuda_graphs.py tests/test_kernel_moe_gemv.py \
-      -k "lossless or prefill_stores or xs21" | tail -14
+      -k "lossless or prefill_stores or xs21 or forward_ahead" | tail -16
     bash "$0" bench ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"

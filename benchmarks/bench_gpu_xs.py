@@ -266,9 +266,10 @@ class PhaseClock:
     sync (drafts, forwards): step times must be taken with the clock removed (a context
     manager: ``with PhaseClock(llm) as clock:`` wraps, leaving the block unwraps)."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, device: str = "cuda") -> None:
         self.times: dict[str, list[float]] = {}
         self._saved: list[tuple[object, str]] = []
+        self.device = device
         engine = llm.engine
         self._wrap(engine.proposer, "store_context", "context precompute")
         for runner, name in ((engine.proposer.runner, "drafter block"), (engine.runner, "target forward")):
@@ -287,10 +288,10 @@ class PhaseClock:
         self._saved.append((obj, attr))
 
         def timed(*args, **kwargs):
-            sync("cuda")
+            sync(self.device)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            sync("cuda")
+            sync(self.device)
             self.times.setdefault(name, []).append(time.perf_counter() - t0)
             return out
 

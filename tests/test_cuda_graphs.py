@@ -654,6 +654,30 @@ def test_forward_ahead_with_a_drafter_keeps_its_context(pair, monkeypatch, graph
     assert sum(taken_ahead) > len(taken_ahead) / 3, (sum(taken_ahead), len(taken_ahead))
 
 
+def test_bench_phase_clock_unwraps_on_exit(pair):
+    """benchmarks/bench_gpu_xs.py's PhaseClock syncs around the graph forwards and the context
+    store: inside ``with`` it records them, and on exit the engine's own methods are back, so
+    step times taken outside it do not pay syncs that undo the work queued ahead of each step's
+    host sync (the seventh pass's invalid end-to-end run)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_gpu_xs
+
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_num_seqs=4)
+    engine = llm.engine
+    engine.attach_graph_runners()
+    owners = (engine.proposer, engine.runner.graphs, engine.proposer.runner.graphs)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with bench_gpu_xs.PhaseClock(llm, device="cpu") as clock:
+        assert all(vars(o).keys() & {"store_context", "forward"} for o in owners)
+        llm.generate(prompt_token_ids=_prompts(2, seed=3), sampling_params=params)
+        assert clock.times["target forward"] and clock.times["drafter block"]
+    assert not any(vars(o).keys() & {"store_context", "forward"} for o in owners)
+
+
 def test_forward_ahead_survives_aborts_and_kv_pressure(pair, monkeypatch):
     """With target forwards queued ahead: an abort between steps, and a KV cache small enough
     that requests are preempted and recomputed, leave the other requests' tokens unchanged."""

@@ -369,7 +369,8 @@ class LLMEngine:
     def _decode(self, seqs: list[Sequence], ahead: ForwardAhead | None = None) -> list[int]:
         """One target-only token per request (its forward possibly queued by the previous step,
         ``ahead``; with ``decode_ahead`` this step queues the next one's). With a drafter loaded
-        (adaptive K chose 0) the taps of the committed token join the pending taps (a row
+        (K = 0: fixed, or adaptive K's choice) the taps of the committed token join the pending
+        taps (a row
         reference, no tensor op per request), so the drafter's KV stays complete for the next
         speculative step; pending taps reaching K_max + 1 rows are stored right away (the size
         the context graphs take), so a long run of target-only steps neither holds them without

@@ -654,6 +654,28 @@ def test_forward_ahead_with_a_drafter_keeps_its_context(pair, monkeypatch, graph
     assert sum(taken_ahead) > len(taken_ahead) / 3, (sum(taken_ahead), len(taken_ahead))
 
 
+def test_forward_ahead_under_the_adaptive_k_policy(pair):
+    """The real adaptive-K policy with a drafter whose drafts are rarely accepted settles on
+    K = 0 and, through ``AdaptiveK.expects_target_only``, queues forwards ahead on its K = 0
+    steps (graph runners' padded path on CPU): the output equals the target's, and forwards
+    queued ahead are taken."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(3, seed=61)
+    want = [o.token_ids for o in LLM(target, block_size=4, max_num_seqs=4)
+            .generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, adaptive_k=True,
+              block_size=4, max_num_seqs=4)
+    engine = llm.engine
+    engine.attach_graph_runners()
+    taken, decode = [], engine._decode
+    engine._decode = lambda seqs, ahead=None: (
+        taken.append(ahead is not None and ahead.rows_for(seqs) is not None), decode(seqs, ahead))[1]
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    assert sum(taken) > len(taken) / 2, (sum(taken), len(taken))
+
+
 def test_bench_phase_clock_unwraps_on_exit(pair):
     """benchmarks/bench_gpu_xs.py's PhaseClock syncs around the graph forwards and the context
     store: inside ``with`` it records them, and on exit the engine's own methods are back, so

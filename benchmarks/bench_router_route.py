@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from laguna_dflash.kernels import moe_routing, skinny_gemm  # noqa: E402
 from laguna_dflash.kernels.moe_routing import RouterConfig  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_skinny_gemm import time_graph  # noqa: E402  (one CUDA-graph timer for the benchmarks)
+
 E, H, TOP_K = 256, 2048, 8
 SWEEP = [RouterConfig(bn, w, p, ks, xe) for bn, w, p, ks, xe in (
     (8, 4, 128, 4, 128), (8, 8, 128, 4, 256), (8, 8, 128, 4, 128), (4, 4, 256, 4, 128),
@@ -48,29 +51,6 @@ def problem(t: int, layers: int, device: torch.device):
     w = (torch.randint(-8, 9, (layers, E, H), generator=g) / 32).to(device, torch.bfloat16)
     bias = (torch.rand(E, generator=g) - 0.5).to(device)
     return x, w, bias
-
-
-def time_graph(fns: list[Callable[[], object]], replays: int = 20, repeats: int = 3) -> float:
-    """Microseconds per call: ``fns`` captured in one CUDA graph, best of ``repeats``."""
-    for fn in fns[:2]:
-        fn()  # compile / workspace outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(fns)))
-    return best
 
 
 ROUTE = (TOP_K, 0.0, "sigmoid", True)

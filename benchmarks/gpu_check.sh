@@ -29,6 +29,8 @@
 #                                           # A/B of the o_proj prefetch from attention (~3.5 min)
 #   bash benchmarks/gpu_check.sh fusions    # router GEMM + routing in one kernel: tests, then the
 #                                           # decode-step A/B (~5 min)
+#   bash benchmarks/gpu_check.sh preload    # attention / Q/K kernels loading before their PDL wait:
+#                                           # tests, then the decode-step A/B (~7 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -99,6 +101,17 @@ case "$stage" in
     timeout 200 python benchmarks/profile_decode_xs.py --top 10 \
       --switch "laguna_dflash.models.layers:MoE.use_fused_router=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per" | grep -v "^| kernel\|^|---" | head -40 ;;
+  preload)
+    echo "== attention and Q/K kernels with their loads before the PDL wait: kernel tests, graphs"
+    gpu_tests 150 tests/test_kernel_paged_attention.py tests/test_kernel_qk_norm_rope_cache.py \
+      | grep -v PASSED | tail -12
+    gpu_tests 200 tests/test_cuda_graphs.py -k "lossless_in_float32 or graphs_match_eager_on_cuda \
+      or drafts_ahead or reads_only" | tail -14
+    echo "== batch-1 decode step: defaults against each preload off, and both off"
+    A=laguna_dflash.kernels.paged_attention:PRELOAD_OLD_KEYS Q=laguna_dflash.kernels.qk_norm_rope_cache:PRELOAD_PARAMS
+    timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
+      --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -142,5 +155,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
 esac

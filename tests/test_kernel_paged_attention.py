@@ -269,7 +269,8 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
-                 window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False):
+                 window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
+                 preload: bool = True):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
@@ -278,7 +279,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
                   HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
-                  PDL=pdl, PREFETCH=256 if prefetch else 0)
+                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
@@ -320,16 +321,24 @@ def test_compiles_for_sm90_without_spills(cfg):
 
 @pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
 def test_sm90_programmatic_dependent_launch_order():
-    """With ``kernels.pdl.USE_PDL`` (rules in kernels/pdl.py) the attention and merge kernels wait
-    for their inputs before any global load and signal their dependents after the wait; without
-    it neither instruction is emitted."""
+    """With ``kernels.pdl.USE_PDL`` (rules in kernels/pdl.py) the merge kernel waits for its
+    inputs before any global load and signals its dependents after the wait; the attention
+    kernel, with ``PRELOAD_OLD_KEYS``, reads only through L2 (``.cg``: metadata, key slots, the
+    K/V before the first query) before its wait and q after it; without the preload it loads
+    nothing before the wait. Without PDL neither instruction is emitted."""
     cfg = ("bf16", 128, 8, 1, 4, True, False, True)  # batch-1 decode with split-K and sinks
     for compiled, _ in _sm90_builds(*cfg):
         assert "griddepcontrol" not in compiled.asm["ptx"]
-    builds = _sm90_builds(*cfg, pdl=True)
-    assert len(builds) == 2
-    for compiled, spills in builds:
-        assert loads_before_pdl_wait(compiled.asm["ptx"]) == []
+    (attn, attn_spills), (merge, merge_spills) = _sm90_builds(*cfg, pdl=True)
+    ptx = attn.asm["ptx"]
+    before_wait = loads_before_pdl_wait(ptx)
+    assert before_wait and all("ld.global.cg" in line for line in before_wait), before_wait
+    after_wait = ptx[ptx.index("griddepcontrol.wait"):].splitlines()
+    assert any("ld.global" in line and ".cg" not in line for line in after_wait)  # q
+    assert loads_before_pdl_wait(merge.asm["ptx"]) == []
+    (plain, plain_spills), _ = _sm90_builds(*cfg, pdl=True, preload=False)
+    assert loads_before_pdl_wait(plain.asm["ptx"]) == []
+    for spills in (attn_spills, merge_spills, plain_spills):
         assert spills and max(spills) == 0, spills
 
 
@@ -345,7 +354,8 @@ def test_sm90_l2_prefetch_is_issued_before_the_pdl_wait():
     (compiled, spills), _ = _sm90_builds(*cfg, pdl=True, prefetch=True)
     ptx = compiled.asm["ptx"]
     before_wait = loads_before_pdl_wait(ptx)
-    assert before_wait and all("cp.async.bulk.prefetch.L2.global" in line for line in before_wait)
+    prefetches = [line for line in before_wait if "cp.async.bulk.prefetch.L2.global" in line]
+    assert prefetches and all("ld.global.cg" in line for line in before_wait if line not in prefetches)
     assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 1
     assert spills and max(spills) == 0, spills
 

@@ -235,18 +235,26 @@ def test_cuda_graph_capture():
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 def test_sm90_programmatic_dependent_launch_order() -> None:
-    """With ``kernels.pdl.USE_PDL`` every program waits for the QKV GEMM before any global load,
-    then signals the attention kernel; without it no griddepcontrol is emitted."""
+    """With ``kernels.pdl.USE_PDL`` every program reads only its position, slot, norm weight and
+    cos / sin rows before it waits for the QKV GEMM (``PRELOAD_PARAMS``: position and slot
+    through L2), then signals the attention kernel and reads its head row; without the preload
+    it loads nothing before the wait; without PDL no griddepcontrol is emitted."""
     types = {n: "*bf16" for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
     types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
 
-    def ptx_of(pdl: bool) -> str:
+    def ptx_of(pdl: bool, preload: bool = True) -> str:
         constexprs = dict(stride_xd=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
                           NUM_HEADS=8, NUM_KV_HEADS=2, HEAD_DIM=128, ROT_DIM=64, BLOCK_D=128,
-                          DTYPE=1, CACHE_DTYPE=1, PDL=pdl)
+                          DTYPE=1, CACHE_DTYPE=1, PDL=pdl, PRELOAD=preload)
         return compile_sm90(qnrc._kernels(False), types, constexprs,
                             {"num_warps": 1, "enable_fp_fusion": False, "launch_pdl": pdl})
 
     assert "griddepcontrol" not in ptx_of(False)
     ptx = ptx_of(True)
-    assert loads_before_pdl_wait(ptx) == [] and "ld.global" in ptx
+    before_wait = loads_before_pdl_wait(ptx)
+    # position and slot (.cg, 8-byte), weight and partner (bf16), cos and sin (fp32)
+    assert sum(".cg" in line for line in before_wait) >= 2 and len(before_wait) >= 6, before_wait
+    after_wait = ptx[ptx.index("griddepcontrol.wait"):]
+    assert "ld.global" in after_wait  # the head row
+    plain = ptx_of(True, preload=False)
+    assert loads_before_pdl_wait(plain) == [] and "ld.global" in plain

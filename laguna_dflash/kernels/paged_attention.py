@@ -41,6 +41,13 @@ Only the key tiles some row of the program can see are visited: ``[lo, hi)`` wit
 or ``seq_len``, and ``lo = p_min - W + 1`` with a window; elementwise masks inside the tile do the
 rest. Loop bounds are read on the device: the grid depends only on shapes.
 
+Programmatic dependent launch (kernels/pdl.py): q and the K/V of the forward's own positions are
+the previous kernel's output; the metadata and the K/V at positions before a request's first
+query are not (earlier forwards wrote them). So with ``PRELOAD_OLD_KEYS`` a program loads its
+metadata, its first key tile's slots and that tile's K/V before the first query position, then
+waits, then loads q and the tile's remaining (new) K/V: the wait no longer heads a chain of four
+dependent reads.
+
 Split-K (flash decoding): when ``R * KVH * ceil(Qmax / BLOCK_Q)`` programs cannot fill the GPU
 (decode of a few long requests) the key axis ``[0, Lmax)`` is cut into ``S`` chunks of
 ``split_len`` keys (a multiple of ``BLOCK_N``, ``S`` chosen from the shapes on the host). Each
@@ -114,25 +121,26 @@ def _softplus_rounded(g, dtype):
     return tl.where(g > 20.0, g, sp).to(dtype).to(tl.float32)
 
 
-def _attend_tile(
-    start, lo, hi, q, pos, m_i, l_i, acc,
-    ks_row_ptr, stride_ks_j, k_head_ptr, v_head_ptr,
-    stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
-    offs_d, d_ok, scale_log2, window,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):
-    # One key tile [start, start + BLOCK_N) of one program; returns the updated (m, l, acc).
-    # q [BLOCK_M, BLOCK_D] in the input dtype, pos [BLOCK_M] query positions (-1: no query).
+def _tile_slots(start, lo, hi, ks_row_ptr, stride_ks_j, BLOCK_N: tl.constexpr):
+    # key tile [start, start + BLOCK_N): positions j, which of them lie in [lo, hi), their slots
     j = start + tl.arange(0, BLOCK_N)
     j_in = (j >= lo) & (j < hi)  # hi <= seq_len <= Lmax: in-bounds key_slots, visible keys
-    slot = tl.load(ks_row_ptr + j * stride_ks_j, mask=j_in, other=0).to(tl.int64)
-    kv_mask = j_in[:, None] & d_ok[None, :]
-    # keys outside [lo, hi) load as 0 (never the scratch slot's contents: 0 * NaN would poison P@V)
-    k = tl.load(k_head_ptr + slot[:, None] * stride_kc_s + offs_d[None, :] * stride_kc_d,
-                mask=kv_mask, other=0.0).to(q.dtype)
-    s = _mma(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N] base-2 logits, fp32
+    slot = tl.load(ks_row_ptr + j * stride_ks_j, mask=j_in, other=0, cache_modifier=".cg").to(tl.int64)
+    return j, j_in, slot
 
-    # AttentionMetadata.mask, per (row, key)
+
+def _load_keys(head_ptr, slot, ok, stride_s, stride_d, offs_d, d_ok):
+    # K or V rows [BLOCK_N, BLOCK_D] of the tile's slots where ok; 0 elsewhere (never the
+    # scratch slot's contents: 0 * NaN would poison P@V). Through L2 (.cg): kernels/pdl.py rule 3
+    return tl.load(head_ptr + slot[:, None] * stride_s + offs_d[None, :] * stride_d,
+                   mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+
+
+def _tile_logits(q, k, j, j_in, pos, scale_log2, window,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    # base-2 logits [BLOCK_M, BLOCK_N] of one key tile, fp32, -inf where AttentionMetadata.mask
+    # forbids the (row, key) pair
+    s = _mma(q, tl.trans(k.to(q.dtype)), IEEE) * scale_log2
     jj = j[None, :]
     pp = pos[:, None]
     allowed = j_in[None, :]
@@ -142,17 +150,33 @@ def _attend_tile(
         allowed = allowed & (jj > pp - window)
         if not CAUSAL:
             allowed = allowed & (jj < pp + window)
-    s = tl.where(allowed, s, float("-inf"))
+    return tl.where(allowed, s, float("-inf"))
 
-    # online softmax; a row with nothing allowed so far keeps m = -inf, and shifts by 0 instead
-    # (so 2^(-inf - -inf) never appears)
+
+def _softmax_step(s, m_i, l_i):
+    # online softmax over one tile's logits: (m', l', P, alpha). A row with nothing allowed so
+    # far keeps m = -inf and shifts by 0 instead (so 2^(-inf - -inf) never appears)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head_ptr + slot[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
-                mask=kv_mask, other=0.0).to(q.dtype)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+def _attend_tile(
+    start, lo, hi, q, pos, m_i, l_i, acc,
+    ks_row_ptr, stride_ks_j, k_head_ptr, v_head_ptr,
+    stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
+    offs_d, d_ok, scale_log2, window,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    # One key tile [start, start + BLOCK_N) of one program; returns the updated (m, l, acc).
+    # q [BLOCK_M, BLOCK_D] in the input dtype, pos [BLOCK_M] query positions (-1: no query).
+    j, j_in, slot = _tile_slots(start, lo, hi, ks_row_ptr, stride_ks_j, BLOCK_N)
+    k = _load_keys(k_head_ptr, slot, j_in, stride_kc_s, stride_kc_d, offs_d, d_ok)
+    s = _tile_logits(q, k, j, j_in, pos, scale_log2, window, CAUSAL, HAS_WINDOW, IEEE)
+    m_new, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+    v = _load_keys(v_head_ptr, slot, j_in, stride_vc_s, stride_vc_d, offs_d, d_ok).to(q.dtype)
     acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, IEEE)
     return m_new, l_i, acc
 
@@ -171,7 +195,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
     if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
@@ -179,27 +203,31 @@ def _paged_attention_kernel(
         part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
                 + tl.program_id(2))
         _prefetch_l2(prefetch_ptr, prefetch_nbytes, prefetch_chunk, part, PREFETCH)
-    if PDL:  # kernels/pdl.py: q and the new keys are the previous kernel's output
+    if PDL and not PRELOAD:  # kernels/pdl.py: q and the new keys are the previous kernel's output
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     q_tile = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
 
-    # rows = (query of the tile, head of the GQA group)
+    # rows = (query of the tile, head of the GQA group). The metadata is no kernel's output in
+    # the forward (kernels/pdl.py rule 3): with PRELOAD it is read before the PDL wait
     offs_m = tl.arange(0, BLOCK_M)
     qi = q_tile * BLOCK_Q + offs_m // GROUP
     head = g * GROUP + offs_m % GROUP
     row_in = (offs_m < BLOCK_Q * GROUP) & (qi < qmax)
-    pos = tl.load(query_pos_ptr + r * stride_qp_r + qi * stride_qp_q, mask=row_in, other=-1).to(tl.int64)
+    pos = tl.load(query_pos_ptr + r * stride_qp_r + qi * stride_qp_q, mask=row_in, other=-1,
+                  cache_modifier=".cg").to(tl.int64)
     row_ok = pos >= 0
-    token = tl.load(query_index_ptr + r * stride_qi_r + qi * stride_qi_q, mask=row_ok, other=0).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + r).to(tl.int64)
-
+    token = tl.load(query_index_ptr + r * stride_qi_r + qi * stride_qi_q, mask=row_ok, other=0,
+                    cache_modifier=".cg").to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + r, cache_modifier=".cg").to(tl.int64)
+    # the request's first query position: keys before it were written by earlier forwards, keys
+    # from it on by the kernel before this one (a request's queries are its newest positions,
+    # ascending: runner.build_metadata and the graph runner's metadata build them so)
+    first_new = tl.load(query_pos_ptr + r * stride_qp_r, cache_modifier=".cg").to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # keys [lo, hi) that some row of the tile can see, cut to this program's split
     p_max = tl.max(pos, 0)  # -1 when the tile holds no query
@@ -222,20 +250,39 @@ def _paged_attention_kernel(
     ks_row_ptr = key_slots_ptr + r * stride_ks_r
     k_head_ptr = k_cache_ptr + g * stride_kc_h
     v_head_ptr = v_cache_ptr + g * stride_vc_h
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # the program's first key tile, peeled: its keys before first_new are loaded before the wait
+    # (with PRELOAD), the rest after it. An empty tile (lo >= hi) changes nothing below: its
+    # logits are all -inf, so m stays -inf and l, acc stay 0.
     if DYNAMIC_LOOP:
-        # compiled: visit only the tiles overlapping [lo, hi) (split_lo is tile-aligned)
-        for start in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+        start0 = lo // BLOCK_N * BLOCK_N  # compiled: the first tile overlapping [lo, hi)
+    else:
+        start0 = split_lo  # interpreter: every tile of the split (a static count, masked)
+    j0, j0_in, slot0 = _tile_slots(start0, lo, hi, ks_row_ptr, stride_ks_j, BLOCK_N)
+    j0_old = j0_in & (j0 < first_new)
+    k0 = _load_keys(k_head_ptr, slot0, j0_old, stride_kc_s, stride_kc_d, offs_d, d_ok)
+    v0 = _load_keys(v_head_ptr, slot0, j0_old, stride_vc_s, stride_vc_d, offs_d, d_ok)
+    if PDL and PRELOAD:
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    j0_new = j0_in & (j0 >= first_new)
+    k0 = tl.where(j0_new[:, None], _load_keys(k_head_ptr, slot0, j0_new, stride_kc_s, stride_kc_d, offs_d, d_ok), k0)
+    v0 = tl.where(j0_new[:, None], _load_keys(v_head_ptr, slot0, j0_new, stride_vc_s, stride_vc_d, offs_d, d_ok), v0)
+    s0 = _tile_logits(q, k0, j0, j0_in, pos, scale_log2, window, CAUSAL, HAS_WINDOW, IEEE)
+    m_i, l_i, p0, _ = _softmax_step(s0, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                                    tl.zeros([BLOCK_M], tl.float32))
+    acc = _mma(p0.to(q.dtype), v0.to(q.dtype), IEEE)
+    if DYNAMIC_LOOP:
+        # compiled: the other tiles overlapping [lo, hi) (split_lo is tile-aligned)
+        for start in range(start0 + BLOCK_N, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 start, lo, hi, q, pos, m_i, l_i, acc, ks_row_ptr, stride_ks_j, k_head_ptr, v_head_ptr,
                 stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d, offs_d, d_ok, scale_log2, window,
                 CAUSAL, HAS_WINDOW, BLOCK_N, IEEE)
     else:
-        # interpreter: every tile of the split, those outside [lo, hi) fully masked (a constexpr
-        # trip count: the interpreter holds even scalar arguments as arrays)
-        for t in range(SPLIT_TILES):
+        # interpreter: every other tile of the split, those outside [lo, hi) fully masked (a
+        # constexpr trip count: the interpreter holds even scalar arguments as arrays)
+        for t in range(1, SPLIT_TILES):
             m_i, l_i, acc = _attend_tile(
                 split_lo + t * BLOCK_N, lo, hi, q, pos, m_i, l_i, acc, ks_row_ptr, stride_ks_j,
                 k_head_ptr, v_head_ptr, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
@@ -314,7 +361,8 @@ def _kernels(interpret: bool):
     """(attention kernel, merge kernel) for one mode (``interpret`` is the cache key; triton reads
     the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _attend_tile, _prefetch_l2,
+    namespace = jit_functions(__name__, (_mma, _softplus_rounded, _tile_slots, _load_keys,
+                                         _tile_logits, _softmax_step, _attend_tile, _prefetch_l2,
                                          _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 
@@ -328,6 +376,12 @@ _TARGET_ROWS = 64  # BLOCK_M aimed at: query tokens x heads of a GQA group per p
 # ~34 us per layer in this kernel (docs/PERFORMANCE.md), most programs idle.
 _MIN_SPLIT_KEYS = 64
 _MAX_SPLITS = 32
+# With PDL, a program reads its metadata and the K/V of its first key tile's positions before the
+# request's first query before it waits for the previous kernel (the Q/K norm + RoPE + cache
+# kernel, which writes q and the K/V of the forward's own positions only): at decode those loads
+# were a chain of dependent reads (query position -> key slots -> K/V) after the wait. False: the
+# wait comes first (the A/B switch).
+PRELOAD_OLD_KEYS = True
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -498,7 +552,8 @@ def paged_attention(
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
-        PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
+        PRELOAD=PRELOAD_OLD_KEYS, num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:

@@ -14,10 +14,14 @@ visible. Kernels that opt in here follow three rules:
    launched, the kernel two back has completed (every program of the one in between has passed
    its wait).
 3. Before its wait a program reads only tensors that no kernel of the forward writes (weights,
-   the routing bias) or, through L2 (``.cg``, never a possibly stale L1 line), outputs of the
-   kernel two back when the kernel in between is one of these kernels (rule 2). Example: the
-   GEMV MoE's down kernel reads the expert ids of the routing kernel before it waits for the
-   gate_up kernel.
+   the routing bias, the RoPE tables) or, through L2 (``.cg``, never a possibly stale L1 line),
+   data written by a kernel at least two launches back when the kernel in between is one of
+   these kernels (rule 2) or was launched normally. Examples: the GEMV MoE's down kernel reads
+   the expert ids of the routing kernel before it waits for the gate_up kernel; the Q/K norm +
+   RoPE + cache kernel reads the positions and slots, and paged attention the metadata and the
+   K/V cache at positions before each request's first query, before their waits (the metadata
+   is built before the first layer; the cache rows of this forward's own positions are the only
+   ones the kernel just before attention writes).
 
 Kernels launched normally (torch, torch.compile, cuBLAS) keep full stream ordering either way,
 and a PDL kernel after one of them simply launches when that one's programs exit.

@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 
 __all__ = ["is_available", "qk_norm_rope_cache"]
 
+# With PDL, a program reads its position, slot, norm weight and cos / sin rows before it waits
+# for the QKV GEMM (only the head row itself is that GEMM's output): the position -> table row
+# chain no longer follows the wait. False: the wait comes first (the A/B switch).
+PRELOAD_PARAMS = True
+
 
 def is_available(device: torch.device | str) -> bool:
     """Whether :func:`qk_norm_rope_cache` can run on ``device``: triton importable and a CUDA
@@ -68,12 +73,30 @@ def is_available(device: torch.device | str) -> bool:
 # before the process imports triton.
 
 
-def _norm_rope_row(
-    row_ptr, stride_xd, w_ptr, stride_wd, cos_ptr, sin_ptr, eps,
+def _norm_rope_params(
+    w_ptr, stride_wd, cos_ptr, sin_ptr,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    # RMSNorm + RoPE of one head row (steps 1 and 2 of the module docstring); fp32 values that are
-    # exact in dtype DTYPE. cos_ptr / sin_ptr point at the position's table rows.
+    # what a head row's RMSNorm + RoPE reads besides the row: the norm weight w, its rotate-half
+    # partner wp, and the position's cos / sin rounded to DTYPE (all fp32 [BLOCK_D]). No kernel of
+    # the forward writes them (kernels/pdl.py rule 3). cos_ptr / sin_ptr: the position's table rows.
+    d = tl.arange(0, BLOCK_D)
+    half: tl.constexpr = ROT_DIM // 2
+    is_rot = d < ROT_DIM
+    partner = tl.where(d < half, d + half, d - half)
+    w = tl.load(w_ptr + d * stride_wd, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner * stride_wd, mask=is_rot, other=0.0).to(tl.float32)
+    c = _round_to(tl.load(cos_ptr + d, mask=is_rot, other=0.0).to(tl.float32), DTYPE)
+    s = _round_to(tl.load(sin_ptr + d, mask=is_rot, other=0.0).to(tl.float32), DTYPE)
+    return w, wp, c, s
+
+
+def _norm_rope_row(
+    row_ptr, stride_xd, w, wp, c, s, eps,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+):
+    # RMSNorm + RoPE of one head row (steps 1 and 2 of the module docstring) with the parameters
+    # of _norm_rope_params; fp32 values that are exact in dtype DTYPE.
     d = tl.arange(0, BLOCK_D)
     in_row = d < HEAD_DIM
     half: tl.constexpr = ROT_DIM // 2
@@ -82,16 +105,12 @@ def _norm_rope_row(
     # inv = 1 / sqrt(mean(x^2) + eps), sqrt and division correctly rounded (torch's CPU rsqrt)
     mean_sq = tl.sum(x * x, axis=0) * (1.0 / HEAD_DIM)
     inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
-    w = tl.load(w_ptr + d * stride_wd, mask=in_row, other=0.0).to(tl.float32)
     y = _round_to(w * _round_to(x * inv, DTYPE), DTYPE)
     # rotate-half partner: d + half (negated) for d < half, d - half for half <= d < rot
     partner = tl.where(d < half, d + half, d - half)
     sign = tl.where(d < half, -1.0, 1.0)
     xp = tl.load(row_ptr + partner * stride_xd, mask=is_rot, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner * stride_wd, mask=is_rot, other=0.0).to(tl.float32)
     yp = _round_to(wp * _round_to(xp * inv, DTYPE), DTYPE)
-    c = _round_to(tl.load(cos_ptr + d, mask=is_rot, other=0.0).to(tl.float32), DTYPE)
-    s = _round_to(tl.load(sin_ptr + d, mask=is_rot, other=0.0).to(tl.float32), DTYPE)
     y_rot = _round_to(_round_to(y * c, DTYPE) + _round_to(sign * yp * s, DTYPE), DTYPE)
     return tl.where(is_rot, y_rot, y)
 
@@ -104,31 +123,36 @@ def _qk_norm_rope_cache_kernel(
     eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     # program (t, h): Q head h (h < NUM_HEADS) or K head g = h - NUM_HEADS plus V head g.
     # Q head h and K head g both start at column h * HEAD_DIM; V head g at (h + NUM_KV_HEADS) * HEAD_DIM.
-    if PDL:  # kernels/pdl.py: wait for the QKV GEMM, then let the attention kernel launch
+    if PDL and not PRELOAD:  # kernels/pdl.py: wait for the QKV GEMM, then let attention launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     in_row = d < HEAD_DIM
+    is_q = h < NUM_HEADS
+    # position, slot, norm weight and cos / sin are no kernel's output in the forward: with
+    # PRELOAD read before the wait (through L2, kernels/pdl.py rule 3), the row only after it
+    pos = tl.load(pos_ptr + t * stride_pos, cache_modifier=".cg").to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot, mask=h >= NUM_HEADS, other=0, cache_modifier=".cg").to(tl.int64)
+    w, wp, c, s = _norm_rope_params(tl.where(is_q, qw_ptr, kw_ptr), tl.where(is_q, stride_qw, stride_kw),
+                                    cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin,
+                                    HEAD_DIM, ROT_DIM, BLOCK_D, DTYPE)
+    if PDL and PRELOAD:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x_row = qkv_ptr + t * stride_xt
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    cos_row = cos_ptr + pos * stride_cos
-    sin_row = sin_ptr + pos * stride_sin
-    if h < NUM_HEADS:
-        out = _norm_rope_row(x_row + (h * HEAD_DIM) * stride_xd, stride_xd, qw_ptr, stride_qw,
-                             cos_row, sin_row, eps, HEAD_DIM, ROT_DIM, BLOCK_D, DTYPE)
+    out = _norm_rope_row(x_row + (h * HEAD_DIM) * stride_xd, stride_xd, w, wp, c, s, eps,
+                         HEAD_DIM, ROT_DIM, BLOCK_D, DTYPE)
+    if is_q:
         # exact in the output dtype: the store's implicit cast is exact (interpreter included)
         tl.store(q_ptr + t * stride_qt + h * stride_qh + d, out, mask=in_row)
     else:
         g = h - NUM_HEADS
-        slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
-        out = _norm_rope_row(x_row + (h * HEAD_DIM) * stride_xd, stride_xd, kw_ptr, stride_kw,
-                             cos_row, sin_row, eps, HEAD_DIM, ROT_DIM, BLOCK_D, DTYPE)
         out = _round_to(out, CACHE_DTYPE)
         tl.store(kc_ptr + slot * stride_kcs + g * stride_kch + d * stride_kcd, out, mask=in_row)
         v = tl.load(x_row + ((h + NUM_KV_HEADS) * HEAD_DIM + d) * stride_xd, mask=in_row,
@@ -141,7 +165,8 @@ def _qk_norm_rope_cache_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _norm_rope_row, _qk_norm_rope_cache_kernel))
+    namespace = jit_functions(__name__, (_round_to, _norm_rope_params, _norm_rope_row,
+                                         _qk_norm_rope_cache_kernel))
     return namespace["_qk_norm_rope_cache_kernel"]
 
 
@@ -260,7 +285,7 @@ def qk_norm_rope_cache(
         float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rot,
         BLOCK_D=block_d, DTYPE=DTYPE_CODE[qkv.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype],
-        PDL=use_pdl, num_warps=max(1, min(4, block_d // 128)),
+        PDL=use_pdl, PRELOAD=PRELOAD_PARAMS, num_warps=max(1, min(4, block_d // 128)),
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
         **pdl.launch_options(use_pdl),
     )

@@ -259,8 +259,13 @@ def count_kernels(llm: LLM, prompt: list[int], new_tokens: int = 8
 class PhaseClock:
     """Records synchronised wall times of the drafter's context precompute, the drafter block
     forward and the target's decode-phase forward (benchmark only: it syncs). Reported as the
-    median per call: the first context store of a request holds its whole prompt (1k rows),
-    an outlier a mean would spread over the step.
+    median per call.
+
+    A context store of more than ``K_max + 1`` rows for some request is the prompt's (prefill
+    without its own store, or a recompute) and is recorded as "prompt context", apart: with the
+    verify graph storing each step's context there may be no per-step store at all, and the
+    median of the prompt stores alone once passed for a per-step cost (the seventh pass's and
+    the eighth pass's first tables). A call with nothing pending is not recorded.
 
     The syncs serialise host and GPU, which undoes the work each step queues ahead of its host
     sync (drafts, forwards): step times must be taken with the clock removed (a context
@@ -271,10 +276,18 @@ class PhaseClock:
         self._saved: list[tuple[object, str]] = []
         self.device = device
         engine = llm.engine
-        self._wrap(engine.proposer, "store_context", "context precompute")
+        max_step_rows = engine.proposer.num_speculative_tokens + 1  # K_max + 1 (engine._decode)
+
+        def context_phase(seqs, *args, **kwargs) -> str | None:
+            rows = [s.num_pending for s in seqs if s.num_pending]
+            if not rows:
+                return None
+            return "context precompute" if max(rows) <= max_step_rows else "prompt context"
+
+        self._wrap(engine.proposer, "store_context", context_phase)
         for runner, name in ((engine.proposer.runner, "drafter block"), (engine.runner, "target forward")):
             if runner.graphs is not None:
-                self._wrap(runner.graphs, "forward", name)
+                self._wrap(runner.graphs, "forward", lambda *a, _name=name, **k: _name)
 
     def __enter__(self) -> PhaseClock:
         return self
@@ -283,16 +296,19 @@ class PhaseClock:
         for obj, attr in self._saved:
             delattr(obj, attr)  # the instance attribute shadowed the method: the method is back
 
-    def _wrap(self, obj, attr: str, name: str) -> None:
+    def _wrap(self, obj, attr: str, phase_of) -> None:
+        # phase_of(*args, **kwargs): the phase a call is recorded under, or None (not recorded)
         fn = getattr(obj, attr)
         self._saved.append((obj, attr))
 
         def timed(*args, **kwargs):
+            name = phase_of(*args, **kwargs)  # before the call: it clears the pending taps
             sync(self.device)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             sync(self.device)
-            self.times.setdefault(name, []).append(time.perf_counter() - t0)
+            if name is not None:
+                self.times.setdefault(name, []).append(time.perf_counter() - t0)
             return out
 
         setattr(obj, attr, timed)
@@ -300,9 +316,10 @@ class PhaseClock:
     def reset(self) -> None:
         self.times.clear()
 
-    def median_ms(self, name: str) -> float:
-        times = sorted(self.times.get(name, [0.0]))
-        return 1e3 * times[len(times) // 2]
+    def median_ms(self, name: str) -> float | None:
+        """Median of the phase's recorded calls in ms, None when it never ran."""
+        times = sorted(self.times.get(name, []))
+        return 1e3 * times[len(times) // 2] if times else None
 
 
 def main() -> None:
@@ -457,10 +474,14 @@ def main() -> None:
         print(f"| target-only decode | {base[1] * 1e3:.2f} | {base[1] / floor:.2f} | | | |")
     for k, t in k_steps.items():
         ph = phases.get(k, {})
-        cells = " | ".join(f"{ph[n]:.2f}" if n in ph else "" for n in
-                           ("context precompute", "drafter block", "target forward"))
+        cells = " | ".join("-" if ph.get(n, 0.0) is None else f"{ph[n]:.2f}" if n in ph else ""
+                           for n in ("context precompute", "drafter block", "target forward"))
         label = f"DFlash K={k} (draft {k}, verify {k + 1})" if isinstance(k, int) else f"DFlash K={k}"
         print(f"| {label} | {t * 1e3:.2f} | {t / floor:.2f} | {cells} |")
+    if phases:
+        print("\n(phases: medians per call in a separate run with syncs around each; context "
+              "precompute: the drafter's per-step context store outside the verify graph, \"-\" "
+              "where the verify graph stores it)")
     if variants:
         print("\n| batch-1 target-only decode variant | ms | x floor |\n|---|---:|---:|")
         for name, t in variants.items():

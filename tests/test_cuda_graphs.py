@@ -676,7 +676,7 @@ def test_forward_ahead_under_the_adaptive_k_policy(pair):
     assert sum(taken) > len(taken) / 2, (sum(taken), len(taken))
 
 
-def test_bench_phase_clock_unwraps_on_exit(pair):
+def test_bench_phase_clock_unwraps_on_exit(pair, monkeypatch):
     """benchmarks/bench_gpu_xs.py's PhaseClock syncs around the graph forwards and the context
     store: inside ``with`` it records them, and on exit the engine's own methods are back, so
     step times taken outside it do not pay syncs that undo the work queued ahead of each step's
@@ -687,6 +687,8 @@ def test_bench_phase_clock_unwraps_on_exit(pair):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_gpu_xs
 
+    from laguna_dflash.engine import engine as engine_module
+
     target, draft = pair
     llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_num_seqs=4)
     engine = llm.engine
@@ -695,9 +697,17 @@ def test_bench_phase_clock_unwraps_on_exit(pair):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with bench_gpu_xs.PhaseClock(llm, device="cpu") as clock:
         assert all(vars(o).keys() & {"store_context", "forward"} for o in owners)
-        llm.generate(prompt_token_ids=_prompts(2, seed=3), sampling_params=params)
+        # prompts of 9 and 17 tokens: their context stores have more than K_max + 1 = 4 rows
+        llm.generate(prompt_token_ids=_prompts(4, seed=3)[2:], sampling_params=params)
         assert clock.times["target forward"] and clock.times["drafter block"]
+        # the prompts' context store is recorded apart; the verify graph stores each step's
+        # context, so there is no per-step store to time (the column prints "-")
+        assert clock.times["prompt context"] and clock.median_ms("context precompute") is None
     assert not any(vars(o).keys() & {"store_context", "forward"} for o in owners)
+    with bench_gpu_xs.PhaseClock(llm, device="cpu") as clock:  # each step's store apart
+        monkeypatch.setattr(engine_module, "store_context_in_verify", False)
+        llm.generate(prompt_token_ids=_prompts(4, seed=4)[2:], sampling_params=params)
+        assert clock.median_ms("context precompute") is not None and clock.times["prompt context"]
 
 
 def test_forward_ahead_survives_aborts_and_kv_pressure(pair, monkeypatch):

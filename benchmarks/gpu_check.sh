@@ -5,7 +5,7 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh final      # the lossless, GEMV and forwards-ahead tests, then bench
+#   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests, then bench
 #                                           # (~9 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
@@ -104,7 +104,7 @@ case "$stage" in
   preload)
     echo "== attention and Q/K kernels with their loads before the PDL wait: kernel tests, graphs"
     gpu_tests 150 tests/test_kernel_paged_attention.py tests/test_kernel_qk_norm_rope_cache.py \
-      | grep -v PASSED | tail -12
+      -k "not interpreter" | grep -v "PASSED" | tail -12
     gpu_tests 200 tests/test_cuda_graphs.py -k "lossless_in_float32 or graphs_match_eager_on_cuda \
       or drafts_ahead or reads_only" | tail -14
     echo "== batch-1 decode step: defaults against each preload off, and both off"
@@ -119,7 +119,8 @@ case "$stage" in
   final)
     echo "== losslessness with graphs, GEMV MoE on the GPU"
     gpu_tests 240 tests/test_cuda_graphs.py tests/test_kernel_moe_gemv.py \
-      -k "lossless or prefill_stores or xs21 or forward_ahead" | tail -16
+      tests/test_kernel_paged_attention.py \
+      -k "lossless or prefill_stores or xs21 or forward_ahead or pdl_wait" | tail -20
     bash "$0" bench ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"

@@ -73,46 +73,42 @@ def is_available(device: torch.device | str) -> bool:
 # before the process imports triton.
 
 
-def _norm_rope_params(
-    w_ptr, stride_wd, cos_ptr, sin_ptr,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
-):
-    # what a head row's RMSNorm + RoPE reads besides the row: the norm weight w, its rotate-half
-    # partner wp, and the position's cos / sin rounded to DTYPE (all fp32 [BLOCK_D]). No kernel of
-    # the forward writes them (kernels/pdl.py rule 3). cos_ptr / sin_ptr: the position's table rows.
-    d = tl.arange(0, BLOCK_D)
+def _rope_partner(d, ROT_DIM: tl.constexpr):
+    # rotate-half partner of column d: d + half for d < half, d - half for half <= d < rot
     half: tl.constexpr = ROT_DIM // 2
+    return tl.where(d < half, d + half, d - half)
+
+
+def _norm_rope_params(
+    w_ptr, stride_wd, cos_rows, sin_rows, rows_ok, d,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, DTYPE: tl.constexpr,
+):
+    # what RMSNorm + RoPE reads besides the head rows: the norm weight w and its rotate-half
+    # partner wp ([1, BLOCK_D]), and the rows' cos / sin rounded to DTYPE ([R, BLOCK_D]; cos_rows /
+    # sin_rows point at each row's table row, rows_ok masks rows without a position); fp32. No
+    # kernel of the forward writes them (kernels/pdl.py rule 3). d: the columns, [1, BLOCK_D].
     is_rot = d < ROT_DIM
-    partner = tl.where(d < half, d + half, d - half)
     w = tl.load(w_ptr + d * stride_wd, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner * stride_wd, mask=is_rot, other=0.0).to(tl.float32)
-    c = _round_to(tl.load(cos_ptr + d, mask=is_rot, other=0.0).to(tl.float32), DTYPE)
-    s = _round_to(tl.load(sin_ptr + d, mask=is_rot, other=0.0).to(tl.float32), DTYPE)
+    wp = tl.load(w_ptr + _rope_partner(d, ROT_DIM) * stride_wd, mask=is_rot, other=0.0).to(tl.float32)
+    c = _round_to(tl.load(cos_rows + d, mask=is_rot & rows_ok, other=0.0).to(tl.float32), DTYPE)
+    s = _round_to(tl.load(sin_rows + d, mask=is_rot & rows_ok, other=0.0).to(tl.float32), DTYPE)
     return w, wp, c, s
 
 
-def _norm_rope_row(
-    row_ptr, stride_xd, w, wp, c, s, eps,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
-):
-    # RMSNorm + RoPE of one head row (steps 1 and 2 of the module docstring) with the parameters
-    # of _norm_rope_params; fp32 values that are exact in dtype DTYPE.
-    d = tl.arange(0, BLOCK_D)
-    in_row = d < HEAD_DIM
+def _norm_rope(x, xp, w, wp, c, s, d, eps,
+               HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    # RMSNorm + RoPE (steps 1 and 2 of the module docstring) of head rows x [R, BLOCK_D] (fp32,
+    # 0 past HEAD_DIM) whose rotate-half partners are xp (x at _rope_partner(d), 0 past ROT_DIM),
+    # with the parameters of _norm_rope_params; fp32 values that are exact in dtype DTYPE.
     half: tl.constexpr = ROT_DIM // 2
-    is_rot = d < ROT_DIM
-    x = tl.load(row_ptr + d * stride_xd, mask=in_row, other=0.0).to(tl.float32)
     # inv = 1 / sqrt(mean(x^2) + eps), sqrt and division correctly rounded (torch's CPU rsqrt)
-    mean_sq = tl.sum(x * x, axis=0) * (1.0 / HEAD_DIM)
+    mean_sq = tl.sum(x * x, axis=1)[:, None] * (1.0 / HEAD_DIM)
     inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
     y = _round_to(w * _round_to(x * inv, DTYPE), DTYPE)
-    # rotate-half partner: d + half (negated) for d < half, d - half for half <= d < rot
-    partner = tl.where(d < half, d + half, d - half)
     sign = tl.where(d < half, -1.0, 1.0)
-    xp = tl.load(row_ptr + partner * stride_xd, mask=is_rot, other=0.0).to(tl.float32)
     yp = _round_to(wp * _round_to(xp * inv, DTYPE), DTYPE)
     y_rot = _round_to(_round_to(y * c, DTYPE) + _round_to(sign * yp * s, DTYPE), DTYPE)
-    return tl.where(is_rot, y_rot, y)
+    return tl.where(d < ROT_DIM, y_rot, y)
 
 
 def _qk_norm_rope_cache_kernel(
@@ -125,14 +121,15 @@ def _qk_norm_rope_cache_kernel(
     ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
     PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
-    # program (t, h): Q head h (h < NUM_HEADS) or K head g = h - NUM_HEADS plus V head g.
-    # Q head h and K head g both start at column h * HEAD_DIM; V head g at (h + NUM_KV_HEADS) * HEAD_DIM.
+    # program (t, h): Q head h (h < NUM_HEADS) or K head g = h - NUM_HEADS plus V head g, as one
+    # [1, BLOCK_D] row. Q head h and K head g both start at column h * HEAD_DIM; V head g at
+    # (h + NUM_KV_HEADS) * HEAD_DIM.
     if PDL and not PRELOAD:  # kernels/pdl.py: wait for the QKV GEMM, then let attention launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)[None, :]
     in_row = d < HEAD_DIM
     is_q = h < NUM_HEADS
     # position, slot, norm weight and cos / sin are no kernel's output in the forward: with
@@ -140,14 +137,16 @@ def _qk_norm_rope_cache_kernel(
     pos = tl.load(pos_ptr + t * stride_pos, cache_modifier=".cg").to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot, mask=h >= NUM_HEADS, other=0, cache_modifier=".cg").to(tl.int64)
     w, wp, c, s = _norm_rope_params(tl.where(is_q, qw_ptr, kw_ptr), tl.where(is_q, stride_qw, stride_kw),
-                                    cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin,
-                                    HEAD_DIM, ROT_DIM, BLOCK_D, DTYPE)
+                                    cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, True, d,
+                                    HEAD_DIM, ROT_DIM, DTYPE)
     if PDL and PRELOAD:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    x_row = qkv_ptr + t * stride_xt
-    out = _norm_rope_row(x_row + (h * HEAD_DIM) * stride_xd, stride_xd, w, wp, c, s, eps,
-                         HEAD_DIM, ROT_DIM, BLOCK_D, DTYPE)
+    head_row = qkv_ptr + t * stride_xt + (h * HEAD_DIM) * stride_xd
+    x = tl.load(head_row + d * stride_xd, mask=in_row, other=0.0).to(tl.float32)
+    xp = tl.load(head_row + _rope_partner(d, ROT_DIM) * stride_xd, mask=d < ROT_DIM,
+                 other=0.0).to(tl.float32)
+    out = _norm_rope(x, xp, w, wp, c, s, d, eps, HEAD_DIM, ROT_DIM, DTYPE)
     if is_q:
         # exact in the output dtype: the store's implicit cast is exact (interpreter included)
         tl.store(q_ptr + t * stride_qt + h * stride_qh + d, out, mask=in_row)
@@ -155,8 +154,8 @@ def _qk_norm_rope_cache_kernel(
         g = h - NUM_HEADS
         out = _round_to(out, CACHE_DTYPE)
         tl.store(kc_ptr + slot * stride_kcs + g * stride_kch + d * stride_kcd, out, mask=in_row)
-        v = tl.load(x_row + ((h + NUM_KV_HEADS) * HEAD_DIM + d) * stride_xd, mask=in_row,
-                    other=0.0).to(tl.float32)
+        v = tl.load(qkv_ptr + t * stride_xt + ((h + NUM_KV_HEADS) * HEAD_DIM + d) * stride_xd,
+                    mask=in_row, other=0.0).to(tl.float32)
         v = _round_to(v, CACHE_DTYPE)
         tl.store(vc_ptr + slot * stride_vcs + g * stride_vch + d * stride_vcd, v, mask=in_row)
 
@@ -165,7 +164,7 @@ def _qk_norm_rope_cache_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _norm_rope_params, _norm_rope_row,
+    namespace = jit_functions(__name__, (_round_to, _rope_partner, _norm_rope_params, _norm_rope,
                                          _qk_norm_rope_cache_kernel))
     return namespace["_qk_norm_rope_cache_kernel"]
 

@@ -581,53 +581,67 @@ def test_cuda_no_host_sync_and_graph_capture():
 
 
 @cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["qk_kernel", "fused_qk"])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("qlen", [1, 4])
-def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(qlen, splits):
+def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(qlen, splits, fused):
     """With PDL and ``PRELOAD_OLD_KEYS``, attention reads the K/V before each request's first query
     before its wait, and the forward's own K/V, which the Q/K norm + RoPE + cache kernel right
     before it writes, after it. Here those slots hold NaN until that kernel writes them (filled by
     a normal launch at the start of the same CUDA graph, so the Q/K kernel and attention, PDL
     launched, overlap as in the model): a new key read before the wait shows as NaN or a wrong
     output. The requests' new keys fall in the first key tile of some program (the tile loaded
-    around the wait). 40 replays, each against the reference on the caches the graph left."""
+    around the wait). ``fused``: the Q/K work inside attention (``qk=``), which must not read the
+    new slots at all. 40 replays, each against the reference on the caches the graph left."""
     from laguna_dflash.kernels import pdl
     from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
 
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs sm90+ (programmatic dependent launch)")
-    dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
-    _, kc, vc, meta, _ = make_case([(5, qlen), (70, qlen), (130, qlen)], kv_heads, head_dim, dtype,
-                                   True, device="cuda", seed=5)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    t = meta.num_tokens
-    qkv = torch.randn(t, (NUM_HEADS + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
-    qw = (1 + 0.1 * torch.randn(head_dim, device="cuda", generator=g)).to(dtype)
-    kw = (1 + 0.1 * torch.randn(head_dim, device="cuda", generator=g)).to(dtype)
-    angles = torch.arange(512, device="cuda")[:, None] * torch.rand(head_dim, device="cuda", generator=g)
-    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
-    scale = head_dim ** -0.5
+    kv_heads = 2  # NUM_HEADS = 8: a GQA group of 4, so 4 queries still fit the fused tile
+    qk, kc, vc, meta = fused_qk_case([(5, qlen), (70, qlen), (130, qlen)], kv_heads, 128,
+                                     torch.bfloat16, True, 128, device="cuda")
+    scale = 128 ** -0.5
+    args = (meta.query_index, meta.query_positions, meta.key_slots, meta.seq_lens)
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+    def q_of(k_cache, v_cache) -> torch.Tensor:
+        return qnrc.qk_norm_rope_cache(qk.qkv, NUM_HEADS, kv_heads, 128, qk.q_weight, qk.k_weight,
+                                       qk.eps, qk.cos_table, qk.sin_table, meta.positions, qk.rot,
+                                       meta.slot_mapping, k_cache, v_cache)
+
+    def forward() -> torch.Tensor:
         kc.index_fill_(0, meta.slot_mapping, float("nan"))  # normal launches: ordered before
         vc.index_fill_(0, meta.slot_mapping, float("nan"))
-        q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, kw, 1e-6, cos, sin,
-                                    meta.positions, head_dim, meta.slot_mapping, kc, vc)
-        out = pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
-                                 meta.seq_lens, scale=scale, causal=True, num_splits=splits)
-        return q, out
+        if fused:
+            return pa.paged_attention(None, kc, vc, *args, scale=scale, causal=True, num_splits=splits, qk=qk)
+        return pa.paged_attention(q_of(kc, vc), kc, vc, *args, scale=scale, causal=True, num_splits=splits)
 
     forward()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, out = forward()
+        out = forward()
     for _ in range(40):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
+        q = q_of(kc.clone(), vc.clone())  # the same rows the graph wrote (checked below)
         want = TorchSDPABackend().attend(q, kc, vc, meta, scale=scale)
-        torch.testing.assert_close(out, want, **TOL[dtype])
+        torch.testing.assert_close(out, want, **TOL[torch.bfloat16])
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_of(kc_ref, vc_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", FUSED_QK_CASES, ids=[c[0] for c in FUSED_QK_CASES])
+def test_cuda_fused_qk_equals_the_qk_kernel_then_attention(case, dtype):
+    name, specs, causal, window, has_sinks, kv_heads, head_dim, rot, splits = case
+    qk, kc, vc, meta = fused_qk_case(specs, kv_heads, head_dim, dtype, causal, rot, device="cuda",
+                                     seed=len(name))
+    sinks = torch.randn(NUM_HEADS, device="cuda") if has_sinks else None
+    check_fused_qk(qk, kc, vc, meta, causal=causal, window=window, sinks=sinks, num_splits=splits)
 
 
 @cuda

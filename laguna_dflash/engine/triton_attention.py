@@ -79,6 +79,33 @@ class TritonPagedBackend(AttentionBackend):
         )
         return out if per_head else attention.apply_output_gate(out, gate)
 
+    def attend_fused_qk(
+        self,
+        qk: pa.QKNormRope,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """:meth:`AttentionBackend.attend_fused_qk` in the attention kernel (``paged_attention(
+        qk=...)``) where it runs and the tile is decode-sized (``pa.can_fuse_qk``), else None."""
+        if not (pa.is_available(qk.qkv.device)
+                and pa.can_fuse_qk(meta.query_index.shape[1], qk.num_heads, k_cache.shape[1])):
+            return None
+        causal = meta.is_causal if is_causal is None else is_causal
+        per_head = gate is not None and gate.dim() == 2
+        out = pa.paged_attention(
+            None, k_cache, v_cache, meta.query_index, meta.query_positions, meta.key_slots,
+            meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
+            num_splits=self.num_splits, block_n=self.block_n, gate=gate if per_head else None, qk=qk,
+        )
+        return out if per_head else attention.apply_output_gate(out, gate)
+
 
 def register() -> None:
     """Make ``get_attention_backend("triton")`` return a :class:`TritonPagedBackend` (not the

@@ -195,6 +195,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if "target_only_decode_tokens_per_s" in timings:
         stats += (f", {timings['target_only_decode_tokens_per_s']:.1f} tok/s target-only, "
                   f"speedup {timings['speedup']:.2f}x")
+        if args.temperature == 0:  # greedy: speculation must not change a token (sampled runs may)
+            stats += (", same tokens as target-only" if timings["outputs_identical"]
+                      else ", TOKENS DIFFER from target-only")
     print(stats + "]", file=sys.stderr)
     return 0
 

@@ -83,4 +83,5 @@ def test_readme_demo_command() -> None:
     assert len(proc.stdout) > len("def quicksort(arr):") + 20
     assert "mean acceptance length" in proc.stderr
     assert "target-only" in proc.stderr and "speedup" in proc.stderr
+    assert "same tokens as target-only" in proc.stderr  # greedy: lossless, said on the line
     assert 'laguna-dflash generate "def quicksort(arr):"' in (REPO / "README.md").read_text()

@@ -33,6 +33,8 @@
 #                                           # tests, then the decode-step A/B (~7 min)
 #   bash benchmarks/gpu_check.sh fuse-qk    # Q/K norm + RoPE + cache write inside attention: tests
 #                                           # (PDL race, lossless), then the decode-step A/B (~6 min)
+#   bash benchmarks/gpu_check.sh candidates # fuse-qk and the skinny GEMMs' own-weight L2 prefetch:
+#                                           # tests, then the decode-step A/B of each and both (~8 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -122,6 +124,16 @@ case "$stage" in
     timeout 200 python benchmarks/profile_decode_xs.py --top 12 \
       --switch "laguna_dflash.models.layers:Attention.fuse_qk_into_attention=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -40 ;;
+  candidates)
+    echo "== the two untimed candidates: Q/K work inside attention, GEMMs prefetching their own weight"
+    gpu_tests 240 tests/test_kernel_paged_attention.py tests/test_kernel_skinny_gemm.py \
+      tests/test_cuda_graphs.py -k "fused_qk or pdl_wait or own_weight or lossless_in_float32 \
+      or graphs_match_eager_on_cuda" | tail -30
+    echo "== batch-1 decode step: defaults against each candidate on, and both"
+    F=laguna_dflash.models.layers:Attention.fuse_qk_into_attention O=laguna_dflash.kernels.skinny_gemm:PREFETCH_OWN_WEIGHTS
+    timeout 260 python benchmarks/profile_decode_xs.py --top 12 --switch "$F=True" --switch "$O=True" \
+      --switch "$F=True;$O=True" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -166,5 +178,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | fuse-qk"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | fuse-qk | candidates"; exit 2 ;;
 esac

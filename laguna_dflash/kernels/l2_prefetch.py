@@ -47,16 +47,35 @@ __all__ = ["PREFETCH_BLOCK", "chunk_bytes", "plan", "prefetch_function", "prefet
 PREFETCH_BLOCK = 256
 
 
+def _bulk_prefetch(ptrs, size):
+    # one TMA bulk L2 prefetch per element: ``size`` bytes (int32, a multiple of 16; 0 = none) at
+    # the byte pointer ``ptrs`` (16-byte aligned)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def _prefetch_l2(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr):
     # bytes [c * chunk, (c + 1) * chunk) of [0, nbytes) for the BLOCK chunks c of program ``part``;
     # empty chunks (past nbytes) are predicated off inside the asm
     c = part.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     off = c * chunk
     size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
-    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+    _bulk_prefetch(base_ptr.to(tl.pointer_type(tl.int8)) + off, size)
+
+
+def _prefetch_rows(w_ptr, n0, k0, N, K, stride_wn,
+                   ROWS: tl.constexpr, PIECE: tl.constexpr, ELEM: tl.constexpr, LANES: tl.constexpr):
+    # the tile W[n0 : n0 + ROWS, k0 : k0 + PIECE * LANES / ROWS] (rows of a row-major weight; cut
+    # at N and K) into L2: LANES / ROWS pieces of PIECE elements a row, one per lane (LANES = the
+    # program's threads, a multiple of ROWS, so no lane repeats another's); the caller makes
+    # PIECE * ELEM and the row stride in bytes multiples of 16
+    i = tl.arange(0, LANES)
+    row = n0 + i % ROWS
+    col = k0 + (i // ROWS) * PIECE
+    elems = tl.minimum(tl.maximum(K - col, 0), PIECE)
+    size = tl.where(row < N, elems * ELEM // 16 * 16, 0).to(tl.int32)
+    _bulk_prefetch(w_ptr.to(tl.pointer_type(tl.int8)) + (row.to(tl.int64) * stride_wn + col) * ELEM, size)
 
 
 def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
@@ -66,7 +85,7 @@ def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
 
 @functools.cache
 def _kernels():
-    namespace = jit_functions(__name__, (_prefetch_l2, _prefetch_l2_kernel))
+    namespace = jit_functions(__name__, (_bulk_prefetch, _prefetch_l2, _prefetch_l2_kernel))
     return namespace["_prefetch_l2"], namespace["_prefetch_l2_kernel"]
 
 

@@ -31,9 +31,7 @@
 #                                           # decode-step A/B (~5 min)
 #   bash benchmarks/gpu_check.sh preload    # attention / Q/K kernels loading before their PDL wait:
 #                                           # tests, then the decode-step A/B (~7 min)
-#   bash benchmarks/gpu_check.sh fuse-qk    # Q/K norm + RoPE + cache write inside attention: tests
-#                                           # (PDL race, lossless), then the decode-step A/B (~6 min)
-#   bash benchmarks/gpu_check.sh candidates # fuse-qk and the skinny GEMMs' own-weight L2 prefetch:
+#   bash benchmarks/gpu_check.sh candidates # Q/K work inside attention and the skinny GEMMs' own-weight L2 prefetch:
 #                                           # tests, then the decode-step A/B of each and both (~8 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
@@ -116,14 +114,6 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
-  fuse-qk)
-    echo "== Q/K norm + RoPE + cache write inside attention (qk=): kernel tests, PDL race, graphs"
-    gpu_tests 200 tests/test_kernel_paged_attention.py tests/test_cuda_graphs.py \
-      -k "fused_qk or pdl_wait or lossless_in_float32 or graphs_match_eager_on_cuda" | tail -24
-    echo "== batch-1 decode step: defaults against the fusion on"
-    timeout 200 python benchmarks/profile_decode_xs.py --top 12 \
-      --switch "laguna_dflash.models.layers:Attention.fuse_qk_into_attention=True" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -40 ;;
   candidates)
     echo "== the two untimed candidates: Q/K work inside attention, GEMMs prefetching their own weight"
     gpu_tests 240 tests/test_kernel_paged_attention.py tests/test_kernel_skinny_gemm.py \
@@ -178,5 +168,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | fuse-qk | candidates"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | candidates"; exit 2 ;;
 esac

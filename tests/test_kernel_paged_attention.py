@@ -274,6 +274,41 @@ def test_interpreted_fused_qk_with_the_output_gate():
                        block_n=16)
 
 
+@interpreted
+def test_interpreted_engine_with_fused_qk_is_lossless(tmp_path, monkeypatch):
+    """The whole engine on the Triton backend with ``Attention.fuse_qk_into_attention`` (its
+    decode steps fused, through the graph runner's padded batch; verify steps not), greedy:
+    target-only and DFlash give the torch SDPA engine's tokens, and the fused kernel ran."""
+    import dflash_fixtures as df
+
+    from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.models.layers import Attention
+
+    target = df.make_tiny_laguna_target(tmp_path / "laguna", seed=0)
+    draft = df.make_poolside_laguna_drafter(tmp_path / "poolside", target, seed=0, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6], [9, 8, 7, 6, 5, 4, 3]]
+    want = [o.token_ids for o in LLM(target, attention_backend="torch_sdpa", block_size=4)
+            .generate(prompt_token_ids=prompts, sampling_params=params)]
+    monkeypatch.setattr(Attention, "fuse_qk_into_attention", True)
+    fused = []
+    attend_fused_qk = TritonPagedBackend.attend_fused_qk
+
+    def counted(*args, **kwargs):
+        out = attend_fused_qk(*args, **kwargs)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(TritonPagedBackend, "attend_fused_qk", counted)
+    for draft_dir in (None, draft):
+        spec = {"draft": draft_dir, "num_speculative_tokens": 3} if draft_dir else {}
+        llm = LLM(target, attention_backend="triton", max_num_seqs=4, block_size=4, **spec)
+        llm.engine.attach_graph_runners()
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, draft_dir
+    assert sum(fused) >= 3 * 7  # every decode step of the target-only run, at least
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
 def test_kernel_under_triton_interpreter():
     run_interpreted_child(__file__, timeout=600)

@@ -25,6 +25,7 @@ from interpreter_child import interpreter_script_json
 from laguna_dflash.engine.attention import TorchSDPABackend
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
 from laguna_dflash.engine.triton_attention import TritonPagedBackend
+from laguna_dflash.kernels import moe_gemv
 from laguna_dflash.kernels.availability import triton_importable
 from laguna_dflash.models import fusion
 from laguna_dflash.models.layers import Attention, ForwardContext, MoE, fuse_for_inference
@@ -158,10 +159,18 @@ def _moe_cases(device: str) -> dict[str, float]:
                                                    torch.ones_like(residual[0]), 1e-6)[0]
                     moe.use_fused_router = False  # router GEMM and routing kernel apart
                     two_launch = fusion.add(residual, moe.fused_forward(x))
+                    if fold:  # the shared expert's weights read once for all tokens
+                        moe_gemv.SHARED_ONCE = True
+                        try:
+                            shared_once = fusion.add(residual, moe.fused_forward(x))
+                        finally:
+                            moe_gemv.SHARED_ONCE = False
                 name = f"moe-{dtype}-fold{fold}-T{t}"
                 errors[name] = _rel_err(summed, want)
                 errors[name + "-deferred"] = _rel_err(deferred, want)
                 errors[name + "-unfused-router"] = _rel_err(two_launch, want)
+                if fold:
+                    errors[name + "-shared-once"] = _rel_err(shared_once, want)
     return errors
 
 
@@ -232,7 +241,7 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 24 + 18 * 7 // 3
+    assert len(interpreter_errors) == 24 + 4 + 18 * 7 // 3
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 

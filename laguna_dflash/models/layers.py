@@ -388,7 +388,7 @@ class MoE(nn.Module):
         experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
         if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
-            pairs = moe_gemv.moe_gemv_experts(*experts)
+            pairs = moe_gemv.moe_gemv_experts(*experts, shared_last=folded)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False)
         if folded and keep_pairs:

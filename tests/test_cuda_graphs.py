@@ -286,19 +286,12 @@ def test_graphed_spec_is_lossless_in_float32(pair, fuse_qk, monkeypatch):
     """With graphs on, float32 speculation on the GPU equals float32 target-only decoding; also
     with the Q/K norm + RoPE + cache write inside the attention kernel where it applies
     (``Attention.fuse_qk_into_attention``: the decode steps, not the 16-token verify)."""
-    from laguna_dflash.engine.triton_attention import TritonPagedBackend
+    from spies import record_fused_qk_calls
+
     from laguna_dflash.models.layers import Attention
 
     monkeypatch.setattr(Attention, "fuse_qk_into_attention", fuse_qk)
-    fused_calls = []
-    attend_fused_qk = TritonPagedBackend.attend_fused_qk
-
-    def counted(*args, **kwargs):
-        out = attend_fused_qk(*args, **kwargs)
-        fused_calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(TritonPagedBackend, "attend_fused_qk", counted)
+    fused_calls = record_fused_qk_calls(monkeypatch)
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = LLM(target, device="cuda", max_num_seqs=8)

@@ -280,6 +280,7 @@ def test_interpreted_engine_with_fused_qk_is_lossless(tmp_path, monkeypatch):
     decode steps fused, through the graph runner's padded batch; verify steps not), greedy:
     target-only and DFlash give the torch SDPA engine's tokens, and the fused kernel ran."""
     import dflash_fixtures as df
+    from spies import record_fused_qk_calls
 
     from laguna_dflash import LLM, SamplingParams
     from laguna_dflash.models.layers import Attention
@@ -291,15 +292,7 @@ def test_interpreted_engine_with_fused_qk_is_lossless(tmp_path, monkeypatch):
     want = [o.token_ids for o in LLM(target, attention_backend="torch_sdpa", block_size=4)
             .generate(prompt_token_ids=prompts, sampling_params=params)]
     monkeypatch.setattr(Attention, "fuse_qk_into_attention", True)
-    fused = []
-    attend_fused_qk = TritonPagedBackend.attend_fused_qk
-
-    def counted(*args, **kwargs):
-        out = attend_fused_qk(*args, **kwargs)
-        fused.append(out is not None)
-        return out
-
-    monkeypatch.setattr(TritonPagedBackend, "attend_fused_qk", counted)
+    fused = record_fused_qk_calls(monkeypatch)
     for draft_dir in (None, draft):
         spec = {"draft": draft_dir, "num_speculative_tokens": 3} if draft_dir else {}
         llm = LLM(target, attention_backend="triton", max_num_seqs=4, block_size=4, **spec)

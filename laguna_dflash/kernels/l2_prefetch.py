@@ -24,6 +24,10 @@ changes no value anywhere, only where the next reads find the bytes. The weights
 written during a forward, so a program may issue it before its programmatic-dependent-launch wait
 (kernels/pdl.py, rule 3).
 
+``_prefetch_rows`` prefetches a row-major tile instead (one row piece per lane): the skinny GEMM
+issues it for its own weight tile before its PDL wait (``skinny_gemm.PREFETCH_OWN_WEIGHTS``, off
+until timed).
+
 Only compiled for CUDA sm90+ (the CPU interpreter cannot run inline PTX): :func:`plan` returns
 ``None`` elsewhere and callers then skip the prefetch.
 """

@@ -23,6 +23,11 @@ reduction once after the loop.
   ``j BLOCK_N ..`` of expert ``ids[p]`` over ``I`` against ``h[p]`` and stores ``w[p]`` times the
   result into ``out[p]``.
 
+With ``shared_last`` and :data:`SHARED_ONCE` (off until timed) at 2..4 tokens, the grid's first
+dimension runs over program groups instead: the ``T (k - 1)`` routed pairs, then one group for
+the folded shared expert (every token's last column) that carries the ``T`` tokens as rows, one
+accumulator pair each, so its weights are read once (bitwise the per-pair result).
+
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter

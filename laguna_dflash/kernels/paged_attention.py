@@ -541,6 +541,17 @@ def _q_heads(qk: QKNormRope, k_cache: torch.Tensor) -> torch.Tensor:
     return qkv[:, : nh * head_dim].view(qkv.shape[0], nh, head_dim)
 
 
+def _fused_qk_args(qk: QKNormRope | None, dummy: torch.Tensor, qmax: int) -> dict:
+    """The attention kernel's ``qk=`` arguments; without ``qk`` placeholders (FUSE_QK off)."""
+    if qk is None:
+        return dict(qw_ptr=dummy, kw_ptr=dummy, cos_ptr=dummy, sin_ptr=dummy, stride_qw=0, stride_kw=0,
+                    stride_cos=0, stride_sin=0, eps=0.0, FUSE_QK=False, ROT_DIM=2, BLOCK_NEW=16)
+    return dict(qw_ptr=qk.q_weight, kw_ptr=qk.k_weight, cos_ptr=qk.cos_table, sin_ptr=qk.sin_table,
+                stride_qw=qk.q_weight.stride(0), stride_kw=qk.k_weight.stride(0),
+                stride_cos=qk.cos_table.stride(0), stride_sin=qk.sin_table.stride(0),
+                eps=float(qk.eps), FUSE_QK=True, ROT_DIM=qk.rot, BLOCK_NEW=max(16, _next_pow2(qmax)))
+
+
 def _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks) -> None:
     if q.dim() != 3 or q.dtype not in _DTYPES:
         raise ValueError(f"q must be [T, num_heads, head_dim] fp32/bf16/fp16, got {tuple(q.shape)} {q.dtype}")
@@ -693,14 +704,8 @@ def paged_attention(
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
         PRELOAD=PRELOAD_OLD_KEYS,
-        qw_ptr=qk.q_weight if qk else out, kw_ptr=qk.k_weight if qk else out,
-        cos_ptr=qk.cos_table if qk else out, sin_ptr=qk.sin_table if qk else out,
-        stride_qw=qk.q_weight.stride(0) if qk else 0, stride_kw=qk.k_weight.stride(0) if qk else 0,
-        stride_cos=qk.cos_table.stride(0) if qk else 0, stride_sin=qk.sin_table.stride(0) if qk else 0,
-        eps=float(qk.eps) if qk else 0.0,
-        FUSE_QK=qk is not None, NUM_KV_HEADS=kv_heads, ROT_DIM=qk.rot if qk else 2,
+        **_fused_qk_args(qk, out, qmax), NUM_KV_HEADS=kv_heads,
         DTYPE=DTYPE_CODE[q.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype],
-        BLOCK_NEW=max(16, _next_pow2(qmax)) if qk else 16,
         num_warps=_num_warps(block_m, block_d, qk is not None), num_stages=2,
         **pdl.launch_options(use_pdl),
     )

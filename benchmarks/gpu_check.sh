@@ -31,9 +31,6 @@
 #                                           # decode-step A/B (~5 min)
 #   bash benchmarks/gpu_check.sh preload    # attention / Q/K kernels loading before their PDL wait:
 #                                           # tests, then the decode-step A/B (~7 min)
-#   bash benchmarks/gpu_check.sh candidates # the untimed candidates (Q/K work inside attention, the
-#                                           # GEMMs' own-weight L2 prefetch, the shared expert read
-#                                           # once at verify): tests, decode and verify A/Bs (~9 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -115,20 +112,6 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
-  candidates)
-    echo "== the two untimed candidates: Q/K work inside attention, GEMMs prefetching their own weight"
-    gpu_tests 240 tests/test_kernel_paged_attention.py tests/test_kernel_skinny_gemm.py \
-      tests/test_kernel_moe_gemv.py tests/test_cuda_graphs.py -k "fused_qk or pdl_wait or own_weight \
-      or shared_expert_once or lossless_in_float32 or graphs_match_eager_on_cuda" | tail -30
-    echo "== batch-1 decode step: defaults against each candidate on, and both"
-    F=laguna_dflash.models.layers:Attention.fuse_qk_into_attention O=laguna_dflash.kernels.skinny_gemm:PREFETCH_OWN_WEIGHTS
-    S=laguna_dflash.kernels.moe_gemv:SHARED_ONCE
-    timeout 200 python benchmarks/profile_decode_xs.py --top 8 --switch "$F=True" --switch "$O=True" \
-      --switch "$F=True;$O=True" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -50
-    echo "== batch-1 verify forward of 4 tokens: the shared expert once, the own-weight prefetch"
-    timeout 120 python benchmarks/profile_decode_xs.py --q 4 --top 6 --switch "$S=True" \
-      --switch "$O=True" 2>&1 | quiet | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -30 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -173,5 +156,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | candidates"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
 esac

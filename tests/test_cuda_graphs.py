@@ -281,17 +281,8 @@ def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype, monkeypat
 
 
 @needs_cuda
-@pytest.mark.parametrize("fuse_qk", [False, True], ids=["qk_kernel", "fused_qk"])
-def test_graphed_spec_is_lossless_in_float32(pair, fuse_qk, monkeypatch):
-    """With graphs on, float32 speculation on the GPU equals float32 target-only decoding; also
-    with the Q/K norm + RoPE + cache write inside the attention kernel where it applies
-    (``Attention.fuse_qk_into_attention``: the decode steps, not the 16-token verify)."""
-    from spies import record_fused_qk_calls
-
-    from laguna_dflash.models.layers import Attention
-
-    monkeypatch.setattr(Attention, "fuse_qk_into_attention", fuse_qk)
-    fused_calls = record_fused_qk_calls(monkeypatch)
+def test_graphed_spec_is_lossless_in_float32(pair):
+    """With graphs on, float32 speculation on the GPU equals float32 target-only decoding."""
     target, draft = pair
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = LLM(target, device="cuda", max_num_seqs=8)
@@ -301,7 +292,6 @@ def test_graphed_spec_is_lossless_in_float32(pair, fuse_qk, monkeypatch):
         want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
         got = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert got == want, f"batch {batch_size}"
-    assert any(fused_calls) == fuse_qk  # the fused kernel really ran (in the decode steps)
 
 
 @needs_cuda

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import can_compile_sm90, compile_sm90, compile_sm90_spills, loads_before_pdl_wait
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 from test_kernel_fused_moe import _problem as fused_moe_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
@@ -119,10 +119,8 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
 
 
-def _compile_sm90(which: int, pdl: bool, t: int = 1, spills: bool = False):
-    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline);
-    ``t`` > 1: with the shared expert's group carrying ``t`` rows (``SHARED_ONCE``); ``spills``:
-    (PTX, ptxas spill-store bytes)."""
+def _compile_sm90(which: int, pdl: bool) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
@@ -133,56 +131,9 @@ def _compile_sm90(which: int, pdl: bool, t: int = 1, spills: bool = False):
         constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
-        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk), K_TOP=9)
-    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, T_ROWS=t, SHARED=t > 1,
-                      ROWS=1 if t == 1 else 2 if t == 2 else 4)
-    compile_fn = compile_sm90_spills if spills else compile_sm90
-    return compile_fn(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t", [1, 2, 3, 4])
-def test_interpreted_shared_expert_once_is_bitwise_the_same(t, dtype, monkeypatch) -> None:
-    """``SHARED_ONCE``: the folded shared expert (every token's last column) as one group of t
-    rows gives bitwise the per-pair result (the same per-row arithmetic), and the reference's."""
-    from laguna_dflash.kernels import moe_gemv
-
-    x, ids, w, gu, dn = _problem(t, 3, 6, 272, 40, dtype, seed=t)
-    ids[:, -1] = gu.shape[0] - 1
-    w[:, -1] = 1.0
-    want = moe_gemv_experts(x, ids, w, gu, dn, shared_last=True)
-    monkeypatch.setattr(moe_gemv, "SHARED_ONCE", True)
-    got = moe_gemv_experts(x, ids, w, gu, dn, shared_last=True)
-    assert torch.equal(got, want)
-    ref = _pairs_reference(x, ids, w, gu, dn)
-    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("t", [2, 4])
-def test_sm90_shared_expert_group_builds_without_spills(t) -> None:
-    """The kernels with the shared group's extra rows, at XS-2.1 shapes: the PDL order of the
-    one-row kernels (gate_up loads nothing before its wait; down only its id and weights)."""
-    for which in (0, 1):
-        ptx, spills = _compile_sm90(which, True, t, spills=True)
-        early = loads_before_pdl_wait(ptx)
-        assert early == [] if which == 0 else all(".cg" in x or "evict_first" in x for x in early)
-        assert spills and max(spills) == 0, spills
-
-
-@cuda
-def test_cuda_shared_expert_once_is_bitwise_the_same(monkeypatch) -> None:
-    from laguna_dflash.kernels import moe_gemv
-
-    for t in (2, 4):  # verify of K = 1 and K = 3 at XS-2.1 size
-        x, ids, w, gu, dn = _problem(t, 9, 257, 2048, 512, torch.bfloat16, seed=t, device="cuda")
-        ids[:, -1] = gu.shape[0] - 1
-        w[:, -1] = 1.0
-        monkeypatch.setattr(moe_gemv, "SHARED_ONCE", False)
-        want = moe_gemv_experts(x, ids, w, gu, dn, shared_last=True)
-        monkeypatch.setattr(moe_gemv, "SHARED_ONCE", True)
-        assert torch.equal(moe_gemv_experts(x, ids, w, gu, dn, shared_last=True), want), t
+        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
+    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl)
+    return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")

@@ -292,10 +292,10 @@ def test_benchmark_cpu_wiring_check() -> None:
 # ---- offline sm_90 compile (no GPU needed) -------------------------------------------------------------
 
 
-def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False, l2_own: bool = False) -> str:
+def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False) -> str:
     """PTX of the kernel compiled for an H100/H200 (sm_90) with bf16 inputs, through ptxas (the
     launch's own constexprs from ``_plan``); no driver or GPU involved."""
-    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl, l2_own)[2])
+    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl)[2])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
@@ -348,26 +348,6 @@ def test_sm90_programmatic_dependent_launch_code() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("Loop Header")  # the K loop after it
     ptx = _compile_sm90(16, 2048, 8192, SkinnyConfig(64, 128, 4, 4, 4, use_dot=True), pdl=True)
     assert loads_before_pdl_wait(ptx) == []
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_own_weight_prefetch_comes_before_the_pdl_wait() -> None:
-    """``PREFETCH_OWN_WEIGHTS``: every program issues TMA bulk L2 prefetches of its weight tile
-    (one per lane) before its PDL wait, on the GEMV and dot paths, with and without split-K;
-    without it none is emitted."""
-    for m, n, k, cfg in ((1, 2048, 8192, SkinnyConfig(16, 256, 4, 8, 2, use_dot=False)),   # o_proj
-                         (1, 10304, 2048, SkinnyConfig(16, 256, 1, 4, 2, use_dot=False)),  # Q|K|V|gate
-                         (16, 2048, 8192, SkinnyConfig(64, 128, 4, 4, 4, use_dot=True))):
-        assert "prefetch" not in _compile_sm90(m, n, k, cfg, pdl=True)
-        meta = sg._plan(m, n, k, torch.bfloat16, cfg, False, True, True)[2]
-        assert meta["L2_OWN"] is True and meta["LANES"] == 32 * cfg.num_warps
-        ptx = _compile_sm90(m, n, k, cfg, pdl=True, l2_own=True)
-        wait = ptx.index("griddepcontrol.wait")
-        assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait]
-        assert "cp.async.bulk.prefetch.L2.global" not in ptx[wait:]
-    # pieces that would not be multiples of 16 bytes: no prefetch (a 16-element K chunk cut in 4)
-    meta = sg._plan(1, 64, 16, torch.bfloat16, SkinnyConfig(32, 16, 1, 4, 1, use_dot=False), False, True, True)[2]
-    assert meta["L2_OWN"] is False
 
 
 def test_pdl_needs_a_compiled_sm90_gpu(monkeypatch) -> None:
@@ -480,31 +460,6 @@ def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
         for cfg, out in zip(configs, outs):
             assert torch.equal(out, skinny_gemm(src * 2, w, cfg)), cfg
         monkeypatch.setattr(pdl, "USE_PDL", True)
-
-
-@cuda
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
-def test_cuda_own_weight_prefetch_changes_no_value(monkeypatch) -> None:
-    """``PREFETCH_OWN_WEIGHTS`` is a hint: bitwise the same outputs, eagerly and in a PDL-chained
-    graph, for the decode shapes (GEMV, split-K and not) and the dot path."""
-    configs = [SkinnyConfig(16, 256, 4, 8, 2, use_dot=False), SkinnyConfig(16, 256, 1, 4, 2, use_dot=False),
-               SkinnyConfig(64, 128, 4, 4, 4, use_dot=True)]
-    x, w = _problem(4, 2048, 8192, torch.bfloat16, seed=4, device="cuda")
-    want = [skinny_gemm(x, w, cfg) for cfg in configs]
-    monkeypatch.setattr(sg, "PREFETCH_OWN_WEIGHTS", True)
-    assert sg._plan(4, 2048, 8192, torch.bfloat16, configs[0], False, True,
-                    sg._can_prefetch_own(w, False))[2].get("L2_OWN") is True
-    for cfg, out in zip(configs, want):
-        assert torch.equal(skinny_gemm(x, w, cfg), out), cfg
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [skinny_gemm(x, w, cfg) for cfg in configs]
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    for cfg, out, ref in zip(configs, outs, want):
-        assert torch.equal(out, ref), cfg
 
 
 def test_bound_helper_can_fail() -> None:

@@ -119,26 +119,6 @@ class AttentionBackend:
         """
         raise NotImplementedError
 
-    def attend_fused_qk(
-        self,
-        qk,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        is_causal: bool | None = None,
-        gate: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """The Q/K norm + RoPE and this forward's K/V write done inside attention: ``qk`` is a
-        ``kernels.paged_attention.QKNormRope`` (raw QKV projection, norm weights, RoPE tables).
-        Returns the attention output as :meth:`attend` would after ``qk_norm_rope_cache``, with
-        the same cache contents, or None where the backend cannot (the caller then runs the two
-        steps). This base class never can."""
-        return None
-
 
 class TorchSDPABackend(AttentionBackend):
     """Reference backend: gather the visible K/V into a padded batch and call SDPA.

@@ -69,41 +69,13 @@ class TritonPagedBackend(AttentionBackend):
         if not pa.is_available(q.device):
             return self.fallback.attend(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
                                         sinks=sinks, is_causal=is_causal, gate=gate)
-        return self._paged(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
-                           sinks=sinks, is_causal=is_causal, gate=gate, prefetch=prefetch)
-
-    def attend_fused_qk(
-        self,
-        qk: pa.QKNormRope,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        is_causal: bool | None = None,
-        gate: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """:meth:`AttentionBackend.attend_fused_qk` in the attention kernel (``paged_attention(
-        qk=...)``) where it runs and the tile is decode-sized (``pa.can_fuse_qk``), else None."""
-        if not (pa.is_available(qk.qkv.device)
-                and pa.can_fuse_qk(meta.query_index.shape[1], qk.num_heads, k_cache.shape[1])):
-            return None
-        return self._paged(None, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
-                           sinks=sinks, is_causal=is_causal, gate=gate, qk=qk)
-
-    def _paged(self, q, k_cache, v_cache, meta, *, scale, sliding_window, sinks, is_causal, gate,
-               prefetch=None, qk=None) -> torch.Tensor:
-        # the kernel call of both entry points; a per-head gate goes into the kernel's store, a
-        # per-element one is applied after it
         causal = meta.is_causal if is_causal is None else is_causal
         per_head = gate is not None and gate.dim() == 2
         out = pa.paged_attention(
             q, k_cache, v_cache, meta.query_index, meta.query_positions, meta.key_slots,
             meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
             num_splits=self.num_splits, block_n=self.block_n, gate=gate if per_head else None,
-            prefetch=prefetch, qk=qk,
+            prefetch=prefetch,
         )
         return out if per_head else attention.apply_output_gate(out, gate)
 

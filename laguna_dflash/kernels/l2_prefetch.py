@@ -24,10 +24,6 @@ changes no value anywhere, only where the next reads find the bytes. The weights
 written during a forward, so a program may issue it before its programmatic-dependent-launch wait
 (kernels/pdl.py, rule 3).
 
-``_prefetch_rows`` prefetches a row-major tile instead (one row piece per lane): the skinny GEMM
-issues it for its own weight tile before its PDL wait (``skinny_gemm.PREFETCH_OWN_WEIGHTS``, off
-until timed).
-
 Only compiled for CUDA sm90+ (the CPU interpreter cannot run inline PTX): :func:`plan` returns
 ``None`` elsewhere and callers then skip the prefetch.
 """
@@ -66,20 +62,6 @@ def _prefetch_l2(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr):
     off = c * chunk
     size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
     _bulk_prefetch(base_ptr.to(tl.pointer_type(tl.int8)) + off, size)
-
-
-def _prefetch_rows(w_ptr, n0, k0, N, K, stride_wn,
-                   ROWS: tl.constexpr, PIECE: tl.constexpr, ELEM: tl.constexpr, LANES: tl.constexpr):
-    # the tile W[n0 : n0 + ROWS, k0 : k0 + PIECE * LANES / ROWS] (rows of a row-major weight; cut
-    # at N and K) into L2: LANES / ROWS pieces of PIECE elements a row, one per lane (LANES = the
-    # program's threads, a multiple of ROWS, so no lane repeats another's); the caller makes
-    # PIECE * ELEM and the row stride in bytes multiples of 16
-    i = tl.arange(0, LANES)
-    row = n0 + i % ROWS
-    col = k0 + (i // ROWS) * PIECE
-    elems = tl.minimum(tl.maximum(K - col, 0), PIECE)
-    size = tl.where(row < N, elems * ELEM // 16 * 16, 0).to(tl.int32)
-    _bulk_prefetch(w_ptr.to(tl.pointer_type(tl.int8)) + (row.to(tl.int64) * stride_wn + col) * ELEM, size)
 
 
 def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):

@@ -23,11 +23,6 @@ reduction once after the loop.
   ``j BLOCK_N ..`` of expert ``ids[p]`` over ``I`` against ``h[p]`` and stores ``w[p]`` times the
   result into ``out[p]``.
 
-With ``shared_last`` and :data:`SHARED_ONCE` (off until timed) at 2..4 tokens, the grid's first
-dimension runs over program groups instead: the ``T (k - 1)`` routed pairs, then one group for
-the folded shared expert (every token's last column) that carries the ``T`` tokens as rows, one
-accumulator pair each, so its weights are read once (bitwise the per-pair result).
-
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
@@ -61,10 +56,6 @@ __all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 # next five within 4%).
 GATE_UP_CONFIG = (8, 256, 4)
 DOWN_CONFIG = (32, 128, 4)
-# With shared_last and 2..4 tokens: the folded shared expert as one program group carrying every
-# token's row, its weights read once instead of once per token (at T = 4 and Laguna-XS-2.1 size
-# 3 x 6.3 MB a layer less). Off until timed on the GPU (docs/PERFORMANCE.md, eighth pass).
-SHARED_ONCE = False
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -91,34 +82,17 @@ def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexp
     return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
-def _group(q, K_TOP: tl.constexpr, T_ROWS: tl.constexpr, SHARED: tl.constexpr):
-    # program q's pair p and token t: without SHARED every pair is a group; with SHARED the
-    # T_ROWS * (K_TOP - 1) routed pairs come first and group T_ROWS * (K_TOP - 1) is the shared
-    # expert (every token's last column), whose rows are the T_ROWS tokens (the first is p, t)
-    if SHARED:
-        shared = q == T_ROWS * (K_TOP - 1)
-        t = tl.where(shared, 0, q // (K_TOP - 1))
-        p = tl.where(shared, K_TOP - 1, t * K_TOP + q % (K_TOP - 1))
-    else:
-        shared = q < 0
-        t = q // K_TOP
-        p = q
-    return p.to(tl.int64), t.to(tl.int64), shared
-
-
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, T_ROWS: tl.constexpr, SHARED: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # ROWS (1, 2 or 4): x rows a program can carry, one accumulator pair each; rows past the
-    # first are active only in the shared group (row r = token r, pair r * K_TOP + K_TOP - 1)
-    p, t, shared = _group(tl.program_id(0), K_TOP, T_ROWS, SHARED)
+    p = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
     expert = tl.load(ids_ptr + p).to(tl.int64)
-    x_row = x_ptr + t * H
+    x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
     base = w_ptr + expert * (2 * INTER * H)
@@ -128,80 +102,37 @@ def _gate_up_gemv_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
     wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-    if ROWS > 1:
-        on1 = shared & (1 < T_ROWS)
-        acc_g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        x1 = _tile_x(x_ptr + H, 0, on1, zero_n, H, BLOCK_K)
-    if ROWS > 2:
-        on2 = shared & (2 < T_ROWS)
-        on3 = shared & (3 < T_ROWS)
-        acc_g2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_g3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        x2 = _tile_x(x_ptr + 2 * H, 0, on2, zero_n, H, BLOCK_K)
-        x3 = _tile_x(x_ptr + 3 * H, 0, on3, zero_n, H, BLOCK_K)
     for i in range(K_ITERS):
         cg, cu, cx = wg, wu, xs
         ok = i + 1 < K_ITERS
-        k1 = (i + 1) * BLOCK_K
-        wg, xs = _tile_gemv(g_rows, x_row, k1, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-        wu, _ = _tile_gemv(u_rows, x_row, k1, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-        cgf = cg.to(tl.float32)
-        cuf = cu.to(tl.float32)
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
         xf = cx.to(tl.float32)
-        acc_g += cgf * xf
-        acc_u += cuf * xf
-        if ROWS > 1:
-            c1 = x1
-            x1 = _tile_x(x_ptr + H, k1, ok & on1, zero_n, H, BLOCK_K)
-            acc_g1 += cgf * c1.to(tl.float32)
-            acc_u1 += cuf * c1.to(tl.float32)
-        if ROWS > 2:
-            c2, c3 = x2, x3
-            x2 = _tile_x(x_ptr + 2 * H, k1, ok & on2, zero_n, H, BLOCK_K)
-            x3 = _tile_x(x_ptr + 3 * H, k1, ok & on3, zero_n, H, BLOCK_K)
-            acc_g2 += cgf * c2.to(tl.float32)
-            acc_u2 += cuf * c2.to(tl.float32)
-            acc_g3 += cgf * c3.to(tl.float32)
-            acc_u3 += cuf * c3.to(tl.float32)
+        acc_g += cg.to(tl.float32) * xf
+        acc_u += cu.to(tl.float32) * xf
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    n_ok = offs_n < INTER
-    _store_swiglu(h_ptr + p * INTER + offs_n, acc_g, acc_u, n_ok, OUT_DTYPE)
-    if ROWS > 1:
-        _store_swiglu(h_ptr + (K_TOP + K_TOP - 1) * INTER + offs_n, acc_g1, acc_u1, n_ok & on1, OUT_DTYPE)
-    if ROWS > 2:
-        _store_swiglu(h_ptr + (2 * K_TOP + K_TOP - 1) * INTER + offs_n, acc_g2, acc_u2, n_ok & on2, OUT_DTYPE)
-        _store_swiglu(h_ptr + (3 * K_TOP + K_TOP - 1) * INTER + offs_n, acc_g3, acc_u3, n_ok & on3, OUT_DTYPE)
-
-
-def _store_swiglu(h_ptrs, acc_g, acc_u, mask, OUT_DTYPE: tl.constexpr):
-    # h = silu(g) * u of one row from its [BLOCK_N, BLOCK_K] accumulators: fp32, rounded once
-    # (as fused_moe)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
-    h = g * tl.sigmoid(g) * u
-    tl.store(h_ptrs, _round_to(h, OUT_DTYPE).to(h_ptrs.dtype.element_ty), mask=mask)
+    h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
+    tl.store(h_ptr + p.to(tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
+             mask=offs_n < INTER)
 
 
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, K_TOP: tl.constexpr, T_ROWS: tl.constexpr, SHARED: tl.constexpr,
-    ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # groups as in the gate_up kernel: row r > 0 of the shared group is pair r * K_TOP + K_TOP - 1
-    p, _, shared = _group(tl.program_id(0), K_TOP, T_ROWS, SHARED)
+    p = tl.program_id(0)
     if PDL:
         # launched while gate_up may still run, but after every gate_up program passed its wait:
         # the routing kernel's ids are complete; read them through L2 (kernels/pdl.py, rule 3)
         expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
     else:
         expert = tl.load(ids_ptr + p).to(tl.int64)
-    h_row = h_ptr + p * INTER
+    h_row = h_ptr + p.to(tl.int64) * INTER
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
     rows = w_ptr + expert * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER
@@ -210,63 +141,24 @@ def _down_gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
     hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
-    if ROWS > 1:
-        on1 = shared & (1 < T_ROWS)
-        h1_row = h_ptr + (K_TOP + K_TOP - 1) * INTER
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        h1 = _tile_x(h1_row, 0, on1, zero_n, INTER, BLOCK_K)
-    if ROWS > 2:
-        on2 = shared & (2 < T_ROWS)
-        on3 = shared & (3 < T_ROWS)
-        h2_row = h_ptr + (2 * K_TOP + K_TOP - 1) * INTER
-        h3_row = h_ptr + (3 * K_TOP + K_TOP - 1) * INTER
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        h2 = _tile_x(h2_row, 0, on2, zero_n, INTER, BLOCK_K)
-        h3 = _tile_x(h3_row, 0, on3, zero_n, INTER, BLOCK_K)
     for i in range(K_ITERS):
         cw, ch = w, hs
-        ok = i + 1 < K_ITERS
-        k1 = (i + 1) * BLOCK_K
-        w, hs = _tile_gemv(rows, h_row, k1, ok, offs_n, zero_n, H, INTER, BLOCK_K)
-        cwf = cw.to(tl.float32)
-        acc += cwf * ch.to(tl.float32)
-        if ROWS > 1:
-            c1 = h1
-            h1 = _tile_x(h1_row, k1, ok & on1, zero_n, INTER, BLOCK_K)
-            acc1 += cwf * c1.to(tl.float32)
-        if ROWS > 2:
-            c2, c3 = h2, h3
-            h2 = _tile_x(h2_row, k1, ok & on2, zero_n, INTER, BLOCK_K)
-            h3 = _tile_x(h3_row, k1, ok & on3, zero_n, INTER, BLOCK_K)
-            acc2 += cwf * c2.to(tl.float32)
-            acc3 += cwf * c3.to(tl.float32)
+        w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
+                           BLOCK_K)
+        acc += cw.to(tl.float32) * ch.to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    n_ok = offs_n < H
-    _store_weighted(out_ptr + p * H + offs_n, acc, rw_ptr + p, p >= 0, n_ok, OUT_DTYPE)
-    if ROWS > 1:
-        q1 = K_TOP + K_TOP - 1
-        _store_weighted(out_ptr + q1 * H + offs_n, acc1, rw_ptr + q1, on1, n_ok, OUT_DTYPE)
-    if ROWS > 2:
-        q2 = 2 * K_TOP + K_TOP - 1
-        q3 = 3 * K_TOP + K_TOP - 1
-        _store_weighted(out_ptr + q2 * H + offs_n, acc2, rw_ptr + q2, on2, n_ok, OUT_DTYPE)
-        _store_weighted(out_ptr + q3 * H + offs_n, acc3, rw_ptr + q3, on3, n_ok, OUT_DTYPE)
-
-
-def _store_weighted(out_ptrs, acc, rw_ptr, on, n_ok, OUT_DTYPE: tl.constexpr):
-    # one pair's output row (if ``on``): its routing weight times the row's sum, fp32, rounded once
-    out = tl.sum(acc, axis=1) * tl.load(rw_ptr, mask=on, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, _round_to(out, OUT_DTYPE).to(out_ptrs.dtype.element_ty), mask=n_ok & on)
+    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
+             mask=offs_n < H)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _group, _store_swiglu,
-                                  _store_weighted, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
+                                  _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -276,8 +168,6 @@ def moe_gemv_experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    *,
-    shared_last: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output ``[T, k, H]`` in ``x.dtype``.
 
@@ -287,11 +177,6 @@ def moe_gemv_experts(
         weights: ``[T, k]`` routing weights (any float dtype; used in fp32).
         gate_up: ``[E, 2I, H]`` contiguous, x's dtype.
         down: ``[E, H, I]`` contiguous, x's dtype.
-
-        shared_last: every token's last column is the same expert (the folded shared expert,
-            ``MoE.fold_shared_expert``). With :data:`SHARED_ONCE` and 2..4 tokens, one program
-            group then reads its weights once for all tokens instead of once per token (the
-            same per-row arithmetic: bitwise the same result).
 
     Returns:
         ``[T, k, H]``: pair ``(t, j)`` is ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, the
@@ -320,18 +205,14 @@ def moe_gemv_experts(
     gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
     use_pdl = pdl.active(x.device, interpret)
-    # groups: every pair, or (shared once) the routed pairs plus one shared group of t rows
-    shared = bool(shared_last and SHARED_ONCE and 2 <= t <= 4 and k >= 2)
-    groups = t * (k - 1) + 1 if shared else p
-    rows = dict(T_ROWS=t if shared else 1, SHARED=shared, ROWS=(2 if t == 2 else 4) if shared else 1)
     bn, bk, nw = GATE_UP_CONFIG
-    gate_up_kernel[(groups, -(-inter // bn))](
+    gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw, **rows,
+        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
         **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
-    down_kernel[(groups, -(-hidden // bn))](
+    down_kernel[(p, -(-hidden // bn))](
         h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw, K_TOP=k, **rows,
+        K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
         **pdl.launch_options(use_pdl))
     return out

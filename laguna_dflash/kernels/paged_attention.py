@@ -68,20 +68,18 @@ same result up to accumulation order).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import l2_prefetch, pdl
 from .availability import interpret_mode, triton_can_run
-from .jit import DTYPE_CODE, _round_to, jit_functions
-from .qk_norm_rope_cache import _norm_rope, _norm_rope_params, _rope_partner
+from .jit import jit_functions
 
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["QKNormRope", "can_fuse_qk", "choose_num_splits", "is_available", "paged_attention"]
+__all__ = ["choose_num_splits", "is_available", "paged_attention"]
 
 _prefetch_l2 = l2_prefetch._prefetch_l2  # helpers of the attention kernel (jitted with it)
 _bulk_prefetch = l2_prefetch._bulk_prefetch
@@ -199,9 +197,6 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
-    qw_ptr, kw_ptr, cos_ptr, sin_ptr, stride_qw, stride_kw, stride_cos, stride_sin, eps,
-    FUSE_QK: tl.constexpr, NUM_KV_HEADS: tl.constexpr, ROT_DIM: tl.constexpr, DTYPE: tl.constexpr,
-    CACHE_DTYPE: tl.constexpr, BLOCK_NEW: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
     if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
@@ -252,16 +247,6 @@ def _paged_attention_kernel(
     split_lo = split.to(tl.int64) * split_len
     lo = tl.maximum(lo, split_lo)
     hi = tl.minimum(hi, split_lo + split_len)
-    if FUSE_QK:
-        # the forward's own keys [first_new, seq_len) are not in the cache yet: this kernel
-        # computes them from qkv (below), so the tiles cover the keys before first_new only
-        hi = tl.minimum(hi, first_new)
-        d2 = offs_d[None, :]
-        # new key jn = first_new + i is query i of the request; the program whose split holds
-        # first_new attends to all of them and writes them to the cache (one writer per key)
-        jn = first_new + tl.arange(0, BLOCK_NEW)
-        owns_new = (first_new >= split_lo) & (first_new < split_lo + split_len) & (p_max >= 0)
-        jn_in = (jn < seq_len) & owns_new
 
     ks_row_ptr = key_slots_ptr + r * stride_ks_r
     k_head_ptr = k_cache_ptr + g * stride_kc_h
@@ -279,22 +264,8 @@ def _paged_attention_kernel(
     v0 = _load_keys(v_head_ptr, slot0, j0_old, stride_vc_s, stride_vc_d, offs_d, d_ok)
     if PDL and PRELOAD:
         tl.extra.cuda.gdc_wait()
-    if FUSE_QK:
-        # Q rows: RMSNorm + RoPE of the raw heads, as the Q/K kernel computes them (the norm
-        # weight and cos / sin are no kernel's output, but loaded here, with the rows, they hold
-        # no registers across the first tile's loads)
-        qwt, qwp, qc, qs = _norm_rope_params(
-            qw_ptr, stride_qw, cos_ptr + pos[:, None] * stride_cos, sin_ptr + pos[:, None] * stride_sin,
-            row_ok[:, None], d2, HEAD_DIM, ROT_DIM, DTYPE)
-        q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-        xq = tl.load(q_rows + d2 * stride_qd, mask=row_ok[:, None] & (d2 < HEAD_DIM), other=0.0)
-        xqp = tl.load(q_rows + _rope_partner(d2, ROT_DIM) * stride_qd,
-                      mask=row_ok[:, None] & (d2 < ROT_DIM), other=0.0)
-        q = _norm_rope(xq.to(tl.float32), xqp.to(tl.float32), qwt, qwp, qc, qs, d2, eps, HEAD_DIM,
-                       ROT_DIM, DTYPE).to(q_ptr.dtype.element_ty)
-    else:
-        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     j0_new = j0_in & (j0 >= first_new)
     k0 = tl.where(j0_new[:, None], _load_keys(k_head_ptr, slot0, j0_new, stride_kc_s, stride_kc_d, offs_d, d_ok), k0)
     v0 = tl.where(j0_new[:, None], _load_keys(v_head_ptr, slot0, j0_new, stride_vc_s, stride_vc_d, offs_d, d_ok), v0)
@@ -317,34 +288,6 @@ def _paged_attention_kernel(
                 split_lo + t * BLOCK_N, lo, hi, q, pos, m_i, l_i, acc, ks_row_ptr, stride_ks_j,
                 k_head_ptr, v_head_ptr, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                 offs_d, d_ok, scale_log2, window, CAUSAL, HAS_WINDOW, BLOCK_N, IEEE)
-    if FUSE_QK:
-        # the new keys' tile: K = norm + RoPE of the raw K head, V the raw V head (head indices
-        # NUM_HEADS + g and NUM_HEADS + NUM_KV_HEADS + g along q's head stride), both rounded to
-        # the cache dtype (what the Q/K kernel stores), written to the cache and attended to
-        # from registers
-        tok_n = tl.load(query_index_ptr + r * stride_qi_r + (jn - first_new) * stride_qi_q, mask=jn_in,
-                        other=0).to(tl.int64)
-        slot_n = tl.load(key_slots_ptr + r * stride_ks_r + jn * stride_ks_j, mask=jn_in, other=0).to(tl.int64)
-        kwt, kwp, kc, ks = _norm_rope_params(
-            kw_ptr, stride_kw, cos_ptr + jn[:, None] * stride_cos, sin_ptr + jn[:, None] * stride_sin,
-            jn_in[:, None], d2, HEAD_DIM, ROT_DIM, DTYPE)
-        new_ok = jn_in[:, None] & (d2 < HEAD_DIM)
-        k_rows = q_ptr + tok_n[:, None] * stride_qt + (NUM_HEADS + g) * stride_qh
-        xk = tl.load(k_rows + d2 * stride_qd, mask=new_ok, other=0.0).to(tl.float32)
-        xkp = tl.load(k_rows + _rope_partner(d2, ROT_DIM) * stride_qd, mask=jn_in[:, None] & (d2 < ROT_DIM),
-                      other=0.0).to(tl.float32)
-        k_new = _round_to(_norm_rope(xk, xkp, kwt, kwp, kc, ks, d2, eps, HEAD_DIM, ROT_DIM, DTYPE),
-                          CACHE_DTYPE)
-        v_new = tl.load(q_ptr + tok_n[:, None] * stride_qt + (NUM_HEADS + NUM_KV_HEADS + g) * stride_qh
-                        + d2 * stride_qd, mask=new_ok, other=0.0).to(tl.float32)
-        v_new = _round_to(v_new, CACHE_DTYPE)
-        tl.store(k_head_ptr + slot_n[:, None] * stride_kc_s + d2 * stride_kc_d,
-                 k_new.to(k_cache_ptr.dtype.element_ty), mask=new_ok)
-        tl.store(v_head_ptr + slot_n[:, None] * stride_vc_s + d2 * stride_vc_d,
-                 v_new.to(v_cache_ptr.dtype.element_ty), mask=new_ok)
-        sn = _tile_logits(q, k_new, jn, jn_in, pos, scale_log2, window, CAUSAL, HAS_WINDOW, IEEE)
-        m_i, l_i, pn, alpha = _softmax_step(sn, m_i, l_i)
-        acc = acc * alpha[:, None] + _mma(pn.to(q.dtype), v_new.to(q.dtype), IEEE)
 
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -421,7 +364,6 @@ def _kernels(interpret: bool):
     del interpret
     namespace = jit_functions(__name__, (_mma, _softplus_rounded, _tile_slots, _load_keys,
                                          _tile_logits, _softmax_step, _attend_tile, _bulk_prefetch, _prefetch_l2,
-                                         _round_to, _rope_partner, _norm_rope_params, _norm_rope,
                                          _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 
@@ -447,11 +389,10 @@ def _block_q(qmax: int, group: int) -> int:
     return max(1, min(qmax, _TARGET_ROWS // group))
 
 
-def _num_warps(block_m: int, block_d: int, fuse_qk: bool = False) -> int:
+def _num_warps(block_m: int, block_d: int) -> int:
     # the fp32 accumulator [BLOCK_M, BLOCK_D] plus Q, a K/V tile and the logits stay in registers:
-    # 8 warps from 64 x 128 up (sm_90 build: 4 warps there need ~200-255 registers a thread); with
-    # the Q/K norm + RoPE inside (qk=) the raw rows, their RoPE partners and cos / sin join them
-    return 8 if block_m * block_d >= 64 * 128 or fuse_qk else 4
+    # 8 warps from 64 x 128 up (sm_90 build: 4 warps there need ~200-255 registers a thread)
+    return 8 if block_m * block_d >= 64 * 128 else 4
 
 
 def _next_pow2(n: int) -> int:
@@ -477,79 +418,6 @@ def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) ->
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class QKNormRope:
-    """The Q/K RMSNorm + RoPE and K/V cache write of ``kernels/qk_norm_rope_cache.py``, for
-    :func:`paged_attention` to do itself (``qk=``; one launch less per layer).
-
-    ``qkv [T, >= (num_heads + 2 kv_heads) * head_dim]`` is the raw QKV projection (Q heads, then
-    K heads, then V heads, as ``qk_norm_rope_cache`` takes it, any row stride and unit column
-    stride); ``q_weight`` / ``k_weight [head_dim]`` the norms' weights in qkv's dtype, ``eps``
-    their epsilon, ``cos_table`` / ``sin_table [max_pos, rot]`` fp32 with contiguous rows, and
-    ``rot`` the rotary dims (even, ``<= head_dim``)."""
-
-    qkv: torch.Tensor
-    num_heads: int
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    cos_table: torch.Tensor
-    sin_table: torch.Tensor
-    rot: int
-
-
-# Rows (queries x heads of a GQA group) of a program's tile up to which qk= is taken. With 32 and
-# 64 rows triton 3.6 fails to build the fused kernel with split-K (its layout-conversion pass
-# rejects a load) and spills without it (sm_90 builds, tests/test_kernel_paged_attention.py), so
-# the fusion covers decode (one query; two with a group of 8), not verify or drafter blocks.
-_FUSED_QK_MAX_ROWS = 16
-
-
-def can_fuse_qk(qmax: int, num_heads: int, kv_heads: int) -> bool:
-    """Whether :func:`paged_attention` takes ``qk=`` for ``qmax`` queries per request: they must
-    fill at most one 16-row tile with the heads of a GQA group (``qmax * num_heads / kv_heads <=
-    16``): decode shapes."""
-    return 0 < qmax * (num_heads // kv_heads) <= _FUSED_QK_MAX_ROWS
-
-
-def _q_heads(qk: QKNormRope, k_cache: torch.Tensor) -> torch.Tensor:
-    """The raw Q heads ``[T, num_heads, head_dim]`` of ``qk.qkv`` (a view), after checking what
-    the fused kernel reads; ValueError naming the field otherwise."""
-    qkv, nh = qk.qkv, qk.num_heads
-    head_dim, kv_heads = k_cache.shape[2], k_cache.shape[1]
-    if not isinstance(nh, int) or nh <= 0 or nh % kv_heads:
-        raise ValueError(f"qk.num_heads must be a positive multiple of the caches' kv_heads "
-                         f"({kv_heads}), got {nh!r}")
-    width = (nh + 2 * kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] < width or qkv.dtype not in _DTYPES or qkv.stride(1) != 1:
-        raise ValueError(f"qk.qkv must be [T, >= (num_heads + 2 * kv_heads) * head_dim = {width}] "
-                         f"fp32/bf16/fp16 with unit column stride, got {tuple(qkv.shape)} {qkv.dtype}")
-    for name, w in (("q_weight", qk.q_weight), ("k_weight", qk.k_weight)):
-        if tuple(w.shape) != (head_dim,) or w.dtype != qkv.dtype or w.device != qkv.device:
-            raise ValueError(f"qk.{name} must be [{head_dim}] {qkv.dtype} on {qkv.device}, got "
-                             f"{tuple(w.shape)} {w.dtype} on {w.device}")
-    rot = qk.rot
-    if not isinstance(rot, int) or rot <= 0 or rot % 2 or rot > head_dim:
-        raise ValueError(f"qk.rot must be an even int in (0, head_dim={head_dim}], got {rot!r}")
-    for name, tab in (("cos_table", qk.cos_table), ("sin_table", qk.sin_table)):
-        if (tab.dim() != 2 or tab.shape[1] != rot or tab.dtype != torch.float32 or tab.stride(1) != 1
-                or tab.device != qkv.device):
-            raise ValueError(f"qk.{name} must be [max_pos, rot={rot}] float32 with contiguous rows on "
-                             f"{qkv.device}, got {tuple(tab.shape)} {tab.dtype}")
-    return qkv[:, : nh * head_dim].view(qkv.shape[0], nh, head_dim)
-
-
-def _fused_qk_args(qk: QKNormRope | None, dummy: torch.Tensor, qmax: int) -> dict:
-    """The attention kernel's ``qk=`` arguments; without ``qk`` placeholders (FUSE_QK off)."""
-    if qk is None:
-        return dict(qw_ptr=dummy, kw_ptr=dummy, cos_ptr=dummy, sin_ptr=dummy, stride_qw=0, stride_kw=0,
-                    stride_cos=0, stride_sin=0, eps=0.0, FUSE_QK=False, ROT_DIM=2, BLOCK_NEW=16)
-    return dict(qw_ptr=qk.q_weight, kw_ptr=qk.k_weight, cos_ptr=qk.cos_table, sin_ptr=qk.sin_table,
-                stride_qw=qk.q_weight.stride(0), stride_kw=qk.k_weight.stride(0),
-                stride_cos=qk.cos_table.stride(0), stride_sin=qk.sin_table.stride(0),
-                eps=float(qk.eps), FUSE_QK=True, ROT_DIM=qk.rot, BLOCK_NEW=max(16, _next_pow2(qmax)))
 
 
 def _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks) -> None:
@@ -580,7 +448,7 @@ def _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_len
 
 
 def paged_attention(
-    q: torch.Tensor | None,
+    q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     query_index: torch.Tensor,
@@ -596,12 +464,11 @@ def paged_attention(
     block_n: int | None = None,
     gate: torch.Tensor | None = None,
     prefetch: torch.Tensor | None = None,
-    qk: QKNormRope | None = None,
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
     Args:
-        q: ``[T, num_heads, head_dim]`` fp32 / bf16 / fp16, any strides; ``None`` with ``qk``.
+        q: ``[T, num_heads, head_dim]`` fp32 / bf16 / fp16, any strides.
         k_cache, v_cache: ``[num_slots, kv_heads, head_dim]`` (fp32 / bf16 / fp16, any strides);
             read in q's dtype (as the reference casts them).
         query_index: ``[R, Qmax]`` int32/int64, flat token of each padded query.
@@ -623,27 +490,11 @@ def paged_attention(
             ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
             before they wait for the previous kernel (kernels/l2_prefetch.py; CUDA sm90+ and a
             contiguous, 16-byte aligned weight, else ignored). Changes no value.
-        qk: the Q/K norm + RoPE and the cache write of this forward's K/V, done here (one launch
-            less): q is then the normed, rotated Q heads of ``qk.qkv``, and this forward's keys
-            ``[query_positions[r, 0], seq_lens[r])`` are computed from its K/V heads, written at
-            their ``key_slots`` (exactly what ``qk_norm_rope_cache`` writes at ``slot_mapping``)
-            and attended to from registers. Needs decode-sized tiles (:func:`can_fuse_qk`) and
-            queries at a request's newest positions, ascending.
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
         ``R, Qmax, Lmax``, the head counts and dims (CUDA-graph capturable, no host sync).
     """
-    if qk is not None:
-        if q is not None:
-            raise ValueError("pass q=None with qk: the Q heads are read from qk.qkv")
-        q = _q_heads(qk, k_cache)
-        if not can_fuse_qk(query_index.shape[1], qk.num_heads, k_cache.shape[1]):
-            raise ValueError(f"qk takes up to 16 * kv_heads / num_heads queries per request "
-                             f"(decode shapes, see can_fuse_qk), got Qmax = {query_index.shape[1]}; "
-                             f"run qk_norm_rope_cache first and pass q instead")
-    elif q is None:
-        raise ValueError("q is required (or qk, to compute it here)")
     _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks)
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[r] at offset r (no stride)
     t, num_heads, head_dim = q.shape
@@ -703,10 +554,7 @@ def paged_attention(
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PRELOAD=PRELOAD_OLD_KEYS,
-        **_fused_qk_args(qk, out, qmax), NUM_KV_HEADS=kv_heads,
-        DTYPE=DTYPE_CODE[q.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype],
-        num_warps=_num_warps(block_m, block_d, qk is not None), num_stages=2,
+        PRELOAD=PRELOAD_OLD_KEYS, num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:

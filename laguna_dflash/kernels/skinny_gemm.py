@@ -63,10 +63,6 @@ same ``(N, SPLIT_K)`` must not run concurrently on different streams (they share
 With ``kernels.pdl.USE_PDL`` (on by default) the kernel is launched with programmatic
 dependent launch: a program loads its first weight tile, then waits for the previous kernel
 before it loads x, and signals its dependents once its weights are read (kernels/pdl.py).
-With ``PREFETCH_OWN_WEIGHTS`` (sm90+, off until timed) a program first issues TMA bulk L2
-prefetches of its whole ``[BLOCK_N, Ks]`` weight tile, one row piece per lane
-(``l2_prefetch._prefetch_rows``): the HBM then streams the tile during the PDL wait, and the
-loop's loads find it in L2 or in flight. Changes no value.
 
 The grid and every launch argument depend only on the shapes and the config (no host sync, no
 data-dependent sizes): capturable. fp32 inputs accumulate exact products (``tl.dot`` in "ieee"
@@ -85,9 +81,8 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .availability import cuda_capability, interpret_mode, triton_can_run
+from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
-from .l2_prefetch import _bulk_prefetch, _prefetch_rows
 from .pdl import launch_options
 
 if TYPE_CHECKING:
@@ -104,11 +99,6 @@ __all__ = [
 ]
 
 MAX_M = 16  # rows of x; also the row capacity of the split-K workspace
-# True: on sm90+ each program first issues TMA bulk L2 prefetches of its whole weight tile, before
-# its PDL wait (kernels/l2_prefetch.py), so the HBM starts streaming it while the previous,
-# latency-bound kernel (a norm, the split merge) finishes. Off until timed on the GPU
-# (docs/PERFORMANCE.md, eighth pass; gpu_check.sh own-prefetch).
-PREFETCH_OWN_WEIGHTS = False
 _MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
 _MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -362,7 +352,6 @@ def _skinny_gemm_kernel(
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
-    L2_OWN: tl.constexpr, PIECE: tl.constexpr, ELEM: tl.constexpr, LANES: tl.constexpr,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
@@ -372,10 +361,6 @@ def _skinny_gemm_kernel(
     n0 = pid_n * BLOCK_N
     k_start = pid_k * (K_ITERS * BLOCK_K)
 
-    if L2_OWN:
-        # this program's whole weight tile into L2 first (TMA bulk prefetches, fire and forget):
-        # before the PDL wait the HBM streams it while the previous kernel finishes
-        _prefetch_rows(w_ptr, n0, k_start, N, K, stride_wn, BLOCK_N, PIECE, ELEM, LANES)
     if PDL and (USE_DOT or not PREFETCH):
         tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): x is ready now
     if USE_DOT:
@@ -473,7 +458,7 @@ def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
     namespace = jit_functions(__name__, (_round_to, _load_w, _gemv_w_load, _gemv_x_loads, _gemv_loads,
-                                         _bcast, _bulk_prefetch, _prefetch_rows, _skinny_gemm_kernel))
+                                         _bcast, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -569,8 +554,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         _check_config(cfg, _use_dot(cfg, m), m)
         return y.zero_()
     interpret = interpret_mode()
-    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret),
-                                PREFETCH_OWN_WEIGHTS and _can_prefetch_own(weight, interpret))
+    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret))
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
@@ -587,15 +571,9 @@ def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
     return _dot_auto(m) if cfg.use_dot is None else bool(cfg.use_dot)
 
 
-def _can_prefetch_own(weight: torch.Tensor, interpret: bool) -> bool:
-    # TMA bulk prefetches: compiled CUDA sm90+, 16-byte aligned rows
-    return (not interpret and weight.is_cuda and cuda_capability(weight.device.index) >= (9, 0)
-            and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
-          interpret: bool, pdl: bool = False, l2_own: bool = False) -> tuple[tuple[int, int], int, dict]:
+          interpret: bool, pdl: bool = False) -> tuple[tuple[int, int], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
     (cached per shape and config: the eager host path is a dict lookup and one launch)."""
     use_dot = _use_dot(cfg, m)
@@ -613,10 +591,4 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
-    # own-weight L2 prefetch: every lane one piece of a row, each piece a multiple of 16 bytes
-    lanes, elem = 32 * cfg.num_warps, torch.empty((), dtype=dtype).element_size()
-    pieces = max(1, lanes // cfg.block_n)
-    l2_own = (l2_own and lanes % cfg.block_n == 0 and k_per_split % pieces == 0
-              and k_per_split // pieces * elem % 16 == 0)
-    meta.update(L2_OWN=l2_own, PIECE=k_per_split // pieces, ELEM=elem, LANES=lanes)
     return (_cdiv(n, cfg.block_n), split_k), split_k, meta

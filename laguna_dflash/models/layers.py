@@ -16,14 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import (
-    fused_moe,
-    moe_gemv,
-    moe_routing,
-    paged_attention,
-    qk_norm_rope_cache,
-    skinny_gemm,
-)
+from ..kernels import fused_moe, moe_gemv, moe_routing, qk_norm_rope_cache, skinny_gemm
 from . import fusion
 from .rope import RotaryEmbedding
 
@@ -140,10 +133,6 @@ class Attention(nn.Module):
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
     # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
     prefetch_o_proj: bool = False
-    # True: where the backend can (the Triton backend at decode shapes, kernels/paged_attention.py
-    # can_fuse_qk), the Q/K norm + RoPE and the K/V cache write run inside the attention kernel
-    # (one launch less per layer). Off until timed on the GPU (docs/PERFORMANCE.md, eighth pass).
-    fuse_qk_into_attention: bool = False
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -177,16 +166,6 @@ class Attention(nn.Module):
         positions = ctx.meta.positions
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         rot = self.rotary
-        fused_qk = self.fuse_qk_into_attention and self._fused_qk_cache_runs(qkv, ctx)
-        if fused_qk:
-            qk = paged_attention.QKNormRope(
-                qkv, self.num_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos,
-                rot.sin, rot.spec.rotary_dim)
-            out = ctx.backend.attend_fused_qk(
-                qk, k_cache, v_cache, ctx.meta, scale=self.scale, sliding_window=self.sliding_window,
-                sinks=self.sinks, is_causal=self.is_causal, gate=gate)
-            if out is not None:
-                return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if self._fused_qk_cache_runs(qkv, ctx):
             q = qk_norm_rope_cache.qk_norm_rope_cache(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
@@ -388,7 +367,7 @@ class MoE(nn.Module):
         experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
         if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
-            pairs = moe_gemv.moe_gemv_experts(*experts, shared_last=folded)
+            pairs = moe_gemv.moe_gemv_experts(*experts)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False)
         if folded and keep_pairs:

@@ -5,6 +5,8 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
+#   bash benchmarks/gpu_check.sh shared-early # the shared expert's gate_up before the PDL wait
+#                                           # (MoE.shared_expert_before_routing): tests, A/Bs (~8 min)
 #   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests, then bench
 #                                           # (~9 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
@@ -112,6 +114,19 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
+  shared-early)
+    echo "== the shared expert's gate_up before the PDL wait: kernel tests, then engine tests with it on"
+    gpu_tests 170 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py -k "cuda or sm90" | tail -12
+    timeout 200 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
+MoE.shared_expert_before_routing = True
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py', '-k',
+                      'lossless_in_float32 or graphs_match_eager_on_cuda']))" 2>&1 | tail -3
+    S=laguna_dflash.models.layers:MoE.shared_expert_before_routing
+    echo "== batch-1 decode step and 4-token verify forward: defaults against it on"
+    timeout 150 python benchmarks/profile_decode_xs.py --top 6 --switch "$S=True" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -24
+    timeout 120 python benchmarks/profile_decode_xs.py --q 4 --top 6 --switch "$S=True" 2>&1 \
+      | quiet | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -24 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -157,5 +172,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | shared-early | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
 esac

@@ -156,12 +156,16 @@ def _moe_cases(device: str) -> dict[str, float]:
                     summed = fusion.add(residual, moe.fused_forward(x))
                     deferred = fusion.add_rms_norm(residual, moe.fused_forward(x, keep_pairs=True),
                                                    torch.ones_like(residual[0]), 1e-6)[0]
+                    moe.shared_expert_before_routing = True  # (folded only: the same else)
+                    shared_early = fusion.add(residual, moe.fused_forward(x))
+                    moe.shared_expert_before_routing = False
                     moe.use_fused_router = False  # router GEMM and routing kernel apart
                     two_launch = fusion.add(residual, moe.fused_forward(x))
                 name = f"moe-{dtype}-fold{fold}-T{t}"
                 errors[name] = _rel_err(summed, want)
                 errors[name + "-deferred"] = _rel_err(deferred, want)
                 errors[name + "-unfused-router"] = _rel_err(two_launch, want)
+                errors[name + "-shared-early-exact"] = float(not torch.equal(shared_early, summed))
     return errors
 
 
@@ -197,7 +201,7 @@ def _attention_cases(device: str) -> dict[str, float]:
 
 
 def _case_tol(name: str) -> float:
-    if name.endswith("-untouched"):
+    if name.endswith(("-untouched", "-exact")):
         return 0.0
     return TOL["bfloat16" if "bfloat16" in name else "float32"] * (3 if name.startswith("moe") else 1)
 
@@ -210,7 +214,7 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 24 + 18
+    assert len(interpreter_errors) == 32 + 18
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 

@@ -66,6 +66,24 @@ def test_interpreted_matches_reference(t, k, e, hidden, inter, share, dtype) -> 
     _check(t, k, e, hidden, inter, dtype, seed=t + k, share=share)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k,e,hidden,inter", [(1, 9, 12, 80, 40), (4, 3, 5, 272, 16)])
+def test_interpreted_shared_expert_early_is_the_same(t, k, e, hidden, inter, dtype) -> None:
+    """``shared_expert_early``: the gate_up kernel computes every token's last pair as expert
+    E - 1 in its early branch: bitwise the per-pair result. That the branch ran: with another id
+    in that column (which only the down kernel then reads) the result differs from the plain
+    path's on the same ids."""
+    x, ids, w, gu, dn = _problem(t, k, e, hidden, inter, dtype, seed=t)
+    ids[:, -1] = e - 1
+    want = moe_gemv_experts(x, ids, w, gu, dn)
+    assert torch.equal(moe_gemv_experts(x, ids, w, gu, dn, shared_expert_early=True), want)
+    ids[:, -1] = 0
+    early = moe_gemv_experts(x, ids, w, gu, dn, shared_expert_early=True)
+    plain = moe_gemv_experts(x, ids, w, gu, dn)
+    assert torch.equal(early[:, :-1], plain[:, :-1]) and not torch.equal(early[:, -1], plain[:, -1])
+
+
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -80,6 +98,8 @@ def test_validation() -> None:
         moe_gemv_experts(x.double(), ids, w, gu.double(), dn)
     with pytest.raises(ValueError, match="contiguous"):
         moe_gemv_experts(x, ids, w, gu.transpose(1, 2).contiguous().transpose(1, 2), dn)
+    with pytest.raises(ValueError, match="shared_expert_early needs k >= 2"):
+        moe_gemv_experts(x, ids[:, :1], w[:, :1], gu, dn, shared_expert_early=True)
 
 
 @cuda
@@ -119,8 +139,9 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
 
 
-def _compile_sm90(which: int, pdl: bool) -> str:
-    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
+def _compile_sm90(which: int, pdl: bool, shared_id: int = -1) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline);
+    ``shared_id``: gate_up's SHARED_ID (the shared expert's pairs before the wait)."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
@@ -128,7 +149,7 @@ def _compile_sm90(which: int, pdl: bool) -> str:
     h, inter = 2048, 512
     if which == 0:
         pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
-        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
+        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk), SHARED_ID=shared_id)
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
@@ -150,3 +171,54 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
             assert any("evict_first" in line for line in early)  # the first weight tile
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_shared_expert_early_order() -> None:
+    """With SHARED_ID (kernels/pdl.py rules): two waits in the code, one on each branch (each
+    program executes one); the early branch's x loads go through L2 (.cg); the launch of the
+    dependents after both; the default build keeps one wait (test above)."""
+    ptx = _compile_sm90(0, True, shared_id=256)
+    assert ptx.count("griddepcontrol.wait") == 2
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    last_wait = ptx.rindex("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") > last_wait
+    first_wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global.cg" in ptx  # the early branch's x
+    # the ids are read on the routed branch only, after its wait
+    loads = [line for line in ptx.splitlines() if "ld.global" in line and ".b64" in line]
+    assert loads and all(ptx.index(line) > first_wait for line in loads), loads
+
+
+@cuda
+def test_cuda_shared_expert_before_routing_is_the_same(monkeypatch) -> None:
+    """``MoE.shared_expert_before_routing`` in a PDL-chained CUDA graph (the fused router then
+    the GEMV experts; the shared expert's gate_up runs before its wait): bitwise the default's
+    output over 20 replays with new inputs, eager too."""
+    from laguna_dflash.models.layers import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(2048, 256, 8, 512, 512).to("cuda", torch.bfloat16).eval()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    moe.fold_shared_expert()
+    for t in (1, 4):
+        x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            graphs = {}
+            for early in (False, True):
+                monkeypatch.setattr(MoE, "shared_expert_before_routing", early)
+                moe(x)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    # the input's producer inside the graph too, right before the router
+                    out = moe(x * 1.0)
+                graphs[early] = (graph, out)
+            for _ in range(20):
+                x.copy_(torch.randn_like(x))
+                for early in (False, True):
+                    graphs[early][0].replay()
+                torch.cuda.synchronize()
+                assert torch.equal(graphs[True][1], graphs[False][1])
+            monkeypatch.setattr(MoE, "shared_expert_before_routing", True)
+            assert torch.equal(moe(x), graphs[False][1])

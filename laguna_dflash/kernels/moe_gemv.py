@@ -23,6 +23,12 @@ reduction once after the loop.
   ``j BLOCK_N ..`` of expert ``ids[p]`` over ``I`` against ``h[p]`` and stores ``w[p]`` times the
   result into ``out[p]``.
 
+With ``shared_expert_early`` (``MoE.shared_expert_before_routing``, off until timed) the
+gate_up programs of every token's last pair, the folded shared expert, whose id is known
+without the routing, compute their GEMV before the PDL wait: while the routing kernel's last
+program still routes, the HBM streams the shared expert's 1/9 of the bytes (kernels/pdl.py
+rule 3). The same arithmetic, so bitwise the same output.
+
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
@@ -70,46 +76,80 @@ def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
                    other=0.0, eviction_policy="evict_first")
 
 
-def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
-    # the x slice at column k0 in the weight tile's shape (stride 0 along n)
+def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr):
+    # the x slice at column k0 in the weight tile's shape (stride 0 along n); X_CACHE: the load's
+    # cache modifier ("" or ".cg": through L2 only, for x read before the PDL wait)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     kk = offs_k[None, :] + zero_n
-    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
+    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0, cache_modifier=X_CACHE)
 
 
-def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
+def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr,
+               X_CACHE: tl.constexpr):
     # weight tile and x slice at column k0 (see _tile_w, _tile_x)
-    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
+    return (_tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K),
+            _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K, X_CACHE))
+
+
+def _gate_up_rows(g_rows, u_rows, x_row, offs_n, zero_n, INTER, H, BLOCK_K: tl.constexpr,
+                  K_ITERS: tl.constexpr, X_CACHE: tl.constexpr):
+    # the gate and up rows' [BLOCK_N, BLOCK_K] fp32 accumulators over H, the next tile's loads
+    # issued before this tile's FMAs
+    acc_g = tl.zeros([offs_n.shape[0], BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([offs_n.shape[0], BLOCK_K], dtype=tl.float32)
+    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K, X_CACHE)
+    wu = _tile_w(u_rows, 0, True, offs_n, INTER, H, BLOCK_K)
+    for i in range(K_ITERS):
+        cg, cu, cx = wg, wu, xs
+        ok = i + 1 < K_ITERS
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K,
+                            X_CACHE)
+        wu = _tile_w(u_rows, (i + 1) * BLOCK_K, ok, offs_n, INTER, H, BLOCK_K)
+        xf = cx.to(tl.float32)
+        acc_g += cg.to(tl.float32) * xf
+        acc_u += cu.to(tl.float32) * xf
+    return acc_g, acc_u
+
+
+def _routed_gate_up(w_ptr, ids_ptr, p, x_row, row_offs, offs_n, zero_n, INTER, H,
+                    BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, PDL: tl.constexpr):
+    # pair p's expert from the routing kernel's ids (after the PDL wait), then _gate_up_rows
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
+    g_rows = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * (2 * INTER * H) + row_offs
+    return _gate_up_rows(g_rows, g_rows + INTER * H, x_row, offs_n, zero_n, INTER, H, BLOCK_K,
+                         K_ITERS, "")
 
 
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SHARED_ID: tl.constexpr,
 ):
+    # SHARED_ID >= 0: every token's last pair is expert SHARED_ID (the folded shared expert),
+    # computed before the PDL wait (moe_gemv_experts' shared_expert_early); -1: off
     p = tl.program_id(0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
-    expert = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
-    base = w_ptr + expert * (2 * INTER * H)
-    g_rows = base + offs_n[:, None].to(tl.int64) * H
-    u_rows = g_rows + INTER * H
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-    for i in range(K_ITERS):
-        cg, cu, cx = wg, wu, xs
-        ok = i + 1 < K_ITERS
-        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-        xf = cx.to(tl.float32)
-        acc_g += cg.to(tl.float32) * xf
-        acc_u += cu.to(tl.float32) * xf
+    row_offs = offs_n[:, None].to(tl.int64) * H
+    if SHARED_ID >= 0:
+        if p % K_TOP == K_TOP - 1:
+            # a weight and an x that no kernel in between writes (kernels/pdl.py rule 3: x
+            # through L2), so this GEMV runs while the routing kernel still does; the wait comes
+            # before any write
+            g_rows = w_ptr + SHARED_ID * (2 * INTER * H) + row_offs
+            acc_g, acc_u = _gate_up_rows(g_rows, g_rows + INTER * H, x_row, offs_n, zero_n, INTER,
+                                         H, BLOCK_K, K_ITERS, ".cg")
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+        else:
+            acc_g, acc_u = _routed_gate_up(w_ptr, ids_ptr, p, x_row, row_offs, offs_n, zero_n,
+                                           INTER, H, BLOCK_K, K_ITERS, PDL)
+    else:
+        acc_g, acc_u = _routed_gate_up(w_ptr, ids_ptr, p, x_row, row_offs, offs_n, zero_n, INTER, H,
+                                       BLOCK_K, K_ITERS, PDL)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1)
@@ -140,11 +180,11 @@ def _down_gemv_kernel(
     w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
-    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
+    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K, "")
     for i in range(K_ITERS):
         cw, ch = w, hs
         w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
-                           BLOCK_K)
+                           BLOCK_K, "")
         acc += cw.to(tl.float32) * ch.to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -157,8 +197,8 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
-                                  _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_rows,
+                                  _routed_gate_up, _gate_up_gemv_kernel, _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -168,6 +208,8 @@ def moe_gemv_experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    *,
+    shared_expert_early: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output ``[T, k, H]`` in ``x.dtype``.
 
@@ -177,6 +219,14 @@ def moe_gemv_experts(
         weights: ``[T, k]`` routing weights (any float dtype; used in fp32).
         gate_up: ``[E, 2I, H]`` contiguous, x's dtype.
         down: ``[E, H, I]`` contiguous, x's dtype.
+        shared_expert_early: every token's last pair is expert ``E - 1`` (the folded shared
+            expert, ``MoE.fold_shared_expert``; the gate_up kernel takes it as that without
+            reading the column, the down kernel reads it), and
+            ``x`` was complete before the kernel that writes ``expert_ids`` passed its PDL wait
+            (the MoE's routing kernel, launched after x's producer: kernels/pdl.py rule 3).
+            With programmatic dependent launch the gate_up programs of those pairs then run
+            before their wait, while the routing kernel still runs. Needs ``k >= 2`` (a routed
+            column keeps rule 2 for the down kernel). The result is the same, bit for bit.
 
     Returns:
         ``[T, k, H]``: pair ``(t, j)`` is ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, the
@@ -205,11 +255,14 @@ def moe_gemv_experts(
     gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
     use_pdl = pdl.active(x.device, interpret)
+    if shared_expert_early and k < 2:
+        raise ValueError("shared_expert_early needs k >= 2 columns (routed experts and the shared "
+                         "one); pass shared_expert_early=False")
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
-        **pdl.launch_options(use_pdl))
+        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl,
+        SHARED_ID=e - 1 if shared_expert_early else -1, num_warps=nw, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
         h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,

@@ -7,8 +7,8 @@ be scheduled as soon as every program of the previous kernel has executed
 ``griddepcontrol.wait``, which returns once the previous kernel has completed and its writes are
 visible. Kernels that opt in here follow three rules:
 
-1. Every program executes ``gdc_wait`` exactly once, unconditionally, before it reads anything
-   the previous kernel may write and before it writes anything. So a PDL kernel completes only
+1. Every program executes ``gdc_wait`` exactly once, on every path through it, before it reads
+   anything the previous kernel may write and before it writes anything. So a PDL kernel completes only
    after its predecessor did, and completion stays ordered along the stream.
 2. ``gdc_launch_dependents`` comes after ``gdc_wait`` in every program. So when a PDL kernel is
    launched, the kernel two back has completed (every program of the one in between has passed
@@ -21,7 +21,9 @@ visible. Kernels that opt in here follow three rules:
    RoPE + cache kernel reads the positions and slots, and paged attention the metadata and the
    K/V cache at positions before each request's first query, before their waits (the metadata
    is built before the first layer; the cache rows of this forward's own positions are the only
-   ones the kernel just before attention writes).
+   ones the kernel just before attention writes). With ``moe_gemv``'s ``shared_expert_early`` the
+   gate_up programs of the folded shared expert run their whole GEMV before the wait (its weight,
+   and x through L2: x is the routing kernel's input), then wait before their store.
 
 Kernels launched normally (torch, torch.compile, cuBLAS) keep full stream ordering either way,
 and a PDL kernel after one of them simply launches when that one's programs exit.

@@ -5,8 +5,8 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh shared-early # the shared expert's gate_up before the PDL wait
-#                                           # (MoE.shared_expert_before_routing): tests, A/Bs (~8 min)
+#   bash benchmarks/gpu_check.sh shared     # the shared expert's gate_up before the PDL wait and
+#                                           # its weights once for all tokens: tests, A/Bs (~9 min)
 #   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests, then bench
 #                                           # (~9 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
@@ -114,19 +114,23 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
-  shared-early)
-    echo "== the shared expert's gate_up before the PDL wait: kernel tests, then engine tests with it on"
-    gpu_tests 170 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py -k "cuda or sm90" | tail -12
-    timeout 200 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
-MoE.shared_expert_before_routing = True
+  shared)
+    echo "== the shared expert before the routing / once for all tokens: kernel and layer tests"
+    gpu_tests 140 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py -k "cuda or sm90" | tail -12
+    echo "== engine tests with both on"
+    timeout 140 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
+MoE.shared_expert_before_routing = MoE.shared_expert_once = True
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py', '-k',
-                      'lossless_in_float32 or graphs_match_eager_on_cuda']))" 2>&1 | tail -3
+                      'lossless_in_float32 or graphs_match_eager_on_cuda']))" 2>&1 | tail -2
     S=laguna_dflash.models.layers:MoE.shared_expert_before_routing
-    echo "== batch-1 decode step and 4-token verify forward: defaults against it on"
-    timeout 150 python benchmarks/profile_decode_xs.py --top 6 --switch "$S=True" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -24
-    timeout 120 python benchmarks/profile_decode_xs.py --q 4 --top 6 --switch "$S=True" 2>&1 \
-      | quiet | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -24 ;;
+    O=laguna_dflash.models.layers:MoE.shared_expert_once
+    echo "== batch-1 decode step: defaults against the shared expert before the routing"
+    timeout 110 python benchmarks/profile_decode_xs.py --top 4 --switch "$S=True" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -20
+    echo "== 4-token verify forward: defaults against each, and both"
+    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 4 --switch "$S=True" \
+      --switch "$O=True" --switch "$S=True;$O=True" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -36 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -172,5 +176,5 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | shared-early | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | shared | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
 esac

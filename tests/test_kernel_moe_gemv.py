@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
+from ptx_sm90 import can_compile_sm90, compile_sm90, compile_sm90_spills, loads_before_pdl_wait
 from test_kernel_fused_moe import _problem as fused_moe_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
@@ -84,6 +84,24 @@ def test_interpreted_shared_expert_early_is_the_same(t, k, e, hidden, inter, dty
     assert torch.equal(early[:, :-1], plain[:, :-1]) and not torch.equal(early[:, -1], plain[:, -1])
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("early", [False, True], ids=["once", "once_early"])
+@pytest.mark.parametrize("t,k,e,hidden,inter", [(2, 9, 12, 80, 40), (3, 3, 5, 272, 16), (4, 4, 6, 64, 24)])
+def test_interpreted_shared_expert_once_is_the_same(t, k, e, hidden, inter, early, dtype) -> None:
+    """``shared_expert_once``: the shared expert's programs take every token's row (the 3-token
+    case pads to 4): bitwise the per-pair result. That both kernels took it as expert E - 1 for
+    all tokens at once: with another id in that column the result is still the right one."""
+    x, ids, w, gu, dn = _problem(t, k, e, hidden, inter, dtype, seed=t)
+    ids[:, -1] = e - 1
+    want = moe_gemv_experts(x, ids, w, gu, dn)
+    flags = dict(shared_expert_once=True, shared_expert_early=early)
+    assert torch.equal(moe_gemv_experts(x, ids, w, gu, dn, **flags), want)
+    ids[:, -1] = 0
+    assert torch.equal(moe_gemv_experts(x, ids, w, gu, dn, **flags), want)
+    assert not torch.equal(moe_gemv_experts(x, ids, w, gu, dn), want)
+
+
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -98,8 +116,9 @@ def test_validation() -> None:
         moe_gemv_experts(x.double(), ids, w, gu.double(), dn)
     with pytest.raises(ValueError, match="contiguous"):
         moe_gemv_experts(x, ids, w, gu.transpose(1, 2).contiguous().transpose(1, 2), dn)
-    with pytest.raises(ValueError, match="shared_expert_early needs k >= 2"):
-        moe_gemv_experts(x, ids[:, :1], w[:, :1], gu, dn, shared_expert_early=True)
+    for flag in ("shared_expert_early", "shared_expert_once"):
+        with pytest.raises(ValueError, match="need k >= 2"):
+            moe_gemv_experts(x, ids[:, :1], w[:, :1], gu, dn, **{flag: True})
 
 
 @cuda
@@ -139,9 +158,12 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
 
 
-def _compile_sm90(which: int, pdl: bool, shared_id: int = -1) -> str:
+def _compile_sm90(which: int, pdl: bool, shared_id: int = -1, early: bool = False, t_rows: int = 0,
+                  once_rows: int = 0, spills: bool = False):
     """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline);
-    ``shared_id``: gate_up's SHARED_ID (the shared expert's pairs before the wait)."""
+    ``shared_id`` / ``early`` / ``t_rows`` / ``once_rows``: the shared-expert constexprs
+    (moe_gemv_experts' shared_expert_early / shared_expert_once); ``spills``: (PTX, ptxas's
+    spill-store bytes) instead."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
@@ -149,12 +171,14 @@ def _compile_sm90(which: int, pdl: bool, shared_id: int = -1) -> str:
     h, inter = 2048, 512
     if which == 0:
         pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
-        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk), SHARED_ID=shared_id)
+        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-h // bk), EARLY=early)
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
-    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl)
-    return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
+    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, K_TOP=9, SHARED_ID=shared_id,
+                      T_ROWS=t_rows, ONCE_ROWS=once_rows)
+    compile_fn = compile_sm90_spills if spills else compile_sm90
+    return compile_fn(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
@@ -178,7 +202,7 @@ def test_sm90_shared_expert_early_order() -> None:
     """With SHARED_ID (kernels/pdl.py rules): two waits in the code, one on each branch (each
     program executes one); the early branch's x loads go through L2 (.cg); the launch of the
     dependents after both; the default build keeps one wait (test above)."""
-    ptx = _compile_sm90(0, True, shared_id=256)
+    ptx = _compile_sm90(0, True, shared_id=256, early=True)
     assert ptx.count("griddepcontrol.wait") == 2
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     last_wait = ptx.rindex("griddepcontrol.wait")
@@ -190,11 +214,28 @@ def test_sm90_shared_expert_early_order() -> None:
     assert loads and all(ptx.index(line) > first_wait for line in loads), loads
 
 
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("t_rows,once_rows", [(2, 2), (3, 4), (4, 4)])
+def test_sm90_shared_expert_once_builds(t_rows, once_rows) -> None:
+    """The once builds of both kernels at XS-2.1 shapes: no spills, one wait each, gate_up reads
+    nothing before it (down: its expert id through L2 and weight tiles, as the default)."""
+    for which in (0, 1):
+        ptx, spills = _compile_sm90(which, True, shared_id=256, t_rows=t_rows, once_rows=once_rows,
+                                    spills=True)
+        assert spills and max(spills) == 0, spills
+        early = loads_before_pdl_wait(ptx)
+        if which == 0:
+            assert early == []
+        else:
+            assert all(".cg" in line or "evict_first" in line for line in early), early
+
+
 @cuda
-def test_cuda_shared_expert_before_routing_is_the_same(monkeypatch) -> None:
-    """``MoE.shared_expert_before_routing`` in a PDL-chained CUDA graph (the fused router then
-    the GEMV experts; the shared expert's gate_up runs before its wait): bitwise the default's
-    output over 20 replays with new inputs, eager too."""
+@pytest.mark.parametrize("switch", ["shared_expert_before_routing", "shared_expert_once"])
+def test_cuda_shared_expert_switches_are_the_same(switch, monkeypatch) -> None:
+    """``MoE.shared_expert_before_routing`` / ``MoE.shared_expert_once`` in a PDL-chained CUDA
+    graph (the fused router then the GEMV experts): bitwise the default's output over 20 replays
+    with new inputs at 1 and 4 tokens, eager too."""
     from laguna_dflash.models.layers import MoE
 
     torch.manual_seed(0)
@@ -206,19 +247,19 @@ def test_cuda_shared_expert_before_routing_is_the_same(monkeypatch) -> None:
         x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             graphs = {}
-            for early in (False, True):
-                monkeypatch.setattr(MoE, "shared_expert_before_routing", early)
+            for on in (False, True):
+                monkeypatch.setattr(MoE, switch, on)
                 moe(x)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     # the input's producer inside the graph too, right before the router
                     out = moe(x * 1.0)
-                graphs[early] = (graph, out)
+                graphs[on] = (graph, out)
             for _ in range(20):
                 x.copy_(torch.randn_like(x))
-                for early in (False, True):
-                    graphs[early][0].replay()
+                for on in (False, True):
+                    graphs[on][0].replay()
                 torch.cuda.synchronize()
                 assert torch.equal(graphs[True][1], graphs[False][1])
-            monkeypatch.setattr(MoE, "shared_expert_before_routing", True)
+            monkeypatch.setattr(MoE, switch, True)
             assert torch.equal(moe(x), graphs[False][1])

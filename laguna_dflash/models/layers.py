@@ -298,6 +298,10 @@ class MoE(nn.Module):
     # kernel's PDL wait, while the routing kernel still runs (moe_gemv's shared_expert_early;
     # its x is the router's input, written before the router launched). Off until timed.
     shared_expert_before_routing: bool = False
+    # With the GEMV experts, the shared expert folded and 2..4 tokens: its weights read once for
+    # all tokens instead of once per token (moe_gemv's shared_expert_once; 3 x 6.3 MB a layer
+    # less at 4 tokens at Laguna-XS-2.1 size). Off until timed.
+    shared_expert_once: bool = False
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None
@@ -372,7 +376,8 @@ class MoE(nn.Module):
                    self.down_with_shared if folded else self.experts_down)
         if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
             pairs = moe_gemv.moe_gemv_experts(
-                *experts, shared_expert_early=folded and self.shared_expert_before_routing)
+                *experts, shared_expert_early=folded and self.shared_expert_before_routing,
+                shared_expert_once=folded and self.shared_expert_once)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False)
         if folded and keep_pairs:

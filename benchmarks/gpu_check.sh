@@ -5,8 +5,9 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh shared     # the shared expert's gate_up before the PDL wait and
-#                                           # its weights once for all tokens: tests, A/Bs (~9 min)
+#   bash benchmarks/gpu_check.sh shared     # the shared expert before the PDL wait, its weights
+#                                           # once for all tokens, the GEMV experts in one launch:
+#                                           # tests, decode and verify A/Bs (~9.5 min)
 #   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests, then bench
 #                                           # (~9 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
@@ -115,22 +116,24 @@ case "$stage" in
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
   shared)
-    echo "== the shared expert before the routing / once for all tokens: kernel and layer tests"
-    gpu_tests 140 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py -k "cuda or sm90" | tail -12
-    echo "== engine tests with both on"
-    timeout 140 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
-MoE.shared_expert_before_routing = MoE.shared_expert_once = True
+    echo "== the shared expert before the routing / once for all tokens, the experts in one launch"
+    gpu_tests 130 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py -k "cuda or sm90" | tail -14
+    echo "== engine tests with all three on"
+    timeout 130 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
+MoE.shared_expert_before_routing = MoE.shared_expert_once = MoE.moe_gemv_one_launch = True
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py', '-k',
                       'lossless_in_float32 or graphs_match_eager_on_cuda']))" 2>&1 | tail -2
     S=laguna_dflash.models.layers:MoE.shared_expert_before_routing
     O=laguna_dflash.models.layers:MoE.shared_expert_once
-    echo "== batch-1 decode step: defaults against the shared expert before the routing"
-    timeout 110 python benchmarks/profile_decode_xs.py --top 4 --switch "$S=True" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -20
-    echo "== 4-token verify forward: defaults against each, and both"
-    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 4 --switch "$S=True" \
-      --switch "$O=True" --switch "$S=True;$O=True" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -36 ;;
+    L=laguna_dflash.models.layers:MoE.moe_gemv_one_launch
+    echo "== batch-1 decode step: defaults against each"
+    timeout 140 python benchmarks/profile_decode_xs.py --top 3 --switch "$S=True" --switch "$L=True" \
+      --switch "$S=True;$L=True" 2>&1 | quiet | grep -E "^\||^##|equal|kernels per" \
+      | grep -v "^|---" | head -32
+    echo "== 4-token verify forward: defaults against each"
+    timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 3 --switch "$O=True" \
+      --switch "$S=True;$O=True" --switch "$S=True;$L=True" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -32 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \

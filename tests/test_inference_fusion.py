@@ -162,6 +162,9 @@ def _moe_cases(device: str) -> dict[str, float]:
                     moe.shared_expert_once = True  # (folded and T >= 2 only: the same else)
                     shared_once = fusion.add(residual, moe.fused_forward(x))
                     moe.shared_expert_once = False
+                    moe.moe_gemv_one_launch = moe.shared_expert_before_routing = True
+                    one_launch = fusion.add(residual, moe.fused_forward(x))
+                    moe.moe_gemv_one_launch = moe.shared_expert_before_routing = False
                     moe.use_fused_router = False  # router GEMM and routing kernel apart
                     two_launch = fusion.add(residual, moe.fused_forward(x))
                 name = f"moe-{dtype}-fold{fold}-T{t}"
@@ -170,6 +173,7 @@ def _moe_cases(device: str) -> dict[str, float]:
                 errors[name + "-unfused-router"] = _rel_err(two_launch, want)
                 errors[name + "-shared-early-exact"] = float(not torch.equal(shared_early, summed))
                 errors[name + "-shared-once-exact"] = float(not torch.equal(shared_once, summed))
+                errors[name + "-one-launch-exact"] = float(not torch.equal(one_launch, summed))
     return errors
 
 
@@ -218,7 +222,7 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 40 + 18
+    assert len(interpreter_errors) == 48 + 18
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 

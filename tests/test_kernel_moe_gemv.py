@@ -102,6 +102,26 @@ def test_interpreted_shared_expert_once_is_the_same(t, k, e, hidden, inter, earl
     assert not torch.equal(moe_gemv_experts(x, ids, w, gu, dn), want)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("early", [False, True], ids=["one_launch", "one_launch_early"])
+@pytest.mark.parametrize("t,k,e,hidden,inter", [(1, 9, 12, 80, 40), (3, 3, 5, 272, 16), (4, 4, 6, 64, 24)])
+def test_interpreted_one_launch_is_the_same(t, k, e, hidden, inter, early, dtype) -> None:
+    """``one_launch`` (kernels/moe_one_launch.py): bitwise the two kernels' pairs, three calls in a
+    row (the last program re-arms the ticket and the counters: a stale ticket would give other
+    tiles). With the shared expert early both of its phases take it as expert E - 1: another id
+    in its column changes nothing; without, the column is read."""
+    x, ids, w, gu, dn = _problem(t, k, e, hidden, inter, dtype, seed=t)
+    ids[:, -1] = e - 1
+    want = moe_gemv_experts(x, ids, w, gu, dn)
+    for _ in range(3):
+        assert torch.equal(moe_gemv_experts(x, ids, w, gu, dn, one_launch=True, shared_expert_early=early), want)
+    ids[:, -1] = 0
+    got = moe_gemv_experts(x, ids, w, gu, dn, one_launch=True, shared_expert_early=early)
+    assert torch.equal(got, want) == early
+    assert torch.equal(got, moe_gemv_experts(x, ids, w, gu, dn, shared_expert_early=early)) != early
+
+
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -231,7 +251,8 @@ def test_sm90_shared_expert_once_builds(t_rows, once_rows) -> None:
 
 
 @cuda
-@pytest.mark.parametrize("switch", ["shared_expert_before_routing", "shared_expert_once"])
+@pytest.mark.parametrize("switch", ["shared_expert_before_routing", "shared_expert_once",
+                                    "moe_gemv_one_launch", "moe_gemv_one_launch+shared_expert_before_routing"])
 def test_cuda_shared_expert_switches_are_the_same(switch, monkeypatch) -> None:
     """``MoE.shared_expert_before_routing`` / ``MoE.shared_expert_once`` in a PDL-chained CUDA
     graph (the fused router then the GEMV experts): bitwise the default's output over 20 replays
@@ -248,7 +269,8 @@ def test_cuda_shared_expert_switches_are_the_same(switch, monkeypatch) -> None:
         with torch.inference_mode():
             graphs = {}
             for on in (False, True):
-                monkeypatch.setattr(MoE, switch, on)
+                for name in switch.split("+"):
+                    monkeypatch.setattr(MoE, name, on)
                 moe(x)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -261,5 +283,32 @@ def test_cuda_shared_expert_switches_are_the_same(switch, monkeypatch) -> None:
                     graphs[on][0].replay()
                 torch.cuda.synchronize()
                 assert torch.equal(graphs[True][1], graphs[False][1])
-            monkeypatch.setattr(MoE, switch, True)
+            for name in switch.split("+"):
+                monkeypatch.setattr(MoE, name, True)
             assert torch.equal(moe(x), graphs[False][1])
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("early", [False, True])
+def test_sm90_one_launch_builds(t, early) -> None:
+    """kernels/moe_one_launch.py at XS-2.1 shapes for sm_90: no spills; the gate_up tiles
+    release their pair's counter and the down tiles acquire it (gpu scope), read h through L2;
+    with PDL a wait on every path (one shared by both branches without the early shared
+    expert, three with it), none without."""
+    from laguna_dflash.kernels import moe_gemv, moe_one_launch
+
+    (bn1, bk1, nw), (bn2, bk2, _) = moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG
+    types = {n: "*bf16" for n in ("x_ptr", "gu_ptr", "dn_ptr", "rw_ptr", "h_ptr", "out_ptr")}
+    types.update(ids_ptr="*i64", sync_ptr="*i32")
+    for pdl in (False, True):
+        constexprs = dict(T=t, K_TOP=9, H=2048, INTER=512, BN1=bn1, BK1=bk1, KI1=2048 // bk1, BN2=bn2,
+                          BK2=bk2, KI2=512 // bk2, OUT_DTYPE=1, PDL=pdl, SHARED_ID=256 if early else -1,
+                          EARLY=early, PAIRS_PAD=16 if t == 1 else 64)
+        ptx, spills = compile_sm90_spills(moe_one_launch._kernel(False), types, constexprs,
+                                          {"num_warps": nw, "launch_pdl": pdl})
+        assert spills and max(spills) == 0, spills
+        # the spin's atomic_add(0, acquire) compiles to a load-acquire (no atomic traffic)
+        assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
+        assert "ld.global.cg" in ptx
+        assert ptx.count("griddepcontrol.wait") == ((3 if early else 1) if pdl else 0)

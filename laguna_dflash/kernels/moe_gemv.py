@@ -262,6 +262,7 @@ def moe_gemv_experts(
     *,
     shared_expert_early: bool = False,
     shared_expert_once: bool = False,
+    one_launch: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output ``[T, k, H]`` in ``x.dtype``.
 
@@ -279,6 +280,10 @@ def moe_gemv_experts(
             With programmatic dependent launch the gate_up programs of those pairs then run
             before their wait, while the routing kernel still runs. Needs ``k >= 2`` (a routed
             column keeps rule 2 for the down kernel). The result is the same, bit for bit.
+        one_launch: gate_up and down in one launch joined by per-pair counters
+            (kernels/moe_one_launch.py; up to ``moe_one_launch.MAX_PAIRS`` pairs, not with
+            ``shared_expert_once``); with ``shared_expert_early`` the shared expert's down runs
+            before the PDL wait too. The result is the same, bit for bit.
         shared_expert_once: every token's last pair is expert ``E - 1`` (the column is not
             read). With 2..4 tokens that expert's weights are read once for all of them
             instead of once per token: its programs take fewer rows each for every token (the
@@ -314,6 +319,12 @@ def moe_gemv_experts(
     if (shared_expert_early or shared_expert_once) and k < 2:
         raise ValueError("shared_expert_early / shared_expert_once need k >= 2 columns (routed "
                          "experts and the shared one); pass False")
+    if one_launch and not shared_expert_once:
+        from .moe_one_launch import MAX_PAIRS, experts_one_launch  # (it imports this module)
+
+        if p <= MAX_PAIRS:
+            experts_one_launch(x, ids, rw, gate_up, down, out, shared_expert_early)
+            return out
     shared_id = e - 1 if shared_expert_early or shared_expert_once else -1
     # the shared expert once for all tokens: from 2 tokens (at 1 it is one pair anyway)
     once_rows = (2 if t == 2 else 4) if shared_expert_once and 2 <= t <= 4 else 0

@@ -126,10 +126,11 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py
     S=laguna_dflash.models.layers:MoE.shared_expert_before_routing
     O=laguna_dflash.models.layers:MoE.shared_expert_once
     L=laguna_dflash.models.layers:MoE.moe_gemv_one_launch
+    W=laguna_dflash.kernels.moe_one_launch:NUM_WARPS
     echo "== batch-1 decode step: defaults against each"
-    timeout 140 python benchmarks/profile_decode_xs.py --top 3 --switch "$S=True" --switch "$L=True" \
-      --switch "$S=True;$L=True" 2>&1 | quiet | grep -E "^\||^##|equal|kernels per" \
-      | grep -v "^|---" | head -32
+    timeout 150 python benchmarks/profile_decode_xs.py --top 3 --switch "$S=True" \
+      --switch "$S=True;$L=True" --switch "$S=True;$L=True;$W=8" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -32
     echo "== 4-token verify forward: defaults against each"
     timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 3 --switch "$O=True" \
       --switch "$S=True;$O=True" --switch "$S=True;$L=True" 2>&1 | quiet \

@@ -291,14 +291,15 @@ def test_cuda_shared_expert_switches_are_the_same(switch, monkeypatch) -> None:
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("early", [False, True])
-def test_sm90_one_launch_builds(t, early) -> None:
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_sm90_one_launch_builds(t, early, num_warps) -> None:
     """kernels/moe_one_launch.py at XS-2.1 shapes for sm_90: no spills; the gate_up tiles
     release their pair's counter and the down tiles acquire it (gpu scope), read h through L2;
     with PDL a wait on every path (one shared by both branches without the early shared
     expert, three with it), none without."""
     from laguna_dflash.kernels import moe_gemv, moe_one_launch
 
-    (bn1, bk1, nw), (bn2, bk2, _) = moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG
+    (bn1, bk1, _), (bn2, bk2, _) = moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG
     types = {n: "*bf16" for n in ("x_ptr", "gu_ptr", "dn_ptr", "rw_ptr", "h_ptr", "out_ptr")}
     types.update(ids_ptr="*i64", sync_ptr="*i32")
     for pdl in (False, True):
@@ -306,9 +307,27 @@ def test_sm90_one_launch_builds(t, early) -> None:
                           BK2=bk2, KI2=512 // bk2, OUT_DTYPE=1, PDL=pdl, SHARED_ID=256 if early else -1,
                           EARLY=early, PAIRS_PAD=16 if t == 1 else 64)
         ptx, spills = compile_sm90_spills(moe_one_launch._kernel(False), types, constexprs,
-                                          {"num_warps": nw, "launch_pdl": pdl})
+                                          {"num_warps": num_warps, "launch_pdl": pdl})
         assert spills and max(spills) == 0, spills
         # the spin's atomic_add(0, acquire) compiles to a load-acquire (no atomic traffic)
         assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
         assert "ld.global.cg" in ptx
         assert ptx.count("griddepcontrol.wait") == ((3 if early else 1) if pdl else 0)
+
+
+@cuda
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_cuda_one_launch_equals_the_two_kernels(num_warps, monkeypatch) -> None:
+    """kernels/moe_one_launch.py at XS-2.1 shapes (1 and 4 tokens, the shared expert early or
+    not, 4 or 8 warps): bitwise the two kernels, five calls in a row."""
+    from laguna_dflash.kernels import moe_one_launch
+
+    monkeypatch.setattr(moe_one_launch, "NUM_WARPS", num_warps)
+    for t in (1, 4):
+        x, ids, w, gu, dn = _problem(t, 9, 257, 2048, 512, torch.bfloat16, seed=5, device="cuda")
+        ids[:, -1] = 256
+        want = moe_gemv_experts(x, ids, w, gu, dn)
+        for early in (False, True):
+            for _ in range(5):
+                got = moe_gemv_experts(x, ids, w, gu, dn, one_launch=True, shared_expert_early=early)
+                assert torch.equal(got, want), (t, early)

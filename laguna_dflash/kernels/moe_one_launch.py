@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 __all__ = ["MAX_PAIRS", "experts_one_launch"]
 
 MAX_PAIRS = 64  # (token, expert) pairs of one call (rows of the h workspace)
+# Warps per program: 4 as the two kernels (GATE_UP_CONFIG, DOWN_CONFIG). Offline ptxas (sm_90a)
+# gives this kernel 96 registers a thread at 4 warps (5 programs an SM) and 64 at 8 (4 programs
+# of twice the threads); each tile row keeps its lanes either way, so the sums are the same.
+# An A/B knob until timed (benchmarks/gpu_check.sh shared).
+NUM_WARPS = 4
 
 
 def _pair_of(i, K_TOP: tl.constexpr, SHARED: tl.constexpr):
@@ -215,13 +220,13 @@ def experts_one_launch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     h, sync = _workspace(x.device, inter, x.dtype)
     interpret = interpret_mode()
     use_pdl = pdl.active(x.device, interpret)
-    (bn1, bk1, nw1), (bn2, bk2, _) = GATE_UP_CONFIG, DOWN_CONFIG
+    (bn1, bk1, _), (bn2, bk2, _) = GATE_UP_CONFIG, DOWN_CONFIG
     num_programs = t * k * (-(-inter // bn1) + -(-hidden // bn2))
     _kernel(interpret)[(num_programs,)](
         x, gate_up, down, ids, weights, h, out, sync,
         T=t, K_TOP=k, H=hidden, INTER=inter, BN1=bn1, BK1=bk1, KI1=-(-hidden // bk1),
         BN2=bn2, BK2=bk2, KI2=-(-inter // bk2), OUT_DTYPE=DTYPE_CODE[x.dtype], PDL=use_pdl,
         SHARED_ID=e - 1 if shared_early else -1, EARLY=shared_early,
-        PAIRS_PAD=1 << max(0, t * k - 1).bit_length(), num_warps=nw1,
+        PAIRS_PAD=1 << max(0, t * k - 1).bit_length(), num_warps=NUM_WARPS,
         **pdl.launch_options(use_pdl),
     )

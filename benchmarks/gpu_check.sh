@@ -117,7 +117,8 @@ case "$stage" in
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
   shared)
     echo "== the shared expert before the routing / once for all tokens, the experts in one launch"
-    gpu_tests 130 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py -k "cuda or sm90" | tail -20
+    gpu_tests 130 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py \
+      -k "shared_expert or one_launch or on_cuda_match_eager" | tail -24
     echo "== engine tests with all three on"
     timeout 130 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
 MoE.shared_expert_before_routing = MoE.shared_expert_once = MoE.moe_gemv_one_launch = True

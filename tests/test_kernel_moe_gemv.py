@@ -305,7 +305,7 @@ def test_sm90_one_launch_builds(t, early, num_warps) -> None:
     for pdl in (False, True):
         constexprs = dict(T=t, K_TOP=9, H=2048, INTER=512, BN1=bn1, BK1=bk1, KI1=2048 // bk1, BN2=bn2,
                           BK2=bk2, KI2=512 // bk2, OUT_DTYPE=1, PDL=pdl, SHARED_ID=256 if early else -1,
-                          EARLY=early, PAIRS_PAD=16 if t == 1 else 64)
+                          PAIRS_PAD=16 if t == 1 else 64)
         ptx, spills = compile_sm90_spills(moe_one_launch._kernel(False), types, constexprs,
                                           {"num_warps": num_warps, "launch_pdl": pdl})
         assert spills and max(spills) == 0, spills

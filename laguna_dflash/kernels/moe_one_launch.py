@@ -113,15 +113,66 @@ def _store_out(out_ptr, rw_ptr, p, offs_n, total, H: tl.constexpr, OUT_DTYPE: tl
              mask=offs_n < H)
 
 
+def _shared_tile(x_ptr, gu_ptr, dn_ptr, rw_ptr, h_ptr, out_ptr, done_ptr, w, S: tl.constexpr,
+                 K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+                 BN1: tl.constexpr, BK1: tl.constexpr, KI1: tl.constexpr,
+                 BN2: tl.constexpr, BK2: tl.constexpr, KI2: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr, PDL: tl.constexpr, SHARED_ID: tl.constexpr):
+    # ticket w < S (NB1 + NB2): a tile of the shared expert, whose expert is known without the
+    # routing, so it runs before the PDL wait (module docstring) and waits only before it reads
+    # the routing weight and writes out
+    NB1: tl.constexpr = (INTER + BN1 - 1) // BN1
+    NB2: tl.constexpr = (H + BN2 - 1) // BN2
+    if w < S * NB1:
+        _gate_up_tile(x_ptr, gu_ptr, h_ptr, done_ptr, SHARED_ID, (w // NB1) * K_TOP + K_TOP - 1,
+                      w % NB1, K_TOP, H, INTER, BN1, BK1, KI1, OUT_DTYPE, ".cg")
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+    else:
+        v = w - S * NB1
+        p = (v // NB2) * K_TOP + K_TOP - 1
+        offs_n, total = _down_acc(dn_ptr, h_ptr, done_ptr, SHARED_ID, p, v % NB2, H, INTER, BN2,
+                                  BK2, KI2, NB1)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        _store_out(out_ptr, rw_ptr, p, offs_n, total, H, OUT_DTYPE)
+
+
+def _routed_tile(x_ptr, gu_ptr, dn_ptr, ids_ptr, rw_ptr, h_ptr, out_ptr, done_ptr, v,
+                 R: tl.constexpr, K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+                 BN1: tl.constexpr, BK1: tl.constexpr, KI1: tl.constexpr,
+                 BN2: tl.constexpr, BK2: tl.constexpr, KI2: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr):
+    # routed ticket v (counted from the first routed tile): a gate_up tile of the R routed pairs,
+    # then their down tiles; after the PDL wait (the ids and weights are the routing's output)
+    NB1: tl.constexpr = (INTER + BN1 - 1) // BN1
+    NB2: tl.constexpr = (H + BN2 - 1) // BN2
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if v < R * NB1:
+        p = _pair_of(v // NB1, K_TOP, SHARED)
+        _gate_up_tile(x_ptr, gu_ptr, h_ptr, done_ptr, tl.load(ids_ptr + p).to(tl.int64), p,
+                      v % NB1, K_TOP, H, INTER, BN1, BK1, KI1, OUT_DTYPE, "")
+    else:
+        v -= R * NB1
+        p = _pair_of(v // NB2, K_TOP, SHARED)
+        offs_n, total = _down_acc(dn_ptr, h_ptr, done_ptr, tl.load(ids_ptr + p).to(tl.int64), p,
+                                  v % NB2, H, INTER, BN2, BK2, KI2, NB1)
+        _store_out(out_ptr, rw_ptr, p, offs_n, total, H, OUT_DTYPE)
+
+
 def _experts_one_launch_kernel(
     x_ptr, gu_ptr, dn_ptr, ids_ptr, rw_ptr, h_ptr, out_ptr, sync_ptr,
     T: tl.constexpr, K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BN1: tl.constexpr, BK1: tl.constexpr, KI1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, KI2: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, PDL: tl.constexpr, SHARED_ID: tl.constexpr, EARLY: tl.constexpr,
-    PAIRS_PAD: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PDL: tl.constexpr, SHARED_ID: tl.constexpr, PAIRS_PAD: tl.constexpr,
 ):
     # sync_ptr: int32 [2 + MAX_PAIRS] = ticket counter, finished counter, one counter per pair;
+    # SHARED_ID >= 0: every token's last pair is that expert, run early (shared_early), -1: none;
     # PAIRS_PAD: next_pow2(T K_TOP) (the reset's vector)
     NB1: tl.constexpr = (INTER + BN1 - 1) // BN1
     NB2: tl.constexpr = (H + BN2 - 1) // BN2
@@ -131,51 +182,17 @@ def _experts_one_launch_kernel(
     TOTAL: tl.constexpr = (S + R) * (NB1 + NB2)
     done_ptr = sync_ptr + 2
     w = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")  # the work ticket
-    if w < S * (NB1 + NB2):  # the shared expert: expert and weight known without the routing
-        if EARLY:
-            if w < S * NB1:
-                _gate_up_tile(x_ptr, gu_ptr, h_ptr, done_ptr, SHARED_ID, (w // NB1) * K_TOP + K_TOP - 1,
-                              w % NB1, K_TOP, H, INTER, BN1, BK1, KI1, OUT_DTYPE, ".cg")
-                if PDL:
-                    tl.extra.cuda.gdc_wait()
-                    tl.extra.cuda.gdc_launch_dependents()
-            else:
-                v = w - S * NB1
-                p = (v // NB2) * K_TOP + K_TOP - 1
-                offs_n, total = _down_acc(dn_ptr, h_ptr, done_ptr, SHARED_ID, p, v % NB2, H, INTER,
-                                          BN2, BK2, KI2, NB1)
-                if PDL:
-                    tl.extra.cuda.gdc_wait()  # before reading the routing weight, writing out
-                    tl.extra.cuda.gdc_launch_dependents()
-                _store_out(out_ptr, rw_ptr, p, offs_n, total, H, OUT_DTYPE)
+    if SHARED:
+        if w < S * (NB1 + NB2):
+            _shared_tile(x_ptr, gu_ptr, dn_ptr, rw_ptr, h_ptr, out_ptr, done_ptr, w, S, K_TOP, H,
+                         INTER, BN1, BK1, KI1, BN2, BK2, KI2, OUT_DTYPE, PDL, SHARED_ID)
         else:
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-            if w < S * NB1:
-                _gate_up_tile(x_ptr, gu_ptr, h_ptr, done_ptr, SHARED_ID, (w // NB1) * K_TOP + K_TOP - 1,
-                              w % NB1, K_TOP, H, INTER, BN1, BK1, KI1, OUT_DTYPE, "")
-            else:
-                v = w - S * NB1
-                p = (v // NB2) * K_TOP + K_TOP - 1
-                offs_n, total = _down_acc(dn_ptr, h_ptr, done_ptr, SHARED_ID, p, v % NB2, H, INTER,
-                                          BN2, BK2, KI2, NB1)
-                _store_out(out_ptr, rw_ptr, p, offs_n, total, H, OUT_DTYPE)
+            _routed_tile(x_ptr, gu_ptr, dn_ptr, ids_ptr, rw_ptr, h_ptr, out_ptr, done_ptr,
+                         w - S * (NB1 + NB2), R, K_TOP, H, INTER, BN1, BK1, KI1, BN2, BK2, KI2,
+                         OUT_DTYPE, PDL, SHARED)
     else:
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the ids and weights are the previous kernel's (routing)
-            tl.extra.cuda.gdc_launch_dependents()
-        v = w - S * (NB1 + NB2)
-        if v < R * NB1:
-            p = _pair_of(v // NB1, K_TOP, SHARED)
-            _gate_up_tile(x_ptr, gu_ptr, h_ptr, done_ptr, tl.load(ids_ptr + p).to(tl.int64), p,
-                          v % NB1, K_TOP, H, INTER, BN1, BK1, KI1, OUT_DTYPE, "")
-        else:
-            v -= R * NB1
-            p = _pair_of(v // NB2, K_TOP, SHARED)
-            offs_n, total = _down_acc(dn_ptr, h_ptr, done_ptr, tl.load(ids_ptr + p).to(tl.int64), p,
-                                      v % NB2, H, INTER, BN2, BK2, KI2, NB1)
-            _store_out(out_ptr, rw_ptr, p, offs_n, total, H, OUT_DTYPE)
+        _routed_tile(x_ptr, gu_ptr, dn_ptr, ids_ptr, rw_ptr, h_ptr, out_ptr, done_ptr, w, R, K_TOP,
+                     H, INTER, BN1, BK1, KI1, BN2, BK2, KI2, OUT_DTYPE, PDL, SHARED)
     # the last program to finish re-arms the ticket, the pair counters and itself
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == TOTAL - 1:
         offs = tl.arange(0, PAIRS_PAD)
@@ -189,7 +206,8 @@ def _kernel(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key)."""
     del interpret
     ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_rows, _pair_of,
-                                  _gate_up_tile, _down_acc, _store_out, _experts_one_launch_kernel))
+                                  _gate_up_tile, _down_acc, _store_out, _shared_tile, _routed_tile,
+                                  _experts_one_launch_kernel))
     return ns["_experts_one_launch_kernel"]
 
 
@@ -226,7 +244,6 @@ def experts_one_launch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         x, gate_up, down, ids, weights, h, out, sync,
         T=t, K_TOP=k, H=hidden, INTER=inter, BN1=bn1, BK1=bk1, KI1=-(-hidden // bk1),
         BN2=bn2, BK2=bk2, KI2=-(-inter // bk2), OUT_DTYPE=DTYPE_CODE[x.dtype], PDL=use_pdl,
-        SHARED_ID=e - 1 if shared_early else -1, EARLY=shared_early,
-        PAIRS_PAD=1 << max(0, t * k - 1).bit_length(), num_warps=NUM_WARPS,
+        SHARED_ID=e - 1 if shared_early else -1, PAIRS_PAD=1 << max(0, t * k - 1).bit_length(), num_warps=NUM_WARPS,
         **pdl.launch_options(use_pdl),
     )

@@ -102,6 +102,26 @@ def _tile_gemv(w_rows, x_rows, k0, ok, x_ok, offs_n, N, K, BLOCK_K: tl.constexpr
             _tile_x(x_rows, k0, ok & x_ok, K, BLOCK_K, X_CACHE))
 
 
+def _routed_pair(i, K_TOP: tl.constexpr):
+    # the pair of the i-th routed group when every token's last column is the shared expert
+    return (i // (K_TOP - 1)) * K_TOP + i % (K_TOP - 1)
+
+
+def _store_swiglu(h_ptrs, acc_g, acc_u, mask, OUT_DTYPE: tl.constexpr):
+    # h = silu(g) * u of the rows' [BLOCK_N, BLOCK_K] accumulators: fp32, rounded once (as
+    # fused_moe)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptrs, _round_to(h, OUT_DTYPE).to(h_ptrs.dtype.element_ty), mask=mask)
+
+
+def _store_weighted(out_ptrs, total, rw, mask, OUT_DTYPE: tl.constexpr):
+    # the rows' fp32 sums times their routing weight (fp32), rounded once
+    out = total * rw
+    tl.store(out_ptrs, _round_to(out, OUT_DTYPE).to(out_ptrs.dtype.element_ty), mask=mask)
+
+
 def _program_rows(q, pid_n, K_TOP: tl.constexpr, T_ROWS: tl.constexpr, ONCE_ROWS: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     # program (q, pid_n)'s tile rows -> (shared: the folded shared expert's program, n [BLOCK_N]
@@ -117,7 +137,7 @@ def _program_rows(q, pid_n, K_TOP: tl.constexpr, T_ROWS: tl.constexpr, ONCE_ROWS
         shared = q >= num_routed
         rs = BLOCK_N // ONCE_ROWS
         t = q // (K_TOP - 1)
-        p0 = t * K_TOP + q % (K_TOP - 1)
+        p0 = _routed_pair(q, K_TOP)
         n = tl.where(shared, pid_n * BLOCK_N + (q - num_routed) * rs + v % rs, pid_n * BLOCK_N + v)
         tok = tl.where(shared, v // rs, v * 0 + t)
         pair = tl.where(shared, tok * K_TOP + K_TOP - 1, v * 0 + p0)
@@ -199,11 +219,8 @@ def _gate_up_gemv_kernel(
                                      K_ITERS, "")
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
     keep = (n < INTER) & (tok < T_ROWS) if ONCE_ROWS > 0 else n < INTER
-    tl.store(h_ptr + pair * INTER + n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty), mask=keep)
+    _store_swiglu(h_ptr + pair * INTER + n, acc_g, acc_u, keep, OUT_DTYPE)
 
 
 def _down_gemv_kernel(
@@ -240,16 +257,16 @@ def _down_gemv_kernel(
     else:
         keep = n < H
         rw = tl.load(rw_ptr + p0).to(tl.float32)
-    out = tl.sum(acc, axis=1) * rw
-    tl.store(out_ptr + pair * H + n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty), mask=keep)
+    _store_weighted(out_ptr + pair * H + n, tl.sum(acc, axis=1), rw, keep, OUT_DTYPE)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _program_rows,
-                                  _gate_up_rows, _expert, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _routed_pair,
+                                  _store_swiglu, _store_weighted, _program_rows, _gate_up_rows,
+                                  _expert, _gate_up_gemv_kernel, _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 

@@ -42,7 +42,17 @@ import torch
 from . import pdl
 from .availability import interpret_mode
 from .jit import DTYPE_CODE, _round_to, jit_functions
-from .moe_gemv import DOWN_CONFIG, GATE_UP_CONFIG, _gate_up_rows, _tile_gemv, _tile_w, _tile_x
+from .moe_gemv import (
+    DOWN_CONFIG,
+    GATE_UP_CONFIG,
+    _gate_up_rows,
+    _routed_pair,
+    _store_swiglu,
+    _store_weighted,
+    _tile_gemv,
+    _tile_w,
+    _tile_x,
+)
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -61,7 +71,7 @@ def _pair_of(i, K_TOP: tl.constexpr, SHARED: tl.constexpr):
     # the pair of the i-th shared (SHARED and i < T) or routed tile group: shared pair i is token
     # i's last column; routed groups skip the last column when it is the shared expert
     if SHARED:
-        return (i // (K_TOP - 1)) * K_TOP + i % (K_TOP - 1)
+        return _routed_pair(i, K_TOP)
     return i
 
 
@@ -75,11 +85,7 @@ def _gate_up_tile(x_ptr, gu_ptr, h_ptr, done_ptr, expert, p, b, K_TOP: tl.conste
     g_rows = gu_ptr + expert * (2 * INTER * H) + offs_n[:, None].to(tl.int64) * H
     acc_g, acc_u = _gate_up_rows(g_rows, g_rows + INTER * H, x_rows, True, offs_n, INTER, H, BLOCK_K,
                                  K_ITERS, X_CACHE)
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
-    tl.store(h_ptr + p.to(tl.int64) * INTER + offs_n,
-             _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty), mask=offs_n < INTER)
+    _store_swiglu(h_ptr + p.to(tl.int64) * INTER + offs_n, acc_g, acc_u, offs_n < INTER, OUT_DTYPE)
     tl.debug_barrier()  # every thread's rows stored before the one release below
     tl.atomic_add(done_ptr + p, 1, sem="release", scope="gpu")
 
@@ -108,9 +114,8 @@ def _down_acc(dn_ptr, h_ptr, done_ptr, expert, p, b, H: tl.constexpr, INTER: tl.
 
 def _store_out(out_ptr, rw_ptr, p, offs_n, total, H: tl.constexpr, OUT_DTYPE: tl.constexpr):
     # pair p's weighted rows: its routing weight times the fp32 sums, rounded once
-    out = total * tl.load(rw_ptr + p).to(tl.float32)
-    tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
-             mask=offs_n < H)
+    _store_weighted(out_ptr + p.to(tl.int64) * H + offs_n, total, tl.load(rw_ptr + p).to(tl.float32),
+                    offs_n < H, OUT_DTYPE)
 
 
 def _shared_tile(x_ptr, gu_ptr, dn_ptr, rw_ptr, h_ptr, out_ptr, done_ptr, w, S: tl.constexpr,
@@ -205,7 +210,8 @@ def _experts_one_launch_kernel(
 def _kernel(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_rows, _pair_of,
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_rows,
+                                  _routed_pair, _store_swiglu, _store_weighted, _pair_of,
                                   _gate_up_tile, _down_acc, _store_out, _shared_tile, _routed_tile,
                                   _experts_one_launch_kernel))
     return ns["_experts_one_launch_kernel"]

@@ -5,9 +5,6 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh shared     # the shared expert before the PDL wait, its weights
-#                                           # once for all tokens, the GEMV experts in one launch:
-#                                           # tests, decode and verify A/Bs (~9.5 min)
 #   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests, then bench
 #                                           # (~9 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
@@ -115,27 +112,6 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
-  shared)
-    echo "== the shared expert before the routing / once for all tokens, the experts in one launch"
-    gpu_tests 130 tests/test_kernel_moe_gemv.py tests/test_inference_fusion.py \
-      -k "shared_expert or one_launch or on_cuda_match_eager" | tail -24
-    echo "== engine tests with all three on"
-    timeout 130 python -c "import sys, pytest; from laguna_dflash.models.layers import MoE
-MoE.shared_expert_before_routing = MoE.shared_expert_once = MoE.moe_gemv_one_launch = True
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py', '-k',
-                      'lossless_in_float32 or graphs_match_eager_on_cuda']))" 2>&1 | tail -2
-    S=laguna_dflash.models.layers:MoE.shared_expert_before_routing
-    O=laguna_dflash.models.layers:MoE.shared_expert_once
-    L=laguna_dflash.models.layers:MoE.moe_gemv_one_launch
-    W=laguna_dflash.kernels.moe_one_launch:NUM_WARPS
-    echo "== batch-1 decode step: defaults against each"
-    timeout 150 python benchmarks/profile_decode_xs.py --top 3 --switch "$S=True" \
-      --switch "$S=True;$L=True" --switch "$S=True;$L=True;$W=8" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -32
-    echo "== 4-token verify forward: defaults against each"
-    timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 3 --switch "$O=True" \
-      --switch "$S=True;$O=True" --switch "$S=True;$L=True" 2>&1 | quiet \
-      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---" | head -32 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -181,5 +157,5 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graphs.py
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | shared | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
 esac

@@ -21,12 +21,7 @@ visible. Kernels that opt in here follow three rules:
    RoPE + cache kernel reads the positions and slots, and paged attention the metadata and the
    K/V cache at positions before each request's first query, before their waits (the metadata
    is built before the first layer; the cache rows of this forward's own positions are the only
-   ones the kernel just before attention writes). With ``moe_gemv``'s ``shared_expert_early`` the
-   gate_up programs of the folded shared expert run their whole GEMV before the wait (its weight,
-   and x through L2: x is the routing kernel's input), then wait before their store. The
-   one-launch GEMV experts (moe_one_launch.py) go one step further: their shared-expert tiles
-   also write a workspace of their own before the wait, which no other kernel touches and the
-   previous call of the same kernel (at least two launches back) has finished with.
+   ones the kernel just before attention writes).
 
 Kernels launched normally (torch, torch.compile, cuBLAS) keep full stream ordering either way,
 and a PDL kernel after one of them simply launches when that one's programs exit.

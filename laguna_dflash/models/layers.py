@@ -294,19 +294,6 @@ class MoE(nn.Module):
     # False: the two-launch path everywhere (the A/B baseline).
     use_fused_router: bool = True
     fused_router_max_tokens: int = 4
-    # With the GEMV experts and the shared expert folded: its gate_up GEMV runs before the
-    # kernel's PDL wait, while the routing kernel still runs (moe_gemv's shared_expert_early;
-    # its x is the router's input, written before the router launched). Off until timed.
-    shared_expert_before_routing: bool = False
-    # With the GEMV experts, the shared expert folded and 2..4 tokens: its weights read once for
-    # all tokens instead of once per token (moe_gemv's shared_expert_once; 3 x 6.3 MB a layer
-    # less at 4 tokens at Laguna-XS-2.1 size). Off until timed.
-    shared_expert_once: bool = False
-    # With the GEMV experts: gate_up and down in ONE launch joined by per-pair counters
-    # (kernels/moe_one_launch.py); with shared_expert_before_routing the shared expert's down
-    # runs before the PDL wait too. Not combined with shared_expert_once (that call takes the
-    # two kernels). Off until timed.
-    moe_gemv_one_launch: bool = False
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None
@@ -380,10 +367,7 @@ class MoE(nn.Module):
         experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
         if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
-            pairs = moe_gemv.moe_gemv_experts(
-                *experts, shared_expert_early=folded and self.shared_expert_before_routing,
-                shared_expert_once=folded and self.shared_expert_once,
-                one_launch=self.moe_gemv_one_launch)
+            pairs = moe_gemv.moe_gemv_experts(*experts)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False)
         if folded and keep_pairs:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from ..kernels import decode_metadata
 from ..models.layers import ForwardContext, building_cuda_graph
 from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MIN_KEY_BUCKET = 256
+# The attention metadata in one Triton launch (kernels/decode_metadata.py) instead of ~17 torch
+# kernels at the head of every replay; an A/B switch (graphs captured after a change must be
+# re-captured: ``CUDAGraphRunner.reset``).
+use_metadata_kernel = True
 
 
 def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -113,6 +118,7 @@ class CUDAGraphRunner:
         self.start_pos = self.state[:, 0]
         self.seq_lens = self.state[:, 1]
         self.block_tables = self.state[:, 2 : self.ids_offset]
+        self.flat_index = torch.arange(max_r * max_q, device=device)
         self.graphs: dict[tuple, _Captured] = {}
         self.pool = None
 
@@ -143,17 +149,14 @@ class CUDAGraphRunner:
         )
 
     def _metadata(self, r: int, q: int, num_keys: int, is_causal: bool) -> AttentionMetadata:
-        """Attention metadata of the padded batch, computed on the device from the buffers."""
-        bs = self.block_size
-        tables = self.block_tables[:r, : num_keys // bs]
-        col = torch.arange(q, device=self.device)
-        q_pos = self.start_pos[:r, None] + col  # [R, q]
-        slots = tables.gather(1, q_pos // bs) * bs + q_pos % bs
-        j = torch.arange(num_keys, device=self.device)
-        key_slots = tables[:, j // bs] * bs + j % bs  # [R, L]
-        seq_lens = self.seq_lens[:r].contiguous()  # a column of the state: strided
-        key_slots = torch.where(j < seq_lens[:, None], key_slots, self.kv_cache.scratch_slot)
-        flat = torch.arange(r * q, device=self.device)
+        """Attention metadata of the padded batch, computed on the device from the buffers: one
+        kernel (kernels/decode_metadata.py) where Triton runs, else the same in torch ops."""
+        args = (self.state[:r], q, num_keys, self.block_size, self.kv_cache.scratch_slot)
+        if use_metadata_kernel and decode_metadata.is_available(self.device):
+            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata(*args)
+        else:
+            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_reference(*args)
+        flat = self.flat_index[: r * q]  # a view of a constant: no kernel in the graph
         return AttentionMetadata(
             positions=q_pos.reshape(-1), slot_mapping=slots.reshape(-1), flat_index=flat,
             query_index=flat.view(r, q), query_positions=q_pos, key_slots=key_slots,

@@ -31,6 +31,9 @@
 #                                           # decode-step A/B (~5 min)
 #   bash benchmarks/gpu_check.sh preload    # attention / Q/K kernels loading before their PDL wait:
 #                                           # tests, then the decode-step A/B (~7 min)
+#   bash benchmarks/gpu_check.sh moetiles   # the GEMV MoE's tiles inside the decode graph (~4.5 min)
+#   bash benchmarks/gpu_check.sh span       # the span each kernel adds to the decode / verify graphs (~3 min)
+#   bash benchmarks/gpu_check.sh metadata   # the attention metadata in one kernel: tests, decode A/B (~5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -112,6 +115,26 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 12 --switch "$A=False" \
       --switch "$Q=False" --switch "$A=False;$Q=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^|---" | head -70 ;;
+  moetiles)
+    G=laguna_dflash.kernels.moe_gemv:GATE_UP_CONFIG D=laguna_dflash.kernels.moe_gemv:DOWN_CONFIG
+    echo "== batch-1 decode step in the graph: the GEMV MoE's tiles (defaults (8, 256, 4) / (32, 128, 4))"
+    timeout 260 python benchmarks/profile_decode_xs.py --top 4 --switch "$G=[4,256,4]" \
+      --switch "$G=[4,512,4]" --switch "$G=[8,256,8]" --switch "$D=[16,128,4]" \
+      --switch "$D=[16,256,4]" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---\|^| kernel" | head -50 ;;
+  metadata)
+    echo "== the attention metadata in one kernel: kernel, graphs and losslessness tests"
+    gpu_tests 170 tests/test_kernel_decode_metadata.py tests/test_cuda_graphs.py \
+      -k "equals_the_torch_ops or lossless_in_float32 or graphs_match_eager_on_cuda or forward_ahead_keeps" | tail -14
+    echo "== batch-1 decode step: the metadata kernel (default) against the torch ops"
+    timeout 110 python benchmarks/profile_decode_xs.py --top 9 \
+      --switch "laguna_dflash.engine.cuda_graph:use_metadata_kernel=False" 2>&1 | quiet \
+      | grep -E "^\||^##|equal|kernels per" | grep -v "^|---\|^| kernel |" | head -34 ;;
+  span)
+    echo "== the batch-1 decode and 4-token verify graphs: span each kernel adds, one layer in order"
+    timeout 150 python benchmarks/profile_decode_xs.py --top 12 --sequence 26 2>&1 | quiet | tail -48
+    timeout 100 python benchmarks/profile_decode_xs.py --q 4 --top 12 2>&1 | quiet \
+      | sed -n '/span added/,$p' | head -16 ;;
   profile)
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
@@ -157,5 +180,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload"; exit 2 ;;
+  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | moetiles | span | metadata"; exit 2 ;;
 esac

@@ -155,12 +155,32 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     print("\n| kernel | per replay | us per replay | share |\n|---|---:|---:|---:|")
     for name, us in by_name.most_common(args.top):
         print(f"| `{name}` | {count[name]} | {us:.0f} | {us / 10 / kernel_ms:.1f}% |")
+    added = span_added(one)
+    span_by_name = Counter()
+    for (name, _, _), a in zip(one, added):
+        span_by_name[name[:80]] += a
+    print("\n| kernel | span added us per replay | share of the span |\n|---|---:|---:|")
+    for name, us in span_by_name.most_common(args.top):
+        print(f"| `{name}` | {us:.0f} | {us / 10 / span_ms:.1f}% |")
     if args.sequence:
-        print("\n| # | kernel (launch order) | us | gap before us |\n|---:|---|---:|---:|")
+        print("\n| # | kernel (launch order) | us | gap before us | span added us |\n|---:|---|---:|---:|---:|")
         for i, (name, start, d) in enumerate(one[: args.sequence]):
             gap = start - (one[i - 1][1] + one[i - 1][2]) if i else 0.0
-            print(f"| {i} | `{name[:90]}` | {d:.1f} | {gap:.1f} |")
+            print(f"| {i} | `{name[:90]}` | {d:.1f} | {gap:.1f} | {added[i]:.1f} |")
     return tokens
+
+
+def span_added(kernels: list[tuple[str, float, float]]) -> list[float]:
+    """Per kernel ``(name, start, duration)`` in launch order: how far its end passes the latest
+    end before it (the first: its duration). They sum to the first-to-last span when the kernels
+    start in order; with PDL a kernel's own duration includes the wait it was launched early for,
+    and this does not count that twice."""
+    added, latest = [], None
+    for _, start, duration in kernels:
+        end = start + duration
+        added.append(duration if latest is None else max(0.0, end - latest))
+        latest = end if latest is None else max(latest, end)
+    return added
 
 
 def main() -> None:

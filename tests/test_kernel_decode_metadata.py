@@ -68,6 +68,34 @@ def test_interpreted_masks_keys_at_and_past_seq_len() -> None:
     assert slots[0, 1] == state[0, 2 + 39 // 16] * 16 + 39 % 16
 
 
+@interpreted
+def test_interpreted_graph_runner_takes_the_kernel(monkeypatch) -> None:
+    """``CUDAGraphRunner._metadata`` (its padded path on the CPU) launches the kernel where Triton
+    runs, and gives the metadata of its torch path, padding request included."""
+    from laguna_dflash.engine import cuda_graph
+    from laguna_dflash.engine.kv_cache import KVCache
+    from laguna_dflash.kernels import decode_metadata as module
+
+    kv = KVCache(1, 40, 4, 1, 8, torch.float32, "cpu")
+    runner = cuda_graph.CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=8,
+                                        max_model_len=100, max_tokens_per_request=3)
+    runner.start_pos[:4] = torch.tensor([10, 0, 4, 0])
+    runner.seq_lens[:4] = torch.tensor([13, 3, 7, 3])
+    runner.block_tables[:4] = runner.scratch_block
+    for i, table in enumerate(([5, 2, 9, 7], [1], [3, 4])):
+        runner.block_tables[i, : len(table)] = torch.tensor(table)
+    calls = []
+    launch = module.decode_metadata
+    monkeypatch.setattr(module, "decode_metadata", lambda *a: calls.append(a[1:]) or launch(*a))
+    got = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    monkeypatch.setattr(cuda_graph, "use_metadata_kernel", False)
+    want = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    assert len(calls) == 1
+    for name in ("positions", "slot_mapping", "flat_index", "query_index", "query_positions",
+                 "key_slots", "seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")

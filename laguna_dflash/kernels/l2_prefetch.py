@@ -47,21 +47,16 @@ __all__ = ["PREFETCH_BLOCK", "chunk_bytes", "plan", "prefetch_function", "prefet
 PREFETCH_BLOCK = 256
 
 
-def _bulk_prefetch(ptrs, size):
-    # one TMA bulk L2 prefetch per element: ``size`` bytes (int32, a multiple of 16; 0 = none) at
-    # the byte pointer ``ptrs`` (16-byte aligned)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def _prefetch_l2(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr):
     # bytes [c * chunk, (c + 1) * chunk) of [0, nbytes) for the BLOCK chunks c of program ``part``;
     # empty chunks (past nbytes) are predicated off inside the asm
     c = part.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     off = c * chunk
     size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
-    _bulk_prefetch(base_ptr.to(tl.pointer_type(tl.int8)) + off, size)
+    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
@@ -71,7 +66,7 @@ def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
 
 @functools.cache
 def _kernels():
-    namespace = jit_functions(__name__, (_bulk_prefetch, _prefetch_l2, _prefetch_l2_kernel))
+    namespace = jit_functions(__name__, (_prefetch_l2, _prefetch_l2_kernel))
     return namespace["_prefetch_l2"], namespace["_prefetch_l2_kernel"]
 
 

@@ -70,16 +70,16 @@ def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
                    other=0.0, eviction_policy="evict_first")
 
 
-def _tile_x(x_rows, k0, ok, K, BLOCK_K: tl.constexpr):
-    # the x slice at column k0 in the weight tile's shape: x_rows [BLOCK_N, 1] points at each
-    # tile row's x (the pair's one row: the redundant lanes hit L1); ok masks it
+def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
+    # the x slice at column k0 in the weight tile's shape (stride 0 along n)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    return tl.load(x_rows + offs_k[None, :], mask=(offs_k[None, :] < K) & ok, other=0.0)
+    kk = offs_k[None, :] + zero_n
+    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
 
 
-def _tile_gemv(w_rows, x_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
+def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
     # weight tile and x slice at column k0 (see _tile_w, _tile_x)
-    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_rows, k0, ok, K, BLOCK_K)
+    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
 def _gate_up_gemv_kernel(
@@ -89,36 +89,34 @@ def _gate_up_gemv_kernel(
     PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    v = tl.arange(0, BLOCK_N)
-    n = pid_n * BLOCK_N + v  # the program's gate (and up) rows
-    tok = (v * 0 + p // K_TOP).to(tl.int64)  # pair p's token, per tile row
-    pair = (v * 0 + p).to(tl.int64)
-    x_rows = x_ptr + tok[:, None] * H
-    row_offs = n[:, None].to(tl.int64) * H
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
-    g_rows = w_ptr + tl.load(ids_ptr + p).to(tl.int64) * (2 * INTER * H) + row_offs
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    zero_n = offs_n[:, None] * 0
+    base = w_ptr + expert * (2 * INTER * H)
+    g_rows = base + offs_n[:, None].to(tl.int64) * H
     u_rows = g_rows + INTER * H
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    wg, xs = _tile_gemv(g_rows, x_rows, 0, True, n, INTER, H, BLOCK_K)
-    wu = _tile_w(u_rows, 0, True, n, INTER, H, BLOCK_K)
+    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
     for i in range(K_ITERS):
         cg, cu, cx = wg, wu, xs
         ok = i + 1 < K_ITERS
-        wg, xs = _tile_gemv(g_rows, x_rows, (i + 1) * BLOCK_K, ok, n, INTER, H, BLOCK_K)
-        wu = _tile_w(u_rows, (i + 1) * BLOCK_K, ok, n, INTER, H, BLOCK_K)
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
         xf = cx.to(tl.float32)
         acc_g += cg.to(tl.float32) * xf
         acc_u += cu.to(tl.float32) * xf
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    h_ptrs = h_ptr + pair * INTER + n
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
-    tl.store(h_ptrs, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty), mask=n < INTER)
+    tl.store(h_ptr + p.to(tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
+             mask=offs_n < INTER)
 
 
 def _down_gemv_kernel(
@@ -128,30 +126,31 @@ def _down_gemv_kernel(
     PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    v = tl.arange(0, BLOCK_N)
-    n = pid_n * BLOCK_N + v  # the program's down rows
-    pair = (v * 0 + p).to(tl.int64)
-    # with PDL: launched while gate_up may still run, but after every gate_up program passed its
-    # wait: the routing kernel's ids are complete; read them through L2 (kernels/pdl.py, rule 3)
-    expert = tl.load(ids_ptr + p, cache_modifier=".cg" if PDL else "").to(tl.int64)
-    h_rows = h_ptr + pair[:, None] * INTER  # its x is pair p's h
-    rows = w_ptr + expert * (H * INTER) + n[:, None].to(tl.int64) * INTER
+    if PDL:
+        # launched while gate_up may still run, but after every gate_up program passed its wait:
+        # the routing kernel's ids are complete; read them through L2 (kernels/pdl.py, rule 3)
+        expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+    h_row = h_ptr + p.to(tl.int64) * INTER
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    zero_n = offs_n[:, None] * 0
+    rows = w_ptr + expert * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w = _tile_w(rows, 0, True, n, H, INTER, BLOCK_K)
+    w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
-    hs = _tile_x(h_rows, 0, True, INTER, BLOCK_K)
+    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
     for i in range(K_ITERS):
         cw, ch = w, hs
-        w, hs = _tile_gemv(rows, h_rows, (i + 1) * BLOCK_K, i + 1 < K_ITERS, n, H, INTER, BLOCK_K)
+        w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
+                           BLOCK_K)
         acc += cw.to(tl.float32) * ch.to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    rw = tl.load(rw_ptr + p).to(tl.float32)
-    out_ptrs = out_ptr + pair * H + n
-    out = tl.sum(acc, axis=1) * rw  # fp32, rounded once
-    tl.store(out_ptrs, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty), mask=n < H)
+    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
+             mask=offs_n < H)
 
 
 @functools.lru_cache(maxsize=2)

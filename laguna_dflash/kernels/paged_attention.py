@@ -81,8 +81,7 @@ if TYPE_CHECKING:
 
 __all__ = ["choose_num_splits", "is_available", "paged_attention"]
 
-_prefetch_l2 = l2_prefetch._prefetch_l2  # helpers of the attention kernel (jitted with it)
-_bulk_prefetch = l2_prefetch._bulk_prefetch
+_prefetch_l2 = l2_prefetch._prefetch_l2  # a helper of the attention kernel (jitted with it)
 
 
 # ---- availability ---------------------------------------------------------------------------------
@@ -363,7 +362,7 @@ def _kernels(interpret: bool):
     the environment)."""
     del interpret
     namespace = jit_functions(__name__, (_mma, _softplus_rounded, _tile_slots, _load_keys,
-                                         _tile_logits, _softmax_step, _attend_tile, _bulk_prefetch, _prefetch_l2,
+                                         _tile_logits, _softmax_step, _attend_tile, _prefetch_l2,
                                          _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 

@@ -7,8 +7,8 @@ be scheduled as soon as every program of the previous kernel has executed
 ``griddepcontrol.wait``, which returns once the previous kernel has completed and its writes are
 visible. Kernels that opt in here follow three rules:
 
-1. Every program executes ``gdc_wait`` exactly once, on every path through it, before it reads
-   anything the previous kernel may write and before it writes anything. So a PDL kernel completes only
+1. Every program executes ``gdc_wait`` exactly once, unconditionally, before it reads anything
+   the previous kernel may write and before it writes anything. So a PDL kernel completes only
    after its predecessor did, and completion stays ordered along the stream.
 2. ``gdc_launch_dependents`` comes after ``gdc_wait`` in every program. So when a PDL kernel is
    launched, the kernel two back has completed (every program of the one in between has passed

@@ -77,17 +77,23 @@ def _add_rms_norm_kernel(
     if WRITE_RESIDUAL:
         tl.store(res_ptr + t * stride_rt + i, s, mask=in_row)
     if WRITE_NORM:
-        mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
-        y = _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
-        tl.store(out_ptr + t * stride_ot + i, y, mask=in_row)
+        tl.store(out_ptr + t * stride_ot + i, _rms_norm_row(s, w, eps, HIDDEN, DTYPE), mask=in_row)
+
+
+def _rms_norm_row(s, w, eps, HIDDEN: tl.constexpr, DTYPE: tl.constexpr):
+    # y = T(w * T(s / sqrt(mean(s^2) + eps))) of one row: s [BLOCK] fp32 (already rounded to T,
+    # 0 past HIDDEN), w the norm weight in fp32; correctly rounded division and square root.
+    # Shared with the skinny GEMM's add + RMSNorm epilogue (kernels/skinny_gemm.py).
+    mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
+    return _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    return jit_functions(__name__, (_round_to, _add_rms_norm_kernel))["_add_rms_norm_kernel"]
+    return jit_functions(__name__, (_round_to, _rms_norm_row, _add_rms_norm_kernel))["_add_rms_norm_kernel"]
 
 
 def _operand_problem(h: torch.Tensor, delta: torch.Tensor | None,

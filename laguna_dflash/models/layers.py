@@ -52,6 +52,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# o_proj and the post-attention residual add + RMSNorm in ONE launch where linear() would take the
+# skinny GEMM (skinny_gemm.skinny_gemm_add_rms_norm: its last program to finish does the add and
+# the norm, one kernel and one kernel boundary fewer per layer); False: the GEMM, then the norm
+# kernel (an A/B switch for benchmarks).
+fuse_o_proj_norm = False
+
+
+def linear_add_rms_norm(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor,
+                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fusion.add_rms_norm(residual, linear(x, proj.weight, proj.bias), norm.weight, norm.eps)``
+    -> ``(residual + proj(x), norm(residual + proj(x)))``, each ``[T, H]``: one launch
+    (:data:`fuse_o_proj_norm`) where :func:`linear` would take the skinny GEMM and the norm
+    kernel could run; the two-step chain otherwise."""
+    weight = proj.weight
+    if (fuse_o_proj_norm and _num_graph_builds and proj.bias is None and use_skinny_gemm
+            and x.is_cuda and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
+            and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])
+            and fusion.norm_kernel_runs(residual, residual, norm.weight)):
+        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, residual, norm.weight, norm.eps)
+    return fusion.add_rms_norm(residual, linear(x, weight, proj.bias), norm.weight, norm.eps)
+
+
 @dataclass
 class ForwardContext:
     """What the layers of one forward need besides activations.
@@ -161,6 +183,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``x [T, H]`` (already input-normed) -> ``[T, H]``; writes this forward's K/V."""
+        return linear(self.attend(x, ctx), self.o_proj.weight, self.o_proj.bias)
+
+    def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """:meth:`forward` without ``o_proj``: ``x [T, H]`` -> the gated attention output
+        ``[T, num_heads * head_dim]``; writes this forward's K/V."""
         t = x.shape[0]
         qkv, gate = self.project(x)
         positions = ctx.meta.positions
@@ -185,7 +212,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
             prefetch=prefetch,
         )
-        return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return out.reshape(t, self.q_size)
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them
@@ -489,8 +516,11 @@ class DecoderLayer(nn.Module):
             x = norm(residual)
         else:
             residual, x = fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
-        norm = self.post_attention_layernorm
-        residual, x = fusion.add_rms_norm(residual, self.self_attn(x, ctx), norm.weight, norm.eps)
+        norm, attn = self.post_attention_layernorm, self.self_attn
+        if isinstance(attn, Attention) and type(attn).forward is Attention.forward:
+            residual, x = linear_add_rms_norm(attn.attend(x, ctx), attn.o_proj, residual, norm)
+        else:
+            residual, x = fusion.add_rms_norm(residual, attn(x, ctx), norm.weight, norm.eps)
         delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
         return residual, delta
 

@@ -35,6 +35,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SWITCHES = [
     ("laguna_dflash.models.layers", "fuse_o_proj_norm", True,
      ("laguna_dflash.kernels.skinny_gemm", "skinny_gemm_add_rms_norm")),
+    ("laguna_dflash.models.layers", "fuse_moe_norm", True,
+     ("laguna_dflash.kernels.moe_gemv", "moe_gemv_experts_add_rms_norm")),
 ]
 _LAYERS = 3
 _PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -81,7 +81,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .add_rms_norm import MAX_HIDDEN, _rms_norm_row
+from .add_rms_norm import MAX_HIDDEN, _add_rms_norm_row, _grid_last_add_rms_norm, _rms_norm_row
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 from .pdl import launch_options
@@ -442,8 +442,9 @@ def _skinny_gemm_kernel(
     if SPLIT_K == 1:
         tl.store(y_ptrs, _round_to(out, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
         if ADD_NORM:
-            _add_norm_epilogue(y_ptr, h_ptr, nw_ptr, res_ptr, norm_ptr, grid_count_ptr, eps, M,
-                               stride_ym, stride_ht, N, M_PAD, NUM_TILES, BLOCK_H, OUT_DTYPE)
+            # the last program to store a column tile adds the residual and normalises
+            _grid_last_add_rms_norm(grid_count_ptr, h_ptr, stride_ht, y_ptr, stride_ym, 0, nw_ptr,
+                                    res_ptr, norm_ptr, eps, M, NUM_TILES, M_PAD, N, BLOCK_H, 0, OUT_DTYPE)
     else:
         # partial -> part[pid_k, m, n]; the last of the SPLIT_K programs of this column tile sums
         # the slabs in split order, stores y and re-arms the counter (module docstring)
@@ -459,34 +460,9 @@ def _skinny_gemm_kernel(
             tl.store(y_ptrs, _round_to(total, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             if ADD_NORM:
-                _add_norm_epilogue(y_ptr, h_ptr, nw_ptr, res_ptr, norm_ptr, grid_count_ptr, eps, M,
-                                   stride_ym, stride_ht, N, M_PAD, NUM_TILES, BLOCK_H, OUT_DTYPE)
-
-
-def _add_norm_epilogue(
-    y_ptr, h_ptr, nw_ptr, res_ptr, norm_ptr, grid_count_ptr, eps, M, stride_ym, stride_ht,
-    HIDDEN: tl.constexpr, M_PAD: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_H: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    # Called by the program that stored a column tile's final y. The last of the NUM_TILES such
-    # programs (grid arrival counter, the split-K pattern one level up) sees every y column and
-    # computes, per row m < M, kernels/add_rms_norm.py's chain with delta = y:
-    #   s = T(h[m] + y[m]) -> res[m];  norm[m] = T(w * T(s / sqrt(mean(s^2) + eps)))
-    # then re-arms the counter. y was written by other programs: read through L2 (.cg).
-    tl.debug_barrier()  # this program's y stores precede its release below
-    arrived = tl.atomic_add(grid_count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_TILES - 1:
-        i = tl.arange(0, BLOCK_H)
-        in_row = i < HIDDEN
-        w = tl.load(nw_ptr + i, mask=in_row, other=0.0).to(tl.float32)
-        for m in tl.static_range(M_PAD):
-            if m < M:
-                y = tl.load(y_ptr + m * stride_ym + i, mask=in_row, other=0.0, cache_modifier=".cg")
-                s = tl.load(h_ptr + m * stride_ht + i, mask=in_row, other=0.0).to(tl.float32)
-                s = _round_to(s + y.to(tl.float32), DTYPE)
-                tl.store(res_ptr + m * HIDDEN + i, s, mask=in_row)
-                tl.store(norm_ptr + m * HIDDEN + i, _rms_norm_row(s, w, eps, HIDDEN, DTYPE), mask=in_row)
-        tl.atomic_xchg(grid_count_ptr, 0, sem="relaxed", scope="gpu")
+                _grid_last_add_rms_norm(grid_count_ptr, h_ptr, stride_ht, y_ptr, stride_ym, 0, nw_ptr,
+                                        res_ptr, norm_ptr, eps, M, NUM_TILES, M_PAD, N, BLOCK_H, 0,
+                                        OUT_DTYPE)
 
 
 @functools.lru_cache(maxsize=2)
@@ -494,7 +470,8 @@ def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
     namespace = jit_functions(__name__, (_round_to, _rms_norm_row, _load_w, _gemv_w_load, _gemv_x_loads,
-                                         _gemv_loads, _bcast, _add_norm_epilogue, _skinny_gemm_kernel))
+                                         _gemv_loads, _bcast, _add_rms_norm_row, _grid_last_add_rms_norm,
+                                         _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -600,8 +577,8 @@ def skinny_gemm_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(h, x @ weight^T, norm_weight, eps)`` (kernels/add_rms_norm.py) in ONE launch:
     the skinny GEMM, whose last program to finish a column tile adds the residual and normalises
-    the rows (``_add_norm_epilogue``). Saves the norm kernel's launch and its wait on the GEMM
-    in a batch-1 decode layer (o_proj, then the post-attention norm).
+    the rows (``add_rms_norm._grid_last_add_rms_norm``). Saves the norm kernel's launch and its
+    wait on the GEMM in a batch-1 decode layer (o_proj, then the post-attention norm).
 
     Args:
         x, weight, config: as :func:`skinny_gemm`.

@@ -34,9 +34,6 @@
 #   bash benchmarks/gpu_check.sh moetiles   # the GEMV MoE's tiles inside the decode graph (~4.5 min)
 #   bash benchmarks/gpu_check.sh span       # the span each kernel adds to the decode / verify graphs (~3 min)
 #   bash benchmarks/gpu_check.sh metadata   # the attention metadata in one kernel: tests, decode A/B (~5 min)
-#   bash benchmarks/gpu_check.sh epilogues  # launches folded into the one before (o_proj + norm, MoE
-#                                           # down + norm, attention split merge): kernel tests,
-#                                           # decode / verify A/B, XS-width engine tests (~9 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -133,23 +130,6 @@ case "$stage" in
     timeout 110 python benchmarks/profile_decode_xs.py --top 9 \
       --switch "laguna_dflash.engine.cuda_graph:use_metadata_kernel=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per" | grep -v "^|---\|^| kernel |" | head -34 ;;
-  epilogues)
-    L=laguna_dflash.models.layers A=laguna_dflash.kernels.paged_attention:MERGE_IN_KERNEL=True
-    echo "== kernel tests: metadata, o_proj + norm, MoE down + norm, attention merge in the launch"
-    gpu_tests 200 tests/test_kernel_decode_metadata.py tests/test_kernel_skinny_gemm_add_norm.py \
-      tests/test_kernel_moe_gemv.py tests/test_kernel_paged_attention.py \
-      -k "cuda and not timing_report and (metadata or add_norm or o_proj or graph_replays or paged_attention)" | tail -60
-    echo "== batch-1 decode step: each fold against the defaults, then all"
-    timeout 170 python benchmarks/profile_decode_xs.py --top 6 --switch "$L:fuse_o_proj_norm=True" \
-      --switch "$L:fuse_moe_norm=True" --switch "$A" \
-      --switch "$L:fuse_o_proj_norm=True;$L:fuse_moe_norm=True;$A" 2>&1 | quiet \
-      | grep -E "^##|^\| [0-9]|equal|kernels per" | head -40
-    echo "== batch-1 4-token verify graph: all folds against the defaults"
-    timeout 100 python benchmarks/profile_decode_xs.py --q 4 --top 6 \
-      --switch "$L:fuse_o_proj_norm=True;$L:fuse_moe_norm=True;$A" 2>&1 | quiet \
-      | grep -E "^##|^\| [0-9]|equal|kernels per" | head -20
-    echo "== XS-width engine: each fold keeps the float32 tokens (target-only and DFlash)"
-    gpu_tests 200 tests/test_cuda_xs_switches.py | tail -8 ;;
   span)
     echo "== the batch-1 decode and 4-token verify graphs: span each kernel adds, one layer in order"
     timeout 150 python benchmarks/profile_decode_xs.py --top 12 --sequence 26 2>&1 | quiet | tail -48

@@ -16,13 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import can_compile_sm90, compile_sm90, compile_sm90_spills, loads_before_pdl_wait
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 from test_kernel_fused_moe import _problem as fused_moe_problem
 
-from laguna_dflash.kernels import add_rms_norm as norm_kernel
-from laguna_dflash.kernels import moe_gemv
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
-from laguna_dflash.kernels.moe_gemv import moe_gemv_experts, moe_gemv_experts_add_rms_norm
+from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
@@ -121,10 +119,8 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
 
 
-def _compile_sm90(which: int, pdl: bool, add_norm: bool = False, spills: bool = False):
-    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes (one token, nine pairs), bf16,
-    for sm_90 (offline); ``add_norm``: the down kernel with its add + RMSNorm epilogue;
-    ``spills``: (PTX, spill bytes) through ptxas."""
+def _compile_sm90(which: int, pdl: bool) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
@@ -134,14 +130,10 @@ def _compile_sm90(which: int, pdl: bool, add_norm: bool = False, spills: bool = 
         pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
         constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
-        pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16",
-                    "res_in_ptr": "*bf16", "nw_ptr": "*bf16", "res_ptr": "*bf16", "norm_ptr": "*bf16",
-                    "count_ptr": "*i32", "eps": "fp32"}
-        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk),
-                          **moe_gemv._epilogue_constexprs(add_norm, 1, 9, (9, -(-h // bn)), h))
+        pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
+        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
     constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl)
-    compile_fn = compile_sm90_spills if spills else compile_sm90
-    return compile_fn(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
+    return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
@@ -158,81 +150,3 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
             assert any("evict_first" in line for line in early)  # the first weight tile
-
-
-# ---- the down kernel's add + RMSNorm epilogue (moe_gemv_experts_add_rms_norm) ---------------------
-
-
-def _norm_operands(t: int, hidden: int, dtype: torch.dtype, seed: int, device: str = "cpu"):
-    g = torch.Generator().manual_seed(seed)
-    residual = torch.randn(t, hidden, generator=g).to(device=device, dtype=dtype)
-    weight = (1.0 + 0.1 * torch.randn(hidden, generator=g)).to(device=device, dtype=dtype)
-    return residual, weight
-
-
-def _check_add_norm(args, residual, weight) -> None:
-    """(s, y) equal add_rms_norm(residual, pairs): s bitwise (same sum order and rounding), y
-    within one output rounding (only mean(s^2)'s summation order may differ)."""
-    res, normed = moe_gemv_experts_add_rms_norm(*args, residual, weight, 1e-6)
-    want_res, want_normed = norm_kernel.add_rms_norm(residual, moe_gemv_experts(*args), weight, 1e-6)
-    assert torch.equal(res, want_res)
-    u = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}[residual.dtype]
-    torch.testing.assert_close(normed.float(), want_normed.float(), rtol=u, atol=1e-6)
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,k,e,hidden,inter", [(1, 9, 12, 80, 40), (3, 2, 4, 64, 24), (4, 3, 6, 72, 16)])
-def test_interpreted_add_norm_epilogue_matches_the_norm_kernel(t, k, e, hidden, inter, dtype) -> None:
-    args = _problem(t, k, e, hidden, inter, dtype, seed=t * 3 + k)
-    _check_add_norm(args, *_norm_operands(t, hidden, dtype, seed=t))
-
-
-@interpreted
-def test_interpreted_add_norm_counter_rearms_and_decides_who_normalises() -> None:
-    args = _problem(1, 9, 12, 80, 40, torch.float32, seed=2)
-    residual, weight = _norm_operands(1, 80, torch.float32, seed=2)
-    first = moe_gemv_experts_add_rms_norm(*args, residual, weight, 1e-6)
-    counter = moe_gemv._COUNTERS[torch.device("cpu")]
-    assert counter.item() == 0  # re-armed by the last program
-    assert all(torch.equal(a, b) for a, b in zip(first, moe_gemv_experts_add_rms_norm(*args, residual, weight, 1e-6)))
-    # armed at 1: the second-to-last program sums before the last pair's last column tile exists
-    counter.fill_(1)
-    res, _ = moe_gemv_experts_add_rms_norm(*args, residual * 2, weight, 1e-6)
-    counter.zero_()
-    want, _ = norm_kernel.add_rms_norm(residual * 2, moe_gemv_experts(*args), weight, 1e-6)
-    assert not torch.equal(res, want)
-
-
-def test_add_norm_validation() -> None:
-    args = _problem(1, 9, 12, 80, 40, torch.float32, seed=0)
-    residual, weight = _norm_operands(1, 80, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="residual must be"):
-        moe_gemv_experts_add_rms_norm(*args, residual[:, :40], weight, 1e-6)
-    with pytest.raises(ValueError, match="norm_weight"):
-        moe_gemv_experts_add_rms_norm(*args, residual, weight.double(), 1e-6)
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_add_norm_epilogue_code() -> None:
-    """The down kernel with the epilogue (XS-2.1, one token): an acq_rel arrival counter, the
-    pairs re-read through L2, no spills, and the PDL order of the plain kernel."""
-    ptx, spills = _compile_sm90(1, True, add_norm=True, spills=True)
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
-    assert spills == [0] * len(spills), spills
-    early = loads_before_pdl_wait(ptx)
-    assert all(".cg" in line or "evict_first" in line for line in early), early
-    assert "atom" not in _compile_sm90(1, True)  # the plain kernel has no counter
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("t", [1, 2, 4])
-def test_cuda_add_norm_epilogue_xs21_shapes(t, dtype) -> None:
-    args = _problem(t, 9, 257, 2048, 512, dtype, seed=t, device="cuda")
-    residual, weight = _norm_operands(t, 2048, dtype, seed=t, device="cuda")
-    _check_add_norm(args, residual, weight)
-    first = moe_gemv_experts_add_rms_norm(*args, residual, weight, 1e-6)
-    for _ in range(20):  # arrival order varies on the GPU; the result does not
-        again = moe_gemv_experts_add_rms_norm(*args, residual, weight, 1e-6)
-        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])

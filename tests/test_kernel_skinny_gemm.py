@@ -299,9 +299,7 @@ def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False) 
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-                "h_ptr": "*bf16", "nw_ptr": "*bf16", "res_ptr": "*bf16", "norm_ptr": "*bf16",
-                "grid_count_ptr": "*i32", "eps": "fp32"}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return compile_sm90(sg._kernels(False), pointers, {"stride_xk": 1, **meta}, options)
 
 

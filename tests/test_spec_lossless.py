@@ -131,36 +131,3 @@ def test_simulated_acceptance_length_for_benchmarks(pairs):
     assert all(len(o.token_ids) == 41 for o in out)
     with pytest.raises(ValueError, match="simulate_acceptance_length"):
         LLM(target, draft=draft, simulate_acceptance_length=0.5)
-
-
-def test_layers_take_the_norm_computed_by_the_moe(pairs, monkeypatch):
-    """The plumbing of the MoE's fused add + RMSNorm (``layers.fuse_moe_norm``: the down GEMV's
-    last launch returns the next norm's output, so ``run_layers`` hands it to the next layer,
-    takes taps and the final norm from it). On the CPU the kernel cannot run, so
-    ``MoE.forward_add_rms_norm`` is replaced by the same math in torch (bitwise what the default
-    path computes there): greedy target-only and speculative tokens (the drafter reads the tapped
-    layers) equal the defaults', and every MoE layer took the path."""
-    from laguna_dflash.models import fusion, layers
-
-    target, draft = pairs["laguna+poolside"]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = _prompts(3, seed=5)
-    want = [o.token_ids for o in LLM(target, block_size=4).generate(
-        prompt_token_ids=prompts, sampling_params=params)]
-    norms_used = []
-
-    def add_norm_in_torch(self, x, residual, norm):
-        norms_used.append(norm)
-        return fusion.add_rms_norm(residual, self.forward(x), norm.weight, norm.eps)
-
-    monkeypatch.setattr(layers.MoE, "forward_add_rms_norm", add_norm_in_torch)
-    for kw in ({}, dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1)):
-        norms_used.clear()
-        llm = LLM(target, block_size=4, **kw)
-        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-        assert got == want, kw
-        model = llm.engine.target
-        moe_layers = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, layers.MoE)]
-        expected = [model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
-                    for i in moe_layers]
-        assert norms_used[:len(expected)] == expected  # the next layer's norm, the final one last

@@ -62,83 +62,32 @@ def _add_rms_norm_kernel(
     in_row = i < HIDDEN
     if WRITE_NORM:  # a parameter no kernel writes: loaded before the wait (kernels/pdl.py rule 3)
         w = tl.load(w_ptr + i, mask=in_row, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        w = 0.0  # unused
     if PDL:  # kernels/pdl.py: wait for the kernel writing delta, then let the next GEMM launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _add_rms_norm_row(h_ptr + t * stride_ht, d_ptr + t * stride_dt, stride_dp, w, res_ptr + t * stride_rt,
-                      out_ptr + t * stride_ot, eps, i, in_row, HIDDEN, NUM_PAIRS, WRITE_RESIDUAL,
-                      WRITE_NORM, DTYPE, False)
-
-
-def _add_rms_norm_row(
-    h_row, d_row, stride_dp, w, res_row, out_row, eps, i, in_row, HIDDEN: tl.constexpr,
-    NUM_PAIRS: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, WRITE_NORM: tl.constexpr,
-    DTYPE: tl.constexpr, DELTA_VIA_L2: tl.constexpr,
-):
-    # The module docstring's chain for one row: lanes i (in_row: i < HIDDEN), w the norm weight
-    # in fp32 (unused without WRITE_NORM). DELTA_VIA_L2: delta was written by other programs of
-    # the running kernel (the GEMM epilogues below): read it through L2 (.cg), never a stale L1.
-    s = tl.load(h_row + i, mask=in_row, other=0.0).to(tl.float32)
+    s = tl.load(h_ptr + t * stride_ht + i, mask=in_row, other=0.0).to(tl.float32)
     if NUM_PAIRS == 0:
-        if DELTA_VIA_L2:
-            d = tl.load(d_row + i, mask=in_row, other=0.0, cache_modifier=".cg")
-        else:
-            d = tl.load(d_row + i, mask=in_row, other=0.0)
-        s = _round_to(s + d.to(tl.float32), DTYPE)
+        s = _round_to(s + tl.load(d_ptr + t * stride_dt + i, mask=in_row, other=0.0).to(tl.float32),
+                      DTYPE)
     elif NUM_PAIRS > 0:
         for p in tl.static_range(NUM_PAIRS):  # the pairs in order, as fusion._add sums them
-            if DELTA_VIA_L2:
-                d = tl.load(d_row + p * stride_dp + i, mask=in_row, other=0.0, cache_modifier=".cg")
-            else:
-                d = tl.load(d_row + p * stride_dp + i, mask=in_row, other=0.0)
-            s += d.to(tl.float32)
+            s += tl.load(d_ptr + t * stride_dt + p * stride_dp + i, mask=in_row,
+                         other=0.0).to(tl.float32)
         s = _round_to(s, DTYPE)
     if WRITE_RESIDUAL:
-        tl.store(res_row + i, s, mask=in_row)
+        tl.store(res_ptr + t * stride_rt + i, s, mask=in_row)
     if WRITE_NORM:
-        tl.store(out_row + i, _rms_norm_row(s, w, eps, HIDDEN, DTYPE), mask=in_row)
-
-
-def _grid_last_add_rms_norm(
-    count_ptr, h_ptr, stride_ht, d_ptr, stride_dt, stride_dp, w_ptr, res_ptr, out_ptr, eps, T,
-    NUM_PROGRAMS: tl.constexpr, T_PAD: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_PAIRS: tl.constexpr, DTYPE: tl.constexpr,
-):
-    # Epilogue of a GEMM kernel whose NUM_PROGRAMS output-writing programs each call this once,
-    # after storing their share of delta: the last to arrive (arrival counter, the split-K
-    # semaphore pattern of kernels/skinny_gemm.py one level up) sees all of delta and runs the
-    # chain for rows t < T (res, out contiguous [T, HIDDEN]), then re-arms the counter (no memset
-    # launch: CUDA-graph replayable).
-    tl.debug_barrier()  # every thread's delta stores precede the release below
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_PROGRAMS - 1:
-        i = tl.arange(0, BLOCK)
-        in_row = i < HIDDEN
-        w = tl.load(w_ptr + i, mask=in_row, other=0.0).to(tl.float32)
-        for t in tl.static_range(T_PAD):
-            if t < T:
-                _add_rms_norm_row(h_ptr + t * stride_ht, d_ptr + t * stride_dt, stride_dp, w,
-                                  res_ptr + t * HIDDEN, out_ptr + t * HIDDEN, eps, i, in_row, HIDDEN,
-                                  NUM_PAIRS, True, True, DTYPE, True)
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-
-
-def _rms_norm_row(s, w, eps, HIDDEN: tl.constexpr, DTYPE: tl.constexpr):
-    # y = T(w * T(s / sqrt(mean(s^2) + eps))) of one row: s [BLOCK] fp32 (already rounded to T,
-    # 0 past HIDDEN), w the norm weight in fp32; correctly rounded division and square root.
-    mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
-    return _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
+        mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
+        y = _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
+        tl.store(out_ptr + t * stride_ot + i, y, mask=in_row)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    return jit_functions(__name__, (_round_to, _rms_norm_row, _add_rms_norm_row,
-                                    _add_rms_norm_kernel))["_add_rms_norm_kernel"]
+    return jit_functions(__name__, (_round_to, _add_rms_norm_kernel))["_add_rms_norm_kernel"]
 
 
 def _operand_problem(h: torch.Tensor, delta: torch.Tensor | None,

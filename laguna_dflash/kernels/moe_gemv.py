@@ -43,14 +43,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import pdl
-from .add_rms_norm import MAX_HIDDEN, _add_rms_norm_row, _grid_last_add_rms_norm, _rms_norm_row
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts", "moe_gemv_experts_add_rms_norm"]
+__all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 
 # (BLOCK_N, BLOCK_K, num_warps) per kernel: the best of 36 pairs swept on the H200 at XS-2.1
 # shapes, H = 2048, I = 512 (bench_fused_moe.py --tokens 1 --sweep: 19.8 us per layer; the
@@ -122,11 +121,9 @@ def _gate_up_gemv_kernel(
 
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
-    res_in_ptr, nw_ptr, res_ptr, norm_ptr, count_ptr, eps, num_tokens, stride_rt,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, ADD_NORM: tl.constexpr, K_TOP: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    T_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -154,20 +151,14 @@ def _down_gemv_kernel(
     out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
              mask=offs_n < H)
-    if ADD_NORM:
-        # the last program to store its piece sums every token's K_TOP pairs into the residual
-        # and normalises (kernels/add_rms_norm.py's chain for delta [T, K_TOP, H])
-        _grid_last_add_rms_norm(count_ptr, res_in_ptr, stride_rt, out_ptr, K_TOP * H, H, nw_ptr, res_ptr,
-                                norm_ptr, eps, num_tokens, NUM_PROGRAMS, T_PAD, H, BLOCK_H, K_TOP,
-                                OUT_DTYPE)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _rms_norm_row, _add_rms_norm_row, _grid_last_add_rms_norm,
-                                  _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
+                                  _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -191,67 +182,6 @@ def moe_gemv_experts(
         ``[T, k, H]``: pair ``(t, j)`` is ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, the
         contract of ``fused_moe.fused_moe_experts(..., reduce=False)``.
     """
-    return _run(x, expert_ids, weights, gate_up, down, None)
-
-
-def moe_gemv_experts_add_rms_norm(
-    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm(residual, moe_gemv_experts(...), norm_weight, eps)`` (kernels/add_rms_norm.py,
-    delta = the pairs ``[T, k, H]``) in the same two launches: the down kernel's last program to
-    finish sums every token's pairs into the residual and normalises
-    (``add_rms_norm._grid_last_add_rms_norm``). Saves the norm kernel's launch and its wait on
-    the MoE at the end of a batch-1 decode layer (the next layer's input norm).
-
-    Args:
-        x, expert_ids, weights, gate_up, down: as :func:`moe_gemv_experts`.
-        residual: ``[T, H]`` residual stream, x's dtype, unit stride along H.
-        norm_weight: ``[H]`` contiguous RMSNorm weight, x's dtype.
-        eps: RMSNorm epsilon.
-
-    Returns:
-        ``(s, y)``, ``[T, H]`` contiguous in x's dtype: ``s = T(residual + sum_j pairs[:, j])``
-        (fp32 sum in pair order, rounded once: bitwise the norm kernel's) and ``y`` its RMSNorm
-        (differs from the norm kernel's only through the summation order of ``mean(s^2)``).
-    """
-    t = expert_ids.shape[0]
-    hidden = gate_up.shape[2]
-    if (residual.shape != (t, hidden) or residual.dtype != x.dtype or residual.device != x.device
-            or (hidden > 1 and residual.stride(1) != 1) or norm_weight.shape != (hidden,)
-            or norm_weight.dtype != x.dtype or norm_weight.device != x.device
-            or not norm_weight.is_contiguous() or hidden > MAX_HIDDEN):
-        raise ValueError(f"residual must be [T, H] = [{t}, {hidden}] and norm_weight [H] contiguous, "
-                         f"both in x's dtype {x.dtype} on {x.device} (H <= {MAX_HIDDEN}), got residual "
-                         f"{tuple(residual.shape)} {residual.dtype}, norm_weight "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-    return _run(x, expert_ids, weights, gate_up, down, (residual, norm_weight, float(eps)))
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The add + RMSNorm epilogue's arrival counter ``[1]`` int32 (zero between calls), one per
-    device, allocated once and kept (graphs point at it); calls on concurrent streams must not
-    overlap (as kernels/skinny_gemm.py's split-K counters)."""
-    counter = _COUNTERS.get(device)
-    if counter is None:
-        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
-def _epilogue_constexprs(add_norm: bool, t: int, k: int, grid: tuple[int, int], hidden: int) -> dict:
-    """The down kernel's epilogue constexprs; fixed dummies without it (one compile for any T)."""
-    if not add_norm:
-        return dict(ADD_NORM=False, K_TOP=1, NUM_PROGRAMS=1, T_PAD=1, BLOCK_H=16)
-    return dict(ADD_NORM=True, K_TOP=k, NUM_PROGRAMS=grid[0] * grid[1],
-                T_PAD=1 << max(0, t - 1).bit_length(), BLOCK_H=1 << max(0, hidden - 1).bit_length())
-
-
-def _run(x, expert_ids, weights, gate_up, down, add_norm):
-    """The two launches of :func:`moe_gemv_experts` (``add_norm`` None: returns the pairs) or of
-    :func:`moe_gemv_experts_add_rms_norm` (``(residual, norm_weight, eps)``: returns ``(s, y)``)."""
     t, k = expert_ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -265,10 +195,8 @@ def _run(x, expert_ids, weights, gate_up, down, add_norm):
         raise ValueError("gate_up and down must be contiguous (the kernels address them by shape)")
     p = t * k
     out = torch.empty((t, k, hidden), dtype=x.dtype, device=x.device)
-    if add_norm is not None:
-        res, normed = torch.empty((2, t, hidden), dtype=x.dtype, device=x.device)
     if p == 0:
-        return out if add_norm is None else (res, normed)
+        return out
     x = x.contiguous()
     ids = expert_ids.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
@@ -283,17 +211,8 @@ def _run(x, expert_ids, weights, gate_up, down, add_norm):
         K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
         **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
-    grid = (p, -(-hidden // bn))
-    if add_norm is None:
-        residual = norm_weight = res = normed = counter = out  # unused
-        eps = 0.0
-    else:
-        residual, norm_weight, eps = add_norm
-        counter = _counter(x.device)
-    down_kernel[grid](
-        h, down, ids, rw, out, residual, norm_weight, res, normed, counter, eps, t,
-        residual.stride(0) if add_norm is not None else 0,
-        H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+    down_kernel[(p, -(-hidden // bn))](
+        h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
-        **_epilogue_constexprs(add_norm is not None, t, k, grid, hidden), **pdl.launch_options(use_pdl))
-    return out if add_norm is None else (res, normed)
+        **pdl.launch_options(use_pdl))
+    return out

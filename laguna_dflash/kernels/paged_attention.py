@@ -51,33 +51,10 @@ dependent reads.
 Split-K (flash decoding): when ``R * KVH * ceil(Qmax / BLOCK_Q)`` programs cannot fill the GPU
 (decode of a few long requests) the key axis ``[0, Lmax)`` is cut into ``S`` chunks of
 ``split_len`` keys (a multiple of ``BLOCK_N``, ``S`` chosen from the shapes on the host). Each
-program then writes its unnormalised ``acc``, ``m`` and ``l`` to fp32 scratch, and they are
-merged (sink included)::
+program then writes its unnormalised ``acc``, ``m`` and ``l`` to fp32 scratch and a second
+kernel merges them (sink included)::
 
     M = max(max_s m_s, sink)    out = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
-
-with both sums taken in split order ``s = 0, 1, ...`` (fp32 fma chains, ``_merge_partials``), so
-the result does not depend on the register layout of the code that merges. Two ways, the same
-bits:
-
-* ``MERGE_IN_KERNEL = False`` (the default): a second launch, ``_merge_splits_kernel``, one
-  program per (token, head).
-* ``MERGE_IN_KERNEL = True``: inside the attention launch, as ``kernels/skinny_gemm.py`` reduces
-  its split-K. Every program stores its partials with plain stores, then (CTA barrier) one
-  thread increments its tile's arrival counter, ``counters[(r * KVH + g) * q_tiles + q_tile]``,
-  with an ``acq_rel`` gpu-scope atomic. The program that sees ``S - 1`` arrived last: it reads
-  the ``S`` splits' partials of its tile's ``BLOCK_M`` rows through L2 (``.cg``), merges them as
-  above (the order is fixed, so the result does not depend on which program came last:
-  bitwise reproducible), applies the output gate, stores ``out`` and resets the counter to 0.
-  Its scratch is laid out ``[T, H, S(, D)]`` (the merge kernel's is ``[S, T, H(, D)]``), so a
-  row's splits sit at constant offsets from each other and all ``S`` splits' loads can be in
-  flight at once without an address register each; ``_merge_block_d`` columns at a time.
-  Every call thus leaves the counters zeroed: no memset launch, CUDA-graph replayable. The
-  counters are one int32 buffer per device (``_split_counters``: allocated zeroed on first use,
-  grown when a grid needs more, never freed, since a captured graph keeps its address; make the
-  first call outside a capture). Two calls running concurrently on different streams would
-  share counters: don't. With PDL the merge comes after ``gdc_launch_dependents``; the next
-  kernel's ``gdc_wait`` still waits for this whole grid, merges included.
 
 Rows that see no key at all (impossible for a valid query: it sees itself) produce zeros.
 
@@ -204,66 +181,10 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-def _store_out(out, out_ptr, gate_ptr, token, head, offs_d, row_ok, out_mask,
-               stride_ot, stride_oh, stride_od, stride_gt, stride_gh, HAS_GATE: tl.constexpr):
-    # out [ROWS, BLOCK_D] fp32 (normalised) -> out_ptr[token, head, :] in the output dtype; with
-    # the gate rounded first and multiplied by softplus(gate[token, head]) rounded
-    # (_softplus_rounded), then rounded again, as the reference does
-    if HAS_GATE:
-        g = tl.load(gate_ptr + token * stride_gt + head * stride_gh, mask=row_ok, other=0.0)
-        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(
-            g, out_ptr.dtype.element_ty)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-def _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, prow, split_stride, row_ok, offs_d, acc_mask,
-                    sink, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
-    # The split-K merge of ROWS rows: the math _merge_splits_kernel and the in-kernel merge share
-    # (so both give the same bits). Row i's m and l of split s sit at prow[i] + s * split_stride,
-    # its acc at HEAD_DIM times that (int64 when split_stride is a tensor). sink [ROWS] in base 2
-    # (unused without HAS_SINKS). Returns out [ROWS, BLOCK_D] fp32:
-    #     M   = max(max_s m_s, sink)           w_s = 2^(m_s - M)  (0 for a split that saw no key)
-    #     out = (sum_s w_s acc_s) / (sum_s w_s l_s + 2^(sink - M))
-    # The sums run in split order s = 0, 1, ... as fp32 fma chains: one fixed order whatever the
-    # register layout (a tl.sum tree's order follows the layout, which differs between the two
-    # kernels). The max is exact in any order. All loads are through L2 (.cg: other programs
-    # wrote the partials) and their addresses depend on no loaded value, so the S splits' loads
-    # can all be in flight at once. Row quantities are [ROWS, 1] (not [ROWS]): loaded per split
-    # by row they take acc's register layout, where a [ROWS] vector (or an [S, ROWS] block load
-    # reduced over S) needs a shared-memory layout conversion, two barriers, per split that
-    # would wait for that split's load (S dependent round trips in the sm_90 build).
-    rows = prow[:, None]
-    rows_ok = row_ok[:, None]
-    m_all = tl.load(part_m_ptr + rows, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in tl.static_range(1, NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(part_m_ptr + rows + s * split_stride, mask=rows_ok,
-                                          other=float("-inf"), cache_modifier=".cg"))
-    if HAS_SINKS:
-        m_all = tl.maximum(m_all, sink[:, None])
-    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)  # no key, no sink: w = 0, not NaN
-    acc_ptrs = part_acc_ptr + rows * HEAD_DIM + offs_d[None, :]
-    # split 0 starts the chains (the m loads repeat the ones above: the compiler reuses them)
-    w = tl.exp2(tl.load(part_m_ptr + rows, mask=rows_ok, other=float("-inf"), cache_modifier=".cg") - m_use)
-    denom = tl.load(part_l_ptr + rows, mask=rows_ok, other=0.0, cache_modifier=".cg") * w
-    out = tl.load(acc_ptrs, mask=acc_mask, other=0.0, cache_modifier=".cg") * w
-    for s in tl.static_range(1, NUM_SPLITS):
-        m_s = tl.load(part_m_ptr + rows + s * split_stride, mask=rows_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + rows + s * split_stride, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(acc_ptrs + s * split_stride * HEAD_DIM, mask=acc_mask, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m_s - m_use)
-        denom = tl.fma(l_s, w, denom)
-        out = tl.fma(acc_s, w, out)
-    if HAS_SINKS:
-        denom += tl.exp2(sink[:, None] - m_use)
-    return out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
-
-
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, gate_ptr,
     query_index_ptr, query_pos_ptr, key_slots_ptr, seq_lens_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr, prefetch_ptr, prefetch_nbytes, prefetch_chunk,
+    part_acc_ptr, part_m_ptr, part_l_ptr, prefetch_ptr, prefetch_nbytes, prefetch_chunk,
     stride_qt, stride_qh, stride_qd,
     stride_kc_s, stride_kc_h, stride_kc_d,
     stride_vc_s, stride_vc_h, stride_vc_d,
@@ -275,7 +196,6 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, MERGE_BLOCK_D: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
     if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
@@ -382,75 +302,58 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None]
         # rows that saw nothing have acc = 0, l = 0: divide by 1 instead (output 0)
         out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-        _store_out(out, out_ptr, gate_ptr, token, head, offs_d, row_ok, out_mask,
-                   stride_ot, stride_oh, stride_od, stride_gt, stride_gh, HAS_GATE)
+        if HAS_GATE:
+            g = tl.load(gate_ptr + token * stride_gt + head * stride_gh, mask=row_ok, other=0.0)
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(
+                g, out_ptr.dtype.element_ty)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partial results of split s for (token, head): row (s * T + token) * H + head of
-        # [S, T, H(, D)] scratch for _merge_splits_kernel; row (token * H + head) * S + s of
-        # [T, H, S(, D)] scratch for the in-kernel merge, where a row's splits are adjacent: split
-        # s is then a constant offset from split 0 (an immediate in the load, no address register
-        # per split: with a runtime stride the sm_90 build of a verify tile merging 32 splits
-        # spills ~1.5 KB)
-        if MERGE_IN_KERNEL:
-            prow = (token * NUM_HEADS + head) * NUM_SPLITS + split
-        else:
-            prow = (split.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
+        # partial results of split s for (token, head): row (s * T + token) * H + head
+        prow = (split.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
         tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
-        if MERGE_IN_KERNEL:
-            # The S programs of this tile (r, g, q_tile) count their arrivals in
-            # counters[tile]; the last one merges every split's partials of the tile's rows (the
-            # same rows in each split program) and re-arms the counter (module docstring).
-            tl.debug_barrier()  # every thread's partials are stored before the release below
-            tile = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))
-                    * (tl.num_programs(2) // NUM_SPLITS) + q_tile)
-            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                if HAS_SINKS:
-                    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-                else:
-                    sink = 0.0
-                # MERGE_BLOCK_D columns at a time: each split's acc slice then takes at most 16
-                # registers a thread (what one decode tile takes), so ptxas can keep many splits'
-                # loads in flight without spilling (columns are independent: same bits)
-                for c in tl.static_range(BLOCK_D // MERGE_BLOCK_D):
-                    offs_c = c * MERGE_BLOCK_D + tl.arange(0, MERGE_BLOCK_D)
-                    mask_c = row_ok[:, None] & (offs_c < HEAD_DIM)[None, :]
-                    out = _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr,
-                                          (token * NUM_HEADS + head) * NUM_SPLITS, 1, row_ok, offs_c, mask_c,
-                                          sink, HEAD_DIM, NUM_SPLITS, HAS_SINKS)
-                    _store_out(out, out_ptr, gate_ptr, token, head, offs_c, row_ok, mask_c,
-                               stride_ot, stride_oh, stride_od, stride_gt, stride_gh, HAS_GATE)
-                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, gate_ptr, out_ptr,
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s),
-    # one row of _merge_partials (the math the in-kernel merge shares, bit for bit)
+    # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
     if PDL:  # kernels/pdl.py: the partials are the attention kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.arange(0, 1)  # a one-row tile: token t, head h
-    token = tl.program_id(0).to(tl.int64) + row
-    head = tl.program_id(1) + row
-    row_ok = row == 0
-    offs_d = tl.arange(0, BLOCK_D)
-    out_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    prow = (offs_s.to(tl.int64) * num_tokens + t) * NUM_HEADS + h
+    m = tl.load(part_m_ptr + prow, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(part_l_ptr + prow, mask=s_ok, other=0.0)
+    m_all = tl.max(m, 0)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
-    else:
-        sink = 0.0
-    out = _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, token * NUM_HEADS + head,
-                          tl.cast(num_tokens, tl.int64) * NUM_HEADS, row_ok, offs_d, out_mask, sink,
-                          HEAD_DIM, NUM_SPLITS, HAS_SINKS)
-    _store_out(out, out_ptr, gate_ptr, token, head, offs_d, row_ok, out_mask,
-               stride_ot, stride_oh, stride_od, stride_gt, stride_gh, HAS_GATE)
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m - m_use)  # 0 for splits that saw no key
+    denom = tl.sum(lsum * w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_use)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0)
+    out = out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
+    if HAS_GATE:
+        g = tl.load(gate_ptr + t * stride_gt + h * stride_gh)
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(g, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @functools.lru_cache(maxsize=2)
@@ -460,8 +363,7 @@ def _kernels(interpret: bool):
     del interpret
     namespace = jit_functions(__name__, (_mma, _softplus_rounded, _tile_slots, _load_keys,
                                          _tile_logits, _softmax_step, _attend_tile, _prefetch_l2,
-                                         _store_out, _merge_partials, _paged_attention_kernel,
-                                         _merge_splits_kernel))
+                                         _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 
 
@@ -480,10 +382,6 @@ _MAX_SPLITS = 32
 # were a chain of dependent reads (query position -> key slots -> K/V) after the wait. False: the
 # wait comes first (the A/B switch).
 PRELOAD_OLD_KEYS = True
-# Split-K: merge the splits' partials inside the attention launch (the last-arriving program of
-# each tile, module docstring) instead of a second launch (_merge_splits_kernel), which costs
-# ~2.8 us a layer at batch-1 decode on the H200. Same bits either way. False: two launches.
-MERGE_IN_KERNEL = False
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -494,13 +392,6 @@ def _num_warps(block_m: int, block_d: int) -> int:
     # the fp32 accumulator [BLOCK_M, BLOCK_D] plus Q, a K/V tile and the logits stay in registers:
     # 8 warps from 64 x 128 up (sm_90 build: 4 warps there need ~200-255 registers a thread)
     return 8 if block_m * block_d >= 64 * 128 else 4
-
-
-def _merge_block_d(block_m: int, block_d: int) -> int:
-    # columns the in-kernel merge takes at a time: at most 16 fp32 of a split's acc a thread, as
-    # a 16-row decode tile has (the sm_90 build of a 32-row verify tile merging 32 splits over
-    # all 128 columns at once spills)
-    return min(block_d, max(16, 16 * 32 * _num_warps(block_m, block_d) // block_m))
 
 
 def _next_pow2(n: int) -> int:
@@ -523,31 +414,6 @@ def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) ->
     if num_programs >= target or max_keys < 2 * _MIN_SPLIT_KEYS:
         return 1
     return max(1, min(_MAX_SPLITS, -(-target // num_programs), max_keys // _MIN_SPLIT_KEYS))
-
-
-# ---- in-kernel split merge: arrival counters ---------------------------------------------------------
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # the live int32 zeros buffer of each device
-_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: captured graphs may point at them
-_MIN_COUNTERS = 1024
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 arrival counters on ``device``, all 0 between launches (the last
-    program of each tile re-arms its own). One buffer per device, allocated on first use, grown
-    (to the next power of two) when a bigger grid needs more, and never freed: a captured CUDA
-    graph keeps the raw pointer, so an outgrown buffer is kept alive too. Make the first call of
-    the largest grid outside a capture (the compile / warm-up call does); a call that grows the
-    buffer inside one records the zeroing into the graph and takes the buffer from the graph's
-    pool, which still works. Calls running concurrently on different streams share these
-    counters and must not overlap."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED_COUNTERS.append(buf)
-        buf = _COUNTERS[device] = torch.zeros(max(_MIN_COUNTERS, _next_pow2(n)), dtype=torch.int32,
-                                              device=device)
-    return buf
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -615,8 +481,6 @@ def paged_attention(
         sinks: ``[num_heads]`` per-head sink logits (denominator only), rounded to q's dtype
             as the reference does, or ``None``.
         num_splits: split-K factor; ``None`` picks one from the shapes (:func:`choose_num_splits`).
-            Above 1 the splits are merged by a second launch or, with :data:`MERGE_IN_KERNEL`,
-            inside the attention launch (same bits; module docstring).
         block_n: keys per tile (power of two >= 16); ``None``: 64.
         gate: ``[T, num_heads]`` per-head output-gate logits (any float dtype, any strides) or
             ``None``: the output is multiplied by ``softplus(gate)`` in the store (Laguna's
@@ -665,17 +529,12 @@ def paged_attention(
     window = int(sliding_window) if sliding_window is not None else 0
     if sinks is not None:
         sinks = sinks.to(q.dtype)  # the reference adds sink logits in q's dtype
-    merge_in_kernel = MERGE_IN_KERNEL and num_splits > 1
     if num_splits > 1:
-        # [S, T, H(, D)] for the merge kernel, [T, H, S(, D)] for the in-kernel merge (kernel)
-        shape = (t, num_heads, num_splits) if merge_in_kernel else (num_splits, t, num_heads)
-        part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((num_splits, t, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_splits, t, num_heads), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
-    # one counter per tile (r, g, q_tile) with the in-kernel merge
-    counters = _split_counters(q.device, r * kv_heads * q_tiles) if merge_in_kernel else out
     attn_kernel, merge_kernel = _kernels(interpret)
     grid = (r, kv_heads, q_tiles * num_splits)
     prefetch_plan = l2_prefetch.plan(prefetch, grid[0] * grid[1] * grid[2])
@@ -683,7 +542,7 @@ def paged_attention(
         q, k_cache, v_cache, out, sinks if sinks is not None else out,
         gate if gate is not None else out,
         query_index, query_positions, key_slots, seq_lens,
-        part_acc, part_m, part_l, counters,
+        part_acc, part_m, part_l,
         prefetch if prefetch_plan is not None else out, *(prefetch_plan or (0, 0)),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *query_index.stride(), *query_positions.stride(), *key_slots.stride(),
@@ -691,21 +550,19 @@ def paged_attention(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None and (num_splits == 1 or merge_in_kernel),  # else the merge kernel gates
-        NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
+        HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PRELOAD=PRELOAD_OLD_KEYS, MERGE_IN_KERNEL=merge_in_kernel,
-        MERGE_BLOCK_D=_merge_block_d(block_m, block_d) if merge_in_kernel else block_d,
-        num_warps=_num_warps(block_m, block_d), num_stages=2, **pdl.launch_options(use_pdl),
+        PRELOAD=PRELOAD_OLD_KEYS, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        **pdl.launch_options(use_pdl),
     )
-    if num_splits > 1 and not merge_in_kernel:
+    if num_splits > 1:
         merge_kernel[(t, num_heads)](
             part_acc, part_m, part_l, sinks if sinks is not None else out,
             gate if gate is not None else out, out,
             t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
+            NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
             HAS_GATE=gate is not None, PDL=use_pdl,
             num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )

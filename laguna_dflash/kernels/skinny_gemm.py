@@ -81,7 +81,6 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .add_rms_norm import MAX_HIDDEN, _add_rms_norm_row, _grid_last_add_rms_norm, _rms_norm_row
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 from .pdl import launch_options
@@ -96,7 +95,6 @@ __all__ = [
     "default_config",
     "is_available",
     "skinny_gemm",
-    "skinny_gemm_add_rms_norm",
     "skinny_gemm_reference",
 ]
 
@@ -349,13 +347,11 @@ def _bcast(x, X_BCAST: tl.constexpr):
 
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
-    h_ptr, nw_ptr, res_ptr, norm_ptr, grid_count_ptr, eps,
-    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, stride_ht,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym,
     K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
-    ADD_NORM: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
@@ -441,10 +437,6 @@ def _skinny_gemm_kernel(
     y_ptrs = y_ptr + offs_mo * stride_ym + offs_no
     if SPLIT_K == 1:
         tl.store(y_ptrs, _round_to(out, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
-        if ADD_NORM:
-            # the last program to store a column tile adds the residual and normalises
-            _grid_last_add_rms_norm(grid_count_ptr, h_ptr, stride_ht, y_ptr, stride_ym, 0, nw_ptr,
-                                    res_ptr, norm_ptr, eps, M, NUM_TILES, M_PAD, N, BLOCK_H, 0, OUT_DTYPE)
     else:
         # partial -> part[pid_k, m, n]; the last of the SPLIT_K programs of this column tile sums
         # the slabs in split order, stores y and re-arms the counter (module docstring)
@@ -459,19 +451,14 @@ def _skinny_gemm_kernel(
                                  cache_modifier=".cg")
             tl.store(y_ptrs, _round_to(total, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            if ADD_NORM:
-                _grid_last_add_rms_norm(grid_count_ptr, h_ptr, stride_ht, y_ptr, stride_ym, 0, nw_ptr,
-                                        res_ptr, norm_ptr, eps, M, NUM_TILES, M_PAD, N, BLOCK_H, 0,
-                                        OUT_DTYPE)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _rms_norm_row, _load_w, _gemv_w_load, _gemv_x_loads,
-                                         _gemv_loads, _bcast, _add_rms_norm_row, _grid_last_add_rms_norm,
-                                         _skinny_gemm_kernel))
+    namespace = jit_functions(__name__, (_round_to, _load_w, _gemv_w_load, _gemv_x_loads, _gemv_loads,
+                                         _bcast, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -481,14 +468,13 @@ _WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tenso
 
 
 def _workspace(device: torch.device, n: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials ``[split_k, 16, n]`` fp32, counters ``[ceil(n / 8) + 1]`` int32 zeros: one per
-    column tile, then the add + RMSNorm epilogue's grid counter) for one ``(device, n,
-    split_k)``, allocated once and kept (graphs may point at them)."""
+    """(partials ``[split_k, 16, n]`` fp32, counters ``[ceil(n / 8)]`` int32 zeros) for one
+    ``(device, n, split_k)``, allocated once and kept (graphs may point at them)."""
     key = (device, n, split_k)
     ws = _WORKSPACES.get(key)
     if ws is None:
         part = torch.empty((split_k, MAX_M, n), dtype=torch.float32, device=device)
-        counters = torch.zeros(_cdiv(n, _MIN_BLOCK_N) + 1, dtype=torch.int32, device=device)
+        counters = torch.zeros(_cdiv(n, _MIN_BLOCK_N), dtype=torch.int32, device=device)
         ws = _WORKSPACES[key] = (part, counters)
     return ws
 
@@ -567,79 +553,18 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
     if m == 0 or n == 0 or k == 0:
         _check_config(cfg, _use_dot(cfg, m), m)
         return y.zero_()
-    _launch(x, weight, y, cfg, None)
-    return y
-
-
-def skinny_gemm_add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    config: SkinnyConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm(h, x @ weight^T, norm_weight, eps)`` (kernels/add_rms_norm.py) in ONE launch:
-    the skinny GEMM, whose last program to finish a column tile adds the residual and normalises
-    the rows (``add_rms_norm._grid_last_add_rms_norm``). Saves the norm kernel's launch and its
-    wait on the GEMM in a batch-1 decode layer (o_proj, then the post-attention norm).
-
-    Args:
-        x, weight, config: as :func:`skinny_gemm`.
-        h: ``[M, N]`` residual stream, x's dtype, unit stride along N.
-        norm_weight: ``[N]`` contiguous RMSNorm weight, x's dtype.
-        eps: RMSNorm epsilon.
-
-    Returns:
-        ``(s, y)``: ``s = T(h + T(x @ weight^T))`` (bitwise :func:`skinny_gemm` then the norm
-        kernel's residual) and ``y = T(w * T(s / sqrt(mean(s^2) + eps)))``, ``[M, N]``
-        contiguous in x's dtype; ``y`` differs from the norm kernel's only through the summation
-        order of ``mean(s^2)``.
-    """
-    _check(x, weight)
-    m, k = x.shape
-    n = weight.shape[0]
-    if (h.shape != (m, n) or h.dtype != x.dtype or h.device != x.device or (n > 1 and h.stride(1) != 1)
-            or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype
-            or norm_weight.device != x.device or not norm_weight.is_contiguous() or n > MAX_HIDDEN):
-        raise ValueError(f"h must be [M, N] = [{m}, {n}] and norm_weight [N] contiguous, both in x's "
-                         f"dtype {x.dtype} on {x.device} (N <= {MAX_HIDDEN}), got h "
-                         f"{tuple(h.shape)} {h.dtype}, norm_weight {tuple(norm_weight.shape)} "
-                         f"{norm_weight.dtype}")
-    cfg = default_config(m, n, k) if config is None else config
-    if not isinstance(cfg, SkinnyConfig):
-        raise ValueError(f"config must be a SkinnyConfig or None, got {type(cfg).__name__}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    normed = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return res, normed
-    if k == 0:
-        raise ValueError("skinny_gemm_add_rms_norm needs K >= 1")
-    _launch(x, weight, y, cfg, (h, norm_weight, res, normed, float(eps)))
-    return res, normed
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: SkinnyConfig,
-            add_norm: tuple | None) -> None:
-    """One kernel launch writing ``y``; ``add_norm``: ``(h, norm_weight, res, normed, eps)`` of
-    :func:`skinny_gemm_add_rms_norm` or None."""
-    m, k = x.shape
-    n = weight.shape[0]
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret))
-    if split_k > 1 or add_norm is not None:
+    if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
         part = counters = y  # unused
-    if add_norm is None:
-        h = nw = res = normed = grid_count = y  # unused
-        eps, stride_h = 0.0, 0
-    else:
-        h, nw, res, normed, eps = add_norm
-        grid_count, stride_h = counters[-1:], h.stride(0)
-        meta = dict(meta, ADD_NORM=True, NUM_TILES=grid[0], BLOCK_H=_next_pow2(n))
     _kernels(interpret)[grid](
-        x, weight, y, part, counters, h, nw, res, normed, grid_count, eps,
-        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0), stride_h,
+        x, weight, y, part, counters,
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0),
         **meta,
     )
+    return y
 
 
 def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
@@ -664,7 +589,6 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl,
-        ADD_NORM=False, NUM_TILES=1, BLOCK_H=16,  # skinny_gemm_add_rms_norm sets these
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return (_cdiv(n, cfg.block_n), split_k), split_k, meta

@@ -69,10 +69,8 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def norm_kernel_runs(h: torch.Tensor, delta: torch.Tensor | None,
-                     weight: torch.Tensor | None) -> bool:
-    """Whether :func:`add_rms_norm` (and :func:`rms_norm`, :func:`add`) take the Triton kernel of
-    kernels/add_rms_norm.py for these operands (:data:`use_norm_kernel`, CUDA inference)."""
+def _norm_kernel_runs(h: torch.Tensor, delta: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> bool:
     return (use_norm_kernel and enabled and h.is_cuda and not torch.is_grad_enabled()
             and norm_kernel.can_run(h, delta, weight))
 
@@ -89,7 +87,7 @@ _rms_norm_fused = fused(_rms_norm)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`_rms_norm`: the Triton kernel where it runs (:data:`use_norm_kernel`), else one
     torch.compile'd kernel on CUDA, eager elsewhere."""
-    if norm_kernel_runs(x, None, weight):
+    if _norm_kernel_runs(x, None, weight):
         return norm_kernel.add_rms_norm(x, None, weight, eps)[1]
     return _rms_norm_fused(x, weight, eps)
 
@@ -143,7 +141,7 @@ _add_fused = fused(_add_only)
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_add_rms_norm` as one kernel (dispatched as :func:`rms_norm`)."""
-    if norm_kernel_runs(h, delta, weight):
+    if _norm_kernel_runs(h, delta, weight):
         return norm_kernel.add_rms_norm(h, delta, weight, eps)
     return _add_rms_norm_fused(h, delta, weight, eps)
 
@@ -151,7 +149,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def add(h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """:func:`_add` as one kernel (dispatched as :func:`rms_norm`): the residual stream after a
     layer whose add was deferred."""
-    if norm_kernel_runs(h, delta, None):
+    if _norm_kernel_runs(h, delta, None):
         return norm_kernel.add_rms_norm(h, delta, None, 0.0)[0]
     return _add_fused(h, delta)
 

@@ -52,32 +52,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# o_proj and the post-attention residual add + RMSNorm in ONE launch where linear() would take the
-# skinny GEMM (skinny_gemm.skinny_gemm_add_rms_norm: its last program to finish does the add and
-# the norm, one kernel and one kernel boundary fewer per layer); False: the GEMM, then the norm
-# kernel (an A/B switch for benchmarks).
-fuse_o_proj_norm = False
-# The MoE's down GEMV and the residual add + RMSNorm after the layer (the next layer's input
-# norm, or the final norm) in one launch where the per-pair GEMV MoE runs
-# (moe_gemv.moe_gemv_experts_add_rms_norm); False: the pairs, then the norm kernel (A/B switch).
-fuse_moe_norm = False
-
-
-def linear_add_rms_norm(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor,
-                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fusion.add_rms_norm(residual, linear(x, proj.weight, proj.bias), norm.weight, norm.eps)``
-    -> ``(residual + proj(x), norm(residual + proj(x)))``, each ``[T, H]``: one launch
-    (:data:`fuse_o_proj_norm`) where :func:`linear` would take the skinny GEMM and the norm
-    kernel could run; the two-step chain otherwise."""
-    weight = proj.weight
-    if (fuse_o_proj_norm and _num_graph_builds and proj.bias is None and use_skinny_gemm
-            and x.is_cuda and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
-            and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])
-            and fusion.norm_kernel_runs(residual, residual, norm.weight)):
-        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, residual, norm.weight, norm.eps)
-    return fusion.add_rms_norm(residual, linear(x, weight, proj.bias), norm.weight, norm.eps)
-
-
 @dataclass
 class ForwardContext:
     """What the layers of one forward need besides activations.
@@ -187,11 +161,6 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``x [T, H]`` (already input-normed) -> ``[T, H]``; writes this forward's K/V."""
-        return linear(self.attend(x, ctx), self.o_proj.weight, self.o_proj.bias)
-
-    def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """:meth:`forward` without ``o_proj``: ``x [T, H]`` -> the gated attention output
-        ``[T, num_heads * head_dim]``; writes this forward's K/V."""
         t = x.shape[0]
         qkv, gate = self.project(x)
         positions = ctx.meta.positions
@@ -216,7 +185,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
             prefetch=prefetch,
         )
-        return out.reshape(t, self.q_size)
+        return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them
@@ -379,26 +348,22 @@ class MoE(nn.Module):
             out = fusion.scale_add(routed, self.routed_scaling_factor, self.shared_expert(x))
         return out
 
-    def _route_fused(self, x: torch.Tensor, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router GEMM and routing on the fused path (one launch with :attr:`use_fused_router`):
-        ``(weights, ids)``, ``[T, top_k + num_shared]`` each, weights times the routed scaling
-        factor, the shared expert (id E, weight 1) last when ``num_shared``."""
-        route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
-                 self.norm_topk_prob)
-        if (self.use_fused_router and x.shape[0] <= self.fused_router_max_tokens
-                and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
-            return moe_routing.fused_router_route(
-                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=num_shared)
-        return moe_routing.fused_moe_route(
-            linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor, num_shared=num_shared)
-
     def fused_forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """The GPU small-batch path: router GEMM and routing (weights already times the routed
         scaling factor; one launch with :attr:`use_fused_router`), the two fused expert kernels
         over all pairs (the shared expert included once folded); the pairs ``[T, P, H]`` when
         ``keep_pairs`` and folded, else their sum ``[T, H]``."""
         folded = self.gate_up_with_shared is not None
-        weights, ids = self._route_fused(x, num_shared=int(folded))
+        route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
+                 self.norm_topk_prob)
+        if (self.use_fused_router and x.shape[0] <= self.fused_router_max_tokens
+                and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
+            weights, ids = moe_routing.fused_router_route(
+                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
+        else:
+            weights, ids = moe_routing.fused_moe_route(
+                linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor,
+                num_shared=int(folded))
         experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
         if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
@@ -410,22 +375,6 @@ class MoE(nn.Module):
         if not folded and self.shared_expert is not None:
             return fusion.add(self.shared_expert(x), pairs)
         return fusion.add(pairs[:, 0], pairs[:, 1:])
-
-    def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
-                             norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(residual + moe(x), norm(residual + moe(x)))``, each ``[T, H]``, with the sum and the
-        norm in the MoE's down launch (:data:`fuse_moe_norm`), or None where that path does not
-        run (the caller then takes :meth:`forward` and the norm kernel): the per-pair GEMV MoE
-        with the shared expert folded, a CUDA inference batch of at most
-        :attr:`moe_gemv_max_tokens` tokens, the norm kernel's operands."""
-        if not (fuse_moe_norm and self.gate_up_with_shared is not None and self._fused_kernels_run(x)
-                and self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens
-                and fusion.norm_kernel_runs(residual, residual, norm.weight)):
-            return None
-        weights, ids = self._route_fused(x, num_shared=1)
-        return moe_gemv.moe_gemv_experts_add_rms_norm(
-            x, ids, weights, self.gate_up_with_shared, self.down_with_shared, residual, norm.weight,
-            norm.eps)
 
     def experts_forward_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -528,58 +477,37 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``h [T, H]`` -> the layer's output ``[T, H]``."""
-        residual, delta, _ = self.forward_deferred(h, None, ctx)
-        return residual if delta is None else fusion.add(residual, delta)
+        residual, delta = self.forward_deferred(h, None, ctx)
+        return fusion.add(residual, delta)
 
-    def forward_deferred(
-        self, residual: torch.Tensor, delta: torch.Tensor | None, ctx: ForwardContext,
-        x: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def forward_deferred(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input ``residual + delta`` (``delta`` None: ``residual`` alone; else
-        ``[T, H]`` or MoE pairs ``[T, P, H]``; ``x``: the input already normed by this layer's
-        input norm, computed by the layer before, then ``delta`` is None) -> ``(residual, delta,
-        normed)`` with ``residual + delta`` (delta None: 0) the layer's output and ``normed`` that
-        output through ``next_norm`` when the MoE computed it in its last launch
-        (:meth:`MoE.forward_add_rms_norm`), else None (the caller norms)."""
-        if x is None:
-            norm = self.input_layernorm
-            if delta is None:
-                x = norm(residual)
-            else:
-                residual, x = fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
-        norm, attn = self.post_attention_layernorm, self.self_attn
-        if isinstance(attn, Attention) and type(attn).forward is Attention.forward:
-            residual, x = linear_add_rms_norm(attn.attend(x, ctx), attn.o_proj, residual, norm)
+        ``[T, H]`` or MoE pairs ``[T, P, H]``) -> ``(residual, delta)`` whose sum is its output."""
+        norm = self.input_layernorm
+        if delta is None:
+            x = norm(residual)
         else:
-            residual, x = fusion.add_rms_norm(residual, attn(x, ctx), norm.weight, norm.eps)
-        if not isinstance(self.mlp, MoE):
-            return residual, self.mlp(x), None
-        if next_norm is not None:
-            fused = self.mlp.forward_add_rms_norm(x, residual, next_norm)
-            if fused is not None:
-                return fused[0], None, fused[1]
-        return residual, self.mlp(x, keep_pairs=True), None
+            residual, x = fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
+        norm = self.post_attention_layernorm
+        residual, x = fusion.add_rms_norm(residual, self.self_attn(x, ctx), norm.weight, norm.eps)
+        delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
+        return residual, delta
 
 
 def run_layers(layers: nn.ModuleList, h: torch.Tensor, ctx: ForwardContext, final_norm: RMSNorm,
                tap_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """``h [T, H]`` through ``layers`` then ``final_norm`` -> (normed ``[T, H]``, taps): tap
     ``i`` is layer ``i``'s output ``[T, H]``. Each layer's residual add runs fused with the next
-    norm (:meth:`DecoderLayer.forward_deferred`; inside the MoE's last launch where it can);
-    tap layers add it on their own where it was not."""
-    residual, delta, x = h, None, None
+    norm (:meth:`DecoderLayer.forward_deferred`); tap layers add it on their own."""
+    residual, delta = h, None
     taps: dict[int, torch.Tensor] = {}
     wanted = set(tap_layer_ids)
     for i, layer in enumerate(layers):
-        nxt = layers[i + 1] if i + 1 < len(layers) else None
-        next_norm = final_norm if nxt is None else getattr(nxt, "input_layernorm", None)
-        residual, delta, x = layer.forward_deferred(residual, delta, ctx, x, next_norm)
+        residual, delta = layer.forward_deferred(residual, delta, ctx)
         if i in wanted:
-            if delta is not None:
-                residual, delta = fusion.add(residual, delta), None
+            residual, delta = fusion.add(residual, delta), None
             taps[i] = residual
-    if x is not None:
-        return x, taps
     if delta is None:
         return final_norm(residual), taps
     return fusion.add_rms_norm(residual, delta, final_norm.weight, final_norm.eps)[1], taps

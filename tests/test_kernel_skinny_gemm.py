@@ -350,6 +350,40 @@ def test_sm90_programmatic_dependent_launch_code() -> None:
     assert loads_before_pdl_wait(ptx) == []
 
 
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_measured_dot_configs_fit_in_shared_memory_in_every_dtype() -> None:
+    """Every measured dot-path config (tuned in bf16) builds for sm_90 within a program's 227 KiB
+    of shared memory in bf16 and in fp32 too, where the 4-stage 64 x 256 tiles would need 240 KiB
+    without the fp32 stage cap (a float32 engine at Laguna widths failed its graph capture)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    kernel = sg._kernels(False)
+    checked = 0
+    for (bucket, n, k), cfg in sg._MEASURED.items():
+        if not sg._use_dot(cfg, bucket):
+            continue
+        for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+            meta = dict(sg._plan(bucket, n, k, dtype, cfg, False, True)[2])
+            options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages"),
+                       "launch_pdl": meta.pop("launch_pdl")}
+            types = {"x_ptr": ptr, "w_ptr": ptr, "y_ptr": ptr, "part_ptr": "*fp32", "count_ptr": "*i32"}
+            signature = {a: types.get(a, "constexpr" if a in meta else "i32") for a in kernel.arg_names}
+            built = compile(ASTSource(fn=kernel, signature=signature, constexprs=meta),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+            assert built.metadata.shared <= 227 * 1024, (bucket, n, k, dtype, built.metadata.shared)
+            checked += 1
+    assert checked >= 20
+
+
+def test_fp32_dot_stages_are_capped_and_bf16_kept() -> None:
+    cfg = SkinnyConfig(64, 256, 1, 4, 4, use_dot=True)
+    assert sg._dot_stages(cfg, torch.bfloat16) == 4
+    assert sg._dot_stages(cfg, torch.float32) == 3  # 2 x 80 KiB in flight, not 3 x 80
+    assert sg._dot_stages(SkinnyConfig(16, 256, 1, 4, 2, use_dot=True), torch.float32) == 2
+    assert sg._plan(4, 2048, 6144, torch.float32, sg.default_config(4, 2048, 6144), False)[2]["num_stages"] == 3
+
+
 def test_pdl_needs_a_compiled_sm90_gpu(monkeypatch) -> None:
     cfg = SkinnyConfig(16, 256, 4, 4, 2, use_dot=False)
     meta = sg._plan(1, 2048, 8192, torch.bfloat16, cfg, False)[2]

@@ -589,6 +589,24 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
+        num_warps=cfg.num_warps, num_stages=_dot_stages(cfg, dtype) if use_dot else cfg.num_stages,
+        **launch_options(pdl),
     )
     return (_cdiv(n, cfg.block_n), split_k), split_k, meta
+
+
+# Shared memory the fp32 dot path may pipeline through (the H200 gives a program at most 227 KiB).
+_FP32_DOT_SMEM_BUDGET = 192 * 1024
+
+
+def _dot_stages(cfg: SkinnyConfig, dtype: torch.dtype) -> int:
+    """``num_stages`` of a dot-path launch. The measured configs are bf16's; with fp32 operands
+    Triton's pipeline keeps ``num_stages - 1`` weight and x tiles of 4-byte elements in shared
+    memory, ``(stages - 1) (block_n + 16) block_k 4`` bytes (the sm_90 build's own count), which
+    for the 64 x 256, 4-stage configs is 240 KiB: more than a program may have, so a float32
+    engine at Laguna widths failed its graph capture. Capped to the budget there; bf16 / fp16
+    unchanged."""
+    if dtype != torch.float32:
+        return cfg.num_stages
+    per_stage = (cfg.block_n + 16) * cfg.block_k * 4
+    return max(1, min(cfg.num_stages, 1 + _FP32_DOT_SMEM_BUDGET // per_stage))

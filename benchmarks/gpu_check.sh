@@ -5,8 +5,10 @@
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
 #                                           # simulated-acceptance table (~3.5 min)
-#   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests, then bench
-#                                           # (~9 min)
+#   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests
+#                                           # (final-tests, ~4.5 min), then bench (~9 min in all)
+#   bash benchmarks/gpu_check.sh xs-lossless  # float32 DFlash = target-only at XS-2.1 widths, the
+#                                           # skinny GEMM's CUDA tests (~3 min)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
@@ -140,12 +142,19 @@ case "$stage" in
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
       --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
   final)
+    bash "$0" final-tests
+    bash "$0" bench ;;
+  final-tests)
     echo "== losslessness with graphs, GEMV MoE on the GPU"
     # the PDL race tests first (seconds; compiling the engine tests takes most of the limit)
     gpu_tests 270 tests/test_kernel_paged_attention.py tests/test_cuda_graphs.py \
       tests/test_kernel_moe_gemv.py \
-      -k "lossless or prefill_stores or xs21 or forward_ahead or pdl_wait" | tail -20
-    bash "$0" bench ;;
+      -k "lossless or prefill_stores or xs21 or forward_ahead or pdl_wait" | tail -20 ;;
+  xs-lossless)
+    echo "== float32 DFlash = target-only at XS-2.1 widths; the skinny GEMM (fp32 stage cap)"
+    gpu_tests 200 tests/test_cuda_xs_lossless.py tests/test_kernel_skinny_gemm.py -k "xs_widths or cuda" \
+      | grep -v PASSED | tail -20
+    echo "(skinny GEMM and XS-width tests not listed above passed)" ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"
     timeout 300 python benchmarks/bench_gpu_xs.py --new-tokens 32 --rounds 2 2>&1 | quiet | tail -40 ;;

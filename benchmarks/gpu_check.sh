@@ -9,6 +9,8 @@
 #                                           # (final-tests, ~4.5 min), then bench (~9 min in all)
 #   bash benchmarks/gpu_check.sh xs-lossless  # float32 DFlash = target-only at XS-2.1 widths, the
 #                                           # skinny GEMM's CUDA tests (~3 min)
+#   bash benchmarks/gpu_check.sh handoff    # a step-to-step hand-off: kernel boundary (normal, PDL)
+#                                           # against a persistent kernel's grid barrier (~20 s)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
@@ -132,6 +134,10 @@ case "$stage" in
     timeout 110 python benchmarks/profile_decode_xs.py --top 9 \
       --switch "laguna_dflash.engine.cuda_graph:use_metadata_kernel=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per" | grep -v "^|---\|^| kernel |" | head -34 ;;
+  handoff)
+    echo "== what a hand-off costs: kernel boundary against grid barrier"
+    timeout 150 python benchmarks/bench_handoff.py 2>&1 | tail -8
+    timeout 60 python benchmarks/bench_handoff.py --grids 264 --steps 100 2>&1 | tail -1 ;;
   span)
     echo "== the batch-1 decode and 4-token verify graphs: span each kernel adds, one layer in order"
     timeout 150 python benchmarks/profile_decode_xs.py --top 12 --sequence 26 2>&1 | quiet | tail -48

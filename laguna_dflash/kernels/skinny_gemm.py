@@ -120,7 +120,7 @@ class SkinnyConfig:
             in-kernel (module docstring). Trimmed to the number of non-empty chunks.
         num_warps: warps per program (1, 2, 4, 8 or 16).
         num_stages: dot path: Triton's software-pipelining depth (shared-memory stages of the
-            weight tile); GEMV path: 1 = plain loop, >= 2 = the loads of the next K step are
+            weight tile; with fp32 operands capped to fit shared memory, ``_dot_stages``); GEMV path: 1 = plain loop, >= 2 = the loads of the next K step are
             issued before this step's FMAs (a register double buffer). >= 1.
         use_dot: ``tl.dot`` on a 16-row padded x (True), the GEMV (False; ``M <= 4`` only), or
             None: dot for ``M > 4``.

@@ -38,6 +38,10 @@
 #   bash benchmarks/gpu_check.sh moetiles   # the GEMV MoE's tiles inside the decode graph (~4.5 min)
 #   bash benchmarks/gpu_check.sh span       # the span each kernel adds to the decode / verify graphs (~3 min)
 #   bash benchmarks/gpu_check.sh metadata   # the attention metadata in one kernel: tests, decode A/B (~5 min)
+#   bash benchmarks/gpu_check.sh packz      # the router's chosen logits out of the top-k key:
+#                                           # tests, decode and verify A/B (~6 min)
+#   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
+#                                           # (benchmarks/ablations.py; timing only, ~5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -134,6 +138,22 @@ case "$stage" in
     timeout 110 python benchmarks/profile_decode_xs.py --top 9 \
       --switch "laguna_dflash.engine.cuda_graph:use_metadata_kernel=False" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per" | grep -v "^|---\|^| kernel |" | head -34 ;;
+  packz)
+    echo "== the chosen logits out of the top-k key: routing tests, bf16 graphs against eager"
+    gpu_tests 120 tests/test_kernel_moe_routing.py -k "cuda" | tail -30
+    gpu_tests 150 tests/test_cuda_graphs.py -k "graphs_match_eager_on_cuda and bfloat16" | tail -4
+    echo "== batch-1 decode step and 4-token verify forward: packed (default) against the re-read"
+    for q in 1 4; do
+      timeout 120 python benchmarks/profile_decode_xs.py --top 8 --q $q \
+        --switch "laguna_dflash.kernels.moe_routing:PACK_LOGITS=False" 2>&1 | quiet \
+        | grep -E "^##|^\| [0-9]|kernels per|equal|router|failed" | head -16
+    done ;;
+  ablate)
+    echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
+    timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \
+      --ablate input_norm --ablate post_norm+input_norm --ablate routing --ablate routing+qk \
+      --ablate routing+merge --ablate routing+merge+qk+post_norm+input_norm 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|failed" | head -60 ;;
   handoff)
     echo "== what a hand-off costs: kernel boundary against grid barrier"
     timeout 150 python benchmarks/bench_handoff.py 2>&1 | tail -8

@@ -10,10 +10,14 @@ Target only (dummy bf16 weights at the real shapes, a 1k-token context, engine d
 * batch-1 GEMV time against the weight bytes for the step's projection shapes (``torch.nn.functional
   .linear`` at M = 1, weights rotated over copies so they come from HBM, in a CUDA graph);
 * with ``--switch module:attr=value`` (repeatable): the same numbers with the switch set, for A/B
-  comparisons of fast-path options in one run.
+  comparisons of fast-path options in one run;
+* with ``--ablate NAME[+NAME]`` (repeatable; benchmarks/ablations.py): the same numbers with
+  those latency-bound steps removed from the chain (timing only, the output is wrong): an upper
+  bound on what fusing them away could save.
 
     python benchmarks/profile_decode_xs.py --sequence 70
     python benchmarks/profile_decode_xs.py --switch laguna_dflash.models.fusion:enabled=False
+    python benchmarks/profile_decode_xs.py --ablate routing --ablate routing+merge
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import ablations
 import torch
 from bench_gpu_xs import active_bytes, copy_bandwidth, parse_switch, xs_target_config
 
@@ -193,6 +198,9 @@ def main() -> None:
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value] to compare against the defaults "
                          "(repeatable)")
+    ap.add_argument("--ablate", action="append", default=[],
+                    help="NAME[+NAME] of benchmarks/ablations.py: time the step without those "
+                         "kernels (wrong output; an upper bound on fusing them away; repeatable)")
     ap.add_argument("--gemv", action="store_true", help="also time M=1 GEMVs of the step's shapes")
     ap.add_argument("--q", type=int, default=1,
                     help="profile the batch-1 graph of this many tokens (4: a K = 3 verify's target "
@@ -228,6 +236,15 @@ def main() -> None:
                 print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
             for obj, name, value in reversed(saved):
                 setattr(obj, name, value)
+            llm.engine.runner.graphs.reset()
+        for spec in args.ablate:
+            undo = ablations.apply(spec)
+            llm.engine.runner.graphs.reset()
+            try:
+                report(f"ablate {spec}", llm, prompt, args, floor_ms, reference)
+            except Exception as e:  # noqa: BLE001 - print what failed, keep the rows before it
+                print(f"\n## ablate {spec}\n\nfailed: {type(e).__name__}: {e}")
+            undo()
             llm.engine.runner.graphs.reset()
     if args.gemv:
         h = 2048

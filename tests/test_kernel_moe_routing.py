@@ -317,6 +317,46 @@ def test_interpreted_router_route_equals_two_kernel_path(case, dtype) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_interpreted_packed_logits_equal_the_re_read(monkeypatch, dtype) -> None:
+    """``PACK_LOGITS``: the chosen 16-bit logits taken from the top-k key give bitwise the
+    weights and ids of re-reading them, for both kernels; with negative, tied and softcapped
+    logits (ties: the lower index first, whatever the logit bits below it)."""
+    logits, bias = _problem(4, 64, dtype, seed=21, device="cpu")
+    tied = [3, 10, 11, 12, 13]
+    logits[0, tied] = 30.0  # sigmoid(30) == 1 in fp32: five equal top keys, the index decides
+    bias[tied] = 1.0  # above every other bias (< 0.5)
+    logits[1] = -logits[1].abs()  # negative logits: the sign bit of the packed low half
+    x, w, rbias = _router_problem(3, 64, 512, dtype, seed=4)
+    calls = [
+        lambda: fused_moe_route(logits, bias, 6, 0.0, "sigmoid", True, scale=SCALE, num_shared=1),
+        lambda: fused_moe_route(logits, bias, 6, 30.0, "sqrtsoftplus", False, scale=SCALE),
+        lambda: fused_router_route(x, w, rbias, 6, 0.0, "sigmoid", True, scale=SCALE, num_shared=1),
+    ]
+    for call in calls:
+        monkeypatch.setattr(moe_routing, "PACK_LOGITS", True)
+        packed_w, packed_ids = call()
+        monkeypatch.setattr(moe_routing, "PACK_LOGITS", False)
+        read_w, read_ids = call()
+        assert torch.equal(packed_ids, read_ids) and torch.equal(packed_w, read_w)
+    ref_w, ref_ids = _reference(logits, bias, 6, 0.0, "sigmoid", True)
+    monkeypatch.setattr(moe_routing, "PACK_LOGITS", True)
+    got_w, got_ids = fused_moe_route(logits, bias, 6, 0.0, "sigmoid", True, scale=SCALE)
+    # row 0: the kernel's tie order (lower index first; torch.topk's order among ties is not
+    # specified, and on the CPU it is another one); the other rows equal torch's
+    assert got_ids[0, :5].tolist() == tied and sorted(ref_ids[0, :5].tolist()) == tied
+    assert torch.equal(got_ids[0, 5:], ref_ids[0, 5:]) and torch.equal(got_ids[1:], ref_ids[1:])
+    torch.testing.assert_close(got_w.float(), ref_w, **TOL[dtype])
+
+
+def test_pack_dtype_codes(monkeypatch) -> None:
+    monkeypatch.setattr(moe_routing, "PACK_LOGITS", True)
+    assert [moe_routing._pack_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [0, 1, 2]
+    monkeypatch.setattr(moe_routing, "PACK_LOGITS", False)
+    assert moe_routing._pack_dtype(torch.bfloat16) == 0
+
+
+@interpreted
 def test_interpreted_router_route_many_experts() -> None:
     """E = 1024 (the most): 4 tokens per routing pass (two passes for T = 6)."""
     t, e, h, k = 6, 1024, 64, 8

@@ -24,11 +24,12 @@ costs a few microseconds of GPU time whatever its size. Here it is ONE launch, g
   ``E <= 1024``) and computes ``s`` and the selection key ``s + bias``;
 * selection packs each key into one int64, ``(monotone int32 of the fp32 key) << 32 |
   (BLOCK_E - 1 - e)``, so ONE max-reduction per step yields the largest key and, among equal
-  keys, the lowest index; ``top_k`` (a constexpr) steps of "max, decode the index, mask that
+  keys, the lowest index (bf16 / fp16 logits: ``... << 32 | (BLOCK_E - 1 - e) << 16 | the
+  logit's 16 bits``, so the chosen logit comes out of the same reduction; ``PACK_LOGITS``); ``top_k`` (a constexpr) steps of "max, decode the index, mask that
   lane out". Padding and taken lanes hold a sentinel below every real key (``-inf`` included,
   so an expert whose bias is ``-inf`` is still picked before a padding lane). A NaN key is
   treated as ``+inf`` (torch.topk ranks NaN first);
-* the ``top_k`` chosen logits are re-read (cache-hot) and their scores recomputed, then
+* the ``top_k`` chosen logits (unpacked, or for fp32 re-read, cache-hot) get their scores recomputed, then
   normalised, scaled, rounded to the output dtype and stored with the ids in one vector store.
 
 The routing math lives in shared ``@triton.jit`` helpers (``_scores``, ``_select_top_k``,
@@ -77,8 +78,9 @@ PDL; this is one launch.
   atomic add on a single arrival counter. The program that sees ``#programs - 1`` arrived last:
   it sums each logit's ``SPLIT_K`` partials from L2 (``.cg``) IN SPLIT ORDER (so the result does
   not depend on which program came last: bitwise reproducible), rounds to x.dtype, routes
-  ``ROUTE_ROWS`` tokens at a time with the shared helpers (the chosen experts' logits are the same
-  sums of the same partials, read again), stores weights and ids, and resets the counter to 0
+  ``ROUTE_ROWS`` tokens at a time with the shared helpers (the chosen experts' logits come out of
+  the packed top-k key; fp32 ones are the same sums of the same partials, read again: one more
+  dependent L2 round trip), stores weights and ids, and resets the counter to 0
   (relaxed exchange). The partials need no reset: a call overwrites every slab entry it reads.
   No memset launch, no host sync: CUDA-graph capturable and replayable.
 * The workspace (partials and the counter, zeroed once) is cached per ``(device, E, SPLIT_K)``
@@ -132,6 +134,14 @@ MAX_EXPERTS = 1024
 MAX_ROUTER_TOKENS = 16  # tokens of fused_router_route (rows of its partial-logit workspace)
 SCORE_FUNCS = ("sigmoid", "sqrtsoftplus")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# bf16 / fp16 logits ride in the low bits of the top-k key (_select_top_k), so the routing reads
+# the chosen experts' logits without a second dependent load; False: re-read them (an A/B switch)
+PACK_LOGITS = True
+
+
+def _pack_dtype(dtype: torch.dtype) -> int:
+    # the PACK_DTYPE constexpr: the dtype code of 16-bit logits when packed, else 0
+    return DTYPE_CODE[dtype] if PACK_LOGITS and dtype != torch.float32 else 0
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -180,24 +190,47 @@ if HAS_TRITON:
     # ---- the routing math, shared by both kernels: ROWS tokens at a time, [ROWS, BLOCK_E] tiles
 
     @triton.jit
-    def _select_top_k(key, valid, offs, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
-        # key [ROWS, BLOCK_E] fp32 (s + bias), valid / offs [1, BLOCK_E] -> ids [ROWS, K_PAD] int32
-        # (columns >= TOP_K: 0). Order-preserving int32 of the fp32 key (negative floats: flip the
-        # magnitude bits) in the high half, BLOCK_E - 1 - e in the low half, so max() prefers the
-        # lower index on ties. The sentinel is below (monotone(-inf) << 32): padding and taken lanes.
+    def _select_top_k(key, z, valid, offs, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
+                      K_PAD: tl.constexpr, PACK_DTYPE: tl.constexpr):
+        # key [ROWS, BLOCK_E] fp32 (s + bias), z the fp32 logits, valid / offs [1, BLOCK_E] ->
+        # (ids [ROWS, K_PAD] int32, columns >= TOP_K: 0; the chosen logits z_sel [ROWS, K_PAD]
+        # fp32 when PACK_DTYPE is a 16-bit dtype code, else zeros for the caller to read).
+        # Order-preserving int32 of the fp32 key (negative floats: flip the magnitude bits) in the
+        # high half, BLOCK_E - 1 - e in the low half (bits 16-31 when packing, bits 0-15 then
+        # carry the logit's 16-bit pattern), so max() prefers the lower index on ties and brings
+        # the chosen logit along: no dependent re-read of the logits after the selection. The
+        # sentinel is below (monotone(-inf) << 32): padding and taken lanes.
         key = tl.where(key != key, float("inf"), key)  # NaN ranks first, as in torch.topk
         bits = key.to(tl.int32, bitcast=True)
         mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        packed = (mono << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+        rev = (BLOCK_E - 1 - offs).to(tl.int64)
+        if PACK_DTYPE == 1:  # bf16 value held in fp32: the high 16 bits
+            zb = (z.to(tl.uint32, bitcast=True) >> 16).to(tl.int64)
+            packed = (mono << 32) | (rev << 16) | zb
+        elif PACK_DTYPE == 2:  # fp16
+            zb = z.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            packed = (mono << 32) | (rev << 16) | zb
+        else:
+            packed = (mono << 32) | rev
         packed = tl.where(valid, packed, -9223372036854775807)
         kk = tl.arange(0, K_PAD)[None, :]
         ids = tl.zeros([key.shape[0], K_PAD], dtype=tl.int32)
+        z_sel = tl.zeros([key.shape[0], K_PAD], dtype=tl.float32)
         for i in range(TOP_K):
             best = tl.max(packed, axis=1)
-            idx = (BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32))[:, None]
+            if PACK_DTYPE == 0:
+                idx = (BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32))[:, None]
+            else:
+                idx = (BLOCK_E - 1 - ((best >> 16) & (BLOCK_E - 1)).to(tl.int32))[:, None]
+                low = (best & 0xFFFF).to(tl.int32)
+                if PACK_DTYPE == 1:
+                    zv = (low << 16).to(tl.float32, bitcast=True)
+                else:
+                    zv = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                z_sel = tl.where(kk == i, zv[:, None], z_sel)
             ids = tl.where(kk == i, idx, ids)
             packed = tl.where(offs == idx, -9223372036854775807, packed)
-        return ids
+        return ids, z_sel
 
     @triton.jit
     def _route_weights(z_sel, ids, softcap, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
@@ -238,7 +271,7 @@ if HAS_TRITON:
         NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
-        OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, PACK_DTYPE: tl.constexpr, PDL: tl.constexpr,
     ):
         # program t routes token t (one-row tiles [1, BLOCK_E])
         row = tl.program_id(0).to(tl.int64)
@@ -251,12 +284,13 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_wait()  # the logits are the router GEMM's output
         z = tl.load(logits_row + offs * stride_le, mask=valid, other=0.0).to(tl.float32)
         s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
-        ids = _select_top_k(s + bias, valid, offs, BLOCK_E, TOP_K, K_PAD)
+        ids, z_sel = _select_top_k(s + bias, z, valid, offs, BLOCK_E, TOP_K, K_PAD, PACK_DTYPE)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        # the chosen experts' logits re-read (cache-hot); their scores recomputed, same math
-        routed = tl.arange(0, K_PAD)[None, :] < TOP_K
-        z_sel = tl.load(logits_row + ids * stride_le, mask=routed, other=0.0).to(tl.float32)
+        if PACK_DTYPE == 0:  # the chosen experts' fp32 logits re-read (cache-hot)
+            routed = tl.arange(0, K_PAD)[None, :] < TOP_K
+            z_sel = tl.load(logits_row + ids * stride_le, mask=routed, other=0.0).to(tl.float32)
+        # their scores recomputed, same math
         w, ids = _route_weights(z_sel, ids, softcap, scale, NUM_EXPERTS, TOP_K, NUM_SHARED, K_PAD,
                                 HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE)
         _store_routes(weights_ptr, ids_ptr, tl.zeros([1, 1], dtype=tl.int64) + row,
@@ -281,7 +315,7 @@ if HAS_TRITON:
         HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
-        OUT_DTYPE: tl.constexpr,
+        OUT_DTYPE: tl.constexpr, PACK_DTYPE: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
         M_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
         X_GROUP: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
@@ -340,14 +374,16 @@ if HAS_TRITON:
                 z = _sum_partials(part_ptr + rows * NUM_EXPERTS + offs_e, row_ok & valid, SPLIT_K,
                                   PART_ROWS * NUM_EXPERTS, OUT_DTYPE)
                 s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
-                ids = _select_top_k(s + bias, valid, offs_e, BLOCK_E, TOP_K, K_PAD)
-                # the chosen experts' logits: the same sums of the same partials again (bitwise
-                # the same values). A variant gathering them from registers (tl.gather: shuffles
-                # or shared memory), together with a fixed-order norm sum, timed ~2 us slower at
-                # T = 1 on the H200.
-                routed = tl.arange(0, K_PAD)[None, :] < TOP_K
-                z_sel = _sum_partials(part_ptr + rows * NUM_EXPERTS + ids, row_ok & routed,
-                                      SPLIT_K, PART_ROWS * NUM_EXPERTS, OUT_DTYPE)
+                ids, z_sel = _select_top_k(s + bias, z, valid, offs_e, BLOCK_E, TOP_K, K_PAD,
+                                           PACK_DTYPE)
+                if PACK_DTYPE == 0:
+                    # fp32 logits do not fit the packed key: the same sums of the same partials
+                    # again (bitwise the same values), one more dependent L2 round trip. (A
+                    # variant gathering them from registers, tl.gather, together with a
+                    # fixed-order norm sum, timed ~2 us slower at T = 1 on the H200.)
+                    routed = tl.arange(0, K_PAD)[None, :] < TOP_K
+                    z_sel = _sum_partials(part_ptr + rows * NUM_EXPERTS + ids, row_ok & routed,
+                                          SPLIT_K, PART_ROWS * NUM_EXPERTS, OUT_DTYPE)
                 w, ids = _route_weights(z_sel, ids, softcap, scale, NUM_EXPERTS, TOP_K, NUM_SHARED,
                                         K_PAD, HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE)
                 _store_routes(weights_ptr, ids_ptr, rows, row_ok, w, ids, TOP_K, NUM_SHARED, K_PAD)
@@ -430,7 +466,8 @@ def fused_moe_route(
         NUM_EXPERTS=e, BLOCK_E=block_e, TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=triton.next_power_of_2(k_out),
         HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
-        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[logits.dtype], PDL=use_pdl,
+        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[logits.dtype],
+        PACK_DTYPE=_pack_dtype(logits.dtype), PDL=use_pdl,
         num_warps=max(1, min(4, block_e // 256)),  # 8 keys a thread; one warp up to E = 256
         **pdl.launch_options(use_pdl),
     )
@@ -637,6 +674,7 @@ def fused_router_route(
         float(softcap), float(scale),
         NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
-        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype], **meta,
+        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype], PACK_DTYPE=_pack_dtype(x.dtype),
+        **meta,
     )
     return weights, ids

@@ -327,7 +327,7 @@ def test_interpreted_packed_logits_equal_the_re_read(monkeypatch, dtype) -> None
     logits[0, tied] = 30.0  # sigmoid(30) == 1 in fp32: five equal top keys, the index decides
     bias[tied] = 1.0  # above every other bias (< 0.5)
     logits[1] = -logits[1].abs()  # negative logits: the sign bit of the packed low half
-    x, w, rbias = _router_problem(3, 64, 512, dtype, seed=4)
+    x, w, rbias = _router_problem(1, 64, 512, dtype, seed=4)  # decode: one token a routing tile
     calls = [
         lambda: fused_moe_route(logits, bias, 6, 0.0, "sigmoid", True, scale=SCALE, num_shared=1),
         lambda: fused_moe_route(logits, bias, 6, 30.0, "sqrtsoftplus", False, scale=SCALE),
@@ -350,6 +350,11 @@ def test_interpreted_packed_logits_equal_the_re_read(monkeypatch, dtype) -> None
 
 
 def test_pack_dtype_codes(monkeypatch) -> None:
+    # the fused router packs only where its routing tile holds one token (decode)
+    cfg = moe_routing.default_router_config(1)
+    assert moe_routing._router_plan(1, 256, 2048, torch.bfloat16, cfg, False)[1]["ROUTE_ROWS"] == 1
+    cfg = moe_routing.default_router_config(4)
+    assert moe_routing._router_plan(4, 256, 2048, torch.bfloat16, cfg, False)[1]["ROUTE_ROWS"] > 1
     monkeypatch.setattr(moe_routing, "PACK_LOGITS", True)
     assert [moe_routing._pack_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [0, 1, 2]
     monkeypatch.setattr(moe_routing, "PACK_LOGITS", False)

@@ -135,7 +135,11 @@ MAX_ROUTER_TOKENS = 16  # tokens of fused_router_route (rows of its partial-logi
 SCORE_FUNCS = ("sigmoid", "sqrtsoftplus")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bf16 / fp16 logits ride in the low bits of the top-k key (_select_top_k), so the routing reads
-# the chosen experts' logits without a second dependent load; False: re-read them (an A/B switch)
+# the chosen experts' logits without a second dependent load; False: re-read them (an A/B switch).
+# Only where a program routes one token at a time (the routing kernel; the fused router at
+# decode): on the H200 (XS-2.1 size, batch 1) the fused router's span fell from 193 to 183 us a
+# decode replay (step 2.39 -> 2.36 ms), but rose from 228 to 244 us in the 4-token verify graph,
+# whose routing tiles carry 4 tokens (docs/PERFORMANCE.md, twelfth pass).
 PACK_LOGITS = True
 
 
@@ -674,7 +678,7 @@ def fused_router_route(
         float(softcap), float(scale),
         NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
-        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype], PACK_DTYPE=_pack_dtype(x.dtype),
-        **meta,
+        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
+        PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0, **meta,
     )
     return weights, ids

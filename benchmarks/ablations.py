@@ -90,10 +90,12 @@ ABLATIONS: dict[str, tuple[object, str, Callable]] = {
 
 def apply(spec: str) -> Callable[[], None]:
     """Apply ``NAME[+NAME...]`` (keys of :data:`ABLATIONS`); returns the undo of all of them."""
-    undos = []
-    for name in spec.split("+"):
+    names = spec.split("+")
+    for name in names:  # all checked before anything is replaced
         if name not in ABLATIONS:
             raise ValueError(f"unknown ablation {name!r}; choose from {', '.join(ABLATIONS)}")
+    undos = []
+    for name in names:
         obj, attr, make = ABLATIONS[name]
         undos.append(_wrap(obj, attr, make))
 

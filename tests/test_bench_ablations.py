@@ -1,0 +1,46 @@
+"""benchmarks/ablations.py (the timing-only ablations of profile_decode_xs.py): each one replaces
+what it names and its undo restores every original; unknown names fail with the choices."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import ablations  # noqa: E402
+
+from laguna_dflash.kernels import moe_routing, paged_attention, qk_norm_rope_cache  # noqa: E402
+from laguna_dflash.models import fusion  # noqa: E402
+
+
+def _originals():
+    return (fusion.add_rms_norm, paged_attention._kernels, moe_routing.fused_router_route,
+            qk_norm_rope_cache.qk_norm_rope_cache)
+
+
+def test_every_ablation_applies_and_undoes() -> None:
+    before = _originals()
+    undo = ablations.apply("+".join(ablations.ABLATIONS))
+    try:
+        h, d, pairs = torch.randn(1, 8), torch.randn(1, 8), torch.randn(1, 3, 8)
+        assert fusion.add_rms_norm(h, d, None, 0.0) == (h, d)  # post_norm: the MLP reads delta
+        assert fusion.add_rms_norm(h, pairs, None, 0.0) == (h, h)  # input_norm: pairs dropped
+        w, ids = moe_routing.fused_router_route(torch.randn(1, 8), torch.randn(16, 8), None, 4, 0.0,
+                                                "sigmoid", True, scale=1.0, num_shared=1)
+        assert ids.tolist() == [[0, 1, 2, 3, 16]] and torch.allclose(w, torch.full((1, 5), 0.2))
+        q = qk_norm_rope_cache.qk_norm_rope_cache(torch.randn(2, 4 * 16 + 2 * 2 * 16), 4, 2, 16)
+        assert q.shape == (2, 4, 16)
+        assert _originals() != before
+    finally:
+        undo()
+    assert _originals() == before
+
+
+def test_unknown_ablation_names_the_choices() -> None:
+    before = _originals()
+    with pytest.raises(ValueError, match="unknown ablation 'attention'; choose from post_norm"):
+        ablations.apply("routing+attention")
+    assert _originals() == before  # nothing left replaced

@@ -32,20 +32,17 @@ def _wrap(obj: object, name: str, make: Callable[[Callable], Callable]) -> Calla
     return lambda: setattr(obj, name, original)
 
 
-def _post_norm(original):
-    def add_rms_norm(h, delta, weight, eps):
-        if delta is not None and delta.dim() == 2:
-            return h, delta
-        return original(h, delta, weight, eps)
-    return add_rms_norm
-
-
-def _input_norm(original):
-    def add_rms_norm(h, delta, weight, eps):
-        if delta is not None and delta.dim() == 3:
-            return h, h
-        return original(h, delta, weight, eps)
-    return add_rms_norm
+def _skip_norm(delta_dim: int) -> Callable[[Callable], Callable]:
+    # the add + RMSNorm whose delta has delta_dim dims returns without a launch: a sublayer's
+    # output [T, H] (the post-attention norm) is passed on as the normed input; the MoE pairs
+    # [T, P, H] (the next layer's input norm) are dropped
+    def make(original):
+        def add_rms_norm(h, delta, weight, eps):
+            if delta is not None and delta.dim() == delta_dim:
+                return (h, delta) if delta_dim == 2 else (h, h)
+            return original(h, delta, weight, eps)
+        return add_rms_norm
+    return make
 
 
 class _NoLaunch:
@@ -80,8 +77,8 @@ def _routing(original):
 
 
 ABLATIONS: dict[str, tuple[object, str, Callable]] = {
-    "post_norm": (fusion, "add_rms_norm", _post_norm),
-    "input_norm": (fusion, "add_rms_norm", _input_norm),
+    "post_norm": (fusion, "add_rms_norm", _skip_norm(2)),
+    "input_norm": (fusion, "add_rms_norm", _skip_norm(3)),
     "merge": (paged_attention, "_kernels", _merge),
     "qk": (qk_norm_rope_cache, "qk_norm_rope_cache", _qk),
     "routing": (moe_routing, "fused_router_route", _routing),

@@ -42,6 +42,9 @@
 #                                           # tests, decode and verify A/B (~6 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
+#   bash benchmarks/gpu_check.sh staged     # o_proj staged in shared memory before its PDL wait,
+#                                           # attention signalling early: tests, the window
+#                                           # micro-benchmark, decode A/B (~6 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -148,6 +151,19 @@ case "$stage" in
         --switch "laguna_dflash.kernels.moe_routing:PACK_LOGITS=False" 2>&1 | quiet \
         | grep -E "^##|^\| [0-9]|kernels per|equal|router|failed" | head -16
     done ;;
+  staged)
+    echo "== the staged GEMV and the early-signal attention: CUDA tests"
+    gpu_tests 150 tests/test_kernel_staged_gemv.py tests/test_kernel_paged_attention.py -k "cuda or sm90" | tail -40
+    echo "== o_proj behind a busy window: skinny GEMM against the staged GEMV (us past the window)"
+    for shape in 2048x8192 2048x6144; do
+      timeout 100 python benchmarks/bench_staged_gemv.py --shape $shape 2>&1 | quiet | tail -11
+    done
+    echo "== batch-1 decode: staged o_proj, early signals, both"
+    timeout 300 python benchmarks/profile_decode_xs.py --top 10 \
+      --switch "laguna_dflash.models.layers:use_staged_o_proj=True" \
+      --switch "laguna_dflash.kernels.paged_attention:EARLY_SIGNAL=True" \
+      --switch "laguna_dflash.models.layers:use_staged_o_proj=True;laguna_dflash.kernels.paged_attention:EARLY_SIGNAL=True" \
+      2>&1 | quiet | grep -E "^##|^\| [0-9]|kernels per|equal|staged|attention|skinny|failed" | head -70 ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -45,12 +45,27 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict)
     return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def compile_sm90_spills(kernel, types: dict[str, str], constexprs: dict, options: dict) -> tuple[str, list[int]]:
-    """:func:`compile_sm90`, then ``ptxas -v`` (triton's own) on the PTX: (PTX, spill-store bytes
-    of each function)."""
+def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict) -> str:
+    """:func:`compile_sm90` for a Gluon kernel (``gluon.jit``): ``types`` must name every
+    non-constexpr argument (tensor descriptors as ``tensordesc<bf16[8, 256],NVMMASharedLayout(...)>``);
+    pointer arguments are marked 16-divisible."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    signature = {a: "constexpr" if a in constexprs else types[a] for a in names}
+    src = GluonASTSource(fn=kernel, signature=signature,
+                         constexprs={(names.index(a),): v for a, v in constexprs.items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+                                if signature[a].startswith("*")})
+    return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def ptxas_spills(ptx: str) -> list[int]:
+    """``ptxas -v`` (triton's own) on ``ptx`` for sm_90a: the spill-store bytes of each function."""
     import triton
 
-    ptx = compile_sm90(kernel, types, constexprs, options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -58,7 +73,14 @@ def compile_sm90_spills(kernel, types: dict[str, str], constexprs: dict, options
             f.write(ptx)
         proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
                               capture_output=True, text=True, check=True)
-    return ptx, [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    return [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+
+
+def compile_sm90_spills(kernel, types: dict[str, str], constexprs: dict, options: dict) -> tuple[str, list[int]]:
+    """:func:`compile_sm90`, then ``ptxas -v`` (triton's own) on the PTX: (PTX, spill-store bytes
+    of each function)."""
+    ptx = compile_sm90(kernel, types, constexprs, options)
+    return ptx, ptxas_spills(ptx)
 
 
 def loads_before_pdl_wait(ptx: str) -> list[str]:

@@ -270,7 +270,7 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True):
+                 preload: bool = True, early_signal: bool = False):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
@@ -279,7 +279,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
                   HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
-                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload)
+                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload, EARLY_SIGNAL=early_signal)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
@@ -293,7 +293,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
     if splits > 1:
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
                        BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True,
-                       PDL=pdl)
+                       PDL=pdl, EARLY_SIGNAL=early_signal)
         builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh", "stride_gt"),
                                 1 if head_dim <= 64 else 2, pdl))
     return builds
@@ -339,6 +339,20 @@ def test_sm90_programmatic_dependent_launch_order():
     (plain, plain_spills), _ = _sm90_builds(*cfg, pdl=True, preload=False)
     assert loads_before_pdl_wait(plain.asm["ptx"]) == []
     for spills in (attn_spills, merge_spills, plain_spills):
+        assert spills and max(spills) == 0, spills
+
+
+@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
+@pytest.mark.parametrize("early", [False, True])
+def test_sm90_early_signal_comes_before_the_wait(early):
+    """``EARLY_SIGNAL``: both kernels signal their dependents before their PDL wait (the
+    launch after the merge may then be resident during attention); without it, only after."""
+    cfg = ("bf16", 128, 8, 1, 4, True, False, True)
+    for compiled, spills in _sm90_builds(*cfg, pdl=True, early_signal=early):
+        ptx = compiled.asm["ptx"]
+        first_signal = ptx.index("griddepcontrol.launch_dependents")
+        assert (first_signal < ptx.index("griddepcontrol.wait")) == early
+        assert ptx.count("griddepcontrol.wait") == 1
         assert spills and max(spills) == 0, spills
 
 

@@ -195,9 +195,11 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
+    if PDL and EARLY_SIGNAL:  # EARLY_SIGNAL below: the next kernel reads nothing before its wait
+        tl.extra.cuda.gdc_launch_dependents()
     if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
         # (kernels/l2_prefetch.py); never written, so issued before the PDL wait
         part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
@@ -321,9 +323,11 @@ def _merge_splits_kernel(
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
+    if PDL and EARLY_SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
     if PDL:  # kernels/pdl.py: the partials are the attention kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -382,6 +386,12 @@ _MAX_SPLITS = 32
 # were a chain of dependent reads (query position -> key slots -> K/V) after the wait. False: the
 # wait comes first (the A/B switch).
 PRELOAD_OLD_KEYS = True
+# With PDL: the attention and split-merge programs signal their dependents first thing, before
+# their own wait (an exception to kernels/pdl.py rule 2), so the launch after the merge (o_proj)
+# can be resident, and request its weight, while attention still runs. Safe because the merge
+# reads nothing before its wait and o_proj only its weight; o_proj's own wait still implies the
+# merge, hence attention, completed. docs/PERFORMANCE.md, thirteenth pass (the A/B switch).
+EARLY_SIGNAL = False
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -553,7 +563,7 @@ def paged_attention(
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PRELOAD=PRELOAD_OLD_KEYS, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        PRELOAD=PRELOAD_OLD_KEYS, EARLY_SIGNAL=EARLY_SIGNAL, num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:
@@ -563,7 +573,7 @@ def paged_attention(
             t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
-            HAS_GATE=gate is not None, PDL=use_pdl,
+            HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=EARLY_SIGNAL,
             num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out

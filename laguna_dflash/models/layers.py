@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import fused_moe, moe_gemv, moe_routing, qk_norm_rope_cache, skinny_gemm
+from ..kernels import fused_moe, moe_gemv, moe_routing, qk_norm_rope_cache, skinny_gemm, staged_gemv
 from . import fusion
 from .rope import RotaryEmbedding
 
@@ -27,6 +27,10 @@ use_skinny_gemm = True
 # capture): the kernel saves GPU time, but its Python launch costs more host time than a cuBLAS
 # call, which a replay does not pay and an eager forward (enforce_eager, prefill, fallbacks) does.
 _num_graph_builds = 0
+# Batch-1 o_proj through the shared-memory-staged GEMV (kernels/staged_gemv.py: the weight's first
+# stages are requested before the PDL wait), where it runs (sm_90+, bf16 / fp16, tiling shapes)
+# and a CUDA graph is built. docs/PERFORMANCE.md, thirteenth pass.
+use_staged_o_proj = False
 
 
 @contextlib.contextmanager
@@ -185,7 +189,11 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
             prefetch=prefetch,
         )
-        return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        out = out.reshape(t, self.q_size)
+        if (t == 1 and use_staged_o_proj and _num_graph_builds and self.o_proj.bias is None
+                and not torch.is_grad_enabled() and staged_gemv.can_use(out, self.o_proj.weight)):
+            return staged_gemv.staged_gemv(out, self.o_proj.weight)
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them

@@ -201,11 +201,19 @@ def main() -> None:
     ap.add_argument("--ablate", action="append", default=[],
                     help="NAME[+NAME] of benchmarks/ablations.py: time the step without those "
                          "kernels (wrong output; an upper bound on fusing them away; repeatable)")
+    ap.add_argument("--carveout", type=int, default=None,
+                    help="every Triton kernel's preferred shared-memory carveout, percent "
+                         "(benchmarks/carveout.py; every row of this process)")
     ap.add_argument("--gemv", action="store_true", help="also time M=1 GEMVs of the step's shapes")
     ap.add_argument("--q", type=int, default=1,
                     help="profile the batch-1 graph of this many tokens (4: a K = 3 verify's target "
                          "forward; its replay against the decode floor is then only a reference)")
     args = ap.parse_args()
+    if args.carveout is not None:
+        import carveout
+
+        carveout.install(args.carveout)
+        print(f"every Triton kernel's preferred shared-memory carveout: {args.carveout}%")
     bw = copy_bandwidth("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(xs_target_config(args.layers)))

@@ -65,6 +65,9 @@ class StagedConfig:
         return (self.stages * self.boxes * self.block_n * self.box_k + x_rows * self.box_k) * elem_bytes
 
 
+DEFAULT_STAGES = 4  # stages of the ring (an A/B knob for benchmarks/profile_decode_xs.py --switch)
+
+
 def default_config(n: int, k: int) -> StagedConfig:
     """The config for ``W [n, k]``: the measured o_proj one (2048 x 8192 on the H200), with the box
     and stage narrowed to divide smaller K (``box_k`` down to 64, ``boxes`` down to 1)."""
@@ -74,7 +77,7 @@ def default_config(n: int, k: int) -> StagedConfig:
         box_k //= 2
     while boxes > 1 and k % (boxes * box_k):
         boxes //= 2
-    return StagedConfig(box_k=box_k, boxes=boxes)
+    return StagedConfig(box_k=box_k, boxes=boxes, stages=DEFAULT_STAGES)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> bool:

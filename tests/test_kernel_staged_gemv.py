@@ -29,7 +29,7 @@ def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True) -> str:
     consts = dict(BLOCK_N=cfg.block_n, BOX_K=cfg.box_k, BOXES=cfg.boxes, STAGES=cfg.stages,
                   NUM_K=k // (cfg.boxes * cfg.box_k), X_ROWS=stg._next_pow2(k // cfg.box_k), PDL=pdl,
                   num_warps=cfg.num_warps)
-    return compile_gluon_sm90(stg._gluon(), types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl})
+    return compile_gluon_sm90(stg._gluon()[0], types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl})
 
 
 @pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
@@ -55,6 +55,31 @@ def test_sm90_weight_stages_are_requested_before_the_pdl_wait(cfg, k):
     assert after.rindex("mbarrier.try_wait") < after.index("griddepcontrol.launch_dependents")
     assert max(ptxas_spills(ptx)) == 0
     assert "griddepcontrol" not in _build(cfg, k, pdl=False)
+
+
+@pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
+@pytest.mark.parametrize("stages,num_k", [(8, 16), (4, 6), (4, 2)])
+def test_sm90_ld_st_parks_its_stages_before_the_pdl_wait(stages, num_k):
+    """``mode="ld_st"``: before the wait, the loads of the parked stages plus four stages ahead
+    (all ``evict_first``, 16-byte vectors; none past the last stage) and the parked stages'
+    shared-memory stores; after it x and the remaining stages' loads; no spills."""
+    cfg = stg.StagedConfig(8, 256, 2, stages, 4, "ld_st")
+    stage_k = 512
+    consts = dict(K=num_k * stage_k, BLOCK_N=8, STAGE_K=stage_k, STAGES=stages, NUM_K=num_k,
+                  X_ROWS=stg._next_pow2(num_k), PDL=True, num_warps=cfg.num_warps)
+    ptx = compile_gluon_sm90(stg._gluon()[2], {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"},
+                             consts, {"num_warps": 4, "launch_pdl": True})
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    loads_per_stage = 8 * stage_k * 2 // 16 // 128  # 16-byte loads a thread
+    pre = min(stages, num_k)
+    ahead = min(pre + 4, num_k)
+    assert before.count("ld.global.L1::evict_first.L2::cache_hint.v4") == ahead * loads_per_stage
+    assert before.count("ld.global") == ahead * loads_per_stage
+    assert before.count("st.shared") >= pre * loads_per_stage
+    assert after.count("ld.global.L1::evict_first") == (num_k - ahead) * loads_per_stage
+    assert "ld.global" in after.replace("ld.global.L1::evict_first", "")  # x
+    assert max(ptxas_spills(ptx)) == 0
 
 
 def test_default_config_divides_the_shapes():
@@ -84,6 +109,11 @@ def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
     (2048, 8192, stg.StagedConfig(16, 256, 2, 12, 4)),
     (2048, 8192, stg.StagedConfig(16, 256, 4, 6, 8)),
     (2048, 6144, None),
+    (2048, 8192, stg.StagedConfig(8, 256, 2, 8, 4, "cp_async")),
+    (2048, 8192, stg.StagedConfig(8, 256, 2, 8, 4, "ld_st")),
+    (2048, 6144, stg.StagedConfig(8, 256, 4, 4, 4, "ld_st")),
+    (64, 128, stg.StagedConfig(8, 64, 1, 4, 4, "ld_st")),
+    (64, 128, stg.StagedConfig(8, 64, 1, 1, 4, "ld_st")),
     (256, 1024, None),
     (64, 128, stg.StagedConfig(8, 64, 1, 4, 4)),
 ])
@@ -109,8 +139,9 @@ def test_cuda_matches_the_fp64_reference(n, k, cfg, dtype):
 
 
 @needs_sm90
+@pytest.mark.parametrize("mode", ["tma", "ld_st"])
 @pytest.mark.parametrize("early", [False, True])
-def test_cuda_o_proj_after_attention_reads_this_replays_output(early, monkeypatch):
+def test_cuda_o_proj_after_attention_reads_this_replays_output(early, mode, monkeypatch):
     """Q/K kernel -> attention -> split merge -> staged o_proj in one graph, PDL-launched, with
     ``paged_attention.EARLY_SIGNAL`` (o_proj resident while attention runs) and without. Every
     replay gets new q/k/v; o_proj must read the merge's output of the same replay (a read before
@@ -125,6 +156,7 @@ def test_cuda_o_proj_after_attention_reads_this_replays_output(early, monkeypatc
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs programmatic dependent launch")
     monkeypatch.setattr(pa, "EARLY_SIGNAL", early)
+    monkeypatch.setattr(stg, "DEFAULT_MODE", mode)
     dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
     _, kc, vc, meta, _ = make_case([(700, 1)], kv_heads, head_dim, dtype, True, device="cuda", seed=3)
     g = torch.Generator(device="cuda").manual_seed(3)

@@ -51,6 +51,13 @@ class StagedConfig:
         boxes: boxes per stage (one mbarrier a stage).
         stages: stages in the shared-memory ring, all issued before the PDL wait.
         num_warps: warps per program.
+        mode: how the stages reach shared memory. ``"tma"``: TMA boxes, one mbarrier a stage
+            (the L2's default eviction priority). ``"cp_async"``: per-thread ``cp.async`` of 16
+            bytes, one commit group a stage (triton 3.6 drops the eviction hint here, so also
+            the default priority). ``"ld_st"``: ``evict_first`` loads into registers (four
+            stages in flight) stored to shared memory, before the wait, for the first
+            ``stages`` stages; the others stream through registers after it. Each thread reads
+            back exactly the bytes it copied.
     """
 
     block_n: int = 8
@@ -58,26 +65,33 @@ class StagedConfig:
     boxes: int = 4
     stages: int = 4
     num_warps: int = 4
+    mode: str = "tma"
 
     def smem_bytes(self, k: int, elem_bytes: int = 2) -> int:
         """Shared memory a program needs: the ring plus x (padded to a power of two of boxes)."""
         x_rows = 1 << max(0, -(-k // self.box_k) - 1).bit_length()
+        if self.mode != "tma":  # x as [K / stage (padded to a power of two), stage]
+            stage_k = self.boxes * self.box_k
+            x_rows = 1 << max(0, -(-k // stage_k) - 1).bit_length()
+            return (self.stages * self.block_n + x_rows) * stage_k * elem_bytes
         return (self.stages * self.boxes * self.block_n * self.box_k + x_rows * self.box_k) * elem_bytes
 
 
-DEFAULT_STAGES = 4  # stages of the ring (an A/B knob for benchmarks/profile_decode_xs.py --switch)
+DEFAULT_STAGES = 4  # stages of the ring (A/B knobs for benchmarks/profile_decode_xs.py --switch)
+DEFAULT_MODE = "tma"
+DEFAULT_BOXES = 4
 
 
 def default_config(n: int, k: int) -> StagedConfig:
     """The config for ``W [n, k]``: the measured o_proj one (2048 x 8192 on the H200), with the box
     and stage narrowed to divide smaller K (``box_k`` down to 64, ``boxes`` down to 1)."""
     del n
-    box_k, boxes = 256, 4
+    box_k, boxes = 256, DEFAULT_BOXES
     while box_k > 64 and k % box_k:
         box_k //= 2
     while boxes > 1 and k % (boxes * box_k):
         boxes //= 2
-    return StagedConfig(box_k=box_k, boxes=boxes, stages=DEFAULT_STAGES)
+    return StagedConfig(box_k=box_k, boxes=boxes, stages=DEFAULT_STAGES, mode=DEFAULT_MODE)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> bool:
@@ -106,6 +120,7 @@ def staged_gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 def _gluon():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     @gluon.jit
@@ -178,7 +193,108 @@ def _gluon():
         offs = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
         gl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty))
 
-    return _staged_gemv_kernel
+    @gluon.jit
+    def _staged_gemv_cp_kernel(
+        w_ptr, x_ptr, y_ptr, K: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
+        X_ROWS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # the cp_async variant (StagedConfig.mode): the same ring, one commit group a stage
+        PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
+        n0 = gl.program_id(0) * BLOCK_N
+        w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
+        cols = gl.arange(0, STAGE_K, layout=gl.SliceLayout(0, w_layout))
+        w_tile = w_ptr + rows[:, None].to(gl.int64) * K + cols[None, :]
+        ring = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, STAGE_K], flat)
+        # the weight is never written in a forward (kernels/pdl.py rule 3): stages before the wait
+        for s in gl.static_range(PRE):
+            async_copy.async_copy_global_to_shared(ring.index(s), w_tile + s * STAGE_K,
+                                                   eviction_policy="evict_first")
+            async_copy.commit_group()
+        if PDL:
+            _gdc_wait()  # x is the previous kernel's output
+        xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))  # NUM_K rows, padded
+        xv = gl.load(x_ptr + xr[:, None] * STAGE_K + cols[None, :], mask=xr[:, None] < NUM_K, other=0.0)
+        x_smem = gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
+        gl.thread_barrier()  # x_smem written by every thread
+        acc = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        for i in gl.static_range(NUM_K):
+            # stages issued so far: 0 .. min(NUM_K, STAGES + i) - 1; stage i must have landed
+            async_copy.wait_group((STAGES + i if STAGES + i < NUM_K else NUM_K) - 1 - i)
+            w = ring.index(i % STAGES).load(w_layout).to(gl.float32)
+            acc += w * x_smem.slice(i, 1).load(w_layout).to(gl.float32)
+            if i + STAGES < NUM_K:  # refill the slot this thread just read (its own bytes)
+                async_copy.async_copy_global_to_shared(ring.index(i % STAGES), w_tile + (i + STAGES) * STAGE_K,
+                                                       eviction_policy="evict_first")
+                async_copy.commit_group()
+        if PDL:
+            _gdc_launch_dependents()  # the weights are read
+        out = gl.sum(acc, axis=1)  # [BLOCK_N]
+        gl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
+
+    @gluon.jit
+    def _stage_load(w_tile, i, STAGE_K: gl.constexpr, NUM_K: gl.constexpr, like):
+        # stage i of the program's rows into registers (evict_first: each weight byte is read
+        # once), or zeros past the last stage (a placeholder the rotation never consumes)
+        if i < NUM_K:
+            v = gl.load(w_tile + i * STAGE_K, eviction_policy="evict_first")
+        else:
+            v = gl.zeros_like(like)
+        return v
+
+    @gluon.jit
+    def _staged_gemv_ldst_kernel(
+        w_ptr, x_ptr, y_ptr, K: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
+        X_ROWS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # the ld_st variant (StagedConfig.mode): stages 0 .. PRE - 1 parked in shared memory
+        # before the wait, the rest consumed from registers after it; q0..q3 always hold the
+        # next four stages' loads (in flight)
+        PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
+        n0 = gl.program_id(0) * BLOCK_N
+        w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
+        cols = gl.arange(0, STAGE_K, layout=gl.SliceLayout(0, w_layout))
+        w_tile = w_ptr + rows[:, None].to(gl.int64) * K + cols[None, :]
+        ring = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PRE, BLOCK_N, STAGE_K], flat)
+        q0 = gl.load(w_tile, eviction_policy="evict_first")
+        q1 = _stage_load(w_tile, 1, STAGE_K, NUM_K, q0)
+        q2 = _stage_load(w_tile, 2, STAGE_K, NUM_K, q0)
+        q3 = _stage_load(w_tile, 3, STAGE_K, NUM_K, q0)
+        # the weight is never written in a forward (kernels/pdl.py rule 3): parked before the wait
+        for i in gl.static_range(PRE):
+            w = q0
+            q0 = q1
+            q1 = q2
+            q2 = q3
+            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+            ring.index(i).store(w)
+        if PDL:
+            _gdc_wait()  # x is the previous kernel's output
+        xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))  # NUM_K rows, padded
+        xv = gl.load(x_ptr + xr[:, None] * STAGE_K + cols[None, :], mask=xr[:, None] < NUM_K, other=0.0)
+        x_smem = gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
+        gl.thread_barrier()  # x_smem written by every thread
+        acc = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        for i in gl.static_range(PRE):
+            acc += ring.index(i).load(w_layout).to(gl.float32) * x_smem.slice(i, 1).load(w_layout).to(gl.float32)
+        for i in gl.static_range(PRE, NUM_K):
+            w = q0
+            q0 = q1
+            q1 = q2
+            q2 = q3
+            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+            acc += w.to(gl.float32) * x_smem.slice(i, 1).load(w_layout).to(gl.float32)
+        if PDL:
+            _gdc_launch_dependents()  # the weights are read
+        out = gl.sum(acc, axis=1)  # [BLOCK_N]
+        gl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
+
+    return _staged_gemv_kernel, _staged_gemv_cp_kernel, _staged_gemv_ldst_kernel
 
 
 def _next_pow2(v: int) -> int:
@@ -220,7 +336,15 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | No
                          f"{weight.dtype} with {cfg}; check can_use() first and fall back to F.linear")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     use_pdl = pdl.active(x.device, False)
-    _gluon()[(n // cfg.block_n,)](
+    tma_kernel, cp_kernel, ldst_kernel = _gluon()
+    if cfg.mode != "tma":
+        stage_k = cfg.boxes * cfg.box_k
+        (cp_kernel if cfg.mode == "cp_async" else ldst_kernel)[(n // cfg.block_n,)](
+            weight, x, y, K=k, BLOCK_N=cfg.block_n, STAGE_K=stage_k, STAGES=cfg.stages,
+            NUM_K=k // stage_k, X_ROWS=_next_pow2(k // stage_k), PDL=use_pdl, num_warps=cfg.num_warps,
+            **pdl.launch_options(use_pdl))
+        return y
+    tma_kernel[(n // cfg.block_n,)](
         _descriptor(weight, cfg), x, y,
         BLOCK_N=cfg.block_n, BOX_K=cfg.box_k, BOXES=cfg.boxes, STAGES=cfg.stages,
         NUM_K=k // (cfg.boxes * cfg.box_k), X_ROWS=_next_pow2(k // cfg.box_k), PDL=use_pdl,

@@ -31,6 +31,8 @@ _num_graph_builds = 0
 # stages are requested before the PDL wait), where it runs (sm_90+, bf16 / fp16, tiling shapes)
 # and a CUDA graph is built. docs/PERFORMANCE.md, thirteenth pass.
 use_staged_o_proj = False
+use_staged_qkvg = False  # the same for the fused Q|K|V|gate GEMM (after the input norm)
+staged_qkvg_config = staged_gemv.StagedConfig(8, 256, 2, 4, 4, "ld_st")
 
 
 @contextlib.contextmanager
@@ -153,7 +155,11 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [T, H]`` -> (``qkv [T, q + 2kv]``, gate logits ``[T, nh]`` / ``[T, nh, hd]`` or None)."""
         if self.qkvg_weight is not None:
-            out = linear(x, self.qkvg_weight)
+            if (x.shape[0] == 1 and use_staged_qkvg and _num_graph_builds and not torch.is_grad_enabled()
+                    and staged_gemv.can_use(x, self.qkvg_weight, staged_qkvg_config)):
+                out = staged_gemv.staged_gemv(x, self.qkvg_weight, staged_qkvg_config)
+            else:
+                out = linear(x, self.qkvg_weight)
             n = self.q_size + 2 * self.kv_size
             qkv, gate = out[:, :n], out[:, n:]
         else:

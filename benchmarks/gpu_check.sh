@@ -42,9 +42,9 @@
 #                                           # tests, decode and verify A/B (~6 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
-#   bash benchmarks/gpu_check.sh staged     # o_proj staged in shared memory before its PDL wait,
+#   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
-#                                           # micro-benchmark, decode A/B (~6 min)
+#                                           # micro-benchmark, decode A/B (~5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
@@ -152,20 +152,18 @@ case "$stage" in
         | grep -E "^##|^\| [0-9]|kernels per|equal|router|failed" | head -16
     done ;;
   staged)
-    echo "== the staged GEMV and the early-signal attention: CUDA tests"
-    gpu_tests 100 tests/test_kernel_staged_gemv.py | tail -40
+    echo "== the staged GEMV, the early-signal attention, graphs against eager, lossless, PDL races"
+    gpu_tests 60 tests/test_kernel_staged_gemv.py | tail -3
+    gpu_tests 240 tests/test_kernel_paged_attention.py tests/test_cuda_graphs.py \
+      -k "pdl_wait or early_signal or graphs_match_eager or lossless or forward_ahead or programmatic" | tail -24
     echo "== o_proj behind a busy window: skinny GEMM against the staged GEMV (us past the window)"
     for shape in 2048x8192 2048x6144; do
-      timeout 100 python benchmarks/bench_staged_gemv.py --shape $shape 2>&1 | quiet | tail -11
+      timeout 60 python benchmarks/bench_staged_gemv.py --shape $shape 2>&1 | quiet | tail -7
     done
-    echo "== batch-1 decode: staged o_proj (TMA, ld_st), early signals"
-    S="laguna_dflash.models.layers:use_staged_o_proj=True"
-    L='laguna_dflash.kernels.staged_gemv:DEFAULT_MODE="ld_st"'
-    L8="$L;laguna_dflash.kernels.staged_gemv:DEFAULT_BOXES=2;laguna_dflash.kernels.staged_gemv:DEFAULT_STAGES=8"
-    E="laguna_dflash.kernels.paged_attention:EARLY_SIGNAL=True"
-    timeout 300 python benchmarks/profile_decode_xs.py --top 10 --switch "$S;$L" --switch "$S;$L8" \
-      --switch "$S;$L8;$E" 2>&1 | quiet \
-      | grep -E "^##|^\| [0-9]|kernels per|equal|staged|attention|skinny|failed" | head -70 ;;
+    echo "== batch-1 decode: staged o_proj (default) against the skinny GEMM"
+    timeout 200 python benchmarks/profile_decode_xs.py --top 10 --sequence 40 \
+      --switch "laguna_dflash.models.layers:use_staged_o_proj=False" 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|equal|failed" | grep -v "^| [0-9] |\|^| [12][0-9] |" | head -50 ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

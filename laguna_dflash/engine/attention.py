@@ -108,14 +108,17 @@ class AttentionBackend:
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
         prefetch: torch.Tensor | None = None,
+        early_signal: bool = False,
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
 
         ``gate``: output-gate logits ``[T, num_heads]`` (per head) or ``[T, num_heads, head_dim]``
         (per element); the output is multiplied by ``softplus(gate)`` (:func:`apply_output_gate`).
         ``prefetch``: a weight the next kernel reads (``o_proj``'s); a backend may bring it into
-        L2 while it attends (kernels/l2_prefetch.py). A hint: no value changes, and backends
-        that cannot prefetch ignore it.
+        L2 while it attends (kernels/l2_prefetch.py). ``early_signal``: the next launch reads
+        only weights before its PDL wait, so a backend may let it start early
+        (kernels/paged_attention.py). Both are hints: no value changes, and backends that
+        cannot use them ignore them.
         """
         raise NotImplementedError
 
@@ -143,8 +146,9 @@ class TorchSDPABackend(AttentionBackend):
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
         prefetch: torch.Tensor | None = None,
+        early_signal: bool = False,
     ) -> torch.Tensor:
-        """Same contract as :meth:`AttentionBackend.attend` (``prefetch`` ignored)."""
+        """Same contract as :meth:`AttentionBackend.attend` (the hints ignored)."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         r, qmax = meta.query_index.shape
         qp = q[meta.query_index].transpose(1, 2)  # [R, H, Qmax, D]

@@ -57,6 +57,7 @@ class TritonPagedBackend(AttentionBackend):
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
         prefetch: torch.Tensor | None = None,
+        early_signal: bool = False,
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
 
@@ -64,7 +65,8 @@ class TritonPagedBackend(AttentionBackend):
         sliding_window, is_causal)``, sinks as an extra per-head logit in the denominator,
         ``is_causal=None`` takes ``meta.is_causal``. A per-head ``gate [T, num_heads]`` is applied
         in the kernel's store; a per-element one afterwards. ``prefetch`` (a weight) is brought
-        into L2 by the attention programs on sm90+ (kernels/l2_prefetch.py).
+        into L2 by the attention programs on sm90+ (kernels/l2_prefetch.py); ``early_signal`` lets
+        the launch after the merge start early (kernels/paged_attention.py).
         """
         if not pa.is_available(q.device):
             return self.fallback.attend(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
@@ -75,7 +77,7 @@ class TritonPagedBackend(AttentionBackend):
             q, k_cache, v_cache, meta.query_index, meta.query_positions, meta.key_slots,
             meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
             num_splits=self.num_splits, block_n=self.block_n, gate=gate if per_head else None,
-            prefetch=prefetch,
+            prefetch=prefetch, early_signal=early_signal,
         )
         return out if per_head else attention.apply_output_gate(out, gate)
 

@@ -386,12 +386,6 @@ _MAX_SPLITS = 32
 # were a chain of dependent reads (query position -> key slots -> K/V) after the wait. False: the
 # wait comes first (the A/B switch).
 PRELOAD_OLD_KEYS = True
-# With PDL: the attention and split-merge programs signal their dependents first thing, before
-# their own wait (an exception to kernels/pdl.py rule 2), so the launch after the merge (o_proj)
-# can be resident, and request its weight, while attention still runs. Safe because the merge
-# reads nothing before its wait and o_proj only its weight; o_proj's own wait still implies the
-# merge, hence attention, completed. docs/PERFORMANCE.md, thirteenth pass (the A/B switch).
-EARLY_SIGNAL = False
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -473,6 +467,7 @@ def paged_attention(
     block_n: int | None = None,
     gate: torch.Tensor | None = None,
     prefetch: torch.Tensor | None = None,
+    early_signal: bool = False,
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
@@ -499,6 +494,12 @@ def paged_attention(
             ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
             before they wait for the previous kernel (kernels/l2_prefetch.py; CUDA sm90+ and a
             contiguous, 16-byte aligned weight, else ignored). Changes no value.
+        early_signal: with PDL, the attention and split-merge programs signal their dependents
+            first thing, before their own wait (an exception to kernels/pdl.py rule 2), so the
+            launch after the merge may be resident, loading its weight, while attention runs.
+            Only for a next launch that reads nothing but weights before its own wait (the
+            staged o_proj, kernels/staged_gemv.py): its wait still implies that the merge, hence
+            attention, completed. Changes no value.
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
@@ -563,7 +564,7 @@ def paged_attention(
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PRELOAD=PRELOAD_OLD_KEYS, EARLY_SIGNAL=EARLY_SIGNAL, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        PRELOAD=PRELOAD_OLD_KEYS, EARLY_SIGNAL=early_signal and use_pdl, num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:
@@ -573,7 +574,7 @@ def paged_attention(
             t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
-            HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=EARLY_SIGNAL,
+            HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=early_signal and use_pdl,
             num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out

@@ -27,12 +27,11 @@ use_skinny_gemm = True
 # capture): the kernel saves GPU time, but its Python launch costs more host time than a cuBLAS
 # call, which a replay does not pay and an eager forward (enforce_eager, prefill, fallbacks) does.
 _num_graph_builds = 0
-# Batch-1 o_proj through the shared-memory-staged GEMV (kernels/staged_gemv.py: the weight's first
-# stages are requested before the PDL wait), where it runs (sm_90+, bf16 / fp16, tiling shapes)
-# and a CUDA graph is built. docs/PERFORMANCE.md, thirteenth pass.
-use_staged_o_proj = False
-use_staged_qkvg = False  # the same for the fused Q|K|V|gate GEMM (after the input norm)
-staged_qkvg_config = staged_gemv.StagedConfig(8, 256, 2, 4, 4, "ld_st")
+# Batch-1 o_proj through the staged GEMV (kernels/staged_gemv.py: its weight parked in shared
+# memory before the PDL wait, while attention and the split merge, which then signal early, run)
+# where it runs (sm_90+, bf16 / fp16, tiling shapes) and a CUDA graph is built. On the H200 at
+# Laguna-XS-2.1 size: decode graph 2.22 -> 2.19 ms (docs/PERFORMANCE.md, thirteenth pass).
+use_staged_o_proj = True
 
 
 @contextlib.contextmanager
@@ -155,11 +154,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [T, H]`` -> (``qkv [T, q + 2kv]``, gate logits ``[T, nh]`` / ``[T, nh, hd]`` or None)."""
         if self.qkvg_weight is not None:
-            if (x.shape[0] == 1 and use_staged_qkvg and _num_graph_builds and not torch.is_grad_enabled()
-                    and staged_gemv.can_use(x, self.qkvg_weight, staged_qkvg_config)):
-                out = staged_gemv.staged_gemv(x, self.qkvg_weight, staged_qkvg_config)
-            else:
-                out = linear(x, self.qkvg_weight)
+            out = linear(x, self.qkvg_weight)
             n = self.q_size + 2 * self.kv_size
             qkv, gate = out[:, :n], out[:, n:]
         else:
@@ -190,14 +185,16 @@ class Attention(nn.Module):
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
+        staged = (t == 1 and use_staged_o_proj and _num_graph_builds and self.o_proj.bias is None
+                  and not torch.is_grad_enabled() and q.dtype == self.o_proj.weight.dtype
+                  and staged_gemv.supports(self.o_proj.weight))
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
-            prefetch=prefetch,
+            prefetch=prefetch, early_signal=staged,  # the staged o_proj reads only its weight first
         )
         out = out.reshape(t, self.q_size)
-        if (t == 1 and use_staged_o_proj and _num_graph_builds and self.o_proj.bias is None
-                and not torch.is_grad_enabled() and staged_gemv.can_use(out, self.o_proj.weight)):
+        if staged and staged_gemv.can_use(out, self.o_proj.weight):
             return staged_gemv.staged_gemv(out, self.o_proj.weight)
         return linear(out, self.o_proj.weight, self.o_proj.bias)
 

@@ -65,6 +65,19 @@ def test_default_config_and_shared_memory():
     assert stg.StagedConfig(stages=8).smem_bytes(1024) == (2 * 8 + 2) * 512 * 2  # only 2 stages
 
 
+def test_gluon_is_detected():
+    assert stg._has_gluon() == (HAS_TRITON and _importable("triton.experimental.gluon"))
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def test_cpu_tensors_are_refused_with_a_fix():
     x, w = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.bfloat16)
     assert not stg.supports(w) and not stg.can_use(x, w)

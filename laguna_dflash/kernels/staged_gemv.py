@@ -84,11 +84,22 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
 
+@functools.cache
+def _has_gluon() -> bool:
+    """triton's Gluon dialect with what the kernel uses (triton 3.6 has it; older ones do not)."""
+    try:
+        from triton.experimental.gluon import language as gl
+    except ImportError:
+        return False
+    return all(hasattr(gl, a) for a in ("allocate_shared_memory", "SwizzledSharedLayout", "BlockedLayout"))
+
+
 def supports(weight: torch.Tensor, config: StagedConfig | None = None) -> bool:
     """Whether :func:`staged_gemv` runs with ``weight [N, K]`` (any one-row x of its dtype on its
-    device): CUDA sm_90+, bf16 / fp16, contiguous and 16-byte aligned, N a multiple of
-    ``block_n``, K of ``stage_k``, the parked stages and x within a program's shared memory."""
-    if not weight.is_cuda or weight.dim() != 2 or weight.dtype not in _DTYPES:
+    device): CUDA sm_90+ with triton's Gluon, bf16 / fp16, contiguous and 16-byte aligned, N a
+    multiple of ``block_n``, K of ``stage_k``, the parked stages and x within a program's shared
+    memory."""
+    if not weight.is_cuda or weight.dim() != 2 or weight.dtype not in _DTYPES or not _has_gluon():
         return False
     if torch.cuda.get_device_capability(weight.device) < (9, 0):
         return False

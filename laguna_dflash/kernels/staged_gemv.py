@@ -165,8 +165,21 @@ def _kernel():
         return gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
 
     @gluon.jit
+    def _fma_rows(wf, i, x0, x1, x2, x3, acc0, acc1, acc2, acc3, M: gl.constexpr, w_layout: gl.constexpr):
+        # acc_m += wf * x_m[stage i] for the M rows (stage i of each x row is row i of its buffer)
+        acc0 += wf * x0.slice(i, 1).load(w_layout).to(gl.float32)
+        if M > 1:
+            acc1 += wf * x1.slice(i, 1).load(w_layout).to(gl.float32)
+        if M > 2:
+            acc2 += wf * x2.slice(i, 1).load(w_layout).to(gl.float32)
+        if M > 3:
+            acc3 += wf * x3.slice(i, 1).load(w_layout).to(gl.float32)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
     def _store_row(y_ptr, m, stride_ym, rows, acc):
-        gl.store(y_ptr + m * stride_ym + rows, gl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+        out = gl.sum(acc, axis=1)  # [BLOCK_N], row m of y
+        gl.store(y_ptr + m * stride_ym + rows, out.to(y_ptr.dtype.element_ty))
 
     @gluon.jit
     def _staged_gemv_kernel(
@@ -202,6 +215,12 @@ def _kernel():
         xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))
         x0 = _x_to_shared(x_ptr, 0, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
         acc0 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        x1 = x0  # rows past M: placeholders, never read (_fma_rows skips them)
+        x2 = x0
+        x3 = x0
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
         if M > 1:
             x1 = _x_to_shared(x_ptr, 1, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
             acc1 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
@@ -212,22 +231,17 @@ def _kernel():
             x3 = _x_to_shared(x_ptr, 3, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
             acc3 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
         gl.thread_barrier()  # x in shared memory, written by every thread
-        for i in gl.static_range(NUM_K):
-            if i < PRE:
-                wf = parked.index(i).load(w_layout).to(gl.float32)
-            else:
-                wf = q0.to(gl.float32)
-                q0 = q1
-                q1 = q2
-                q2 = q3
-                q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, q0)
-            acc0 += wf * x0.slice(i, 1).load(w_layout).to(gl.float32)
-            if M > 1:
-                acc1 += wf * x1.slice(i, 1).load(w_layout).to(gl.float32)
-            if M > 2:
-                acc2 += wf * x2.slice(i, 1).load(w_layout).to(gl.float32)
-            if M > 3:
-                acc3 += wf * x3.slice(i, 1).load(w_layout).to(gl.float32)
+        for i in gl.static_range(PRE):
+            wf = parked.index(i).load(w_layout).to(gl.float32)
+            acc0, acc1, acc2, acc3 = _fma_rows(wf, i, x0, x1, x2, x3, acc0, acc1, acc2, acc3, M, w_layout)
+        for i in gl.static_range(PRE, NUM_K):
+            w = q0
+            q0 = q1
+            q1 = q2
+            q2 = q3
+            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+            acc0, acc1, acc2, acc3 = _fma_rows(w.to(gl.float32), i, x0, x1, x2, x3, acc0, acc1, acc2, acc3,
+                                               M, w_layout)
         if PDL:
             _gdc_launch_dependents()  # the weights are read
         _store_row(y_ptr, 0, stride_ym, rows, acc0)

@@ -40,6 +40,8 @@
 #   bash benchmarks/gpu_check.sh metadata   # the attention metadata in one kernel: tests, decode A/B (~5 min)
 #   bash benchmarks/gpu_check.sh packz      # the router's chosen logits out of the top-k key:
 #                                           # tests, decode and verify A/B (~6 min)
+#   bash benchmarks/gpu_check.sh staged4    # the staged GEMV up to 4 rows (the verify's o_proj):
+#                                           # tests, verify and decode A/B (~6 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -164,6 +166,16 @@ case "$stage" in
     timeout 200 python benchmarks/profile_decode_xs.py --top 10 --sequence 40 \
       --switch "laguna_dflash.models.layers:use_staged_o_proj=False" 2>&1 | quiet \
       | grep -E "^##|^\| [0-9]|kernels per|equal|failed" | grep -v "^| [0-9] |\|^| [12][0-9] |" | head -50 ;;
+  staged4)
+    echo "== the staged GEMV for 1-4 rows: values, graphs against eager, lossless"
+    gpu_tests 60 tests/test_kernel_staged_gemv.py | tail -3
+    gpu_tests 200 tests/test_cuda_graphs.py -k "graphs_match_eager or lossless" | tail -8
+    echo "== the 4-token verify forward and the decode step: staged o_proj up to 4 rows"
+    for q in 4 1; do
+      timeout 120 python benchmarks/profile_decode_xs.py --top 8 --q $q \
+        --switch "laguna_dflash.models.layers:staged_o_proj_max_rows=4" 2>&1 | quiet \
+        | grep -E "^##|^\| [0-9]|kernels per|equal|staged|skinny|failed" | head -16
+    done ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

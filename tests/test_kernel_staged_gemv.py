@@ -20,24 +20,26 @@ needs_sm90 = pytest.mark.skipif(
     reason="needs a CUDA sm_90+ device and triton")
 
 
-def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True) -> str:
+def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
     num_k = k // cfg.stage_k
-    consts = dict(K=k, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
+    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
                   X_ROWS=stg._next_pow2(num_k), PDL=pdl, num_warps=cfg.num_warps)
-    return compile_gluon_sm90(stg._kernel(), {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"},
-                              consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl})
+    types = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "stride_xm": "i32", "stride_ym": "i32"}
+    return compile_gluon_sm90(stg._kernel(), types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl})
 
 
 @pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
-@pytest.mark.parametrize("stages,k", [(8, 8192), (8, 6144), (4, 3072), (8, 2048), (1, 1024)],
-                         ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked"])
-def test_sm90_stages_are_parked_before_the_pdl_wait(stages, k):
+@pytest.mark.parametrize("stages,k,m,stage_k", [
+    (8, 8192, 1, 512), (8, 6144, 1, 512), (4, 3072, 1, 512), (8, 2048, 1, 512), (1, 1024, 1, 512),
+    (16, 8192, 4, 256), (16, 8192, 2, 256),
+], ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked", "verify-4-rows", "2-rows"])
+def test_sm90_stages_are_parked_before_the_pdl_wait(stages, k, m, stage_k):
     """Before ``griddepcontrol.wait``: the loads of the parked stages plus four stages ahead (no
     load past the last stage), all ``evict_first`` 16-byte vectors, and the parked stages'
-    shared-memory stores; after it x and the remaining stages' loads, then the signal; no spills.
-    Without PDL: no griddepcontrol at all."""
-    cfg = stg.StagedConfig(stages=stages)
-    ptx = _build(cfg, k)
+    shared-memory stores; after it x and the remaining stages' loads, then the signal; ``m``
+    rows stored; no spills. Without PDL: no griddepcontrol at all."""
+    cfg = stg.StagedConfig(stage_k=stage_k, stages=stages)
+    ptx = _build(cfg, k, m=m)
     assert ptx.count("griddepcontrol.wait") == 1
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
@@ -51,12 +53,16 @@ def test_sm90_stages_are_parked_before_the_pdl_wait(stages, k):
     assert after.count(evict_first) == (num_k - ahead) * per_stage
     assert after.count("ld.global") > after.count(evict_first)  # x
     assert "griddepcontrol.launch_dependents" in after
+    assert after.count("st.global") >= m  # one output row each
     assert max(ptxas_spills(ptx)) == 0
-    assert "griddepcontrol" not in _build(cfg, k, pdl=False)
+    assert "griddepcontrol" not in _build(cfg, k, pdl=False, m=m)
 
 
 def test_default_config_and_shared_memory():
     assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 8, 4)
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(8, 256, 16, 4)
+    # 16 parked [8, 256] stages + 4 rows of x as 32 rows of 256
+    assert stg.StagedConfig(8, 256, 16).smem_bytes(8192, 4) == (16 * 8 + 4 * 32) * 256 * 2
     for k in (64, 128, 192, 256, 512, 2048, 6144, 8192):
         assert k % stg.default_config(64, k).stage_k == 0
     # 8 parked [8, 512] stages + x as 16 (8192 / 512) rows of 512
@@ -81,6 +87,7 @@ def _importable(name: str) -> bool:
 def test_cpu_tensors_are_refused_with_a_fix():
     x, w = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.bfloat16)
     assert not stg.supports(w) and not stg.can_use(x, w)
+    assert not stg.supports(w, m=0) and not stg.supports(w, m=stg.MAX_M + 1)
     with pytest.raises(ValueError, match="can_use"):
         stg.staged_gemv(x, w)
 
@@ -91,30 +98,34 @@ def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @needs_sm90
-@pytest.mark.parametrize("n,k,cfg", [
-    (2048, 8192, None),
-    (2048, 6144, None),
-    (2048, 8192, stg.StagedConfig(16, 512, 6, 8)),
-    (256, 1024, None),
-    (64, 128, stg.StagedConfig(8, 64, 1, 4)),
-    (64, 192, None),
+@pytest.mark.parametrize("n,k,m,cfg", [
+    (2048, 8192, 1, None),
+    (2048, 6144, 1, None),
+    (2048, 8192, 1, stg.StagedConfig(16, 512, 6, 8)),
+    (256, 1024, 1, None),
+    (64, 128, 1, stg.StagedConfig(8, 64, 1, 4)),
+    (64, 192, 1, None),
+    (2048, 8192, 4, None),
+    (2048, 6144, 3, None),
+    (256, 1024, 2, None),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_matches_the_fp64_reference(n, k, cfg, dtype):
-    """Within one output ulp of the exact sum, bitwise the same on every call and in a graph."""
+def test_cuda_matches_the_fp64_reference(n, k, m, cfg, dtype):
+    """Within one output ulp of the exact sum, bitwise the same on every call and in a graph;
+    x rows with a row stride (a view) for m > 1."""
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dtype)
-    x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
+    x = torch.randn(m, k + 64, device="cuda", generator=g).to(dtype)[:, :k]  # row stride k + 64
     assert stg.can_use(x, w, cfg)
     want = (x.double() @ w.double().T).float()
     y = stg.staged_gemv(x, w, cfg)
-    assert y.shape == (1, n) and y.dtype == dtype
+    assert y.shape == (m, n) and y.dtype == dtype
     assert _ulps(y, want) <= 1.0
     assert torch.equal(stg.staged_gemv(x, w, cfg), y)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         yg = stg.staged_gemv(x, w, cfg)
-    x.copy_(torch.randn(1, k, device="cuda", generator=g).to(dtype))
+    x.copy_(torch.randn(m, k, device="cuda", generator=g).to(dtype))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, stg.staged_gemv(x, w, cfg))  # the replay read the new x

@@ -1,8 +1,8 @@
-"""Batch-1 GEMV ``y = x @ W^T`` that parks its weight in shared memory before the PDL wait.
+"""GEMV ``y = x @ W^T`` for 1-4 rows that parks its weight in shared memory before the PDL wait.
 
-For ``x [1, K]`` and ``W [N, K]`` (bf16 / fp16)::
+For ``x [M, K]`` (``M <= 4``) and ``W [N, K]`` (bf16 / fp16)::
 
-    y[n] = sum_k x[k] * W[n, k]          fp32 accumulation, y rounded once to x.dtype
+    y[m, n] = sum_k x[m, k] * W[n, k]          fp32 accumulation, y rounded once to x.dtype
 
 Why (docs/PERFORMANCE.md, thirteenth pass): in the batch-1 decode step ``o_proj`` follows two
 latency-bound kernels (attention, the split merge) during which the HBM idles. With programmatic
@@ -20,8 +20,10 @@ split-K, no workspace). A stage is ``[BLOCK_N, STAGE_K]``, ``NUM_K = K / STAGE_K
 loads are ``evict_first`` (each byte is read once: measured, a weight stream left at the default
 L2 priority slowed the next layers' attention by ~1 us a layer). Each thread stores and later reads
 back exactly the bytes it loaded (one register layout for both), so no barrier guards the parked
-stages; x goes through shared memory once (one barrier). The accumulator ``[BLOCK_N, STAGE_K]``
-fp32 lives in that layout (one FMA per weight element); the K reduction happens once, at the end.
+stages; x goes through shared memory once (one barrier). One accumulator ``[BLOCK_N, STAGE_K]``
+fp32 a row of x lives in that layout (one FMA per weight element and row); the K reduction
+happens once, at the end. The engine uses one row (batch-1 decode); 2-4 rows (the verify's
+o_proj) are built and tested for values, not yet measured (``layers.staged_o_proj_max_rows``).
 
 Written in Gluon (triton.experimental.gluon, pinned with triton 3.6), which exposes shared
 memory; it has no interpreter: CPU tests check the sm_90 build offline, GPU tests the values
@@ -40,7 +42,10 @@ import torch.nn.functional as F
 
 from . import pdl
 
-__all__ = ["StagedConfig", "can_use", "default_config", "staged_gemv", "staged_gemv_reference", "supports"]
+__all__ = ["MAX_M", "StagedConfig", "can_use", "default_config", "staged_gemv", "staged_gemv_reference",
+           "supports"]
+
+MAX_M = 4  # rows of x (one fp32 accumulator tile each)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_SMEM = 220 * 1024  # of the 227 KiB a program may have on sm_90
@@ -62,22 +67,24 @@ class StagedConfig:
     stages: int = 8
     num_warps: int = 4
 
-    def smem_bytes(self, k: int, elem_bytes: int = 2) -> int:
-        """Shared memory a program needs: the parked stages plus x (``K / stage_k`` rows padded
-        to a power of two)."""
+    def smem_bytes(self, k: int, m: int = 1, elem_bytes: int = 2) -> int:
+        """Shared memory a program needs: the parked stages plus the ``m`` rows of x (each as
+        ``K / stage_k`` rows of a stage, padded to a power of two)."""
         num_k = -(-k // self.stage_k)
         parked = min(self.stages, num_k)
-        return (parked * self.block_n + _next_pow2(num_k)) * self.stage_k * elem_bytes
+        return (parked * self.block_n + m * _next_pow2(num_k)) * self.stage_k * elem_bytes
 
 
-def default_config(n: int, k: int) -> StagedConfig:
-    """The measured o_proj config (2048 x 8192 and 2048 x 6144 on the H200: 8 x 512 stages, 8
-    parked, 4 warps), the stage narrowed to divide smaller K (down to 64)."""
+def default_config(n: int, k: int, m: int = 1) -> StagedConfig:
+    """One row: the measured o_proj config (2048 x 8192 and 2048 x 6144 on the H200: 8 x 512
+    stages, 8 parked, 4 warps). 2-4 rows (not measured yet): 8 x 256 stages, 16 parked (the same
+    parked bytes; four accumulators of half the size). The stage narrowed to divide smaller K
+    (down to 64)."""
     del n
-    stage_k = 512
+    stage_k, stages = (512, 8) if m <= 1 else (256, 16)
     while stage_k > 64 and k % stage_k:
         stage_k //= 2
-    return StagedConfig(stage_k=stage_k)
+    return StagedConfig(stage_k=stage_k, stages=stages)
 
 
 def _next_pow2(v: int) -> int:
@@ -94,25 +101,29 @@ def _has_gluon() -> bool:
     return all(hasattr(gl, a) for a in ("allocate_shared_memory", "SwizzledSharedLayout", "BlockedLayout"))
 
 
-def supports(weight: torch.Tensor, config: StagedConfig | None = None) -> bool:
-    """Whether :func:`staged_gemv` runs with ``weight [N, K]`` (any one-row x of its dtype on its
-    device): CUDA sm_90+ with triton's Gluon, bf16 / fp16, contiguous and 16-byte aligned, N a
-    multiple of ``block_n``, K of ``stage_k``, the parked stages and x within a program's shared
-    memory."""
+def supports(weight: torch.Tensor, config: StagedConfig | None = None, m: int = 1) -> bool:
+    """Whether :func:`staged_gemv` runs with ``weight [N, K]`` and an x of ``m`` rows (of its
+    dtype, on its device): CUDA sm_90+ with triton's Gluon, bf16 / fp16, contiguous and 16-byte
+    aligned, ``1 <= m <= MAX_M``, N a multiple of ``block_n``, K of ``stage_k``, the parked stages
+    and x within a program's shared memory."""
+    if not 1 <= m <= MAX_M:
+        return False
     if not weight.is_cuda or weight.dim() != 2 or weight.dtype not in _DTYPES or not _has_gluon():
         return False
     if torch.cuda.get_device_capability(weight.device) < (9, 0):
         return False
     n, k = weight.shape
-    cfg = config or default_config(n, k)
+    cfg = config or default_config(n, k, m)
     return (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and n > 0 and k > 0
-            and n % cfg.block_n == 0 and k % cfg.stage_k == 0 and cfg.smem_bytes(k) <= _MAX_SMEM)
+            and n % cfg.block_n == 0 and k % cfg.stage_k == 0 and cfg.smem_bytes(k, m) <= _MAX_SMEM)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> bool:
-    """:func:`supports` ``weight``, and x is ``[1, K]`` of its dtype and device, unit stride."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == weight.shape[-1] and x.stride(1) == 1
-            and x.dtype == weight.dtype and x.device == weight.device and supports(weight, config))
+    """:func:`supports` ``weight`` for x's rows, and x is ``[M, K]`` of its dtype and device with
+    unit column stride."""
+    return (x.dim() == 2 and x.shape[1] == weight.shape[-1] and x.stride(1) == 1
+            and x.dtype == weight.dtype and x.device == weight.device
+            and supports(weight, config, x.shape[0]))
 
 
 def staged_gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -146,13 +157,39 @@ def _kernel():
         return v
 
     @gluon.jit
+    def _x_to_shared(x_ptr, m, stride_xm, xr, cols, STAGE_K: gl.constexpr, NUM_K: gl.constexpr,
+                     X_ROWS: gl.constexpr, flat: gl.constexpr):
+        # row m of x [K] -> shared [X_ROWS, STAGE_K] (NUM_K rows of a stage each, padded)
+        xv = gl.load(x_ptr + m * stride_xm + xr[:, None] * STAGE_K + cols[None, :],
+                     mask=xr[:, None] < NUM_K, other=0.0)
+        return gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
+
+    @gluon.jit
+    def _fma_rows(wf, i, x0, x1, x2, x3, acc0, acc1, acc2, acc3, M: gl.constexpr, w_layout: gl.constexpr):
+        # acc_m += wf * x_m[stage i] for the M rows (stage i of each x row is row i of its buffer)
+        acc0 += wf * x0.slice(i, 1).load(w_layout).to(gl.float32)
+        if M > 1:
+            acc1 += wf * x1.slice(i, 1).load(w_layout).to(gl.float32)
+        if M > 2:
+            acc2 += wf * x2.slice(i, 1).load(w_layout).to(gl.float32)
+        if M > 3:
+            acc3 += wf * x3.slice(i, 1).load(w_layout).to(gl.float32)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _store_row(y_ptr, m, stride_ym, rows, acc):
+        out = gl.sum(acc, axis=1)  # [BLOCK_N], row m of y
+        gl.store(y_ptr + m * stride_ym + rows, out.to(y_ptr.dtype.element_ty))
+
+    @gluon.jit
     def _staged_gemv_kernel(
-        w_ptr, x_ptr, y_ptr, K: gl.constexpr,
+        w_ptr, x_ptr, y_ptr, stride_xm, stride_ym, K: gl.constexpr, M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
         X_ROWS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         # stages 0 .. PRE - 1 parked in shared memory before the wait, the rest consumed from
-        # registers after it; q0..q3 always hold the next four stages' loads (in flight)
+        # registers after it; q0..q3 always hold the next four stages' loads (in flight). M <= 4
+        # rows of x, one accumulator each (acc0..acc3)
         PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
         n0 = gl.program_id(0) * BLOCK_N
         w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -175,24 +212,45 @@ def _kernel():
             parked.index(i).store(w)
         if PDL:
             _gdc_wait()  # x is the previous kernel's output
-        xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))  # NUM_K rows, padded
-        xv = gl.load(x_ptr + xr[:, None] * STAGE_K + cols[None, :], mask=xr[:, None] < NUM_K, other=0.0)
-        x_smem = gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
-        gl.thread_barrier()  # x_smem written by every thread
-        acc = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))
+        x0 = _x_to_shared(x_ptr, 0, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
+        acc0 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        x1 = x0  # rows past M: placeholders, never read (_fma_rows skips them)
+        x2 = x0
+        x3 = x0
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        if M > 1:
+            x1 = _x_to_shared(x_ptr, 1, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
+            acc1 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        if M > 2:
+            x2 = _x_to_shared(x_ptr, 2, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
+            acc2 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        if M > 3:
+            x3 = _x_to_shared(x_ptr, 3, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
+            acc3 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
+        gl.thread_barrier()  # x in shared memory, written by every thread
         for i in gl.static_range(PRE):
-            acc += parked.index(i).load(w_layout).to(gl.float32) * x_smem.slice(i, 1).load(w_layout).to(gl.float32)
+            wf = parked.index(i).load(w_layout).to(gl.float32)
+            acc0, acc1, acc2, acc3 = _fma_rows(wf, i, x0, x1, x2, x3, acc0, acc1, acc2, acc3, M, w_layout)
         for i in gl.static_range(PRE, NUM_K):
             w = q0
             q0 = q1
             q1 = q2
             q2 = q3
             q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
-            acc += w.to(gl.float32) * x_smem.slice(i, 1).load(w_layout).to(gl.float32)
+            acc0, acc1, acc2, acc3 = _fma_rows(w.to(gl.float32), i, x0, x1, x2, x3, acc0, acc1, acc2, acc3,
+                                               M, w_layout)
         if PDL:
             _gdc_launch_dependents()  # the weights are read
-        out = gl.sum(acc, axis=1)  # [BLOCK_N]
-        gl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
+        _store_row(y_ptr, 0, stride_ym, rows, acc0)
+        if M > 1:
+            _store_row(y_ptr, 1, stride_ym, rows, acc1)
+        if M > 2:
+            _store_row(y_ptr, 2, stride_ym, rows, acc2)
+        if M > 3:
+            _store_row(y_ptr, 3, stride_ym, rows, acc3)
 
     return _staged_gemv_kernel
 
@@ -202,24 +260,25 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | No
     (module docstring).
 
     Args:
-        x: ``[1, K]`` bf16 / fp16 on a CUDA sm_90+ device, unit column stride.
+        x: ``[M, K]``, ``M <= 4``, bf16 / fp16 on a CUDA sm_90+ device, unit column stride.
         weight: ``[N, K]`` of x's dtype, contiguous.
-        config: tiles; ``None``: :func:`default_config`.
+        config: tiles; ``None``: :func:`default_config` ``(N, K, M)``.
 
     Returns:
-        ``[1, N]`` in x.dtype: ``F.linear(x, weight)`` up to the fp32 summation order (within one
+        ``[M, N]`` in x.dtype: ``F.linear(x, weight)`` up to the fp32 summation order (within one
         output ulp of the exact sum); bitwise reproducible for a config.
     """
     n, k = weight.shape
-    cfg = config or default_config(n, k)
+    m = x.shape[0] if x.dim() == 2 else 0
+    cfg = config or default_config(n, k, m)
     if not can_use(x, weight, cfg):
         raise ValueError(f"staged_gemv cannot run x {tuple(x.shape)} {x.dtype} @ weight {tuple(weight.shape)} "
                          f"{weight.dtype} with {cfg}; check can_use() first and fall back to F.linear")
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     use_pdl = pdl.active(x.device, False)
     num_k = k // cfg.stage_k
     _kernel()[(n // cfg.block_n,)](
-        weight, x, y, K=k, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
+        weight, x, y, x.stride(0), n, K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
         X_ROWS=_next_pow2(num_k), PDL=use_pdl, num_warps=cfg.num_warps, **pdl.launch_options(use_pdl),
     )
     return y

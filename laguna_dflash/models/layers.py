@@ -32,6 +32,9 @@ _num_graph_builds = 0
 # where it runs (sm_90+, bf16 / fp16, tiling shapes) and a CUDA graph is built. On the H200 at
 # Laguna-XS-2.1 size: decode graph 2.22 -> 2.19 ms (docs/PERFORMANCE.md, thirteenth pass).
 use_staged_o_proj = True
+# Rows up to which o_proj takes the staged GEMV: 1 (batch-1 decode, measured). 4 would take the
+# K = 3 verify's o_proj too (built and value-tested, not yet timed: gpu_check.sh staged4).
+staged_o_proj_max_rows = 1
 
 
 @contextlib.contextmanager
@@ -185,9 +188,9 @@ class Attention(nn.Module):
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
-        staged = (t == 1 and use_staged_o_proj and _num_graph_builds and self.o_proj.bias is None
-                  and not torch.is_grad_enabled() and q.dtype == self.o_proj.weight.dtype
-                  and staged_gemv.supports(self.o_proj.weight))
+        staged = (t <= staged_o_proj_max_rows and use_staged_o_proj and _num_graph_builds
+                  and self.o_proj.bias is None and not torch.is_grad_enabled()
+                  and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight, m=t))
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,

@@ -76,6 +76,14 @@ step_ab() {
   timeout 150 python benchmarks/host_timeline.py --rounds 3 --top 8 --switch "$2" 2>&1 | quiet \
     | grep -v "USDT\|profiler" | sed -n '/^| variant/,$p' | head -60
 }
+# decode_and_verify_ab SWITCH KERNELS: the batch-1 decode step and the 4-token verify forward,
+# defaults against module:attr=value SWITCH, with the kernel rows matching KERNELS (a regex)
+decode_and_verify_ab() {
+  for q in 1 4; do
+    timeout 120 python benchmarks/profile_decode_xs.py --top 8 --q $q --switch "$1" 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|equal|$2|failed" | head -16
+  done
+}
 case "$stage" in
   tests)
     echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
@@ -148,11 +156,7 @@ case "$stage" in
     gpu_tests 120 tests/test_kernel_moe_routing.py -k "cuda" | tail -30
     gpu_tests 150 tests/test_cuda_graphs.py -k "graphs_match_eager_on_cuda and bfloat16" | tail -4
     echo "== batch-1 decode step and 4-token verify forward: packed (default) against the re-read"
-    for q in 1 4; do
-      timeout 120 python benchmarks/profile_decode_xs.py --top 8 --q $q \
-        --switch "laguna_dflash.kernels.moe_routing:PACK_LOGITS=False" 2>&1 | quiet \
-        | grep -E "^##|^\| [0-9]|kernels per|equal|router|failed" | head -16
-    done ;;
+    decode_and_verify_ab "laguna_dflash.kernels.moe_routing:PACK_LOGITS=False" router ;;
   staged)
     echo "== the staged GEMV, the early-signal attention, graphs against eager, lossless, PDL races"
     gpu_tests 60 tests/test_kernel_staged_gemv.py | tail -3
@@ -170,12 +174,8 @@ case "$stage" in
     echo "== the staged GEMV for 1-4 rows: values, graphs against eager, lossless"
     gpu_tests 60 tests/test_kernel_staged_gemv.py | tail -3
     gpu_tests 200 tests/test_cuda_graphs.py -k "graphs_match_eager or lossless" | tail -8
-    echo "== the 4-token verify forward and the decode step: staged o_proj up to 4 rows"
-    for q in 4 1; do
-      timeout 120 python benchmarks/profile_decode_xs.py --top 8 --q $q \
-        --switch "laguna_dflash.models.layers:staged_o_proj_max_rows=4" 2>&1 | quiet \
-        | grep -E "^##|^\| [0-9]|kernels per|equal|staged|skinny|failed" | head -16
-    done ;;
+    echo "== the decode step and the 4-token verify forward: staged o_proj up to 4 rows"
+    decode_and_verify_ab "laguna_dflash.models.layers:staged_o_proj_max_rows=4" "staged|skinny" ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -12,7 +12,9 @@ visible. Kernels that opt in here follow three rules:
    after its predecessor did, and completion stays ordered along the stream.
 2. ``gdc_launch_dependents`` comes after ``gdc_wait`` in every program. So when a PDL kernel is
    launched, the kernel two back has completed (every program of the one in between has passed
-   its wait).
+   its wait). One exception: ``paged_attention(early_signal=True)``, where attention and its
+   split merge signal first, is only used when the launch after the merge reads nothing but
+   weights before its wait (the staged o_proj, kernels/staged_gemv.py).
 3. Before its wait a program reads only tensors that no kernel of the forward writes (weights,
    the routing bias, the RoPE tables) or, through L2 (``.cg``, never a possibly stale L1 line),
    data written by a kernel at least two launches back when the kernel in between is one of
@@ -29,8 +31,8 @@ and a PDL kernel after one of them simply launches when that one's programs exit
 ``USE_PDL`` switches it on for every Triton kernel of the decode, verify and drafter steps: the
 skinny GEMM (Q|K|V|gate, o_proj, router), the Q/K norm + RoPE + cache kernel, paged attention and
 its split merge, the routing kernel, the GEMV and fused MoE kernels, the residual add + RMSNorm
-kernel, and the drafter's context K-norm + RoPE + cache kernel: every launch of a batch-1 target
-decode layer. On the H200 at Laguna-XS-2.1 size it took the batch-1 decode graph replay from
+kernel, the staged o_proj GEMV (Gluon), and the drafter's context K-norm + RoPE + cache kernel:
+every launch of a batch-1 target decode layer. On the H200 at Laguna-XS-2.1 size it took the batch-1 decode graph replay from
 2.54 to 2.39 ms with the two norm chains still torch.compile'd (normal launches), greedy tokens
 unchanged (docs/PERFORMANCE.md, "Fifth pass").
 ``python benchmarks/profile_decode_xs.py --switch laguna_dflash.kernels.pdl:USE_PDL=False``

@@ -342,6 +342,8 @@ def main() -> None:
                     help="also time batch-1 target-only decode per attention backend x MoE path")
     ap.add_argument("--profile", action="store_true",
                     help="count the kernels (graph nodes) of an eager batch-1 decode step")
+    ap.add_argument("--progress", action="store_true",
+                    help="print each simulated-acceptance cell as it is timed (a run cut short keeps them)")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value set for the whole run before the engine is built "
                          "(repeatable), e.g. laguna_dflash.kernels.pdl:USE_PDL=True")
@@ -437,6 +439,9 @@ def main() -> None:
                         t = step_time(spec, prompt, args.new_tokens, b, warm=rnd == 0) / (1 + min(k, length - 1))
                         if (b, length) not in simulated or t < simulated[b, length][0]:
                             simulated[b, length] = (t, k)
+                        if args.progress:
+                            print(f"(round {rnd}: batch {b}, L = {length:g}, K = {k}: {1e3 * t:.4f} ms a token "
+                                  f"a request; target-only {1e3 * base[b]:.4f} ms)", flush=True)
         # The adaptive-K engine (--adaptive-k) per cell: it picks K itself from measured step
         # times and acceptance, exploring the full K now and then. A fresh policy per cell learns
         # in a warm-up run of the same length; graphs for the K values it picks later are

@@ -41,7 +41,12 @@
 #   bash benchmarks/gpu_check.sh packz      # the router's chosen logits out of the top-k key:
 #                                           # tests, decode and verify A/B (~6 min)
 #   bash benchmarks/gpu_check.sh staged4    # the staged GEMV up to 4 rows (the verify's o_proj):
-#                                           # tests, verify and decode A/B (~6 min)
+#                                           # tests, 4-row micro-benchmark, verify A/B of
+#                                           # MULTI_ROW_CONFIGs (~7 min)
+#   bash benchmarks/gpu_check.sh drafter    # the drafter block's graph by kernel, skinny GEMM
+#                                           # against cuBLAS in it (~3 min)
+#   bash benchmarks/gpu_check.sh attnq      # the verify and drafter graphs with smaller attention
+#                                           # query tiles (~5 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -171,11 +176,28 @@ case "$stage" in
       --switch "laguna_dflash.models.layers:use_staged_o_proj=False" 2>&1 | quiet \
       | grep -E "^##|^\| [0-9]|kernels per|equal|failed" | grep -v "^| [0-9] |\|^| [12][0-9] |" | head -50 ;;
   staged4)
-    echo "== the staged GEMV for 1-4 rows: values, graphs against eager, lossless"
+    echo "== the staged GEMV for 1-4 rows: values"
     gpu_tests 60 tests/test_kernel_staged_gemv.py | tail -3
-    gpu_tests 200 tests/test_cuda_graphs.py -k "graphs_match_eager or lossless" | tail -8
-    echo "== the decode step and the 4-token verify forward: staged o_proj up to 4 rows"
-    decode_and_verify_ab "laguna_dflash.models.layers:staged_o_proj_max_rows=4" "staged|skinny" ;;
+    echo "== 4-row o_proj behind a busy window: skinny GEMM against staged configs (us past the window)"
+    timeout 90 python benchmarks/bench_staged_gemv.py --m 4 --windows 0,8,16 2>&1 | quiet | tail -8
+    echo "== the 4-token verify forward: skinny o_proj (default) against the staged GEMV's 4-row configs"
+    s="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
+    c="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
+    timeout 240 python benchmarks/profile_decode_xs.py --top 8 --q 4 --switch "$s" \
+      --switch "$s;$c=[16,256,12,8]" --switch "$s;$c=[8,256,8,4]" --switch "$s;$c=[8,256,16,4]" 2>&1 \
+      | quiet | grep -E "^##|^\| [0-9]|kernels per|equal|staged|skinny|failed" | head -40 ;;
+  drafter)
+    echo "== the batch-1 drafter block graph (K = 3: 4 tokens) by kernel; skinny GEMM against cuBLAS"
+    timeout 300 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 14 --sequence 24 \
+      --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet \
+      | grep -E "^##|^\| |kernels per|equal|failed|^\(" | grep -v "^|---" | head -90 ;;
+  attnq)
+    echo "== the 4-token verify graph and the drafter block graph: attention's query tile (_TARGET_ROWS)"
+    t="laguna_dflash.kernels.paged_attention:_TARGET_ROWS"
+    for mode in "--q 4" "--drafter --k 3"; do
+      timeout 200 python benchmarks/profile_decode_xs.py $mode --top 12 --switch "$t=16" --switch "$t=8" \
+        2>&1 | quiet | grep -E "^##|^\| [0-9]|kernels per|equal|attention|merge|failed" | head -40
+    done ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -18,6 +18,12 @@ Target only (dummy bf16 weights at the real shapes, a 1k-token context, engine d
     python benchmarks/profile_decode_xs.py --sequence 70
     python benchmarks/profile_decode_xs.py --switch laguna_dflash.models.fusion:enabled=False
     python benchmarks/profile_decode_xs.py --ablate routing --ablate routing+merge
+    python benchmarks/profile_decode_xs.py --drafter --k 3   # the drafter block's graph instead
+
+With ``--drafter`` the engine carries the XS-2.1-size drafter (5 dense layers, 64 heads, random
+weights; every draft rejected, so every step has the same shapes) and the graph profiled is the
+drafter block of ``K + 1`` tokens; the engine step is then the DFlash step, and the floor is the
+drafter layers' weight bytes (the shared lm_head and the argmax run after the graph).
 """
 
 from __future__ import annotations
@@ -31,7 +37,13 @@ from pathlib import Path
 
 import ablations
 import torch
-from bench_gpu_xs import active_bytes, copy_bandwidth, parse_switch, xs_target_config
+from bench_gpu_xs import (
+    active_bytes,
+    copy_bandwidth,
+    parse_switch,
+    xs_draft_config,
+    xs_target_config,
+)
 
 from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.engine.cuda_graph import CUDAGraphRunner
@@ -69,6 +81,30 @@ def decode_graph(llm: LLM, q: int = 1, context: int = 1024):
     graphs = runner.graphs.graphs
     key = max((k for k in graphs if k[0] == 1 and k[1] == q), key=lambda k: k[2])
     return graphs[key].graph
+
+
+def reset_graphs(llm: LLM) -> None:
+    """Drop the captured graphs of the target and of the drafter (if any): the next forwards
+    recapture them with the module switches of the moment."""
+    engine = llm.engine
+    for runner in (engine.runner, getattr(engine.proposer, "runner", None)):
+        if runner is not None and runner.graphs is not None:
+            runner.graphs.reset()
+
+
+def drafter_graph(llm: LLM, k: int):
+    """The batch-1 drafter block graph of ``k + 1`` tokens (captured by the engine's steps)."""
+    graphs = llm.engine.proposer.runner.graphs.graphs
+    keys = [key for key in graphs if key[0] == 1 and key[1] == k + 1]
+    if not keys:
+        raise RuntimeError(f"no batch-1 drafter graph of {k + 1} tokens was captured: {sorted(graphs)}")
+    return graphs[max(keys, key=lambda key: key[2])].graph
+
+
+def drafter_layer_bytes(llm: LLM) -> int:
+    """Weight bytes the drafter block's graph reads: the drafter's layers (its fc and context
+    projection run in the context store, the lm_head after the graph)."""
+    return sum(p.numel() * p.element_size() for p in llm.engine.drafter.layers.parameters())
 
 
 def replay_ms(graph, n: int = 50) -> float:
@@ -130,17 +166,20 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     tokens, to say whether the switch changed the output (a switch that only changes launch
     timing, like PDL, must not; one that changes the summation order may, in bf16)."""
     step, tokens = engine_step_ms(llm, prompt, args.new_tokens)
-    graph = decode_graph(llm, args.q, args.context)
+    graph = drafter_graph(llm, args.k) if args.drafter else decode_graph(llm, args.q, args.context)
     replay = replay_ms(graph)
     replays = graph_kernels(graph)
     print(f"\n## {label}\n")
     if reference is not None:
         same = sum(a == b for a, b in zip(tokens, reference))
         print(f"greedy tokens equal to the defaults': {same} of {len(reference)}\n")
-    if args.q > 1:  # the step is still the decode step: no host share to derive
+    if args.drafter:
+        print(f"(the engine step is the DFlash K = {args.k} step; the replay is the drafter block's "
+              f"graph of {args.k + 1} tokens, its floor the drafter layers' weight bytes)\n")
+    elif args.q > 1:  # the step is still the decode step: no host share to derive
         print(f"(the engine step is the 1-token decode step; the replay is the {args.q}-token graph, "
               "its x floor against the decode floor)\n")
-    host = f"{step - replay:.2f}" if args.q == 1 else "-"
+    host = f"{step - replay:.2f}" if args.q == 1 and not args.drafter else "-"
     print("| engine step ms | graph replay ms | host share ms | floor ms | step x floor | replay x floor |")
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {step:.2f} | {replay:.2f} | {host} | {floor_ms:.2f} | "
@@ -208,7 +247,12 @@ def main() -> None:
     ap.add_argument("--q", type=int, default=1,
                     help="profile the batch-1 graph of this many tokens (4: a K = 3 verify's target "
                          "forward; its replay against the decode floor is then only a reference)")
+    ap.add_argument("--drafter", action="store_true",
+                    help="profile the drafter block's graph of a DFlash K step instead (module docstring)")
+    ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per step")
     args = ap.parse_args()
+    if args.drafter and not 1 <= args.k <= 15:
+        raise SystemExit(f"--k {args.k}: the XS drafter drafts 1..15 tokens a step (block size 16)")
     if args.carveout is not None:
         import carveout
 
@@ -217,19 +261,30 @@ def main() -> None:
     bw = copy_bandwidth("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(xs_target_config(args.layers)))
+        draft = {}
+        if args.drafter:
+            (Path(tmp) / "draft").mkdir()
+            (Path(tmp) / "draft" / "config.json").write_text(json.dumps(xs_draft_config(args.layers)))
+            draft = {"draft": str(Path(tmp) / "draft")}
         t0 = time.perf_counter()
         llm = LLM(tmp, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
-                  max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2)
+                  max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2, **draft)
         load_s = time.perf_counter() - t0
         prompt = torch.randint(100, 100000, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
-        floor_ms = 1e3 * active_bytes(llm.engine.target, args.context) / bw
+        if args.drafter:  # every draft rejected: every step drafts K and verifies K + 1
+            engine = llm.engine
+            engine.num_speculative_tokens = min(args.k, engine.num_speculative_tokens)
+            engine.simulated_acceptance, engine._sim_carry = 1.0, 0.0
+            floor_ms = 1e3 * drafter_layer_bytes(llm) / bw
+        else:
+            floor_ms = 1e3 * active_bytes(llm.engine.target, args.context) / bw
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
               f"context {args.context}, load + warm-up {load_s:.0f}s, copy bandwidth {bw / 1e12:.2f} TB/s")
         # Every row, the defaults' too, runs on graphs captured after a reset: in the fifth pass
         # the host share was 0.3-0.4 ms in a row on the engine's warm-up graphs and 0.6-0.8 ms
         # in every row after a reset, whatever the switch (docs/PERFORMANCE.md)
-        llm.engine.runner.graphs.reset()
+        reset_graphs(llm)
         reference = report("defaults", llm, prompt, args, floor_ms)
         for text in args.switch:
             saved = []
@@ -237,23 +292,23 @@ def main() -> None:
                 obj, name, value = parse_switch(part)
                 saved.append((obj, name, getattr(obj, name)))
                 setattr(obj, name, value)
-            llm.engine.runner.graphs.reset()
+            reset_graphs(llm)
             try:
                 report(text, llm, prompt, args, floor_ms, reference)
             except Exception as e:  # noqa: BLE001 - a broken switch must not lose the other rows
                 print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
             for obj, name, value in reversed(saved):
                 setattr(obj, name, value)
-            llm.engine.runner.graphs.reset()
+            reset_graphs(llm)
         for spec in args.ablate:
             undo = ablations.apply(spec)
-            llm.engine.runner.graphs.reset()
+            reset_graphs(llm)
             try:
                 report(f"ablate {spec}", llm, prompt, args, floor_ms, reference)
             except Exception as e:  # noqa: BLE001 - print what failed, keep the rows before it
                 print(f"\n## ablate {spec}\n\nfailed: {type(e).__name__}: {e}")
             undo()
-            llm.engine.runner.graphs.reset()
+            reset_graphs(llm)
     if args.gemv:
         h = 2048
         shapes = {"qkv (64 heads)": (8192 + 2048, h), "qkv+gate (64 heads)": (8192 + 2048 + 64, h),

@@ -29,16 +29,19 @@ def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
 
 
 @pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
-@pytest.mark.parametrize("stages,k,m,stage_k", [
-    (8, 8192, 1, 512), (8, 6144, 1, 512), (4, 3072, 1, 512), (8, 2048, 1, 512), (1, 1024, 1, 512),
-    (16, 8192, 4, 256), (16, 8192, 2, 256),
-], ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked", "verify-4-rows", "2-rows"])
-def test_sm90_stages_are_parked_before_the_pdl_wait(stages, k, m, stage_k):
+@pytest.mark.parametrize("cfg,k,m", [
+    (stg.StagedConfig(8, 512, 8), 8192, 1), (stg.StagedConfig(8, 512, 8), 6144, 1),
+    (stg.StagedConfig(8, 512, 4), 3072, 1), (stg.StagedConfig(8, 512, 8), 2048, 1),
+    (stg.StagedConfig(8, 512, 1), 1024, 1), (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 4),
+    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 2), (stg.StagedConfig(8, 256, 8, 4), 8192, 4),
+], ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked", "verify-4-rows", "2-rows",
+        "4-rows-8x256"])
+def test_sm90_stages_are_parked_before_the_pdl_wait(cfg, k, m):
     """Before ``griddepcontrol.wait``: the loads of the parked stages plus four stages ahead (no
     load past the last stage), all ``evict_first`` 16-byte vectors, and the parked stages'
     shared-memory stores; after it x and the remaining stages' loads, then the signal; ``m``
     rows stored; no spills. Without PDL: no griddepcontrol at all."""
-    cfg = stg.StagedConfig(stage_k=stage_k, stages=stages)
+    stages = cfg.stages
     ptx = _build(cfg, k, m=m)
     assert ptx.count("griddepcontrol.wait") == 1
     wait = ptx.index("griddepcontrol.wait")
@@ -60,7 +63,9 @@ def test_sm90_stages_are_parked_before_the_pdl_wait(stages, k, m, stage_k):
 
 def test_default_config_and_shared_memory():
     assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 8, 4)
-    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(8, 256, 16, 4)
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(16, 256, 16, 8)
+    # the 2-4 row config: one program an SM (192 KiB), one wave of 128 programs for N = 2048
+    assert stg.default_config(2048, 8192, 4).smem_bytes(8192, 4) == 192 * 1024
     # 16 parked [8, 256] stages + 4 rows of x as 32 rows of 256
     assert stg.StagedConfig(8, 256, 16).smem_bytes(8192, 4) == (16 * 8 + 4 * 32) * 256 * 2
     for k in (64, 128, 192, 256, 512, 2048, 6144, 8192):
@@ -108,6 +113,7 @@ def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
     (2048, 8192, 4, None),
     (2048, 6144, 3, None),
     (256, 1024, 2, None),
+    (2048, 8192, 4, stg.StagedConfig(8, 256, 8, 4)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_matches_the_fp64_reference(n, k, m, cfg, dtype):

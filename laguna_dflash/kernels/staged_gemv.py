@@ -75,16 +75,24 @@ class StagedConfig:
         return (parked * self.block_n + m * _next_pow2(num_k)) * self.stage_k * elem_bytes
 
 
+# 2-4 rows: (block_n, stage_k, stages, num_warps). 16 x 256 stages, 16 parked, 8 warps: 128
+# programs for N = 2048 (one wave on 132 SMs, one program an SM: 192 KiB of shared memory with
+# four rows of x at K = 8192), 211 registers, no spills. The first 2-4 row default, 8 x 256 with
+# 16 parked and 4 warps, also needs 128 KiB a program, so its 256 programs ran in two waves:
+# measured 2.2x the skinny GEMM's time in the 4-token verify (docs/PERFORMANCE.md, 14th pass).
+MULTI_ROW_CONFIG: tuple[int, int, int, int] = (16, 256, 16, 8)
+
+
 def default_config(n: int, k: int, m: int = 1) -> StagedConfig:
     """One row: the measured o_proj config (2048 x 8192 and 2048 x 6144 on the H200: 8 x 512
-    stages, 8 parked, 4 warps). 2-4 rows (not measured yet): 8 x 256 stages, 16 parked (the same
-    parked bytes; four accumulators of half the size). The stage narrowed to divide smaller K
-    (down to 64)."""
+    stages, 8 parked, 4 warps). 2-4 rows: :data:`MULTI_ROW_CONFIG`. The stage narrowed to divide
+    smaller K (down to 64)."""
     del n
-    stage_k, stages = (512, 8) if m <= 1 else (256, 16)
+    cfg = StagedConfig() if m <= 1 else StagedConfig(*MULTI_ROW_CONFIG)
+    stage_k = cfg.stage_k
     while stage_k > 64 and k % stage_k:
         stage_k //= 2
-    return StagedConfig(stage_k=stage_k, stages=stages)
+    return StagedConfig(cfg.block_n, stage_k, cfg.stages, cfg.num_warps)
 
 
 def _next_pow2(v: int) -> int:

@@ -103,8 +103,9 @@ case "$stage" in
     echo "== skinny GEMM"
     gpu_tests 110 tests/test_kernel_skinny_gemm.py | grep -v PASSED | tail -20 ;;
   host)
-    echo "== the GPU's idle time in a batch-1 step, by host phase; lm_head GEMV"
-    timeout 330 python benchmarks/host_timeline.py 2>&1 | quiet | grep -v "USDT\|profiler" | tail -70 ;;
+    echo "== the GPU's idle time in a batch-1 step, by host phase; its kernels in and out of graphs; lm_head GEMV"
+    timeout 330 python benchmarks/host_timeline.py --rounds 1 --top 6 --kernels 28 2>&1 | quiet \
+      | grep -v "USDT\|profiler" | tail -100 ;;
   ctxstore)
     step_ab "" laguna_dflash.engine.engine:store_context_in_verify=False ;;
   ahead)

@@ -11,6 +11,9 @@ phases). This script finds where that time goes:
   ``compute_logits``, sampling, ...): the GPU's idle gaps, each attributed to the innermost
   labelled phase the host was in (profiler overhead inflates host time, so read the shares, and
   take absolute step times from the first table);
+* with ``--kernels N``: the N GPU kernels (and copies) of the profiled steps with the most time,
+  per step, each marked as run inside a CUDA graph replay or launched eagerly (a kernel name
+  seen when the captured graphs are replayed alone counts as a graph kernel);
 * ``lm_head`` (100352 x 2048, 411 MB) at M = 1, 3, 4: ``F.linear`` (cuBLAS, what
   ``compute_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated.
 
@@ -68,15 +71,16 @@ def install_labels(llm: LLM) -> None:
         label(engine.drafter, "compute_logits", "H drafter compute_logits")
 
 
-def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, float, float, int]:
+def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, float, float, int, Counter, Counter]:
     """(idle us per innermost host label, host us per label (inclusive), summed GPU busy us,
-    window us, steps) of a profile.
+    window us, steps, GPU us per kernel name, launches per kernel name) of a profile (kernels:
+    those starting inside the decode steps' host window; the GPU runs at most a step behind).
 
     GPU work = kernels and memcpys/memsets; gaps between them shorter than ``min_gap_us`` are
     counted as busy (launch spacing inside graphs)."""
     events = prof.events()
-    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    gpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in gpu_events)
     ranges = [(e.time_range.start, e.time_range.end, e.name) for e in events
               if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("H ")]
     # decode steps only (a generate call starts with a prefill step)
@@ -87,8 +91,13 @@ def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, floa
         if any(r[0] <= s < r[1] for r in steps):
             host[name] += e - s
     if not gpu or not steps:
-        return Counter(), host, 0.0, 0.0, len(steps)
+        return Counter(), host, 0.0, 0.0, len(steps), Counter(), Counter()
     lo, hi = min(r[0] for r in steps), max(r[1] for r in steps)
+    kernel_us, kernel_count = Counter(), Counter()
+    for e in gpu_events:
+        if lo <= e.time_range.start < hi:
+            kernel_us[e.name] += e.time_range.end - e.time_range.start
+            kernel_count[e.name] += 1
     busy, gaps, cur = 0.0, [], None
     for s, e in gpu:
         if e <= lo or s >= hi:
@@ -118,7 +127,25 @@ def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, floa
             inner = [r for r in ranges if r[0] <= mid < r[1]]
             name = max(inner, key=lambda r: r[0])[2] if inner else "(outside any label)"
             out[name] += b - a
-    return out, host, busy, hi - lo, len(steps)
+    return out, host, busy, hi - lo, len(steps), kernel_us, kernel_count
+
+
+def graph_kernel_names(llm: LLM) -> set[str]:
+    """Names of the kernels the captured target and drafter graphs run (each replayed once under
+    the profiler, after the timed steps: their KV writes land in freed blocks)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    runners = [engine.runner] + ([engine.proposer.runner] if engine.proposer is not None else [])
+    graphs = [c.graph for r in runners if r.graphs is not None for c in r.graphs.graphs.values()]
+    if not graphs or not torch.cuda.is_available():
+        return set()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 @contextlib.contextmanager
@@ -148,8 +175,9 @@ def profile_steps(llm: LLM, prompt: list[int], new_tokens: int) -> tuple:
     return idle_by_phase(prof)
 
 
-def print_profile(title: str, result: tuple, top: int) -> None:
-    idle, host, busy, window, steps = result
+def print_profile(title: str, result: tuple, top: int, num_kernels: int = 0,
+                  in_graphs: set[str] | None = None) -> None:
+    idle, host, busy, window, steps, kernel_us, kernel_count = result
     if not steps:
         print(f"\n{title}: nothing recorded")
         return
@@ -161,6 +189,16 @@ def print_profile(title: str, result: tuple, top: int) -> None:
     for name in sorted(set(host) | set(idle), key=lambda n: (-idle[n], -host[n]))[:top]:
         print(f"| {name[2:] if name.startswith('H ') else name} | {host[name] / steps:.1f} | "
               f"{idle[name] / steps:.1f} | {100 * idle[name] / max(total_idle, 1e-9):.0f}% |")
+    if num_kernels:
+        in_graphs = in_graphs or set()
+        graph_us = sum(us for name, us in kernel_us.items() if name in in_graphs)
+        eager_us = sum(kernel_us.values()) - graph_us
+        print(f"\nGPU time per step: {graph_us / steps:.0f} us in graph kernels, {eager_us / steps:.0f} us "
+              f"in {sum(c for n, c in kernel_count.items() if n not in in_graphs) / steps:.1f} eager "
+              "kernels and copies\n\n| kernel | where | per step | us per step |\n|---|---|---:|---:|")
+        for name, us in kernel_us.most_common(num_kernels):
+            print(f"| `{name[:90]}` | {'graph' if name in in_graphs else 'eager'} | "
+                  f"{kernel_count[name] / steps:.1f} | {us / steps:.1f} |")
 
 
 def lm_head_table(device: str, n: int = 100352, k: int = 2048, copies: int = 3) -> list[tuple]:
@@ -201,6 +239,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="also list the N kernels with the most GPU time per profiled step")
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check at small widths")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value]: a row against the defaults "
@@ -277,10 +317,12 @@ def main() -> None:
             with switched(texts):
                 reset_graphs()
                 with target_only():
-                    print_profile(f"{name}: target-only decode",
-                                  profile_steps(llm, prompt, args.new_tokens), args.top)
-                print_profile(f"{name}: DFlash K={args.k}", profile_steps(llm, prompt, args.new_tokens),
-                              args.top)
+                    result = profile_steps(llm, prompt, args.new_tokens)
+                    print_profile(f"{name}: target-only decode", result, args.top, args.kernels,
+                                  graph_kernel_names(llm) if args.kernels else None)
+                result = profile_steps(llm, prompt, args.new_tokens)
+                print_profile(f"{name}: DFlash K={args.k}", result, args.top, args.kernels,
+                              graph_kernel_names(llm) if args.kernels else None)
             reset_graphs()
 
 if __name__ == "__main__":

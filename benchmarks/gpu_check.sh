@@ -47,6 +47,7 @@
 #                                           # against cuBLAS in it (~3 min)
 #   bash benchmarks/gpu_check.sh attnq      # the verify and drafter graphs with smaller attention
 #                                           # query tiles (~5 min)
+#   bash benchmarks/gpu_check.sh argmax     # the row argmax kernels: tests, lossless, step A/B (~4 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -199,6 +200,14 @@ case "$stage" in
       timeout 200 python benchmarks/profile_decode_xs.py $mode --top 12 --switch "$t=16" --switch "$t=8" \
         2>&1 | quiet | grep -E "^##|^\| [0-9]|kernels per|equal|attention|merge|failed" | head -40
     done ;;
+  argmax)
+    echo "== the row argmax kernels: values and graphs, then greedy spec = target-only"
+    gpu_tests 60 tests/test_kernel_argmax.py | tail -3
+    gpu_tests 100 tests/test_cuda_graphs.py -k "graphed_spec_is_lossless" | tail -2
+    echo "== batch-1 steps: argmax kernels (default) against torch.argmax"
+    timeout 200 python benchmarks/host_timeline.py --rounds 2 --top 3 --kernels 8 \
+      --switch "laguna_dflash.kernels.argmax:USE_KERNEL=False" 2>&1 | quiet | grep -v "USDT\|profiler" \
+      | sed -n '/^| variant/,$p' | head -70 ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -95,7 +95,7 @@ def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, floa
     lo, hi = min(r[0] for r in steps), max(r[1] for r in steps)
     kernel_us, kernel_count = Counter(), Counter()
     for e in gpu_events:
-        if lo <= e.time_range.start < hi:
+        if lo <= e.time_range.start < hi and not e.name.startswith("H "):  # not the host labels' GPU echo
             kernel_us[e.name] += e.time_range.end - e.time_range.start
             kernel_count[e.name] += 1
     busy, gaps, cur = 0.0, [], None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingParams
+from ..kernels.argmax import argmax_rows
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -43,14 +44,14 @@ def sample_rows(
     Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
     own params and generator (``None`` = the global RNG).
     """
-    out = torch.argmax(logits, dim=-1)
+    out = argmax_rows(logits)  # torch.argmax's indices; chunked over the vocabulary on CUDA
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.is_greedy:
             continue
         rows = slice(i * rows_per_request, (i + 1) * rows_per_request)
         probs = filtered_probs(logits[rows], p.temperature, p.top_k, p.top_p)
         noise = torch.empty_like(probs).exponential_(generator=gen)
-        out[rows] = torch.argmax(probs / noise, dim=-1)
+        out[rows] = argmax_rows(probs / noise)
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..kernels.argmax import argmax_rows
 from .ahead import DraftsAhead
 from .context_graph import ContextGraphRunner
 from .kv_cache import KVCache
@@ -176,4 +177,4 @@ class DFlashProposer:
         hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, start_pos=start_pos)[0]
         hidden = hidden.view(r, k + 1, -1)[:, 1:]
         logits = self.drafter.compute_logits(hidden.reshape(r * k, -1))
-        return torch.argmax(logits, dim=-1).view(r, k)
+        return argmax_rows(logits).view(r, k)

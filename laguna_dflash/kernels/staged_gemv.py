@@ -22,8 +22,10 @@ L2 priority slowed the next layers' attention by ~1 us a layer). Each thread sto
 back exactly the bytes it loaded (one register layout for both), so no barrier guards the parked
 stages; x goes through shared memory once (one barrier). One accumulator ``[BLOCK_N, STAGE_K]``
 fp32 a row of x lives in that layout (one FMA per weight element and row); the K reduction
-happens once, at the end. The engine uses one row (batch-1 decode); 2-4 rows (the verify's
-o_proj) are built and tested for values, not yet measured (``layers.staged_o_proj_max_rows``).
+happens once, at the end. The engine uses one row (batch-1 decode). 2-4 rows (the verify's
+o_proj) are value-tested and timed, and lose: standalone they barely beat the skinny GEMM behind a
+busy window, and in the 4-token verify graph (attention signalling early) every config measured
+was slower (``layers.staged_o_proj_max_rows`` stays 1; docs/PERFORMANCE.md, fourteenth pass).
 
 Written in Gluon (triton.experimental.gluon, pinned with triton 3.6), which exposes shared
 memory; it has no interpreter: CPU tests check the sm_90 build offline, GPU tests the values
@@ -77,9 +79,11 @@ class StagedConfig:
 
 # 2-4 rows: (block_n, stage_k, stages, num_warps). 16 x 256 stages, 16 parked, 8 warps: 128
 # programs for N = 2048 (one wave on 132 SMs, one program an SM: 192 KiB of shared memory with
-# four rows of x at K = 8192), 211 registers, no spills. The first 2-4 row default, 8 x 256 with
-# 16 parked and 4 warps, also needs 128 KiB a program, so its 256 programs ran in two waves:
-# measured 2.2x the skinny GEMM's time in the 4-token verify (docs/PERFORMANCE.md, 14th pass).
+# four rows of x at K = 8192), 211 registers, no spills. The first 2-4 row config, 8 x 256 with 16
+# parked and 4 warps, also needs 128 KiB a program, so its 256 programs ran in two waves (25 us
+# against the skinny GEMM's 17 behind a busy window). Measured on the H200: this one is 16.2
+# against 17.1 us behind an 8 us window, but the 4-token verify graph still slowed by 0.17 ms
+# (the least slow config, 8 x 256 with 8 parked and 4 warps, by 0.14 ms).
 MULTI_ROW_CONFIG: tuple[int, int, int, int] = (16, 256, 16, 8)
 
 

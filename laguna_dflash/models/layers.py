@@ -32,8 +32,9 @@ _num_graph_builds = 0
 # where it runs (sm_90+, bf16 / fp16, tiling shapes) and a CUDA graph is built. On the H200 at
 # Laguna-XS-2.1 size: decode graph 2.22 -> 2.19 ms (docs/PERFORMANCE.md, thirteenth pass).
 use_staged_o_proj = True
-# Rows up to which o_proj takes the staged GEMV: 1 (batch-1 decode, measured). 4 would take the
-# K = 3 verify's o_proj too (built and value-tested, not yet timed: gpu_check.sh staged4).
+# Rows up to which o_proj takes the staged GEMV: 1 (batch-1 decode). 4 would take the K = 3
+# verify's o_proj too: timed on the H200, the 4-token verify graph got slower with every 2-4 row
+# config (3.95 -> 4.09-4.41 ms; gpu_check.sh staged4, docs/PERFORMANCE.md, fourteenth pass).
 staged_o_proj_max_rows = 1
 
 

@@ -8,14 +8,14 @@ phases). This script finds where that time goes:
   with each ``--switch`` (rows interleaved over ``--rounds``, graphs recaptured per row);
 * a profile of a few steps with the engine's phases labelled (``record_function`` around
   ``Scheduler.schedule``, ``_commit``, the graph runners' host preparation, ``replay``,
-  ``compute_logits``, sampling, ...): the GPU's idle gaps, each attributed to the innermost
+  ``lm_head_logits``, sampling, ...): the GPU's idle gaps, each attributed to the innermost
   labelled phase the host was in (profiler overhead inflates host time, so read the shares, and
   take absolute step times from the first table);
 * with ``--kernels N``: the N GPU kernels (and copies) of the profiled steps with the most time,
   per step, each marked as run inside a CUDA graph replay or launched eagerly (a kernel name
   seen when the captured graphs are replayed alone counts as a graph kernel);
 * ``lm_head`` (100352 x 2048, 411 MB) at M = 1, 3, 4: ``F.linear`` (cuBLAS, what
-  ``compute_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated.
+  ``lm_head_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated.
 
     python benchmarks/host_timeline.py                     # H200
     python benchmarks/host_timeline.py --switch laguna_dflash.engine.engine:store_context_in_verify=False
@@ -66,9 +66,9 @@ def install_labels(llm: LLM) -> None:
     label(context_graph.ContextGraphRunner, "run", "H context graph run")
     label(cuda_graph.CUDAGraphRunner, "forward", "H graph forward")
     label(torch.cuda.CUDAGraph, "replay", "H replay")
-    label(engine.target, "compute_logits", "H target compute_logits")
+    label(engine.target, "lm_head_logits", "H target lm_head")
     if engine.drafter is not None:
-        label(engine.drafter, "compute_logits", "H drafter compute_logits")
+        label(engine.drafter, "lm_head_logits", "H drafter lm_head")
 
 
 def idle_by_phase(prof, min_gap_us: float = 2.0) -> tuple[Counter, Counter, float, float, int, Counter, Counter]:

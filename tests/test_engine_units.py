@@ -64,6 +64,20 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
+def test_sampling_bf16_logits_equals_sampling_them_widened():
+    # the engine hands the lm_head's bf16 logits to sample_rows (no float32 copy): greedy rows,
+    # ties included, and seeded sampled rows must pick what the float32 logits would
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits[0, [10, 200]] = 9.0  # a tie: the first index wins either way
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=0.7, top_k=20, top_p=0.9)] * 3
+    picks = []
+    for x in (logits, logits.float()):
+        gens = [None] * 3 + [torch.Generator().manual_seed(11 + i) for i in range(3)]
+        picks.append(sample_rows(x, params, gens))
+    assert torch.equal(picks[0], picks[1])
+    assert picks[0][0] == 10
+
+
 def test_num_accepted_is_longest_matching_prefix():
     drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 2, 3], [4, 4, 4]])
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [0, 2, 3, 4], [4, 4, 4, 4]])

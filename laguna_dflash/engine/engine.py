@@ -355,7 +355,7 @@ class LLMEngine:
                 s.add_pending_taps(taps, start, n, 0)
             self.proposer.store_context(seqs)
         last_rows = torch.tensor([start + n - 1 for start, n in zip(starts, counts)]).to(self.device)
-        logits = self.target.compute_logits(hidden[last_rows])
+        logits = self.target.lm_head_logits(hidden[last_rows])
         tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
         for i, (s, start, n) in enumerate(zip(seqs, starts, counts)):
             if s.params.prompt_logprobs is not None and s.prompt_logprobs is None:
@@ -387,7 +387,7 @@ class LLMEngine:
             taps, tap_rows = ahead.taps, rows  # pending taps reference rows of the ahead's taps
             hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
-        logits = self.target.compute_logits(hidden)
+        logits = self.target.lm_head_logits(hidden)
         sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
         if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
@@ -469,7 +469,7 @@ class LLMEngine:
         items = [ForwardItem(k + 1, p, p + k + 1, s.block_table) for p, s in zip(anchors, seqs)]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
                                            store_context=store_context_in_verify)
-        logits = self.target.compute_logits(hidden)  # [R*(K+1), V]
+        logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
         target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
         target_tokens = target_tokens.view(len(seqs), k + 1)
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it

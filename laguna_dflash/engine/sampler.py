@@ -39,7 +39,8 @@ def sample_rows(
     generators: list[torch.Generator | None],
     rows_per_request: int = 1,
 ) -> torch.Tensor:
-    """Sample one token per row of ``logits [R * rows_per_request, V]`` -> ``[R * rows]`` int64.
+    """Sample one token per row of ``logits [R * rows_per_request, V]`` (any float dtype: greedy
+    rows take the argmax as given, sampled rows widen to float32 first) -> ``[R * rows]`` int64.
 
     Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
     own params and generator (``None`` = the global RNG).

@@ -176,5 +176,5 @@ class DFlashProposer:
         r = len(items)
         hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, start_pos=start_pos)[0]
         hidden = hidden.view(r, k + 1, -1)[:, 1:]
-        logits = self.drafter.compute_logits(hidden.reshape(r * k, -1))
+        logits = self.drafter.lm_head_logits(hidden.reshape(r * k, -1))  # argmax: no float32 copy
         return argmax_rows(logits).view(r, k)

@@ -142,9 +142,14 @@ class DecoderLM(nn.Module):
         tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
         return hidden, tapped
 
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` in the weights' dtype (the engine's
+        consumers, argmax and the float32 sampling / logprob paths, widen exactly themselves)."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head_logits(hidden).float()
 
     # ---- checkpoint layout -----------------------------------------------------------------------
 

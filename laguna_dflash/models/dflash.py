@@ -370,6 +370,10 @@ class DFlashDraftModel(nn.Module):
         """
         return run_layers(self.layers, self.embed(input_ids), ctx, self.norm)[0], None
 
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype."""
+        return F.linear(hidden, self.lm_head_weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head_logits(hidden).float()

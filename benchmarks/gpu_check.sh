@@ -48,6 +48,8 @@
 #   bash benchmarks/gpu_check.sh attnq      # the verify and drafter graphs with smaller attention
 #                                           # query tiles (~5 min)
 #   bash benchmarks/gpu_check.sh argmax     # the row argmax kernels: tests, lossless, step A/B (~4 min)
+#   bash benchmarks/gpu_check.sh attnbench  # attention alone at q = 1 and 4, tile / split / warp
+#                                           # variants (why the verify's attention is 2x decode's; ~2 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -208,6 +210,9 @@ case "$stage" in
     timeout 200 python benchmarks/host_timeline.py --rounds 2 --top 3 --kernels 8 \
       --switch "laguna_dflash.kernels.argmax:USE_KERNEL=False" 2>&1 | quiet | grep -v "USDT\|profiler" \
       | sed -n '/^| variant/,$p' | head -70 ;;
+  attnbench)
+    echo "== paged attention alone at 1 and 4 query tokens, per variant (us per call)"
+    timeout 200 python benchmarks/bench_paged_attention.py 2>&1 | quiet | tail -14 ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

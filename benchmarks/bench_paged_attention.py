@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemv_formulations import time_graph  # noqa: E402
 
 from laguna_dflash.kernels import paged_attention as pa  # noqa: E402
 from laguna_dflash.kernels import pdl  # noqa: E402
@@ -85,24 +89,10 @@ def layer_inputs(num_layers: int, context: int, q_len: int, heads: int, device: 
     return layers
 
 
-def time_calls(layers: list[dict], kwargs: dict, rounds: int = 20) -> tuple[float, torch.Tensor]:
-    """(us per call in a graph of one call per layer, the first layer's output)."""
-    def run():
-        return [pa.paged_attention(**x, **kwargs) for x in layers]
-
-    first = run()[0].clone()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (rounds * len(layers)), first
+def time_calls(layers: list[dict], kwargs: dict) -> tuple[float, torch.Tensor]:
+    """(us per call in a graph of one call per layer, best of 3; the first layer's output)."""
+    first = pa.paged_attention(**layers[0], **kwargs).clone()  # compiles
+    return time_graph([functools.partial(pa.paged_attention, **x, **kwargs) for x in layers]), first
 
 
 def main() -> None:

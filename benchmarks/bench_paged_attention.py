@@ -10,9 +10,11 @@ against the defaults' first.
     python benchmarks/bench_paged_attention.py                  # H200
     python benchmarks/bench_paged_attention.py --variants default,block_n=32,warps=8
 
-Variants (``--variants``, comma-separated): ``default``; ``block_n=N`` (keys a tile);
-``splits=S`` (split-K factor); ``warps=W`` (every program); ``no_preload`` (the PDL wait before
-the first key tile's loads, ``PRELOAD_OLD_KEYS = False``); ``no_pdl``.
+Variants (``--variants``, comma-separated; ``+`` joins several into one): ``default``;
+``block_n=N`` (keys a tile); ``splits=S`` (split-K factor); ``warps=W`` (every program);
+``rows=R`` (``_TARGET_ROWS``: query rows a program aims at; 8 gives one query token a program
+with GQA 8); ``no_preload`` (the PDL wait before the first key tile's loads,
+``PRELOAD_OLD_KEYS = False``); ``no_pdl``.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from bench_gemv_formulations import time_graph  # noqa: E402
 from laguna_dflash.kernels import paged_attention as pa  # noqa: E402
 from laguna_dflash.kernels import pdl  # noqa: E402
 
-DEFAULT_VARIANTS = "default,block_n=32,block_n=128,splits=8,splits=16,warps=8,no_preload,no_pdl"
+DEFAULT_VARIANTS = ("default,block_n=32,block_n=128,splits=8,splits=16,warps=8,rows=8+splits=32,"
+                    "rows=16+splits=32,no_preload,no_pdl")
 
 
 @contextlib.contextmanager
 def variant(spec: str):
-    """Apply one variant for the block: yields the extra keyword arguments of ``paged_attention``
-    (module switches are set and restored around the block)."""
-    name, _, value = spec.partition("=")
+    """Apply one variant (``a+b``: several) for the block: yields the extra keyword arguments of
+    ``paged_attention`` (module switches are set and restored around the block)."""
     saved: list[tuple[object, str, object]] = []
 
     def put(obj, attr, new):
@@ -48,19 +50,25 @@ def variant(spec: str):
         setattr(obj, attr, new)
 
     kwargs = {}
-    if name == "block_n":
-        kwargs["block_n"] = int(value)
-    elif name == "splits":
-        kwargs["num_splits"] = int(value)
-    elif name == "warps":
-        put(pa, "_num_warps", lambda block_m, block_d, w=int(value): w)
-    elif name == "no_preload":
-        put(pa, "PRELOAD_OLD_KEYS", False)
-    elif name == "no_pdl":
-        put(pdl, "USE_PDL", False)
-    elif name != "default":
-        raise SystemExit(f"--variants: unknown variant {spec!r}; use default, block_n=N, splits=S, "
-                         "warps=W, no_preload or no_pdl")
+    for part in spec.split("+"):
+        name, _, value = part.partition("=")
+        if name == "block_n":
+            kwargs["block_n"] = int(value)
+        elif name == "splits":
+            kwargs["num_splits"] = int(value)
+        elif name == "warps":
+            put(pa, "_num_warps", lambda block_m, block_d, w=int(value): w)
+        elif name == "rows":
+            put(pa, "_TARGET_ROWS", int(value))
+        elif name == "no_preload":
+            put(pa, "PRELOAD_OLD_KEYS", False)
+        elif name == "no_pdl":
+            put(pdl, "USE_PDL", False)
+        elif name != "default":
+            for obj, attr, old in reversed(saved):
+                setattr(obj, attr, old)
+            raise SystemExit(f"--variants: unknown variant {part!r}; use default, block_n=N, splits=S, "
+                             "warps=W, rows=R or no_preload, no_pdl (joined with +)")
     try:
         yield kwargs
     finally:

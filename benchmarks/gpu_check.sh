@@ -212,7 +212,7 @@ case "$stage" in
       | sed -n '/^| variant/,$p' | head -70 ;;
   attnbench)
     echo "== paged attention alone at 1 and 4 query tokens, per variant (us per call)"
-    timeout 200 python benchmarks/bench_paged_attention.py 2>&1 | quiet | tail -14 ;;
+    timeout 240 python benchmarks/bench_paged_attention.py 2>&1 | quiet | tail -16 ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -32,8 +32,13 @@ def test_variants_set_and_restore_their_switch():
     with bench.variant("no_preload"), bench.variant("no_pdl"):
         assert pa.PRELOAD_OLD_KEYS is False and pdl.USE_PDL is False
     assert (pa.PRELOAD_OLD_KEYS, pdl.USE_PDL) == (preload, use_pdl)
-    with pytest.raises(SystemExit, match="block_n=N, splits=S"), bench.variant("tiles=3"):
+    rows = pa._TARGET_ROWS
+    with bench.variant("rows=8+splits=32+no_pdl") as kw:
+        assert kw == {"num_splits": 32} and pa._TARGET_ROWS == 8 and pdl.USE_PDL is False
+    assert (pa._TARGET_ROWS, pdl.USE_PDL) == (rows, use_pdl)
+    with pytest.raises(SystemExit, match="block_n=N, splits=S"), bench.variant("no_pdl+tiles=3"):
         pass
+    assert pdl.USE_PDL == use_pdl  # the part before the bad one was undone
 
 
 def test_layer_inputs_are_one_request_with_q_new_keys():

@@ -49,7 +49,8 @@
 #                                           # query tiles (~5 min)
 #   bash benchmarks/gpu_check.sh argmax     # the row argmax kernels: tests, lossless, step A/B (~4 min)
 #   bash benchmarks/gpu_check.sh attnbench  # attention alone at q = 1 and 4, tile / split / warp
-#                                           # variants (why the verify's attention is 2x decode's; ~2 min)
+#                                           # variants (why the verify's attention is 2x decode's),
+#                                           # then the verify / drafter graphs with 8 warps (~5 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -212,7 +213,13 @@ case "$stage" in
       | sed -n '/^| variant/,$p' | head -70 ;;
   attnbench)
     echo "== paged attention alone at 1 and 4 query tokens, per variant (us per call)"
-    timeout 240 python benchmarks/bench_paged_attention.py 2>&1 | quiet | tail -16 ;;
+    timeout 240 python benchmarks/bench_paged_attention.py 2>&1 | quiet | tail -16
+    echo "== the 4-token verify and the drafter block graphs: 8 warps for the 4-token tile (BLOCK_M 32)"
+    for mode in "--q 4" "--drafter --k 3"; do
+      timeout 150 python benchmarks/profile_decode_xs.py $mode --top 12 \
+        --switch "laguna_dflash.kernels.paged_attention:WARPS8_MIN_TILE=4096" 2>&1 | quiet \
+        | grep -E "^##|^\| [0-9]|kernels per|equal|attention|merge|failed" | head -16
+    done ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -320,6 +320,17 @@ def test_compiles_for_sm90_without_spills(cfg):
 
 
 @pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
+def test_sm90_four_token_verify_tile_builds_with_eight_warps(monkeypatch):
+    """The A/B the verify's attention is waiting for (``WARPS8_MIN_TILE = 32 * 128``): the
+    4-token tile (BLOCK_M 32) then gets 8 warps and still builds without spills; decode keeps 4."""
+    assert pa._num_warps(32, 128) == 4  # the default
+    monkeypatch.setattr(pa, "WARPS8_MIN_TILE", 32 * 128)
+    assert pa._num_warps(32, 128) == 8 and pa._num_warps(16, 128) == 4
+    (attn, spills), _ = _sm90_builds("bf16", 128, 8, 4, 32, True, True, False, pdl=True)
+    assert max(spills) == 0 and ".reqntid 256" in attn.asm["ptx"]  # 8 warps of 32 threads
+
+
+@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
 def test_sm90_programmatic_dependent_launch_order():
     """With ``kernels.pdl.USE_PDL`` (rules in kernels/pdl.py) the merge kernel waits for its
     inputs before any global load and signals its dependents after the wait; the attention

@@ -392,10 +392,16 @@ def _block_q(qmax: int, group: int) -> int:
     return max(1, min(qmax, _TARGET_ROWS // group))
 
 
+# Tile size (BLOCK_M x BLOCK_D) from which a program gets 8 warps instead of 4. The fp32
+# accumulator [BLOCK_M, BLOCK_D] plus Q, a K/V tile and the logits stay in registers: from
+# 64 x 128 up, 4 warps would need ~200-255 registers a thread (sm_90 build). The 4-token verify
+# (BLOCK_M 32) runs 4 warps at 190 registers and twice decode's time a layer: 32 * 128 here gives
+# it 8 (the A/B for the next device run: benchmarks/bench_paged_attention.py, warps=8).
+WARPS8_MIN_TILE = 64 * 128
+
+
 def _num_warps(block_m: int, block_d: int) -> int:
-    # the fp32 accumulator [BLOCK_M, BLOCK_D] plus Q, a K/V tile and the logits stay in registers:
-    # 8 warps from 64 x 128 up (sm_90 build: 4 warps there need ~200-255 registers a thread)
-    return 8 if block_m * block_d >= 64 * 128 else 4
+    return 8 if block_m * block_d >= WARPS8_MIN_TILE else 4
 
 
 def _next_pow2(n: int) -> int:

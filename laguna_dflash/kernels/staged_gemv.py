@@ -80,7 +80,7 @@ class StagedConfig:
 # 2-4 rows: (block_n, stage_k, stages, num_warps). 16 x 256 stages, 16 parked, 8 warps: 128
 # programs for N = 2048 (one wave on 132 SMs, one program an SM: 192 KiB of shared memory with
 # four rows of x at K = 8192), 211 registers, no spills. The first 2-4 row config, 8 x 256 with 16
-# parked and 4 warps, also needs 128 KiB a program, so its 256 programs ran in two waves (25 us
+# parked and 4 warps, needs 128 KiB a program (64 parked, 64 of x), so its 256 programs ran in two waves (25 us
 # against the skinny GEMM's 17 behind a busy window). Measured on the H200: this one is 16.2
 # against 17.1 us behind an 8 us window, but the 4-token verify graph still slowed by 0.17 ms
 # (the least slow config, 8 x 256 with 8 parked and 4 warps, by 0.14 ms).

@@ -14,7 +14,9 @@ Variants (``--variants``, comma-separated; ``+`` joins several into one): ``defa
 ``block_n=N`` (keys a tile); ``splits=S`` (split-K factor); ``warps=W`` (every program);
 ``rows=R`` (``_TARGET_ROWS``: query rows a program aims at; 8 gives one query token a program
 with GQA 8); ``no_preload`` (the PDL wait before the first key tile's loads,
-``PRELOAD_OLD_KEYS = False``); ``no_pdl``.
+``PRELOAD_OLD_KEYS = False``); ``preload_max=Q`` (those loads only up to ``Q`` query tokens,
+``PRELOAD_MAX_QUERIES``); ``keep_empty`` (split chunks without a visible key store their acc rows
+and the merge reads them, ``SKIP_EMPTY_SPLITS = False``); ``no_pdl``.
 """
 
 from __future__ import annotations
@@ -64,11 +66,15 @@ def variant(spec: str):
             put(pa, "PRELOAD_OLD_KEYS", False)
         elif name == "no_pdl":
             put(pdl, "USE_PDL", False)
+        elif name == "keep_empty":
+            put(pa, "SKIP_EMPTY_SPLITS", False)
+        elif name == "preload_max":
+            put(pa, "PRELOAD_MAX_QUERIES", int(value))
         elif name != "default":
             for obj, attr, old in reversed(saved):
                 setattr(obj, attr, old)
             raise SystemExit(f"--variants: unknown variant {part!r}; use default, block_n=N, splits=S, "
-                             "warps=W, rows=R or no_preload, no_pdl (joined with +)")
+                             "warps=W, rows=R, preload_max=Q or no_preload, no_pdl, keep_empty (joined with +)")
     try:
         yield kwargs
     finally:

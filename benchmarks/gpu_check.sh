@@ -51,6 +51,9 @@
 #   bash benchmarks/gpu_check.sh attnbench  # attention alone at q = 1 and 4, tile / split / warp
 #                                           # variants (why the verify's attention is 2x decode's),
 #                                           # then the verify / drafter graphs with 8 warps (~5 min)
+#   bash benchmarks/gpu_check.sh splits     # empty split-K chunks skipped, pre-wait loads only at
+#                                           # decode: CUDA attention tests, attention alone,
+#                                           # verify / decode / drafter graph A/B (~8 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -219,6 +222,19 @@ case "$stage" in
       timeout 150 python benchmarks/profile_decode_xs.py $mode --top 12 \
         --switch "laguna_dflash.kernels.paged_attention:WARPS8_MIN_TILE=4096" 2>&1 | quiet \
         | grep -E "^##|^\| [0-9]|kernels per|equal|attention|merge|failed" | head -16
+    done ;;
+  splits)
+    echo "== paged attention CUDA tests"
+    gpu_tests 150 tests/test_kernel_paged_attention.py -k "cuda and not timing"
+    echo "== paged attention alone (us per call)"
+    timeout 120 python benchmarks/bench_paged_attention.py \
+      --variants default,keep_empty,preload_max=1,no_preload+keep_empty 2>&1 | quiet | tail -6
+    m=laguna_dflash.kernels.paged_attention
+    for mode in "--q 4" "" "--drafter --k 3"; do
+      echo "== graph A/B: ${mode:-decode}"
+      timeout 150 python benchmarks/profile_decode_xs.py $mode --top 12 --switch "$m:SKIP_EMPTY_SPLITS=false" \
+        $([ "$mode" = "--q 4" ] && echo --switch "$m:PRELOAD_MAX_QUERIES=1") 2>&1 | quiet \
+        | grep -E "^##|^\| [0-9]|equal|_paged_attention|_merge|failed" | head -20
     done ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"

@@ -181,6 +181,46 @@ def test_interpreted_strided_seq_lens():
     compare(q, kc, vc, meta, num_splits=2, block_n=16)
 
 
+def _poisoned_partials(monkeypatch, skip_empty: bool) -> None:
+    """Split-K scratch pre-filled with NaN (as uninitialised memory may hold): any acc row the
+    merge reads without the attention kernel having written it shows in the output."""
+    new_partials = pa._new_partials
+
+    def poisoned(*args, **kwargs):
+        return tuple(x.fill_(float("nan")) for x in new_partials(*args, **kwargs))
+
+    monkeypatch.setattr(pa, "_new_partials", poisoned)
+    monkeypatch.setattr(pa, "SKIP_EMPTY_SPLITS", skip_empty)
+
+
+# requests of very different lengths (and a window): most of the short ones' and the windowed
+# ones' key chunks are empty
+_EMPTY_SPLIT_CASES = [([(200, 1), (5, 1), (90, 4)], True, None), ([(180, 4), (3, 4)], True, 24),
+                      ([(150, 8), (10, 8)], False, 16)]
+
+
+@interpreted
+@pytest.mark.parametrize("skip_empty", [True, False], ids=["skip_empty", "keep_empty"])
+def test_interpreted_empty_splits_are_not_read(monkeypatch, skip_empty):
+    """Split-K chunks holding no visible key store no acc rows (``SKIP_EMPTY_SPLITS``) and the
+    merge reads none of them: poisoned scratch changes no value, either way."""
+    _poisoned_partials(monkeypatch, skip_empty)
+    for specs, causal, window in _EMPTY_SPLIT_CASES:
+        q, kc, vc, meta, _ = make_case(specs, 2, 64, torch.float32, causal)
+        compare(q, kc, vc, meta, window=window, num_splits=6, block_n=16)
+
+
+@cuda
+@pytest.mark.parametrize("skip_empty", [True, False], ids=["skip_empty", "keep_empty"])
+def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty):
+    _poisoned_partials(monkeypatch, skip_empty)
+    for specs, causal, window in _EMPTY_SPLIT_CASES:
+        q, kc, vc, meta, _ = make_case([(c * 10, n) for c, n in specs], 4, 128, torch.bfloat16, causal,
+                                       device="cuda", num_heads=32)
+        compare(q, kc, vc, meta, window=window and window * 10)
+        compare(q, kc, vc, meta, window=window and window * 10, num_splits=12)
+
+
 @interpreted
 def test_interpreted_causality_override_and_group_padding():
     """The per-layer ``is_causal`` override beats ``meta.is_causal`` both ways; a GQA group of 3

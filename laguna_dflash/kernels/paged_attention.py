@@ -196,6 +196,7 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
     if PDL and EARLY_SIGNAL:  # EARLY_SIGNAL below: the next kernel reads nothing before its wait
@@ -313,7 +314,11 @@ def _paged_attention_kernel(
     else:
         # partial results of split s for (token, head): row (s * T + token) * H + head
         prow = (split.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
-        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        # SKIP_EMPTY: a split holding none of the tile's visible keys (past seq_len, before the
+        # window) has acc = 0, m = -inf: it stores m and l only, and the merge skips acc where
+        # m = -inf (where it would weigh it by 2^-inf = 0 anyway)
+        acc_mask = out_mask & (hi > lo) if SKIP_EMPTY else out_mask
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=acc_mask)
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
 
@@ -323,7 +328,7 @@ def _merge_splits_kernel(
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
     if PDL and EARLY_SIGNAL:
@@ -349,8 +354,9 @@ def _merge_splits_kernel(
         denom += tl.exp2(sink - m_use)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    s_read = s_ok & (m > float("-inf")) if SKIP_EMPTY else s_ok  # SKIP_EMPTY: the attention kernel
     acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+                  mask=s_read[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0)
     out = out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
     if HAS_GATE:
@@ -386,6 +392,14 @@ _MAX_SPLITS = 32
 # were a chain of dependent reads (query position -> key slots -> K/V) after the wait. False: the
 # wait comes first (the A/B switch).
 PRELOAD_OLD_KEYS = True
+# ... only while a request holds at most this many query tokens a forward (None: any): a program
+# of the 4-token verify holds 4 new keys in its last tile, loaded after the wait as well.
+PRELOAD_MAX_QUERIES: int | None = None
+# Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
+# the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
+# and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
+# S * 4 * H * D * 4 bytes (4 MiB at 32 splits, 64 heads). Changes no value. False: the A/B.
+SKIP_EMPTY_SPLITS = True
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -427,6 +441,14 @@ def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) ->
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _new_partials(num_splits: int, t: int, num_heads: int, head_dim: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-K scratch, uninitialised: acc ``[S, T, H, D]``, m and l ``[S, T, H]``, fp32."""
+    part_acc = torch.empty((num_splits, t, num_heads, head_dim), dtype=torch.float32, device=device)
+    part_m = torch.empty((num_splits, t, num_heads), dtype=torch.float32, device=device)
+    return part_acc, part_m, torch.empty_like(part_m)
 
 
 def _check(q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, sinks) -> None:
@@ -547,9 +569,7 @@ def paged_attention(
     if sinks is not None:
         sinks = sinks.to(q.dtype)  # the reference adds sink logits in q's dtype
     if num_splits > 1:
-        part_acc = torch.empty((num_splits, t, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((num_splits, t, num_heads), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        part_acc, part_m, part_l = _new_partials(num_splits, t, num_heads, head_dim, q.device)
     else:
         part_acc = part_m = part_l = out  # unused
     attn_kernel, merge_kernel = _kernels(interpret)
@@ -570,7 +590,9 @@ def paged_attention(
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PRELOAD=PRELOAD_OLD_KEYS, EARLY_SIGNAL=early_signal and use_pdl, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        PRELOAD=PRELOAD_OLD_KEYS and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES),
+        EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS,
+        num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:
@@ -581,6 +603,6 @@ def paged_attention(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
             HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=early_signal and use_pdl,
-            num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
+            SKIP_EMPTY=SKIP_EMPTY_SPLITS, num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out

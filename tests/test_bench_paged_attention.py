@@ -32,6 +32,10 @@ def test_variants_set_and_restore_their_switch():
     with bench.variant("no_preload"), bench.variant("no_pdl"):
         assert pa.PRELOAD_OLD_KEYS is False and pdl.USE_PDL is False
     assert (pa.PRELOAD_OLD_KEYS, pdl.USE_PDL) == (preload, use_pdl)
+    skip, preload_max = pa.SKIP_EMPTY_SPLITS, pa.PRELOAD_MAX_QUERIES
+    with bench.variant("keep_empty+preload_max=4"):
+        assert pa.SKIP_EMPTY_SPLITS is False and pa.PRELOAD_MAX_QUERIES == 4
+    assert (pa.SKIP_EMPTY_SPLITS, pa.PRELOAD_MAX_QUERIES) == (skip, preload_max)
     rows = pa._TARGET_ROWS
     with bench.variant("rows=8+splits=32+no_pdl") as kw:
         assert kw == {"num_splits": 32} and pa._TARGET_ROWS == 8 and pdl.USE_PDL is False

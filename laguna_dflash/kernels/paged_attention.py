@@ -392,9 +392,10 @@ _MAX_SPLITS = 32
 # were a chain of dependent reads (query position -> key slots -> K/V) after the wait. False: the
 # wait comes first (the A/B switch).
 PRELOAD_OLD_KEYS = True
-# ... only while a request holds at most this many query tokens a forward (None: any): a program
-# of the 4-token verify holds 4 new keys in its last tile, loaded after the wait as well.
-PRELOAD_MAX_QUERIES: int | None = None
+# ... only while a request holds at most this many query tokens a forward (None: any). At 4 (the
+# K = 3 verify) the split loading the new keys re-loads its tile after the wait; with the loads
+# after the wait there, the verify graph replayed in 3.87 ms against 3.93 (docs/PERFORMANCE.md).
+PRELOAD_MAX_QUERIES: int | None = 1
 # Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
 # the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are

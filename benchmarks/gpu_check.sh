@@ -54,6 +54,9 @@
 #   bash benchmarks/gpu_check.sh splits     # empty split-K chunks skipped, pre-wait loads only at
 #                                           # decode: CUDA attention tests, attention alone,
 #                                           # verify / decode / drafter graph A/B (~8 min)
+#   bash benchmarks/gpu_check.sh ncu-attn   # Nsight Compute on attention at 1 / 4 query tokens:
+#                                           # stall reasons, bytes, occupancy (Firecracker
+#                                           # machines only: ncu reads no counters under gVisor)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -236,6 +239,25 @@ case "$stage" in
         $([ "$mode" = "--q 4" ] && echo --switch "$m:PRELOAD_MAX_QUERIES=1") 2>&1 | quiet \
         | grep -E "^##|^\| [0-9]|equal|_paged_attention|_merge|failed" | head -20
     done ;;
+  ncu-attn)
+    dir=${OUT:-/tmp}/ncu
+    mkdir -p "$dir"
+    command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+    metrics=$(python benchmarks/ncu_attention.py metrics)
+    files=()
+    for shape in sliding full; do
+      for q in 1 4; do
+        f="$dir/q${q}_$shape.csv"
+        if timeout 150 ncu --clock-control none --cache-control none --nvtx --nvtx-include "measure/" \
+            --page raw --csv --print-units base --metrics "$metrics" \
+            python benchmarks/ncu_attention.py run --q "$q" --shape "$shape" >"$f" 2>"$f.err"; then
+          files+=("$f")
+        else
+          echo "ncu failed at q=$q, $shape:"; tail -5 "$f.err"; tail -5 "$f"
+        fi
+      done
+    done
+    [ ${#files[@]} -gt 0 ] && python benchmarks/ncu_attention.py report "${files[@]}" ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -43,7 +43,8 @@ rest. Loop bounds are read on the device: the grid depends only on shapes.
 
 Programmatic dependent launch (kernels/pdl.py): q and the K/V of the forward's own positions are
 the previous kernel's output; the metadata and the K/V at positions before a request's first
-query are not (earlier forwards wrote them). So with ``PRELOAD_OLD_KEYS`` a program loads its
+query are not (earlier forwards wrote them). So with ``PRELOAD_OLD_KEYS``, while a request holds
+at most ``PRELOAD_MAX_QUERIES`` query tokens (decode, by default), a program loads its
 metadata, its first key tile's slots and that tile's K/V before the first query position, then
 waits, then loads q and the tile's remaining (new) K/V: the wait no longer heads a chain of four
 dependent reads.
@@ -52,7 +53,9 @@ Split-K (flash decoding): when ``R * KVH * ceil(Qmax / BLOCK_Q)`` programs canno
 (decode of a few long requests) the key axis ``[0, Lmax)`` is cut into ``S`` chunks of
 ``split_len`` keys (a multiple of ``BLOCK_N``, ``S`` chosen from the shapes on the host). Each
 program then writes its unnormalised ``acc``, ``m`` and ``l`` to fp32 scratch and a second
-kernel merges them (sink included)::
+kernel merges them (sink included). A program whose chunk holds no visible key (past
+``seq_len`` or outside the window) stores ``m = -inf`` and ``l = 0`` only, and the merge skips
+``acc`` where ``m = -inf`` (``SKIP_EMPTY_SPLITS``)::
 
     M = max(max_s m_s, sink)    out = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
 
@@ -354,7 +357,8 @@ def _merge_splits_kernel(
         denom += tl.exp2(sink - m_use)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    s_read = s_ok & (m > float("-inf")) if SKIP_EMPTY else s_ok  # SKIP_EMPTY: the attention kernel
+    # SKIP_EMPTY: splits with m = -inf stored no acc (their weight 2^(m - M) is 0 anyway)
+    s_read = s_ok & (m > float("-inf")) if SKIP_EMPTY else s_ok
     acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_read[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 METRICS = (
     "gpu__time_duration.sum",
     "launch__registers_per_thread",
+    "launch__grid_size",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "dram__bytes_read.sum",
     "dram__bytes_write.sum",
@@ -94,11 +95,13 @@ def _short_name(kernel: str) -> str:
 
 
 def summarize(label: str, rows: list[dict[str, str]], top: int = 5) -> list[str]:
-    """Markdown rows: per kernel name, the mean of each metric over its calls, and its ``top``
-    stall reasons (warps stalled per issued instruction)."""
+    """Markdown rows: per kernel name (and grid size, where ncu gave it), the mean of each metric
+    over its calls, and its ``top`` stall reasons (warps stalled per issued instruction)."""
     by_kernel: dict[str, list[dict[str, str]]] = {}
-    for row in rows:
-        by_kernel.setdefault(_short_name(row["Kernel Name"]), []).append(row)
+    for row in rows:  # one kernel at several grids (a GEMV of several shapes): one row per grid
+        grid = row.get("launch__grid_size", "")
+        name = _short_name(row["Kernel Name"]) + (f" [{grid}]" if grid else "")
+        by_kernel.setdefault(name, []).append(row)
     out = []
     for name, group in by_kernel.items():
         def mean(metric: str, group=group) -> float:
@@ -113,14 +116,15 @@ def summarize(label: str, rows: list[dict[str, str]], top: int = 5) -> list[str]
             f"{mean('launch__registers_per_thread'):.0f} | "
             f"{mean('sm__warps_active.avg.pct_of_peak_sustained_active'):.1f} | "
             f"{mean('dram__bytes_read.sum') / 1e6:.2f} / {mean('dram__bytes_write.sum') / 1e6:.2f} | "
+            f"{mean('dram__bytes_read.sum') / mean('gpu__time_duration.sum') / 1e3:.2f} | "
             f"{mean('lts__t_bytes.sum') / 1e6:.2f} | {mean('smsp__inst_executed.sum') / 1e3:.1f} | "
             f"{mean('smsp__average_warp_latency_per_inst_issued.ratio'):.1f} | {stall_text} |")
     return out
 
 
-HEADER = ("| cell | kernel | calls | us | regs | occupancy % | DRAM MB read / written | L2 MB | "
-          "k instr | cycles / issue | top stalls (warps per issue) |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+HEADER = ("| cell | kernel | calls | us | regs | occupancy % | DRAM MB read / written | "
+          "DRAM read TB/s | L2 MB | k instr | cycles / issue | top stalls (warps per issue) |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def report(paths: list[str]) -> None:

@@ -214,6 +214,21 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     return tokens
 
 
+def ncu_replay(llm: LLM, prompt: list[int], args) -> None:
+    """Capture the profiled graph (an engine run), replay it twice to warm up, then once inside
+    the NVTX range ``measure``: ncu --nvtx-include 'measure/' profiles that replay's kernels, each
+    graph node on its own (serialized: PDL overlap and launch gaps are not in these durations)."""
+    engine_step_ms(llm, prompt, args.new_tokens)
+    graph = drafter_graph(llm, args.k) if args.drafter else decode_graph(llm, args.q, args.context)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("measure")
+    graph.replay()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
 def span_added(kernels: list[tuple[str, float, float]]) -> list[float]:
     """Per kernel ``(name, start, duration)`` in launch order: how far its end passes the latest
     end before it (the first: its duration). They sum to the first-to-last span when the kernels
@@ -250,6 +265,9 @@ def main() -> None:
     ap.add_argument("--drafter", action="store_true",
                     help="profile the drafter block's graph of a DFlash K step instead (module docstring)")
     ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per step")
+    ap.add_argument("--ncu", action="store_true",
+                    help="only replay the graph once inside the NVTX range 'measure', for Nsight "
+                         "Compute (bash benchmarks/gpu_check.sh ncu-decode); prints no table")
     args = ap.parse_args()
     if args.drafter and not 1 <= args.k <= 15:
         raise SystemExit(f"--k {args.k}: the XS drafter drafts 1..15 tokens a step (block size 16)")
@@ -285,6 +303,9 @@ def main() -> None:
         # the host share was 0.3-0.4 ms in a row on the engine's warm-up graphs and 0.6-0.8 ms
         # in every row after a reset, whatever the switch (docs/PERFORMANCE.md)
         reset_graphs(llm)
+        if args.ncu:
+            ncu_replay(llm, prompt, args)
+            return
         reference = report("defaults", llm, prompt, args, floor_ms)
         for text in args.switch:
             saved = []

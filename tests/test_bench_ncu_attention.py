@@ -38,6 +38,19 @@ def test_report_averages_each_kernel_and_orders_its_stalls():
     assert merge.endswith("| wait 0.90, long_scoreboard 0.20 |")
 
 
+def test_report_splits_a_kernel_by_grid_and_gives_its_dram_rate():
+    header = ('"ID","Kernel Name","gpu__time_duration.sum","launch__grid_size","dram__bytes_read.sum"\n'
+              '"","","nsecond","","byte"\n')
+    rows = ncu.parse_raw_csv(header + '"0","_skinny(ptr)","10,000","644","42,000,000"\n'
+                             '"1","_skinny(ptr)","2,000","16","1,000,000"\n'
+                             '"2","_skinny(ptr)","12,000","644","42,000,000"\n')
+    big, small = ncu.summarize("decode", rows)
+    assert big.startswith("| decode | `_skinny [644]` | 2 | 11.00 |")
+    assert "| 3.82 |" in big  # 42 MB in 11 us
+    assert small.startswith("| decode | `_skinny [16]` | 1 | 2.00 |")
+    assert "| 0.50 |" in small
+
+
 def test_report_rejects_input_that_is_not_ncu_raw_csv(tmp_path):
     with pytest.raises(ValueError, match="--page raw --csv"):
         ncu.parse_raw_csv("Kernel,us\nx,1\n")

@@ -57,12 +57,11 @@
 #   bash benchmarks/gpu_check.sh ncu-attn   # Nsight Compute on attention at 1 / 4 query tokens:
 #                                           # stall reasons, bytes, occupancy (Firecracker
 #                                           # machines only: ncu reads no counters under gVisor)
+#   bash benchmarks/gpu_check.sh roofline   # one kernel's HBM read rate by size and bytes in
+#                                           # flight, against the decode's weight kernels (~20 s)
 #   bash benchmarks/gpu_check.sh ncu-decode # Nsight Compute on every kernel of the batch-1 decode
 #                                           # and 4-token verify graphs (8 layers): each kernel
 #                                           # alone, its DRAM rate and stall reasons (Firecracker)
-#   bash benchmarks/gpu_check.sh downpre    # the GEMV MoE's down kernel loading its whole tile
-#                                           # before its wait, gate_up signalling early: the
-#                                           # decode and verify graph A/B (~7 min)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
@@ -264,6 +263,8 @@ case "$stage" in
       done
     done
     [ ${#files[@]} -gt 0 ] && python benchmarks/ncu_attention.py report "${files[@]}" ;;
+  roofline)
+    timeout 300 python benchmarks/bench_read_roofline.py --gemv 2>&1 | quiet ;;
   ncu-decode)
     dir=${OUT:-/tmp}/ncu
     mkdir -p "$dir"
@@ -282,20 +283,6 @@ case "$stage" in
       fi
     done
     [ ${#files[@]} -gt 0 ] && python benchmarks/ncu_attention.py report "${files[@]}" ;;
-  downpre)
-    m=laguna_dflash.kernels.moe_gemv
-    early="$m:GATE_UP_EARLY_SIGNAL=True"
-    echo "== batch-1 decode: the down kernel's whole tile before its wait, gate_up signalling early"
-    timeout 420 python benchmarks/profile_decode_xs.py --top 12 \
-      --switch "$m:DOWN_CONFIG=[8,512,4]" --switch "$m:DOWN_CONFIG=[16,512,8]" \
-      --switch "$m:DOWN_CONFIG=[32,512,8]" --switch "$early" \
-      --switch "$early;$m:DOWN_CONFIG=[8,512,4]" --switch "$early;$m:DOWN_CONFIG=[16,512,8]" \
-      --switch "$early;$m:DOWN_CONFIG=[32,512,8]" 2>&1 | quiet \
-      | grep -E "^##|^\| [0-9]|greedy|gemv_kernel|failed" | head -90
-    echo "== 4-token verify graph"
-    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 12 \
-      --switch "$early;$m:DOWN_CONFIG=[8,512,4]" --switch "$early;$m:DOWN_CONFIG=[16,512,8]" 2>&1 \
-      | quiet | grep -E "^##|^\| [0-9]|greedy|gemv_kernel|failed" | head -40 ;;
   ablate)
     echo "== batch-1 decode step with latency-bound kernels removed (timing only: an upper bound)"
     timeout 560 python benchmarks/profile_decode_xs.py --top 10 --ablate post_norm \

@@ -119,9 +119,8 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
 
 
-def _compile_sm90(which: int, pdl: bool, early_signal: bool = False) -> str:
-    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline);
-    ``early_signal``: gate_up's ``EARLY_SIGNAL``."""
+def _compile_sm90(which: int, pdl: bool) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
@@ -129,7 +128,7 @@ def _compile_sm90(which: int, pdl: bool, early_signal: bool = False) -> str:
     h, inter = 2048, 512
     if which == 0:
         pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
-        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk), EARLY_SIGNAL=early_signal)
+        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
@@ -151,20 +150,3 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
             assert any("evict_first" in line for line in early)  # the first weight tile
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("early_signal", [False, True])
-def test_sm90_gate_up_signal_placement(early_signal: bool) -> None:
-    """``GATE_UP_EARLY_SIGNAL``: gate_up signals its dependents once, after its wait, and before
-    its first weight load (early) or after its last one (the default)."""
-    lines = [line.strip() for line in _compile_sm90(0, True, early_signal).splitlines()]
-    wait = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
-    signal = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.launch_dependents")]
-    weights = [i for i, line in enumerate(lines) if "ld.global" in line and "evict_first" in line]
-    assert len(wait) == 1 and len(signal) == 1 and weights
-    assert wait[0] < signal[0]
-    if early_signal:
-        assert signal[0] < min(weights)
-    else:
-        assert signal[0] > max(weights)

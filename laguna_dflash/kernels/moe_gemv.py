@@ -56,12 +56,6 @@ __all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 # next five within 4%).
 GATE_UP_CONFIG = (8, 256, 4)
 DOWN_CONFIG = (32, 128, 4)
-# With PDL: the gate_up programs signal the down kernel right after their wait instead of after
-# their loop, so down's programs can be resident (and load their weight tile) while gate_up
-# streams. Rules 2 and 3 of kernels/pdl.py hold either way: the signal follows the wait, and down
-# reads only its expert ids (the routing kernel's, complete once every gate_up program passed
-# its wait) and weights before its own wait.
-GATE_UP_EARLY_SIGNAL = False
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -92,13 +86,11 @@ def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
-        if EARLY_SIGNAL:
-            tl.extra.cuda.gdc_launch_dependents()
     expert = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -118,7 +110,7 @@ def _gate_up_gemv_kernel(
         xf = cx.to(tl.float32)
         acc_g += cg.to(tl.float32) * xf
         acc_u += cu.to(tl.float32) * xf
-    if PDL and not EARLY_SIGNAL:
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
@@ -216,8 +208,8 @@ def moe_gemv_experts(
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, EARLY_SIGNAL=bool(GATE_UP_EARLY_SIGNAL),
-        num_warps=nw, **pdl.launch_options(use_pdl))
+        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
+        **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
         h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,

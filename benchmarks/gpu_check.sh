@@ -57,9 +57,6 @@
 #   bash benchmarks/gpu_check.sh ncu-attn   # Nsight Compute on attention at 1 / 4 query tokens:
 #                                           # stall reasons, bytes, occupancy (Firecracker
 #                                           # machines only: ncu reads no counters under gVisor)
-#   bash benchmarks/gpu_check.sh wholetile  # attention's first key tile loaded all or nothing
-#                                           # around the PDL wait: race tests, decode / verify /
-#                                           # drafter graph A/B (~6 min)
 #   bash benchmarks/gpu_check.sh roofline   # one kernel's HBM read rate by size and bytes in
 #                                           # flight, against the decode's weight kernels (~20 s)
 #   bash benchmarks/gpu_check.sh ncu-decode # Nsight Compute on every kernel of the batch-1 decode
@@ -266,17 +263,6 @@ case "$stage" in
       done
     done
     [ ${#files[@]} -gt 0 ] && python benchmarks/ncu_attention.py report "${files[@]}" ;;
-  wholetile)
-    a=laguna_dflash.kernels.paged_attention
-    echo "== CUDA: new keys read after the wait, both tile splits"
-    gpu_tests 200 tests/test_kernel_paged_attention.py -k "keys_written_just_before or (cuda_matches_sdpa and bf16)"
-    echo "== batch-1 decode / 4-token verify / drafter block graphs"
-    for args in "" "--q 4" "--drafter --k 3"; do
-      timeout 150 python benchmarks/profile_decode_xs.py $args --top 12 \
-        --switch "$a:PRELOAD_WHOLE_TILES=True" \
-        --switch "$a:PRELOAD_WHOLE_TILES=True;$a:PRELOAD_MAX_QUERIES=null" 2>&1 | quiet \
-        | grep -E "^##|^\| [0-9]|greedy|attention_kernel|failed" | head -24
-    done ;;
   roofline)
     timeout 300 python benchmarks/bench_read_roofline.py --gemv 2>&1 | quiet ;;
   ncu-decode)

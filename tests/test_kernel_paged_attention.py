@@ -128,19 +128,6 @@ def test_interpreted_matches_sdpa(case, dtype):
 
 
 @interpreted
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] in (
-    "decode", "verify4", "mixed_causal", "window_causal", "split2_decode", "split3_verify")], ids=lambda c: c[0])
-def test_interpreted_first_tile_split_either_way(monkeypatch, case):
-    """``PRELOAD_WHOLE_TILES`` flipped from its default (the other cases run the default): the
-    first key tile loaded all or nothing by program, or by row, gives the reference's values."""
-    monkeypatch.setattr(pa, "PRELOAD_WHOLE_TILES", not pa.PRELOAD_WHOLE_TILES)
-    name, specs, causal, window, has_sinks, kv_heads, head_dim, splits = case
-    q, kc, vc, meta, _ = make_case(specs, kv_heads, head_dim, torch.bfloat16, causal, seed=len(name))
-    sinks = torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(3)) * 2 if has_sinks else None
-    compare(q, kc, vc, meta, window=window, sinks=sinks, num_splits=splits, block_n=16)
-
-
-@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kv_heads", [8, 2, 1], ids=["gqa1", "gqa4", "gqa8"])
@@ -323,9 +310,8 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True, early_signal: bool = False, whole_tile: bool | None = None):
-    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them
-    (``whole_tile``: ``PRELOAD_WHOLE_TILES``, its module value by default)."""
+                 preload: bool = True, early_signal: bool = False):
+    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
     block_m = max(16, pa._next_pow2(block_q * group))
@@ -333,8 +319,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
                   HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
-                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload, EARLY_SIGNAL=early_signal,
-                  WHOLE_TILE=pa.PRELOAD_WHOLE_TILES if whole_tile is None else whole_tile)
+                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload, EARLY_SIGNAL=early_signal)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
@@ -406,23 +391,6 @@ def test_sm90_programmatic_dependent_launch_order():
     assert loads_before_pdl_wait(plain.asm["ptx"]) == []
     for spills in (attn_spills, merge_spills, plain_spills):
         assert spills and max(spills) == 0, spills
-
-
-@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
-@pytest.mark.parametrize("qmax,splits", [(1, 4), (4, 32)], ids=["decode", "verify4"])
-@pytest.mark.parametrize("whole_tile", [False, True], ids=["by_row", "whole_tile"])
-def test_sm90_first_tile_loads_around_the_wait(qmax, splits, whole_tile):
-    """Both ways of splitting the first key tile around the PDL wait (``PRELOAD_WHOLE_TILES``)
-    build with one wait, only L2 (``.cg``) loads before it, K/V loads after it too (the tile
-    holding new keys), and no spills."""
-    (attn, spills), _ = _sm90_builds("bf16", 128, 8, qmax, splits, True, True, False, pdl=True,
-                                     whole_tile=whole_tile)
-    ptx = attn.asm["ptx"]
-    before_wait = loads_before_pdl_wait(ptx)
-    assert before_wait and all("ld.global.cg" in line for line in before_wait), before_wait
-    after_wait = ptx[ptx.index("griddepcontrol.wait"):].splitlines()
-    assert sum("ld.global.cg" in line for line in after_wait) >= 2  # K and V of the new keys
-    assert spills and max(spills) == 0, spills
 
 
 @pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
@@ -563,10 +531,9 @@ def test_cuda_no_host_sync_and_graph_capture():
 
 
 @cuda
-@pytest.mark.parametrize("whole_tile", [False, True], ids=["by_row", "whole_tile"])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("qlen", [1, 4])
-def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, qlen, splits, whole_tile):
+def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, qlen, splits):
     """With PDL and ``PRELOAD_OLD_KEYS``, attention reads the K/V before each request's first query
     before its wait, and the forward's own K/V, which the Q/K norm + RoPE + cache kernel right
     before it writes, after it. Here those slots hold NaN until that kernel writes them (filled by
@@ -580,7 +547,6 @@ def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, 
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs sm90+ (programmatic dependent launch)")
     monkeypatch.setattr(pa, "PRELOAD_MAX_QUERIES", None)  # the loads before the wait at 4 tokens too
-    monkeypatch.setattr(pa, "PRELOAD_WHOLE_TILES", whole_tile)
     dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
     _, kc, vc, meta, _ = make_case([(5, qlen), (70, qlen), (130, qlen)], kv_heads, head_dim, dtype,
                                    True, device="cuda", seed=5)

@@ -199,7 +199,7 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr, WHOLE_TILE: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
     if PDL and EARLY_SIGNAL:  # EARLY_SIGNAL below: the next kernel reads nothing before its wait
@@ -264,31 +264,16 @@ def _paged_attention_kernel(
     else:
         start0 = split_lo  # interpreter: every tile of the split (a static count, masked)
     j0, j0_in, slot0 = _tile_slots(start0, lo, hi, ks_row_ptr, stride_ks_j, BLOCK_N)
-    if WHOLE_TILE:
-        # all or nothing: a tile whose visible keys all predate first_new (or that has none) is
-        # loaded before the wait and not again; a tile holding a key of this forward is loaded
-        # once, after the wait (a program-uniform branch: no per-row merge of two loads)
-        tile_old = tl.max(tl.where(j0_in, j0, -1), 0) < first_new
-        k0 = _load_keys(k_head_ptr, slot0, j0_in & tile_old, stride_kc_s, stride_kc_d, offs_d, d_ok)
-        v0 = _load_keys(v_head_ptr, slot0, j0_in & tile_old, stride_vc_s, stride_vc_d, offs_d, d_ok)
-    else:
-        j0_old = j0_in & (j0 < first_new)
-        k0 = _load_keys(k_head_ptr, slot0, j0_old, stride_kc_s, stride_kc_d, offs_d, d_ok)
-        v0 = _load_keys(v_head_ptr, slot0, j0_old, stride_vc_s, stride_vc_d, offs_d, d_ok)
+    j0_old = j0_in & (j0 < first_new)
+    k0 = _load_keys(k_head_ptr, slot0, j0_old, stride_kc_s, stride_kc_d, offs_d, d_ok)
+    v0 = _load_keys(v_head_ptr, slot0, j0_old, stride_vc_s, stride_vc_d, offs_d, d_ok)
     if PDL and PRELOAD:
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if WHOLE_TILE:
-        if tl.max(tl.where(j0_in, j0, -1), 0) >= first_new:
-            k0 = _load_keys(k_head_ptr, slot0, j0_in, stride_kc_s, stride_kc_d, offs_d, d_ok)
-            v0 = _load_keys(v_head_ptr, slot0, j0_in, stride_vc_s, stride_vc_d, offs_d, d_ok)
-    else:
-        j0_new = j0_in & (j0 >= first_new)
-        k0 = tl.where(j0_new[:, None], _load_keys(k_head_ptr, slot0, j0_new, stride_kc_s, stride_kc_d, offs_d, d_ok),
-                      k0)
-        v0 = tl.where(j0_new[:, None], _load_keys(v_head_ptr, slot0, j0_new, stride_vc_s, stride_vc_d, offs_d, d_ok),
-                      v0)
+    j0_new = j0_in & (j0 >= first_new)
+    k0 = tl.where(j0_new[:, None], _load_keys(k_head_ptr, slot0, j0_new, stride_kc_s, stride_kc_d, offs_d, d_ok), k0)
+    v0 = tl.where(j0_new[:, None], _load_keys(v_head_ptr, slot0, j0_new, stride_vc_s, stride_vc_d, offs_d, d_ok), v0)
     s0 = _tile_logits(q, k0, j0, j0_in, pos, scale_log2, window, CAUSAL, HAS_WINDOW, IEEE)
     m_i, l_i, p0, _ = _softmax_step(s0, tl.full([BLOCK_M], float("-inf"), tl.float32),
                                     tl.zeros([BLOCK_M], tl.float32))
@@ -415,12 +400,6 @@ PRELOAD_OLD_KEYS = True
 # K = 3 verify) the split loading the new keys re-loads its tile after the wait; with the loads
 # after the wait there, the verify graph replayed in 3.87 ms against 3.93 (docs/PERFORMANCE.md).
 PRELOAD_MAX_QUERIES: int | None = 1
-# How a program's first key tile is split around the wait. True: all or nothing, by program (a
-# tile whose visible keys all predate the forward's first query position loads before the wait
-# and never again; one holding a new key loads once, after it). False: by row (the old rows
-# before, the new rows after, merged with a select), so the tile holding the new keys issues its
-# loads twice. Changes no value.
-PRELOAD_WHOLE_TILES = False
 # Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
 # the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
@@ -618,7 +597,7 @@ def paged_attention(
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
         PRELOAD=PRELOAD_OLD_KEYS and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES),
         EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS,
-        WHOLE_TILE=PRELOAD_WHOLE_TILES, num_warps=_num_warps(block_m, block_d), num_stages=2,
+        num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if num_splits > 1:

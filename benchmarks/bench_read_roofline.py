@@ -9,7 +9,8 @@ iteration loaded ahead) and the program count.
 
 Each cell: a CUDA graph of launches over 4 copies of the buffer (>= 4 x the size: the L2 does
 not hold them), back to back with no PDL, so one launch's time includes its ramp and tail as in
-ncu's isolated timing. Best of 3 x 10 replays; TB/s counts the buffer's bytes.
+ncu's isolated timing. Best of 3 x 10 replays (``bench_skinny_gemm.time_graph``); TB/s counts
+the buffer's bytes.
 
     python benchmarks/bench_read_roofline.py
     TRITON_INTERPRET=1 python benchmarks/bench_read_roofline.py --device cpu --tiny   # wiring
@@ -28,6 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from laguna_dflash.kernels.jit import jit_functions  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_skinny_gemm import time_graph  # noqa: E402  (one CUDA-graph timer for the benchmarks)
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -80,46 +84,8 @@ def cell(nbytes: int, programs: int, loads: int, num_warps: int, device: str) ->
         raise AssertionError(f"read kernel summed {out[:4].tolist()}, expected {expect} a program")
     if not device.startswith("cuda"):
         return numel * 2, float("nan")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(5):
-            for c in copies:
-                read_all(c, out, programs, loads, num_warps)
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (10 * 20))
-    return numel * 2, best
-
-
-def time_launches(launches: list) -> float:
-    """Best us per launch of ``launches`` (callables) captured 5 times over in one CUDA graph."""
-    for f in launches:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(5):
-            for f in launches:
-                f()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (10 * 5 * len(launches)))
-    return best
+    launches = [functools.partial(read_all, c, out, programs, loads, num_warps) for c in copies]
+    return numel * 2, time_graph(launches * 5, replays=10)
 
 
 def gemv_rows(device: str) -> list[tuple[str, float, float]]:
@@ -133,12 +99,12 @@ def gemv_rows(device: str) -> list[tuple[str, float, float]]:
         rows = []
         x = torch.randn(1, 2048, device=device, dtype=torch.bfloat16)
         ws = [torch.randn(10304, 2048, device=device, dtype=torch.bfloat16) for _ in range(4)]
-        us = time_launches([functools.partial(skinny_gemm.skinny_gemm, x, w) for w in ws])
+        us = time_graph([functools.partial(skinny_gemm.skinny_gemm, x, w) for w in ws])
         rows.append(("Q|K|V|gate skinny GEMM 10304 x 2048", ws[0].numel() * 2 / 1e6, us))
         del ws
         xo = torch.randn(1, 8192, device=device, dtype=torch.bfloat16)
         ws = [torch.randn(2048, 8192, device=device, dtype=torch.bfloat16) for _ in range(4)]
-        us = time_launches([functools.partial(staged_gemv.staged_gemv, xo, w) for w in ws])
+        us = time_graph([functools.partial(staged_gemv.staged_gemv, xo, w) for w in ws])
         rows.append(("o_proj staged GEMV 2048 x 8192", ws[0].numel() * 2 / 1e6, us))
         del ws
         gate_up = torch.randn(257, 1024, 2048, device=device, dtype=torch.bfloat16) * 0.02
@@ -146,7 +112,7 @@ def gemv_rows(device: str) -> list[tuple[str, float, float]]:
         id_sets = [torch.cat([torch.randperm(256, generator=g)[:8], torch.tensor([256])]).view(1, 9).to(device)
                    for _ in range(4)]
         w9 = torch.full((1, 9), 0.1, device=device, dtype=torch.bfloat16)
-        us = time_launches([functools.partial(moe_gemv.moe_gemv_experts, x, ids, w9, gate_up, down)
+        us = time_graph([functools.partial(moe_gemv.moe_gemv_experts, x, ids, w9, gate_up, down)
                             for ids in id_sets])
         rows.append(("MoE gate_up + down GEMVs, 9 pairs", 9 * 3 * 512 * 2048 * 2 / 1e6, us))
         return rows

@@ -18,6 +18,7 @@ in fp32 (so any summation order gives the same bits).
 
     python benchmarks/bench_router_route.py            # T = 1, 2, 3, 4, 8, 16; default + sweep
     python benchmarks/bench_router_route.py --t 1 --no-sweep
+    python benchmarks/bench_router_route.py --t 1 --no-sweep --top-k 1   # the top-k rounds' cost
 """
 
 from __future__ import annotations
@@ -99,9 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--t", default="1,2,3,4,8,16", help="token counts, comma-separated (1..16)")
     ap.add_argument("--layers", type=int, default=128, help="router weights cycled through (1 MiB each)")
     ap.add_argument("--no-sweep", action="store_true", help="default config only")
+    ap.add_argument("--top-k", type=int, default=TOP_K,
+                    help="experts chosen a token (8 is Laguna's; fewer times the selection's rounds)")
+    ap.add_argument("--topk-mode", type=int, default=None,
+                    help="moe_routing.TOPK_BITONIC for this run (0: max rounds, 1, 2: bitonic)")
     args = ap.parse_args(argv)
+    if args.topk_mode is not None:
+        moe_routing.TOPK_BITONIC = args.topk_mode
+    global ROUTE
+    ROUTE = (args.top_k, *ROUTE[1:])
     device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(device)}; E={E} H={H} bf16 top-{TOP_K}; us per layer "
+    print(f"{torch.cuda.get_device_name(device)}; E={E} H={H} bf16 top-{ROUTE[0]}, "
+          f"TOPK_BITONIC={moe_routing.TOPK_BITONIC}; us per layer "
           f"(CUDA graph of {args.layers} layers, weights from HBM)")
     for t in (int(v) for v in args.t.split(",")):
         run_t(t, args.layers, not args.no_sweep, device)

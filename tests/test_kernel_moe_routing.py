@@ -139,6 +139,41 @@ def test_interpreted_ties_inf_bias_and_nan() -> None:
     assert torch.equal(ids[[0, 2, 3]], fusion.moe_route.eager(logits, torch.zeros(e), 3, 0.0, "sigmoid", False)[1][[0, 2, 3]])
 
 
+# (E, top_k, T, num_shared): Laguna's, ragged E, top_k = E, one expert, top_k = 1 with the
+# shared column (K_PAD = 2 next_pow2(top_k)), top_k without it (K_PAD = next_pow2(top_k))
+_SELECTION_SHAPES = [(256, 8, 3, 1), (40, 6, 5, 0), (5, 5, 2, 0), (8, 8, 2, 1), (1, 1, 2, 0), (2, 1, 3, 1),
+                     (12, 7, 4, 1)]
+
+
+@interpreted
+@pytest.mark.parametrize("mode", [0, 1], ids=["max_rounds", "bitonic_k_pad"])
+def test_interpreted_top_k_selections_agree(monkeypatch, mode) -> None:
+    """``TOPK_BITONIC``: the other selections give the default's ids and weights bit for bit
+    (random keys, all-equal keys, -inf biases, a NaN logit), in the routing kernel and the
+    fused router."""
+    results, default = {}, moe_routing.TOPK_BITONIC
+    assert default != mode
+    for m in (default, mode):
+        monkeypatch.setattr(moe_routing, "TOPK_BITONIC", m)
+        out = []
+        for e, k, t, shared in _SELECTION_SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                logits, bias = _problem(t, e, dtype, seed=e + k, device="cpu")
+                out.append(fused_moe_route(logits, bias, k, 0.0, "sigmoid", True, scale=SCALE, num_shared=shared))
+                out.append(fused_moe_route(torch.zeros(t, e, dtype=dtype), torch.zeros(e), k, 0.0, "sigmoid",
+                                           True, num_shared=shared))
+                inf_bias = bias.clone()
+                inf_bias[::2] = float("-inf")
+                logits[0, e // 2] = float("nan")
+                out.append(fused_moe_route(logits, inf_bias, k, 30.0, "sqrtsoftplus", False, num_shared=shared))
+            x, w, rb = _router_problem(t, e, 64, torch.bfloat16, seed=e)
+            out.append(fused_router_route(x, w, rb, k, 0.0, "sigmoid", True, scale=SCALE, num_shared=shared))
+        results[m] = out
+    for got, want in zip(results[mode], results[default]):
+        assert torch.equal(got[1], want[1])
+        assert torch.equal(got[0], want[0]) or torch.equal(got[0].isnan(), want[0].isnan())
+
+
 @interpreted
 def test_interpreted_strided_inputs_and_dtypes() -> None:
     e, k, t = 40, 6, 5
@@ -238,7 +273,8 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
 
     def ptx_of(pdl: bool) -> str:
         constexprs = dict(stride_le=1, stride_b=1, NUM_EXPERTS=256, BLOCK_E=256, TOP_K=8, NUM_SHARED=1,
-                          K_PAD=16, HAS_SOFTCAP=False, SQRT_SOFTPLUS=False, NORM=True, OUT_DTYPE=1, PDL=pdl)
+                          K_PAD=16, HAS_SOFTCAP=False, SQRT_SOFTPLUS=False, NORM=True, OUT_DTYPE=1, PDL=pdl,
+                          BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8)
         return compile_sm90(moe_routing._moe_route_kernel, types, constexprs,
                             {"num_warps": 1, "launch_pdl": pdl})
 
@@ -532,7 +568,7 @@ def _router_ptx(t: int, e: int, h: int, pdl: bool) -> tuple[str, list[int]]:
              "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "softcap": "fp32", "scale": "fp32"}
     constexprs = dict(stride_b=1, NUM_EXPERTS=e, BLOCK_E=moe_routing._next_pow2(e), TOP_K=8,
                       NUM_SHARED=1, K_PAD=16, HAS_SOFTCAP=True, SQRT_SOFTPLUS=False, NORM=True,
-                      OUT_DTYPE=1, **meta)
+                      OUT_DTYPE=1, BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8, **meta)
     return compile_sm90_spills(moe_routing._router_route_kernel, types, constexprs, options)
 
 

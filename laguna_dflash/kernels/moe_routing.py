@@ -23,12 +23,14 @@ costs a few microseconds of GPU time whatever its size. Here it is ONE launch, g
 * program ``t`` loads its ``E`` logits as a vector padded to ``BLOCK_E = next_pow2(E)`` (masked;
   ``E <= 1024``) and computes ``s`` and the selection key ``s + bias``;
 * selection packs each key into one int64, ``(monotone int32 of the fp32 key) << 32 |
-  (BLOCK_E - 1 - e)``, so ONE max-reduction per step yields the largest key and, among equal
-  keys, the lowest index (bf16 / fp16 logits: ``... << 32 | (BLOCK_E - 1 - e) << 16 | the
-  logit's 16 bits``, so the chosen logit comes out of the same reduction; ``PACK_LOGITS``); ``top_k`` (a constexpr) steps of "max, decode the index, mask that
-  lane out". Padding and taken lanes hold a sentinel below every real key (``-inf`` included,
-  so an expert whose bias is ``-inf`` is still picked before a padding lane). A NaN key is
-  treated as ``+inf`` (torch.topk ranks NaN first);
+  (BLOCK_E - 1 - e)``, so the keys are distinct and the larger of two equal scores is the lower
+  index (bf16 / fp16 logits: ``... << 32 | (BLOCK_E - 1 - e) << 16 | the logit's 16 bits``, so
+  the chosen logit comes out of the selected key; ``PACK_LOGITS``). The top keys, in descending
+  order, come from one bitonic top-k (``tl.topk``, ``TOPK_BITONIC``; on the H200 the fused router
+  took 3.13 against 4.26 us a layer at T = 1) or from ``top_k`` steps of "max-reduce, decode the
+  index, mask that lane out": the same keys in the same order. Padding lanes hold a sentinel
+  below every real key (``-inf`` included, so an expert whose bias is ``-inf`` is still picked
+  before a padding lane). A NaN key is treated as ``+inf`` (torch.topk ranks NaN first);
 * the ``top_k`` chosen logits (unpacked, or for fp32 re-read, cache-hot) get their scores recomputed, then
   normalised, scaled, rounded to the output dtype and stored with the ids in one vector store.
 
@@ -141,6 +143,14 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # decode replay (step 2.39 -> 2.36 ms), but rose from 228 to 244 us in the 4-token verify graph,
 # whose routing tiles carry 4 tokens (docs/PERFORMANCE.md, twelfth pass).
 PACK_LOGITS = True
+# How the top-k keys are selected: 0, TOP_K dependent max-reductions over the row (each a
+# cross-warp reduction); 1, one bitonic top-k of K_PAD (= next_pow2(top_k + num_shared)) keys
+# (``tl.topk``); 2 (default), a bitonic top-k of next_pow2(top_k) keys, repeated to fill K_PAD
+# columns. The same ids, logits and order every way (the packed keys are distinct). On the H200
+# (E = 256, top-8, bf16; bench_router_route.py) the fused router took 4.26 / 3.34 / 3.13 us a
+# layer at T = 1 and 5.79 / 5.18 / 4.87 at T = 4; the decode graph replayed in 2.15 / 2.14 / 2.14
+# ms and the 4-token verify graph in 3.84 / 3.83 / 3.82 (docs/PERFORMANCE.md, sixteenth pass).
+TOPK_BITONIC = 2
 
 
 def _pack_dtype(dtype: torch.dtype) -> int:
@@ -195,7 +205,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_top_k(key, z, valid, offs, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-                      K_PAD: tl.constexpr, PACK_DTYPE: tl.constexpr):
+                      K_PAD: tl.constexpr, PACK_DTYPE: tl.constexpr, BITONIC: tl.constexpr,
+                      SEL_K: tl.constexpr):
         # key [ROWS, BLOCK_E] fp32 (s + bias), z the fp32 logits, valid / offs [1, BLOCK_E] ->
         # (ids [ROWS, K_PAD] int32, columns >= TOP_K: 0; the chosen logits z_sel [ROWS, K_PAD]
         # fp32 when PACK_DTYPE is a 16-bit dtype code, else zeros for the caller to read).
@@ -218,22 +229,46 @@ if HAS_TRITON:
             packed = (mono << 32) | rev
         packed = tl.where(valid, packed, -9223372036854775807)
         kk = tl.arange(0, K_PAD)[None, :]
-        ids = tl.zeros([key.shape[0], K_PAD], dtype=tl.int32)
-        z_sel = tl.zeros([key.shape[0], K_PAD], dtype=tl.float32)
-        for i in range(TOP_K):
-            best = tl.max(packed, axis=1)
+        # the bitonic top-k needs at least 2 keys to select, and no more than the row holds
+        if (BITONIC == 1 and 2 <= K_PAD and K_PAD <= BLOCK_E) or (BITONIC == 2 and SEL_K >= 2):
+            # the K_PAD largest keys of each row, descending, in one bitonic top-k (triton's
+            # tl.topk: log2 rounds of compare-exchange instead of TOP_K dependent max-reductions);
+            # keys are distinct (the index bits), so this is the loop's selection in its order
+            if BITONIC == 1 or K_PAD == SEL_K:
+                top = tl.topk(packed, K_PAD)  # [ROWS, K_PAD]
+            else:  # the top SEL_K = next_pow2(TOP_K) only; K_PAD = 2 SEL_K: the SEL_K columns twice
+                top_sel = tl.topk(packed, SEL_K)
+                top = tl.reshape(tl.permute(tl.join(top_sel, top_sel), (0, 2, 1)), [key.shape[0], K_PAD])
+            chosen = kk < TOP_K
             if PACK_DTYPE == 0:
-                idx = (BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32))[:, None]
+                top_idx = BLOCK_E - 1 - (top & (BLOCK_E - 1)).to(tl.int32)
+                z_sel = tl.zeros([key.shape[0], K_PAD], dtype=tl.float32)
             else:
-                idx = (BLOCK_E - 1 - ((best >> 16) & (BLOCK_E - 1)).to(tl.int32))[:, None]
-                low = (best & 0xFFFF).to(tl.int32)
+                top_idx = BLOCK_E - 1 - ((top >> 16) & (BLOCK_E - 1)).to(tl.int32)
+                top_low = (top & 0xFFFF).to(tl.int32)
                 if PACK_DTYPE == 1:
-                    zv = (low << 16).to(tl.float32, bitcast=True)
+                    top_z = (top_low << 16).to(tl.float32, bitcast=True)
                 else:
-                    zv = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                z_sel = tl.where(kk == i, zv[:, None], z_sel)
-            ids = tl.where(kk == i, idx, ids)
-            packed = tl.where(offs == idx, -9223372036854775807, packed)
+                    top_z = top_low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                z_sel = tl.where(chosen, top_z, 0.0)
+            ids = tl.where(chosen, top_idx, 0)
+        else:
+            ids = tl.zeros([key.shape[0], K_PAD], dtype=tl.int32)
+            z_sel = tl.zeros([key.shape[0], K_PAD], dtype=tl.float32)
+            for i in range(TOP_K):
+                best = tl.max(packed, axis=1)
+                if PACK_DTYPE == 0:
+                    idx = (BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32))[:, None]
+                else:
+                    idx = (BLOCK_E - 1 - ((best >> 16) & (BLOCK_E - 1)).to(tl.int32))[:, None]
+                    low = (best & 0xFFFF).to(tl.int32)
+                    if PACK_DTYPE == 1:
+                        zv = (low << 16).to(tl.float32, bitcast=True)
+                    else:
+                        zv = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                    z_sel = tl.where(kk == i, zv[:, None], z_sel)
+                ids = tl.where(kk == i, idx, ids)
+                packed = tl.where(offs == idx, -9223372036854775807, packed)
         return ids, z_sel
 
     @triton.jit
@@ -276,6 +311,7 @@ if HAS_TRITON:
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
         OUT_DTYPE: tl.constexpr, PACK_DTYPE: tl.constexpr, PDL: tl.constexpr,
+        BITONIC: tl.constexpr, SEL_K: tl.constexpr,
     ):
         # program t routes token t (one-row tiles [1, BLOCK_E])
         row = tl.program_id(0).to(tl.int64)
@@ -288,7 +324,8 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_wait()  # the logits are the router GEMM's output
         z = tl.load(logits_row + offs * stride_le, mask=valid, other=0.0).to(tl.float32)
         s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
-        ids, z_sel = _select_top_k(s + bias, z, valid, offs, BLOCK_E, TOP_K, K_PAD, PACK_DTYPE)
+        ids, z_sel = _select_top_k(s + bias, z, valid, offs, BLOCK_E, TOP_K, K_PAD, PACK_DTYPE, BITONIC,
+                                   SEL_K)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         if PACK_DTYPE == 0:  # the chosen experts' fp32 logits re-read (cache-hot)
@@ -323,6 +360,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
         M_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
         X_GROUP: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
+        BITONIC: tl.constexpr, SEL_K: tl.constexpr,
     ):
         # program (j, s): experts [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Kc, (s + 1) Kc) with
         # Kc = K_STEPS * BLOCK_K: the weight as one [BLOCK_N, K_STEPS, 1, BLOCK_K] tile, x rows as
@@ -379,7 +417,7 @@ if HAS_TRITON:
                                   PART_ROWS * NUM_EXPERTS, OUT_DTYPE)
                 s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
                 ids, z_sel = _select_top_k(s + bias, z, valid, offs_e, BLOCK_E, TOP_K, K_PAD,
-                                           PACK_DTYPE)
+                                           PACK_DTYPE, BITONIC, SEL_K)
                 if PACK_DTYPE == 0:
                     # fp32 logits do not fit the packed key: the same sums of the same partials
                     # again (bitwise the same values), one more dependent L2 round trip. (A
@@ -472,6 +510,7 @@ def fused_moe_route(
         HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
         NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[logits.dtype],
         PACK_DTYPE=_pack_dtype(logits.dtype), PDL=use_pdl,
+        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k),
         num_warps=max(1, min(4, block_e // 256)),  # 8 keys a thread; one warp up to E = 256
         **pdl.launch_options(use_pdl),
     )
@@ -679,6 +718,7 @@ def fused_router_route(
         NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
         NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
-        PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0, **meta,
+        PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0,
+        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k), **meta,
     )
     return weights, ids

@@ -57,8 +57,9 @@
 #   bash benchmarks/gpu_check.sh ncu-attn   # Nsight Compute on attention at 1 / 4 query tokens:
 #                                           # stall reasons, bytes, occupancy (Firecracker
 #                                           # machines only: ncu reads no counters under gVisor)
-#   bash benchmarks/gpu_check.sh bitonic    # the routing's top-k as one bitonic top-k: the router
-#                                           # alone, CUDA tests, decode / verify graph A/B (~7 min)
+#   bash benchmarks/gpu_check.sh bitonic    # the routing's top-k as one bitonic top-k (default):
+#                                           # CUDA tests, the router alone by selection, decode /
+#                                           # verify graph A/B against the loop (~8 min)
 #   bash benchmarks/gpu_check.sh mergeahead # the split merge issuing all its loads at once, the
 #                                           # Q/K kernel's V row loaded with its K row: CUDA
 #                                           # tests, decode / verify / drafter graph A/B (~7 min)
@@ -270,24 +271,17 @@ case "$stage" in
     [ ${#files[@]} -gt 0 ] && python benchmarks/ncu_attention.py report "${files[@]}" ;;
   bitonic)
     r=laguna_dflash.kernels.moe_routing
+    echo "== CUDA routing tests with the default selection (TOPK_BITONIC = 2)"
+    gpu_tests 240 tests/test_kernel_moe_routing.py -k "cuda" | tail -8
     for mode in 0 1 2; do
       timeout 60 python benchmarks/bench_router_route.py --t 1,4 --no-sweep --topk-mode $mode 2>&1 \
         | quiet | grep -E "TOPK|T=|fused default"
     done
-    echo "== batch-1 decode / 4-token verify graphs"
+    echo "== batch-1 decode / 4-token verify graphs against the max-reduction loop"
     for args in "" "--q 4"; do
       timeout 150 python benchmarks/profile_decode_xs.py $args --top 12 \
-        --switch "$r:TOPK_BITONIC=1" --switch "$r:TOPK_BITONIC=2" 2>&1 | quiet \
-        | grep -E "^##|^\| [0-9]|greedy|router_route|failed" | head -24
-    done
-    echo "== CUDA routing tests, bitonic top-k"
-    for mode in 2 1; do
-      TOPK_MODE=$mode timeout 100 python - <<'PY' 2>&1 | tail -3
-import os, sys, pytest
-from laguna_dflash.kernels import moe_routing
-moe_routing.TOPK_BITONIC = int(os.environ["TOPK_MODE"])
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", "cuda and not graph", "tests/test_kernel_moe_routing.py"]))
-PY
+        --switch "$r:TOPK_BITONIC=0" 2>&1 | quiet \
+        | grep -E "^##|^\| [0-9]|greedy|router_route|failed" | head -16
     done ;;
   mergeahead)
     a=laguna_dflash.kernels.paged_attention

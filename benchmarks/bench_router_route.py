@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="default config only")
     ap.add_argument("--top-k", type=int, default=TOP_K,
                     help="experts chosen a token (8 is Laguna's; fewer times the selection's rounds)")
-    ap.add_argument("--topk-mode", type=int, default=None,
-                    help="moe_routing.TOPK_BITONIC for this run (0: max rounds, 1, 2: bitonic)")
+    ap.add_argument("--max-rounds", action="store_true",
+                    help="select the top-k by max-reduction rounds (moe_routing.TOPK_BITONIC = False)")
     args = ap.parse_args(argv)
-    if args.topk_mode is not None:
-        moe_routing.TOPK_BITONIC = args.topk_mode
+    if args.max_rounds:
+        moe_routing.TOPK_BITONIC = False
     global ROUTE
     ROUTE = (args.top_k, *ROUTE[1:])
     device = torch.device("cuda")

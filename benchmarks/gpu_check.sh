@@ -271,16 +271,16 @@ case "$stage" in
     [ ${#files[@]} -gt 0 ] && python benchmarks/ncu_attention.py report "${files[@]}" ;;
   bitonic)
     r=laguna_dflash.kernels.moe_routing
-    echo "== CUDA routing tests with the default selection (TOPK_BITONIC = 2)"
+    echo "== CUDA routing tests with the default selection (the bitonic top-k)"
     gpu_tests 240 tests/test_kernel_moe_routing.py -k "cuda" | tail -8
-    for mode in 0 1 2; do
-      timeout 60 python benchmarks/bench_router_route.py --t 1,4 --no-sweep --topk-mode $mode 2>&1 \
+    for flag in --max-rounds ""; do
+      timeout 60 python benchmarks/bench_router_route.py --t 1,4 --no-sweep $flag 2>&1 \
         | quiet | grep -E "TOPK|T=|fused default"
     done
     echo "== batch-1 decode / 4-token verify graphs against the max-reduction loop"
     for args in "" "--q 4"; do
       timeout 150 python benchmarks/profile_decode_xs.py $args --top 12 \
-        --switch "$r:TOPK_BITONIC=0" 2>&1 | quiet \
+        --switch "$r:TOPK_BITONIC=False" 2>&1 | quiet \
         | grep -E "^##|^\| [0-9]|greedy|router_route|failed" | head -16
     done ;;
   mergeahead)

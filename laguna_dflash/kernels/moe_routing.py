@@ -143,14 +143,14 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # decode replay (step 2.39 -> 2.36 ms), but rose from 228 to 244 us in the 4-token verify graph,
 # whose routing tiles carry 4 tokens (docs/PERFORMANCE.md, twelfth pass).
 PACK_LOGITS = True
-# How the top-k keys are selected: 0, TOP_K dependent max-reductions over the row (each a
-# cross-warp reduction); 1, one bitonic top-k of K_PAD (= next_pow2(top_k + num_shared)) keys
-# (``tl.topk``); 2 (default), a bitonic top-k of next_pow2(top_k) keys, repeated to fill K_PAD
-# columns. The same ids, logits and order every way (the packed keys are distinct). On the H200
-# (E = 256, top-8, bf16; bench_router_route.py) the fused router took 4.26 / 3.34 / 3.13 us a
-# layer at T = 1 and 5.79 / 5.18 / 4.87 at T = 4; the decode graph replayed in 2.15 / 2.14 / 2.14
-# ms and the 4-token verify graph in 3.84 / 3.83 / 3.82 (docs/PERFORMANCE.md, sixteenth pass).
-TOPK_BITONIC = 2
+# The top-k keys come from one bitonic top-k (``tl.topk``) of next_pow2(top_k) keys, repeated to
+# fill the K_PAD columns; False: TOP_K dependent max-reductions over the row (each a cross-warp
+# reduction). The same ids, logits and order either way (the packed keys are distinct). On the
+# H200 (E = 256, top-8, bf16; bench_router_route.py) the fused router took 3.13 against 4.26 us a
+# layer at T = 1 and 4.87 against 5.79 at T = 4; the decode graph replayed in 2.14 against 2.15 ms
+# and the 4-token verify graph in 3.82 against 3.84 (docs/PERFORMANCE.md, sixteenth pass: a
+# top-k of all K_PAD keys measured between the two and was removed).
+TOPK_BITONIC = True
 
 
 def _pack_dtype(dtype: torch.dtype) -> int:
@@ -229,16 +229,14 @@ if HAS_TRITON:
             packed = (mono << 32) | rev
         packed = tl.where(valid, packed, -9223372036854775807)
         kk = tl.arange(0, K_PAD)[None, :]
-        # the bitonic top-k needs at least 2 keys to select, and no more than the row holds
-        if (BITONIC == 1 and 2 <= K_PAD and K_PAD <= BLOCK_E) or (BITONIC == 2 and SEL_K >= 2):
-            # the K_PAD largest keys of each row, descending, in one bitonic top-k (triton's
+        # the bitonic top-k needs at least 2 keys to select (SEL_K = next_pow2(TOP_K) <= BLOCK_E)
+        if BITONIC and SEL_K >= 2:
+            # the SEL_K largest keys of each row, descending, in one bitonic top-k (triton's
             # tl.topk: log2 rounds of compare-exchange instead of TOP_K dependent max-reductions);
             # keys are distinct (the index bits), so this is the loop's selection in its order
-            if BITONIC == 1 or K_PAD == SEL_K:
-                top = tl.topk(packed, K_PAD)  # [ROWS, K_PAD]
-            else:  # the top SEL_K = next_pow2(TOP_K) only; K_PAD = 2 SEL_K: the SEL_K columns twice
-                top_sel = tl.topk(packed, SEL_K)
-                top = tl.reshape(tl.permute(tl.join(top_sel, top_sel), (0, 2, 1)), [key.shape[0], K_PAD])
+            top = tl.topk(packed, SEL_K)  # [ROWS, SEL_K]
+            if K_PAD != SEL_K:  # K_PAD = 2 SEL_K (the shared column): the SEL_K columns twice
+                top = tl.reshape(tl.permute(tl.join(top, top), (0, 2, 1)), [key.shape[0], K_PAD])
             chosen = kk < TOP_K
             if PACK_DTYPE == 0:
                 top_idx = BLOCK_E - 1 - (top & (BLOCK_E - 1)).to(tl.int32)

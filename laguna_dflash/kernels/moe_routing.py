@@ -204,6 +204,22 @@ if HAS_TRITON:
     # ---- the routing math, shared by both kernels: ROWS tokens at a time, [ROWS, BLOCK_E] tiles
 
     @triton.jit
+    def _unpack_keys(key, BLOCK_E: tl.constexpr, PACK_DTYPE: tl.constexpr):
+        # packed selection keys (any shape, _select_top_k's layout) -> (expert index int32, the
+        # logit the key carries as fp32; zeros when PACK_DTYPE is 0: fp32 logits are not packed)
+        if PACK_DTYPE == 0:
+            idx = BLOCK_E - 1 - (key & (BLOCK_E - 1)).to(tl.int32)
+            z = (key & 0).to(tl.float32)
+        else:
+            idx = BLOCK_E - 1 - ((key >> 16) & (BLOCK_E - 1)).to(tl.int32)
+            low = (key & 0xFFFF).to(tl.int32)
+            if PACK_DTYPE == 1:
+                z = (low << 16).to(tl.float32, bitcast=True)
+            else:
+                z = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return idx, z
+
+    @triton.jit
     def _select_top_k(key, z, valid, offs, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
                       K_PAD: tl.constexpr, PACK_DTYPE: tl.constexpr, BITONIC: tl.constexpr,
                       SEL_K: tl.constexpr):
@@ -238,33 +254,17 @@ if HAS_TRITON:
             if K_PAD != SEL_K:  # K_PAD = 2 SEL_K (the shared column): the SEL_K columns twice
                 top = tl.reshape(tl.permute(tl.join(top, top), (0, 2, 1)), [key.shape[0], K_PAD])
             chosen = kk < TOP_K
-            if PACK_DTYPE == 0:
-                top_idx = BLOCK_E - 1 - (top & (BLOCK_E - 1)).to(tl.int32)
-                z_sel = tl.zeros([key.shape[0], K_PAD], dtype=tl.float32)
-            else:
-                top_idx = BLOCK_E - 1 - ((top >> 16) & (BLOCK_E - 1)).to(tl.int32)
-                top_low = (top & 0xFFFF).to(tl.int32)
-                if PACK_DTYPE == 1:
-                    top_z = (top_low << 16).to(tl.float32, bitcast=True)
-                else:
-                    top_z = top_low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                z_sel = tl.where(chosen, top_z, 0.0)
+            top_idx, top_z = _unpack_keys(top, BLOCK_E, PACK_DTYPE)
             ids = tl.where(chosen, top_idx, 0)
+            z_sel = tl.where(chosen, top_z, 0.0)
         else:
             ids = tl.zeros([key.shape[0], K_PAD], dtype=tl.int32)
             z_sel = tl.zeros([key.shape[0], K_PAD], dtype=tl.float32)
             for i in range(TOP_K):
-                best = tl.max(packed, axis=1)
-                if PACK_DTYPE == 0:
-                    idx = (BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32))[:, None]
-                else:
-                    idx = (BLOCK_E - 1 - ((best >> 16) & (BLOCK_E - 1)).to(tl.int32))[:, None]
-                    low = (best & 0xFFFF).to(tl.int32)
-                    if PACK_DTYPE == 1:
-                        zv = (low << 16).to(tl.float32, bitcast=True)
-                    else:
-                        zv = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                    z_sel = tl.where(kk == i, zv[:, None], z_sel)
+                best_idx, best_z = _unpack_keys(tl.max(packed, axis=1), BLOCK_E, PACK_DTYPE)
+                idx = best_idx[:, None]
+                if PACK_DTYPE != 0:
+                    z_sel = tl.where(kk == i, best_z[:, None], z_sel)
                 ids = tl.where(kk == i, idx, ids)
                 packed = tl.where(offs == idx, -9223372036854775807, packed)
         return ids, z_sel

@@ -60,9 +60,6 @@
 #   bash benchmarks/gpu_check.sh bitonic    # the routing's top-k as one bitonic top-k (default):
 #                                           # CUDA tests, the router alone by selection, decode /
 #                                           # verify graph A/B against the loop (~8 min)
-#   bash benchmarks/gpu_check.sh mergeahead # the split merge issuing all its loads at once, the
-#                                           # Q/K kernel's V row loaded with its K row: CUDA
-#                                           # tests, decode / verify / drafter graph A/B (~7 min)
 #   bash benchmarks/gpu_check.sh roofline   # one kernel's HBM read rate by size and bytes in
 #                                           # flight, against the decode's weight kernels (~20 s)
 #   bash benchmarks/gpu_check.sh ncu-decode # Nsight Compute on every kernel of the batch-1 decode
@@ -282,19 +279,6 @@ case "$stage" in
       timeout 150 python benchmarks/profile_decode_xs.py $args --top 12 \
         --switch "$r:TOPK_BITONIC=False" 2>&1 | quiet \
         | grep -E "^##|^\| [0-9]|greedy|router_route|failed" | head -16
-    done ;;
-  mergeahead)
-    a=laguna_dflash.kernels.paged_attention
-    echo "== CUDA: poisoned split scratch, the merge either way; the PDL races"
-    gpu_tests 150 tests/test_kernel_paged_attention.py -k "empty_splits or keys_written_just_before or output_gate"
-    gpu_tests 60 tests/test_kernel_qk_norm_rope_cache.py -k "cuda"
-    q=laguna_dflash.kernels.qk_norm_rope_cache
-    echo "== batch-1 decode / 4-token verify / drafter block graphs"
-    for args in "" "--q 4" "--drafter --k 3"; do
-      timeout 150 python benchmarks/profile_decode_xs.py $args --top 12 \
-        --switch "$a:MERGE_LOADS_AHEAD=True" --switch "$q:V_LOAD_EARLY=True" \
-        --switch "$a:MERGE_LOADS_AHEAD=True;$q:V_LOAD_EARLY=True" 2>&1 | quiet \
-        | grep -E "^##|^\| [0-9]|greedy|merge_splits|qk_norm|failed" | head -24
     done ;;
   roofline)
     timeout 300 python benchmarks/bench_read_roofline.py --gemv 2>&1 | quiet ;;

@@ -181,7 +181,7 @@ def test_interpreted_strided_seq_lens():
     compare(q, kc, vc, meta, num_splits=2, block_n=16)
 
 
-def _poisoned_partials(monkeypatch, skip_empty: bool, loads_ahead: bool = False) -> None:
+def _poisoned_partials(monkeypatch, skip_empty: bool) -> None:
     """Split-K scratch pre-filled with NaN (as uninitialised memory may hold): any acc row the
     merge reads without the attention kernel having written it shows in the output."""
     new_partials = pa._new_partials
@@ -191,7 +191,6 @@ def _poisoned_partials(monkeypatch, skip_empty: bool, loads_ahead: bool = False)
 
     monkeypatch.setattr(pa, "_new_partials", poisoned)
     monkeypatch.setattr(pa, "SKIP_EMPTY_SPLITS", skip_empty)
-    monkeypatch.setattr(pa, "MERGE_LOADS_AHEAD", loads_ahead)
 
 
 # requests of very different lengths (and a window): most of the short ones' and the windowed
@@ -201,13 +200,11 @@ _EMPTY_SPLIT_CASES = [([(200, 1), (5, 1), (90, 4)], True, None), ([(180, 4), (3,
 
 
 @interpreted
-@pytest.mark.parametrize("loads_ahead", [False, True], ids=["merge_loads_by_m", "merge_loads_ahead"])
 @pytest.mark.parametrize("skip_empty", [True, False], ids=["skip_empty", "keep_empty"])
-def test_interpreted_empty_splits_are_not_read(monkeypatch, skip_empty, loads_ahead):
+def test_interpreted_empty_splits_are_not_read(monkeypatch, skip_empty):
     """Split-K chunks holding no visible key store no acc rows (``SKIP_EMPTY_SPLITS``) and the
-    merge uses none of them, whether it skips their loads or loads them ahead and zeroes them
-    (``MERGE_LOADS_AHEAD``): poisoned scratch changes no value, every way. The output gate too."""
-    _poisoned_partials(monkeypatch, skip_empty, loads_ahead)
+    merge reads none of them: poisoned scratch changes no value, either way. The output gate too."""
+    _poisoned_partials(monkeypatch, skip_empty)
     for specs, causal, window in _EMPTY_SPLIT_CASES:
         q, kc, vc, meta, _ = make_case(specs, 2, 64, torch.float32, causal)
         compare(q, kc, vc, meta, window=window, num_splits=6, block_n=16)
@@ -216,10 +213,9 @@ def test_interpreted_empty_splits_are_not_read(monkeypatch, skip_empty, loads_ah
 
 
 @cuda
-@pytest.mark.parametrize("loads_ahead", [False, True], ids=["merge_loads_by_m", "merge_loads_ahead"])
 @pytest.mark.parametrize("skip_empty", [True, False], ids=["skip_empty", "keep_empty"])
-def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty, loads_ahead):
-    _poisoned_partials(monkeypatch, skip_empty, loads_ahead)
+def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty):
+    _poisoned_partials(monkeypatch, skip_empty)
     for specs, causal, window in _EMPTY_SPLIT_CASES:
         q, kc, vc, meta, _ = make_case([(c * 10, n) for c, n in specs], 4, 128, torch.bfloat16, causal,
                                        device="cuda", num_heads=32)
@@ -316,9 +312,8 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True, early_signal: bool = False, loads_ahead: bool | None = None):
-    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them
-    (``loads_ahead``: the merge's ``MERGE_LOADS_AHEAD``, its module value by default)."""
+                 preload: bool = True, early_signal: bool = False):
+    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
     attn, merge = pa._kernels(False)
     block_q = pa._block_q(qmax, group)
     block_m = max(16, pa._next_pow2(block_q * group))
@@ -340,8 +335,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
     if splits > 1:
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
                        BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True,
-                       PDL=pdl, EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS,
-                       LOADS_AHEAD=pa.MERGE_LOADS_AHEAD if loads_ahead is None else loads_ahead)
+                       PDL=pdl, EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS)
         builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh", "stride_gt"),
                                 1 if head_dim <= 64 else 2, pdl))
     return builds
@@ -399,22 +393,6 @@ def test_sm90_programmatic_dependent_launch_order():
     assert loads_before_pdl_wait(plain.asm["ptx"]) == []
     for spills in (attn_spills, merge_spills, plain_spills):
         assert spills and max(spills) == 0, spills
-
-
-@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
-@pytest.mark.parametrize("qmax,splits", [(1, 32), (4, 32)], ids=["decode", "verify4"])
-def test_sm90_merge_loads_ahead_come_before_any_use(qmax, splits):
-    """``MERGE_LOADS_AHEAD``: the merge's global loads (m, l, every acc row, the gate) all come
-    before its first exp2, i.e. none waits on m; one wait, no spills."""
-    _, (merge, spills) = _sm90_builds("bf16", 128, 8, qmax, splits, True, True, True, pdl=True,
-                                      loads_ahead=True)
-    ptx = merge.asm["ptx"]
-    assert loads_before_pdl_wait(ptx) == []
-    lines = ptx.splitlines()
-    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
-    first_exp = min(i for i, line in enumerate(lines) if "ex2.approx" in line)
-    assert loads and max(loads) < first_exp
-    assert spills and max(spills) == 0, spills
 
 
 @pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")

@@ -129,14 +129,6 @@ def test_interpreted_equals_reference(t, rot, dtype):
 
 
 @interpreted
-def test_interpreted_v_row_loaded_early_either_way(monkeypatch):
-    """``V_LOAD_EARLY`` flipped from its default: the same cache rows and q."""
-    monkeypatch.setattr(qnrc, "V_LOAD_EARLY", not qnrc.V_LOAD_EARLY)
-    check(problem(3, 8, 2, 128, 64, torch.bfloat16, seed=11), max_mismatch=STRICT[torch.bfloat16])
-    check(problem(2, 4, 2, 96, 32, torch.float32, cache_dtype=torch.bfloat16, strided_cache=True, seed=12))
-
-
-@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interpreted_gqa_64_8(dtype):
     check(problem(2, 64, 8, 128, 64, dtype, seed=3), max_mismatch=STRICT[dtype])
@@ -221,14 +213,6 @@ def test_cuda_equals_reference(t, nh, nkv, rot, dtype):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_v_row_loaded_early_either_way(monkeypatch, dtype):
-    monkeypatch.setattr(qnrc, "V_LOAD_EARLY", not qnrc.V_LOAD_EARLY)
-    for t, nh, nkv in ((1, 64, 8), (7, 8, 2)):
-        check(problem(t, nh, nkv, 128, 64, dtype, num_slots=1024, device="cuda", seed=t))
-
-
-@cuda
 def test_cuda_graph_capture():
     a = problem(16, 64, 8, 128, 64, torch.bfloat16, num_slots=256, device="cuda", seed=1)
     qnrc.qk_norm_rope_cache(**a)  # compile outside the capture
@@ -249,37 +233,22 @@ def test_cuda_graph_capture():
     torch.testing.assert_close(a["v_cache"], v_ref, rtol=0, atol=0)
 
 
-def _ptx(pdl: bool, preload: bool, v_early: bool) -> str:
-    """sm_90 PTX of the kernel at 8 Q / 2 KV heads of 128, bf16 (offline)."""
-    types = {n: "*bf16" for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
-    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
-    constexprs = dict(stride_xd=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
-                      NUM_HEADS=8, NUM_KV_HEADS=2, HEAD_DIM=128, ROT_DIM=64, BLOCK_D=128,
-                      DTYPE=1, CACHE_DTYPE=1, PDL=pdl, PRELOAD=preload, V_EARLY=v_early)
-    return compile_sm90(qnrc._kernels(False), types, constexprs,
-                        {"num_warps": 1, "enable_fp_fusion": False, "launch_pdl": pdl})
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("v_early", [False, True])
-def test_sm90_v_row_load_placement(v_early: bool) -> None:
-    """``V_LOAD_EARLY``: every global load after the wait comes before the first store (the V row
-    with the K row); otherwise a load follows the K store (the V row, one more round trip)."""
-    ptx = _ptx(True, True, v_early)
-    lines = ptx[ptx.index("griddepcontrol.wait"):].splitlines()
-    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
-    first_store = min(i for i, line in enumerate(lines) if "st.global" in line)
-    assert (max(loads) < first_store) == v_early
-
-
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 def test_sm90_programmatic_dependent_launch_order() -> None:
     """With ``kernels.pdl.USE_PDL`` every program reads only its position, slot, norm weight and
     cos / sin rows before it waits for the QKV GEMM (``PRELOAD_PARAMS``: position and slot
     through L2), then signals the attention kernel and reads its head row; without the preload
     it loads nothing before the wait; without PDL no griddepcontrol is emitted."""
+    types = {n: "*bf16" for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
+
     def ptx_of(pdl: bool, preload: bool = True) -> str:
-        return _ptx(pdl, preload, qnrc.V_LOAD_EARLY)
+        constexprs = dict(stride_xd=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
+                          NUM_HEADS=8, NUM_KV_HEADS=2, HEAD_DIM=128, ROT_DIM=64, BLOCK_D=128,
+                          DTYPE=1, CACHE_DTYPE=1, PDL=pdl, PRELOAD=preload)
+        return compile_sm90(qnrc._kernels(False), types, constexprs,
+                            {"num_warps": 1, "enable_fp_fusion": False, "launch_pdl": pdl})
+
     assert "griddepcontrol" not in ptx_of(False)
     ptx = ptx_of(True)
     before_wait = loads_before_pdl_wait(ptx)

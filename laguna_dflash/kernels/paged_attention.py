@@ -331,7 +331,7 @@ def _merge_splits_kernel(
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr, SKIP_EMPTY: tl.constexpr, LOADS_AHEAD: tl.constexpr,
+    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
     if PDL and EARLY_SIGNAL:
@@ -346,14 +346,6 @@ def _merge_splits_kernel(
     prow = (offs_s.to(tl.int64) * num_tokens + t) * NUM_HEADS + h
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    if LOADS_AHEAD:
-        # every load issued before any use: acc of every split, whatever m says (an empty split's
-        # rows may hold anything, NaN included: they are replaced by 0 below before any product),
-        # and the gate, so that one L2 round trip serves the whole merge
-        acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        if HAS_GATE:
-            g_early = tl.load(gate_ptr + t * stride_gt + h * stride_gh)
     m = tl.load(part_m_ptr + prow, mask=s_ok, other=float("-inf"))
     lsum = tl.load(part_l_ptr + prow, mask=s_ok, other=0.0)
     m_all = tl.max(m, 0)
@@ -367,18 +359,12 @@ def _merge_splits_kernel(
         denom += tl.exp2(sink - m_use)
     # SKIP_EMPTY: splits with m = -inf stored no acc (their weight 2^(m - M) is 0 anyway)
     s_read = s_ok & (m > float("-inf")) if SKIP_EMPTY else s_ok
-    if LOADS_AHEAD:
-        acc = tl.where(s_read[:, None], acc, 0.0)
-    else:
-        acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=s_read[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_read[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0)
     out = out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
     if HAS_GATE:
-        if LOADS_AHEAD:
-            g = g_early
-        else:
-            g = tl.load(gate_ptr + t * stride_gt + h * stride_gh)
+        g = tl.load(gate_ptr + t * stride_gt + h * stride_gh)
         out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * _softplus_rounded(g, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -419,12 +405,6 @@ PRELOAD_MAX_QUERIES: int | None = 1
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
 # S * 4 * H * D * 4 bytes (4 MiB at 32 splits, 64 heads). Changes no value. False: the A/B.
 SKIP_EMPTY_SPLITS = True
-# The split merge issues all its loads at once: every split's acc rows (an empty split's unwritten
-# rows zeroed by a select, not skipped by the load's mask) and the output gate together with m
-# and l, so one L2 round trip serves the merge instead of two dependent ones (m, then the acc rows
-# m says were written). Reads the empty splits' rows too (from L2). Off: not timed yet on a GPU
-# (gpu_check.sh mergeahead). Changes no value.
-MERGE_LOADS_AHEAD = False
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -628,7 +608,7 @@ def paged_attention(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
             HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=early_signal and use_pdl,
-            SKIP_EMPTY=SKIP_EMPTY_SPLITS, LOADS_AHEAD=MERGE_LOADS_AHEAD,
+            SKIP_EMPTY=SKIP_EMPTY_SPLITS,
             num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out

@@ -56,11 +56,6 @@ __all__ = ["is_available", "qk_norm_rope_cache"]
 # for the QKV GEMM (only the head row itself is that GEMM's output): the position -> table row
 # chain no longer follows the wait. False: the wait comes first (the A/B switch).
 PRELOAD_PARAMS = True
-# A K program (head g) loads its V row together with its K row, before the K store, instead of
-# after it (the compiler does not move a load above a store it cannot prove apart): one L2 round
-# trip after the wait instead of two, for the programs that end the kernel. Changes no value.
-# Off: not timed yet on a GPU (gpu_check.sh mergeahead times it with the merge's loads).
-V_LOAD_EARLY = False
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -124,7 +119,7 @@ def _qk_norm_rope_cache_kernel(
     eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, PRELOAD: tl.constexpr, V_EARLY: tl.constexpr,
+    PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     # program (t, h): Q head h (h < NUM_HEADS) or K head g = h - NUM_HEADS plus V head g, as one
     # [1, BLOCK_D] row. Q head h and K head g both start at column h * HEAD_DIM; V head g at
@@ -151,9 +146,6 @@ def _qk_norm_rope_cache_kernel(
     x = tl.load(head_row + d * stride_xd, mask=in_row, other=0.0).to(tl.float32)
     xp = tl.load(head_row + _rope_partner(d, ROT_DIM) * stride_xd, mask=d < ROT_DIM,
                  other=0.0).to(tl.float32)
-    v_row = qkv_ptr + t * stride_xt + ((h + NUM_KV_HEADS) * HEAD_DIM + d) * stride_xd
-    if V_EARLY:  # with the K row: the V row of K programs (Q programs load nothing here)
-        v_early = tl.load(v_row, mask=in_row & (h >= NUM_HEADS), other=0.0).to(tl.float32)
     out = _norm_rope(x, xp, w, wp, c, s, d, eps, HEAD_DIM, ROT_DIM, DTYPE)
     if is_q:
         # exact in the output dtype: the store's implicit cast is exact (interpreter included)
@@ -162,10 +154,8 @@ def _qk_norm_rope_cache_kernel(
         g = h - NUM_HEADS
         out = _round_to(out, CACHE_DTYPE)
         tl.store(kc_ptr + slot * stride_kcs + g * stride_kch + d * stride_kcd, out, mask=in_row)
-        if V_EARLY:
-            v = v_early
-        else:
-            v = tl.load(v_row, mask=in_row, other=0.0).to(tl.float32)
+        v = tl.load(qkv_ptr + t * stride_xt + ((h + NUM_KV_HEADS) * HEAD_DIM + d) * stride_xd,
+                    mask=in_row, other=0.0).to(tl.float32)
         v = _round_to(v, CACHE_DTYPE)
         tl.store(vc_ptr + slot * stride_vcs + g * stride_vch + d * stride_vcd, v, mask=in_row)
 
@@ -294,7 +284,7 @@ def qk_norm_rope_cache(
         float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rot,
         BLOCK_D=block_d, DTYPE=DTYPE_CODE[qkv.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype],
-        PDL=use_pdl, PRELOAD=PRELOAD_PARAMS, V_EARLY=V_LOAD_EARLY, num_warps=max(1, min(4, block_d // 128)),
+        PDL=use_pdl, PRELOAD=PRELOAD_PARAMS, num_warps=max(1, min(4, block_d // 128)),
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
         **pdl.launch_options(use_pdl),
     )

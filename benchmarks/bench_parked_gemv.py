@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gemv_formulations import time_replays  # noqa: E402
+
 from laguna_dflash.kernels import skinny_gemm as sg  # noqa: E402
 from laguna_dflash.kernels import staged_gemv as stg  # noqa: E402
 
@@ -201,20 +203,6 @@ class Chain:
             read_sum[(self.sums.numel(),)](self.compete, self.sums, self.compete.numel(), BLOCK=8192, num_warps=8)
         busy_write_release[(1,)](self.x, self.src, self.x.numel(), int(self.window_us * 1000), self.flag,
                                  self.epoch, BLOCK=1024, num_warps=4, launch_pdl=True)
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, pairs: int, reps: int = 20) -> float:
-    """us a pair: best of 3 x ``reps`` replays."""
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * pairs))
-    return best
 
 
 def capture(chains: list[Chain], gemv, side: bool, epoch: torch.Tensor) -> torch.cuda.CUDAGraph:

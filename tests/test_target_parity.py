@@ -132,6 +132,45 @@ def test_prompt_is_longer_than_every_sliding_window():
     assert all(3 <= t < 384 for t in PROMPT)
 
 
+@pytest.mark.parametrize("model", ["laguna-" + LAGUNA_NAMES[0], "qwen3-" + QWEN3_NAMES[0]])
+def test_taps_are_transformers_hidden_states_and_change_nothing(ckpts: _Checkpoints, model: str, monkeypatch):
+    """The DFlash taps of every layer (``runner.forward(tap_layer_ids=...)``) are transformers'
+    ``hidden_states[i + 1]`` (the output of layer ``i``; the last one through the final norm is
+    transformers' last entry) within 1e-4 relative, and a forward with taps returns bitwise the
+    hidden states of one without, through the same residual-add kernels (the taps are sums the
+    forward computes anyway: no add of its own per tap)."""
+    from laguna_dflash.engine.runner import ForwardItem
+    from laguna_dflash.models import layers
+
+    calls: list[str] = []
+    for fn in ("add", "add_rms_norm"):
+        original = getattr(layers.fusion, fn)
+        monkeypatch.setattr(layers.fusion, fn, lambda *a, _fn=fn, _o=original: (calls.append(_fn), _o(*a))[1])
+
+    kind, name = model.split("-", 1)
+    directory = ckpts.laguna(name) if kind == "laguna" else ckpts.qwen3(name)
+    engine = LLM(model=str(directory)).engine
+    n = len(PROMPT)
+    with hf.hf_reference_model(directory) as ref, torch.no_grad():
+        states = ref(input_ids=torch.tensor([PROMPT]), use_cache=False, output_hidden_states=True).hidden_states
+    num_layers = len(states) - 1
+    blocks = engine.allocator.allocate(engine.allocator.blocks_needed(n, 0))
+    try:
+        plain, no_taps = engine.runner.forward(PROMPT, [ForwardItem(n, 0, n, blocks)])
+        plain_calls, calls[:] = calls[:], []
+        tapped, taps = engine.runner.forward(PROMPT, [ForwardItem(n, 0, n, blocks)], tuple(range(num_layers)))
+    finally:
+        engine.allocator.free(blocks)
+    assert num_layers == len(engine.target.layers) >= 2
+    assert calls == plain_calls and "add" not in calls and calls.count("add_rms_norm") == 2 * num_layers
+    assert no_taps is None and torch.equal(plain, tapped)
+    taps = taps.view(n, num_layers, -1)
+    for i in range(num_layers - 1):
+        _assert_rel_close(taps[:, i], states[i + 1][0], f"{model} tap {i}")
+    with torch.no_grad():
+        _assert_rel_close(engine.target.norm(taps[:, -1]), states[-1][0], f"{model} last tap, normed")
+
+
 @pytest.mark.parametrize("name", LAGUNA_NAMES)
 def test_laguna_prompt_logits_match_transformers(ckpts: _Checkpoints, name: str):
     """Paged-KV prefill logits of every Laguna config equal transformers' within 1e-4 relative."""

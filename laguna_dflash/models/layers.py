@@ -499,11 +499,21 @@ class DecoderLayer(nn.Module):
                          ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input ``residual + delta`` (``delta`` None: ``residual`` alone; else
         ``[T, H]`` or MoE pairs ``[T, P, H]``) -> ``(residual, delta)`` whose sum is its output."""
+        return self.forward_normed(*self.add_input_norm(residual, delta), ctx)
+
+    def add_input_norm(self, residual: torch.Tensor,
+                       delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + delta, input_layernorm(residual + delta))``, ``[T, H]`` each, in one
+        kernel; the sum is the previous layer's output (``delta`` None: ``residual`` is)."""
         norm = self.input_layernorm
         if delta is None:
-            x = norm(residual)
-        else:
-            residual, x = fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
+            return residual, norm(residual)
+        return fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
+
+    def forward_normed(self, residual: torch.Tensor, x: torch.Tensor,
+                       ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its input norm: ``residual`` its input, ``x`` the normed input ->
+        ``(residual, delta)`` whose sum is its output (:meth:`forward_deferred`)."""
         norm = self.post_attention_layernorm
         residual, x = fusion.add_rms_norm(residual, self.self_attn(x, ctx), norm.weight, norm.eps)
         delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
@@ -514,15 +524,21 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, ctx: ForwardContext, fina
                tap_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """``h [T, H]`` through ``layers`` then ``final_norm`` -> (normed ``[T, H]``, taps): tap
     ``i`` is layer ``i``'s output ``[T, H]``. Each layer's residual add runs fused with the next
-    norm (:meth:`DecoderLayer.forward_deferred`); tap layers add it on their own."""
+    norm (:meth:`DecoderLayer.add_input_norm`, or the final norm), and a tap is the sum that
+    kernel writes anyway: a forward with taps runs the same kernels, with the same values, as
+    one without."""
     residual, delta = h, None
     taps: dict[int, torch.Tensor] = {}
     wanted = set(tap_layer_ids)
     for i, layer in enumerate(layers):
-        residual, delta = layer.forward_deferred(residual, delta, ctx)
-        if i in wanted:
-            residual, delta = fusion.add(residual, delta), None
-            taps[i] = residual
-    if delta is None:
-        return final_norm(residual), taps
-    return fusion.add_rms_norm(residual, delta, final_norm.weight, final_norm.eps)[1], taps
+        residual, x = layer.add_input_norm(residual, delta)
+        if i - 1 in wanted:  # residual is layer i - 1's output
+            taps[i - 1] = residual
+        residual, delta = layer.forward_normed(residual, x, ctx)
+    if delta is None:  # no layers
+        normed = final_norm(residual)
+    else:
+        residual, normed = fusion.add_rms_norm(residual, delta, final_norm.weight, final_norm.eps)
+    if len(layers) - 1 in wanted:
+        taps[len(layers) - 1] = residual
+    return normed, taps

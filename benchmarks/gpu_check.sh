@@ -275,11 +275,7 @@ case "$stage" in
         | quiet | grep -E "TOPK|T=|fused default"
     done
     echo "== batch-1 decode / 4-token verify graphs against the max-reduction loop"
-    for args in "" "--q 4"; do
-      timeout 150 python benchmarks/profile_decode_xs.py $args --top 12 \
-        --switch "$r:TOPK_BITONIC=False" 2>&1 | quiet \
-        | grep -E "^##|^\| [0-9]|greedy|router_route|failed" | head -16
-    done ;;
+    decode_and_verify_ab "$r:TOPK_BITONIC=False" "router_route" ;;
   roofline)
     timeout 300 python benchmarks/bench_read_roofline.py --gemv 2>&1 | quiet ;;
   ncu-decode)

@@ -75,6 +75,27 @@ def xs_draft_config(num_target_layers: int) -> dict:
     }
 
 
+def write_xs_configs(directory: Path, num_layers: int, hidden: int = 2048) -> tuple[Path, Path, dict]:
+    """Write the XS-2.1-shaped target and drafter ``config.json`` under ``directory/target`` and
+    ``directory/draft`` (for ``load_format="dummy"``) -> (target dir, drafter dir, target config).
+    ``hidden`` other than 2048 is a CPU wiring check: every width shrinks with it, 16 experts,
+    a 4096-token vocabulary, the same structure."""
+    tdir, ddir = directory / "target", directory / "draft"
+    tdir.mkdir()
+    ddir.mkdir()
+    tcfg, dcfg = xs_target_config(num_layers), xs_draft_config(num_layers)
+    if hidden != 2048:
+        f = hidden / 2048
+        for c in (tcfg, dcfg):
+            c.update(hidden_size=hidden, intermediate_size=int(8192 * f), vocab_size=4096)
+        dcfg["draft_vocab_size"] = 4096
+        tcfg.update(num_experts=16, moe_intermediate_size=int(512 * f),
+                    shared_expert_intermediate_size=int(512 * f))
+    (tdir / "config.json").write_text(json.dumps(tcfg))
+    (ddir / "config.json").write_text(json.dumps(dcfg))
+    return tdir, ddir, tcfg
+
+
 def parse_switch(text: str) -> tuple[object, str, object]:
     """``module:attr[.attr]=value`` (value as JSON; True / False accepted) -> (object, attribute
     name, value), e.g. ``laguna_dflash.kernels.pdl:USE_PDL=True``."""
@@ -356,19 +377,7 @@ def main() -> None:
     bw = copy_bandwidth(args.device, 64 << 20 if cpu else 4 << 30)
     tflops = gemm_tflops(args.device, 512 if cpu else 8192)
     with tempfile.TemporaryDirectory() as tmp:
-        tdir, ddir = Path(tmp) / "target", Path(tmp) / "draft"
-        tdir.mkdir()
-        ddir.mkdir()
-        tcfg, dcfg = xs_target_config(args.layers), xs_draft_config(args.layers)
-        if args.hidden != 2048:  # CPU wiring check: shrink every width, keep the structure
-            f = args.hidden / 2048
-            for c in (tcfg, dcfg):
-                c.update(hidden_size=args.hidden, intermediate_size=int(8192 * f), vocab_size=4096)
-            dcfg["draft_vocab_size"] = 4096
-            tcfg.update(num_experts=16, moe_intermediate_size=int(512 * f),
-                        shared_expert_intermediate_size=int(512 * f))
-        (tdir / "config.json").write_text(json.dumps(tcfg))
-        (ddir / "config.json").write_text(json.dumps(dcfg))
+        tdir, ddir, tcfg = write_xs_configs(Path(tmp), args.layers, args.hidden)
         max_batch = max(batches)
         common = dict(dtype="float32" if cpu else "bfloat16", device=args.device, load_format="dummy",
                       attention_backend=args.attention_backend,

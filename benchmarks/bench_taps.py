@@ -16,18 +16,11 @@ graphs are recaptured whenever the implementation changes.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import (
-    prefill_time,
-    set_graphs,
-    step_time,
-    xs_draft_config,
-    xs_target_config,
-)
+from bench_gpu_xs import prefill_time, set_graphs, step_time, write_xs_configs
 
 from laguna_dflash import LLM
 from laguna_dflash.models import decoder, fusion
@@ -64,19 +57,7 @@ def main() -> None:
     cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        tdir, ddir = Path(tmp) / "target", Path(tmp) / "draft"
-        tdir.mkdir()
-        ddir.mkdir()
-        tcfg, dcfg = xs_target_config(args.layers), xs_draft_config(args.layers)
-        if args.hidden != 2048:  # CPU wiring check: shrink every width, keep the structure
-            f = args.hidden / 2048
-            for c in (tcfg, dcfg):
-                c.update(hidden_size=args.hidden, intermediate_size=int(8192 * f), vocab_size=4096)
-            dcfg["draft_vocab_size"] = 4096
-            tcfg.update(num_experts=16, moe_intermediate_size=int(512 * f),
-                        shared_expert_intermediate_size=int(512 * f))
-        (tdir / "config.json").write_text(json.dumps(tcfg))
-        (ddir / "config.json").write_text(json.dumps(dcfg))
+        tdir, ddir, tcfg = write_xs_configs(Path(tmp), args.layers, args.hidden)
         mb = max(batches)
         spec = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
                    device=args.device, load_format="dummy", max_model_len=args.context + 256,

@@ -67,9 +67,6 @@
 #                                           # alone, its DRAM rate and stall reasons (Firecracker)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
-#   bash benchmarks/gpu_check.sh head       # the greedy head (lm_head + argmax) inside the decode,
-#                                           # verify and drafter graphs: tests, then the step
-#                                           # A/B against the head after the replay (~7 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -318,13 +315,6 @@ case "$stage" in
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
       --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
-  head)
-    echo "== the greedy head inside the graphs: its tests and the CUDA graph tests"
-    gpu_tests 260 tests/test_output_head.py tests/test_cuda_graphs.py -k "cuda or head or lossless" | tail -30
-    echo "== step times, GPU idle and eager kernels: head in the graphs (defaults) against after the replay"
-    timeout 200 python benchmarks/host_timeline.py --rounds 3 --top 8 --kernels 14 \
-      --switch laguna_dflash.engine.output_head:in_graph=False 2>&1 | quiet \
-      | grep -v "USDT\|profiler" | tail -90 ;;
   final)
     bash "$0" final-tests
     bash "$0" bench ;;

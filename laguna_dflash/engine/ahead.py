@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .output_head import GreedyHead
 from .sequence import Sequence
 
 
@@ -43,19 +42,17 @@ class DraftsAhead:
 
 @dataclass
 class ForwardAhead:
-    """A target forward queued by a target-only step, one row per request of ``request_ids``,
-    for the token at ``positions``: its output ``out``, the final-normed hidden states ``[R, H]``
-    or, when queued with an output ``head`` (engine/output_head.py), the head's greedy tokens
-    ``[R, 1]``; with a drafter, its taps ``[R, num_taps * H]`` (else None)."""
+    """Final-normed hidden states ``[R, H]`` of a target forward queued by a target-only step,
+    one row per request of ``request_ids``, for the token at ``positions``; with a drafter, its
+    taps ``[R, num_taps * H]`` (else None)."""
 
     request_ids: tuple[int, ...]
     positions: list[int]
-    out: torch.Tensor
+    hidden: torch.Tensor
     taps: torch.Tensor | None = None
-    head: GreedyHead | None = None
 
     def rows_for(self, seqs: list[Sequence]) -> list[int] | None:
-        """Rows of ``out`` for a decode step of ``seqs`` (each computing its last token), or
+        """Rows of ``hidden`` for a decode step of ``seqs`` (each computing its last token), or
         None when this forward does not cover one of them (admitted or recomputed since)."""
         index = {rid: i for i, rid in enumerate(self.request_ids)}
         rows = []

@@ -17,9 +17,7 @@ is recomputed from it *inside* the graph, so a replay needs no device-to-host re
 are strided views: kernels must honour their strides (or get contiguous copies). Graphs are captured
 lazily, the first time a key is seen, after two eager warm-up runs on a side stream (Triton
 compiles there); all graphs share one memory pool. Outputs are copied out of the graph's static
-tensors before the next replay can overwrite them. A forward given an output head
-(engine/output_head.py: the greedy tokens) runs it inside the graph and hands back its output
-instead of the hidden states. Prefill stays eager (its token counts vary).
+tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary).
 The verify forward of a DFlash step captures the drafter's context K/V store of its taps after
 the target's layers (``ModelRunner.forward(store_context=True)``); the context K/V of the taps
 left pending by target-only steps replays from its own graphs (engine/context_graph.py) unless
@@ -41,7 +39,6 @@ from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from .output_head import GreedyHead
     from .runner import ContextStore
 
 logger = logging.getLogger(__name__)
@@ -83,7 +80,7 @@ def capture_graph(fn: Callable[[], T], device: torch.device, pool) -> tuple[torc
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    out: torch.Tensor  # static output: hidden [R_pad * q, H], or the head's [R_pad, ...]
+    hidden: torch.Tensor  # [R_pad * q, H] static output
     taps: torch.Tensor | None  # [R_pad * q, n_taps * H] static output
 
 
@@ -167,8 +164,7 @@ class CUDAGraphRunner:
         )
 
     def _run_model(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
-                   context_store: ContextStore | None,
-                   head: GreedyHead | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   context_store: ContextStore | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = self._metadata(r, q, num_keys, is_causal)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
         input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
@@ -176,30 +172,24 @@ class CUDAGraphRunner:
         if context_store is not None:  # padding requests' rows go to the scratch slots
             context_store(taps, meta.positions, meta.slot_mapping)
             taps = None
-        if head is not None:  # padding requests' rows give tokens too: dropped with them
-            return head(hidden.view(r, q, -1)), taps
         return hidden, taps
 
     def _capture(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
-                 context_store: ContextStore | None, head: GreedyHead | None) -> _Captured:
-        graph, (out, taps), self.pool = capture_graph(
-            lambda: self._run_model(r, q, num_keys, is_causal, tap_layer_ids, context_store, head),
+                 context_store: ContextStore | None) -> _Captured:
+        graph, (hidden, taps), self.pool = capture_graph(
+            lambda: self._run_model(r, q, num_keys, is_causal, tap_layer_ids, context_store),
             self.device, self.pool)
-        logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys%s%s", r, q, num_keys,
-                    ", with the drafter's context store" if context_store is not None else "",
-                    ", with its greedy tokens" if head is not None else "")
-        return _Captured(graph, out, taps)
+        logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys%s", r, q, num_keys,
+                    ", with the drafter's context store" if context_store is not None else "")
+        return _Captured(graph, hidden, taps)
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
                 is_causal: bool, context_store: ContextStore | None = None,
-                start_pos: torch.Tensor | None = None,
-                head: GreedyHead | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                start_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
         (``context_store``: captured into the graph, after the forward; ``start_pos [R]`` on the
-        device: written over the items' first positions, which then only bound the key length;
-        ``head``: captured into the graph after the forward and the store, its output ``[R, ...]``
-        returned instead of the hidden states)."""
+        device: written over the items' first positions, which then only bound the key length)."""
         r, q = len(items), items[0].num_tokens
         r_pad = next(b for b in self.batch_sizes if b >= r)
         num_keys = self.key_bucket(max(it.seq_len for it in items))
@@ -229,17 +219,16 @@ class CUDAGraphRunner:
         if start_pos is not None:
             self.start_pos[:r].copy_(start_pos)
             self.seq_lens[:r].copy_(start_pos + q)
-        rows = r if head is not None else r * q  # of the output: per request, or per token
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
-            out, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
-                                        context_store, head)
-            return out[:rows], taps[: r * q] if taps is not None else None
-        key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None, head)
+            hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
+                                           context_store)
+            return hidden[: r * q], taps[: r * q] if taps is not None else None
+        key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None)
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
-                                                        tuple(tap_layer_ids), context_store, head)
+                                                        tuple(tap_layer_ids), context_store)
         captured.graph.replay()
-        out = captured.out[:rows].clone()
+        hidden = captured.hidden[: r * q].clone()
         taps = captured.taps[: r * q].clone() if captured.taps is not None else None
-        return out, taps
+        return hidden, taps

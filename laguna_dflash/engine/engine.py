@@ -13,14 +13,12 @@ from ..config import EngineConfig, SamplingParams, resolve_dtype
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
-from . import output_head
 from .adaptive_k import AdaptiveK
 from .ahead import DraftsAhead, ForwardAhead
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner
 from .kv_cache import BlockAllocator, KVCache
-from .output_head import GreedyHead
 from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
@@ -153,7 +151,6 @@ class LLMEngine:
             max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
         )
         self.tap_layer_ids = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
-        self._target_head = GreedyHead(self.target)  # one object: CUDA graphs are keyed by it
         self._ids = itertools.count()
         self.timings = EngineTimings()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -379,29 +376,22 @@ class LLMEngine:
         the context graphs take), so a long run of target-only steps neither holds them without
         bound nor falls back to the eager precompute, and the store is amortised over K_max + 1
         steps."""
-        head = self._greedy_head(seqs)
-        # the forward queued ahead, if it computed this step's tokens (with taps iff we tap; its
-        # greedy tokens only if this batch is greedy)
-        fits = (ahead is not None and (ahead.taps is not None) == bool(self.tap_layer_ids)
-                and (ahead.head is None or head is not None))
+        # the forward queued ahead, if it computed this step's tokens (with taps iff we tap)
+        fits = ahead is not None and (ahead.taps is not None) == bool(self.tap_layer_ids)
         rows = ahead.rows_for(seqs) if fits else None
         if rows is None:
             items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
-            out, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids,
-                                            head=head)
-            out_head, tap_rows = head, range(len(seqs))
-        else:  # pending taps reference rows of the ahead's taps
-            taps, tap_rows, out_head = ahead.taps, rows, ahead.head
-            out = (ahead.out if rows == list(range(len(ahead.request_ids)))
-                   else ahead.out.index_select(0, to_device_async(torch.tensor(rows), self.device)))
-        if out_head is not None:  # greedy tokens [R, 1] from the forward (its CUDA graph)
-            logits, sampled = None, out.view(-1)
+            hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
+            tap_rows = range(len(seqs))
         else:
-            logits = self.target.lm_head_logits(out)
-            sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
+            taps, tap_rows = ahead.taps, rows  # pending taps reference rows of the ahead's taps
+            hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
+                      else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
+        logits = self.target.lm_head_logits(hidden)
+        sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
         if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
-            self._ahead = self._queue_forward_ahead(seqs, sampled, head)
+            self._ahead = self._queue_forward_ahead(seqs, sampled)
             tokens = result.tolist()
         else:
             tokens = sampled.tolist()
@@ -418,14 +408,6 @@ class LLMEngine:
         self.timings.num_decode_tokens += len(seqs)
         return []
 
-    def _greedy_head(self, seqs: list[Sequence]) -> GreedyHead | None:
-        """The target's greedy head when every request of the batch is greedy and none wants
-        logprobs (its forward then returns the tokens, computed inside its CUDA graph), else
-        None (the hidden states come back and ``sample_rows`` runs eagerly)."""
-        if not output_head.in_graph or any(not s.params.is_greedy or s.logprobs is not None for s in seqs):
-            return None
-        return self._target_head
-
     def _queues_forward_ahead(self, batch_size: int) -> bool:
         """Whether this target-only step queues the next one's forward (``decode_ahead``): the
         next step of an engine with a drafter must be target-only too."""
@@ -436,20 +418,18 @@ class LLMEngine:
             return self.adaptive_k.expects_target_only(batch_size)
         return self.num_speculative_tokens == 0
 
-    def _queue_forward_ahead(self, seqs: list[Sequence], sampled: torch.Tensor,
-                             head: GreedyHead | None) -> ForwardAhead | None:
+    def _queue_forward_ahead(self, seqs: list[Sequence], sampled: torch.Tensor) -> ForwardAhead | None:
         """Queue the next step's target forward: request ``i``'s token ``sampled[i]`` (device)
         at position ``num_tokens`` (its block table grown to hold it; no preemption: when
-        blocks are short, nothing is queued), with this step's output ``head``. Not when every
-        request ends with this token."""
+        blocks are short, nothing is queued). Not when every request ends with this token."""
         if all(len(s.output_token_ids) + 1 >= s.params.max_tokens for s in seqs):
             return None
         positions = [s.num_tokens for s in seqs]
         if not all(self.scheduler.reserve(s, p + 1) for s, p in zip(seqs, positions)):
             return None
         items = [ForwardItem(1, p, p + 1, s.block_table) for p, s in zip(positions, seqs)]
-        out, taps = self.runner.forward(sampled, items, self.tap_layer_ids, head=head)
-        return ForwardAhead(tuple(s.request_id for s in seqs), positions, out, taps, head)
+        hidden, taps = self.runner.forward(sampled, items, self.tap_layer_ids)
+        return ForwardAhead(tuple(s.request_id for s in seqs), positions, hidden, taps)
 
     def _queue_drafts_ahead(self, seqs: list[Sequence], k: int, anchors: list[int],
                             accepted: torch.Tensor, target_tokens: torch.Tensor,
@@ -487,15 +467,11 @@ class LLMEngine:
         bonus = to_device_async(torch.tensor([s.last_token for s in seqs]), drafts.device)
         ids = torch.cat([bonus.view(-1, 1), drafts], dim=1).reshape(-1)
         items = [ForwardItem(k + 1, p, p + k + 1, s.block_table) for p, s in zip(anchors, seqs)]
-        head = self._greedy_head(seqs)
-        out, taps = self.runner.forward(ids, items, self.tap_layer_ids,
-                                        store_context=store_context_in_verify, head=head)
-        if head is not None:  # greedy target tokens [R, K+1] from the verify (its CUDA graph)
-            logits, target_tokens = None, out
-        else:
-            logits = self.target.lm_head_logits(out)  # [R*(K+1), V], the weights' dtype
-            target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
-            target_tokens = target_tokens.view(len(seqs), k + 1)
+        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
+                                           store_context=store_context_in_verify)
+        logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
+        target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
+        target_tokens = target_tokens.view(len(seqs), k + 1)
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
             accepted = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),
                                        drafts.device)
@@ -514,8 +490,7 @@ class LLMEngine:
         if ahead is not None:
             ahead.anchors = [p + a + 1 for p, a in zip(anchors, accepted_list)]
             self._ahead = ahead
-        if logits is not None:
-            logits = logits.view(len(seqs), k + 1, -1)
+        logits = logits.view(len(seqs), k + 1, -1)
         for i, s in enumerate(seqs):
             a, p = accepted_list[i], anchors[i]
             s.num_drafts += 1

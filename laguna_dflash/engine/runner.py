@@ -16,7 +16,6 @@ from ..models.layers import ForwardContext
 from .attention import AttentionBackend, AttentionMetadata
 from .cuda_graph import CUDAGraphRunner
 from .kv_cache import KVCache
-from .output_head import GreedyHead
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,6 @@ class ModelRunner:
         is_causal: bool = True,
         store_context: bool = False,
         start_pos: torch.Tensor | None = None,
-        head: GreedyHead | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None).
 
@@ -147,14 +145,11 @@ class ModelRunner:
         slots inside the forward (inside its CUDA graph), and are not returned (``None``).
         ``start_pos [R]`` int64 on the device: the requests' first positions, known only there
         (the items' positions are upper bounds); graphs only (``graphs.can_run`` must hold).
-        ``head`` (every request the same ``q``): applied to the hidden states ``[R, q, H]``
-        inside the forward (inside its CUDA graph); its output ``[R, ...]`` is returned in their
-        place (engine/output_head.py).
         """
         store = self.context_store if store_context else None
         assert store is not None or not store_context, "store_context needs a context_store"
         if self.graphs is not None and self.graphs.can_run(items, len(input_ids)):
-            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, start_pos, head)
+            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, start_pos)
         assert start_pos is None, "device start positions need the graph runner"
         ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device)
         ctx = self.context(items, is_causal)
@@ -162,8 +157,4 @@ class ModelRunner:
         if store is not None:
             store(taps, ctx.meta.positions, ctx.meta.slot_mapping)
             taps = None
-        if head is not None:
-            q = items[0].num_tokens
-            assert all(it.num_tokens == q for it in items), "a head needs the same q for every request"
-            return head(hidden.view(len(items), q, -1)), taps
         return hidden, taps

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import output_head
+from ..kernels.argmax import argmax_rows
 from .ahead import DraftsAhead
 from .context_graph import ContextGraphRunner
 from .kv_cache import KVCache
-from .output_head import GreedyHead
 from .pending_taps import gather_pending_taps, plan_rows
 from .runner import ForwardItem, ModelRunner, to_device_async
 from .sequence import Sequence
@@ -90,9 +89,6 @@ class DFlashProposer:
         self.kv_cache = kv_cache
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
-        # the drafts: argmax of the shared lm_head over each block's k mask rows (row 0 is the
-        # bonus token); one object, as the block's CUDA graphs are keyed by it
-        self.draft_head = GreedyHead(drafter, first_row=1)
         # set by LLMEngine.attach_context_graphs (EngineConfig.graph_context_precompute)
         self.context_graphs: ContextGraphRunner | None = None
 
@@ -176,12 +172,9 @@ class DFlashProposer:
 
     def _drafts(self, ids: list[int] | torch.Tensor, items: list[ForwardItem], k: int,
                 start_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """The drafter block forward and the argmax of its ``k`` mask rows -> ``[R, k]`` int64
-        (the lm_head and the argmax inside the block's CUDA graph unless ``output_head.in_graph``
-        is off; the same tokens either way)."""
-        head = self.draft_head if output_head.in_graph else None
-        out = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, start_pos=start_pos,
-                                  head=head)[0]
-        if head is not None:
-            return out
-        return self.draft_head(out.view(len(items), k + 1, -1))
+        """The drafter block forward and the argmax of its ``k`` mask rows -> ``[R, k]`` int64."""
+        r = len(items)
+        hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, start_pos=start_pos)[0]
+        hidden = hidden.view(r, k + 1, -1)[:, 1:]
+        logits = self.drafter.lm_head_logits(hidden.reshape(r * k, -1))  # argmax: no float32 copy
+        return argmax_rows(logits).view(r, k)

@@ -76,6 +76,14 @@ def test_default_config_and_shared_memory():
     assert stg.StagedConfig(stages=8).smem_bytes(1024) == (2 * 8 + 2) * 512 * 2  # only 2 stages
 
 
+def test_one_row_config_is_the_switch_default_config_reads(monkeypatch):
+    # benchmarks A/B the parked stages through the module constant (nineteenth pass)
+    monkeypatch.setattr(stg, "ONE_ROW_CONFIG", (8, 512, 12, 4))
+    assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 12, 4)
+    assert stg.default_config(2048, 6144).smem_bytes(6144) == (12 * 8 + 16) * 512 * 2
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(16, 256, 16, 8)  # 2-4 rows: unchanged
+
+
 def test_gluon_is_detected():
     assert stg._has_gluon() == (HAS_TRITON and _importable("triton.experimental.gluon"))
 

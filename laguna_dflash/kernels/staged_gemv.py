@@ -85,6 +85,9 @@ class StagedConfig:
 # against 17.1 us behind an 8 us window, but the 4-token verify graph still slowed by 0.17 ms
 # (the least slow config, 8 x 256 with 8 parked and 4 warps, by 0.14 ms).
 MULTI_ROW_CONFIG: tuple[int, int, int, int] = (16, 256, 16, 8)
+# One row (the decode's o_proj): 8 x 512 stages, 8 parked (64 KiB), 4 warps: two programs an SM
+# next to attention (thirteenth pass, docs/PERFORMANCE.md).
+ONE_ROW_CONFIG: tuple[int, int, int, int] = (8, 512, 8, 4)
 
 
 def default_config(n: int, k: int, m: int = 1) -> StagedConfig:
@@ -92,7 +95,7 @@ def default_config(n: int, k: int, m: int = 1) -> StagedConfig:
     stages, 8 parked, 4 warps). 2-4 rows: :data:`MULTI_ROW_CONFIG`. The stage narrowed to divide
     smaller K (down to 64)."""
     del n
-    cfg = StagedConfig() if m <= 1 else StagedConfig(*MULTI_ROW_CONFIG)
+    cfg = StagedConfig(*(ONE_ROW_CONFIG if m <= 1 else MULTI_ROW_CONFIG))
     stage_k = cfg.stage_k
     while stage_k > 64 and k % stage_k:
         stage_k //= 2

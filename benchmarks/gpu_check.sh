@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_check.sh handoff    # a step-to-step hand-off: kernel boundary (normal, PDL)
 #                                           # against a persistent kernel's grid barrier (~20 s)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
+#   bash benchmarks/gpu_check.sh adaptive-ab  # adaptive K against fixed K = 0 / 3 and target-only,
+#                                           # interleaved, at L = 1, with its steps (~3.5 min)
 #   bash benchmarks/gpu_check.sh sweep      # skinny GEMM tile sweep (~3.5 min)
 #   bash benchmarks/gpu_check.sh verify     # graphs + fast-path + GEMV-MoE tests, the T = 1 MoE
 #                                           # kernel sweep, then the skinny GEMM tests (~9.5 min)
@@ -331,6 +333,10 @@ case "$stage" in
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"
     timeout 300 python benchmarks/bench_gpu_xs.py --new-tokens 32 --rounds 2 2>&1 | quiet | tail -40 ;;
+  adaptive-ab)
+    echo "== the adaptive-K engine against fixed K, interleaved, no draft accepted"
+    timeout 420 python benchmarks/bench_adaptive_ab.py --batches 1,16,64 --length 1 --rounds 2 \
+      --new-tokens 256 2>&1 | quiet | tail -14 ;;
   adaptive)
     echo "== the adaptive-K engine against target-only"
     timeout 300 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 1,16 \

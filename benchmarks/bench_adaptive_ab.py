@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import decode_tokens_per_s, write_xs_configs
+from bench_gpu_xs import add_xs_pair_args, decode_tokens_per_s, write_xs_configs
 
 from laguna_dflash import LLM
 from laguna_dflash.engine.adaptive_k import AdaptiveK
@@ -67,12 +67,7 @@ def main() -> None:
     ap.add_argument("--length", type=float, default=1.0, help="simulated acceptance length L")
     ap.add_argument("--fixed-k", type=int, default=3, help="the fixed K > 0 row")
     ap.add_argument("--max-k", type=int, default=15, help="the adaptive engine's K_max")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=256, help="tokens a request per timed run")
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
-    ap.add_argument("--device", default="cuda")
+    add_xs_pair_args(ap, new_tokens=256, rounds=2, new_tokens_help="tokens a request per timed run")
     args = ap.parse_args()
     cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]

@@ -75,6 +75,19 @@ def xs_draft_config(num_target_layers: int) -> dict:
     }
 
 
+def add_xs_pair_args(ap: argparse.ArgumentParser, new_tokens: int, rounds: int,
+                     new_tokens_help: str) -> None:
+    """The options of the one-process A/B scripts on the XS-2.1 pair (bench_taps.py,
+    bench_adaptive_ab.py): rounds, context, tokens a run, layers, the CPU wiring check's width
+    and the device."""
+    ap.add_argument("--rounds", type=int, default=rounds, help="timed rounds after the warm-up round")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens, help=new_tokens_help)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
+    ap.add_argument("--device", default="cuda")
+
+
 def write_xs_configs(directory: Path, num_layers: int, hidden: int = 2048) -> tuple[Path, Path, dict]:
     """Write the XS-2.1-shaped target and drafter ``config.json`` under ``directory/target`` and
     ``directory/draft`` (for ``load_format="dummy"``) -> (target dir, drafter dir, target config).

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import prefill_time, set_graphs, step_time, write_xs_configs
+from bench_gpu_xs import add_xs_pair_args, prefill_time, set_graphs, step_time, write_xs_configs
 
 from laguna_dflash import LLM
 from laguna_dflash.models import decoder, fusion
@@ -47,12 +47,7 @@ IMPLEMENTATIONS = {"next norm's sum": decoder.run_layers, "add per tap": run_lay
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batches", default="1,4", help="batch sizes of the prefill rows")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up round")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=64, help="decode steps timed per cell")
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
-    ap.add_argument("--device", default="cuda")
+    add_xs_pair_args(ap, new_tokens=64, rounds=3, new_tokens_help="decode steps timed per cell")
     args = ap.parse_args()
     cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]

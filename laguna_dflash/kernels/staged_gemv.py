@@ -86,7 +86,8 @@ class StagedConfig:
 # (the least slow config, 8 x 256 with 8 parked and 4 warps, by 0.14 ms).
 MULTI_ROW_CONFIG: tuple[int, int, int, int] = (16, 256, 16, 8)
 # One row (the decode's o_proj): 8 x 512 stages, 8 parked (64 KiB), 4 warps: two programs an SM
-# next to attention (thirteenth pass, docs/PERFORMANCE.md).
+# next to attention (thirteenth pass, docs/PERFORMANCE.md). 10 and 12 parked stages made the
+# decode replay 0.03-0.04 ms slower (nineteenth pass): they crowd out attention and the merge.
 ONE_ROW_CONFIG: tuple[int, int, int, int] = (8, 512, 8, 4)
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh all-tests  # every test file with CUDA tests, 12 pytest-xdist
+#                                           # workers (carry pytest-xdist and execnet wheels in
+#                                           # .whl/); full log in $OUT/gpu_all.log
 #   bash benchmarks/gpu_check.sh profile    # batch-1 step: replay vs floor, per-kernel table,
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
@@ -317,6 +320,15 @@ case "$stage" in
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
       --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
+  all-tests)
+    echo "== every test file with CUDA tests (and their interpreter / CPU cases)"
+    log=${OUT:-/tmp}/gpu_all.log
+    timeout 560 python -m pytest -q -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 \
+      tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_inference_fusion.py \
+      tests/test_dflash_reference.py tests/test_kernel_*.py >"$log" 2>&1
+    echo "pytest exit ${?} (124: cut by the time limit)"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$log" | tail -40
+    sed -n '/slowest/,/^$/p' "$log" | head -12 ;;
   final)
     bash "$0" final-tests
     bash "$0" bench ;;

@@ -72,7 +72,9 @@ def ptxas_spills(ptx: str) -> list[int]:
         with open(path, "w") as f:
             f.write(ptx)
         proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True)
+    if proc.returncode != 0:  # the message, not only the exit status, in the test's failure
+        raise RuntimeError(f"ptxas exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     return [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
 
 

@@ -68,13 +68,16 @@ def _timed_generate(llm: LLM, prompts: list[str], params: SamplingParams, batch_
 
 def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 128,
               batch_size: int = 1, num_speculative_tokens: int | None = None,
-              device: str = "cpu", dtype: str = "float32", adaptive_k: bool = False,
-              attention_backend: str = "auto", enforce_eager: bool = False) -> BenchResult:
-    """Greedy decode every prompt with and without the drafter; decode time excludes prefill."""
+              adaptive_k: bool = False, **engine_options) -> BenchResult:
+    """Greedy decode every prompt with and without the drafter; decode time excludes prefill.
+
+    ``engine_options`` go to both ``LLM``s unchanged (``device``, ``dtype``, ``max_model_len``,
+    ``block_size``, ``num_kv_blocks``, ``attention_backend``, ``enforce_eager``, ``load_format``),
+    so the two runs differ only in the drafter.
+    """
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    engine_options = dict(attention_backend=attention_backend, enforce_eager=enforce_eager)
-    base = LLM(model, device=device, dtype=dtype, **engine_options)
-    spec = LLM(model, draft=draft, device=device, dtype=dtype, **engine_options,
+    base = LLM(model, **engine_options)
+    spec = LLM(model, draft=draft, **engine_options,
                num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k)
     warm = prompts[: min(2, len(prompts))]
     _timed_generate(base, warm, params, batch_size)

@@ -59,7 +59,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="auto (paged Triton kernels on a GPU, torch SDPA elsewhere) | torch_sdpa | triton")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode-phase forwards eagerly instead of replaying CUDA graphs (GPU)")
+    p.add_argument("--load-format", default=EngineConfig.load_format, choices=("auto", "dummy"),
+                   help="auto: read the checkpoint's weights; dummy: read only config.json (and the "
+                        "tokenizer) and fill the weights with seeded random values at real shapes, "
+                        "on the device (benchmarking without weights, as vLLM's --load-format dummy)")
     p.add_argument("--log-level", default="WARNING")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The shared engine flags (:func:`add_engine_args`) as ``LLM`` keyword arguments."""
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                load_format=args.load_format)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,13 +163,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.num_speculative_tokens is not None and draft is None:
         raise ValueError("--num-speculative-tokens needs --draft DIR (and no --no-spec)")
     t0 = time.perf_counter()
-    llm = LLM(model=model, draft=draft, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
+    llm = LLM(model=model, draft=draft, **engine_options(args),
+              num_speculative_tokens=args.num_speculative_tokens,
               adaptive_k=args.adaptive_k and draft is not None,
               simulate_acceptance_length=args.simulate_acceptance_length if draft else None,
-              block_size=args.block_size,
-              num_kv_blocks=args.num_kv_blocks, trace=args.trace,
-              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+              trace=args.trace)
     load_s = time.perf_counter() - t0
     if prompt is not None:
         out = llm.generate(prompts=[prompt], sampling_params=params)[0]
@@ -168,9 +178,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
                "decode_tokens_per_s": decode_tps}
     if compare and draft is not None:
-        base = LLM(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        base = LLM(model=model, **engine_options(args))
         base_out = (base.generate(prompts=[prompt], sampling_params=params)[0] if prompt is not None
                     else base.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0])
         base_s = base.get_metrics()["decode_s"]
@@ -216,8 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = heldout_prompts()
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
-                       args.num_speculative_tokens, args.device, args.dtype, args.adaptive_k,
-                       args.attention_backend, args.enforce_eager)
+                       args.num_speculative_tokens, args.adaptive_k, **engine_options(args))
     if args.plot:
         save_acceptance_plot(result, args.plot)
     print(json.dumps(result.as_dict()) if args.json else format_result(result))

@@ -67,3 +67,64 @@ def test_generate_without_model_uses_demo_dir(pair, capsys, monkeypatch, tmp_pat
     monkeypatch.setenv("LAGUNA_DFLASH_DEMO_DIR", str(tmp_path / "missing"))
     assert main(["generate", "--prompt-ids", "1"]) == 2
     assert "embedded demo pair" in capsys.readouterr().err
+
+
+def _config_only(src, dst):
+    """A checkpoint directory as a user has it before the weights are downloaded: config only."""
+    dst.mkdir()
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    return dst
+
+
+def test_load_format_dummy_reads_only_config(pair, tmp_path, capsys):
+    """``--load-format dummy`` builds both models from config.json alone (seeded, so the same
+    weights every time: two runs agree, and DFlash output equals target-only); without the
+    flag the same directories fail with one error line naming the missing weights."""
+    target = _config_only(pair[0], tmp_path / "target")
+    draft = _config_only(pair[1], tmp_path / "draft")
+    argv = ["generate", "--model", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "8", "--ignore-eos", "--json", "--compare"]
+    runs = []
+    for _ in range(2):
+        assert main([*argv, "--load-format", "dummy"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert len(runs[0]["token_ids"]) == 8 and runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[0]["timings"]["outputs_identical"] is True
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "error:" in err and "safetensors" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--load-format", "random"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--load-format" in err and "'dummy'" in err
+
+
+def test_bench_passes_every_engine_flag_to_both_runs(pair, tmp_path, capsys, monkeypatch):
+    """bench's two LLMs get the same engine flags (max model length, KV blocks, load format...):
+    the runs differ only in the drafter."""
+    from laguna_dflash import bench as bench_module
+    from laguna_dflash import llm as llm_module
+
+    seen = []
+
+    class RecordingLLM(llm_module.LLM):
+        def __init__(self, model, **kwargs):
+            seen.append(kwargs)
+            super().__init__(model, **kwargs)
+
+    monkeypatch.setattr(bench_module, "LLM", RecordingLLM)
+    monkeypatch.setattr(llm_module.LLM, "encode", lambda self, text: [int(t) for t in text.split()])
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["5 6 7 8", "9 10 11"]))
+    target = _config_only(pair[0], tmp_path / "target")
+    draft = _config_only(pair[1], tmp_path / "draft")
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--max-model-len", "96", "--num-kv-blocks", "40",
+                 "--block-size", "8", "--load-format", "dummy", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["outputs_identical"] is True
+    assert len(seen) == 2 and "draft" in seen[1] and "draft" not in seen[0]
+    for kwargs in seen:
+        assert kwargs["max_model_len"] == 96 and kwargs["num_kv_blocks"] == 40
+        assert kwargs["block_size"] == 8 and kwargs["load_format"] == "dummy"

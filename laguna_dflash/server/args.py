@@ -78,6 +78,9 @@ class ServerConfig:
             "num_kv_blocks": e.num_kv_blocks or "auto",
             "max_num_seqs": e.max_num_seqs,
             "max_num_batched_tokens": e.max_num_batched_tokens,
+            "attention_backend": e.attention_backend,
+            "enforce_eager": e.enforce_eager,
+            "load_format": e.load_format,
             "speculative_method": "dflash" if spec.config is not None else "off",
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
@@ -224,6 +227,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         seed=args.seed,
         attention_backend=getattr(args, "attention_backend", EngineConfig.attention_backend),
         enforce_eager=getattr(args, "enforce_eager", False),
+        load_format=getattr(args, "load_format", EngineConfig.load_format),
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

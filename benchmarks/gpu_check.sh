@@ -4,6 +4,10 @@
 #   bash benchmarks/gpu_check.sh all-tests  # every test file with CUDA tests, 12 pytest-xdist
 #                                           # workers (carry pytest-xdist and execnet wheels in
 #                                           # .whl/); full log in $OUT/gpu_all.log
+#   bash benchmarks/gpu_check.sh serve      # `serve --load-format dummy` at XS-2.1 size: three
+#                                           # servers (DFlash, target-only, adaptive K), the same
+#                                           # requests, lossless and error checks (~6 min; carry
+#                                           # fastapi / uvicorn wheels in .whl/serve/)
 #   bash benchmarks/gpu_check.sh profile    # batch-1 step: replay vs floor, per-kernel table,
 #                                           # skinny GEMM vs cuBLAS A/B (~2.5 min)
 #   bash benchmarks/gpu_check.sh bench      # XS-2.1 size: floor, DFlash steps, interleaved
@@ -320,6 +324,13 @@ case "$stage" in
     echo "== where the batch-1 decode step goes (and the skinny GEMM against cuBLAS)"
     timeout 160 python benchmarks/profile_decode_xs.py --top 14 \
       --switch "laguna_dflash.models.layers:use_skinny_gemm=False" 2>&1 | quiet | tail -60 ;;
+  serve)
+    echo "== the OpenAI server at XS-2.1 size with dummy weights"
+    if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
+      python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
+    fi
+    timeout 560 python benchmarks/serve_smoke_xs.py --adaptive-k --log-dir "${OUT:-/tmp}/serve-logs" \
+      2>&1 | quiet | tail -20 ;;
   all-tests)
     echo "== every test file with CUDA tests (and their interpreter / CPU cases)"
     log=${OUT:-/tmp}/gpu_all.log

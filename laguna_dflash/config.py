@@ -36,6 +36,25 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``--device`` as a torch device with its index: ``"cuda"`` becomes the current CUDA device.
+
+    The index matters beyond the loading thread: the server's engine thread selects its device
+    with ``torch.cuda.set_device``, which refuses a CUDA device without one.
+    """
+    resolved = torch.device(device)
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} was requested but CUDA is not available; use --device cpu")
+    if resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s); use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return resolved
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM semantics). ``temperature == 0`` means greedy."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import EngineConfig, SamplingParams, resolve_dtype
+from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -86,9 +86,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was requested but CUDA is not available; use --device cpu")
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         info = describe_checkpoint(config.model, config.load_format)
         if info.architecture in DRAFT_ARCHITECTURES:

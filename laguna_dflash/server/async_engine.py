@@ -178,15 +178,16 @@ class AsyncEngine:
 
     def _run(self) -> None:
         logger.info("engine loop started")
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)  # the current device is per thread
         try:
+            if self.engine.device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(self.engine.device)
             with torch.inference_mode():  # thread-local, so entered here
                 self._loop()
         except BaseException as e:
-            self.fatal_error = e
+            self.fatal_error = e  # /health answers 503 from now on
             logger.exception("engine loop died")
-            raise
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: not ours to swallow
+                raise
         finally:
             self._fail_all(503, "the server is shutting down")
             self._publish_snapshot()

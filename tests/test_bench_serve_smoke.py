@@ -1,0 +1,60 @@
+"""benchmarks/serve_smoke_xs.py: the real ``serve`` command with dummy weights, at CPU size.
+
+One run starts three servers (DFlash, target-only, DFlash with adaptive K) as subprocesses and
+every check passes; with one server's tokens changed the same checks fail and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import serve_smoke_xs  # noqa: E402
+
+SCRIPT = Path(serve_smoke_xs.__file__)
+TINY = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--hidden", "256",
+        "--prompt-len", "24", "--max-tokens", "6", "--concurrency", "3"]
+
+
+def test_three_servers_pass_every_check(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--adaptive-k", "--log-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    servers = [r.split("|")[1].strip() for r in rows if r.split("|")[2].strip().replace(".", "").isdigit()]
+    assert servers == ["DFlash", "target-only", "DFlash, adaptive K"]
+    checks = [r for r in rows if r.endswith("| pass |") or r.endswith("| FAIL |")]
+    assert len(checks) == 8 and all(r.endswith("| pass |") for r in checks)
+    assert '"param": "max_tokens"' in proc.stdout
+    assert sorted(p.name for p in tmp_path.glob("server-*.log")) == [
+        "server-DFlash, adaptive K.log", "server-DFlash.log", "server-target-only.log"]
+
+
+def test_a_changed_token_fails_the_checks(monkeypatch, capsys) -> None:
+    class FakeServer:
+        def __init__(self, flags, log, start_timeout):
+            self.flags, self.start_s = flags, 0.1
+
+        def stop(self):
+            pass
+
+    def fake_requests(server, prompts, max_tokens, timeout):
+        tokens = [7] * max_tokens
+        if "--draft" in server.flags:
+            tokens = [8] + tokens[1:]  # DFlash differs in its first token
+        return {"single": tokens, "single_s": 1.0, "repeat": tokens, "stream": tokens,
+                "batch": [tokens] * len(prompts), "batch_s": 1.0, "bad_status": 400,
+                "bad_message": "max_tokens", "after_bad": tokens,
+                "metrics": {"num_drafts": 3.0 if "--draft" in server.flags else 0.0}}
+
+    monkeypatch.setattr(serve_smoke_xs, "Server", FakeServer)
+    monkeypatch.setattr(serve_smoke_xs, "run_requests", fake_requests)
+    monkeypatch.setattr(sys, "argv", ["serve_smoke_xs.py", *TINY])
+    assert serve_smoke_xs.main() == 1
+    out = capsys.readouterr().out
+    assert "| greedy single request, DFlash = target-only | FAIL |" in out
+    assert "| 3 concurrent requests, DFlash = target-only | FAIL |" in out
+    assert "| streamed tokens = non-streamed | pass |" in out

@@ -13,8 +13,10 @@ dummy pair has no tokenizer), one at a time:
 * a bad request (``max_tokens: -1``): a 400 naming the field, then one more good request;
 * ``/metrics``: the spec-decode counters.
 
-Greedy output must be the same token for token from both servers (lossless through the HTTP
-path). Prints one table; exits 1 if any check failed. The servers use random weights, so
+In float32, greedy output must be the same token for token from every server (lossless
+through the HTTP path). In bf16 that equality is measured, not required: the kernels differ by
+token count, so the rounding does too (``--expect-exact`` requires it anyway). Prints one
+table; exits 1 if any check failed. The servers use random weights, so
 drafts are almost never accepted: the tokens/s say what the serving path costs, not DFlash's
 gain (``bench_gpu_xs.py --simulated`` measures that).
 """
@@ -158,6 +160,11 @@ def run_requests(server: Server, prompts: list[list[int]], max_tokens: int, time
     return res
 
 
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (None if equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -173,6 +180,9 @@ def main() -> int:
     ap.add_argument("--adaptive-k", action="store_true",
                     help="a third server: the drafter with --adaptive-k (no draft is accepted with "
                          "random weights, so it should run at about target-only speed)")
+    ap.add_argument("--expect-exact", action="store_true",
+                    help="count token-for-token equality across paths as a check in bf16 / fp16 too "
+                         "(always a check in float32)")
     ap.add_argument("--log-dir", default=None, help="where the server logs go (default: a temp dir)")
     args = ap.parse_args()
 
@@ -201,13 +211,21 @@ def main() -> int:
             server.stop()
 
     spec, base = results["DFlash"], results["target-only"]
+    # Token-for-token equality across paths (a decode step, a verify, another batch size, another
+    # K): the engine's kernels differ by token count, so only float32 is bitwise the same path to
+    # path; in bf16 the rounding differs in the last bits and, at random weights, the MoE routing
+    # turns that into other tokens (docs/PERFORMANCE.md, twentieth pass). So these rows are
+    # checks in float32 and measurements otherwise (or with --expect-exact).
+    exact = {
+        "greedy single request, DFlash = target-only": [first_diff(r["single"], base["single"])
+                                                        for r in results.values()],
+        "repeated request gives the same tokens": [first_diff(r["single"], r["repeat"])
+                                                   for r in results.values()],
+        f"{args.concurrency} concurrent requests, DFlash = target-only": [
+            first_diff(a, b) for r in results.values() for a, b in zip(r["batch"], base["batch"])],
+    }
     checks = {
-        "greedy single request, DFlash = target-only": all(
-            r["single"] == base["single"] for r in results.values()),
-        "repeated request gives the same tokens": all(r["repeat"] == r["single"] for r in results.values()),
         "streamed tokens = non-streamed": all(r["stream"] == r["single"] for r in results.values()),
-        f"{args.concurrency} concurrent requests, DFlash = target-only": all(
-            r["batch"] == base["batch"] for r in results.values()),
         "every request has max_tokens tokens": all(
             len(t) == args.max_tokens for r in results.values() for t in [r["single"], *r["batch"]]),
         "bad request: 400 naming max_tokens": all(
@@ -217,6 +235,9 @@ def main() -> int:
         "spec-decode counters count drafts": spec["metrics"].get("num_drafts", 0) > 0
         and base["metrics"].get("num_drafts", 0) == 0,
     }
+    expect_exact = args.expect_exact or args.dtype == "float32"
+    for name, diffs in exact.items():
+        checks[name] = all(d is None for d in diffs)
     print(f"## serve smoke: {args.num_layers} layers, hidden {args.hidden}, {args.dtype} on {args.device}, "
           f"prompt {args.prompt_len} tokens, {args.max_tokens} new tokens")
     print("| server | start s | 1 request tok/s (with its prefill) | " f"{args.concurrency} concurrent tok/s | drafts | accepted |")
@@ -228,9 +249,17 @@ def main() -> int:
               f"{m.get('num_drafts', 0):.0f} | {m.get('num_accepted_tokens', 0):.0f} |")
     print("| check | result |\n|---|---|")
     for name, ok in checks.items():
-        print(f"| {name} | {'pass' if ok else 'FAIL'} |")
+        if name in exact and not expect_exact:
+            diffs = exact[name]
+            parted = [d for d in diffs if d is not None]
+            verdict = ("equal" if not parted else
+                       f"measured: {len(parted)} of {len(diffs)} differ, first at token {min(parted)}")
+            print(f"| {name} | {verdict} |")
+        else:
+            print(f"| {name} | {'pass' if ok else 'FAIL'} |")
     print(f"bad request answer: {spec['bad_message']}")
-    return 0 if all(checks.values()) else 1
+    counted = [n for n in checks if expect_exact or n not in exact]
+    return 0 if all(checks[n] for n in counted) else 1
 
 
 if __name__ == "__main__":

@@ -295,6 +295,27 @@ def test_graphed_spec_is_lossless_in_float32(pair):
 
 
 @needs_cuda
+def test_float32_verify_past_the_fused_moe_pair_limit_is_captured(pair, monkeypatch):
+    """float32 has no grouped GEMM, so a forward with more pairs than ``fused_moe_max_pairs``
+    (a verify of several sequences) used the per-expert loop, which syncs with the host and
+    failed the CUDA-graph capture (found serving XS-2.1 widths in float32). Now the fused
+    kernels take it: graphed speculation still equals target-only."""
+    from laguna_dflash.models.layers import MoE
+
+    monkeypatch.setattr(MoE, "fused_moe_max_pairs", 8)  # every verify here is past it
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = LLM(target, device="cuda", max_num_seqs=8)
+    spec = LLM(target, draft=draft, device="cuda", num_speculative_tokens=BLOCK_SIZE - 1, max_num_seqs=8)
+    prompts = _prompts(5, seed=21)
+    want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+    got = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    # the verify forwards (q > 1 tokens a sequence, several sequences) were graphed
+    assert any(r_pad > 1 and q > 1 for r_pad, q, *_ in spec.engine.runner.graphs.graphs)
+
+
+@needs_cuda
 def test_fused_elementwise_chains_match_eager_on_cuda():
     """Each torch.compile'd chain (models/fusion.py) equals its eager body in float32."""
     from laguna_dflash.models import fusion as f

@@ -405,3 +405,33 @@ def test_failed_step_names_its_requests(tmp_path, monkeypatch):
     with pytest.raises(StepError, match="injected") as info:
         engine.step()
     assert info.value.sequences == seqs
+
+
+def test_moe_takes_the_fused_kernels_where_the_other_paths_would_sync(monkeypatch):
+    """The MoE path choice on a GPU (faked here): up to ``fused_moe_max_pairs`` pairs the fused
+    kernels; past it the grouped GEMM where it runs, else still the fused kernels (the loop
+    syncs with the host, which a CUDA-graph capture refuses)."""
+    from laguna_dflash.kernels import fused_moe
+    from laguna_dflash.models import layers
+    from laguna_dflash.models.laguna import LagunaForCausalLM
+    from laguna_dflash.models.random_init import tiny_laguna_config
+
+    model = LagunaForCausalLM.from_config(tiny_laguna_config())
+    moe = next(m for m in model.modules() if isinstance(m, layers.MoE))
+    moe.eval()
+
+    class OnCuda(torch.Tensor):
+        is_cuda = True
+
+    monkeypatch.setattr(fused_moe, "is_available", lambda device: True)
+    pairs_per_token = moe.top_k + (moe.gate_up_with_shared is not None)
+    few = torch.zeros(moe.fused_moe_max_pairs // pairs_per_token, 4).as_subclass(OnCuda)
+    many = torch.zeros(moe.fused_moe_max_pairs // pairs_per_token + 1, 4).as_subclass(OnCuda)
+    with torch.no_grad():
+        for grouped in (True, False):
+            monkeypatch.setattr(layers, "grouped_mm_available", lambda x, g=grouped: g)
+            assert moe._fused_kernels_run(few)
+            assert moe._fused_kernels_run(many) is (not grouped)
+        assert not moe._fused_kernels_run(torch.zeros(2, 4))  # a CPU tensor
+    with torch.enable_grad():
+        assert not moe._fused_kernels_run(few)  # training-style calls keep the reference paths

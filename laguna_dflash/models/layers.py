@@ -332,15 +332,15 @@ class MoE(nn.Module):
         self.gate_up_with_shared, self.down_with_shared = gate_up, down
 
     def _fused_kernels_run(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and self.use_fused_moe and not self.training
+                and not torch.is_grad_enabled() and fused_moe.is_available(x.device)):
+            return False
         num_pairs = x.shape[0] * (self.top_k + (self.gate_up_with_shared is not None))
-        return (
-            x.is_cuda
-            and self.use_fused_moe
-            and not self.training
-            and not torch.is_grad_enabled()
-            and num_pairs <= self.fused_moe_max_pairs
-            and fused_moe.is_available(x.device)
-        )
+        # Past ``fused_moe_max_pairs`` the grouped GEMM is faster where it runs (half precision,
+        # sm90+). Elsewhere (float32, sm80) the other paths sync with the host (the per-expert
+        # loop: no CUDA-graph capture) or read T*k expert matrices (the gather), so the fused
+        # kernels take every size there.
+        return num_pairs <= self.fused_moe_max_pairs or not grouped_mm_available(x)
 
     def forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. ``keep_pairs``: the fused path may return its pairs

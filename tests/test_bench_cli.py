@@ -128,3 +128,28 @@ def test_bench_passes_every_engine_flag_to_both_runs(pair, tmp_path, capsys, mon
     for kwargs in seen:
         assert kwargs["max_model_len"] == 96 and kwargs["num_kv_blocks"] == 40
         assert kwargs["block_size"] == 8 and kwargs["load_format"] == "dummy"
+
+
+@pytest.mark.parametrize("dtype,expected", [
+    ("float32", "TOKENS DIFFER from target-only"),
+    ("bfloat16", "tokens differ from target-only (bfloat16 rounds differently per batch shape; "
+                 "exact in float32)"),
+])
+def test_generate_compare_names_why_tokens_differ(pair, capsys, monkeypatch, dtype, expected):
+    """A difference is an alarm in float32 (lossless is exact there) and expected rounding in
+    half precision; the stats line says which (the target-only run's tokens are altered here)."""
+    from laguna_dflash import llm as llm_module
+
+    real_generate = llm_module.LLM.generate
+
+    def altered(self, *args, **kwargs):
+        outs = real_generate(self, *args, **kwargs)
+        if self.config.speculative is None:
+            outs[0].token_ids[-1] += 1
+        return outs
+
+    monkeypatch.setattr(llm_module.LLM, "generate", altered)
+    target, draft = pair
+    assert main(["generate", "--model", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7",
+                 "--max-new-tokens", "6", "--ignore-eos", "--compare", "--dtype", dtype]) == 0
+    assert expected in capsys.readouterr().err

@@ -83,6 +83,11 @@
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 set -u
 stage=${1:-tests}
+# the stages are this script's case labels (two-space indent, "name)" alone on the line)
+stages=$(sed -n 's/^  \([a-z0-9-]*\))$/\1/p' "$0" | tr '\n' ' ')
+if ! [[ " $stages " == *" $stage "* ]]; then
+  echo "unknown stage $stage: one of: $stages"; exit 2
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -391,5 +396,5 @@ case "$stage" in
     timeout 230 python benchmarks/profile_decode_xs.py --top 8 --new-tokens 64 --switch "$N=False" \
       --switch "$P=False" --switch "$N=False;$P=False" --switch "$N=True" 2>&1 | quiet \
       | grep -E "^\||^##|equal|kernels per|bandwidth" | grep -v "^| kernel\|^|---" | head -60 ;;
-  *) echo "unknown stage $stage: tests | verify | final | profile | bench | adaptive | sweep | moe | pdl | norms | host | ctxstore | ahead | decode-ahead | prefetch | fusions | preload | moetiles | span | metadata"; exit 2 ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -35,13 +35,32 @@ def build_serving(config: ServerConfig, engine: LLMEngine | None = None,
     return Serving(AsyncEngine(engine, metrics, config.log_stats_interval_s), tokenizer, config)
 
 
-def serve(config: ServerConfig) -> int:
-    """Run the server in the foreground until interrupted."""
-    app = build_app(build_serving(config))
+def serve(config: ServerConfig, watch_interval_s: float = 0.5) -> int:
+    """Run the server in the foreground until interrupted (exit code 0), or until the engine
+    loop dies (exit code 1): a server that can only answer 503 shuts down, so that a supervisor
+    restarts it instead of probing a zombie (vLLM's API server does the same)."""
+    serving = build_serving(config)
+    server = uvicorn.Server(uvicorn.Config(build_app(serving), host=config.host, port=config.port,
+                                           log_level=config.uvicorn_log_level,
+                                           timeout_graceful_shutdown=5))
+    engine = serving.engine
+    stopped = threading.Event()
+
+    def watch() -> None:
+        while not stopped.wait(watch_interval_s):
+            if engine.fatal_error is not None:
+                logger.error("the engine loop died (%s: %s); shutting the server down",
+                             type(engine.fatal_error).__name__, engine.fatal_error)
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
     logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    try:
+        server.run()
+    finally:
+        stopped.set()
+    return 1 if engine.fatal_error is not None else 0
 
 
 class ServerThread:

@@ -25,6 +25,7 @@ def test_three_servers_pass_every_check(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     servers = [r.split("|")[1].strip() for r in rows if r.split("|")[2].strip().replace(".", "").isdigit()]
+    assert all(len(r.split("|")) == 9 for r in rows if r.split("|")[1].strip() in servers)  # 7 columns
     assert servers == ["DFlash", "target-only", "DFlash, adaptive K"]
     checks = [r for r in rows if r.endswith("| pass |") or r.endswith("| FAIL |")]
     assert len(checks) == 8 and all(r.endswith("| pass |") for r in checks)
@@ -45,7 +46,7 @@ def test_a_changed_token_fails_the_checks(monkeypatch, capsys) -> None:
         tokens = [7] * max_tokens
         if "--draft" in server.flags:
             tokens = [8] + tokens[1:]  # DFlash differs in its first token
-        return {"single": tokens, "single_s": 1.0, "repeat": tokens, "stream": tokens,
+        return {"single": tokens, "single_s": 1.0, "repeat": tokens, "repeat_s": 0.5, "stream": tokens,
                 "batch": [tokens] * len(prompts), "batch_s": 1.0, "bad_status": 400,
                 "bad_message": "max_tokens", "after_bad": tokens,
                 "metrics": {"num_drafts": 3.0 if "--draft" in server.flags else 0.0}}

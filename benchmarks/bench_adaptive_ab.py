@@ -23,9 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import add_xs_pair_args, decode_tokens_per_s, write_xs_configs
+from bench_gpu_xs import add_xs_pair_args, decode_tokens_per_s, xs_pair_llm
 
-from laguna_dflash import LLM
 from laguna_dflash.engine.adaptive_k import AdaptiveK
 from laguna_dflash.engine.ahead import DraftsAhead
 
@@ -69,15 +68,10 @@ def main() -> None:
     ap.add_argument("--max-k", type=int, default=15, help="the adaptive engine's K_max")
     add_xs_pair_args(ap, new_tokens=256, rounds=2, new_tokens_help="tokens a request per timed run")
     args = ap.parse_args()
-    cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        tdir, ddir, tcfg = write_xs_configs(Path(tmp), args.layers, args.hidden)
-        mb = max(batches)
         span = args.context + args.new_tokens + 2 * args.max_k + 16
-        llm = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
-                  device=args.device, load_format="dummy", max_model_len=span, max_num_seqs=mb,
-                  num_speculative_tokens=args.max_k, num_kv_blocks=(span + 64) // 16 * (mb + 1))
+        llm, tcfg = xs_pair_llm(args, Path(tmp), span, max(batches), num_speculative_tokens=args.max_k)
         engine = llm.engine
         proposer, taps = engine.proposer, engine.tap_layer_ids
         log = StepLog(engine)

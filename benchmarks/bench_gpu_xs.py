@@ -88,6 +88,20 @@ def add_xs_pair_args(ap: argparse.ArgumentParser, new_tokens: int, rounds: int,
     ap.add_argument("--device", default="cuda")
 
 
+def xs_pair_llm(args: argparse.Namespace, directory: Path, max_model_len: int, max_num_seqs: int,
+                **options) -> tuple[LLM, dict]:
+    """The XS-2.1 pair of the one-process A/B scripts (:func:`add_xs_pair_args`), dummy weights:
+    bf16 on CUDA, float32 for the CPU wiring check; KV blocks for ``max_num_seqs + 1`` requests
+    of ``max_model_len + 64`` tokens. ``options`` go to ``LLM``. -> (LLM with the drafter,
+    the target config)."""
+    tdir, ddir, tcfg = write_xs_configs(directory, args.layers, args.hidden)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    llm = LLM(str(tdir), draft=str(ddir), dtype=dtype, device=args.device, load_format="dummy",
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              num_kv_blocks=(max_model_len + 64) // 16 * (max_num_seqs + 1), **options)
+    return llm, tcfg
+
+
 def write_xs_configs(directory: Path, num_layers: int, hidden: int = 2048) -> tuple[Path, Path, dict]:
     """Write the XS-2.1-shaped target and drafter ``config.json`` under ``directory/target`` and
     ``directory/draft`` (for ``load_format="dummy"``) -> (target dir, drafter dir, target config).

@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import add_xs_pair_args, prefill_time, set_graphs, step_time, write_xs_configs
+from bench_gpu_xs import add_xs_pair_args, prefill_time, set_graphs, step_time, xs_pair_llm
 
-from laguna_dflash import LLM
 from laguna_dflash.models import decoder, fusion
 
 
@@ -49,14 +48,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4", help="batch sizes of the prefill rows")
     add_xs_pair_args(ap, new_tokens=64, rounds=3, new_tokens_help="decode steps timed per cell")
     args = ap.parse_args()
-    cpu = not args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        tdir, ddir, tcfg = write_xs_configs(Path(tmp), args.layers, args.hidden)
-        mb = max(batches)
-        spec = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
-                   device=args.device, load_format="dummy", max_model_len=args.context + 256,
-                   max_num_seqs=mb, num_kv_blocks=(args.context + 320) // 16 * (mb + 1))
+        spec, tcfg = xs_pair_llm(args, Path(tmp), args.context + 256, max(batches))
         engine = spec.engine
         proposer, taps = engine.proposer, tuple(engine.drafter.target_layer_ids)
         engine.num_speculative_tokens = 0  # the drafter loaded, not drafting

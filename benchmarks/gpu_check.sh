@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_check.sh all-tests  # every test file with CUDA tests, 12 pytest-xdist
 #                                           # workers (carry pytest-xdist and execnet wheels in
 #                                           # .whl/); full log in $OUT/gpu_all.log
+#   bash benchmarks/gpu_check.sh batch-invariant  # --batch-invariant: its CUDA tests (bitwise
+#                                           # rows; bf16 tokens alone = batched = DFlash at XS-2.1
+#                                           # widths), then bench_batch_invariant.py (~6 min)
 #   bash benchmarks/gpu_check.sh serve      # `serve --load-format dummy` at XS-2.1 size: three
 #                                           # servers (DFlash, target-only, adaptive K), the same
 #                                           # requests, lossless and error checks (~6 min; carry
@@ -336,6 +339,13 @@ case "$stage" in
     fi
     timeout 560 python benchmarks/serve_smoke_xs.py --adaptive-k --log-dir "${OUT:-/tmp}/serve-logs" \
       2>&1 | quiet | tail -20 ;;
+  batch-invariant)
+    echo "== batch-invariant mode: bitwise rows and bf16 token agreement on the GPU"
+    # -s: the XS-widths test prints how often the default kernels part
+    timeout 280 python -m pytest -v -s -p no:cacheprovider --tb=short tests/test_batch_invariant.py \
+      -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|default kernels" | tail -20
+    echo "== what it buys and costs at XS-2.1 size (40 layers, bf16)"
+    timeout 300 python benchmarks/bench_batch_invariant.py 2>&1 | quiet | tail -8 ;;
   all-tests)
     echo "== every test file with CUDA tests (and their interpreter / CPU cases)"
     log=${OUT:-/tmp}/gpu_all.log

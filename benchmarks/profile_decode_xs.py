@@ -265,6 +265,8 @@ def main() -> None:
     ap.add_argument("--drafter", action="store_true",
                     help="profile the drafter block's graph of a DFlash K step instead (module docstring)")
     ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per step")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine with EngineConfig.batch_invariant (kernels/batch_invariant.py)")
     ap.add_argument("--ncu", action="store_true",
                     help="only replay the graph once inside the NVTX range 'measure', for Nsight "
                          "Compute (bash benchmarks/gpu_check.sh ncu-decode); prints no table")
@@ -286,7 +288,8 @@ def main() -> None:
             draft = {"draft": str(Path(tmp) / "draft")}
         t0 = time.perf_counter()
         llm = LLM(tmp, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
-                  max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2, **draft)
+                  max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2,
+                  batch_invariant=args.batch_invariant, **draft)
         load_s = time.perf_counter() - t0
         prompt = torch.randint(100, 100000, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()

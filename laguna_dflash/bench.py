@@ -72,7 +72,8 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
     """Greedy decode every prompt with and without the drafter; decode time excludes prefill.
 
     ``engine_options`` go to both ``LLM``s unchanged (``device``, ``dtype``, ``max_model_len``,
-    ``block_size``, ``num_kv_blocks``, ``attention_backend``, ``enforce_eager``, ``load_format``),
+    ``block_size``, ``num_kv_blocks``, ``attention_backend``, ``enforce_eager``, ``load_format``,
+    ``batch_invariant``),
     so the two runs differ only in the drafter.
     """
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)

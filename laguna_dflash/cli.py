@@ -65,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="auto: read the checkpoint's weights; dummy: read only config.json (and the "
                         "tokenizer) and fill the weights with seeded random values at real shapes, "
                         "on the device (benchmarking without weights, as vLLM's --load-format dummy)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run the target with batch-invariant kernels: a prompt's greedy tokens are "
+                        "the same in any batch and with or without speculation, in bf16 too "
+                        "(slower; needs a CUDA GPU; as vLLM's VLLM_BATCH_INVARIANT=1)")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -73,7 +77,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                load_format=args.load_format)
+                load_format=args.load_format, batch_invariant=args.batch_invariant)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,6 +153,11 @@ class EngineConfig:
     # XS-2.1 size it cut that phase from 0.82 to 0.23 ms per batch-1 step (docs/PERFORMANCE.md);
     # False keeps it eager, as DESIGN.md first planned (its row counts vary per step).
     graph_context_precompute: bool = True
+    # Every target forward with the batch-invariant kernels (kernels/batch_invariant.py): a
+    # position's logits bitwise the same in any batch, prefill, decode or verify, so greedy DFlash
+    # equals target-only token for token in bf16 too (vLLM's VLLM_BATCH_INVARIANT). Slower
+    # (docs/PERFORMANCE.md); needs the Triton kernels (a CUDA GPU, sm80+).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

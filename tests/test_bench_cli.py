@@ -128,6 +128,7 @@ def test_bench_passes_every_engine_flag_to_both_runs(pair, tmp_path, capsys, mon
     for kwargs in seen:
         assert kwargs["max_model_len"] == 96 and kwargs["num_kv_blocks"] == 40
         assert kwargs["block_size"] == 8 and kwargs["load_format"] == "dummy"
+        assert kwargs["batch_invariant"] is False
 
 
 @pytest.mark.parametrize("dtype,expected", [

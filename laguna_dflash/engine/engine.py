@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
+from ..kernels import batch_invariant
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -112,7 +113,7 @@ class LLMEngine:
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         self.eos_token_ids = spec.eos_token_ids
-        self.backend = get_attention_backend(resolve_backend_name(config.attention_backend, self.device))
+        self.backend = get_attention_backend(self._attention_backend_name(config))
         blocks_per_seq = -(-max_positions // config.block_size)
         num_blocks = config.num_kv_blocks or self._default_num_blocks(blocks_per_seq)
         if num_blocks < blocks_per_seq:
@@ -155,14 +156,26 @@ class LLMEngine:
         self._ahead: DraftsAhead | ForwardAhead | None = None  # queued by the last step
         logger.info(
             "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s, "
-            "attention=%s, cuda graphs=%s", info.architecture, self.dtype, self.device,
-            self.max_model_len, num_blocks, config.block_size, f"dflash K={k}" if k else "off",
-            self.backend.name, self.runner.graphs is not None,
+            "attention=%s, cuda graphs=%s, batch-invariant=%s", info.architecture, self.dtype,
+            self.device, self.max_model_len, num_blocks, config.block_size,
+            f"dflash K={k}" if k else "off", self.backend.name, self.runner.graphs is not None,
+            config.batch_invariant,
         )
         if self.device.type == "cuda":
             self.warmup()
 
     # ---- setup ---------------------------------------------------------------------------------
+
+    def _attention_backend_name(self, config: EngineConfig) -> str:
+        """The backend to build; with ``batch_invariant`` the paged Triton kernels, which must
+        run here (:func:`batch_invariant.check_device`)."""
+        if not config.batch_invariant:
+            return resolve_backend_name(config.attention_backend, self.device)
+        batch_invariant.check_device(self.device)
+        if config.attention_backend == "torch_sdpa":
+            raise ValueError("batch_invariant=True (--batch-invariant) runs attention in its Triton "
+                             "kernel; drop --attention-backend torch_sdpa (or set it to triton/auto)")
+        return "triton"
 
     def warmup(self) -> None:
         """Serve two short greedy requests and forget them, so the first real request does not
@@ -284,8 +297,9 @@ class LLMEngine:
             raise RuntimeError("no free KV blocks to score the prompt; wait for running requests")
         blocks = self.allocator.allocate(need)
         try:
-            hidden, _ = self.runner.forward(token_ids, [ForwardItem(n, 0, n, blocks)])
-            return self.target.compute_logits(hidden)
+            with batch_invariant.scope(self.config.batch_invariant):
+                hidden, _ = self.runner.forward(token_ids, [ForwardItem(n, 0, n, blocks)])
+                return self.target.compute_logits(hidden)
         finally:
             self.allocator.free(blocks)
 
@@ -300,7 +314,8 @@ class LLMEngine:
         if batch is None:
             return []
         try:
-            return self._run(batch)
+            with batch_invariant.scope(self.config.batch_invariant):
+                return self._run(batch)
         except Exception as e:
             raise StepError(list(batch.sequences), e) from e
 

@@ -62,7 +62,8 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dic
     Log-probabilities of the raw model distribution (before temperature / top-k / top-p).
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+    # the engine builds ``tokens`` on the host; gathering with it on a GPU needs it there
+    chosen = logp.gather(-1, tokens.to(logp.device).view(-1, 1)).squeeze(-1).tolist()
     result = []
     if n > 0:
         vals, ids = torch.topk(logp, min(n, logp.shape[-1]), dim=-1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import batch_invariant
 from ..kernels import paged_attention as pa
 from . import attention
 from .attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
@@ -66,9 +67,15 @@ class TritonPagedBackend(AttentionBackend):
         ``is_causal=None`` takes ``meta.is_causal``. A per-head ``gate [T, num_heads]`` is applied
         in the kernel's store; a per-element one afterwards. ``prefetch`` (a weight) is brought
         into L2 by the attention programs on sm90+ (kernels/l2_prefetch.py); ``early_signal`` lets
-        the launch after the merge start early (kernels/paged_attention.py).
+        the launch after the merge start early (kernels/paged_attention.py). Inside
+        :func:`~laguna_dflash.kernels.batch_invariant.scope` the kernel runs its one
+        batch-invariant configuration (and never falls back to SDPA).
         """
+        invariant = batch_invariant.is_active()
         if not pa.is_available(q.device):
+            if invariant:
+                raise ValueError(f"batch-invariant attention needs the Triton kernels, which cannot "
+                                 f"run on {q.device}; use a CUDA GPU (sm80+) or drop batch_invariant")
             return self.fallback.attend(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
                                         sinks=sinks, is_causal=is_causal, gate=gate)
         causal = meta.is_causal if is_causal is None else is_causal
@@ -77,7 +84,7 @@ class TritonPagedBackend(AttentionBackend):
             q, k_cache, v_cache, meta.query_index, meta.query_positions, meta.key_slots,
             meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
             num_splits=self.num_splits, block_n=self.block_n, gate=gate if per_head else None,
-            prefetch=prefetch, early_signal=early_signal,
+            prefetch=prefetch, early_signal=early_signal, batch_invariant=invariant,
         )
         return out if per_head else attention.apply_output_gate(out, gate)
 

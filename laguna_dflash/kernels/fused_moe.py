@@ -237,6 +237,8 @@ def fused_moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     reduce: bool = True,
+    block_m: int | None = None,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
     """Routed experts with two Triton kernels; same contract as :func:`moe_experts_reference`.
 
@@ -249,6 +251,10 @@ def fused_moe_experts(
 
         reduce: sum over the ``k`` pairs of each token here (``False``: return the pairs, for
             a caller that fuses the sum with what follows).
+        block_m: pairs per tile (a power of two >= 16); ``None``: from ``T`` (16 .. 64). A fixed
+            value makes each pair's result independent of ``T`` (kernels/batch_invariant.py).
+        max_tokens: size the kernels' static tile loop for up to this many tokens (>= T)
+            instead of ``T``, so calls of different ``T`` share one compile; ``None``: ``T``.
 
     Returns:
         ``[T, H]`` in ``x.dtype`` (``[T, k, H]``, each pair's weighted output, when not
@@ -273,8 +279,13 @@ def fused_moe_experts(
     # each pair's weighted expert output, rounded to x.dtype like the torch path's contributions
     out_pairs = torch.empty((t, k, hidden), device=x.device, dtype=x.dtype)
     p_pad = triton.next_power_of_2(p)
-    block_m = _block_m(t)
-    m_tiles = triton.cdiv(t, block_m)
+    if block_m is None:
+        block_m = _block_m(t)
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if max_tokens is not None and max_tokens < t:
+        raise ValueError(f"max_tokens={max_tokens} is below the {t} tokens given")
+    m_tiles = triton.cdiv(max_tokens or t, block_m)  # tiles past a run are skipped at run time
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"  # cpu: the interpreter
     use_pdl = pdl.active(x.device, interpret_mode())
     bn, bk, nw, ns = _GATE_UP_CFG

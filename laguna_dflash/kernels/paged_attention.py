@@ -501,6 +501,7 @@ def paged_attention(
     gate: torch.Tensor | None = None,
     prefetch: torch.Tensor | None = None,
     early_signal: bool = False,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
@@ -533,6 +534,10 @@ def paged_attention(
             Only for a next launch that reads nothing but weights before its own wait (the
             staged o_proj, kernels/staged_gemv.py): its wait still implies that the merge, hence
             attention, completed. Changes no value.
+        batch_invariant: one launch configuration whatever ``R``, ``Qmax`` and ``Lmax``: query
+            tiles of ``64 // G`` queries (64 rows), ``block_n``-key tiles from key 0, no split-K,
+            so each query's result is bitwise the same in decode, verify and prefill and in any
+            batch (kernels/batch_invariant.py). ``num_splits`` must then be None or 1.
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
@@ -552,7 +557,13 @@ def paged_attention(
         return out.zero_()
 
     group = num_heads // kv_heads
-    block_q = _block_q(qmax, group)
+    if batch_invariant:
+        if num_splits not in (None, 1):
+            raise ValueError(f"batch_invariant attention runs without split-K; got num_splits={num_splits}")
+        num_splits = 1
+        block_q = max(1, _TARGET_ROWS // group)  # the tile of a full prefill, for every forward
+    else:
+        block_q = _block_q(qmax, group)
     block_m = max(16, _next_pow2(block_q * group))
     block_d = max(16, _next_pow2(head_dim))
     block_n = block_n or 64
@@ -595,7 +606,8 @@ def paged_attention(
         HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PRELOAD=PRELOAD_OLD_KEYS and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES),
+        PRELOAD=(PRELOAD_OLD_KEYS and not batch_invariant
+                 and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES)),
         EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS,
         num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels import batch_invariant
 from .layers import MLP, Attention, DecoderLayer, ForwardContext, MoE, RMSNorm, run_layers
 from .rope import RopeSpec, RotaryEmbedding
 
@@ -144,7 +145,10 @@ class DecoderLM(nn.Module):
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` in the weights' dtype (the engine's
-        consumers, argmax and the float32 sampling / logprob paths, widen exactly themselves)."""
+        consumers, argmax and the float32 sampling / logprob paths, widen exactly themselves);
+        row ``n``'s independent of ``N`` inside ``batch_invariant.scope``."""
+        if batch_invariant.is_active():
+            return batch_invariant.linear(hidden, self.lm_head_weight)
         return torch.nn.functional.linear(hidden, self.lm_head_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

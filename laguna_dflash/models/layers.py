@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import fused_moe, moe_gemv, moe_routing, qk_norm_rope_cache, skinny_gemm, staged_gemv
+from ..kernels import (
+    batch_invariant,
+    fused_moe,
+    moe_gemv,
+    moe_routing,
+    qk_norm_rope_cache,
+    skinny_gemm,
+    staged_gemv,
+)
 from . import fusion
 from .rope import RotaryEmbedding
 
@@ -53,7 +61,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA
     while a CUDA graph is built, with M <= 16, no bias and a shape the skinny GEMM was tuned for
     (where it beat cuBLAS on the H200: it streams the weight once, split-K reduced in the same
-    launch); otherwise ``F.linear``."""
+    launch); otherwise ``F.linear``. Inside ``batch_invariant.scope``: always
+    :func:`batch_invariant.linear` (row results independent of ``M``)."""
+    if batch_invariant.is_active():
+        return batch_invariant.linear(x, weight, bias)
     if (_num_graph_builds and bias is None and use_skinny_gemm and x.is_cuda
             and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
             and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])):
@@ -190,6 +201,7 @@ class Attention(nn.Module):
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
         staged = (t <= staged_o_proj_max_rows and use_staged_o_proj and _num_graph_builds
+                  and not batch_invariant.is_active()
                   and self.o_proj.bias is None and not torch.is_grad_enabled()
                   and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight, m=t))
         out = ctx.backend.attend(
@@ -332,6 +344,8 @@ class MoE(nn.Module):
         self.gate_up_with_shared, self.down_with_shared = gate_up, down
 
     def _fused_kernels_run(self, x: torch.Tensor) -> bool:
+        if batch_invariant.is_active():  # the engine checked that the kernels run here
+            return not self.training and not torch.is_grad_enabled()
         if not (x.is_cuda and self.use_fused_moe and not self.training
                 and not torch.is_grad_enabled() and fused_moe.is_available(x.device)):
             return False
@@ -371,7 +385,8 @@ class MoE(nn.Module):
         folded = self.gate_up_with_shared is not None
         route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
                  self.norm_topk_prob)
-        if (self.use_fused_router and x.shape[0] <= self.fused_router_max_tokens
+        invariant = batch_invariant.is_active()  # per-token paths only (no GEMV variants)
+        if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
             weights, ids = moe_routing.fused_router_route(
                 x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
@@ -381,7 +396,9 @@ class MoE(nn.Module):
                 num_shared=int(folded))
         experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
-        if self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
+        if invariant:
+            pairs = batch_invariant.moe_experts(*experts)
+        elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
             pairs = moe_gemv.moe_gemv_experts(*experts)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False)

@@ -81,6 +81,7 @@ class ServerConfig:
             "attention_backend": e.attention_backend,
             "enforce_eager": e.enforce_eager,
             "load_format": e.load_format,
+            "batch_invariant": e.batch_invariant,
             "speculative_method": "dflash" if spec.config is not None else "off",
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
@@ -228,6 +229,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         attention_backend=getattr(args, "attention_backend", EngineConfig.attention_backend),
         enforce_eager=getattr(args, "enforce_eager", False),
         load_format=getattr(args, "load_format", EngineConfig.load_format),
+        batch_invariant=bool(getattr(args, "batch_invariant", False)),
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

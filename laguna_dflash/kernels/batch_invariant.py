@@ -1,0 +1,140 @@
+"""Batch-invariant mode: every row of the target's forward computed the same way whatever the batch.
+
+Why. Greedy DFlash is lossless only if the target's logits for a position do not depend on how
+the forward that computed them was shaped. In float32 the kernels' shape-dependent summation
+orders change the logits in the last bits, which never moved a token in our measurements; in
+bf16 they move the rounding of every GEMM output and, at near-ties, the argmax: target-only
+decoding of one prompt then differs between batch 1 and batch 8, and DFlash's verify (K + 1
+rows a sequence) differs from target-only decode (1 row) in the same way (docs/PERFORMANCE.md,
+twentieth pass). vLLM (``VLLM_BATCH_INVARIANT=1``) and SGLang (``--enable-deterministic-
+inference``) answer this with kernels whose per-row reduction order is fixed; so does this mode.
+
+What changes while :func:`scope` is active (the engine enters it around every forward when
+``EngineConfig.batch_invariant``; set it with ``--batch-invariant``):
+
+* every linear layer (Q|K|V|gate, o_proj, the router, dense MLPs, the lm_head, the drafter's) is
+  :func:`linear`: the skinny GEMM's tensor-core path with ONE config per weight shape
+  (:func:`linear_config`, independent of the row count), on chunks of at most :data:`MAX_ROWS`
+  rows. The staged o_proj GEMV, the GEMV path and cuBLAS are not used.
+* the MoE experts are :func:`moe_experts`: the fused expert kernels (kernels/fused_moe.py) with a
+  fixed ``BLOCK_M`` on chunks of at most :data:`MOE_MAX_ROWS` tokens; routing takes the router GEMM
+  then the per-token routing kernel (not the fused router GEMV, not the GEMV experts, not the
+  grouped GEMM).
+* attention (kernels/paged_attention.py, ``batch_invariant=True``): one query-tile size per layer
+  (its GQA group fills 64 rows), 64-key tiles from key 0, and no split-K, for decode, verify and
+  prefill alike.
+
+Why each is invariant. A chunk's row ``m`` meets the same instructions in the same order as in
+any other chunk: the tile shapes, warps and K steps are constants of the weight shape, a
+tensor-core MMA computes each output row from that row's inputs only, and rows masked off (past
+the chunk, other queries of a tile, keys past a query's causal end) contribute exact zeros. The
+other kernels of a forward were per-row already: RMSNorm and the residual adds (one program a
+row), Q/K norm + RoPE + cache write, the routing, the argmax.
+
+Costs (measured in docs/PERFORMANCE.md): decode-phase GEMMs lose the GEMV configs tuned per row
+count, attention at batch 1 has only ``KV heads`` programs walking the whole context, and
+prefill runs its GEMMs 16 rows a launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from . import fused_moe, skinny_gemm
+
+__all__ = ["MAX_ROWS", "is_active", "linear", "linear_config", "moe_experts", "scope"]
+
+MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM / MoE launch (the skinny GEMM's 16-row tile)
+MOE_BLOCK_M = 16  # rows of a fused-MoE tile, whatever the chunk's token count
+# Tokens of one fused-MoE launch. Each launch reads every expert it hits once per 16-pair tile
+# of its run, so prefill reads the experts ceil(T / MOE_MAX_ROWS) times: at 16 tokens a launch
+# a 1k-token XS-2.1 prefill took 509 ms against 63 ms with the default kernels (H200). Larger
+# chunks cost each program a longer scan of the chunk's expert ids (kernels/fused_moe.py).
+MOE_MAX_ROWS = 256
+
+_active = False
+
+
+def is_active() -> bool:
+    """Whether the forward running now must be batch-invariant (inside :func:`scope`)."""
+    return _active
+
+
+@contextlib.contextmanager
+def scope(on: bool = True) -> Iterator[None]:
+    """Run the enclosed forwards batch-invariant (``on``) or with the fast shape-tuned kernels;
+    restores the previous mode on exit (engines of both kinds may share a process)."""
+    global _active
+    previous, _active = _active, bool(on)
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def check_device(device: torch.device) -> None:
+    """Raise ``ValueError`` (naming the fix) unless this mode's kernels run on ``device``: the
+    skinny GEMM, the fused MoE and the paged attention (CUDA sm80+, or a CPU under
+    ``TRITON_INTERPRET=1``, which the tests use)."""
+    from .paged_attention import is_available as attention_runs
+
+    if device.type == "cuda":
+        runs = skinny_gemm.is_available(device) and attention_runs(device) and fused_moe.HAS_TRITON
+    else:
+        runs = skinny_gemm.is_available(device) and attention_runs(device)
+    if not runs:
+        where = "this GPU (it needs sm80+ and triton)" if device.type == "cuda" else f"{device}"
+        raise ValueError(
+            f"batch_invariant=True (--batch-invariant) needs the Triton kernels, which do not run "
+            f"on {where}; use --device cuda on a GPU of sm80+, or drop --batch-invariant (on the "
+            "CPU, --dtype float32 gives the same tokens in every batch we measured)")
+
+
+@functools.lru_cache(maxsize=1024)
+def linear_config(n: int, k: int) -> skinny_gemm.SkinnyConfig:
+    """The one skinny-GEMM config of weight shape ``[n, k]`` in this mode: the 16-row config
+    (measured where the table has it) on the tensor-core path, whatever the row count."""
+    return dataclasses.replace(skinny_gemm.default_config(MAX_ROWS, n, k), use_dot=True)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype, row ``m`` bitwise the
+    same for any ``M`` and any other rows: :data:`MAX_ROWS`-row chunks through the skinny GEMM
+    with :func:`linear_config`. ``x`` of any leading shape ``[..., K]``."""
+    if not skinny_gemm.can_use(x.reshape(-1, x.shape[-1])[:1], weight):
+        raise ValueError(
+            f"batch-invariant linear cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with "
+            f"weight {tuple(weight.shape)} {weight.dtype}: it needs the Triton skinny GEMM (a CUDA "
+            "GPU of sm80+, or TRITON_INTERPRET=1 on a CPU) and one dtype; drop batch_invariant")
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    cfg = linear_config(weight.shape[0], k)
+    chunks = [skinny_gemm.skinny_gemm(rows[i : i + MAX_ROWS], weight, cfg)
+              for i in range(0, rows.shape[0], MAX_ROWS)]
+    out = torch.cat(chunks) if len(chunks) > 1 else (chunks[0] if chunks else rows.new_zeros(0, weight.shape[0]))
+    if bias is not None:
+        out = out + bias  # elementwise: per row already
+    return out.view(*lead, weight.shape[0])
+
+
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted pair outputs ``[T, k, H]`` (unsummed, as
+    ``fused_moe.fused_moe_experts(..., reduce=False)``), token ``t``'s bitwise the same for any
+    ``T`` and any other tokens: :data:`MOE_MAX_ROWS`-token chunks, each through the fused
+    expert kernels with ``BLOCK_M`` fixed at :data:`MOE_BLOCK_M` (a pair's tile computes the
+    same whichever other pairs share it) and the tile loop sized for a full chunk (one compile
+    per pair-count bucket, not per prompt length)."""
+    n = MOE_MAX_ROWS
+    chunks = [fused_moe.fused_moe_experts(x[i : i + n], expert_ids[i : i + n], weights[i : i + n],
+                                          gate_up, down, reduce=False, block_m=MOE_BLOCK_M,
+                                          max_tokens=n)
+              for i in range(0, x.shape[0], n)]
+    if not chunks:
+        return x.new_zeros(0, expert_ids.shape[1], x.shape[1])
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

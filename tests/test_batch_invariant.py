@@ -1,0 +1,297 @@
+"""Batch-invariant mode (``kernels/batch_invariant.py``, ``--batch-invariant``).
+
+What must hold: inside ``batch_invariant.scope`` a row's result is BITWISE the same whatever else
+the forward holds (``torch.equal``, not a tolerance):
+
+* the linear layers: a row alone, in a chunk of 5 and among 37 rows (three 16-row launches);
+* the MoE experts: a token alone, among 21 tokens (other experts hit, other run lengths) and
+  in launches of 8 tokens;
+* paged attention: a query position as a 1-token decode, inside a 4-token verify, inside the
+  whole prompt's prefill and next to other requests (causal; sliding window with sinks);
+* the engine: greedy tokens AND their logprobs of each prompt alone, in a batch of three and
+  with DFlash (verify batches of K + 1 rows), in bf16.
+
+Each is also checked against its reference within a tolerance (the mode changes no math).
+On CUDA at Laguna-XS-2.1 widths, where the default kernels do part (the engine test prints how
+often): there the compiled kernels' rounding is what is tested. Under Triton's CPU interpreter
+(ONE child process, small widths) the same checks run the mode's paths end to end (chunking,
+dispatch, engine wiring), but the interpreter computes tiles with numpy, which rounds the same
+for every shape: its default kernels pass these checks too. Without the kernels (a plain CPU)
+the flag is refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.runner import ForwardItem, build_metadata
+from laguna_dflash.kernels import batch_invariant, fused_moe
+from laguna_dflash.kernels import paged_attention as pa
+
+HAS_CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
+BLOCK_SIZE = 16
+
+
+# ---- bodies shared by the interpreted and the CUDA tests ------------------------------------------
+
+
+def check_linear(device: str, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(device)
+    bias = torch.randn(n, generator=g).to(dtype).to(device)
+    full = batch_invariant.linear(x, w)
+    singles = torch.cat([batch_invariant.linear(x[i : i + 1], w) for i in range(x.shape[0])])
+    uneven = torch.cat([batch_invariant.linear(x[:5], w), batch_invariant.linear(x[5:], w)])
+    assert torch.equal(full, singles) and torch.equal(full, uneven)
+    assert torch.equal(batch_invariant.linear(x[3:4], w, bias), full[3:4] + bias)
+    assert torch.equal(batch_invariant.linear(x.view(1, 37, k), w)[0], full)  # leading dims
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+def check_moe(device: str, hidden: int, e: int, top_k: int, inter: int,
+              dtype: torch.dtype = torch.bfloat16) -> None:
+    g = torch.Generator().manual_seed(1)
+    t = 21
+    x = torch.randn(t, hidden, generator=g).to(dtype).to(device)
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype).to(device)
+    down = (torch.randn(e, hidden, inter, generator=g) * inter**-0.5).to(dtype).to(device)
+    # few experts: long runs at T = 21, runs of one at T = 1
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).to(device)
+    weights = torch.rand(t, top_k, generator=g).to(device)
+    pairs = batch_invariant.moe_experts(x, ids, weights, gate_up, down)
+    assert pairs.shape == (t, top_k, hidden)
+    for i in range(t):
+        alone = batch_invariant.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], gate_up, down)
+        assert torch.equal(alone[0], pairs[i]), f"token {i}"
+    chunk_rows = batch_invariant.MOE_MAX_ROWS
+    batch_invariant.MOE_MAX_ROWS = 8  # launches of 8, 8 and 5 tokens
+    try:
+        assert torch.equal(batch_invariant.moe_experts(x, ids, weights, gate_up, down), pairs)
+    finally:
+        batch_invariant.MOE_MAX_ROWS = chunk_rows
+    want = fused_moe.moe_experts_reference(x.float(), ids, weights, gate_up.float(), down.float())
+    torch.testing.assert_close(pairs.float().sum(1), want, rtol=3e-2, atol=3e-2)
+
+
+def _attend(q, k_cache, v_cache, items, scratch_slot, *, window, sinks):
+    meta = build_metadata(items, BLOCK_SIZE, scratch_slot, q.device, is_causal=True)
+    return pa.paged_attention(q, k_cache, v_cache, meta.query_index, meta.query_positions,
+                              meta.key_slots, meta.seq_lens, scale=q.shape[-1] ** -0.5, causal=True,
+                              sliding_window=window, sinks=sinks, batch_invariant=True)
+
+
+def check_attention(device: str, length: int, num_heads: int, kv_heads: int, head_dim: int,
+                    window: int | None, with_sinks: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One request's prompt of ``length`` tokens: its prefill's row p equals a 1-token decode at
+    p, the first row of a 4-token verify at p, and that decode next to another request."""
+    g = torch.Generator().manual_seed(2)
+    blocks = -(-length // BLOCK_SIZE)
+    num_blocks = 2 * blocks + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table, other_table = perm[:blocks], perm[blocks : 2 * blocks]
+    scratch = num_blocks * BLOCK_SIZE
+    shape = ((num_blocks + 1) * BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=g).to(dtype).to(device)
+    q = torch.randn(length, num_heads, head_dim, generator=g).to(dtype).to(device)
+    q_other = torch.randn(length, num_heads, head_dim, generator=g).to(dtype).to(device)
+    sinks = torch.randn(num_heads, generator=g).to(device) if with_sinks else None
+    kw = dict(window=window, sinks=sinks)
+    prefill = _attend(q, k_cache, v_cache, [ForwardItem(length, 0, length, table)], scratch, **kw)
+    for p in sorted({0, 1, 17, length // 2, length - 5, length - 1}):
+        decode = _attend(q[p : p + 1], k_cache, v_cache, [ForwardItem(1, p, p + 1, table)], scratch, **kw)
+        assert torch.equal(decode[0], prefill[p]), f"decode at {p}"
+        n = min(4, length - p)
+        verify = _attend(q[p : p + n], k_cache, v_cache, [ForwardItem(n, p, p + n, table)], scratch, **kw)
+        assert torch.equal(verify, prefill[p : p + n]), f"verify at {p}"
+        pair = torch.cat([q_other[: length - 3], q[p : p + 1]])
+        both = _attend(pair, k_cache, v_cache, [ForwardItem(length - 3, 0, length - 3, other_table),
+                                                ForwardItem(1, p, p + 1, table)], scratch, **kw)
+        assert torch.equal(both[-1], prefill[p]), f"decode at {p} next to a prefill"
+    # and the mode is still attention: the default kernel on the same prefill, within bf16 rounding
+    meta = build_metadata([ForwardItem(length, 0, length, table)], BLOCK_SIZE, scratch, q.device)
+    default = pa.paged_attention(q, k_cache, v_cache, meta.query_index, meta.query_positions,
+                                 meta.key_slots, meta.seq_lens, scale=head_dim**-0.5, causal=True,
+                                 sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(prefill.float(), default.float(), rtol=3e-2, atol=3e-2)
+
+
+def greedy_runs(target: str, draft: str, prompts: list[list[int]], max_tokens: int,
+                **engine_options) -> dict[str, list]:
+    """(token ids, logprobs) of each prompt: alone, in one batch, and with DFlash (batched)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+
+    def run(llm: LLM, batches: list[list[list[int]]]) -> list:
+        return [(o.token_ids, o.logprobs) for b in batches
+                for o in llm.generate(prompt_token_ids=b, sampling_params=params)]
+
+    base = LLM(target, **engine_options)
+    runs = {"alone": run(base, [[p] for p in prompts]), "batched": run(base, [prompts])}
+    runs["dflash"] = run(LLM(target, draft=draft, num_speculative_tokens=3, **engine_options), [prompts])
+    return runs
+
+
+# ---- no kernels here: the flag is refused -----------------------------------------------------------
+
+
+def test_scope_nests_and_restores():
+    assert not batch_invariant.is_active()
+    with batch_invariant.scope():
+        assert batch_invariant.is_active()
+        with batch_invariant.scope(False):
+            assert not batch_invariant.is_active()
+        assert batch_invariant.is_active()
+    assert not batch_invariant.is_active()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    import dflash_fixtures as df
+
+    root = tmp_path_factory.mktemp("bi")
+    target = df.make_tiny_laguna_target(root / "target", seed=0, num_hidden_layers=3)
+    draft = df.make_poolside_laguna_drafter(root / "draft", target, seed=0)
+    return str(target), str(draft)
+
+
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="checks the refusal where the kernels cannot run")
+def test_the_flag_is_refused_where_the_kernels_cannot_run(tiny_pair):
+    with pytest.raises(ValueError, match="--batch-invariant") as err:
+        LLM(tiny_pair[0], batch_invariant=True)
+    assert "cuda" in str(err.value)
+
+
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="checks the refusal where the kernels cannot run")
+def test_cli_refuses_the_flag_on_the_cpu_with_one_error_line(tiny_pair, capsys):
+    from laguna_dflash.cli import main
+
+    code = main(["generate", "--model", tiny_pair[0], "--prompt-ids", "1,2,3", "--batch-invariant"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--batch-invariant" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="the parent process starts the interpreter child")
+def test_the_interpreter_child_passes():
+    run_interpreted_child(__file__, timeout=900)
+
+
+# ---- Triton's CPU interpreter (the child) ---------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("n,k", [(72, 96), (40, 300)])
+def test_linear_rows_do_not_depend_on_the_batch_interpreted(n, k):
+    check_linear("cpu", n, k)
+
+
+@interpreted
+def test_moe_tokens_do_not_depend_on_the_batch_interpreted():
+    check_moe("cpu", hidden=32, e=5, top_k=2, inter=24)
+
+
+@interpreted
+@pytest.mark.parametrize("window,sinks", [(None, False), (7, True)], ids=["full", "window_sinks"])
+def test_attention_rows_do_not_depend_on_the_forward_interpreted(window, sinks):
+    check_attention("cpu", length=70, num_heads=4, kv_heads=2, head_dim=16, window=window,
+                    with_sinks=sinks)
+
+
+@interpreted
+def test_moe_layer_takes_only_the_per_token_paths_interpreted(monkeypatch):
+    """Inside the scope a 1-token MoE forward takes neither the fused router GEMV nor the GEMV
+    experts (their results depend on T); outside it, it does (the default fast path)."""
+    from laguna_dflash.kernels import moe_gemv, moe_routing
+    from laguna_dflash.models.layers import MoE
+
+    calls = []
+    for module, name in ((moe_gemv, "moe_gemv_experts"), (moe_routing, "fused_router_route"),
+                         (batch_invariant, "moe_experts")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name),
+                                                                                  _real(*a, **kw))[1])
+    torch.manual_seed(0)
+    moe = MoE(32, 4, 2, 16, 16).to(torch.bfloat16).eval()
+    for p in moe.parameters():
+        p.data.normal_(0, 0.2)
+    moe.fold_shared_expert()
+    moe._fused_kernels_run = lambda x: True  # CPU: the interpreter runs the fused kernels
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        with batch_invariant.scope():
+            moe(x)
+        assert calls == ["moe_experts"]
+        calls.clear()
+        moe(x)
+    assert calls == ["fused_router_route", "moe_gemv_experts"]
+
+
+@interpreted
+def test_torch_sdpa_backend_is_refused_interpreted(tiny_pair):
+    with pytest.raises(ValueError, match="torch_sdpa"):
+        LLM(tiny_pair[0], dtype="bfloat16", batch_invariant=True, attention_backend="torch_sdpa")
+
+
+@interpreted
+def test_engine_greedy_tokens_and_logprobs_do_not_depend_on_the_batch_interpreted(tiny_pair, monkeypatch):
+    from laguna_dflash.models.layers import Attention
+
+    # the fused Q/K norm + RoPE kernel is per token either way; its interpreted run is slow
+    monkeypatch.setattr(Attention, "use_fused_qk_cache", False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(64) for _ in range(n)] for n in (11, 23, 5)]
+    runs = greedy_runs(*tiny_pair, prompts, 6, dtype="bfloat16", batch_invariant=True)
+    assert runs["alone"] == runs["batched"] == runs["dflash"]
+    assert all(len(ids) == 6 for ids, _ in runs["alone"])
+
+
+# ---- CUDA, Laguna-XS-2.1 widths -------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("n,k", [(10304, 2048), (2048, 8192), (256, 2048), (100352, 2048)],
+                         ids=["qkvg", "o_proj", "router", "lm_head"])
+def test_linear_rows_do_not_depend_on_the_batch_cuda(n, k):
+    check_linear("cuda", n, k)
+
+
+@cuda
+def test_moe_tokens_do_not_depend_on_the_batch_cuda():
+    check_moe("cuda", hidden=2048, e=8, top_k=3, inter=512)
+
+
+@cuda
+@pytest.mark.parametrize("heads,window,sinks", [(64, None, False), (48, 512, True)],
+                         ids=["full64", "window48_sinks"])
+def test_attention_rows_do_not_depend_on_the_forward_cuda(heads, window, sinks):
+    check_attention("cuda", length=700, num_heads=heads, kv_heads=8, head_dim=128, window=window,
+                    with_sinks=sinks)
+
+
+@cuda
+def test_xs_widths_bf16_tokens_do_not_depend_on_the_batch_cuda(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_cuda_xs_lossless import _write_pair
+
+    target, draft = _write_pair(tmp_path)
+    rng = random.Random(0)
+    long = [rng.randrange(100, 4000) for _ in range(700)]
+    prompts = [long, long[:300], [rng.randrange(100, 4000) for _ in range(40)], long[:9]]
+    common = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=1024,
+                  max_num_seqs=4, num_kv_blocks=(1024 // 16 + 1) * 5)
+    runs = greedy_runs(target, draft, prompts, 16, batch_invariant=True, **common)
+    assert runs["alone"] == runs["batched"] == runs["dflash"]
+    default = greedy_runs(target, draft, prompts, 16, **common)
+    parted = sum(a != b for name in ("batched", "dflash")
+                 for a, b in zip(default["alone"], default[name]))
+    print(f"default kernels: {parted} of {2 * len(prompts)} (prompt, run) pairs differ from the "
+          "prompt alone in tokens or logprobs")

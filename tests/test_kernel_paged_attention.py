@@ -312,16 +312,20 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True, early_signal: bool = False):
-    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches them."""
+                 preload: bool = True, early_signal: bool = False, invariant: bool = False):
+    """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches
+    them; ``invariant``: as with ``batch_invariant=True`` (one query a tile, partials and the
+    split-order merge even for one split)."""
     attn, merge = pa._kernels(False)
-    block_q = pa._block_q(qmax, group)
+    block_q = 1 if invariant else pa._block_q(qmax, group)
     block_m = max(16, pa._next_pow2(block_q * group))
+    partials = splits > 1 or invariant
     consts = dict(NUM_HEADS=group * 4, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_Q=block_q,
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
-                  HAS_GATE=splits == 1,  # the engine gates Laguna's output in the last store
-                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload, EARLY_SIGNAL=early_signal)
+                  HAS_GATE=not partials,  # the engine gates Laguna's output in the last store
+                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload and not invariant,
+                  EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS, PARTIALS=partials)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
@@ -332,10 +336,11 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
                                              "stride_vc_s", "stride_vc_h", "stride_ot", "stride_oh"),
                         pa._num_warps(block_m, head_dim), pdl)]
-    if splits > 1:
+    if partials:
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
                        BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True,
-                       PDL=pdl, EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS)
+                       PDL=pdl, EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS,
+                       SEQUENTIAL=invariant)
         builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh", "stride_gt"),
                                 1 if head_dim <= 64 else 2, pdl))
     return builds
@@ -351,11 +356,14 @@ _PTXAS = HAS_TRITON and os.path.exists(os.path.join(
     ("bf16", 128, 8, 8, 4, True, True, True),     # verify, split-K, window
     ("bf16", 128, 1, 64, 1, False, True, False),  # drafter block / prefill tile, bidirectional SWA
     ("bf16", 64, 4, 16, 1, False, False, False),
+    ("bf16", 128, 8, 1, 8, True, True, True, "invariant"),  # batch_invariant: 8 splits, merged in order
+    ("bf16", 128, 8, 1, 1, True, False, False, "invariant"),  # ... one split, still merged
 ], ids=lambda c: "-".join(map(str, c)))
 def test_compiles_for_sm90_without_spills(cfg):
     """The compiled path (dynamic key loop) is not what the interpreter runs: check it builds."""
-    builds = _sm90_builds(*cfg)
-    assert len(builds) == (2 if cfg[4] > 1 else 1)
+    invariant = cfg[-1] == "invariant"
+    builds = _sm90_builds(*cfg[:8], invariant=invariant)
+    assert len(builds) == (2 if cfg[4] > 1 or invariant else 1)
     for compiled, spills in builds:
         assert "cubin" in compiled.asm
         assert spills and max(spills) == 0, spills

@@ -20,9 +20,9 @@ What changes while :func:`scope` is active (the engine enters it around every fo
   fixed ``BLOCK_M`` on chunks of at most :data:`MOE_MAX_ROWS` tokens; routing takes the router GEMM
   then the per-token routing kernel (not the fused router GEMV, not the GEMV experts, not the
   grouped GEMM).
-* attention (kernels/paged_attention.py, ``batch_invariant=True``): one query-tile size per layer
-  (its GQA group fills 64 rows), 64-key tiles from key 0, and no split-K, for decode, verify and
-  prefill alike.
+* attention (kernels/paged_attention.py, ``batch_invariant=True``): one query a tile (its GQA
+  group's heads as the rows), 64-key tiles from key 0, the keys split every 128 from key 0 and
+  the splits' partials merged in split order, for decode, verify and prefill alike.
 
 Why each is invariant. A chunk's row ``m`` meets the same instructions in the same order as in
 any other chunk: the tile shapes, warps and K steps are constants of the weight shape, a
@@ -32,8 +32,8 @@ other kernels of a forward were per-row already: RMSNorm and the residual adds (
 row), Q/K norm + RoPE + cache write, the routing, the argmax.
 
 Costs (measured in docs/PERFORMANCE.md): decode-phase GEMMs lose the GEMV configs tuned per row
-count, attention at batch 1 has only ``KV heads`` programs walking the whole context, and
-prefill runs its GEMMs 16 rows a launch.
+count, the MoE its per-pair GEMVs, attention its split count chosen per shape, and prefill runs
+its GEMMs 16 rows a launch.
 """
 
 from __future__ import annotations

@@ -199,9 +199,10 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr, PARTIALS: tl.constexpr,
 ):
-    # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split)
+    # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split).
+    # PARTIALS: store (acc, m, l) for the merge kernel (split-K; and batch-invariant, one split too)
     if PDL and EARLY_SIGNAL:  # EARLY_SIGNAL below: the next kernel reads nothing before its wait
         tl.extra.cuda.gdc_launch_dependents()
     if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
@@ -297,7 +298,7 @@ def _paged_attention_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not PARTIALS:
         if HAS_SINKS:
             # the sink joins the denominator only: l += 2^(sink - m) after shifting to
             # m' = max(m, sink) (sink in base 2 too)
@@ -331,7 +332,7 @@ def _merge_splits_kernel(
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr, SKIP_EMPTY: tl.constexpr, SEQUENTIAL: tl.constexpr,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
     if PDL and EARLY_SIGNAL:
@@ -354,14 +355,27 @@ def _merge_splits_kernel(
         m_all = tl.maximum(m_all, sink)
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(m - m_use)  # 0 for splits that saw no key
-    denom = tl.sum(lsum * w, 0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m_use)
     # SKIP_EMPTY: splits with m = -inf stored no acc (their weight 2^(m - M) is 0 anyway)
     s_read = s_ok & (m > float("-inf")) if SKIP_EMPTY else s_ok
     acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_read[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0)
+    if SEQUENTIAL:
+        # batch-invariant: the sums run split by split in split order, so their rounding does not
+        # depend on NUM_SPLITS or BLOCK_S (tl.sum's order follows the lanes' layout). Each step
+        # picks split s's term out of the loaded vectors with a sum that holds one nonzero
+        # (exact); splits past a row's keys add exact zeros.
+        lw = lsum * w
+        aw = acc * w[:, None]
+        denom = tl.sum(tl.where(offs_s == 0, lw, 0.0), 0)
+        out = tl.sum(tl.where(offs_s[:, None] == 0, aw, 0.0), 0)
+        for s in tl.static_range(1, NUM_SPLITS):
+            denom += tl.sum(tl.where(offs_s == s, lw, 0.0), 0)
+            out += tl.sum(tl.where(offs_s[:, None] == s, aw, 0.0), 0)
+    else:
+        denom = tl.sum(lsum * w, 0)
+        out = tl.sum(acc * w[:, None], 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_use)
     out = out / tl.where(denom > 0.0, denom, 1.0)  # no key and no sink: acc = 0, output 0
     if HAS_GATE:
         g = tl.load(gate_ptr + t * stride_gt + h * stride_gh)
@@ -405,6 +419,33 @@ PRELOAD_MAX_QUERIES: int | None = 1
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
 # S * 4 * H * D * 4 bytes (4 MiB at 32 splits, 64 heads). Changes no value. False: the A/B.
 SKIP_EMPTY_SPLITS = True
+
+
+# batch_invariant: the keys are cut into splits of this many (from key 0, whatever the forward),
+# each split's partial merged in split order; at decode the splits are the parallelism (a batch-1
+# step had only KV-heads programs walking the whole context without them)
+INVARIANT_SPLIT_KEYS = 128
+# ... and a forward whose fp32 partials would exceed this many bytes (a long prefill: they grow
+# with tokens x splits) runs in token chunks of at most this size, each a launch pair
+INVARIANT_MAX_PARTIAL_BYTES = 256 << 20
+
+
+def _invariant_in_token_chunks(q, k_cache, v_cache, query_index, query_positions, key_slots,
+                               seq_lens, out, bytes_per_token, **kwargs):
+    """:func:`paged_attention` with ``batch_invariant`` on flat-token chunks ``[c, c + n)``,
+    written into ``out``: each chunk keeps the padded queries of its own tokens (the others
+    become padding, position -1) and renumbers them from 0. Every query is computed as in one
+    call (same tiles, same splits); only the partials' scratch is bounded."""
+    t = q.shape[0]
+    n = max(1, INVARIANT_MAX_PARTIAL_BYTES // bytes_per_token)
+    gate = kwargs.pop("gate")
+    for c in range(0, t, n):
+        mine = (query_index >= c) & (query_index < c + n) & (query_positions >= 0)
+        out[c : c + n] = paged_attention(
+            q[c : c + n], k_cache, v_cache, torch.where(mine, query_index - c, 0),
+            torch.where(mine, query_positions, -1), key_slots, seq_lens,
+            gate=None if gate is None else gate[c : c + n], batch_invariant=True, **kwargs)
+    return out
 
 
 def _block_q(qmax: int, group: int) -> int:
@@ -534,10 +575,13 @@ def paged_attention(
             Only for a next launch that reads nothing but weights before its own wait (the
             staged o_proj, kernels/staged_gemv.py): its wait still implies that the merge, hence
             attention, completed. Changes no value.
-        batch_invariant: one launch configuration whatever ``R``, ``Qmax`` and ``Lmax``: query
-            tiles of ``64 // G`` queries (64 rows), ``block_n``-key tiles from key 0, no split-K,
-            so each query's result is bitwise the same in decode, verify and prefill and in any
-            batch (kernels/batch_invariant.py). ``num_splits`` must then be None or 1.
+        batch_invariant: one launch configuration whatever ``R``, ``Qmax`` and ``Lmax``: one
+            query a tile (the ``G`` heads of its group as rows), ``block_n``-key tiles from key 0, the keys
+            split every :data:`INVARIANT_SPLIT_KEYS` from key 0 and the splits merged in split
+            order (a power of two of splits; those past a query's keys add exact zeros), so
+            each query's result is bitwise the same in decode, verify and prefill and in any
+            batch (kernels/batch_invariant.py). ``num_splits`` must then be None. Long
+            prefills run in token chunks (:data:`INVARIANT_MAX_PARTIAL_BYTES`).
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
@@ -557,26 +601,37 @@ def paged_attention(
         return out.zero_()
 
     group = num_heads // kv_heads
-    if batch_invariant:
-        if num_splits not in (None, 1):
-            raise ValueError(f"batch_invariant attention runs without split-K; got num_splits={num_splits}")
-        num_splits = 1
-        block_q = max(1, _TARGET_ROWS // group)  # the tile of a full prefill, for every forward
-    else:
-        block_q = _block_q(qmax, group)
-    block_m = max(16, _next_pow2(block_q * group))
-    block_d = max(16, _next_pow2(head_dim))
     block_n = block_n or 64
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if batch_invariant:
+        if num_splits is not None:
+            raise ValueError(f"batch_invariant attention splits the keys at fixed boundaries "
+                             f"({INVARIANT_SPLIT_KEYS} keys); got num_splits={num_splits}")
+        # one query a tile (its GQA group's heads as the rows), for every forward: decode's
+        # tile; a prefill then re-reads each key tile per query (from L2)
+        block_q = 1
+        split_len = max(block_n, INVARIANT_SPLIT_KEYS // block_n * block_n)
+        # a power of two: few compiles (NUM_SPLITS is a constexpr); the extra splits are empty
+        num_splits = _next_pow2(-(-lmax // split_len))
+        if t > 1 and num_splits * t * num_heads * head_dim * 4 > INVARIANT_MAX_PARTIAL_BYTES:
+            return _invariant_in_token_chunks(
+                q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, out,
+                num_splits * num_heads * head_dim * 4, scale=scale, causal=causal,
+                sliding_window=sliding_window, sinks=sinks, block_n=block_n, gate=gate)
+    else:
+        block_q = _block_q(qmax, group)
+        if num_splits is None:
+            num_splits = choose_num_splits(r * kv_heads * -(-qmax // block_q), lmax, q.device)
+        # chunks of whole tiles; drop chunks that would start past Lmax
+        keys_per_split = -(-lmax // max(1, num_splits))
+        split_len = -(-keys_per_split // block_n) * block_n
+        num_splits = -(-lmax // split_len)
+    split_tiles = split_len // block_n
+    partials = num_splits > 1 or batch_invariant
+    block_m = max(16, _next_pow2(block_q * group))
+    block_d = max(16, _next_pow2(head_dim))
     q_tiles = -(-qmax // block_q)
-    if num_splits is None:
-        num_splits = choose_num_splits(r * kv_heads * q_tiles, lmax, q.device)
-    # chunks of whole tiles; drop chunks that would start past Lmax
-    keys_per_split = -(-lmax // max(1, num_splits))
-    split_tiles = -(-keys_per_split // block_n)
-    split_len = split_tiles * block_n
-    num_splits = -(-lmax // split_len)
 
     interpret = interpret_mode()
     use_pdl = pdl.active(q.device, interpret)
@@ -584,7 +639,7 @@ def paged_attention(
     window = int(sliding_window) if sliding_window is not None else 0
     if sinks is not None:
         sinks = sinks.to(q.dtype)  # the reference adds sink logits in q's dtype
-    if num_splits > 1:
+    if partials:
         part_acc, part_m, part_l = _new_partials(num_splits, t, num_heads, head_dim, q.device)
     else:
         part_acc = part_m = part_l = out  # unused
@@ -603,16 +658,16 @@ def paged_attention(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        HAS_GATE=gate is not None and num_splits == 1, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
+        HAS_GATE=gate is not None and not partials, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
         PRELOAD=(PRELOAD_OLD_KEYS and not batch_invariant
                  and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES)),
-        EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS,
+        EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS, PARTIALS=partials,
         num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
-    if num_splits > 1:
+    if partials:
         merge_kernel[(t, num_heads)](
             part_acc, part_m, part_l, sinks if sinks is not None else out,
             gate if gate is not None else out, out,
@@ -620,7 +675,7 @@ def paged_attention(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
             HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=early_signal and use_pdl,
-            SKIP_EMPTY=SKIP_EMPTY_SPLITS,
+            SKIP_EMPTY=SKIP_EMPTY_SPLITS, SEQUENTIAL=batch_invariant,
             num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out

@@ -52,9 +52,9 @@ __all__ = ["MAX_ROWS", "is_active", "linear", "linear_config", "moe_experts", "s
 MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM / MoE launch (the skinny GEMM's 16-row tile)
 MOE_BLOCK_M = 16  # rows of a fused-MoE tile, whatever the chunk's token count
 # Tokens of one fused-MoE launch. Each launch reads every expert it hits once per 16-pair tile
-# of its run, so prefill reads the experts ceil(T / MOE_MAX_ROWS) times: at 16 tokens a launch
-# a 1k-token XS-2.1 prefill took 509 ms against 63 ms with the default kernels (H200). Larger
-# chunks cost each program a longer scan of the chunk's expert ids (kernels/fused_moe.py).
+# of its run, so a prefill re-reads the experts once per launch: a 1k-token XS-2.1 prefill took
+# 509 ms at 16 tokens a launch and 387 ms at 256 (H200, docs/PERFORMANCE.md, twenty-first
+# pass). Larger chunks cost each program a longer scan of the chunk's expert ids.
 MOE_MAX_ROWS = 256
 
 _active = False

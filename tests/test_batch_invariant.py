@@ -3,7 +3,8 @@
 What must hold: inside ``batch_invariant.scope`` a row's result is BITWISE the same whatever else
 the forward holds (``torch.equal``, not a tolerance):
 
-* the linear layers: a row alone, in a chunk of 5 and among 37 rows (three 16-row launches);
+* the linear layers: a row alone, in a chunk of 5 and among 37 rows (three 16-row blocks of one
+  launch); one launch of blocks against a launch per block, with split-K;
 * the MoE experts: a token alone, among 21 tokens (other experts hit, other run lengths) and
   in launches of 8 tokens;
 * paged attention: a query position as a 1-token decode, inside a 4-token verify, inside the
@@ -203,6 +204,30 @@ def test_the_interpreter_child_passes():
 @pytest.mark.parametrize("n,k", [(72, 96), (40, 300)])
 def test_linear_rows_do_not_depend_on_the_batch_interpreted(n, k):
     check_linear("cpu", n, k)
+
+
+@interpreted
+def test_row_blocks_compute_as_single_block_launches_interpreted(monkeypatch):
+    """``skinny_gemm_rows`` (one launch, 16-row blocks on a grid axis, split-K slabs and counters
+    per block) equals ``skinny_gemm`` on each block alone with the same config, bitwise; the
+    linear layer splits rows past ``MAX_ROW_BLOCKS`` blocks into more launches."""
+    from laguna_dflash.kernels import skinny_gemm
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(45, 200, generator=g).to(torch.bfloat16)
+    w = (torch.randn(40, 200, generator=g) * 0.1).to(torch.bfloat16)
+    cfg = skinny_gemm.SkinnyConfig(block_n=16, block_k=32, split_k=3, use_dot=True)
+    rows = skinny_gemm.skinny_gemm_rows(x, w, cfg)
+    blocks = torch.cat([skinny_gemm.skinny_gemm(x[i : i + 16], w, cfg) for i in range(0, 45, 16)])
+    assert torch.equal(rows, blocks)
+    assert torch.equal(skinny_gemm.skinny_gemm_rows(x, w, cfg), rows)  # the workspace re-armed
+    with pytest.raises(ValueError, match="use_dot=True"):
+        skinny_gemm.skinny_gemm_rows(x, w, skinny_gemm.SkinnyConfig(block_n=16, block_k=32, use_dot=False))
+    with pytest.raises(ValueError, match="split the rows"):
+        skinny_gemm.skinny_gemm_rows(x.repeat(30, 1), w, cfg)
+    full = batch_invariant.linear(x, w)
+    monkeypatch.setattr(skinny_gemm, "MAX_ROW_BLOCKS", 1)  # 16 rows a launch: three launches
+    assert torch.equal(batch_invariant.linear(x, w), full)
 
 
 @interpreted

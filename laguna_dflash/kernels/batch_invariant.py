@@ -14,8 +14,8 @@ What changes while :func:`scope` is active (the engine enters it around every fo
 
 * every linear layer (Q|K|V|gate, o_proj, the router, dense MLPs, the lm_head, the drafter's) is
   :func:`linear`: the skinny GEMM's tensor-core path with ONE config per weight shape
-  (:func:`linear_config`, independent of the row count), on chunks of at most :data:`MAX_ROWS`
-  rows. The staged o_proj GEMV, the GEMV path and cuBLAS are not used.
+  (:func:`linear_config`, independent of the row count) on every 16-row block, the blocks of up
+  to 1024 rows in one launch. The staged o_proj GEMV, the GEMV path and cuBLAS are not used.
 * the MoE experts are :func:`moe_experts`: the fused expert kernels (kernels/fused_moe.py) with a
   fixed ``BLOCK_M`` on chunks of at most :data:`MOE_MAX_ROWS` tokens; routing takes the router GEMM
   then the per-token routing kernel (not the fused router GEMV, not the GEMV experts, not the
@@ -32,8 +32,9 @@ other kernels of a forward were per-row already: RMSNorm and the residual adds (
 row), Q/K norm + RoPE + cache write, the routing, the argmax.
 
 Costs (measured in docs/PERFORMANCE.md): decode-phase GEMMs lose the GEMV configs tuned per row
-count, the MoE its per-pair GEMVs, attention its split count chosen per shape, and prefill runs
-its GEMMs 16 rows a launch.
+count, the MoE its per-pair GEMVs, attention its split count chosen per shape; prefill runs its
+GEMMs as 16-row blocks (each re-reads the weight, mostly from L2) and its MoE in 256-token
+launches (each re-reads the experts it hits).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from . import fused_moe, skinny_gemm
 
 __all__ = ["MAX_ROWS", "is_active", "linear", "linear_config", "moe_experts", "scope"]
 
-MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM / MoE launch (the skinny GEMM's 16-row tile)
+MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM block (the skinny GEMM's 16-row tile)
 MOE_BLOCK_M = 16  # rows of a fused-MoE tile, whatever the chunk's token count
 # Tokens of one fused-MoE launch. Each launch reads every expert it hits once per 16-pair tile
 # of its run, so a prefill re-reads the experts once per launch: a 1k-token XS-2.1 prefill took
@@ -104,8 +105,9 @@ def linear_config(n: int, k: int) -> skinny_gemm.SkinnyConfig:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype, row ``m`` bitwise the
-    same for any ``M`` and any other rows: :data:`MAX_ROWS`-row chunks through the skinny GEMM
-    with :func:`linear_config`. ``x`` of any leading shape ``[..., K]``."""
+    same for any ``M`` and any other rows: the skinny GEMM's tensor-core path with
+    :func:`linear_config` on each :data:`MAX_ROWS`-row block, up to ``MAX_ROW_BLOCKS`` blocks a
+    launch (``skinny_gemm.skinny_gemm_rows``). ``x`` of any leading shape ``[..., K]``."""
     if not skinny_gemm.can_use(x.reshape(-1, x.shape[-1])[:1], weight):
         raise ValueError(
             f"batch-invariant linear cannot run x {tuple(x.shape)} {x.dtype} on {x.device} with "
@@ -114,8 +116,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     cfg = linear_config(weight.shape[0], k)
-    chunks = [skinny_gemm.skinny_gemm(rows[i : i + MAX_ROWS], weight, cfg)
-              for i in range(0, rows.shape[0], MAX_ROWS)]
+    step = skinny_gemm.MAX_ROW_BLOCKS * MAX_ROWS
+    chunks = [skinny_gemm.skinny_gemm_rows(rows[i : i + step], weight, cfg)
+              for i in range(0, rows.shape[0], step)]
     out = torch.cat(chunks) if len(chunks) > 1 else (chunks[0] if chunks else rows.new_zeros(0, weight.shape[0]))
     if bias is not None:
         out = out + bias  # elementwise: per row already

@@ -90,15 +90,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_M",
+    "MAX_ROW_BLOCKS",
     "SkinnyConfig",
     "can_use",
     "default_config",
     "is_available",
     "skinny_gemm",
+    "skinny_gemm_rows",
     "skinny_gemm_reference",
 ]
 
 MAX_M = 16  # rows of x; also the row capacity of the split-K workspace
+MAX_ROW_BLOCKS = 64  # 16-row blocks of one skinny_gemm_rows launch (its workspace's capacity)
 _MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
 _MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -351,13 +354,26 @@ def _skinny_gemm_kernel(
     K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
     # interpreter holds scalar arguments as arrays, which range() rejects).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # ROW_BLOCKS (skinny_gemm_rows): program (b, j, s) runs the same on rows [16 b, 16 b + 16) of
+    # x and y, with its own workspace slabs and counters; b varies fastest, so the programs of
+    # one weight tile run together and all but the first read it from L2
+    if ROW_BLOCKS:
+        pid_b = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        x_ptr += pid_b * PART_ROWS * stride_xm
+        y_ptr += pid_b * PART_ROWS * stride_ym
+        part_ptr += pid_b * SPLIT_K * PART_ROWS * N
+        count_ptr += pid_b * ((N + 7) // 8)  # ceil(N / _MIN_BLOCK_N) counters a block
+        M = tl.minimum(M - pid_b * PART_ROWS, PART_ROWS)
+    else:
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k_start = pid_k * (K_ITERS * BLOCK_K)
 
@@ -467,14 +483,23 @@ def _kernels(interpret: bool):
 _WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, n: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials ``[split_k, 16, n]`` fp32, counters ``[ceil(n / 8)]`` int32 zeros) for one
-    ``(device, n, split_k)``, allocated once and kept (graphs may point at them)."""
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown workspaces graphs may still use
+
+
+def _workspace(device: torch.device, n: int, split_k: int,
+               row_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials ``[blocks * split_k, 16, n]`` fp32, counters ``[blocks * ceil(n / 8)]`` int32
+    zeros) for one ``(device, n, split_k)`` with room for at least ``row_blocks`` 16-row blocks
+    (:func:`skinny_gemm_rows`; 1 for :func:`skinny_gemm`), allocated once and kept (graphs may
+    point at them: one outgrown by a larger call is retired, never freed)."""
     key = (device, n, split_k)
     ws = _WORKSPACES.get(key)
-    if ws is None:
-        part = torch.empty((split_k, MAX_M, n), dtype=torch.float32, device=device)
-        counters = torch.zeros(_cdiv(n, _MIN_BLOCK_N), dtype=torch.int32, device=device)
+    if ws is None or ws[0].shape[0] < row_blocks * split_k:
+        if ws is not None:
+            _RETIRED.append(ws)
+        blocks = 1 if row_blocks == 1 else MAX_ROW_BLOCKS
+        part = torch.empty((blocks * split_k, MAX_M, n), dtype=torch.float32, device=device)
+        counters = torch.zeros(blocks * _cdiv(n, _MIN_BLOCK_N), dtype=torch.int32, device=device)
         ws = _WORKSPACES[key] = (part, counters)
     return ws
 
@@ -567,16 +592,57 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
     return y
 
 
+def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+    """``x @ weight^T`` for up to ``MAX_ROW_BLOCKS * 16`` rows in ONE launch: the tensor-core
+    path of :func:`skinny_gemm` (``config.use_dot`` must not be False) on each 16-row block of
+    x, the blocks on a grid axis of their own. Each block is computed exactly as
+    :func:`skinny_gemm` computes those rows alone with ``config`` (same tiles, same split-K
+    order), so a row's result does not depend on the rows around it (kernels/batch_invariant.py);
+    and the blocks of one weight tile run together, reading it from HBM about once.
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= MAX_ROW_BLOCKS * 16``, any strides.
+        weight: ``[N, K]`` of x's dtype and device, unit column stride.
+        config: tiles and launch options (the dot path).
+
+    Returns:
+        ``[M, N]`` contiguous in x.dtype.
+    """
+    m = x.shape[0] if x.dim() == 2 else -1
+    if not 0 <= m <= MAX_ROW_BLOCKS * MAX_M:
+        raise ValueError(f"skinny_gemm_rows takes x [M, K] with M <= {MAX_ROW_BLOCKS * MAX_M}, got "
+                         f"{tuple(x.shape)}; split the rows")
+    if config.use_dot is False:
+        raise ValueError("skinny_gemm_rows runs the tensor-core path only; pass a config with use_dot=True")
+    _check(x[:MAX_M], weight)
+    k, n = x.shape[1], weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0 or k == 0:
+        return y.zero_()
+    blocks = _cdiv(m, MAX_M)
+    interpret = interpret_mode()
+    grid, split_k, meta = _plan(m, n, k, x.dtype, config, interpret, pdl.active(x.device, interpret),
+                                row_blocks=blocks)
+    part, counters = _workspace(x.device, n, split_k, blocks) if split_k > 1 else (y, y)
+    _kernels(interpret)[grid](
+        x, weight, y, part, counters,
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0),
+        **meta,
+    )
+    return y
+
+
 def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
     return _dot_auto(m) if cfg.use_dot is None else bool(cfg.use_dot)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
-          interpret: bool, pdl: bool = False) -> tuple[tuple[int, int], int, dict]:
+          interpret: bool, pdl: bool = False, row_blocks: int = 0) -> tuple[tuple[int, ...], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
-    (cached per shape and config: the eager host path is a dict lookup and one launch)."""
-    use_dot = _use_dot(cfg, m)
+    (cached per shape and config: the eager host path is a dict lookup and one launch).
+    ``row_blocks`` > 0: a :func:`skinny_gemm_rows` launch over that many 16-row blocks."""
+    use_dot = True if row_blocks else _use_dot(cfg, m)
     _check_config(cfg, use_dot, m)
     block_k = cfg.block_k
     k_per_split = _cdiv(_cdiv(k, cfg.split_k), block_k) * block_k  # K / split up to BLOCK_K
@@ -588,10 +654,12 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         MASK_W=n % cfg.block_n != 0 or k != split_k * k_per_split,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
-        OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl,
+        OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl, ROW_BLOCKS=row_blocks > 0,
         num_warps=cfg.num_warps, num_stages=_dot_stages(cfg, dtype) if use_dot else cfg.num_stages,
         **launch_options(pdl),
     )
+    if row_blocks:
+        return (row_blocks, _cdiv(n, cfg.block_n), split_k), split_k, meta
     return (_cdiv(n, cfg.block_n), split_k), split_k, meta
 
 

@@ -134,7 +134,7 @@ def test_bench_passes_every_engine_flag_to_both_runs(pair, tmp_path, capsys, mon
 @pytest.mark.parametrize("dtype,expected", [
     ("float32", "TOKENS DIFFER from target-only"),
     ("bfloat16", "tokens differ from target-only (bfloat16 rounds differently per batch shape; "
-                 "exact in float32)"),
+                 "exact in float32 or with --batch-invariant)"),
 ])
 def test_generate_compare_names_why_tokens_differ(pair, capsys, monkeypatch, dtype, expected):
     """A difference is an alarm in float32 (lossless is exact there) and expected rounding in

@@ -5,7 +5,8 @@ Token-for-token equality (speculative = target-only, any batch) is proven in flo
 cannot hold exactly: a decode step (1 token a sequence), a verify (K + 1) and another batch size
 run matmuls of other shapes, whose kernels round differently in the last bits; target-only
 decoding itself changes with the batch (vLLM and SGLang behave the same outside their
-batch-invariant modes). What must still hold, and is checked here with the trained demo pair
+batch-invariant modes; ours, ``--batch-invariant`` on a GPU, is ``test_batch_invariant.py``).
+What must still hold, and is checked here with the trained demo pair
 (CPU, bf16, held-out prompts): wherever two runs part, the token the other run chose is the
 reference's runner-up, within ``MAX_MARGIN_NATS`` of its top token, and most prompts never part
 within ``NEW_TOKENS`` tokens. A real bug (a wrong position, a stale cache row, a wrong bonus

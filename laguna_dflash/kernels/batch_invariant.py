@@ -9,8 +9,8 @@ rows a sequence) differs from target-only decode (1 row) in the same way (docs/P
 twentieth pass). vLLM (``VLLM_BATCH_INVARIANT=1``) and SGLang (``--enable-deterministic-
 inference``) answer this with kernels whose per-row reduction order is fixed; so does this mode.
 
-What changes while :func:`scope` is active (the engine enters it around every forward when
-``EngineConfig.batch_invariant``; set it with ``--batch-invariant``):
+What changes while :func:`scope` is active (the engine enters it around every step and
+``prompt_logits`` when ``EngineConfig.batch_invariant``; set it with ``--batch-invariant``):
 
 * every linear layer (Q|K|V|gate, o_proj, the router, dense MLPs, the lm_head, the drafter's) is
   :func:`linear`: the skinny GEMM's tensor-core path with ONE config per weight shape
@@ -48,7 +48,8 @@ import torch
 
 from . import fused_moe, skinny_gemm
 
-__all__ = ["MAX_ROWS", "is_active", "linear", "linear_config", "moe_experts", "scope"]
+__all__ = ["MAX_ROWS", "MOE_MAX_ROWS", "check_device", "is_active", "linear", "linear_config",
+           "moe_experts", "scope"]
 
 MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM block (the skinny GEMM's 16-row tile)
 MOE_BLOCK_M = 16  # rows of a fused-MoE tile, whatever the chunk's token count

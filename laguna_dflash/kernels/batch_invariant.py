@@ -85,11 +85,8 @@ def check_device(device: torch.device) -> None:
     ``TRITON_INTERPRET=1``, which the tests use)."""
     from .paged_attention import is_available as attention_runs
 
-    if device.type == "cuda":
-        runs = skinny_gemm.is_available(device) and attention_runs(device) and fused_moe.HAS_TRITON
-    else:
-        runs = skinny_gemm.is_available(device) and attention_runs(device)
-    if not runs:
+    # both need triton and sm80+ (or the interpreter), as the fused MoE does
+    if not (skinny_gemm.is_available(device) and attention_runs(device)):
         where = "this GPU (it needs sm80+ and triton)" if device.type == "cuda" else f"{device}"
         raise ValueError(
             f"batch_invariant=True (--batch-invariant) needs the Triton kernels, which do not run "

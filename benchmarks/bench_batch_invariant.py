@@ -1,7 +1,8 @@
 """Batch-invariant mode on the XS-2.1 pair: what it buys (bf16 token agreement) and what it costs.
 
 One process, one engine (dummy weights, bf16 on CUDA), each mode in turn (``--modes``: the
-default kernels, then ``EngineConfig.batch_invariant``; the CUDA graphs are rebuilt per mode):
+default kernels, then ``EngineConfig.batch_invariant``, and on request that mode with the sorted
+grouped MoE kernels, ``batch-invariant-sorted-moe``; the CUDA graphs are rebuilt per mode):
 
 * agreement: greedy tokens (and logprobs) of ``--prompts`` prompts of random token ids, lengths
   spread up to ``--context``, each ALONE (target-only, batch 1), all in one BATCH (target-only),
@@ -29,7 +30,15 @@ from bench_gpu_xs import add_xs_pair_args, decode_tokens_per_s, prefill_time, st
 from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.kernels import batch_invariant
 
-MODES = {"default": False, "batch-invariant": True}
+# mode -> (EngineConfig.batch_invariant, batch_invariant.moe_kernel)
+MODES = {"default": (False, "fused"), "batch-invariant": (True, "fused"),
+         "batch-invariant-sorted-moe": (True, "sorted")}
+
+
+def use_mode(mode: str) -> bool:
+    """Set ``mode``'s invariant MoE kernels; -> its ``batch_invariant`` flag."""
+    invariant, batch_invariant.moe_kernel = MODES[mode]
+    return invariant
 
 
 def set_mode(llm: LLM, invariant: bool) -> None:
@@ -108,7 +117,7 @@ def main() -> None:
         prompts = [[rng.randrange(100, vocab - 1) for _ in range(n)] for n in lengths]
         rows = []
         for mode in modes:
-            set_mode(llm, MODES[mode])
+            set_mode(llm, use_mode(mode))
             agree = agreement(llm, saved, prompts, args.agree_tokens)
             times = {}
             for _ in range(args.rounds):

@@ -185,6 +185,9 @@ def main() -> int:
     ap.add_argument("--expect-exact", action="store_true",
                     help="count token-for-token equality across paths as a check in bf16 / fp16 too "
                          "(always a check in float32)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="serve with --batch-invariant: token-for-token equality across paths is "
+                         "then a check in bf16 too")
     ap.add_argument("--log-dir", default=None, help="where the server logs go (default: a temp dir)")
     args = ap.parse_args()
 
@@ -198,6 +201,8 @@ def main() -> int:
     common = ["--model", str(target), "--load-format", "dummy", "--device", args.device,
               "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
               "--max-num-seqs", str(args.concurrency), "--log-level", "WARNING"]
+    if args.batch_invariant:
+        common.append("--batch-invariant")
     modes = {"DFlash": ["--draft", str(draft)], "target-only": []}
     if args.adaptive_k:
         modes["DFlash, adaptive K"] = ["--draft", str(draft), "--adaptive-k"]
@@ -237,10 +242,11 @@ def main() -> int:
         "spec-decode counters count drafts": spec["metrics"].get("num_drafts", 0) > 0
         and base["metrics"].get("num_drafts", 0) == 0,
     }
-    expect_exact = args.expect_exact or args.dtype == "float32"
+    expect_exact = args.expect_exact or args.batch_invariant or args.dtype == "float32"
     for name, diffs in exact.items():
         checks[name] = all(d is None for d in diffs)
-    print(f"## serve smoke: {args.num_layers} layers, hidden {args.hidden}, {args.dtype} on {args.device}, "
+    print(f"## serve smoke: {args.num_layers} layers, hidden {args.hidden}, {args.dtype} on {args.device}"
+          f"{', batch-invariant' if args.batch_invariant else ''}, "
           f"prompt {args.prompt_len} tokens, {args.max_tokens} new tokens")
     print("| server | start s | first request s | same request again s | "
           f"{args.concurrency} concurrent tok/s | drafts | accepted |")

@@ -61,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="auto (paged Triton kernels on a GPU, torch SDPA elsewhere) | torch_sdpa | triton")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode-phase forwards eagerly instead of replaying CUDA graphs (GPU)")
+    p.add_argument("--cuda-graph-capture", default=EngineConfig.cuda_graph_capture,
+                   choices=("startup", "lazy"),
+                   help="startup: capture the decode-phase CUDA graphs of every batch size and "
+                        "key-length bucket before serving, so no step waits for a capture; lazy: "
+                        "capture each the first time it is needed (faster start, first-use stalls)")
     p.add_argument("--load-format", default=EngineConfig.load_format, choices=("auto", "dummy"),
                    help="auto: read the checkpoint's weights; dummy: read only config.json (and the "
                         "tokenizer) and fill the weights with seeded random values at real shapes, "
@@ -77,7 +82,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                load_format=args.load_format, batch_invariant=args.batch_invariant)
+                cuda_graph_capture=args.cuda_graph_capture, load_format=args.load_format,
+                batch_invariant=args.batch_invariant)
 
 
 def build_parser() -> argparse.ArgumentParser:

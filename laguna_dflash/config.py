@@ -153,6 +153,11 @@ class EngineConfig:
     # XS-2.1 size it cut that phase from 0.82 to 0.23 ms per batch-1 step (docs/PERFORMANCE.md);
     # False keeps it eager, as DESIGN.md first planned (its row counts vary per step).
     graph_context_precompute: bool = True
+    # "startup": after the warm-up, capture every padded batch size and key bucket of each
+    # decode-phase forward kind the warm-up ran (as vLLM captures its batch sizes at start-up), so
+    # no step later stalls for a capture; "lazy": capture a shape the first time a step needs it
+    # (faster start-up; a new batch size, or a sequence crossing a key-length bucket, then waits).
+    cuda_graph_capture: str = "startup"
     # Every target forward with the batch-invariant kernels (kernels/batch_invariant.py): a
     # position's logits bitwise the same in any batch, prefill, decode or verify, so greedy DFlash
     # equals target-only token for token in bf16 too (vLLM's VLLM_BATCH_INVARIANT). Slower
@@ -164,6 +169,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch_sdpa", "triton"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
                              "use 'auto', 'torch_sdpa' or 'triton'")
+        if self.cuda_graph_capture not in ("startup", "lazy"):
+            raise ValueError(f"cuda_graph_capture={self.cuda_graph_capture!r} is not supported "
+                             "(--cuda-graph-capture); use 'startup' or 'lazy'")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

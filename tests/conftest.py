@@ -1,4 +1,5 @@
-"""Shared test setup: one torch thread (the tiny models thrash with more), fixture paths."""
+"""Shared test setup: one torch thread (the tiny models thrash with more), fixture paths, and a
+short engine warm-up (below)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(autouse=True)
+def _short_warmup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA engines warm up at construction (engine.LLMEngine.warmup); its prefills of
+    WARMUP_PREFILL_LENGTHS build kernels for prompt shapes the tests never use, minutes on a GPU
+    over a test run. They are skipped except in tests marked ``full_warmup``, which check them;
+    the two decoding requests and the start-up graph captures still run everywhere."""
+    if request.node.get_closest_marker("full_warmup") is None:
+        from laguna_dflash.engine import engine
+
+        monkeypatch.setattr(engine, "WARMUP_PREFILL_LENGTHS", ())

@@ -60,8 +60,17 @@ def check_linear(device: str, n: int, k: int, dtype: torch.dtype = torch.bfloat1
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
 
 
-def check_moe(device: str, hidden: int, e: int, top_k: int, inter: int,
+def check_moe(device: str, hidden: int, e: int, top_k: int, inter: int, kernel: str,
               dtype: torch.dtype = torch.bfloat16) -> None:
+    saved = batch_invariant.moe_kernel
+    batch_invariant.moe_kernel = kernel
+    try:
+        _check_moe(device, hidden, e, top_k, inter, dtype)
+    finally:
+        batch_invariant.moe_kernel = saved
+
+
+def _check_moe(device: str, hidden: int, e: int, top_k: int, inter: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     t = 21
     x = torch.randn(t, hidden, generator=g).to(dtype).to(device)
@@ -75,8 +84,11 @@ def check_moe(device: str, hidden: int, e: int, top_k: int, inter: int,
     for i in range(t):
         alone = batch_invariant.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], gate_up, down)
         assert torch.equal(alone[0], pairs[i]), f"token {i}"
+    shuffled = torch.randperm(t, generator=g).to(device)  # other neighbours, other tile rows
+    again = batch_invariant.moe_experts(x[shuffled], ids[shuffled], weights[shuffled], gate_up, down)
+    assert torch.equal(again, pairs[shuffled])
     chunk_rows = batch_invariant.MOE_MAX_ROWS
-    batch_invariant.MOE_MAX_ROWS = 8  # launches of 8, 8 and 5 tokens
+    batch_invariant.MOE_MAX_ROWS = 8  # "fused": launches of 8, 8 and 5 tokens
     try:
         assert torch.equal(batch_invariant.moe_experts(x, ids, weights, gate_up, down), pairs)
     finally:
@@ -130,6 +142,20 @@ def check_attention(device: str, length: int, num_heads: int, kv_heads: int, hea
     finally:
         pa.INVARIANT_MAX_PARTIAL_BYTES = budget
     assert torch.equal(chunked, prefill), "prefill in three token chunks"
+    # two requests' prefills in chunks of n query tiles, bounded by the grid limit (chunks that
+    # cross from one request into the next): the rows of one launch
+    other = min(9, length)
+    items = [ForwardItem(other, 0, other, other_table), ForwardItem(length, 0, length, table)]
+    pair = torch.cat([q_other[:other], q])
+    whole = _attend(pair, k_cache, v_cache, items, scratch, **kw)
+    assert torch.equal(whole[other:], prefill)
+    grid_z = pa.MAX_GRID_Z
+    pa.MAX_GRID_Z = pa._next_pow2(-(-length // pa.INVARIANT_SPLIT_KEYS)) * (length // 4 + 1)
+    try:
+        chunked = _attend(pair, k_cache, v_cache, items, scratch, **kw)
+    finally:
+        pa.MAX_GRID_Z = grid_z
+    assert torch.equal(chunked, whole), "two prefills in chunks of a quarter of the longest"
     # and the mode is still attention: the default kernel on the same prefill, within bf16 rounding
     meta = build_metadata([ForwardItem(length, 0, length, table)], BLOCK_SIZE, scratch, q.device)
     default = pa.paged_attention(q, k_cache, v_cache, meta.query_index, meta.query_positions,
@@ -231,8 +257,9 @@ def test_row_blocks_compute_as_single_block_launches_interpreted(monkeypatch):
 
 
 @interpreted
-def test_moe_tokens_do_not_depend_on_the_batch_interpreted():
-    check_moe("cpu", hidden=32, e=5, top_k=2, inter=24)
+@pytest.mark.parametrize("kernel", ["fused", "sorted"])
+def test_moe_tokens_do_not_depend_on_the_batch_interpreted(kernel):
+    check_moe("cpu", hidden=32, e=5, top_k=2, inter=24, kernel=kernel)
 
 
 @interpreted
@@ -302,8 +329,9 @@ def test_linear_rows_do_not_depend_on_the_batch_cuda(n, k):
 
 
 @cuda
-def test_moe_tokens_do_not_depend_on_the_batch_cuda():
-    check_moe("cuda", hidden=2048, e=8, top_k=3, inter=512)
+@pytest.mark.parametrize("kernel", ["fused", "sorted"])
+def test_moe_tokens_do_not_depend_on_the_batch_cuda(kernel):
+    check_moe("cuda", hidden=2048, e=8, top_k=3, inter=512, kernel=kernel)
 
 
 @cuda
@@ -332,3 +360,31 @@ def test_xs_widths_bf16_tokens_do_not_depend_on_the_batch_cuda(tmp_path):
                  for a, b in zip(default["alone"], default[name]))
     print(f"default kernels: {parted} of {2 * len(prompts)} (prompt, run) pairs differ from the "
           "prompt alone in tokens or logprobs")
+
+
+@cuda
+def test_xs_widths_eager_graphs_and_seeded_sampling_agree_cuda(tmp_path):
+    """The mode holds off the graph path and at temperature > 0 too: with ``enforce_eager`` the
+    tokens and logprobs are the graphed engine's bitwise, and seeded sampled requests (each its
+    own generator) draw the same tokens alone and batched."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_cuda_xs_lossless import _write_pair
+
+    target, _ = _write_pair(tmp_path)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 4000) for _ in range(n)] for n in (500, 37, 9)]
+    common = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=1024,
+                  max_num_seqs=4, batch_invariant=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run(llm: LLM, batch: list[list[int]], params) -> list:
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompt_token_ids=batch, sampling_params=params)]
+
+    graphed, eager = LLM(target, **common), LLM(target, enforce_eager=True, **common)
+    assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    assert run(eager, prompts, greedy) == run(graphed, prompts, greedy)
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7 + i)
+               for i in range(len(prompts))]
+    alone = [run(graphed, [p], [s])[0] for p, s in zip(prompts, sampled)]
+    assert alone == run(graphed, prompts, sampled)
+    assert [ids for ids, _ in alone] != [ids for ids, _ in run(graphed, prompts, greedy)]  # it sampled

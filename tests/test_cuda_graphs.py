@@ -69,6 +69,28 @@ def test_padded_metadata_matches_build_metadata():
     assert all(int(s) in scratch for s in meta.slot_mapping[9:])
 
 
+def test_key_buckets_cover_every_length_up_to_the_limit():
+    from laguna_dflash.engine.kv_cache import KVCache
+
+    kv = KVCache(1, 40, 6, 1, 8, torch.float32, "cpu")
+    runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=8,
+                             max_model_len=2000, max_tokens_per_request=4)
+    assert runner.key_buckets(1) == [258]  # 256 rounded up to the block size
+    buckets = runner.key_buckets(2003)
+    assert buckets == [258, 516, 1026, 2052]  # powers of two rounded up to the block size
+    for n in (1, 257, 258, 259, 1500, 2003):  # every length's bucket is captured
+        assert runner.key_bucket(n) in buckets
+    assert runner.key_buckets(10**6)[-1] == runner.max_keys  # never past the runner's limit
+    assert runner.capture_all(2000) == 0  # on the CPU nothing is captured
+
+
+def test_cuda_graph_capture_setting_is_checked():
+    from laguna_dflash.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--cuda-graph-capture"):
+        EngineConfig(model="x", cuda_graph_capture="eager")
+
+
 def test_can_run_only_decode_phase_shapes():
     from laguna_dflash.engine.kv_cache import KVCache
 
@@ -202,6 +224,51 @@ def test_warmup_leaves_no_trace(pair, adaptive):
     assert warmed.get_metrics()["num_drafts"] == fresh.get_metrics()["num_drafts"]
 
 
+def _spy_warmup(engine, monkeypatch) -> tuple[list[int], list[list[int]]]:
+    """Record the prompt lengths the engine is given and, per prefill, its prompts' lengths."""
+    lengths: list[int] = []
+    prefills: list[list[int]] = []
+    add, prefill = engine.add_request, engine._prefill
+
+    def add_request(ids, *args, **kwargs):
+        lengths.append(len(ids))
+        return add(ids, *args, **kwargs)
+
+    def run_prefill(seqs):
+        prefills.append(sorted(len(s.prompt_token_ids) for s in seqs))
+        return prefill(seqs)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    monkeypatch.setattr(engine, "_prefill", run_prefill)
+    return lengths, prefills
+
+
+@pytest.mark.full_warmup
+def test_warmup_prefills_the_listed_prompt_shapes_in_half_precision(pair, monkeypatch):
+    """bf16: after its two decoding requests the warm-up prefills every shape of
+    WARMUP_PREFILL_LENGTHS that the engine can hold (two-prompt shapes in one prefill), and
+    leaves no trace; float32 runs the two decoding requests only."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, draft = pair
+    shapes = engine_module.WARMUP_PREFILL_LENGTHS
+    for dtype, want in (("bfloat16", shapes), ("float32", ())):
+        llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, dtype=dtype,
+                  max_num_seqs=2, max_model_len=400)
+        lengths, prefills = _spy_warmup(llm.engine, monkeypatch)
+        llm.engine.warmup()
+        assert lengths == [8, 16] + [n for shape in want for n in shape], dtype
+        assert prefills == [[8], [16]] + [sorted(shape) for shape in want], dtype
+        metrics = llm.get_metrics()
+        assert metrics["num_steps"] == metrics["num_prefill_tokens"] == 0
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+    # a shape the engine cannot hold is skipped: two prompts with max_num_seqs=1
+    llm = LLM(target, dtype="bfloat16", max_num_seqs=1, max_model_len=400)
+    lengths, _ = _spy_warmup(llm.engine, monkeypatch)
+    llm.engine.warmup()
+    assert lengths == [8, 16] + [n for shape in shapes if len(shape) == 1 for n in shape]
+
+
 @needs_cuda
 @pytest.mark.parametrize("use_draft", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -278,6 +345,37 @@ def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype, monkeypat
     tol = 1e-5 if dtype == "float32" else 3e-2
     for got, want in zip(_drafter_caches(graphed), _drafter_caches(eager)):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptive):
+    """With ``cuda_graph_capture="startup"`` every batch size and key bucket is captured before
+    the first request, so serving batches of every size past a key bucket (256 keys) captures
+    nothing new (adaptive K: its other K values still capture when first chosen), and the
+    tokens are the lazily captured engine's (float32: the same kernels either way)."""
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=5,
+              max_model_len=400, adaptive_k=adaptive)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    lazy = LLM(target, cuda_graph_capture="lazy", **kw)
+    at_start = LLM(target, **kw)
+    engine = at_start.engine
+    runners = [engine.runner.graphs, engine.proposer.runner.graphs]
+    ctx = engine.proposer.context_graphs
+    counts = [len(r.graphs) for r in runners] + [len(ctx.graphs)]
+    sizes = len(runners[0].batch_sizes)  # 1, 2, 4, 5
+    # target (verify), drafter block: every size x the buckets up to 400 + K keys; context: sizes
+    assert counts[0] >= sizes * 2 and counts[1] >= sizes * 2 and counts[2] == sizes
+    rng = random.Random(3)
+    for batch_size in (1, 3, 5):
+        prompts = [[rng.randrange(0, 60) for _ in range(230 + 7 * i)] for i in range(batch_size)]
+        want = [o.token_ids for o in lazy.generate(prompt_token_ids=prompts, sampling_params=params)]
+        got = [o.token_ids for o in at_start.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+    if not adaptive:
+        assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
+    assert len(lazy.engine.runner.graphs.graphs) < counts[0]
 
 
 @needs_cuda

@@ -94,16 +94,40 @@ class ContextGraphRunner:
         if self.device.type != "cuda":  # CPU: the same padded computation, eagerly
             self._run_model(r_pad * m)
             return
-        graph = self.graphs.get(r_pad)
-        if graph is None:
-            try:
-                graph, _, self.pool = capture_graph(lambda: self._run_model(r_pad * m), self.device, self.pool)
-            except Exception as e:  # noqa: BLE001 - the drafter's context only: keep serving eagerly
-                self.is_broken = True
-                logger.warning("capturing the drafter-context CUDA graph failed, precomputing the "
-                               "context eagerly from now on: %s", e)
-                self._run_model(r_pad * m)
-                return
-            self.graphs[r_pad] = graph
-            logger.info("captured a drafter-context CUDA graph: %d requests x %d rows", r_pad, m)
+        graph = self.graphs.get(r_pad) or self._capture(r_pad)
+        if graph is None:  # the capture failed: this step's context eagerly
+            self._run_model(r_pad * m)
+            return
         graph.replay()
+
+    def _capture(self, r_pad: int) -> torch.cuda.CUDAGraph | None:
+        """Capture the graph of ``r_pad`` requests (runs it twice eagerly first); ``None`` and
+        the eager path from then on if capturing fails."""
+        m = self.rows_per_request
+        try:
+            graph, _, self.pool = capture_graph(lambda: self._run_model(r_pad * m), self.device, self.pool)
+        except Exception as e:  # noqa: BLE001 - the drafter's context only: keep serving eagerly
+            self.is_broken = True
+            logger.warning("capturing the drafter-context CUDA graph failed, precomputing the "
+                           "context eagerly from now on: %s", e)
+            return None
+        self.graphs[r_pad] = graph
+        logger.info("captured a drafter-context CUDA graph: %d requests x %d rows", r_pad, m)
+        return graph
+
+    @torch.inference_mode()  # as run(), whose graphs these are
+    def capture_all(self) -> int:
+        """Capture every padded batch size not captured yet (at start-up: no later step waits
+        for a capture), on padding rows (position 0, the scratch slot). -> graphs captured."""
+        if self.device.type != "cuda" or self.is_broken:
+            return 0
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.host_rows[0] = 0
+        self.host_rows[1] = self.kv_cache.scratch_slot
+        self.index.copy_(self.host_index)
+        count = 0
+        for r in self.batch_sizes:
+            if r not in self.graphs and not self.is_broken:
+                count += self._capture(r) is not None
+        return count

@@ -120,13 +120,51 @@ class CUDAGraphRunner:
         self.block_tables = self.state[:, 2 : self.ids_offset]
         self.flat_index = torch.arange(max_r * max_q, device=device)
         self.graphs: dict[tuple, _Captured] = {}
+        # every forward kind captured so far, (q, is_causal, taps, has a context store) -> the
+        # store: what capture_all extends to every batch size and key bucket
+        self.kinds: dict[tuple, ContextStore | None] = {}
         self.pool = None
 
     def reset(self) -> None:
         """Drop every captured graph and their memory pool (the next forward recaptures, e.g.
         after a fast-path switch changed what a forward launches)."""
         self.graphs.clear()
+        self.kinds.clear()
         self.pool = None
+
+    def key_buckets(self, max_seq_len: int) -> list[int]:
+        """Every key bucket a forward of at most ``max_seq_len`` keys can take, ascending."""
+        out = [self.key_bucket(1)]
+        while out[-1] < min(max_seq_len, self.max_keys):
+            out.append(self.key_bucket(out[-1] + 1))
+        return out
+
+    @torch.inference_mode()  # as the forwards it captures (the fast paths need it)
+    def capture_all(self, max_model_len: int) -> int:
+        """Capture the graphs of every padded batch size and key bucket (up to
+        ``max_model_len + q - 1`` keys: a verify's drafts may run past the last position) for
+        each forward kind captured so far, so that no later forward waits for a
+        capture: a new batch size or a sequence crossing a bucket would otherwise stall its step
+        for the capture (vLLM captures at start-up the same way). The captures run padding
+        requests only (the scratch block). -> number of graphs captured."""
+        if self.device.type != "cuda":
+            return 0
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.host_rows  # every row a padding request: q tokens at 0.. of the scratch block
+        count = 0
+        for (q, is_causal, taps, _), store in list(self.kinds.items()):
+            rows[:, : self.ids_offset + q] = 0
+            rows[:, 1] = q
+            rows[:, 2 : self.ids_offset] = self.scratch_block
+            self.state.copy_(self.host_state)
+            for r in self.batch_sizes:
+                for num_keys in self.key_buckets(max_model_len + q - 1):
+                    key = (r, q, num_keys, is_causal, taps, store is not None)
+                    if key not in self.graphs:
+                        self.graphs[key] = self._capture(r, q, num_keys, is_causal, taps, store)
+                        count += 1
+        return count
 
     def key_bucket(self, num_keys: int) -> int:
         """Smallest power of two ``>= num_keys`` (min ``MIN_KEY_BUCKET``), a multiple of the
@@ -228,6 +266,7 @@ class CUDAGraphRunner:
         if captured is None:
             captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
                                                         tuple(tap_layer_ids), context_store)
+            self.kinds[(q, is_causal, tuple(tap_layer_ids), context_store is not None)] = context_store
         captured.graph.replay()
         hidden = captured.hidden[: r * q].clone()
         taps = captured.taps[: r * q].clone() if captured.taps is not None else None

@@ -61,6 +61,17 @@ draft_ahead = True
 # request stops. True: always (the CPU tests run it eagerly). False: never (A/B switch).
 decode_ahead: bool | None = None
 
+# Prompt-length batches the warm-up prefills (one token each, after its two decoding requests),
+# so that the first real prompts of these kinds build no kernel. Triton compiles a kernel per
+# constexpr set and per specialisation of its integer arguments (== 1, a multiple of 16, other):
+# the attention kernel's token count T and longest prompt L (its query tile saturates past a few
+# tokens; one key split from ~300 tokens on, more below), the fused MoE's pair-count bucket
+# (short prompts). Hence: 1 token; the fused-MoE buckets of 5 and 20 tokens; a two-split
+# length; single long prompts with T = L not / a multiple of 16; two long prompts with T a
+# multiple of 16 and L not, and the reverse. Measured by benchmarks/bench_first_request.py.
+WARMUP_PREFILL_LENGTHS: tuple[tuple[int, ...], ...] = (
+    (1,), (5,), (20,), (200,), (208,), (300,), (320,), (300, 292), (320, 280))
+
 
 @dataclass
 class EngineTimings:
@@ -178,16 +189,34 @@ class LLMEngine:
         return "triton"
 
     def warmup(self) -> None:
-        """Serve two short greedy requests and forget them, so the first real request does not
-        pay the one-time work: ``torch.compile`` of the fused chains (it specialises on the first
+        """Serve two short greedy requests, then prefill the prompt shapes of
+        :data:`WARMUP_PREFILL_LENGTHS`, and forget them, so the first real request does not pay
+        the one-time work: ``torch.compile`` of the fused chains (it specialises on the first
         prompt length and compiles a dynamic version at the second), Triton builds, and the
-        batch-1 CUDA graphs (decode, or verify + drafter block + drafter context). Statistics,
-        timings and the adaptive-K state are reset afterwards; blocks return to the pool."""
+        batch-1 CUDA graphs (decode, or verify + drafter block + drafter context); then, with
+        ``cuda_graph_capture="startup"``, the graphs of every batch size and key bucket.
+        Statistics, timings and the adaptive-K state are reset afterwards; blocks return to the
+        pool."""
         t0 = time.perf_counter()
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for n in (8, 16):
             n = max(1, min(n, self.max_model_len - params.max_tokens - self.num_speculative_tokens - 1))
             self.add_request([0] * n, params)
+            while self.has_unfinished:
+                self.step()
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        capacity = self.allocator.num_blocks * self.config.block_size
+        # half precision only: float32 engines (parity checks, tests) take the fused MoE kernels
+        # at every size, whose pair-count buckets would make these prefills compile for minutes
+        shapes = WARMUP_PREFILL_LENGTHS if self.dtype in (torch.bfloat16, torch.float16) else ()
+        for lengths in shapes:
+            need = sum(n + self.num_speculative_tokens + 2 + self.config.block_size for n in lengths)
+            if (max(lengths) + self.num_speculative_tokens + 2 > self.max_model_len or need > capacity
+                    or len(lengths) > self.config.max_num_seqs
+                    or sum(lengths) > self.config.max_num_batched_tokens):
+                continue  # a shape this engine never prefills
+            for n in lengths:
+                self.add_request([0] * n, one)
             while self.has_unfinished:
                 self.step()
         k = self.num_speculative_tokens
@@ -198,6 +227,25 @@ class LLMEngine:
         self._ids = itertools.count()
         self._ahead = None
         logger.info("warm-up done in %.1fs", time.perf_counter() - t0)
+        if self.config.cuda_graph_capture == "startup":
+            self.capture_all_graphs()
+
+    def capture_all_graphs(self) -> int:
+        """Capture the CUDA graphs of every padded batch size and key bucket for each forward
+        kind the warm-up ran (``EngineConfig.cuda_graph_capture="startup"``). -> graphs captured."""
+        t0 = time.perf_counter()
+        count = 0
+        with batch_invariant.scope(self.config.batch_invariant):
+            for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
+                if runner.graphs is not None:
+                    count += runner.graphs.capture_all(self.max_model_len)
+            context_graphs = self.proposer.context_graphs if self.proposer else None
+            if context_graphs is not None:
+                count += context_graphs.capture_all()
+        if count:
+            logger.info("captured %d CUDA graphs at start-up in %.1fs (--cuda-graph-capture lazy "
+                        "skips this)", count, time.perf_counter() - t0)
+        return count
 
     def attach_graph_runners(self) -> None:
         """Route the target's and the drafter's decode-phase forwards through a

@@ -16,10 +16,13 @@ What changes while :func:`scope` is active (the engine enters it around every st
   :func:`linear`: the skinny GEMM's tensor-core path with ONE config per weight shape
   (:func:`linear_config`, independent of the row count) on every 16-row block, the blocks of up
   to 1024 rows in one launch. The staged o_proj GEMV, the GEMV path and cuBLAS are not used.
-* the MoE experts are :func:`moe_experts`: the fused expert kernels (kernels/fused_moe.py) with a
-  fixed ``BLOCK_M`` on chunks of at most :data:`MOE_MAX_ROWS` tokens; routing takes the router GEMM
-  then the per-token routing kernel (not the fused router GEMV, not the GEMV experts, not the
-  grouped GEMM).
+* the MoE experts are :func:`moe_experts`: by default (:data:`moe_kernel` = ``"fused"``) the fused
+  expert kernels (kernels/fused_moe.py) with a fixed ``BLOCK_M`` on chunks of at most
+  :data:`MOE_MAX_ROWS` tokens; with ``"sorted"`` the sorted grouped kernels
+  (kernels/grouped_moe.py: the pairs sorted by expert once, then fixed ``BLOCK_M``-row tiles of
+  one expert each, one launch for any token count). Routing takes the router GEMM then the
+  per-token routing kernel (not the fused router GEMV, not the GEMV experts, not torch's grouped
+  GEMM).
 * attention (kernels/paged_attention.py, ``batch_invariant=True``): one query a tile (its GQA
   group's heads as the rows), 64-key tiles from key 0, the keys split every 128 from key 0 and
   the splits' partials merged in split order, for decode, verify and prefill alike.
@@ -34,7 +37,8 @@ row), Q/K norm + RoPE + cache write, the routing, the argmax.
 Costs (measured in docs/PERFORMANCE.md): decode-phase GEMMs lose the GEMV configs tuned per row
 count, the MoE its per-pair GEMVs, attention its split count chosen per shape; prefill runs its
 GEMMs as 16-row blocks (each re-reads the weight, mostly from L2) and its MoE in 256-token
-launches (each re-reads the experts it hits).
+launches (each re-reads the experts it hits; ``moe_kernel = "sorted"`` reads them once per
+16-pair tile, mostly from L2, in one launch: prefill 3.2x faster, decode 1.6x slower).
 """
 
 from __future__ import annotations
@@ -46,18 +50,26 @@ from collections.abc import Iterator
 
 import torch
 
-from . import fused_moe, skinny_gemm
+from . import fused_moe, grouped_moe, skinny_gemm
 
-__all__ = ["MAX_ROWS", "MOE_MAX_ROWS", "check_device", "is_active", "linear", "linear_config",
+__all__ = ["MAX_ROWS", "MOE_BLOCK_M", "MOE_MAX_ROWS", "check_device", "is_active", "linear", "linear_config",
            "moe_experts", "scope"]
 
 MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM block (the skinny GEMM's 16-row tile)
-MOE_BLOCK_M = 16  # rows of a fused-MoE tile, whatever the chunk's token count
+MOE_BLOCK_M = 16  # pairs of an MoE tile, whatever the token count
 # Tokens of one fused-MoE launch. Each launch reads every expert it hits once per 16-pair tile
 # of its run, so a prefill re-reads the experts once per launch: a 1k-token XS-2.1 prefill took
 # 509 ms at 16 tokens a launch and 387 ms at 256 (H200, docs/PERFORMANCE.md, twenty-first
 # pass). Larger chunks cost each program a longer scan of the chunk's expert ids.
 MOE_MAX_ROWS = 256
+# The invariant MoE kernels: "fused" (kernels/fused_moe.py, per-program grouping, chunks of
+# MOE_MAX_ROWS tokens) or "sorted" (kernels/grouped_moe.py, torch-sorted fixed tiles, one
+# launch). Same bench run on the H200 at XS-2.1 size (docs/PERFORMANCE.md, twenty-second pass):
+# "sorted" prefills 1k tokens in 126 ms against 405 (an earlier run's "fused"), but a batch-1
+# decode step takes 4.81 ms against 3.00 (its per-layer sort launches and fewer programs), so
+# "fused" stays the default. Each is batch-invariant on its own; the two are not known to give
+# the same bits, so one engine must not mix them.
+moe_kernel = "fused"
 
 _active = False
 
@@ -127,10 +139,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted pair outputs ``[T, k, H]`` (unsummed, as
     ``fused_moe.fused_moe_experts(..., reduce=False)``), token ``t``'s bitwise the same for any
-    ``T`` and any other tokens: :data:`MOE_MAX_ROWS`-token chunks, each through the fused
-    expert kernels with ``BLOCK_M`` fixed at :data:`MOE_BLOCK_M` (a pair's tile computes the
-    same whichever other pairs share it) and the tile loop sized for a full chunk (one compile
-    per pair-count bucket, not per prompt length)."""
+    ``T`` and any other tokens, through :data:`moe_kernel`'s kernels with ``BLOCK_M`` fixed at
+    :data:`MOE_BLOCK_M` (a pair's tile computes the same whichever other pairs share it):
+    "fused", :data:`MOE_MAX_ROWS`-token chunks with the tile loop sized for a full chunk (one
+    compile per pair-count bucket, not per prompt length); "sorted", one launch."""
+    if moe_kernel == "sorted":
+        return grouped_moe.sorted_moe_experts(x, expert_ids, weights, gate_up, down, block_m=MOE_BLOCK_M)
     n = MOE_MAX_ROWS
     chunks = [fused_moe.fused_moe_experts(x[i : i + n], expert_ids[i : i + n], weights[i : i + n],
                                           gate_up, down, reduce=False, block_m=MOE_BLOCK_M,

@@ -428,22 +428,35 @@ INVARIANT_SPLIT_KEYS = 128
 # ... and a forward whose fp32 partials would exceed this many bytes (a long prefill: they grow
 # with tokens x splits) runs in token chunks of at most this size, each a launch pair
 INVARIANT_MAX_PARTIAL_BYTES = 256 << 20
+# CUDA's limit on a grid's y and z sizes; the attention grid's z is query tiles x splits
+MAX_GRID_Z = 65535
 
 
 def _invariant_in_token_chunks(q, k_cache, v_cache, query_index, query_positions, key_slots,
-                               seq_lens, out, bytes_per_token, **kwargs):
+                               seq_lens, out, num_splits, **kwargs):
     """:func:`paged_attention` with ``batch_invariant`` on flat-token chunks ``[c, c + n)``,
-    written into ``out``: each chunk keeps the padded queries of its own tokens (the others
-    become padding, position -1) and renumbers them from 0. Every query is computed as in one
-    call (same tiles, same splits); only the partials' scratch is bounded."""
-    t = q.shape[0]
-    n = max(1, INVARIANT_MAX_PARTIAL_BYTES // bytes_per_token)
+    written into ``out``. A request's queries are consecutive flat tokens
+    (``query_index[i, j] = first_i + j``), so a chunk's queries of request ``i`` are at most
+    ``n`` consecutive columns from ``max(0, c - first_i)``: each chunk gathers those columns
+    (the others become padding, position -1) and renumbers its tokens from 0. Every query is
+    computed as in one call (same tiles, same splits); only the partials' scratch
+    (:data:`INVARIANT_MAX_PARTIAL_BYTES`) and the grid (:data:`MAX_GRID_Z`: ``n`` query tiles x
+    ``num_splits``) are bounded. Device ops only (no host sync)."""
+    t, num_heads, head_dim = q.shape
+    qmax = query_index.shape[1]
+    n = INVARIANT_MAX_PARTIAL_BYTES // (num_splits * num_heads * head_dim * 4)
+    n = max(1, min(n, MAX_GRID_Z // num_splits, qmax))
     gate = kwargs.pop("gate")
+    cols = torch.arange(n, device=query_index.device)
     for c in range(0, t, n):
-        mine = (query_index >= c) & (query_index < c + n) & (query_positions >= 0)
+        first = (c - query_index[:, :1]).clamp(min=0, max=qmax - n)  # [R, 1]
+        picked = (first + cols).clamp(max=qmax - 1)  # [R, n] columns of the chunk's window
+        qi = query_index.gather(1, picked)
+        pos = query_positions.gather(1, picked)
+        mine = (qi >= c) & (qi < c + n) & (pos >= 0)
         out[c : c + n] = paged_attention(
-            q[c : c + n], k_cache, v_cache, torch.where(mine, query_index - c, 0),
-            torch.where(mine, query_positions, -1), key_slots, seq_lens,
+            q[c : c + n], k_cache, v_cache, torch.where(mine, qi - c, 0),
+            torch.where(mine, pos, -1), key_slots, seq_lens,
             gate=None if gate is None else gate[c : c + n], batch_invariant=True, **kwargs)
     return out
 
@@ -614,11 +627,12 @@ def paged_attention(
         split_len = max(block_n, INVARIANT_SPLIT_KEYS // block_n * block_n)
         # a power of two: few compiles (NUM_SPLITS is a constexpr); the extra splits are empty
         num_splits = _next_pow2(-(-lmax // split_len))
-        if t > 1 and num_splits * t * num_heads * head_dim * 4 > INVARIANT_MAX_PARTIAL_BYTES:
+        if t > 1 and (num_splits * t * num_heads * head_dim * 4 > INVARIANT_MAX_PARTIAL_BYTES
+                      or qmax * num_splits > MAX_GRID_Z):
             return _invariant_in_token_chunks(
                 q, k_cache, v_cache, query_index, query_positions, key_slots, seq_lens, out,
-                num_splits * num_heads * head_dim * 4, scale=scale, causal=causal,
-                sliding_window=sliding_window, sinks=sinks, block_n=block_n, gate=gate)
+                num_splits, scale=scale, causal=causal, sliding_window=sliding_window,
+                sinks=sinks, block_n=block_n, gate=gate)
     else:
         block_q = _block_q(qmax, group)
         if num_splits is None:

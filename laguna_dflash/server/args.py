@@ -80,6 +80,7 @@ class ServerConfig:
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "attention_backend": e.attention_backend,
             "enforce_eager": e.enforce_eager,
+            "cuda_graph_capture": e.cuda_graph_capture,
             "load_format": e.load_format,
             "batch_invariant": e.batch_invariant,
             "speculative_method": "dflash" if spec.config is not None else "off",
@@ -228,6 +229,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         seed=args.seed,
         attention_backend=getattr(args, "attention_backend", EngineConfig.attention_backend),
         enforce_eager=getattr(args, "enforce_eager", False),
+        cuda_graph_capture=getattr(args, "cuda_graph_capture", EngineConfig.cuda_graph_capture),
         load_format=getattr(args, "load_format", EngineConfig.load_format),
         batch_invariant=bool(getattr(args, "batch_invariant", False)),
     )

@@ -1,0 +1,191 @@
+"""What a request pays the first time its shapes are seen: one-time work after the engine's warm-up.
+
+A fresh engine on the XS-2.1 pair (dummy weights, DFlash K = 3 unless ``--k 0``) serves a list of
+scenarios in order, each twice: FIRST (its shapes new to the engine: CUDA graph captures for a
+new padded batch size or key-length bucket, Triton builds for new prefill shapes) and REPEAT
+(the same requests again, everything built). Per run: wall seconds, the first step (the
+prefill: time to first token), the longest later step (a stall a streaming client sees between
+tokens), and the CUDA graphs captured during it. The engine's start-up (load + warm-up) is timed
+too. With ``--cold`` the Triton and inductor caches start empty (a fresh install); without it
+they are whatever the machine has.
+
+    python benchmarks/bench_first_request.py --cold                    # H200, default kernels
+    python benchmarks/bench_first_request.py --cold --batch-invariant
+    python benchmarks/bench_first_request.py --device cpu --layers 2 --hidden 256 \
+        --scenarios 1x40x8,2x20x8 --max-model-len 128 --max-num-seqs 4   # CPU wiring check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_scenarios(text: str) -> list[tuple[int, int, int]]:
+    """``"BxPxN,..."`` -> [(batch, prompt tokens, new tokens)]."""
+    out = []
+    for item in text.split(","):
+        try:
+            b, p, n = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--scenarios: {item!r} is not BATCHxPROMPTxNEW (e.g. 4x1000x64)") from None
+        out.append((b, p, n))
+    return out
+
+
+def num_graphs(engine) -> int:
+    """CUDA graphs captured so far by the target's, the drafter's and the context runners."""
+    runners = [engine.runner] + ([engine.proposer.runner] if engine.proposer is not None else [])
+    total = sum(len(r.graphs.graphs) for r in runners if r.graphs is not None)
+    ctx = getattr(engine.proposer, "context_graphs", None) if engine.proposer is not None else None
+    return total + (len(ctx.graphs) if ctx is not None else 0)
+
+
+class CompileLog:
+    """Counts Triton kernel builds (by kernel name, through Triton's post-compile hook) and
+    ``torch.compile`` frames compiled, since :meth:`reset`."""
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        import torch._dynamo.utils
+        import triton
+
+        self._frames = torch._dynamo.utils.counters["frames"]
+        self.builds: Counter = Counter()
+        self._base = 0
+
+        def hook(*, fn, **_):
+            self.builds[fn.name.rsplit(".", 1)[-1]] += 1
+
+        triton.knobs.runtime.jit_post_compile_hook = hook
+
+    def reset(self) -> None:
+        self.builds.clear()
+        self._base = self._frames["ok"]
+
+    @property
+    def num_frames(self) -> int:
+        return self._frames["ok"] - self._base
+
+
+class StepClock:
+    """Wraps ``engine.step``: the wall time of every step since :meth:`reset`."""
+
+    def __init__(self, engine, sync) -> None:
+        self.steps: list[float] = []
+        inner = engine.step
+
+        def timed():
+            t0 = time.perf_counter()
+            out = inner()
+            sync()
+            self.steps.append(time.perf_counter() - t0)
+            return out
+
+        engine.step = timed
+
+    def reset(self) -> None:
+        self.steps = []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--scenarios", default="1x1000x64,4x1000x64,16x300x32,1x3000x32,8x50x32,1x12x32,3x25x32,1x150x32",
+                    help="BATCHxPROMPTxNEW, comma separated, run in this order")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens (0: target-only)")
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--hidden", type=int, default=2048, help="override only for a CPU wiring check")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-model-len", type=int, default=4000)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="empty Triton and inductor caches")
+    ap.add_argument("--option", action="append", default=[],
+                    help="extra LLM keyword, NAME=VALUE (int, float, true/false or text); repeatable")
+    args = ap.parse_args()
+    scenarios = parse_scenarios(args.scenarios)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.cold:  # before triton / inductor are imported
+            os.environ["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
+        run(args, scenarios, Path(tmp))
+
+
+def option_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Path) -> None:
+    import torch
+    from bench_gpu_xs import sync, write_xs_configs, xs_pair_llm
+
+    from laguna_dflash import LLM, SamplingParams
+
+    options = dict(batch_invariant=args.batch_invariant, cuda_graph_capture="startup")
+    for item in args.option:
+        name, _, value = item.partition("=")
+        options[name] = option_value(value)
+    t0 = time.perf_counter()
+    if args.k:
+        llm, tcfg = xs_pair_llm(args, tmp, args.max_model_len, args.max_num_seqs,
+                                num_speculative_tokens=args.k, **options)
+    else:  # target-only: no drafter loaded, so the warm-up builds what target-only steps use
+        tdir, _, tcfg = write_xs_configs(tmp, args.layers, args.hidden)
+        dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+        llm = LLM(str(tdir), dtype=dtype, device=args.device, load_format="dummy",
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **options)
+    startup_s = time.perf_counter() - t0
+    engine = llm.engine
+    warm_graphs = num_graphs(engine)
+    startup_gib = torch.cuda.memory_reserved() / 2**30 if args.device.startswith("cuda") else None
+    clock = StepClock(engine, lambda: sync(args.device))
+    compiles = CompileLog()
+    rng = random.Random(0)
+    rows = []
+    for batch, prompt_len, new_tokens in scenarios:
+        if prompt_len + new_tokens + args.k + 1 > args.max_model_len:
+            raise SystemExit(f"scenario {batch}x{prompt_len}x{new_tokens} exceeds --max-model-len")
+        prompts = [[rng.randrange(100, tcfg["vocab_size"] - 1) for _ in range(prompt_len)]
+                   for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        for label in ("first", "repeat"):
+            graphs = num_graphs(engine)
+            clock.reset()
+            compiles.reset()
+            t = time.perf_counter()
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            wall = time.perf_counter() - t
+            steps = clock.steps
+            rows.append((f"{batch}x{prompt_len}x{new_tokens}", label, wall, steps[0],
+                         max(steps[1:], default=0.0), sorted(steps[1:])[len(steps[1:]) // 2] if len(steps) > 1 else 0.0,
+                         num_graphs(engine) - graphs, sum(compiles.builds.values()),
+                         compiles.num_frames, dict(compiles.builds)))
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"{gpu}, layers {args.layers}, K {args.k}, batch-invariant {args.batch_invariant}, "
+          f"cold caches {args.cold}, max_model_len {args.max_model_len}, max_num_seqs "
+          f"{args.max_num_seqs}, options {options}")
+    mem = f", {startup_gib:.1f} GiB reserved by torch after it" if startup_gib is not None else ""
+    print(f"engine start-up (load + warm-up): {startup_s:.1f} s; {warm_graphs} CUDA graphs after it{mem}\n")
+    print("| scenario (BxPxN) | run | wall s | first step ms | longest later step ms | "
+          "median later step ms | graphs captured | Triton builds | torch.compile frames |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, label, wall, first, longest, median, captured, builds, frames, _ in rows:
+        print(f"| {name} | {label} | {wall:.2f} | {first * 1e3:.1f} | {longest * 1e3:.1f} | "
+              f"{median * 1e3:.2f} | {captured} | {builds} | {frames} |")
+    for name, label, *_, kernels in rows:
+        if kernels:
+            print(f"{name} {label}: Triton built " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))
+
+
+if __name__ == "__main__":
+    main()

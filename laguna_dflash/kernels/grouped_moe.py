@@ -1,0 +1,309 @@
+"""Sorted, fixed-tile grouped MoE experts: batch-invariant and fast at large token counts (prefill).
+
+Same math and contract as ``fused_moe.fused_moe_experts(..., reduce=False)``: for ``T`` tokens each
+routed to ``k`` experts, every (token, slot) pair ``p = t*k + j`` of expert ``e = ids[t, j]`` gives
+
+    out_pairs[t, j] = w[t, j] * down_e( silu(gate_e(x[t])) * up_e(x[t]) )      -> [T, k, H]
+
+with ``gate_up [E, 2I, H]`` (rows ``0..I-1`` gate, ``I..2I-1`` up) and ``down [E, H, I]``. Products
+accumulate in fp32; ``h = silu(g) * u`` is rounded to ``x.dtype`` before the down projection, and
+each pair's weighted output ``w * (h Wd^T)`` is computed in fp32 and rounded to ``x.dtype``.
+
+Where ``fused_moe`` groups the pairs by expert inside every program with an O(P) counting sort
+(right for decode, P <= ~256), this module groups them ONCE, with a handful of torch ops, into a
+padded, expert-sorted row space, and both kernels walk fixed ``BLOCK_M``-row tiles of it:
+
+1. :func:`align_pairs` (torch ops only: no host sync, static shapes, CUDA-graph capturable): a
+   stable sort of the ``P = T*k`` flat ids; each expert's pair count padded up to a multiple of
+   ``block_m``; an exclusive cumsum gives each expert's first padded row. Out come
+   ``row_pair [R_MAX]`` (the pair of each padded row, ``-1`` for padding) and ``tile_expert
+   [R_MAX // block_m]`` (the expert of each tile, ``-1`` past the used tiles). ``R_MAX`` is a
+   bound that depends only on ``P``, ``E`` and ``block_m`` (:func:`max_tiles`), never the data.
+2. ``_sorted_gate_up_kernel``, grid ``(num_tiles, cdiv(I, BLOCK_N))``: program ``(m, n)`` gathers
+   the ``x`` rows of tile ``m``'s pairs (token = pair // k), streams ``BLOCK_N`` gate rows and the
+   matching up rows of the tile's expert over ``K = H`` with ``tl.dot`` and writes
+   ``h[row] = silu(g) * u`` for the tile's valid rows. ``h`` is kept in the padded row order
+   (``[R_MAX, I]``), so the down kernel reads whole contiguous tiles of it.
+3. ``_sorted_down_kernel``, grid ``(num_tiles, cdiv(H, BLOCK_N))``: the same tiles; ``h`` rows
+   times ``BLOCK_N`` rows of ``down[e]`` over ``K = I``, times the pair's routing weight (fp32),
+   scattered to ``out_pairs[pair]``.
+
+The tile index is grid axis 0 (fastest-varying in launch order): programs that run together are
+consecutive tiles of one column block, so the tiles of one expert share its weight slice in L2.
+
+Batch invariance (kernels/batch_invariant.py) holds by construction: ``block_m``, ``BLOCK_N``,
+``BLOCK_K``, warps and stages are constants (never chosen from ``T`` or ``P``); there is no
+split-K and no atomic; every K loop runs from 0 upward in ``BLOCK_K`` steps; a tensor-core MMA
+computes each output row from that row's inputs alone, and padding rows are exact zeros that are
+never stored. So a pair's output does not depend on which other pairs share its tile, nor on its
+row inside the tile: it is bitwise the same for any ``T`` and any other tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import pdl
+from .availability import interpret_mode, triton_can_run
+
+try:  # the package must import without triton (CPU-only installs)
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = ["DEFAULT_BLOCK_M", "align_pairs", "is_available", "max_tiles", "sorted_moe_experts"]
+
+DEFAULT_BLOCK_M = 16  # rows (pairs) of a tile; tl.dot needs >= 16
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel. Constants, whatever T: a pair's result must
+# not depend on the batch (module docstring). Picked for H = 2048, I = 512 bf16 on an H100 / H200,
+# not yet measured: gate_up streams two [BLOCK_N, BLOCK_K] weight tiles (gate and up) per K step
+# (2 x 16 KiB + the 4 KiB x tile a stage at these values, 3 stages); down one [128, 64] tile.
+_GATE_UP_CFG = (64, 128, 4, 3)
+_DOWN_CFG = (128, 64, 4, 4)
+
+
+def is_available(device: torch.device | str) -> bool:
+    """True when the Triton kernels can run on ``device`` (a CUDA device, sm80+ for bf16
+    ``tl.dot``, triton installed). The interpreter tests call the kernels directly."""
+    return torch.device(device).type == "cuda" and triton_can_run(device, min_major=8)
+
+
+def _check_block_m(block_m: int) -> None:
+    if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the ``block_m``-row tiles :func:`align_pairs` can use, from the sizes alone.
+
+    Expert ``e`` with ``c_e > 0`` pairs takes ``ceil(c_e / block_m) = floor((c_e + block_m - 1) /
+    block_m)`` tiles; at most ``min(E, P)`` experts are hit and ``sum c_e = P``, and a sum of floors
+    is at most the floor of the sum, so the tiles number at most
+    ``floor((P + min(E, P) * (block_m - 1)) / block_m)``. The bound is reached (every expert hit
+    ``1 (mod block_m)`` times, e.g. once each), so no smaller data-independent size would do.
+    """
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int,
+                block_m: int = DEFAULT_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert into ``block_m``-row tiles, each tile of one expert (torch ops only).
+
+    Args:
+        ids: ``[P]`` (or any shape, flattened: pair ``p`` is flat index ``p``) integer expert ids,
+            each in ``[0, num_experts)`` (not checked: that would need a host sync).
+        num_experts: ``E``, the number of experts the ids index.
+        block_m: rows of a tile, a power of two >= 16.
+
+    Returns:
+        ``(row_pair, tile_expert)``, int32, on ``ids.device``:
+        ``row_pair [R_MAX]``, ``R_MAX = block_m * max_tiles(P, E, block_m)``: the pair index of
+        each padded row, ``-1`` for padding. Expert ``e``'s pairs fill rows ``start_e ..
+        start_e + c_e - 1`` in increasing pair order (a stable sort), its rows up to the next
+        multiple of ``block_m`` are padding, ``start_e`` = sum over ``e' < e`` of ``c_e'`` rounded
+        up to ``block_m``; rows past the last expert's are padding too.
+        ``tile_expert [R_MAX // block_m]``: the expert of tile ``m`` (rows ``m * block_m ..``), or
+        ``-1`` for the tiles past the used ones (``sum_e ceil(c_e / block_m)``).
+
+    No host synchronisation and shapes from ``P``, ``E``, ``block_m`` alone: CUDA-graph capturable.
+    """
+    _check_block_m(block_m)
+    flat = ids.reshape(-1).long()
+    p = flat.numel()
+    num_tiles = max_tiles(p, num_experts, block_m)
+    dev = flat.device
+    # stable: equal ids keep their pair order; order[s] = pair at sorted position s
+    sorted_ids, order = torch.sort(flat, stable=True)
+    # first[e] = first sorted position of expert e (first[E] = P): counts without bincount, whose
+    # CUDA version reads the largest id back to the host
+    first = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=dev))
+    counts = first[1:] - first[:-1]  # [E] pairs per expert
+    padded = (counts + (block_m - 1)) // block_m * block_m  # rounded up to whole tiles
+    pad_end = torch.cumsum(padded, 0)  # [E] one past expert e's last padded row
+    pad_start = pad_end - padded  # [E] exclusive cumsum: expert e's first padded row
+    # padded row of sorted position s: its expert's first row + its rank inside the expert's run
+    rank = torch.arange(p, device=dev) - first[sorted_ids]
+    rows = pad_start[sorted_ids] + rank
+    row_pair = torch.full((num_tiles * block_m,), -1, device=dev, dtype=torch.int32)
+    row_pair.scatter_(0, rows, order.to(torch.int32))  # distinct rows: no write conflicts
+    # tile m's expert: the first e with pad_end[e] > m * block_m (experts with no pair have
+    # pad_end equal to their predecessor's and are passed over); E (no such e): an unused tile
+    tile_first_row = torch.arange(num_tiles, device=dev, dtype=pad_end.dtype) * block_m
+    tile_expert = torch.searchsorted(pad_end, tile_first_row, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return row_pair, tile_expert
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """``acc + a @ b`` in fp32. IEEE: exact fp32 products (fp32 inputs, where the default would
+        be tf32; and the CPU interpreter, whose bf16 tl.dot is wrong in triton 3.6)."""
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _sorted_gate_up_kernel(
+        x_ptr, w_ptr, row_pair_ptr, tile_expert_ptr, h_ptr,
+        K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        if PDL:  # kernels/pdl.py: the tile maps (and x) are earlier kernels' outputs
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        # program (m, n): tile m = padded rows r = m*BLOCK_M .. m*BLOCK_M + BLOCK_M - 1, all of
+        # expert e = tile_expert[m]; for each valid row r (pair p = row_pair[r] >= 0, token
+        # t = p // k) and this program's BLOCK_N columns n:
+        #   h[r, n] = silu(sum_c x[t, c] Wg[n, c]) * (sum_c x[t, c] Wu[n, c])
+        # with Wg = rows 0..I-1 and Wu = rows I..2I-1 of gate_up[e] (contiguous [2I, H]).
+        # Invariance: a row's two dot products go over c = 0, BLOCK_K, 2*BLOCK_K, ... (fixed
+        # constexpr tiling, no split-K) and an MMA output row reads only its own input row, so
+        # h[r] is the same whichever pairs fill the tile's other rows.
+        tile = tl.program_id(0)
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= 0:  # tiles past the used ones (expert -1) do nothing
+            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(row_pair_ptr + offs_m)
+            valid = pair >= 0  # padding rows: x rows of zeros, nothing stored
+            tok = (tl.where(valid, pair, 0) // K_TOP).to(tl.int64)
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < INTER
+            w_base = w_ptr + expert.to(tl.int64) * (2 * INTER * H)
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c0 in range(0, H, BLOCK_K):
+                offs_c = c0 + tl.arange(0, BLOCK_K)
+                mask_c = offs_c < H  # ragged last step: masked lanes add exact zeros
+                xa = tl.load(x_ptr + tok[:, None] * H + offs_c[None, :],
+                             mask=valid[:, None] & mask_c[None, :], other=0.0)
+                # [BLOCK_K, BLOCK_N] views of gate rows n and up rows I + n (H contiguous)
+                wmask = mask_c[:, None] & mask_n[None, :]
+                wg = tl.load(w_base + offs_n[None, :] * H + offs_c[:, None], mask=wmask, other=0.0)
+                wu = tl.load(w_base + (offs_n[None, :] + INTER) * H + offs_c[:, None],
+                             mask=wmask, other=0.0)
+                acc_g = _dot(xa, wg, acc_g, IEEE)
+                acc_u = _dot(xa, wu, acc_u, IEEE)
+            h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) * u in fp32, rounded at the store
+            rows = offs_m.to(tl.int64)
+            tl.store(h_ptr + rows[:, None] * INTER + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=valid[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _sorted_down_kernel(
+        h_ptr, w_ptr, row_pair_ptr, tile_expert_ptr, rw_ptr, out_ptr,
+        H: tl.constexpr, INTER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        if PDL:  # kernels/pdl.py: h is the gate_up kernel's output
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        # program (m, n): for each valid row r of tile m (pair p = row_pair[r], expert
+        # e = tile_expert[m]) and this program's BLOCK_N output columns n:
+        #   out_pairs[p, n] = rw[p] * sum_j h[r, j] Wd[n, j]      (fp32, rounded at the store)
+        # with Wd = down[e] (contiguous [H, I]). Same invariance argument as the gate_up kernel:
+        # fixed K steps j = 0, BLOCK_K, ... and per-row MMA outputs.
+        tile = tl.program_id(0)
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= 0:
+            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(row_pair_ptr + offs_m)
+            valid = pair >= 0  # padding rows of h were never written: masked to zeros
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < H
+            w_base = w_ptr + expert.to(tl.int64) * (H * INTER)
+            rows = offs_m.to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c0 in range(0, INTER, BLOCK_K):
+                offs_c = c0 + tl.arange(0, BLOCK_K)
+                mask_c = offs_c < INTER
+                ha = tl.load(h_ptr + rows[:, None] * INTER + offs_c[None, :],
+                             mask=valid[:, None] & mask_c[None, :], other=0.0)
+                # [BLOCK_K, BLOCK_N] view of the down rows n (I contiguous)
+                wd = tl.load(w_base + offs_n[None, :] * INTER + offs_c[:, None],
+                             mask=mask_c[:, None] & mask_n[None, :], other=0.0)
+                acc = _dot(ha, wd, acc, IEEE)
+            safe_pair = tl.where(valid, pair, 0).to(tl.int64)
+            rw = tl.load(rw_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * rw[:, None]
+            tl.store(out_ptr + safe_pair[:, None] * H + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+def sorted_moe_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    block_m: int = DEFAULT_BLOCK_M,
+) -> torch.Tensor:
+    """Each (token, slot) pair's weighted expert output, batch-invariant, for any token count.
+
+    Same contract as ``fused_moe.fused_moe_experts(..., reduce=False)``.
+
+    Args:
+        x: ``[T, H]`` fp32 / bf16 / fp16, on a CUDA device (or CPU under ``TRITON_INTERPRET=1``).
+        expert_ids: ``[T, k]`` integer expert ids in ``[0, E)``, distinct within a token.
+        weights: ``[T, k]`` routing weights (any float dtype; used in fp32).
+        gate_up: ``[E, 2I, H]`` fused expert weights (rows gate then up), same dtype as ``x``.
+        down: ``[E, H, I]`` expert down projections, same dtype as ``x``.
+        block_m: pairs per tile, a power of two >= 16. A pair's output is bitwise the same for
+            any ``T`` and any other tokens at one ``block_m`` (module docstring); another value
+            changes the MMA shape, and may change the last bits, so keep it fixed.
+
+    Returns:
+        ``[T, k, H]`` in ``x.dtype``: ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, ``h``
+        rounded to ``x.dtype`` before the down projection, the weighted product computed in fp32
+        then rounded. No host synchronisation; launch shapes depend only on ``T*k``, ``E``, ``H``
+        and ``I`` (CUDA-graph capturable).
+    """
+    _check_block_m(block_m)
+    t, k = expert_ids.shape
+    e, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    assert x.shape == (t, hidden) and down.shape == (e, hidden, inter), "shape mismatch"
+    assert weights.shape == (t, k), "weights must be [T, k] like expert_ids"
+    assert gate_up.dtype == x.dtype == down.dtype, "x and expert weights must share a dtype"
+    assert not expert_ids.is_floating_point(), "expert_ids must be integers"
+    p = t * k
+    if p == 0:
+        return x.new_zeros(t, k, hidden)
+    if not HAS_TRITON:
+        raise RuntimeError("sorted_moe_experts needs triton (a CUDA GPU, or TRITON_INTERPRET=1)")
+    # the kernels address x, h, out and the expert weights as contiguous (strides from H and I)
+    x = x.contiguous()
+    gate_up = gate_up.contiguous()  # no-ops for the stored parameters
+    down = down.contiguous()
+    rw = weights.reshape(-1).contiguous()
+    row_pair, tile_expert = align_pairs(expert_ids, e, block_m)
+    num_tiles = tile_expert.numel()
+    # h in the padded row order; padding rows are never written nor read
+    h = torch.empty((row_pair.numel(), inter), device=x.device, dtype=x.dtype)
+    out_pairs = torch.empty((t, k, hidden), device=x.device, dtype=x.dtype)
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"  # cpu: the interpreter
+    use_pdl = pdl.active(x.device, interpret_mode())
+    bn, bk, nw, ns = _GATE_UP_CFG
+    _sorted_gate_up_kernel[(num_tiles, triton.cdiv(inter, bn))](
+        x, gate_up, row_pair, tile_expert, h,
+        K_TOP=k, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
+        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
+    )
+    bn, bk, nw, ns = _DOWN_CFG
+    _sorted_down_kernel[(num_tiles, triton.cdiv(hidden, bn))](
+        h, down, row_pair, tile_expert, rw, out_pairs,
+        H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
+        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
+    )
+    return out_pairs

@@ -1,0 +1,429 @@
+"""Sorted, fixed-tile grouped MoE experts (``kernels/grouped_moe.py``): ``align_pairs`` and
+``sorted_moe_experts`` against a per-pair torch reference and ``fused_moe``.
+
+* Everywhere (pure torch, no interpreter): ``align_pairs`` puts every pair in exactly one row,
+  each tile's rows on the tile's expert (in stable pair order), padding rows at ``-1``,
+  ``tile_expert`` at ``-1`` exactly past the used tiles, shapes from ``P``, ``E``, ``block_m``
+  alone (and the bound reached); input validation, ``P == 0``, importing without triton.
+* Under Triton's CPU interpreter (a child pytest with ``TRITON_INTERPRET=1``; skipped in this
+  process): fp32 (tight) and bf16 against a per-pair fp32 reference (``h`` rounded where the
+  kernels round it), the pair sum against ``fused_moe.moe_experts_reference`` and the pairs
+  against ``fused_moe_experts(reduce=False)``: T in {1, 3, 17, 40}, every pair on one expert, every
+  token on the same experts, every pair on its own expert, E larger than P, zero weights, a
+  folded shared expert, ragged N / K tiles, small configs (several column blocks and K steps),
+  ``block_m`` 32; row independence (a token alone == the token in a batch of 37 or shuffled),
+  which under numpy checks the indexing.
+* Offline sm_90 compile (no GPU): the programmatic-dependent-launch order, no spills, the K loop
+  pipelined (``cp.async``).
+* On CUDA (skipped without one): Laguna-XS-2.1 shapes (H 2048, I 512, E 256 + the shared expert,
+  k 8 + 1, bf16) against ``fused_moe_experts(reduce=False)`` and the fp32 reference at T = 1, 4,
+  300; bitwise row independence alone vs among 37 and 300 tokens and in a shuffled batch; no host
+  sync; CUDA-graph capture and replay equal to eager.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from ptx_sm90 import can_compile_sm90, compile_sm90_spills, loads_before_pdl_wait
+
+from laguna_dflash.kernels import grouped_moe
+from laguna_dflash.kernels.fused_moe import fused_moe_experts, moe_experts_reference
+from laguna_dflash.kernels.grouped_moe import align_pairs, max_tiles, sorted_moe_experts
+
+cuda = pytest.mark.skipif(INTERPRETED or not grouped_moe.is_available("cuda"),
+                          reason="needs a CUDA GPU (sm80+) and triton")
+
+# relative tolerances on max|ours - ref| / max|ref|
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _ids(t: int, k: int, e: int, mode: str, g: torch.Generator) -> torch.Tensor:
+    """``[T, k]`` int64 expert ids, distinct within a token. ``mode``: ``random``; ``one`` (k = 1,
+    every pair on the last expert); ``same`` (every token on experts 0..k-1); ``distinct`` (every
+    pair on its own expert, needs E >= T*k); ``shared`` (k-1 random routed experts of the first
+    E-1, then expert E-1 for every token: the folded shared expert)."""
+    if mode == "one":
+        assert k == 1
+        return torch.full((t, 1), e - 1, dtype=torch.int64)
+    if mode == "same":
+        return torch.arange(k).repeat(t, 1)
+    if mode == "distinct":
+        return torch.randperm(e, generator=g)[: t * k].view(t, k)
+    if mode == "shared":
+        routed = torch.stack([torch.randperm(e - 1, generator=g)[: k - 1] for _ in range(t)])
+        return torch.cat([routed.view(t, k - 1), torch.full((t, 1), e - 1)], 1)
+    return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+
+
+def _tokens(t: int, k: int, e: int, hidden: int, dtype: torch.dtype, seed: int, mode: str = "random",
+            device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x ``[T, H]``, ids ``[T, k]``, weights ``[T, k]`` (normalised per token, in x.dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g)
+    ids = _ids(t, k, e, mode, g)
+    weights = torch.rand(t, k, generator=g)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return x.to(device, dtype), ids.to(device), weights.to(device, dtype)
+
+
+def _experts(e: int, hidden: int, inter: int, dtype: torch.dtype, seed: int,
+             device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up ``[E, 2I, H]``, down ``[E, H, I]``, generated on ``device``."""
+    g = torch.Generator(device).manual_seed(seed)
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
+    down = torch.randn(e, hidden, inter, generator=g, device=device) / inter**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def _problem(t, k, e, hidden, inter, dtype, seed, mode="random", device="cpu"):
+    return (*_tokens(t, k, e, hidden, dtype, seed, mode, device),
+            *_experts(e, hidden, inter, dtype, seed + 1000, device))
+
+
+def _round_like_kernels(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``v`` rounded to ``dtype`` as a kernel's ``.to(dtype)`` rounds it, back in fp32: to
+    nearest on a GPU; toward zero for bf16 under triton 3.6's interpreter (it drops the low 16
+    bits), which the reference follows there so that bf16 cases stay within ~1 ulp."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        return (v.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
+    return v.to(dtype).float()
+
+
+def _pairs_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """``[T, k, H]`` fp32: each pair's ``w * down_e(silu(gate_e x) * up_e x)`` in fp32 math, with
+    ``h`` rounded to ``x.dtype`` where the kernels round it (small shapes: gathers every pair's
+    expert weights)."""
+    xf = x.float()
+    gu = torch.einsum("th,tknh->tkn", xf, gate_up.float()[ids])  # [T, k, 2I]
+    gate, up = gu.chunk(2, dim=-1)
+    h = _round_like_kernels(F.silu(gate) * up, x.dtype)
+    y = torch.einsum("tki,tkhi->tkh", h, down.float()[ids])
+    return y * weights.float()[..., None]
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _fp32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(a.float() if a.is_floating_point() else a for a in tensors)
+
+
+# ----------------------------------------------------------------------------- align_pairs (torch)
+
+
+def _check_alignment(ids: torch.Tensor, e: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every invariant of :func:`align_pairs` on ``ids`` (any shape, flattened)."""
+    flat = ids.reshape(-1)
+    p = flat.numel()
+    row_pair, tile_expert = align_pairs(ids, e, block_m)
+    tiles = max_tiles(p, e, block_m)
+    assert row_pair.dtype == tile_expert.dtype == torch.int32
+    assert row_pair.shape == (tiles * block_m,) and tile_expert.shape == (tiles,)
+    # every pair exactly once
+    used_rows = row_pair[row_pair >= 0].long()
+    assert torch.equal(used_rows.sort().values, torch.arange(p))
+    assert torch.all(row_pair >= -1)
+    counts = torch.bincount(flat, minlength=e)
+    used_tiles = int(((counts + block_m - 1) // block_m).sum())
+    assert used_tiles <= tiles
+    # tile_expert: the used tiles first, then -1 exactly past them
+    assert torch.all(tile_expert[:used_tiles] >= 0) and torch.all(tile_expert[used_tiles:] == -1)
+    # experts in increasing order, each on ceil(count / block_m) consecutive tiles
+    assert torch.equal(tile_expert[:used_tiles].long(),
+                       torch.repeat_interleave(torch.arange(e), (counts + block_m - 1) // block_m))
+    rows = row_pair.view(tiles, block_m).long()
+    for m in range(tiles):
+        real = rows[m][rows[m] >= 0]
+        if tile_expert[m] < 0:
+            assert real.numel() == 0  # tiles past the used ones: padding only
+            continue
+        assert real.numel() > 0 and torch.all(flat[real] == tile_expert[m])
+        # real rows first, then padding; stable: increasing pair order within the expert
+        assert torch.all(rows[m][: real.numel()] >= 0) and torch.all(rows[m][real.numel():] == -1)
+        assert torch.all(real[1:] > real[:-1])
+    # padding rows: exactly the rounding up of each expert's count, plus the unused tiles
+    padding = int((row_pair == -1).sum())
+    assert padding == tiles * block_m - p
+    return row_pair, tile_expert
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("t,k,e,mode", [
+    (1, 9, 257, "shared"), (4, 9, 257, "shared"), (300, 9, 257, "shared"),
+    (1, 1, 8, "random"), (17, 3, 9, "random"), (40, 2, 8, "random"), (37, 3, 9, "random"),
+    (40, 1, 9, "one"), (40, 3, 8, "same"), (3, 3, 9, "distinct"), (2, 2, 64, "random"),
+])
+def test_align_pairs_invariants(t: int, k: int, e: int, mode: str, block_m: int) -> None:
+    ids = _tokens(t, k, e, 8, torch.float32, seed=t * 31 + e, mode=mode)[1]
+    _check_alignment(ids, e, block_m)
+
+
+def test_align_pairs_shapes_do_not_depend_on_the_data() -> None:
+    p, e, block_m = 40, 9, 16
+    variants = [torch.zeros(p, dtype=torch.int64), torch.arange(p) % e, torch.full((p,), e - 1),
+                torch.randint(0, e, (p,), generator=torch.Generator().manual_seed(0))]
+    shapes = {tuple(t.shape for t in _check_alignment(ids, e, block_m)) for ids in variants}
+    assert len(shapes) == 1
+    # int32 ids, any leading shape: the same maps
+    ids = variants[3]
+    assert all(torch.equal(a, b) for a, b in zip(align_pairs(ids.view(8, 5).int(), e, block_m),
+                                                  align_pairs(ids, e, block_m), strict=True))
+
+
+def test_align_pairs_bound_is_reached() -> None:
+    """Every expert hit 1 (mod block_m) times: all max_tiles tiles are used, none is -1."""
+    e, block_m = 8, 16
+    ids = torch.arange(e).repeat_interleave(block_m + 1)[torch.randperm(e * (block_m + 1))]
+    _, tile_expert = _check_alignment(ids, e, block_m)
+    assert tile_expert.numel() == max_tiles(ids.numel(), e, block_m) == 2 * e
+    assert torch.all(tile_expert >= 0)
+    # one pair per expert, more experts than pairs, more pairs than experts
+    assert max_tiles(9, 257, 16) == 9 and max_tiles(0, 257, 16) == 0
+    assert max_tiles(9 * 1024, 257, 16) == (9 * 1024 + 257 * 15) // 16
+
+
+def test_align_pairs_empty() -> None:
+    row_pair, tile_expert = align_pairs(torch.zeros(0, 9, dtype=torch.int64), 257, 16)
+    assert row_pair.shape == (0,) and tile_expert.shape == (0,)
+
+
+def test_validation_and_empty() -> None:
+    x, ids, w, gu, dn = _problem(3, 2, 4, 8, 4, torch.float32, 0)
+    for bad in (0, 8, 24, 48, -16):
+        with pytest.raises(ValueError, match="power of two >= 16"):
+            sorted_moe_experts(x, ids, w, gu, dn, block_m=bad)
+        with pytest.raises(ValueError, match="power of two >= 16"):
+            align_pairs(ids, 4, bad)
+    with pytest.raises(AssertionError, match="shape mismatch"):
+        sorted_moe_experts(x[:, :4], ids, w, gu, dn)
+    with pytest.raises(AssertionError, match="share a dtype"):
+        sorted_moe_experts(x.double(), ids, w, gu, dn)
+    # P == 0: no launch (runs without triton / a GPU)
+    for t, k in ((0, 2), (3, 0)):
+        out = sorted_moe_experts(x[:t], ids[:t, :k], w[:t, :k], gu, dn)
+        assert out.shape == (t, k, 8) and out.dtype == x.dtype
+
+
+def test_imports_without_triton() -> None:
+    """The module (and align_pairs) works on a CPU-only install without triton."""
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch\n"
+        "from laguna_dflash.kernels import grouped_moe as g\n"
+        "assert not g.HAS_TRITON and not g.is_available('cpu')\n"
+        "rp, te = g.align_pairs(torch.tensor([[1, 0], [1, 2]]), 3, 16)\n"
+        "assert te.tolist() == [0, 1, 2] and rp.tolist()[:2] == [1, -1] and rp.numel() == 48\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+
+def test_interpreter_child() -> None:
+    if INTERPRETED or not HAS_TRITON:
+        pytest.skip("this is the parent: needs triton, and not already interpreted")
+    run_interpreted_child(__file__)
+
+
+def _check_against_references(args, block_m: int = 16, vs_fused: bool = True) -> torch.Tensor:
+    x, ids, w, gu, dn = args
+    t, k = ids.shape
+    out = sorted_moe_experts(*args, block_m=block_m)
+    assert out.shape == (t, k, x.shape[1]) and out.dtype == x.dtype
+    tol = TOL[x.dtype]
+    ref = _round_like_kernels(_pairs_reference(*args), x.dtype)
+    assert _rel_err(out, ref) <= tol, _rel_err(out, ref)
+    # the pair sum vs the torch path's reference (fp32 math: it does not round h)
+    summed = moe_experts_reference(*_fp32(*args))
+    assert _rel_err(out.float().sum(1), summed) <= 2 * tol
+    if vs_fused:
+        fused = fused_moe_experts(*args, reduce=False)
+        assert _rel_err(out, fused) <= tol
+    # zero routing weight: exactly zero
+    assert torch.all(out[w == 0] == 0)
+    return out
+
+
+# (T, k, E, H, I, mode): H = 64 / I = 32 is one column block and one (masked) K step at the default
+# configs; 160 / 80 gives two column blocks and two K steps on both kernels, ragged
+_CASES = [
+    (1, 3, 9, 64, 32, "random"),
+    (3, 2, 9, 64, 32, "random"),
+    (17, 3, 9, 64, 32, "random"),    # tiles of several experts with padding rows
+    (40, 2, 8, 64, 32, "random"),
+    (40, 1, 8, 64, 32, "one"),       # all 40 pairs on one expert: three tiles, the last padded
+    (40, 3, 8, 64, 32, "same"),      # every token on experts 0..2
+    (3, 3, 9, 64, 32, "distinct"),   # every pair on its own expert: one row a tile
+    (2, 2, 64, 64, 32, "random"),    # E larger than P
+    (17, 3, 9, 64, 32, "shared"),    # the folded shared expert: one run of all 17 tokens
+    (3, 2, 5, 160, 80, "random"),    # ragged: two column blocks and two K steps each
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,k,e,hidden,inter,mode", _CASES)
+def test_interpreted_matches_reference(t, k, e, hidden, inter, mode, dtype) -> None:
+    args = _problem(t, k, e, hidden, inter, dtype, seed=t * 7 + k + e, mode=mode)
+    _check_against_references(args)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_zero_weights(dtype) -> None:
+    x, ids, w, gu, dn = _problem(17, 3, 9, 64, 32, dtype, seed=5)
+    w[::2, 0] = 0
+    w[5] = 0  # a whole token
+    out = _check_against_references((x, ids, w, gu, dn))
+    assert torch.all(out[5] == 0) and torch.all(out[::2, 0] == 0)
+    assert torch.all(out[1, 0] != 0)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_small_tiles_and_block_m_32(dtype, monkeypatch) -> None:
+    """Small configs: two column blocks and four K steps in gate_up, four and two in down; and
+    ``block_m`` 32 at the default configs."""
+    args = _problem(17, 3, 9, 64, 32, dtype, seed=11)
+    monkeypatch.setattr(grouped_moe, "_GATE_UP_CFG", (16, 16, 4, 2))
+    monkeypatch.setattr(grouped_moe, "_DOWN_CFG", (16, 16, 4, 2))
+    _check_against_references(args, vs_fused=False)
+    monkeypatch.undo()
+    _check_against_references(args, block_m=32, vs_fused=False)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_row_independence(dtype) -> None:
+    """A token's pairs alone (T = 1) equal the same token's pairs among 37 tokens and in a
+    shuffled batch, bitwise (under numpy this checks the indexing; the CUDA test is the proof)."""
+    x, ids, w, gu, dn = _problem(37, 3, 9, 64, 32, dtype, seed=3)
+    batch = sorted_moe_experts(x, ids, w, gu, dn)
+    for t in (0, 18, 36):
+        alone = sorted_moe_experts(x[t : t + 1], ids[t : t + 1], w[t : t + 1], gu, dn)
+        assert torch.equal(alone[0], batch[t]), t
+    perm = torch.randperm(37, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sorted_moe_experts(x[perm], ids[perm], w[perm], gu, dn), batch[perm])
+
+
+# ----------------------------------------------------------------------------- sm_90 PTX (offline)
+
+
+def _compile_sm90(which: int, pdl: bool) -> tuple[str, list[int]]:
+    """PTX and spill bytes of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16."""
+    if which == 0:
+        kernel, cfg = grouped_moe._sorted_gate_up_kernel, grouped_moe._GATE_UP_CFG
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "row_pair_ptr": "*i32",
+                 "tile_expert_ptr": "*i32", "h_ptr": "*bf16"}
+        constexprs = dict(K_TOP=9, H=2048, INTER=512)
+    else:
+        kernel, cfg = grouped_moe._sorted_down_kernel, grouped_moe._DOWN_CFG
+        types = {"h_ptr": "*bf16", "w_ptr": "*bf16", "row_pair_ptr": "*i32",
+                 "tile_expert_ptr": "*i32", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
+        constexprs = dict(H=2048, INTER=512)
+    bn, bk, nw, ns = cfg
+    constexprs.update(BLOCK_M=grouped_moe.DEFAULT_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=pdl)
+    return compile_sm90_spills(kernel, types, constexprs,
+                               {"num_warps": nw, "num_stages": ns, "launch_pdl": pdl})
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("which", [0, 1], ids=["gate_up", "down"])
+def test_sm90_pdl_order_no_spills_pipelined(which: int) -> None:
+    """With ``kernels.pdl.USE_PDL`` (kernels/pdl.py) every global load comes after the wait and the
+    dependents are signalled after it; without it no griddepcontrol. No register spills, and the
+    K loop's loads are asynchronous copies (software-pipelined)."""
+    ptx, spills = _compile_sm90(which, False)
+    assert "griddepcontrol" not in ptx
+    assert spills == [0]
+    assert "cp.async" in ptx
+    ptx, spills = _compile_sm90(which, True)
+    assert loads_before_pdl_wait(ptx) == []
+    assert spills == [0]
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+XS = {"e": 257, "k": 9, "hidden": 2048, "inter": 512}  # 256 routed + the folded shared expert
+
+
+@pytest.fixture(scope="module")
+def xs_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    return _experts(XS["e"], XS["hidden"], XS["inter"], torch.bfloat16, seed=0, device="cuda")
+
+
+def _xs_tokens(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _tokens(t, XS["k"], XS["e"], XS["hidden"], torch.bfloat16, seed, "shared", "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 4, 300])
+def test_cuda_xs21_matches_fused_moe(t: int, xs_experts) -> None:
+    gu, dn = xs_experts
+    args = (*_xs_tokens(t, seed=t), gu, dn)
+    out = sorted_moe_experts(*args)
+    assert out.shape == (t, XS["k"], XS["hidden"]) and out.dtype == torch.bfloat16
+    fused = fused_moe_experts(*args, reduce=False)
+    assert _rel_err(out, fused) <= 2e-2
+    ref = moe_experts_reference(*_fp32(*args))  # fp32 math, summed over the pairs
+    assert _rel_err(out.float().sum(1), ref) <= 2e-2
+    assert _rel_err(fused.float().sum(1), ref) <= 2e-2
+
+
+@cuda
+def test_cuda_row_independence_bitwise(xs_experts) -> None:
+    """Token t's pairs alone (T = 1) == among the first 37 == among 300 == in a shuffled batch of
+    300, bitwise: the tile a pair lands in, its row there and its tile mates do not matter."""
+    gu, dn = xs_experts
+    x, ids, w = _xs_tokens(300, seed=7)
+    full = sorted_moe_experts(x, ids, w, gu, dn)
+    first = sorted_moe_experts(x[:37], ids[:37], w[:37], gu, dn)
+    assert torch.equal(first, full[:37])
+    for t in range(37):
+        alone = sorted_moe_experts(x[t : t + 1], ids[t : t + 1], w[t : t + 1], gu, dn)
+        assert torch.equal(alone[0], full[t]), t
+    perm = torch.randperm(300, device="cuda")
+    assert torch.equal(sorted_moe_experts(x[perm], ids[perm], w[perm], gu, dn), full[perm])
+    # a token's pairs in another slot order: the same per-pair outputs
+    flip = sorted_moe_experts(x, ids.flip(1), w.flip(1), gu, dn)
+    assert torch.equal(flip.flip(1), full)
+
+
+@cuda
+def test_cuda_no_sync_and_graph_capture(xs_experts) -> None:
+    gu, dn = xs_experts
+    x, ids, w = (a.clone() for a in _xs_tokens(64, seed=1))
+    sorted_moe_experts(x, ids, w, gu, dn)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in align_pairs would raise
+    try:
+        eager = sorted_moe_experts(x, ids, w, gu, dn)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = sorted_moe_experts(x, ids, w, gu, dn)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    # new tokens and routing in the same buffers: replay == eager on them
+    nx, nids, nw = _xs_tokens(64, seed=2)
+    x.copy_(nx)
+    ids.copy_(nids)
+    w.copy_(nw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, sorted_moe_experts(x, ids, w, gu, dn))

@@ -7,6 +7,15 @@
 #   bash benchmarks/gpu_check.sh batch-invariant  # --batch-invariant: its CUDA tests (bitwise
 #                                           # rows; bf16 tokens alone = batched = DFlash at XS-2.1
 #                                           # widths), then bench_batch_invariant.py (~6 min)
+#   bash benchmarks/gpu_check.sh startup    # start-up capture and the warm-up's prefills: their CUDA
+#                                           # tests, then what a first request pays after start-up,
+#                                           # default and batch-invariant (bench_first_request.py,
+#                                           # empty kernel caches; ~9 min)
+#   bash benchmarks/gpu_check.sh serve-invariant  # the server smoke with --batch-invariant: the
+#                                           # servers' greedy tokens must then agree in bf16 (~6 min)
+#   bash benchmarks/gpu_check.sh moe-sorted # batch-invariant MoE kernels, fused against sorted
+#                                           # (kernels/grouped_moe.py): CUDA tests, then decode /
+#                                           # prefill / DFlash in one run, prefill by kernel (~7 min)
 #   bash benchmarks/gpu_check.sh serve      # `serve --load-format dummy` at XS-2.1 size: three
 #                                           # servers (DFlash, target-only, adaptive K), the same
 #                                           # requests, lossless and error checks (~6 min; carry
@@ -339,6 +348,32 @@ case "$stage" in
     fi
     timeout 560 python benchmarks/serve_smoke_xs.py --adaptive-k --log-dir "${OUT:-/tmp}/serve-logs" \
       2>&1 | quiet | tail -20 ;;
+  startup)
+    echo "== start-up capture, warm-up prefills, the batch-invariant mode off the graph path"
+    timeout 280 python -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_graphs.py \
+      tests/test_batch_invariant.py -k "startup or warmup or eager_graphs_and_seeded" 2>&1 \
+      | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
+    echo "== a first request after start-up, XS-2.1 size (default kernels, then batch-invariant)"
+    timeout 150 python benchmarks/bench_first_request.py --cold 2>&1 | quiet | tail -22
+    timeout 150 python benchmarks/bench_first_request.py --cold --batch-invariant \
+      --scenarios 1x1000x32,4x1000x32,1x3000x8,8x50x32 2>&1 | quiet | tail -14 ;;
+  serve-invariant)
+    echo "== the OpenAI server at XS-2.1 size, --batch-invariant: exact across servers in bf16"
+    if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
+      python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
+    fi
+    timeout 560 python benchmarks/serve_smoke_xs.py --batch-invariant \
+      --log-dir "${OUT:-/tmp}/serve-logs" 2>&1 | quiet | tail -20 ;;
+  moe-sorted)
+    echo "== the sorted grouped MoE kernels: CUDA tests"
+    timeout 150 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_grouped_moe.py \
+      tests/test_batch_invariant.py -k "cuda and (grouped or moe)" 2>&1 \
+      | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
+    echo "== fused against sorted invariant MoE in one run, XS-2.1 size"
+    timeout 260 python benchmarks/bench_batch_invariant.py \
+      --modes default,batch-invariant,batch-invariant-sorted-moe 2>&1 | quiet | tail -8
+    timeout 120 python benchmarks/profile_prefill_xs.py \
+      --modes batch-invariant,batch-invariant-sorted-moe --top 6 2>&1 | quiet | tail -22 ;;
   batch-invariant)
     echo "== batch-invariant mode: bitwise rows and bf16 token agreement on the GPU"
     # -s: the XS-widths test prints how often the default kernels part

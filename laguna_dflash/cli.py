@@ -175,7 +175,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.num_speculative_tokens is not None and draft is None:
         raise ValueError("--num-speculative-tokens needs --draft DIR (and no --no-spec)")
     t0 = time.perf_counter()
-    llm = LLM(model=model, draft=draft, **engine_options(args),
+    # one request: batch-1 KV sizing and CUDA graphs (start-up capture of batch size 1 only)
+    llm = LLM(model=model, draft=draft, **engine_options(args), max_num_seqs=1,
               num_speculative_tokens=args.num_speculative_tokens,
               adaptive_k=args.adaptive_k and draft is not None,
               simulate_acceptance_length=args.simulate_acceptance_length if draft else None,
@@ -190,7 +191,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
                "decode_tokens_per_s": decode_tps}
     if compare and draft is not None:
-        base = LLM(model=model, **engine_options(args))
+        base = LLM(model=model, **engine_options(args), max_num_seqs=1)
         base_out = (base.generate(prompts=[prompt], sampling_params=params)[0] if prompt is not None
                     else base.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0])
         base_s = base.get_metrics()["decode_s"]

@@ -142,6 +142,51 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _gate_up_tile(x_ptr, tok, mask_m, w_base, offs_n, mask_n, H: tl.constexpr,
+                      INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """``[BLOCK_M, BLOCK_N]`` fp32 ``silu(x Wg^T) * (x Wu^T)`` for the x rows ``tok``
+        (``mask_m``: the valid ones; the others are zeros) and the columns ``offs_n`` of one
+        expert's ``gate_up`` at ``w_base`` (gate rows 0..I-1, up rows I..2I-1, H contiguous).
+        K runs 0, BLOCK_K, 2 BLOCK_K, ... with no split, and an MMA output row reads only its own
+        input row: a row's value does not depend on the tile's other rows (this kernel's and
+        kernels/grouped_moe.py's batch invariance)."""
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(0, H, BLOCK_K):
+            offs_c = c0 + tl.arange(0, BLOCK_K)
+            mask_c = offs_c < H
+            xa = tl.load(x_ptr + tok[:, None] * H + offs_c[None, :],
+                         mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+            # [BLOCK_K, BLOCK_N] views of gate rows n and up rows I + n (H contiguous)
+            wmask = mask_c[:, None] & mask_n[None, :]
+            wg = tl.load(w_base + offs_n[None, :] * H + offs_c[:, None], mask=wmask, other=0.0)
+            wu = tl.load(w_base + (offs_n[None, :] + INTER) * H + offs_c[:, None],
+                         mask=wmask, other=0.0)
+            acc_g = _mma(xa, wg, acc_g, IEEE)
+            acc_u = _mma(xa, wu, acc_u, IEEE)
+        return acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) = g * sigmoid(g)
+
+    @triton.jit
+    def _down_tile(h_ptr, h_rows, mask_m, w_base, offs_n, mask_n, INTER: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr):
+        """``[BLOCK_M, BLOCK_N]`` fp32 ``h Wd^T`` for the h rows ``h_rows`` (``mask_m``: the
+        valid ones) and the columns ``offs_n`` of one expert's ``down`` at ``w_base`` (I
+        contiguous); K in order with no split, as :func:`_gate_up_tile`."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(0, INTER, BLOCK_K):
+            offs_c = c0 + tl.arange(0, BLOCK_K)
+            mask_c = offs_c < INTER
+            ha = tl.load(h_ptr + h_rows[:, None] * INTER + offs_c[None, :],
+                         mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+            # [BLOCK_K, BLOCK_N] view of the down rows n (I contiguous)
+            wd = tl.load(w_base + offs_n[None, :] * INTER + offs_c[:, None],
+                         mask=mask_c[:, None] & mask_n[None, :], other=0.0)
+            acc = _mma(ha, wd, acc, IEEE)
+        return acc
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr, w_ptr, ids_ptr, h_ptr, P,
         K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
@@ -166,23 +211,8 @@ if HAS_TRITON:
         for mt in range(M_TILES):
             if mt * BLOCK_M < count:
                 pair, mask_m = _run_rows(same, rank, count, mt * BLOCK_M, BLOCK_M, P_PAD)
-                tok = pair // K_TOP
-                acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for c0 in range(0, H, BLOCK_K):
-                    offs_c = c0 + tl.arange(0, BLOCK_K)
-                    mask_c = offs_c < H
-                    xa = tl.load(x_ptr + tok[:, None] * H + offs_c[None, :],
-                                 mask=mask_m[:, None] & mask_c[None, :], other=0.0)
-                    # [BLOCK_K, BLOCK_N] views of gate rows n and up rows I + n (H contiguous)
-                    wmask = mask_c[:, None] & mask_n[None, :]
-                    wg = tl.load(w_base + offs_n[None, :] * H + offs_c[:, None],
-                                 mask=wmask, other=0.0)
-                    wu = tl.load(w_base + (offs_n[None, :] + INTER) * H + offs_c[:, None],
-                                 mask=wmask, other=0.0)
-                    acc_g = _mma(xa, wg, acc_g, IEEE)
-                    acc_u = _mma(xa, wu, acc_u, IEEE)
-                h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) = g * sigmoid(g)
+                h = _gate_up_tile(x_ptr, pair // K_TOP, mask_m, w_base, offs_n, mask_n, H, INTER,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
                 tl.store(h_ptr + pair[:, None] * INTER + offs_n[None, :],
                          h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -206,16 +236,8 @@ if HAS_TRITON:
         for mt in range(M_TILES):
             if mt * BLOCK_M < count:
                 pair, mask_m = _run_rows(same, rank, count, mt * BLOCK_M, BLOCK_M, P_PAD)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for c0 in range(0, INTER, BLOCK_K):
-                    offs_c = c0 + tl.arange(0, BLOCK_K)
-                    mask_c = offs_c < INTER
-                    ha = tl.load(h_ptr + pair[:, None] * INTER + offs_c[None, :],
-                                 mask=mask_m[:, None] & mask_c[None, :], other=0.0)
-                    # [BLOCK_K, BLOCK_N] view of the down rows n (I contiguous)
-                    wd = tl.load(w_base + offs_n[None, :] * INTER + offs_c[:, None],
-                                 mask=mask_c[:, None] & mask_n[None, :], other=0.0)
-                    acc = _mma(ha, wd, acc, IEEE)
+                acc = _down_tile(h_ptr, pair, mask_m, w_base, offs_n, mask_n, INTER,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
                 rw = tl.load(rw_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
                 acc = acc * rw[:, None]
                 tl.store(out_ptr + pair[:, None] * H + offs_n[None, :],

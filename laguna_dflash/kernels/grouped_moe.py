@@ -141,16 +141,8 @@ def align_pairs(ids: torch.Tensor, num_experts: int,
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _dot(a, b, acc, IEEE: tl.constexpr):
-        """``acc + a @ b`` in fp32. IEEE: exact fp32 products (fp32 inputs, where the default would
-        be tf32; and the CPU interpreter, whose bf16 tl.dot is wrong in triton 3.6)."""
-        if IEEE:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        return acc
+    # one [BLOCK_M, BLOCK_N] tile over the whole K, in order (fused_moe's, so the two compute alike)
+    from .fused_moe import _down_tile, _gate_up_tile
 
     @triton.jit
     def _sorted_gate_up_kernel(
@@ -180,21 +172,8 @@ if HAS_TRITON:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < INTER
             w_base = w_ptr + expert.to(tl.int64) * (2 * INTER * H)
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for c0 in range(0, H, BLOCK_K):
-                offs_c = c0 + tl.arange(0, BLOCK_K)
-                mask_c = offs_c < H  # ragged last step: masked lanes add exact zeros
-                xa = tl.load(x_ptr + tok[:, None] * H + offs_c[None, :],
-                             mask=valid[:, None] & mask_c[None, :], other=0.0)
-                # [BLOCK_K, BLOCK_N] views of gate rows n and up rows I + n (H contiguous)
-                wmask = mask_c[:, None] & mask_n[None, :]
-                wg = tl.load(w_base + offs_n[None, :] * H + offs_c[:, None], mask=wmask, other=0.0)
-                wu = tl.load(w_base + (offs_n[None, :] + INTER) * H + offs_c[:, None],
-                             mask=wmask, other=0.0)
-                acc_g = _dot(xa, wg, acc_g, IEEE)
-                acc_u = _dot(xa, wu, acc_u, IEEE)
-            h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) * u in fp32, rounded at the store
+            h = _gate_up_tile(x_ptr, tok, valid, w_base, offs_n, mask_n, H, INTER,
+                              BLOCK_M, BLOCK_N, BLOCK_K, IEEE)  # silu(g) * u in fp32
             rows = offs_m.to(tl.int64)
             tl.store(h_ptr + rows[:, None] * INTER + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                      mask=valid[:, None] & mask_n[None, :])
@@ -224,16 +203,8 @@ if HAS_TRITON:
             mask_n = offs_n < H
             w_base = w_ptr + expert.to(tl.int64) * (H * INTER)
             rows = offs_m.to(tl.int64)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for c0 in range(0, INTER, BLOCK_K):
-                offs_c = c0 + tl.arange(0, BLOCK_K)
-                mask_c = offs_c < INTER
-                ha = tl.load(h_ptr + rows[:, None] * INTER + offs_c[None, :],
-                             mask=valid[:, None] & mask_c[None, :], other=0.0)
-                # [BLOCK_K, BLOCK_N] view of the down rows n (I contiguous)
-                wd = tl.load(w_base + offs_n[None, :] * INTER + offs_c[:, None],
-                             mask=mask_c[:, None] & mask_n[None, :], other=0.0)
-                acc = _dot(ha, wd, acc, IEEE)
+            acc = _down_tile(h_ptr, rows, valid, w_base, offs_n, mask_n, INTER,
+                             BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
             safe_pair = tl.where(valid, pair, 0).to(tl.int64)
             rw = tl.load(rw_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
             acc = acc * rw[:, None]

@@ -369,6 +369,8 @@ case "$stage" in
     timeout 150 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_grouped_moe.py \
       tests/test_batch_invariant.py -k "cuda and (grouped or moe)" 2>&1 \
       | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
+    echo "== do fused and sorted give the same bits? (if so: fused at decode, sorted at prefill)"
+    timeout 60 python benchmarks/check_moe_kernels_agree.py 2>&1 | quiet | tail -12
     echo "== fused against sorted invariant MoE in one run, XS-2.1 size"
     timeout 260 python benchmarks/bench_batch_invariant.py \
       --modes default,batch-invariant,batch-invariant-sorted-moe 2>&1 | quiet | tail -8

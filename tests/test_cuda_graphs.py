@@ -84,6 +84,66 @@ def test_key_buckets_cover_every_length_up_to_the_limit():
     assert runner.capture_all(2000) == 0  # on the CPU nothing is captured
 
 
+def test_capture_all_covers_every_size_and_bucket_of_each_kind(monkeypatch):
+    """capture_all's enumeration, on the CPU with the capture itself recorded instead of run:
+    every padded batch size x key bucket (up to max_model_len + q - 1 keys) of each forward kind
+    seen, each with its kind's context store, under inference mode (a capture outside it takes
+    the eager fallbacks), on padding rows only; a second call captures nothing."""
+    import types
+
+    from laguna_dflash.engine.kv_cache import KVCache
+
+    kv = KVCache(1, 40, 16, 1, 8, torch.float32, "cpu")
+    runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=5,
+                             max_model_len=1024, max_tokens_per_request=4)
+    store = object()
+    runner.kinds = {(4, True, (1, 3), True): store, (1, True, (1, 3), False): None}
+    captured = []
+
+    def fake_capture(r, q, num_keys, is_causal, taps, context_store):
+        captured.append((r, q, num_keys, is_causal, taps, context_store))
+        assert torch.is_inference_mode_enabled()
+        state = runner.state[:r]
+        assert (state[:, 1] == q).all() and (state[:, 0] == 0).all()  # padding requests
+        assert (state[:, 2 : runner.ids_offset] == runner.scratch_block).all()
+        return "graph"
+
+    monkeypatch.setattr(runner, "_capture", fake_capture)
+    monkeypatch.setattr(runner, "device", types.SimpleNamespace(type="cuda"))
+    assert runner.capture_all(1024) == len(captured) == 28
+    sizes = runner.batch_sizes
+    assert sizes == (1, 2, 4, 5)
+    # a 4-token verify may reach 1027 keys: the 2048 bucket too; a 1-token forward 1024
+    want = {(r, 4, n, True, (1, 3), store) for r in sizes for n in (256, 512, 1024, 2048)}
+    want |= {(r, 1, n, True, (1, 3), None) for r in sizes for n in (256, 512, 1024)}
+    assert set(captured) == want
+    assert runner.capture_all(1024) == 0
+
+
+def test_context_capture_all_covers_every_size(monkeypatch):
+    import types
+
+    from laguna_dflash.engine.context_graph import ContextGraphRunner
+    from laguna_dflash.engine.kv_cache import KVCache
+
+    kv = KVCache(1, 40, 16, 1, 8, torch.float32, "cpu")
+    runner = ContextGraphRunner(torch.nn.Identity(), kv, torch.device("cpu"), max_num_seqs=9,
+                                rows_per_request=4, feature_dim=8, dtype=torch.float32)
+    seen = []
+
+    def fake_capture(r):
+        assert torch.is_inference_mode_enabled()
+        assert (runner.index[0] == 0).all() and (runner.index[1] == kv.scratch_slot).all()
+        seen.append(r)
+        runner.graphs[r] = "graph"
+        return "graph"
+
+    monkeypatch.setattr(runner, "_capture", fake_capture)
+    monkeypatch.setattr(runner, "device", types.SimpleNamespace(type="cuda"))
+    assert runner.capture_all() == 5 and seen == [1, 2, 4, 8, 9]
+    assert runner.capture_all() == 0
+
+
 def test_cuda_graph_capture_setting_is_checked():
     from laguna_dflash.config import EngineConfig
 

@@ -115,10 +115,15 @@ class ContextGraphRunner:
         logger.info("captured a drafter-context CUDA graph: %d requests x %d rows", r_pad, m)
         return graph
 
+    def missing_sizes(self) -> list[int]:
+        """The padded batch sizes :meth:`capture_all` would capture."""
+        return [] if self.is_broken else [r for r in self.batch_sizes if r not in self.graphs]
+
     @torch.inference_mode()  # as run(), whose graphs these are
-    def capture_all(self) -> int:
-        """Capture every padded batch size not captured yet (at start-up: no later step waits
-        for a capture), on padding rows (position 0, the scratch slot). -> graphs captured."""
+    def capture_all(self, progress=None) -> int:
+        """Capture :meth:`missing_sizes` (at start-up: no later step waits for a capture), on
+        padding rows (position 0, the scratch slot). ``progress``: a tqdm bar, advanced per
+        graph. -> graphs captured."""
         if self.device.type != "cuda" or self.is_broken:
             return 0
         if self.copied is not None:
@@ -127,7 +132,8 @@ class ContextGraphRunner:
         self.host_rows[1] = self.kv_cache.scratch_slot
         self.index.copy_(self.host_index)
         count = 0
-        for r in self.batch_sizes:
-            if r not in self.graphs and not self.is_broken:
-                count += self._capture(r) is not None
+        for r in self.missing_sizes():
+            count += self._capture(r) is not None
+            if progress is not None:
+                progress.update(1)
         return count

@@ -139,32 +139,42 @@ class CUDAGraphRunner:
             out.append(self.key_bucket(out[-1] + 1))
         return out
 
+    def missing_keys(self, max_model_len: int) -> list[tuple[tuple, ContextStore | None]]:
+        """The graph keys :meth:`capture_all` would capture, each with its kind's context store:
+        every padded batch size x key bucket (up to ``max_model_len + q - 1`` keys: a verify's
+        drafts may run past the last position) of each forward kind captured so far, less those
+        captured already."""
+        return [((r, q, num_keys, is_causal, taps, store is not None), store)
+                for (q, is_causal, taps, _), store in self.kinds.items()
+                for r in self.batch_sizes
+                for num_keys in self.key_buckets(max_model_len + q - 1)
+                if (r, q, num_keys, is_causal, taps, store is not None) not in self.graphs]
+
     @torch.inference_mode()  # as the forwards it captures (the fast paths need it)
-    def capture_all(self, max_model_len: int) -> int:
-        """Capture the graphs of every padded batch size and key bucket (up to
-        ``max_model_len + q - 1`` keys: a verify's drafts may run past the last position) for
-        each forward kind captured so far, so that no later forward waits for a
-        capture: a new batch size or a sequence crossing a bucket would otherwise stall its step
-        for the capture (vLLM captures at start-up the same way). The captures run padding
-        requests only (the scratch block). -> number of graphs captured."""
+    def capture_all(self, max_model_len: int, progress=None) -> int:
+        """Capture :meth:`missing_keys`, so that no later forward waits for a capture: a new
+        batch size or a sequence crossing a key bucket would otherwise stall its step for the
+        capture (vLLM captures at start-up the same way). The captures run padding requests only
+        (the scratch block). ``progress``: a tqdm bar, advanced per graph. -> graphs captured."""
         if self.device.type != "cuda":
             return 0
         if self.copied is not None:
             self.copied.synchronize()
         rows = self.host_rows  # every row a padding request: q tokens at 0.. of the scratch block
-        count = 0
-        for (q, is_causal, taps, _), store in list(self.kinds.items()):
-            rows[:, : self.ids_offset + q] = 0
-            rows[:, 1] = q
-            rows[:, 2 : self.ids_offset] = self.scratch_block
-            self.state.copy_(self.host_state)
-            for r in self.batch_sizes:
-                for num_keys in self.key_buckets(max_model_len + q - 1):
-                    key = (r, q, num_keys, is_causal, taps, store is not None)
-                    if key not in self.graphs:
-                        self.graphs[key] = self._capture(r, q, num_keys, is_causal, taps, store)
-                        count += 1
-        return count
+        todo = self.missing_keys(max_model_len)
+        padded_q = None
+        for (r, q, num_keys, is_causal, taps, _), store in sorted(todo, key=lambda item: item[0][1]):
+            if q != padded_q:  # the kinds' q in turn
+                padded_q = q
+                rows[:, : self.ids_offset + q] = 0
+                rows[:, 1] = q
+                rows[:, 2 : self.ids_offset] = self.scratch_block
+                self.state.copy_(self.host_state)
+            self.graphs[(r, q, num_keys, is_causal, taps, store is not None)] = self._capture(
+                r, q, num_keys, is_causal, taps, store)
+            if progress is not None:
+                progress.update(1)
+        return len(todo)
 
     def key_bucket(self, num_keys: int) -> int:
         """Smallest power of two ``>= num_keys`` (min ``MIN_KEY_BUCKET``), a multiple of the

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
 from ..kernels import batch_invariant
@@ -232,19 +233,25 @@ class LLMEngine:
 
     def capture_all_graphs(self) -> int:
         """Capture the CUDA graphs of every padded batch size and key bucket for each forward
-        kind the warm-up ran (``EngineConfig.cuda_graph_capture="startup"``). -> graphs captured."""
+        kind the warm-up ran (``EngineConfig.cuda_graph_capture="startup"``), with a progress
+        bar on a terminal. -> graphs captured."""
         t0 = time.perf_counter()
+        runners = [r.graphs for r in [self.runner] + ([self.proposer.runner] if self.proposer else [])
+                   if r.graphs is not None]
+        context_graphs = self.proposer.context_graphs if self.proposer else None
+        total = (sum(len(g.missing_keys(self.max_model_len)) for g in runners)
+                 + (len(context_graphs.missing_sizes()) if context_graphs is not None else 0))
+        if self.device.type != "cuda" or not total:
+            return 0
         count = 0
-        with batch_invariant.scope(self.config.batch_invariant):
-            for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
-                if runner.graphs is not None:
-                    count += runner.graphs.capture_all(self.max_model_len)
-            context_graphs = self.proposer.context_graphs if self.proposer else None
+        with batch_invariant.scope(self.config.batch_invariant), \
+                tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=None) as bar:
+            for graphs in runners:
+                count += graphs.capture_all(self.max_model_len, bar)
             if context_graphs is not None:
-                count += context_graphs.capture_all()
-        if count:
-            logger.info("captured %d CUDA graphs at start-up in %.1fs (--cuda-graph-capture lazy "
-                        "skips this)", count, time.perf_counter() - t0)
+                count += context_graphs.capture_all(bar)
+        logger.info("captured %d CUDA graphs at start-up in %.1fs (--cuda-graph-capture lazy "
+                    "skips this)", count, time.perf_counter() - t0)
         return count
 
     def attach_graph_runners(self) -> None:

@@ -1,8 +1,10 @@
 """Batch-invariant mode on the XS-2.1 pair: what it buys (bf16 token agreement) and what it costs.
 
 One process, one engine (dummy weights, bf16 on CUDA), each mode in turn (``--modes``: the
-default kernels, then ``EngineConfig.batch_invariant``, and on request that mode with the sorted
-grouped MoE kernels, ``batch-invariant-sorted-moe``; the CUDA graphs are rebuilt per mode):
+default kernels, then ``EngineConfig.batch_invariant`` (its MoE kernels chosen by size,
+``batch_invariant.moe_kernel = "auto"``), and on request that mode with one MoE kernel pair at
+every size, ``batch-invariant-fused-moe`` / ``batch-invariant-sorted-moe``; the CUDA graphs are
+rebuilt per mode):
 
 * agreement: greedy tokens (and logprobs) of ``--prompts`` prompts of random token ids, lengths
   spread up to ``--context``, each ALONE (target-only, batch 1), all in one BATCH (target-only),
@@ -31,8 +33,8 @@ from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.kernels import batch_invariant
 
 # mode -> (EngineConfig.batch_invariant, batch_invariant.moe_kernel)
-MODES = {"default": (False, "fused"), "batch-invariant": (True, "fused"),
-         "batch-invariant-sorted-moe": (True, "sorted")}
+MODES = {"default": (False, "auto"), "batch-invariant": (True, "auto"),
+         "batch-invariant-fused-moe": (True, "fused"), "batch-invariant-sorted-moe": (True, "sorted")}
 
 
 def use_mode(mode: str) -> bool:

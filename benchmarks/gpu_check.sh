@@ -16,6 +16,10 @@
 #   bash benchmarks/gpu_check.sh moe-sorted # batch-invariant MoE kernels, fused against sorted
 #                                           # (kernels/grouped_moe.py): CUDA tests, then decode /
 #                                           # prefill / DFlash in one run, prefill by kernel (~7 min)
+#   bash benchmarks/gpu_check.sh moe-auto   # batch-invariant "auto" MoE (fused up to 64 tokens,
+#                                           # sorted above): bitwise CUDA tests across the switch,
+#                                           # fused vs sorted bits and times by T, then decode /
+#                                           # prefill / DFlash against fused-only in one run (~8 min)
 #   bash benchmarks/gpu_check.sh serve      # `serve --load-format dummy` at XS-2.1 size: three
 #                                           # servers (DFlash, target-only, adaptive K), the same
 #                                           # requests, lossless and error checks (~6 min; carry
@@ -376,6 +380,16 @@ case "$stage" in
       --modes default,batch-invariant,batch-invariant-sorted-moe 2>&1 | quiet | tail -8
     timeout 120 python benchmarks/profile_prefill_xs.py \
       --modes batch-invariant,batch-invariant-sorted-moe --top 6 2>&1 | quiet | tail -22 ;;
+  moe-auto)
+    echo "== \"auto\" invariant MoE: a token's bits across the fused/sorted switch (CUDA tests)"
+    timeout 200 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_grouped_moe.py \
+      tests/test_batch_invariant.py -k "sorted_gives or (cuda and (moe_tokens or xs_widths_bf16))" 2>&1 \
+      | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
+    echo "== fused and sorted: the same bits? their times by token count"
+    timeout 90 python benchmarks/check_moe_kernels_agree.py 2>&1 | quiet | tail -26
+    echo "== auto against fused-only invariant MoE in one run, XS-2.1 size"
+    timeout 260 python benchmarks/bench_batch_invariant.py \
+      --modes default,batch-invariant,batch-invariant-fused-moe 2>&1 | quiet | tail -8 ;;
   batch-invariant)
     echo "== batch-invariant mode: bitwise rows and bf16 token agreement on the GPU"
     # -s: the XS-widths test prints how often the default kernels part

@@ -1,8 +1,8 @@
 """Where a Laguna-XS-2.1-size prefill spends its time, per kernel, in each kernel mode.
 
 Target only (dummy bf16 weights at the real shapes). For each mode (``--modes``: the default
-kernels, ``EngineConfig.batch_invariant``, that mode with the sorted grouped MoE kernels:
-``batch-invariant-sorted-moe``) one engine prefill of a ``--context``-token prompt is
+kernels, ``EngineConfig.batch_invariant``, that mode with one MoE kernel pair at every size:
+``batch-invariant-fused-moe`` / ``batch-invariant-sorted-moe``) one engine prefill of a ``--context``-token prompt is
 timed (best of three, after a warm one) and profiled: GPU time per kernel name, summed, the
 ``--top`` largest printed with their share. The modes run in one process, one after the other.
 

@@ -62,12 +62,18 @@ def check_linear(device: str, n: int, k: int, dtype: torch.dtype = torch.bfloat1
 
 def check_moe(device: str, hidden: int, e: int, top_k: int, inter: int, kernel: str,
               dtype: torch.dtype = torch.bfloat16) -> None:
-    saved = batch_invariant.moe_kernel
+    """``kernel`` "auto" with the switch at 4 tokens: the 21-token forwards take the sorted
+    kernels and the 1-token ones the fused kernels, so the bitwise checks compare the two pairs
+    (and the check the engine relies on, ``sorted_agrees_with_fused``, must have passed)."""
+    saved = batch_invariant.moe_kernel, batch_invariant.MOE_FUSED_MAX_TOKENS, batch_invariant._agreement
     batch_invariant.moe_kernel = kernel
+    batch_invariant.MOE_FUSED_MAX_TOKENS, batch_invariant._agreement = 4, {}
     try:
         _check_moe(device, hidden, e, top_k, inter, dtype)
+        if kernel == "auto":
+            assert list(batch_invariant._agreement.values()) == [True]
     finally:
-        batch_invariant.moe_kernel = saved
+        batch_invariant.moe_kernel, batch_invariant.MOE_FUSED_MAX_TOKENS, batch_invariant._agreement = saved
 
 
 def _check_moe(device: str, hidden: int, e: int, top_k: int, inter: int, dtype: torch.dtype) -> None:
@@ -257,9 +263,54 @@ def test_row_blocks_compute_as_single_block_launches_interpreted(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("kernel", ["fused", "sorted"])
+@pytest.mark.parametrize("kernel", ["fused", "sorted", "auto"])
 def test_moe_tokens_do_not_depend_on_the_batch_interpreted(kernel):
     check_moe("cpu", hidden=32, e=5, top_k=2, inter=24, kernel=kernel)
+
+
+def test_auto_moe_kernel_dispatch(monkeypatch, caplog):
+    """"auto": the fused kernels up to MOE_FUSED_MAX_TOKENS tokens; above, the sorted ones only
+    once the check on these weights found the same bits (run once, cached), never an unchecked
+    shape during a CUDA graph capture (the check syncs); the fused ones where the bits differ,
+    with a warning. The kernels are stand-ins here: this is the choice, not the math."""
+    calls, outputs = [], {"fused": 1.0, "sorted": 1.0}
+
+    def fake(name):
+        def run(x, ids, w, gate_up, down, **kw):
+            calls.append((name, x.shape[0]))
+            return torch.full((x.shape[0], ids.shape[1], x.shape[1]), outputs[name])
+        return run
+
+    monkeypatch.setattr(batch_invariant, "_fused_experts", fake("fused"))
+    monkeypatch.setattr(batch_invariant.grouped_moe, "sorted_moe_experts", fake("sorted"))
+    monkeypatch.setattr(batch_invariant, "_agreement", {})
+    monkeypatch.setattr(batch_invariant, "moe_kernel", "auto")
+    gate_up, down = torch.zeros(6, 8, 4), torch.zeros(6, 4, 4)
+
+    def run(t):
+        calls.clear()
+        x, ids, w = torch.zeros(t, 4), torch.zeros(t, 2, dtype=torch.long), torch.zeros(t, 2)
+        batch_invariant.moe_experts(x, ids, w, gate_up, down)
+        return list(calls)
+
+    limit = batch_invariant.MOE_FUSED_MAX_TOKENS
+    assert run(limit) == [("fused", limit)]  # no check below the switch
+    monkeypatch.setattr(batch_invariant, "_capturing", lambda t: True)
+    assert run(limit + 1) == [("fused", limit + 1)] and not batch_invariant._agreement
+    monkeypatch.setattr(batch_invariant, "_capturing", lambda t: False)
+    assert run(limit + 1) == [("fused", 37), ("sorted", 37), ("sorted", limit + 1)]  # check, then run
+    assert run(500) == [("sorted", 500)]  # cached
+    other = torch.zeros(6, 8, 2), torch.zeros(6, 2, 4)  # another shape: checked on its own
+    outputs["sorted"] = 2.0
+    gate_up, down = other
+    with caplog.at_level("WARNING", logger=batch_invariant.__name__):
+        assert run(500) == [("fused", 37), ("sorted", 37), ("fused", 500)]
+    assert "do not give the fused kernels' bits" in caplog.text
+    monkeypatch.setattr(batch_invariant, "moe_kernel", "sorted")
+    assert run(1) == [("sorted", 1)]
+    monkeypatch.setattr(batch_invariant, "moe_kernel", "grouped")
+    with pytest.raises(ValueError, match="batch_invariant.moe_kernel='grouped': use one of"):
+        run(1)
 
 
 @interpreted
@@ -329,7 +380,7 @@ def test_linear_rows_do_not_depend_on_the_batch_cuda(n, k):
 
 
 @cuda
-@pytest.mark.parametrize("kernel", ["fused", "sorted"])
+@pytest.mark.parametrize("kernel", ["fused", "sorted", "auto"])
 def test_moe_tokens_do_not_depend_on_the_batch_cuda(kernel):
     check_moe("cuda", hidden=2048, e=8, top_k=3, inter=512, kernel=kernel)
 

@@ -384,6 +384,29 @@ def test_cuda_xs21_matches_fused_moe(t: int, xs_experts) -> None:
 
 
 @cuda
+def test_cuda_xs21_sorted_gives_the_fused_invariant_bits(xs_experts) -> None:
+    """The batch-invariant mode's "auto" MoE runs the fused kernels for short forwards and these
+    for long ones; a token keeps its bits across the switch only if both compute every pair
+    bitwise the same (measured on the H200; asserted here, and checked by the engine on its
+    own weights, ``batch_invariant.sorted_agrees_with_fused``)."""
+    from laguna_dflash.kernels import batch_invariant
+
+    gu, dn = xs_experts
+    for t in (1, 16, 65, 300):  # 300: the fused path in two launches
+        x, ids, w = _xs_tokens(t, seed=100 + t)
+        fused = batch_invariant._fused_experts(x, ids, w, gu, dn)
+        assert torch.equal(sorted_moe_experts(x, ids, w, gu, dn, block_m=batch_invariant.MOE_BLOCK_M),
+                           fused), t
+    saved = batch_invariant._agreement
+    batch_invariant._agreement = {}
+    try:
+        assert batch_invariant.sorted_agrees_with_fused(gu, dn)
+        assert batch_invariant.moe_kernel_for(batch_invariant.MOE_FUSED_MAX_TOKENS + 1, gu, dn) == "sorted"
+    finally:
+        batch_invariant._agreement = saved
+
+
+@cuda
 def test_cuda_row_independence_bitwise(xs_experts) -> None:
     """Token t's pairs alone (T = 1) == among the first 37 == among 300 == in a shuffled batch of
     300, bitwise: the tile a pair lands in, its row there and its tile mates do not matter."""

@@ -16,13 +16,15 @@ What changes while :func:`scope` is active (the engine enters it around every st
   :func:`linear`: the skinny GEMM's tensor-core path with ONE config per weight shape
   (:func:`linear_config`, independent of the row count) on every 16-row block, the blocks of up
   to 1024 rows in one launch. The staged o_proj GEMV, the GEMV path and cuBLAS are not used.
-* the MoE experts are :func:`moe_experts`: by default (:data:`moe_kernel` = ``"fused"``) the fused
-  expert kernels (kernels/fused_moe.py) with a fixed ``BLOCK_M`` on chunks of at most
-  :data:`MOE_MAX_ROWS` tokens; with ``"sorted"`` the sorted grouped kernels
-  (kernels/grouped_moe.py: the pairs sorted by expert once, then fixed ``BLOCK_M``-row tiles of
-  one expert each, one launch for any token count). Routing takes the router GEMM then the
-  per-token routing kernel (not the fused router GEMV, not the GEMV experts, not torch's grouped
-  GEMM).
+* the MoE experts are :func:`moe_experts`, with ``BLOCK_M`` fixed: by default (:data:`moe_kernel`
+  = ``"auto"``) the fused expert kernels (kernels/fused_moe.py, chunks of at most
+  :data:`MOE_MAX_ROWS` tokens) for forwards of at most :data:`MOE_FUSED_MAX_TOKENS` tokens
+  (decode, verify) and the sorted grouped kernels (kernels/grouped_moe.py: the pairs sorted by
+  expert once, then fixed ``BLOCK_M``-row tiles of one expert each, one launch) above (prefill),
+  once :func:`sorted_agrees_with_fused` has found the two give the same bits on this GPU; else
+  the fused ones everywhere. ``"fused"`` / ``"sorted"`` pin one pair. Routing takes the router
+  GEMM then the per-token routing kernel (not the fused router GEMV, not the GEMV experts, not
+  torch's grouped GEMM).
 * attention (kernels/paged_attention.py, ``batch_invariant=True``): one query a tile (its GQA
   group's heads as the rows), 64-key tiles from key 0, the keys split every 128 from key 0 and
   the splits' partials merged in split order, for decode, verify and prefill alike.
@@ -37,8 +39,9 @@ row), Q/K norm + RoPE + cache write, the routing, the argmax.
 Costs (measured in docs/PERFORMANCE.md): decode-phase GEMMs lose the GEMV configs tuned per row
 count, the MoE its per-pair GEMVs, attention its split count chosen per shape; prefill runs its
 GEMMs as 16-row blocks (each re-reads the weight, mostly from L2) and its MoE in 256-token
-launches (each re-reads the experts it hits; ``moe_kernel = "sorted"`` reads them once per
-16-pair tile, mostly from L2, in one launch: prefill 3.2x faster, decode 1.6x slower).
+launches without the sorted kernels (each re-reads the experts it hits; the sorted kernels read
+them once per 16-pair tile, mostly from L2, in one launch: prefill 3.2x faster, decode 1.6x
+slower, hence ``"auto"``).
 """
 
 from __future__ import annotations
@@ -46,14 +49,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterator
 
 import torch
 
 from . import fused_moe, grouped_moe, skinny_gemm
 
-__all__ = ["MAX_ROWS", "MOE_BLOCK_M", "MOE_MAX_ROWS", "check_device", "is_active", "linear", "linear_config",
-           "moe_experts", "scope"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_ROWS", "MOE_BLOCK_M", "MOE_FUSED_MAX_TOKENS", "MOE_KERNELS", "MOE_MAX_ROWS", "check_device",
+           "is_active", "linear", "linear_config", "moe_experts", "moe_kernel_for", "scope",
+           "sorted_agrees_with_fused"]
 
 MAX_ROWS = skinny_gemm.MAX_M  # rows of one GEMM block (the skinny GEMM's 16-row tile)
 MOE_BLOCK_M = 16  # pairs of an MoE tile, whatever the token count
@@ -63,13 +70,20 @@ MOE_BLOCK_M = 16  # pairs of an MoE tile, whatever the token count
 # pass). Larger chunks cost each program a longer scan of the chunk's expert ids.
 MOE_MAX_ROWS = 256
 # The invariant MoE kernels: "fused" (kernels/fused_moe.py, per-program grouping, chunks of
-# MOE_MAX_ROWS tokens) or "sorted" (kernels/grouped_moe.py, torch-sorted fixed tiles, one
-# launch). Same bench run on the H200 at XS-2.1 size (docs/PERFORMANCE.md, twenty-second pass):
-# "sorted" prefills 1k tokens in 126 ms against 405 (an earlier run's "fused"), but a batch-1
-# decode step takes 4.81 ms against 3.00 (its per-layer sort launches and fewer programs), so
-# "fused" stays the default. Each is batch-invariant on its own; the two are not known to give
-# the same bits, so one engine must not mix them.
-moe_kernel = "fused"
+# MOE_MAX_ROWS tokens), "sorted" (kernels/grouped_moe.py, torch-sorted fixed tiles, one launch) or
+# "auto": fused up to MOE_FUSED_MAX_TOKENS tokens, sorted above. Same bench run on the H200 at
+# XS-2.1 size (docs/PERFORMANCE.md, twenty-third pass): "sorted" prefills 1k tokens in 128 ms
+# against 406, but a batch-1 decode step takes 4.87 ms against 2.98 (its per-layer sort launches,
+# fewer programs). Mixing them keeps a token's bits only because the two kernels compute a pair
+# identically: both run the same tile helpers (fused_moe._gate_up_tile / _down_tile), K from 0
+# upward, one MMA row per pair; on the H200 every pair was bitwise equal at T = 1..256
+# (benchmarks/check_moe_kernels_agree.py). That is a property of the GPU's MMA, not a theorem, so
+# "auto" checks it on the engine's own weights first (sorted_agrees_with_fused).
+moe_kernel = "auto"
+MOE_KERNELS = ("auto", "fused", "sorted")
+# "auto": forwards of at most this many tokens take the fused kernels (the decode-phase ones: a
+# batch of 64 decodes, or 16 verifies of K = 3), longer ones the sorted kernels.
+MOE_FUSED_MAX_TOKENS = 64
 
 _active = False
 
@@ -139,12 +153,17 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted pair outputs ``[T, k, H]`` (unsummed, as
     ``fused_moe.fused_moe_experts(..., reduce=False)``), token ``t``'s bitwise the same for any
-    ``T`` and any other tokens, through :data:`moe_kernel`'s kernels with ``BLOCK_M`` fixed at
-    :data:`MOE_BLOCK_M` (a pair's tile computes the same whichever other pairs share it):
+    ``T`` and any other tokens, through :func:`moe_kernel_for`'s kernels with ``BLOCK_M`` fixed
+    at :data:`MOE_BLOCK_M` (a pair's tile computes the same whichever other pairs share it):
     "fused", :data:`MOE_MAX_ROWS`-token chunks with the tile loop sized for a full chunk (one
     compile per pair-count bucket, not per prompt length); "sorted", one launch."""
-    if moe_kernel == "sorted":
+    if moe_kernel_for(x.shape[0], gate_up, down) == "sorted":
         return grouped_moe.sorted_moe_experts(x, expert_ids, weights, gate_up, down, block_m=MOE_BLOCK_M)
+    return _fused_experts(x, expert_ids, weights, gate_up, down)
+
+
+def _fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     n = MOE_MAX_ROWS
     chunks = [fused_moe.fused_moe_experts(x[i : i + n], expert_ids[i : i + n], weights[i : i + n],
                                           gate_up, down, reduce=False, block_m=MOE_BLOCK_M,
@@ -153,3 +172,66 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     if not chunks:
         return x.new_zeros(0, expert_ids.shape[1], x.shape[1])
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def moe_kernel_for(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> str:
+    """The invariant MoE kernels ("fused" or "sorted") for a forward of ``num_tokens`` tokens on
+    these expert weights, by :data:`moe_kernel`. ``"auto"`` takes "sorted" above
+    :data:`MOE_FUSED_MAX_TOKENS` only where :func:`sorted_agrees_with_fused` holds; while a CUDA
+    graph is being captured an unchecked weight shape takes "fused" (the check syncs)."""
+    if moe_kernel not in MOE_KERNELS:
+        raise ValueError(f"batch_invariant.moe_kernel={moe_kernel!r}: use one of {MOE_KERNELS}")
+    if moe_kernel != "auto":
+        return moe_kernel
+    if num_tokens <= MOE_FUSED_MAX_TOKENS:
+        return "fused"
+    key = _agreement_key(gate_up, down)
+    if key not in _agreement:
+        if _capturing(gate_up):
+            return "fused"
+        sorted_agrees_with_fused(gate_up, down)
+    return "sorted" if _agreement[key] else "fused"
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+# (device, dtype, gate_up shape, down shape) -> whether the two kernel pairs gave the same bits
+_agreement: dict[tuple, bool] = {}
+
+
+def _agreement_key(gate_up: torch.Tensor, down: torch.Tensor) -> tuple:
+    return (str(gate_up.device), gate_up.dtype, tuple(gate_up.shape), tuple(down.shape))
+
+
+def sorted_agrees_with_fused(gate_up: torch.Tensor, down: torch.Tensor, num_tokens: int = 37,
+                             top_k: int = 8) -> bool:
+    """Whether the sorted and the fused invariant kernels give bitwise the same pair outputs on
+    these expert weights (``gate_up [E, 2I, H]``, ``down [E, H, I]``) for ``num_tokens`` random
+    tokens routed to ``min(top_k, E)`` experts each (runs of several pairs and of one). Runs
+    once per device, dtype and weight shape (cached; the result syncs the host), and logs the
+    outcome; "auto" keeps the fused kernels everywhere where it is False."""
+    key = _agreement_key(gate_up, down)
+    if key in _agreement:
+        return _agreement[key]
+    e, _, hidden = gate_up.shape
+    k = min(top_k, e)
+    g = torch.Generator(device=gate_up.device).manual_seed(0)
+    x = torch.randn(num_tokens, hidden, generator=g, device=gate_up.device).to(gate_up.dtype)
+    scores = torch.rand(num_tokens, e, generator=g, device=gate_up.device)
+    scores[: num_tokens // 2, : 2 * k] += 1  # half the tokens share 2k experts: long runs too
+    ids = scores.argsort(dim=1, descending=True)[:, :k]
+    weights = torch.rand(num_tokens, k, generator=g, device=gate_up.device)
+    fused = _fused_experts(x, ids, weights, gate_up, down)
+    ours = grouped_moe.sorted_moe_experts(x, ids, weights, gate_up, down, block_m=MOE_BLOCK_M)
+    agrees = _agreement[key] = bool(torch.equal(fused, ours))
+    if agrees:
+        logger.info("batch-invariant MoE: the sorted kernels give the fused kernels' bits on %s "
+                    "(%s, experts %s): fused up to %d tokens a forward, sorted above",
+                    gate_up.device, gate_up.dtype, tuple(gate_up.shape), MOE_FUSED_MAX_TOKENS)
+    else:
+        logger.warning("batch-invariant MoE: the sorted kernels do not give the fused kernels' bits "
+                       "on %s (%s, experts %s); using the fused kernels at every size (prefill is "
+                       "slower)", gate_up.device, gate_up.dtype, tuple(gate_up.shape))
+    return agrees

@@ -97,9 +97,9 @@ def xs_pair_llm(args: argparse.Namespace, directory: Path, max_model_len: int, m
     tdir, ddir, tcfg = write_xs_configs(directory, args.layers, args.hidden)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     options.setdefault("cuda_graph_capture", "lazy")  # the timed runs are warmed: start-up capture only costs device time
+    options.setdefault("num_kv_blocks", (max_model_len + 64) // 16 * (max_num_seqs + 1))
     llm = LLM(str(tdir), draft=str(ddir), dtype=dtype, device=args.device, load_format="dummy",
-              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              num_kv_blocks=(max_model_len + 64) // 16 * (max_num_seqs + 1), **options)
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs, **options)
     return llm, tcfg
 
 

@@ -8,9 +8,10 @@
 #                                           # rows; bf16 tokens alone = batched = DFlash at XS-2.1
 #                                           # widths), then bench_batch_invariant.py (~6 min)
 #   bash benchmarks/gpu_check.sh startup    # start-up capture and the warm-up's prefills: their CUDA
-#                                           # tests, then what a first request pays after start-up,
-#                                           # default and batch-invariant (bench_first_request.py,
-#                                           # empty kernel caches; ~9 min)
+#                                           # tests, then what a first request pays after start-up
+#                                           # (bench_first_request.py, empty kernel caches; ~7 min)
+#   bash benchmarks/gpu_check.sh startup-invariant  # the same with --batch-invariant, then the
+#                                           # start-up at the server's defaults (~8 min)
 #   bash benchmarks/gpu_check.sh serve-invariant  # the server smoke with --batch-invariant: the
 #                                           # servers' greedy tokens must then agree in bf16 (~6 min)
 #   bash benchmarks/gpu_check.sh moe-sorted # batch-invariant MoE kernels, fused against sorted
@@ -357,10 +358,15 @@ case "$stage" in
     timeout 280 python -m pytest -q -p no:cacheprovider --tb=short tests/test_cuda_graphs.py \
       tests/test_batch_invariant.py -k "startup or warmup or eager_graphs_and_seeded" 2>&1 \
       | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
-    echo "== a first request after start-up, XS-2.1 size (default kernels, then batch-invariant)"
-    timeout 150 python benchmarks/bench_first_request.py --cold 2>&1 | quiet | tail -22
-    timeout 150 python benchmarks/bench_first_request.py --cold --batch-invariant \
-      --scenarios 1x1000x32,4x1000x32,1x3000x8,8x50x32 2>&1 | quiet | tail -14 ;;
+    echo "== a first request after start-up, XS-2.1 size (default kernels)"
+    timeout 150 python benchmarks/bench_first_request.py --cold 2>&1 | quiet | tail -22 ;;
+  startup-invariant)
+    echo "== a first request after start-up, XS-2.1 size, batch-invariant (empty kernel caches)"
+    timeout 400 python benchmarks/bench_first_request.py --cold --batch-invariant \
+      --scenarios 1x1000x32,4x1000x32,1x3000x8,8x50x32 2>&1 | quiet | tail -14
+    echo "== start-up at the server's defaults (64 sequences, 8192 tokens; kernel caches as left)"
+    timeout 180 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 2>&1 | quiet | tail -8 ;;
   serve-invariant)
     echo "== the OpenAI server at XS-2.1 size, --batch-invariant: exact across servers in bf16"
     if ! python -c "import fastapi, uvicorn" 2>/dev/null; then

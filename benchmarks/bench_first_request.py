@@ -5,8 +5,8 @@ scenarios in order, each twice: FIRST (its shapes new to the engine: CUDA graph 
 new padded batch size or key-length bucket, Triton builds for new prefill shapes) and REPEAT
 (the same requests again, everything built). Per run: wall seconds, the first step (the
 prefill: time to first token), the longest later step (a stall a streaming client sees between
-tokens), and the CUDA graphs captured during it. The engine's start-up (load + warm-up) is timed
-too. With ``--cold`` the Triton and inductor caches start empty (a fresh install); without it
+tokens), and the CUDA graphs captured during it. The engine's start-up is timed too, by phase
+(load, warm-up, start-up capture), with the Triton compiles it ran and their seconds by kernel. With ``--cold`` the Triton and inductor caches start empty (a fresh install); without it
 they are whatever the machine has.
 
     python benchmarks/bench_first_request.py --cold                    # H200, default kernels
@@ -46,8 +46,10 @@ def num_graphs(engine) -> int:
 
 
 class CompileLog:
-    """Counts Triton kernel builds (by kernel name, through Triton's post-compile hook) and
-    ``torch.compile`` frames compiled, since :meth:`reset`."""
+    """Counts Triton kernel compiles (by kernel name, through Triton's pre- and post-compile
+    hooks) with the seconds each took, and ``torch.compile`` frames compiled, since
+    :meth:`reset`. A "compile" is a kernel variant new to this process: with a warm on-disk
+    cache it is a load (fast), with an empty one a build."""
 
     def __init__(self) -> None:
         from collections import Counter
@@ -57,20 +59,69 @@ class CompileLog:
 
         self._frames = torch._dynamo.utils.counters["frames"]
         self.builds: Counter = Counter()
+        self.seconds: Counter = Counter()
         self._base = 0
+        started: dict = {}
 
-        def hook(*, fn, **_):
-            self.builds[fn.name.rsplit(".", 1)[-1]] += 1
+        def before(*, key, **_):
+            started[key] = time.perf_counter()
+            return False  # falsy: compile (a true value would skip the kernel)
 
-        triton.knobs.runtime.jit_post_compile_hook = hook
+        def after(*, key, fn, **_):
+            name = fn.name.rsplit(".", 1)[-1]
+            self.builds[name] += 1
+            self.seconds[name] += time.perf_counter() - started.pop(key, time.perf_counter())
+
+        triton.knobs.runtime.jit_cache_hook = before
+        triton.knobs.runtime.jit_post_compile_hook = after
 
     def reset(self) -> None:
         self.builds.clear()
+        self.seconds.clear()
         self._base = self._frames["ok"]
 
     @property
     def num_frames(self) -> int:
         return self._frames["ok"] - self._base
+
+
+class StartupPhases:
+    """Times the engine's start-up phases (``LLMEngine.warmup`` and its
+    ``capture_all_graphs``) by wrapping the class's methods while it is built."""
+
+    def __init__(self) -> None:
+        self.seconds = {"warm-up": 0.0, "capture": 0.0}
+
+    def wrap(self, engine_cls):
+        import contextlib
+
+        phases = self
+
+        @contextlib.contextmanager
+        def patched():
+            saved = engine_cls.warmup, engine_cls.capture_all_graphs
+
+            def warmup(engine):
+                t = time.perf_counter()
+                try:
+                    return saved[0](engine)
+                finally:  # includes the capture it calls last
+                    phases.seconds["warm-up"] += time.perf_counter() - t - phases.seconds["capture"]
+
+            def capture_all_graphs(engine):
+                t = time.perf_counter()
+                try:
+                    return saved[1](engine)
+                finally:
+                    phases.seconds["capture"] += time.perf_counter() - t
+
+            engine_cls.warmup, engine_cls.capture_all_graphs = warmup, capture_all_graphs
+            try:
+                yield phases
+            finally:
+                engine_cls.warmup, engine_cls.capture_all_graphs = saved
+
+        return patched()
 
 
 class StepClock:
@@ -130,26 +181,29 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     from bench_gpu_xs import sync, write_xs_configs, xs_pair_llm
 
     from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine.engine import LLMEngine
 
     options = dict(batch_invariant=args.batch_invariant, cuda_graph_capture="startup")
     for item in args.option:
         name, _, value = item.partition("=")
         options[name] = option_value(value)
+    compiles = CompileLog()  # before the engine: its start-up compiles count too
     t0 = time.perf_counter()
-    if args.k:
-        llm, tcfg = xs_pair_llm(args, tmp, args.max_model_len, args.max_num_seqs,
-                                num_speculative_tokens=args.k, **options)
-    else:  # target-only: no drafter loaded, so the warm-up builds what target-only steps use
-        tdir, _, tcfg = write_xs_configs(tmp, args.layers, args.hidden)
-        dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-        llm = LLM(str(tdir), dtype=dtype, device=args.device, load_format="dummy",
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **options)
+    with StartupPhases().wrap(LLMEngine) as phases:
+        if args.k:
+            llm, tcfg = xs_pair_llm(args, tmp, args.max_model_len, args.max_num_seqs,
+                                    num_speculative_tokens=args.k, **options)
+        else:  # target-only: no drafter loaded, so the warm-up builds what target-only steps use
+            tdir, _, tcfg = write_xs_configs(tmp, args.layers, args.hidden)
+            dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+            llm = LLM(str(tdir), dtype=dtype, device=args.device, load_format="dummy",
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **options)
     startup_s = time.perf_counter() - t0
+    startup_builds, startup_build_s = dict(compiles.builds), dict(compiles.seconds)
     engine = llm.engine
     warm_graphs = num_graphs(engine)
     startup_gib = torch.cuda.memory_reserved() / 2**30 if args.device.startswith("cuda") else None
     clock = StepClock(engine, lambda: sync(args.device))
-    compiles = CompileLog()
     rng = random.Random(0)
     rows = []
     for batch, prompt_len, new_tokens in scenarios:
@@ -175,7 +229,16 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
           f"cold caches {args.cold}, max_model_len {args.max_model_len}, max_num_seqs "
           f"{args.max_num_seqs}, options {options}")
     mem = f", {startup_gib:.1f} GiB reserved by torch after it" if startup_gib is not None else ""
-    print(f"engine start-up (load + warm-up): {startup_s:.1f} s; {warm_graphs} CUDA graphs after it{mem}\n")
+    print(f"engine start-up (load + warm-up): {startup_s:.1f} s; {warm_graphs} CUDA graphs after it{mem}")
+    warm, capture = phases.seconds["warm-up"], phases.seconds["capture"]
+    print(f"start-up phases: load {startup_s - warm - capture:.1f} s, warm-up {warm:.1f} s, "
+          f"start-up capture {capture:.1f} s; Triton compiles {sum(startup_builds.values())} "
+          f"taking {sum(startup_build_s.values()):.1f} s")
+    slowest = sorted(startup_build_s.items(), key=lambda kv: -kv[1])[:8]
+    if slowest:
+        print("start-up Triton compiles by kernel (count, seconds): "
+              + ", ".join(f"{k} x{startup_builds[k]} {v:.1f} s" for k, v in slowest))
+    print()
     print("| scenario (BxPxN) | run | wall s | first step ms | longest later step ms | "
           "median later step ms | graphs captured | Triton builds | torch.compile frames |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")

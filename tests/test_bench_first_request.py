@@ -54,3 +54,44 @@ def test_prefill_profile_prints_its_kernels(monkeypatch, capsys) -> None:
     rows = [line for line in out.splitlines() if line.startswith("| aten::")]
     assert len(rows) == 4
     assert all(float(r.split("|")[2]) >= 0 for r in rows)
+
+
+def test_startup_phases_split_the_warmup_from_its_capture() -> None:
+    """The warm-up's time excludes the start-up capture it calls last; the class is restored."""
+    import time
+
+    class Engine:
+        def warmup(self):
+            time.sleep(0.05)
+            self.capture_all_graphs()
+
+        def capture_all_graphs(self):
+            time.sleep(0.1)
+            return 7
+
+    original = Engine.warmup
+    with bench_first_request.StartupPhases().wrap(Engine) as phases:
+        Engine().warmup()
+    assert Engine.warmup is original
+    assert 0.1 <= phases.seconds["capture"] < 0.2 and 0.05 <= phases.seconds["warm-up"] < 0.1
+
+
+def test_compile_log_counts_and_times_compiles_by_kernel() -> None:
+    pytest.importorskip("triton")
+    import triton
+
+    saved = triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook
+    try:
+        log = bench_first_request.CompileLog()
+
+        class Fn:
+            name = "laguna_dflash.kernels.fused_moe._down_kernel"
+
+        for key in ("a", "b"):  # the two hooks Triton calls around a compile
+            assert not triton.knobs.runtime.jit_cache_hook(key=key, fn=Fn)  # falsy: do compile
+            triton.knobs.runtime.jit_post_compile_hook(key=key, fn=Fn)
+        assert log.builds == {"_down_kernel": 2} and log.seconds["_down_kernel"] >= 0
+        log.reset()
+        assert not log.builds and not log.seconds
+    finally:
+        triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = saved

@@ -14,13 +14,11 @@
 #                                           # start-up at the server's defaults (~8 min)
 #   bash benchmarks/gpu_check.sh serve-invariant  # the server smoke with --batch-invariant: the
 #                                           # servers' greedy tokens must then agree in bf16 (~6 min)
-#   bash benchmarks/gpu_check.sh moe-sorted # batch-invariant MoE kernels, fused against sorted
-#                                           # (kernels/grouped_moe.py): CUDA tests, then decode /
-#                                           # prefill / DFlash in one run, prefill by kernel (~7 min)
-#   bash benchmarks/gpu_check.sh moe-auto   # batch-invariant "auto" MoE (fused up to 64 tokens,
-#                                           # sorted above): bitwise CUDA tests across the switch,
-#                                           # fused vs sorted bits and times by T, then decode /
-#                                           # prefill / DFlash against fused-only in one run (~8 min)
+#   bash benchmarks/gpu_check.sh moe-auto   # batch-invariant "auto" MoE (fused kernels up to 64
+#                                           # tokens, kernels/grouped_moe.py's sorted ones above):
+#                                           # bitwise CUDA tests across the switch, fused vs sorted
+#                                           # bits and times by T, then decode / prefill / DFlash
+#                                           # against fused-only in one run (~6 min)
 #   bash benchmarks/gpu_check.sh serve      # `serve --load-format dummy` at XS-2.1 size: three
 #                                           # servers (DFlash, target-only, adaptive K), the same
 #                                           # requests, lossless and error checks (~6 min; carry
@@ -374,18 +372,6 @@ case "$stage" in
     fi
     timeout 560 python benchmarks/serve_smoke_xs.py --batch-invariant \
       --log-dir "${OUT:-/tmp}/serve-logs" 2>&1 | quiet | tail -20 ;;
-  moe-sorted)
-    echo "== the sorted grouped MoE kernels: CUDA tests"
-    timeout 150 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_grouped_moe.py \
-      tests/test_batch_invariant.py -k "cuda and (grouped or moe)" 2>&1 \
-      | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
-    echo "== do fused and sorted give the same bits? (if so: fused at decode, sorted at prefill)"
-    timeout 60 python benchmarks/check_moe_kernels_agree.py 2>&1 | quiet | tail -12
-    echo "== fused against sorted invariant MoE in one run, XS-2.1 size"
-    timeout 260 python benchmarks/bench_batch_invariant.py \
-      --modes default,batch-invariant,batch-invariant-sorted-moe 2>&1 | quiet | tail -8
-    timeout 120 python benchmarks/profile_prefill_xs.py \
-      --modes batch-invariant,batch-invariant-sorted-moe --top 6 2>&1 | quiet | tail -22 ;;
   moe-auto)
     echo "== \"auto\" invariant MoE: a token's bits across the fused/sorted switch (CUDA tests)"
     timeout 200 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_grouped_moe.py \

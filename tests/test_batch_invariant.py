@@ -357,16 +357,25 @@ def test_torch_sdpa_backend_is_refused_interpreted(tiny_pair):
 
 
 @interpreted
-def test_engine_greedy_tokens_and_logprobs_do_not_depend_on_the_batch_interpreted(tiny_pair, monkeypatch):
+@pytest.mark.parametrize("fused_max_tokens", [64, 8], ids=["fused_moe", "auto_switch_at_8"])
+def test_engine_greedy_tokens_and_logprobs_do_not_depend_on_the_batch_interpreted(
+        tiny_pair, monkeypatch, fused_max_tokens):
+    """At 8 the "auto" MoE mixes its kernels inside one generation: prompts of 11 and 19 tokens
+    and the DFlash verifies (12 rows) take the sorted kernels, decodes and the 5-token prompt
+    the fused ones; the agreement check then runs inside an engine forward."""
     from laguna_dflash.models.layers import Attention
 
     # the fused Q/K norm + RoPE kernel is per token either way; its interpreted run is slow
     monkeypatch.setattr(Attention, "use_fused_qk_cache", False)
+    monkeypatch.setattr(batch_invariant, "MOE_FUSED_MAX_TOKENS", fused_max_tokens)
+    monkeypatch.setattr(batch_invariant, "_agreement", {})
     rng = random.Random(0)
     prompts = [[rng.randrange(64) for _ in range(n)] for n in (11, 19, 5)]
     runs = greedy_runs(*tiny_pair, prompts, 5, dtype="bfloat16", batch_invariant=True)
     assert runs["alone"] == runs["batched"] == runs["dflash"]
     assert all(len(ids) == 5 for ids, _ in runs["alone"])
+    # the sorted kernels ran (after the check) only where forwards passed the switch
+    assert list(batch_invariant._agreement.values()) == ([True] if fused_max_tokens < 35 else [])
 
 
 # ---- CUDA, Laguna-XS-2.1 widths -------------------------------------------------------------------

@@ -4,18 +4,26 @@ capability) or a CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 
 
+def import_triton() -> tuple[ModuleType | None, ModuleType | None]:
+    """``(triton, triton.language)``, or ``(None, None)`` where triton is not installed: a kernel
+    module defines its ``@triton.jit`` functions only when it got triton, and still imports on
+    a CPU-only install."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None, None
+    return triton, tl
+
+
 @functools.cache
 def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return import_triton()[0] is not None
 
 
 def interpret_mode() -> bool:

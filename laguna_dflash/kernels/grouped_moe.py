@@ -44,17 +44,10 @@ from __future__ import annotations
 import torch
 
 from . import pdl
-from .availability import interpret_mode, triton_can_run
+from .availability import import_triton, interpret_mode, triton_can_run
 
-try:  # the package must import without triton (CPU-only installs)
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
+triton, tl = import_triton()  # (None, None) on a CPU-only install: the module still imports
+HAS_TRITON = triton is not None
 
 __all__ = ["DEFAULT_BLOCK_M", "align_pairs", "is_available", "max_tiles", "sorted_moe_experts"]
 

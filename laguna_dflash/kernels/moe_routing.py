@@ -107,18 +107,11 @@ import torch
 
 from . import jit as _jit
 from . import pdl
-from .availability import interpret_mode, triton_can_run
+from .availability import import_triton, interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, jit_functions
 
-try:  # the package must import without triton (CPU-only installs)
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
+triton, tl = import_triton()  # (None, None) on a CPU-only install: the module still imports
+HAS_TRITON = triton is not None
 
 __all__ = [
     "MAX_EXPERTS",

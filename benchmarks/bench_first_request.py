@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,8 +59,10 @@ class CompileLog:
         import triton
 
         self._frames = torch._dynamo.utils.counters["frames"]
+        self._dynamo_seconds = torch._dynamo.utils.compilation_time_metrics
         self.builds: Counter = Counter()
         self.seconds: Counter = Counter()
+        self.total_seconds = 0.0  # every compile's, never reset (start-up phases take differences)
         self._base = 0
         started: dict = {}
 
@@ -69,8 +72,10 @@ class CompileLog:
 
         def after(*, key, fn, **_):
             name = fn.name.rsplit(".", 1)[-1]
+            seconds = time.perf_counter() - started.pop(key, time.perf_counter())
             self.builds[name] += 1
-            self.seconds[name] += time.perf_counter() - started.pop(key, time.perf_counter())
+            self.seconds[name] += seconds
+            self.total_seconds += seconds
 
         triton.knobs.runtime.jit_cache_hook = before
         triton.knobs.runtime.jit_post_compile_hook = after
@@ -84,13 +89,32 @@ class CompileLog:
     def num_frames(self) -> int:
         return self._frames["ok"] - self._base
 
+    @property
+    def torch_compile_seconds(self) -> float:
+        """Seconds spent in ``torch.compile`` (dynamo + inductor) so far in this process."""
+        return sum(self._dynamo_seconds.get("_compile.compile_inner", ()))
+
 
 class StartupPhases:
     """Times the engine's start-up phases (``LLMEngine.warmup`` and its
-    ``capture_all_graphs``) by wrapping the class's methods while it is built."""
+    ``capture_all_graphs``) by wrapping the class's methods while it is built; with a
+    :class:`CompileLog`, also the Triton and ``torch.compile`` seconds inside each phase
+    (``compile_seconds[phase] = (triton, torch.compile)``)."""
 
-    def __init__(self) -> None:
-        self.seconds = {"warm-up": 0.0, "capture": 0.0}
+    def __init__(self, compiles: CompileLog | None = None) -> None:
+        self.seconds = {"warm-up": 0.0, "capture": 0.0, "build ahead": 0.0}  # capture includes the last
+        self.num_built_ahead = 0
+        self.compile_seconds = {"warm-up": (0.0, 0.0), "capture": (0.0, 0.0)}
+        self._compiles = compiles
+
+    def _compile_totals(self) -> tuple[float, float]:
+        c = self._compiles
+        return (c.total_seconds, c.torch_compile_seconds) if c is not None else (0.0, 0.0)
+
+    def _add_compiles(self, phase: str, before: tuple[float, float], minus: tuple[float, float] = (0.0, 0.0)) -> None:
+        now = self._compile_totals()
+        self.compile_seconds[phase] = tuple(
+            old + n - b - m for old, n, b, m in zip(self.compile_seconds[phase], now, before, minus))
 
     def wrap(self, engine_cls):
         import contextlib
@@ -102,26 +126,73 @@ class StartupPhases:
             saved = engine_cls.warmup, engine_cls.capture_all_graphs
 
             def warmup(engine):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), phases._compile_totals()
+                capture_s, capture_c = phases.seconds["capture"], phases.compile_seconds["capture"]
                 try:
                     return saved[0](engine)
                 finally:  # includes the capture it calls last
-                    phases.seconds["warm-up"] += time.perf_counter() - t - phases.seconds["capture"]
+                    phases.seconds["warm-up"] += (time.perf_counter() - t
+                                                  - (phases.seconds["capture"] - capture_s))
+                    grown = tuple(a - b for a, b in zip(phases.compile_seconds["capture"], capture_c))
+                    phases._add_compiles("warm-up", c, grown)
 
             def capture_all_graphs(engine):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), phases._compile_totals()
                 try:
                     return saved[1](engine)
                 finally:
                     phases.seconds["capture"] += time.perf_counter() - t
+                    phases._add_compiles("capture", c)
+
+            module = sys.modules[engine_cls.__module__]
+            build = getattr(module, "build_kernels_ahead", None)
+
+            def build_kernels_ahead(*args, **kwargs):  # inside the capture phase
+                t = time.perf_counter()
+                try:
+                    phases.num_built_ahead += build(*args, **kwargs)
+                    return phases.num_built_ahead
+                finally:
+                    phases.seconds["build ahead"] += time.perf_counter() - t
 
             engine_cls.warmup, engine_cls.capture_all_graphs = warmup, capture_all_graphs
+            if build is not None:
+                module.build_kernels_ahead = build_kernels_ahead
             try:
                 yield phases
             finally:
                 engine_cls.warmup, engine_cls.capture_all_graphs = saved
+                if build is not None:
+                    module.build_kernels_ahead = build
 
         return patched()
+
+
+class GcClock:
+    """Inside ``with``: the seconds and number of garbage collections (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.count += 1
+
+    def __enter__(self) -> GcClock:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
 
 
 class StepClock:
@@ -156,6 +227,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--cold", action="store_true", help="empty Triton and inductor caches")
+    ap.add_argument("--no-build-ahead", action="store_true",
+                    help="start-up capture builds each Triton kernel when first launched "
+                         "(engine.cuda_graph.build_ahead = False)")
     ap.add_argument("--option", action="append", default=[],
                     help="extra LLM keyword, NAME=VALUE (int, float, true/false or text); repeatable")
     args = ap.parse_args()
@@ -181,15 +255,19 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     from bench_gpu_xs import sync, write_xs_configs, xs_pair_llm
 
     from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine import cuda_graph
     from laguna_dflash.engine.engine import LLMEngine
+
+    cuda_graph.build_ahead = not args.no_build_ahead
 
     options = dict(batch_invariant=args.batch_invariant, cuda_graph_capture="startup")
     for item in args.option:
         name, _, value = item.partition("=")
         options[name] = option_value(value)
     compiles = CompileLog()  # before the engine: its start-up compiles count too
+    gc_clock = GcClock()
     t0 = time.perf_counter()
-    with StartupPhases().wrap(LLMEngine) as phases:
+    with StartupPhases(compiles).wrap(LLMEngine) as phases, gc_clock:
         if args.k:
             llm, tcfg = xs_pair_llm(args, tmp, args.max_model_len, args.max_num_seqs,
                                     num_speculative_tokens=args.k, **options)
@@ -227,13 +305,17 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{gpu}, layers {args.layers}, K {args.k}, batch-invariant {args.batch_invariant}, "
           f"cold caches {args.cold}, max_model_len {args.max_model_len}, max_num_seqs "
-          f"{args.max_num_seqs}, options {options}")
+          f"{args.max_num_seqs}, options {options}, build ahead {cuda_graph.build_ahead}")
     mem = f", {startup_gib:.1f} GiB reserved by torch after it" if startup_gib is not None else ""
     print(f"engine start-up (load + warm-up): {startup_s:.1f} s; {warm_graphs} CUDA graphs after it{mem}")
     warm, capture = phases.seconds["warm-up"], phases.seconds["capture"]
     print(f"start-up phases: load {startup_s - warm - capture:.1f} s, warm-up {warm:.1f} s, "
-          f"start-up capture {capture:.1f} s; Triton compiles {sum(startup_builds.values())} "
-          f"taking {sum(startup_build_s.values()):.1f} s")
+          f"start-up capture {capture:.1f} s (of which {phases.num_built_ahead} kernel variants "
+          f"built ahead in {phases.seconds['build ahead']:.1f} s); Triton compiles {sum(startup_builds.values())} "
+          f"taking {sum(startup_build_s.values()):.1f} s (summed; they overlap when built in parallel)")
+    print("compile seconds inside each phase (Triton, torch.compile): " + ", ".join(
+        f"{name} {tri:.1f} / {tc:.1f}" for name, (tri, tc) in phases.compile_seconds.items())
+        + f"; garbage collection during start-up: {gc_clock.seconds:.1f} s in {gc_clock.count} runs")
     slowest = sorted(startup_build_s.items(), key=lambda kv: -kv[1])[:8]
     if slowest:
         print("start-up Triton compiles by kernel (count, seconds): "

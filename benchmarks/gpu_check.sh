@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_check.sh startup    # start-up capture and the warm-up's prefills: their CUDA
 #                                           # tests, then what a first request pays after start-up
 #                                           # (bench_first_request.py, empty kernel caches; ~7 min)
+#   bash benchmarks/gpu_check.sh startup-ahead  # start-up at the server's defaults with empty
+#                                           # caches: kernels built one by one against built
+#                                           # ahead in parallel (two processes, ~7 min)
 #   bash benchmarks/gpu_check.sh startup-invariant  # the same with --batch-invariant, then the
 #                                           # start-up at the server's defaults (~8 min)
 #   bash benchmarks/gpu_check.sh serve-invariant  # the server smoke with --batch-invariant: the
@@ -358,6 +361,15 @@ case "$stage" in
       | grep -E "^(FAILED|ERROR)|passed|failed" | tail -10
     echo "== a first request after start-up, XS-2.1 size (default kernels)"
     timeout 150 python benchmarks/bench_first_request.py --cold 2>&1 | quiet | tail -22 ;;
+  startup-ahead)
+    echo "== start-up at the server's defaults, empty kernel caches, each run its own process:"
+    echo "== kernels built when first launched (the old way), then built ahead in parallel (the default)"
+    for flags in "--no-build-ahead" ""; do
+      echo "-- ${flags:-defaults}"
+      timeout 270 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len 8192 \
+        --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 $flags 2>&1 | quiet \
+        | grep -E "start-up|compile|ahead|Error|error|^\| (1|64)x" | tail -9
+    done ;;
   startup-invariant)
     echo "== a first request after start-up, XS-2.1 size, batch-invariant (empty kernel caches)"
     timeout 400 python benchmarks/bench_first_request.py --cold --batch-invariant \

@@ -76,6 +76,71 @@ def test_startup_phases_split_the_warmup_from_its_capture() -> None:
     assert 0.1 <= phases.seconds["capture"] < 0.2 and 0.05 <= phases.seconds["warm-up"] < 0.1
 
 
+def test_startup_phases_attribute_compile_seconds_to_their_phase() -> None:
+    """Compile seconds spent inside the capture count for the capture only, the rest of the
+    warm-up's for the warm-up; Triton's and torch.compile's apart."""
+
+    class Compiles:
+        total_seconds = 0.0
+        torch_compile_seconds = 0.0
+
+    compiles = Compiles()
+
+    class Engine:
+        def warmup(self):
+            compiles.total_seconds += 2.0
+            compiles.torch_compile_seconds += 5.0
+            self.capture_all_graphs()
+            compiles.total_seconds += 1.0
+
+        def capture_all_graphs(self):
+            compiles.total_seconds += 10.0
+            compiles.torch_compile_seconds += 0.5
+
+    with bench_first_request.StartupPhases(compiles).wrap(Engine) as phases:
+        Engine().warmup()
+    assert phases.compile_seconds == {"warm-up": (3.0, 5.0), "capture": (10.0, 0.5)}
+
+
+def test_startup_phases_time_the_builds_ahead_inside_the_capture(monkeypatch) -> None:
+    import time
+    import types
+
+    module = types.ModuleType("fake_engine_module")
+
+    def build_kernels_ahead(forwards, device):
+        time.sleep(0.05)
+        return len(forwards)
+
+    module.build_kernels_ahead = build_kernels_ahead
+
+    class Engine:
+        def warmup(self):
+            self.capture_all_graphs()
+
+        def capture_all_graphs(self):
+            module.build_kernels_ahead([1, 2, 3], "cuda")
+            time.sleep(0.05)
+
+    Engine.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with bench_first_request.StartupPhases().wrap(Engine) as phases:
+        Engine().warmup()
+    assert module.build_kernels_ahead is build_kernels_ahead
+    assert phases.num_built_ahead == 3
+    assert 0.05 <= phases.seconds["build ahead"] < phases.seconds["capture"] < 0.2
+
+
+def test_gc_clock_times_collections_inside_its_scope() -> None:
+    import gc
+
+    with bench_first_request.GcClock() as clock:
+        gc.collect()
+        gc.collect()
+    gc.collect()
+    assert clock.count == 2 and clock.seconds > 0
+
+
 def test_compile_log_counts_and_times_compiles_by_kernel() -> None:
     pytest.importorskip("triton")
     import triton
@@ -91,6 +156,8 @@ def test_compile_log_counts_and_times_compiles_by_kernel() -> None:
             assert not triton.knobs.runtime.jit_cache_hook(key=key, fn=Fn)  # falsy: do compile
             triton.knobs.runtime.jit_post_compile_hook(key=key, fn=Fn)
         assert log.builds == {"_down_kernel": 2} and log.seconds["_down_kernel"] >= 0
+        assert log.total_seconds == log.seconds["_down_kernel"]
+        assert log.torch_compile_seconds >= 0
         log.reset()
         assert not log.builds and not log.seconds
     finally:

@@ -445,6 +445,61 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
 
 
 @needs_cuda
+def test_startup_capture_builds_its_kernels_ahead_on_cuda(pair, monkeypatch):
+    """Start-up capture first builds every Triton kernel its graphs launch, in parallel, from
+    forwards recorded into throwaway graphs (cuda_graph.build_kernels_ahead): the captures after
+    it build nothing, the workspaces the pass touched are intact, and the tokens are those of an
+    engine whose captures built each kernel when they first launched it (built after this one,
+    so this engine is the first to see its new shapes)."""
+    import triton
+
+    from laguna_dflash.engine import cuda_graph
+    from laguna_dflash.engine import engine as engine_module
+    from laguna_dflash.engine.context_graph import ContextGraphRunner
+
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=6,
+              max_model_len=600)
+    submitted, misses, inside = [], [], [False]
+    build = engine_module.build_kernels_ahead
+
+    def build_and_count(forwards, device):
+        submitted.append(build(forwards, device))
+        return submitted[-1]
+
+    def counting(capture_all):
+        def wrapped(*args, **kwargs):
+            inside[0] = True
+            try:
+                return capture_all(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return wrapped
+
+    def on_miss(**_):  # Triton calls it when a launch finds no built variant in memory
+        if inside[0]:
+            misses.append(1)
+        return False
+
+    monkeypatch.setattr(engine_module, "build_kernels_ahead", build_and_count)
+    monkeypatch.setattr(CUDAGraphRunner, "capture_all", counting(CUDAGraphRunner.capture_all))
+    monkeypatch.setattr(ContextGraphRunner, "capture_all", counting(ContextGraphRunner.capture_all))
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", on_miss)
+    ahead = LLM(target, **kw)
+    assert len(submitted) == 1 and not misses, f"{len(misses)} builds inside the captures"
+    monkeypatch.setattr(cuda_graph, "build_ahead", False)
+    one_by_one = LLM(target, **kw)
+    assert len(submitted) == 1  # the switch turns the pass off
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    rng = random.Random(5)
+    for batch_size in (1, 3, 6):
+        prompts = [[rng.randrange(0, 60) for _ in range(250 + 9 * i)] for i in range(batch_size)]
+        want = [o.token_ids for o in one_by_one.generate(prompt_token_ids=prompts, sampling_params=params)]
+        got = [o.token_ids for o in ahead.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+
+
+@needs_cuda
 def test_graphed_spec_is_lossless_in_float32(pair):
     """With graphs on, float32 speculation on the GPU equals float32 target-only decoding."""
     target, draft = pair

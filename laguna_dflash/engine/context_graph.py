@@ -22,7 +22,9 @@ runs eagerly (what the tests compare against the unpadded path).
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -118,6 +120,12 @@ class ContextGraphRunner:
     def missing_sizes(self) -> list[int]:
         """The padded batch sizes :meth:`capture_all` would capture."""
         return [] if self.is_broken else [r for r in self.batch_sizes if r not in self.graphs]
+
+    def forwards_to_capture(self) -> list[Callable[[], object]]:
+        """The computations :meth:`capture_all` would capture (for
+        ``cuda_graph.build_kernels_ahead``)."""
+        return [functools.partial(self._run_model, r * self.rows_per_request)
+                for r in self.missing_sizes()]
 
     @torch.inference_mode()  # as run(), whose graphs these are
     def capture_all(self, progress=None) -> int:

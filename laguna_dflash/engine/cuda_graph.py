@@ -26,14 +26,17 @@ left pending by target-only steps replays from its own graphs (engine/context_gr
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from ..kernels import decode_metadata
+from ..kernels import decode_metadata, precompile
+from ..kernels.availability import triton_importable
 from ..models.layers import ForwardContext, building_cuda_graph
 from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
@@ -50,6 +53,9 @@ MIN_KEY_BUCKET = 256
 # kernels at the head of every replay; an A/B switch (graphs captured after a change must be
 # re-captured: ``CUDAGraphRunner.reset``).
 use_metadata_kernel = True
+# Start-up capture first builds the Triton kernels of every graph it will capture, in parallel
+# (build_kernels_ahead); False: each is built when a capture first launches it (an A/B switch).
+build_ahead = True
 
 
 def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -75,6 +81,53 @@ def capture_graph(fn: Callable[[], T], device: torch.device, pool) -> tuple[torc
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
     return graph, out, graph.pool()
+
+
+def _record_only(fn: Callable[[], object], stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
+    """Record ``fn`` into a CUDA graph that is never instantiated nor replayed: nothing runs.
+    The caller keeps the graph until it has recorded every graph sharing ``pool`` (the
+    allocator refuses a pool whose graphs are all gone but whose blocks are not yet freed)."""
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # no instantiation at capture_end
+    except TypeError:  # a torch without keep_graph: instantiated, then dropped
+        graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+def build_kernels_ahead(forwards: list[Callable[[], object]], device: torch.device) -> int:
+    """Build the Triton kernel variants that ``forwards`` launch, on a thread pool, before they
+    are captured (:mod:`kernels.precompile`). Each forward is recorded into a throwaway CUDA
+    graph while Triton launches only submit builds, so nothing executes: no kernel reads
+    another's unwritten output, and no cache or buffer is written. Call it in the scope the
+    captures will run in (``inference_mode``, ``batch_invariant.scope``). A forward that cannot
+    be recorded ends the pass with a warning; the captures then build the rest one at a time.
+    -> the variants built (or failed)."""
+    if not forwards or device.type != "cuda" or not triton_importable():
+        return 0
+    t0 = time.perf_counter()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    pool = torch.cuda.graph_pool_handle()
+    recorded: list[torch.cuda.CUDAGraph] = []
+    with precompile.launches_build_only() as builds, building_cuda_graph():
+        try:
+            for fn in forwards:
+                recorded.append(_record_only(fn, stream, pool))
+        except Exception as e:  # noqa: BLE001 - only a speed-up: the captures still build
+            logger.warning("building kernels ahead stopped after %d of %d forwards (the captures "
+                           "build the rest one at a time): %s", len(recorded), len(forwards), e)
+    recorded.clear()  # the throwaway graphs, then their pool's memory
+    torch.cuda.empty_cache()
+    logger.info("built %d Triton kernel variants for %d forwards ahead of their capture in %.1fs "
+                "(%d threads)", builds.num_submitted, len(forwards), time.perf_counter() - t0,
+                builds.num_threads)
+    return builds.num_submitted
 
 
 @dataclass
@@ -149,6 +202,11 @@ class CUDAGraphRunner:
                 for r in self.batch_sizes
                 for num_keys in self.key_buckets(max_model_len + q - 1)
                 if (r, q, num_keys, is_causal, taps, store is not None) not in self.graphs]
+
+    def forwards_to_capture(self, max_model_len: int) -> list[Callable[[], object]]:
+        """The forwards :meth:`capture_all` would capture (for :func:`build_kernels_ahead`)."""
+        return [functools.partial(self._run_model, r, q, num_keys, is_causal, taps, store)
+                for (r, q, num_keys, is_causal, taps, _), store in self.missing_keys(max_model_len)]
 
     @torch.inference_mode()  # as the forwards it captures (the fast paths need it)
     def capture_all(self, max_model_len: int, progress=None) -> int:

@@ -15,11 +15,12 @@ from ..kernels import batch_invariant
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
+from . import cuda_graph
 from .adaptive_k import AdaptiveK
 from .ahead import DraftsAhead, ForwardAhead
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, build_kernels_ahead
 from .kv_cache import BlockAllocator, KVCache
 from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
@@ -244,12 +245,17 @@ class LLMEngine:
         if self.device.type != "cuda" or not total:
             return 0
         count = 0
-        with batch_invariant.scope(self.config.batch_invariant), \
-                tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=None) as bar:
-            for graphs in runners:
-                count += graphs.capture_all(self.max_model_len, bar)
-            if context_graphs is not None:
-                count += context_graphs.capture_all(bar)
+        with batch_invariant.scope(self.config.batch_invariant), torch.inference_mode():
+            if cuda_graph.build_ahead:
+                forwards = [f for g in runners for f in g.forwards_to_capture(self.max_model_len)]
+                if context_graphs is not None:
+                    forwards += context_graphs.forwards_to_capture()
+                build_kernels_ahead(forwards, self.device)
+            with tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=None) as bar:
+                for graphs in runners:
+                    count += graphs.capture_all(self.max_model_len, bar)
+                if context_graphs is not None:
+                    count += context_graphs.capture_all(bar)
         logger.info("captured %d CUDA graphs at start-up in %.1fs (--cuda-graph-capture lazy "
                     "skips this)", count, time.perf_counter() - t0)
         return count

@@ -109,6 +109,7 @@ from . import jit as _jit
 from . import pdl
 from .availability import import_triton, interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, jit_functions
+from .precompile import register_state
 
 triton, tl = import_triton()  # (None, None) on a CPU-only install: the module still imports
 HAS_TRITON = triton is not None
@@ -603,7 +604,7 @@ def _router_plan(t: int, e: int, h: int, dtype: torch.dtype, cfg: RouterConfig,
     return (tiles, split), meta
 
 
-_ROUTER_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_ROUTER_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = register_state({})
 
 
 def _router_workspace(device: torch.device, e: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,6 +84,7 @@ from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 from .pdl import launch_options
+from .precompile import register_state
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -480,10 +481,10 @@ def _kernels(interpret: bool):
 
 # ---- split-K workspace ------------------------------------------------------------------------------
 
-_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = register_state({})
 
 
-_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown workspaces graphs may still use
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = register_state([])  # outgrown workspaces graphs may still use
 
 
 def _workspace(device: torch.device, n: int, split_k: int,

@@ -37,6 +37,19 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(0, 60) for _ in range(length)] for length in lengths]
 
 
+def _assert_same_greedy_tokens(reference: LLM, other: LLM, batch_sizes: tuple[int, ...], seed: int,
+                               length: int, step: int) -> None:
+    """``other`` generates ``reference``'s greedy tokens (40 each) for batches of prompts of
+    ``length + step * i`` tokens (past the first key bucket)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    rng = random.Random(seed)
+    for batch_size in batch_sizes:
+        prompts = [[rng.randrange(0, 60) for _ in range(length + step * i)] for i in range(batch_size)]
+        want = [o.token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=params)]
+        got = [o.token_ids for o in other.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+
+
 def test_capture_batch_sizes():
     assert capture_batch_sizes(1) == (1,)
     assert capture_batch_sizes(5) == (1, 2, 4, 5)
@@ -423,7 +436,6 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
     target, draft = pair
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=5,
               max_model_len=400, adaptive_k=adaptive)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     lazy = LLM(target, cuda_graph_capture="lazy", **kw)
     at_start = LLM(target, **kw)
     engine = at_start.engine
@@ -433,12 +445,7 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
     sizes = len(runners[0].batch_sizes)  # 1, 2, 4, 5
     # target (verify), drafter block: every size x the buckets up to 400 + K keys; context: sizes
     assert counts[0] >= sizes * 2 and counts[1] >= sizes * 2 and counts[2] == sizes
-    rng = random.Random(3)
-    for batch_size in (1, 3, 5):
-        prompts = [[rng.randrange(0, 60) for _ in range(230 + 7 * i)] for i in range(batch_size)]
-        want = [o.token_ids for o in lazy.generate(prompt_token_ids=prompts, sampling_params=params)]
-        got = [o.token_ids for o in at_start.generate(prompt_token_ids=prompts, sampling_params=params)]
-        assert got == want, f"batch {batch_size}"
+    _assert_same_greedy_tokens(lazy, at_start, (1, 3, 5), seed=3, length=230, step=7)
     if not adaptive:
         assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
     assert len(lazy.engine.runner.graphs.graphs) < counts[0]
@@ -490,13 +497,7 @@ def test_startup_capture_builds_its_kernels_ahead_on_cuda(pair, monkeypatch):
     monkeypatch.setattr(cuda_graph, "build_ahead", False)
     one_by_one = LLM(target, **kw)
     assert len(submitted) == 1  # the switch turns the pass off
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    rng = random.Random(5)
-    for batch_size in (1, 3, 6):
-        prompts = [[rng.randrange(0, 60) for _ in range(250 + 9 * i)] for i in range(batch_size)]
-        want = [o.token_ids for o in one_by_one.generate(prompt_token_ids=prompts, sampling_params=params)]
-        got = [o.token_ids for o in ahead.generate(prompt_token_ids=prompts, sampling_params=params)]
-        assert got == want, f"batch {batch_size}"
+    _assert_same_greedy_tokens(one_by_one, ahead, (1, 3, 6), seed=5, length=250, step=9)
 
 
 @needs_cuda

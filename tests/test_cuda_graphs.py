@@ -126,14 +126,19 @@ def test_capture_all_covers_every_size_and_bucket_of_each_kind(monkeypatch):
     runner.host_rows[:, 1] = 4  # a real forward's rows left behind: rewritten, not trusted
     runner.host_rows[:, 2:] = 7
     assert len(runner.missing_keys(1024)) == 28
-    bar = types.SimpleNamespace(n=0)
-    bar.update = lambda k: setattr(bar, "n", bar.n + k)
-    assert runner.capture_all(1024, bar) == len(captured) == bar.n == 28
     sizes = runner.batch_sizes
     assert sizes == (1, 2, 4, 5)
     # a 4-token verify may reach 1027 keys: the 2048 bucket too; a 1-token forward 1024
     want = {(r, 4, n, True, (1, 3), store) for r in sizes for n in (256, 512, 1024, 2048)}
     want |= {(r, 1, n, True, (1, 3), None) for r in sizes for n in (256, 512, 1024)}
+    ran = []  # the forwards the kernels are built ahead from: the same keys
+    monkeypatch.setattr(runner, "_run_model", lambda *args: ran.append(args))
+    for forward in runner.forwards_to_capture(1024):
+        forward()
+    assert len(ran) == 28 and set(ran) == want
+    bar = types.SimpleNamespace(n=0)
+    bar.update = lambda k: setattr(bar, "n", bar.n + k)
+    assert runner.capture_all(1024, bar) == len(captured) == bar.n == 28
     assert set(captured) == want
     assert runner.capture_all(1024) == 0 and runner.missing_keys(1024) == []
 
@@ -159,8 +164,19 @@ def test_context_capture_all_covers_every_size(monkeypatch):
     monkeypatch.setattr(runner, "_capture", fake_capture)
     monkeypatch.setattr(runner, "device", types.SimpleNamespace(type="cuda"))
     assert runner.missing_sizes() == [1, 2, 4, 8, 9]
+    rows = []
+    monkeypatch.setattr(runner, "_run_model", rows.append)
+    for forward in runner.forwards_to_capture():
+        forward()
+    assert rows == [4, 8, 16, 32, 36]  # padded requests x 4 rows each
     assert runner.capture_all() == 5 and seen == [1, 2, 4, 8, 9]
-    assert runner.capture_all() == 0 and runner.missing_sizes() == []
+    assert runner.capture_all() == 0 and runner.missing_sizes() == [] and runner.forwards_to_capture() == []
+
+
+def test_no_kernels_built_ahead_off_cuda():
+    from laguna_dflash.engine.cuda_graph import build_kernels_ahead
+
+    assert build_kernels_ahead([lambda: pytest.fail("recorded on the CPU")], torch.device("cpu")) == 0
 
 
 def test_cuda_graph_capture_setting_is_checked():

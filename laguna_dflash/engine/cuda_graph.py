@@ -122,8 +122,7 @@ def build_kernels_ahead(forwards: list[Callable[[], object]], device: torch.devi
         except Exception as e:  # noqa: BLE001 - only a speed-up: the captures still build
             logger.warning("building kernels ahead stopped after %d of %d forwards (the captures "
                            "build the rest one at a time): %s", len(recorded), len(forwards), e)
-    recorded.clear()  # the throwaway graphs, then their pool's memory
-    torch.cuda.empty_cache()
+    recorded.clear()  # the throwaway graphs (the next capture's empty_cache frees their pool)
     logger.info("built %d Triton kernel variants for %d forwards ahead of their capture in %.1fs "
                 "(%d threads)", builds.num_submitted, len(forwards), time.perf_counter() - t0,
                 builds.num_threads)

@@ -18,6 +18,7 @@ they are whatever the machine has.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import sys
@@ -102,8 +103,12 @@ class StartupPhases:
     (``compile_seconds[phase] = (triton, torch.compile)``)."""
 
     def __init__(self, compiles: CompileLog | None = None) -> None:
-        self.seconds = {"warm-up": 0.0, "capture": 0.0, "build ahead": 0.0}  # capture includes the last
+        # capture includes "build ahead"; "first use" (the builds of captures made on first use:
+        # the warm-up's batch-1 graphs, lazy capture) is inside the phase or step it ran in
+        self.seconds = {"warm-up": 0.0, "capture": 0.0, "build ahead": 0.0, "first use": 0.0}
         self.num_built_ahead = 0
+        self.num_built_first_use = 0  # variants, over the whole run
+        self.num_first_use = 0  # captures made on first use that built ahead
         self.compile_seconds = {"warm-up": (0.0, 0.0), "capture": (0.0, 0.0)}
         self._compiles = compiles
 
@@ -146,24 +151,39 @@ class StartupPhases:
 
             module = sys.modules[engine_cls.__module__]
             build = getattr(module, "build_kernels_ahead", None)
+            graphs_module = importlib.import_module("laguna_dflash.engine.cuda_graph")
+            first_use_build = graphs_module.build_kernels_ahead
+
+            def build_first_use(*args, **kwargs):  # a capture on first use (capture_graph)
+                t = time.perf_counter()
+                try:
+                    built = first_use_build(*args, **kwargs)
+                    phases.num_built_first_use += built
+                    phases.num_first_use += 1
+                    return built
+                finally:
+                    phases.seconds["first use"] += time.perf_counter() - t
 
             def build_kernels_ahead(*args, **kwargs):  # inside the capture phase
                 t = time.perf_counter()
                 try:
-                    phases.num_built_ahead += build(*args, **kwargs)
-                    return phases.num_built_ahead
+                    built = build(*args, **kwargs)
+                    phases.num_built_ahead += built
+                    return built
                 finally:
                     phases.seconds["build ahead"] += time.perf_counter() - t
 
             engine_cls.warmup, engine_cls.capture_all_graphs = warmup, capture_all_graphs
             if build is not None:
                 module.build_kernels_ahead = build_kernels_ahead
+            graphs_module.build_kernels_ahead = build_first_use
             try:
                 yield phases
             finally:
                 engine_cls.warmup, engine_cls.capture_all_graphs = saved
                 if build is not None:
                     module.build_kernels_ahead = build
+                graphs_module.build_kernels_ahead = first_use_build
 
         return patched()
 
@@ -311,7 +331,9 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     warm, capture = phases.seconds["warm-up"], phases.seconds["capture"]
     print(f"start-up phases: load {startup_s - warm - capture:.1f} s, warm-up {warm:.1f} s, "
           f"start-up capture {capture:.1f} s (of which {phases.num_built_ahead} kernel variants "
-          f"built ahead in {phases.seconds['build ahead']:.1f} s); Triton compiles {sum(startup_builds.values())} "
+          f"built ahead in {phases.seconds['build ahead']:.1f} s); {phases.num_first_use} captures on first "
+          f"use built {phases.num_built_first_use} variants ahead in {phases.seconds['first use']:.1f} s; "
+          f"Triton compiles {sum(startup_builds.values())} "
           f"taking {sum(startup_build_s.values()):.1f} s (summed; they overlap when built in parallel)")
     print("compile seconds inside each phase (Triton, torch.compile): " + ", ".join(
         f"{name} {tri:.1f} / {tc:.1f}" for name, (tri, tc) in phases.compile_seconds.items())
@@ -325,7 +347,7 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
           "median later step ms | graphs captured | Triton builds | torch.compile frames |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, label, wall, first, longest, median, captured, builds, frames, _ in rows:
-        print(f"| {name} | {label} | {wall:.2f} | {first * 1e3:.1f} | {longest * 1e3:.1f} | "
+        print(f"| {name} | {label} | {wall:.3f} | {first * 1e3:.1f} | {longest * 1e3:.1f} | "
               f"{median * 1e3:.2f} | {captured} | {builds} | {frames} |")
     for name, label, *_, kernels in rows:
         if kernels:

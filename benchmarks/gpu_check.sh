@@ -370,6 +370,17 @@ case "$stage" in
         --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 $flags 2>&1 | quiet \
         | grep -E "start-up|compile|ahead|Error|error|^\| (1|64)x" | tail -9
     done ;;
+  lazy-ahead)
+    echo "== lazy capture, empty kernel caches, each run its own process: kernels built when first"
+    echo "== launched (--no-build-ahead), then each first-use capture's built ahead in parallel (the default)"
+    for flags in "--no-build-ahead" ""; do
+      echo "-- ${flags:-defaults}"
+      timeout 200 python benchmarks/bench_first_request.py --cold --option cuda_graph_capture=lazy \
+        --scenarios 1x1000x32,4x1000x32,16x300x32,8x50x32 $flags 2>&1 | quiet \
+        | grep -E "start-up|compile|Error|error|^\| [0-9]+x" | tail -14
+    done
+    echo "== a first-use capture builds its forward's kernels ahead (CUDA test)"
+    gpu_tests 170 -p no:logging tests/test_cuda_graphs.py -k "first_use_captures" ;;
   startup-invariant)
     echo "== a first request after start-up, XS-2.1 size, batch-invariant (empty kernel caches)"
     timeout 400 python benchmarks/bench_first_request.py --cold --batch-invariant \

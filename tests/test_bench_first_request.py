@@ -162,3 +162,31 @@ def test_compile_log_counts_and_times_compiles_by_kernel() -> None:
         assert not log.builds and not log.seconds
     finally:
         triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = saved
+
+
+def test_startup_phases_count_the_first_use_builds(monkeypatch) -> None:
+    """Builds ahead of a capture made on first use (``cuda_graph.capture_graph`` during the
+    warm-up) are counted apart from start-up's pass, and the module is restored."""
+    import time
+
+    from laguna_dflash.engine import cuda_graph
+
+    def build_kernels_ahead(forwards, device):
+        time.sleep(0.02)
+        return 4 * len(forwards)
+
+    monkeypatch.setattr(cuda_graph, "build_kernels_ahead", build_kernels_ahead)
+
+    class Engine:
+        def warmup(self):
+            for _ in range(3):  # three batch-1 graphs captured on first use
+                cuda_graph.build_kernels_ahead([object()], "cuda")
+
+        def capture_all_graphs(self):
+            return 0
+
+    with bench_first_request.StartupPhases().wrap(Engine) as phases:
+        Engine().warmup()
+    assert cuda_graph.build_kernels_ahead is build_kernels_ahead
+    assert (phases.num_first_use, phases.num_built_first_use, phases.num_built_ahead) == (3, 12, 0)
+    assert 0.06 <= phases.seconds["first use"] < 0.5

@@ -113,7 +113,8 @@ def test_capture_all_covers_every_size_and_bucket_of_each_kind(monkeypatch):
     runner.kinds = {(4, True, (1, 3), True): store, (1, True, (1, 3), False): None}
     captured = []
 
-    def fake_capture(r, q, num_keys, is_causal, taps, context_store):
+    def fake_capture(r, q, num_keys, is_causal, taps, context_store, build_first=True):
+        assert not build_first  # start-up's pass built the kernels already
         captured.append((r, q, num_keys, is_causal, taps, context_store))
         assert torch.is_inference_mode_enabled()
         state = runner.state[:r]
@@ -154,7 +155,8 @@ def test_context_capture_all_covers_every_size(monkeypatch):
                                 rows_per_request=4, feature_dim=8, dtype=torch.float32)
     seen = []
 
-    def fake_capture(r):
+    def fake_capture(r, build_first=True):
+        assert not build_first  # start-up's pass built the kernels already
         assert torch.is_inference_mode_enabled()
         assert (runner.index[0] == 0).all() and (runner.index[1] == kv.scratch_slot).all()
         seen.append(r)
@@ -514,6 +516,65 @@ def test_startup_capture_builds_its_kernels_ahead_on_cuda(pair, monkeypatch):
     one_by_one = LLM(target, **kw)
     assert len(submitted) == 1  # the switch turns the pass off
     _assert_same_greedy_tokens(one_by_one, ahead, (1, 3, 6), seed=5, length=250, step=9)
+
+
+@needs_cuda
+def test_first_use_captures_build_their_kernels_ahead_on_cuda(pair, monkeypatch):
+    """A capture made on first use (lazy capture; the warm-up's batch-1 graphs) first builds the
+    Triton kernels of its one forward in parallel (cuda_graph.build_kernels_ahead): the
+    capture's own runs then build nothing, and the tokens are the eager engine's. Every kernel
+    variant of the process is forgotten first, so each capture has kernels to build."""
+    import contextlib
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from laguna_dflash.engine import cuda_graph
+
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=6,
+              max_model_len=600)
+    eager = LLM(target, enforce_eager=True, **kw)
+    for obj in gc.get_objects():  # in-memory variants only: the on-disk cache makes reloads quick
+        if isinstance(obj, JITFunction):
+            obj.device_caches.clear()
+    calls, misses, state = [], [], {"building": False, "capturing": 0}
+    build, building_graph = cuda_graph.build_kernels_ahead, cuda_graph.building_cuda_graph
+
+    def build_and_count(forwards, device):
+        state["building"] = True
+        try:
+            calls.append((len(forwards), build(forwards, device)))
+        finally:
+            state["building"] = False
+        return calls[-1][1]
+
+    @contextlib.contextmanager
+    def capturing():  # capture_graph's warm-up runs and capture (and the build's recordings)
+        with building_graph():
+            state["capturing"] += 1
+            try:
+                yield
+            finally:
+                state["capturing"] -= 1
+
+    def on_miss(**_):  # Triton calls it when a launch finds no built variant in memory
+        if state["capturing"] and not state["building"]:
+            misses.append(1)
+        return False
+
+    monkeypatch.setattr(cuda_graph, "build_kernels_ahead", build_and_count)
+    monkeypatch.setattr(cuda_graph, "building_cuda_graph", capturing)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", on_miss)
+    lazy = LLM(target, cuda_graph_capture="lazy", **kw)
+    _assert_same_greedy_tokens(eager, lazy, (1, 3, 6), seed=7, length=250, step=9)
+    engine = lazy.engine
+    runners = [engine.runner.graphs, engine.proposer.runner.graphs]
+    num_captured = sum(len(r.graphs) for r in runners) + len(engine.proposer.context_graphs.graphs)
+    assert num_captured >= 6  # batch 1, 3 -> 4 and 6, a verify and a drafter block each, ...
+    assert [n for n, _ in calls] == [1] * num_captured, "one build of one forward per capture"
+    assert sum(built for _, built in calls) > 0 and not misses, f"{len(misses)} builds in captures"
 
 
 @needs_cuda

@@ -102,12 +102,14 @@ class ContextGraphRunner:
             return
         graph.replay()
 
-    def _capture(self, r_pad: int) -> torch.cuda.CUDAGraph | None:
-        """Capture the graph of ``r_pad`` requests (runs it twice eagerly first); ``None`` and
-        the eager path from then on if capturing fails."""
+    def _capture(self, r_pad: int, build_first: bool = True) -> torch.cuda.CUDAGraph | None:
+        """Capture the graph of ``r_pad`` requests (runs it twice eagerly first; ``build_first``:
+        its Triton kernels built in parallel before, as ``capture_graph``); ``None`` and the
+        eager path from then on if capturing fails."""
         m = self.rows_per_request
         try:
-            graph, _, self.pool = capture_graph(lambda: self._run_model(r_pad * m), self.device, self.pool)
+            graph, _, self.pool = capture_graph(lambda: self._run_model(r_pad * m), self.device,
+                                                self.pool, build_first)
         except Exception as e:  # noqa: BLE001 - the drafter's context only: keep serving eagerly
             self.is_broken = True
             logger.warning("capturing the drafter-context CUDA graph failed, precomputing the "
@@ -141,7 +143,7 @@ class ContextGraphRunner:
         self.index.copy_(self.host_index)
         count = 0
         for r in self.missing_sizes():
-            count += self._capture(r) is not None
+            count += self._capture(r, build_first=False) is not None  # built ahead already
             if progress is not None:
                 progress.update(1)
         return count

@@ -15,8 +15,9 @@ position, visible length, block table, token ids), filled in a reused pinned hos
 shipped with ONE copy; the attention metadata (positions, slot mapping, key slots, query index)
 is recomputed from it *inside* the graph, so a replay needs no device-to-host read. Its columns
 are strided views: kernels must honour their strides (or get contiguous copies). Graphs are captured
-lazily, the first time a key is seen, after two eager warm-up runs on a side stream (Triton
-compiles there); all graphs share one memory pool. Outputs are copied out of the graph's static
+at start-up (``capture_all``, after one parallel build of their Triton kernels) or the first time
+a key is seen (its kernels built in parallel first), after two eager warm-up runs on a side
+stream; all graphs share one memory pool. Outputs are copied out of the graph's static
 tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary).
 The verify forward of a DFlash step captures the drafter's context K/V store of its taps after
 the target's layers (``ModelRunner.forward(store_context=True)``); the context K/V of the taps
@@ -54,7 +55,9 @@ MIN_KEY_BUCKET = 256
 # re-captured: ``CUDAGraphRunner.reset``).
 use_metadata_kernel = True
 # Start-up capture first builds the Triton kernels of every graph it will capture, in parallel
-# (build_kernels_ahead); False: each is built when a capture first launches it (an A/B switch).
+# (build_kernels_ahead), and so does each capture a step makes on first use (lazy capture, the
+# warm-up's batch-1 graphs) for its one forward; False: each kernel is built when a capture
+# first launches it (an A/B switch).
 build_ahead = True
 
 
@@ -65,11 +68,17 @@ def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(set(sizes + [max_num_seqs])))
 
 
-def capture_graph(fn: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T, object]:
+def capture_graph(fn: Callable[[], T], device: torch.device, pool,
+                  build_first: bool = False) -> tuple[torch.cuda.CUDAGraph, T, object]:
     """Capture ``fn`` in a CUDA graph in memory pool ``pool`` (``None``: a new one) after two
     eager warm-up runs on a side stream (Triton and torch.compile build there, cuBLAS picks its
     kernels). Returns (graph, ``fn``'s static outputs, the pool to share with later captures).
-    The warm-ups compute what the replay will, so their writes (K/V) must be idempotent."""
+    The warm-ups compute what the replay will, so their writes (K/V) must be idempotent.
+    ``build_first`` (a capture on first use, not after start-up's pass): with
+    :data:`build_ahead`, first build the Triton kernels ``fn`` launches in parallel
+    (:func:`build_kernels_ahead`), not one after another inside the warm-up runs."""
+    if build_first and build_ahead:
+        build_kernels_ahead([fn], device)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with building_cuda_graph():  # graph-only kernel choices (models.layers.linear)
@@ -123,9 +132,11 @@ def build_kernels_ahead(forwards: list[Callable[[], object]], device: torch.devi
             logger.warning("building kernels ahead stopped after %d of %d forwards (the captures "
                            "build the rest one at a time): %s", len(recorded), len(forwards), e)
     recorded.clear()  # the throwaway graphs (the next capture's empty_cache frees their pool)
-    logger.info("built %d Triton kernel variants for %d forwards ahead of their capture in %.1fs "
-                "(%d threads)", builds.num_submitted, len(forwards), time.perf_counter() - t0,
-                builds.num_threads)
+    # a first-use capture whose kernels are all built already logs nothing at INFO
+    logger.log(logging.INFO if builds.num_submitted else logging.DEBUG,
+               "built %d Triton kernel variants for %d forwards ahead of their capture in %.1fs "
+               "(%d threads)", builds.num_submitted, len(forwards), time.perf_counter() - t0,
+               builds.num_threads)
     return builds.num_submitted
 
 
@@ -228,7 +239,7 @@ class CUDAGraphRunner:
                 rows[:, 2 : self.ids_offset] = self.scratch_block
                 self.state.copy_(self.host_state)
             self.graphs[(r, q, num_keys, is_causal, taps, store is not None)] = self._capture(
-                r, q, num_keys, is_causal, taps, store)
+                r, q, num_keys, is_causal, taps, store, build_first=False)  # built ahead already
             if progress is not None:
                 progress.update(1)
         return len(todo)
@@ -280,10 +291,10 @@ class CUDAGraphRunner:
         return hidden, taps
 
     def _capture(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
-                 context_store: ContextStore | None) -> _Captured:
+                 context_store: ContextStore | None, build_first: bool = True) -> _Captured:
         graph, (hidden, taps), self.pool = capture_graph(
             lambda: self._run_model(r, q, num_keys, is_causal, tap_layer_ids, context_store),
-            self.device, self.pool)
+            self.device, self.pool, build_first)
         logger.info("captured a CUDA graph: %d requests x %d tokens, %d keys%s", r, q, num_keys,
                     ", with the drafter's context store" if context_store is not None else "")
         return _Captured(graph, hidden, taps)

@@ -8,6 +8,7 @@ requests) are checked everywhere. CUDA tests capture and replay real graphs and 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -35,6 +36,18 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [1, 3, 9, 17, 26, 5, 33, 12][:n]
     return [[rng.randrange(0, 60) for _ in range(length)] for length in lengths]
+
+
+class _WarningList(logging.Handler):
+    """Collects the WARNING (and worse) messages it handles (tests run with ``-p no:logging`` on
+    the GPU, so without ``caplog``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _assert_same_greedy_tokens(reference: LLM, other: LLM, batch_sizes: tuple[int, ...], seed: int,
@@ -567,8 +580,14 @@ def test_first_use_captures_build_their_kernels_ahead_on_cuda(pair, monkeypatch)
     monkeypatch.setattr(cuda_graph, "build_kernels_ahead", build_and_count)
     monkeypatch.setattr(cuda_graph, "building_cuda_graph", capturing)
     monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", on_miss)
-    lazy = LLM(target, cuda_graph_capture="lazy", **kw)
-    _assert_same_greedy_tokens(eager, lazy, (1, 3, 6), seed=7, length=250, step=9)
+    warnings = _WarningList()  # a recording that stopped; a torch.compile turned off for good
+    logging.getLogger("laguna_dflash").addHandler(warnings)
+    try:
+        lazy = LLM(target, cuda_graph_capture="lazy", **kw)
+        _assert_same_greedy_tokens(eager, lazy, (1, 3, 6), seed=7, length=250, step=9)
+    finally:
+        logging.getLogger("laguna_dflash").removeHandler(warnings)
+    assert not warnings.messages, warnings.messages
     engine = lazy.engine
     runners = [engine.runner.graphs, engine.proposer.runner.graphs]
     num_captured = sum(len(r.graphs) for r in runners) + len(engine.proposer.context_graphs.graphs)

@@ -142,3 +142,29 @@ def test_the_kernel_workspaces_are_registered() -> None:
 
 def test_default_threads_are_the_usable_cpus_capped() -> None:
     assert 1 <= precompile.default_num_threads() <= 32
+
+
+def test_fused_chains_take_their_eager_body_inside_the_scope(monkeypatch) -> None:
+    """``torch.compile`` cannot compile inside the CUDA graph recording of a build-only pass, and
+    a failure there would turn a chain's compiled path off for good (models/fusion.py). Inside
+    the scope a fused chain runs its eager body; its next call outside compiles."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.models import fusion
+
+    calls = []
+
+    def fake_compile(fn, **_):
+        calls.append("compile")
+        return lambda *args: calls.append("compiled")
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    chain = fusion.fused(lambda x: calls.append("eager"))
+    x = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor
+    with torch.inference_mode():
+        with precompile.launches_build_only(1):
+            assert precompile.is_build_only()
+            chain(x)
+        assert not precompile.is_build_only()
+        chain(x)
+    assert calls == ["eager", "compile", "compiled"]

@@ -35,6 +35,15 @@ C = TypeVar("C", dict, list)
 
 # the registered first-use caches (module dicts / lists holding device tensors)
 _STATES: list[dict | list] = []
+# open launches_build_only scopes (the scope is process-wide)
+_num_open_scopes = 0
+
+
+def is_build_only() -> bool:
+    """True inside :func:`launches_build_only`: what is launched there does not run, so code
+    that would do one-time work on its first call (``torch.compile``, which cannot compile
+    inside the CUDA graph recording the engine runs there) should take its plain path."""
+    return _num_open_scopes > 0
 
 
 def register_state(cache: C) -> C:
@@ -84,6 +93,7 @@ def launches_build_only(num_threads: int | None = None) -> Iterator[Builds]:
     from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
+    global _num_open_scopes
     builds = Builds(num_threads or default_num_threads())
     saved = [_snapshot(cache) for cache in _STATES]
     launch = JITFunction.run
@@ -91,6 +101,7 @@ def launches_build_only(num_threads: int | None = None) -> Iterator[Builds]:
     def build_only(self, *args, grid, warmup, **kwargs):
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
+    _num_open_scopes += 1
     try:
         with ThreadPoolExecutor(builds.num_threads, thread_name_prefix="triton-build") as pool:
             mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
@@ -100,6 +111,7 @@ def launches_build_only(num_threads: int | None = None) -> Iterator[Builds]:
             builds.num_submitted = len(mode.raw_futures)
             builds.num_failed = sum(f.exception() is not None for f in mode.raw_futures)
     finally:
+        _num_open_scopes -= 1
         JITFunction.run = launch
         for cache, state in zip(_STATES, saved):
             _restore(cache, state)

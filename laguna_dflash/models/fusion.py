@@ -10,7 +10,9 @@ inference, and the eager body everywhere else (CPU, training), which stays the r
 tests compare against.
 
 Compilation happens on the first CUDA call of each variant, i.e. in prefill or in the eager
-warm-up before a CUDA graph is captured, never inside a capture. If compiling fails the error is
+warm-up before a CUDA graph is captured, never inside a capture. The forwards recorded into
+throwaway graphs to build Triton kernels ahead (``kernels.precompile.is_build_only``) take the
+eager body: compiling there would fail inside the recording. If compiling fails the error is
 logged once and the eager body is used from then on. ``enabled = False`` turns fusion off.
 The residual add + RMSNorm chains (:func:`rms_norm`, :func:`add_rms_norm`, :func:`add`) take the
 Triton kernel of kernels/add_rms_norm.py instead where it runs (:data:`use_norm_kernel`).
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import add_rms_norm as norm_kernel
+from ..kernels import precompile
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ def fused(fn: Fn) -> Fn:
     @functools.wraps(fn)
     def wrapper(*args):
         nonlocal compiled, broken
-        if not enabled or broken or not args[0].is_cuda or torch.is_grad_enabled():
+        if (not enabled or broken or not args[0].is_cuda or torch.is_grad_enabled()
+                or precompile.is_build_only()):  # a recording that never runs: compile later
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)

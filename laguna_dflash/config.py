@@ -163,9 +163,16 @@ class EngineConfig:
     # equals target-only token for token in bf16 too (vLLM's VLLM_BATCH_INVARIANT). Slower
     # (docs/PERFORMANCE.md); needs the Triton kernels (a CUDA GPU, sm80+).
     batch_invariant: bool = False
+    # Ranks the target is sharded over (distributed.py: heads, expert widths and vocabulary
+    # split, one all-reduce after each row-parallel projection). > 1 needs one process per rank,
+    # launched like torchrun; on CUDA each rank takes the GPU of its LOCAL_RANK.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (--tensor-parallel-size), got "
+                             f"{self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch_sdpa", "triton"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
                              "use 'auto', 'torch_sdpa' or 'triton'")

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
+from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
@@ -100,16 +101,22 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         info = describe_checkpoint(config.model, config.load_format)
+        # every rank runs this engine on the same requests; the target is sharded, its outputs
+        # (hidden states, taps, logits) are the same bits on every rank, so every decision is too
+        self.tp = init_tensor_parallel(config.tensor_parallel_size, resolve_device(config.device))
+        self.device = resolve_device(config.device)
+        if self.tp.is_parallel and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
         if info.architecture in DRAFT_ARCHITECTURES:
             raise ValueError(
                 f"{config.model} holds a drafter ({info.architecture}); pass it as draft=, and the "
                 "target checkpoint as model="
             )
         self.model_config = info.config
-        self.target = load_model(config.model, self.dtype, self.device, config.load_format)
+        self.target = load_model(config.model, self.dtype, self.device, config.load_format,
+                                 tp=self.tp)
         spec = self.target.spec
         self.max_model_len = min(config.max_model_len or min(spec.max_position_embeddings, 8192),
                                  spec.max_position_embeddings)
@@ -128,14 +135,16 @@ class LLMEngine:
         self.eos_token_ids = spec.eos_token_ids
         self.backend = get_attention_backend(self._attention_backend_name(config))
         blocks_per_seq = -(-max_positions // config.block_size)
-        num_blocks = config.num_kv_blocks or self._default_num_blocks(blocks_per_seq)
+        # the same count on every rank (the scheduler's decisions depend on it)
+        num_blocks = config.num_kv_blocks or self.tp.min_int(
+            self._default_num_blocks(blocks_per_seq), self.device)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"num_kv_blocks={num_blocks} cannot hold one max_model_len={self.max_model_len} "
                 f"sequence ({blocks_per_seq} blocks of {config.block_size}); raise it or lower max_model_len"
             )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads,
+        kv = KVCache(spec.num_layers, num_blocks, config.block_size, self.target.num_local_kv_heads,
                      spec.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.target, kv, self.backend, self.device)
         self.proposer = None
@@ -301,9 +310,12 @@ class LLMEngine:
 
     def _default_num_blocks(self, blocks_per_seq: int) -> int:
         spec = self.target.spec
-        layers = spec.num_layers + (self.drafter.num_cache_layers if self.drafter is not None else 0)
-        per_block = KVCache.bytes_per_block(layers, self.config.block_size, spec.num_kv_heads,
-                                            spec.head_dim, self.dtype)
+        per_block = KVCache.bytes_per_block(spec.num_layers, self.config.block_size,
+                                            self.target.num_local_kv_heads, spec.head_dim, self.dtype)
+        if self.drafter is not None:  # replicated on every rank
+            d = self.drafter
+            per_block += KVCache.bytes_per_block(d.num_cache_layers, self.config.block_size,
+                                                 d.num_kv_heads, d.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.8)
@@ -397,7 +409,9 @@ class LLMEngine:
                 accepted = self._decode(seqs, ahead if isinstance(ahead, ForwardAhead) else None)
             seconds = time.perf_counter() - t0
             if self.adaptive_k is not None:
-                self.adaptive_k.observe(k, len(seqs), accepted, seconds)
+                # rank 0's clock decides for every rank: the policies stay identical, so all
+                # ranks choose the same K and queue the same forwards ahead
+                self.adaptive_k.observe(k, len(seqs), accepted, self.tp.broadcast_object(seconds))
             self.timings.decode_s += seconds
             self.timings.num_decode_steps += 1
         self.timings.num_steps += 1

@@ -13,12 +13,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..distributed import SINGLE, Split, TensorParallel
 from ..kernels import batch_invariant
-from .layers import MLP, Attention, DecoderLayer, ForwardContext, MoE, RMSNorm, run_layers
+from .layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    ForwardContext,
+    MoE,
+    RMSNorm,
+    VocabParallelEmbedding,
+    run_layers,
+)
 from .rope import RopeSpec, RotaryEmbedding
 
-# A destination is a (disk tensor name, view of a parameter to copy into).
-Destination = tuple[str, torch.Tensor]
+# A destination is a (disk tensor name, view of a parameter to copy into) or, for a parameter
+# sharded by tensor parallelism, (name, view, which part of the disk tensor this rank holds).
+Destination = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, Split | None]
 # A group lists alternative on-disk spellings of the same parameters; the loader picks the first
 # option whose first name is present in the checkpoint.
 Group = list[list[Destination]]
@@ -77,21 +88,26 @@ def build_rotaries(layer_ropes: list[RopeSpec]) -> tuple[list[RotaryEmbedding], 
 
 
 class DecoderLM(nn.Module):
-    """Embedding, pre-norm decoder layers, final RMSNorm, (tied or untied) lm_head."""
+    """Embedding, pre-norm decoder layers, final RMSNorm, (tied or untied) lm_head.
 
-    def __init__(self, spec: ModelSpec) -> None:
+    ``tp``: this rank's tensor-parallel shard (distributed.py); the spec keeps the checkpoint's
+    full sizes, the modules hold the rank's part, and the forward's outputs (hidden states,
+    taps, logits) are the full ones on every rank."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.rotaries, by_spec = build_rotaries([layer.rope for layer in spec.layers])
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(self._make_attention(i, layer, by_spec[layer.rope]),
                          self._make_mlp(layer), spec.hidden_size, spec.rms_norm_eps)
             for i, layer in enumerate(spec.layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if not spec.tie_word_embeddings:  # this rank's vocabulary rows (as the embedding's)
+            self.lm_head = nn.Linear(spec.hidden_size, self.embed_tokens.num_embeddings, bias=False)
 
     def _make_attention(self, index: int, layer: LayerSpec, rotary: RotaryEmbedding) -> Attention:
         s = self.spec
@@ -99,26 +115,33 @@ class DecoderLM(nn.Module):
             s.hidden_size, layer.num_heads, s.num_kv_heads, s.head_dim, rotary,
             cache_index=index, sliding_window=layer.sliding_window, gating=layer.gating,
             has_sinks=layer.has_sinks, qkv_bias=s.qkv_bias, o_bias=s.o_bias, eps=s.rms_norm_eps,
+            tp=self.tp,
         )
 
     def _make_mlp(self, layer: LayerSpec) -> nn.Module:
         s = self.spec
         if not layer.is_moe:
-            return MLP(s.hidden_size, s.intermediate_size)
+            return MLP(s.hidden_size, s.intermediate_size, tp=self.tp)
         m = s.moe
         assert m is not None
         return MoE(
             s.hidden_size, m.num_experts, m.top_k, m.moe_intermediate_size,
             m.shared_intermediate_size, routed_scaling_factor=m.routed_scaling_factor,
             logit_softcapping=m.logit_softcapping, score_func=m.score_func,
-            norm_topk_prob=m.norm_topk_prob,
+            norm_topk_prob=m.norm_topk_prob, tp=self.tp,
         )
 
     # ---- runtime -------------------------------------------------------------------------------
 
     @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank's cache holds: ``num_kv_heads / tensor_parallel_size``."""
+        return self.spec.num_kv_heads // self.tp.world_size
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
-        """``[V, H]``: the output projection (the embedding matrix when tied)."""
+        """``[V / world_size, H]``: this rank's rows of the output projection (of the embedding
+        matrix when tied)."""
         return self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def prepare_rope(self, max_positions: int, device: torch.device | str) -> None:
@@ -146,10 +169,11 @@ class DecoderLM(nn.Module):
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` in the weights' dtype (the engine's
         consumers, argmax and the float32 sampling / logprob paths, widen exactly themselves);
-        row ``n``'s independent of ``N`` inside ``batch_invariant.scope``."""
+        row ``n``'s independent of ``N`` inside ``batch_invariant.scope``. With tensor
+        parallelism each rank computes its vocabulary columns and all ranks gather the rest."""
         if batch_invariant.is_active():
-            return batch_invariant.linear(hidden, self.lm_head_weight)
-        return torch.nn.functional.linear(hidden, self.lm_head_weight)
+            return self.tp.all_gather_last(batch_invariant.linear(hidden, self.lm_head_weight))
+        return self.tp.all_gather_last(torch.nn.functional.linear(hidden, self.lm_head_weight))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""
@@ -163,12 +187,13 @@ class DecoderLM(nn.Module):
 
     def checkpoint_groups(self, prefix: str = "model.") -> list[Group]:
         """Where every parameter comes from on disk (HF names; split or fused alternatives)."""
+        rows = self.tp.split(0)
         groups: list[Group] = [
-            [[(f"{prefix}embed_tokens.weight", self.embed_tokens.weight)]],
+            [[(f"{prefix}embed_tokens.weight", self.embed_tokens.weight, rows)]],
             [[(f"{prefix}norm.weight", self.norm.weight)]],
         ]
         if not self.spec.tie_word_embeddings:
-            groups.append([[("lm_head.weight", self.lm_head.weight)]])
+            groups.append([[("lm_head.weight", self.lm_head.weight, rows)]])
         for i, layer in enumerate(self.layers):
             p = f"{prefix}layers.{i}."
             groups += [
@@ -186,42 +211,43 @@ class DecoderLM(nn.Module):
 def attention_groups(attn: Attention, p: str, fused_first: bool = False) -> list[Group]:
     """q/k/v split on disk (HF) or fused ``qkv_proj`` (Poolside drafter), plus o/g/norms/sinks.
 
-    ``fused_first`` makes the fused spelling canonical (what the writer emits).
+    ``fused_first`` makes the fused spelling canonical (what the writer emits). With tensor
+    parallelism a rank reads its heads' rows (of each of Q, K and V in the fused spelling) and
+    its heads' ``o_proj`` columns.
     """
     q, kv = attn.q_size, attn.kv_size
-    w = attn.qkv_proj.weight
-    qkv: Group = [
-        [(p + "q_proj.weight", w[:q]), (p + "k_proj.weight", w[q : q + kv]),
-         (p + "v_proj.weight", w[q + kv :])],
-        [(p + "qkv_proj.weight", w)],
-    ]
-    groups: list[Group] = [qkv[::-1] if fused_first else qkv]
-    if attn.qkv_proj.bias is not None:
-        b = attn.qkv_proj.bias
-        groups.append([
-            [(p + "q_proj.bias", b[:q]), (p + "k_proj.bias", b[q : q + kv]),
-             (p + "v_proj.bias", b[q + kv :])],
-            [(p + "qkv_proj.bias", b)],
-        ])
-    groups.append([[(p + "o_proj.weight", attn.o_proj.weight)]])
+    rows, cols, qkv_rows = attn.tp.split(0), attn.tp.split(1), attn.tp.split(0, (q, kv, kv))
+    qkv: Group = []
+    for name, t in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
+        if t is None:
+            continue
+        spellings = [
+            [(f"{p}q_proj.{name}", t[:q], rows), (f"{p}k_proj.{name}", t[q : q + kv], rows),
+             (f"{p}v_proj.{name}", t[q + kv :], rows)],
+            [(f"{p}qkv_proj.{name}", t, qkv_rows)],
+        ]
+        qkv.append(spellings[::-1] if fused_first else spellings)
+    groups: list[Group] = qkv + [[[(p + "o_proj.weight", attn.o_proj.weight, cols)]]]
     if attn.o_proj.bias is not None:
         groups.append([[(p + "o_proj.bias", attn.o_proj.bias)]])
     if attn.gating is not None:
-        groups.append([[(p + "g_proj.weight", attn.g_proj.weight)]])
+        groups.append([[(p + "g_proj.weight", attn.g_proj.weight, rows)]])
     groups += [[[(p + "q_norm.weight", attn.q_norm.weight)]], [[(p + "k_norm.weight", attn.k_norm.weight)]]]
     if attn.sinks is not None:
-        groups.append([[(p + "sink", attn.sinks)], [(p + "sinks", attn.sinks)]])
+        groups.append([[(p + "sink", attn.sinks, rows)], [(p + "sinks", attn.sinks, rows)]])
     return groups
 
 
 def mlp_groups(mlp: MLP, p: str) -> list[Group]:
-    """Dense SwiGLU: split ``gate_proj``/``up_proj`` or fused ``gate_up_proj``; ``down_proj``."""
+    """Dense SwiGLU: split ``gate_proj``/``up_proj`` or fused ``gate_up_proj``; ``down_proj``
+    (with tensor parallelism: the rank's rows of gate and up, its columns of down)."""
     i = mlp.intermediate_size
     w = mlp.gate_up_proj.weight
+    rows = mlp.tp.split(0)
     return [
-        [[(p + "gate_proj.weight", w[:i]), (p + "up_proj.weight", w[i:])],
-         [(p + "gate_up_proj.weight", w)]],
-        [[(p + "down_proj.weight", mlp.down_proj.weight)]],
+        [[(p + "gate_proj.weight", w[:i], rows), (p + "up_proj.weight", w[i:], rows)],
+         [(p + "gate_up_proj.weight", w, mlp.tp.split(0, (i, i)))]],
+        [[(p + "down_proj.weight", mlp.down_proj.weight, mlp.tp.split(1))]],
     ]
 
 
@@ -230,15 +256,17 @@ def moe_groups(moe: MoE, p: str) -> list[Group]:
     fused names transformers uses in memory (``experts.gate_up_proj [E, 2I, H]``,
     ``gate.e_score_correction_bias``, ``shared_experts``)."""
     im = moe.intermediate_size
+    rows, cols = moe.tp.split(0), moe.tp.split(1)
     per_expert: list[Destination] = []
     for e in range(moe.num_experts):
         gu = moe.experts_gate_up[e]
         per_expert += [
-            (f"{p}experts.{e}.gate_proj.weight", gu[:im]),
-            (f"{p}experts.{e}.up_proj.weight", gu[im:]),
-            (f"{p}experts.{e}.down_proj.weight", moe.experts_down[e]),
+            (f"{p}experts.{e}.gate_proj.weight", gu[:im], rows),
+            (f"{p}experts.{e}.up_proj.weight", gu[im:], rows),
+            (f"{p}experts.{e}.down_proj.weight", moe.experts_down[e], cols),
         ]
-    fused = [(p + "experts.gate_up_proj", moe.experts_gate_up), (p + "experts.down_proj", moe.experts_down)]
+    fused = [(p + "experts.gate_up_proj", moe.experts_gate_up, moe.tp.split(1, (im, im))),
+             (p + "experts.down_proj", moe.experts_down, moe.tp.split(2))]
     groups: list[Group] = [
         [[(p + "gate.weight", moe.gate.weight)]],
         [[(p + "experts.e_score_correction_bias", moe.e_score_correction_bias)],

@@ -352,7 +352,8 @@ class DFlashDraftModel(nn.Module):
     # ---- block forward ---------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_weight)
+        """``input_ids [T]`` -> ``[T, H]`` through the target's (vocabulary-parallel) embedding."""
+        h = self.target.embed_tokens(input_ids)
         if self.spec.input_embedding_scale != 1.0:
             h = h * self.spec.input_embedding_scale
         if self.mask_embedding is not None:
@@ -371,8 +372,9 @@ class DFlashDraftModel(nn.Module):
         return run_layers(self.layers, self.embed(input_ids), ctx, self.norm)[0], None
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype."""
-        return F.linear(hidden, self.lm_head_weight)
+        """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype
+        (each tensor-parallel rank's vocabulary columns, gathered)."""
+        return self.target.tp.all_gather_last(F.linear(hidden, self.lm_head_weight))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""

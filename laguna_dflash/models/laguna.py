@@ -8,6 +8,7 @@ kinds from ``mlp_layer_types`` or ``mlp_only_layers`` / ``decoder_sparse_step``;
 
 from __future__ import annotations
 
+from ..distributed import SINGLE, TensorParallel
 from .config_utils import ConfigReader, eos_ids
 from .decoder import DecoderLM, LayerSpec, ModelSpec, MoESpec
 from .rope import RopeSpec
@@ -158,5 +159,6 @@ class LagunaForCausalLM(DecoderLM):
     """Laguna MoE target with aux hidden-state taps."""
 
     @classmethod
-    def from_config(cls, cfg: dict, shapes: dict | None = None) -> LagunaForCausalLM:
-        return cls(laguna_spec(cfg, shapes))
+    def from_config(cls, cfg: dict, shapes: dict | None = None,
+                    tp: TensorParallel = SINGLE) -> LagunaForCausalLM:
+        return cls(laguna_spec(cfg, shapes), tp)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import SINGLE, TensorParallel
 from ..engine.attention import AttentionBackend, AttentionMetadata
 from ..kernels import (
     batch_invariant,
@@ -84,6 +85,26 @@ class ForwardContext:
     backend: AttentionBackend
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """``nn.Embedding`` over this rank's rows ``[rank * V / world_size, (rank + 1) * V /
+    world_size)`` of the vocabulary; an id outside them contributes zeros, and one all-reduce
+    sums the ranks' rows into the full embedding. One rank: ``nn.Embedding`` itself."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(tp.shard_size(vocab_size, "vocab_size"), hidden_size)
+        self.tp = tp
+        self.vocab_start = tp.rank * self.num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]`` int64 (full-vocabulary ids) -> ``[T, H]``."""
+        if not self.tp.is_parallel:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        is_here = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(torch.where(is_here, local, 0), self.weight)
+        return self.tp.all_reduce(rows * is_here.unsqueeze(-1).to(rows.dtype))
+
+
 class RMSNorm(nn.Module):
     """``w * (x / sqrt(mean(x^2) + eps))``: statistics in fp32, cast back, then the plain weight."""
 
@@ -98,6 +119,11 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """GQA attention with QK-RMSNorm before RoPE, optional softplus output gate and sinks.
+
+    With tensor parallelism (``tp``) a rank holds ``num_heads / world_size`` query heads and
+    ``num_kv_heads / world_size`` KV heads (their Q|K|V|gate rows, gates and sinks: column
+    parallel) and the matching ``o_proj`` columns (row parallel): its output is summed over the
+    ranks by one all-reduce. ``num_heads`` etc. are the rank's counts.
 
     gating: ``None`` (no gate), ``"per-head"`` (``g_proj [nh, H]``, one gate per head broadcast
     over head_dim) or ``"per-element"`` (``g_proj [nh*hd, H]``). The gate reads the same normed
@@ -120,6 +146,7 @@ class Attention(nn.Module):
         o_bias: bool = False,
         eps: float = 1e-6,
         is_causal: bool | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -127,6 +154,9 @@ class Attention(nn.Module):
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
                 f"({num_kv_heads})"
             )
+        self.tp = tp
+        num_heads = tp.shard_size(num_heads, "num_attention_heads")
+        num_kv_heads = tp.shard_size(num_kv_heads, "num_key_value_heads")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -211,8 +241,8 @@ class Attention(nn.Module):
         )
         out = out.reshape(t, self.q_size)
         if staged and staged_gemv.can_use(out, self.o_proj.weight):
-            return staged_gemv.staged_gemv(out, self.o_proj.weight)
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+            return self.tp.all_reduce(staged_gemv.staged_gemv(out, self.o_proj.weight))
+        return row_parallel_linear(out, self.o_proj, self.tp)
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them
@@ -231,19 +261,37 @@ class Attention(nn.Module):
                                     rot.spec.rotary_dim)
 
 
-class MLP(nn.Module):
-    """SwiGLU ``down(silu(gate(x)) * up(x))`` with fused ``gate_up_proj [2I, H]`` (gate rows first)."""
+def row_parallel_linear(x: torch.Tensor, layer: nn.Linear, tp: TensorParallel,
+                        reduce_results: bool = True) -> torch.Tensor:
+    """``x [M, K / world_size] @ layer.weight [N, K / world_size]^T``, summed over the ranks
+    (with ``reduce_results``), plus the bias once -> ``[M, N]``. One rank: :func:`linear`."""
+    if not tp.is_parallel:
+        return linear(x, layer.weight, layer.bias)
+    out = linear(x, layer.weight)
+    if reduce_results:
+        out = tp.all_reduce(out)
+    return out if layer.bias is None else out + layer.bias
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+
+class MLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` with fused ``gate_up_proj [2I, H]`` (gate rows first).
+
+    With tensor parallelism a rank holds ``I / world_size`` of the width (``intermediate_size``
+    is the rank's): gate|up column parallel, down row parallel, summed over the ranks unless
+    ``reduce_results`` is False (the MoE's shared expert: the MoE reduces its whole output)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE, reduce_results: bool = True) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.tp, self.reduce_results = tp, reduce_results
+        self.intermediate_size = intermediate_size = tp.shard_size(intermediate_size, "intermediate_size")
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         h = fusion.silu_mul(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        return linear(h, self.down_proj.weight, self.down_proj.bias)
+        return row_parallel_linear(h, self.down_proj, self.tp, self.reduce_results)
 
 
 class MoE(nn.Module):
@@ -253,6 +301,10 @@ class MoE(nn.Module):
     chosen by ``topk(s + e_score_correction_bias)`` but weighted by the UNBIASED ``s``,
     renormalised over the top-k; ``y = scale * sum_j w_j expert_j(x) + shared(x)`` (shared not
     scaled).
+
+    With tensor parallelism every rank routes (the router is replicated) and holds
+    ``moe_intermediate_size / world_size`` of every expert's width (and of the shared expert's):
+    its ``y`` is a partial sum, reduced over the ranks by one all-reduce.
     """
 
     def __init__(
@@ -267,12 +319,15 @@ class MoE(nn.Module):
         logit_softcapping: float = 0.0,
         score_func: str = "sigmoid",
         norm_topk_prob: bool = True,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if score_func not in ("sigmoid", "sqrtsoftplus"):
             raise ValueError(
                 f"moe_router_score_func={score_func!r} is not supported; use sigmoid or sqrtsoftplus"
             )
+        self.tp = tp
+        moe_intermediate_size = tp.shard_size(moe_intermediate_size, "moe_intermediate_size")
         self.num_experts, self.top_k = num_experts, top_k
         self.intermediate_size = moe_intermediate_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -280,7 +335,8 @@ class MoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size))
         self.shared_expert = (
-            MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size > 0 else None
+            MLP(hidden_size, shared_intermediate_size, tp=tp, reduce_results=False)
+            if shared_intermediate_size > 0 else None
         )
         self.routed_scaling_factor = routed_scaling_factor
         self.logit_softcapping = logit_softcapping
@@ -359,7 +415,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. ``keep_pairs``: the fused path may return its pairs
         ``[T, P, H]`` unsummed (each already weighted; the caller sums them with the residual
-        add, :func:`fusion.add_rms_norm`)."""
+        add, :func:`fusion.add_rms_norm`); never with tensor parallelism, where the rank's sum
+        is all-reduced."""
+        if self.tp.is_parallel:
+            return self.tp.all_reduce(self._forward(x, keep_pairs=False))
+        return self._forward(x, keep_pairs)
+
+    def _forward(self, x: torch.Tensor, keep_pairs: bool) -> torch.Tensor:
         if self._fused_kernels_run(x):
             return self.fused_forward(x, keep_pairs)
         weights, ids = self.route(x)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..distributed import Split
 from .registry import resolve_architecture, supported_architectures
 
 logger = logging.getLogger(__name__)
@@ -105,17 +106,31 @@ def describe_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoi
     return inspect_checkpoint(path)
 
 
-def _select_destinations(groups: list, available: set[str]) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class _Destination:
+    """Where one on-disk tensor goes: a parameter (view) and, if sharded, this rank's part."""
+
+    tensor: torch.Tensor
+    split: Split | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The on-disk shape this destination expects."""
+        local = tuple(self.tensor.shape)
+        return local if self.split is None else self.split.disk_shape(local)
+
+
+def _select_destinations(groups: list, available: set[str]) -> dict[str, _Destination]:
     """Pick one spelling per group (the first whose first name is on disk) -> name: destination."""
-    chosen: dict[str, torch.Tensor] = {}
+    chosen: dict[str, _Destination] = {}
     for options in groups:
         option = next((opt for opt in options if opt[0][0] in available), options[0])
-        for name, dest in option:
-            chosen[name] = dest
+        for name, dest, *split in option:
+            chosen[name] = _Destination(dest, split[0] if split else None)
     return chosen
 
 
-def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, torch.Tensor], ignorable: set[str]) -> None:
+def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, _Destination], ignorable: set[str]) -> None:
     available = set(info.shapes)
     missing = sorted(set(dests) - available)
     if missing:
@@ -158,15 +173,20 @@ def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
 
 
 @torch.no_grad()
-def stream_weights(info: CheckpointInfo, dests: dict[str, torch.Tensor]) -> None:
-    """Copy each on-disk tensor into its destination, one tensor at a time, file by file."""
+def stream_weights(info: CheckpointInfo, dests: dict[str, _Destination]) -> None:
+    """Copy each on-disk tensor (a sharded one: only this rank's part of it) into its
+    destination, one tensor at a time, file by file."""
     by_file: dict[Path, list[str]] = {}
     for name in dests:
         by_file.setdefault(info.files[name], []).append(name)
     for fname, names in by_file.items():
         with safe_open(fname, framework="pt", device="cpu") as f:
             for name in names:
-                dests[name].copy_(f.get_tensor(name))
+                dest = dests[name]
+                if dest.split is None:
+                    dest.tensor.copy_(f.get_tensor(name))
+                else:
+                    dest.tensor.copy_(dest.split.read(f.get_slice(name)))
 
 
 def load_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..distributed import SINGLE, TensorParallel
 from .config_utils import ConfigReader, eos_ids
 from .decoder import DecoderLM, LayerSpec, ModelSpec
 from .rope import RopeSpec
@@ -66,5 +67,6 @@ class Qwen3ForCausalLM(DecoderLM):
     """Qwen3 dense target with aux hidden-state taps."""
 
     @classmethod
-    def from_config(cls, cfg: dict, shapes: dict | None = None) -> Qwen3ForCausalLM:
-        return cls(qwen3_spec(cfg, shapes))
+    def from_config(cls, cfg: dict, shapes: dict | None = None,
+                    tp: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
+        return cls(qwen3_spec(cfg, shapes), tp)

@@ -25,8 +25,11 @@ def save_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
+    if getattr(getattr(model, "tp", None), "is_parallel", False):
+        raise ValueError("save_checkpoint got one tensor-parallel rank's shard of a model; save "
+                         "a model built with tensor_parallel_size=1")
     for options in model.checkpoint_groups():
-        for name, tensor in options[0]:
+        for name, tensor, *_ in options[0]:
             t = tensor.detach().to("cpu")
             if dtype is not None and t.is_floating_point() and not name.endswith("e_score_correction_bias"):
                 t = t.to(dtype)

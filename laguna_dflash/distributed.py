@@ -1,0 +1,171 @@
+"""Tensor parallelism over ``torch.distributed``: which shard a rank holds, and the collectives.
+
+Megatron-style sharding (docs/ARCHITECTURE.md, "Tensor parallelism"): Q|K|V|gate, gate|up and
+the experts' gate|up are column-parallel (each rank holds ``1 / world_size`` of the heads or of
+the intermediate width), ``o_proj`` and every ``down`` are row-parallel and followed by one
+all-reduce, the embedding and the lm_head hold ``1 / world_size`` of the vocabulary (the
+embedding's rows summed by an all-reduce, the logits gathered). Norms, the MoE router and the
+DFlash drafter's own layers are replicated. After each all-reduce every rank holds the same bits,
+so each rank's scheduler, sampler and acceptance make the same decisions from the same inputs;
+the engine broadcasts what only rank 0 knows (:meth:`TensorParallel.broadcast_object`).
+
+Ranks are processes launched like torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``): NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's part of an on-disk tensor.
+
+    Along ``dim`` the disk tensor is the concatenation of ``len(segments)`` parts (e.g. Q|K|V
+    rows, gate|up rows) whose local sizes are ``segments`` (one part of the whole ``dim`` when
+    empty); each part is split into ``world_size`` equal chunks and the rank holds chunk
+    ``rank`` of every part, concatenated in order.
+    """
+
+    dim: int
+    rank: int
+    world_size: int
+    segments: tuple[int, ...] = ()
+
+    def disk_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The full on-disk shape whose shard has ``local_shape``."""
+        shape = list(local_shape)
+        shape[self.dim] *= self.world_size
+        return tuple(shape)
+
+    def read(self, source: Any) -> torch.Tensor:
+        """This rank's chunk of ``source`` (a safetensors slice or a tensor of the disk shape);
+        only the chunk's bytes are read from a safetensors slice."""
+        shape = source.get_shape() if hasattr(source, "get_shape") else source.shape
+        pieces, offset = [], 0
+        for size in self.segments or (shape[self.dim] // self.world_size,):
+            start = offset + self.rank * size
+            index = (slice(None),) * self.dim + (slice(start, start + size),)
+            pieces.append(source[index])
+            offset += size * self.world_size
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of an in-memory full tensor (:meth:`read` of a tensor)."""
+        return self.read(full)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A rank's place in the tensor-parallel group. ``world_size == 1`` (the default,
+    :data:`SINGLE`): every collective is the identity and nothing is sharded."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = field(default=None, compare=False)  # a dist.ProcessGroup when world_size > 1
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the rank that talks to users (logs results, serves HTTP) and whose
+        host-side measurements decide for all (adaptive K)."""
+        return self.rank == 0
+
+    def shard_size(self, size: int, what: str) -> int:
+        """``size / world_size``; a clear error when ``what`` does not divide."""
+        if size % self.world_size:
+            raise ValueError(
+                f"{what}={size} is not divisible by tensor_parallel_size={self.world_size}; pick a "
+                "tensor_parallel_size that divides it (--tensor-parallel-size)")
+        return size // self.world_size
+
+    def split(self, dim: int, segments: tuple[int, ...] = ()) -> Split | None:
+        """The loader's :class:`Split` of a sharded parameter along ``dim`` (None unsharded)."""
+        if not self.is_parallel:
+            return None
+        return Split(dim, self.rank, self.world_size, tuple(segments))
+
+    # ---- collectives (identity on one rank) ----------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks (in place when contiguous); every rank gets the same bits."""
+        if not self.is_parallel:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., n]`` on each rank -> ``[..., world_size * n]``, rank ``r``'s at ``r*n``."""
+        if not self.is_parallel:
+            return x
+        x = x.contiguous()
+        if x.is_cuda:
+            out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            parts = out.unbind(0)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (picklable; a host round trip)."""
+        if not self.is_parallel:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def min_int(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` over the ranks (e.g. KV blocks that fit on every GPU)."""
+        if not self.is_parallel:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+SINGLE = TensorParallel()
+
+
+def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParallel:
+    """Join (or start) the default process group of a torchrun-style launch and return this
+    rank's :class:`TensorParallel`; ``world_size == 1``: :data:`SINGLE`, no process group.
+
+    ``device``: CUDA (NCCL; rank ``r`` takes GPU ``LOCAL_RANK``) or CPU (gloo)."""
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size={world_size}; it must be at least 1")
+    if world_size == 1:
+        return SINGLE
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is None and not dist.is_initialized():
+        raise ValueError(
+            f"tensor_parallel_size={world_size} needs one process per rank: launch with "
+            f"`torchrun --nproc-per-node {world_size} ...` (or set RANK, WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT), or use tensor_parallel_size=1")
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"tensor_parallel_size={world_size} but the launch has {dist.get_world_size()} "
+            f"processes; pass --tensor-parallel-size {dist.get_world_size()} or launch "
+            f"{world_size} processes")
+    rank = dist.get_rank()
+    logger.info("tensor parallel rank %d of %d (%s)", rank, world_size, dist.get_backend())
+    return TensorParallel(rank, world_size, dist.group.WORLD)

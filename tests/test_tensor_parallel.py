@@ -1,0 +1,159 @@
+"""Tensor parallelism (laguna_dflash/distributed.py) on CPU ranks over gloo.
+
+Two processes, launched the way torchrun launches them, each load their shard of checkpoints
+written by transformers' ``save_pretrained`` (and the other on-disk spellings real checkpoints
+use). Checked: the sharded engine's prompt logits against transformers' own models; greedy
+tokens of the sharded engine equal the single-process engine's, with and without DFlash, fixed
+and adaptive K, and DFlash equals target-only on the ranks (lossless); every rank holds the same
+results. Plus the loader's shard arithmetic and the errors a bad launch gets.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from laguna_dflash.distributed import Split, TensorParallel, init_tensor_parallel
+
+BLOCK_SIZE = 4
+NUM_NEW_TOKENS = 24
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 60) for _ in range(length)] for length in (3, 9, 17, 26, 5)[:n]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import dflash_fixtures as df
+    import hf_fixtures as hf
+
+    root = tmp_path_factory.mktemp("tp")
+    sinks = hf.make_laguna_sink_checkpoint(root / "sinks")
+    fused = hf.make_laguna_checkpoint(root / "fused", "xs_mini", seed=3)
+    hf.rewrite_checkpoint_names(fused, "fused")  # experts [E, 2I, H] / [E, H, I] on disk
+    laguna = df.make_tiny_laguna_target(root / "laguna", seed=0)
+    qwen3 = df.make_tiny_qwen3_target(root / "qwen3", seed=0)
+    return {
+        "sinks": sinks,
+        "fused": fused,
+        "tied": hf.make_laguna_checkpoint(root / "tied", "per_element_tied", seed=1),
+        "qwen3_tied": hf.make_qwen3_checkpoint(root / "qwen3_tied", seed=2, variant="tied"),
+        "laguna": laguna,
+        "poolside": df.make_poolside_laguna_drafter(root / "poolside", laguna, seed=0,
+                                                    block_size=BLOCK_SIZE),
+        "qwen3": qwen3,
+        "zlab": df.make_zlab_drafter(root / "zlab", qwen3, seed=0, num_layers=2,
+                                     block_size=BLOCK_SIZE),
+    }
+
+
+LOGIT_CASES = {  # checkpoint -> transformers' sinks flag
+    "sinks": True, "fused": None, "tied": None, "qwen3_tied": None,
+}
+PROMPT = [3, 17, 5, 9, 42, 7, 11, 25, 31, 4]
+
+
+def _generate_jobs(c: dict) -> dict[str, dict]:
+    prompts = _prompts(5, seed=1)
+    job = {"kind": "generate", "prompts": prompts, "max_tokens": NUM_NEW_TOKENS}
+    return {
+        "qwen3 target-only": {**job, "model": str(c["qwen3"])},
+        "qwen3+zlab K=3": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"])},
+        "qwen3+zlab adaptive": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
+                                "options": {"adaptive_k": True}},
+        "laguna target-only": {**job, "model": str(c["laguna"])},
+        "laguna+poolside K=3": {**job, "model": str(c["laguna"]), "draft": str(c["poolside"])},
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints):
+    """Every job on two gloo ranks, in one launch: (logit jobs' names, generate jobs' names,
+    results[rank][job])."""
+    import tp_worker
+
+    logit_jobs = {name: {"kind": "prompt_logits", "model": str(checkpoints[name]), "prompt": PROMPT}
+                  for name in LOGIT_CASES}
+    gen_jobs = _generate_jobs(checkpoints)
+    results = tp_worker.run_ranks(list(logit_jobs.values()) + list(gen_jobs.values()), world_size=2)
+    names = list(logit_jobs) + list(gen_jobs)
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(names)}, gen_jobs
+
+
+@pytest.mark.parametrize("name", list(LOGIT_CASES))
+def test_sharded_prompt_logits_match_transformers(checkpoints, two_ranks, name):
+    import hf_fixtures as hf
+
+    by_name, _ = two_ranks
+    rank0, rank1 = by_name[name]
+    want = hf.hf_prompt_logits(checkpoints[name], PROMPT, sinks=LOGIT_CASES[name])
+    assert rank0.shape == want.shape
+    torch.testing.assert_close(rank0, want, atol=5e-5, rtol=1e-4)
+    assert torch.equal(rank0, rank1), "the ranks' logits differ: an all-reduce/gather is missing"
+
+
+def test_sharded_greedy_tokens_equal_single_process(two_ranks):
+    import tp_worker
+
+    by_name, jobs = two_ranks
+    for name, job in jobs.items():
+        rank0, rank1 = by_name[name]
+        assert rank0 == rank1, f"{name}: the ranks' outputs differ"
+        single = tp_worker.run_job(job, tensor_parallel_size=1)
+        assert rank0[0] == single[0], f"{name}: tensor-parallel tokens differ from one process"
+        assert all(len(t) == NUM_NEW_TOKENS for t in rank0[0])
+
+
+def test_sharded_dflash_is_lossless_and_accepts_drafts(two_ranks):
+    by_name, _ = two_ranks
+    for target, spec_names in (("qwen3", ("qwen3+zlab K=3", "qwen3+zlab adaptive")),
+                               ("laguna", ("laguna+poolside K=3",))):
+        want = by_name[f"{target} target-only"][0][0]
+        for name in spec_names:
+            assert by_name[name][0][0] == want, f"{name} differs from target-only on the ranks"
+    # the distilled drafter's drafts are accepted, so the multi-token accept path ran sharded
+    acceptance = by_name["qwen3+zlab K=3"][0][1]
+    assert sum(acceptance) / len(acceptance) > 1.3, acceptance
+
+
+# ---- no processes ----------------------------------------------------------------------------
+
+
+def test_split_reads_each_segment_chunk():
+    full = torch.arange(24 * 3).view(24, 3)  # rows: Q (12) | K (6) | V (6), two ranks
+    got = [Split(0, r, 2, (6, 3, 3)).read(full) for r in range(2)]
+    assert torch.equal(got[0], torch.cat([full[0:6], full[12:15], full[18:21]]))
+    assert torch.equal(got[1], torch.cat([full[6:12], full[15:18], full[21:24]]))
+    cols = Split(1, 1, 3)
+    assert torch.equal(cols.read(full), full[:, 1:2])
+    assert cols.disk_shape((24, 1)) == (24, 3)
+
+
+def test_split_reads_only_its_part_of_a_safetensors_slice(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    full = torch.randn(4, 10, 6)  # experts [E, 2I, H] with I = 5
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        part = Split(1, 1, 5, (1, 1)).read(f.get_slice("w"))
+    assert torch.equal(part, torch.cat([full[:, 1:2], full[:, 6:7]], dim=1))
+
+
+def test_indivisible_heads_name_the_field_and_the_flag():
+    from laguna_dflash.models.layers import MLP
+
+    with pytest.raises(ValueError, match="intermediate_size=10 is not divisible by tensor_parallel_size=4"):
+        MLP(8, 10, tp=TensorParallel(0, 4))
+
+
+def test_parallel_size_without_a_launch_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        init_tensor_parallel(2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least 1"):
+        init_tensor_parallel(0, torch.device("cpu"))

@@ -1,0 +1,68 @@
+"""Tensor-parallel ranks for the tests (a helper module, not collected by pytest).
+
+:func:`run_ranks` starts ``world_size`` CPU processes (gloo, the env a torchrun launch sets),
+each runs every job of a list through ``LLM(..., tensor_parallel_size=world_size)``, and the
+parent gets every rank's results: a test can check that the ranks agree and compare rank 0's
+results with a single-process run or with transformers.
+
+A job is a dict: ``{"kind": "prompt_logits", "model": DIR, "prompt": [ids]}`` ->
+logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | None,
+"prompts": [[ids]], "max_tokens": N, "options": {...}}`` -> ``(token ids per prompt, mean
+acceptance length per prompt)``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(job: dict, tensor_parallel_size: int):
+    """One job in this process (any world size)."""
+    from laguna_dflash import LLM, SamplingParams
+
+    if job["kind"] == "prompt_logits":
+        llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,
+                  max_model_len=256, num_kv_blocks=32, **job.get("options", {}))
+        return llm.engine.prompt_logits(job["prompt"])
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    llm = LLM(model=job["model"], draft=job.get("draft"), tensor_parallel_size=tensor_parallel_size,
+              max_model_len=256, num_kv_blocks=64, **job.get("options", {}))
+    outs = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
+    return ([o.token_ids for o in outs],
+            [o.metrics.get("mean_acceptance_length", 0.0) for o in outs])
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # a rank that diverges fails the test in seconds instead of waiting out gloo's 30 minutes
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        results = [run_job(job, world_size) for job in jobs]
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(jobs: list[dict], world_size: int = 2) -> list[list]:
+    """Every job on ``world_size`` tensor-parallel CPU ranks -> results[rank][job]."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank_main, args=(world_size, free_port(), jobs, out),
+                           nprocs=world_size, start_method="spawn", join=True)
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

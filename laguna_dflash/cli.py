@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import typing
@@ -74,7 +75,15 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="run the target with batch-invariant kernels: a prompt's greedy tokens are "
                         "the same in any batch and with or without speculation, in bf16 too "
                         "(slower; needs a CUDA GPU; as vLLM's VLLM_BATCH_INVARIANT=1)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
+                   help="shard the target over this many ranks (launch one process per rank: "
+                        "torchrun --nproc-per-node N -m laguna_dflash ...)")
     p.add_argument("--log-level", default="WARNING")
+
+
+def is_rank_zero() -> bool:
+    """This process prints results: the only one, or rank 0 of a torchrun-style launch."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -83,7 +92,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 cuda_graph_capture=args.cuda_graph_capture, load_format=args.load_format,
-                batch_invariant=args.batch_invariant)
+                batch_invariant=args.batch_invariant,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +196,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompts=[prompt], sampling_params=params)[0]
     else:
         out = llm.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0]
+    if not is_rank_zero():  # every rank ran the same generation; rank 0 reports it
+        return 0
     m = llm.get_metrics()
     decode_tps = len(out.token_ids) / m["decode_s"] if m["decode_s"] > 0 else 0.0
     timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
@@ -243,6 +255,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
                        args.num_speculative_tokens, args.adaptive_k, **engine_options(args))
+    if not is_rank_zero():
+        return 0
     if args.plot:
         save_acceptance_plot(result, args.plot)
     print(json.dumps(result.as_dict()) if args.json else format_result(result))

@@ -15,6 +15,7 @@ Ranks are processes launched like torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: Any = field(default=None, compare=False)  # a dist.ProcessGroup when world_size > 1
+    # host-side messages (rank 0's requests and clock): a gloo group, so they never touch a GPU
+    # stream, with a timeout long enough for an idle server's followers
+    control_group: Any = field(default=None, compare=False)
 
     @property
     def is_parallel(self) -> bool:
@@ -122,11 +126,11 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (picklable; a host round trip)."""
+        """Rank 0's ``obj`` on every rank (picklable; host to host over the control group)."""
         if not self.is_parallel:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
 
     def min_int(self, value: int, device: torch.device) -> int:
@@ -139,6 +143,8 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+# How long a follower rank waits for rank 0's next message (a server may idle for days).
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
 
 
 def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParallel:
@@ -167,5 +173,6 @@ def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParalle
             f"processes; pass --tensor-parallel-size {dist.get_world_size()} or launch "
             f"{world_size} processes")
     rank = dist.get_rank()
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     logger.info("tensor parallel rank %d of %d (%s)", rank, world_size, dist.get_backend())
-    return TensorParallel(rank, world_size, dist.group.WORLD)
+    return TensorParallel(rank, world_size, dist.group.WORLD, control)

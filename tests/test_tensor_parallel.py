@@ -67,6 +67,8 @@ def _generate_jobs(c: dict) -> dict[str, dict]:
                                 "options": {"adaptive_k": True}},
         "laguna target-only": {**job, "model": str(c["laguna"])},
         "laguna+poolside K=3": {**job, "model": str(c["laguna"]), "draft": str(c["poolside"])},
+        "qwen3+zlab lead/follow": {**job, "kind": "lead", "model": str(c["qwen3"]),
+                                   "draft": str(c["zlab"])},
     }
 
 
@@ -101,11 +103,28 @@ def test_sharded_greedy_tokens_equal_single_process(two_ranks):
 
     by_name, jobs = two_ranks
     for name, job in jobs.items():
+        if job["kind"] != "generate":
+            continue
         rank0, rank1 = by_name[name]
         assert rank0 == rank1, f"{name}: the ranks' outputs differ"
         single = tp_worker.run_job(job, tensor_parallel_size=1)
         assert rank0[0] == single[0], f"{name}: tensor-parallel tokens differ from one process"
         assert all(len(t) == NUM_NEW_TOKENS for t in rank0[0])
+
+
+def test_followers_replay_the_leaders_adds_aborts_and_steps(two_ranks):
+    """A server's engine calls (requests arriving between steps, one aborted mid-generation)
+    made on rank 0 only; rank 1 follows: both finish the same requests with the same tokens,
+    which equal one process making those calls."""
+    import tp_worker
+
+    by_name, jobs = two_ranks
+    name = "qwen3+zlab lead/follow"
+    leader, follower = by_name[name]
+    assert len(leader) == len(jobs[name]["prompts"]) - 1  # the aborted one is not reported
+    assert follower == leader
+    assert tp_worker.run_job(jobs[name], tensor_parallel_size=1) == leader
+    assert all(len(t) == NUM_NEW_TOKENS for t in leader.values())
 
 
 def test_sharded_dflash_is_lossless_and_accepts_drafts(two_ranks):
@@ -157,3 +176,70 @@ def test_parallel_size_without_a_launch_says_how_to_launch(monkeypatch):
         init_tensor_parallel(2, torch.device("cpu"))
     with pytest.raises(ValueError, match="at least 1"):
         init_tensor_parallel(0, torch.device("cpu"))
+
+
+def test_cli_serve_under_torchrun(checkpoints, tmp_path):
+    """``torchrun --nproc-per-node 2 -m laguna_dflash serve --tensor-parallel-size 2``: rank 0
+    serves over HTTP, rank 1 follows; greedy completions equal one process's, a bad request
+    gets a 400 and the server keeps serving, and SIGINT stops both ranks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import tp_worker
+
+    from laguna_dflash import LLM, SamplingParams
+
+    port = tp_worker.free_port()
+    target, draft = str(checkpoints["qwen3"]), str(checkpoints["zlab"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(tp_worker.free_port()), "-m", "laguna_dflash", "serve",
+           "--model", target, "--draft", draft, "--port", str(port),
+           "--max-model-len", "128", "--num-kv-blocks", "40", "--tensor-parallel-size", "2"]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    prompts = _prompts(3, seed=7)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        got = []
+        for p in prompts:
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": target, "prompt": p, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["token_ids"])
+        bad = httpx.post(url + "/v1/completions", timeout=60,
+                         json={"model": target, "prompt": prompts[0], "max_tokens": -1})
+        assert bad.status_code == 400 and "max_tokens" in bad.text
+        again = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": target, "prompt": prompts[0], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == got[0]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    single = LLM(target, draft=draft, max_model_len=128, num_kv_blocks=40)
+    want = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want, log.read_text()
+    assert proc.returncode is not None

@@ -39,11 +39,37 @@ def run_job(job: dict, tensor_parallel_size: int):
                   max_model_len=256, num_kv_blocks=32, **job.get("options", {}))
         return llm.engine.prompt_logits(job["prompt"])
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    if job["kind"] == "lead":
+        return _lead_or_follow(job, params, tensor_parallel_size)
     llm = LLM(model=job["model"], draft=job.get("draft"), tensor_parallel_size=tensor_parallel_size,
               max_model_len=256, num_kv_blocks=64, **job.get("options", {}))
     outs = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
     return ([o.token_ids for o in outs],
             [o.metrics.get("mean_acceptance_length", 0.0) for o in outs])
+
+
+def _lead_or_follow(job: dict, params, tensor_parallel_size: int):
+    """A server's calls without HTTP: rank 0 leads (adds, steps, aborts request 1 after two
+    steps, adds the last prompt late), the others follow -> token ids by request id."""
+    from laguna_dflash.engine.engine import LLMEngine
+    from laguna_dflash.llm import LLM
+
+    engine: LLMEngine = LLM(model=job["model"], draft=job.get("draft"),
+                            tensor_parallel_size=tensor_parallel_size, max_model_len=256,
+                            num_kv_blocks=64).engine
+    if not engine.tp.is_driver:
+        return {s.request_id: s.output_token_ids for s in engine.follow()}
+    engine.lead()
+    *first, last = job["prompts"]
+    seqs = [engine.add_request(p, params) for p in first]
+    for _ in range(2):
+        engine.step()
+    engine.abort(seqs[1])
+    seqs.append(engine.add_request(last, params))
+    while engine.has_unfinished:
+        engine.step()
+    engine.stop_followers()
+    return {s.request_id: s.output_token_ids for s in seqs if s is not seqs[1]}
 
 
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:

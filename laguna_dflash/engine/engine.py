@@ -176,6 +176,8 @@ class LLMEngine:
         self.timings = EngineTimings()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._ahead: DraftsAhead | ForwardAhead | None = None  # queued by the last step
+        # rank 0 leading follower ranks (:meth:`lead`): the adds, aborts and steps not yet sent
+        self._ops: list[tuple] | None = None
         logger.info(
             "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s, "
             "attention=%s, cuda graphs=%s, batch-invariant=%s", info.architecture, self.dtype,
@@ -346,10 +348,59 @@ class LLMEngine:
         if params.logprobs is not None:
             seq.logprobs = []
         self.scheduler.add(seq)
+        if self._ops is not None:
+            self._ops.append(("add", seq.prompt_token_ids, params, prompt))
         return seq
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+        if self._ops is not None:
+            self._ops.append(("abort", seq.request_id))
+
+    # ---- tensor parallelism: rank 0 leads, the other ranks follow --------------------------------
+    # An offline script runs on every rank and makes the same calls there (torchrun runs it once
+    # per rank). A server takes requests on rank 0 only: it calls lead(), and every other rank
+    # calls follow(), which replays rank 0's adds, aborts and steps in order. Every engine
+    # decision is a function of those calls and of bits that are equal on every rank (logits,
+    # sampled tokens, acceptance; adaptive K observes rank 0's clock), so the followers'
+    # schedulers take the same decisions and join the same collectives.
+
+    def lead(self) -> None:
+        """Rank 0 of a tensor-parallel server: send every later add, abort and step to the
+        ranks in :meth:`follow`."""
+        if self.tp.is_parallel:
+            assert self.tp.is_driver, "only rank 0 leads"
+            self._ops = []
+
+    def stop_followers(self) -> None:
+        """Rank 0: let the ranks in :meth:`follow` return (before this process exits)."""
+        if self._ops is not None:
+            self.tp.broadcast_object(self._ops + [("stop",)])
+            self._ops = None
+
+    def follow(self) -> list[Sequence]:
+        """Ranks > 0 of a tensor-parallel server: apply rank 0's adds, aborts and steps until it
+        calls :meth:`stop_followers` -> the requests that finished here, in order. A step that
+        fails fails on rank 0 too, which then aborts its requests (an abort these ranks
+        replay)."""
+        seqs: dict[int, Sequence] = {}
+        finished: list[Sequence] = []
+        while True:
+            for op in self.tp.broadcast_object(None):
+                if op[0] == "add":
+                    seq = self.add_request(op[1], op[2], prompt=op[3])
+                    seqs[seq.request_id] = seq
+                elif op[0] == "abort":
+                    if op[1] in seqs:
+                        self.abort(seqs.pop(op[1]))
+                elif op[0] == "step":
+                    try:
+                        for s in self.step():
+                            finished.append(seqs.pop(s.request_id))
+                    except StepError:
+                        logger.exception("engine step failed on rank %d", self.tp.rank)
+                elif op[0] == "stop":
+                    return finished
 
     @property
     def has_unfinished(self) -> bool:
@@ -383,6 +434,9 @@ class LLMEngine:
 
         Raises :class:`StepError` (naming the step's requests) if the forward fails.
         """
+        if self._ops is not None:  # the followers run this step with us
+            self.tp.broadcast_object(self._ops + [("step",)])
+            self._ops = []
         batch = self.scheduler.schedule()
         if batch is None:
             return []

@@ -182,6 +182,7 @@ class AsyncEngine:
             if self.engine.device.type == "cuda":  # the current device is per thread
                 torch.cuda.set_device(self.engine.device)
             with torch.inference_mode():  # thread-local, so entered here
+                self.engine.lead()  # tensor parallelism: the other ranks replay this thread's calls
                 self._loop()
         except BaseException as e:
             self.fatal_error = e  # /health answers 503 from now on
@@ -190,6 +191,10 @@ class AsyncEngine:
                 raise
         finally:
             self._fail_all(503, "the server is shutting down")
+            try:
+                self.engine.stop_followers()
+            except Exception:
+                logger.exception("could not stop the follower ranks")
             self._publish_snapshot()
             logger.info("engine loop stopped")
 

@@ -38,8 +38,15 @@ def build_serving(config: ServerConfig, engine: LLMEngine | None = None,
 def serve(config: ServerConfig, watch_interval_s: float = 0.5) -> int:
     """Run the server in the foreground until interrupted (exit code 0), or until the engine
     loop dies (exit code 1): a server that can only answer 503 shuts down, so that a supervisor
-    restarts it instead of probing a zombie (vLLM's API server does the same)."""
-    serving = build_serving(config)
+    restarts it instead of probing a zombie (vLLM's API server does the same).
+
+    With tensor parallelism every rank runs this: rank 0 serves, the others follow its engine
+    (:meth:`LLMEngine.follow`) until it stops."""
+    engine = LLMEngine(config.engine)
+    if not engine.tp.is_driver:
+        engine.follow()
+        return 0
+    serving = build_serving(config, engine)
     server = uvicorn.Server(uvicorn.Config(build_app(serving), host=config.host, port=config.port,
                                            log_level=config.uvicorn_log_level,
                                            timeout_graceful_shutdown=5))

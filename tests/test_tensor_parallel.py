@@ -243,3 +243,21 @@ def test_cli_serve_under_torchrun(checkpoints, tmp_path):
     want = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == want, log.read_text()
     assert proc.returncode is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs (NCCL)")
+def test_sharded_engine_on_two_gpus_with_cuda_graphs(checkpoints):
+    """NCCL ranks, float32, CUDA graphs (the all-reduces and gathers captured in them):
+    the sharded engine's greedy tokens equal one GPU's, with and without DFlash."""
+    import tp_worker
+
+    gpu = {"options": {"device": "cuda"}}
+    jobs = {name: {**job, **gpu} for name, job in _generate_jobs(checkpoints).items()
+            if job["kind"] == "generate" and "adaptive" not in name}
+    results = tp_worker.run_ranks(list(jobs.values()), world_size=2, backend="nccl")
+    for i, (name, job) in enumerate(jobs.items()):
+        assert results[0][i] == results[1][i], f"{name}: the ranks' outputs differ"
+        single = tp_worker.run_job(job, tensor_parallel_size=1)
+        assert results[0][i][0] == single[0], f"{name}: two GPUs differ from one"
+    assert results[0][1][0] == results[0][0][0]  # qwen3+zlab = qwen3 target-only

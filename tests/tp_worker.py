@@ -72,23 +72,37 @@ def _lead_or_follow(job: dict, params, tensor_parallel_size: int):
     return {s.request_id: s.output_token_ids for s in seqs if s is not seqs[1]}
 
 
-def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str,
+               backend: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    # a rank that diverges fails the test in seconds instead of waiting out gloo's 30 minutes
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    # a rank that diverges fails the test in minutes instead of waiting out the default 30
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
     try:
         results = [run_job(job, world_size) for job in jobs]
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(_to_cpu(results), Path(out_dir) / f"rank{rank}.pt")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(jobs: list[dict], world_size: int = 2) -> list[list]:
-    """Every job on ``world_size`` tensor-parallel CPU ranks -> results[rank][job]."""
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def run_ranks(jobs: list[dict], world_size: int = 2, backend: str = "gloo") -> list[list]:
+    """Every job on ``world_size`` tensor-parallel ranks (gloo: CPU; nccl: one GPU a rank, the
+    jobs' ``options`` then say ``device="cuda"``) -> results[rank][job]."""
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world_size, free_port(), jobs, out),
+        mp.start_processes(_rank_main, args=(world_size, free_port(), jobs, out, backend),
                            nprocs=world_size, start_method="spawn", join=True)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

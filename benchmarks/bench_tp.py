@@ -1,0 +1,90 @@
+"""Tensor parallelism at Laguna-XS-2.1 size: decode step and DFlash tokens/s per rank count.
+
+Run once per rank count, the same way users launch the engine (dummy weights, bf16, context
+``--context`` tokens); rank 0 prints one table row per batch size, and ``--json FILE`` appends
+the rows so several launches make one table::
+
+    python benchmarks/bench_tp.py --json rows.jsonl                             # 1 GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --tp 2 --json rows.jsonl  # 2 GPUs
+
+Per batch size: the target-only decode step (ms) and tokens/s, and DFlash tokens/s at a
+simulated acceptance length (``--acceptance``, K = ``--k``; every draft accepted up to it:
+system speed apart from draft quality, as SGLang's SGLANG_SIMULATE_ACC_LEN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_gpu_xs import decode_tokens_per_s, step_time, write_xs_configs
+
+from laguna_dflash import LLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (torchrun ranks)")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--acceptance", type=float, default=4.0)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--hidden", type=int, default=2048, help="other than 2048: CPU wiring check")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", help="append the rows (JSON Lines) to this file")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    rank = int(os.environ.get("RANK", "0"))
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    max_len = args.context + args.new_tokens + 2 * args.k + 16
+    common = dict(dtype=dtype, device=args.device, load_format="dummy", max_model_len=max_len,
+                  max_num_seqs=max(batches), tensor_parallel_size=args.tp,
+                  num_kv_blocks=(max_len + 16) // 16 * (max(batches) + 1),
+                  cuda_graph_capture="lazy")
+    prompt = [(7 * i) % 1000 + 3 for i in range(args.context)]
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir, ddir, _ = write_xs_configs(Path(tmp), args.layers, args.hidden)
+        t0 = time.perf_counter()
+        base = LLM(str(tdir), **common)
+        load_s = time.perf_counter() - t0
+        rows = []
+        for b in batches:
+            step = step_time(base, prompt, args.new_tokens, b)
+            rows.append({"tp": args.tp, "batch": b, "step_ms": step * 1e3,
+                         "target_tok_s": decode_tokens_per_s(base, prompt, args.new_tokens, b)})
+        del base
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        spec = LLM(str(tdir), draft=str(ddir), num_speculative_tokens=args.k,
+                   simulate_acceptance_length=args.acceptance, **common)
+        for row in rows:
+            b = row["batch"]
+            decode_tokens_per_s(spec, prompt, args.new_tokens, b)  # warm: graphs of this size
+            row["dflash_tok_s"] = decode_tokens_per_s(spec, prompt, args.new_tokens, b)
+            row["dflash_x"] = row["dflash_tok_s"] / row["target_tok_s"]
+    if rank != 0:
+        return
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"# {name}, tp={args.tp}, {dtype} XS-2.1 size ({args.layers} layers), context "
+          f"{args.context}, {args.new_tokens} new tokens, DFlash K={args.k} at simulated "
+          f"acceptance {args.acceptance}; load + warm-up {load_s:.1f} s")
+    print("| tp | batch | target-only step ms | target-only tok/s | DFlash tok/s | DFlash x |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tp']} | {r['batch']} | {r['step_ms']:.2f} | {r['target_tok_s']:.1f} | "
+              f"{r['dflash_tok_s']:.1f} | {r['dflash_x']:.2f} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

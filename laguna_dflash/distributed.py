@@ -116,7 +116,7 @@ class TensorParallel:
         if not self.is_parallel:
             return x
         x = x.contiguous()
-        if x.is_cuda:
+        if dist.get_backend(self.group) == "nccl":  # one buffer, capturable in a CUDA graph
             out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
             dist.all_gather_into_tensor(out, x, group=self.group)
             parts = out.unbind(0)

@@ -261,3 +261,19 @@ def test_sharded_engine_on_two_gpus_with_cuda_graphs(checkpoints):
         single = tp_worker.run_job(job, tensor_parallel_size=1)
         assert results[0][i][0] == single[0], f"{name}: two GPUs differ from one"
     assert results[0][1][0] == results[0][0][0]  # qwen3+zlab = qwen3 target-only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sharded_engine_on_one_gpu_over_gloo(checkpoints):
+    """Two gloo ranks sharing one GPU (eager: gloo cannot be captured in a CUDA graph): the
+    CUDA kernels at the sharded shapes give the single-GPU engine's greedy tokens (float32)."""
+    import tp_worker
+
+    gpu = {"options": {"device": "cuda", "enforce_eager": True}}
+    jobs = {name: {**job, **gpu} for name, job in _generate_jobs(checkpoints).items()
+            if job["kind"] == "generate" and "adaptive" not in name}
+    results = tp_worker.run_ranks(list(jobs.values()), world_size=2, backend="gloo")
+    for i, (name, job) in enumerate(jobs.items()):
+        assert results[0][i] == results[1][i], f"{name}: the ranks' outputs differ"
+        single = tp_worker.run_job(job, tensor_parallel_size=1)
+        assert results[0][i][0] == single[0], f"{name}: sharded differs from one process"

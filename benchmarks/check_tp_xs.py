@@ -1,0 +1,94 @@
+"""Tensor parallelism at Laguna-XS-2.1 widths on ONE GPU: two gloo ranks share it (eager), so the
+CUDA kernels run at the sharded shapes (24 / 32 query heads, 4 KV heads, expert width 256, half
+the vocabulary) without a second GPU. Checks them against one process on the same checkpoint:
+
+* prompt logits: the largest absolute difference, relative to the logits' largest magnitude;
+* greedy tokens, target-only and DFlash (K = 3), per dtype; DFlash = target-only on the ranks.
+
+The checkpoint is written here (random weights, ``--layers`` layers of XS-2.1 widths, float32
+safetensors, the real on-disk names) so both runs load the same values::
+
+    python benchmarks/check_tp_xs.py --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_gpu_xs import xs_draft_config, xs_target_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import tp_worker  # noqa: E402
+
+from laguna_dflash.models.laguna import LagunaForCausalLM  # noqa: E402
+from laguna_dflash.models.laguna_dflash import DFlashLaguna  # noqa: E402
+from laguna_dflash.models.random_init import randomize_  # noqa: E402
+from laguna_dflash.models.writer import save_checkpoint  # noqa: E402
+
+
+def write_pair(root: Path, num_layers: int) -> tuple[Path, Path]:
+    tcfg, dcfg = xs_target_config(num_layers), xs_draft_config(num_layers)
+    target = LagunaForCausalLM.from_config(tcfg)
+    randomize_(target, 0)
+    tdir = save_checkpoint(target, root / "target", tcfg)
+    draft = DFlashLaguna.from_config(dcfg, {}, target)
+    randomize_(draft, 1)
+    return tdir, save_checkpoint(draft, root / "draft", dcfg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 100000) for _ in range(n)] for n in (40, 97)]
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        tdir, ddir = write_pair(Path(tmp), args.layers)
+        print(f"# wrote the {args.layers}-layer XS-2.1-width pair in {time.perf_counter() - t0:.1f} s")
+        jobs, names = [], []
+        for dtype in args.dtypes.split(","):
+            opts = {"device": "cuda", "enforce_eager": True, "dtype": dtype}
+            jobs.append({"kind": "prompt_logits", "model": str(tdir), "prompt": prompts[1],
+                         "options": opts})
+            names.append((dtype, "logits"))
+            gen = {"kind": "generate", "model": str(tdir), "prompts": prompts,
+                   "max_tokens": args.new_tokens, "options": opts}
+            jobs += [gen, {**gen, "draft": str(ddir), "options": {**opts}}]
+            names += [(dtype, "target-only"), (dtype, "dflash K=3")]
+        for job in jobs:
+            if job.get("draft"):
+                job["options"]["num_speculative_tokens"] = 3
+        t0 = time.perf_counter()
+        sharded = tp_worker.run_ranks(jobs, world_size=2, backend="gloo")
+        print(f"# two gloo ranks on one GPU: {time.perf_counter() - t0:.1f} s")
+        single = [tp_worker.run_job(job, tensor_parallel_size=1) for job in jobs]
+    print("| dtype | what | ranks equal | tp=2 vs tp=1 | DFlash = target-only (tp=2) |")
+    print("|---|---|---|---|---|")
+    for i, (dtype, what) in enumerate(names):
+        a, b, one = sharded[0][i], sharded[1][i], single[i]
+        if what == "logits":
+            same = torch.equal(a, b)
+            rel = ((a - one).abs().max() / one.abs().max()).item()
+            top = (a.argmax(-1) == one.argmax(-1)).float().mean().item()
+            print(f"| {dtype} | prompt logits | {same} | max |diff| / max |logit| = {rel:.2e}, "
+                  f"argmax equal at {top:.0%} of positions | |")
+            continue
+        equal = sum(x == y for x, y in zip(a[0], one[0]))
+        lossless = ""
+        if what.startswith("dflash"):
+            lossless = str(a[0] == sharded[0][i - 1][0])
+        print(f"| {dtype} | greedy {what} | {a == b} | {equal} of {len(one[0])} sequences equal | "
+              f"{lossless} |")
+
+
+if __name__ == "__main__":
+    main()

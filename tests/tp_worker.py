@@ -33,7 +33,10 @@ def free_port() -> int:
 def run_job(job: dict, tensor_parallel_size: int):
     """One job in this process (any world size)."""
     from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine import engine as engine_module
 
+    if job.get("skip_warmup_prefills"):  # a CUDA engine's warm-up then decodes only
+        engine_module.WARMUP_PREFILL_LENGTHS = ()
     if job["kind"] == "prompt_logits":
         llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,
                   max_model_len=256, num_kv_blocks=32, **job.get("options", {}))

@@ -72,7 +72,7 @@ def main() -> None:
         t0 = time.perf_counter()
         sharded = tp_worker.run_ranks(jobs, world_size=2, backend="gloo")
         print(f"# two gloo ranks on one GPU: {time.perf_counter() - t0:.1f} s", flush=True)
-        single = [tp_worker.run_job(job, tensor_parallel_size=1) for job in jobs]
+        single = [tp_worker.to_cpu(tp_worker.run_job(job, tensor_parallel_size=1)) for job in jobs]
     print("| dtype | what | ranks equal | tp=2 vs tp=1 | DFlash = target-only (tp=2) |")
     print("|---|---|---|---|---|")
     for i, (dtype, what) in enumerate(names):

@@ -86,19 +86,19 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
     try:
         results = [run_job(job, world_size) for job in jobs]
-        torch.save(_to_cpu(results), Path(out_dir) / f"rank{rank}.pt")
+        torch.save(to_cpu(results), Path(out_dir) / f"rank{rank}.pt")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _to_cpu(obj):
+def to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(o) for o in obj)
+        return type(obj)(to_cpu(o) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     return obj
 
 

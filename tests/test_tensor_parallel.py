@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from laguna_dflash.distributed import Split, TensorParallel, init_tensor_parallel
+from laguna_dflash.distributed import SINGLE, Split, TensorParallel, init_tensor_parallel
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 24
@@ -277,3 +277,53 @@ def test_sharded_engine_on_one_gpu_over_gloo(checkpoints):
         assert results[0][i] == results[1][i], f"{name}: the ranks' outputs differ"
         single = tp_worker.run_job(job, tensor_parallel_size=1)
         assert results[0][i][0] == single[0], f"{name}: sharded differs from one process"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_collectives_replay_inside_the_engines_cuda_graphs(checkpoints, monkeypatch):
+    """One GPU, one NCCL rank, but every collective of the sharded path called (a group of one):
+    the all-reduces and vocabulary gathers are recorded into the engine's CUDA graphs (decode,
+    verify, drafter block) and replayed; greedy tokens equal the plain engine's."""
+    import datetime
+
+    import torch.distributed as dist
+    import tp_worker
+
+    from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine import engine as engine_module
+
+    class OneRankCollectives(TensorParallel):
+        @property
+        def is_parallel(self) -> bool:
+            return True
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(tp_worker.free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    try:
+        tp = OneRankCollectives(0, 1, dist.group.WORLD, dist.new_group(backend="gloo"))
+        monkeypatch.setattr(engine_module, "init_tensor_parallel", lambda *_: tp)
+        captured = []
+        real_all_reduce = TensorParallel.all_reduce
+
+        def counting_all_reduce(self, x):
+            captured.append(torch.cuda.is_current_stream_capturing())
+            return real_all_reduce(self, x)
+
+        monkeypatch.setattr(TensorParallel, "all_reduce", counting_all_reduce)
+        params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+        prompts = _prompts(3, seed=5)
+        target, draft = str(checkpoints["qwen3"]), str(checkpoints["zlab"])
+        sharded = LLM(target, draft=draft, device="cuda", max_model_len=256, num_kv_blocks=64,
+                      num_speculative_tokens=3)
+        assert sharded.engine.runner.graphs is not None
+        got = [o.token_ids for o in sharded.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert any(captured), "no all-reduce was recorded into a CUDA graph"
+        del sharded
+        monkeypatch.setattr(engine_module, "init_tensor_parallel", lambda *_: SINGLE)
+        plain = LLM(target, draft=draft, device="cuda", max_model_len=256, num_kv_blocks=64,
+                    num_speculative_tokens=3)
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want
+    finally:
+        dist.destroy_process_group()

@@ -19,6 +19,8 @@ from laguna_dflash.distributed import SINGLE, Split, TensorParallel, init_tensor
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 24
+# CUDA engines of the tests: the graphs of the batch sizes used, captured when first needed
+SMALL_CUDA = {"max_num_seqs": 4, "cuda_graph_capture": "lazy"}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -315,14 +317,14 @@ def test_nccl_collectives_replay_inside_the_engines_cuda_graphs(checkpoints, mon
         prompts = _prompts(3, seed=5)
         target, draft = str(checkpoints["qwen3"]), str(checkpoints["zlab"])
         sharded = LLM(target, draft=draft, device="cuda", max_model_len=256, num_kv_blocks=64,
-                      num_speculative_tokens=3)
+                      num_speculative_tokens=3, **SMALL_CUDA)
         assert sharded.engine.runner.graphs is not None
         got = [o.token_ids for o in sharded.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert any(captured), "no all-reduce was recorded into a CUDA graph"
         del sharded
         monkeypatch.setattr(engine_module, "init_tensor_parallel", lambda *_: SINGLE)
         plain = LLM(target, draft=draft, device="cuda", max_model_len=256, num_kv_blocks=64,
-                    num_speculative_tokens=3)
+                    num_speculative_tokens=3, **SMALL_CUDA)
         want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert got == want
     finally:

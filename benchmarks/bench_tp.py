@@ -22,9 +22,23 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import decode_tokens_per_s, step_time, write_xs_configs
+from bench_gpu_xs import decode_tokens_per_s, step_time, write_xs_configs, xs_target_config
 
 from laguna_dflash import LLM
+
+
+def s21_target_config(num_layers: int = 48) -> dict:
+    """Laguna-S-2.1's ``config.json`` (reference/laguna.md section 2: 117.6 B parameters, 219
+    GiB in bf16, more than one H200 holds), on XS-2.1's schema."""
+    cfg = xs_target_config(num_layers)
+    types = cfg["layer_types"]
+    cfg.update(hidden_size=3072, intermediate_size=12288, num_experts_per_tok=10,
+               moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+               num_attention_heads_per_layer=[48 if t == "full_attention" else 72 for t in types],
+               max_position_embeddings=1048576)
+    cfg["rope_parameters"]["full_attention"].update(
+        factor=128.0, beta_fast=32.0, attention_factor=1.4852030263919618)
+    return cfg
 
 
 def main() -> None:

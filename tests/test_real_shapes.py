@@ -14,6 +14,9 @@ from laguna_dflash.models.laguna_dflash import DFlashLaguna, laguna_draft_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_gpu_xs  # noqa: E402
+import bench_tp  # noqa: E402
+
+from laguna_dflash.distributed import TensorParallel  # noqa: E402
 
 
 def test_xs_21_parameter_counts_match_the_release():
@@ -29,3 +32,40 @@ def test_xs_21_parameter_counts_match_the_release():
     # the benchmark's bandwidth floor counts the published 2,811,614,976 active parameters per
     # token (lm_head included, input embedding excluded); meta parameters are float32 here
     assert bench_gpu_xs.active_bytes(target, context=0) // 4 == 2_811_614_976
+
+
+def _sharded_parameter_counts(cfg: dict, world_size: int) -> list[tuple[tuple, tuple]]:
+    """(rank-0 shape, single-process shape) of every parameter, in order (meta device)."""
+    with torch.device("meta"):
+        one = LagunaForCausalLM.from_config(cfg)
+        sharded = LagunaForCausalLM.from_config(cfg, tp=TensorParallel(0, world_size))
+    pairs = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(sharded.parameters(), one.parameters())]
+    assert len(pairs) == len(list(one.parameters()))
+    return pairs
+
+
+def test_s_21_shards_over_2_4_8_ranks_and_fits_two_h200s():
+    """Laguna-S-2.1 (117,561,977,600 parameters, more than one H200 holds in bf16): at 2, 4 and
+    8 ranks every parameter is either replicated or split evenly, so the ranks together hold
+    the model exactly once plus the replicated ones; at 2 ranks a rank's bf16 weights fit an
+    H200 with room for the KV cache."""
+    cfg = bench_tp.s21_target_config()
+    with torch.device("meta"):
+        assert sum(p.numel() for p in LagunaForCausalLM.from_config(cfg).parameters()) == 117_561_977_600
+    for world in (2, 4, 8):
+        pairs = _sharded_parameter_counts(cfg, world)
+        total = replicated = per_rank = 0
+        for local, full in pairs:
+            n_local, n_full = torch.Size(local).numel(), torch.Size(full).numel()
+            per_rank += n_local
+            if local == full:
+                replicated += n_full
+                total += n_full
+            else:
+                assert n_local * world == n_full, (local, full)
+                total += n_full
+        assert total == 117_561_977_600
+        # replicated: norms, routers (and their biases): small
+        assert replicated < 0.01 * total
+        if world == 2:
+            assert per_rank * 2 / 2**30 < 115, per_rank  # GiB of bf16 weights on one of two H200s

@@ -1,4 +1,4 @@
-"""Tensor parallelism at Laguna-XS-2.1 size: decode step and DFlash tokens/s per rank count.
+"""Tensor parallelism at Laguna-XS-2.1 / S-2.1 size: decode step and DFlash tokens/s per rank count.
 
 Run once per rank count, the same way users launch the engine (dummy weights, bf16, context
 ``--context`` tokens); rank 0 prints one table row per batch size, and ``--json FILE`` appends
@@ -22,7 +22,13 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import decode_tokens_per_s, step_time, write_xs_configs, xs_target_config
+from bench_gpu_xs import (
+    decode_tokens_per_s,
+    step_time,
+    write_xs_configs,
+    xs_draft_config,
+    xs_target_config,
+)
 
 from laguna_dflash import LLM
 
@@ -41,6 +47,30 @@ def s21_target_config(num_layers: int = 48) -> dict:
     return cfg
 
 
+def s21_draft_config(num_target_layers: int = 48) -> dict:
+    """Laguna-S-2.1-DFlash: 6 sliding layers of 72 heads, taps [1, 10, 19, 29, 38, 47]."""
+    cfg = xs_draft_config(num_target_layers)
+    cfg.update(hidden_size=3072, intermediate_size=12288, num_hidden_layers=6,
+               num_attention_heads=72, layer_types=["sliding_attention"] * 6,
+               max_position_embeddings=1048576)
+    cfg["dflash_config"]["target_layer_ids"] = [
+        t for t in (1, 10, 19, 29, 38, 47) if t < num_target_layers] or [0]
+    return cfg
+
+
+def write_configs(directory: Path, model: str, num_layers: int, hidden: int) -> tuple[Path, Path]:
+    """The XS-2.1 (``write_xs_configs``) or S-2.1 pair's ``config.json`` files -> (target, drafter)."""
+    if model == "xs":
+        tdir, ddir, _ = write_xs_configs(directory, num_layers, hidden)
+        return tdir, ddir
+    tdir, ddir = directory / "target", directory / "draft"
+    tdir.mkdir()
+    ddir.mkdir()
+    (tdir / "config.json").write_text(json.dumps(s21_target_config(num_layers)))
+    (ddir / "config.json").write_text(json.dumps(s21_draft_config(num_layers)))
+    return tdir, ddir
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (torchrun ranks)")
@@ -49,11 +79,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--acceptance", type=float, default=4.0)
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--hidden", type=int, default=2048, help="other than 2048: CPU wiring check")
+    ap.add_argument("--model", choices=("xs", "s21"), default="xs",
+                    help="Laguna-XS-2.1 (fits one H200) or Laguna-S-2.1 (needs two or more)")
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's (40 / 48)")
+    ap.add_argument("--hidden", type=int, default=2048, help="XS only, other than 2048: CPU wiring check")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", help="append the rows (JSON Lines) to this file")
     args = ap.parse_args()
+    args.layers = args.layers or (40 if args.model == "xs" else 48)
     batches = [int(b) for b in args.batches.split(",")]
     rank = int(os.environ.get("RANK", "0"))
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -64,7 +97,7 @@ def main() -> None:
                   cuda_graph_capture="lazy")
     prompt = [(7 * i) % 1000 + 3 for i in range(args.context)]
     with tempfile.TemporaryDirectory() as tmp:
-        tdir, ddir, _ = write_xs_configs(Path(tmp), args.layers, args.hidden)
+        tdir, ddir = write_configs(Path(tmp), args.model, args.layers, args.hidden)
         t0 = time.perf_counter()
         base = LLM(str(tdir), **common)
         load_s = time.perf_counter() - t0
@@ -86,7 +119,7 @@ def main() -> None:
     if rank != 0:
         return
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"# {name}, tp={args.tp}, {dtype} XS-2.1 size ({args.layers} layers), context "
+    print(f"# {name}, tp={args.tp}, {dtype} {args.model} size ({args.layers} layers), context "
           f"{args.context}, {args.new_tokens} new tokens, DFlash K={args.k} at simulated "
           f"acceptance {args.acceptance}; load + warm-up {load_s:.1f} s")
     print("| tp | batch | target-only step ms | target-only tok/s | DFlash tok/s | DFlash x |")

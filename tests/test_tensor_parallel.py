@@ -329,3 +329,33 @@ def test_nccl_collectives_replay_inside_the_engines_cuda_graphs(checkpoints, mon
         assert got == want
     finally:
         dist.destroy_process_group()
+
+
+def test_cli_generate_under_torchrun_prints_once(checkpoints):
+    """``torchrun --nproc-per-node 2 -m laguna_dflash generate --tensor-parallel-size 2 --json``:
+    one JSON object (rank 0's), with one process's greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import tp_worker
+
+    from laguna_dflash import LLM, SamplingParams
+
+    target, draft = str(checkpoints["qwen3"]), str(checkpoints["zlab"])
+    prompt = _prompts(1, seed=3)[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(tp_worker.free_port()), "-m", "laguna_dflash", "generate",
+           "--model", target, "--draft", draft, "--prompt-ids", ",".join(map(str, prompt)),
+           "--max-new-tokens", "16", "--ignore-eos", "--json", "--tensor-parallel-size", "2",
+           "--max-model-len", "128"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = LLM(target, draft=draft, max_model_len=128).generate(
+        prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+    assert json.loads(lines[0])["token_ids"] == want

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from serve_process import wait_until_healthy
 
 from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.cli import build_parser
@@ -562,16 +563,7 @@ def test_cli_serve_runs_a_server_with_the_vllm_spelling(stack, tmp_path):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, log, timeout_s=90)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         out = client.completions.create(model=str(stack.target), prompt="def f(x):", max_tokens=12,
                                         temperature=0)

@@ -188,10 +188,10 @@ def test_cli_serve_under_torchrun(checkpoints, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     import httpx
     import tp_worker
+    from serve_process import wait_until_healthy
 
     from laguna_dflash import LLM, SamplingParams
 
@@ -209,16 +209,7 @@ def test_cli_serve_under_torchrun(checkpoints, tmp_path):
     url = f"http://127.0.0.1:{port}"
     prompts = _prompts(3, seed=7)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, log, timeout_s=120)
         got = []
         for p in prompts:
             r = httpx.post(url + "/v1/completions", timeout=60, json={
@@ -247,38 +238,34 @@ def test_cli_serve_under_torchrun(checkpoints, tmp_path):
     assert proc.returncode is not None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs two CUDA GPUs (NCCL)")
-def test_sharded_engine_on_two_gpus_with_cuda_graphs(checkpoints):
-    """NCCL ranks, float32, CUDA graphs (the all-reduces and gathers captured in them):
-    the sharded engine's greedy tokens equal one GPU's, with and without DFlash."""
+def _check_sharded_on_cuda(checkpoints: dict, options: dict, backend: str) -> None:
+    """The generate jobs (fixed K) on two ``backend`` ranks with CUDA ``options``: the ranks
+    agree, equal one process on the GPU, and DFlash equals target-only."""
     import tp_worker
 
-    gpu = {"options": {"device": "cuda"}}
-    jobs = {name: {**job, **gpu} for name, job in _generate_jobs(checkpoints).items()
+    jobs = {name: {**job, "options": {"device": "cuda", **options}}
+            for name, job in _generate_jobs(checkpoints).items()
             if job["kind"] == "generate" and "adaptive" not in name}
-    results = tp_worker.run_ranks(list(jobs.values()), world_size=2, backend="nccl")
+    results = tp_worker.run_ranks(list(jobs.values()), world_size=2, backend=backend)
     for i, (name, job) in enumerate(jobs.items()):
         assert results[0][i] == results[1][i], f"{name}: the ranks' outputs differ"
         single = tp_worker.run_job(job, tensor_parallel_size=1)
-        assert results[0][i][0] == single[0], f"{name}: two GPUs differ from one"
+        assert results[0][i][0] == single[0], f"{name}: sharded differs from one process"
     assert results[0][1][0] == results[0][0][0]  # qwen3+zlab = qwen3 target-only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs (NCCL)")
+def test_sharded_engine_on_two_gpus_with_cuda_graphs(checkpoints):
+    """NCCL ranks, float32, CUDA graphs (the all-reduces and gathers captured in them)."""
+    _check_sharded_on_cuda(checkpoints, SMALL_CUDA, "nccl")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sharded_engine_on_one_gpu_over_gloo(checkpoints):
     """Two gloo ranks sharing one GPU (eager: gloo cannot be captured in a CUDA graph): the
-    CUDA kernels at the sharded shapes give the single-GPU engine's greedy tokens (float32)."""
-    import tp_worker
-
-    gpu = {"options": {"device": "cuda", "enforce_eager": True}}
-    jobs = {name: {**job, **gpu} for name, job in _generate_jobs(checkpoints).items()
-            if job["kind"] == "generate" and "adaptive" not in name}
-    results = tp_worker.run_ranks(list(jobs.values()), world_size=2, backend="gloo")
-    for i, (name, job) in enumerate(jobs.items()):
-        assert results[0][i] == results[1][i], f"{name}: the ranks' outputs differ"
-        single = tp_worker.run_job(job, tensor_parallel_size=1)
-        assert results[0][i][0] == single[0], f"{name}: sharded differs from one process"
+    CUDA kernels at the sharded shapes (float32)."""
+    _check_sharded_on_cuda(checkpoints, {"enforce_eager": True}, "gloo")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,6 +15,7 @@ Ranks are processes launched like torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -143,6 +144,11 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 # How long a follower rank waits for rank 0's next message (a server may idle for days).
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 
@@ -155,6 +161,12 @@ def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParalle
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size={world_size}; it must be at least 1")
     if world_size == 1:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1:  # every process would load the whole model onto the same device
+            raise ValueError(
+                f"this process is one of WORLD_SIZE={launched} launched ranks but "
+                f"tensor_parallel_size=1; pass --tensor-parallel-size {launched} "
+                "(LLM(..., tensor_parallel_size=...)) or launch one process")
         return SINGLE
     env_world = os.environ.get("WORLD_SIZE")
     if env_world is None and not dist.is_initialized():
@@ -167,6 +179,9 @@ def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParalle
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
+        # torn down before the interpreter's own teardown: a process group still alive there
+        # (its gloo / NCCL threads) can abort the exiting process (SIGABRT, seen under torchrun)
+        atexit.register(_destroy_process_group)
     if dist.get_world_size() != world_size:
         raise ValueError(
             f"tensor_parallel_size={world_size} but the launch has {dist.get_world_size()} "

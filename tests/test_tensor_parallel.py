@@ -178,6 +178,9 @@ def test_parallel_size_without_a_launch_says_how_to_launch(monkeypatch):
         init_tensor_parallel(2, torch.device("cpu"))
     with pytest.raises(ValueError, match="at least 1"):
         init_tensor_parallel(0, torch.device("cpu"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 launched ranks but tensor_parallel_size=1"):
+        init_tensor_parallel(1, torch.device("cpu"))
 
 
 def test_cli_serve_under_torchrun(checkpoints, tmp_path):

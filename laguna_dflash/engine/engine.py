@@ -378,6 +378,7 @@ class LLMEngine:
             self.tp.broadcast_object(self._ops + [("stop",)])
             self._ops = None
 
+    @torch.inference_mode()  # as the server's engine thread, whose calls this replays
     def follow(self) -> list[Sequence]:
         """Ranks > 0 of a tensor-parallel server: apply rank 0's adds, aborts and steps until it
         calls :meth:`stop_followers` -> the requests that finished here, in order. A step that

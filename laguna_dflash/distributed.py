@@ -1,6 +1,6 @@
 """Tensor parallelism over ``torch.distributed``: which shard a rank holds, and the collectives.
 
-Megatron-style sharding (docs/ARCHITECTURE.md, "Tensor parallelism"): Q|K|V|gate, gate|up and
+Megatron-style sharding (README.md, "Tensor parallelism"): Q|K|V|gate, gate|up and
 the experts' gate|up are column-parallel (each rank holds ``1 / world_size`` of the heads or of
 the intermediate width), ``o_proj`` and every ``down`` are row-parallel and followed by one
 all-reduce, the embedding and the lm_head hold ``1 / world_size`` of the vocabulary (the
@@ -60,10 +60,6 @@ class Split:
             pieces.append(source[index])
             offset += size * self.world_size
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of an in-memory full tensor (:meth:`read` of a tensor)."""
-        return self.read(full)
 
 
 @dataclass(frozen=True)

@@ -349,3 +349,22 @@ def test_cli_generate_under_torchrun_prints_once(checkpoints):
     want = LLM(target, draft=draft, max_model_len=128).generate(
         prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
     assert json.loads(lines[0])["token_ids"] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batch_invariant_sharded_dflash_equals_target_only_in_bf16(checkpoints):
+    """``--batch-invariant`` on two ranks (gloo on one GPU, eager), bf16: each rank's kernels are
+    batch-invariant and a two-rank all-reduce is one addition (commutative), so greedy DFlash
+    equals target-only token for token, as at one rank."""
+    import tp_worker
+
+    options = {"device": "cuda", "dtype": "bfloat16", "batch_invariant": True,
+               "enforce_eager": True}
+    jobs = _generate_jobs(checkpoints)
+    names = ["qwen3 target-only", "qwen3+zlab K=3", "laguna target-only", "laguna+poolside K=3"]
+    results = tp_worker.run_ranks([{**jobs[n], "options": options} for n in names],
+                                  world_size=2, backend="gloo")
+    assert results[0] == results[1], "the ranks' outputs differ"
+    (qwen3, _), (qwen3_spec, _), (laguna, _), (laguna_spec, _) = results[0]
+    assert qwen3_spec == qwen3
+    assert laguna_spec == laguna

@@ -351,20 +351,48 @@ def test_cli_generate_under_torchrun_prints_once(checkpoints):
     assert json.loads(lines[0])["token_ids"] == want
 
 
+def wide_qwen3_pair(root) -> tuple[str, str]:
+    """A 2-layer Qwen3 target of hidden 1024 (the invariant kernels at realistic tile counts) and
+    an undistilled 1-layer z-lab drafter for it."""
+    import dflash_fixtures as df
+
+    target = df.make_tiny_qwen3_target(root / "qwen3_wide", seed=0, hidden_size=1024,
+                                       intermediate_size=2816, num_attention_heads=16,
+                                       num_key_value_heads=8, head_dim=64, num_hidden_layers=2)
+    draft = df.make_zlab_drafter(root / "zlab_wide", target, seed=0, num_layers=1,
+                                 block_size=BLOCK_SIZE, distill_steps=0)
+    return str(target), str(draft)
+
+
+def invariant_logprob_jobs(target: str, draft: str, batch_invariant: bool) -> list[dict]:
+    """bf16 on two ranks (gloo, one GPU, eager): the first prompt alone and in a batch of five,
+    target-only and with DFlash K = 3, with the chosen tokens' logprobs."""
+    options = {"device": "cuda", "dtype": "bfloat16", "batch_invariant": batch_invariant,
+               "enforce_eager": True}
+    prompts = _prompts(5, seed=1)
+    job = {"kind": "generate", "model": target, "max_tokens": NUM_NEW_TOKENS, "logprobs": 0,
+           "options": options}
+    return [{**job, "prompts": prompts[:1]}, {**job, "prompts": prompts},
+            {**job, "prompts": prompts[:1], "draft": draft},
+            {**job, "prompts": prompts, "draft": draft}]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_batch_invariant_sharded_dflash_equals_target_only_in_bf16(checkpoints):
-    """``--batch-invariant`` on two ranks (gloo on one GPU, eager), bf16: each rank's kernels are
-    batch-invariant and a two-rank all-reduce is one addition (commutative), so greedy DFlash
-    equals target-only token for token, as at one rank."""
+def test_batch_invariant_holds_on_two_ranks_in_bf16(tmp_path):
+    """``--batch-invariant`` runs on two ranks (gloo sharing one GPU, eager, bf16): the ranks
+    agree, the first prompt's logprobs are bitwise the same alone, in a batch of five and
+    verified by DFlash instead of decoded, and greedy DFlash equals target-only. Each rank's
+    kernels are batch-invariant and a two-rank all-reduce is one (commutative) addition, so
+    this must hold. It is a guard of the mode under TP, not a proof that TP needs the mode:
+    on the H200 the same jobs WITHOUT the mode also gave equal logprobs (eager dense GEMMs at
+    these sizes did not change with the row count; the batch dependence the twentieth pass
+    measured came from the graphed kernels, which gloo cannot capture)."""
     import tp_worker
 
-    options = {"device": "cuda", "dtype": "bfloat16", "batch_invariant": True,
-               "enforce_eager": True}
-    jobs = _generate_jobs(checkpoints)
-    names = ["qwen3 target-only", "qwen3+zlab K=3", "laguna target-only", "laguna+poolside K=3"]
-    results = tp_worker.run_ranks([{**jobs[n], "options": options} for n in names],
+    results = tp_worker.run_ranks(invariant_logprob_jobs(*wide_qwen3_pair(tmp_path), True),
                                   world_size=2, backend="gloo")
     assert results[0] == results[1], "the ranks' outputs differ"
-    (qwen3, _), (qwen3_spec, _), (laguna, _), (laguna_spec, _) = results[0]
-    assert qwen3_spec == qwen3
-    assert laguna_spec == laguna
+    alone, batch, spec_alone, spec_batch = results[0]
+    first = [r[2][0] for r in (alone, batch, spec_alone, spec_batch)]  # the first prompt's logprobs
+    assert all(lp == first[0] for lp in first[1:])
+    assert spec_batch[0] == batch[0]

@@ -8,7 +8,8 @@ results with a single-process run or with transformers.
 A job is a dict: ``{"kind": "prompt_logits", "model": DIR, "prompt": [ids]}`` ->
 logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | None,
 "prompts": [[ids]], "max_tokens": N, "options": {...}}`` -> ``(token ids per prompt, mean
-acceptance length per prompt)``.
+acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
+``"logprobs": N``.
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ def run_job(job: dict, tensor_parallel_size: int):
         llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,
                   max_model_len=256, num_kv_blocks=32, **job.get("options", {}))
         return llm.engine.prompt_logits(job["prompt"])
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            logprobs=job.get("logprobs"))
     if job["kind"] == "lead":
         return _lead_or_follow(job, params, tensor_parallel_size)
     llm = LLM(model=job["model"], draft=job.get("draft"), tensor_parallel_size=tensor_parallel_size,
               max_model_len=256, num_kv_blocks=64, **job.get("options", {}))
     outs = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
-    return ([o.token_ids for o in outs],
-            [o.metrics.get("mean_acceptance_length", 0.0) for o in outs])
+    result = ([o.token_ids for o in outs],
+              [o.metrics.get("mean_acceptance_length", 0.0) for o in outs])
+    return result + ([o.logprobs for o in outs],) if job.get("logprobs") is not None else result
 
 
 def _lead_or_follow(job: dict, params, tensor_parallel_size: int):

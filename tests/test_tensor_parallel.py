@@ -44,6 +44,8 @@ def checkpoints(tmp_path_factory):
         "fused": fused,
         "tied": hf.make_laguna_checkpoint(root / "tied", "per_element_tied", seed=1),
         "qwen3_tied": hf.make_qwen3_checkpoint(root / "qwen3_tied", seed=2, variant="tied"),
+        # Q/K/V biases split with the heads, the o_proj bias added once after the all-reduce
+        "qwen3_bias": hf.make_qwen3_checkpoint(root / "qwen3_bias", seed=4, attention_bias=True),
         "laguna": laguna,
         "poolside": df.make_poolside_laguna_drafter(root / "poolside", laguna, seed=0,
                                                     block_size=BLOCK_SIZE),
@@ -54,7 +56,7 @@ def checkpoints(tmp_path_factory):
 
 
 LOGIT_CASES = {  # checkpoint -> transformers' sinks flag
-    "sinks": True, "fused": None, "tied": None, "qwen3_tied": None,
+    "sinks": True, "fused": None, "tied": None, "qwen3_tied": None, "qwen3_bias": None,
 }
 PROMPT = [3, 17, 5, 9, 42, 7, 11, 25, 31, 4]
 
@@ -71,6 +73,8 @@ def _generate_jobs(c: dict) -> dict[str, dict]:
         "laguna+poolside K=3": {**job, "model": str(c["laguna"]), "draft": str(c["poolside"])},
         "qwen3+zlab lead/follow": {**job, "kind": "lead", "model": str(c["qwen3"]),
                                    "draft": str(c["zlab"])},
+        "qwen3+zlab sampled": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
+                               "temperature": 0.8},
     }
 
 
@@ -105,13 +109,24 @@ def test_sharded_greedy_tokens_equal_single_process(two_ranks):
 
     by_name, jobs = two_ranks
     for name, job in jobs.items():
-        if job["kind"] != "generate":
+        if job["kind"] != "generate" or job.get("temperature"):
             continue
         rank0, rank1 = by_name[name]
         assert rank0 == rank1, f"{name}: the ranks' outputs differ"
         single = tp_worker.run_job(job, tensor_parallel_size=1)
         assert rank0[0] == single[0], f"{name}: tensor-parallel tokens differ from one process"
         assert all(len(t) == NUM_NEW_TOKENS for t in rank0[0])
+
+
+def test_sharded_sampling_draws_the_same_tokens_on_every_rank(two_ranks):
+    """Temperature 0.8 with DFlash: every rank's sampler draws from the same gathered logits
+    with the same generator, so the ranks keep emitting the same tokens (else their next
+    forwards would diverge)."""
+    by_name, jobs = two_ranks
+    rank0, rank1 = by_name["qwen3+zlab sampled"]
+    assert rank0 == rank1
+    greedy = by_name["qwen3+zlab K=3"][0][0]
+    assert rank0[0] != greedy, "temperature 0.8 drew the greedy tokens for every prompt"
 
 
 def test_followers_replay_the_leaders_adds_aborts_and_steps(two_ranks):
@@ -228,12 +243,13 @@ def test_cli_serve_under_torchrun(checkpoints, tmp_path):
             "ignore_eos": True, "return_token_ids": True})
         assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == got[0]
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     single = LLM(target, draft=draft, max_model_len=128, num_kv_blocks=40)
     want = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]

@@ -7,7 +7,7 @@ results with a single-process run or with transformers.
 
 A job is a dict: ``{"kind": "prompt_logits", "model": DIR, "prompt": [ids]}`` ->
 logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | None,
-"prompts": [[ids]], "max_tokens": N, "options": {...}}`` -> ``(token ids per prompt, mean
+"prompts": [[ids]], "max_tokens": N, "temperature": T (default 0), "options": {...}}`` -> ``(token ids per prompt, mean
 acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
 ``"logprobs": N``.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import tempfile
 from pathlib import Path
@@ -26,9 +27,18 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below Linux's ephemeral range (32768-60999): a port the kernel handed
+    out and this returned could be handed out again, e.g. to one of gloo's connections, before
+    the caller binds it (seen: a server's port taken that way)."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def run_job(job: dict, tensor_parallel_size: int):
@@ -42,8 +52,8 @@ def run_job(job: dict, tensor_parallel_size: int):
         llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,
                   max_model_len=256, num_kv_blocks=32, **job.get("options", {}))
         return llm.engine.prompt_logits(job["prompt"])
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                            logprobs=job.get("logprobs"))
+    params = SamplingParams(temperature=job.get("temperature", 0.0), max_tokens=job["max_tokens"],
+                            ignore_eos=True, logprobs=job.get("logprobs"))
     if job["kind"] == "lead":
         return _lead_or_follow(job, params, tensor_parallel_size)
     llm = LLM(model=job["model"], draft=job.get("draft"), tensor_parallel_size=tensor_parallel_size,

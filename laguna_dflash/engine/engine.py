@@ -382,8 +382,8 @@ class LLMEngine:
     def follow(self) -> list[Sequence]:
         """Ranks > 0 of a tensor-parallel server: apply rank 0's adds, aborts and steps until it
         calls :meth:`stop_followers` -> the requests that finished here, in order. A step that
-        fails fails on rank 0 too, which then aborts its requests (an abort these ranks
-        replay)."""
+        fails fails on rank 0 too (same inputs, same state), whose server then aborts the
+        requests it fails: aborts these ranks replay."""
         seqs: dict[int, Sequence] = {}
         finished: list[Sequence] = []
         while True:
@@ -398,7 +398,7 @@ class LLMEngine:
                     try:
                         for s in self.step():
                             finished.append(seqs.pop(s.request_id))
-                    except StepError:
+                    except Exception:  # rank 0 fails the same way and sends the aborts
                         logger.exception("engine step failed on rank %d", self.tp.rank)
                 elif op[0] == "stop":
                     return finished

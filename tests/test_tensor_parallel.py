@@ -73,6 +73,9 @@ def _generate_jobs(c: dict) -> dict[str, dict]:
         "laguna+poolside K=3": {**job, "model": str(c["laguna"]), "draft": str(c["poolside"])},
         "qwen3+zlab lead/follow": {**job, "kind": "lead", "model": str(c["qwen3"]),
                                    "draft": str(c["zlab"])},
+        "qwen3+zlab lead/follow, a failed step": {
+            **job, "kind": "lead", "model": str(c["qwen3"]), "draft": str(c["zlab"]),
+            "fail_step": 3},
         "qwen3+zlab sampled": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
                                "temperature": 0.8},
     }
@@ -142,6 +145,20 @@ def test_followers_replay_the_leaders_adds_aborts_and_steps(two_ranks):
     assert follower == leader
     assert tp_worker.run_job(jobs[name], tensor_parallel_size=1) == leader
     assert all(len(t) == NUM_NEW_TOKENS for t in leader.values())
+
+
+def test_followers_survive_a_failed_step(two_ranks):
+    """A step that raises on every rank: rank 0 aborts that step's requests (as the server
+    fails them), the follower replays the aborts, and both serve the request added after."""
+    import tp_worker
+
+    by_name, jobs = two_ranks
+    name = "qwen3+zlab lead/follow, a failed step"
+    leader, follower = by_name[name]
+    assert follower == leader
+    assert leader == tp_worker.run_job(jobs[name], tensor_parallel_size=1)
+    last = max(leader)  # the request added after the failure, served in full
+    assert len(leader) == 1 and len(leader[last]) == NUM_NEW_TOKENS
 
 
 def test_sharded_dflash_is_lossless_and_accepts_drafts(two_ranks):

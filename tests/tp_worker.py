@@ -66,26 +66,49 @@ def run_job(job: dict, tensor_parallel_size: int):
 
 def _lead_or_follow(job: dict, params, tensor_parallel_size: int):
     """A server's calls without HTTP: rank 0 leads (adds, steps, aborts request 1 after two
-    steps, adds the last prompt late), the others follow -> token ids by request id."""
-    from laguna_dflash.engine.engine import LLMEngine
+    steps, adds the last prompt late), the others follow -> token ids by request id.
+
+    ``"fail_step": n``: the n-th step's forward raises on every rank (as a bad batch would);
+    rank 0 then aborts that step's requests, as the server does, and adds the last prompt."""
+    from laguna_dflash.engine.engine import LLMEngine, StepError
     from laguna_dflash.llm import LLM
 
     engine: LLMEngine = LLM(model=job["model"], draft=job.get("draft"),
                             tensor_parallel_size=tensor_parallel_size, max_model_len=256,
                             num_kv_blocks=64).engine
+    if job.get("fail_step"):
+        run, num_runs = engine._run, [0]
+
+        def failing_run(batch):
+            num_runs[0] += 1
+            if num_runs[0] == job["fail_step"]:
+                raise RuntimeError("injected step failure")
+            return run(batch)
+
+        engine._run = failing_run
     if not engine.tp.is_driver:
         return {s.request_id: s.output_token_ids for s in engine.follow()}
     engine.lead()
     *first, last = job["prompts"]
     seqs = [engine.add_request(p, params) for p in first]
+    failed: list = []
     for _ in range(2):
         engine.step()
     engine.abort(seqs[1])
+    if job.get("fail_step"):
+        try:
+            while engine.has_unfinished:
+                engine.step()
+        except StepError as e:
+            failed = e.sequences
+            for s in failed:
+                engine.abort(s)
     seqs.append(engine.add_request(last, params))
     while engine.has_unfinished:
         engine.step()
     engine.stop_followers()
-    return {s.request_id: s.output_token_ids for s in seqs if s is not seqs[1]}
+    return {s.request_id: s.output_token_ids for s in seqs
+            if s is not seqs[1] and s not in failed}
 
 
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str,

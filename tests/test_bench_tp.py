@@ -1,0 +1,41 @@
+"""The tensor-parallel benchmark scripts, wired on two CPU ranks (torchrun, gloo): they run and
+print their tables (the numbers are timed on GPUs, docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _torchrun(script: str, *args: str, tmp_path: Path) -> str:
+    import tp_worker
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(tp_worker.free_port()), str(BENCH / script), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_bench_allreduce_prints_a_row_per_token_count(tmp_path):
+    out = _torchrun("bench_allreduce.py", "--device", "cpu", "--tokens", "1,4", "--repeats", "2",
+                    "--ops-per-step", "3", tmp_path=tmp_path)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "4"]
+    assert "gloo" in out
+
+
+def test_bench_tp_runs_both_engines_on_two_ranks(tmp_path):
+    out = _torchrun("bench_tp.py", "--tp", "2", "--device", "cpu", "--hidden", "256",
+                    "--layers", "2", "--context", "32", "--new-tokens", "4", "--batches", "1,2",
+                    "--json", str(tmp_path / "rows.jsonl"), tmp_path=tmp_path)
+    assert out.count("| 2 | ") == 2, out  # one row per batch size, printed by rank 0 only
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["tp"], r["batch"]) for r in rows] == [(2, 1), (2, 2)]
+    assert all(r["step_ms"] > 0 and r["dflash_tok_s"] > 0 for r in rows)

@@ -10,12 +10,17 @@ results. Plus the loader's shard arithmetic and the errors a bad launch gets.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
 from laguna_dflash.distributed import SINGLE, Split, TensorParallel, init_tensor_parallel
+from laguna_dflash.models.laguna import LagunaForCausalLM
+from laguna_dflash.models.loader import load_model
+from laguna_dflash.models.random_init import randomize_, tiny_laguna_config
+from laguna_dflash.models.writer import save_checkpoint
 
 BLOCK_SIZE = 4
 NUM_NEW_TOKENS = 24
@@ -39,7 +44,11 @@ def checkpoints(tmp_path_factory):
     hf.rewrite_checkpoint_names(fused, "fused")  # experts [E, 2I, H] / [E, H, I] on disk
     laguna = df.make_tiny_laguna_target(root / "laguna", seed=0)
     qwen3 = df.make_tiny_qwen3_target(root / "qwen3", seed=0)
+    dummy = root / "dummy"  # config.json only: --load-format dummy
+    dummy.mkdir()
+    (dummy / "config.json").write_text(json.dumps(tiny_laguna_config()))
     return {
+        "dummy": dummy,
         "sinks": sinks,
         "fused": fused,
         "tied": hf.make_laguna_checkpoint(root / "tied", "per_element_tied", seed=1),
@@ -89,6 +98,8 @@ def two_ranks(checkpoints):
 
     logit_jobs = {name: {"kind": "prompt_logits", "model": str(checkpoints[name]), "prompt": PROMPT}
                   for name in LOGIT_CASES}
+    logit_jobs["dummy"] = {"kind": "prompt_logits", "model": str(checkpoints["dummy"]),
+                           "prompt": PROMPT, "options": {"load_format": "dummy"}}
     gen_jobs = _generate_jobs(checkpoints)
     results = tp_worker.run_ranks(list(logit_jobs.values()) + list(gen_jobs.values()), world_size=2)
     names = list(logit_jobs) + list(gen_jobs)
@@ -105,6 +116,38 @@ def test_sharded_prompt_logits_match_transformers(checkpoints, two_ranks, name):
     assert rank0.shape == want.shape
     torch.testing.assert_close(rank0, want, atol=5e-5, rtol=1e-4)
     assert torch.equal(rank0, rank1), "the ranks' logits differ: an all-reduce/gather is missing"
+
+
+def test_dummy_weights_are_the_same_model_at_every_rank_count(two_ranks, checkpoints):
+    """``--load-format dummy`` on two ranks builds the one-rank model's weights, sharded: the
+    prompt logits match one process's."""
+    import tp_worker
+
+    by_name, _ = two_ranks
+    rank0, rank1 = by_name["dummy"]
+    one = tp_worker.run_job({"kind": "prompt_logits", "model": str(checkpoints["dummy"]),
+                             "prompt": PROMPT, "options": {"load_format": "dummy"}}, 1)
+    torch.testing.assert_close(rank0, one, atol=5e-5, rtol=1e-4)
+    assert torch.equal(rank0, rank1)
+
+
+def test_randomize_gives_each_rank_its_part_of_the_one_rank_values(tmp_path):
+    """A rank's dummy weights equal what the loader reads for that rank from the one-rank
+    dummy model's checkpoint (the loader's shards are checked against transformers above)."""
+    cfg = tiny_laguna_config()
+    one = LagunaForCausalLM.from_config(cfg)
+    randomize_(one, seed=3)
+    save_checkpoint(one, tmp_path, cfg)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        dummy = LagunaForCausalLM.from_config(cfg, tp=tp)
+        randomize_(dummy, seed=3)
+        loaded = dict(load_model(tmp_path, tp=tp).named_parameters())
+        num_sharded = 0
+        for name, p in dummy.named_parameters():
+            num_sharded += p.shape != dict(one.named_parameters())[name].shape
+            assert torch.equal(p.detach(), loaded[name].detach()), name
+        assert num_sharded >= 10
 
 
 def test_sharded_greedy_tokens_equal_single_process(two_ranks):

@@ -69,16 +69,44 @@ def tiny_laguna_draft_config(target_cfg: dict, num_layers: int = 2, block_size: 
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     """Scaled normal init in place (on the parameters' device): matrices ``N(0, 1/fan_in)``,
-    norms ``1 + 0.1 N``, other vectors ``0.01 N``. Deterministic for a seed and device."""
+    norms ``1 + 0.1 N``, other vectors ``0.01 N``. Deterministic for a seed and device.
+
+    A tensor-parallel rank's model (``model.tp``) gets its part of the values the one-rank
+    model gets: each sharded parameter is drawn whole, in the same order, and its
+    :class:`~laguna_dflash.distributed.Split` kept, so ``--load-format dummy`` builds the same
+    model at every rank count."""
     devices = {p.device for p in model.parameters()}
     g = torch.Generator(device=next(iter(devices))).manual_seed(seed)
+    splits = _parameter_splits(model)
     for name, p in sorted(model.named_parameters()):
+        split = splits.get(id(p))
+        full = p if split is None else p.new_empty(split.disk_shape(tuple(p.shape)))
         if p.dim() >= 2:
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+            full.normal_(0.0, 1.0 / math.sqrt(full.shape[-1]), generator=g)
         elif name.endswith("norm.weight") or ".aux_hidden_norms." in name:
-            p.normal_(1.0, 0.1, generator=g)
+            full.normal_(1.0, 0.1, generator=g)
         else:
-            p.normal_(0.0, 0.01, generator=g)
+            full.normal_(0.0, 0.01, generator=g)
+        if split is not None:
+            p.copy_(split.read(full))
+
+
+def _parameter_splits(model: torch.nn.Module) -> dict:
+    """id(parameter) -> its Split, for the parameters a tensor-parallel rank holds a part of:
+    the loader's on-disk spellings that map one whole parameter (their disk layout is the
+    one-rank parameter's). Empty for one rank."""
+    tp = getattr(model, "tp", None)
+    if tp is None or not tp.is_parallel or not hasattr(model, "checkpoint_groups"):
+        return {}
+    params = {(p.data_ptr(), tuple(p.shape)): p for p in model.parameters()}
+    splits = {}
+    for options in model.checkpoint_groups():
+        for option in options:
+            for _name, dest, *split in option:
+                p = params.get((dest.data_ptr(), tuple(dest.shape)))
+                if p is not None and split and split[0] is not None:
+                    splits[id(p)] = split[0]
+    return splits
 
 
 def write_random_pair(directory: str | Path, seed: int = 0) -> tuple[Path, Path]:

@@ -140,13 +140,20 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 # How long a follower rank waits for rank 0's next message (a server may idle for days).
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
+# (default group, its gloo control group): made once per process group (every rank together),
+# shared by every engine the process builds on it
+_control_groups: tuple[Any, Any] | None = None
+
+
+def shutdown() -> None:
+    """Tear down this process's process group and its control group (registered at exit by
+    :func:`init_tensor_parallel`; call it first where a launcher ends a rank otherwise)."""
+    global _control_groups
+    _control_groups = None  # no reference to a group may outlive the teardown below
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParallel:
@@ -177,13 +184,15 @@ def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParalle
         dist.init_process_group(backend)
         # torn down before the interpreter's own teardown: a process group still alive there
         # (its gloo / NCCL threads) can abort the exiting process (SIGABRT, seen under torchrun)
-        atexit.register(_destroy_process_group)
+        atexit.register(shutdown)
     if dist.get_world_size() != world_size:
         raise ValueError(
             f"tensor_parallel_size={world_size} but the launch has {dist.get_world_size()} "
             f"processes; pass --tensor-parallel-size {dist.get_world_size()} or launch "
             f"{world_size} processes")
+    global _control_groups
+    if _control_groups is None or _control_groups[0] is not dist.group.WORLD:
+        _control_groups = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
     rank = dist.get_rank()
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     logger.info("tensor parallel rank %d of %d (%s)", rank, world_size, dist.get_backend())
-    return TensorParallel(rank, world_size, dist.group.WORLD, control)
+    return TensorParallel(rank, world_size, dist.group.WORLD, _control_groups[1])

@@ -124,8 +124,9 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[dict], out_dir:
         results = [run_job(job, world_size) for job in jobs]
         torch.save(to_cpu(results), Path(out_dir) / f"rank{rank}.pt")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from laguna_dflash.distributed import shutdown
+
+        shutdown()
 
 
 def to_cpu(obj):

@@ -105,10 +105,11 @@ class LLMEngine:
         info = describe_checkpoint(config.model, config.load_format)
         # every rank runs this engine on the same requests; the target is sharded, its outputs
         # (hidden states, taps, logits) are the same bits on every rank, so every decision is too
-        self.tp = init_tensor_parallel(config.tensor_parallel_size, resolve_device(config.device))
-        self.device = resolve_device(config.device)
-        if self.tp.is_parallel and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
+        device = resolve_device(config.device)  # checked before any process group starts
+        self.tp = init_tensor_parallel(config.tensor_parallel_size, device)
+        if self.tp.is_parallel and device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
+        self.device = device
         if info.architecture in DRAFT_ARCHITECTURES:
             raise ValueError(
                 f"{config.model} holds a drafter ({info.architecture}); pass it as draft=, and the "

@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: the model's (40 / 48)")
     ap.add_argument("--hidden", type=int, default=2048, help="XS only, other than 2048: CPU wiring check")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="routed experts split by expert over the ranks (else by width)")
     ap.add_argument("--json", help="append the rows (JSON Lines) to this file")
     args = ap.parse_args()
     args.layers = args.layers or (40 if args.model == "xs" else 48)
@@ -93,6 +95,7 @@ def main() -> None:
     max_len = args.context + args.new_tokens + 2 * args.k + 16
     common = dict(dtype=dtype, device=args.device, load_format="dummy", max_model_len=max_len,
                   max_num_seqs=max(batches), tensor_parallel_size=args.tp,
+                  enable_expert_parallel=args.enable_expert_parallel,
                   num_kv_blocks=(max_len + 16) // 16 * (max(batches) + 1),
                   cuda_graph_capture="lazy")
     prompt = [(7 * i) % 1000 + 3 for i in range(args.context)]
@@ -104,7 +107,7 @@ def main() -> None:
         rows = []
         for b in batches:
             step = step_time(base, prompt, args.new_tokens, b)
-            rows.append({"tp": args.tp, "batch": b, "step_ms": step * 1e3,
+            rows.append({"tp": args.tp, "ep": args.enable_expert_parallel, "batch": b, "step_ms": step * 1e3,
                          "target_tok_s": decode_tokens_per_s(base, prompt, args.new_tokens, b)})
         del base
         if args.device.startswith("cuda"):
@@ -119,7 +122,7 @@ def main() -> None:
     if rank != 0:
         return
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"# {name}, tp={args.tp}, {dtype} {args.model} size ({args.layers} layers), context "
+    print(f"# {name}, tp={args.tp}{' (experts split by expert)' if args.enable_expert_parallel else ''}, {dtype} {args.model} size ({args.layers} layers), context "
           f"{args.context}, {args.new_tokens} new tokens, DFlash K={args.k} at simulated "
           f"acceptance {args.acceptance}; load + warm-up {load_s:.1f} s")
     print("| tp | batch | target-only step ms | target-only tok/s | DFlash tok/s | DFlash x |")

@@ -5,6 +5,9 @@ the vocabulary) without a second GPU. Checks them against one process on the sam
 * prompt logits: the largest absolute difference, relative to the logits' largest magnitude;
 * greedy tokens, target-only and DFlash (K = 3), per dtype; DFlash = target-only on the ranks.
 
+``--enable-expert-parallel``: the ranks split the routed experts by expert instead (128 whole
+experts each, the MoE kernels skipping the other rank's pairs).
+
 The checkpoint is written here (random weights, ``--layers`` layers of XS-2.1 widths, float32
 safetensors, the real on-disk names) so both runs load the same values::
 
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     args = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 100000) for _ in range(n)] for n in (40, 97)]
@@ -57,7 +61,8 @@ def main() -> None:
               flush=True)
         jobs, names = [], []
         for dtype in args.dtypes.split(","):
-            opts = {"device": "cuda", "enforce_eager": True, "dtype": dtype}
+            opts = {"device": "cuda", "enforce_eager": True, "dtype": dtype,
+                    "enable_expert_parallel": args.enable_expert_parallel}
             jobs.append({"kind": "prompt_logits", "model": str(tdir), "prompt": prompts[1],
                          "options": opts})
             names.append((dtype, "logits"))
@@ -73,6 +78,7 @@ def main() -> None:
         sharded = tp_worker.run_ranks(jobs, world_size=2, backend="gloo")
         print(f"# two gloo ranks on one GPU: {time.perf_counter() - t0:.1f} s", flush=True)
         single = [tp_worker.to_cpu(tp_worker.run_job(job, tensor_parallel_size=1)) for job in jobs]
+    print(f"# experts split by {'expert' if args.enable_expert_parallel else 'width'}")
     print("| dtype | what | ranks equal | tp=2 vs tp=1 | DFlash = target-only (tp=2) |")
     print("|---|---|---|---|---|")
     for i, (dtype, what) in enumerate(names):

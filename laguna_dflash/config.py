@@ -167,6 +167,11 @@ class EngineConfig:
     # split, one all-reduce after each row-parallel projection). > 1 needs one process per rank,
     # launched like torchrun; on CUDA each rank takes the GPU of its LOCAL_RANK.
     tensor_parallel_size: int = 1
+    # With tensor_parallel_size > 1: split the routed experts by expert (each rank holds
+    # num_experts / tensor_parallel_size whole experts) instead of every expert's width (vLLM's
+    # --enable-expert-parallel). Attention, dense MLPs, the shared expert and the vocabulary stay
+    # tensor-parallel; the MoE keeps its one all-reduce. No effect on one rank.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -5,7 +5,11 @@ the experts' gate|up are column-parallel (each rank holds ``1 / world_size`` of 
 the intermediate width), ``o_proj`` and every ``down`` are row-parallel and followed by one
 all-reduce, the embedding and the lm_head hold ``1 / world_size`` of the vocabulary (the
 embedding's rows summed by an all-reduce, the logits gathered). Norms, the MoE router and the
-DFlash drafter's own layers are replicated. After each all-reduce every rank holds the same bits,
+DFlash drafter's own layers are replicated. With expert parallelism (``expert_parallel``,
+vLLM's ``--enable-expert-parallel``) each rank holds ``num_experts / world_size`` whole routed
+experts instead of every expert's ``1 / world_size`` width: the router stays replicated, a rank
+computes only the (token, expert) pairs routed to its experts, and the MoE's one all-reduce sums
+the ranks' partial outputs as before. After each all-reduce every rank holds the same bits,
 so each rank's scheduler, sampler and acceptance make the same decisions from the same inputs;
 the engine broadcasts what only rank 0 knows (:meth:`TensorParallel.broadcast_object`).
 
@@ -73,6 +77,8 @@ class TensorParallel:
     # host-side messages (rank 0's requests and clock): a gloo group, so they never touch a GPU
     # stream, with a timeout long enough for an idle server's followers
     control_group: Any = field(default=None, compare=False)
+    # the routed experts split by expert (whole experts a rank) instead of by intermediate width
+    expert_parallel: bool = False
 
     @property
     def is_parallel(self) -> bool:
@@ -91,6 +97,24 @@ class TensorParallel:
                 f"{what}={size} is not divisible by tensor_parallel_size={self.world_size}; pick a "
                 "tensor_parallel_size that divides it (--tensor-parallel-size)")
         return size // self.world_size
+
+    @property
+    def shards_experts(self) -> bool:
+        """Routed experts are split by expert index (expert parallelism over several ranks)."""
+        return self.expert_parallel and self.is_parallel
+
+    def expert_shard(self, num_experts: int) -> tuple[int, int]:
+        """``(first, count)``: the routed experts this rank holds, ``first .. first + count - 1``
+        (all of them without expert parallelism); a clear error when they do not divide."""
+        if not self.shards_experts:
+            return 0, num_experts
+        if num_experts % self.world_size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by tensor_parallel_size="
+                f"{self.world_size} with --enable-expert-parallel; pick a tensor_parallel_size "
+                "that divides it (--tensor-parallel-size) or drop --enable-expert-parallel")
+        count = num_experts // self.world_size
+        return self.rank * count, count
 
     def split(self, dim: int, segments: tuple[int, ...] = ()) -> Split | None:
         """The loader's :class:`Split` of a sharded parameter along ``dim`` (None unsharded)."""
@@ -156,11 +180,13 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParallel:
+def init_tensor_parallel(world_size: int, device: torch.device,
+                         expert_parallel: bool = False) -> TensorParallel:
     """Join (or start) the default process group of a torchrun-style launch and return this
     rank's :class:`TensorParallel`; ``world_size == 1``: :data:`SINGLE`, no process group.
 
-    ``device``: CUDA (NCCL; rank ``r`` takes GPU ``LOCAL_RANK``) or CPU (gloo)."""
+    ``device``: CUDA (NCCL; rank ``r`` takes GPU ``LOCAL_RANK``) or CPU (gloo).
+    ``expert_parallel``: split the routed experts by expert over the ranks (a no-op on one)."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size={world_size}; it must be at least 1")
     if world_size == 1:
@@ -170,6 +196,8 @@ def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParalle
                 f"this process is one of WORLD_SIZE={launched} launched ranks but "
                 f"tensor_parallel_size=1; pass --tensor-parallel-size {launched} "
                 "(LLM(..., tensor_parallel_size=...)) or launch one process")
+        if expert_parallel:
+            logger.info("expert parallelism over one rank: every expert stays on this device")
         return SINGLE
     env_world = os.environ.get("WORLD_SIZE")
     if env_world is None and not dist.is_initialized():
@@ -194,5 +222,6 @@ def init_tensor_parallel(world_size: int, device: torch.device) -> TensorParalle
     if _control_groups is None or _control_groups[0] is not dist.group.WORLD:
         _control_groups = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
     rank = dist.get_rank()
-    logger.info("tensor parallel rank %d of %d (%s)", rank, world_size, dist.get_backend())
-    return TensorParallel(rank, world_size, dist.group.WORLD, _control_groups[1])
+    logger.info("tensor parallel rank %d of %d (%s)%s", rank, world_size, dist.get_backend(),
+                ", experts split by expert" if expert_parallel else "")
+    return TensorParallel(rank, world_size, dist.group.WORLD, _control_groups[1], expert_parallel)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -31,11 +33,15 @@ def test_bench_allreduce_prints_a_row_per_token_count(tmp_path):
     assert "gloo" in out
 
 
-def test_bench_tp_runs_both_engines_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_bench_tp_runs_both_engines_on_two_ranks(tmp_path, expert_parallel):
+    flags = ["--enable-expert-parallel"] if expert_parallel else []
     out = _torchrun("bench_tp.py", "--tp", "2", "--device", "cpu", "--hidden", "256",
                     "--layers", "2", "--context", "32", "--new-tokens", "4", "--batches", "1,2",
-                    "--json", str(tmp_path / "rows.jsonl"), tmp_path=tmp_path)
+                    "--json", str(tmp_path / "rows.jsonl"), *flags, tmp_path=tmp_path)
     assert out.count("| 2 | ") == 2, out  # one row per batch size, printed by rank 0 only
+    assert ("experts split by expert" in out) == expert_parallel
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    assert [(r["tp"], r["batch"]) for r in rows] == [(2, 1), (2, 2)]
+    assert [(r["tp"], r["ep"], r["batch"]) for r in rows] == [(2, expert_parallel, 1),
+                                                               (2, expert_parallel, 2)]
     assert all(r["step_ms"] > 0 and r["dflash_tok_s"] > 0 for r in rows)

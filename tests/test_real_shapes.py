@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from laguna_dflash.models.laguna import LagunaForCausalLM
@@ -34,26 +35,29 @@ def test_xs_21_parameter_counts_match_the_release():
     assert bench_gpu_xs.active_bytes(target, context=0) // 4 == 2_811_614_976
 
 
-def _sharded_parameter_counts(cfg: dict, world_size: int) -> list[tuple[tuple, tuple]]:
+def _sharded_parameter_counts(cfg: dict, world_size: int,
+                              expert_parallel: bool = False) -> list[tuple[tuple, tuple]]:
     """(rank-0 shape, single-process shape) of every parameter, in order (meta device)."""
     with torch.device("meta"):
         one = LagunaForCausalLM.from_config(cfg)
-        sharded = LagunaForCausalLM.from_config(cfg, tp=TensorParallel(0, world_size))
+        tp = TensorParallel(0, world_size, expert_parallel=expert_parallel)
+        sharded = LagunaForCausalLM.from_config(cfg, tp=tp)
     pairs = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(sharded.parameters(), one.parameters())]
     assert len(pairs) == len(list(one.parameters()))
     return pairs
 
 
-def test_s_21_shards_over_2_4_8_ranks_and_fits_two_h200s():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_s_21_shards_over_2_4_8_ranks_and_fits_two_h200s(expert_parallel):
     """Laguna-S-2.1 (117,561,977,600 parameters, more than one H200 holds in bf16): at 2, 4 and
     8 ranks every parameter is either replicated or split evenly, so the ranks together hold
     the model exactly once plus the replicated ones; at 2 ranks a rank's bf16 weights fit an
-    H200 with room for the KV cache."""
+    H200 with room for the KV cache. With expert parallelism (whole experts a rank) too."""
     cfg = bench_tp.s21_target_config()
     with torch.device("meta"):
         assert sum(p.numel() for p in LagunaForCausalLM.from_config(cfg).parameters()) == 117_561_977_600
     for world in (2, 4, 8):
-        pairs = _sharded_parameter_counts(cfg, world)
+        pairs = _sharded_parameter_counts(cfg, world, expert_parallel)
         total = replicated = per_rank = 0
         for local, full in pairs:
             n_local, n_full = torch.Size(local).numel(), torch.Size(full).numel()
@@ -63,6 +67,8 @@ def test_s_21_shards_over_2_4_8_ranks_and_fits_two_h200s():
                 total += n_full
             else:
                 assert n_local * world == n_full, (local, full)
+                if expert_parallel and len(full) == 3:  # [E, ., .]: split by expert, width whole
+                    assert local[0] * world == full[0] and local[1:] == full[1:], (local, full)
                 total += n_full
         assert total == 117_561_977_600
         # replicated: norms, routers (and their biases): small

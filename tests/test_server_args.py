@@ -150,11 +150,14 @@ def test_cli_serve_conflict_exits_with_an_error_naming_both_flags(capsys):
 def test_engine_flags_reach_the_engine_config_and_the_log_line(caplog):
     caplog.set_level(logging.INFO, logger="laguna_dflash.server.args")
     config = resolve_server_config(_args("--load-format", "dummy", "--enforce-eager",
-                                         "--attention-backend", "torch_sdpa", "--batch-invariant"))
-    assert config.engine.load_format == "dummy"
+                                         "--attention-backend", "torch_sdpa", "--batch-invariant",
+                                         "--enable-expert-parallel"))
+    assert config.engine.load_format == "dummy" and config.engine.enable_expert_parallel is True
     assert config.engine.enforce_eager is True and config.engine.attention_backend == "torch_sdpa"
     assert config.engine.batch_invariant is True
     line = next(r.getMessage() for r in caplog.records if "resolved serve configuration" in r.getMessage())
     assert "load_format=dummy" in line and "enforce_eager=True" in line and "batch_invariant=True" in line
+    assert "enable_expert_parallel=True" in line
     default = resolve_server_config(_args()).engine
     assert default.load_format == "auto" and default.batch_invariant is False
+    assert default.enable_expert_parallel is False

@@ -106,7 +106,8 @@ class LLMEngine:
         # every rank runs this engine on the same requests; the target is sharded, its outputs
         # (hidden states, taps, logits) are the same bits on every rank, so every decision is too
         device = resolve_device(config.device)  # checked before any process group starts
-        self.tp = init_tensor_parallel(config.tensor_parallel_size, device)
+        self.tp = init_tensor_parallel(config.tensor_parallel_size, device,
+                                       config.enable_expert_parallel)
         if self.tp.is_parallel and device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
         self.device = device

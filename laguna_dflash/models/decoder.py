@@ -181,9 +181,14 @@ class DecoderLM(nn.Module):
 
     # ---- checkpoint layout -----------------------------------------------------------------------
 
-    def ignorable_tensors(self) -> set[str]:
-        """On-disk tensors that may be present but are not loaded (a tied lm_head copy)."""
-        return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+    def ignorable_tensors(self, prefix: str = "model.") -> set[str]:
+        """On-disk tensors that may be present but are not loaded: a tied lm_head copy; with
+        expert parallelism, the other ranks' experts (per-expert spelling)."""
+        names = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoE):
+                names |= other_ranks_expert_names(layer.mlp, f"{prefix}layers.{i}.mlp.")
+        return names
 
     def checkpoint_groups(self, prefix: str = "model.") -> list[Group]:
         """Where every parameter comes from on disk (HF names; split or fused alternatives)."""
@@ -251,22 +256,32 @@ def mlp_groups(mlp: MLP, p: str) -> list[Group]:
     ]
 
 
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def moe_groups(moe: MoE, p: str) -> list[Group]:
     """Real Laguna on-disk names (per expert, ``shared_expert``, bias under ``experts.``) or the
     fused names transformers uses in memory (``experts.gate_up_proj [E, 2I, H]``,
-    ``gate.e_score_correction_bias``, ``shared_experts``)."""
+    ``gate.e_score_correction_bias``, ``shared_experts``). Tensor parallelism: every expert's
+    rows of gate and up and columns of down; expert parallelism: this rank's experts whole
+    (the per-expert names of its ids, the fused tensors' slice of the expert dimension)."""
     im = moe.intermediate_size
-    rows, cols = moe.tp.split(0), moe.tp.split(1)
+    if moe.tp.shards_experts:
+        rows = cols = None
+        fused_gate_up, fused_down = moe.tp.split(0), moe.tp.split(0)
+    else:
+        rows, cols = moe.tp.split(0), moe.tp.split(1)
+        fused_gate_up, fused_down = moe.tp.split(1, (im, im)), moe.tp.split(2)
     per_expert: list[Destination] = []
-    for e in range(moe.num_experts):
-        gu = moe.experts_gate_up[e]
+    for local in range(moe.num_local_experts):
+        gu, e = moe.experts_gate_up[local], moe.first_expert + local
         per_expert += [
             (f"{p}experts.{e}.gate_proj.weight", gu[:im], rows),
             (f"{p}experts.{e}.up_proj.weight", gu[im:], rows),
-            (f"{p}experts.{e}.down_proj.weight", moe.experts_down[e], cols),
+            (f"{p}experts.{e}.down_proj.weight", moe.experts_down[local], cols),
         ]
-    fused = [(p + "experts.gate_up_proj", moe.experts_gate_up, moe.tp.split(1, (im, im))),
-             (p + "experts.down_proj", moe.experts_down, moe.tp.split(2))]
+    fused = [(p + "experts.gate_up_proj", moe.experts_gate_up, fused_gate_up),
+             (p + "experts.down_proj", moe.experts_down, fused_down)]
     groups: list[Group] = [
         [[(p + "gate.weight", moe.gate.weight)]],
         [[(p + "experts.e_score_correction_bias", moe.e_score_correction_bias)],
@@ -282,3 +297,10 @@ def moe_groups(moe: MoE, p: str) -> list[Group]:
             [singular[1][0], plural[1][0]],
         ]
     return groups
+
+
+def other_ranks_expert_names(moe: MoE, p: str) -> set[str]:
+    """The per-expert on-disk names of the experts other ranks hold (expert parallelism)."""
+    mine = range(moe.first_expert, moe.first_expert + moe.num_local_experts)
+    return {f"{p}experts.{e}.{name}.weight" for e in range(moe.num_experts) if e not in mine
+            for name in _EXPERT_PROJECTIONS}

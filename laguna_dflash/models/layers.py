@@ -304,7 +304,10 @@ class MoE(nn.Module):
 
     With tensor parallelism every rank routes (the router is replicated) and holds
     ``moe_intermediate_size / world_size`` of every expert's width (and of the shared expert's):
-    its ``y`` is a partial sum, reduced over the ranks by one all-reduce.
+    its ``y`` is a partial sum, reduced over the ranks by one all-reduce. With expert parallelism
+    (``tp.expert_parallel``) a rank instead holds ``num_experts / world_size`` whole experts,
+    global ids ``first_expert ..``; the pairs routed to other ranks' experts contribute nothing
+    here (local id -1, "skipped"), and the same all-reduce adds them in from their ranks.
     """
 
     def __init__(
@@ -327,13 +330,16 @@ class MoE(nn.Module):
                 f"moe_router_score_func={score_func!r} is not supported; use sigmoid or sqrtsoftplus"
             )
         self.tp = tp
-        moe_intermediate_size = tp.shard_size(moe_intermediate_size, "moe_intermediate_size")
+        self.first_expert, self.num_local_experts = tp.expert_shard(num_experts)
+        if not tp.shards_experts:
+            moe_intermediate_size = tp.shard_size(moe_intermediate_size, "moe_intermediate_size")
         self.num_experts, self.top_k = num_experts, top_k
         self.intermediate_size = moe_intermediate_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
-        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size))
-        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size))
+        n = self.num_local_experts
+        self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * moe_intermediate_size, hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(n, hidden_size, moe_intermediate_size))
         self.shared_expert = (
             MLP(hidden_size, shared_intermediate_size, tp=tp, reduce_results=False)
             if shared_intermediate_size > 0 else None
@@ -348,6 +354,14 @@ class MoE(nn.Module):
         return fusion.moe_route(linear(x, self.gate.weight), self.e_score_correction_bias,
                                 self.top_k, self.logit_softcapping, self.score_func,
                                 self.norm_topk_prob)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids ``[T, k]`` -> this rank's: ``id - first_expert`` for its experts,
+        -1 for pairs routed to another rank's (expert parallelism; else ``ids`` unchanged)."""
+        if not self.tp.shards_experts:
+            return ids
+        local = ids - self.first_expert
+        return local.masked_fill((local < 0) | (local >= self.num_local_experts), -1)
 
     # Expert paths, chosen from shapes only (so a CUDA graph captures one of them):
     # * GPU, up to ``fused_moe_max_pairs`` (token, expert) pairs: routing in one Triton kernel
@@ -390,7 +404,7 @@ class MoE(nn.Module):
         if (shared is None or shared.intermediate_size != self.intermediate_size
                 or shared.gate_up_proj.bias is not None or self.gate_up_with_shared is not None):
             return
-        e = self.num_experts
+        e = self.num_local_experts
         gate_up = torch.cat([self.experts_gate_up.detach(), shared.gate_up_proj.weight.detach()[None]])
         down = torch.cat([self.experts_down.detach(), shared.down_proj.weight.detach()[None]])
         self.experts_gate_up = nn.Parameter(gate_up[:e], requires_grad=False)
@@ -427,9 +441,10 @@ class MoE(nn.Module):
         weights, ids = self.route(x)
         if self.training:
             self.last_expert_ids = ids.detach()  # read by the trainer's load balancing
+        ids = self.local_ids(ids)
         if x.is_cuda and not self.training and grouped_mm_available(x):
             routed = self.experts_forward_grouped(x, weights, ids)
-        elif x.is_cuda and ids.numel() <= self.num_experts:
+        elif x.is_cuda and ids.numel() <= self.num_local_experts:
             routed = self.experts_forward_gather(x, weights, ids)
         else:
             routed = self.experts_forward(x, weights, ids)
@@ -456,14 +471,17 @@ class MoE(nn.Module):
             weights, ids = moe_routing.fused_moe_route(
                 linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor,
                 num_shared=int(folded))
-        experts = (x, ids, weights, self.gate_up_with_shared if folded else self.experts_gate_up,
+        # expert parallelism: the kernels skip (output 0, no weight read) the pairs of id -1
+        skips = {"has_skipped_pairs": True} if self.tp.shards_experts else {}
+        experts = (x, self.local_ids(ids), weights,
+                   self.gate_up_with_shared if folded else self.experts_gate_up,
                    self.down_with_shared if folded else self.experts_down)
         if invariant:
-            pairs = batch_invariant.moe_experts(*experts)
+            pairs = batch_invariant.moe_experts(*experts, **skips)
         elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
-            pairs = moe_gemv.moe_gemv_experts(*experts)
+            pairs = moe_gemv.moe_gemv_experts(*experts, **skips)
         else:
-            pairs = fused_moe.fused_moe_experts(*experts, reduce=False)
+            pairs = fused_moe.fused_moe_experts(*experts, reduce=False, **skips)
         if folded and keep_pairs:
             return pairs
         if not folded and self.shared_expert is not None:
@@ -478,19 +496,25 @@ class MoE(nn.Module):
         The ``T*k`` pairs are sorted by expert; ``offs[e]`` (int32, on the device) is the end of
         expert ``e``'s rows, so ``torch._grouped_mm`` multiplies rows ``offs[e-1]:offs[e]`` by
         expert ``e`` (empty groups read nothing). Results go back to pair order and are summed
-        over ``k`` in a fixed order (deterministic, unlike an atomic scatter-add).
+        over ``k`` in a fixed order (deterministic, unlike an atomic scatter-add). Skipped pairs
+        (id -1, expert parallelism) sort last, past ``offs[-1]``: ``_grouped_mm`` leaves their
+        rows unwritten (garbage), so they are replaced by 0 before the sum.
         """
         t, k = ids.shape
+        n = self.num_local_experts
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        skipped = flat < 0
+        order = torch.argsort(flat.masked_fill(skipped, n), stable=True)
+        counts = torch.zeros(n + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.masked_fill(skipped, n), torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts[:n], 0, dtype=torch.int32)
         h = x[order // k]
         gate, up = torch._grouped_mm(h, self.experts_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=offs)
         pairs = torch.empty_like(y)
         pairs[order] = y
+        if self.tp.shards_experts:
+            pairs = pairs.masked_fill(skipped[:, None], 0)
         return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def experts_forward_gather(
@@ -499,12 +523,16 @@ class MoE(nn.Module):
         """Sync-free path for few tokens: gather each pair's expert weights and batch-matmul.
 
         ``[T, H]``; reads ``T*k`` expert matrices, so it is only used for small ``T*k``.
+        A skipped pair (id -1) reads expert 0 and its product is replaced by 0.
         """
         t, k = ids.shape
         flat = ids.reshape(-1)
         h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-        gate, up = torch.bmm(self.experts_gate_up[flat], h).squeeze(-1).chunk(2, dim=-1)
-        out = torch.bmm(self.experts_down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        gathered = flat.clamp(min=0)
+        gate, up = torch.bmm(self.experts_gate_up[gathered], h).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(self.experts_down[gathered], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        if self.tp.shards_experts:
+            out = out.masked_fill((flat < 0)[:, None], 0)
         return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def experts_forward(
@@ -514,12 +542,14 @@ class MoE(nn.Module):
 
         Sorts the ``T*k`` assignments by expert and runs one SwiGLU GEMM pair per hit expert.
         (One host sync for the per-expert counts; the GPU fused-MoE path replaces this.)
+        Skipped pairs (id -1, expert parallelism) sort last and are never visited.
         """
         t, k = ids.shape
-        flat_ids = ids.reshape(-1)
+        n = self.num_local_experts
+        flat_ids = ids.reshape(-1).masked_fill(ids.reshape(-1) < 0, n)
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=n + 1)[:n].tolist()
         out = torch.zeros_like(x)
         start = 0
         w_sorted = weights.reshape(-1)[order]

@@ -1,0 +1,206 @@
+"""Expert parallelism (``--enable-expert-parallel``) on CPU ranks over gloo.
+
+Each rank holds ``num_experts / world_size`` whole routed experts (attention, dense MLPs, the
+shared expert and the vocabulary stay tensor-parallel). Checked: the sharded prompt logits
+against transformers' own ``LagunaForCausalLM`` from both on-disk expert spellings; greedy
+tokens equal one process's, with and without DFlash, and DFlash equals target-only (lossless);
+dummy weights are the same model at every rank count; each expert path (the CPU loop, the
+gather, the grouped GEMM) gives the one-rank output once the ranks' parts are summed, skipped
+pairs (another rank's experts) adding exactly nothing; bad sizes get an error naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from laguna_dflash.distributed import TensorParallel
+from laguna_dflash.models.laguna import LagunaForCausalLM
+from laguna_dflash.models.layers import MoE
+from laguna_dflash.models.loader import load_model
+from laguna_dflash.models.random_init import randomize_, tiny_laguna_config
+from laguna_dflash.models.writer import save_checkpoint
+
+EP = {"enable_expert_parallel": True}
+PROMPT = [3, 17, 5, 9, 42, 7, 11, 25, 31, 4]
+NUM_NEW_TOKENS = 24
+BLOCK_SIZE = 4
+
+
+def _ep_rank(rank: int, world_size: int = 2) -> TensorParallel:
+    return TensorParallel(rank, world_size, expert_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import dflash_fixtures as df
+    import hf_fixtures as hf
+
+    root = tmp_path_factory.mktemp("ep")
+    fused = hf.make_laguna_checkpoint(root / "fused", "xs_mini", seed=3)
+    hf.rewrite_checkpoint_names(fused, "fused")  # experts [E, 2I, H] / [E, H, I] on disk
+    laguna = df.make_tiny_laguna_target(root / "laguna", seed=0)
+    dummy = root / "dummy"
+    dummy.mkdir()
+    (dummy / "config.json").write_text(json.dumps(tiny_laguna_config()))
+    return {
+        "per_expert": hf.make_laguna_sink_checkpoint(root / "sinks"),  # experts.{e}.gate_proj...
+        "fused": fused,
+        "laguna": laguna,
+        "poolside": df.make_poolside_laguna_drafter(root / "poolside", laguna, seed=0,
+                                                    block_size=BLOCK_SIZE),
+        "dummy": dummy,
+    }
+
+
+LOGIT_CASES = {"per_expert": True, "fused": None}  # checkpoint -> transformers' sinks flag
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints):
+    """Every job on two gloo ranks with expert parallelism, in one launch."""
+    import tp_worker
+
+    jobs = {name: {"kind": "prompt_logits", "model": str(checkpoints[name]), "prompt": PROMPT,
+                   "options": EP} for name in LOGIT_CASES}
+    jobs["dummy"] = {"kind": "prompt_logits", "model": str(checkpoints["dummy"]), "prompt": PROMPT,
+                     "options": {**EP, "load_format": "dummy"}}
+    prompts = [[5, 9, 2, 44], [7, 1, 8, 30, 12, 6, 19, 3, 11], [40, 41, 42]]
+    gen = {"kind": "generate", "prompts": prompts, "max_tokens": NUM_NEW_TOKENS,
+           "model": str(checkpoints["laguna"]), "options": EP}
+    jobs["target-only"] = gen
+    jobs["dflash K=3"] = {**gen, "draft": str(checkpoints["poolside"])}
+    results = tp_worker.run_ranks(list(jobs.values()), world_size=2)
+    return {name: (job, [results[r][i] for r in range(2)]) for i, (name, job) in enumerate(jobs.items())}
+
+
+@pytest.mark.parametrize("name", list(LOGIT_CASES))
+def test_expert_parallel_prompt_logits_match_transformers(checkpoints, two_ranks, name):
+    import hf_fixtures as hf
+
+    _, (rank0, rank1) = two_ranks[name]
+    want = hf.hf_prompt_logits(checkpoints[name], PROMPT, sinks=LOGIT_CASES[name])
+    torch.testing.assert_close(rank0, want, atol=5e-5, rtol=1e-4)
+    assert torch.equal(rank0, rank1), "the ranks' logits differ: an all-reduce is missing"
+
+
+def test_expert_parallel_dummy_weights_are_the_one_rank_model(two_ranks, checkpoints):
+    import tp_worker
+
+    job, (rank0, rank1) = two_ranks["dummy"]
+    one = tp_worker.run_job({**job, "options": {"load_format": "dummy"}}, 1)
+    torch.testing.assert_close(rank0, one, atol=5e-5, rtol=1e-4)
+    assert torch.equal(rank0, rank1)
+
+
+def test_expert_parallel_greedy_equals_one_process_and_dflash_is_lossless(two_ranks):
+    import tp_worker
+
+    job, (rank0, rank1) = two_ranks["target-only"]
+    assert rank0 == rank1
+    single = tp_worker.run_job({**job, "options": {}}, 1)
+    assert rank0[0] == single[0], "expert-parallel tokens differ from one process"
+    assert all(len(t) == NUM_NEW_TOKENS for t in rank0[0])
+    _, (spec0, spec1) = two_ranks["dflash K=3"]
+    assert spec0 == spec1
+    assert spec0[0] == rank0[0], "DFlash differs from target-only with expert parallelism"
+
+
+# ---- no processes ----------------------------------------------------------------------------
+
+
+def test_each_rank_holds_its_experts_whole(tmp_path):
+    """Dummy weights and the loader give rank ``r`` experts ``4r .. 4r+3`` of the one-rank
+    model, at full width; the router, the shared expert's split and attention as under plain
+    tensor parallelism. Both expert spellings on disk load the same values."""
+    import hf_fixtures as hf
+
+    cfg = tiny_laguna_config()  # 8 experts
+    one = LagunaForCausalLM.from_config(cfg)
+    randomize_(one, seed=3)
+    save_checkpoint(one, tmp_path / "per_expert", cfg)
+    save_checkpoint(one, tmp_path / "fused", cfg)
+    hf.rewrite_checkpoint_names(tmp_path / "fused", "fused")
+    whole = one.layers[1].mlp
+    for rank in range(2):
+        tp = _ep_rank(rank)
+        dummy = LagunaForCausalLM.from_config(cfg, tp=tp)
+        randomize_(dummy, seed=3)
+        moe = dummy.layers[1].mlp
+        assert (moe.first_expert, moe.num_local_experts) == (4 * rank, 4)
+        experts = slice(4 * rank, 4 * rank + 4)
+        assert torch.equal(moe.experts_gate_up, whole.experts_gate_up[experts])
+        assert torch.equal(moe.experts_down, whole.experts_down[experts])
+        assert torch.equal(moe.gate.weight, whole.gate.weight)
+        for spelling in ("per_expert", "fused"):
+            loaded = dict(load_model(tmp_path / spelling, tp=tp).named_parameters())
+            for name, p in dummy.named_parameters():
+                assert torch.equal(p.detach(), loaded[name].detach()), (spelling, name)
+
+
+def _moe(tp: TensorParallel) -> MoE:
+    torch.manual_seed(0)  # the same parameters at every rank count (the ranks slice them)
+    whole = MoE(16, 8, 3, 16, 0, routed_scaling_factor=2.5)
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if not tp.shards_experts:
+        return whole
+    moe = MoE(16, 8, 3, 16, 0, routed_scaling_factor=2.5, tp=tp)
+    experts = slice(moe.first_expert, moe.first_expert + moe.num_local_experts)
+    with torch.no_grad():
+        moe.gate.weight.copy_(whole.gate.weight)
+        moe.e_score_correction_bias.copy_(whole.e_score_correction_bias)
+        moe.experts_gate_up.copy_(whole.experts_gate_up[experts])
+        moe.experts_down.copy_(whole.experts_down[experts])
+    return moe
+
+
+@pytest.mark.parametrize("path", ["experts_forward", "experts_forward_gather", "experts_forward_grouped"])
+def test_expert_paths_sum_over_ranks_to_the_one_rank_output(path):
+    """A rank's output covers its experts' pairs only; the ranks' outputs add up to the one-rank
+    output (what the MoE's all-reduce computes). ``experts_forward_grouped`` leaves the skipped
+    pairs' rows unwritten, so it must mask them (bf16: ``torch._grouped_mm``'s dtype)."""
+    dtype = torch.bfloat16 if path == "experts_forward_grouped" else torch.float32
+    if path == "experts_forward_grouped" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    x = torch.randn(7, 16, dtype=dtype)
+    whole = _moe(TensorParallel()).to(dtype)
+    weights, ids = whole.route(x)
+    want = getattr(whole, path)(x, weights, ids).float()
+    parts = []
+    for rank in range(4):
+        moe = _moe(_ep_rank(rank, 4)).to(dtype)
+        local = moe.local_ids(ids)
+        assert ((local == -1) == ((ids < 2 * rank) | (ids >= 2 * rank + 2))).all()
+        part = getattr(moe, path)(x, weights, local).float()
+        assert part.isfinite().all()
+        parts.append(part)
+    got = sum(parts)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(got, want, **tol)
+    # a rank whose experts no token chose returns exact zeros
+    nobody = _moe(_ep_rank(0, 4)).to(dtype)
+    none_local = torch.full_like(ids, -1)
+    assert torch.equal(getattr(nobody, path)(x, weights, none_local).float(), torch.zeros_like(want))
+
+
+def test_indivisible_experts_name_the_field_and_the_flag():
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by tensor_parallel_size=3 "
+                                         "with --enable-expert-parallel"):
+        MoE(16, 8, 2, 12, 0, tp=_ep_rank(0, 3))
+    # expert parallelism keeps each expert's width whole: no width divisibility needed
+    moe = MoE(16, 8, 2, 6, 0, tp=_ep_rank(1, 4))
+    assert moe.experts_gate_up.shape == (2, 12, 16)
+    assert moe.local_ids(torch.tensor([[0, 2, 3, 7]])).tolist() == [[-1, 0, 1, -1]]
+
+
+def test_cli_and_server_pass_the_flag():
+    from laguna_dflash.cli import build_parser, engine_options
+    from laguna_dflash.config import EngineConfig
+
+    args = build_parser().parse_args(["generate", "--model", "m", "-tp", "2", "--enable-expert-parallel",
+                                      "--prompt-ids", "1,2"])
+    assert engine_options(args)["enable_expert_parallel"] is True
+    assert EngineConfig(model="m").enable_expert_parallel is False

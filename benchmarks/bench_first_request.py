@@ -280,7 +280,9 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
 
     cuda_graph.build_ahead = not args.no_build_ahead
 
-    options = dict(batch_invariant=args.batch_invariant, cuda_graph_capture="startup")
+    # no prefix caching: every request's prefill is timed whole (the prompts repeat)
+    options = dict(batch_invariant=args.batch_invariant, cuda_graph_capture="startup",
+                   enable_prefix_caching=False)
     for item in args.option:
         name, _, value = item.partition("=")
         options[name] = option_value(value)

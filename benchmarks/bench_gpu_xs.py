@@ -201,8 +201,10 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm
 
 def prefill_time(llm: LLM, prompt: list[int], batch: int) -> float:
     """Seconds of the prefill step of ``batch`` copies of ``prompt`` (one token generated: no
-    decode step); with a drafter it includes the prompts' drafter context store."""
+    decode step); with a drafter it includes the prompts' drafter context store. The whole
+    prompt is computed: the prefix cache is emptied first."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.reset_prefix_cache()
     before = llm.get_metrics()
     llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
     return llm.get_metrics()["prefill_s"] - before["prefill_s"]

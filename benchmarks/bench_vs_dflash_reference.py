@@ -195,8 +195,9 @@ def main() -> None:
         # (b) our speculative engine, (c) our target-only engine
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         warm_params = SamplingParams(temperature=0, max_tokens=warm_tokens, ignore_eos=True)
+        # no prefix caching: the timed prompts ran in the warm-up (the reference has no cache)
         common = dict(dtype=dtype_name, device=dev, max_model_len=max_len, max_num_seqs=1,
-                      num_kv_blocks=(max_len // 16 + 2) * 2)
+                      num_kv_blocks=(max_len // 16 + 2) * 2, enable_prefix_caching=False)
         for name, draft in (("laguna-dflash spec", draft_dir),
                             ("laguna-dflash target-only", None)):
             llm = LLM(str(target_dir), draft=str(draft) if draft else None,

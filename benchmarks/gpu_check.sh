@@ -94,6 +94,10 @@
 #                                           # alone, its DRAM rate and stall reasons (Firecracker)
 #   bash benchmarks/gpu_check.sh ablate     # the decode step with latency-bound kernels removed
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
+#   bash benchmarks/gpu_check.sh ep         # expert parallelism: the MoE kernels' skipped pairs,
+#                                           # the expert-parallel MoE in CUDA graphs, two gloo
+#                                           # ranks at XS-2.1 widths, then the batch-1 decode
+#                                           # step without it (~6 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -421,6 +425,17 @@ case "$stage" in
     echo "pytest exit ${?} (124: cut by the time limit)"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$log" | tail -40
     sed -n '/slowest/,/^$/p' "$log" | head -12 ;;
+  ep)
+    echo "== expert parallelism: the MoE kernels' skipped pairs (CUDA)"
+    gpu_tests 200 tests/test_kernel_moe_gemv.py tests/test_kernel_fused_moe.py \
+      tests/test_kernel_grouped_moe.py -k "skip and cuda" | tail -24
+    echo "== the expert-parallel MoE in CUDA graphs; sharded engines on one GPU over gloo"
+    gpu_tests 220 tests/test_expert_parallel.py tests/test_tensor_parallel.py -k "cuda or gpu" | tail -14
+    echo "== two gloo ranks at XS-2.1 widths, experts split by expert"
+    timeout 200 python benchmarks/check_tp_xs.py --layers 2 --dtypes float32,bfloat16 \
+      --enable-expert-parallel 2>&1 | quiet | tail -10
+    echo "== batch-1 decode step, one GPU, no parallelism (the default kernels)"
+    timeout 150 python benchmarks/profile_decode_xs.py --top 6 2>&1 | quiet | tail -24 ;;
   final)
     bash "$0" final-tests
     bash "$0" bench ;;

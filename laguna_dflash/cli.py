@@ -78,6 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
                    help="shard the target over this many ranks (launch one process per rank: "
                         "torchrun --nproc-per-node N -m laguna_dflash ...)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="keep full KV blocks after their request, keyed by their token prefix, so "
+                        "a prompt that starts like an earlier one prefills only the rest (vLLM's "
+                        "automatic prefix caching; on by default)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size N: each rank holds 1/N of the routed experts, "
                         "whole, instead of 1/N of every expert's width (attention, dense MLPs and "
@@ -98,7 +103,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 cuda_graph_capture=args.cuda_graph_capture, load_format=args.load_format,
                 batch_invariant=args.batch_invariant,
                 tensor_parallel_size=args.tensor_parallel_size,
-                enable_expert_parallel=args.enable_expert_parallel)
+                enable_expert_parallel=args.enable_expert_parallel,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def build_parser() -> argparse.ArgumentParser:

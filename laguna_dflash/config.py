@@ -172,6 +172,11 @@ class EngineConfig:
     # --enable-expert-parallel). Attention, dense MLPs, the shared expert and the vocabulary stay
     # tensor-parallel; the MoE keeps its one all-reduce. No effect on one rank.
     enable_expert_parallel: bool = False
+    # Automatic prefix caching (vLLM's, on by default there too): full KV blocks are kept under
+    # a hash of their token prefix after their request ends, and a later prompt starting with
+    # the same tokens shares them and prefills only the rest (engine/scheduler.py). The drafter's
+    # context K/V lives in the same blocks, so DFlash reuses it as well.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RequestOutput:
     """Result of one prompt. ``logprobs``: per generated token ``{token_id: logprob}`` (the chosen
-    token plus the top-n); ``prompt_logprobs``: the same per prompt position (``None`` first)."""
+    token plus the top-n); ``prompt_logprobs``: the same per prompt position (``None`` first);
+    ``num_cached_tokens``: prompt tokens taken from the prefix cache instead of computed."""
 
     request_id: int
     prompt: str | None
@@ -27,6 +28,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -148,15 +150,21 @@ class LLM:
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
             token_ids=list(s.output_token_ids), text=self.decode(s.output_token_ids),
             finish_reason=s.finish_reason, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-            metrics=metrics,
+            metrics=metrics, num_cached_tokens=s.num_cached_tokens,
         )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``)."""
+        self.engine.reset_prefix_cache()
 
     def get_metrics(self) -> dict:
         """Engine-wide counters (spec decoding and timings)."""
         t = self.engine.timings
         out = {"prefill_s": t.prefill_s, "decode_s": t.decode_s,
                "num_prefill_tokens": t.num_prefill_tokens, "num_decode_tokens": t.num_decode_tokens,
-               "num_steps": t.num_steps, "num_decode_steps": t.num_decode_steps}
+               "num_steps": t.num_steps, "num_decode_steps": t.num_decode_steps,
+               "prefix_cache_queries": self.engine.scheduler.num_prefix_queries,
+               "prefix_cache_hits": self.engine.scheduler.num_prefix_hits}
         if self.engine.spec_stats is not None:
             out.update(self.engine.spec_stats.as_dict())
         return out

@@ -72,6 +72,8 @@ def two_ranks(checkpoints):
            "model": str(checkpoints["laguna"]), "options": EP}
     jobs["target-only"] = gen
     jobs["dflash K=3"] = {**gen, "draft": str(checkpoints["poolside"])}
+    jobs["dflash K=3, prompts again"] = {**jobs["dflash K=3"], "again": True,  # > one KV block
+                                         "prompts": [list(range(3, 23)), list(range(5, 45))]}
     results = tp_worker.run_ranks(list(jobs.values()), world_size=2)
     return {name: (job, [results[r][i] for r in range(2)]) for i, (name, job) in enumerate(jobs.items())}
 
@@ -106,6 +108,15 @@ def test_expert_parallel_greedy_equals_one_process_and_dflash_is_lossless(two_ra
     _, (spec0, spec1) = two_ranks["dflash K=3"]
     assert spec0 == spec1
     assert spec0[0] == rank0[0], "DFlash differs from target-only with expert parallelism"
+
+
+def test_sharded_ranks_share_the_prefix_cache_decisions(two_ranks):
+    """The same prompts again on two ranks: every rank finds them in its prefix cache (the
+    ranks' schedulers decide alike) and generates the same tokens as the first time."""
+    _, (rank0, rank1) = two_ranks["dflash K=3, prompts again"]
+    assert rank0 == rank1
+    first, (tokens, num_cached) = rank0
+    assert tokens == first[0] and all(n > 0 for n in num_cached), num_cached
 
 
 # ---- no processes ----------------------------------------------------------------------------
@@ -204,3 +215,66 @@ def test_cli_and_server_pass_the_flag():
                                       "--prompt-ids", "1,2"])
     assert engine_options(args)["enable_expert_parallel"] is True
     assert EngineConfig(model="m").enable_expert_parallel is False
+
+
+def _cuda_moe(tp: TensorParallel, dtype: torch.dtype) -> MoE:
+    """A Laguna-like MoE (16 experts, top-8, H 256, I 128; no shared expert) on the GPU: the
+    one-rank module, or rank ``tp.rank``'s experts of it."""
+    torch.manual_seed(0)
+    whole = MoE(256, 16, 8, 128, 0, routed_scaling_factor=2.5)
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    moe = whole if not tp.shards_experts else MoE(256, 16, 8, 128, 0, routed_scaling_factor=2.5, tp=tp)
+    if moe is not whole:
+        experts = slice(moe.first_expert, moe.first_expert + moe.num_local_experts)
+        with torch.no_grad():
+            moe.gate.weight.copy_(whole.gate.weight)
+            moe.experts_gate_up.copy_(whole.experts_gate_up[experts])
+            moe.experts_down.copy_(whole.experts_down[experts])
+    return moe.to("cuda", dtype).eval()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])  # the GEMV, fused and (bf16) grouped paths
+def test_cuda_expert_parallel_moe_in_graphs_sums_to_the_one_rank_output(num_tokens, dtype):
+    """Each rank's MoE (its experts' pairs; the others skipped by the kernels) replayed from a
+    CUDA graph equals its eager forward bitwise, and the ranks' outputs add up to the one-rank
+    module's (what the all-reduce computes)."""
+    x = torch.randn(num_tokens, 256, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        want = _cuda_moe(TensorParallel(), dtype)._forward(x, keep_pairs=False).float()
+        total = torch.zeros_like(want)
+        for rank in range(4):
+            moe = _cuda_moe(_ep_rank(rank, 4), dtype)
+            eager = moe._forward(x, keep_pairs=False)
+            moe._forward(x, keep_pairs=False)  # warm-up (compiles) outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = moe._forward(x, keep_pairs=False)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), f"rank {rank}: graph replay differs from eager"
+            assert out.isfinite().all()
+            total += eager.float()
+    tol = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(total, want, **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_expert_parallel_engine_on_one_gpu_over_gloo(checkpoints):
+    """Two gloo ranks sharing one GPU (eager, float32: the fused MoE kernels at every size, with
+    the other rank's pairs skipped): greedy tokens equal one process's; DFlash = target-only."""
+    import tp_worker
+
+    prompts = [[5, 9, 2, 44], [7, 1, 8, 30, 12, 6, 19, 3, 11]]
+    gen = {"kind": "generate", "prompts": prompts, "max_tokens": NUM_NEW_TOKENS,
+           "model": str(checkpoints["laguna"]), "skip_warmup_prefills": True,
+           "options": {**EP, "device": "cuda", "enforce_eager": True}}
+    jobs = [gen, {**gen, "draft": str(checkpoints["poolside"])}]
+    results = tp_worker.run_ranks(jobs, world_size=2, backend="gloo")
+    assert results[0] == results[1]
+    single = tp_worker.run_job({**gen, "options": {"device": "cuda", "enforce_eager": True}}, 1)
+    assert results[0][0][0] == single[0]
+    assert results[0][1][0] == results[0][0][0]

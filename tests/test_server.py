@@ -359,6 +359,9 @@ def test_load_64_concurrent_streams_in_waves(stack, caplog):
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert d["vllm:generation_tokens_total"] == sum(r[2].completion_tokens for r in results)
     assert d["vllm:prompt_tokens_total"] == sum(r[2].prompt_tokens for r in results)
+    # every admission looks its tokens up (a preempted request's again, outputs included)
+    assert d["vllm:prefix_cache_queries_total"] >= d["vllm:prompt_tokens_total"]
+    assert 0 <= d["vllm:prefix_cache_hits_total"] < d["vllm:prefix_cache_queries_total"]
     finished = sum(d[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in
                    ("stop", "length"))
     assert finished == n and d['vllm:request_success_total{finished_reason="error"}'] == 0
@@ -541,6 +544,7 @@ def test_metrics_expose_the_vllm_names(stack):
                  "vllm:spec_decode_num_accepted_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                  "vllm:request_success_total", "vllm:prompt_tokens_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:generation_tokens_total", "vllm:num_requests_running",
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_sum",

@@ -9,7 +9,8 @@ A job is a dict: ``{"kind": "prompt_logits", "model": DIR, "prompt": [ids]}`` ->
 logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | None,
 "prompts": [[ids]], "max_tokens": N, "temperature": T (default 0), "options": {...}}`` -> ``(token ids per prompt, mean
 acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
-``"logprobs": N``.
+``"logprobs": N``; with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
+prompts generated a second time)`` (the prefix cache then holds them).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def run_job(job: dict, tensor_parallel_size: int):
     outs = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
     result = ([o.token_ids for o in outs],
               [o.metrics.get("mean_acceptance_length", 0.0) for o in outs])
+    if job.get("again"):
+        again = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
+        return result, ([o.token_ids for o in again], [o.num_cached_tokens for o in again])
     return result + ([o.logprobs for o in outs],) if job.get("logprobs") is not None else result
 
 

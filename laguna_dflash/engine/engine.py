@@ -172,6 +172,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs,
             max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.tap_layer_ids = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self._ids = itertools.count()
@@ -213,6 +214,8 @@ class LLMEngine:
         Statistics, timings and the adaptive-K state are reset afterwards; blocks return to the
         pool."""
         t0 = time.perf_counter()
+        # every warm-up prefill computes its whole prompt (the shapes are the point)
+        caching, self.scheduler.enable_prefix_caching = self.scheduler.enable_prefix_caching, False
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for n in (8, 16):
             n = max(1, min(n, self.max_model_len - params.max_tokens - self.num_speculative_tokens - 1))
@@ -241,6 +244,7 @@ class LLMEngine:
         self._sim_carry = 0.0
         self._ids = itertools.count()
         self._ahead = None
+        self.scheduler.enable_prefix_caching = caching
         logger.info("warm-up done in %.1fs", time.perf_counter() - t0)
         if self.config.cuda_graph_capture == "startup":
             self.capture_all_graphs()
@@ -396,6 +400,8 @@ class LLMEngine:
                 elif op[0] == "abort":
                     if op[1] in seqs:
                         self.abort(seqs.pop(op[1]))
+                elif op[0] == "reset_prefix_cache":
+                    self.reset_prefix_cache()
                 elif op[0] == "step":
                     try:
                         for s in self.step():
@@ -408,6 +414,12 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after new weights; vLLM's ``reset_prefix_cache``)."""
+        self.scheduler.reset_prefix_cache()
+        if self._ops is not None:
+            self._ops.append(("reset_prefix_cache",))
 
     def _gens(self, seqs: list[Sequence]) -> list[torch.Generator]:
         return [s.generator or self.generator for s in seqs]
@@ -472,6 +484,8 @@ class LLMEngine:
             self.timings.decode_s += seconds
             self.timings.num_decode_steps += 1
         self.timings.num_steps += 1
+        for s in batch.sequences:  # their full blocks whose K/V became final, for later prompts
+            self.scheduler.cache_blocks(s)
         finished = [s for s in batch.sequences if s.is_finished]
         for s in finished:
             self.scheduler.finish(s)
@@ -486,8 +500,10 @@ class LLMEngine:
             seq.logprobs += top_logprobs(logits[:kept], chosen, seq.params.logprobs)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        items = [ForwardItem(s.num_tokens, 0, s.num_tokens, s.block_table) for s in seqs]
-        ids = [t for s in seqs for t in s.token_ids]
+        # each request's tokens past its cached prefix (positions num_computed ..)
+        items = [ForwardItem(s.num_tokens - s.num_computed, s.num_computed, s.num_tokens,
+                             s.block_table) for s in seqs]
+        ids = [t for s in seqs for t in s.token_ids[s.num_computed :]]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
         counts = [it.num_tokens for it in items]
         starts = [0] + list(itertools.accumulate(counts))[:-1]
@@ -497,17 +513,18 @@ class LLMEngine:
             # it and the decode steps do not; the taps [sum(n), layers * H] are freed now.
             for s, start, n in zip(seqs, starts, counts):
                 s.clear_pending_taps()
-                s.add_pending_taps(taps, start, n, 0)
+                s.add_pending_taps(taps, start, n, s.num_computed)
             self.proposer.store_context(seqs)
         last_rows = torch.tensor([start + n - 1 for start, n in zip(starts, counts)]).to(self.device)
         logits = self.target.lm_head_logits(hidden[last_rows])
         tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
         for i, (s, start, n) in enumerate(zip(seqs, starts, counts)):
             if s.params.prompt_logprobs is not None and s.prompt_logprobs is None:
+                assert s.num_computed == 0, "prompt logprobs need the whole prompt computed"
                 rows = self.target.compute_logits(hidden[start : start + n - 1])
                 s.prompt_logprobs = [None] + top_logprobs(
                     rows, torch.tensor(s.prompt_token_ids[1:]), s.params.prompt_logprobs)
-            s.num_computed = n
+            s.num_computed = s.num_tokens
             self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
         self.timings.num_prefill_tokens += len(ids)
 

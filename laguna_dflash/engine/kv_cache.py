@@ -8,22 +8,55 @@ from there (always masked), so shapes stay fixed without branches.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+
 import torch
 
 
+def block_hashes(token_ids: list[int], block_size: int, known: list[bytes]) -> list[bytes]:
+    """The content hashes of every full block of ``token_ids``: ``known`` (a prefix of the
+    chain, reused) extended. Block ``i``'s hash is ``sha256(hash[i-1] | its token ids)``, so it
+    names the whole prefix up to the block's end (equal hashes <=> equal token prefixes, barring
+    a SHA-256 collision), as vLLM's prefix caching names blocks."""
+    out = list(known)
+    for i in range(len(out), len(token_ids) // block_size):
+        digest = hashlib.sha256(out[-1] if out else b"")
+        digest.update(array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
+        out.append(digest.digest())
+    return out
+
+
 class BlockAllocator:
-    """Free-list allocator of fixed-size KV blocks (pure CPU bookkeeping)."""
+    """Fixed-size KV blocks with reference counts (pure CPU bookkeeping).
+
+    Free blocks wait in a pool, least recently freed first. With prefix caching a full block
+    whose K/V is final may be :meth:`register`-ed under its :func:`block_hashes` hash; it keeps
+    that content in the pool after its last reference is freed, so a later request whose prompt
+    starts with the same tokens :meth:`lookup`-s and :meth:`share`-s it instead of recomputing
+    it, until the pool hands it out again (eviction: the hash is forgotten). Invariant: a block
+    with a hash is never written (requests write only at positions past their shared prefix).
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are handed out last-freed last)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def blocks_needed(self, num_tokens: int, num_held: int) -> int:
         """Extra blocks a table of ``num_held`` blocks needs to cover ``num_tokens`` positions."""
@@ -34,11 +67,64 @@ class BlockAllocator:
 
     def allocate(self, num_blocks: int) -> list[int]:
         assert num_blocks <= len(self._free), "caller must check can_allocate first"
-        return [self._free.pop() for _ in range(num_blocks)]
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)  # its content will be overwritten
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-        assert len(self._free) <= self.num_blocks, "double free of KV blocks"
+        """Drop one reference to each block; unreferenced ones return to the pool, a table's
+        last blocks first (they are evicted before its first ones, which more requests share)."""
+        for block in reversed(blocks):
+            assert self._refs[block] > 0, "double free of KV blocks"
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    # ---- prefix caching ------------------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (nothing is taken)."""
+        blocks = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` sit in the free pool (sharing them takes them out of it)."""
+        return sum(self._refs[b] == 0 for b in blocks)
+
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference to each cached block (out of the pool if it was there)."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """``block`` (held, full, its K/V final) holds the prefix named ``block_hash``. A
+        prefix already cached in another block keeps that block (two requests that computed the
+        same prefix at once)."""
+        assert self._refs[block] > 0, "only a held block's content is known"
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks keep their holders)."""
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
 
 
 class KVCache:

@@ -4,6 +4,13 @@ A step is either a prefill batch (newly admitted requests, whole prompt each) or
 (every running request). Decode steps reserve KV for ``1 + num_lookahead`` positions per request
 (the bonus token plus K draft tokens when speculating). When blocks run out the most recently
 admitted request is preempted: its blocks are freed and it is recomputed later from its tokens.
+
+Prefix caching (``enable_prefix_caching``, vLLM's automatic prefix caching): a request is
+admitted with the cached blocks of its longest cached full-block prefix at the head of its
+block table (shared, never written: it writes only past them) and ``num_computed`` at their end,
+so its prefill computes only the rest; at least its last token is computed (its logits give the
+first output token). After each step the engine :meth:`Scheduler.cache_blocks` the requests'
+newly final full blocks. Requests asking for prompt logprobs compute their whole prompt.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_cache import BlockAllocator
+from .kv_cache import BlockAllocator, block_hashes
 from .sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -31,8 +38,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_lookahead: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.allocator = allocator
+        self.enable_prefix_caching = enable_prefix_caching
+        # prompt tokens looked up in the prefix cache at admission, and found there
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead = num_lookahead
@@ -63,6 +75,47 @@ class Scheduler:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_registered_blocks = 0
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of ``seq``'s longest cached prefix, short of its last token."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs = self.allocator.block_size
+        seq.block_hashes = block_hashes(seq.token_ids, bs, seq.block_hashes)
+        return self.allocator.lookup(seq.block_hashes[: (seq.num_tokens - 1) // bs])
+
+    def _admit(self, seq: Sequence, cached: list[int]) -> bool:
+        """Give ``seq`` its block table for a prefill (``cached`` shared at its head) and
+        ``num_computed`` at the cached prefix's end; False when the blocks are not free."""
+        need = self.allocator.blocks_needed(seq.num_tokens + 1 + self.num_lookahead, len(cached))
+        if not self.allocator.can_allocate(need + self.allocator.num_unreferenced(cached)):
+            return False
+        self.allocator.share(cached)
+        seq.block_table = cached + self.allocator.allocate(need)
+        seq.num_computed = seq.num_cached_tokens = len(cached) * self.allocator.block_size
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_cached_tokens
+        return True
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s full blocks whose K/V became final (prefix caching)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.allocator.block_size
+        num_full = min(seq.num_final_positions, seq.num_tokens) // bs
+        if num_full <= seq.num_registered_blocks:
+            return
+        seq.block_hashes = block_hashes(seq.token_ids[: num_full * bs], bs, seq.block_hashes[:num_full])
+        for i in range(seq.num_registered_blocks, num_full):
+            self.allocator.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        self.allocator.reset_prefix_cache()
+        for seq in self.running:
+            seq.num_registered_blocks = 0
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -78,15 +131,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
             seq = self.waiting[0]
-            # A prefill computes every token and samples the next, so reserve one extra position
-            # plus the decode lookahead it will need next.
-            if seq.num_tokens > budget and prefill:
+            # A prefill computes every token past the cached prefix and samples the next, so
+            # reserve one extra position plus the decode lookahead it will need next.
+            cached = self._cached_prefix(seq)
+            num_new = seq.num_tokens - len(cached) * self.allocator.block_size
+            if num_new > budget and prefill:
                 break
-            if not self._reserve(seq, seq.num_tokens + 1 + self.num_lookahead):
+            if not self._admit(seq, cached):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            budget -= seq.num_tokens
+            budget -= num_new
             prefill.append(seq)
         if prefill:
             self.running += prefill

@@ -51,6 +51,19 @@ class Sequence:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     trace: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
+    # prefix caching: the content hashes of the full blocks of token_ids (kv_cache.block_hashes,
+    # extended as tokens arrive), the leading blocks of block_table registered under them, and
+    # the prompt tokens the last admission found cached
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def num_final_positions(self) -> int:
+        """Positions whose target K/V and drafter context K/V are final: computed, and not
+        waiting in the pending taps (``pending_start`` on, the drafter's K/V is not written yet).
+        Without a drafter nothing is pending, so it is ``num_computed``."""
+        return self.pending_start if self.num_pending else self.num_computed
 
     @property
     def token_ids(self) -> list[int]:

@@ -85,6 +85,7 @@ class ServerConfig:
             "batch_invariant": e.batch_invariant,
             "tensor_parallel_size": e.tensor_parallel_size,
             "enable_expert_parallel": e.enable_expert_parallel,
+            "enable_prefix_caching": e.enable_prefix_caching,
             "speculative_method": "dflash" if spec.config is not None else "off",
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
@@ -236,6 +237,8 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         batch_invariant=bool(getattr(args, "batch_invariant", False)),
         tensor_parallel_size=int(getattr(args, "tensor_parallel_size", 1)),
         enable_expert_parallel=bool(getattr(args, "enable_expert_parallel", False)),
+        enable_prefix_caching=bool(getattr(args, "enable_prefix_caching",
+                                           EngineConfig.enable_prefix_caching)),
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -339,7 +339,9 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
             num_free_blocks=e.allocator.num_free_blocks, num_blocks=e.allocator.num_blocks,
-            num_steps=e.timings.num_steps, spec=spec)
+            num_steps=e.timings.num_steps, spec=spec,
+            num_prefix_queries=e.scheduler.num_prefix_queries,
+            num_prefix_hits=e.scheduler.num_prefix_hits)
 
     @staticmethod
     def _deliver(items: list[tuple[_Request, object]]) -> None:

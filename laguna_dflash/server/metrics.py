@@ -44,6 +44,9 @@ class EngineSnapshot:
     num_blocks: int = 0
     num_steps: int = 0
     spec: SpecCounters | None = None
+    # prefix caching: prompt tokens looked up at admission, and found cached
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -157,6 +160,11 @@ class ServerMetrics:
                    [("", snap.num_blocks)])
             family("vllm:prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
                    [("", self.prompt_tokens)])
+            family("vllm:prefix_cache_queries_total", "counter",
+                   "Prompt tokens looked up in the prefix cache.", [("", snap.num_prefix_queries)])
+            family("vllm:prefix_cache_hits_total", "counter",
+                   "Prompt tokens found in the prefix cache (not recomputed).",
+                   [("", snap.num_prefix_hits)])
             family("vllm:generation_tokens_total", "counter", "Generated tokens.",
                    [("", self.generation_tokens)])
             family("vllm:request_success_total", "counter", "Finished requests by finish reason.",

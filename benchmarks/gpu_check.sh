@@ -96,8 +96,9 @@
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh ep         # expert parallelism: the MoE kernels' skipped pairs,
 #                                           # the expert-parallel MoE in CUDA graphs, two gloo
-#                                           # ranks at XS-2.1 widths, then the batch-1 decode
-#                                           # step without it (~6 min)
+#                                           # ranks at XS-2.1 widths (~6 min)
+#   bash benchmarks/gpu_check.sh prefix     # prefix caching: CUDA tests, bench_prefix_cache.py,
+#                                           # then the batch-1 decode step (~6 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -434,6 +435,11 @@ case "$stage" in
     echo "== two gloo ranks at XS-2.1 widths, experts split by expert"
     timeout 200 python benchmarks/check_tp_xs.py --layers 2 --dtypes float32,bfloat16 \
       --enable-expert-parallel 2>&1 | quiet | tail -10
+    ;;
+  prefix)
+    echo "== prefix caching on the GPU: tokens and drafts against the uncached engine, then timed"
+    gpu_tests 200 tests/test_prefix_caching.py -k cuda | tail -4
+    timeout 200 python benchmarks/bench_prefix_cache.py 2>&1 | quiet | tail -9
     echo "== batch-1 decode step, one GPU, no parallelism (the default kernels)"
     timeout 150 python benchmarks/profile_decode_xs.py --top 6 2>&1 | quiet | tail -24 ;;
   final)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.config import SamplingParams as Params
@@ -106,8 +107,6 @@ def test_scheduler_budget_counts_only_the_tokens_to_compute():
 def test_blocks_wait_for_their_drafter_context():
     """A block is cached only once its drafter context K/V is written too: positions whose
     target taps are still pending (not yet in the drafter's cache) hold it back."""
-    import torch
-
     alloc = BlockAllocator(8, 4)
     sched = Scheduler(alloc, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=True)
     seq = _seq(0, list(range(1, 14)))
@@ -167,19 +166,26 @@ def _drafts(outs) -> list[list[list]]:
              for o in r] for r in outs]
 
 
-@pytest.mark.parametrize("num_speculative_tokens,store_in_verify",
-                         [(0, True), (BLOCK_SIZE - 1, True), (2, True), (2, False)])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("num_speculative_tokens,store_in_verify,device",
+                         [(0, True, "cpu"), (BLOCK_SIZE - 1, True, "cpu"), (2, True, "cpu"),
+                          (2, False, "cpu"), pytest.param(0, True, "cuda", marks=CUDA),
+                          pytest.param(BLOCK_SIZE - 1, True, "cuda", marks=CUDA)])
 def test_cached_prefixes_give_the_uncached_tokens_and_drafts(pair, num_speculative_tokens,
-                                                             store_in_verify, monkeypatch):
+                                                             store_in_verify, device, monkeypatch):
     """``store_in_verify=False``: the accepted rows' drafter context waits in the pending taps
     until the next step, so a request ends with positions whose drafter K/V was never written:
-    their blocks must not be cached (the follow-up's drafts would see a stale context)."""
+    their blocks must not be cached (the follow-up's drafts would see a stale context). On
+    CUDA (float32): the Triton attention over a cached prefix, CUDA graphs, drafts queued ahead."""
     from laguna_dflash.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "store_context_in_verify", store_in_verify)
     target, draft = pair
     spec = {"draft": draft, "num_speculative_tokens": num_speculative_tokens, "trace": True} \
         if num_speculative_tokens else {}
+    spec["device"] = device
     rounds = _rounds(seed=num_speculative_tokens)
     cached = LLM(target, block_size=KV_BLOCK, **spec)
     plain = LLM(target, block_size=KV_BLOCK, enable_prefix_caching=False, **spec)
@@ -195,7 +201,7 @@ def test_cached_prefixes_give_the_uncached_tokens_and_drafts(pair, num_speculati
     assert m["num_prefill_tokens"] == m0["num_prefill_tokens"] - sum(hits)
     if num_speculative_tokens:
         assert _drafts(got) == _drafts(want), "the drafter saw another context: its cached K/V"
-        base = LLM(target, block_size=KV_BLOCK)
+        base = LLM(target, block_size=KV_BLOCK, device=device)
         assert _tokens(got) == _tokens(_run(base, rounds)), "DFlash differs from target-only"
         assert m["num_accepted_tokens"] > 0
 

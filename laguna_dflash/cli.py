@@ -83,6 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="keep full KV blocks after their request, keyed by their token prefix, so "
                         "a prompt that starts like an earlier one prefills only the rest (vLLM's "
                         "automatic prefix caching; on by default)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_chunked_prefill,
+                   help="compute a prompt longer than --max-num-batched-tokens in chunks over "
+                        "several steps, alternating with decode steps (vLLM's chunked prefill; "
+                        "on by default)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size N: each rank holds 1/N of the routed experts, "
                         "whole, instead of 1/N of every expert's width (attention, dense MLPs and "
@@ -104,7 +109,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 batch_invariant=args.batch_invariant,
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -177,6 +177,11 @@ class EngineConfig:
     # the same tokens shares them and prefills only the rest (engine/scheduler.py). The drafter's
     # context K/V lives in the same blocks, so DFlash reuses it as well.
     enable_prefix_caching: bool = True
+    # Chunked prefill (vLLM's, on by default there too): a prefill step computes at most
+    # max_num_batched_tokens tokens; a longer prompt is computed in chunks over several steps,
+    # alternating with the running requests' decode steps. False: every prompt is computed whole
+    # in one step (the budget then grows to max_model_len).
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -193,6 +198,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1 (--max-num-batched-tokens), got "
+                             f"{self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.load_format not in ("auto", "dummy"):

@@ -344,9 +344,9 @@ def _spy_warmup(engine, monkeypatch) -> tuple[list[int], list[list[int]]]:
         lengths.append(len(ids))
         return add(ids, *args, **kwargs)
 
-    def run_prefill(seqs):
+    def run_prefill(seqs, num_new_tokens):
         prefills.append(sorted(len(s.prompt_token_ids) for s in seqs))
-        return prefill(seqs)
+        return prefill(seqs, num_new_tokens)
 
     monkeypatch.setattr(engine, "add_request", add_request)
     monkeypatch.setattr(engine, "_prefill", run_prefill)

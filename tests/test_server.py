@@ -513,10 +513,10 @@ def test_engine_failure_fails_only_that_request(stack, monkeypatch):
     poison = [3, 1, 4, 1, 5, 9, 2, 6]
     prefill = stack.engine._prefill
 
-    def failing_prefill(seqs):
+    def failing_prefill(seqs, num_new_tokens):
         if any(s.prompt_token_ids == poison for s in seqs):
             raise RuntimeError("injected failure")
-        return prefill(seqs)
+        return prefill(seqs, num_new_tokens)
 
     monkeypatch.setattr(stack.engine, "_prefill", failing_prefill)
     want = stack.greedy(["def good(x):"], max_tokens=60, ignore_eos=True)[0]

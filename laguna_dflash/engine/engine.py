@@ -171,8 +171,11 @@ class LLMEngine:
             self.attach_graph_runners()
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs,
-            max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
+            # without chunking a prompt is computed whole, so the budget holds the longest
+            config.max_num_batched_tokens if config.enable_chunked_prefill
+            else max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
             enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.tap_layer_ids = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self._ids = itertools.count()
@@ -465,7 +468,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None  # for this step only
         if batch.is_prefill:
-            self._prefill(batch.sequences)
+            self._prefill(batch.sequences, batch.num_new_tokens)
             self.timings.prefill_s += time.perf_counter() - t0
         else:
             seqs = batch.sequences
@@ -499,34 +502,53 @@ class LLMEngine:
             chosen = torch.tensor(tokens[:kept])
             seq.logprobs += top_logprobs(logits[:kept], chosen, seq.params.logprobs)
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        # each request's tokens past its cached prefix (positions num_computed ..)
-        items = [ForwardItem(s.num_tokens - s.num_computed, s.num_computed, s.num_tokens,
-                             s.block_table) for s in seqs]
-        ids = [t for s in seqs for t in s.token_ids[s.num_computed :]]
+    def _prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
+        """Compute ``num_new_tokens[i]`` tokens of request ``i`` at positions ``num_computed ..``
+        (past its cached prefix; a chunk of its prompt with chunked prefill) and store their
+        drafter context; a request whose prompt this completes samples its first token."""
+        items = [ForwardItem(n, s.num_computed, s.num_computed + n, s.block_table)
+                 for s, n in zip(seqs, num_new_tokens)]
+        ids = [t for s, n in zip(seqs, num_new_tokens)
+               for t in s.token_ids[s.num_computed : s.num_computed + n]]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids)
-        counts = [it.num_tokens for it in items]
-        starts = [0] + list(itertools.accumulate(counts))[:-1]
+        starts = [0] + list(itertools.accumulate(num_new_tokens))[:-1]
         if taps is not None:
             # The prompts' drafter context K/V belongs to prefill (vLLM's proposer runs right
             # after the target's prefill): queued before this step's one host sync, so TTFT pays
             # it and the decode steps do not; the taps [sum(n), layers * H] are freed now.
-            for s, start, n in zip(seqs, starts, counts):
+            for s, start, n in zip(seqs, starts, num_new_tokens):
                 s.clear_pending_taps()
                 s.add_pending_taps(taps, start, n, s.num_computed)
             self.proposer.store_context(seqs)
-        last_rows = torch.tensor([start + n - 1 for start, n in zip(starts, counts)]).to(self.device)
-        logits = self.target.lm_head_logits(hidden[last_rows])
-        tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs)).tolist()
-        for i, (s, start, n) in enumerate(zip(seqs, starts, counts)):
-            if s.params.prompt_logprobs is not None and s.prompt_logprobs is None:
-                assert s.num_computed == 0, "prompt logprobs need the whole prompt computed"
-                rows = self.target.compute_logits(hidden[start : start + n - 1])
-                s.prompt_logprobs = [None] + top_logprobs(
-                    rows, torch.tensor(s.prompt_token_ids[1:]), s.params.prompt_logprobs)
-            s.num_computed = s.num_tokens
-            self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
+        for s, start, n in zip(seqs, starts, num_new_tokens):
+            if s.params.prompt_logprobs is not None:
+                self._prompt_logprobs(s, hidden[start : start + n])
+            s.num_computed += n
+        done = [i for i, s in enumerate(seqs) if s.num_computed == s.num_tokens]
+        if done:
+            last_rows = torch.tensor([starts[i] + num_new_tokens[i] - 1 for i in done])
+            logits = self.target.lm_head_logits(hidden[last_rows.to(self.device)])
+            ended = [seqs[i] for i in done]
+            tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended)).tolist()
+            for j, s in enumerate(ended):
+                self._commit(s, [tokens[j]], logits[j : j + 1] if s.logprobs is not None else None)
         self.timings.num_prefill_tokens += len(ids)
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Extend ``seq.prompt_logprobs`` with this prefill's rows ``hidden [n, H]`` (positions
+        ``num_computed ..``): row ``j`` scores prompt token ``j + 1``; entry 0 is None. A
+        preempted request's recompute finds them complete."""
+        c, prompt = seq.num_computed, seq.prompt_token_ids
+        if seq.prompt_logprobs is None:
+            assert c == 0, "prompt logprobs need the whole prompt computed"
+            seq.prompt_logprobs = [None]
+        if len(seq.prompt_logprobs) != c + 1:
+            return  # complete (a recompute after preemption)
+        end = min(c + hidden.shape[0], len(prompt) - 1)  # positions c .. end - 1 score tokens up to end
+        if end > c:
+            rows = self.target.compute_logits(hidden[: end - c])
+            seq.prompt_logprobs += top_logprobs(rows, torch.tensor(prompt[c + 1 : end + 1]),
+                                                seq.params.prompt_logprobs)
 
     def _decode(self, seqs: list[Sequence], ahead: ForwardAhead | None = None) -> list[int]:
         """One target-only token per request (its forward possibly queued by the previous step,

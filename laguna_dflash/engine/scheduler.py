@@ -11,13 +11,19 @@ block table (shared, never written: it writes only past them) and ``num_computed
 so its prefill computes only the rest; at least its last token is computed (its logits give the
 first output token). After each step the engine :meth:`Scheduler.cache_blocks` the requests'
 newly final full blocks. Requests asking for prompt logprobs compute their whole prompt.
+
+Chunked prefill (``enable_chunked_prefill``, vLLM's): a prefill step computes at most
+``max_num_batched_tokens`` tokens; a prompt longer than what is left of that budget is computed
+in chunks over several prefill steps (its blocks reserved whole at admission), and while one is
+in progress the steps alternate with decode steps of the running requests, so a long prompt
+delays their next token by one chunk, not by its whole prefill.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kv_cache import BlockAllocator, block_hashes
 from .sequence import Sequence, Status
@@ -29,6 +35,9 @@ logger = logging.getLogger(__name__)
 class ScheduledBatch:
     sequences: list[Sequence]
     is_prefill: bool
+    # prefill: the tokens each request computes this step, at positions num_computed ..; short
+    # of its last token for a request in the middle of a chunked prefill
+    num_new_tokens: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -39,9 +48,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_lookahead: int = 0,
         enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
     ) -> None:
         self.allocator = allocator
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefilling: list[Sequence] = []  # admitted, prompt partly computed (chunked)
+        self._decode_turn = False  # the next step decodes (a chunked prefill is in progress)
         # prompt tokens looked up in the prefix cache at admission, and found there
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -53,7 +66,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -114,12 +127,14 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         self.allocator.reset_prefix_cache()
-        for seq in self.running:
+        for seq in self.running + self.prefilling:
             seq.num_registered_blocks = 0
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
@@ -127,25 +142,51 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or "abort"
 
     def schedule(self) -> ScheduledBatch | None:
+        if self._decode_turn and self.running:
+            self._decode_turn = False
+            return self._schedule_decode()
         prefill: list[Sequence] = []
+        counts: list[int] = []
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
+        for seq in self.prefilling:  # chunked prefills in progress go first, oldest first
+            if budget <= 0:
+                break
+            prefill.append(seq)
+            counts.append(min(seq.num_tokens - seq.num_computed, budget))
+            budget -= counts[-1]
+        num_admitted = 0
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.prefilling) + num_admitted < self.max_num_seqs):
             seq = self.waiting[0]
             # A prefill computes every token past the cached prefix and samples the next, so
             # reserve one extra position plus the decode lookahead it will need next.
             cached = self._cached_prefix(seq)
             num_new = seq.num_tokens - len(cached) * self.allocator.block_size
-            if num_new > budget and prefill:
+            if num_new > budget and prefill and not self.enable_chunked_prefill:
                 break
             if not self._admit(seq, cached):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            budget -= num_new
+            num_admitted += 1
             prefill.append(seq)
+            counts.append(min(num_new, budget) if self.enable_chunked_prefill else num_new)
+            budget -= counts[-1]
         if prefill:
-            self.running += prefill
-            return ScheduledBatch(prefill, is_prefill=True)
+            for seq, n in zip(prefill, counts):
+                completes = seq.num_computed + n == seq.num_tokens
+                if completes and seq in self.prefilling:
+                    self.prefilling.remove(seq)
+                if completes:
+                    self.running.append(seq)
+                elif seq not in self.prefilling:
+                    self.prefilling.append(seq)
+            # a chunked prompt still in progress: the running requests decode next
+            self._decode_turn = bool(self.prefilling)
+            return ScheduledBatch(prefill, is_prefill=True, num_new_tokens=counts)
+        return self._schedule_decode()
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
             if self.waiting:
                 seq = self.waiting[0]

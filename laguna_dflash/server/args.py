@@ -86,6 +86,7 @@ class ServerConfig:
             "tensor_parallel_size": e.tensor_parallel_size,
             "enable_expert_parallel": e.enable_expert_parallel,
             "enable_prefix_caching": e.enable_prefix_caching,
+            "enable_chunked_prefill": e.enable_chunked_prefill,
             "speculative_method": "dflash" if spec.config is not None else "off",
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
@@ -239,6 +240,8 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         enable_expert_parallel=bool(getattr(args, "enable_expert_parallel", False)),
         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching",
                                            EngineConfig.enable_prefix_caching)),
+        enable_chunked_prefill=bool(getattr(args, "enable_chunked_prefill",
+                                            EngineConfig.enable_chunked_prefill)),
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -6,7 +6,8 @@ the forward holds (``torch.equal``, not a tolerance):
 * the linear layers: a row alone, in a chunk of 5 and among 37 rows (three 16-row blocks of one
   launch); one launch of blocks against a launch per block, with split-K;
 * the MoE experts: a token alone, among 21 tokens (other experts hit, other run lengths) and
-  in launches of 8 tokens;
+  in launches of 8 tokens; with skipped pairs (expert parallelism's ``-1`` ids), a token alone
+  and in the batch, its skipped pairs zeros;
 * paged attention: a query position as a 1-token decode, inside a 4-token verify, inside the
   whole prompt's prefill (in one launch and in token chunks) and next to other requests
   (causal; sliding window with sinks; several key splits, some empty);
@@ -101,6 +102,28 @@ def _check_moe(device: str, hidden: int, e: int, top_k: int, inter: int, dtype: 
         batch_invariant.MOE_MAX_ROWS = chunk_rows
     want = fused_moe.moe_experts_reference(x.float(), ids, weights, gate_up.float(), down.float())
     torch.testing.assert_close(pairs.float().sum(1), want, rtol=3e-2, atol=3e-2)
+
+
+def check_moe_skipped_pairs(device: str, hidden: int, inter: int, kernel: str) -> None:
+    """``has_skipped_pairs`` through ``moe_experts``: one rank's ids (``-1`` where the expert is
+    on another rank, whose weights are NaN) give each token alone the bits it gets in the batch,
+    the skipped pairs exact zeros, and the other pairs the global call's bits."""
+    from test_kernel_fused_moe import ep_problem
+
+    saved = batch_invariant.moe_kernel
+    batch_invariant.moe_kernel = kernel
+    try:
+        full, rank, skipped = ep_problem(21, 3, 12, 3, 8, hidden, inter, torch.bfloat16, seed=2, device=device)
+        x, local, w, gate_up, down = rank
+        pairs = batch_invariant.moe_experts(*rank, has_skipped_pairs=True)
+        assert torch.all(pairs[skipped] == 0) and not torch.isnan(pairs).any()
+        assert torch.equal(pairs[~skipped], batch_invariant.moe_experts(*full)[~skipped])
+        for i in range(x.shape[0]):
+            alone = batch_invariant.moe_experts(x[i : i + 1], local[i : i + 1], w[i : i + 1], gate_up, down,
+                                                has_skipped_pairs=True)
+            assert torch.equal(alone[0], pairs[i]), f"token {i}"
+    finally:
+        batch_invariant.moe_kernel = saved
 
 
 def _attend(q, k_cache, v_cache, items, scratch_slot, *, window, sinks):
@@ -268,6 +291,38 @@ def test_moe_tokens_do_not_depend_on_the_batch_interpreted(kernel):
     check_moe("cpu", hidden=32, e=5, top_k=2, inter=24, kernel=kernel)
 
 
+@interpreted
+@pytest.mark.parametrize("kernel", ["fused", "sorted"])
+def test_moe_skipped_pairs_do_not_depend_on_the_batch_interpreted(kernel):
+    check_moe_skipped_pairs("cpu", hidden=32, inter=24, kernel=kernel)
+
+
+def test_moe_experts_forwards_has_skipped_pairs(monkeypatch):
+    """``moe_experts(..., has_skipped_pairs=)`` reaches the kernels of either kind, ``False`` by
+    default (stand-in kernels record it)."""
+    seen = []
+
+    def fake(name):
+        def run(x, ids, w, gate_up, down, **kw):
+            seen.append((name, kw["has_skipped_pairs"]))
+            return torch.zeros(x.shape[0], ids.shape[1], x.shape[1])
+        return run
+
+    monkeypatch.setattr(batch_invariant.fused_moe, "fused_moe_experts", fake("fused"))
+    monkeypatch.setattr(batch_invariant.grouped_moe, "sorted_moe_experts", fake("sorted"))
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2)
+    gate_up, down = torch.zeros(6, 8, 4), torch.zeros(6, 4, 4)
+    for kernel in ("fused", "sorted"):
+        monkeypatch.setattr(batch_invariant, "moe_kernel", kernel)
+        for flag in (True, False):
+            seen.clear()
+            batch_invariant.moe_experts(x, ids, w, gate_up, down, has_skipped_pairs=flag)
+            assert seen == [(kernel, flag)]
+        seen.clear()
+        batch_invariant.moe_experts(x, ids, w, gate_up, down)
+        assert seen == [(kernel, False)]
+
+
 def test_auto_moe_kernel_dispatch(monkeypatch, caplog):
     """"auto": the fused kernels up to MOE_FUSED_MAX_TOKENS tokens; above, the sorted ones only
     once the check on these weights found the same bits (run once, cached), never an unchecked
@@ -392,6 +447,12 @@ def test_linear_rows_do_not_depend_on_the_batch_cuda(n, k):
 @pytest.mark.parametrize("kernel", ["fused", "sorted", "auto"])
 def test_moe_tokens_do_not_depend_on_the_batch_cuda(kernel):
     check_moe("cuda", hidden=2048, e=8, top_k=3, inter=512, kernel=kernel)
+
+
+@cuda
+@pytest.mark.parametrize("kernel", ["fused", "sorted"])
+def test_moe_skipped_pairs_do_not_depend_on_the_batch_cuda(kernel):
+    check_moe_skipped_pairs("cuda", hidden=2048, inter=512, kernel=kernel)
 
 
 @cuda

@@ -9,6 +9,12 @@
   not leak into other tests); each case is reported as its own test.
 * On CUDA (skipped without one): Laguna-XS-2.1 shapes (H 2048, I 512, E 256, k 8) vs the
   reference, ``MoE.forward`` fused vs torch, and CUDA-graph capture.
+* Skipped pairs (``has_skipped_pairs``: id ``-1``, an expert on another rank under expert
+  parallelism), with :func:`ep_problem` / :func:`check_skipped_pairs` (shared with the GEMV and
+  the sorted kernels' tests): the reference drops them; under the interpreter (a child pytest,
+  ``-k interpreted``) and on CUDA (with a CUDA-graph capture) a rank's call gives its pairs the
+  global call's bits and the skipped pairs exact zeros, with NaN wherever a read of a skipped
+  pair's weights would land; none skipped with the flag on equals the flag off.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ import sys
 
 import pytest
 import torch
-from interpreter_child import interpreter_script_json
+from interpreter_child import (
+    INTERPRETED,
+    interpreted,
+    interpreter_script_json,
+    run_interpreted_child,
+)
 from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 
 from laguna_dflash.kernels.fused_moe import (
@@ -63,6 +74,102 @@ def _fp32_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
     return moe_experts_reference(x.float(), ids, weights.float(), gate_up.float(), down.float())
 
 
+def ep_problem(
+    t: int, k: int, e_total: int, lo: int, hi: int, hidden: int, inter: int, dtype: torch.dtype,
+    seed: int, device: str = "cpu",
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+    """One rank's view under expert parallelism: ``(full, rank, skipped)``.
+
+    ``full = (x, ids, weights, gate_up, down)`` over all ``e_total`` experts; ``rank`` is the same
+    with the local ids (``id - lo`` inside ``[lo, hi)``, ``-1`` elsewhere) and the slices
+    ``gate_up[lo:hi]``, ``down[lo:hi]`` (views of the full tensors); ``skipped [T, k]`` marks the
+    ``-1`` pairs. Token 0 has every pair skipped, token 1 none, the others a random mix.
+
+    Poison, so that reading a skipped pair's weights shows as NaN: every expert outside
+    ``[lo, hi - 1)`` is NaN, among them ``lo - 1`` (right below the rank's slice: where ``-1`` lands
+    used as an offset) and ``hi - 1`` (the rank's last: where ``-1`` lands wrapped as an index),
+    and no pair is routed to ``hi - 1``; the skipped pairs' routing weights are NaN too. So the
+    full call's skipped rows are NaN (never compared) and its other rows finite.
+    """
+    assert 1 <= lo < hi < e_total
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g)
+    gate_up = torch.randn(e_total, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(e_total, hidden, inter, generator=g) / inter**0.5
+    usable = torch.tensor([e for e in range(e_total) if e != hi - 1])
+    inside = usable[(usable >= lo) & (usable < hi)]
+    pools = (usable[(usable < lo) | (usable >= hi)], inside)  # token 0, token 1
+    assert min(len(pool) for pool in pools) >= k
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]]
+                       for pool in (pools[i] if i < 2 else usable for i in range(t))])
+    skipped = (ids < lo) | (ids >= hi)
+    local = torch.where(skipped, -1, ids - lo)
+    weights = torch.rand(t, k, generator=g)
+    weights = weights / weights.sum(-1, keepdim=True)
+    weights[skipped] = float("nan")
+    poisoned = torch.ones(e_total, dtype=torch.bool)
+    poisoned[lo : hi - 1] = False
+    gate_up[poisoned] = float("nan")
+    down[poisoned] = float("nan")
+    x, weights, gate_up, down = (a.to(device, dtype) for a in (x, weights, gate_up, down))
+    ids, local, skipped = ids.to(device), local.to(device), skipped.to(device)
+    return ((x, ids, weights, gate_up, down), (x, local, weights, gate_up[lo:hi], down[lo:hi]),
+            skipped)
+
+
+SENTINEL = 3.0  # what every torch.empty buffer of a spied kernel module starts as
+
+
+class SentinelTorch:
+    """Stands in for ``torch`` in a kernel module (``monkeypatch.setattr(module, "torch", ...)``):
+    each ``torch.empty`` comes back filled with :data:`SENTINEL` and is recorded, so a row that no
+    kernel writes shows (a fresh allocation often holds zeros, which would pass for a written
+    zero row)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def empty(self, *size, **kwargs) -> torch.Tensor:
+        buffer = torch.empty(*size, **kwargs).fill_(SENTINEL)
+        self.buffers.append(buffer)
+        return buffer
+
+
+def check_skipped_pairs(pairs_fn, full, rank, skipped, module=None, h_rows=None) -> torch.Tensor:
+    """``pairs_fn(x, ids, weights, gate_up, down, **kw) -> [T, k, H]`` on :func:`ep_problem`'s
+    problem: the rank's call with ``has_skipped_pairs`` gives every pair it keeps the full call's
+    bits, and every skipped pair exact zeros (no NaN from the poisoned weights and routing
+    weights); every pair skipped gives all zeros. Returns the rank's pairs.
+
+    ``module``: the kernel module whose ``torch.empty`` buffers to fill with :data:`SENTINEL`
+    (:class:`SentinelTorch`): then the returned pairs must be such a buffer (the zeros were
+    written, not found) and the rows of the ``h`` buffer (2-D, ``I`` wide) that ``h_rows(local
+    ids)`` selects (default: row ``p`` for each skipped pair ``p``) must still hold the sentinel:
+    the gate_up kernel computed nothing for a skipped pair."""
+    want = pairs_fn(*full)
+    spy = SentinelTorch()
+    with pytest.MonkeyPatch.context() as mp:
+        if module is not None:
+            mp.setattr(module, "torch", spy)
+        got = pairs_fn(*rank, has_skipped_pairs=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not torch.isnan(want[~skipped]).any()  # the poison is only on the skipped pairs
+    assert torch.equal(got[~skipped], want[~skipped])
+    assert torch.all(got[skipped] == 0) and not torch.isnan(got).any()
+    x, local, weights, gate_up, down = rank
+    if module is not None:
+        assert any(b is got for b in spy.buffers)
+        (h,) = [b for b in spy.buffers if b.dim() == 2 and b.shape[1] == gate_up.shape[1] // 2]
+        rows = (h_rows or (lambda ids: ids.reshape(-1) == -1))(local)
+        assert rows.any() and torch.all(h[rows] == SENTINEL)
+    none = pairs_fn(x, torch.full_like(local, -1), weights, gate_up, down, has_skipped_pairs=True)
+    assert torch.equal(none, torch.zeros_like(got))
+    return got
+
+
 def _moe(e: int, k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0) -> MoE:
     torch.manual_seed(seed)
     moe = MoE(hidden, e, k, inter, inter, routed_scaling_factor=2.5)
@@ -84,6 +191,24 @@ def test_reference_equals_moe_experts_forward(t: int, k: int, e: int, dtype: tor
     weights, ids = moe.route(x)
     ours = moe_experts_reference(x, ids, weights, moe.experts_gate_up, moe.experts_down)
     assert torch.equal(ours, moe.experts_forward(x, weights, ids))
+
+
+def test_reference_skipped_pairs() -> None:
+    """``has_skipped_pairs``: the -1 pairs add nothing, bitwise the global reference with those
+    pairs' weights at zero (adding an exact zero changes no bit), and no weight of theirs is read
+    (the poisoned experts and weights stay out of the sum)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        full, rank, skipped = ep_problem(6, 3, 12, 3, 8, 32, 16, dtype, seed=4)
+        got = moe_experts_reference(*rank, has_skipped_pairs=True)
+        assert torch.all(got[0] == 0) and not torch.isnan(got).any()
+        x, ids, w, gate_up, down = full
+        finite = torch.where(torch.isnan(gate_up), 0, gate_up), torch.where(torch.isnan(down), 0, down)
+        want = moe_experts_reference(x, ids, torch.where(skipped, 0, w), *finite)
+        assert torch.equal(got, want)
+        # no -1 with the flag on: the plain reference
+        x, ids, w, gate_up, down = _problem(5, 2, 4, 32, 16, dtype, seed=1)
+        assert torch.equal(moe_experts_reference(x, ids, w, gate_up, down, has_skipped_pairs=True),
+                           moe_experts_reference(x, ids, w, gate_up, down))
 
 
 def test_cpu_forward_never_takes_the_fused_path() -> None:
@@ -151,6 +276,49 @@ def test_interpreter_does_not_leak() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
+def test_interpreter_child() -> None:
+    """The ``-k interpreted`` tests below, in a child pytest under ``TRITON_INTERPRET=1``."""
+    if INTERPRETED or not HAS_TRITON:
+        pytest.skip("this is the parent: needs triton, and not already interpreted")
+    run_interpreted_child(__file__)
+
+
+def _fused_pairs(*args, **kw) -> torch.Tensor:
+    return fused_moe_experts(*args, reduce=False, **kw)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,k,e_total,lo,hi,hidden,inter", [
+    (5, 3, 12, 3, 8, 48, 24),     # mixed tokens; one column block, a masked K step
+    (4, 8, 40, 4, 14, 160, 40),   # more -1 pairs than a tile's 16 rows; two column blocks
+])
+def test_interpreted_skipped_pairs(t, k, e_total, lo, hi, hidden, inter, dtype) -> None:
+    from laguna_dflash.kernels import fused_moe
+
+    full, rank, skipped = ep_problem(t, k, e_total, lo, hi, hidden, inter, dtype, seed=t + k)
+    assert k < 8 or int(skipped.sum()) > 16
+    pairs = check_skipped_pairs(_fused_pairs, full, rank, skipped, module=fused_moe)
+    # reduce: the skipped pairs add nothing (the same sum over the pairs, and the reference's)
+    summed = fused_moe_experts(*rank, has_skipped_pairs=True)
+    assert torch.equal(summed, pairs.sum(1))
+    ref = moe_experts_reference(*(a.float() if a.is_floating_point() else a for a in rank),
+                                has_skipped_pairs=True)
+    assert _rel_err(summed, ref) <= TOL[str(dtype).removeprefix("torch.")]
+    # a fixed block_m and max_tokens (the batch-invariant mode's call) keep the contract
+    check_skipped_pairs(lambda *a, **kw: _fused_pairs(*a, block_m=16, max_tokens=64, **kw),
+                        full, rank, skipped)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
+    """No -1 among the ids: the flag changes no bit (pairs and sum)."""
+    args = _problem(16, 8, 64, 48, 24, dtype, seed=2)
+    assert torch.equal(_fused_pairs(*args, has_skipped_pairs=True), _fused_pairs(*args))
+    assert torch.equal(fused_moe_experts(*args, has_skipped_pairs=True), fused_moe_experts(*args))
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.skipif(not is_available("cuda"), reason="needs a CUDA GPU (sm80+) and triton")
@@ -205,6 +373,43 @@ def test_grouped_path_matches_reference_loop_on_cpu() -> None:
     assert _rel_err(grouped, loop) <= 1e-2
 
 
+@cuda
+def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
+    """XS-2.1 widths (k 8 of 40 experts, 20 on this rank), bf16 and fp32: the rank's pairs are
+    the global call's bits, the skipped ones zeros; no host sync; a captured graph replays a new
+    routing (another skip pattern) as eager computes it."""
+    from laguna_dflash.kernels import fused_moe
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for t in (1, 4, 16, 32):
+            full, rank, skipped = ep_problem(t, XS["k"], 40, 10, 30, XS["hidden"], XS["inter"], dtype,
+                                             seed=t, device="cuda")
+            check_skipped_pairs(_fused_pairs, full, rank, skipped, module=fused_moe)
+    full, rank, skipped = ep_problem(16, XS["k"], 40, 10, 30, XS["hidden"], XS["inter"], torch.bfloat16,
+                                     seed=5, device="cuda")
+    x, local, w, gate_up, down = (a.clone() if a.dim() < 3 else a for a in rank)
+    fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)  # compile outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    _, other, _ = ep_problem(16, XS["k"], 40, 10, 30, 8, 4, torch.bfloat16, seed=6)
+    local.copy_(other[1])  # another routing, token 0 now all skipped too
+    w.copy_(other[2])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
+    assert not torch.isnan(static_out).any()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_grouped_path_large_batch_and_graph_capture() -> None:
     """Above the fused kernel's pair limit the forward takes the sync-free grouped path: it
@@ -242,10 +447,10 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
                                   "out_ptr": "*bf16"}, dict(H=2048, INTER=512)),
     ):
         common = dict(P_PAD=64, M_TILES=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False)
-        for pdl in (False, True):
-            ptx = compile_sm90(kernel, types, {**constexprs, **common, "PDL": pdl},
+        for pdl, skip in ((False, False), (True, False), (True, True)):
+            ptx = compile_sm90(kernel, types, {**constexprs, **common, "PDL": pdl, "SKIP_NEGATIVE": skip},
                                {"num_warps": 4, "num_stages": 4, "launch_pdl": pdl})
             if not pdl:
                 assert "griddepcontrol" not in ptx
                 continue
-            assert loads_before_pdl_wait(ptx) == []
+            assert loads_before_pdl_wait(ptx) == []  # skip build: the id is read after the wait

@@ -19,6 +19,11 @@
   k 8 + 1, bf16) against ``fused_moe_experts(reduce=False)`` and the fp32 reference at T = 1, 4,
   300; bitwise row independence alone vs among 37 and 300 tokens and in a shuffled batch; no host
   sync; CUDA-graph capture and replay equal to eager.
+* Skipped pairs (``has_skipped_pairs``: id ``-1``, an expert on another rank): ``align_pairs``
+  puts them, as an expert ``E``, on ``-1`` tiles after the real experts' (pure torch); interpreted
+  and on CUDA (no host sync, CUDA-graph capture, the fused kernels' bits) a rank's call against
+  the global call on poisoned weights (``test_kernel_fused_moe.ep_problem`` /
+  ``check_skipped_pairs``), their ``h`` rows never written; the flag with no ``-1`` changes no bit.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from ptx_sm90 import can_compile_sm90, compile_sm90_spills, loads_before_pdl_wait
+from test_kernel_fused_moe import check_skipped_pairs, ep_problem
 
 from laguna_dflash.kernels import grouped_moe
 from laguna_dflash.kernels.fused_moe import fused_moe_experts, moe_experts_reference
@@ -190,6 +196,40 @@ def test_align_pairs_bound_is_reached() -> None:
     assert max_tiles(9 * 1024, 257, 16) == (9 * 1024 + 257 * 15) // 16
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("t,k,e_total,lo,hi", [
+    (1, 9, 40, 10, 30), (6, 3, 12, 3, 8), (40, 8, 40, 4, 14), (300, 9, 40, 10, 30),
+])
+def test_align_pairs_skipped_pairs(t, k, e_total, lo, hi, block_m) -> None:
+    """The -1 pairs are laid out as one more expert ``E``, after the real ones, on tiles whose
+    expert reads -1; the real experts' rows and tiles are those of a call without them."""
+    _, (_, local, *_), skipped = ep_problem(t, k, e_total, lo, hi, 8, 4, torch.float32, seed=t + block_m)
+    e = hi - lo
+    row_pair, tile_expert = align_pairs(local, e, block_m, has_skipped_pairs=True)
+    as_expert = _check_alignment(torch.where(local == -1, e, local), e + 1, block_m)
+    assert torch.equal(row_pair, as_expert[0])
+    assert torch.equal(tile_expert, torch.where(as_expert[1] == e, -1, as_expert[1]))
+    # tiles: the real experts' (>= 0), then the skipped pairs' and the unused ones (-1)
+    real = int((tile_expert >= 0).sum())
+    assert torch.all(tile_expert[:real] >= 0) and torch.all(tile_expert[real:] == -1)
+    rest = row_pair.view(-1, block_m)[real:].long()
+    assert torch.equal(rest[rest >= 0], torch.nonzero(skipped.reshape(-1)).squeeze(1))
+    # the real rows are those of the kept pairs alone (here: the same ids with the -1 pairs cut)
+    flat = local.reshape(-1)
+    alone, tiles_alone = align_pairs(flat[flat >= 0], e, block_m)
+    alone = alone[: real * block_m].long()
+    pair_of = torch.nonzero(flat >= 0).squeeze(1)  # index among the kept pairs -> pair index
+    assert torch.equal(row_pair[: real * block_m].long(),
+                       torch.where(alone >= 0, pair_of[alone.clamp(min=0)], -1))
+    assert torch.equal(tile_expert[:real], tiles_alone[:real])
+    # shapes from P, E, block_m alone: every pair skipped, none skipped
+    for ids in (torch.full_like(local, -1), torch.zeros_like(local)):
+        maps = align_pairs(ids, e, block_m, has_skipped_pairs=True)
+        assert [m.shape for m in maps] == [row_pair.shape, tile_expert.shape]
+    row_pair, tile_expert = align_pairs(torch.full_like(local, -1), e, block_m, has_skipped_pairs=True)
+    assert torch.all(tile_expert == -1) and torch.equal(row_pair[: t * k].long(), torch.arange(t * k))
+
+
 def test_align_pairs_empty() -> None:
     row_pair, tile_expert = align_pairs(torch.zeros(0, 9, dtype=torch.int64), 257, 16)
     assert row_pair.shape == (0,) and tile_expert.shape == (0,)
@@ -319,11 +359,40 @@ def test_interpreted_row_independence(dtype) -> None:
     assert torch.equal(sorted_moe_experts(x[perm], ids[perm], w[perm], gu, dn), batch[perm])
 
 
+def _skipped_h_rows(num_experts: int, block_m: int = grouped_moe.DEFAULT_BLOCK_M):
+    """``h_rows`` of ``check_skipped_pairs`` for these kernels: ``h`` is in the padded row order,
+    so the skipped pairs' rows are where ``align_pairs`` put them."""
+    def rows(local: torch.Tensor) -> torch.Tensor:
+        row_pair, _ = align_pairs(local, num_experts, block_m, has_skipped_pairs=True)
+        return (row_pair >= 0) & (local.reshape(-1)[row_pair.long().clamp(min=0)] == -1)
+    return rows
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,k,e_total,lo,hi,hidden,inter", [
+    (6, 3, 12, 3, 8, 64, 32),      # mixed tokens
+    (40, 8, 40, 4, 14, 160, 80),   # over 100 skipped pairs: several -1 tiles; two column blocks
+])
+def test_interpreted_skipped_pairs(t, k, e_total, lo, hi, hidden, inter, dtype) -> None:
+    full, rank, skipped = ep_problem(t, k, e_total, lo, hi, hidden, inter, dtype, seed=t + k)
+    check_skipped_pairs(sorted_moe_experts, full, rank, skipped, module=grouped_moe,
+                        h_rows=_skipped_h_rows(hi - lo))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
+    args = _problem(17, 3, 9, 64, 32, dtype, seed=4)
+    assert torch.equal(sorted_moe_experts(*args, has_skipped_pairs=True), sorted_moe_experts(*args))
+
+
 # ----------------------------------------------------------------------------- sm_90 PTX (offline)
 
 
-def _compile_sm90(which: int, pdl: bool) -> tuple[str, list[int]]:
-    """PTX and spill bytes of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16."""
+def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> tuple[str, list[int]]:
+    """PTX and spill bytes of the gate_up (0) or down (1, ``skip``: its skipped-pairs build)
+    kernel at XS-2.1 shapes, bf16."""
     if which == 0:
         kernel, cfg = grouped_moe._sorted_gate_up_kernel, grouped_moe._GATE_UP_CFG
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "row_pair_ptr": "*i32",
@@ -333,7 +402,7 @@ def _compile_sm90(which: int, pdl: bool) -> tuple[str, list[int]]:
         kernel, cfg = grouped_moe._sorted_down_kernel, grouped_moe._DOWN_CFG
         types = {"h_ptr": "*bf16", "w_ptr": "*bf16", "row_pair_ptr": "*i32",
                  "tile_expert_ptr": "*i32", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
-        constexprs = dict(H=2048, INTER=512)
+        constexprs = dict(H=2048, INTER=512, SKIP_NEGATIVE=skip)
     bn, bk, nw, ns = cfg
     constexprs.update(BLOCK_M=grouped_moe.DEFAULT_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=pdl)
     return compile_sm90_spills(kernel, types, constexprs,
@@ -341,16 +410,18 @@ def _compile_sm90(which: int, pdl: bool) -> tuple[str, list[int]]:
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("which", [0, 1], ids=["gate_up", "down"])
-def test_sm90_pdl_order_no_spills_pipelined(which: int) -> None:
+@pytest.mark.parametrize("which,skip", [(0, False), (1, False), (1, True)],
+                         ids=["gate_up", "down", "down_skip"])
+def test_sm90_pdl_order_no_spills_pipelined(which: int, skip: bool) -> None:
     """With ``kernels.pdl.USE_PDL`` (kernels/pdl.py) every global load comes after the wait and the
     dependents are signalled after it; without it no griddepcontrol. No register spills, and the
-    K loop's loads are asynchronous copies (software-pipelined)."""
-    ptx, spills = _compile_sm90(which, False)
+    K loop's loads are asynchronous copies (software-pipelined). The same for the down kernel's
+    skipped-pairs build."""
+    ptx, spills = _compile_sm90(which, False, skip)
     assert "griddepcontrol" not in ptx
     assert spills == [0]
     assert "cp.async" in ptx
-    ptx, spills = _compile_sm90(which, True)
+    ptx, spills = _compile_sm90(which, True, skip)
     assert loads_before_pdl_wait(ptx) == []
     assert spills == [0]
 
@@ -423,6 +494,46 @@ def test_cuda_row_independence_bitwise(xs_experts) -> None:
     # a token's pairs in another slot order: the same per-pair outputs
     flip = sorted_moe_experts(x, ids.flip(1), w.flip(1), gu, dn)
     assert torch.equal(flip.flip(1), full)
+
+
+@cuda
+def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
+    """XS-2.1 widths (9 pairs a token, 20 of 40 experts on this rank), bf16 and fp32: the rank's
+    pairs are the global call's bits, the skipped ones zeros, their h rows unwritten; the fused
+    invariant kernels give the same bits (the batch-invariant mode's "auto" mixes the two); no
+    host sync; a captured graph replays another skip pattern as eager computes it."""
+    from laguna_dflash.kernels import batch_invariant
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for t in (1, 4, 300):
+            full, rank, skipped = ep_problem(t, 9, 40, 10, 30, 2048, 512, dtype, seed=t, device="cuda")
+            pairs = check_skipped_pairs(sorted_moe_experts, full, rank, skipped, module=grouped_moe,
+                                        h_rows=_skipped_h_rows(20))
+            if dtype == torch.bfloat16:
+                fused = batch_invariant._fused_experts(*rank, has_skipped_pairs=True)
+                assert torch.equal(fused, pairs), t
+    full, rank, skipped = ep_problem(64, 9, 40, 10, 30, 2048, 512, torch.bfloat16, seed=9, device="cuda")
+    x, local, w, gate_up, down = (a.clone() if a.dim() < 3 else a for a in rank)
+    sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)  # compile outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host sync in align_pairs would raise
+    try:
+        eager = sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    _, other, _ = ep_problem(64, 9, 40, 10, 30, 8, 4, torch.bfloat16, seed=10)
+    local.copy_(other[1])
+    w.copy_(other[2])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
+    assert not torch.isnan(static_out).any() and torch.all(static_out[local == -1] == 0)
 
 
 @cuda

@@ -9,6 +9,10 @@
   ``fused_moe`` kernels, ``MoE.forward`` with ``use_moe_gemv`` (the default) against it off, and
   CUDA-graph capture.
 * Everywhere: input validation.
+* Skipped pairs (``has_skipped_pairs``: id ``-1``, an expert on another rank): interpreted and on
+  CUDA (with a CUDA-graph capture), a rank's call against the global call on poisoned weights
+  (``test_kernel_fused_moe.ep_problem`` / ``check_skipped_pairs``); the flag with no ``-1`` changes
+  no bit; the skip build keeps the PDL order.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 from test_kernel_fused_moe import _problem as fused_moe_problem
+from test_kernel_fused_moe import check_skipped_pairs, ep_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
@@ -64,6 +69,26 @@ def _check(t, k, e, hidden, inter, dtype, seed, device="cpu", share=False, tol=N
 ])
 def test_interpreted_matches_reference(t, k, e, hidden, inter, share, dtype) -> None:
     _check(t, k, e, hidden, inter, dtype, seed=t + k, share=share)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,k,e_total,lo,hi,hidden,inter", [
+    (5, 3, 12, 3, 8, 80, 40),     # mixed tokens; ragged N and K tiles
+    (3, 9, 30, 4, 14, 272, 16),   # nine pairs a token; two K steps in gate_up
+])
+def test_interpreted_skipped_pairs(t, k, e_total, lo, hi, hidden, inter, dtype) -> None:
+    from laguna_dflash.kernels import moe_gemv
+
+    full, rank, skipped = ep_problem(t, k, e_total, lo, hi, hidden, inter, dtype, seed=t * k)
+    check_skipped_pairs(moe_gemv_experts, full, rank, skipped, module=moe_gemv)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
+    args = _problem(3, 9, 12, 80, 40, dtype, seed=1)
+    assert torch.equal(moe_gemv_experts(*args, has_skipped_pairs=True), moe_gemv_experts(*args))
 
 
 def test_interpreter_child() -> None:
@@ -119,7 +144,44 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
         torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
 
 
-def _compile_sm90(which: int, pdl: bool) -> str:
+@cuda
+def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
+    """XS-2.1 widths (9 pairs a token, 20 of 40 experts on this rank), bf16 and fp32: the rank's
+    pairs are the global call's bits, the skipped ones zeros; a captured graph replays another
+    skip pattern as eager computes it, with no host sync."""
+    from laguna_dflash.kernels import moe_gemv
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for t in (1, 4):
+            full, rank, skipped = ep_problem(t, 9, 40, 10, 30, 2048, 512, dtype, seed=t, device="cuda")
+            check_skipped_pairs(moe_gemv_experts, full, rank, skipped, module=moe_gemv)
+    full, rank, skipped = ep_problem(4, 9, 40, 10, 30, 2048, 512, torch.bfloat16, seed=7, device="cuda")
+    x, local, w, gate_up, down = (a.clone() if a.dim() < 3 else a for a in rank)
+    local[2:] = local[1:2]  # tokens 1..3 keep every pair
+    w = torch.nan_to_num(w, nan=0.25)  # routing weights for the pairs kept from here on
+    moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True)  # compile outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager) and torch.all(static_out[0] == 0)
+    local[1] = -1  # now token 1 is all skipped, token 0 on token 3's experts
+    local[0] = local[3]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(static_out[1] == 0) and static_out[0].abs().sum() > 0
+    assert torch.equal(static_out[2:], eager[2:])
+    assert torch.equal(static_out, moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
+
+
+def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> str:
     """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
@@ -132,7 +194,7 @@ def _compile_sm90(which: int, pdl: bool) -> str:
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
-    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl)
+    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, SKIP_NEGATIVE=skip)
     return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
@@ -140,10 +202,11 @@ def _compile_sm90(which: int, pdl: bool) -> str:
 def test_sm90_programmatic_dependent_launch_order() -> None:
     """With ``kernels.pdl.USE_PDL`` (rules in kernels/pdl.py): gate_up waits before any global
     load; down reads only its expert id (through L2) and weight tiles before it waits for h;
-    both signal their dependents after the wait; without PDL no griddepcontrol at all."""
-    for which in (0, 1):
-        assert "griddepcontrol" not in _compile_sm90(which, False)
-        early = loads_before_pdl_wait(_compile_sm90(which, True))
+    both signal their dependents after the wait; without PDL no griddepcontrol at all. The same
+    in the skipped-pairs build (one wait, which a skipped pair's down program passes too)."""
+    for which, skip in ((0, False), (1, False), (0, True), (1, True)):
+        assert "griddepcontrol" not in _compile_sm90(which, False, skip)
+        early = loads_before_pdl_wait(_compile_sm90(which, True, skip))
         if which == 0:
             assert early == []
         else:

@@ -150,24 +150,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor, has_skipped_pairs: bool = False) -> torch.Tensor:
     """The routed experts' weighted pair outputs ``[T, k, H]`` (unsummed, as
     ``fused_moe.fused_moe_experts(..., reduce=False)``), token ``t``'s bitwise the same for any
     ``T`` and any other tokens, through :func:`moe_kernel_for`'s kernels with ``BLOCK_M`` fixed
     at :data:`MOE_BLOCK_M` (a pair's tile computes the same whichever other pairs share it):
     "fused", :data:`MOE_MAX_ROWS`-token chunks with the tile loop sized for a full chunk (one
-    compile per pair-count bucket, not per prompt length); "sorted", one launch."""
+    compile per pair-count bucket, not per prompt length); "sorted", one launch.
+    ``has_skipped_pairs``: ``expert_ids`` (``[T, k]``, in ``[0, E)``) may also hold ``-1``, a
+    pair skipped under expert parallelism: its row is exactly zero, no weight is read for it,
+    and the other rows keep their bits (both kernels' contract)."""
     if moe_kernel_for(x.shape[0], gate_up, down) == "sorted":
-        return grouped_moe.sorted_moe_experts(x, expert_ids, weights, gate_up, down, block_m=MOE_BLOCK_M)
-    return _fused_experts(x, expert_ids, weights, gate_up, down)
+        return grouped_moe.sorted_moe_experts(x, expert_ids, weights, gate_up, down, block_m=MOE_BLOCK_M,
+                                              has_skipped_pairs=has_skipped_pairs)
+    return _fused_experts(x, expert_ids, weights, gate_up, down, has_skipped_pairs=has_skipped_pairs)
 
 
 def _fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                   gate_up: torch.Tensor, down: torch.Tensor, has_skipped_pairs: bool = False) -> torch.Tensor:
     n = MOE_MAX_ROWS
     chunks = [fused_moe.fused_moe_experts(x[i : i + n], expert_ids[i : i + n], weights[i : i + n],
                                           gate_up, down, reduce=False, block_m=MOE_BLOCK_M,
-                                          max_tokens=n)
+                                          max_tokens=n, has_skipped_pairs=has_skipped_pairs)
               for i in range(0, x.shape[0], n)]
     if not chunks:
         return x.new_zeros(0, expert_ids.shape[1], x.shape[1])

@@ -23,6 +23,11 @@ are streamed once for all the pairs that share it:
    ``w[p] * (h[p] Wd^T)`` in fp32 and writes it to ``out_pairs[p]`` (``[T, k, H]``).
 4. ``out_pairs.sum(1)``: a deterministic reduction over ``k`` (no atomics).
 
+Skipped pairs (``has_skipped_pairs``, expert parallelism: an id of ``-1`` is a pair whose expert is
+on another rank): in the ``SKIP_NEGATIVE`` build a skipped pair's program returns before the
+grouping (the pairs of id -1 are no run, and are in no expert's run), and its down program stores
+its row of zeros; no weight is read for it. The default build has no such check.
+
 Grids depend only on ``P`` and the shapes, never on the data, so the call is CUDA-graph capturable;
 the host side is two allocations, two launches and one sum (launch overhead matters in eager mode).
 Products accumulate in fp32; ``h`` and each pair's weighted output are rounded to ``x.dtype``, as
@@ -47,24 +52,33 @@ def moe_experts_reference(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    has_skipped_pairs: bool = False,
 ) -> torch.Tensor:
     """Pure-torch routed experts, with exactly the semantics (and rounding) of ``MoE.experts_forward``.
 
     Args:
         x: ``[T, H]`` activations (fp32 / bf16 / fp16).
-        expert_ids: ``[T, k]`` int64 expert index per (token, slot), distinct within a token.
+        expert_ids: ``[T, k]`` int64 expert index per (token, slot) in ``[0, E)``, distinct
+            within a token; with ``has_skipped_pairs`` also ``-1`` (any number of times).
         weights: ``[T, k]`` routing weights, in ``x.dtype``.
         gate_up: ``[E, 2I, H]`` fused expert weights, rows gate then up.
         down: ``[E, H, I]`` expert down projections.
+        has_skipped_pairs: pairs of id ``-1`` are skipped (expert parallelism: their expert is
+            on another rank): they add nothing and index no weight.
 
     Returns:
-        ``[T, H]`` in ``x.dtype``: ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``
-        (without the routed scaling factor). Pairs are visited in stable expert order and each
-        expert's contribution is rounded to ``x.dtype`` before it is added, like the torch path.
+        ``[T, H]`` in ``x.dtype``: ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` over
+        the pairs not skipped (without the routed scaling factor). Pairs are visited in stable
+        expert order and each expert's contribution is rounded to ``x.dtype`` before it is added,
+        like the torch path. Syncs the host (a reference, not for CUDA graphs).
     """
     t, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
+    if has_skipped_pairs:
+        # -1 sorts first: drop those positions, the rest keep their stable expert order
+        order = order[int((flat_ids == -1).sum()):]
+        flat_ids = flat_ids[flat_ids != -1]
     token_of = order // k
     counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
     w_sorted = weights.reshape(-1)[order]
@@ -185,10 +199,16 @@ if HAS_TRITON:
         K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
         P_PAD: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        SKIP_NEGATIVE: tl.constexpr,
     ):
         if PDL:  # kernels/pdl.py: the ids and x are earlier kernels' outputs
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if SKIP_NEGATIVE:
+            # a skipped pair (id -1) owns no run and is in no other: the -1 "run" (up to P pairs,
+            # beyond the T rows that M_TILES covers) is never computed; its h rows stay unwritten
+            if tl.load(ids_ptr + tl.program_id(0)) < 0:
+                return
         # program (i, n): if pair i owns its expert e's run, for every pair p of the run
         #   h[p, n] = silu(sum_c x[tok(p), c] Wg[n, c]) * (sum_c x[tok(p), c] Wu[n, c])
         # over this program's BLOCK_N columns n; Wg = rows 0..I-1, Wu = rows I..2I-1 of
@@ -215,10 +235,20 @@ if HAS_TRITON:
         H: tl.constexpr, INTER: tl.constexpr,
         P_PAD: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        SKIP_NEGATIVE: tl.constexpr,
     ):
         if PDL:  # kernels/pdl.py: h is the gate_up kernel's output
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if SKIP_NEGATIVE:
+            # a skipped pair (id -1) is in no run, so its own program writes its row: exact
+            # zeros, no weight or h read (no other program stores to it)
+            i = tl.program_id(0)
+            if tl.load(ids_ptr + i) < 0:
+                offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + i.to(tl.int64) * H + offs_n,
+                         tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < H)
+                return
         # program (i, n): if pair i owns its expert e's run, for every pair p of the run
         #   out_pairs[p, n] = rw[p] * sum_j h[p, j] Wd[n, j]     (fp32 accumulate)
         # over this program's BLOCK_N output columns n; Wd = down[e] (contiguous [H, I]).
@@ -254,12 +284,15 @@ def fused_moe_experts(
     reduce: bool = True,
     block_m: int | None = None,
     max_tokens: int | None = None,
+    has_skipped_pairs: bool = False,
 ) -> torch.Tensor:
     """Routed experts with two Triton kernels; same contract as :func:`moe_experts_reference`.
 
     Args:
         x: ``[T, H]`` fp32 / bf16 / fp16, on a CUDA device (or CPU under ``TRITON_INTERPRET=1``).
-        expert_ids: ``[T, k]`` integer expert ids, distinct within a token.
+        expert_ids: ``[T, k]`` integer expert ids in ``[0, E)``, distinct within a token (not
+            range-checked: that would sync the host); with ``has_skipped_pairs`` also ``-1``,
+            any number of times.
         weights: ``[T, k]`` routing weights (any float dtype; used in fp32).
         gate_up: ``[E, 2I, H]`` (last dim contiguous), same dtype as ``x``.
         down: ``[E, H, I]`` (last dim contiguous), same dtype as ``x``.
@@ -270,6 +303,12 @@ def fused_moe_experts(
             value makes each pair's result independent of ``T`` (kernels/batch_invariant.py).
         max_tokens: size the kernels' static tile loop for up to this many tokens (>= T)
             instead of ``T``, so calls of different ``T`` share one compile; ``None``: ``T``.
+        has_skipped_pairs: ids of ``-1`` are *skipped pairs* (expert parallelism: the expert is
+            on another rank): a skipped pair's row of ``[T, k, H]`` is exactly zero (it adds
+            nothing to the ``reduce`` sum) and no expert weight is read for it. Each other
+            pair's row is bitwise the one it gets when the skipped pairs are routed to experts
+            of no other pair instead (its run is the same). ``False`` compiles the kernels
+            without the check (the tuned default).
 
     Returns:
         ``[T, H]`` in ``x.dtype`` (``[T, k, H]``, each pair's weighted output, when not
@@ -308,14 +347,16 @@ def fused_moe_experts(
         x, gate_up, ids, h, p,
         K_TOP=k, H=hidden, INTER=inter,
         P_PAD=p_pad, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
+        PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs), num_warps=nw, num_stages=ns,
+        **pdl.launch_options(use_pdl),
     )
     bn, bk, nw, ns = _DOWN_CFG
     _down_kernel[(p, triton.cdiv(hidden, bn))](
         h, down, ids, rw, out_pairs, p,
         H=hidden, INTER=inter,
         P_PAD=p_pad, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
+        PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs), num_warps=nw, num_stages=ns,
+        **pdl.launch_options(use_pdl),
     )
     # deterministic reduction over the k slots of each token (fp32 accumulation inside torch)
     return out_pairs.sum(dim=1) if reduce else out_pairs

@@ -28,6 +28,11 @@ padded, expert-sorted row space, and both kernels walk fixed ``BLOCK_M``-row til
    times ``BLOCK_N`` rows of ``down[e]`` over ``K = I``, times the pair's routing weight (fp32),
    scattered to ``out_pairs[pair]``.
 
+Skipped pairs (``has_skipped_pairs``, expert parallelism: an id of ``-1`` is a pair whose expert is
+on another rank): :func:`align_pairs` sorts them after every expert onto tiles of expert ``-1``,
+which the gate_up kernel passes over (as the unused tiles) and whose pairs' rows the
+``SKIP_NEGATIVE`` build of the down kernel sets to zeros; no weight is read for them.
+
 The tile index is grid axis 0 (fastest-varying in launch order): programs that run together are
 consecutive tiles of one column block, so the tiles of one expert share its weight slice in L2.
 
@@ -84,30 +89,42 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int,
-                block_m: int = DEFAULT_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int = DEFAULT_BLOCK_M,
+                has_skipped_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs sorted by expert into ``block_m``-row tiles, each tile of one expert (torch ops only).
 
     Args:
         ids: ``[P]`` (or any shape, flattened: pair ``p`` is flat index ``p``) integer expert ids,
-            each in ``[0, num_experts)`` (not checked: that would need a host sync).
+            each in ``[0, num_experts)`` (not checked: that would need a host sync); with
+            ``has_skipped_pairs`` also ``-1``, any number of times.
         num_experts: ``E``, the number of experts the ids index.
         block_m: rows of a tile, a power of two >= 16.
+        has_skipped_pairs: ids of ``-1`` are skipped pairs: they are placed as if of an expert
+            ``E`` after the real ones, on tiles whose ``tile_expert`` is ``-1``.
 
     Returns:
         ``(row_pair, tile_expert)``, int32, on ``ids.device``:
-        ``row_pair [R_MAX]``, ``R_MAX = block_m * max_tiles(P, E, block_m)``: the pair index of
-        each padded row, ``-1`` for padding. Expert ``e``'s pairs fill rows ``start_e ..
-        start_e + c_e - 1`` in increasing pair order (a stable sort), its rows up to the next
-        multiple of ``block_m`` are padding, ``start_e`` = sum over ``e' < e`` of ``c_e'`` rounded
-        up to ``block_m``; rows past the last expert's are padding too.
+        ``row_pair [R_MAX]``, ``R_MAX = block_m * max_tiles(P, E', block_m)`` with ``E' = E``
+        (``E + 1`` with ``has_skipped_pairs``): the pair index of each padded row, ``-1`` for
+        padding. Expert ``e``'s pairs fill rows ``start_e .. start_e + c_e - 1`` in increasing
+        pair order (a stable sort), its rows up to the next multiple of ``block_m`` are padding,
+        ``start_e`` = sum over ``e' < e`` of ``c_e'`` rounded up to ``block_m``; rows past the
+        last expert's are padding too.
         ``tile_expert [R_MAX // block_m]``: the expert of tile ``m`` (rows ``m * block_m ..``), or
-        ``-1`` for the tiles past the used ones (``sum_e ceil(c_e / block_m)``).
+        ``-1`` for the tiles past the used ones (``sum_e ceil(c_e / block_m)``) and for the
+        skipped pairs' tiles (the used ones past every real expert's: they hold pairs, the
+        tiles past them only padding).
 
     No host synchronisation and shapes from ``P``, ``E``, ``block_m`` alone: CUDA-graph capturable.
     """
     _check_block_m(block_m)
     flat = ids.reshape(-1).long()
+    if has_skipped_pairs:
+        # the skipped pairs as one more expert, E, sorted after the real ones: the real experts'
+        # rows and tiles are those of a call without the skipped pairs, and tile_expert maps E
+        # to -1 below (tiles of no weights)
+        flat = torch.where(flat == -1, num_experts, flat)
+        num_experts += 1
     p = flat.numel()
     num_tiles = max_tiles(p, num_experts, block_m)
     dev = flat.device
@@ -129,7 +146,8 @@ def align_pairs(ids: torch.Tensor, num_experts: int,
     # pad_end equal to their predecessor's and are passed over); E (no such e): an unused tile
     tile_first_row = torch.arange(num_tiles, device=dev, dtype=pad_end.dtype) * block_m
     tile_expert = torch.searchsorted(pad_end, tile_first_row, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    real = num_experts - 1 if has_skipped_pairs else num_experts  # the skipped pairs' E -> -1 too
+    tile_expert = torch.where(tile_expert < real, tile_expert, -1).to(torch.int32)
     return row_pair, tile_expert
 
 
@@ -157,7 +175,9 @@ if HAS_TRITON:
         # h[r] is the same whichever pairs fill the tile's other rows.
         tile = tl.program_id(0)
         expert = tl.load(tile_expert_ptr + tile)
-        if expert >= 0:  # tiles past the used ones (expert -1) do nothing
+        # tiles past the used ones and the skipped pairs' tiles (expert -1) do nothing: the down
+        # kernel reads no h row of a skipped pair (it zeroes that pair's output)
+        if expert >= 0:
             offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             pair = tl.load(row_pair_ptr + offs_m)
             valid = pair >= 0  # padding rows: x rows of zeros, nothing stored
@@ -176,7 +196,7 @@ if HAS_TRITON:
         h_ptr, w_ptr, row_pair_ptr, tile_expert_ptr, rw_ptr, out_ptr,
         H: tl.constexpr, INTER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
     ):
         if PDL:  # kernels/pdl.py: h is the gate_up kernel's output
             tl.extra.cuda.gdc_wait()
@@ -203,6 +223,17 @@ if HAS_TRITON:
             acc = acc * rw[:, None]
             tl.store(out_ptr + safe_pair[:, None] * H + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+        if SKIP_NEGATIVE:
+            # a tile of skipped pairs (align_pairs: expert -1 with pairs in its rows; tiles past
+            # the used ones have none): their rows of out are exact zeros, read from nothing
+            if expert < 0:
+                pair = tl.load(row_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+                valid = pair >= 0
+                offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                safe_pair = tl.where(valid, pair, 0).to(tl.int64)
+                tl.store(out_ptr + safe_pair[:, None] * H + offs_n[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                         mask=valid[:, None] & (offs_n < H)[None, :])
 
 
 def sorted_moe_experts(
@@ -212,6 +243,7 @@ def sorted_moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     block_m: int = DEFAULT_BLOCK_M,
+    has_skipped_pairs: bool = False,
 ) -> torch.Tensor:
     """Each (token, slot) pair's weighted expert output, batch-invariant, for any token count.
 
@@ -219,13 +251,21 @@ def sorted_moe_experts(
 
     Args:
         x: ``[T, H]`` fp32 / bf16 / fp16, on a CUDA device (or CPU under ``TRITON_INTERPRET=1``).
-        expert_ids: ``[T, k]`` integer expert ids in ``[0, E)``, distinct within a token.
+        expert_ids: ``[T, k]`` integer expert ids in ``[0, E)``, distinct within a token (not
+            range-checked: that would sync the host); with ``has_skipped_pairs`` also ``-1``, any
+            number of times.
         weights: ``[T, k]`` routing weights (any float dtype; used in fp32).
         gate_up: ``[E, 2I, H]`` fused expert weights (rows gate then up), same dtype as ``x``.
         down: ``[E, H, I]`` expert down projections, same dtype as ``x``.
         block_m: pairs per tile, a power of two >= 16. A pair's output is bitwise the same for
             any ``T`` and any other tokens at one ``block_m`` (module docstring); another value
             changes the MMA shape, and may change the last bits, so keep it fixed.
+        has_skipped_pairs: ids of ``-1`` are *skipped pairs* (expert parallelism: the expert is
+            on another rank): a skipped pair's row is exactly zero and no expert weight is read
+            for it (its tile has no expert). Each other pair's row is bitwise the one it gets
+            when the skipped pairs are routed to experts of no other pair instead (its tile
+            holds the same pairs in the same order). ``False`` compiles the down kernel without
+            the check (the default).
 
     Returns:
         ``[T, k, H]`` in ``x.dtype``: ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, ``h``
@@ -251,7 +291,7 @@ def sorted_moe_experts(
     gate_up = gate_up.contiguous()  # no-ops for the stored parameters
     down = down.contiguous()
     rw = weights.reshape(-1).contiguous()
-    row_pair, tile_expert = align_pairs(expert_ids, e, block_m)
+    row_pair, tile_expert = align_pairs(expert_ids, e, block_m, has_skipped_pairs)
     num_tiles = tile_expert.numel()
     # h in the padded row order; padding rows are never written nor read
     h = torch.empty((row_pair.numel(), inter), device=x.device, dtype=x.dtype)
@@ -268,6 +308,7 @@ def sorted_moe_experts(
     _sorted_down_kernel[(num_tiles, triton.cdiv(hidden, bn))](
         h, down, row_pair, tile_expert, rw, out_pairs,
         H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
+        PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs), num_warps=nw, num_stages=ns,
+        **pdl.launch_options(use_pdl),
     )
     return out_pairs

@@ -23,6 +23,11 @@ reduction once after the loop.
   ``j BLOCK_N ..`` of expert ``ids[p]`` over ``I`` against ``h[p]`` and stores ``w[p]`` times the
   result into ``out[p]``.
 
+Skipped pairs (``has_skipped_pairs``, expert parallelism: an id of ``-1`` is a pair whose expert
+is on another rank): the ``SKIP_NEGATIVE`` build's gate_up program returns at once, its down
+program stores zeros after its wait; neither reads a weight tile of it. The default build has
+no such check (the constexpr compiles it out).
+
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
@@ -86,12 +91,16 @@ def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
     expert = tl.load(ids_ptr + p).to(tl.int64)
+    if SKIP_NEGATIVE:
+        # a skipped pair (id -1): its h row stays unwritten, and the down kernel never reads it
+        if expert < 0:
+            return
     x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
@@ -123,7 +132,7 @@ def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -137,9 +146,21 @@ def _down_gemv_kernel(
     zero_n = offs_n[:, None] * 0
     rows = w_ptr + expert * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
+    if SKIP_NEGATIVE:
+        # a skipped pair (id -1) masks off its first weight tile: no read below w_ptr
+        w = _tile_w(rows, 0, expert >= 0, offs_n, H, INTER, BLOCK_K)
+    else:
+        w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
+    if SKIP_NEGATIVE:
+        # ... and stores exact zeros, after the one wait every program makes (kernels/pdl.py,
+        # rule 1: the kernel completes after gate_up even when every pair is skipped), reading
+        # no h row (gate_up left it unwritten) and no more weights
+        if expert < 0:
+            tl.store(out_ptr + p.to(tl.int64) * H + offs_n,
+                     tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < H)
+            return
     hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
     for i in range(K_ITERS):
         cw, ch = w, hs
@@ -168,19 +189,26 @@ def moe_gemv_experts(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    has_skipped_pairs: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output ``[T, k, H]`` in ``x.dtype``.
 
     Args:
         x: ``[T, H]`` fp32 / bf16 / fp16 (meant for ``T = 1``; correct for any ``T``).
-        expert_ids: ``[T, k]`` integer expert ids (``< E``).
+        expert_ids: ``[T, k]`` integer expert ids in ``[0, E)`` (any integer dtype); with
+            ``has_skipped_pairs`` also ``-1``. Not range-checked (that would sync the host).
         weights: ``[T, k]`` routing weights (any float dtype; used in fp32).
         gate_up: ``[E, 2I, H]`` contiguous, x's dtype.
         down: ``[E, H, I]`` contiguous, x's dtype.
+        has_skipped_pairs: ``expert_ids`` may hold ``-1``, a *skipped pair* (expert parallelism:
+            the pair's expert lives on another rank): its output row is exactly zero and no
+            expert weight is read for it. Every other pair's row is bitwise the one the same call
+            gives it with no pair skipped (pairs are independent here). ``False`` compiles the
+            kernels without the check (the tuned default).
 
     Returns:
         ``[T, k, H]``: pair ``(t, j)`` is ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, the
-        contract of ``fused_moe.fused_moe_experts(..., reduce=False)``.
+        contract of ``fused_moe.fused_moe_experts(..., reduce=False)``; zeros for skipped pairs.
     """
     t, k = expert_ids.shape
     e, two_i, hidden = gate_up.shape
@@ -208,11 +236,11 @@ def moe_gemv_experts(
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
-        **pdl.launch_options(use_pdl))
+        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
+        num_warps=nw, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
         h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, num_warps=nw,
-        **pdl.launch_options(use_pdl))
+        K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
+        num_warps=nw, **pdl.launch_options(use_pdl))
     return out

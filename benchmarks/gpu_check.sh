@@ -97,7 +97,8 @@
 #   bash benchmarks/gpu_check.sh ep         # expert parallelism: the MoE kernels' skipped pairs,
 #                                           # the expert-parallel MoE in CUDA graphs, two gloo
 #                                           # ranks at XS-2.1 widths (~6 min)
-#   bash benchmarks/gpu_check.sh prefix     # prefix caching: CUDA tests, bench_prefix_cache.py,
+#   bash benchmarks/gpu_check.sh prefix     # prefix caching and chunked prefill: CUDA tests,
+#                                           # bench_prefix_cache.py,
 #                                           # then the batch-1 decode step (~6 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
@@ -438,7 +439,7 @@ case "$stage" in
     ;;
   prefix)
     echo "== prefix caching on the GPU: tokens and drafts against the uncached engine, then timed"
-    gpu_tests 200 tests/test_prefix_caching.py -k cuda | tail -4
+    gpu_tests 240 tests/test_prefix_caching.py tests/test_chunked_prefill.py -k cuda | tail -5
     timeout 200 python benchmarks/bench_prefix_cache.py 2>&1 | quiet | tail -9
     echo "== batch-1 decode step, one GPU, no parallelism (the default kernels)"
     timeout 150 python benchmarks/profile_decode_xs.py --top 6 2>&1 | quiet | tail -24 ;;

@@ -91,12 +91,17 @@ def _prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(0, 60) for _ in range(n)] for n in (45, 7, 70, 23)]
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("num_speculative_tokens", [0, BLOCK_SIZE - 1])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("num_speculative_tokens,prefix_caching,device",
+                         [(0, True, "cpu"), (0, False, "cpu"), (BLOCK_SIZE - 1, True, "cpu"),
+                          (BLOCK_SIZE - 1, False, "cpu"),
+                          pytest.param(BLOCK_SIZE - 1, True, "cuda", marks=CUDA)])
 def test_chunked_prompts_give_the_unchunked_tokens_drafts_and_logprobs(pair, num_speculative_tokens,
-                                                                       prefix_caching):
+                                                                       prefix_caching, device):
     target, draft = pair
-    opts = {"block_size": 4, "enable_prefix_caching": prefix_caching}
+    opts = {"block_size": 4, "enable_prefix_caching": prefix_caching, "device": device}
     if num_speculative_tokens:
         opts.update(draft=draft, num_speculative_tokens=num_speculative_tokens, trace=True)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
@@ -122,7 +127,7 @@ def test_chunked_prompts_give_the_unchunked_tokens_drafts_and_logprobs(pair, num
                                        atol=1e-4, rtol=1e-4)
     assert chunked.get_metrics()["num_steps"] > whole.get_metrics()["num_steps"]
     if num_speculative_tokens:
-        base = LLM(target, block_size=4, max_num_batched_tokens=16)
+        base = LLM(target, block_size=4, max_num_batched_tokens=16, device=device)
         assert [o.token_ids for o in got[0]] == [o.token_ids for o in base.generate(
             prompt_token_ids=prompts, sampling_params=params)], "DFlash differs from target-only"
 

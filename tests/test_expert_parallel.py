@@ -229,6 +229,7 @@ def _cuda_moe(tp: TensorParallel, dtype: torch.dtype) -> MoE:
         experts = slice(moe.first_expert, moe.first_expert + moe.num_local_experts)
         with torch.no_grad():
             moe.gate.weight.copy_(whole.gate.weight)
+            moe.e_score_correction_bias.copy_(whole.e_score_correction_bias)
             moe.experts_gate_up.copy_(whole.experts_gate_up[experts])
             moe.experts_down.copy_(whole.experts_down[experts])
     return moe.to("cuda", dtype).eval()

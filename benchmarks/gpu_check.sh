@@ -96,7 +96,8 @@
 #                                           # (benchmarks/ablations.py; timing only, ~5 min)
 #   bash benchmarks/gpu_check.sh ep         # expert parallelism: the MoE kernels' skipped pairs,
 #                                           # the expert-parallel MoE in CUDA graphs, two gloo
-#                                           # ranks at XS-2.1 widths (~6 min)
+#                                           # ranks at XS-2.1 widths (~9 min; every
+#                                           # step capped so the stage fits one call)
 #   bash benchmarks/gpu_check.sh prefix     # prefix caching and chunked prefill: CUDA tests,
 #                                           # bench_prefix_cache.py,
 #                                           # then the batch-1 decode step (~6 min)
@@ -429,12 +430,12 @@ case "$stage" in
     sed -n '/slowest/,/^$/p' "$log" | head -12 ;;
   ep)
     echo "== expert parallelism: the MoE kernels' skipped pairs (CUDA)"
-    gpu_tests 200 tests/test_kernel_moe_gemv.py tests/test_kernel_fused_moe.py \
+    gpu_tests 150 tests/test_kernel_moe_gemv.py tests/test_kernel_fused_moe.py \
       tests/test_kernel_grouped_moe.py -k "skip and cuda" | tail -24
     echo "== the expert-parallel MoE in CUDA graphs; sharded engines on one GPU over gloo"
-    gpu_tests 220 tests/test_expert_parallel.py tests/test_tensor_parallel.py -k "cuda or gpu" | tail -14
-    echo "== two gloo ranks at XS-2.1 widths, experts split by expert"
-    timeout 200 python benchmarks/check_tp_xs.py --layers 2 --dtypes float32,bfloat16 \
+    gpu_tests 150 tests/test_expert_parallel.py tests/test_tensor_parallel.py -k "cuda or gpu" | tail -14
+    echo "== two gloo ranks at XS-2.1 widths, experts split by expert (writing the pair: ~25 s)"
+    timeout 240 python benchmarks/check_tp_xs.py --layers 2 --dtypes float32,bfloat16 \
       --enable-expert-parallel 2>&1 | quiet | tail -10
     ;;
   prefix)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -583,3 +584,21 @@ def test_cli_serve_runs_a_server_with_the_vllm_spelling(stack, tmp_path):
     text = log.read_text()
     assert text.count("resolved serve configuration") == 1, text
     assert "num_speculative_tokens=2" in text and "draft_from=--speculative-config model" in text
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stack):
+    """The same prompt twice: the second response's usage counts its cached prompt tokens
+    (OpenAI's ``prompt_tokens_details.cached_tokens``), streamed and not; its text is the
+    first's."""
+    bs = stack.engine.config.block_size
+    rng = random.Random(11)
+    ids = [rng.randrange(5, 200) for _ in range(3 * bs + 5)]
+    first = stack.client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = stack.client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 3 * bs
+    assert again.choices[0].text == first.choices[0].text
+    stream = stack.client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    _, _, usage = _stream_text(stream)
+    assert usage.prompt_tokens_details.cached_tokens == 3 * bs

@@ -49,6 +49,7 @@ class EngineOutput:
     finish_reason: str | None
     num_output_tokens: int
     spec: dict | None = None  # per-request spec counters so far (None without a drafter)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ class AsyncEngine:
                         "num_accepted_tokens": seq.num_accepted_tokens,
                         "num_accepted_tokens_per_pos": list(seq.num_accepted_tokens_per_pos)}
             out.append((req, EngineOutput(list(new), logprobs, seq.is_finished, seq.finish_reason,
-                                          n, spec)))
+                                          n, spec, seq.num_cached_tokens)))
             if seq.is_finished:
                 del self._active[rid]
                 self._finish(req, seq.finish_reason or "stop")

@@ -54,10 +54,14 @@ class Job:
     stream: RequestStream
     num_output_tokens: int = 0
     spec: dict | None = None
+    num_cached_tokens: int = 0
 
     def usage(self) -> dict:
+        """OpenAI usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
+        cache held (not computed), as OpenAI reports prompt caching."""
         p, c = len(self.prompt_token_ids), self.num_output_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
 
 def sse(obj: Any) -> str:
@@ -182,6 +186,7 @@ class Serving:
                         break
                 job.num_output_tokens += len(tokens)
                 job.spec = out.spec
+                job.num_cached_tokens = out.num_cached_tokens
                 if finish is not None:
                     stream.abort("stop")  # a stop string: free the engine request now
                 elif out.finished:

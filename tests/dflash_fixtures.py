@@ -657,6 +657,15 @@ def make_poolside_laguna_drafter(
 # ---------------------------------------------------------------------------------------------
 
 
+
+def make_laguna_poolside_pair(root: str | Path, block_size: int, seed: int = 0) -> tuple[Path, Path]:
+    """``root/laguna`` (:func:`make_tiny_laguna_target`) and ``root/poolside``
+    (:func:`make_poolside_laguna_drafter` on it, ``block_size``): -> (target, drafter)."""
+    root = Path(root)
+    target = make_tiny_laguna_target(root / "laguna", seed=seed)
+    return target, make_poolside_laguna_drafter(root / "poolside", target, seed=seed,
+                                                block_size=block_size)
+
 def _sync_and_time() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -80,10 +80,7 @@ def test_without_chunking_a_long_prompt_is_one_step():
 def pair(tmp_path_factory):
     import dflash_fixtures as df
 
-    root = tmp_path_factory.mktemp("chunked")
-    target = df.make_tiny_laguna_target(root / "laguna", seed=0)
-    return target, df.make_poolside_laguna_drafter(root / "poolside", target, seed=0,
-                                                   block_size=BLOCK_SIZE)
+    return df.make_laguna_poolside_pair(tmp_path_factory.mktemp("chunked"), BLOCK_SIZE)
 
 
 def _prompts(seed: int) -> list[list[int]]:

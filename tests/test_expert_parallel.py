@@ -151,14 +151,17 @@ def test_each_rank_holds_its_experts_whole(tmp_path):
                 assert torch.equal(p.detach(), loaded[name].detach()), (spelling, name)
 
 
-def _moe(tp: TensorParallel) -> MoE:
+def _moe(tp: TensorParallel, hidden: int = 16, num_experts: int = 8, top_k: int = 3,
+         inter: int = 16, std: float = 0.3) -> MoE:
+    """An MoE with seeded random parameters (no shared expert): the one-rank module, or rank
+    ``tp.rank``'s experts of the same parameters (expert parallelism)."""
     torch.manual_seed(0)  # the same parameters at every rank count (the ranks slice them)
-    whole = MoE(16, 8, 3, 16, 0, routed_scaling_factor=2.5)
+    whole = MoE(hidden, num_experts, top_k, inter, 0, routed_scaling_factor=2.5)
     for p in whole.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+        torch.nn.init.normal_(p, std=std)
     if not tp.shards_experts:
         return whole
-    moe = MoE(16, 8, 3, 16, 0, routed_scaling_factor=2.5, tp=tp)
+    moe = MoE(hidden, num_experts, top_k, inter, 0, routed_scaling_factor=2.5, tp=tp)
     experts = slice(moe.first_expert, moe.first_expert + moe.num_local_experts)
     with torch.no_grad():
         moe.gate.weight.copy_(whole.gate.weight)
@@ -218,21 +221,8 @@ def test_cli_and_server_pass_the_flag():
 
 
 def _cuda_moe(tp: TensorParallel, dtype: torch.dtype) -> MoE:
-    """A Laguna-like MoE (16 experts, top-8, H 256, I 128; no shared expert) on the GPU: the
-    one-rank module, or rank ``tp.rank``'s experts of it."""
-    torch.manual_seed(0)
-    whole = MoE(256, 16, 8, 128, 0, routed_scaling_factor=2.5)
-    for p in whole.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    moe = whole if not tp.shards_experts else MoE(256, 16, 8, 128, 0, routed_scaling_factor=2.5, tp=tp)
-    if moe is not whole:
-        experts = slice(moe.first_expert, moe.first_expert + moe.num_local_experts)
-        with torch.no_grad():
-            moe.gate.weight.copy_(whole.gate.weight)
-            moe.e_score_correction_bias.copy_(whole.e_score_correction_bias)
-            moe.experts_gate_up.copy_(whole.experts_gate_up[experts])
-            moe.experts_down.copy_(whole.experts_down[experts])
-    return moe.to("cuda", dtype).eval()
+    """A Laguna-like MoE (16 experts, top-8, H 256, I 128) on the GPU (:func:`_moe`)."""
+    return _moe(tp, hidden=256, num_experts=16, top_k=8, inter=128, std=0.1).to("cuda", dtype).eval()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

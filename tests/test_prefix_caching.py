@@ -129,10 +129,7 @@ def test_blocks_wait_for_their_drafter_context():
 def pair(tmp_path_factory):
     import dflash_fixtures as df
 
-    root = tmp_path_factory.mktemp("prefix")
-    target = df.make_tiny_laguna_target(root / "laguna", seed=0)
-    return target, df.make_poolside_laguna_drafter(root / "poolside", target, seed=0,
-                                                   block_size=BLOCK_SIZE)
+    return df.make_laguna_poolside_pair(tmp_path_factory.mktemp("prefix"), BLOCK_SIZE)
 
 
 def _rounds(seed: int) -> list[list[list[int]]]:

@@ -594,8 +594,10 @@ class LLMEngine:
 
     def _queues_forward_ahead(self, batch_size: int) -> bool:
         """Whether this target-only step queues the next one's forward (``decode_ahead``): the
-        next step of an engine with a drafter must be target-only too."""
+        next step of an engine with a drafter must be target-only too. Not while a chunked
+        prefill is in progress: the next step is its chunk, and the forward would be dropped."""
         on = decode_ahead if decode_ahead is not None else self.runner.graphs is not None
+        on = on and not self.scheduler.prefilling
         if not on or self.proposer is None:
             return on
         if self.adaptive_k is not None:
@@ -621,8 +623,10 @@ class LLMEngine:
         """Queue the next step's drafter block from this step's device results (``accepted
         [R]``, ``target_tokens [R, k + 1]``): request ``i`` continues at ``P_i + a_i + 1 <=
         P_i + k + 1`` with bonus ``t_{a_i}``. Its KV blocks are grown to cover that block first
-        (no preemption: when blocks are short, nothing is queued)."""
-        if not draft_ahead or taps is not None or self.proposer.runner.graphs is None:
+        (no preemption: when blocks are short, nothing is queued). Not while a chunked prefill
+        is in progress (the next step is its chunk)."""
+        if (not draft_ahead or taps is not None or self.proposer.runner.graphs is None
+                or self.scheduler.prefilling):
             return None
         # the next block ends at P + a + 1 + k <= P + 2k + 1
         if not all(self.scheduler.reserve(s, p + 2 * k + 2) for s, p in zip(seqs, anchors)):

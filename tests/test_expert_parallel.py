@@ -74,6 +74,8 @@ def two_ranks(checkpoints):
     jobs["dflash K=3"] = {**gen, "draft": str(checkpoints["poolside"])}
     jobs["dflash K=3, prompts again"] = {**jobs["dflash K=3"], "again": True,  # > one KV block
                                          "prompts": [list(range(3, 23)), list(range(5, 45))]}
+    jobs["dflash K=3, chunked prefill"] = {**jobs["dflash K=3"], "prompts": [list(range(5, 45))],
+                                           "options": {**EP, "max_num_batched_tokens": 8}}
     results = tp_worker.run_ranks(list(jobs.values()), world_size=2)
     return {name: (job, [results[r][i] for r in range(2)]) for i, (name, job) in enumerate(jobs.items())}
 
@@ -108,6 +110,17 @@ def test_expert_parallel_greedy_equals_one_process_and_dflash_is_lossless(two_ra
     _, (spec0, spec1) = two_ranks["dflash K=3"]
     assert spec0 == spec1
     assert spec0[0] == rank0[0], "DFlash differs from target-only with expert parallelism"
+
+
+def test_sharded_ranks_chunk_prefills_alike(two_ranks):
+    """A 40-token prompt in chunks of 8 on two ranks: the ranks agree with each other and with
+    one process computing it whole."""
+    import tp_worker
+
+    job, (rank0, rank1) = two_ranks["dflash K=3, chunked prefill"]
+    assert rank0 == rank1
+    whole = tp_worker.run_job({**job, "options": {"enable_chunked_prefill": False}}, 1)
+    assert rank0[0] == whole[0]
 
 
 def test_sharded_ranks_share_the_prefix_cache_decisions(two_ranks):

@@ -9,7 +9,9 @@ Rows (each the best of ``--rounds`` after a warm-up round):
 * batch of 4 sharing the prefix: four prompts, the prefix cached, each with its own suffix,
   against the same four with the cache emptied.
 
-The first generated token of every cached run is checked against the cold run's::
+The first generated token of every cached run is checked against the cold run's. On CUDA one
+more run of each case under ``torch.profiler`` sums its GPU kernel time: a step whose wall time
+is far above it waits on the host (launches), not on the GPU::
 
     python benchmarks/bench_prefix_cache.py                 # H200: 40 layers, 1k context
     python benchmarks/bench_prefix_cache.py --device cpu --layers 2 --hidden 256 --context 64
@@ -38,6 +40,15 @@ def timed_prefill(llm: LLM, prompts: list[list[int]], cold: bool) -> tuple[float
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     return (llm.get_metrics()["prefill_s"] - before, sum(o.num_cached_tokens for o in outs),
             [o.token_ids[0] for o in outs])
+
+
+def kernel_ms(llm: LLM, prompts: list[list[int]], cold: bool) -> float:
+    """Summed CUDA kernel milliseconds of one :func:`timed_prefill` (profiled)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        timed_prefill(llm, prompts, cold)
+        torch.cuda.synchronize()
+    return sum(e.time_range.end - e.time_range.start for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 def main() -> None:
@@ -74,19 +85,31 @@ def main() -> None:
             if r:
                 for name, row in cases.items():
                     rows.setdefault(name, []).append(row)
+        gpu: dict[str, float] = {}
+        if args.device.startswith("cuda"):  # the same five prefills, profiled once
+            gpu["cold (whole prompt)"] = kernel_ms(llm, [prefix], cold=True)
+            gpu["same prompt again"] = kernel_ms(llm, [prefix], cold=False)
+            suffixed = [prefix + s for s in suffixes]
+            timed_prefill(llm, [prefix], cold=True)
+            gpu[f"cached prefix + {args.suffix} new"] = kernel_ms(llm, suffixed[:1], cold=False)
+            gpu["batch 4, cold"] = kernel_ms(llm, suffixed, cold=True)
+            timed_prefill(llm, [prefix], cold=True)
+            gpu["batch 4, prefix cached"] = kernel_ms(llm, suffixed, cold=False)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# {name}, XS-2.1 pair ({args.layers} layers), context {args.context}, suffix "
           f"{args.suffix}, DFlash K=3 loaded (the prefill stores the drafter's context); best of "
           f"{args.rounds}")
-    print("| prefill of | cached tokens | ms | x cold | first token = uncached |")
-    print("|---|---:|---:|---:|---|")
+    print("| prefill of | cached tokens | ms | x cold | GPU kernels ms | first token = uncached |")
+    print("|---|---:|---:|---:|---:|---|")
     cold = min(t for t, _, _ in rows["cold (whole prompt)"])
     cold_batch = min(t for t, _, _ in rows["batch 4, cold"])
     for case, runs in rows.items():
         best = min(t for t, _, _ in runs)
         base = cold_batch if case.startswith("batch") else cold
         same = all(ok for _, _, ok in runs)
-        print(f"| {case} | {runs[0][1]} | {best * 1e3:.2f} | {best / base:.2f} | {same} |")
+        kernels = f"{gpu[case]:.2f}" if case in gpu else "-"
+        print(f"| {case} | {runs[0][1]} | {best * 1e3:.2f} | {best / base:.2f} | {kernels} | "
+              f"{same} |")
 
 
 if __name__ == "__main__":

@@ -24,4 +24,4 @@ def test_bench_prefix_cache_prints_every_row():
     assert rows["same prompt again"][0] == "48"  # 64 tokens, blocks of 16, the last one computed
     assert rows["cached prefix + 16 new"][0] == "64"
     assert rows["batch 4, prefix cached"][0] == "256"
-    assert all(r[3] == "True" for r in rows.values() if r[0] != "cached tokens")
+    assert all(r[4] == "True" and r[3] == "-" for r in rows.values() if r[0] != "cached tokens")

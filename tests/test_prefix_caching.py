@@ -226,3 +226,24 @@ def test_prompt_logprobs_compute_the_whole_prompt(pair):
     assert again.num_cached_tokens == 24
     llm.reset_prefix_cache()
     assert llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].num_cached_tokens == 0
+
+
+def test_seeded_sampling_draws_the_uncached_tokens(pair):
+    """Temperature 0.8 with per-request seeds: a cached prefix changes neither the target's
+    distribution nor the draws (DFlash's rejection sampling included)."""
+    target, draft = pair
+    rounds = _rounds(seed=3)
+    params = [SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True, seed=100 + i)
+              for i in range(3)]
+
+    def run(llm: LLM) -> list[list[list[int]]]:
+        return [[o.token_ids for o in llm.generate(prompt_token_ids=r, sampling_params=params[:len(r)])]
+                for r in rounds]
+
+    for spec in ({}, {"draft": draft, "num_speculative_tokens": BLOCK_SIZE - 1}):
+        cached = LLM(target, block_size=KV_BLOCK, **spec)
+        got = run(cached)
+        assert got == run(LLM(target, block_size=KV_BLOCK, enable_prefix_caching=False, **spec))
+        assert cached.get_metrics()["prefix_cache_hits"] > 0
+        greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        assert got[0][0] != cached.generate(prompt_token_ids=rounds[0], sampling_params=greedy)[0].token_ids

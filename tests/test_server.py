@@ -468,7 +468,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_k": -7}, 400, "top_k", "top_k"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n", "only n=1"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "in [1, 64]"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
@@ -602,3 +602,44 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stack):
                                              stream=True, stream_options={"include_usage": True})
     _, _, usage = _stream_text(stream)
     assert usage.prompt_tokens_details.cached_tokens == 3 * bs
+
+
+def test_n_choices_streamed_and_not(stack):
+    """``n = 3``: three choices of one prompt. Greedy: each equals the offline greedy output.
+    Seeded sampling: choice ``i`` samples with ``seed + i``, so the choices differ and a second
+    request draws the same three; streamed chunks carry each choice's index and add up to the
+    non-streamed texts. Usage counts the prompt once and every choice's tokens."""
+    prompt = "def quicksort(arr):"
+    ref = stack.greedy([prompt], max_tokens=12)[0]
+    full = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, n=3,
+                                           temperature=0)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert all(c.text == ref.text for c in full.choices)
+    assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert full.usage.completion_tokens == 3 * len(ref.token_ids)
+    sampled = [stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, n=3,
+                                               temperature=1.0, seed=7) for _ in range(2)]
+    texts = [c.text for c in sampled[0].choices]
+    assert texts == [c.text for c in sampled[1].choices] and len(set(texts)) > 1
+    stream = stack.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, n=3,
+                                             temperature=1.0, seed=7, stream=True,
+                                             stream_options={"include_usage": True})
+    parts, usage = ["", "", ""], None
+    for chunk in stream:
+        for c in chunk.choices:
+            parts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert parts == texts
+    assert usage.completion_tokens == sampled[0].usage.completion_tokens
+    chat = stack.client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=2,
+        temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+    chunks = list(stack.client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=2,
+        temperature=1.0, seed=3, stream=True))
+    streamed = ["", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]

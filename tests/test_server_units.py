@@ -121,7 +121,8 @@ def test_max_tokens_rules():
 
 
 @pytest.mark.parametrize("request_, param", [
-    (CompletionRequest(prompt="x", n=2), "n"),
+    (CompletionRequest(prompt="x", n=0), "n"),
+    (CompletionRequest(prompt="x", n=65), "n"),
     (CompletionRequest(prompt="x", echo=True), "echo"),
     (CompletionRequest(prompt="x", presence_penalty=0.5), "presence_penalty"),
     (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),

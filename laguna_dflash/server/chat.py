@@ -10,8 +10,14 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
-from .sampling import build_sampling_params, reject_unsupported, resolve_max_tokens, stop_strings
-from .serving import SSE_DONE, Delta, Job, Serving, sse
+from .sampling import (
+    build_sampling_params,
+    num_choices,
+    reject_unsupported,
+    resolve_max_tokens,
+    stop_strings,
+)
+from .serving import SSE_DONE, Delta, Job, Serving, sse, usage
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -69,56 +75,63 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-async def _events(serving: Serving, job: Job, req: ChatCompletionRequest,
+async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
                   n_logprobs: int | None) -> AsyncIterator[str]:
+    """The assistant role for every choice, then one SSE chunk per delta of any choice."""
     opts = req.stream_options
-    base = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
-            "model": serving.model_name}
+    base = {"id": jobs[0].request_id, "object": "chat.completion.chunk",
+            "created": jobs[0].created, "model": serving.model_name}
 
-    def chunk(delta: dict, logprobs: list | None = None, finish: str | None = None,
+    def chunk(index: int, delta: dict, logprobs: list | None = None, finish: str | None = None,
               stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> str:
-        choice: dict[str, Any] = {"index": 0, "delta": delta,
+        choice: dict[str, Any] = {"index": index, "delta": delta,
                                   "logprobs": None if logprobs is None else {"content": logprobs},
                                   "finish_reason": finish, "stop_reason": stop_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**base, "choices": [choice]}
         if opts is not None and opts.continuous_usage_stats:
-            body["usage"] = job.usage()
+            body["usage"] = usage(jobs)
         return sse(body)
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for d in serving.generate(job):
+        for i in range(len(jobs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, d in serving.merged(jobs):
             wants_tokens = n_logprobs is not None or req.return_token_ids
             if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
                 continue
             lps = None
             if n_logprobs is not None and d.logprobs is not None:
                 lps = _logprobs(serving, d.token_ids, d.logprobs, n_logprobs)
-            yield chunk({"content": d.text} if d.text else {}, lps, d.finish_reason,
+            yield chunk(i, {"content": d.text} if d.text else {}, lps, d.finish_reason,
                         d.stop_reason, d.token_ids if req.return_token_ids else None)
         if opts is not None and opts.include_usage:
-            yield sse(serving.usage_chunk(job, base))
+            yield sse(serving.usage_chunk(jobs, base))
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE
 
 
-def _response(serving: Serving, job: Job, req: ChatCompletionRequest, deltas: list[Delta],
-              n_logprobs: int | None) -> dict:
-    tokens = [t for d in deltas for t in d.token_ids]
-    last = deltas[-1]
-    choice: dict[str, Any] = {
-        "index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-        "logprobs": None, "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
-    if n_logprobs is not None:
-        lps = [lp for d in deltas for lp in (d.logprobs or [])]
-        choice["logprobs"] = {"content": _logprobs(serving, tokens, lps, n_logprobs)}
-    if req.return_token_ids:
-        choice["token_ids"] = tokens
-        choice["prompt_token_ids"] = job.prompt_token_ids
-    return serving.response_body(job, "chat.completion", choice)
+def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
+              deltas_by_job: list[list[Delta]], n_logprobs: int | None) -> dict:
+    choices = []
+    for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
+        tokens = [t for d in deltas for t in d.token_ids]
+        last = deltas[-1]
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+            "logprobs": None, "finish_reason": last.finish_reason,
+            "stop_reason": last.stop_reason}
+        if n_logprobs is not None:
+            lps = [lp for d in deltas for lp in (d.logprobs or [])]
+            choice["logprobs"] = {"content": _logprobs(serving, tokens, lps, n_logprobs)}
+        if req.return_token_ids:
+            choice["token_ids"] = tokens
+            choice["prompt_token_ids"] = job.prompt_token_ids
+        choices.append(choice)
+    return serving.response_body(jobs, "chat.completion", choices)
 
 
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
@@ -135,9 +148,9 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     params = build_sampling_params(req, max_tokens, n_logprobs, serving.config.generation_defaults,
                                    "top_logprobs")
     stop = stop_strings(req)
-    job = await serving.start("chatcmpl", ids, params, stop, req.skip_special_tokens,
-                              req.include_stop_str_in_output)
+    jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
+                               req.skip_special_tokens, req.include_stop_str_in_output)
     if req.stream:
-        return serving.sse_response(_events(serving, job, req, n_logprobs))
-    deltas = await serving.collect(job, request)
-    return JSONResponse(_response(serving, job, req, deltas, n_logprobs))
+        return serving.sse_response(_events(serving, jobs, req, n_logprobs))
+    deltas = await serving.collect(jobs, request)
+    return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs))

@@ -12,11 +12,12 @@ from .protocol import CompletionRequest
 from .sampling import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     build_sampling_params,
+    num_choices,
     reject_unsupported,
     resolve_max_tokens,
     stop_strings,
 )
-from .serving import SSE_DONE, Delta, Job, Serving, sse
+from .serving import SSE_DONE, Delta, Job, Serving, sse, usage
 
 
 def _prompt_ids(serving: Serving, req: CompletionRequest) -> list[int]:
@@ -51,10 +52,10 @@ def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, floa
     }, offset
 
 
-def _choice(serving: Serving, req: CompletionRequest, text: str, tokens: list[int],
+def _choice(serving: Serving, req: CompletionRequest, index: int, text: str, tokens: list[int],
             logprobs: list[dict[int, float]] | None, offset: int, finish: str | None,
             stop_reason: str | int | None) -> tuple[dict, int]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
               "stop_reason": stop_reason}
     if req.logprobs is not None and logprobs is not None:
         choice["logprobs"], offset = _logprobs(serving, tokens, logprobs, offset)
@@ -63,43 +64,48 @@ def _choice(serving: Serving, req: CompletionRequest, text: str, tokens: list[in
     return choice, offset
 
 
-async def _events(serving: Serving, job: Job, req: CompletionRequest) -> AsyncIterator[str]:
+async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest) -> AsyncIterator[str]:
+    """One SSE chunk per delta of any choice (``choices[0].index`` says which)."""
     opts = req.stream_options
-    base = {"id": job.request_id, "object": "text_completion", "created": job.created,
+    base = {"id": jobs[0].request_id, "object": "text_completion", "created": jobs[0].created,
             "model": serving.model_name}
-    offset, first = 0, True
+    offsets, first = [0] * len(jobs), [True] * len(jobs)
     try:
-        async for d in serving.generate(job):
+        async for i, d in serving.merged(jobs):
             wants_tokens = req.logprobs is not None or req.return_token_ids
             if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
                 continue
-            choice, offset = _choice(serving, req, d.text, d.token_ids, d.logprobs, offset,
-                                     d.finish_reason, d.stop_reason)
-            if req.return_token_ids and first:
-                choice["prompt_token_ids"] = job.prompt_token_ids
-            first = False
+            choice, offsets[i] = _choice(serving, req, i, d.text, d.token_ids, d.logprobs,
+                                         offsets[i], d.finish_reason, d.stop_reason)
+            if req.return_token_ids and first[i]:
+                choice["prompt_token_ids"] = jobs[i].prompt_token_ids
+            first[i] = False
             chunk = {**base, "choices": [choice]}
             if opts is not None and opts.continuous_usage_stats:
-                chunk["usage"] = job.usage()
+                chunk["usage"] = usage(jobs)
             yield sse(chunk)
         if opts is not None and opts.include_usage:
-            yield sse(serving.usage_chunk(job, base))
+            yield sse(serving.usage_chunk(jobs, base))
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE
 
 
-def _response(serving: Serving, job: Job, req: CompletionRequest, deltas: list[Delta]) -> dict:
-    tokens = [t for d in deltas for t in d.token_ids]
-    logprobs = None
-    if req.logprobs is not None:
-        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-    last = deltas[-1]
-    choice, _ = _choice(serving, req, "".join(d.text for d in deltas), tokens, logprobs, 0,
-                        last.finish_reason, last.stop_reason)
-    if req.return_token_ids:
-        choice["prompt_token_ids"] = job.prompt_token_ids
-    return serving.response_body(job, "text_completion", choice)
+def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
+              deltas_by_job: list[list[Delta]]) -> dict:
+    choices = []
+    for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
+        tokens = [t for d in deltas for t in d.token_ids]
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+        last = deltas[-1]
+        choice, _ = _choice(serving, req, i, "".join(d.text for d in deltas), tokens, logprobs,
+                            0, last.finish_reason, last.stop_reason)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = job.prompt_token_ids
+        choices.append(choice)
+    return serving.response_body(jobs, "text_completion", choices)
 
 
 async def create_completion(serving: Serving, request: Request) -> Response:
@@ -112,8 +118,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     params = build_sampling_params(req, max_tokens, req.logprobs,
                                    serving.config.generation_defaults)
     stop = stop_strings(req)
-    job = await serving.start("cmpl", ids, params, stop, req.skip_special_tokens,
-                              req.include_stop_str_in_output)
+    jobs = await serving.start("cmpl", ids, params, num_choices(req), stop,
+                               req.skip_special_tokens, req.include_stop_str_in_output)
     if req.stream:
-        return serving.sse_response(_events(serving, job, req))
-    return JSONResponse(_response(serving, job, req, await serving.collect(job, request)))
+        return serving.sse_response(_events(serving, jobs, req))
+    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request)))

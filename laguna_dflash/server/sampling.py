@@ -38,10 +38,14 @@ def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
     return {k: data[k] for k in GENERATION_DEFAULT_KEYS if data.get(k) is not None}
 
 
+#: The most choices one request may ask for (``n``).
+MAX_CHOICES = 64
+
+
 def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields whose non-default values this server cannot honour."""
-    if req.n not in (None, 1):
-        raise bad_request(f"n={req.n} is not supported; only n=1 is", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"n={req.n}: the number of choices must be in [1, {MAX_CHOICES}]", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name} is not supported; leave it at 0", name)
@@ -60,6 +64,11 @@ def reject_unsupported(req: SamplingFields) -> None:
         kind = (req.response_format or {}).get("type", "text")
         if kind != "text":
             raise bad_request(f"response_format type {kind!r} is not supported", "response_format")
+
+
+def num_choices(req: SamplingFields) -> int:
+    """``n``: the completions to generate for the prompt (each its own engine request)."""
+    return req.n or 1
 
 
 def stop_strings(req: SamplingFields) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -56,12 +56,16 @@ class Job:
     spec: dict | None = None
     num_cached_tokens: int = 0
 
-    def usage(self) -> dict:
-        """OpenAI usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
-        cache held (not computed), as OpenAI reports prompt caching."""
-        p, c = len(self.prompt_token_ids), self.num_output_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+
+def usage(jobs: list[Job]) -> dict:
+    """OpenAI usage of one response (its ``n`` choices, one job each): the prompt counted once,
+    every choice's completion tokens; ``prompt_tokens_details.cached_tokens``: the prompt tokens
+    the prefix cache held for the first choice (not computed), as OpenAI reports prompt
+    caching."""
+    p, c = len(jobs[0].prompt_token_ids), sum(j.num_output_tokens for j in jobs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": jobs[0].num_cached_tokens}}
 
 
 def sse(obj: Any) -> str:
@@ -153,17 +157,61 @@ class Serving:
 
     # ---- running -------------------------------------------------------------------------
 
-    async def start(self, prefix: str, prompt_ids: list[int], params: SamplingParams,
+    async def start(self, prefix: str, prompt_ids: list[int], params: SamplingParams, n: int,
                     stop: tuple[str, ...], skip_special_tokens: bool,
-                    include_stop_str: bool) -> Job:
-        """Submit to the engine and wait until it accepted the request (4xx/5xx otherwise)."""
+                    include_stop_str: bool) -> list[Job]:
+        """Submit the ``n`` choices of one response (engine requests ``<id>``, ``<id>-1``, ...;
+        with a seed, choice ``i`` samples with ``seed + i``) and wait until the engine accepted
+        them (4xx/5xx otherwise; the accepted ones are then aborted)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        detok = (IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
-                 if self.tokenizer is not None else None)
-        stream = self.engine.submit(request_id, prompt_ids, params)
-        await stream.accepted()
-        return Job(request_id, int(time.time()), prompt_ids, params,
-                   OutputText(detok, stop, include_stop_str), stream)
+        jobs: list[Job] = []
+        try:
+            for i in range(n):
+                detok = (IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+                         if self.tokenizer is not None else None)
+                p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+                rid = request_id if i == 0 else f"{request_id}-{i}"
+                jobs.append(Job(rid, int(time.time()), prompt_ids, p,
+                                OutputText(detok, stop, include_stop_str),
+                                self.engine.submit(rid, prompt_ids, p)))
+                await jobs[-1].stream.accepted()
+        except BaseException:
+            for job in jobs:
+                job.stream.abort()
+            raise
+        return jobs
+
+    async def merged(self, jobs: list[Job]) -> AsyncIterator[tuple[int, Delta]]:
+        """``(choice index, delta)`` of every job as they arrive; every job is aborted if this
+        stops early (a client that went away, an error)."""
+        if len(jobs) == 1:
+            async for d in self.generate(jobs[0]):
+                yield 0, d
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, job: Job) -> None:
+            try:
+                async for d in self.generate(job):
+                    await queue.put((i, d))
+                await queue.put((i, None))
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            running = len(jobs)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def generate(self, job: Job,
                        disconnected: asyncio.Future | None = None) -> AsyncIterator[Delta]:
@@ -203,41 +251,53 @@ class Serving:
         finally:
             stream.abort()
 
-    async def collect(self, job: Job, request: Request) -> list[Delta]:
-        """Run a non-streamed request to the end; abort it if the client disconnects."""
+    async def collect(self, jobs: list[Job], request: Request) -> list[list[Delta]]:
+        """Run a non-streamed response's jobs to the end -> each job's deltas; abort them all if
+        the client disconnects (one watcher for the connection)."""
         watcher = asyncio.ensure_future(_wait_disconnect(request))
-        try:
+
+        async def run(job: Job) -> list[Delta]:
             return [d async for d in self.generate(job, watcher)]
+
+        tasks = [asyncio.ensure_future(run(job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
         except ClientDisconnected:
-            logger.info("client disconnected; aborted %s", job.request_id)
+            logger.info("client disconnected; aborted %s", jobs[0].request_id)
             raise APIError(499, "client disconnected") from None
         finally:
+            for task in tasks:  # after a failure the others stop (and abort) too
+                task.cancel()
             watcher.cancel()
 
-    def response_body(self, job: Job, obj: str, choice: dict) -> dict:
+    def response_body(self, jobs: list[Job], obj: str, choices: list[dict]) -> dict:
         """The non-streamed response envelope shared by completions and chat."""
-        body = {"id": job.request_id, "object": obj, "created": job.created,
-                "model": self.model_name, "choices": [choice], "usage": job.usage()}
-        metrics = self.spec_metrics(job)
+        body = {"id": jobs[0].request_id, "object": obj, "created": jobs[0].created,
+                "model": self.model_name, "choices": choices, "usage": usage(jobs)}
+        metrics = self.spec_metrics(jobs)
         if metrics is not None:
             body["metrics"] = metrics
         return body
 
-    def usage_chunk(self, job: Job, base: dict) -> dict:
+    def usage_chunk(self, jobs: list[Job], base: dict) -> dict:
         """The final streamed chunk (``stream_options.include_usage``): usage and spec metrics."""
-        final = {**base, "choices": [], "usage": job.usage()}
-        metrics = self.spec_metrics(job)
+        final = {**base, "choices": [], "usage": usage(jobs)}
+        metrics = self.spec_metrics(jobs)
         if metrics is not None:
             final["metrics"] = metrics
         return final
 
-    def spec_metrics(self, job: Job) -> dict | None:
-        """Per-request speculative decoding metrics (vLLM's ``metrics.speculative_decoding``)."""
-        s = job.spec
-        if s is None:
+    def spec_metrics(self, jobs: list[Job]) -> dict | None:
+        """Speculative decoding metrics of a response (vLLM's ``metrics.speculative_decoding``),
+        its choices' counters summed."""
+        specs = [j.spec for j in jobs if j.spec is not None]
+        if not specs:
             return None
+        s = {key: sum(spec[key] for spec in specs)
+             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
         k, drafts = self.num_speculative_tokens, s["num_drafts"]
-        per_pos = s["num_accepted_tokens_per_pos"] or [0] * k
+        per_pos = [sum(spec["num_accepted_tokens_per_pos"][i] for spec in specs
+                       if i < len(spec["num_accepted_tokens_per_pos"])) for i in range(k)]
         # steps that accepted exactly a drafts: per_pos[a-1] - per_pos[a] (per_pos[-1] = drafts)
         bounds = [drafts, *per_pos, 0]
         histogram = [bounds[a] - bounds[a + 1] for a in range(k + 1)]

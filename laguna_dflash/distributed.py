@@ -154,6 +154,11 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
 
+    def barrier(self) -> None:
+        """Wait for every rank (host side, over the control group: no GPU stream involved)."""
+        if self.is_parallel:
+            dist.barrier(group=self.control_group)
+
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` over the ranks (e.g. KV blocks that fit on every GPU)."""
         if not self.is_parallel:
@@ -191,7 +196,9 @@ def init_tensor_parallel(world_size: int, device: torch.device,
         raise ValueError(f"tensor_parallel_size={world_size}; it must be at least 1")
     if world_size == 1:
         launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched > 1:  # every process would load the whole model onto the same device
+        # every process would load the whole model onto the same device; unless the caller
+        # joined the launch's process group itself (data parallelism: an engine per rank)
+        if launched > 1 and not dist.is_initialized():
             raise ValueError(
                 f"this process is one of WORLD_SIZE={launched} launched ranks but "
                 f"tensor_parallel_size=1; pass --tensor-parallel-size {launched} "
@@ -222,6 +229,16 @@ def init_tensor_parallel(world_size: int, device: torch.device,
     if _control_groups is None or _control_groups[0] is not dist.group.WORLD:
         _control_groups = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
     rank = dist.get_rank()
-    logger.info("tensor parallel rank %d of %d (%s)%s", rank, world_size, dist.get_backend(),
+    logger.info("rank %d of %d (%s)%s", rank, world_size, dist.get_backend(),
                 ", experts split by expert" if expert_parallel else "")
     return TensorParallel(rank, world_size, dist.group.WORLD, _control_groups[1], expert_parallel)
+
+
+def init_data_parallel(device: torch.device) -> TensorParallel:
+    """The processes of a torchrun-style launch as data-parallel replicas (drafter training:
+    each rank its part of every batch, gradients summed with :meth:`TensorParallel.all_reduce`);
+    one process: :data:`SINGLE`. Joins the launch's process group as
+    :func:`init_tensor_parallel` does (NCCL on CUDA, one GPU a rank by ``LOCAL_RANK``; gloo on
+    CPU), so an engine a rank builds later runs alone on its device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return init_tensor_parallel(world_size, device) if world_size > 1 else SINGLE

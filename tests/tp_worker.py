@@ -9,7 +9,8 @@ A job is a dict: ``{"kind": "prompt_logits", "model": DIR, "prompt": [ids]}`` ->
 logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | None,
 "prompts": [[ids]], "max_tokens": N, "temperature": T (default 0), "options": {...}}`` -> ``(token ids per prompt, mean
 acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
-``"logprobs": N``; with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
+``"logprobs": N``; ``{"kind": "train_draft", "config": {...}}`` -> the drafter's weights after
+``train-draft`` (data parallel over the ranks); with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
 prompts generated a second time)`` (the prefix cache then holds them).
 """
 
@@ -49,6 +50,11 @@ def run_job(job: dict, tensor_parallel_size: int):
 
     if job.get("skip_warmup_prefills"):  # a CUDA engine's warm-up then decodes only
         engine_module.WARMUP_PREFILL_LENGTHS = ()
+    if job["kind"] == "train_draft":  # data parallel: -> the final training state's weights
+        from laguna_dflash.train.draft import DraftTrainConfig, train_draft
+
+        out = train_draft(DraftTrainConfig(**job["config"]))
+        return torch.load(out / "work" / "train_state.pt", weights_only=False)["model"]
     if job["kind"] == "prompt_logits":
         llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,
                   max_model_len=256, num_kv_blocks=32, **job.get("options", {}))

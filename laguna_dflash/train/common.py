@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..distributed import SINGLE, TensorParallel
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,25 +87,32 @@ def run_training(
     time_budget_s: float | None = None,
     after_step: Callable[[], None] | None = None,
     on_save: Callable[[], None] | None = None,
+    dp: TensorParallel = SINGLE,
 ) -> tuple[list[float], float]:
     """The shared optimisation loop: cosine LR, grad clip 1.0, resumable state, progress bar.
 
     With ``time_budget_s`` the schedule is re-planned from the measured step rate so training
     (and its LR decay) ends within the budget. Returns (losses, seconds).
+
+    Data parallelism (``dp``, :func:`~laguna_dflash.distributed.init_data_parallel`): each
+    rank's ``loss_fn`` returns its part of the step's loss (the parts sum to the whole batch's
+    loss), so the gradients and the loss are summed over the ranks before clipping; every rank
+    then takes the same optimizer step. Rank 0 alone writes states, saves and shows progress;
+    the time budget follows rank 0's clock.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     start, _ = load_state(state_path, model, optimizer)
     losses: list[float] = []
     t0 = time.perf_counter()
     t_mark, step_mark, total = t0, start, steps
-    bar = tqdm(total=steps, desc=desc, initial=start)
+    bar = tqdm(total=steps, desc=desc, initial=start, disable=not dp.is_driver)
     step = start
     while step < total:
         if time_budget_s and step >= start + 8:
             rate = (time.perf_counter() - t_mark) / (step - step_mark) if step > step_mark else 0.0
             if rate > 0:
                 remaining = max(0.0, time_budget_s - (time.perf_counter() - t0))
-                total = min(steps, step + int(remaining / rate))
+                total = dp.broadcast_object(min(steps, step + int(remaining / rate)))
                 bar.total = total
         if step == start + 3:
             t_mark, step_mark = time.perf_counter(), step
@@ -112,6 +121,8 @@ def run_training(
         loss = loss_fn(step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if dp.is_parallel:
+            loss = sum_over_ranks(params, loss, dp)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if after_step is not None:
@@ -121,7 +132,7 @@ def run_training(
             raise RuntimeError(f"{desc} diverged at step {step} (loss {losses[-1]}); lower --lr")
         if (step + 1) % log_every == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-log_every:]):.3f}")
-        if (step + 1) % save_every == 0:
+        if (step + 1) % save_every == 0 and dp.is_driver:
             save_state(state_path, model, optimizer, step + 1)
             if on_save is not None:
                 on_save()
@@ -129,3 +140,17 @@ def run_training(
         bar.update(1)
     bar.close()
     return losses, time.perf_counter() - t0
+
+
+def sum_over_ranks(params: list[torch.Tensor], loss: torch.Tensor, dp: TensorParallel) -> torch.Tensor:
+    """Sum every parameter's gradient and ``loss`` over the data-parallel ranks, in one
+    all-reduce of one flat buffer (a parameter without a gradient counts as zeros) -> the
+    summed loss (detached)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().reshape(1).float()])
+    flat = dp.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
+        offset += g.numel()
+    return flat[-1]

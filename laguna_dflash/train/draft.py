@@ -7,6 +7,12 @@ block input ``[x_a, MASK x (S-1)]`` at positions ``a .. a+S-1``; the block atten
 strictly before its anchor plus its own block (causal inside the block for a causal drafter);
 slot ``k`` is labelled with ``x_{a+k}`` (same-position labels) and weighted ``exp(-(k-1)/gamma)``.
 Checkpoints are written in the Poolside (Laguna flavour) or z-lab (Qwen3 flavour) format.
+
+Data parallel under torchrun (``torchrun --nproc-per-node N -m laguna_dflash train-draft ...``):
+every rank holds the frozen target and a drafter replica, regenerates ``1/N`` of the data,
+draws the same global batch and anchors, and computes its ``batch_size / N`` rows' part of the
+loss (normalised by the whole batch's weight); the gradients are summed over the ranks, so N
+ranks take the optimizer steps one process would take on the whole batch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..distributed import SINGLE, TensorParallel, init_data_parallel
 from ..engine.attention import AttentionMetadata
 from ..models.dflash import DFlashDraftModel, qwen3_draft_spec
 from ..models.laguna_dflash import DFlashLaguna, laguna_draft_spec
@@ -103,11 +110,29 @@ def draft_config(c: DraftTrainConfig, target_cfg: dict) -> dict:
     raise ValueError(f"--flavour must be 'laguna' or 'qwen3', got {c.flavour!r}")
 
 
-def regenerate(c: DraftTrainConfig, work: Path) -> torch.Tensor:
-    """``[N, prompt_len + gen_len]`` int64: corpus prompts + the target's greedy continuations."""
+def regenerate(c: DraftTrainConfig, work: Path, dp: TensorParallel = SINGLE) -> torch.Tensor:
+    """``[N, prompt_len + gen_len]`` int64: corpus prompts + the target's greedy continuations.
+    Data parallel: rank ``r`` continues prompts ``r, r + N, ...`` on its device; rank 0 joins
+    the parts (rank by rank) into the one cache every rank loads."""
     cache = work / "regenerated.npy"
-    if cache.is_file():
-        return torch.from_numpy(np.load(cache).astype(np.int64))
+    if not cache.is_file():
+        part = _regenerate_part(c, work, dp)
+        if dp.is_parallel:
+            np.save(work / f"regenerated.rank{dp.rank}.npy", part)
+            dp.barrier()
+            if dp.is_driver:
+                parts = [work / f"regenerated.rank{r}.npy" for r in range(dp.world_size)]
+                np.save(cache, np.concatenate([np.load(p) for p in parts]))
+                for p in parts:
+                    p.unlink()
+        else:
+            np.save(cache, part)
+    dp.barrier()
+    return torch.from_numpy(np.load(cache).astype(np.int64))
+
+
+def _regenerate_part(c: DraftTrainConfig, work: Path, dp: TensorParallel) -> np.ndarray:
+    """This rank's part of :func:`regenerate`: ``[n, prompt_len + gen_len]`` int32."""
     from ..config import SamplingParams
     from ..llm import LLM
 
@@ -117,24 +142,23 @@ def regenerate(c: DraftTrainConfig, work: Path) -> torch.Tensor:
     stream = np.load(stream_path).astype(np.int64)
     rng = np.random.default_rng(c.seed)
     starts = rng.integers(0, len(stream) - c.prompt_len, size=c.num_sequences)
-    prompts = [stream[s : s + c.prompt_len].tolist() for s in starts]
+    prompts = [stream[s : s + c.prompt_len].tolist() for s in starts][dp.rank :: dp.world_size]
     dtype = "bfloat16" if c.device.startswith("cuda") else "float32"
     llm = LLM(c.target, dtype=dtype, device=c.device, max_num_seqs=c.gen_batch_size,
               max_model_len=c.prompt_len + c.gen_len + 1)
     params = SamplingParams(temperature=0, max_tokens=c.gen_len, ignore_eos=True)
     rows = []
     t0 = time.perf_counter()
-    for i in tqdm(range(0, len(prompts), c.gen_batch_size), desc="regenerate"):
+    for i in tqdm(range(0, len(prompts), c.gen_batch_size), desc="regenerate",
+                  disable=not dp.is_driver):
         if rows and c.regen_budget_s and time.perf_counter() - t0 > c.regen_budget_s:
             logger.warning("regeneration budget reached: %d of %d sequences", len(rows), len(prompts))
             break
         chunk = prompts[i : i + c.gen_batch_size]
         outs = llm.generate(prompt_token_ids=chunk, sampling_params=params)
         rows += [p + o.token_ids for p, o in zip(chunk, outs)]
-    data = np.asarray(rows, dtype=np.int32)
-    np.save(cache, data)
     del llm
-    return torch.from_numpy(data.astype(np.int64))
+    return np.asarray(rows, dtype=np.int32).reshape(len(rows), c.prompt_len + c.gen_len)
 
 
 def block_metadata(positions: torch.Tensor, is_causal: bool) -> AttentionMetadata:
@@ -171,12 +195,31 @@ def cached_target_states(target, data: torch.Tensor, tap_layer_ids, device: torc
     return torch.cat(hiddens), torch.cat(taps)
 
 
+def draw_anchors(c: DraftTrainConfig, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch, num_anchors]`` sorted block anchors in the generated part of each sequence, so
+    that labels are the target's own continuation."""
+    low, high = c.prompt_len - 1, seq_len - 2
+    return torch.randint(low, high + 1, (batch, c.num_anchors), generator=gen).sort(dim=1).values
+
+
+def slot_weights(c: DraftTrainConfig, anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """``[B * num_anchors * (S-1)]`` float32: slot ``k``'s loss weight ``exp(-(k-1)/gamma)``,
+    0 where its label would lie past the sequence."""
+    slot = torch.arange(1, block_size, device=anchors.device)
+    valid = ((anchors.unsqueeze(-1) + slot) < seq_len).reshape(-1).float()
+    return torch.exp(-(slot.float() - 1) / c.gamma).repeat(anchors.numel()) * valid
+
+
 def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: torch.Generator,
-               states: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               states: tuple[torch.Tensor, torch.Tensor] | None = None,
+               anchors: torch.Tensor | None = None,
+               weight_total: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted same-position CE of the drafter on ``seqs [B, T]`` (see module docstring).
 
     ``states``: the target's (last hidden, taps) for ``seqs`` if already computed (see
-    ``cached_target_states``); otherwise the target runs here.
+    ``cached_target_states``); otherwise the target runs here. ``anchors [B, num_anchors]``:
+    given (data parallel: this rank's rows of the global batch's) or drawn from ``gen``;
+    ``weight_total``: the normaliser (the whole batch's weight sum), else these rows'.
     """
     b, t = seqs.shape
     device = seqs.device
@@ -189,9 +232,7 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
         hidden, taps = (x.reshape(b * t, -1).to(device, dtype) for x in states)
     context = drafter.combine_hidden_states(taps)
     context_kv = drafter.reference_context_kv(context, meta.positions)
-    # anchors in the generated part, so that labels are the target's own continuation
-    low, high = c.prompt_len - 1, t - 2
-    anchors = torch.randint(low, high + 1, (b, c.num_anchors), generator=gen).sort(dim=1).values.to(device)
+    anchors = (anchors if anchors is not None else draw_anchors(c, b, t, gen)).to(device)
     slot = torch.arange(s, device=device)
     positions = (anchors.unsqueeze(-1) + slot).reshape(-1)  # [B*N*S]
     ids = torch.full((b, c.num_anchors, s), drafter.mask_token_id, device=device)
@@ -205,8 +246,7 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
     logits = drafter.compute_logits(h.reshape(-1, h.shape[-1]))
     label_pos = (anchors.unsqueeze(-1) + slot[1:]).clamp(max=t - 1)
     labels = seqs.gather(1, label_pos.view(b, -1)).view(-1)
-    valid = ((anchors.unsqueeze(-1) + slot[1:]) < t).reshape(-1).float()
-    weights = torch.exp(-(slot[1:].float() - 1) / c.gamma).repeat(b * c.num_anchors) * valid
+    weights = slot_weights(c, anchors, t, s)
     if c.distill:
         # the target's distribution for the token at a+k is its output at row a+k-1
         rows = (torch.arange(b, device=device).view(b, 1, 1) * t + label_pos - 1).reshape(-1)
@@ -215,7 +255,8 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
         ce = -(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
     else:
         ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum() / weights.sum()
+    total = weight_total.to(device) if weight_total is not None else weights.sum()
+    return (ce * weights).sum() / total
 
 
 def train_draft(c: DraftTrainConfig) -> Path:
@@ -224,7 +265,13 @@ def train_draft(c: DraftTrainConfig) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     seed_everything(c.seed)
     device = torch.device(c.device)
-    data = regenerate(c, work)
+    dp = init_data_parallel(device)
+    if dp.is_parallel and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
+    if c.batch_size % dp.world_size:
+        raise ValueError(f"--batch-size {c.batch_size} is not divisible by the {dp.world_size} "
+                         "launched ranks; pick a multiple of the rank count")
+    data = regenerate(c, work, dp)
     target = load_model(c.target, torch.float32, device)
     target_cfg = read_config(c.target)
     if c.init_from:
@@ -250,20 +297,28 @@ def train_draft(c: DraftTrainConfig) -> Path:
     cache = cached_target_states(target, data, drafter.target_layer_ids, device) if c.cache_target_states else None
 
     def loss_fn(step: int) -> torch.Tensor:
+        # the whole batch's rows and anchors, drawn alike on every rank; this rank's share
         idx = torch.randint(0, data.shape[0], (c.batch_size,), generator=gen)
+        anchors = draw_anchors(c, c.batch_size, data.shape[1], gen)
+        total = slot_weights(c, anchors, data.shape[1], drafter.block_size).sum()
+        share = c.batch_size // dp.world_size
+        rows = slice(dp.rank * share, (dp.rank + 1) * share)
+        idx, anchors = idx[rows], anchors[rows]
         states = None if cache is None else (cache[0][idx], cache[1][idx])
         with autocast(device):
-            return draft_loss(drafter, target, data[idx].to(device), c, gen, states)
+            return draft_loss(drafter, target, data[idx].to(device), c, gen, states, anchors, total)
 
     losses, seconds = run_training(
         "train-draft", drafter, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,
         state_path=work / "train_state.pt", save_every=c.save_every, log_every=c.log_every,
         time_budget_s=c.time_budget_s,
-        on_save=lambda: save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16),
+        on_save=lambda: save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16), dp=dp,
     )
     drafter.eval()
-    save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
-    summary = {"config": asdict(c), "losses": losses, "seconds": seconds,
-               "num_sequences": int(data.shape[0])}
-    (work / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    if dp.is_driver:
+        save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
+        summary = {"config": asdict(c), "losses": losses, "seconds": seconds,
+                   "num_sequences": int(data.shape[0]), "num_ranks": dp.world_size}
+        (work / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    dp.barrier()  # the checkpoint is written before any rank returns
     return out

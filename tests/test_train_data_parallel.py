@@ -1,0 +1,93 @@
+"""Data-parallel drafter training (``torchrun ... train-draft``) on two CPU ranks over gloo.
+
+Each rank computes its half of every batch (the same global rows and anchors, the loss
+normalised by the whole batch's weight) and the gradients are summed over the ranks, so two
+ranks take the optimizer steps one process takes on the whole batch: the weights after a few
+steps match one process's, the regeneration is split between the ranks, and rank 0 alone writes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny trained-format target and a regenerated-data cache both runs share."""
+    import dflash_fixtures as df
+
+    root = tmp_path_factory.mktemp("dp")
+    target = df.make_tiny_laguna_target(root / "laguna", seed=0)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    data = rng.integers(5, vocab, size=(16, 32)).astype(np.int32)
+    return root, target, data
+
+
+def _config(target, out_dir, **overrides) -> dict:
+    return {**dict(target=str(target), out_dir=str(out_dir), flavour="laguna", num_layers=1,
+                   block_size=4, num_anchors=4, prompt_len=16, gen_len=16, num_sequences=16,
+                   batch_size=4, steps=STEPS, warmup=1, lr=3e-3, save_every=STEPS, log_every=1,
+                   mask_token_id=3), **overrides}
+
+
+def _with_data(out_dir, data) -> None:
+    (out_dir / "work").mkdir(parents=True)
+    np.save(out_dir / "work" / "regenerated.npy", data)
+
+
+def test_two_ranks_take_one_process_steps(setup):
+    import tp_worker
+
+    root, target, data = setup
+    for name in ("one", "two"):
+        _with_data(root / name, data)
+    one = tp_worker.run_job({"kind": "train_draft", "config": _config(target, root / "one")}, 1)
+    two = tp_worker.run_ranks([{"kind": "train_draft", "config": _config(target, root / "two")}],
+                              world_size=2)[0][0]
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+    summary = json.loads((root / "two" / "work" / "train_summary.json").read_text())
+    assert summary["num_ranks"] == 2 and len(summary["losses"]) == STEPS
+    want = json.loads((root / "one" / "work" / "train_summary.json").read_text())["losses"]
+    np.testing.assert_allclose(summary["losses"], want, rtol=1e-4)
+    assert (root / "two" / "config.json").is_file()
+
+
+def test_batch_size_must_divide_over_the_ranks(setup):
+    import tp_worker
+
+    root, target, data = setup
+    _with_data(root / "odd", data)
+    with pytest.raises(Exception, match="batch-size 3 is not divisible by the 2 launched ranks"):
+        tp_worker.run_ranks([{"kind": "train_draft",
+                              "config": _config(target, root / "odd", batch_size=3)}], world_size=2)
+    shutil.rmtree(root / "odd")
+
+
+def test_regeneration_is_split_between_the_ranks(setup):
+    """Without a cache each rank continues every second prompt; rank 0 joins the parts: the
+    rows are one process's rows (rank 0's prompts first, then rank 1's)."""
+    import tp_worker
+
+    root, target, data = setup
+    corpus = root / "corpus.npy"
+    np.save(corpus, data.reshape(-1))
+    cfg = {"corpus_tokens": str(corpus), "num_sequences": 6, "gen_len": 8, "steps": 1,
+           "save_every": 1, "gen_batch_size": 4}
+    tp_worker.run_job({"kind": "train_draft", "config": _config(target, root / "r1", **cfg)}, 1)
+    tp_worker.run_ranks([{"kind": "train_draft", "config": _config(target, root / "r2", **cfg)}],
+                        world_size=2)
+    one = np.load(root / "r1" / "work" / "regenerated.npy")
+    two = np.load(root / "r2" / "work" / "regenerated.npy")
+    assert one.shape == two.shape == (6, 24)
+    np.testing.assert_array_equal(two, np.concatenate([one[0::2], one[1::2]]))
+    assert sorted((root / "r2" / "work").glob("regenerated.rank*")) == []

@@ -62,6 +62,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # keep tokens whose probability (after temperature) is at least min_p times the most
+    # likely one's (vLLM's min_p; 0 disables)
+    min_p: float = 0.0
     max_tokens: int = 16
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -80,6 +83,8 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.top_k must be >= 0 (0 disables top-k), got {self.top_k}"
             )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 disables), got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -52,6 +52,19 @@ def test_top_k_top_p_filtering():
     assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()  # the token crossing top_p is kept
 
 
+def test_min_p_keeps_tokens_within_its_ratio_of_the_most_likely():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    full = torch.softmax(logits / 2.0, -1)[0]
+    ratio = float(full[2] / full[0])  # the third token's probability over the first's
+    p = filtered_probs(logits, 2.0, top_k=0, top_p=1.0, min_p=ratio - 1e-4)
+    assert (p[0, :3] > 0).all() and (p[0, 3:] == 0).all()
+    torch.testing.assert_close(p[0, :3], full[:3] / full[:3].sum())
+    p = filtered_probs(logits, 2.0, top_k=0, top_p=1.0, min_p=ratio + 1e-4)
+    assert (p[0, 2:] == 0).all()
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(min_p=1.5)
+
+
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     logits = torch.randn(4, 50)
     sp = SamplingParams(temperature=0.8, seed=1)

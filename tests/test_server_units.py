@@ -91,6 +91,8 @@ def _completion(**fields):
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])
 def test_bad_sampling_values_are_400_naming_the_field(fields, param):
@@ -102,8 +104,10 @@ def test_bad_sampling_values_are_400_naming_the_field(fields, param):
 def test_sampling_defaults_and_generation_config():
     p = build_sampling_params(_completion(top_k=-1), 4, 2, {})
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.logprobs) == (1.0, 1.0, 0, 4, 2)
-    p = build_sampling_params(_completion(temperature=0.0), 4, None, {"temperature": 0.7, "top_k": 20})
-    assert (p.temperature, p.top_k) == (0.0, 20)  # request wins, model default fills the rest
+    p = build_sampling_params(_completion(temperature=0.0), 4, None,
+                              {"temperature": 0.7, "top_k": 20, "min_p": 0.05})
+    assert (p.temperature, p.top_k, p.min_p) == (0.0, 20, 0.05)  # request wins, defaults fill
+    assert build_sampling_params(_completion(min_p=0.1), 4, None, {"min_p": 0.05}).min_p == 0.1
     with pytest.raises(APIError, match="logprobs must be in"):
         build_sampling_params(_completion(), 4, 21, {})
 

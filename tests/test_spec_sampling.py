@@ -40,7 +40,8 @@ def exact_token_distributions(llm: LLM, params: SamplingParams) -> tuple[np.ndar
 
     def probs(ids: list[int]) -> torch.Tensor:
         logits = eng.prompt_logits(ids)[-1:]
-        return filtered_probs(logits, params.temperature, params.top_k, params.top_p)[0].double()
+        return filtered_probs(logits, params.temperature, params.top_k, params.top_p,
+                              params.min_p)[0].double()
 
     p1 = probs(PROMPT)
     p2 = torch.zeros_like(p1)
@@ -56,7 +57,8 @@ def exact_token_distributions(llm: LLM, params: SamplingParams) -> tuple[np.ndar
 def sampled_tokens(llm: LLM, params: SamplingParams) -> np.ndarray:
     """``[NUM_SAMPLES, 3]`` generated tokens, one independent seeded request per row."""
     plist = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            max_tokens=3, ignore_eos=True, seed=1000 + i) for i in range(NUM_SAMPLES)]
+                            min_p=params.min_p, max_tokens=3, ignore_eos=True, seed=1000 + i)
+             for i in range(NUM_SAMPLES)]
     outs = llm.generate(prompt_token_ids=[PROMPT] * NUM_SAMPLES, sampling_params=plist)
     return np.array([o.token_ids for o in outs])
 
@@ -77,7 +79,8 @@ def gof_pvalue(samples: np.ndarray, expected_p: np.ndarray) -> float:
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=1.6, top_k=8, top_p=0.95),
-], ids=["t1", "t1.6-topk-topp"])
+    SamplingParams(temperature=1.6, min_p=0.08),
+], ids=["t1", "t1.6-topk-topp", "t1.6-minp"])
 def test_spec_sampling_matches_target_distribution(pair, params, adaptive):
     target, draft = pair
     base = LLM(target, max_num_seqs=128)

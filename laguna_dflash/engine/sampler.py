@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p; per-request seeded generators.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p; per-request seeded generators.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from
 ``p`` exactly and needs no host sync (no ``torch.multinomial``).
@@ -6,20 +6,30 @@ Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), whic
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import SamplingParams
 from ..kernels.argmax import argmax_rows
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``logits [N, V]`` -> probabilities ``[N, V]`` float32 after temperature, top-k, top-p.
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                   min_p: float = 0.0) -> torch.Tensor:
+    """``logits [N, V]`` -> probabilities ``[N, V]`` float32 after temperature, min-p, top-k,
+    top-p (vLLM's order).
 
-    top-k keeps the k largest logits; top-p then keeps the smallest prefix of the sorted
-    distribution whose mass reaches ``top_p`` (the token crossing the threshold is kept).
+    min-p keeps the tokens with ``p >= min_p * max p``, i.e. scores within ``log(min_p)`` of
+    the largest; top-k keeps the k largest logits; top-p then keeps the smallest prefix of the
+    sorted distribution whose mass reaches ``top_p`` (the token crossing the threshold is kept).
+    Speculative decoding samples the target's rows through this same function, so any filter
+    here keeps it lossless.
     """
     scores = logits.float() / temperature
     vocab = scores.shape[-1]
+    if min_p > 0.0:
+        floor = scores.max(dim=-1, keepdim=True).values + math.log(min_p)
+        scores = scores.masked_fill(scores < floor, float("-inf"))
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -50,7 +60,7 @@ def sample_rows(
         if p.is_greedy:
             continue
         rows = slice(i * rows_per_request, (i + 1) * rows_per_request)
-        probs = filtered_probs(logits[rows], p.temperature, p.top_k, p.top_p)
+        probs = filtered_probs(logits[rows], p.temperature, p.top_k, p.top_p, p.min_p)
         noise = torch.empty_like(probs).exponential_(generator=gen)
         out[rows] = argmax_rows(probs / noise)
     return out

@@ -39,6 +39,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     # vLLM extensions (sent through ``extra_body`` by the openai client)
     top_k: int | None = None
+    min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True

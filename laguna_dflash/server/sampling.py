@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20
 #: Default ``max_tokens`` of a completion request (OpenAI and vLLM).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: ``generation_config.json`` keys used as defaults for fields a request leaves out.
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
@@ -121,6 +121,9 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
     top_k = int(req.top_k if req.top_k is not None else defaults.get("top_k", 0))
     if top_k < -1:
         raise bad_request(f"top_k must be -1 or 0 (disabled) or >= 1, got {top_k}", "top_k")
+    min_p = _number(req.min_p if req.min_p is not None else defaults.get("min_p", 0.0), "min_p")
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request(f"min_p must be in [0, 1] (0 disables), got {min_p}", "min_p")
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}",
                           logprobs_param)
@@ -128,7 +131,8 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
         raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
     try:
         return SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
+            max_tokens=max_tokens,
             stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=num_logprobs,
         )

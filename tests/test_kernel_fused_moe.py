@@ -373,6 +373,25 @@ def test_grouped_path_matches_reference_loop_on_cpu() -> None:
     assert _rel_err(grouped, loop) <= 1e-2
 
 
+def eager_then_graphed(fn):
+    """``fn()`` eagerly with host syncs forbidden (after a first call that compiles), then
+    captured into a CUDA graph and replayed -> (eager output, the graph's static output, the
+    graph)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host sync would raise
+    try:
+        eager = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, static_out, graph
+
+
 @cuda
 def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     """XS-2.1 widths (k 8 of 40 experts, 20 on this rank), bf16 and fp32: the rank's pairs are
@@ -388,18 +407,8 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     full, rank, skipped = ep_problem(16, XS["k"], 40, 10, 30, XS["hidden"], XS["inter"], torch.bfloat16,
                                      seed=5, device="cuda")
     x, local, w, gate_up, down = (a.clone() if a.dim() < 3 else a for a in rank)
-    fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)  # compile outside
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, static_out, graph = eager_then_graphed(
+        lambda: fused_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
     assert torch.equal(static_out, eager)
     _, other, _ = ep_problem(16, XS["k"], 40, 10, 30, 8, 4, torch.bfloat16, seed=6)
     local.copy_(other[1])  # another routing, token 0 now all skipped too

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from ptx_sm90 import can_compile_sm90, compile_sm90_spills, loads_before_pdl_wait
-from test_kernel_fused_moe import check_skipped_pairs, ep_problem
+from test_kernel_fused_moe import check_skipped_pairs, eager_then_graphed, ep_problem
 
 from laguna_dflash.kernels import grouped_moe
 from laguna_dflash.kernels.fused_moe import fused_moe_experts, moe_experts_reference
@@ -514,18 +514,8 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
                 assert torch.equal(fused, pairs), t
     full, rank, skipped = ep_problem(64, 9, 40, 10, 30, 2048, 512, torch.bfloat16, seed=9, device="cuda")
     x, local, w, gate_up, down = (a.clone() if a.dim() < 3 else a for a in rank)
-    sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)  # compile outside
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # a host sync in align_pairs would raise
-    try:
-        eager = sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, static_out, graph = eager_then_graphed(  # a host sync in align_pairs would raise
+        lambda: sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
     assert torch.equal(static_out, eager)
     _, other, _ = ep_problem(64, 9, 40, 10, 30, 8, 4, torch.bfloat16, seed=10)
     local.copy_(other[1])

@@ -22,7 +22,7 @@ import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 from test_kernel_fused_moe import _problem as fused_moe_problem
-from test_kernel_fused_moe import check_skipped_pairs, ep_problem
+from test_kernel_fused_moe import check_skipped_pairs, eager_then_graphed, ep_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
@@ -159,18 +159,8 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     x, local, w, gate_up, down = (a.clone() if a.dim() < 3 else a for a in rank)
     local[2:] = local[1:2]  # tokens 1..3 keep every pair
     w = torch.nan_to_num(w, nan=0.25)  # routing weights for the pairs kept from here on
-    moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True)  # compile outside
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True)
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, static_out, graph = eager_then_graphed(
+        lambda: moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
     assert torch.equal(static_out, eager) and torch.all(static_out[0] == 0)
     local[1] = -1  # now token 1 is all skipped, token 0 on token 3's experts
     local[0] = local[3]

@@ -64,15 +64,23 @@ def _seq(i: int, tokens: list[int], **params) -> Sequence:
     return Sequence(i, tokens, Params(temperature=0, max_tokens=4, **params))
 
 
-def test_scheduler_admits_with_the_cached_prefix_and_never_the_last_token():
-    alloc = BlockAllocator(16, 4)
-    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True)
-    first = _seq(0, list(range(1, 13)))  # 3 full blocks
+def _with_cached_prompt(num_blocks: int, max_seqs: int, budget: int, prompt_len: int):
+    """A prefix-caching scheduler (blocks of 4) whose first request, tokens ``1 ..
+    prompt_len``, was prefilled and its full blocks cached -> (allocator, scheduler, request)."""
+    alloc = BlockAllocator(num_blocks, 4)
+    sched = Scheduler(alloc, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                      enable_prefix_caching=True)
+    first = _seq(0, list(range(1, prompt_len + 1)))
     sched.add(first)
     assert sched.schedule().sequences == [first] and first.num_computed == 0
-    first.num_computed = 12
+    first.num_computed = prompt_len
     sched.cache_blocks(first)
-    assert alloc.num_cached_blocks == 3
+    assert alloc.num_cached_blocks == prompt_len // 4
+    return alloc, sched, first
+
+
+def test_scheduler_admits_with_the_cached_prefix_and_never_the_last_token():
+    alloc, sched, first = _with_cached_prompt(16, 8, 64, 12)  # 3 full blocks
     same = _seq(1, list(range(1, 13)))  # the same prompt: its last block is computed again
     longer = _seq(2, list(range(1, 15)))
     other = _seq(3, [7] + list(range(2, 13)))
@@ -91,13 +99,7 @@ def test_scheduler_admits_with_the_cached_prefix_and_never_the_last_token():
 
 
 def test_scheduler_budget_counts_only_the_tokens_to_compute():
-    alloc = BlockAllocator(32, 4)
-    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=20, enable_prefix_caching=True)
-    first = _seq(0, list(range(1, 17)))
-    sched.add(first)
-    sched.schedule()
-    first.num_computed = 16
-    sched.cache_blocks(first)
+    _, sched, _ = _with_cached_prompt(32, 4, 20, 16)
     a, b = _seq(1, list(range(1, 19))), _seq(2, list(range(1, 19)))  # 16 cached + 2 new each
     sched.add(a)
     sched.add(b)

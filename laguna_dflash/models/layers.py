@@ -503,17 +503,19 @@ class MoE(nn.Module):
         t, k = ids.shape
         n = self.num_local_experts
         flat = ids.reshape(-1)
-        skipped = flat < 0
-        order = torch.argsort(flat.masked_fill(skipped, n), stable=True)
+        skips = self.tp.shards_experts  # only then can ids hold -1 (no extra ops otherwise)
+        skipped = flat < 0 if skips else None
+        key = flat.masked_fill(skipped, n) if skips else flat  # skipped pairs: group n, last
+        order = torch.argsort(key, stable=True)
         counts = torch.zeros(n + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.masked_fill(skipped, n), torch.ones_like(flat, dtype=torch.int32))
+        counts.scatter_add_(0, key, torch.ones_like(flat, dtype=torch.int32))
         offs = torch.cumsum(counts[:n], 0, dtype=torch.int32)
         h = x[order // k]
         gate, up = torch._grouped_mm(h, self.experts_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=offs)
         pairs = torch.empty_like(y)
         pairs[order] = y
-        if self.tp.shards_experts:
+        if skips:
             pairs = pairs.masked_fill(skipped[:, None], 0)
         return (pairs.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -528,10 +530,11 @@ class MoE(nn.Module):
         t, k = ids.shape
         flat = ids.reshape(-1)
         h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-        gathered = flat.clamp(min=0)
+        skips = self.tp.shards_experts  # only then can ids hold -1 (no extra ops otherwise)
+        gathered = flat.clamp(min=0) if skips else flat
         gate, up = torch.bmm(self.experts_gate_up[gathered], h).squeeze(-1).chunk(2, dim=-1)
         out = torch.bmm(self.experts_down[gathered], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-        if self.tp.shards_experts:
+        if skips:
             out = out.masked_fill((flat < 0)[:, None], 0)
         return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 

@@ -57,7 +57,6 @@ class Job:
     num_cached_tokens: int = 0
 
 
-
 def usage(jobs: list[Job]) -> dict:
     """OpenAI usage of one response (its ``n`` choices, one job each): the prompt counted once,
     every choice's completion tokens; ``prompt_tokens_details.cached_tokens``: the prompt tokens
@@ -184,10 +183,6 @@ class Serving:
     async def merged(self, jobs: list[Job]) -> AsyncIterator[tuple[int, Delta]]:
         """``(choice index, delta)`` of every job as they arrive; every job is aborted if this
         stops early (a client that went away, an error)."""
-        if len(jobs) == 1:
-            async for d in self.generate(jobs[0]):
-                yield 0, d
-            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, job: Job) -> None:

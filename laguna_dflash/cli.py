@@ -88,6 +88,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="compute a prompt longer than --max-num-batched-tokens in chunks over "
                         "several steps, alternating with decode steps (vLLM's chunked prefill; "
                         "on by default)")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=EngineConfig.max_prefill_graph_tokens,
+                   help="replay prefill steps of up to 4 requests from CUDA graphs when their "
+                        "requests, padded to the longest one's power-of-two bucket, hold at most "
+                        "this many tokens (short prefills are otherwise host-bound); 0: every "
+                        "prefill eager")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size N: each rank holds 1/N of the routed experts, "
                         "whole, instead of 1/N of every expert's width (attention, dense MLPs and "
@@ -110,7 +115,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel,
                 enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill)
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                max_prefill_graph_tokens=args.max_prefill_graph_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:

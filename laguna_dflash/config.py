@@ -187,6 +187,13 @@ class EngineConfig:
     # alternating with the running requests' decode steps. False: every prompt is computed whole
     # in one step (the budget then grows to max_model_len).
     enable_chunked_prefill: bool = True
+    # A prefill step of at most engine/cuda_graph.MAX_PREFILL_GRAPH_REQUESTS (4) requests replays
+    # a CUDA graph when its requests padded to the longest one's token bucket (8, 16, .., a power
+    # of two) hold at most this many tokens; larger prefills run eagerly (vLLM's
+    # max_cudagraph_capture_size plays this part). Eager, a short prefill waits on the host's
+    # launches (XS-2.1 size on the H200: 16 tokens 31 ms wall for 8 ms of kernels,
+    # docs/PERFORMANCE.md). 0: every prefill eager. No effect under enforce_eager.
+    max_prefill_graph_tokens: int = 512
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -206,6 +213,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1 (--max-num-batched-tokens), got "
                              f"{self.max_num_batched_tokens}")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(f"max_prefill_graph_tokens must be >= 0 (--max-prefill-graph-tokens; 0 "
+                             f"keeps every prefill eager), got {self.max_prefill_graph_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.load_format not in ("auto", "dummy"):

@@ -18,7 +18,18 @@ are strided views: kernels must honour their strides (or get contiguous copies).
 at start-up (``capture_all``, after one parallel build of their Triton kernels) or the first time
 a key is seen (its kernels built in parallel first), after two eager warm-up runs on a side
 stream; all graphs share one memory pool. Outputs are copied out of the graph's static
-tensors before the next replay can overwrite them. Prefill stays eager (its token counts vary).
+tensors before the next replay can overwrite them.
+
+A prefill forward (requests of any token counts, each ending its sequence) of at most
+:data:`MAX_PREFILL_GRAPH_REQUESTS` requests replays the graph of ``(R_pad, q_pad)`` too, where
+``q_pad`` is the smallest of :data:`PREFILL_GRAPH_TOKENS` ``>=`` its longest request and
+``R_pad * q_pad <= max_prefill_tokens`` (``EngineConfig.max_prefill_graph_tokens``); longer
+prefills stay eager. A request's ``q_pad - n`` padding tokens sit at positions ``start + n ..``
+past its sequence: they write K/V only there (its own not-yet-computed slots, rewritten when
+those positions are computed, or the scratch block past its block table; never a shared prefix
+block, which ends before ``start``) and no real query sees them (keys ``< seq_len`` only); their
+outputs are dropped. Eager, such a step is host-bound on the H200 (a 16-token prefill at XS-2.1
+size: 31 ms wall for 8 ms of kernels, docs/PERFORMANCE.md).
 The verify forward of a DFlash step captures the drafter's context K/V store of its taps after
 the target's layers (``ModelRunner.forward(store_context=True)``); the context K/V of the taps
 left pending by target-only steps replays from its own graphs (engine/context_graph.py) unless
@@ -50,6 +61,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MIN_KEY_BUCKET = 256
+# The token counts a prefill forward is padded to (per request) when it replays a graph.
+PREFILL_GRAPH_TOKENS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# The most requests a graphed prefill step holds (prefill steps of more requests stay eager): a
+# step usually prefills what arrived since the last one, and every request count doubles the
+# graphs captured per token bucket.
+MAX_PREFILL_GRAPH_REQUESTS = 4
 # The attention metadata in one Triton launch (kernels/decode_metadata.py) instead of ~17 torch
 # kernels at the head of every replay; an A/B switch (graphs captured after a change must be
 # re-captured: ``CUDAGraphRunner.reset``).
@@ -150,23 +167,27 @@ class _Captured:
 class CUDAGraphRunner:
     """Replays decode-phase forwards of ``model`` from CUDA graphs (see the module docstring).
 
-    ``max_tokens_per_request`` bounds ``q`` (K + 1); ``max_model_len`` bounds ``seq_len``.
+    ``max_tokens_per_request`` bounds ``q`` (K + 1); ``max_model_len`` bounds ``seq_len``;
+    ``max_prefill_tokens`` bounds ``R_pad * q_pad`` of a graphed prefill (0: prefills eager).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
                  device: torch.device, max_num_seqs: int, max_model_len: int,
-                 max_tokens_per_request: int) -> None:
+                 max_tokens_per_request: int, max_prefill_tokens: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_tokens_per_request = max_tokens_per_request
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_buckets = tuple(q for q in PREFILL_GRAPH_TOKENS if q <= max_prefill_tokens)
+        self.prefill_batch_sizes = tuple(r for r in self.batch_sizes if r <= MAX_PREFILL_GRAPH_REQUESTS)
         bs = kv_cache.block_size
         self.block_size = bs
         self.scratch_block = kv_cache.scratch_slot // bs
         self.max_keys = self.key_bucket(max_model_len + max_tokens_per_request)
-        max_r, max_q = self.batch_sizes[-1], max_tokens_per_request
+        max_r, max_q = self.batch_sizes[-1], max((max_tokens_per_request, *self.prefill_buckets))
         # Request state, one row per request: [start_pos, seq_len, block table (max_blocks),
         # token ids (max_q)]. Filled on the host in a reused (pinned on CUDA) buffer and shipped
         # with ONE copy per forward; the views below are what the captured forwards read.
@@ -202,16 +223,29 @@ class CUDAGraphRunner:
             out.append(self.key_bucket(out[-1] + 1))
         return out
 
+    def kind_batch_sizes(self, q: int) -> tuple[int, ...]:
+        """The padded batch sizes captured for a forward kind of ``q`` tokens a request: every
+        one for decode-phase ``q``, those of :meth:`prefill_shape` for a prefill bucket."""
+        if q <= self.max_tokens_per_request:
+            return self.batch_sizes
+        return tuple(r for r in self.prefill_batch_sizes if r * q <= self.max_prefill_tokens)
+
     def missing_keys(self, max_model_len: int) -> list[tuple[tuple, ContextStore | None]]:
         """The graph keys :meth:`capture_all` would capture, each with its kind's context store:
-        every padded batch size x key bucket (up to ``max_model_len + q - 1`` keys: a verify's
-        drafts may run past the last position) of each forward kind captured so far, less those
-        captured already."""
+        every padded batch size (:meth:`kind_batch_sizes`) x key bucket (up to ``max_model_len
+        + q - 1`` keys: a verify's drafts may run past the last position, a padded prefill's
+        padding too) of each forward kind captured so far, less those captured already."""
         return [((r, q, num_keys, is_causal, taps, store is not None), store)
                 for (q, is_causal, taps, _), store in self.kinds.items()
-                for r in self.batch_sizes
+                for r in self.kind_batch_sizes(q)
                 for num_keys in self.key_buckets(max_model_len + q - 1)
-                if (r, q, num_keys, is_causal, taps, store is not None) not in self.graphs]
+                if num_keys >= q and (r, q, num_keys, is_causal, taps, store is not None) not in self.graphs]
+
+    def add_prefill_kinds(self, tap_layer_ids: tuple[int, ...]) -> None:
+        """Register the prefill forward of every token bucket (with ``tap_layer_ids``' taps) for
+        :meth:`capture_all`, so that no prefill step stalls for a capture either."""
+        for q in self.prefill_buckets:
+            self.kinds.setdefault((q, True, tuple(tap_layer_ids), False), None)
 
     def forwards_to_capture(self, max_model_len: int) -> list[Callable[[], object]]:
         """The forwards :meth:`capture_all` would capture (for :func:`build_kernels_ahead`)."""
@@ -264,6 +298,24 @@ class CUDAGraphRunner:
             and max(it.seq_len for it in items) <= self.max_keys
         )
 
+    def prefill_shape(self, items: list, num_input_ids: int) -> tuple[int, int] | None:
+        """``(R_pad, q_pad)`` of the graph that replays a prefill forward of ``items`` (any
+        token counts, each request's tokens ending its sequence), or None (eager): more than
+        :data:`MAX_PREFILL_GRAPH_REQUESTS` requests, ``R_pad * q_pad`` past
+        ``max_prefill_tokens``, or padding past the key capacity."""
+        if not self.prefill_buckets or not items or len(items) > MAX_PREFILL_GRAPH_REQUESTS:
+            return None
+        longest = max(it.num_tokens for it in items)
+        q_pad = next((q for q in self.prefill_buckets if q >= longest), None)
+        r_pad = next((r for r in self.prefill_batch_sizes if r >= len(items)), None)
+        if q_pad is None or r_pad is None or r_pad * q_pad > self.max_prefill_tokens:
+            return None
+        if (num_input_ids != sum(it.num_tokens for it in items)
+                or any(it.start_pos + it.num_tokens != it.seq_len for it in items)
+                or max(it.start_pos for it in items) + q_pad > self.max_keys):
+            return None
+        return r_pad, q_pad
+
     def _metadata(self, r: int, q: int, num_keys: int, is_causal: bool) -> AttentionMetadata:
         """Attention metadata of the padded batch, computed on the device from the buffers: one
         kernel (kernels/decode_metadata.py) where Triton runs, else the same in torch ops."""
@@ -302,16 +354,25 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
                 is_causal: bool, context_store: ContextStore | None = None,
-                start_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                start_pos: torch.Tensor | None = None,
+                shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
         (``context_store``: captured into the graph, after the forward; ``start_pos [R]`` on the
-        device: written over the items' first positions, which then only bound the key length)."""
-        r, q = len(items), items[0].num_tokens
-        r_pad = next(b for b in self.batch_sizes if b >= r)
-        num_keys = self.key_bucket(max(it.seq_len for it in items))
+        device: written over the items' first positions, which then only bound the key length),
+        or a prefill of :meth:`prefill_shape` ``shape`` (token ids a list; no context store)."""
+        r = len(items)
+        if shape is None:
+            q = items[0].num_tokens
+            r_pad = next(b for b in self.batch_sizes if b >= r)
+        else:
+            r_pad, q = shape
+            assert not isinstance(input_ids, torch.Tensor) and context_store is None and start_pos is None
+        num_keys = self.key_bucket(max(it.start_pos for it in items) + q)
         nb = num_keys // self.block_size
         # Request state on the host, padded: padding requests sit at positions 0..q-1 of the
-        # scratch block, with token id 0.
+        # scratch block, with token id 0; a request of n < q tokens (a prefill) has q - n padding
+        # tokens (id 0) at positions seq_len.. (its own unused slots, or the scratch block past
+        # its table: every table column a position < num_keys can reach is written here)
         if self.copied is not None:
             self.copied.synchronize()  # the previous forward's copy has left the buffer
         rows = self.host_rows
@@ -321,12 +382,14 @@ class CUDAGraphRunner:
         # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
         # copied tensor to tensor, never read back on the host (no sync on the step path)
         is_tensor = isinstance(input_ids, torch.Tensor)
+        offset = 0
         for i, it in enumerate(items):
             n = min(len(it.block_table), nb)
             rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
             rows[i, 2 : 2 + n] = it.block_table[:n]
             if not is_tensor:
-                rows[i, self.ids_offset : self.ids_offset + q] = input_ids[i * q : (i + 1) * q]
+                rows[i, self.ids_offset : self.ids_offset + it.num_tokens] = input_ids[offset : offset + it.num_tokens]
+            offset += it.num_tokens
         self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -338,14 +401,25 @@ class CUDAGraphRunner:
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
             hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
                                            context_store)
-            return hidden[: r * q], taps[: r * q] if taps is not None else None
-        key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None)
-        captured = self.graphs.get(key)
-        if captured is None:
-            captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
-                                                        tuple(tap_layer_ids), context_store)
-            self.kinds[(q, is_causal, tuple(tap_layer_ids), context_store is not None)] = context_store
-        captured.graph.replay()
-        hidden = captured.hidden[: r * q].clone()
-        taps = captured.taps[: r * q].clone() if captured.taps is not None else None
-        return hidden, taps
+        else:
+            key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None)
+            captured = self.graphs.get(key)
+            if captured is None:
+                captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
+                                                            tuple(tap_layer_ids), context_store)
+                self.kinds[(q, is_causal, tuple(tap_layer_ids), context_store is not None)] = context_store
+            captured.graph.replay()
+            hidden, taps = captured.hidden, captured.taps
+        rows_out = self._real_rows(items, q)
+        return rows_out(hidden), rows_out(taps) if taps is not None else None
+
+    def _real_rows(self, items: list, q: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rows of the real tokens, in flat order, of a padded ``[R_pad * q, ...]`` output,
+        copied out (the graph's next replay overwrites its static outputs)."""
+        counts = [it.num_tokens for it in items]
+        if all(n == q for n in counts) or len(items) == 1:  # a leading slice
+            return lambda t: t[: sum(counts)].clone()
+        index = torch.tensor([i * q + j for i, n in enumerate(counts) for j in range(n)])
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return lambda t: t.index_select(0, index)

@@ -250,6 +250,8 @@ class LLMEngine:
         self.scheduler.enable_prefix_caching = caching
         logger.info("warm-up done in %.1fs", time.perf_counter() - t0)
         if self.config.cuda_graph_capture == "startup":
+            if self.runner.graphs is not None:
+                self.runner.graphs.add_prefill_kinds(self.tap_layer_ids)
             self.capture_all_graphs()
 
     def capture_all_graphs(self) -> int:
@@ -287,7 +289,8 @@ class LLMEngine:
         for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
             runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
                                             self.config.max_num_seqs, self.max_model_len,
-                                            self.num_speculative_tokens + 1)
+                                            self.num_speculative_tokens + 1,
+                                            self.config.max_prefill_graph_tokens if runner is self.runner else 0)
         if self.proposer is not None and self.config.graph_context_precompute:
             self.attach_context_graphs()
 
@@ -527,7 +530,7 @@ class LLMEngine:
         done = [i for i, s in enumerate(seqs) if s.num_computed == s.num_tokens]
         if done:
             last_rows = torch.tensor([starts[i] + num_new_tokens[i] - 1 for i in done])
-            logits = self.target.lm_head_logits(hidden[last_rows.to(self.device)])
+            logits = self.target.lm_head_logits(hidden[to_device_async(last_rows, self.device)])
             ended = [seqs[i] for i in done]
             tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended)).tolist()
             for j, s in enumerate(ended):

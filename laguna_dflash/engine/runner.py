@@ -140,7 +140,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None).
 
-        Decode-phase batches (every request ``q`` new tokens) replay a CUDA graph when enabled.
+        Decode-phase batches (every request ``q`` new tokens) replay a CUDA graph when enabled, and
+        so do short prefills (``CUDAGraphRunner.prefill_shape``, padded).
         ``store_context``: the taps go to ``context_store`` at the tokens' positions and cache
         slots inside the forward (inside its CUDA graph), and are not returned (``None``).
         ``start_pos [R]`` int64 on the device: the requests' first positions, known only there
@@ -148,10 +149,16 @@ class ModelRunner:
         """
         store = self.context_store if store_context else None
         assert store is not None or not store_context, "store_context needs a context_store"
-        if self.graphs is not None and self.graphs.can_run(items, len(input_ids)):
-            return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, start_pos)
+        if self.graphs is not None:
+            if self.graphs.can_run(items, len(input_ids)):
+                return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, start_pos)
+            is_prefill = not isinstance(input_ids, torch.Tensor) and store is None and is_causal
+            shape = self.graphs.prefill_shape(items, len(input_ids)) if is_prefill else None
+            if shape is not None:
+                return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, shape=shape)
         assert start_pos is None, "device start positions need the graph runner"
-        ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device)
+        ids = (input_ids.to(self.device) if isinstance(input_ids, torch.Tensor)  # on the device already
+               else to_device_async(torch.tensor(input_ids, dtype=torch.long), self.device))
         ctx = self.context(items, is_causal)
         hidden, taps = self.model(ids, ctx, tap_layer_ids)
         if store is not None:

@@ -87,6 +87,7 @@ class ServerConfig:
             "enable_expert_parallel": e.enable_expert_parallel,
             "enable_prefix_caching": e.enable_prefix_caching,
             "enable_chunked_prefill": e.enable_chunked_prefill,
+            "max_prefill_graph_tokens": e.max_prefill_graph_tokens,
             "speculative_method": "dflash" if spec.config is not None else "off",
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
@@ -242,6 +243,8 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
                                            EngineConfig.enable_prefix_caching)),
         enable_chunked_prefill=bool(getattr(args, "enable_chunked_prefill",
                                             EngineConfig.enable_chunked_prefill)),
+        max_prefill_graph_tokens=int(getattr(args, "max_prefill_graph_tokens",
+                                             EngineConfig.max_prefill_graph_tokens)),
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -11,6 +11,8 @@ eagerly in both modes (a control)::
     python benchmarks/bench_prefill.py                            # H200: 40 layers
     python benchmarks/bench_prefill.py --new 16,64 --prefix 0,1024 --top 12
     python benchmarks/bench_prefill.py --device cpu --layers 2 --hidden 256 --new 16 --prefix 0,64
+
+On the CPU (a wiring check) the "graphs" rows run the graph runner's padded forward eagerly.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         llm, tcfg = xs_pair_llm(args, Path(tmp), max_len, 2, num_speculative_tokens=3)
+        if not is_cuda:  # the CPU wiring check: the graph runners' padded forward, run eagerly
+            llm.engine.attach_graph_runners()
         graphs = llm.engine.runner.graphs
         buckets = graphs.prefill_buckets if graphs is not None else ()
         cases = [(p, n) for p in prefixes for n in news]

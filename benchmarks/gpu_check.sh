@@ -101,6 +101,10 @@
 #   bash benchmarks/gpu_check.sh prefix     # prefix caching and chunked prefill: CUDA tests,
 #                                           # bench_prefix_cache.py,
 #                                           # then the batch-1 decode step (~6 min)
+#   bash benchmarks/gpu_check.sh prefill-graphs  # prefill steps replayed from CUDA graphs: the
+#                                           # CUDA tests not yet run with them (start-up capture,
+#                                           # kernels built ahead, float32 lossless), then
+#                                           # bench_prefill.py, eager vs graphs (~8 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -444,6 +448,14 @@ case "$stage" in
     timeout 200 python benchmarks/bench_prefix_cache.py 2>&1 | quiet | tail -9
     echo "== batch-1 decode step, one GPU, no parallelism (the default kernels)"
     timeout 150 python benchmarks/profile_decode_xs.py --top 6 2>&1 | quiet | tail -24 ;;
+  prefill-graphs)
+    echo "== prefill graphs: their CUDA test, then the graph tests that build kernels ahead"
+    gpu_tests 280 -p no:logging tests/test_prefill_graphs.py tests/test_cuda_graphs.py -k \
+      "prefill_graphs_match or startup_capture or builds_its_kernels_ahead or first_use or lossless_in_float32 or past_the_fused" \
+      | tail -12
+    echo "== prefill step, eager vs replayed from a graph (XS-2.1 pair, bf16)"
+    timeout 240 python benchmarks/bench_prefill.py --prefix 1024,0 --new 8,16,64,256,512,1024 \
+      2>&1 | quiet | tail -28 ;;
   final)
     bash "$0" final-tests
     bash "$0" bench ;;

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1 = off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -204,6 +207,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     if args.num_speculative_tokens is not None and draft is None:
         raise ValueError("--num-speculative-tokens needs --draft DIR (and no --no-spec)")

@@ -71,6 +71,16 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Applied to the logits of every generated position before temperature and the filters
+    # (vLLM's order: logit_bias, then the penalties; engine/penalties.py). presence / frequency
+    # (OpenAI): minus ``presence * [count > 0] + frequency * count`` over the tokens generated so
+    # far; repetition (HF, vLLM's extra): a token seen in the prompt or the output has its logit
+    # divided by it when positive, multiplied when not (> 1 discourages repeats);
+    # logit_bias: ``{token id: bias}`` added to the logits. Logprobs stay the model's raw ones.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -91,10 +101,27 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"SamplingParams.{name} must be >= 0 or None, got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 disables), got "
+                                 f"{getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 disables), got "
+                             f"{self.repetition_penalty}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"SamplingParams.logit_bias maps token ids (ints >= 0) to biases in "
+                                 f"[-100, 100]; got {token!r}: {bias!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """The logits are biased or penalised before sampling (engine/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -256,3 +256,17 @@ def test_main_broken_checkpoint_is_one_error_line(ckpt: Path, tmp_path: Path, ca
     (d / "config.json").write_text("{not json")
     code, _, err = _run_main(["generate", "--model", str(d), "--prompt-ids", "1,2"], capsys)
     _assert_one_error_line(code, err, "JSON")
+
+
+def test_main_penalties(ckpt: Path, capsys: pytest.CaptureFixture):
+    """``--repetition-penalty`` reaches the sampler (the output changes); a value out of range
+    is one error line naming it."""
+    base = ["generate", "--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "12",
+            "--ignore-eos", "--json", "--no-compare"]
+    code, plain, _ = _run_main(base, capsys)
+    assert code == 0
+    code, penalised, _ = _run_main(base + ["--repetition-penalty", "5", "--presence-penalty", "2"], capsys)
+    assert code == 0
+    assert json.loads(penalised)["token_ids"] != json.loads(plain)["token_ids"]
+    code, _, err = _run_main(base + ["--repetition-penalty", "0"], capsys)
+    _assert_one_error_line(code, err, "repetition_penalty")

@@ -94,6 +94,12 @@ def _completion(**fields):
     ({"min_p": -0.1}, "min_p"),
     ({"min_p": 1.5}, "min_p"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"3": -100.5}}, "logit_bias"),
 ])
 def test_bad_sampling_values_are_400_naming_the_field(fields, param):
     with pytest.raises(APIError) as info:
@@ -112,6 +118,18 @@ def test_sampling_defaults_and_generation_config():
         build_sampling_params(_completion(), 4, 21, {})
 
 
+def test_penalty_fields_and_the_generation_config_repetition_penalty():
+    p = build_sampling_params(_completion(presence_penalty=0.5, frequency_penalty=-1.0,
+                                          logit_bias={"7": -100, "12": 2.5}), 4, None, {})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.0)
+    assert p.logit_bias == {7: -100.0, 12: 2.5} and p.has_penalties
+    assert not build_sampling_params(_completion(), 4, None, {}).has_penalties
+    p = build_sampling_params(_completion(), 4, None, {"repetition_penalty": 1.1})
+    assert p.repetition_penalty == 1.1 and p.has_penalties  # generation_config.json's default
+    p = build_sampling_params(_completion(repetition_penalty=1.0), 4, None, {"repetition_penalty": 1.1})
+    assert p.repetition_penalty == 1.0 and not p.has_penalties  # the request wins
+
+
 def test_max_tokens_rules():
     assert resolve_max_tokens(None, 10, 100, 16) == 16
     assert resolve_max_tokens(None, 95, 100, 16) == 5  # a default never overflows the context
@@ -128,8 +146,6 @@ def test_max_tokens_rules():
     (CompletionRequest(prompt="x", n=0), "n"),
     (CompletionRequest(prompt="x", n=65), "n"),
     (CompletionRequest(prompt="x", echo=True), "echo"),
-    (CompletionRequest(prompt="x", presence_penalty=0.5), "presence_penalty"),
-    (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
     (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                            tools=[{"type": "function"}]), "tools"),
     (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],

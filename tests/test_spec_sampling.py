@@ -10,10 +10,13 @@ accepts every draft unconditionally fails it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import binomtest, chisquare
+from test_penalties import reference_penalized
 
 import laguna_dflash.engine.engine as engine_module
 from laguna_dflash import LLM, SamplingParams
@@ -34,31 +37,35 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def exact_token_distributions(llm: LLM, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Exact marginals ``(p(t2), p(t3))`` by enumerating every prefix with non-zero probability."""
+def exact_token_distributions(llm: LLM, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, float]:
+    """Exact marginals ``(p(t2), p(t3))`` and ``P(t3 == t2)`` by enumerating every prefix with
+    non-zero probability."""
     eng = llm.engine
 
     def probs(ids: list[int]) -> torch.Tensor:
         logits = eng.prompt_logits(ids)[-1:]
+        if params.has_penalties:  # the outputs so far are ids past the prompt
+            logits = reference_penalized(logits[0], PROMPT, ids[len(PROMPT):], params)[None].float()
         return filtered_probs(logits, params.temperature, params.top_k, params.top_p,
                               params.min_p)[0].double()
 
     p1 = probs(PROMPT)
     p2 = torch.zeros_like(p1)
     p3 = torch.zeros_like(p1)
+    repeat = 0.0
     for t1 in torch.nonzero(p1 > 1e-12).flatten().tolist():
         q2 = probs(PROMPT + [t1])
         p2 += p1[t1] * q2
         for t2 in torch.nonzero(p1[t1] * q2 > 1e-12).flatten().tolist():
-            p3 += p1[t1] * q2[t2] * probs(PROMPT + [t1, t2])
-    return p2.numpy(), p3.numpy()
+            q3 = probs(PROMPT + [t1, t2])
+            p3 += p1[t1] * q2[t2] * q3
+            repeat += float(p1[t1] * q2[t2] * q3[t2])
+    return p2.numpy(), p3.numpy(), repeat
 
 
 def sampled_tokens(llm: LLM, params: SamplingParams) -> np.ndarray:
     """``[NUM_SAMPLES, 3]`` generated tokens, one independent seeded request per row."""
-    plist = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            min_p=params.min_p, max_tokens=3, ignore_eos=True, seed=1000 + i)
-             for i in range(NUM_SAMPLES)]
+    plist = [replace(params, max_tokens=3, ignore_eos=True, seed=1000 + i) for i in range(NUM_SAMPLES)]
     outs = llm.generate(prompt_token_ids=[PROMPT] * NUM_SAMPLES, sampling_params=plist)
     return np.array([o.token_ids for o in outs])
 
@@ -80,11 +87,13 @@ def gof_pvalue(samples: np.ndarray, expected_p: np.ndarray) -> float:
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=1.6, top_k=8, top_p=0.95),
     SamplingParams(temperature=1.6, min_p=0.08),
-], ids=["t1", "t1.6-topk-topp", "t1.6-minp"])
+    SamplingParams(temperature=1.0, presence_penalty=0.9, frequency_penalty=0.6, repetition_penalty=1.4,
+                   logit_bias={4: 1.0}),
+], ids=["t1", "t1.6-topk-topp", "t1.6-minp", "t1-penalties"])
 def test_spec_sampling_matches_target_distribution(pair, params, adaptive):
     target, draft = pair
     base = LLM(target, max_num_seqs=128)
-    p2, p3 = exact_token_distributions(base, params)
+    p2, p3, _ = exact_token_distributions(base, params)
     assert (p2 > 0.02).sum() >= 3 and (p3 > 0.02).sum() >= 3  # genuinely spread
     spec = LLM(target, draft=draft, max_num_seqs=128, adaptive_k=adaptive)
     if adaptive:
@@ -97,11 +106,45 @@ def test_spec_sampling_matches_target_distribution(pair, params, adaptive):
     assert spec.get_metrics()["num_accepted_tokens"] > 0  # drafts were accepted sometimes
 
 
+def test_spec_sampling_with_penalties_and_likely_drafts(pair):
+    """With penalties, the verify's row j must count drafts d_1..d_j as outputs. Drafts that
+    are the target's greedy continuation (accepted often, so rows past the first are sampled
+    often) keep the target's penalised distribution; a verify that ignored the drafts fails
+    this (checked by planting it)."""
+    target, draft = pair
+    params = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0,
+                            repetition_penalty=2.0)
+    base = LLM(target, max_num_seqs=128)
+    p2, p3, repeat = exact_token_distributions(base, params)
+    spec = LLM(target, draft=draft, max_num_seqs=128)
+    eng = spec.engine
+
+    def greedy_drafts(seqs, k=None):
+        k = k or eng.proposer.num_speculative_tokens
+        rows = []
+        for s in seqs:
+            ids = list(s.token_ids)
+            for _ in range(k):
+                ids.append(int(base.engine.prompt_logits(ids)[-1].argmax()))
+            rows.append(ids[-k:])
+        return torch.tensor(rows)
+
+    eng.proposer.propose = greedy_drafts
+    tokens = sampled_tokens(spec, params)
+    for column, expected in ((1, p2), (2, p3)):
+        assert gof_pvalue(tokens[:, column], expected) > 1e-3, column
+    # the event the penalties act on: t3 repeating t2 (a draft d_1 = t2 accepted before it)
+    repeats = int((tokens[:, 2] == tokens[:, 1]).sum())
+    assert binomtest(repeats, len(tokens), repeat).pvalue > 1e-3, (repeats, repeat)
+    metrics = spec.get_metrics()
+    assert metrics["num_accepted_tokens"] > 0.2 * metrics["num_draft_tokens"]
+
+
 def test_biased_acceptance_is_detected(pair, monkeypatch):
     """Negative control: accepting every draft (ignoring the target) must fail the test."""
     target, draft = pair
     params = SamplingParams(temperature=1.0)
-    _, p3 = exact_token_distributions(LLM(target), params)
+    _, p3, _ = exact_token_distributions(LLM(target), params)
     monkeypatch.setattr(engine_module, "num_accepted",
                         lambda drafts, target_tokens: torch.full((drafts.shape[0],), drafts.shape[1]))
     biased = LLM(target, draft=draft, max_num_seqs=128)

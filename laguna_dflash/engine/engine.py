@@ -23,6 +23,7 @@ from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner, build_kernels_ahead
 from .kv_cache import BlockAllocator, KVCache
+from .penalties import penalized_rows
 from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
@@ -348,6 +349,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not (0 <= int(t) < vocab)]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
@@ -532,7 +536,8 @@ class LLMEngine:
             last_rows = torch.tensor([starts[i] + num_new_tokens[i] - 1 for i in done])
             logits = self.target.lm_head_logits(hidden[to_device_async(last_rows, self.device)])
             ended = [seqs[i] for i in done]
-            tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended)).tolist()
+            tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended),
+                                 replaced=penalized_rows(logits, ended)).tolist()
             for j, s in enumerate(ended):
                 self._commit(s, [tokens[j]], logits[j : j + 1] if s.logprobs is not None else None)
         self.timings.num_prefill_tokens += len(ids)
@@ -575,7 +580,8 @@ class LLMEngine:
             hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.lm_head_logits(hidden)
-        sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs))
+        sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs),
+                              replaced=penalized_rows(logits, seqs))
         if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
             self._ahead = self._queue_forward_ahead(seqs, sampled)
@@ -661,7 +667,9 @@ class LLMEngine:
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
                                            store_context=store_context_in_verify)
         logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
-        target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1)
+        # penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless)
+        target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1,
+                                    replaced=penalized_rows(logits, seqs, k + 1, drafts))
         target_tokens = target_tokens.view(len(seqs), k + 1)
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
             accepted = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),

@@ -48,19 +48,26 @@ def sample_rows(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     rows_per_request: int = 1,
+    replaced: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits [R * rows_per_request, V]`` (any float dtype: greedy
     rows take the argmax as given, sampled rows widen to float32 first) -> ``[R * rows]`` int64.
 
     Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
-    own params and generator (``None`` = the global RNG).
+    own params and generator (``None`` = the global RNG). ``replaced[i]`` ``[rows, V]``: the
+    logits request ``i`` samples from instead of its rows (its penalised rows,
+    engine/penalties.py).
     """
     out = argmax_rows(logits)  # torch.argmax's indices; chunked over the vocabulary on CUDA
     for i, (p, gen) in enumerate(zip(params, generators)):
-        if p.is_greedy:
-            continue
         rows = slice(i * rows_per_request, (i + 1) * rows_per_request)
-        probs = filtered_probs(logits[rows], p.temperature, p.top_k, p.top_p, p.min_p)
+        own = replaced.get(i) if replaced else None
+        if p.is_greedy:
+            if own is not None:
+                out[rows] = argmax_rows(own)
+            continue
+        probs = filtered_probs(logits[rows] if own is None else own, p.temperature, p.top_k, p.top_p,
+                               p.min_p)
         noise = torch.empty_like(probs).exponential_(generator=gen)
         out[rows] = argmax_rows(probs / noise)
     return out

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (pydantic v2), with vLLM's extension fields.
 
 Unknown fields are ignored (clients send many); fields we cannot honour with a non-default value
-(penalties, ``logit_bias``, ``echo``, tools, ...) are rejected in :mod:`.sampling` with a 400
+(``echo``, tools, ...) are rejected in :mod:`.sampling` with a 400
 rather than silently dropped.
 """
 
@@ -40,6 +40,7 @@ class SamplingFields(BaseModel):
     # vLLM extensions (sent through ``extra_body`` by the openai client)
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True

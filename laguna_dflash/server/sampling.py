@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20
 #: Default ``max_tokens`` of a completion request (OpenAI and vLLM).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: ``generation_config.json`` keys used as defaults for fields a request leaves out.
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
@@ -46,11 +46,6 @@ def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields whose non-default values this server cannot honour."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n={req.n}: the number of choices must be in [1, {MAX_CHOICES}]", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported; leave it at 0", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad_request("echo is not supported", "echo")
@@ -79,6 +74,25 @@ def stop_strings(req: SamplingFields) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise bad_request("stop strings must be non-empty", "stop")
     return stops
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, biases in [-100, 100]) -> ``{id:
+    bias}``; 400 naming ``logit_bias`` for a key that is not a token id or a bias out of range
+    (ids past the vocabulary are refused by the engine, also as a 400)."""
+    if not raw:
+        return None
+    out = {}
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if token < 0 or not -100.0 <= _number(bias, "logit_bias") <= 100.0:
+            raise bad_request(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got "
+                              f"{key!r}: {bias}", "logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def _number(value: float, name: str) -> float:
@@ -129,12 +143,24 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
                           logprobs_param)
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(getattr(req, name) or 0.0, name)
+        if not -2.0 <= value <= 2.0:
+            raise bad_request(f"{name} must be in [-2, 2] (0 disables), got {value}", name)
+        penalties[name] = value
+    repetition = _number(req.repetition_penalty if req.repetition_penalty is not None
+                         else defaults.get("repetition_penalty", 1.0), "repetition_penalty")
+    if not repetition > 0:
+        raise bad_request(f"repetition_penalty must be > 0 (1 disables), got {repetition}",
+                          "repetition_penalty")
     try:
         return SamplingParams(
             temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
             max_tokens=max_tokens,
             stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=num_logprobs,
+            repetition_penalty=repetition, logit_bias=logit_bias(req.logit_bias), **penalties,
         )
     except ValueError as e:  # SamplingParams' own checks; the message names the field
         raise bad_request(str(e)) from e

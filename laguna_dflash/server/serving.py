@@ -162,6 +162,10 @@ class Serving:
         """Submit the ``n`` choices of one response (engine requests ``<id>``, ``<id>-1``, ...;
         with a seed, choice ``i`` samples with ``seed + i``) and wait until the engine accepted
         them (4xx/5xx otherwise; the accepted ones are then aborted)."""
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.vocab_size})", "logit_bias")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         try:

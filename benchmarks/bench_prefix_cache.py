@@ -7,7 +7,10 @@ Rows (each the best of ``--rounds`` after a warm-up round):
 * same prompt again: all but its last block from the cache;
 * cached prefix + ``--suffix`` new tokens: a shared system prompt / file, a new question;
 * batch of 4 sharing the prefix: four prompts, the prefix cached, each with its own suffix,
-  against the same four with the cache emptied.
+  against the same four with the cache emptied; sent together with the cache emptied, three of
+  them wait a step for the first one's prefix (engine/scheduler.py), so "batch 4, cold" computes
+  the prefix once. "batch 4, cold, side by side" turns that wait off
+  (``scheduler.wait_for_shared_prefixes``): each computes it, as before.
 
 The first generated token of every cached run is checked against the cold run's. On CUDA one
 more run of each case under ``torch.profiler`` sums its GPU kernel time: a step whose wall time
@@ -28,6 +31,7 @@ import torch
 from bench_gpu_xs import add_xs_pair_args, xs_pair_llm
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine import scheduler
 
 
 def timed_prefill(llm: LLM, prompts: list[list[int]], cold: bool) -> tuple[float, int, list[int]]:
@@ -77,8 +81,12 @@ def main() -> None:
             t, hit, got = timed_prefill(llm, [prefix + suffixes[0]], cold=False)
             cases[f"cached prefix + {args.suffix} new"] = (t, hit, got == want_suffix)
             batch = [prefix + s for s in suffixes]
+            scheduler.wait_for_shared_prefixes = False
             t, _, want_batch = timed_prefill(llm, batch, cold=True)
-            cases["batch 4, cold"] = (t, 0, True)
+            scheduler.wait_for_shared_prefixes = True
+            cases["batch 4, cold, side by side"] = (t, 0, True)
+            t, hit, got = timed_prefill(llm, batch, cold=True)
+            cases["batch 4, cold"] = (t, hit, got == want_batch)
             timed_prefill(llm, [prefix], cold=True)
             t, hit, got = timed_prefill(llm, batch, cold=False)
             cases["batch 4, prefix cached"] = (t, hit, got == want_batch)
@@ -92,6 +100,9 @@ def main() -> None:
             suffixed = [prefix + s for s in suffixes]
             timed_prefill(llm, [prefix], cold=True)
             gpu[f"cached prefix + {args.suffix} new"] = kernel_ms(llm, suffixed[:1], cold=False)
+            scheduler.wait_for_shared_prefixes = False
+            gpu["batch 4, cold, side by side"] = kernel_ms(llm, suffixed, cold=True)
+            scheduler.wait_for_shared_prefixes = True
             gpu["batch 4, cold"] = kernel_ms(llm, suffixed, cold=True)
             timed_prefill(llm, [prefix], cold=True)
             gpu["batch 4, prefix cached"] = kernel_ms(llm, suffixed, cold=False)
@@ -102,7 +113,7 @@ def main() -> None:
     print("| prefill of | cached tokens | ms | x cold | GPU kernels ms | first token = uncached |")
     print("|---|---:|---:|---:|---:|---|")
     cold = min(t for t, _, _ in rows["cold (whole prompt)"])
-    cold_batch = min(t for t, _, _ in rows["batch 4, cold"])
+    cold_batch = min(t for t, _, _ in rows["batch 4, cold, side by side"])
     for case, runs in rows.items():
         best = min(t for t, _, _ in runs)
         base = cold_batch if case.startswith("batch") else cold

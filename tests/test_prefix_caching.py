@@ -124,6 +124,57 @@ def test_blocks_wait_for_their_drafter_context():
     assert alloc.lookup(block_hashes(list(range(1, 14)), 4, [])) == seq.block_table[:3]
 
 
+def test_requests_wait_for_a_prefix_being_computed():
+    """Requests sent together with one prompt (``n`` choices) compute it once: the later ones
+    wait while the first one computes the blocks they would share, and are admitted with them
+    cached; an unrelated request behind them is admitted meanwhile, and a short shared head
+    (less than half of what a request computes) is not waited for."""
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=True)
+    prompt = list(range(1, 41))
+    first, second, third = (_seq(i, list(prompt)) for i in range(3))
+    other = _seq(3, [50] + prompt[1:])  # differs in block 0: shares nothing
+    head = _seq(4, prompt[:4] + [99] * 30)  # shares block 0 only: 4 of 34 tokens
+    for s in (first, second, third, other, head):
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.sequences == [first, other, head] and batch.num_new_tokens == [40, 40, 34]
+    assert list(sched.waiting) == [second, third]
+    for s in batch.sequences:  # their prefills ran
+        s.num_computed = s.num_tokens
+        sched.cache_blocks(s)
+    batch = sched.schedule()
+    assert batch.sequences == [second, third] and batch.num_new_tokens == [4, 4]
+    assert second.num_cached_tokens == third.num_cached_tokens == 36
+    assert second.block_table[:9] == first.block_table[:9] == third.block_table[:9]
+
+
+def test_a_request_waits_for_a_chunked_prefill_of_its_prompt():
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=True,
+                      enable_chunked_prefill=True)
+    prompt = list(range(1, 41))
+    first, second = _seq(0, list(prompt)), _seq(1, list(prompt))
+    sched.add(first)
+    sched.add(second)
+    for chunk in range(3):  # 16 + 16 + 8 tokens; the other waits for the cache
+        batch = sched.schedule()
+        assert batch.sequences == [first] and list(sched.waiting) == [second], chunk
+        first.num_computed += batch.num_new_tokens[0]
+        sched.cache_blocks(first)
+    assert first.num_computed == 40
+    batch = sched.schedule()
+    assert batch.sequences == [second] and second.num_cached_tokens == 36
+
+
+def test_prefix_waits_off_without_prefix_caching():
+    sched = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=256)
+    a, b = _seq(0, list(range(1, 41))), _seq(1, list(range(1, 41)))
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().sequences == [a, b]
+
+
 # ---- the engine -------------------------------------------------------------------------------
 
 
@@ -203,6 +254,25 @@ def test_cached_prefixes_give_the_uncached_tokens_and_drafts(pair, num_speculati
         base = LLM(target, block_size=KV_BLOCK, device=device)
         assert _tokens(got) == _tokens(_run(base, rounds)), "DFlash differs from target-only"
         assert m["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [0, BLOCK_SIZE - 1])
+def test_choices_of_one_prompt_prefill_it_once(pair, num_speculative_tokens):
+    """Four requests with one 41-token prompt, sent together (``n = 4``): the prompt is computed
+    once (the others wait a step and find its blocks cached), and the tokens (greedy) and seeded
+    samples are an uncached engine's."""
+    target, draft = pair
+    spec = {"draft": draft, "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else {}
+    prompt = [random.Random(5).randrange(0, 60) for _ in range(41)]
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=7 + i) for i in range(2)]
+    cached = LLM(target, block_size=KV_BLOCK, **spec)
+    plain = LLM(target, block_size=KV_BLOCK, enable_prefix_caching=False, **spec)
+    got = cached.generate(prompt_token_ids=[prompt] * 4, sampling_params=params)
+    want = plain.generate(prompt_token_ids=[prompt] * 4, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_cached_tokens for o in got] == [0, 40, 40, 40]
+    assert cached.get_metrics()["num_prefill_tokens"] == 41 + 3 * 1
 
 
 def test_eviction_under_a_small_cache_keeps_the_tokens(pair):

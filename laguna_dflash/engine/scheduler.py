@@ -12,6 +12,12 @@ so its prefill computes only the rest; at least its last token is computed (its 
 first output token). After each step the engine :meth:`Scheduler.cache_blocks` the requests'
 newly final full blocks. Requests asking for prompt logprobs compute their whole prompt.
 
+A waiting request whose next full blocks (at least half of what it would compute) are being
+computed by a request admitted before it waits until they are cached, instead of computing them
+again in the same step (:meth:`Scheduler._waits_for_prefix`): the ``n`` choices of one prompt,
+or requests sent together with one long system prompt, prefill the shared part once. Requests
+behind it are admitted meanwhile.
+
 Chunked prefill (``enable_chunked_prefill``, vLLM's): a prefill step computes at most
 ``max_num_batched_tokens`` tokens; a prompt longer than what is left of that budget is computed
 in chunks over several prefill steps (its blocks reserved whole at admission), and while one is
@@ -29,6 +35,10 @@ from .kv_cache import BlockAllocator, block_hashes
 from .sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
+
+# False: a waiting request never waits for a prefix another request is computing (an A/B switch
+# for benchmarks/bench_prefix_cache.py)
+wait_for_shared_prefixes = True
 
 
 @dataclass
@@ -112,6 +122,31 @@ class Scheduler:
             self.num_prefix_hits += seq.num_cached_tokens
         return True
 
+    def _uncached_prompt_blocks(self, seq: Sequence) -> list[bytes]:
+        """The hashes of the full blocks an admitted request's prefill is still computing (its
+        prompt's, past those it registered or found cached)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        first = max(seq.num_registered_blocks, seq.num_cached_tokens // self.allocator.block_size)
+        return seq.block_hashes[first : len(seq.prompt_token_ids) // self.allocator.block_size]
+
+    def _waits_for_prefix(self, seq: Sequence, cached: list[int], in_flight: set[bytes]) -> bool:
+        """True when ``seq`` should stay waiting because a request admitted earlier is computing
+        the full blocks right after its cached prefix, covering at least half of what it would
+        compute: admitted a step later it finds them cached (``n`` choices of one prompt, or
+        requests sent together with one long system prompt, compute the prompt once). A short
+        shared head (one block of a long prompt) is not worth the step it would wait."""
+        if (not in_flight or not wait_for_shared_prefixes or not self.enable_prefix_caching
+                or seq.params.prompt_logprobs is not None):
+            return False
+        bs = self.allocator.block_size
+        num_shared = 0
+        for h in seq.block_hashes[len(cached) : (seq.num_tokens - 1) // bs]:
+            if h not in in_flight:
+                break
+            num_shared += 1
+        return num_shared > 0 and 2 * num_shared * bs >= seq.num_tokens - len(cached) * bs
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Register ``seq``'s full blocks whose K/V became final (prefix caching)."""
         if not self.enable_prefix_caching:
@@ -120,7 +155,8 @@ class Scheduler:
         num_full = min(seq.num_final_positions, seq.num_tokens) // bs
         if num_full <= seq.num_registered_blocks:
             return
-        seq.block_hashes = block_hashes(seq.token_ids[: num_full * bs], bs, seq.block_hashes[:num_full])
+        # extended, never cut: a hash names its token prefix, and token ids are only appended
+        seq.block_hashes = block_hashes(seq.token_ids[: num_full * bs], bs, seq.block_hashes)
         for i in range(seq.num_registered_blocks, num_full):
             self.allocator.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = num_full
@@ -155,18 +191,24 @@ class Scheduler:
             counts.append(min(seq.num_tokens - seq.num_computed, budget))
             budget -= counts[-1]
         num_admitted = 0
-        while (self.waiting and budget > 0
+        in_flight = {h for seq in self.prefilling for h in self._uncached_prompt_blocks(seq)}
+        i = 0  # waiting requests before i wait for a prefix another request is computing
+        while (i < len(self.waiting) and budget > 0
                and len(self.running) + len(self.prefilling) + num_admitted < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             # A prefill computes every token past the cached prefix and samples the next, so
             # reserve one extra position plus the decode lookahead it will need next.
             cached = self._cached_prefix(seq)
+            if self._waits_for_prefix(seq, cached, in_flight):
+                i += 1
+                continue
             num_new = seq.num_tokens - len(cached) * self.allocator.block_size
             if num_new > budget and prefill and not self.enable_chunked_prefill:
                 break
             if not self._admit(seq, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            in_flight.update(self._uncached_prompt_blocks(seq))
             seq.status = Status.RUNNING
             num_admitted += 1
             prefill.append(seq)

@@ -4,23 +4,12 @@ long prompt's first tokens are the unchunked ones (times: docs/PERFORMANCE.md)."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from cpu_bench import run_cpu_bench, table_rows
 
 
 def test_bench_chunked_prefill_rows():
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "bench_chunked_prefill.py"), "--device", "cpu", "--layers",
-         "2", "--hidden", "256", "--context", "256", "--chunks", "64", "--rounds", "1"],
-        capture_output=True, text=True, timeout=600, cwd=BENCH,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    out = run_cpu_bench("bench_chunked_prefill.py", "--context", "256", "--chunks", "64", "--rounds", "1")
+    rows = {r[0]: r[1:] for r in table_rows(out)}
     assert rows["whole prompt (no chunking)"][1] == "0"
     assert int(rows["chunks of 64"][1]) >= 3  # a decode step between each of the 4 chunks
     assert all(r[3] == "True" for name, r in rows.items() if name != "prefill")

@@ -5,23 +5,12 @@ docs/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from cpu_bench import run_cpu_bench, table_rows
 
 
 def test_bench_prefix_cache_prints_every_row():
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "bench_prefix_cache.py"), "--device", "cpu", "--layers", "2",
-         "--hidden", "256", "--context", "64", "--suffix", "16", "--rounds", "1"],
-        capture_output=True, text=True, timeout=600, cwd=BENCH,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    out = run_cpu_bench("bench_prefix_cache.py", "--context", "64", "--suffix", "16", "--rounds", "1")
+    rows = {r[0]: r[1:] for r in table_rows(out)}
     assert rows["same prompt again"][0] == "48"  # 64 tokens, blocks of 16, the last one computed
     assert rows["cached prefix + 16 new"][0] == "64"
     assert rows["batch 4, prefix cached"][0] == "256"

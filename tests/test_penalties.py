@@ -26,10 +26,7 @@ BLOCK_SIZE = 6
 def pair(tmp_path_factory):
     import dflash_fixtures as df
 
-    root = tmp_path_factory.mktemp("penalties")
-    target = df.make_tiny_laguna_target(root / "laguna", seed=0)
-    draft = df.make_poolside_laguna_drafter(root / "poolside", target, seed=0, block_size=BLOCK_SIZE)
-    return target, draft
+    return df.make_laguna_poolside_pair(tmp_path_factory.mktemp("penalties"), BLOCK_SIZE)
 
 
 def reference_penalized(logits: torch.Tensor, prompt: list[int], outputs: list[int],

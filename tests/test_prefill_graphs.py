@@ -28,10 +28,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def pair(tmp_path_factory):
     import dflash_fixtures as df
 
-    root = tmp_path_factory.mktemp("prefill_graphs")
-    target = df.make_tiny_laguna_target(root / "laguna", seed=0)
-    draft = df.make_poolside_laguna_drafter(root / "poolside", target, seed=0, block_size=BLOCK_SIZE)
-    return target, draft
+    return df.make_laguna_poolside_pair(tmp_path_factory.mktemp("prefill_graphs"), BLOCK_SIZE)
 
 
 def _runner(max_prefill_tokens: int, max_num_seqs: int = 8, max_model_len: int = 1000) -> CUDAGraphRunner:

@@ -1,0 +1,28 @@
+"""Run a script of benchmarks/ as its CPU wiring check and read its markdown table (the tests
+of the XS-2.1 A/B scripts: their times are the GPU's, docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_cpu_bench(script: str, *args: str) -> str:
+    """stdout of ``benchmarks/<script> --device cpu --layers 2 --hidden 256 <args>`` (one thread),
+    which must exit 0."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), "--device", "cpu", "--layers", "2", "--hidden", "256",
+         *args], capture_output=True, text=True, timeout=600, cwd=BENCH,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The cells of every markdown table row of ``stdout``, header rows included, rules not."""
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines()
+            if line.startswith("| ") and "---" not in line]

@@ -77,6 +77,9 @@ class SamplingParams:
     # far; repetition (HF, vLLM's extra): a token seen in the prompt or the output has its logit
     # divided by it when positive, multiplied when not (> 1 discourages repeats);
     # logit_bias: ``{token id: bias}`` added to the logits. Logprobs stay the model's raw ones.
+    # vLLM's min_tokens: the EOS token(s) (unless ignore_eos) and stop_token_ids cannot be
+    # generated before this many output tokens (their logits are -inf there)
+    min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -101,6 +104,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"SamplingParams.{name} must be >= 0 or None, got {value}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 disables), got "

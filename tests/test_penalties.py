@@ -79,6 +79,44 @@ def test_verify_rows_count_the_drafts_before_them(params):
                                rtol=1e-6, atol=1e-5)
 
 
+def test_min_tokens_bans_the_stop_tokens_of_the_rows_before_it():
+    """Rows j < min_tokens - outputs lose EOS (unless ignore_eos) and stop_token_ids; later
+    rows, other tokens and ids past the vocabulary are left alone."""
+    vocab = 30
+    params = SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[9, 500], max_tokens=8)
+    seq = Sequence(0, [1, 2], params, eos_token_ids=(3,), output_token_ids=[5, 6])
+    logits = torch.randn(4, vocab)
+    got = penalized_rows(logits, [seq], 4, torch.tensor([[7, 7, 7]]))[0]
+    assert torch.isinf(got[:2, [3, 9]]).all() and (got[:2, [3, 9]] < 0).all()
+    keep = [t for t in range(vocab) if t not in (3, 9)]
+    assert torch.equal(got[:2, keep], logits[:2, keep]) and torch.equal(got[2:], logits[2:])
+    seq.params = replace(params, ignore_eos=True)
+    got = penalized_rows(logits, [seq], 4, torch.tensor([[7, 7, 7]]))[0]
+    assert torch.isinf(got[:2, 9]).all() and torch.equal(got[:, 3], logits[:, 3])
+    seq.output_token_ids = [5, 6, 7, 8]  # min_tokens reached: nothing to do
+    assert penalized_rows(logits, [seq], 4, torch.tensor([[7, 7, 7]])) == {}
+
+
+def test_min_tokens_holds_back_a_stop_token_with_and_without_dflash(pair):
+    """A stop token the request would emit first is not emitted before min_tokens; DFlash
+    gives target-only's tokens (the verify rows past min_tokens may stop)."""
+    target, draft = pair
+    prompt = [random.Random(4).randrange(0, 60) for _ in range(10)]
+    base = LLM(target, block_size=4)
+    spec = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4)
+    free = base.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    stop = free[1]  # the second token: a stop token ends the request right there
+    early = base.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=20, stop_token_ids=[stop]))[0].token_ids
+    assert early == free[:2]
+    params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop], min_tokens=8)
+    want = base.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+    got = spec.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+    assert got == want and len(want) >= 8 and stop not in want[:8]
+    assert stop not in want[:-1]  # it stops at its first stop token past min_tokens, if any
+
+
 def test_target_only_greedy_follows_the_reference(pair):
     """Each generated token is the argmax of the reference-penalised logits of the sequence so
     far (full-prompt logits recomputed per token)."""
@@ -164,6 +202,8 @@ def test_logprobs_stay_raw_and_bad_bias_ids_are_refused(pair):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),

@@ -33,9 +33,9 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(d))
 
 
-def _stream(tokenizer, ids, stop=(), include=False, skip=True):
+def _stream(tokenizer, ids, stop=(), include=False, skip=True, min_tokens=0):
     """Feed ids one at a time like the server does; return (streamed deltas, final OutputText)."""
-    out = OutputText(IncrementalDetokenizer(tokenizer, skip), tuple(stop), include)
+    out = OutputText(IncrementalDetokenizer(tokenizer, skip), tuple(stop), include, min_tokens)
     deltas = []
     for t in ids:
         if out.add_token(t):
@@ -75,6 +75,17 @@ def test_stop_string_never_streamed_and_text_cut_before_it(tokenizer):
     assert out.stop_hit == "a g" and "".join(deltas) == "alpha beta g"
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As in vLLM, a stop string inside the first min_tokens tokens does not stop the request."""
+    text = "alpha beta gamma delta gamma epsilon"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first_gamma = next(i for i in range(len(ids)) if "gamma" in tokenizer.decode(ids[: i + 1]))
+    deltas, out = _stream(tokenizer, ids, stop=("gamma",), min_tokens=first_gamma + 1)
+    assert out.stop_hit == "gamma" and "".join(deltas) == out.text == "alpha beta gamma delta "
+    deltas, out = _stream(tokenizer, ids, stop=("gamma",), min_tokens=len(ids))
+    assert out.stop_hit is None and out.text == text
+
+
 def test_stop_string_in_the_held_back_tail_is_found_at_the_end(tokenizer):
     ids = tokenizer.encode("one two", add_special_tokens=False)
     deltas, out = _stream(tokenizer, ids, stop=("two",))
@@ -100,6 +111,7 @@ def _completion(**fields):
     ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
     ({"logit_bias": {"3": -100.5}}, "logit_bias"),
+    ({"min_tokens": 5}, "min_tokens"),  # above max_tokens (4)
 ])
 def test_bad_sampling_values_are_400_naming_the_field(fields, param):
     with pytest.raises(APIError) as info:

@@ -1,9 +1,11 @@
-"""Logit bias and presence / frequency / repetition penalties, per generated position.
+"""Logit bias, presence / frequency / repetition penalties and min_tokens, per generated position.
 
-For request ``i`` with :attr:`SamplingParams.has_penalties`, the logits row that scores output
-position ``n`` (``n`` tokens generated before it) becomes, in float32 (vLLM's order)::
+For request ``i`` with :attr:`SamplingParams.has_penalties` (or fewer than ``min_tokens``
+outputs), the logits row that scores output position ``n`` (``n`` tokens generated before it)
+becomes, in float32 (vLLM's order)::
 
-    z = logits + logit_bias
+    z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, logits)
+    z = z + logit_bias
     z = where(seen, where(z > 0, z / rep, z * rep), z)       seen: in the prompt or the n outputs
     z = z - frequency * count - presence * (count > 0)       count: occurrences in the n outputs
 
@@ -35,7 +37,7 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     outputs by the rows after them. Empty when no request has penalties."""
     out: dict[int, torch.Tensor] = {}
     for i, seq in enumerate(seqs):
-        if seq.params.has_penalties:
+        if seq.params.has_penalties or len(seq.output_token_ids) < seq.params.min_tokens:
             rows = logits[i * rows_per_request : (i + 1) * rows_per_request].to(torch.float32, copy=True)
             out[i] = apply_penalties(rows, seq, drafts[i] if drafts is not None else None)
     return out
@@ -48,6 +50,11 @@ def apply_penalties(rows: torch.Tensor, seq: Sequence, drafts: torch.Tensor | No
     p = seq.params
     n, vocab = rows.shape
     device = rows.device
+    num_banned = min(n, p.min_tokens - len(seq.output_token_ids))  # rows j < min_tokens - outputs
+    stops = sorted({t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
+                    if t < vocab})
+    if num_banned > 0 and stops:
+        rows[:num_banned, to_device_async(torch.tensor(stops, dtype=torch.long), device)] = float("-inf")
     if p.logit_bias:
         ids = to_device_async(torch.tensor(list(p.logit_bias), dtype=torch.long), device)
         bias = to_device_async(torch.tensor(list(p.logit_bias.values()), dtype=torch.float32), device)

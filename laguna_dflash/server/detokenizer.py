@@ -57,14 +57,17 @@ class OutputText:
 
     While stop strings are active, the last ``max(len(stop)) - 1`` characters are held back: they
     could be the start of a stop string, which must never reach the client. When a stop string
-    appears the text is cut before it (or after it with ``include_stop_str``).
+    appears the text is cut before it (or after it with ``include_stop_str``). As in vLLM, stop
+    strings are looked for only once more than ``min_tokens`` tokens were generated.
     """
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: tuple[str, ...] = (),
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.detokenizer = detokenizer
         self.stop = stop
         self.include_stop_str = include_stop_str
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -75,6 +78,8 @@ class OutputText:
             return
         start = max(0, len(self.text) - self.hold)
         self.text += delta
+        if self.num_tokens <= self.min_tokens:
+            return
         best: tuple[int, str] | None = None
         for s in self.stop:
             i = self.text.find(s, start)
@@ -87,6 +92,7 @@ class OutputText:
 
     def add_token(self, token_id: int) -> bool:
         """Feed one generated token; True when a stop string was hit (the request is done)."""
+        self.num_tokens += 1
         if self.detokenizer is not None:
             self._append(self.detokenizer.push(token_id))
         return self.stop_hit is not None

@@ -149,6 +149,9 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
         if not -2.0 <= value <= 2.0:
             raise bad_request(f"{name} must be in [-2, 2] (0 disables), got {value}", name)
         penalties[name] = value
+    if not 0 <= req.min_tokens <= max_tokens:
+        raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {req.min_tokens}",
+                          "min_tokens")
     repetition = _number(req.repetition_penalty if req.repetition_penalty is not None
                          else defaults.get("repetition_penalty", 1.0), "repetition_penalty")
     if not repetition > 0:
@@ -161,6 +164,7 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
             stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=num_logprobs,
             repetition_penalty=repetition, logit_bias=logit_bias(req.logit_bias), **penalties,
+            min_tokens=req.min_tokens,
         )
     except ValueError as e:  # SamplingParams' own checks; the message names the field
         raise bad_request(str(e)) from e

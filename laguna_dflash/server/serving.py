@@ -175,7 +175,7 @@ class Serving:
                 p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
                 rid = request_id if i == 0 else f"{request_id}-{i}"
                 jobs.append(Job(rid, int(time.time()), prompt_ids, p,
-                                OutputText(detok, stop, include_stop_str),
+                                OutputText(detok, stop, include_stop_str, params.min_tokens),
                                 self.engine.submit(rid, prompt_ids, p)))
                 await jobs[-1].stream.accepted()
         except BaseException:

@@ -285,6 +285,66 @@ def test_logprobs(stack):
     assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack):
+    """lm-evaluation-harness's loglikelihood request (token ids, ``echo``, ``logprobs: 1``,
+    ``max_tokens: 1``): the choice starts with the prompt, whose per-token logprobs (None
+    first) are the offline engine's prompt logprobs; ``max_tokens: 0`` returns the prompt
+    only; streamed, the first chunk carries the prompt."""
+    tok = stack.offline.tokenizer
+    text = "def add(a, b):\n    return a + b"
+    ids = tok.encode(text, add_special_tokens=False)
+    ref = stack.offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    with stack.http() as http:
+        body = {"model": NAME, "prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1,
+                "temperature": 0, "seed": 1234}
+        r = http.post("/v1/completions", json=body).json()
+        choice = r["choices"][0]
+        assert choice["text"] == tok.decode(ids) + tok.decode(ref.token_ids)
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        for got, tid, want in zip(lp["token_logprobs"][1:], ids[1:] + ref.token_ids,
+                                  ref.prompt_logprobs[1:] + ref.logprobs):
+            assert got == pytest.approx(want[tid], abs=1e-4)
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+        assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == 1
+        only = http.post("/v1/completions", json={**body, "prompt": text, "max_tokens": 0}).json()
+        assert only["choices"][0]["text"] == text and only["usage"]["completion_tokens"] == 0
+        assert len(only["choices"][0]["logprobs"]["tokens"]) == len(ids)
+        assert only["choices"][0]["finish_reason"] == "length"
+        plain = http.post("/v1/completions", json={"model": NAME, "prompt": text, "echo": True,
+                                                   "max_tokens": 4, "temperature": 0}).json()
+        assert plain["choices"][0]["text"].startswith(text) and plain["choices"][0]["logprobs"] is None
+        bad = http.post("/v1/completions", json={"model": NAME, "prompt": text, "max_tokens": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    streamed, finish, _ = _stream_text(stack.client.completions.create(
+        model=NAME, prompt=text, echo=True, max_tokens=4, temperature=0, stream=True))
+    assert streamed == plain["choices"][0]["text"] and finish == plain["choices"][0]["finish_reason"]
+
+
+def test_penalties_and_min_tokens_over_http(stack):
+    """The penalty fields and min_tokens reach the engine: the output is the offline engine's
+    with the same settings, and differs from the plain one."""
+    kw = dict(presence_penalty=1.5, frequency_penalty=2.0, repetition_penalty=1.3,
+              logit_bias={100: 12.0})  # the bias makes token 100 likely, the penalties its repeats not
+    prompt = "def main():"
+    want = stack.greedy([prompt], max_tokens=24, ignore_eos=True, **kw)[0].token_ids
+    plain = stack.greedy([prompt], max_tokens=24, ignore_eos=True)[0].token_ids
+    got = stack.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+        presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
+        logit_bias={"100": 12.0},
+        extra_body={"ignore_eos": True, "repetition_penalty": kw["repetition_penalty"],
+                    "return_token_ids": True})
+    assert got.choices[0].token_ids == want != plain and 100 in want
+    first = stack.greedy([prompt], max_tokens=4, ignore_eos=True)[0].token_ids[0]
+    held = stack.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=10, temperature=0,
+        extra_body={"stop_token_ids": [first], "min_tokens": 5, "return_token_ids": True})
+    assert len(held.choices[0].token_ids) >= 5 and first not in held.choices[0].token_ids[:5]
+
+
 def test_seeded_sampling_is_reproducible_streamed_and_not(stack):
     kw = dict(model=NAME, prompt="lambda x:", max_tokens=24, temperature=0.9, seed=1234,
               extra_body={"ignore_eos": True, "top_k": 50})

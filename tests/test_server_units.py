@@ -157,7 +157,6 @@ def test_max_tokens_rules():
 @pytest.mark.parametrize("request_, param", [
     (CompletionRequest(prompt="x", n=0), "n"),
     (CompletionRequest(prompt="x", n=65), "n"),
-    (CompletionRequest(prompt="x", echo=True), "echo"),
     (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                            tools=[{"type": "function"}]), "tools"),
     (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],

@@ -50,6 +50,8 @@ class EngineOutput:
     num_output_tokens: int
     spec: dict | None = None  # per-request spec counters so far (None without a drafter)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # with the request's first output, when it asked for them: per prompt position (None first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,7 @@ class AsyncEngine:
                 continue
             new = seq.output_token_ids[req.num_sent : n]
             logprobs = seq.logprobs[req.num_sent : n] if seq.logprobs is not None else None
+            prompt_logprobs = seq.prompt_logprobs if req.num_sent == 0 else None
             if new:
                 first = req.last_token_time is None
                 self.metrics.observe_tokens(len(new), now - req.arrival if first else None,
@@ -284,7 +287,7 @@ class AsyncEngine:
                         "num_accepted_tokens": seq.num_accepted_tokens,
                         "num_accepted_tokens_per_pos": list(seq.num_accepted_tokens_per_pos)}
             out.append((req, EngineOutput(list(new), logprobs, seq.is_finished, seq.finish_reason,
-                                          n, spec, seq.num_cached_tokens)))
+                                          n, spec, seq.num_cached_tokens, prompt_logprobs)))
             if seq.is_finished:
                 del self._active[rid]
                 self._finish(req, seq.finish_reason or "stop")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,9 +37,37 @@ def _prompt_ids(serving: Serving, req: CompletionRequest) -> list[int]:
     return list(p[0])
 
 
-def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float]],
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completions choice starts with (``echo``): its text, token ids and, when the
+    request asked for logprobs, its prompt logprobs (``None`` at position 0)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None
+
+
+def _echo(serving: Serving, req: CompletionRequest, ids: list[int]) -> Echo | None:
+    """The request's :class:`Echo` without its logprobs (they come with the first output), or
+    None without ``echo``: the prompt text as sent, or its token ids decoded."""
+    if not req.echo:
+        return None
+    p = req.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        text = p
+    elif serving.tokenizer is not None:
+        text = serving.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+    else:
+        text = ""
+    return Echo(text, ids, None)
+
+
+def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float] | None],
               offset: int) -> tuple[dict, int]:
-    """The completions ``logprobs`` object for ``tokens``; ``offset`` is the text offset so far."""
+    """The completions ``logprobs`` object for ``tokens``; ``offset`` is the text offset so far.
+    A ``None`` entry (an echoed prompt's first token) has no logprobs."""
     strs = [serving.token_str(t) for t in tokens]
     offsets = []
     for s in strs:
@@ -46,37 +75,57 @@ def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, floa
         offset += len(s)
     return {
         "tokens": strs,
-        "token_logprobs": [lp[t] for t, lp in zip(tokens, logprobs)],
-        "top_logprobs": [{serving.token_str(k): v for k, v in lp.items()} for lp in logprobs],
+        "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(tokens, logprobs)],
+        "top_logprobs": [None if lp is None else {serving.token_str(k): v for k, v in lp.items()}
+                         for lp in logprobs],
         "text_offset": offsets,
     }, offset
 
 
 def _choice(serving: Serving, req: CompletionRequest, index: int, text: str, tokens: list[int],
             logprobs: list[dict[int, float]] | None, offset: int, finish: str | None,
-            stop_reason: str | int | None) -> tuple[dict, int]:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
-              "stop_reason": stop_reason}
+            stop_reason: str | int | None, echo: Echo | None = None) -> tuple[dict, int]:
+    """One choice (or one streamed chunk of it); ``echo``: the prompt put before it."""
+    choice = {"index": index, "text": text if echo is None else echo.text + text, "logprobs": None,
+              "finish_reason": finish, "stop_reason": stop_reason}
     if req.logprobs is not None and logprobs is not None:
-        choice["logprobs"], offset = _logprobs(serving, tokens, logprobs, offset)
+        if echo is not None and echo.logprobs is not None:
+            head, offset = _logprobs(serving, echo.token_ids, echo.logprobs, offset)
+            body, offset = _logprobs(serving, tokens, logprobs, offset)
+            choice["logprobs"] = {key: head[key] + body[key] for key in head}
+        else:
+            choice["logprobs"], offset = _logprobs(serving, tokens, logprobs, offset)
     if req.return_token_ids:
         choice["token_ids"] = tokens
     return choice, offset
 
 
-async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest) -> AsyncIterator[str]:
-    """One SSE chunk per delta of any choice (``choices[0].index`` says which)."""
+def _shown(job: Job, d: Delta) -> Delta:
+    """``d`` as the client sees it: no generated output for an ``echo`` with ``max_tokens: 0``
+    (the engine generated one token anyway)."""
+    if not job.hides_output:
+        return d
+    return replace(d, text="", token_ids=[], logprobs=[] if d.logprobs is not None else None,
+                   finish_reason="length" if d.finish_reason else None, stop_reason=None)
+
+
+async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest,
+                  echo_base: Echo | None) -> AsyncIterator[str]:
+    """One SSE chunk per delta of any choice (``choices[0].index`` says which); with ``echo``
+    each choice's first chunk starts with the prompt."""
     opts = req.stream_options
     base = {"id": jobs[0].request_id, "object": "text_completion", "created": jobs[0].created,
             "model": serving.model_name}
     offsets, first = [0] * len(jobs), [True] * len(jobs)
     try:
         async for i, d in serving.merged(jobs):
+            d = _shown(jobs[i], d)
             wants_tokens = req.logprobs is not None or req.return_token_ids
-            if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
+            echo = replace(echo_base, logprobs=d.prompt_logprobs) if echo_base and first[i] else None
+            if not (d.text or d.finish_reason or (d.token_ids and wants_tokens) or echo):
                 continue
             choice, offsets[i] = _choice(serving, req, i, d.text, d.token_ids, d.logprobs,
-                                         offsets[i], d.finish_reason, d.stop_reason)
+                                         offsets[i], d.finish_reason, d.stop_reason, echo)
             if req.return_token_ids and first[i]:
                 choice["prompt_token_ids"] = jobs[i].prompt_token_ids
             first[i] = False
@@ -92,16 +141,18 @@ async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest) -> 
 
 
 def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
-              deltas_by_job: list[list[Delta]]) -> dict:
+              deltas_by_job: list[list[Delta]], echo_base: Echo | None) -> dict:
     choices = []
     for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
+        echo = replace(echo_base, logprobs=deltas[0].prompt_logprobs) if echo_base else None
+        deltas = [_shown(job, d) for d in deltas]
         tokens = [t for d in deltas for t in d.token_ids]
         logprobs = None
         if req.logprobs is not None:
             logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
         last = deltas[-1]
         choice, _ = _choice(serving, req, i, "".join(d.text for d in deltas), tokens, logprobs,
-                            0, last.finish_reason, last.stop_reason)
+                            0, last.finish_reason, last.stop_reason, echo)
         if req.return_token_ids:
             choice["prompt_token_ids"] = job.prompt_token_ids
         choices.append(choice)
@@ -114,12 +165,18 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     reject_unsupported(req)
     ids = serving.check_prompt(_prompt_ids(serving, req), "prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(ids), serving.max_model_len,
-                                    DEFAULT_COMPLETION_MAX_TOKENS)
-    params = build_sampling_params(req, max_tokens, req.logprobs,
+                                    DEFAULT_COMPLETION_MAX_TOKENS, allow_zero=bool(req.echo))
+    # echo with max_tokens 0: the prompt only (the engine generates one token, not sent)
+    params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
                                    serving.config.generation_defaults)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
+        params = replace(params, prompt_logprobs=req.logprobs)
     stop = stop_strings(req)
     jobs = await serving.start("cmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output)
+    for job in jobs:
+        job.hides_output = max_tokens == 0
+    echo = _echo(serving, req, ids)
     if req.stream:
-        return serving.sse_response(_events(serving, jobs, req))
-    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request)))
+        return serving.sse_response(_events(serving, jobs, req, echo))
+    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request), echo))

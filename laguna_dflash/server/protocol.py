@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (pydantic v2), with vLLM's extension fields.
 
 Unknown fields are ignored (clients send many); fields we cannot honour with a non-default value
-(``echo``, tools, ...) are rejected in :mod:`.sampling` with a 400
+(tools, ``response_format``, ...) are rejected in :mod:`.sampling` with a 400
 rather than silently dropped.
 """
 

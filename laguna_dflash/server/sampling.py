@@ -47,8 +47,6 @@ def reject_unsupported(req: SamplingFields) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n={req.n}: the number of choices must be in [1, {MAX_CHOICES}]", "n")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of={req.best_of} is not supported; only 1 is", "best_of")
         if req.suffix:
@@ -102,16 +100,17 @@ def _number(value: float, name: str) -> float:
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       default: int | None, param: str = "max_tokens") -> int:
+                       default: int | None, param: str = "max_tokens", allow_zero: bool = False) -> int:
     """The completion budget: the request's (checked against the context) or the default.
 
     ``default=None`` means "whatever the context leaves" (chat); a default never exceeds it.
+    ``allow_zero``: 0 is accepted (completions with ``echo``: the prompt only).
     """
     room = max_model_len - num_prompt_tokens
     if requested is None:
         return room if default is None else max(1, min(default, room))
-    if requested < 1:
-        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if requested < (0 if allow_zero else 1):
+        raise bad_request(f"{param} must be at least 1 (0 only with echo), got {requested}", param)
     if requested > room:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

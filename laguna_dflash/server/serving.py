@@ -40,6 +40,8 @@ class Delta:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # the first delta of a request that asked for prompt logprobs: per prompt position
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Job:
     num_output_tokens: int = 0
     spec: dict | None = None
     num_cached_tokens: int = 0
+    # completions ``echo`` with ``max_tokens: 0``: the engine generates one token, never sent
+    hides_output: bool = False
 
 
 def usage(jobs: list[Job]) -> dict:
@@ -62,7 +66,7 @@ def usage(jobs: list[Job]) -> dict:
     every choice's completion tokens; ``prompt_tokens_details.cached_tokens``: the prompt tokens
     the prefix cache held for the first choice (not computed), as OpenAI reports prompt
     caching."""
-    p, c = len(jobs[0].prompt_token_ids), sum(j.num_output_tokens for j in jobs)
+    p, c = len(jobs[0].prompt_token_ids), sum(0 if j.hides_output else j.num_output_tokens for j in jobs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": jobs[0].num_cached_tokens}}
 
@@ -244,7 +248,7 @@ class Serving:
                     elif finish == "stop" and tokens and tokens[-1] in stop_ids:
                         stop_reason = tokens[-1]
                 yield Delta(job.text.take(final=finish is not None), tokens, logprobs, finish,
-                            stop_reason)
+                            stop_reason, out.prompt_logprobs)
                 if finish is not None:
                     return
         finally:

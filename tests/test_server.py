@@ -323,6 +323,34 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack):
     assert streamed == plain["choices"][0]["text"] and finish == plain["choices"][0]["finish_reason"]
 
 
+def test_several_prompts_in_one_completions_request(stack):
+    """A list of prompts (strings or token ids) with ``n = 2``: choice ``k * n + j`` is prompt
+    ``k``'s choice ``j``, each the offline greedy output, streamed and not; usage counts each
+    prompt once. With ``echo`` and logprobs (lm-eval batches its loglikelihood requests this
+    way) each choice starts with its own prompt."""
+    prompts = ["def main():", "class Foo:", "import os"]
+    want = [o.text for o in stack.greedy(prompts, max_tokens=8, ignore_eos=True)]
+    kw = dict(model=NAME, prompt=prompts, max_tokens=8, temperature=0, n=2,
+              extra_body={"ignore_eos": True})
+    got = stack.client.completions.create(**kw)
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w for w in want for _ in range(2)]
+    tok = stack.offline.tokenizer
+    assert got.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert got.usage.completion_tokens == 6 * 8
+    texts = [""] * 6
+    for chunk in stack.client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [w for w in want for _ in range(2)]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    with stack.http() as http:
+        r = http.post("/v1/completions", json={"model": NAME, "prompt": ids, "echo": True, "logprobs": 1,
+                                               "max_tokens": 1, "temperature": 0}).json()
+    for c, p in zip(sorted(r["choices"], key=lambda c: c["index"]), ids):
+        assert c["text"].startswith(tok.decode(p)) and len(c["logprobs"]["tokens"]) == len(p) + 1
+
+
 def test_penalties_and_min_tokens_over_http(stack):
     """The penalty fields and min_tokens reach the engine: the output is the offline engine's
     with the same settings, and differs from the plain one."""
@@ -534,7 +562,7 @@ BAD_REQUESTS = [
                               "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
     ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt", "at most 256 prompts"),
     ("/v1/completions", {"prompt": "x", "stop": ["ok", ""]}, 400, "stop", "non-empty"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty",
      "[-2, 2]"),

@@ -20,21 +20,24 @@ from .sampling import (
 )
 from .serving import SSE_DONE, Delta, Job, Serving, sse, usage
 
+#: The most prompts one completions request may hold.
+MAX_PROMPTS = 256
 
-def _prompt_ids(serving: Serving, req: CompletionRequest) -> list[int]:
-    """One prompt: a string, a list with one string, token ids, or a list with one id list."""
+
+def _prompts(serving: Serving, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    """The request's prompts as (token ids, the text sent or None): a string, token ids, or a
+    list of strings or of id lists (a batch, as vLLM accepts)."""
     p = req.prompt
     if isinstance(p, str):
-        return serving.encode(p, req.add_special_tokens)
+        return [(serving.encode(p, req.add_special_tokens), p)]
     if not p:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(p[0], int):
-        return list(p)
-    if len(p) != 1:
-        raise bad_request(f"only one prompt per request is supported, got {len(p)}", "prompt")
-    if isinstance(p[0], str):
-        return serving.encode(p[0], req.add_special_tokens)
-    return list(p[0])
+        return [(list(p), None)]
+    if len(p) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
+    return [(serving.encode(x, req.add_special_tokens), x) if isinstance(x, str) else (list(x), None)
+            for x in p]
 
 
 @dataclass(frozen=True)
@@ -47,20 +50,14 @@ class Echo:
     logprobs: list[dict[int, float] | None] | None
 
 
-def _echo(serving: Serving, req: CompletionRequest, ids: list[int]) -> Echo | None:
-    """The request's :class:`Echo` without its logprobs (they come with the first output), or
-    None without ``echo``: the prompt text as sent, or its token ids decoded."""
+def _echo(serving: Serving, req: CompletionRequest, ids: list[int], text: str | None) -> Echo | None:
+    """A prompt's :class:`Echo` without its logprobs (they come with the first output), or None
+    without ``echo``: the prompt text as sent, or its token ids decoded."""
     if not req.echo:
         return None
-    p = req.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if isinstance(p, str):
-        text = p
-    elif serving.tokenizer is not None:
-        text = serving.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-    else:
-        text = ""
+    if text is None:
+        text = (serving.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+                if serving.tokenizer is not None else "")
     return Echo(text, ids, None)
 
 
@@ -110,9 +107,9 @@ def _shown(job: Job, d: Delta) -> Delta:
 
 
 async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest,
-                  echo_base: Echo | None) -> AsyncIterator[str]:
+                  echoes: list[Echo | None]) -> AsyncIterator[str]:
     """One SSE chunk per delta of any choice (``choices[0].index`` says which); with ``echo``
-    each choice's first chunk starts with the prompt."""
+    each choice's first chunk starts with its prompt (``echoes``: one per job)."""
     opts = req.stream_options
     base = {"id": jobs[0].request_id, "object": "text_completion", "created": jobs[0].created,
             "model": serving.model_name}
@@ -121,7 +118,7 @@ async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest,
         async for i, d in serving.merged(jobs):
             d = _shown(jobs[i], d)
             wants_tokens = req.logprobs is not None or req.return_token_ids
-            echo = replace(echo_base, logprobs=d.prompt_logprobs) if echo_base and first[i] else None
+            echo = replace(echoes[i], logprobs=d.prompt_logprobs) if echoes[i] and first[i] else None
             if not (d.text or d.finish_reason or (d.token_ids and wants_tokens) or echo):
                 continue
             choice, offsets[i] = _choice(serving, req, i, d.text, d.token_ids, d.logprobs,
@@ -141,10 +138,10 @@ async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest,
 
 
 def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
-              deltas_by_job: list[list[Delta]], echo_base: Echo | None) -> dict:
+              deltas_by_job: list[list[Delta]], echoes: list[Echo | None]) -> dict:
     choices = []
     for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
-        echo = replace(echo_base, logprobs=deltas[0].prompt_logprobs) if echo_base else None
+        echo = replace(echoes[i], logprobs=deltas[0].prompt_logprobs) if echoes[i] else None
         deltas = [_shown(job, d) for d in deltas]
         tokens = [t for d in deltas for t in d.token_ids]
         logprobs = None
@@ -163,20 +160,29 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     req = await serving.parse(request, CompletionRequest)
     serving.check_model(req.model)
     reject_unsupported(req)
-    ids = serving.check_prompt(_prompt_ids(serving, req), "prompt")
-    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), serving.max_model_len,
-                                    DEFAULT_COMPLETION_MAX_TOKENS, allow_zero=bool(req.echo))
-    # echo with max_tokens 0: the prompt only (the engine generates one token, not sent)
-    params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
-                                   serving.config.generation_defaults)
-    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
-        params = replace(params, prompt_logprobs=req.logprobs)
+    prompts = [(serving.check_prompt(ids, "prompt"), text) for ids, text in _prompts(serving, req)]
     stop = stop_strings(req)
-    jobs = await serving.start("cmpl", ids, params, num_choices(req), stop,
-                               req.skip_special_tokens, req.include_stop_str_in_output)
-    for job in jobs:
-        job.hides_output = max_tokens == 0
-    echo = _echo(serving, req, ids)
+    jobs: list[Job] = []
+    echoes: list[Echo | None] = []
+    try:
+        for k, (ids, text) in enumerate(prompts):  # choices k * n .. k * n + n - 1 (vLLM's order)
+            max_tokens = resolve_max_tokens(req.max_tokens, len(ids), serving.max_model_len,
+                                            DEFAULT_COMPLETION_MAX_TOKENS, allow_zero=bool(req.echo))
+            # echo with max_tokens 0: the prompt only (the engine generates one token, not sent)
+            params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
+                                           serving.config.generation_defaults)
+            if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
+                params = replace(params, prompt_logprobs=req.logprobs)
+            started = await serving.start("cmpl", ids, params, num_choices(req), stop,
+                                          req.skip_special_tokens, req.include_stop_str_in_output)
+            for job in started:
+                job.hides_output, job.prompt_index = max_tokens == 0, k
+            jobs += started
+            echoes += [_echo(serving, req, ids, text)] * len(started)
+    except BaseException:
+        for job in jobs:  # the prompts already started: their choices are not answered
+            job.stream.abort()
+        raise
     if req.stream:
-        return serving.sse_response(_events(serving, jobs, req, echo))
-    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request), echo))
+        return serving.sse_response(_events(serving, jobs, req, echoes))
+    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request), echoes))

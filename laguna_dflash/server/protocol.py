@@ -50,7 +50,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string, one string in a list, or token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None

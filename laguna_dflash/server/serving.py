@@ -59,16 +59,20 @@ class Job:
     num_cached_tokens: int = 0
     # completions ``echo`` with ``max_tokens: 0``: the engine generates one token, never sent
     hides_output: bool = False
+    # which prompt of the request (a completions request may hold several, n choices each)
+    prompt_index: int = 0
 
 
 def usage(jobs: list[Job]) -> dict:
-    """OpenAI usage of one response (its ``n`` choices, one job each): the prompt counted once,
-    every choice's completion tokens; ``prompt_tokens_details.cached_tokens``: the prompt tokens
-    the prefix cache held for the first choice (not computed), as OpenAI reports prompt
-    caching."""
-    p, c = len(jobs[0].prompt_token_ids), sum(0 if j.hides_output else j.num_output_tokens for j in jobs)
+    """OpenAI usage of one response (its prompts' ``n`` choices, one job each): each prompt
+    counted once, every choice's completion tokens; ``prompt_tokens_details.cached_tokens``:
+    the prompt tokens the prefix cache held for each prompt's first choice (not computed), as
+    OpenAI reports prompt caching."""
+    firsts = {j.prompt_index: j for j in reversed(jobs)}.values()  # each prompt's first choice
+    p = sum(len(j.prompt_token_ids) for j in firsts)
+    c = sum(0 if j.hides_output else j.num_output_tokens for j in jobs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": jobs[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens for j in firsts)}}
 
 
 def sse(obj: Any) -> str:

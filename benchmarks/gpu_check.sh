@@ -105,6 +105,8 @@
 #                                           # CUDA tests not yet run with them (start-up capture,
 #                                           # kernels built ahead, float32 lossless), then
 #                                           # bench_prefill.py, eager vs graphs (~8 min)
+#   bash benchmarks/gpu_check.sh prefill-graphs-decode  # batch-1 decode, prefill graphs off/on,
+#                                           # alternating processes (~8 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -453,9 +455,16 @@ case "$stage" in
     gpu_tests 280 -p no:logging tests/test_prefill_graphs.py tests/test_cuda_graphs.py -k \
       "prefill_graphs_match or startup_capture or builds_its_kernels_ahead or first_use or lossless_in_float32 or past_the_fused" \
       | tail -12
-    echo "== prefill step, eager vs replayed from a graph (XS-2.1 pair, bf16)"
-    timeout 240 python benchmarks/bench_prefill.py --prefix 1024,0 --new 8,16,64,256,512,1024 \
+    echo "== prefill step, eager vs replayed from a graph (XS-2.1 pair, bf16); 9/17/65/257: padding"
+    timeout 240 python benchmarks/bench_prefill.py --prefix 1024,0 --new 9,16,17,65,257,512 \
       2>&1 | quiet | tail -28 ;;
+  prefill-graphs-decode)
+    echo "== batch-1 decode with prefill graphs off (narrower state rows), then on (two processes)"
+    for n in 0 512 0 512; do
+      echo "-- max_prefill_graph_tokens=$n"
+      timeout 130 python benchmarks/profile_decode_xs.py --top 3 --max-prefill-graph-tokens $n \
+        2>&1 | quiet | tail -8
+    done ;;
   final)
     bash "$0" final-tests
     bash "$0" bench ;;

@@ -265,6 +265,9 @@ def main() -> None:
     ap.add_argument("--drafter", action="store_true",
                     help="profile the drafter block's graph of a DFlash K step instead (module docstring)")
     ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per step")
+    ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
+                    help="the engine option (0: prefills eager; a narrower request-state row "
+                         "for the decode graphs), for a decode A/B in two processes")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the engine with EngineConfig.batch_invariant (kernels/batch_invariant.py)")
     ap.add_argument("--ncu", action="store_true",
@@ -289,7 +292,9 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(tmp, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
                   max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2,
-                  batch_invariant=args.batch_invariant, **draft)
+                  batch_invariant=args.batch_invariant, **draft,
+                  **({} if args.max_prefill_graph_tokens is None
+                     else {"max_prefill_graph_tokens": args.max_prefill_graph_tokens}))
         load_s = time.perf_counter() - t0
         prompt = torch.randint(100, 100000, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()

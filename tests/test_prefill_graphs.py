@@ -96,7 +96,12 @@ def test_capture_all_covers_the_prefill_buckets(monkeypatch):
     want = {(r, q, n, True) for q, rs in sizes.items() for r in rs for n in (256, 512, 1024)}
     assert runner.capture_all(600) == len(want) == 45
     assert set(captured) == want
-    assert runner.kind_batch_sizes(4) == runner.batch_sizes  # decode kinds: every batch size
+    assert runner.kind_batch_sizes((4, True, (), True)) == runner.batch_sizes  # decode kinds: all
+    # a prefill bucket that a decode-phase forward also runs (K + 1 = 16) is captured at every
+    # batch size; a prefill-only one at those prefill_shape can pick
+    runner._add_kind((16, True, (1, 3), False), None, is_prefill=False)
+    assert runner.kind_batch_sizes((16, True, (1, 3), False)) == runner.batch_sizes
+    assert runner.kind_batch_sizes((32, True, (1, 3), False)) == (1, 2, 4)
     small = _runner(512, max_model_len=200)  # 256 keys at most: no prompt pads to 512
     small.add_prefill_kinds(())
     assert {k[1] for k, _ in small.missing_keys(200)} == {8, 16, 32, 64, 128, 256}

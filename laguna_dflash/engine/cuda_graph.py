@@ -207,6 +207,7 @@ class CUDAGraphRunner:
         # every forward kind captured so far, (q, is_causal, taps, has a context store) -> the
         # store: what capture_all extends to every batch size and key bucket
         self.kinds: dict[tuple, ContextStore | None] = {}
+        self.prefill_only_kinds: set[tuple] = set()  # kinds only prefills ran (kind_batch_sizes)
         self.pool = None
 
     def reset(self) -> None:
@@ -214,6 +215,7 @@ class CUDAGraphRunner:
         after a fast-path switch changed what a forward launches)."""
         self.graphs.clear()
         self.kinds.clear()
+        self.prefill_only_kinds.clear()
         self.pool = None
 
     def key_buckets(self, max_seq_len: int) -> list[int]:
@@ -223,12 +225,14 @@ class CUDAGraphRunner:
             out.append(self.key_bucket(out[-1] + 1))
         return out
 
-    def kind_batch_sizes(self, q: int) -> tuple[int, ...]:
-        """The padded batch sizes captured for a forward kind of ``q`` tokens a request: every
-        one for decode-phase ``q``, those of :meth:`prefill_shape` for a prefill bucket."""
-        if q <= self.max_tokens_per_request:
+    def kind_batch_sizes(self, kind: tuple) -> tuple[int, ...]:
+        """The padded batch sizes captured for a forward kind ``(q, is_causal, taps, stores
+        context)``: every one for a decode-phase kind, those :meth:`prefill_shape` can pick
+        for a kind only prefills ran (a prefill bucket that is also K + 1 stays a decode kind
+        for a drafter's verify, but not for prefills alone: K = 15, bucket 16)."""
+        if kind not in self.prefill_only_kinds:
             return self.batch_sizes
-        return tuple(r for r in self.prefill_batch_sizes if r * q <= self.max_prefill_tokens)
+        return tuple(r for r in self.prefill_batch_sizes if r * kind[0] <= self.max_prefill_tokens)
 
     def missing_keys(self, max_model_len: int) -> list[tuple[tuple, ContextStore | None]]:
         """The graph keys :meth:`capture_all` would capture, each with its kind's context store:
@@ -237,7 +241,7 @@ class CUDAGraphRunner:
         padding too) of each forward kind captured so far, less those captured already."""
         return [((r, q, num_keys, is_causal, taps, store is not None), store)
                 for (q, is_causal, taps, _), store in self.kinds.items()
-                for r in self.kind_batch_sizes(q)
+                for r in self.kind_batch_sizes((q, is_causal, taps, store is not None))
                 for num_keys in self.key_buckets(max_model_len + q - 1)
                 if num_keys >= q and (r, q, num_keys, is_causal, taps, store is not None) not in self.graphs]
 
@@ -245,7 +249,17 @@ class CUDAGraphRunner:
         """Register the prefill forward of every token bucket (with ``tap_layer_ids``' taps) for
         :meth:`capture_all`, so that no prefill step stalls for a capture either."""
         for q in self.prefill_buckets:
-            self.kinds.setdefault((q, True, tuple(tap_layer_ids), False), None)
+            self._add_kind((q, True, tuple(tap_layer_ids), False), None, is_prefill=True)
+
+    def _add_kind(self, kind: tuple, store: ContextStore | None, is_prefill: bool) -> None:
+        """Remember a forward kind for :meth:`capture_all`; one a decode-phase forward ran is
+        captured at every batch size from then on."""
+        if kind not in self.kinds:
+            self.kinds[kind] = store
+            if is_prefill:
+                self.prefill_only_kinds.add(kind)
+        if not is_prefill:
+            self.prefill_only_kinds.discard(kind)
 
     def forwards_to_capture(self, max_model_len: int) -> list[Callable[[], object]]:
         """The forwards :meth:`capture_all` would capture (for :func:`build_kernels_ahead`)."""
@@ -403,11 +417,14 @@ class CUDAGraphRunner:
                                            context_store)
         else:
             key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None)
+            kind = key[1:2] + key[3:]
             captured = self.graphs.get(key)
             if captured is None:
                 captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
                                                             tuple(tap_layer_ids), context_store)
-                self.kinds[(q, is_causal, tuple(tap_layer_ids), context_store is not None)] = context_store
+                self._add_kind(kind, context_store, is_prefill=shape is not None)
+            elif shape is None and kind in self.prefill_only_kinds:  # a prefill's graph, decoding
+                self.prefill_only_kinds.discard(kind)
             captured.graph.replay()
             hidden, taps = captured.hidden, captured.taps
         rows_out = self._real_rows(items, q)

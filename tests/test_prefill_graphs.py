@@ -197,6 +197,20 @@ def test_padded_prefill_writes_only_its_own_and_scratch_slots(pair):
             assert changed and changed <= allowed
 
 
+@pytest.mark.full_warmup
+def test_warmup_shapes_build_the_eager_prefill(pair):
+    """The warm-up's listed prompt shapes build the kernels of the EAGER prefill (longer prompts
+    and larger batches still run it), so no prefill graph takes them even where one could; the
+    two decoding requests before them do take the graphs, and the buckets are back afterwards."""
+    target, _ = pair
+    llm = LLM(target, dtype="bfloat16", block_size=4, max_num_seqs=2, max_model_len=400)
+    shapes = _graphed(llm)
+    buckets = llm.engine.runner.graphs.prefill_buckets
+    llm.engine.warmup()
+    assert shapes == [(1, 8), (1, 16)]  # the 8- and 16-token decoding requests only
+    assert llm.engine.runner.graphs.prefill_buckets == buckets == (8, 16, 32, 64, 128, 256, 512)
+
+
 @needs_cuda
 def test_prefill_graphs_match_eager_on_cuda(pair):
     """Captured prefill graphs (replayed, several buckets, a mixed batch) give the eager

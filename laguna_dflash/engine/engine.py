@@ -226,21 +226,20 @@ class LLMEngine:
             self.add_request([0] * n, params)
             while self.has_unfinished:
                 self.step()
-        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        capacity = self.allocator.num_blocks * self.config.block_size
         # half precision only: float32 engines (parity checks, tests) take the fused MoE kernels
         # at every size, whose pair-count buckets would make these prefills compile for minutes
         shapes = WARMUP_PREFILL_LENGTHS if self.dtype in (torch.bfloat16, torch.float16) else ()
-        for lengths in shapes:
-            need = sum(n + self.num_speculative_tokens + 2 + self.config.block_size for n in lengths)
-            if (max(lengths) + self.num_speculative_tokens + 2 > self.max_model_len or need > capacity
-                    or len(lengths) > self.config.max_num_seqs
-                    or sum(lengths) > self.config.max_num_batched_tokens):
-                continue  # a shape this engine never prefills
-            for n in lengths:
-                self.add_request([0] * n, one)
-            while self.has_unfinished:
-                self.step()
+        # these build the EAGER prefill's kernels (longer prompts, larger batches still run it),
+        # so no prefill graph takes them (the graphs are captured at start-up, or on first use)
+        graphs = self.runner.graphs
+        buckets = graphs.prefill_buckets if graphs is not None else ()
+        if graphs is not None:
+            graphs.prefill_buckets = ()
+        try:
+            self._warmup_prefills(shapes)
+        finally:
+            if graphs is not None:
+                graphs.prefill_buckets = buckets
         k = self.num_speculative_tokens
         self.timings = EngineTimings()
         self.spec_stats = SpecDecodingStats(k) if k else None
@@ -254,6 +253,21 @@ class LLMEngine:
             if self.runner.graphs is not None:
                 self.runner.graphs.add_prefill_kinds(self.tap_layer_ids)
             self.capture_all_graphs()
+
+    def _warmup_prefills(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        """Prefill each shape (its prompts in one step, one token each) this engine can hold."""
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        capacity = self.allocator.num_blocks * self.config.block_size
+        for lengths in shapes:
+            need = sum(n + self.num_speculative_tokens + 2 + self.config.block_size for n in lengths)
+            if (max(lengths) + self.num_speculative_tokens + 2 > self.max_model_len or need > capacity
+                    or len(lengths) > self.config.max_num_seqs
+                    or sum(lengths) > self.config.max_num_batched_tokens):
+                continue  # a shape this engine never prefills
+            for n in lengths:
+                self.add_request([0] * n, one)
+            while self.has_unfinished:
+                self.step()
 
     def capture_all_graphs(self) -> int:
         """Capture the CUDA graphs of every padded batch size and key bucket for each forward

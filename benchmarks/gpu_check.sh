@@ -105,8 +105,9 @@
 #                                           # CUDA tests not yet run with them (start-up capture,
 #                                           # kernels built ahead, float32 lossless), then
 #                                           # bench_prefill.py, eager vs graphs (~8 min)
-#   bash benchmarks/gpu_check.sh prefill-graphs-decode  # batch-1 decode, prefill graphs off/on,
-#                                           # alternating processes (~8 min)
+#   bash benchmarks/gpu_check.sh prefill-graphs-decode  # batch-1 decode, prefill graphs off/on
+#                                           # (two processes), then first requests after
+#                                           # start-up incl. a 1000-token prompt (~8 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -460,11 +461,14 @@ case "$stage" in
       2>&1 | quiet | tail -28 ;;
   prefill-graphs-decode)
     echo "== batch-1 decode with prefill graphs off (narrower state rows), then on (two processes)"
-    for n in 0 512 0 512; do
+    for n in 0 512; do
       echo "-- max_prefill_graph_tokens=$n"
       timeout 130 python benchmarks/profile_decode_xs.py --top 3 --max-prefill-graph-tokens $n \
         2>&1 | quiet | tail -8
-    done ;;
+    done
+    echo "== first requests after start-up: a long prompt (eager) must build no kernel"
+    timeout 230 python benchmarks/bench_first_request.py --scenarios 1x1000x32,4x300x16,1x100x8 \
+      2>&1 | quiet | tail -12 ;;
   final)
     bash "$0" final-tests
     bash "$0" bench ;;

@@ -682,7 +682,7 @@ def test_cli_serve_runs_a_server_with_the_vllm_spelling(stack, tmp_path):
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stack):
     """The same prompt twice: the second response's usage counts its cached prompt tokens
     (OpenAI's ``prompt_tokens_details.cached_tokens``), streamed and not; its text is the
-    first's."""
+    first's. After ``POST /flush_cache`` or ``/reset_prefix_cache`` nothing is cached."""
     bs = stack.engine.config.block_size
     rng = random.Random(11)
     ids = [rng.randrange(5, 200) for _ in range(3 * bs + 5)]
@@ -695,6 +695,13 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(stack):
                                              stream=True, stream_options={"include_usage": True})
     _, _, usage = _stream_text(stream)
     assert usage.prompt_tokens_details.cached_tokens == 3 * bs
+    assert httpx.post(stack.url + "/flush_cache", timeout=10).status_code == 401  # needs the key
+    with stack.http() as http:
+        for route in ("/flush_cache", "/reset_prefix_cache"):  # SGLang's and vLLM's names
+            assert http.post(route).status_code == 200
+            after = stack.client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+            assert after.usage.prompt_tokens_details.cached_tokens == 0, route
+            assert after.choices[0].text == first.choices[0].text
 
 
 def test_n_choices_streamed_and_not(stack):

@@ -122,6 +122,12 @@ def build_app(serving: Serving) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    @app.post("/reset_prefix_cache")  # vLLM's
+    @app.post("/flush_cache")  # SGLang's: benchmarks call it between runs
+    async def reset_prefix_cache() -> Response:
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> JSONResponse:

@@ -177,6 +177,16 @@ class AsyncEngine:
         """Thread-safe: abort a request by id (its blocks are freed by the engine thread)."""
         self._commands.put(("abort", request_id, reason))
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (on the engine thread, between steps; running
+        requests keep their blocks); returns once done."""
+        if not self.is_alive:
+            raise APIError(503, "the engine is not running")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("reset_prefix_cache", loop, done))
+        await done
+
     # ---- engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -228,6 +238,9 @@ class AsyncEngine:
                 self._add(cmd[1])
             elif cmd[0] == "abort":
                 self._abort(cmd[1], cmd[2])
+            elif cmd[0] == "reset_prefix_cache":
+                self.engine.reset_prefix_cache()
+                cmd[1].call_soon_threadsafe(_resolve, cmd[2])
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -358,6 +371,12 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
+
+
+def _resolve(done: asyncio.Future) -> None:
+    """On the event loop: a command the engine thread finished."""
+    if not done.done():  # its awaiting handler may have been cancelled
+        done.set_result(None)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

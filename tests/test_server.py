@@ -158,6 +158,10 @@ def test_models_health_version_and_auth(stack):
         openai.OpenAI(base_url=stack.url + "/v1", api_key="nope", max_retries=0).models.list()
     info = stack.http().get("/server_info").json()
     assert info["num_speculative_tokens"] == K and info["speculative_method"] == "dflash"
+    with stack.http() as http:
+        assert http.get("/load").json() == {"server_load": 0}
+        model = http.get("/get_model_info").json()
+        assert model["model_path"] == str(stack.target) and model["is_generation"] is True
     assert info["draft_from"].startswith("--speculative-draft-model-path")
 
 

@@ -122,6 +122,16 @@ def build_app(serving: Serving) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    @app.get("/load")  # vLLM's: requests in flight
+    async def load() -> JSONResponse:
+        snap = engine.snapshot
+        return JSONResponse({"server_load": snap.num_running + snap.num_waiting})
+
+    @app.get("/get_model_info")  # SGLang's
+    async def model_info() -> JSONResponse:
+        return JSONResponse({"model_path": serving.config.engine.model,
+                             "tokenizer_path": serving.config.tokenizer, "is_generation": True})
+
     @app.post("/reset_prefix_cache")  # vLLM's
     @app.post("/flush_cache")  # SGLang's: benchmarks call it between runs
     async def reset_prefix_cache() -> Response:

@@ -427,16 +427,17 @@ class CUDAGraphRunner:
                 self.prefill_only_kinds.discard(kind)
             captured.graph.replay()
             hidden, taps = captured.hidden, captured.taps
+        # copied out: the graph's next replay overwrites its static outputs
+        if shape is None or r == 1:  # decode phase (every request q tokens), or one prefill
+            n = r * q if shape is None else items[0].num_tokens
+            return hidden[:n].clone(), taps[:n].clone() if taps is not None else None
         rows_out = self._real_rows(items, q)
         return rows_out(hidden), rows_out(taps) if taps is not None else None
 
     def _real_rows(self, items: list, q: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The rows of the real tokens, in flat order, of a padded ``[R_pad * q, ...]`` output,
-        copied out (the graph's next replay overwrites its static outputs)."""
-        counts = [it.num_tokens for it in items]
-        if all(n == q for n in counts) or len(items) == 1:  # a leading slice
-            return lambda t: t[: sum(counts)].clone()
-        index = torch.tensor([i * q + j for i, n in enumerate(counts) for j in range(n)])
+        """The rows of a padded prefill's real tokens, in flat order, of its ``[R_pad * q, ...]``
+        outputs (each request ``q`` rows, its first ``num_tokens`` real)."""
+        index = torch.tensor([i * q + j for i, it in enumerate(items) for j in range(it.num_tokens)])
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
         return lambda t: t.index_select(0, index)

@@ -13,6 +13,9 @@ they are whatever the machine has.
     python benchmarks/bench_first_request.py --cold --batch-invariant
     python benchmarks/bench_first_request.py --device cpu --layers 2 --hidden 256 \
         --scenarios 1x40x8,2x20x8 --max-model-len 128 --max-num-seqs 4   # CPU wiring check
+    python benchmarks/bench_first_request.py --scenarios 1x100x8 \
+        --switch laguna_dflash.engine.cuda_graph:num_capture_warmups=2 \
+        --switch laguna_dflash.engine.cuda_graph:keep_cache_between_captures=false  # old capture
 """
 
 from __future__ import annotations
@@ -250,6 +253,9 @@ def main() -> None:
     ap.add_argument("--no-build-ahead", action="store_true",
                     help="start-up capture builds each Triton kernel when first launched "
                          "(engine.cuda_graph.build_ahead = False)")
+    ap.add_argument("--switch", action="append", default=[],
+                    help="module:attr=value set before the engine is built (repeatable), e.g. "
+                         "laguna_dflash.engine.cuda_graph:num_capture_warmups=2")
     ap.add_argument("--option", action="append", default=[],
                     help="extra LLM keyword, NAME=VALUE (int, float, true/false or text); repeatable")
     args = ap.parse_args()
@@ -272,13 +278,16 @@ def option_value(text: str):
 
 def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Path) -> None:
     import torch
-    from bench_gpu_xs import sync, write_xs_configs, xs_pair_llm
+    from bench_gpu_xs import parse_switch, sync, write_xs_configs, xs_pair_llm
 
     from laguna_dflash import LLM, SamplingParams
     from laguna_dflash.engine import cuda_graph
     from laguna_dflash.engine.engine import LLMEngine
 
     cuda_graph.build_ahead = not args.no_build_ahead
+    for text in args.switch:
+        obj, name, value = parse_switch(text)
+        setattr(obj, name, value)
 
     # no prefix caching: every request's prefill is timed whole (the prompts repeat)
     options = dict(batch_invariant=args.batch_invariant, cuda_graph_capture="startup",

@@ -10,6 +10,7 @@ eagerly in both modes (a control)::
 
     python benchmarks/bench_prefill.py                            # H200: 40 layers
     python benchmarks/bench_prefill.py --new 16,64 --prefix 0,1024 --top 12
+    python benchmarks/bench_prefill.py --max-prefill-graph-tokens 4096 --new 1024,2048,4096 --prefix 0
     python benchmarks/bench_prefill.py --device cpu --layers 2 --hidden 256 --new 16 --prefix 0,64
 
 On the CPU (a wiring check) the "graphs" rows run the graph runner's padded forward eagerly.
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--new", default="16,64,256,1024", help="new (computed) tokens per case")
     ap.add_argument("--prefix", default="0,1024", help="cached prefix lengths (multiples of 16)")
     ap.add_argument("--top", type=int, default=0, help="print the top kernels / host ops of the first case")
+    ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
+                    help="EngineConfig.max_prefill_graph_tokens (default: the engine's, 2048)")
     args = ap.parse_args()
     news = [int(n) for n in args.new.split(",")]
     prefixes = [int(p) for p in args.prefix.split(",")]
@@ -78,7 +81,9 @@ def main() -> None:
     is_cuda = args.device.startswith("cuda")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        llm, tcfg = xs_pair_llm(args, Path(tmp), max_len, 2, num_speculative_tokens=3)
+        options = {} if args.max_prefill_graph_tokens is None else {
+            "max_prefill_graph_tokens": args.max_prefill_graph_tokens}
+        llm, tcfg = xs_pair_llm(args, Path(tmp), max_len, 2, num_speculative_tokens=3, **options)
         if not is_cuda:  # the CPU wiring check: the graph runners' padded forward, run eagerly
             llm.engine.attach_graph_runners()
         graphs = llm.engine.runner.graphs

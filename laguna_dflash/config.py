@@ -225,8 +225,9 @@ class EngineConfig:
     # of two) hold at most this many tokens; larger prefills run eagerly (vLLM's
     # max_cudagraph_capture_size plays this part). Eager, a short prefill waits on the host's
     # launches (XS-2.1 size on the H200: 16 tokens 31 ms wall for 8 ms of kernels,
-    # docs/PERFORMANCE.md). 0: every prefill eager. No effect under enforce_eager.
-    max_prefill_graph_tokens: int = 512
+    # docs/PERFORMANCE.md; a 1024-token prefill 99.6 ms eager against 49.3 from a graph). 0: every
+    # prefill eager. No effect under enforce_eager.
+    max_prefill_graph_tokens: int = 2048
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -8,6 +8,7 @@ requests) are checked everywhere. CUDA tests capture and replay real graphs and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 
@@ -480,6 +481,50 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
     if not adaptive:
         assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
     assert len(lazy.engine.runner.graphs.graphs) < counts[0]
+
+
+@needs_cuda
+def test_startup_capture_empties_the_allocator_cache_once_on_cuda(pair, monkeypatch):
+    """Start-up capture (cuda_graph.captures_in_a_row) empties the allocator's cache before its
+    first capture and after its last only, where torch.cuda.graph empties it before every
+    capture, and runs one eager warm-up per capture; its graphs give the tokens of an engine
+    captured the old way (every capture emptying the cache, two warm-ups each)."""
+    from laguna_dflash.engine import cuda_graph
+
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=5,
+              max_model_len=400)
+    calls, inside = [], [False]
+    empty_cache, in_a_row = torch.cuda.empty_cache, cuda_graph.captures_in_a_row
+
+    def counted_empty_cache() -> None:
+        calls.append(inside[0])
+        empty_cache()
+
+    @contextlib.contextmanager
+    def flagged(device):  # the scope's own emptying at its end counts as inside
+        inside[0] = True
+        try:
+            with in_a_row(device):
+                yield
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", counted_empty_cache)
+    monkeypatch.setattr(cuda_graph, "captures_in_a_row", flagged)
+    monkeypatch.setattr(cuda_graph, "keep_cache_between_captures", False)
+    monkeypatch.setattr(cuda_graph, "num_capture_warmups", 2)
+    every = LLM(target, **kw)
+    num_old = sum(calls)
+    calls.clear()
+    monkeypatch.setattr(cuda_graph, "keep_cache_between_captures", True)
+    monkeypatch.setattr(cuda_graph, "num_capture_warmups", 1)
+    once = LLM(target, **kw)
+    num_graphs = (len(once.engine.runner.graphs.graphs) + len(once.engine.proposer.runner.graphs.graphs)
+                  + len(once.engine.proposer.context_graphs.graphs))
+    assert num_graphs >= 10 and num_old >= 10, (num_graphs, num_old)
+    assert sum(calls) == 2, calls  # before the first capture, after the last
+    _assert_same_greedy_tokens(every, once, (1, 3, 5), seed=5, length=230, step=7)
 
 
 @needs_cuda

@@ -208,6 +208,7 @@ def test_warmup_shapes_build_the_eager_prefill(pair):
     buckets = llm.engine.runner.graphs.prefill_buckets
     llm.engine.warmup()
     assert shapes == [(1, 8), (1, 16)]  # the 8- and 16-token decoding requests only
+    # the default 2048 tokens, capped by the key capacity (max_model_len 400: 512 keys)
     assert llm.engine.runner.graphs.prefill_buckets == buckets == (8, 16, 32, 64, 128, 256, 512)
 
 

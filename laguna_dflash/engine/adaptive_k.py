@@ -242,7 +242,7 @@ class AdaptiveK:
 
     def _observe_time(self, k: int, bucket: int, seconds: float) -> None:
         """Step times: the first step at a new (K, bucket) often includes a CUDA-graph capture
-        (two eager runs and the capture: several times a replayed step). So it only counts where
+        (eager warm-up runs and the capture: several times a replayed step). So it only counts where
         nothing else would (K = 0 and the full K, which anchor the interpolation); any other K
         keeps its interpolated cost until a second step confirms it. The estimate after two
         steps is the smaller one (noise only adds time), then a bias-corrected mean (weight

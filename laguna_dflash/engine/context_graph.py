@@ -103,7 +103,7 @@ class ContextGraphRunner:
         graph.replay()
 
     def _capture(self, r_pad: int, build_first: bool = True) -> torch.cuda.CUDAGraph | None:
-        """Capture the graph of ``r_pad`` requests (runs it twice eagerly first; ``build_first``:
+        """Capture the graph of ``r_pad`` requests (run eagerly first, as ``capture_graph`` does; ``build_first``:
         its Triton kernels built in parallel before, as ``capture_graph``); ``None`` and the
         eager path from then on if capturing fails."""
         m = self.rows_per_request

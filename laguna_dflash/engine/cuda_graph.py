@@ -16,8 +16,8 @@ shipped with ONE copy; the attention metadata (positions, slot mapping, key slot
 is recomputed from it *inside* the graph, so a replay needs no device-to-host read. Its columns
 are strided views: kernels must honour their strides (or get contiguous copies). Graphs are captured
 at start-up (``capture_all``, after one parallel build of their Triton kernels) or the first time
-a key is seen (its kernels built in parallel first), after two eager warm-up runs on a side
-stream; all graphs share one memory pool. Outputs are copied out of the graph's static
+a key is seen (its kernels built in parallel first), after :data:`num_capture_warmups` eager
+warm-up runs on a side stream; all graphs share one memory pool. Outputs are copied out of the graph's static
 tensors before the next replay can overwrite them.
 
 A prefill forward (requests of any token counts, each ending its sequence) of at most
@@ -38,6 +38,7 @@ left pending by target-only steps replays from its own graphs (engine/context_gr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -76,6 +77,40 @@ use_metadata_kernel = True
 # warm-up's batch-1 graphs) for its one forward; False: each kernel is built when a capture
 # first launches it (an A/B switch).
 build_ahead = True
+# Eager runs of a forward, on a side stream, before its capture: the first builds any kernel not
+# built ahead, lets torch.compile specialise and cuBLAS choose. 1 is a start-up candidate, not yet
+# run on the GPU (tests/test_cuda_graphs.py checks its tokens; bench_first_request.py --switch
+# times it): vLLM captures after one warm-up run.
+num_capture_warmups = 2
+# torch.cuda.graph empties the allocator's cache (and the pinned host cache) before every capture,
+# so every capture's warm-ups allocate their activations anew. True: inside ``captures_in_a_row``
+# (the start-up capture) only the first capture empties it, and the scope's end empties it once
+# (a start-up candidate like the one above, not yet run on the GPU).
+keep_cache_between_captures = False
+
+
+@dataclass
+class _CaptureRow:
+    is_active: bool = False
+    is_emptied: bool = False  # a capture of the row has emptied the caches already
+
+
+_capture_row = _CaptureRow()
+
+
+@contextlib.contextmanager
+def captures_in_a_row(device: torch.device):
+    """Scope of many captures one after another (start-up capture): the allocator's cache is
+    emptied before the first and after the last only (:data:`keep_cache_between_captures`)."""
+    if device.type != "cuda" or not keep_cache_between_captures or _capture_row.is_active:
+        yield
+        return
+    _capture_row.is_active, _capture_row.is_emptied = True, False
+    try:
+        yield
+    finally:
+        _capture_row.is_active = False
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks and any dropped graph's pool
 
 
 def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -87,8 +122,8 @@ def capture_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 def capture_graph(fn: Callable[[], T], device: torch.device, pool,
                   build_first: bool = False) -> tuple[torch.cuda.CUDAGraph, T, object]:
-    """Capture ``fn`` in a CUDA graph in memory pool ``pool`` (``None``: a new one) after two
-    eager warm-up runs on a side stream (Triton and torch.compile build there, cuBLAS picks its
+    """Capture ``fn`` in a CUDA graph in memory pool ``pool`` (``None``: a new one) after
+    :data:`num_capture_warmups` eager warm-up runs on a side stream (Triton and torch.compile build there, cuBLAS picks its
     kernels). Returns (graph, ``fn``'s static outputs, the pool to share with later captures).
     The warm-ups compute what the replay will, so their writes (K/V) must be idempotent.
     ``build_first`` (a capture on first use, not after start-up's pass): with
@@ -100,13 +135,34 @@ def capture_graph(fn: Callable[[], T], device: torch.device, pool,
     side.wait_stream(torch.cuda.current_stream(device))
     with building_cuda_graph():  # graph-only kernel choices (models.layers.linear)
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(max(1, num_capture_warmups)):
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+        if _capture_row.is_active and _capture_row.is_emptied:
+            torch.cuda.synchronize(device)  # as torch.cuda.graph, less its emptying of the caches
+            out = _capture_into(graph, fn, _capture_stream(device), pool)
+        else:
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
+            _capture_row.is_emptied = _capture_row.is_active
     return graph, out, graph.pool()
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _capture_into(graph: torch.cuda.CUDAGraph, fn: Callable[[], T], stream: torch.cuda.Stream,
+                  pool) -> T:
+    """Capture ``fn`` into ``graph`` on ``stream`` in memory pool ``pool`` (``None``: a new one)."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            return fn()
+        finally:
+            graph.capture_end()
 
 
 def _record_only(fn: Callable[[], object], stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
@@ -117,12 +173,7 @@ def _record_only(fn: Callable[[], object], stream: torch.cuda.Stream, pool) -> t
         graph = torch.cuda.CUDAGraph(keep_graph=True)  # no instantiation at capture_end
     except TypeError:  # a torch without keep_graph: instantiated, then dropped
         graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            fn()
-        finally:
-            graph.capture_end()
+    _capture_into(graph, fn, stream, pool)
     return graph
 
 
@@ -181,12 +232,14 @@ class CUDAGraphRunner:
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_tokens_per_request = max_tokens_per_request
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefill_buckets = tuple(q for q in PREFILL_GRAPH_TOKENS if q <= max_prefill_tokens)
-        self.prefill_batch_sizes = tuple(r for r in self.batch_sizes if r <= MAX_PREFILL_GRAPH_REQUESTS)
         bs = kv_cache.block_size
         self.block_size = bs
         self.scratch_block = kv_cache.scratch_slot // bs
         self.max_keys = self.key_bucket(max_model_len + max_tokens_per_request)
+        # a bucket past the key capacity could never be taken (prefill_shape): not even a row width
+        self.prefill_buckets = tuple(q for q in PREFILL_GRAPH_TOKENS
+                                     if q <= min(max_prefill_tokens, self.max_keys))
+        self.prefill_batch_sizes = tuple(r for r in self.batch_sizes if r <= MAX_PREFILL_GRAPH_REQUESTS)
         max_r, max_q = self.batch_sizes[-1], max((max_tokens_per_request, *self.prefill_buckets))
         # Request state, one row per request: [start_pos, seq_len, block table (max_blocks),
         # token ids (max_q)]. Filled on the host in a reused (pinned on CUDA) buffer and shipped

@@ -288,7 +288,8 @@ class LLMEngine:
                 if context_graphs is not None:
                     forwards += context_graphs.forwards_to_capture()
                 build_kernels_ahead(forwards, self.device)
-            with tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=None) as bar:
+            with tqdm(total=total, desc="capturing CUDA graphs", unit="graph", disable=None) as bar, \
+                    cuda_graph.captures_in_a_row(self.device):
                 for graphs in runners:
                     count += graphs.capture_all(self.max_model_len, bar)
                 if context_graphs is not None:

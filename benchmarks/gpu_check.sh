@@ -108,6 +108,10 @@
 #   bash benchmarks/gpu_check.sh prefill-graphs-decode  # batch-1 decode, prefill graphs off/on
 #                                           # (two processes), then first requests after
 #                                           # start-up incl. a 1000-token prompt (~8 min)
+#   bash benchmarks/gpu_check.sh capture-candidates  # start-up capture with one warm-up run and
+#                                           # one allocator-cache emptying: CUDA tests, then the
+#                                           # start-up at the server's defaults against today's,
+#                                           # both with empty kernel caches (~9 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -459,6 +463,17 @@ case "$stage" in
     echo "== prefill step, eager vs replayed from a graph (XS-2.1 pair, bf16); 9/17/65/257: padding"
     timeout 240 python benchmarks/bench_prefill.py --prefix 1024,0 --new 9,16,17,65,257,512 \
       2>&1 | quiet | tail -28 ;;
+  capture-candidates)
+    echo "== one warm-up, one cache emptying: their CUDA test, float32 lossless"
+    gpu_tests 230 -p no:logging tests/test_cuda_graphs.py -k \
+      "empties_the_allocator_cache_once or lossless_in_float32" | tail -8
+    C=laguna_dflash.engine.cuda_graph
+    for sw in "" "--switch $C:num_capture_warmups=1 --switch $C:keep_cache_between_captures=true"; do
+      echo "== start-up at the server's defaults, empty kernel caches; switches: ${sw:-none}"
+      timeout 170 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len \
+        8192 --option num_kv_blocks=8192 --scenarios 1x100x8,1x1000x8 $sw 2>&1 | quiet \
+        | grep -E "start-up|^\| 1x"
+    done ;;
   prefill-graphs-decode)
     echo "== batch-1 decode with prefill graphs off (narrower state rows), then on (two processes)"
     for n in 0 512; do

@@ -154,6 +154,18 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
 
+    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]) -> None:
+        """Send ``outgoing[p]`` to rank ``p`` and receive rank ``p``'s into ``incoming[p]``, all
+        at once (host tensors, point to point over the control group; the two sides must agree on
+        the shapes). Returns when every message has arrived."""
+        if not self.is_parallel:
+            assert not outgoing and not incoming, "one rank has no peers"
+            return
+        works = [dist.isend(t.contiguous(), dst=p, group=self.control_group) for p, t in outgoing.items()]
+        works += [dist.irecv(t, src=p, group=self.control_group) for p, t in incoming.items()]
+        for work in works:
+            work.wait()
+
     def barrier(self) -> None:
         """Wait for every rank (host side, over the control group: no GPU stream involved)."""
         if self.is_parallel:

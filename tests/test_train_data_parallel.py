@@ -62,6 +62,43 @@ def test_two_ranks_take_one_process_steps(setup):
     assert (root / "two" / "config.json").is_file()
 
 
+def test_cached_target_states_are_split_between_the_ranks(setup):
+    """With ``cache_target_states`` each rank computes and keeps every second sequence's target
+    states and fetches the rest of its batch rows from the other rank: the same steps as one
+    process keeping them all."""
+    import tp_worker
+
+    root, target, data = setup
+    for name in ("one-cached", "two-cached"):
+        _with_data(root / name, data)
+    cfg = dict(cache_target_states=True)
+    one = tp_worker.run_job({"kind": "train_draft", "config": _config(target, root / "one-cached", **cfg)}, 1)
+    two = tp_worker.run_ranks([{"kind": "train_draft",
+                                "config": _config(target, root / "two-cached", **cfg)}], world_size=2)[0][0]
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+    summary = json.loads((root / "two-cached" / "work" / "train_summary.json").read_text())
+    want = json.loads((root / "one-cached" / "work" / "train_summary.json").read_text())
+    assert (summary["num_cached_sequences"], want["num_cached_sequences"]) == (8, 16)
+    np.testing.assert_allclose(summary["losses"], want["losses"], rtol=1e-4)
+
+
+def test_batch_states_fetch_each_row_from_the_rank_keeping_it():
+    """Three ranks, each keeping every third sequence: every rank gets exactly its slice of a
+    global batch's rows, in order (repeats, two rows in one message, a rank sending nothing to
+    one peer)."""
+    import tp_worker
+
+    idx = [4, 0, 7, 4, 2, 9, 5, 5, 1]  # slices [4, 0, 7], [4, 2, 9], [5, 5, 1] of 10 sequences
+    results = tp_worker.run_ranks([{"kind": "batch_states", "num_sequences": 10, "idx": idx}],
+                                  world_size=3)
+    gen = torch.Generator().manual_seed(0)
+    hidden, taps = torch.randn(10, 3, 4, generator=gen), torch.randn(10, 3, 8, generator=gen)
+    for rank, [(got_hidden, got_taps)] in enumerate(results):
+        want = torch.tensor(idx[rank * 3 : rank * 3 + 3])
+        assert torch.equal(got_hidden, hidden[want]) and torch.equal(got_taps, taps[want]), rank
+
+
 def test_batch_size_must_divide_over_the_ranks(setup):
     import tp_worker
 

@@ -11,7 +11,9 @@ logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | N
 acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
 ``"logprobs": N``; ``{"kind": "train_draft", "config": {...}}`` -> the drafter's weights after
 ``train-draft`` (data parallel over the ranks); with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
-prompts generated a second time)`` (the prefix cache then holds them).
+prompts generated a second time)`` (the prefix cache then holds them); ``{"kind": "batch_states",
+"num_sequences": N, "idx": [ids]}`` -> this rank's ``train.draft.batch_states`` of a random
+cache (seed 0, ``[N, 3, 4]`` and ``[N, 3, 8]``) kept one sequence in ``world_size`` a rank.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def run_job(job: dict, tensor_parallel_size: int):
 
     if job.get("skip_warmup_prefills"):  # a CUDA engine's warm-up then decodes only
         engine_module.WARMUP_PREFILL_LENGTHS = ()
+    if job["kind"] == "batch_states":
+        from laguna_dflash.distributed import init_data_parallel
+        from laguna_dflash.train.draft import batch_states
+
+        dp = init_data_parallel(torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        n = job["num_sequences"]
+        hidden, taps = torch.randn(n, 3, 4, generator=gen), torch.randn(n, 3, 8, generator=gen)
+        share = len(job["idx"]) // dp.world_size
+        kept = (hidden[dp.rank :: dp.world_size], taps[dp.rank :: dp.world_size])
+        return batch_states(kept, torch.tensor(job["idx"]), slice(dp.rank * share, (dp.rank + 1) * share), dp)
     if job["kind"] == "train_draft":  # data parallel: -> the final training state's weights
         from laguna_dflash.train.draft import DraftTrainConfig, train_draft
 

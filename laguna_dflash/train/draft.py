@@ -12,7 +12,8 @@ Data parallel under torchrun (``torchrun --nproc-per-node N -m laguna_dflash tra
 every rank holds the frozen target and a drafter replica, regenerates ``1/N`` of the data,
 draws the same global batch and anchors, and computes its ``batch_size / N`` rows' part of the
 loss (normalised by the whole batch's weight); the gradients are summed over the ranks, so N
-ranks take the optimizer steps one process would take on the whole batch.
+ranks take the optimizer steps one process would take on the whole batch. With cached target
+states each rank keeps ``1/N`` of them and fetches the rest of its rows from the others.
 """
 
 from __future__ import annotations
@@ -180,10 +181,13 @@ def target_states(target, seqs: torch.Tensor, tap_layer_ids,
 
 
 def cached_target_states(target, data: torch.Tensor, tap_layer_ids, device: torch.device,
-                         chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk: int = 64, dp: TensorParallel = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
     """``target_states`` of every sequence of ``data [N, T]``, kept on the CPU (bf16 when the
     target runs on CUDA under autocast, float32 on CPU): (``[N, T, H]``, ``[N, T, n*H]``).
-    Costs one target pass instead of one per step."""
+    Costs one target pass instead of one per step. Data parallel: rank ``r`` of ``W`` computes
+    and keeps sequences ``r, r + W, ...`` only (sequence ``i`` at row ``i // W``), so the ranks
+    share the pass and the memory; :func:`batch_states` fetches a batch's rows from them."""
+    data = data[dp.rank :: dp.world_size]
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
     hiddens, taps = [], []
     for i in tqdm(range(0, data.shape[0], chunk), desc="target states"):
@@ -193,6 +197,41 @@ def cached_target_states(target, data: torch.Tensor, tap_layer_ids, device: torc
         hiddens.append(h.to("cpu", store).view(*seqs.shape, -1))
         taps.append(x.to("cpu", store).view(*seqs.shape, -1))
     return torch.cat(hiddens), torch.cat(taps)
+
+
+def batch_states(cache: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor, rows: slice,
+                 dp: TensorParallel = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached target states of sequences ``idx[rows]``: this rank's rows of a global batch
+    ``idx [B]`` (int64, drawn alike on every rank; rank ``r`` takes ``rows``, the ``r``-th of
+    ``W`` equal slices). ``cache``: this rank's :func:`cached_target_states`. Sequences other
+    ranks keep come from them, one message per pair of ranks each way: every rank sends the
+    rows it keeps of each other rank's slice. -> (``[B/W, T, H]``, ``[B/W, T, n*H]``), the
+    cache's dtype."""
+    hidden, taps = cache
+    if not dp.is_parallel:
+        return hidden[idx[rows]], taps[idx[rows]]
+    me, share = dp.rank, rows.stop - rows.start
+    owner, local = idx % dp.world_size, idx // dp.world_size
+
+    def kept(js: torch.Tensor) -> torch.Tensor:  # [len(js), T, H + n*H]: batch rows kept here
+        return torch.cat((hidden[local[js]], taps[local[js]]), dim=-1)
+
+    row_shape = (hidden.shape[1], hidden.shape[2] + taps.shape[2])
+    outgoing, incoming = {}, {}
+    for peer in range(dp.world_size):
+        if peer != me:
+            theirs = torch.arange(peer * share, (peer + 1) * share)
+            if (theirs_here := theirs[owner[theirs] == me]).numel():
+                outgoing[peer] = kept(theirs_here)
+            if num_rows := int((owner[rows] == peer).sum()):
+                incoming[peer] = hidden.new_empty((num_rows, *row_shape))
+    dp.exchange(outgoing, incoming)
+    out = hidden.new_empty((share, *row_shape))
+    for peer in range(dp.world_size):  # each peer's rows arrive in batch order
+        at = (owner[rows] == peer).nonzero().view(-1)
+        if at.numel():
+            out[at] = kept(rows.start + at) if peer == me else incoming[peer]
+    return out[..., : hidden.shape[2]], out[..., hidden.shape[2] :]
 
 
 def draw_anchors(c: DraftTrainConfig, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
@@ -294,7 +333,8 @@ def train_draft(c: DraftTrainConfig) -> Path:
                             betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(c.seed)
 
-    cache = cached_target_states(target, data, drafter.target_layer_ids, device) if c.cache_target_states else None
+    cache = (cached_target_states(target, data, drafter.target_layer_ids, device, dp=dp)
+             if c.cache_target_states else None)
 
     def loss_fn(step: int) -> torch.Tensor:
         # the whole batch's rows and anchors, drawn alike on every rank; this rank's share
@@ -303,8 +343,8 @@ def train_draft(c: DraftTrainConfig) -> Path:
         total = slot_weights(c, anchors, data.shape[1], drafter.block_size).sum()
         share = c.batch_size // dp.world_size
         rows = slice(dp.rank * share, (dp.rank + 1) * share)
+        states = None if cache is None else batch_states(cache, idx, rows, dp)
         idx, anchors = idx[rows], anchors[rows]
-        states = None if cache is None else (cache[0][idx], cache[1][idx])
         with autocast(device):
             return draft_loss(drafter, target, data[idx].to(device), c, gen, states, anchors, total)
 
@@ -318,7 +358,8 @@ def train_draft(c: DraftTrainConfig) -> Path:
     if dp.is_driver:
         save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
         summary = {"config": asdict(c), "losses": losses, "seconds": seconds,
-                   "num_sequences": int(data.shape[0]), "num_ranks": dp.world_size}
+                   "num_sequences": int(data.shape[0]), "num_ranks": dp.world_size,
+                   "num_cached_sequences": 0 if cache is None else int(cache[0].shape[0])}
         (work / "train_summary.json").write_text(json.dumps(summary, indent=2))
     dp.barrier()  # the checkpoint is written before any rank returns
     return out

@@ -112,6 +112,9 @@
 #                                           # one allocator-cache emptying: CUDA tests, then the
 #                                           # start-up at the server's defaults against today's,
 #                                           # both with empty kernel caches (~9 min)
+#   bash benchmarks/gpu_check.sh graphs-count  # DFlash later-step medians with prefill graphs
+#                                           # off / on (fewer / more graphs), four processes
+#                                           # alternated, 255 and 127 steps a scenario (~7 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -473,6 +476,12 @@ case "$stage" in
       timeout 170 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len \
         8192 --option num_kv_blocks=8192 --scenarios 1x100x8,1x1000x8 $sw 2>&1 | quiet \
         | grep -E "start-up|^\| 1x"
+    done ;;
+  graphs-count)
+    for n in 0 2048 0 2048; do
+      echo "== max_prefill_graph_tokens $n"
+      timeout 100 python benchmarks/bench_first_request.py --scenarios 1x100x256,4x100x128 \
+        --option max_prefill_graph_tokens=$n 2>&1 | quiet | grep -E "graphs after|^\| [14]x"
     done ;;
   prefill-graphs-decode)
     echo "== batch-1 decode with prefill graphs off (narrower state rows), then on (two processes)"

@@ -6,6 +6,8 @@ User input errors raise ``ValueError`` with the field name and how to fix it.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +113,13 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 disables), got "
                                  f"{getattr(self, name)}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 disables), got "
-                             f"{self.repetition_penalty}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"SamplingParams.repetition_penalty must be finite and > 0 (1 "
+                             f"disables), got {self.repetition_penalty}")
+        bad_stops = [t for t in self.stop_token_ids or [] if not isinstance(t, numbers.Integral) or t < 0]
+        if bad_stops:
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids (ints >= 0), got "
+                             f"{bad_stops[:5]}")
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"SamplingParams.logit_bias maps token ids (ints >= 0) to biases in "

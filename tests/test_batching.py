@@ -105,6 +105,9 @@ def test_batch_under_kv_pressure_preempts_and_still_matches(ckpt: Path, singles:
         assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids)
         assert all(tok in d for tok, d in zip(o.token_ids, o.logprobs))
     assert llm.engine.allocator.num_free_blocks == 20, "KV blocks leaked after the batch"
+    # cached tokens are the first admission's (none: the prompts differ from the first token),
+    # not a re-admission's hits on the request's own prompt and output blocks
+    assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)
 
 
 @pytest.mark.parametrize(

@@ -207,6 +207,8 @@ def test_logprobs_stay_raw_and_bad_bias_ids_are_refused(pair):
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),  # 0 * inf: NaN logits
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),  # min_tokens would ban token V - 1
     ({"logit_bias": {-1: 1.0}}, "logit_bias"),
     ({"logit_bias": {3: 200.0}}, "logit_bias"),
 ])

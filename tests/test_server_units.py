@@ -248,3 +248,18 @@ def test_stats_logger_logs_interval_deltas_only_when_busy(caplog):
     caplog.clear()
     log.maybe_log(EngineSnapshot(num_blocks=4, num_free_blocks=4, spec=second), now=start + 20.0)
     assert not caplog.records  # idle: nothing to report
+
+
+def test_requests_between_prefill_chunks_count_as_running():
+    """/load, /health and vllm:num_requests_running count a request whose chunked prefill is
+    under way (it sits in neither the scheduler's running nor its waiting list)."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.server.async_engine import AsyncEngine
+
+    scheduler = SimpleNamespace(running=["a"], prefilling=["b", "c"], waiting=["d"],
+                                num_prefix_queries=0, num_prefix_hits=0)
+    engine = SimpleNamespace(spec_stats=None, scheduler=scheduler, timings=SimpleNamespace(num_steps=0),
+                             allocator=SimpleNamespace(num_free_blocks=3, num_blocks=8))
+    snapshot = AsyncEngine(engine, ServerMetrics("m")).snapshot
+    assert (snapshot.num_running, snapshot.num_waiting) == (3, 1)

@@ -52,7 +52,7 @@ def apply_penalties(rows: torch.Tensor, seq: Sequence, drafts: torch.Tensor | No
     device = rows.device
     num_banned = min(n, p.min_tokens - len(seq.output_token_ids))  # rows j < min_tokens - outputs
     stops = sorted({t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
-                    if t < vocab})
+                    if 0 <= t < vocab})
     if num_banned > 0 and stops:
         rows[:num_banned, to_device_async(torch.tensor(stops, dtype=torch.long), device)] = float("-inf")
     if p.logit_bias:

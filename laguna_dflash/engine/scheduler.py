@@ -116,10 +116,12 @@ class Scheduler:
             return False
         self.allocator.share(cached)
         seq.block_table = cached + self.allocator.allocate(need)
-        seq.num_computed = seq.num_cached_tokens = len(cached) * self.allocator.block_size
+        seq.num_computed = seq.num_admitted_cached_tokens = len(cached) * self.allocator.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
-            self.num_prefix_hits += seq.num_cached_tokens
+            self.num_prefix_hits += seq.num_admitted_cached_tokens
         return True
 
     def _uncached_prompt_blocks(self, seq: Sequence) -> list[bytes]:
@@ -127,7 +129,7 @@ class Scheduler:
         prompt's, past those it registered or found cached)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        first = max(seq.num_registered_blocks, seq.num_cached_tokens // self.allocator.block_size)
+        first = max(seq.num_registered_blocks, seq.num_admitted_cached_tokens // self.allocator.block_size)
         return seq.block_hashes[first : len(seq.prompt_token_ids) // self.allocator.block_size]
 
     def _waits_for_prefix(self, seq: Sequence, cached: list[int], in_flight: set[bytes]) -> bool:

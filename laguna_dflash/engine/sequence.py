@@ -52,10 +52,12 @@ class Sequence:
     trace: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
     # prefix caching: the content hashes of the full blocks of token_ids (kv_cache.block_hashes,
-    # extended as tokens arrive), the leading blocks of block_table registered under them, and
-    # the prompt tokens the last admission found cached
+    # extended as tokens arrive), the leading blocks of block_table registered under them, the
+    # tokens the last admission found cached, and the prompt tokens the first one found cached
+    # (what clients are told, as vLLM: a preempted request's re-admission finds its own blocks)
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    num_admitted_cached_tokens: int = 0
     num_cached_tokens: int = 0
 
     @property

@@ -354,7 +354,9 @@ class AsyncEngine:
             spec = SpecCounters(e.num_speculative_tokens, stats.num_drafts, stats.num_draft_tokens,
                                 stats.num_accepted_tokens, tuple(stats.num_accepted_tokens_per_pos))
         self.snapshot = EngineSnapshot(
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            # a request between chunks of its prefill is running too (vLLM counts it so)
+            num_running=len(e.scheduler.running) + len(e.scheduler.prefilling),
+            num_waiting=len(e.scheduler.waiting),
             num_free_blocks=e.allocator.num_free_blocks, num_blocks=e.allocator.num_blocks,
             num_steps=e.timings.num_steps, spec=spec,
             num_prefix_queries=e.scheduler.num_prefix_queries,

@@ -747,3 +747,108 @@ def test_n_choices_streamed_and_not(stack):
         for c in chunk.choices:
             streamed[c.index] += c.delta.content or ""
     assert streamed == [c.message.content for c in chat.choices]
+
+
+def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(stack):
+    """As vLLM: a request that stopped on a stop token (``stop_token_ids`` or EOS) has that
+    token in its token ids but not its text in the output, unless
+    ``include_stop_str_in_output``; streamed and not."""
+    tok = stack.offline.tokenizer
+
+    def clean_stop(ids: list[int]) -> int | None:
+        """A position whose token is new there, has text of its own and follows clean text."""
+        return next((i for i in range(2, len(ids)) if ids[i] not in ids[:i]
+                     and "\ufffd" not in tok.decode(ids[: i + 1])
+                     and tok.decode(ids[: i + 1]) == tok.decode(ids[:i]) + tok.decode([ids[i]])
+                     != tok.decode(ids[:i])), None)
+
+    refs = stack.greedy(["import os", "The quick brown fox", "def main():"], max_tokens=40,
+                        ignore_eos=True)
+    prompt, ref, k = next((r.prompt, r, clean_stop(r.token_ids)) for r in refs
+                          if clean_stop(r.token_ids) is not None)
+    stop_id = ref.token_ids[k]
+    before, with_stop = tok.decode(ref.token_ids[:k]), tok.decode(ref.token_ids[: k + 1])
+    for include, expected in ((False, before), (True, with_stop)):
+        kw = dict(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True,
+                              "include_stop_str_in_output": include, "return_token_ids": True})
+        full = stack.client.completions.create(**kw)
+        assert full.choices[0].text == expected, include
+        assert full.choices[0].model_extra["token_ids"] == ref.token_ids[: k + 1]
+        assert full.choices[0].model_extra["stop_reason"] == stop_id
+        streamed, finish, _ = _stream_text(stack.client.completions.create(stream=True, **kw))
+        assert (streamed, finish) == (expected, "stop")
+    eos = tok.eos_token_id  # forced first, shown as text only when asked for
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "temperature": 0, "logit_bias": {str(eos): 100}, "skip_special_tokens": False,
+            "return_token_ids": True, "logprobs": True}
+    with stack.http() as http:
+        r = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert r["token_ids"] == [eos] and r["finish_reason"] == "stop"
+        assert r["message"]["content"] == ""
+        assert len(r["logprobs"]["content"]) == 1  # the token is still scored
+        r = http.post("/v1/chat/completions",
+                      json={**body, "include_stop_str_in_output": True}).json()["choices"][0]
+        assert r["message"]["content"] == tok.eos_token
+
+
+MORE_BAD_REQUESTS = [
+    # (body or raw bytes, path, param, message needles)
+    ({"prompt": [1, "a"]}, "/v1/completions", "prompt", ("list[int]",)),
+    ({"prompt": "x", "stop": 7}, "/v1/completions", "stop", ("list[str]",)),
+    ({"messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions",
+     "messages.0.content", ("str",)),
+    ({"prompt": "x", "seed": 2**64}, "/v1/completions", "seed", ("seed",)),
+    ({"prompt": "x", "n": 2, "seed": -(2**63) - 1}, "/v1/completions", "seed", ("seed",)),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1},
+     "/v1/chat/completions", "top_logprobs", ("[0, 20]",)),
+    (b'{"prompt": "ab\\ud800c", "max_tokens": 2}', "/v1/completions", "prompt",
+     ("surrogate",)),
+    (b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "/v1/completions", "prompt",
+     ("surrogate",)),
+    (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "/v1/chat/completions",
+     "messages", ("surrogate",)),
+    (b'{"prompt": "\\ud800"}', "/tokenize", "prompt", ("surrogate",)),
+]
+
+
+def test_more_bad_inputs_are_400_naming_the_field_on_a_connection_that_stays_usable(stack):
+    """Wrongly typed multi-shape fields, seeds torch cannot take, a negative top_logprobs and
+    text with lone UTF-16 surrogates (valid JSON escapes, not Unicode text: the tokenizer
+    raised a TypeError, answered 500, and uvicorn closed the keep-alive connection) are 400s
+    naming the field; the same connection then serves a good request."""
+    with stack.http() as http:
+        for body, path, param, needles in MORE_BAD_REQUESTS:
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "BadRequestError", (body, error)
+            assert all(n in error["message"] for n in needles), (body, error)
+            ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_chat_template_kwargs_override_the_template_flags_and_reserved_ones_are_named(stack):
+    """As vLLM, ``chat_template_kwargs`` reach the template after the request's own flags, so
+    ``{"add_generation_prompt": false}`` there equals the top-level field; keys the renderer
+    itself owns (``tokenize``, ``conversation``, ...) are a 400 naming ``chat_template_kwargs``
+    (was: a TypeError blamed on ``messages``)."""
+    messages = [{"role": "user", "content": "hi"}]
+    with stack.http() as http:
+        def prompt_tokens(**fields) -> int:
+            r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                        **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        plain = prompt_tokens(add_generation_prompt=False)
+        assert plain == prompt_tokens(chat_template_kwargs={"add_generation_prompt": False})
+        assert plain < prompt_tokens()
+        for key in ("tokenize", "conversation", "messages"):
+            r = http.post("/v1/chat/completions", json={
+                "messages": messages, "chat_template_kwargs": {key: True}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+            assert key in r.json()["error"]["message"]

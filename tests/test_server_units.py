@@ -263,3 +263,56 @@ def test_requests_between_prefill_chunks_count_as_running():
                              allocator=SimpleNamespace(num_free_blocks=3, num_blocks=8))
     snapshot = AsyncEngine(engine, ServerMetrics("m")).snapshot
     assert (snapshot.num_running, snapshot.num_waiting) == (3, 1)
+
+
+@pytest.mark.parametrize("body, param, needles", [
+    ({"prompt": [1, "a"]}, "prompt", ("str", "list[int]")),
+    ({"prompt": 5}, "prompt", ("list[list[int]]", "got an integer")),
+    ({"prompt": "x", "stop": 5}, "stop", ("str", "list[str]", "got an integer")),
+])
+def test_a_wrongly_typed_union_field_is_named_as_sent(body, param, needles):
+    """Fields that take several shapes (``prompt``, ``stop``, message ``content``): the error
+    names the field the client sent (not pydantic's per-alternative ``prompt.str``) and lists
+    the accepted shapes once."""
+    from pydantic import ValidationError
+
+    from laguna_dflash.server.errors import from_validation_error
+
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(body)
+    error = from_validation_error(info.value)
+    assert error.status == 400 and error.param == param, error.message
+    assert all(n in error.message for n in needles), error.message
+    assert f"{param}.str" not in error.message and error.message.count(f"{param}:") == 1
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": 5}]})
+    error = from_validation_error(info.value)
+    assert error.param == "messages.0.content", error.message
+    with pytest.raises(ValidationError) as info:  # dict keys that look like a shape are kept
+        CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"A": "x"}})
+    error = from_validation_error(info.value)
+    assert error.param == "logit_bias.A" and "valid number" in error.message, error.message
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_a_seed_torch_cannot_take_is_400_naming_seed(seed):
+    with pytest.raises(APIError) as info:
+        build_sampling_params(_completion(seed=seed), 4, None, {})
+    assert info.value.status == 400 and info.value.param == "seed"
+    for ok in (0, -1, 2**63 - 1):
+        assert build_sampling_params(_completion(seed=ok, n=64), 4, None, {}).seed == ok
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """As vLLM: temperature below 1e-5 samples greedily (1e-39 made the scaled float32 logits
+    inf, their softmax NaN, and the sampled token garbage)."""
+    import torch
+
+    from laguna_dflash.engine.sampler import sample_rows
+
+    for t in (1e-39, 1e-6):
+        p = build_sampling_params(_completion(temperature=t, top_k=5), 4, None, {})
+        assert p.is_greedy, t
+        logits = torch.randn(3, 50) * 5
+        assert sample_rows(logits, [p] * 3, [None] * 3).tolist() == logits.argmax(-1).tolist()
+    assert build_sampling_params(_completion(temperature=1e-4), 4, None, {}).temperature == 1e-4

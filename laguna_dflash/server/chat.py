@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
 from .sampling import (
+    MAX_LOGPROBS,
     build_sampling_params,
     num_choices,
     reject_unsupported,
@@ -36,18 +37,28 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return data
 
 
+#: ``apply_chat_template`` arguments the renderer owns: not settable by ``chat_template_kwargs``.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
+                                      "return_tensors", "return_assistant_tokens_mask"})
+
+
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text the tokenizer's chat template makes of ``messages``."""
+    """The prompt text the tokenizer's chat template makes of ``messages``;
+    ``chat_template_kwargs`` go to the template after (and over) the flags, as in vLLM."""
     tok = serving.require_tokenizer("chat")
     if not getattr(tok, "chat_template", None):
         raise bad_request("the model's tokenizer has no chat template; use /v1/completions")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server "
+                          "sets them itself", "chat_template_kwargs")
+    kwargs = {"add_generation_prompt": add_generation_prompt and not continue_final_message,
+              "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
     try:
-        return tok.apply_chat_template(
-            [_message_dict(m) for m in messages], tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        return tok.apply_chat_template([_message_dict(m) for m in messages], tokenize=False,
+                                       **kwargs)
     except APIError:
         raise
     except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
@@ -70,6 +81,9 @@ def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, floa
 
 
 def _num_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                          "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
@@ -141,7 +155,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     n_logprobs = _num_logprobs(req)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
                        req.continue_final_message, req.chat_template_kwargs)
-    ids = serving.check_prompt(serving.encode(text, req.add_special_tokens), "messages")
+    ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, "messages"),
+                              "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param)

@@ -90,10 +90,13 @@ class OutputText:
             self.text = self.text[: i + len(s) if self.include_stop_str else i]
             self.stop_hit = s
 
-    def add_token(self, token_id: int) -> bool:
-        """Feed one generated token; True when a stop string was hit (the request is done)."""
+    def add_token(self, token_id: int, stop_token: bool = False) -> bool:
+        """Feed one generated token; True when a stop string was hit (the request is done).
+
+        ``stop_token``: the token the engine stopped on (EOS or a ``stop_token_ids`` one); as in
+        vLLM its text is left out unless ``include_stop_str``."""
         self.num_tokens += 1
-        if self.detokenizer is not None:
+        if self.detokenizer is not None and (self.include_stop_str or not stop_token):
             self._append(self.detokenizer.push(token_id))
         return self.stop_hit is not None
 

@@ -40,6 +40,11 @@ def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
 
 #: The most choices one request may ask for (``n``).
 MAX_CHOICES = 64
+#: Seeds a request may send: a signed 64-bit integer (as vLLM); choice ``i`` of ``n`` samples
+#: with ``seed + i``, which torch's generators take up to 2**64 - 1.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+#: Temperatures below this sample greedily (vLLM's): dividing float32 logits by less overflows.
+MIN_TEMPERATURE = 1e-5
 
 
 def reject_unsupported(req: SamplingFields) -> None:
@@ -128,6 +133,11 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
                           else defaults.get("temperature", 1.0), "temperature")
     if temperature < 0:
         raise bad_request(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise bad_request(f"seed must be a signed 64-bit integer in [{SEED_RANGE[0]}, "
+                          f"{SEED_RANGE[1]}], got {req.seed}", "seed")
     top_p = _number(req.top_p if req.top_p is not None else defaults.get("top_p", 1.0), "top_p")
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")

@@ -138,8 +138,17 @@ class Serving:
                               "send token ids to /v1/completions instead")
         return self.tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """``text`` tokenized; 400 naming ``param`` for text that is not Unicode (JSON can
+        escape lone UTF-16 surrogates, which no tokenizer takes)."""
         tok = self.require_tokenizer("a text prompt")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(
+                f"{param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}), which is not "
+                "Unicode text; send valid UTF-8 (a surrogate escape needs its pair, e.g. "
+                "\\ud83d\\ude00)", param) from None
         return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
     def check_prompt(self, ids: list[int], param: str) -> list[int]:
@@ -232,11 +241,13 @@ class Serving:
                 logprobs = [] if out.new_logprobs is not None else None
                 finish: str | None = None
                 stop_reason: str | int | None = None
+                # the engine stopped on a stop token: the last new one (EOS or stop_token_ids)
+                stop_at = len(out.new_token_ids) - 1 if out.finish_reason == "stop" else -1
                 for i, token in enumerate(out.new_token_ids):
                     tokens.append(token)
                     if logprobs is not None:
                         logprobs.append(out.new_logprobs[i])
-                    if job.text.add_token(token):
+                    if job.text.add_token(token, stop_token=i == stop_at):
                         finish, stop_reason = "stop", job.text.stop_hit
                         break
                 job.num_output_tokens += len(tokens)

@@ -23,7 +23,7 @@ async def tokenize(serving: Serving, request: Request) -> JSONResponse:
     else:
         text = req.prompt
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-    ids = serving.encode(text, add_special)
+    ids = serving.encode(text, add_special, "messages" if req.messages is not None else "prompt")
     return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len,
                          "tokens": ids, "token_strs": None})
 

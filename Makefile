@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# the suite runs on this many processes (pytest-xdist); 0 runs it in this one
+PYTEST_WORKERS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,7 +22,7 @@ lint: install
 	$(PY) -m ruff check laguna_dflash tests benchmarks
 
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/laguna-dflash generate "def quicksort(arr):"

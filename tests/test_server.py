@@ -852,3 +852,68 @@ def test_chat_template_kwargs_override_the_template_flags_and_reserved_ones_are_
                 "messages": messages, "chat_template_kwargs": {key: True}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
             assert key in r.json()["error"]["message"]
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_is_aborted(stack, slow_engine):
+    """The client sends a streamed request and hangs up at once: the response's event generator
+    may never start, and its requests must be aborted all the same, not run to max_tokens."""
+    before = _wait_idle(stack)
+    host, port = stack.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": NAME, "prompt": "print", "max_tokens": 220, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "n": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)  # the request is complete, and the client is gone
+    deadline = time.monotonic() + 15
+    while _metrics(stack)["vllm:prompt_tokens_total"] == before["vllm:prompt_tokens_total"]:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    after = _wait_idle(stack, timeout=30)
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert d['vllm:request_success_total{finished_reason="abort"}'] == 2, d
+    assert d["vllm:generation_tokens_total"] < 2 * 220
+
+
+def _read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of one HTTP/1.1 response with a Content-Length, read off ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-body"
+        body += chunk
+    return int(head.split()[1]), body[:length]
+
+
+def test_an_unhandled_error_is_a_500_and_the_connection_stays_usable(stack, monkeypatch):
+    """A bug in a route answers that request with an OpenAI-shaped 500; the next request on the
+    same keep-alive connection is served (an ``exception_handler(Exception)`` made Starlette
+    re-raise, and uvicorn closed the connection)."""
+    import laguna_dflash.server.app as app_module
+
+    async def broken(serving, request):
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(app_module, "create_completion", broken)
+    host, port = stack.url.removeprefix("http://").split(":")
+
+    def request(path: str, body: bytes = b"") -> bytes:
+        method = "POST" if body else "GET"
+        return (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request("/v1/completions", b'{"prompt": "x", "max_tokens": 2}'))
+        status, body = _read_response(sock)
+        error = json.loads(body)["error"]
+        assert status == 500 and error["code"] == 500 and "injected bug" in error["message"]
+        sock.sendall(request("/v1/models"))
+        status, body = _read_response(sock)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == NAME

@@ -152,6 +152,12 @@ def test_max_tokens_rules():
         assert info.value.status == 400 and info.value.param == "max_tokens"
     with pytest.raises(APIError, match="maximum context length is 100"):
         resolve_max_tokens(91, 10, 100, 16)
+    # chat has no echo: its message must not offer 0 as a way out; completions with echo take 0
+    with pytest.raises(APIError, match=r"max_completion_tokens must be at least 1 \(0 is taken only"):
+        resolve_max_tokens(0, 10, 100, None, "max_completion_tokens")
+    assert resolve_max_tokens(0, 10, 100, 16, allow_zero=True) == 0
+    with pytest.raises(APIError, match="max_tokens must be at least 0, got -1"):
+        resolve_max_tokens(-1, 10, 100, 16, allow_zero=True)
 
 
 @pytest.mark.parametrize("request_, param", [
@@ -161,6 +167,9 @@ def test_max_tokens_rules():
                            tools=[{"type": "function"}]), "tools"),
     (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                            response_format={"type": "json_object"}), "response_format"),
+    (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options"),
+    (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=False,
+                           stream_options={"include_usage": True}), "stream_options"),
 ])
 def test_unsupported_fields_are_rejected(request_, param):
     with pytest.raises(APIError) as info:
@@ -316,3 +325,36 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
         logits = torch.randn(3, 50) * 5
         assert sample_rows(logits, [p] * 3, [None] * 3).tolist() == logits.argmax(-1).tolist()
     assert build_sampling_params(_completion(temperature=1e-4), 4, None, {}).temperature == 1e-4
+
+
+@pytest.mark.parametrize("spec_version", ["2.4", "2.0"])
+def test_a_stream_failing_before_its_first_chunk_aborts_its_jobs(spec_version):
+    """The client is gone when the response starts: the event generator never runs (so none of
+    its own clean-up does), and the response itself aborts every job."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from laguna_dflash.server.serving import Serving
+
+    started, aborted = [], []
+
+    async def events():
+        started.append(True)
+        yield "data: {}\n\n"
+
+    jobs = [SimpleNamespace(stream=SimpleNamespace(abort=lambda i=i: aborted.append(i)))
+            for i in range(3)]
+    response = Serving.sse_response(events(), jobs)
+
+    async def send(message):
+        raise OSError("the client went away")
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+    from starlette.requests import ClientDisconnect
+
+    with pytest.raises((OSError, ClientDisconnect)):
+        asyncio.run(response(scope, receive, send))
+    assert started == [] and aborted == [0, 1, 2]

@@ -47,6 +47,36 @@ class BearerAuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class InternalErrorMiddleware:
+    """Pure ASGI middleware: an unhandled exception becomes an OpenAI-shaped 500 for that request
+    alone. Unlike an ``exception_handler(Exception)`` (Starlette answers, then re-raises, and
+    uvicorn drops the connection) the exception stops here, so the client's keep-alive connection
+    stays usable. One raised after the response started can only be logged."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            logger.exception("unhandled error on %s", scope.get("path"))
+            if started:
+                raise
+            error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+            await error.response()(scope, receive, send)
+
+
 def build_app(serving: Serving) -> FastAPI:
     """The app around one :class:`Serving`; the engine thread runs for the app's lifespan."""
     engine = serving.engine
@@ -61,7 +91,8 @@ def build_app(serving: Serving) -> FastAPI:
 
     app = FastAPI(title="laguna-dflash", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
-    if serving.config.api_key:
+    app.add_middleware(InternalErrorMiddleware)
+    if serving.config.api_key:  # outermost: a 401 needs nothing inside
         app.add_middleware(BearerAuthMiddleware, api_key=serving.config.api_key)
 
     @app.exception_handler(APIError)
@@ -71,11 +102,6 @@ def build_app(serving: Serving) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

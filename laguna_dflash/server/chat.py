@@ -166,6 +166,6 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output)
     if req.stream:
-        return serving.sse_response(_events(serving, jobs, req, n_logprobs))
+        return serving.sse_response(_events(serving, jobs, req, n_logprobs), jobs)
     deltas = await serving.collect(jobs, request)
     return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs))

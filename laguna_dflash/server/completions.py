@@ -184,5 +184,5 @@ async def create_completion(serving: Serving, request: Request) -> Response:
             job.stream.abort()
         raise
     if req.stream:
-        return serving.sse_response(_events(serving, jobs, req, echoes))
+        return serving.sse_response(_events(serving, jobs, req, echoes), jobs)
     return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request), echoes))

@@ -51,6 +51,9 @@ def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields whose non-default values this server cannot honour."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n={req.n}: the number of choices must be in [1, {MAX_CHOICES}]", "n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only for streamed responses: set stream=true or "
+                          "leave stream_options out", "stream_options")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of={req.best_of} is not supported; only 1 is", "best_of")
@@ -115,7 +118,9 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     if requested is None:
         return room if default is None else max(1, min(default, room))
     if requested < (0 if allow_zero else 1):
-        raise bad_request(f"{param} must be at least 1 (0 only with echo), got {requested}", param)
+        hint = "" if allow_zero else " (0 is taken only by completions with echo)"
+        raise bad_request(f"{param} must be at least {0 if allow_zero else 1}{hint}, got "
+                          f"{requested}", param)
     if requested > room:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -333,6 +333,26 @@ class Serving:
         }}
 
     @staticmethod
-    def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def sse_response(events: AsyncIterator[str], jobs: list[Job]) -> StreamingResponse:
+        """``events`` as server-sent events; ``jobs`` are aborted when the response ends in any
+        way (a no-op for finished ones)."""
+        return JobsStreamingResponse(events, jobs, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+
+
+class JobsStreamingResponse(StreamingResponse):
+    """A stream that aborts its jobs once sent, failed or cancelled: a client gone before the
+    first chunk can fail the response before ``events`` ever starts, and a generator that never
+    started runs no ``finally`` (its requests would run on to ``max_tokens``)."""
+
+    def __init__(self, events: AsyncIterator[str], jobs: list[Job], **kw: Any) -> None:
+        super().__init__(events, **kw)
+        self.jobs = jobs
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for job in self.jobs:
+                job.stream.abort()

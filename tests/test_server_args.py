@@ -161,3 +161,18 @@ def test_engine_flags_reach_the_engine_config_and_the_log_line(caplog):
     default = resolve_server_config(_args()).engine
     assert default.load_format == "auto" and default.batch_invariant is False
     assert default.enable_expert_parallel is False
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_and_names_a_missing_file(tmp_path):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert resolve_server_config(_args("--chat-template", str(path))).chat_template == template
+    config = resolve_server_config(_args("--chat-template", template,
+                                         "--trust-request-chat-template"))
+    assert config.chat_template == template and config.trust_request_chat_template
+    assert config.describe()["chat_template"] == "--chat-template"
+    plain = resolve_server_config(_args())
+    assert plain.chat_template is None and not plain.trust_request_chat_template
+    with pytest.raises(ValueError, match="--chat-template .*no such file"):
+        resolve_server_config(_args("--chat-template", str(tmp_path / "missing.jinja")))

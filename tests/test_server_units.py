@@ -358,3 +358,36 @@ def test_a_stream_failing_before_its_first_chunk_aborts_its_jobs(spec_version):
     with pytest.raises((OSError, ClientDisconnect)):
         asyncio.run(response(scope, receive, send))
     assert started == [] and aborted == [0, 1, 2]
+
+
+def test_chat_templates_of_the_server_and_of_requests(tokenizer):
+    """``--chat-template`` replaces the tokenizer's; a request's own template (top-level or in
+    ``chat_template_kwargs``) is a 400 naming it unless the server trusts request templates."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.server.args import ServerConfig
+    from laguna_dflash.server.chat import render_chat
+    from laguna_dflash.server.protocol import ChatMessage
+
+    def serving(**config):
+        cfg = ServerConfig(engine=None, **config)
+        return SimpleNamespace(config=cfg, require_tokenizer=lambda what: tokenizer)
+
+    messages = [ChatMessage(role="user", content="hi")]
+    server_template = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+    request_template = "{% for m in messages %}({{ m.content }}){% endfor %}"
+    own = render_chat(serving(), messages) if tokenizer.chat_template else None
+    assert render_chat(serving(chat_template=server_template), messages) == "[user:hi]"
+    assert own != "[user:hi]"
+    for kw, param in ((dict(chat_template=request_template), "chat_template"),
+                      (dict(chat_template_kwargs={"chat_template": request_template}),
+                       "chat_template_kwargs.chat_template")):
+        with pytest.raises(APIError, match="--trust-request-chat-template") as info:
+            render_chat(serving(chat_template=server_template), messages, **kw)
+        assert info.value.status == 400 and info.value.param == param
+        trusted = serving(chat_template=server_template, trust_request_chat_template=True)
+        assert render_chat(trusted, messages, **kw) == "(hi)"
+    no_template = SimpleNamespace(config=ServerConfig(engine=None),
+                                  require_tokenizer=lambda what: SimpleNamespace(chat_template=None))
+    with pytest.raises(APIError, match="--chat-template FILE"):
+        render_chat(no_template, messages)

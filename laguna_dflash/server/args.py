@@ -54,6 +54,9 @@ class ServerConfig:
     log_stats_interval_s: float = 10.0
     uvicorn_log_level: str = "warning"
     speculative: SpeculativeChoice = field(default_factory=lambda: SpeculativeChoice(None))
+    # the Jinja chat template to use instead of the tokenizer's (``--chat-template``), as text
+    chat_template: str | None = field(default=None, repr=False)
+    trust_request_chat_template: bool = False
 
     def describe(self) -> dict:
         """The resolved settings as plain values (logged at start-up, shown by /server_info)."""
@@ -97,7 +100,23 @@ class ServerConfig:
                 "drafter block_size" if spec.config is not None else None),
             "generation_defaults": dict(self.generation_defaults),
             "log_stats_interval_s": self.log_stats_interval_s,
+            "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",
+            "trust_request_chat_template": self.trust_request_chat_template,
         }
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is a Jinja template
+    (holds ``{{`` or ``{%``); a clear error for a path that does not exist."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either "
+                     "(pass a template file, or the template text itself)")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -119,6 +138,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="auto: sampling defaults from the model's generation_config.json")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between engine / SpecDecoding log lines while busy (0: off)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file, or the template itself) to use instead of "
+                        "the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat_template (off: such requests get a 400)")
     g = p.add_argument_group("speculative decoding, vLLM and SGLang spellings")
     g.add_argument("--speculative-config", default=None,
                    help='vLLM JSON: {"method": "dflash", "model": DIR, "num_speculative_tokens": K}')
@@ -246,6 +270,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         max_prefill_graph_tokens=int(getattr(args, "max_prefill_graph_tokens",
                                              EngineConfig.max_prefill_graph_tokens)),
     )
+    chat_template = read_chat_template(getattr(args, "chat_template", None))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     defaults = load_generation_defaults(args.model) if args.generation_config == "auto" else {}
@@ -256,6 +281,8 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         tokenizer=args.tokenizer or str(args.model), generation_defaults=defaults,
         log_stats_interval_s=max(0.0, float(args.log_stats_interval)),
         uvicorn_log_level=str(args.log_level).lower(), speculative=spec,
+        chat_template=chat_template,
+        trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
     )
     logger.info("resolved serve configuration: %s",
                 ", ".join(f"{k}={v}" for k, v in config.describe().items()))

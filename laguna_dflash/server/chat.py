@@ -44,18 +44,33 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "r
 
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text the tokenizer's chat template makes of ``messages``;
-    ``chat_template_kwargs`` go to the template after (and over) the flags, as in vLLM."""
+                chat_template_kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None) -> str:
+    """The prompt text a chat template makes of ``messages``: the request's ``chat_template``
+    (only with ``--trust-request-chat-template``), else ``--chat-template``'s, else the
+    tokenizer's; ``chat_template_kwargs`` go to the template after (and over) the flags, as in
+    vLLM."""
     tok = serving.require_tokenizer("chat")
-    if not getattr(tok, "chat_template", None):
-        raise bad_request("the model's tokenizer has no chat template; use /v1/completions")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or ()))
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server "
                           "sets them itself", "chat_template_kwargs")
+    in_kwargs = kwargs.pop("chat_template", None)
+    param = "chat_template" if chat_template is not None else "chat_template_kwargs.chat_template"
+    chat_template = chat_template if chat_template is not None else in_kwargs
+    if chat_template is not None and not serving.config.trust_request_chat_template:
+        raise bad_request(f"{param}: this server does not take chat templates from requests; "
+                          "leave it out, or start the server with --trust-request-chat-template",
+                          param)
+    template = chat_template or serving.config.chat_template  # None: the tokenizer's own
+    if not template and not getattr(tok, "chat_template", None):
+        raise bad_request("the model's tokenizer has no chat template; use /v1/completions, or "
+                          "start the server with --chat-template FILE")
     kwargs = {"add_generation_prompt": add_generation_prompt and not continue_final_message,
-              "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
+              "continue_final_message": continue_final_message, **kwargs}
+    if template:
+        kwargs["chat_template"] = template
     try:
         return tok.apply_chat_template([_message_dict(m) for m in messages], tokenize=False,
                                        **kwargs)
@@ -154,7 +169,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     reject_unsupported(req)
     n_logprobs = _num_logprobs(req)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
-                       req.continue_final_message, req.chat_template_kwargs)
+                       req.continue_final_message, req.chat_template_kwargs, req.chat_template)
     ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, "messages"),
                               "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -80,6 +80,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -93,6 +94,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -18,7 +18,8 @@ async def tokenize(serving: Serving, request: Request) -> JSONResponse:
         raise bad_request("send exactly one of prompt or messages", "prompt")
     if req.messages is not None:
         text = render_chat(serving, req.messages, req.add_generation_prompt,
-                           chat_template_kwargs=req.chat_template_kwargs)
+                           chat_template_kwargs=req.chat_template_kwargs,
+                           chat_template=req.chat_template)
         add_special = bool(req.add_special_tokens)  # the template already has them
     else:
         text = req.prompt

@@ -682,9 +682,12 @@ class LLMEngine:
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
                                            store_context=store_context_in_verify)
         logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
-        # penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless)
+        # penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless).
+        # Seeded sampled requests: their generator's state after each row [k + 1], rewound at
+        # commit to the last emitted row's (one draw per output position, engine/sampler.py)
+        states = {i: [] for i, s in enumerate(seqs) if s.generator is not None and not s.params.is_greedy}
         target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1,
-                                    replaced=penalized_rows(logits, seqs, k + 1, drafts))
+                                    replaced=penalized_rows(logits, seqs, k + 1, drafts), states=states)
         target_tokens = target_tokens.view(len(seqs), k + 1)
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
             accepted = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),
@@ -722,6 +725,8 @@ class LLMEngine:
             # KV (and drafter context: stored by the verify, or pending below). Rows beyond are
             # rolled back by length: they stay in the cache, invisible, and are overwritten.
             s.num_computed = p + a + 1
+            if i in states:  # rows 0..a emitted: the draws of rows a+1.. go to the next positions
+                s.generator.set_state(states[i][a])
             if taps is not None:  # rows of taps [R * (K+1), D]
                 s.clear_pending_taps()
                 s.add_pending_taps(taps, i * (k + 1), a + 1, p)

@@ -2,6 +2,14 @@
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from
 ``p`` exactly and needs no host sync (no ``torch.multinomial``).
+
+Seeded requests: every output position consumes exactly one ``[V]`` draw of the request's
+generator, in order, whatever the step kind (prefill, target-only decode, a verify of any K,
+the recompute after a preemption). A verify draws one row at a time and records the generator
+state after each (``states``); the engine rewinds to the state after the last row it emits, so
+the draws of rejected rows are the next positions' draws. A seed therefore gives the same tokens
+(given the same logits) with or without speculation, at any K (adaptive K picks it from step
+timings), acceptance, and under preemption.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ def sample_rows(
     generators: list[torch.Generator | None],
     rows_per_request: int = 1,
     replaced: dict[int, torch.Tensor] | None = None,
+    states: dict[int, list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits [R * rows_per_request, V]`` (any float dtype: greedy
     rows take the argmax as given, sampled rows widen to float32 first) -> ``[R * rows]`` int64.
@@ -56,7 +65,9 @@ def sample_rows(
     Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
     own params and generator (``None`` = the global RNG). ``replaced[i]`` ``[rows, V]``: the
     logits request ``i`` samples from instead of its rows (its penalised rows,
-    engine/penalties.py).
+    engine/penalties.py). ``states[i]`` (an empty list, for sampled requests with their own
+    generator): filled with the generator's state after each of request ``i``'s rows, drawn one
+    row at a time (``states[i][j]``: rows ``0..j`` consumed; the verify rewinds to it).
     """
     out = argmax_rows(logits)  # torch.argmax's indices; chunked over the vocabulary on CUDA
     for i, (p, gen) in enumerate(zip(params, generators)):
@@ -68,7 +79,14 @@ def sample_rows(
             continue
         probs = filtered_probs(logits[rows] if own is None else own, p.temperature, p.top_k, p.top_p,
                                p.min_p)
-        noise = torch.empty_like(probs).exponential_(generator=gen)
+        noise = torch.empty_like(probs)
+        own_states = states.get(i) if states else None
+        if own_states is None:
+            noise.exponential_(generator=gen)
+        else:  # row by row: a row's draw is what a one-row step would draw at that position
+            for r in range(noise.shape[0]):
+                noise[r].exponential_(generator=gen)
+                own_states.append(gen.get_state())
         out[rows] = argmax_rows(probs / noise)
     return out
 

@@ -77,6 +77,19 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
+def test_a_zero_noise_draw_never_picks_a_filtered_token(monkeypatch):
+    """Every exponential draw 0 (a device RNG may return it): top-k's survivors still win; the
+    filtered tokens' 0 / 0 must not become NaNs that the argmax ranks first."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **kw: self.zero_())
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.5, top_p=0.3),
+              SamplingParams(temperature=1.0, min_p=0.5)]
+    picks = sample_rows(logits, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    for row, p, pick in zip(logits, params, picks.tolist()):
+        kept = filtered_probs(row[None], p.temperature, p.top_k, p.top_p, p.min_p)[0] > 0
+        assert kept[pick], (p, pick)
+
+
 def test_sampling_bf16_logits_equals_sampling_them_widened():
     # the engine hands the lm_head's bf16 logits to sample_rows (no float32 copy): greedy rows,
     # ties included, and seeded sampled rows must pick what the float32 logits would

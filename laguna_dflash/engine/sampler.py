@@ -87,6 +87,9 @@ def sample_rows(
             for r in range(noise.shape[0]):
                 noise[r].exponential_(generator=gen)
                 own_states.append(gen.get_state())
+        # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which the argmax ranks
+        # first: it has probability 0, but nothing else may then pick a filtered token
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         out[rows] = argmax_rows(probs / noise)
     return out
 

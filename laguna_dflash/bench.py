@@ -35,26 +35,36 @@ class BenchResult:
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """A prompt file: a JSON list of strings, or JSON Lines of strings / {"prompt": ...}."""
+    """A prompt file: a JSON list of strings / {"prompt": ...}, or JSON Lines of those."""
     text = Path(path).read_text()
     try:
         data = json.loads(text)
-        if isinstance(data, list):
-            return [p if isinstance(p, str) else p["prompt"] for p in data]
     except json.JSONDecodeError:
-        pass
-    prompts = []
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i + 1} is not JSON; use a JSON list or JSON Lines of prompts") from e
-        prompts.append(item if isinstance(item, str) else item["prompt"])
+        data = None
+    if isinstance(data, list):
+        prompts = [_prompt(item, f"{path}[{i}]") for i, item in enumerate(data)]
+    else:
+        prompts = []
+        for i, line in enumerate(text.splitlines()):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1} is not JSON; use a JSON list or JSON Lines of prompts") from e
+            prompts.append(_prompt(item, f"{path}:{i + 1}"))
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
+
+
+def _prompt(item, where: str) -> str:
+    """One prompt-file entry: a string or ``{"prompt": string}``."""
+    if isinstance(item, dict):
+        item = item.get("prompt")
+    if not isinstance(item, str):
+        raise ValueError(f'{where}: each prompt must be a string or {{"prompt": "..."}}, got {item!r:.80}')
+    return item
 
 
 def _timed_generate(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
@@ -76,6 +86,12 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
     ``batch_invariant``),
     so the two runs differ only in the drafter.
     """
+    if not prompts:
+        raise ValueError("run_bench needs at least one prompt")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (--batch-size), got {batch_size}")
+    if max_new_tokens < 2:  # the first token comes from the prefill: no decode step to time
+        raise ValueError(f"max_new_tokens must be >= 2 to time decoding (--max-new-tokens), got {max_new_tokens}")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     base = LLM(model, **engine_options)
     spec = LLM(model, draft=draft, **engine_options,

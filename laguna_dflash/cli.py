@@ -271,10 +271,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_result, load_prompts, run_bench, save_acceptance_plot
 
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--num-prompts", args.num_prompts, 1),
+                             ("--max-new-tokens", args.max_new_tokens, 2)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}"
+                             + (" (the first token comes from the prefill; decoding is timed)"
+                                if flag == "--max-new-tokens" else ""))
     model, draft, _ = resolve_pair(args)
     if draft is None:
         raise ValueError("bench compares with and without speculation: it needs a drafter (--draft DIR)")
     if args.prompts:
+        if not os.path.isfile(args.prompts):
+            raise ValueError(f"--prompts {args.prompts}: no such file; pass a JSON list or JSON Lines "
+                             "file of prompts")
         prompts = load_prompts(args.prompts)
     else:
         from .demo import heldout_prompts

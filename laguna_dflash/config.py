@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -57,17 +58,26 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+_SAMPLING_FIELD_TYPES = {
+    **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"), numbers.Real),
+    **dict.fromkeys(("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "n"),
+                    numbers.Integral),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM semantics). ``temperature == 0`` means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1 (vLLM's spelling, stored as 0) disables top-k
     # keep tokens whose probability (after temperature) is at least min_p times the most
     # likely one's (vLLM's min_p; 0 disables)
     min_p: float = 0.0
-    max_tokens: int = 16
+    # None (vLLM's): no cap of its own, the sequence ends at max_model_len
+    max_tokens: int | None = 16
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
@@ -86,8 +96,24 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    n: int = 1  # vLLM's completions per prompt; one only
 
     def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            object.__setattr__(self, "max_tokens", sys.maxsize)
+        for name, kind in _SAMPLING_FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"SamplingParams.{name} must be "
+                                 f"{'an integer' if kind is numbers.Integral else 'a number'}, got "
+                                 f"{value!r} ({type(value).__name__})")
+        if self.top_k == -1:  # vLLM's "disabled"
+            object.__setattr__(self, "top_k", 0)
+        if self.n != 1:
+            raise ValueError(f"SamplingParams.n={self.n}: one completion per prompt is supported; "
+                             "repeat the prompt n times (with different seeds) instead")
         if not (self.temperature >= 0.0):
             raise ValueError(
                 f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}"
@@ -96,7 +122,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(
-                f"SamplingParams.top_k must be >= 0 (0 disables top-k), got {self.top_k}"
+                f"SamplingParams.top_k must be >= 0 (0 or -1 disables top-k), got {self.top_k}"
             )
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 disables), got {self.min_p}")
@@ -248,6 +274,9 @@ class EngineConfig:
                              "(--cuda-graph-capture); use 'startup' or 'lazy'")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 (--num-kv-blocks; leave it unset to size the "
+                             f"cache from max_num_seqs), got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,19 @@ class RequestOutput:
     def outputs(self) -> list[RequestOutput]:
         """vLLM-style access (``out.outputs[0].text``); n=1, so the output itself."""
         return [self]
+
+
+def _token_ids(ids) -> list[int]:
+    """One prompt's token ids as ints; floats, strings and bools are errors, not converted."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt_token_ids: each prompt must be a list of token ids (ints), got {ids!r:.80}")
+    ids = list(ids)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt_token_ids must hold integer token ids, got {bad[:5]!r}")
+    return [int(t) for t in ids]
 
 
 def load_tokenizer(path: str | Path):
@@ -101,22 +115,45 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); one :class:`RequestOutput` each, in order."""
+        """Generate for every prompt (text, vLLM-style ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": [...]}`` dicts, or token ids); one :class:`RequestOutput` each, in
+        order."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts= (text) or prompt_token_ids=")
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], int):
-            prompt_token_ids = [prompt_token_ids]
-        texts: list[str | None]
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
         if prompts is not None:
-            texts = list(prompts)
-            token_lists = [self.encode(p) for p in prompts]
+            for p in prompts:
+                if isinstance(p, dict) and "prompt_token_ids" in p:
+                    texts.append(p.get("prompt"))
+                    token_lists.append(_token_ids(p["prompt_token_ids"]))
+                elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                    texts.append(p["prompt"])
+                    token_lists.append(self.encode(p["prompt"]))
+                elif isinstance(p, str):
+                    texts.append(p)
+                    token_lists.append(self.encode(p))
+                else:
+                    raise ValueError(f"a prompt must be a string, {{'prompt': str}} or "
+                                     f"{{'prompt_token_ids': [int, ...]}}; got {p!r:.80}")
         else:
-            token_lists = [list(t) for t in prompt_token_ids]
+            if hasattr(prompt_token_ids, "tolist"):  # a numpy array or a tensor
+                prompt_token_ids = prompt_token_ids.tolist()
+            if isinstance(prompt_token_ids, str):
+                raise ValueError("prompt_token_ids must be a list of token ids (ints) or a list of "
+                                 "such lists, got a string; pass text as prompts=")
+            if prompt_token_ids and isinstance(prompt_token_ids[0], numbers.Integral):
+                prompt_token_ids = [prompt_token_ids]
+            token_lists = [_token_ids(t) for t in prompt_token_ids]
             texts = [None] * len(token_lists)
         params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(token_lists)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
+        bad = [p for p in params_list if not isinstance(p, SamplingParams)]
+        if bad:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(bad[0]).__name__}")
         if len(params_list) != len(token_lists):
             raise ValueError(
                 f"got {len(params_list)} sampling_params for {len(token_lists)} prompts; pass one or one each"

@@ -270,3 +270,53 @@ def test_main_penalties(ckpt: Path, capsys: pytest.CaptureFixture):
     assert json.loads(penalised)["token_ids"] != json.loads(plain)["token_ids"]
     code, _, err = _run_main(base + ["--repetition-penalty", "0"], capsys)
     _assert_one_error_line(code, err, "repetition_penalty")
+
+
+def test_main_corrupt_weights_is_one_error_line(ckpt: Path, tmp_path: Path, capsys):
+    """A truncated model.safetensors (an interrupted download) is one error line naming it."""
+    d = Path(shutil.copytree(ckpt, tmp_path / "truncated"))
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    code, _, err = _run_main(["generate", "--model", str(d), "--prompt-ids", "1,2"], capsys)
+    _assert_one_error_line(code, err, "model.safetensors")
+
+
+# --------------------------------------------------------------------------------------------
+# bench: bad prompt files and flags are one error line, before any model is loaded
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from laguna_dflash.models.random_init import write_random_pair
+
+    return write_random_pair(tmp_path_factory.mktemp("bench-pair"))
+
+
+@pytest.mark.parametrize("content,needles", [
+    ("[]", ("no prompts",)),
+    ('{"text": "a"}\n', (r":1\b", "prompt")),
+    ("[1, 2]", (r"\[0\]|:1\b", "prompt")),
+    ('[["a"]]', (r"\[0\]|:1\b", "prompt")),
+    ('["ok", {"prompt": 5}]', (r"\[1\]|:2\b", "prompt")),
+])
+def test_bench_bad_prompt_file(bench_pair, tmp_path: Path, capsys, content: str, needles):
+    target, draft = bench_pair
+    f = tmp_path / "prompts.json"
+    f.write_text(content)
+    code, _, err = _run_main(["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(f),
+                              "--max-new-tokens", "4"], capsys)
+    _assert_one_error_line(code, err, re.escape(str(f)), *needles)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json"),
+    (["--batch-size", "0"], "--batch-size"), (["--batch-size", "-2"], "--batch-size"),
+    (["--num-prompts", "0"], "--num-prompts"), (["--num-prompts", "-3"], "--num-prompts"),
+    (["--max-new-tokens", "1"], "--max-new-tokens"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_bench_bad_flags(bench_pair, capsys, flags, needle):
+    target, draft = bench_pair
+    code, _, err = _run_main(["bench", "--model", str(target), "--draft", str(draft), "--num-prompts", "2",
+                              "--max-new-tokens", "4", *flags], capsys)
+    _assert_one_error_line(code, err, needle)

@@ -473,3 +473,53 @@ def test_rss_growth_is_about_one_model_copy(pristine: Path, big_checkpoint: Path
         f"total RSS (incl. file-backed mmap pages) grew {m['rss_grown']} KiB for {model_kib} KiB"
     )
     assert grown_after >= 0.8 * model_kib, "measurement broken: the weights are not in RSS"
+
+
+# --------------------------------------------------------------------------------------------
+# Corrupt files and malformed fields: CheckpointError / ValueError, not a library exception
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors_names_the_file(ckpt: Path, damage: str):
+    """A truncated download or a file that is not safetensors at all: a CheckpointError (which
+    the CLI reports on one line) naming the file, not safetensors' own exception."""
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(re-download|re-export)"):
+        LLM(model=str(ckpt))
+
+
+def test_corrupt_shard_names_the_shard(ckpt: Path):
+    files = hf.shard_checkpoint(ckpt, 2)
+    files[1].write_bytes(files[1].read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=re.escape(files[1].name)):
+        LLM(model=str(ckpt))
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["a"]}, [1], {"weight_map": {"x": 3}}])
+def test_index_of_the_wrong_shape_is_an_error(ckpt: Path, index):
+    hf.shard_checkpoint(ckpt, 2)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="weight_map"):
+        LLM(model=str(ckpt))
+
+
+def test_more_experts_per_token_than_experts_is_named(ckpt: Path):
+    """``num_experts_per_tok > num_experts`` is a config error at load time, not a torch.topk
+    failure in the first step."""
+    cfg = _config(ckpt)
+    cfg["num_experts_per_tok"] = cfg["num_experts"] + 1
+    _write_config(ckpt, cfg)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        LLM(model=str(ckpt))
+
+
+@pytest.mark.parametrize("eos", ["12", [1, "x"], 1.5])
+def test_malformed_eos_token_id_is_named(ckpt: Path, eos):
+    cfg = _config(ckpt)
+    cfg["eos_token_id"] = eos
+    _write_config(ckpt, cfg)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        LLM(model=str(ckpt))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +127,108 @@ def test_train_draft_continues_from_a_checkpoint(tmp_path):
     second_losses = json.loads((second / "work" / "train_summary.json").read_text())["losses"]
     assert second_losses[0] < first_losses[0] - 0.5
     assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# Bad flags: a ValueError naming the flag, before any data is built or a model is loaded
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("steps", 0), ("batch_size", 0), ("seq_len", 0), ("seq_len", 10**8), ("log_every", 0),
+    ("save_every", 0), ("lr", 0.0), ("lr", -1.0), ("warmup", -1), ("top_k", 9), ("num_experts", 0),
+    ("vocab_size", 100), ("time_budget_s", 0.0), ("device", "bogus"), ("num_layers", 0),
+    ("sliding_window", 0),
+])
+def test_target_config_rejects_bad_flags(field, value):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=flag):
+        TargetTrainConfig(out_dir="x", **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("steps", 0), ("batch_size", 0), ("block_size", 1), ("num_anchors", 0), ("gamma", 0.0),
+    ("prompt_len", 0), ("gen_len", 0), ("num_sequences", 0), ("gen_batch_size", 0), ("lr", -1.0),
+    ("log_every", 0), ("save_every", 0), ("warmup", -1), ("num_taps", 0), ("num_layers", 0),
+    ("flavour", "bogus"), ("mask_token_id", -1), ("device", "bogus"), ("regen_budget_s", -1.0),
+])
+def test_draft_config_rejects_bad_flags(field, value):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=flag):
+        DraftTrainConfig(target="t", out_dir="x", **{field: value})
+
+
+def test_cli_train_flag_error_is_one_line(tmp_path, capsys):
+    from laguna_dflash.cli import main
+
+    code = main(["train-target", "--out-dir", str(tmp_path / "t"), "--log-every", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and err.startswith("error:") and "--log-every" in err
+    assert not (tmp_path / "t").exists()  # nothing built before the check
+
+
+def test_out_dir_that_is_a_file_is_named(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="--out-dir"):
+        train_target(TargetTrainConfig(out_dir=str(f), steps=1))
+    with pytest.raises(ValueError, match="--out-dir"):
+        train_draft(DraftTrainConfig(target=str(tmp_path), out_dir=str(f), steps=1))
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    return write_random_pair(tmp_path_factory.mktemp("rpair"), seed=2)
+
+
+def _draft_cfg(tmp_path, target, **kw) -> DraftTrainConfig:
+    corpus = tmp_path / "tokens.npy"
+    if not corpus.exists():
+        np.save(corpus, np.random.default_rng(0).integers(5, 500, 4000).astype(np.uint16))
+    return DraftTrainConfig(**{"target": str(target), "out_dir": str(tmp_path / "d"), "num_layers": 1,
+                               "block_size": 4, "num_anchors": 4, "prompt_len": 16, "gen_len": 16,
+                               "num_sequences": 8, "batch_size": 4, "steps": 2, "warmup": 1,
+                               "gen_batch_size": 8, "mask_token_id": 3, "corpus_tokens": str(corpus),
+                               **kw})
+
+
+def test_train_draft_checks_target_and_init_from_before_regenerating(random_pair, tmp_path, monkeypatch):
+    """A wrong --target / --init-from / --corpus-tokens is reported before the (long)
+    regeneration, naming the flag."""
+    import laguna_dflash.train.draft as draft_module
+
+    target, draft = random_pair
+    monkeypatch.setattr(draft_module, "_regenerate_part",
+                        lambda *a, **k: pytest.fail("regenerated before checking the flags"))
+    with pytest.raises(ValueError, match=rf"--target.*{re.escape(str(tmp_path / 'missing'))}"):
+        train_draft(_draft_cfg(tmp_path, tmp_path / "missing"))
+    with pytest.raises(ValueError, match="--target.*drafter"):
+        train_draft(_draft_cfg(tmp_path, draft))
+    with pytest.raises(ValueError, match="--init-from.*not a DFlash drafter"):
+        train_draft(_draft_cfg(tmp_path, target, init_from=str(target)))
+    with pytest.raises(ValueError, match="--mask-token-id"):
+        train_draft(_draft_cfg(tmp_path, target, mask_token_id=512))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        train_draft(_draft_cfg(tmp_path, target, prompt_len=64, gen_len=5000))
+    short = tmp_path / "short.npy"
+    np.save(short, np.arange(10, dtype=np.uint16))
+    with pytest.raises(ValueError, match="--corpus-tokens.*--prompt-len"):
+        train_draft(_draft_cfg(tmp_path, target, corpus_tokens=str(short)))
+    text = tmp_path / "text.npy"
+    text.write_text("not numpy")
+    with pytest.raises(ValueError, match="--corpus-tokens"):
+        train_draft(_draft_cfg(tmp_path, target, corpus_tokens=str(text)))
+
+
+def test_resuming_with_other_model_flags_is_a_clear_error(tmp_path):
+    """The out dir's training state (or tokenizer) from a run with other model flags: a
+    ValueError that says to keep the flags or use a new --out-dir, not a load_state_dict dump
+    or an index error deep in the model."""
+    common = dict(out_dir=str(tmp_path / "t"), vocab_size=300, num_layers=2, moe_intermediate_size=32,
+                  seq_len=16, batch_size=2, steps=2, warmup=1, max_corpus_bytes=100_000, log_every=1)
+    train_target(TargetTrainConfig(hidden_size=64, save_every=1, **common))
+    with pytest.raises(ValueError, match=r"train_state\.pt.*--out-dir"):
+        train_target(TargetTrainConfig(hidden_size=128, save_every=1, **common))
+    (tmp_path / "t" / "work" / "train_state.pt").unlink()
+    with pytest.raises(ValueError, match=r"--vocab-size.*--out-dir"):
+        train_target(TargetTrainConfig(hidden_size=64, save_every=1, **{**common, "vocab_size": 270}))

@@ -66,6 +66,8 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(int(e) for e in eos)
+    ids = eos if isinstance(eos, list) else [eos]
+    if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in ids):
+        raise ValueError(f"config.json field 'eos_token_id' must be a token id or a list of token ids "
+                         f"(ints >= 0), got {eos!r}")
+    return tuple(ids)

@@ -136,6 +136,9 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
             score_func=cfg.get("moe_router_score_func", "sigmoid"),
             norm_topk_prob=r.bool("norm_topk_prob", True),
         )
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"config.json field 'num_experts_per_tok' must be in [1, num_experts="
+                             f"{moe.num_experts}], got {moe.top_k}")
         if r.bool("moe_apply_router_weight_on_input"):
             raise ValueError("moe_apply_router_weight_on_input=true is not supported (no release uses it)")
     return ModelSpec(

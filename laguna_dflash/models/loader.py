@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..distributed import Split
 from .registry import resolve_architecture, supported_architectures
@@ -77,14 +77,17 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is malformed ({e}); it needs a 'weight_map' object") from e
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is malformed ({e!r}); it needs a 'weight_map' object") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} is malformed: 'weight_map' must map tensor names to shard "
+                                  "file names; re-export the checkpoint")
         for name, fname in weight_map.items():
             if not (path / fname).is_file():
                 raise CheckpointError(f"{index} maps {name!r} to missing shard {fname!r}")
             files[name] = path / fname
     elif single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(single) as f:
             files = dict.fromkeys(f.keys(), single)
     else:
         raise CheckpointError(
@@ -92,11 +95,20 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         )
     shapes: dict[str, tuple[int, ...]] = {}
     for fname in sorted(set(files.values())):
-        with safe_open(fname, framework="pt") as f:
+        with _open_safetensors(fname) as f:
             for name in f.keys():
                 if files.get(name) == fname:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
     return CheckpointInfo(path=path, config=cfg, files=files, shapes=shapes)
+
+
+def _open_safetensors(fname: Path):
+    """``safe_open`` whose failure (a truncated download, not a safetensors file) names the file."""
+    try:
+        return safe_open(fname, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{fname} is not a readable safetensors file ({e}); re-download or "
+                              "re-export the checkpoint") from e
 
 
 def describe_checkpoint(path: str | Path, load_format: str = "auto") -> CheckpointInfo:

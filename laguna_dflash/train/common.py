@@ -18,6 +18,37 @@ from ..distributed import SINGLE, TensorParallel
 logger = logging.getLogger(__name__)
 
 
+def flag(name: str) -> str:
+    """The command-line spelling of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def require_at_least(c, **minimums: float) -> None:
+    """A ValueError naming the flag of the first field below its minimum (None: unset, allowed)."""
+    for name, low in minimums.items():
+        value = getattr(c, name)
+        if value is not None and not value >= low:
+            raise ValueError(f"{flag(name)} must be >= {low}, got {value}")
+
+
+def require_positive(c, *names: str) -> None:
+    """A ValueError naming the flag of the first field that is not > 0 (None: unset, allowed)."""
+    for name in names:
+        value = getattr(c, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag(name)} must be > 0, got {value}")
+
+
+def check_device(device: str) -> None:
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
+
+
+def check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {out} is a file; pass a directory (new, or one to resume in)")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -52,8 +83,16 @@ def load_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if not path.is_file():
         return 0, {}
     state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ValueError(
+            f"{path} is the training state of another model ({first}); its run used other model "
+            "flags: resume with the same flags, or use a new --out-dir (or delete this file to "
+            "start over)"
+        ) from e
     torch.set_rng_state(state["torch_rng"])
     logger.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"]), state.get("extra", {})

@@ -29,16 +29,26 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..config import resolve_device
 from ..distributed import SINGLE, TensorParallel, init_data_parallel
 from ..engine.attention import AttentionMetadata
 from ..models.dflash import DFlashDraftModel, qwen3_draft_spec
 from ..models.laguna_dflash import DFlashLaguna, laguna_draft_spec
 from ..models.layers import ForwardContext
-from ..models.loader import load_model, read_config
+from ..models.loader import CheckpointError, load_model, read_config
 from ..models.random_init import randomize_
+from ..models.registry import DRAFT_ARCHITECTURES
 from ..models.writer import save_checkpoint
 from .backend import BlockTrainingBackend, DenseTrainingBackend, dense_metadata
-from .common import autocast, run_training, seed_everything
+from .common import (
+    autocast,
+    check_device,
+    check_out_dir,
+    require_at_least,
+    require_positive,
+    run_training,
+    seed_everything,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +82,15 @@ class DraftTrainConfig:
     save_every: int = 500
     log_every: int = 50
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
+
+    def __post_init__(self) -> None:
+        if self.flavour not in ("laguna", "qwen3"):
+            raise ValueError(f"--flavour must be 'laguna' or 'qwen3', got {self.flavour!r}")
+        require_at_least(self, num_layers=1, block_size=2, num_taps=1, num_anchors=1, mask_token_id=0,
+                          prompt_len=1, gen_len=1, num_sequences=1, batch_size=1, steps=1, warmup=0,
+                          gen_batch_size=1, save_every=1, log_every=1)
+        require_positive(self, "gamma", "lr", "regen_budget_s", "time_budget_s")
+        check_device(self.device)
 
 
 def default_taps(depth: int, n: int) -> list[int]:
@@ -137,10 +156,7 @@ def _regenerate_part(c: DraftTrainConfig, work: Path, dp: TensorParallel) -> np.
     from ..config import SamplingParams
     from ..llm import LLM
 
-    stream_path = Path(c.corpus_tokens) if c.corpus_tokens else Path(c.target) / "work" / "train_tokens.npy"
-    if not stream_path.is_file():
-        raise ValueError(f"no corpus token stream at {stream_path}; pass --corpus-tokens FILE.npy")
-    stream = np.load(stream_path).astype(np.int64)
+    stream = corpus_stream(c).astype(np.int64)
     rng = np.random.default_rng(c.seed)
     starts = rng.integers(0, len(stream) - c.prompt_len, size=c.num_sequences)
     prompts = [stream[s : s + c.prompt_len].tolist() for s in starts][dp.rank :: dp.world_size]
@@ -160,6 +176,64 @@ def _regenerate_part(c: DraftTrainConfig, work: Path, dp: TensorParallel) -> np.
         rows += [p + o.token_ids for p, o in zip(chunk, outs)]
     del llm
     return np.asarray(rows, dtype=np.int32).reshape(len(rows), c.prompt_len + c.gen_len)
+
+
+def corpus_stream(c: DraftTrainConfig, vocab_size: int | None = None) -> np.ndarray:
+    """The corpus token stream the prompts are cut from (memory-mapped), checked: a 1-D integer
+    array longer than ``--prompt-len`` (with ``vocab_size``: of ids inside it)."""
+    path = Path(c.corpus_tokens) if c.corpus_tokens else Path(c.target) / "work" / "train_tokens.npy"
+    if not path.is_file():
+        raise ValueError(f"no corpus token stream at {path}; pass --corpus-tokens FILE.npy")
+    try:
+        stream = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--corpus-tokens {path} is not a .npy token array ({e})") from e
+    if stream.ndim != 1 or stream.dtype.kind not in "iu":
+        raise ValueError(f"--corpus-tokens {path} must hold a 1-D integer token array, got "
+                         f"{stream.dtype} of shape {stream.shape}")
+    if len(stream) <= c.prompt_len:
+        raise ValueError(f"--corpus-tokens {path} holds {len(stream)} tokens, too few for --prompt-len "
+                         f"{c.prompt_len}")
+    if vocab_size is not None and (int(stream.max()) >= vocab_size or int(stream.min()) < 0):
+        raise ValueError(f"--corpus-tokens {path} holds token ids outside the target's vocabulary [0, "
+                         f"{vocab_size}); encode it with the target's tokenizer")
+    return stream
+
+
+def check_inputs(c: DraftTrainConfig, work: Path) -> dict:
+    """Check the paths and the target-dependent flags before any regeneration or training ->
+    the target's config.json."""
+    try:
+        target_cfg = read_config(c.target)
+    except CheckpointError as e:
+        raise ValueError(f"--target {c.target}: {e}") from e
+    arch = target_cfg["architectures"][0]
+    if arch in DRAFT_ARCHITECTURES:
+        raise ValueError(f"--target {c.target} holds a drafter ({arch}); pass the target checkpoint")
+    if c.init_from:
+        try:
+            init_arch = read_config(c.init_from)["architectures"][0]
+        except CheckpointError as e:
+            raise ValueError(f"--init-from {c.init_from}: {e}") from e
+        if init_arch not in DRAFT_ARCHITECTURES:
+            raise ValueError(f"--init-from {c.init_from} holds {init_arch}, not a DFlash drafter; pass "
+                             "a drafter checkpoint (or leave it out to start from random weights)")
+    else:
+        mask_id = c.mask_token_id if c.mask_token_id is not None else target_cfg.get("mask_token_id")
+        if mask_id is None:
+            raise ValueError("the target config has no mask_token_id; pass --mask-token-id (a reserved row)")
+        vocab = target_cfg.get("vocab_size")
+        if isinstance(vocab, int) and not (isinstance(mask_id, int) and 0 <= mask_id < vocab):
+            raise ValueError(f"--mask-token-id {mask_id} is outside the target's vocabulary [0, {vocab}); "
+                             "pass a reserved row of it")
+    max_pos = target_cfg.get("max_position_embeddings")
+    if isinstance(max_pos, int) and c.prompt_len + c.gen_len > max_pos:
+        raise ValueError(f"--prompt-len {c.prompt_len} + --gen-len {c.gen_len} exceeds the target's "
+                         f"max_position_embeddings {max_pos}; lower them")
+    if not (work / "regenerated.npy").is_file():
+        vocab = target_cfg.get("vocab_size")
+        corpus_stream(c, vocab if isinstance(vocab, int) else None)
+    return target_cfg
 
 
 def block_metadata(positions: torch.Tensor, is_causal: bool) -> AttentionMetadata:
@@ -301,8 +375,11 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
 def train_draft(c: DraftTrainConfig) -> Path:
     out = Path(c.out_dir)
     work = out / "work"
+    check_out_dir(out)
+    target_cfg = check_inputs(c, work)
     work.mkdir(parents=True, exist_ok=True)
     seed_everything(c.seed)
+    resolve_device(c.device)  # a clear error where CUDA is asked for but missing
     device = torch.device(c.device)
     dp = init_data_parallel(device)
     if dp.is_parallel and device.type == "cuda":
@@ -312,7 +389,6 @@ def train_draft(c: DraftTrainConfig) -> Path:
                          "launched ranks; pick a multiple of the rank count")
     data = regenerate(c, work, dp)
     target = load_model(c.target, torch.float32, device)
-    target_cfg = read_config(c.target)
     if c.init_from:
         cfg = read_config(c.init_from)
         drafter = load_model(c.init_from, torch.float32, device, target=target)

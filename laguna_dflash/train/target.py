@@ -17,13 +17,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import resolve_device
 from ..models.laguna import LagunaForCausalLM
 from ..models.layers import ForwardContext
 from ..models.random_init import randomize_, small_rope_parameters
 from ..models.writer import save_checkpoint
 from . import data
 from .backend import DenseTrainingBackend, dense_metadata
-from .common import autocast, balance_moe_, run_training, seed_everything
+from .common import (
+    autocast,
+    balance_moe_,
+    check_device,
+    check_out_dir,
+    require_at_least,
+    require_positive,
+    run_training,
+    seed_everything,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +62,36 @@ class TargetTrainConfig:
     time_budget_s: float | None = None  # shrink the schedule so training ends within it
     max_shard_bytes: int | None = 15 << 20
 
+    def __post_init__(self) -> None:
+        require_at_least(self, vocab_size=256 + len(data.SPECIAL_TOKENS), hidden_size=1, num_layers=1,
+                         num_experts=1, top_k=1, moe_intermediate_size=1, sliding_window=1, seq_len=1,
+                         batch_size=1, steps=1, warmup=0, weight_decay=0, max_corpus_bytes=0,
+                         save_every=1, log_every=1, max_shard_bytes=1)
+        require_positive(self, "lr", "time_budget_s")
+        check_device(self.device)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"--top-k {self.top_k} exceeds --num-experts {self.num_experts}")
+        if self.seq_len > MAX_POSITIONS:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's max_position_embeddings "
+                             f"{MAX_POSITIONS}; lower it")
+        head_dim = _head_dim(self.hidden_size)
+        heads = self.hidden_size // head_dim
+        if heads < 2 or heads % 2:
+            raise ValueError(f"--hidden-size {self.hidden_size} gives {heads} attention head(s) of "
+                             f"{head_dim}; it needs an even number (e.g. a multiple of 128)")
+
+
+MAX_POSITIONS = 4096  # the demo target's max_position_embeddings
+
+
+def _head_dim(hidden_size: int) -> int:
+    return min(64, max(16, hidden_size // 4))
+
 
 def demo_target_config(c: TargetTrainConfig) -> dict:
     """config.json of the demo target: full attention every 3rd layer, sliding otherwise."""
     types = ["full_attention" if i % 3 == 0 else "sliding_attention" for i in range(c.num_layers)]
-    head_dim = min(64, max(16, c.hidden_size // 4))
+    head_dim = _head_dim(c.hidden_size)
     return {
         "architectures": ["LagunaForCausalLM"], "model_type": "laguna",
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": 4 * c.hidden_size,
@@ -70,7 +105,7 @@ def demo_target_config(c: TargetTrainConfig) -> dict:
         "moe_intermediate_size": c.moe_intermediate_size,
         "shared_expert_intermediate_size": c.moe_intermediate_size,
         "moe_routed_scaling_factor": 2.5, "moe_router_logit_softcapping": 0.0,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": MAX_POSITIONS, "tie_word_embeddings": False,
         "rope_parameters": small_rope_parameters(),
         "bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID,
         "mask_token_id": data.MASK_ID, "torch_dtype": "bfloat16",
@@ -96,18 +131,27 @@ def build_corpus(c: TargetTrainConfig, out: Path) -> np.ndarray:
     texts = data.read_texts(data.stdlib_files("train"), c.max_corpus_bytes)
     if not (out / "tokenizer.json").is_file():
         data.train_tokenizer(texts, c.vocab_size, out)
+    num_ids = data.load_tokenizer(out).get_vocab_size()
+    if num_ids > c.vocab_size:
+        raise ValueError(f"{out / 'tokenizer.json'} (from an earlier run) has {num_ids} tokens, more "
+                         f"than --vocab-size {c.vocab_size}; use that run's --vocab-size or a new --out-dir")
     if cache.is_file():
-        return np.load(cache)
-    tokens = data.encode_corpus(texts, data.load_tokenizer(out))
-    np.save(cache, tokens)
-    logger.info("corpus: %d files, %d tokens", len(texts), len(tokens))
+        tokens = np.load(cache)
+    else:
+        tokens = data.encode_corpus(texts, data.load_tokenizer(out))
+        np.save(cache, tokens)
+        logger.info("corpus: %d files, %d tokens", len(texts), len(tokens))
+    if len(tokens) < c.seq_len + 2:
+        raise ValueError(f"the corpus has {len(tokens)} tokens, too few for --seq-len {c.seq_len}; "
+                         "raise --max-corpus-bytes or lower --seq-len")
     return tokens
 
 
 def train_target(c: TargetTrainConfig) -> Path:
     out = Path(c.out_dir)
+    check_out_dir(out)
     seed_everything(c.seed)
-    device = torch.device(c.device)
+    device = resolve_device(c.device)
     tokens = torch.from_numpy(build_corpus(c, out).astype(np.int64))
     cfg = demo_target_config(c)
     model = LagunaForCausalLM.from_config(cfg)

@@ -1,0 +1,91 @@
+"""User input to the offline API (``SamplingParams``, ``EngineConfig``, ``LLM.generate``): what a
+vLLM user writes works the same here, and bad input is a ``ValueError`` naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.config import EngineConfig
+from laguna_dflash.models.random_init import write_random_pair
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    target, _ = write_random_pair(tmp_path_factory.mktemp("api-pair"))
+    return LLM(str(target))
+
+
+def test_top_k_minus_one_disables_top_k_as_in_vllm():
+    """vLLM (and this project's server) take ``top_k=-1`` as "no top-k"."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
+
+
+def test_max_tokens_none_generates_up_to_max_model_len(llm):
+    """vLLM's ``max_tokens=None``: no output cap of its own, the sequence ends at max_model_len."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    small = LLM(llm.config.model, max_model_len=12)
+    out = small.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12 - 4
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", "0.5"), ("top_p", None), ("top_k", 2.5), ("top_k", True), ("max_tokens", 2.5),
+    ("max_tokens", "16"), ("min_tokens", 1.5), ("logprobs", 1.5), ("seed", 1.5), ("min_p", "0"),
+    ("presence_penalty", "1"), ("repetition_penalty", None),
+])
+def test_sampling_params_wrong_types_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_n():
+    """vLLM's ``n``: 1 (the default) is accepted; more completions per prompt are not supported
+    and say how to get them."""
+    assert SamplingParams(n=1).n == 1
+    with pytest.raises(ValueError, match=r"SamplingParams\.n"):
+        SamplingParams(n=2)
+
+
+def test_num_kv_blocks_must_be_positive():
+    """``num_kv_blocks=0`` is not silently "size it for me" (that is None)."""
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        EngineConfig(model="m", num_kv_blocks=0)
+
+
+def test_generate_takes_vllm_prompt_dicts(llm):
+    """vLLM's ``TokensPrompt`` form, ``{"prompt_token_ids": [...]}``, equals ``prompt_token_ids=``."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0]
+    assert out.token_ids == ref and out.prompt_token_ids == [1, 2, 3]
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"tokens": [1, 2, 3]}], params)
+
+
+def test_generate_takes_a_tuple_of_sampling_params(llm):
+    params = (SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = llm.generate(prompt_token_ids=[[1, 2], [3, 4]], sampling_params=params)
+    assert [len(o.token_ids) for o in outs] == [2, 3]
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params={"max_tokens": 2})
+
+
+def test_generate_takes_numpy_and_torch_token_ids(llm):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids
+    for ids in (np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), np.int64(2), np.int64(3)],
+                np.array([[1, 2, 3]])):
+        assert llm.generate(prompt_token_ids=ids, sampling_params=params)[0].token_ids == ref
+
+
+@pytest.mark.parametrize("ids", [[[1.7, 2, 3]], [["1", 2, 3]], "123", [[True, 2]]])
+def test_generate_rejects_token_ids_that_are_not_ints(llm, ids):
+    """Floats are not truncated, strings not parsed: a ValueError naming prompt_token_ids."""
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=2))

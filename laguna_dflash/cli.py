@@ -17,7 +17,7 @@ import typing
 
 import torch
 
-from .config import EngineConfig, SamplingParams, resolve_dtype
+from .config import EngineConfig, SamplingParams
 
 logger = logging.getLogger("laguna_dflash")
 
@@ -29,6 +29,9 @@ class _Parser(argparse.ArgumentParser):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
+
+#: ``--log-level`` values (any case), as the ``logging`` module names them.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -53,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--adaptive-k", action="store_true",
                    help="pick the draft length per step (<= K, 0 = no drafting) from measured "
                         "acceptance and step cost")
-    p.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "
+                        "torch_dtype, else bfloat16, on a GPU)")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV block size")
@@ -97,7 +101,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="with --tensor-parallel-size N: each rank holds 1/N of the routed experts, "
                         "whole, instead of 1/N of every expert's width (attention, dense MLPs and "
                         "the shared expert stay tensor-parallel; vLLM's flag)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
 
 
 def is_rank_zero() -> bool:
@@ -180,7 +184,7 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
             continue
         p.add_argument(flag, dest=f.name, type=base, required=required, default=default,
                        help=f"default: {default}" if not required else "required")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     p.set_defaults(config_class=cls)
 
 
@@ -259,7 +263,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.temperature == 0:  # greedy: speculation must not change a token (sampled runs may)
             if timings["outputs_identical"]:
                 stats += ", same tokens as target-only"
-            elif resolve_dtype(args.dtype) == torch.float32 or args.batch_invariant:
+            elif llm.engine.dtype == torch.float32 or args.batch_invariant:
                 stats += ", TOKENS DIFFER from target-only"  # exact there: an alarm
             else:  # matmuls of other shapes round differently in half precision (README)
                 stats += (f", tokens differ from target-only ({args.dtype} rounds differently "

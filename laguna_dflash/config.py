@@ -25,8 +25,19 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a user dtype spelling ("bfloat16", "bf16", torch.float32, ...) to a torch dtype."""
+def resolve_dtype(dtype: str | torch.dtype, model_config: dict | None = None,
+                  device: torch.device | None = None) -> torch.dtype:
+    """Map a user dtype spelling ("bfloat16", "bf16", torch.float32, ...) to a torch dtype.
+
+    ``"auto"`` (vLLM's default spelling): the checkpoint's ``torch_dtype`` (``dtype`` in newer
+    configs) on a GPU, bfloat16 if it names none or float32; float32 on the CPU (exact greedy
+    agreement, and no bf16 matmul speed there). Without ``model_config`` it is only checked."""
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        if model_config is None or device is None or device.type == "cpu":
+            return torch.float32
+        named = model_config.get("torch_dtype") or model_config.get("dtype")
+        chosen = _DTYPES.get(str(named).lower().removeprefix("torch."), torch.bfloat16)
+        return torch.bfloat16 if chosen == torch.float32 else chosen
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype={dtype} is not supported; use one of float32, bfloat16, float16")
@@ -34,7 +45,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(
-            f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16"
+            f"dtype={dtype!r} is not supported; use one of auto, float32, bfloat16, float16"
         )
     return _DTYPES[key]
 

@@ -21,7 +21,7 @@ import hf_fixtures as hf
 import pytest
 
 from laguna_dflash import LLM, SamplingParams
-from laguna_dflash.cli import main
+from laguna_dflash.cli import build_parser, main
 
 CONFIG = "xs_mini"
 PROMPT_IDS = [1, 2, 3, 17, 42, 99, 200, 311, 5, 8]  # longer than the window of 7
@@ -248,6 +248,18 @@ def test_main_needs_exactly_one_prompt(ckpt: Path, capsys: pytest.CaptureFixture
         ["generate", "--model", str(ckpt), "--prompt", "hi", "--prompt-ids", "1"], capsys
     )
     _assert_one_error_line(code, err, "prompt")
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "m"], ["serve", "--model", "m"],
+                                     ["train-draft", "--target", "t", "--out-dir", "o"]],
+                         ids=["generate", "serve", "train-draft"])
+def test_log_level_is_checked_and_takes_any_case(command: list[str], capsys):
+    """``--log-level bogus`` is refused naming the choices (it used to mean WARNING silently)."""
+    parser = build_parser()
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([*command, "--log-level", "bogus"])
+    assert info.value.code == 2 and "WARNING" in capsys.readouterr().err
+    assert parser.parse_args([*command, "--log-level", "debug"]).log_level == "DEBUG"
 
 
 def test_main_broken_checkpoint_is_one_error_line(ckpt: Path, tmp_path: Path, capsys):

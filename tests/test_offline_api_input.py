@@ -89,3 +89,28 @@ def test_generate_rejects_token_ids_that_are_not_ints(llm, ids):
     """Floats are not truncated, strings not parsed: a ValueError naming prompt_token_ids."""
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=2))
+
+
+def test_max_model_len_past_the_model_limit_is_an_error_not_a_silent_cap(llm):
+    """vLLM refuses a max_model_len the model's positions cannot hold; it used to be lowered to
+    the limit silently (a long prompt then failed with "raise max_model_len")."""
+    limit = llm.engine.target.spec.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_model_len={limit + 1} \(--max-model-len\).*{limit}"):
+        LLM(llm.config.model, max_model_len=limit + 1)
+    assert LLM(llm.config.model, max_model_len=limit).engine.max_model_len == limit
+
+
+def test_dtype_auto_as_in_vllm(llm):
+    """``dtype="auto"`` (vLLM's default): float32 on the CPU; on a GPU the checkpoint's
+    ``torch_dtype`` (bfloat16 when it names none, or names float32)."""
+    from laguna_dflash.config import resolve_dtype
+
+    assert LLM(llm.config.model, dtype="auto").engine.dtype == torch.float32
+    assert LLM(llm.config.model, dtype="AUTO", device="cpu").engine.dtype == torch.float32
+    gpu = torch.device("cuda", 0)
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}, gpu) == torch.float16
+    assert resolve_dtype("auto", {"dtype": "bfloat16"}, gpu) == torch.bfloat16
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, gpu) == torch.bfloat16
+    assert resolve_dtype("auto", {}, gpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="use one of auto, float32"):
+        resolve_dtype("float8")

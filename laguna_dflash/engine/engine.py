@@ -102,11 +102,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.dtype = resolve_dtype(config.dtype)
         info = describe_checkpoint(config.model, config.load_format)
         # every rank runs this engine on the same requests; the target is sharded, its outputs
         # (hidden states, taps, logits) are the same bits on every rank, so every decision is too
         device = resolve_device(config.device)  # checked before any process group starts
+        self.dtype = resolve_dtype(config.dtype, info.config, device)
         self.tp = init_tensor_parallel(config.tensor_parallel_size, device,
                                        config.enable_expert_parallel)
         if self.tp.is_parallel and device.type == "cuda":
@@ -121,8 +121,12 @@ class LLMEngine:
         self.target = load_model(config.model, self.dtype, self.device, config.load_format,
                                  tp=self.tp)
         spec = self.target.spec
-        self.max_model_len = min(config.max_model_len or min(spec.max_position_embeddings, 8192),
-                                 spec.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} (--max-model-len) is more than the model's "
+                f"max_position_embeddings ({spec.max_position_embeddings}); ask for at most that, "
+                "or leave it unset")
+        self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 8192)
         self.drafter = None
         self.num_speculative_tokens = 0
         if config.speculative is not None:

@@ -69,6 +69,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+#: The most completions per prompt (``SamplingParams.n``), as the server's ``n``.
+MAX_N = 64
+
 _SAMPLING_FIELD_TYPES = {
     **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"), numbers.Real),
@@ -107,7 +110,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
-    n: int = 1  # vLLM's completions per prompt; one only
+    # vLLM's completions per prompt (LLM.generate: one engine request each, choice i seeded with
+    # seed + i; the engine itself ignores it)
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -122,9 +127,9 @@ class SamplingParams:
                                  f"{value!r} ({type(value).__name__})")
         if self.top_k == -1:  # vLLM's "disabled"
             object.__setattr__(self, "top_k", 0)
-        if self.n != 1:
-            raise ValueError(f"SamplingParams.n={self.n}: one completion per prompt is supported; "
-                             "repeat the prompt n times (with different seeds) instead")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"SamplingParams.n must be in [1, {MAX_N}] (completions per prompt), "
+                             f"got {self.n}")
         if not (self.temperature >= 0.0):
             raise ValueError(
                 f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}"

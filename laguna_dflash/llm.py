@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -30,11 +30,14 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # with ``SamplingParams.n > 1``: this is choice 0; the others (``index`` 1..n-1) are here
+    index: int = 0
+    other_choices: list[RequestOutput] = field(default_factory=list, repr=False)
 
     @property
     def outputs(self) -> list[RequestOutput]:
-        """vLLM-style access (``out.outputs[0].text``); n=1, so the output itself."""
-        return [self]
+        """vLLM-style access (``out.outputs[i].text``): the ``n`` choices, this one first."""
+        return [self, *self.other_choices]
 
 
 def _token_ids(ids) -> list[int]:
@@ -158,17 +161,24 @@ class LLM:
             raise ValueError(
                 f"got {len(params_list)} sampling_params for {len(token_lists)} prompts; pass one or one each"
             )
-        seqs = []
+        seqs: list[list[Sequence]] = []  # per prompt, its n choices
         try:
             for ids, p, t in zip(token_lists, params_list, texts):
-                seqs.append(self.engine.add_request(ids, p, prompt=t))
+                seqs.append([])
+                for i in range(p.n):  # choice i samples with seed + i, as the server's n
+                    choice = p if i == 0 or p.seed is None else replace(p, seed=p.seed + i)
+                    seqs[-1].append(self.engine.add_request(ids, choice, prompt=t))
         except Exception:
-            for s in seqs:  # a rejected batch leaves nothing behind
+            for s in (s for choices in seqs for s in choices):  # nothing of a rejected batch stays
                 self.engine.abort(s)
             raise
         while self.engine.has_unfinished:
             self.engine.step()
-        return [self._output(s) for s in seqs]
+        outputs = []
+        for choices in seqs:
+            first, *others = [replace(self._output(s), index=i) for i, s in enumerate(choices)]
+            outputs.append(replace(first, other_choices=others))
+        return outputs
 
     def _output(self, s: Sequence) -> RequestOutput:
         metrics = {}

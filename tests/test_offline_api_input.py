@@ -44,11 +44,28 @@ def test_sampling_params_wrong_types_name_the_field(field, value):
 
 
 def test_sampling_params_n():
-    """vLLM's ``n``: 1 (the default) is accepted; more completions per prompt are not supported
-    and say how to get them."""
-    assert SamplingParams(n=1).n == 1
-    with pytest.raises(ValueError, match=r"SamplingParams\.n"):
-        SamplingParams(n=2)
+    assert SamplingParams(n=1).n == 1 and SamplingParams(n=64).n == 64
+    for bad in (0, 65, -1):
+        with pytest.raises(ValueError, match=r"SamplingParams\.n must be in \[1, 64\]"):
+            SamplingParams(n=bad)
+
+
+def test_n_choices_per_prompt_as_in_vllm(llm):
+    """``n`` choices per prompt in ``outputs`` (index 0..n-1); choice i of a seeded request is
+    the same request alone with seed + i; greedy choices agree; prompts keep their order."""
+    prompts = [[5, 6, 7], [9, 3]]
+    sampled = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=[sampled, SamplingParams(
+        temperature=0, n=2, max_tokens=6, ignore_eos=True)])
+    assert [len(o.outputs) for o in outs] == [3, 2]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2] and outs[0].outputs[0] is outs[0]
+    assert all(c.prompt_token_ids == prompts[0] for c in outs[0].outputs)
+    for i, choice in enumerate(outs[0].outputs):
+        alone = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(
+            temperature=1.0, seed=11 + i, max_tokens=6, ignore_eos=True))[0]
+        assert choice.token_ids == alone.token_ids, i
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # the seeds differ
+    assert outs[1].outputs[0].token_ids == outs[1].outputs[1].token_ids
 
 
 def test_num_kv_blocks_must_be_positive():

@@ -113,6 +113,11 @@ class SamplingParams:
     # vLLM's completions per prompt (LLM.generate: one engine request each, choice i seeded with
     # seed + i; the engine itself ignores it)
     n: int = 1
+    # vLLM's stop strings: the text ends before the first one found (after it with
+    # include_stop_str_in_output), the request stops there. Text-level, so the engine ignores
+    # them: LLM.generate (and the server, from its own request fields) watch the output text
+    stop: tuple[str, ...] | list[str] | str | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -162,6 +167,14 @@ class SamplingParams:
         if bad_stops:
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids (ints >= 0), got "
                              f"{bad_stops[:5]}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, (list, tuple)):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop is not None and not (isinstance(self.stop, tuple)
+                                          and all(isinstance(x, str) and x for x in self.stop)):
+            raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, "
+                             f"got {self.stop!r:.80}")
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"SamplingParams.logit_bias maps token ids (ints >= 0) to biases in "

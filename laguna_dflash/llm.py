@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
+from .server.detokenizer import IncrementalDetokenizer, OutputText
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +33,26 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # with ``SamplingParams.n > 1``: this is choice 0; the others (``index`` 1..n-1) are here
     index: int = 0
+    # vLLM's: the stop string or stop token id the request stopped on (None for EOS, length)
+    stop_reason: str | int | None = None
     other_choices: list[RequestOutput] = field(default_factory=list, repr=False)
 
     @property
     def outputs(self) -> list[RequestOutput]:
         """vLLM-style access (``out.outputs[i].text``): the ``n`` choices, this one first."""
         return [self, *self.other_choices]
+
+
+def _feed(text: OutputText, s: Sequence) -> bool:
+    """Feed ``text`` the tokens of ``s`` it has not seen; True when a stop string ended it (then
+    ``text.num_tokens`` is the tokens up to the one that completed it). The engine's own stop
+    token (the last, once finished with "stop") adds no text."""
+    tokens = s.output_token_ids
+    stopped_at = len(tokens) - 1 if s.is_finished and s.finish_reason == "stop" else -1
+    for j in range(text.num_tokens, len(tokens)):
+        if text.add_token(tokens[j], stop_token=j == stopped_at):
+            return True
+    return False
 
 
 def _token_ids(ids) -> list[int]:
@@ -161,26 +176,47 @@ class LLM:
             raise ValueError(
                 f"got {len(params_list)} sampling_params for {len(token_lists)} prompts; pass one or one each"
             )
+        if self.tokenizer is None and any(p.stop for p in params_list):
+            raise ValueError(f"SamplingParams.stop: {self.config.model} has no tokenizer to find stop "
+                             "strings with; use stop_token_ids")
         seqs: list[list[Sequence]] = []  # per prompt, its n choices
+        texts_of: dict[int, OutputText] = {}  # request id -> its text, requests with stop strings
         try:
             for ids, p, t in zip(token_lists, params_list, texts):
                 seqs.append([])
                 for i in range(p.n):  # choice i samples with seed + i, as the server's n
                     choice = p if i == 0 or p.seed is None else replace(p, seed=p.seed + i)
-                    seqs[-1].append(self.engine.add_request(ids, choice, prompt=t))
+                    seq = self.engine.add_request(ids, choice, prompt=t)
+                    seqs[-1].append(seq)
+                    if p.stop:
+                        texts_of[seq.request_id] = OutputText(
+                            IncrementalDetokenizer(self.tokenizer), p.stop or (),
+                            p.include_stop_str_in_output, p.min_tokens)
         except Exception:
             for s in (s for choices in seqs for s in choices):  # nothing of a rejected batch stays
                 self.engine.abort(s)
             raise
+        watched = [s for choices in seqs for s in choices if s.params.stop]
         while self.engine.has_unfinished:
             self.engine.step()
+            for s in watched:  # a stop string ends the request at the token that completed it
+                text = texts_of[s.request_id]
+                if text.stop_hit is None and _feed(text, s):
+                    if not s.is_finished:
+                        self.engine.abort(s)
+                    del s.output_token_ids[text.num_tokens:]  # a verify's tokens past it
         outputs = []
         for choices in seqs:
-            first, *others = [replace(self._output(s), index=i) for i, s in enumerate(choices)]
+            first, *others = [replace(self._output(s, texts_of.get(s.request_id)), index=i)
+                              for i, s in enumerate(choices)]
             outputs.append(replace(first, other_choices=others))
         return outputs
 
-    def _output(self, s: Sequence) -> RequestOutput:
+    def _output(self, s: Sequence, text: OutputText | None) -> RequestOutput:
+        """``s`` as a :class:`RequestOutput`. Its text leaves out the text of the token the
+        engine stopped on (EOS or a stop token id) unless ``include_stop_str_in_output``, as in
+        vLLM; ``text``: the :class:`OutputText` of a request with stop strings (fed the rest of
+        its tokens here; its text ends before the first stop string found)."""
         metrics = {}
         if self.engine.proposer is not None:
             drafts = s.num_drafts
@@ -193,11 +229,27 @@ class LLM:
             }
             if s.trace:
                 metrics["trace"] = s.trace
+        finish, stop_reason = s.finish_reason, None
+        tokens = list(s.output_token_ids)
+        if text is not None and (text.stop_hit is not None or _feed(text, s)):
+            finish, stop_reason = "stop", text.stop_hit
+        elif text is not None:
+            text.finish()
+        if finish == "stop" and stop_reason is None and tokens and tokens[-1] in (
+                s.params.stop_token_ids or ()):
+            stop_reason = tokens[-1]
+        if text is not None:
+            out_text = text.text
+        else:  # the engine's stop token adds no text (EOS is special and skipped anyway)
+            shown = tokens[:-1] if finish == "stop" and not s.params.include_stop_str_in_output \
+                else tokens
+            out_text = self.decode(shown)
+        logprobs = s.logprobs if s.logprobs is None else s.logprobs[: len(tokens)]
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
-            token_ids=list(s.output_token_ids), text=self.decode(s.output_token_ids),
-            finish_reason=s.finish_reason, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-            metrics=metrics, num_cached_tokens=s.num_cached_tokens,
+            token_ids=tokens, text=out_text, finish_reason=finish,
+            logprobs=logprobs, prompt_logprobs=s.prompt_logprobs, metrics=metrics,
+            num_cached_tokens=s.num_cached_tokens, stop_reason=stop_reason,
         )
 
     def reset_prefix_cache(self) -> None:

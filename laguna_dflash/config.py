@@ -244,6 +244,9 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     trace: bool = False  # record, per spec step, anchor position, draft tokens, accepted count
+    # the most logprobs / prompt_logprobs a request may ask for (vLLM's max_logprobs; -1: the
+    # whole vocabulary)
+    max_logprobs: int = 20
     # "auto": the paged Triton kernels on a GPU that runs them, else the torch SDPA reference
     attention_backend: str = "auto"  # | "torch_sdpa" | "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode-phase forwards (vLLM's flag)
@@ -303,6 +306,9 @@ class EngineConfig:
                              "(--cuda-graph-capture); use 'startup' or 'lazy'")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got "
+                             f"{self.max_logprobs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (--num-kv-blocks; leave it unset to size the "
                              f"cache from max_num_seqs), got {self.num_kv_blocks}")

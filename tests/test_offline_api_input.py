@@ -131,3 +131,19 @@ def test_dtype_auto_as_in_vllm(llm):
     assert resolve_dtype("auto", {}, gpu) == torch.bfloat16
     with pytest.raises(ValueError, match="use one of auto, float32"):
         resolve_dtype("float8")
+
+
+def test_logprobs_are_capped_by_max_logprobs_as_in_vllm(llm):
+    with pytest.raises(ValueError, match=r"SamplingParams.logprobs=21 is more than max_logprobs=20"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match=r"SamplingParams.prompt_logprobs=21"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(prompt_logprobs=21))
+    whole = LLM(llm.config.model, max_logprobs=-1)
+    vocab = whole.engine.target.spec.vocab_size
+    out = whole.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=2, logprobs=vocab))[0]
+    assert all(len(lp) == vocab for lp in out.logprobs)
+    with pytest.raises(ValueError, match="more than max_logprobs"):  # not a torch.topk error
+        whole.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(logprobs=vocab + 1))
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        EngineConfig(model="m", max_logprobs=-2)

@@ -371,6 +371,12 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        most = vocab if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > most:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than "
+                                 f"max_logprobs={most}; ask for fewer, or raise the engine's "
+                                 "max_logprobs (-1: the whole vocabulary)")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "

@@ -210,6 +210,8 @@ def test_train_draft_checks_target_and_init_from_before_regenerating(random_pair
         train_draft(_draft_cfg(tmp_path, target, mask_token_id=512))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         train_draft(_draft_cfg(tmp_path, target, prompt_len=64, gen_len=5000))
+    with pytest.raises(ValueError, match="--num-taps 9: the target's 4 layers give 3 distinct"):
+        train_draft(_draft_cfg(tmp_path, target, num_taps=9))  # it silently got 3 taps
     short = tmp_path / "short.npy"
     np.save(short, np.arange(10, dtype=np.uint16))
     with pytest.raises(ValueError, match="--corpus-tokens.*--prompt-len"):

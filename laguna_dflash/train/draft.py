@@ -60,7 +60,7 @@ class DraftTrainConfig:
     flavour: str = "laguna"  # or "qwen3"
     num_layers: int = 2
     block_size: int = 16
-    num_taps: int = 3
+    num_taps: int | None = None  # None: 3, or as many distinct layers as a shallow target has
     num_anchors: int = 32
     gamma: float = 7.0
     distill: bool = True  # soft labels: the target's own distribution at each labelled position
@@ -93,6 +93,10 @@ class DraftTrainConfig:
         check_device(self.device)
 
 
+#: Target layers tapped when ``--num-taps`` is not given (fewer on a target too shallow for them).
+DEFAULT_NUM_TAPS = 3
+
+
 def default_taps(depth: int, n: int) -> list[int]:
     """Evenly spaced taps from layer 1 to the last layer (the last tap is pre-final-norm)."""
     if n == 1:
@@ -104,7 +108,7 @@ def draft_config(c: DraftTrainConfig, target_cfg: dict) -> dict:
     """config.json of the drafter, in the chosen flavour's on-disk schema."""
     hidden = target_cfg["hidden_size"]
     head_dim = target_cfg.get("head_dim", 64)
-    taps = default_taps(target_cfg["num_hidden_layers"], c.num_taps)
+    taps = default_taps(target_cfg["num_hidden_layers"], c.num_taps or DEFAULT_NUM_TAPS)
     mask_id = c.mask_token_id if c.mask_token_id is not None else target_cfg.get("mask_token_id")
     if mask_id is None:
         raise ValueError("the target config has no mask_token_id; pass --mask-token-id (a reserved row)")
@@ -226,6 +230,12 @@ def check_inputs(c: DraftTrainConfig, work: Path) -> dict:
         if isinstance(vocab, int) and not (isinstance(mask_id, int) and 0 <= mask_id < vocab):
             raise ValueError(f"--mask-token-id {mask_id} is outside the target's vocabulary [0, {vocab}); "
                              "pass a reserved row of it")
+    depth = target_cfg.get("num_hidden_layers")
+    if (c.num_taps is not None and not c.init_from and isinstance(depth, int)
+            and len(default_taps(depth, c.num_taps)) < c.num_taps):
+        raise ValueError(f"--num-taps {c.num_taps}: the target's {depth} layers give "
+                         f"{len(default_taps(depth, c.num_taps))} distinct evenly spaced taps at most "
+                         "here; lower --num-taps")
     max_pos = target_cfg.get("max_position_embeddings")
     if isinstance(max_pos, int) and c.prompt_len + c.gen_len > max_pos:
         raise ValueError(f"--prompt-len {c.prompt_len} + --gen-len {c.gen_len} exceeds the target's "

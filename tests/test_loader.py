@@ -104,6 +104,23 @@ def test_unexpected_tensor_is_named(ckpt: Path, name: str):
         LLM(model=str(ckpt))
 
 
+def test_integer_weights_are_named_not_cast(ckpt: Path):
+    """A quantized export (int8 weights) is an error naming the tensor and its dtype: casting
+    the integers to float would load a model that makes no sense."""
+    tensors = _tensors(ckpt)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].mul(100).to(torch.int8)
+    hf.save_checkpoint_tensors(ckpt, tensors)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} \(I8\).*quantized"):
+        LLM(model=str(ckpt))
+
+
+def test_half_precision_weights_load(ckpt: Path):
+    tensors = {k: v.to(torch.bfloat16) for k, v in _tensors(ckpt).items()}
+    hf.save_checkpoint_tensors(ckpt, tensors)
+    assert LLM(model=str(ckpt)).generate(prompt_token_ids=[[1, 2]])[0].token_ids
+
+
 @pytest.mark.parametrize(
     ("name", "expected", "found"),
     [

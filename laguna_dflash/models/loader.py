@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,12 +32,14 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What is on disk: the config dict, tensor name -> file, tensor name -> shape."""
+    """What is on disk: the config dict, tensor name -> file, tensor name -> shape, tensor name
+    -> safetensors dtype (``"BF16"``, ``"F32"``, ``"I8"``, ...)."""
 
     path: Path
     config: dict
     files: dict[str, Path]
     shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -94,12 +96,14 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
             f"no weights in {path}: expected model.safetensors or model.safetensors.index.json"
         )
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for fname in sorted(set(files.values())):
         with _open_safetensors(fname) as f:
             for name in f.keys():
                 if files.get(name) == fname:
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-    return CheckpointInfo(path=path, config=cfg, files=files, shapes=shapes)
+                    tensor = f.get_slice(name)
+                    shapes[name], dtypes[name] = tuple(tensor.get_shape()), str(tensor.get_dtype())
+    return CheckpointInfo(path=path, config=cfg, files=files, shapes=shapes, dtypes=dtypes)
 
 
 def _open_safetensors(fname: Path):
@@ -142,6 +146,10 @@ def _select_destinations(groups: list, available: set[str]) -> dict[str, _Destin
     return chosen
 
 
+#: safetensors dtypes a weight may be stored in (cast to the model's dtype on load).
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+
+
 def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, _Destination], ignorable: set[str]) -> None:
     available = set(info.shapes)
     missing = sorted(set(dests) - available)
@@ -162,6 +170,12 @@ def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, _Destination], igno
             f"checkpoint {info.path} has {len(unexpected)} unexpected tensor(s) for "
             f"{info.architecture}: {listed}{more}; config.json probably does not match the weights"
         )
+    packed = sorted(n for n in dests if info.dtypes.get(n, "F32") not in _FLOAT_DTYPES)
+    if packed:
+        listed = ", ".join(f"{n} ({info.dtypes[n]})" for n in packed[:5])
+        raise CheckpointError(
+            f"checkpoint {info.path} stores {len(packed)} weight(s) as non-float data: {listed}; "
+            "quantized checkpoints are not supported, use a bf16, fp16 or fp32 export")
     for name, dest in dests.items():
         if tuple(dest.shape) != info.shapes[name]:
             raise CheckpointError(

@@ -438,7 +438,8 @@ case "$stage" in
     log=${OUT:-/tmp}/gpu_all.log
     timeout 560 python -m pytest -q -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 \
       tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_inference_fusion.py \
-      tests/test_dflash_reference.py tests/test_kernel_*.py >"$log" 2>&1
+      tests/test_dflash_reference.py tests/test_spec_edge_cases.py tests/test_kernel_*.py \
+      >"$log" 2>&1
     echo "pytest exit ${?} (124: cut by the time limit)"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$log" | tail -40
     sed -n '/slowest/,/^$/p' "$log" | head -12 ;;

@@ -13,6 +13,7 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
 from laguna_dflash import LLM, SamplingParams
 
@@ -338,3 +339,21 @@ def test_scheduler_limits_with_dflash(pair, base, options):
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == want
     _assert_blocks_back(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_tokens_do_not_depend_on_k_on_cuda(pair):
+    """The same on a GPU with CUDA graphs: CUDA generators, one draw per output position (the
+    verify's rows drawn one at a time, the state rewound on the host). float32: the verify and
+    decode logits agree to ~1e-6, far from moving an exponential race."""
+    target, draft = pair
+    prompts = _prompts(4, seed=9)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True, seed=s)
+              for s in (5, 6, 7, 8)]
+    base = LLM(target, device="cuda", block_size=4)
+    want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+    for k in (K, 2):
+        llm = LLM(target, draft=draft, device="cuda", num_speculative_tokens=k, block_size=4)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, k
+        assert llm.get_metrics()["num_accepted_tokens"] > 0

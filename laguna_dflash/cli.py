@@ -228,17 +228,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompts=[prompt], sampling_params=params)[0]
     else:
         out = llm.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0]
-    if not is_rank_zero():  # every rank ran the same generation; rank 0 reports it
-        return 0
     m = llm.get_metrics()
-    decode_tps = len(out.token_ids) / m["decode_s"] if m["decode_s"] > 0 else 0.0
-    timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
-               "decode_tokens_per_s": decode_tps}
-    if compare and draft is not None:
+    base_out = None
+    if compare and draft is not None:  # on every rank: a sharded engine needs all of them
         base = LLM(model=model, **engine_options(args), max_num_seqs=1)
         base_out = (base.generate(prompts=[prompt], sampling_params=params)[0] if prompt is not None
                     else base.generate(prompt_token_ids=[args.prompt_ids], sampling_params=params)[0])
         base_s = base.get_metrics()["decode_s"]
+    if not is_rank_zero():  # every rank ran the same generation; rank 0 reports it
+        return 0
+    decode_tps = len(out.token_ids) / m["decode_s"] if m["decode_s"] > 0 else 0.0
+    timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
+               "decode_tokens_per_s": decode_tps}
+    if base_out is not None:
         timings["target_only_decode_tokens_per_s"] = len(base_out.token_ids) / base_s if base_s > 0 else 0.0
         timings["speedup"] = timings["decode_tokens_per_s"] / max(timings["target_only_decode_tokens_per_s"], 1e-9)
         timings["outputs_identical"] = base_out.token_ids == out.token_ids
@@ -316,7 +318,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .train.draft import train_draft
 
         out = train_draft(config)
-    print(f"wrote {out}")
+    if is_rank_zero():  # data-parallel train-draft: rank 0 alone writes
+        print(f"wrote {out}")
     return 0
 
 

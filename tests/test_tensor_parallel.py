@@ -427,6 +427,30 @@ def test_cli_generate_under_torchrun_prints_once(checkpoints):
     assert json.loads(lines[0])["token_ids"] == want
 
 
+def test_cli_generate_compare_under_torchrun(checkpoints):
+    """``generate --compare`` (the demo pair's default) under torchrun: every rank runs the
+    target-only comparison too (it failed when rank 0 alone built that sharded engine)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import tp_worker
+
+    prompt = _prompts(1, seed=3)[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(tp_worker.free_port()), "-m", "laguna_dflash", "generate",
+           "--model", str(checkpoints["qwen3"]), "--draft", str(checkpoints["zlab"]),
+           "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "8", "--ignore-eos",
+           "--json", "--compare", "--tensor-parallel-size", "2", "--max-model-len", "128"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout
+    assert json.loads(lines[0])["timings"]["outputs_identical"] is True
+
+
 def wide_qwen3_pair(root) -> tuple[str, str]:
     """A 2-layer Qwen3 target of hidden 1024 (the invariant kernels at realistic tile counts) and
     an undistilled 1-layer z-lab drafter for it."""

@@ -167,6 +167,19 @@ def test_cli_train_flag_error_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "t").exists()  # nothing built before the check
 
 
+def test_cli_train_reports_once_under_torchrun(tmp_path, capsys, monkeypatch):
+    """Data-parallel ``train-draft``: rank 0 alone writes, and alone says so."""
+    import laguna_dflash.train.draft as draft_module
+    from laguna_dflash.cli import main
+
+    monkeypatch.setattr(draft_module, "train_draft", lambda c: c.out_dir)
+    argv = ["train-draft", "--target", str(tmp_path), "--out-dir", str(tmp_path / "d")]
+    for rank, printed in (("1", ""), ("0", f"wrote {tmp_path / 'd'}\n")):
+        monkeypatch.setenv("RANK", rank)
+        assert main(argv) == 0
+        assert capsys.readouterr().out == printed
+
+
 def test_out_dir_that_is_a_file_is_named(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")

@@ -101,6 +101,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="with --tensor-parallel-size N: each rank holds 1/N of the routed experts, "
                         "whole, instead of 1/N of every expert's width (attention, dense MLPs and "
                         "the shared expert stay tensor-parallel; vLLM's flag)")
+    p.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
+                   help="the most logprobs / prompt logprobs a request may ask for (-1: the whole "
+                        "vocabulary; vLLM's flag)")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
 
 
@@ -120,7 +123,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 enable_expert_parallel=args.enable_expert_parallel,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
-                max_prefill_graph_tokens=args.max_prefill_graph_tokens)
+                max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+                max_logprobs=args.max_logprobs)
 
 
 def build_parser() -> argparse.ArgumentParser:

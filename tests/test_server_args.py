@@ -176,3 +176,10 @@ def test_chat_template_flag_takes_a_file_or_the_template_and_names_a_missing_fil
     assert plain.chat_template is None and not plain.trust_request_chat_template
     with pytest.raises(ValueError, match="--chat-template .*no such file"):
         resolve_server_config(_args("--chat-template", str(tmp_path / "missing.jinja")))
+
+
+def test_max_logprobs_flag_reaches_the_engine_config():
+    assert resolve_server_config(_args()).engine.max_logprobs == 20
+    assert resolve_server_config(_args("--max-logprobs", "-1")).engine.max_logprobs == -1
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        resolve_server_config(_args("--max-logprobs", "-5"))

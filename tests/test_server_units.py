@@ -391,3 +391,14 @@ def test_chat_templates_of_the_server_and_of_requests(tokenizer):
                                   require_tokenizer=lambda what: SimpleNamespace(chat_template=None))
     with pytest.raises(APIError, match="--chat-template FILE"):
         render_chat(no_template, messages)
+
+
+def test_logprobs_cap_is_the_servers_max_logprobs():
+    """``logprobs`` above the server's ``--max-logprobs`` is a 400 naming the field and the flag;
+    a raised cap lets more through."""
+    with pytest.raises(APIError, match=r"logprobs must be in \[0, 5\] \(the server's --max-logprobs\)"):
+        build_sampling_params(_completion(), 4, 6, {}, max_logprobs=5)
+    assert build_sampling_params(_completion(), 4, 50, {}, max_logprobs=100).logprobs == 50
+    with pytest.raises(APIError) as info:
+        build_sampling_params(_completion(), 4, 21, {})
+    assert info.value.param == "logprobs"

@@ -360,6 +360,13 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for: ``config.max_logprobs`` (-1: the whole
+        vocabulary), at most the vocabulary."""
+        vocab = self.target.spec.vocab_size
+        return vocab if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> Sequence:
         if not prompt_token_ids:
@@ -371,7 +378,7 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        most = vocab if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab)
+        most = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > most:
                 raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than "

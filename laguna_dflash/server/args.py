@@ -269,6 +269,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
                                             EngineConfig.enable_chunked_prefill)),
         max_prefill_graph_tokens=int(getattr(args, "max_prefill_graph_tokens",
                                              EngineConfig.max_prefill_graph_tokens)),
+        max_logprobs=int(getattr(args, "max_logprobs", EngineConfig.max_logprobs)),
     )
     chat_template = read_chat_template(getattr(args, "chat_template", None))
     if not 0 <= args.port <= 65535:

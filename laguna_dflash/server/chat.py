@@ -11,7 +11,6 @@ from starlette.responses import JSONResponse, Response
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
 from .sampling import (
-    MAX_LOGPROBS,
     build_sampling_params,
     num_choices,
     reject_unsupported,
@@ -95,10 +94,10 @@ def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, floa
     return out
 
 
-def _num_logprobs(req: ChatCompletionRequest) -> int | None:
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                          "top_logprobs")
+def _num_logprobs(req: ChatCompletionRequest, max_logprobs: int) -> int | None:
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= max_logprobs:
+        raise bad_request(f"top_logprobs must be in [0, {max_logprobs}] (the server's "
+                          f"--max-logprobs), got {req.top_logprobs}", "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
@@ -167,7 +166,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     req = await serving.parse(request, ChatCompletionRequest)
     serving.check_model(req.model)
     reject_unsupported(req)
-    n_logprobs = _num_logprobs(req)
+    n_logprobs = _num_logprobs(req, serving.max_logprobs)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
                        req.continue_final_message, req.chat_template_kwargs, req.chat_template)
     ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, "messages"),
@@ -176,7 +175,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param)
     params = build_sampling_params(req, max_tokens, n_logprobs, serving.config.generation_defaults,
-                                   "top_logprobs")
+                                   "top_logprobs", serving.max_logprobs)
     stop = stop_strings(req)
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output)

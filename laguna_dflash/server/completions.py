@@ -170,7 +170,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
                                             DEFAULT_COMPLETION_MAX_TOKENS, allow_zero=bool(req.echo))
             # echo with max_tokens 0: the prompt only (the engine generates one token, not sent)
             params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
-                                           serving.config.generation_defaults)
+                                           serving.config.generation_defaults,
+                                           max_logprobs=serving.max_logprobs)
             if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
                 params = replace(params, prompt_logprobs=req.logprobs)
             started = await serving.start("cmpl", ids, params, num_choices(req), stop,

@@ -7,14 +7,15 @@ import logging
 import math
 from pathlib import Path
 
-from ..config import SamplingParams
+from ..config import EngineConfig, SamplingParams
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 logger = logging.getLogger(__name__)
 
-#: Largest number of top log-probabilities a request may ask for (vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
+#: The default cap on a request's top log-probabilities (the engine's ``max_logprobs``; a server
+#: takes ``--max-logprobs``, resolved as ``Serving.max_logprobs``).
+MAX_LOGPROBS = EngineConfig.max_logprobs
 #: Default ``max_tokens`` of a completion request (OpenAI and vLLM).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: ``generation_config.json`` keys used as defaults for fields a request leaves out.
@@ -131,8 +132,8 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: int | None,
-                          defaults: dict[str, float],
-                          logprobs_param: str = "logprobs") -> SamplingParams:
+                          defaults: dict[str, float], logprobs_param: str = "logprobs",
+                          max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
     """Validate the sampling fields and build the engine's :class:`SamplingParams`."""
     temperature = _number(req.temperature if req.temperature is not None
                           else defaults.get("temperature", 1.0), "temperature")
@@ -152,9 +153,9 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
     min_p = _number(req.min_p if req.min_p is not None else defaults.get("min_p", 0.0), "min_p")
     if not 0.0 <= min_p <= 1.0:
         raise bad_request(f"min_p must be in [0, 1] (0 disables), got {min_p}", "min_p")
-    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}",
-                          logprobs_param)
+    if num_logprobs is not None and not 0 <= num_logprobs <= max_logprobs:
+        raise bad_request(f"{logprobs_param} must be in [0, {max_logprobs}] (the server's "
+                          f"--max-logprobs), got {num_logprobs}", logprobs_param)
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
     penalties = {}

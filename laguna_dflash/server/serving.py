@@ -106,6 +106,7 @@ class Serving:
         self.model_name = config.served_model_name
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.target.spec.vocab_size
+        self.max_logprobs = engine.engine.max_logprobs  # --max-logprobs, resolved
         self.num_speculative_tokens = engine.engine.num_speculative_tokens
         self.created = int(time.time())
 

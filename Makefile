@@ -1,4 +1,4 @@
-# make test  : bootstrap .venv (CPU torch, pinned test deps) and run lint + the test suite
+# make test  : bootstrap .venv (TORCH_SPEC, pinned test deps) and run lint + the test suite
 # make demo  : bootstrap .venv and run speculative decoding with the embedded Laguna + DFlash pair
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -45,14 +45,9 @@ class RequestOutput:
 
 def _feed(text: OutputText, s: Sequence) -> bool:
     """Feed ``text`` the tokens of ``s`` it has not seen; True when a stop string ended it (then
-    ``text.num_tokens`` is the tokens up to the one that completed it). The engine's own stop
-    token (the last, once finished with "stop") adds no text."""
-    tokens = s.output_token_ids
-    stopped_at = len(tokens) - 1 if s.is_finished and s.finish_reason == "stop" else -1
-    for j in range(text.num_tokens, len(tokens)):
-        if text.add_token(tokens[j], stop_token=j == stopped_at):
-            return True
-    return False
+    ``text.num_tokens`` is the tokens up to the one that completed it)."""
+    text.add_tokens(s.output_token_ids[text.num_tokens:], s.is_finished and s.finish_reason == "stop")
+    return text.stop_hit is not None
 
 
 def _token_ids(ids) -> list[int]:

@@ -70,9 +70,9 @@ class InternalErrorMiddleware:
         try:
             await self.app(scope, receive, send_tracked)
         except Exception as exc:
-            logger.exception("unhandled error on %s", scope.get("path"))
-            if started:
+            if started:  # uvicorn logs it and closes the connection
                 raise
+            logger.exception("unhandled error on %s", scope.get("path"))
             error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
             await error.response()(scope, receive, send)
 

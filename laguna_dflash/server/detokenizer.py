@@ -100,6 +100,16 @@ class OutputText:
             self._append(self.detokenizer.push(token_id))
         return self.stop_hit is not None
 
+    def add_tokens(self, token_ids: list[int], ends_on_stop_token: bool) -> int:
+        """Feed generated tokens in order -> how many were taken: all of them, or up to and
+        including the one that completed a stop string. ``ends_on_stop_token``: the engine
+        stopped on the last one (EOS or a ``stop_token_ids`` one), whose text is left out."""
+        last = len(token_ids) - 1
+        for i, token in enumerate(token_ids):
+            if self.add_token(token, stop_token=ends_on_stop_token and i == last):
+                return i + 1
+        return len(token_ids)
+
     def finish(self) -> None:
         """The engine finished the request: decode what is still held."""
         if self.detokenizer is not None and self.stop_hit is None:

@@ -238,19 +238,13 @@ class Serving:
         try:
             while True:
                 out = await stream.next(disconnected)
-                tokens: list[int] = []
-                logprobs = [] if out.new_logprobs is not None else None
                 finish: str | None = None
                 stop_reason: str | int | None = None
-                # the engine stopped on a stop token: the last new one (EOS or stop_token_ids)
-                stop_at = len(out.new_token_ids) - 1 if out.finish_reason == "stop" else -1
-                for i, token in enumerate(out.new_token_ids):
-                    tokens.append(token)
-                    if logprobs is not None:
-                        logprobs.append(out.new_logprobs[i])
-                    if job.text.add_token(token, stop_token=i == stop_at):
-                        finish, stop_reason = "stop", job.text.stop_hit
-                        break
+                taken = job.text.add_tokens(out.new_token_ids, out.finish_reason == "stop")
+                tokens = list(out.new_token_ids[:taken])
+                logprobs = None if out.new_logprobs is None else list(out.new_logprobs[:taken])
+                if job.text.stop_hit is not None:
+                    finish, stop_reason = "stop", job.text.stop_hit
                 job.num_output_tokens += len(tokens)
                 job.spec = out.spec
                 job.num_cached_tokens = out.num_cached_tokens

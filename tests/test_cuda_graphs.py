@@ -542,7 +542,7 @@ def test_startup_capture_builds_its_kernels_ahead_on_cuda(pair, monkeypatch):
 
     target, draft = pair
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=6,
-              max_model_len=600)
+              max_model_len=512)
     submitted, misses, inside = [], [], [False]
     build = engine_module.build_kernels_ahead
 
@@ -592,7 +592,7 @@ def test_first_use_captures_build_their_kernels_ahead_on_cuda(pair, monkeypatch)
 
     target, draft = pair
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=6,
-              max_model_len=600)
+              max_model_len=512)
     eager = LLM(target, enforce_eager=True, **kw)
     for obj in gc.get_objects():  # in-memory variants only: the on-disk cache makes reloads quick
         if issubclass(type(obj), JITFunction):  # type(): isinstance would fail on a dead weakproxy

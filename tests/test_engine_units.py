@@ -9,7 +9,7 @@ from laguna_dflash.config import EngineConfig, SamplingParams, SpeculativeConfig
 from laguna_dflash.engine.attention import AttentionMetadata
 from laguna_dflash.engine.kv_cache import BlockAllocator
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
-from laguna_dflash.engine.sampler import filtered_probs, sample_rows
+from laguna_dflash.engine.sampler import filtered_probs, filtered_probs_rows, sample_rows
 from laguna_dflash.engine.scheduler import Scheduler
 from laguna_dflash.engine.sequence import Sequence, Status
 from laguna_dflash.engine.spec_decode import SpecDecodingStats, num_accepted
@@ -461,3 +461,75 @@ def test_moe_takes_the_fused_kernels_where_the_other_paths_would_sync(monkeypatc
         assert not moe._fused_kernels_run(torch.zeros(2, 4))  # a CPU tensor
     with torch.enable_grad():
         assert not moe._fused_kernels_run(few)  # training-style calls keep the reference paths
+
+
+def _mixed_batch() -> tuple[list[SamplingParams], list[int | None]]:
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=0.9, min_p=0.2),
+              SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_k=3, top_p=0.8, min_p=0.05)]
+    seeds = [None, 11, None, 12, 13, 14]
+    return params, seeds
+
+
+def test_filtered_probs_rows_equal_each_row_filtered_alone():
+    # batched filtering is row-wise: every row's probabilities are bitwise those of the row
+    # filtered alone, and a filter one row uses leaves the other rows untouched
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(2)) * 3
+    params, _ = _mixed_batch()
+    params[0] = SamplingParams(temperature=0.8)
+    rows = filtered_probs_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
+                               [p.top_p for p in params], [p.min_p for p in params])
+    for row, p, got in zip(logits, params, rows):
+        alone = filtered_probs(row[None], p.temperature, p.top_k, p.top_p, p.min_p)[0]
+        assert torch.equal(got, alone), p
+    plain = torch.softmax(logits[4:5].float() / 0.5, -1)[0]
+    assert torch.equal(rows[4], plain)  # no filter of its own: the softmax, not renormalised
+
+
+def test_top_k_from_a_full_sort_equals_top_k_from_topk(monkeypatch):
+    import laguna_dflash.engine.sampler as sampler
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(4))
+    logits[1, :10] = 2.5  # ties at the k-th value are all kept either way
+    args = ([0.9] * 3, [4, 0, 30], [1.0] * 3, [0.0] * 3)
+    by_topk = filtered_probs_rows(logits, *args)
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 8)  # k = 30 now takes the sort
+    assert torch.equal(filtered_probs_rows(logits, *args), by_topk)
+    assert int((by_topk[0] > 0).sum()) == 4 and int((by_topk[2] > 0).sum()) == 30
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_sampling_a_mixed_batch_equals_sampling_each_request_alone(rows):
+    # greedy, global-RNG and seeded requests with different filters in one batch: each seeded
+    # request picks what it picks alone (its generator ends in the same state), greedy rows are
+    # the argmax, and a verify's per-row states are the alone run's
+    logits = torch.randn(6 * rows, 80, generator=torch.Generator().manual_seed(9)) * 2
+    params, seeds = _mixed_batch()
+
+    def gens():
+        return [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+
+    batch_gens = gens()
+    batch_states = {i: [] for i, s in enumerate(seeds) if s is not None}
+    batch = sample_rows(logits, params, batch_gens, rows, states=batch_states if rows > 1 else None)
+    for i, (p, s) in enumerate(zip(params, seeds)):
+        block = logits[i * rows : (i + 1) * rows]
+        if s is None:
+            if p.is_greedy:
+                assert torch.equal(batch[i * rows : (i + 1) * rows], block.argmax(-1))
+            continue
+        gen, states = torch.Generator().manual_seed(s), []
+        alone = sample_rows(block, [p], [gen], rows, states={0: states} if rows > 1 else None)
+        assert torch.equal(batch[i * rows : (i + 1) * rows], alone), p
+        assert torch.equal(batch_gens[i].get_state(), gen.get_state())
+        if rows > 1:
+            assert all(torch.equal(a, b) for a, b in zip(batch_states[i], states))
+
+
+def test_sampling_launches_do_not_grow_with_the_batch(monkeypatch):
+    # one filter pass for every sampled row: softmax runs once whatever the number of requests
+    calls = []
+    real = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    logits = torch.randn(16, 50)
+    sample_rows(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 16, [None] * 16)
+    assert len(calls) == 1

@@ -15,39 +15,76 @@ timings), acceptance, and under preemption.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from ..config import SamplingParams
 from ..kernels.argmax import argmax_rows
+from .runner import to_device_async
+
+# top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
+TOPK_MAX_COLUMNS = 1024
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                    min_p: float = 0.0) -> torch.Tensor:
     """``logits [N, V]`` -> probabilities ``[N, V]`` float32 after temperature, min-p, top-k,
-    top-p (vLLM's order).
+    top-p (vLLM's order), the same parameters for every row: :func:`filtered_probs_rows`."""
+    n = logits.shape[0]
+    return filtered_probs_rows(logits, [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n)
 
-    min-p keeps the tokens with ``p >= min_p * max p``, i.e. scores within ``log(min_p)`` of
-    the largest; top-k keeps the k largest logits; top-p then keeps the smallest prefix of the
-    sorted distribution whose mass reaches ``top_p`` (the token crossing the threshold is kept).
+
+def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
+                        top_p: Sequence[float], min_p: Sequence[float]) -> torch.Tensor:
+    """``logits [N, V]`` (any float dtype) -> probabilities ``[N, V]`` float32, row ``n``
+    filtered by its own parameters (host lists of length N; ``top_k`` 0 or >= V, ``top_p`` 1 and
+    ``min_p`` 0 turn a filter off), in vLLM's order:
+
+    * temperature: ``s = logits / T``;
+    * min-p keeps the tokens with ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
+    * top-k keeps the scores ``>=`` the k-th largest (ties at it kept);
+    * top-p then keeps the smallest prefix of the sorted distribution whose mass reaches
+      ``top_p`` (the token crossing the threshold is kept) and renormalises.
+
+    One launch sequence for the whole batch, each filter only if some row uses it. Every op is
+    row-wise, so a row's probabilities do not depend on the other rows (a seeded request samples
+    the same alone or batched); a filter a row does not use leaves its values untouched.
     Speculative decoding samples the target's rows through this same function, so any filter
     here keeps it lossless.
     """
-    scores = logits.float() / temperature
-    vocab = scores.shape[-1]
-    if min_p > 0.0:
-        floor = scores.max(dim=-1, keepdim=True).values + math.log(min_p)
+    n, vocab = logits.shape
+    ks = [k if 0 < k < vocab else 0 for k in top_k]
+    uses_min_p, uses_top_k, uses_top_p = (any(m > 0.0 for m in min_p), any(ks),
+                                          any(p < 1.0 for p in top_p))
+    # the per-row parameters go up in ONE host-to-device copy ([<= 4, N] float32; k < 2^24 exact)
+    table = [list(temperature),
+             [math.log(m) if m > 0.0 else float("-inf") for m in min_p] if uses_min_p else [],
+             [float(k) for k in ks] if uses_top_k else [],
+             [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else []]
+    table = [row for row in table if row]
+    columns = iter(to_device_async(torch.tensor(table, dtype=torch.float32), logits.device)
+                   .view(len(table), n, 1).unbind(0))
+    scores = logits.float() / next(columns)
+    if uses_min_p:  # min_p 0: log 0 = -inf, no score below the floor
+        floor = scores.amax(dim=-1, keepdim=True) + next(columns)
         scores = scores.masked_fill(scores < floor, float("-inf"))
-    if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+    if uses_top_k:
+        k_column, max_k = next(columns), max(ks)
+        ranked = (torch.topk(scores, max_k, dim=-1).values if max_k <= TOPK_MAX_COLUMNS
+                  else scores.sort(dim=-1, descending=True).values)  # [N, >= max_k], descending
+        kth = ranked.gather(-1, (k_column.long() - 1).clamp_(min=0))
+        if not all(ks):  # k 0: no threshold
+            kth = kth.masked_fill(k_column == 0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if top_p < 1.0:
+    if uses_top_p:
+        top_p_column = next(columns)  # +inf for rows without top-p: nothing dropped
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_column  # the mass before a token
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = kept if all(p < 1.0 for p in top_p) else torch.where(top_p_column < 1.0, kept, probs)
     return probs
 
 
@@ -68,30 +105,54 @@ def sample_rows(
     engine/penalties.py). ``states[i]`` (an empty list, for sampled requests with their own
     generator): filled with the generator's state after each of request ``i``'s rows, drawn one
     row at a time (``states[i][j]``: rows ``0..j`` consumed; the verify rewinds to it).
+
+    The sampled rows of all requests are filtered and raced in one batch (a fixed number of
+    launches, not a number per request); only the seeded requests' noise is drawn per request,
+    from their own generators. The global-RNG rows draw theirs in one call.
     """
-    out = argmax_rows(logits)  # torch.argmax's indices; chunked over the vocabulary on CUDA
-    for i, (p, gen) in enumerate(zip(params, generators)):
-        rows = slice(i * rows_per_request, (i + 1) * rows_per_request)
-        own = replaced.get(i) if replaced else None
-        if p.is_greedy:
-            if own is not None:
-                out[rows] = argmax_rows(own)
-            continue
-        probs = filtered_probs(logits[rows] if own is None else own, p.temperature, p.top_k, p.top_p,
-                               p.min_p)
-        noise = torch.empty_like(probs)
-        own_states = states.get(i) if states else None
+    rows = rows_per_request
+    replaced = replaced or {}
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if len(sampled) == len(params) and not replaced:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    else:  # torch.argmax's indices; chunked over the vocabulary on CUDA
+        out = argmax_rows(logits)
+        for i, own in replaced.items():
+            if params[i].is_greedy:
+                out[i * rows : (i + 1) * rows] = argmax_rows(own)
+    if not sampled:
+        return out
+    # the global-RNG requests first: their rows' noise is one contiguous draw
+    sampled.sort(key=lambda i: generators[i] is not None)
+    row_ids = [i * rows + j for i in sampled for j in range(rows)]
+    in_order = sampled == list(range(len(params)))  # every request samples, none seeded first
+    row_index = None if in_order else to_device_async(torch.tensor(row_ids), logits.device)
+    if any(i in replaced for i in sampled):
+        x = torch.cat([replaced[i] if i in replaced else logits[i * rows : (i + 1) * rows] for i in sampled])
+    else:
+        x = logits if in_order else logits.index_select(0, row_index)
+    per_row = [params[i] for i in sampled for _ in range(rows)]
+    probs = filtered_probs_rows(x, [p.temperature for p in per_row], [p.top_k for p in per_row],
+                                [p.top_p for p in per_row], [p.min_p for p in per_row])
+    noise = torch.empty_like(probs)
+    num_global = sum(generators[i] is None for i in sampled) * rows
+    if num_global:
+        noise[:num_global].exponential_()
+    for pos, i in enumerate(sampled[num_global // rows :], start=num_global // rows):
+        gen, own_states = generators[i], states.get(i) if states else None
         if own_states is None:
-            noise.exponential_(generator=gen)
+            noise[pos * rows : (pos + 1) * rows].exponential_(generator=gen)
         else:  # row by row: a row's draw is what a one-row step would draw at that position
-            for r in range(noise.shape[0]):
+            for r in range(pos * rows, (pos + 1) * rows):
                 noise[r].exponential_(generator=gen)
                 own_states.append(gen.get_state())
-        # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which the argmax ranks
-        # first: it has probability 0, but nothing else may then pick a filtered token
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        out[rows] = argmax_rows(probs / noise)
-    return out
+    # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which the argmax ranks
+    # first: it has probability 0, but nothing else may then pick a filtered token
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    picks = argmax_rows(probs / noise)
+    if in_order:
+        return picks
+    return out.index_copy_(0, row_index, picks)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:

@@ -1,0 +1,165 @@
+"""What sampling costs a step: the engine's batched ``sample_rows`` against a per-request loop.
+
+The engine samples outside the CUDA graphs, eagerly, once a step over the target's logits
+``[R * rows, V]`` (rows = 1 at target-only decode, K + 1 at a verify). Until this benchmark's
+commit ``sample_rows`` filtered and raced each sampled request on its own (about 20 launches a
+request); the baseline here is that loop, kept in this file as it was. Both are timed in the
+same process on the same logits: wall time per call including the host's launches, the device
+synchronised after each call (the step waits for its tokens), median of ``--iters``.
+
+    python benchmarks/bench_sampler.py                     # on the H200: V = 100352, bf16
+    python benchmarks/bench_sampler.py --device cpu --vocab 4096 --iters 3   # wiring check
+
+Prints one markdown table: batch x rows x mode -> loop us, batched us, speedup. The claim is
+the ratio within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from laguna_dflash.config import SamplingParams
+from laguna_dflash.engine.sampler import sample_rows
+from laguna_dflash.kernels.argmax import argmax_rows
+
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "temp": dict(temperature=0.7),
+    "top-p": dict(temperature=0.7, top_p=0.95, top_k=50),
+    "seeded": dict(temperature=0.7, top_p=0.95),
+}
+
+
+def loop_filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The per-request filter as it was (baseline): ``[n, V]`` -> float32 probabilities."""
+    scores = logits.float() / p.temperature
+    vocab = scores.shape[-1]
+    if p.min_p > 0.0:
+        floor = scores.max(dim=-1, keepdim=True).values + math.log(p.min_p)
+        scores = scores.masked_fill(scores < floor, float("-inf"))
+    if 0 < p.top_k < vocab:
+        kth = torch.topk(scores, p.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def loop_sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None], rows: int,
+                     states: dict[int, list] | None) -> torch.Tensor:
+    """The per-request sampling loop as it was (baseline)."""
+    out = argmax_rows(logits)
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if p.is_greedy:
+            continue
+        block = slice(i * rows, (i + 1) * rows)
+        probs = loop_filtered_probs(logits[block], p)
+        noise = torch.empty_like(probs)
+        own_states = states.get(i) if states else None
+        if own_states is None:
+            noise.exponential_(generator=gen)
+        else:
+            for r in range(noise.shape[0]):
+                noise[r].exponential_(generator=gen)
+                own_states.append(gen.get_state())
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        out[block] = argmax_rows(probs / noise)
+    return out
+
+
+def time_call(fn, device: torch.device, iters: int) -> float:
+    """Median wall microseconds of ``fn()`` with the device synchronised after each call."""
+    times = []
+    for _ in range(iters + 2):  # two warm-up calls
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times[2:])
+
+
+def time_cell(logits: torch.Tensor, batch: int, rows: int, mode: str, iters: int) -> tuple:
+    """(loop us, batched us, rows picking the same token) for one batch x rows x mode."""
+    params = [SamplingParams(**MODES[mode], seed=i if mode == "seeded" else None) for i in range(batch)]
+    seeded = mode == "seeded"
+    device = logits.device
+
+    def gens() -> list[torch.Generator | None]:
+        return [torch.Generator(device.type).manual_seed(i) if seeded else None for i in range(batch)]
+
+    def states() -> dict[int, list] | None:  # a verify (rows > 1) records the seeded states
+        return {i: [] for i in range(batch)} if seeded and rows > 1 else None
+
+    loop_us = time_call(lambda: loop_sample_rows(logits, params, gens(), rows, states()), device, iters)
+    batched_us = time_call(lambda: sample_rows(logits, params, gens(), rows, states=states()), device, iters)
+    a = loop_sample_rows(logits, params, gens(), rows, states())
+    b = sample_rows(logits, params, gens(), rows, states=states())
+    if mode == "greedy" and not torch.equal(a, b):
+        raise AssertionError("greedy rows differ between the loop and the batch")
+    return loop_us, batched_us, int((a == b).sum())
+
+
+def run(args: argparse.Namespace) -> list[tuple]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for batch in args.batches:
+        for rows in args.rows:
+            logits = torch.randn(batch * rows, args.vocab, device=device).mul_(3).to(dtype)
+            for mode in args.modes:
+                loop_us, batched_us, same = time_cell(logits, batch, rows, mode, args.iters)
+                results.append((batch, rows, mode, loop_us, batched_us, same))
+                print(f"| {batch} | {rows} | {mode} | {loop_us:.0f} | {batched_us:.0f} | "
+                      f"{loop_us / batched_us:.2f}x | {same} of {batch * rows} |", flush=True)
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--vocab", type=int, default=100352)
+    parser.add_argument("--batches", default="1,16,64", help="requests a call, comma separated")
+    parser.add_argument("--rows", default="1,4", help="rows a request (1: decode; K + 1: verify)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma separated: {', '.join(MODES)}")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    for flag in ("batches", "rows"):
+        try:
+            values = [int(v) for v in getattr(args, flag).split(",")]
+        except ValueError:
+            parser.error(f"--{flag}: expected comma-separated integers, got {getattr(args, flag)!r}")
+        if min(values) < 1:
+            parser.error(f"--{flag}: every value must be >= 1")
+        setattr(args, flag, values)
+    args.modes = args.modes.split(",")
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(f"sample_rows: per-request loop vs batched; V = {args.vocab}, {args.dtype}, {args.device}")
+    print("| batch | rows | mode | loop us | batched us | speedup | same picks (seeded: same draws) |\n"
+          "|---:|---:|---|---:|---:|---:|---:|")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -185,14 +185,23 @@ def active_bytes(model, context: int) -> int:
     return total
 
 
+def batch_prompts(prompt: list[int], batch: int) -> list[list[int]]:
+    """``batch`` distinct prompts of ``prompt``'s length and tokens: row ``i`` is ``prompt``
+    rotated by ``37 i`` positions. Copies of one prompt would decode the same greedy tokens in
+    every row, so each MoE layer would read 9 experts for the whole batch instead of up to 9
+    a row (and prefix caching would compute the prompt once): a cheaper step than real
+    traffic. Until 2026-12-01 the batch > 1 cells used copies."""
+    return [prompt[(37 * i) % len(prompt):] + prompt[: (37 * i) % len(prompt)] for i in range(batch)]
+
+
 def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm: bool = True) -> float:
-    """Mean seconds per decode (or DFlash) step of ``batch`` copies of ``prompt``; the warm-up
+    """Mean seconds per decode (or DFlash) step of ``batch`` prompts (:func:`batch_prompts`); the warm-up
     run has the same shapes, so CUDA graphs are captured before timing."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     if warm:
-        llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
+        llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
     before = llm.get_metrics()
-    llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
+    llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
     sync(llm.config.device)
     after = llm.get_metrics()
     steps = after["num_decode_steps"] - before["num_decode_steps"]
@@ -200,22 +209,22 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm
 
 
 def prefill_time(llm: LLM, prompt: list[int], batch: int) -> float:
-    """Seconds of the prefill step of ``batch`` copies of ``prompt`` (one token generated: no
+    """Seconds of the prefill step of ``batch`` prompts (:func:`batch_prompts`; one token generated: no
     decode step); with a drafter it includes the prompts' drafter context store. The whole
     prompt is computed: the prefix cache is emptied first."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.reset_prefix_cache()
     before = llm.get_metrics()
-    llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
+    llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
     return llm.get_metrics()["prefill_s"] - before["prefill_s"]
 
 
 def decode_tokens_per_s(llm: LLM, prompt: list[int], new_tokens: int, batch: int) -> float:
-    """Decode-phase tokens per second of ``batch`` copies of ``prompt`` (committed tokens over
+    """Decode-phase tokens per second of ``batch`` prompts (:func:`batch_prompts`; committed tokens over
     decode wall time: what a speculating engine delivers)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     before = llm.get_metrics()
-    llm.generate(prompt_token_ids=[prompt] * batch, sampling_params=params)
+    llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
     sync(llm.config.device)
     after = llm.get_metrics()
     return (after["num_decode_tokens"] - before["num_decode_tokens"]) / (after["decode_s"] - before["decode_s"])

@@ -533,3 +533,17 @@ def test_sampling_launches_do_not_grow_with_the_batch(monkeypatch):
     logits = torch.randn(16, 50)
     sample_rows(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 16, [None] * 16)
     assert len(calls) == 1
+
+
+def test_shared_parameters_need_no_upload_and_varying_ones_one(monkeypatch):
+    import laguna_dflash.engine.sampler as sampler
+    uploads = []
+    real = sampler.to_device_async
+    monkeypatch.setattr(sampler, "to_device_async", lambda t, d: uploads.append(t.shape) or real(t, d))
+    logits = torch.randn(4, 50)
+    same = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.1)
+    sample_rows(logits, [same] * 4, [None] * 4)
+    assert uploads == []  # batch 1, or every request alike: scalars only
+    mixed = [same, SamplingParams(temperature=0.9, top_p=0.8), same, SamplingParams(temperature=0.5)]
+    sample_rows(logits, mixed, [None] * 4)
+    assert len(uploads) == 1 and uploads[0][1] == 4  # one [num_varying, N] table

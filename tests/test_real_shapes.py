@@ -75,3 +75,12 @@ def test_s_21_shards_over_2_4_8_ranks_and_fits_two_h200s(expert_parallel):
         assert replicated < 0.01 * total
         if world == 2:
             assert per_rank * 2 / 2**30 < 115, per_rank  # GiB of bf16 weights on one of two H200s
+
+
+def test_bench_batches_decode_distinct_prompts():
+    # copies of one prompt decode the same greedy tokens in every row (one expert set a layer
+    # for the whole batch): the batch cells must time distinct prompts of the same length
+    prompt = list(range(100, 1124))
+    prompts = bench_gpu_xs.batch_prompts(prompt, 64)
+    assert prompts[0] == prompt and len({tuple(p) for p in prompts}) == 64
+    assert all(sorted(p) == prompt for p in prompts)

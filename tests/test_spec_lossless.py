@@ -131,3 +131,15 @@ def test_simulated_acceptance_length_for_benchmarks(pairs):
     assert all(len(o.token_ids) == 41 for o in out)
     with pytest.raises(ValueError, match="simulate_acceptance_length"):
         LLM(target, draft=draft, simulate_acceptance_length=0.5)
+
+
+def test_decode_token_count_is_the_tokens_delivered(pairs):
+    """``num_decode_tokens`` (the benchmarks' tokens/s numerator) counts the tokens a request
+    kept: a verify that accepts past max_tokens delivers only up to it. 6 accepted a step at
+    max_tokens 1 + 8 overshoots by 4 in the second step."""
+    target, draft = pairs["laguna+poolside"]
+    llm = LLM(target, draft=draft, simulate_acceptance_length=6)
+    out = llm.generate(prompt_token_ids=_prompts(3, seed=2),
+                       sampling_params=SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [9] * 3
+    assert llm.get_metrics()["num_decode_tokens"] == 3 * 8  # the prefill's first token excluded

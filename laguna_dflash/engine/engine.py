@@ -533,13 +533,15 @@ class LLMEngine:
             self.scheduler.finish(s)
         return finished
 
-    def _commit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor | None) -> None:
-        """Append ``tokens``; ``logits [n, V]`` of their rows only when the request wants
-        logprobs (callers skip the slice otherwise: a tensor op per request per step)."""
+    def _commit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor | None) -> int:
+        """Append ``tokens`` -> how many were kept (fewer once the request finishes: max_tokens,
+        a stop token, max_model_len); ``logits [n, V]`` of their rows only when the request
+        wants logprobs (callers skip the slice otherwise: a tensor op per request per step)."""
         kept = seq.append_tokens(tokens, self.max_model_len)
         if seq.logprobs is not None and logits is not None:
             chosen = torch.tensor(tokens[:kept])
             seq.logprobs += top_logprobs(logits[:kept], chosen, seq.params.logprobs)
+        return kept
 
     def _prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         """Compute ``num_new_tokens[i]`` tokens of request ``i`` at positions ``num_computed ..``
@@ -620,17 +622,18 @@ class LLMEngine:
             tokens = result.tolist()
         else:
             tokens = sampled.tolist()
+        num_kept = 0
         for i, s in enumerate(seqs):
             if taps is not None:  # this request's row of the taps: referenced, no tensor op
                 s.add_pending_taps(taps, tap_rows[i], 1, s.num_tokens - 1)
             s.num_computed = s.num_tokens
-            self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
+            num_kept += self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
         if taps is not None:
             max_rows = self.proposer.num_speculative_tokens + 1  # K_max + 1, whatever K is now
             full = [s for s in seqs if s.num_pending >= max_rows]
             if full:
                 self.proposer.store_context(full)
-        self.timings.num_decode_tokens += len(seqs)
+        self.timings.num_decode_tokens += num_kept
         return []
 
     def _queues_forward_ahead(self, batch_size: int) -> bool:
@@ -750,7 +753,7 @@ class LLMEngine:
             # emitted = accepted drafts + the target's token after them (with real acceptance
             # d_j == t_{j-1}, so this is t_0..t_a; with simulated acceptance it keeps the
             # committed tokens equal to the verified rows whose KV is kept)
-            self._commit(s, draft_list[i][:a] + [target_list[i][a]],
-                         logits[i, : a + 1] if s.logprobs is not None else None)
-        self.timings.num_decode_tokens += sum(a + 1 for a in accepted_list)
+            # the decode tokens delivered: a + 1, fewer where the request finished inside them
+            self.timings.num_decode_tokens += self._commit(
+                s, draft_list[i][:a] + [target_list[i][a]], logits[i, : a + 1] if s.logprobs is not None else None)
         return accepted_list

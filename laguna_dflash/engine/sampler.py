@@ -41,51 +41,69 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     filtered by its own parameters (host lists of length N; ``top_k`` 0 or >= V, ``top_p`` 1 and
     ``min_p`` 0 turn a filter off), in vLLM's order:
 
-    * temperature: ``s = logits / T``;
+    * temperature: ``s = logits * (1 / T)`` (the reciprocal in float32);
     * min-p keeps the tokens with ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
     * top-k keeps the scores ``>=`` the k-th largest (ties at it kept);
     * top-p then keeps the smallest prefix of the sorted distribution whose mass reaches
       ``top_p`` (the token crossing the threshold is kept) and renormalises.
 
-    One launch sequence for the whole batch, each filter only if some row uses it. Every op is
+    One launch sequence for the whole batch, each filter only if some row uses it; a parameter
+    every row shares is a Python scalar, the varying ones go up in one copy. Every op is
     row-wise, so a row's probabilities do not depend on the other rows (a seeded request samples
     the same alone or batched); a filter a row does not use leaves its values untouched.
     Speculative decoding samples the target's rows through this same function, so any filter
     here keeps it lossless.
     """
-    n, vocab = logits.shape
+    vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     uses_min_p, uses_top_k, uses_top_p = (any(m > 0.0 for m in min_p), any(ks),
                                           any(p < 1.0 for p in top_p))
-    # the per-row parameters go up in ONE host-to-device copy ([<= 4, N] float32; k < 2^24 exact)
-    table = [list(temperature),
-             [math.log(m) if m > 0.0 else float("-inf") for m in min_p] if uses_min_p else [],
-             [float(k) for k in ks] if uses_top_k else [],
-             [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else []]
-    table = [row for row in table if row]
-    columns = iter(to_device_async(torch.tensor(table, dtype=torch.float32), logits.device)
-                   .view(len(table), n, 1).unbind(0))
-    scores = logits.float() / next(columns)
+    # x * (1 / T) rather than x / T: a multiplier is the same float32 op as a Python scalar
+    # and as a column (PyTorch's CUDA division by a host scalar multiplies by its reciprocal,
+    # by a column it divides), so a row gets the same bits among equal parameters (scalars)
+    # and in a mixed batch (columns)
+    inv_temperature, log_min_p, kth_index, no_top_k, top_p_bound = _per_row_parameters(
+        logits.device,
+        [1.0 / t for t in temperature],
+        [math.log(m) if m > 0.0 else float("-inf") for m in min_p] if uses_min_p else None,
+        [float(max(k - 1, 0)) for k in ks] if uses_top_k else None,
+        [float(k == 0) for k in ks] if uses_top_k and not all(ks) else None,
+        [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else None)
+    scores = logits.float() * inv_temperature
     if uses_min_p:  # min_p 0: log 0 = -inf, no score below the floor
-        floor = scores.amax(dim=-1, keepdim=True) + next(columns)
+        floor = scores.amax(dim=-1, keepdim=True) + log_min_p
         scores = scores.masked_fill(scores < floor, float("-inf"))
     if uses_top_k:
-        k_column, max_k = next(columns), max(ks)
+        max_k = max(ks)
         ranked = (torch.topk(scores, max_k, dim=-1).values if max_k <= TOPK_MAX_COLUMNS
                   else scores.sort(dim=-1, descending=True).values)  # [N, >= max_k], descending
-        kth = ranked.gather(-1, (k_column.long() - 1).clamp_(min=0))
-        if not all(ks):  # k 0: no threshold
-            kth = kth.masked_fill(k_column == 0, float("-inf"))
+        if isinstance(kth_index, float):
+            kth = ranked[:, int(kth_index) : int(kth_index) + 1]
+        else:
+            kth = ranked.gather(-1, kth_index.long())
+        if no_top_k is not None:  # k 0: no threshold
+            kth = kth.masked_fill(no_top_k > 0.0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if uses_top_p:
-        top_p_column = next(columns)  # +inf for rows without top-p: nothing dropped
+    if uses_top_p:  # bound +inf for rows without top-p: nothing dropped
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_column  # the mass before a token
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_bound  # the mass before a token
         kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         kept = kept / kept.sum(-1, keepdim=True)
-        probs = kept if all(p < 1.0 for p in top_p) else torch.where(top_p_column < 1.0, kept, probs)
+        probs = kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
     return probs
+
+
+def _per_row_parameters(device: torch.device,
+                        *values: list[float] | None) -> list[float | torch.Tensor | None]:
+    """Each list of per-row values -> a Python float when every row has the same value (no
+    upload), else a ``[N, 1]`` float32 column on ``device``; the columns go up in ONE copy.
+    ``None`` (a filter no row uses) stays ``None``."""
+    varying = [v for v in values if v is not None and any(x != v[0] for x in v)]
+    columns = iter(to_device_async(torch.tensor(varying, dtype=torch.float32), device)
+                   .view(len(varying), -1, 1).unbind(0) if varying else ())
+    return [None if v is None else next(columns) if any(x != v[0] for x in v) else v[0]
+            for v in values]
 
 
 def sample_rows(

@@ -218,6 +218,32 @@ def test_logprobs_match_reference(ckpt: Path, llm: LLM):
             assert all(len(e) == 3 for e in out.logprobs)
 
 
+def test_logprobs_of_a_batch_are_each_requests_alone(llm: LLM, monkeypatch):
+    """Requests with different ``logprobs`` counts (none, 0, 1, 5), greedy and seeded, in one
+    batch: each gets the logprobs it gets alone (values within 1e-5: a batch is other GEMM
+    shapes), and a step computes them for all its requests in one pass."""
+    from laguna_dflash.engine import engine as engine_module
+
+    params = [_greedy(10), _greedy(10, logprobs=0), _greedy(10, logprobs=5),
+              SamplingParams(temperature=1.2, seed=3, max_tokens=10, ignore_eos=True, logprobs=1)]
+    prompts = PROMPTS[:4]
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p, sp in zip(prompts, params)]
+    calls = []
+    real = engine_module.top_logprobs
+    monkeypatch.setattr(engine_module, "top_logprobs", lambda *a: calls.append(1) or real(*a))
+    batch = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert 0 < len(calls) <= 10  # one a step (10 tokens: 1 prefill + 9 decode steps), not one a request
+    for a, b, sp in zip(alone, batch, params):
+        assert a.token_ids == b.token_ids
+        if sp.logprobs is None:
+            assert b.logprobs is None
+            continue
+        assert len(b.logprobs) == 10 and all(len(e) <= sp.logprobs + 1 for e in b.logprobs)
+        for ea, eb in zip(a.logprobs, b.logprobs):
+            assert set(ea) == set(eb)
+            assert all(abs(ea[t] - eb[t]) <= 1e-5 for t in ea)
+
+
 def test_prompt_logprobs_match_reference(ckpt: Path, llm: LLM):
     """``prompt_logprobs=2``: ``None`` for the first prompt token, then one dict per prompt token
     with that token and the top-2, values = log_softmax of the reference logits one position

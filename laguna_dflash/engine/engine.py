@@ -533,15 +533,29 @@ class LLMEngine:
             self.scheduler.finish(s)
         return finished
 
-    def _commit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor | None) -> int:
+    def _commit(self, seq: Sequence, tokens: list[int], first_row: int,
+                logprob_rows: list[tuple[Sequence, int, list[int]]]) -> int:
         """Append ``tokens`` -> how many were kept (fewer once the request finishes: max_tokens,
-        a stop token, max_model_len); ``logits [n, V]`` of their rows only when the request
-        wants logprobs (callers skip the slice otherwise: a tensor op per request per step)."""
+        a stop token, max_model_len). A request that wants logprobs adds ``(seq, first_row,
+        kept tokens)`` to ``logprob_rows``: its tokens' rows of the step's logits start at
+        ``first_row``; :meth:`_add_logprobs` then serves every request of the step at once."""
         kept = seq.append_tokens(tokens, self.max_model_len)
-        if seq.logprobs is not None and logits is not None:
-            chosen = torch.tensor(tokens[:kept])
-            seq.logprobs += top_logprobs(logits[:kept], chosen, seq.params.logprobs)
+        if seq.logprobs is not None:
+            logprob_rows.append((seq, first_row, tokens[:kept]))
         return kept
+
+    def _add_logprobs(self, logits: torch.Tensor, logprob_rows: list[tuple[Sequence, int, list[int]]]) -> None:
+        """Extend each request's ``logprobs`` from ``logits [rows, V]``: one pass and one host
+        copy for the whole step (``logprob_rows`` from :meth:`_commit`), not one a request."""
+        if not logprob_rows:
+            return
+        rows = [r + j for _, r, toks in logprob_rows for j in range(len(toks))]
+        entries = iter(top_logprobs(
+            logits.index_select(0, to_device_async(torch.tensor(rows), logits.device)),
+            torch.tensor([t for _, _, toks in logprob_rows for t in toks]),
+            [s.params.logprobs for s, _, toks in logprob_rows for _ in toks]))
+        for s, _, toks in logprob_rows:
+            s.logprobs += [next(entries) for _ in toks]
 
     def _prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         """Compute ``num_new_tokens[i]`` tokens of request ``i`` at positions ``num_computed ..``
@@ -572,8 +586,10 @@ class LLMEngine:
             ended = [seqs[i] for i in done]
             tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended),
                                  replaced=penalized_rows(logits, ended)).tolist()
+            logprob_rows = []
             for j, s in enumerate(ended):
-                self._commit(s, [tokens[j]], logits[j : j + 1] if s.logprobs is not None else None)
+                self._commit(s, [tokens[j]], j, logprob_rows)
+            self._add_logprobs(logits, logprob_rows)
         self.timings.num_prefill_tokens += len(ids)
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
@@ -622,12 +638,13 @@ class LLMEngine:
             tokens = result.tolist()
         else:
             tokens = sampled.tolist()
-        num_kept = 0
+        num_kept, logprob_rows = 0, []
         for i, s in enumerate(seqs):
             if taps is not None:  # this request's row of the taps: referenced, no tensor op
                 s.add_pending_taps(taps, tap_rows[i], 1, s.num_tokens - 1)
             s.num_computed = s.num_tokens
-            num_kept += self._commit(s, [tokens[i]], logits[i : i + 1] if s.logprobs is not None else None)
+            num_kept += self._commit(s, [tokens[i]], i, logprob_rows)
+        self._add_logprobs(logits, logprob_rows)
         if taps is not None:
             max_rows = self.proposer.num_speculative_tokens + 1  # K_max + 1, whatever K is now
             full = [s for s in seqs if s.num_pending >= max_rows]
@@ -727,7 +744,7 @@ class LLMEngine:
         if ahead is not None:
             ahead.anchors = [p + a + 1 for p, a in zip(anchors, accepted_list)]
             self._ahead = ahead
-        logits = logits.view(len(seqs), k + 1, -1)
+        logprob_rows = []  # logits [R * (K+1), V]: request i's rows from i * (K+1)
         for i, s in enumerate(seqs):
             a, p = accepted_list[i], anchors[i]
             s.num_drafts += 1
@@ -755,5 +772,6 @@ class LLMEngine:
             # committed tokens equal to the verified rows whose KV is kept)
             # the decode tokens delivered: a + 1, fewer where the request finished inside them
             self.timings.num_decode_tokens += self._commit(
-                s, draft_list[i][:a] + [target_list[i][a]], logits[i, : a + 1] if s.logprobs is not None else None)
+                s, draft_list[i][:a] + [target_list[i][a]], i * (k + 1), logprob_rows)
+        self._add_logprobs(logits, logprob_rows)
         return accepted_list

@@ -173,22 +173,28 @@ def sample_rows(
     return out.index_copy_(0, row_index, picks)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:
-    """Per row: ``{token: logprob}`` for the chosen token plus the ``n`` most likely ones.
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                 n: int | Sequence[int]) -> list[dict[int, float]]:
+    """Per row of ``logits [N, V]``: ``{token: logprob}`` for the chosen token ``tokens [N]``
+    plus the ``n`` most likely ones (``n``: one count for every row, or one a row).
 
-    Log-probabilities of the raw model distribution (before temperature / top-k / top-p).
+    Log-probabilities of the raw model distribution (before temperature / top-k / top-p). All
+    rows in one pass and one device-to-host copy (``[N, 1 + 2 max n]`` float32: the chosen
+    logprob, the top values, the top ids, exact below 2^24), however many requests they hold.
     """
+    counts = [n] * logits.shape[0] if isinstance(n, int) else list(n)
+    max_n = min(max(counts, default=0), logits.shape[-1])
     logp = torch.log_softmax(logits.float(), dim=-1)
     # the engine builds ``tokens`` on the host; gathering with it on a GPU needs it there
-    chosen = logp.gather(-1, tokens.to(logp.device).view(-1, 1)).squeeze(-1).tolist()
+    parts = [logp.gather(-1, tokens.to(logp.device).view(-1, 1))]
+    if max_n > 0:
+        vals, ids = torch.topk(logp, max_n, dim=-1)
+        parts += [vals, ids.float()]
+    table = torch.cat(parts, dim=1).tolist()
     result = []
-    if n > 0:
-        vals, ids = torch.topk(logp, min(n, logp.shape[-1]), dim=-1)
-        vals, ids = vals.tolist(), ids.tolist()
-    for r, tok in enumerate(tokens.tolist()):
-        entry = {int(tok): float(chosen[r])}
-        if n > 0:
-            for v, t in zip(vals[r], ids[r]):
-                entry.setdefault(int(t), float(v))
+    for row, tok, count in zip(table, tokens.tolist(), counts):
+        entry = {int(tok): row[0]}
+        for v, t in zip(row[1 : 1 + min(count, max_n)], row[1 + max_n : 1 + max_n + min(count, max_n)]):
+            entry.setdefault(int(t), v)
         result.append(entry)
     return result

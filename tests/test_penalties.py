@@ -215,3 +215,26 @@ def test_logprobs_stay_raw_and_bad_bias_ids_are_refused(pair):
 def test_bad_penalties_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_a_batch_is_penalised_as_each_request_alone(monkeypatch):
+    """Requests with different penalties, min_tokens and none, in one verify batch: each gets
+    bitwise the rows it gets alone, from one pass over all of them (one row gather, not one a
+    request)."""
+    g = torch.Generator().manual_seed(1)
+    vocab, k = 40, 3
+    params = PENALTIES + [SamplingParams(temperature=0), SamplingParams(temperature=0, min_tokens=9,
+                                                                        stop_token_ids=[4])]
+    seqs = [Sequence(i, [1, 2, 3 + i, 2], p, eos_token_ids=(5,), output_token_ids=[7, 3 + i, 7])
+            for i, p in enumerate(params)]
+    logits = torch.randn(len(seqs) * (k + 1), vocab, generator=g)
+    drafts = torch.randint(0, vocab, (len(seqs), k), generator=g)
+    calls = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda *a: calls.append(1) or real(*a))
+    batch = penalized_rows(logits, seqs, k + 1, drafts)
+    assert len(calls) == 1 and set(batch) == set(range(len(seqs))) - {len(PENALTIES)}
+    for i, seq in batch.items():
+        rows = slice(i * (k + 1), (i + 1) * (k + 1))
+        alone = penalized_rows(logits[rows], [seqs[i]], k + 1, drafts[i : i + 1])[0]
+        assert torch.equal(seq, alone), params[i]

@@ -17,8 +17,8 @@ would sample that position from: speculation stays lossless with penalties, gree
 The drafter proposes without them (they change acceptance, never the output).
 
 Only the rows of requests with penalties are processed (copies, so logprobs stay the model's
-raw ones, as vLLM reports them by default); the counts are built on the device from one upload
-of the request's token ids per step, with no host sync.
+raw ones, as vLLM reports them by default), all of a step's at once; the counts are built on the
+device from one upload of the token ids per step, with no host sync.
 """
 
 from __future__ import annotations
@@ -32,51 +32,77 @@ from .sequence import Sequence
 def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request: int = 1,
                    drafts: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """``{i: rows [rows_per_request, V] float32}`` for each request ``i`` of ``seqs`` with
-    penalties, from its rows of ``logits [R * rows_per_request, V]`` (request-major).
-    ``drafts [R, rows_per_request - 1]`` (on the device): the verify's draft tokens, counted as
-    outputs by the rows after them. Empty when no request has penalties."""
-    out: dict[int, torch.Tensor] = {}
-    for i, seq in enumerate(seqs):
-        if seq.params.has_penalties or len(seq.output_token_ids) < seq.params.min_tokens:
-            rows = logits[i * rows_per_request : (i + 1) * rows_per_request].to(torch.float32, copy=True)
-            out[i] = apply_penalties(rows, seq, drafts[i] if drafts is not None else None)
-    return out
+    penalties, from its rows of ``logits [R * rows_per_request, V]`` (request-major; left
+    unchanged). ``drafts [R, rows_per_request - 1]`` (on the device): the verify's draft tokens,
+    counted as outputs by the rows after them. Empty when no request has penalties.
 
-
-def apply_penalties(rows: torch.Tensor, seq: Sequence, drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows [n, V]`` float32 (modified in place and returned): row ``j`` scores the output
-    position after ``seq``'s outputs so far and ``drafts[:j]`` (``drafts [n - 1]`` int64 on the
-    device, or None when ``n == 1``)."""
-    p = seq.params
-    n, vocab = rows.shape
-    device = rows.device
-    num_banned = min(n, p.min_tokens - len(seq.output_token_ids))  # rows j < min_tokens - outputs
-    stops = sorted({t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
-                    if 0 <= t < vocab})
-    if num_banned > 0 and stops:
-        rows[:num_banned, to_device_async(torch.tensor(stops, dtype=torch.long), device)] = float("-inf")
-    if p.logit_bias:
-        ids = to_device_async(torch.tensor(list(p.logit_bias), dtype=torch.long), device)
-        bias = to_device_async(torch.tensor(list(p.logit_bias.values()), dtype=torch.float32), device)
-        rows.index_add_(1, ids, bias.expand(n, -1))
-    if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
-        return rows
-    # the prompt, then the outputs so far: one upload
-    tokens = to_device_async(torch.tensor(seq.prompt_token_ids + seq.output_token_ids, dtype=torch.long), device)
-    num_prompt = len(seq.prompt_token_ids)
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
-    counts.index_add_(1, tokens[num_prompt:], torch.ones(1, tokens.numel() - num_prompt, device=device).expand(n, -1))
-    if drafts is not None and n > 1:  # row j also counts d_1 .. d_j
-        one_hot = torch.zeros(n - 1, vocab, dtype=torch.float32, device=device)
-        one_hot.scatter_(1, drafts[: n - 1].view(-1, 1).to(torch.long), 1.0)
-        counts[1:] += one_hot.cumsum(0)
-    if p.repetition_penalty != 1.0:
-        seen = counts > 0
-        seen[:, tokens[:num_prompt]] = True
-        rep = p.repetition_penalty
-        rows.copy_(torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows))
-    if p.frequency_penalty:
-        rows -= p.frequency_penalty * counts
-    if p.presence_penalty:
-        rows -= p.presence_penalty * (counts > 0).float()
-    return rows
+    All the penalised requests of a step at once: their index and value tables go up in two
+    copies (int64, float32) and every op covers all their rows; per-row parameters that a
+    request does not use are neutral (repetition 1, frequency and presence 0: exact no-ops).
+    """
+    n = rows_per_request
+    chosen = [i for i, s in enumerate(seqs)
+              if s.params.has_penalties or len(s.output_token_ids) < s.params.min_tokens]
+    if not chosen:
+        return {}
+    vocab, device = logits.shape[-1], logits.device
+    tables: dict[str, list] = {name: [] for name in (
+        "rows", "ban_row", "ban_token", "bias_row", "bias_token", "bias_value", "out_request",
+        "out_token", "prompt_request", "prompt_token", "draft_row", "draft_index")}
+    rep, freq, pres = [], [], []
+    for pos, i in enumerate(chosen):
+        seq, p = seqs[i], seqs[i].params
+        tables["rows"] += range(i * n, (i + 1) * n)
+        num_banned = min(n, p.min_tokens - len(seq.output_token_ids))  # rows j < min_tokens - outputs
+        stops = sorted({t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
+                        if 0 <= t < vocab})
+        for j in range(max(num_banned, 0) if stops else 0):
+            tables["ban_row"] += [pos * n + j] * len(stops)
+            tables["ban_token"] += stops
+        for j in range(n) if p.logit_bias else ():
+            tables["bias_row"] += [pos * n + j] * len(p.logit_bias)
+            tables["bias_token"] += list(p.logit_bias)
+            tables["bias_value"] += list(p.logit_bias.values())
+        rep.append(p.repetition_penalty)
+        freq.append(p.frequency_penalty)
+        pres.append(p.presence_penalty)
+        if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+            continue
+        tables["out_request"] += [pos] * len(seq.output_token_ids)
+        tables["out_token"] += seq.output_token_ids
+        if p.repetition_penalty != 1.0:
+            tables["prompt_request"] += [pos] * len(seq.prompt_token_ids)
+            tables["prompt_token"] += seq.prompt_token_ids
+        if drafts is not None and n > 1:  # row j also counts d_1 .. d_j
+            for j in range(1, n):
+                tables["draft_row"] += [pos * n + j] * j
+                tables["draft_index"] += range(i * (n - 1), i * (n - 1) + j)
+    values = tables.pop("bias_value")
+    lengths = [len(v) for v in tables.values()]
+    flat = to_device_async(torch.tensor([x for v in tables.values() for x in v], dtype=torch.long), device)
+    ints = dict(zip(tables, flat.split(lengths)))
+    x = logits.index_select(0, ints["rows"]).float()  # a copy: logprobs stay the model's raw ones
+    if tables["ban_row"]:
+        x[ints["ban_row"], ints["ban_token"]] = float("-inf")
+    if values:
+        x.index_put_((ints["bias_row"], ints["bias_token"]),
+                     to_device_async(torch.tensor(values, dtype=torch.float32), device), accumulate=True)
+    if tables["out_request"] or tables["draft_row"]:
+        counts = torch.zeros(len(chosen), vocab, dtype=torch.float32, device=device)
+        counts.index_put_((ints["out_request"], ints["out_token"]),
+                          torch.ones((), device=device).expand(len(tables["out_token"])), accumulate=True)
+        counts = counts.repeat_interleave(n, dim=0) if n > 1 else counts  # [M * n, V]
+        if tables["draft_row"]:
+            counts.index_put_((ints["draft_row"], drafts.reshape(-1)[ints["draft_index"]].long()),
+                              torch.ones((), device=device).expand(len(tables["draft_row"])), accumulate=True)
+        columns = to_device_async(torch.tensor([rep, freq, pres], dtype=torch.float32), device)
+        rep_c, freq_c, pres_c = (c.repeat_interleave(n).view(-1, 1) for c in columns.unbind(0))
+        if any(r != 1.0 for r in rep):  # seen: in the prompt or the outputs (drafts included)
+            seen = counts > 0
+            seen.view(len(chosen), n, vocab)[ints["prompt_request"], :, ints["prompt_token"]] = True
+            x = torch.where(seen, torch.where(x > 0, x / rep_c, x * rep_c), x)
+        if any(freq):
+            x -= freq_c * counts
+        if any(pres):
+            x -= pres_c * (counts > 0).float()
+    return {i: x[pos * n : (pos + 1) * n] for pos, i in enumerate(chosen)}

@@ -1,4 +1,5 @@
-"""What sampling costs a step: the engine's batched ``sample_rows`` against a per-request loop.
+"""What sampling, penalties and logprobs cost a step: the engine's batched code against the
+per-request loops it replaced (kept in this file as they were, as the baselines).
 
 The engine samples outside the CUDA graphs, eagerly, once a step over the target's logits
 ``[R * rows, V]`` (rows = 1 at target-only decode, K + 1 at a verify). Until this benchmark's
@@ -10,8 +11,10 @@ synchronised after each call (the step waits for its tokens), median of ``--iter
     python benchmarks/bench_sampler.py                     # on the H200: V = 100352, bf16
     python benchmarks/bench_sampler.py --device cpu --vocab 4096 --iters 3   # wiring check
 
-Prints one markdown table: batch x rows x mode -> loop us, batched us, speedup. The claim is
-the ratio within a run.
+``--what penalties`` times ``penalties.penalized_rows`` (presence, frequency and repetition
+penalties, a 1024-token prompt, 256 outputs, the verify's drafts counted) and ``--what
+logprobs`` the logprobs of a step (5 a token) the same way. Prints one markdown table per
+part: batch x rows x mode -> loop us, batched us, speedup. The claim is the ratio within a run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import time
 import torch
 
 from laguna_dflash.config import SamplingParams
-from laguna_dflash.engine.sampler import sample_rows
+from laguna_dflash.engine.penalties import penalized_rows
+from laguna_dflash.engine.runner import to_device_async
+from laguna_dflash.engine.sampler import sample_rows, top_logprobs
+from laguna_dflash.engine.sequence import Sequence
 from laguna_dflash.kernels.argmax import argmax_rows
 
 MODES = {
@@ -78,6 +84,74 @@ def loop_sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def loop_apply_penalties(rows: torch.Tensor, seq: Sequence, drafts: torch.Tensor | None) -> torch.Tensor:
+    """One request's penalties as they were (baseline; presence / frequency / repetition)."""
+    p = seq.params
+    n, vocab = rows.shape
+    device = rows.device
+    tokens = to_device_async(torch.tensor(seq.prompt_token_ids + seq.output_token_ids, dtype=torch.long), device)
+    num_prompt = len(seq.prompt_token_ids)
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+    counts.index_add_(1, tokens[num_prompt:], torch.ones(1, tokens.numel() - num_prompt, device=device).expand(n, -1))
+    if drafts is not None and n > 1:
+        one_hot = torch.zeros(n - 1, vocab, dtype=torch.float32, device=device)
+        one_hot.scatter_(1, drafts[: n - 1].view(-1, 1).to(torch.long), 1.0)
+        counts[1:] += one_hot.cumsum(0)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, tokens[:num_prompt]] = True
+        rep = p.repetition_penalty
+        rows.copy_(torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows))
+    if p.frequency_penalty:
+        rows -= p.frequency_penalty * counts
+    if p.presence_penalty:
+        rows -= p.presence_penalty * (counts > 0).float()
+    return rows
+
+
+def loop_penalized_rows(logits: torch.Tensor, seqs: list[Sequence], n: int,
+                        drafts: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """The per-request penalties loop as it was (baseline)."""
+    return {i: loop_apply_penalties(logits[i * n : (i + 1) * n].to(torch.float32, copy=True), seq,
+                                    drafts[i] if drafts is not None else None)
+            for i, seq in enumerate(seqs)}
+
+
+def loop_logprobs(logits: torch.Tensor, tokens: list[int], n: int, num: int) -> list:
+    """The logprobs of a step as they were: one log_softmax, gather, top-k and two host copies
+    a request (baseline)."""
+    out = []
+    for i in range(len(tokens) // n):
+        logp = torch.log_softmax(logits[i * n : (i + 1) * n].float(), dim=-1)
+        chosen = logp.gather(-1, torch.tensor(tokens[i * n : (i + 1) * n], device=logp.device).view(-1, 1))
+        vals, ids = torch.topk(logp, num, dim=-1)
+        out.append((chosen.tolist(), vals.tolist(), ids.tolist()))
+    return out
+
+
+def time_penalties(logits: torch.Tensor, batch: int, rows: int, iters: int) -> tuple:
+    """(loop us, batched us, equal) for presence + frequency + repetition penalties."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = logits.shape[-1]
+    params = SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
+    seqs = [Sequence(i, torch.randint(0, vocab, (1024,), generator=gen).tolist(), params,
+                     output_token_ids=torch.randint(0, vocab, (256,), generator=gen).tolist()) for i in range(batch)]
+    drafts = (torch.randint(0, vocab, (batch, rows - 1), generator=gen).to(logits.device) if rows > 1 else None)
+    loop_us = time_call(lambda: loop_penalized_rows(logits, seqs, rows, drafts), logits.device, iters)
+    batched_us = time_call(lambda: penalized_rows(logits, seqs, rows, drafts), logits.device, iters)
+    a, b = loop_penalized_rows(logits, seqs, rows, drafts), penalized_rows(logits, seqs, rows, drafts)
+    same = sum(bool(torch.allclose(a[i], b[i], rtol=1e-6, atol=1e-5)) for i in range(batch))
+    return loop_us, batched_us, same
+
+
+def time_logprobs(logits: torch.Tensor, batch: int, rows: int, iters: int, num: int = 5) -> tuple:
+    """(loop us, batched us, rows) for the logprobs of a step, ``num`` a token."""
+    tokens = logits.float().argmax(-1).tolist()
+    loop_us = time_call(lambda: loop_logprobs(logits, tokens, rows, num), logits.device, iters)
+    batched_us = time_call(lambda: top_logprobs(logits, torch.tensor(tokens), num), logits.device, iters)
+    return loop_us, batched_us, len(tokens)
+
+
 def time_call(fn, device: torch.device, iters: int) -> float:
     """Median wall microseconds of ``fn()`` with the device synchronised after each call."""
     times = []
@@ -117,14 +191,23 @@ def run(args: argparse.Namespace) -> list[tuple]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     results = []
-    for batch in args.batches:
-        for rows in args.rows:
-            logits = torch.randn(batch * rows, args.vocab, device=device).mul_(3).to(dtype)
-            for mode in args.modes:
-                loop_us, batched_us, same = time_cell(logits, batch, rows, mode, args.iters)
-                results.append((batch, rows, mode, loop_us, batched_us, same))
-                print(f"| {batch} | {rows} | {mode} | {loop_us:.0f} | {batched_us:.0f} | "
-                      f"{loop_us / batched_us:.2f}x | {same} of {batch * rows} |", flush=True)
+    for what in args.what:
+        print(f"\n{what}: per-request loop vs batched; V = {args.vocab}, {args.dtype}, {args.device}")
+        print("| batch | rows | mode | loop us | batched us | speedup | same picks / rows |\n"
+              "|---:|---:|---|---:|---:|---:|---:|")
+        for batch in args.batches:
+            for rows in args.rows:
+                logits = torch.randn(batch * rows, args.vocab, device=device).mul_(3).to(dtype)
+                if what == "sampling":
+                    cells = [(mode, time_cell(logits, batch, rows, mode, args.iters)) for mode in args.modes]
+                elif what == "penalties":
+                    cells = [("pres+freq+rep", time_penalties(logits, batch, rows, args.iters))]
+                else:
+                    cells = [("5 a token", time_logprobs(logits, batch, rows, args.iters))]
+                for mode, (loop_us, batched_us, same) in cells:
+                    results.append((what, batch, rows, mode, loop_us, batched_us, same))
+                    print(f"| {batch} | {rows} | {mode} | {loop_us:.0f} | {batched_us:.0f} | "
+                          f"{loop_us / batched_us:.2f}x | {same} |", flush=True)
     return results
 
 
@@ -137,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default="1,4", help="rows a request (1: decode; K + 1: verify)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma separated: {', '.join(MODES)}")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--what", default="sampling,penalties,logprobs",
+                        help="comma separated: sampling, penalties, logprobs")
     args = parser.parse_args(argv)
     for flag in ("batches", "rows"):
         try:
@@ -146,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if min(values) < 1:
             parser.error(f"--{flag}: every value must be >= 1")
         setattr(args, flag, values)
+    args.what = args.what.split(",")
+    if any(w not in ("sampling", "penalties", "logprobs") for w in args.what):
+        parser.error(f"--what: {args.what!r}; choose from sampling, penalties, logprobs")
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -154,11 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    print(f"sample_rows: per-request loop vs batched; V = {args.vocab}, {args.dtype}, {args.device}")
-    print("| batch | rows | mode | loop us | batched us | speedup | same picks (seeded: same draws) |\n"
-          "|---:|---:|---|---:|---:|---:|---:|")
-    run(args)
+    run(parse_args(argv))
 
 
 if __name__ == "__main__":

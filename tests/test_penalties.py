@@ -238,3 +238,6 @@ def test_a_batch_is_penalised_as_each_request_alone(monkeypatch):
         rows = slice(i * (k + 1), (i + 1) * (k + 1))
         alone = penalized_rows(logits[rows], [seqs[i]], k + 1, drafts[i : i + 1])[0]
         assert torch.equal(seq, alone), params[i]
+    # the repetition penalty's prompt mask is made once per request and kept
+    assert [s.prompt_mask is not None for s in seqs] == [p.repetition_penalty != 1.0 for p in params]
+    assert torch.equal(seqs[2].prompt_mask.nonzero().view(-1), torch.tensor([1, 2, 5]))

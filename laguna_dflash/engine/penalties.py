@@ -47,8 +47,9 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
         return {}
     vocab, device = logits.shape[-1], logits.device
     tables: dict[str, list] = {name: [] for name in (
-        "rows", "ban_row", "ban_token", "bias_row", "bias_token", "bias_value", "out_request",
-        "out_token", "prompt_request", "prompt_token", "draft_row", "draft_index")}
+        "rows", "ban_row", "ban_token", "bias_row", "bias_token", "bias_value", "out_token",
+        "draft_row", "draft_index")}
+    tables["out_length"] = [0] * len(chosen)
     rep, freq, pres = [], [], []
     for pos, i in enumerate(chosen):
         seq, p = seqs[i], seqs[i].params
@@ -68,41 +69,56 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
         pres.append(p.presence_penalty)
         if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
             continue
-        tables["out_request"] += [pos] * len(seq.output_token_ids)
         tables["out_token"] += seq.output_token_ids
-        if p.repetition_penalty != 1.0:
-            tables["prompt_request"] += [pos] * len(seq.prompt_token_ids)
-            tables["prompt_token"] += seq.prompt_token_ids
+        tables["out_length"][pos] = len(seq.output_token_ids)
         if drafts is not None and n > 1:  # row j also counts d_1 .. d_j
             for j in range(1, n):
                 tables["draft_row"] += [pos * n + j] * j
                 tables["draft_index"] += range(i * (n - 1), i * (n - 1) + j)
     values = tables.pop("bias_value")
     lengths = [len(v) for v in tables.values()]
-    flat = to_device_async(torch.tensor([x for v in tables.values() for x in v], dtype=torch.long), device)
+    flat = to_device_async(torch.cat([torch.tensor(v, dtype=torch.long) for v in tables.values()]), device)
     ints = dict(zip(tables, flat.split(lengths)))
     x = logits.index_select(0, ints["rows"]).float()  # a copy: logprobs stay the model's raw ones
+    # every scatter below is into a flattened [rows * V] view: entry (r, t) is r * V + t
     if tables["ban_row"]:
-        x[ints["ban_row"], ints["ban_token"]] = float("-inf")
-    if values:
-        x.index_put_((ints["bias_row"], ints["bias_token"]),
-                     to_device_async(torch.tensor(values, dtype=torch.float32), device), accumulate=True)
-    if tables["out_request"] or tables["draft_row"]:
+        x.view(-1)[ints["ban_row"] * vocab + ints["ban_token"]] = float("-inf")
+    if values:  # one (row, token) pair a bias entry: adds, never two to one entry
+        x.view(-1).index_add_(0, ints["bias_row"] * vocab + ints["bias_token"],
+                              to_device_async(torch.tensor(values, dtype=torch.float32), device))
+    if any(r != 1.0 or f or q for r, f, q in zip(rep, freq, pres)):
+        num_out = len(tables["out_token"])
+        out_request = torch.repeat_interleave(torch.arange(len(chosen), device=device), ints["out_length"],
+                                              output_size=num_out)  # output_size: no host sync
         counts = torch.zeros(len(chosen), vocab, dtype=torch.float32, device=device)
-        counts.index_put_((ints["out_request"], ints["out_token"]),
-                          torch.ones((), device=device).expand(len(tables["out_token"])), accumulate=True)
+        counts.view(-1).index_add_(0, out_request * vocab + ints["out_token"],
+                                   torch.ones((), device=device).expand(num_out))
         counts = counts.repeat_interleave(n, dim=0) if n > 1 else counts  # [M * n, V]
         if tables["draft_row"]:
-            counts.index_put_((ints["draft_row"], drafts.reshape(-1)[ints["draft_index"]].long()),
-                              torch.ones((), device=device).expand(len(tables["draft_row"])), accumulate=True)
+            tokens = drafts.reshape(-1)[ints["draft_index"]].long()
+            counts.view(-1).index_add_(0, ints["draft_row"] * vocab + tokens,
+                                       torch.ones((), device=device).expand(len(tables["draft_row"])))
         columns = to_device_async(torch.tensor([rep, freq, pres], dtype=torch.float32), device)
         rep_c, freq_c, pres_c = (c.repeat_interleave(n).view(-1, 1) for c in columns.unbind(0))
         if any(r != 1.0 for r in rep):  # seen: in the prompt or the outputs (drafts included)
-            seen = counts > 0
-            seen.view(len(chosen), n, vocab)[ints["prompt_request"], :, ints["prompt_token"]] = True
+            blank = torch.zeros(vocab, dtype=torch.bool, device=device)  # repetition 1: no-op anyway
+            in_prompt = torch.stack([_prompt_mask(seqs[i], vocab, device) if r != 1.0 else blank
+                                     for i, r in zip(chosen, rep)])
+            seen = (counts > 0) | (in_prompt.repeat_interleave(n, dim=0) if n > 1 else in_prompt)
             x = torch.where(seen, torch.where(x > 0, x / rep_c, x * rep_c), x)
         if any(freq):
             x -= freq_c * counts
         if any(pres):
             x -= pres_c * (counts > 0).float()
     return {i: x[pos * n : (pos + 1) * n] for pos, i in enumerate(chosen)}
+
+
+def _prompt_mask(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[V]`` bool on ``device``: the tokens of ``seq``'s prompt, uploaded on first use and kept
+    on the request (the prompt never changes)."""
+    mask = seq.prompt_mask
+    if mask is None or mask.shape[0] != vocab or mask.device != device:
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[to_device_async(torch.tensor(seq.prompt_token_ids, dtype=torch.long), device)] = True
+        seq.prompt_mask = mask
+    return mask

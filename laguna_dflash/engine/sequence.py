@@ -59,6 +59,9 @@ class Sequence:
     num_registered_blocks: int = 0
     num_admitted_cached_tokens: int = 0
     num_cached_tokens: int = 0
+    # the repetition penalty's "in the prompt" mask [V] bool on the device, made on first use
+    # (engine/penalties.py): the prompt goes up once, not every step
+    prompt_mask: torch.Tensor | None = None
 
     @property
     def num_final_positions(self) -> int:

@@ -99,11 +99,12 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
             counts.view(-1).index_add_(0, ints["draft_row"] * vocab + tokens,
                                        torch.ones((), device=device).expand(len(tables["draft_row"])))
         columns = to_device_async(torch.tensor([rep, freq, pres], dtype=torch.float32), device)
-        rep_c, freq_c, pres_c = (c.repeat_interleave(n).view(-1, 1) for c in columns.unbind(0))
+        rep_c, freq_c, pres_c = ((c.repeat_interleave(n) if n > 1 else c).view(-1, 1) for c in columns.unbind(0))
         if any(r != 1.0 for r in rep):  # seen: in the prompt or the outputs (drafts included)
-            blank = torch.zeros(vocab, dtype=torch.bool, device=device)  # repetition 1: no-op anyway
-            in_prompt = torch.stack([_prompt_mask(seqs[i], vocab, device) if r != 1.0 else blank
-                                     for i, r in zip(chosen, rep)])
+            blank = (None if all(r != 1.0 for r in rep)  # repetition 1: a no-op whatever it sees
+                     else torch.zeros(vocab, dtype=torch.bool, device=device))
+            masks = [_prompt_mask(seqs[i], vocab, device) if r != 1.0 else blank for i, r in zip(chosen, rep)]
+            in_prompt = masks[0].view(1, -1) if len(masks) == 1 else torch.stack(masks)
             seen = (counts > 0) | (in_prompt.repeat_interleave(n, dim=0) if n > 1 else in_prompt)
             x = torch.where(seen, torch.where(x > 0, x / rep_c, x * rep_c), x)
         if any(freq):

@@ -471,10 +471,13 @@ def _mixed_batch() -> tuple[list[SamplingParams], list[int | None]]:
     return params, seeds
 
 
-def test_filtered_probs_rows_equal_each_row_filtered_alone():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_filtered_probs_rows_equal_each_row_filtered_alone(device):
     # batched filtering is row-wise: every row's probabilities are bitwise those of the row
-    # filtered alone, and a filter one row uses leaves the other rows untouched
-    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(2)) * 3
+    # filtered alone (scalar parameters there, columns here), and a filter one row uses leaves
+    # the other rows untouched
+    logits = (torch.randn(6, 64, generator=torch.Generator().manual_seed(2)) * 3).to(device)
     params, _ = _mixed_batch()
     params[0] = SamplingParams(temperature=0.8)
     rows = filtered_probs_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
@@ -482,7 +485,7 @@ def test_filtered_probs_rows_equal_each_row_filtered_alone():
     for row, p, got in zip(logits, params, rows):
         alone = filtered_probs(row[None], p.temperature, p.top_k, p.top_p, p.min_p)[0]
         assert torch.equal(got, alone), p
-    plain = torch.softmax(logits[4:5].float() / 0.5, -1)[0]
+    plain = torch.softmax(logits[4:5].float() * 2.0, -1)[0]
     assert torch.equal(rows[4], plain)  # no filter of its own: the softmax, not renormalised
 
 

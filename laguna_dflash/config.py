@@ -82,7 +82,7 @@ _SAMPLING_FIELD_TYPES = {
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (vLLM semantics). ``temperature == 0`` means greedy."""
+    """Per-request sampling settings (vLLM semantics). ``temperature < 1e-5`` (0 too) means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -182,7 +182,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy (vLLM's epsilon: 1 / T would overflow float32)."""
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:

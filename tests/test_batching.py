@@ -244,6 +244,21 @@ def test_logprobs_of_a_batch_are_each_requests_alone(llm: LLM, monkeypatch):
             assert all(abs(ea[t] - eb[t]) <= 1e-5 for t in ea)
 
 
+def test_unseeded_sampled_requests_draw_their_noise_in_one_call(llm: LLM, monkeypatch):
+    """The engine's generator serves every unseeded sampled request of a step in one
+    ``exponential_`` call; a seeded request draws from its own (one call a row)."""
+    calls = []
+    real = torch.Tensor.exponential_
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    unseeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, ignore_eos=True)
+    llm.generate(prompt_token_ids=PROMPTS[:5], sampling_params=unseeded)
+    assert len(calls) <= 6  # one a step (the prefill's step included), not five
+    calls.clear()
+    seeded = [unseeded] * 4 + [SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True)]
+    llm.generate(prompt_token_ids=PROMPTS[:5], sampling_params=seeded)
+    assert len(calls) <= 12
+
+
 def test_prompt_logprobs_match_reference(ckpt: Path, llm: LLM):
     """``prompt_logprobs=2``: ``None`` for the first prompt token, then one dict per prompt token
     with that token and the top-2, values = log_softmax of the reference logits one position

@@ -9,7 +9,12 @@ from laguna_dflash.config import EngineConfig, SamplingParams, SpeculativeConfig
 from laguna_dflash.engine.attention import AttentionMetadata
 from laguna_dflash.engine.kv_cache import BlockAllocator
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
-from laguna_dflash.engine.sampler import filtered_probs, filtered_probs_rows, sample_rows
+from laguna_dflash.engine.sampler import (
+    filtered_probs,
+    filtered_probs_rows,
+    sample_rows,
+    top_logprobs,
+)
 from laguna_dflash.engine.scheduler import Scheduler
 from laguna_dflash.engine.sequence import Sequence, Status
 from laguna_dflash.engine.spec_decode import SpecDecodingStats, num_accepted
@@ -550,3 +555,22 @@ def test_shared_parameters_need_no_upload_and_varying_ones_one(monkeypatch):
     mixed = [same, SamplingParams(temperature=0.9, top_p=0.8), same, SamplingParams(temperature=0.5)]
     sample_rows(logits, mixed, [None] * 4)
     assert len(uploads) == 1 and uploads[0][1] == 4  # one [num_varying, N] table
+
+
+def test_top_logprobs_of_a_row_do_not_depend_on_its_batch_mates_counts():
+    # tied logprobs (bf16): which tied ids top-3 reports must not change because another row
+    # of the step asked for 20
+    logits = (torch.randn(40, 300, generator=torch.Generator().manual_seed(6)) * 2).bfloat16()
+    logits[:, 10:20] = logits[:, 10:11]  # ten tied tokens a row
+    tokens = torch.zeros(40, dtype=torch.long)
+    alone = [top_logprobs(logits[r : r + 1], tokens[r : r + 1], 3)[0] for r in range(40)]
+    mixed = top_logprobs(logits, tokens, [3 if r % 2 else 20 for r in range(40)])
+    assert all(mixed[r] == alone[r] for r in range(1, 40, 2))
+    assert all(len(mixed[r]) in (20, 21) for r in range(0, 40, 2))
+
+
+def test_tiny_temperatures_are_greedy_and_no_rows_is_no_probs():
+    logits = torch.tensor([[-1.0, 0.0, -3.0]])
+    p = SamplingParams(temperature=1e-39)
+    assert p.is_greedy and sample_rows(logits, [p], [None]).tolist() == [1]
+    assert filtered_probs(torch.zeros(0, 7), 0.7, 3, 0.9).shape == (0, 7)

@@ -463,8 +463,9 @@ class LLMEngine:
         if self._ops is not None:
             self._ops.append(("reset_prefix_cache",))
 
-    def _gens(self, seqs: list[Sequence]) -> list[torch.Generator]:
-        return [s.generator or self.generator for s in seqs]
+    def _gens(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
+        """Each request's own generator (seeded requests), None for the engine's one."""
+        return [s.generator for s in seqs]
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -585,7 +586,7 @@ class LLMEngine:
             logits = self.target.lm_head_logits(hidden[to_device_async(last_rows, self.device)])
             ended = [seqs[i] for i in done]
             tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended),
-                                 replaced=penalized_rows(logits, ended)).tolist()
+                                 replaced=penalized_rows(logits, ended), global_generator=self.generator).tolist()
             logprob_rows = []
             for j, s in enumerate(ended):
                 self._commit(s, [tokens[j]], j, logprob_rows)
@@ -631,7 +632,7 @@ class LLMEngine:
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.lm_head_logits(hidden)
         sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs),
-                              replaced=penalized_rows(logits, seqs))
+                              replaced=penalized_rows(logits, seqs), global_generator=self.generator)
         if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
             self._ahead = self._queue_forward_ahead(seqs, sampled)
@@ -724,7 +725,8 @@ class LLMEngine:
         # commit to the last emitted row's (one draw per output position, engine/sampler.py)
         states = {i: [] for i, s in enumerate(seqs) if s.generator is not None and not s.params.is_greedy}
         target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1,
-                                    replaced=penalized_rows(logits, seqs, k + 1, drafts), states=states)
+                                    replaced=penalized_rows(logits, seqs, k + 1, drafts), states=states,
+                                    global_generator=self.generator)
         target_tokens = target_tokens.view(len(seqs), k + 1)
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
             accepted = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),

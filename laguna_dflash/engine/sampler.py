@@ -54,6 +54,8 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     Speculative decoding samples the target's rows through this same function, so any filter
     here keeps it lossless.
     """
+    if logits.shape[0] == 0:
+        return logits.float()  # [0, V]
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     uses_min_p, uses_top_k, uses_top_p = (any(m > 0.0 for m in min_p), any(ks),
@@ -113,12 +115,14 @@ def sample_rows(
     rows_per_request: int = 1,
     replaced: dict[int, torch.Tensor] | None = None,
     states: dict[int, list[torch.Tensor]] | None = None,
+    global_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits [R * rows_per_request, V]`` (any float dtype: greedy
     rows take the argmax as given, sampled rows widen to float32 first) -> ``[R * rows]`` int64.
 
     Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
-    own params and generator (``None`` = the global RNG). ``replaced[i]`` ``[rows, V]``: the
+    own params and generator (``None``: ``global_generator``, the engine's, or torch's default
+    when that is None too). ``replaced[i]`` ``[rows, V]``: the
     logits request ``i`` samples from instead of its rows (its penalised rows,
     engine/penalties.py). ``states[i]`` (an empty list, for sampled requests with their own
     generator): filled with the generator's state after each of request ``i``'s rows, drawn one
@@ -155,7 +159,7 @@ def sample_rows(
     noise = torch.empty_like(probs)
     num_global = sum(generators[i] is None for i in sampled) * rows
     if num_global:
-        noise[:num_global].exponential_()
+        noise[:num_global].exponential_(generator=global_generator)
     for pos, i in enumerate(sampled[num_global // rows :], start=num_global // rows):
         gen, own_states = generators[i], states.get(i) if states else None
         if own_states is None:
@@ -182,19 +186,30 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     rows in one pass and one device-to-host copy (``[N, 1 + 2 max n]`` float32: the chosen
     logprob, the top values, the top ids, exact below 2^24), however many requests they hold.
     """
-    counts = [n] * logits.shape[0] if isinstance(n, int) else list(n)
-    max_n = min(max(counts, default=0), logits.shape[-1])
+    counts = [min(c, logits.shape[-1]) for c in ([n] * logits.shape[0] if isinstance(n, int) else n)]
+    max_n = max(counts, default=0)
     logp = torch.log_softmax(logits.float(), dim=-1)
     # the engine builds ``tokens`` on the host; gathering with it on a GPU needs it there
-    parts = [logp.gather(-1, tokens.to(logp.device).view(-1, 1))]
+    parts = [logp.gather(-1, to_device_async(tokens, logp.device).view(-1, 1))]
     if max_n > 0:
-        vals, ids = torch.topk(logp, max_n, dim=-1)
-        parts += [vals, ids.float()]
+        # one top-k per distinct count: which of tied tokens a row reports depends on k, so a
+        # row's entries must not depend on the counts its batch mates asked for
+        vals = torch.zeros(logp.shape[0], max_n, device=logp.device)
+        ids = torch.zeros(logp.shape[0], max_n, device=logp.device)
+        for count in sorted(set(counts) - {0}):
+            rows = [r for r, c in enumerate(counts) if c == count]
+            index = None if len(rows) == len(counts) else to_device_async(torch.tensor(rows), logp.device)
+            top = torch.topk(logp if index is None else logp.index_select(0, index), count, dim=-1)
+            if index is None:
+                vals[:, :count], ids[:, :count] = top.values, top.indices.float()
+            else:
+                vals[index, :count], ids[index, :count] = top.values, top.indices.float()
+        parts += [vals, ids]
     table = torch.cat(parts, dim=1).tolist()
     result = []
     for row, tok, count in zip(table, tokens.tolist(), counts):
         entry = {int(tok): row[0]}
-        for v, t in zip(row[1 : 1 + min(count, max_n)], row[1 + max_n : 1 + max_n + min(count, max_n)]):
+        for v, t in zip(row[1 : 1 + count], row[1 + max_n : 1 + max_n + count]):
             entry.setdefault(int(t), v)
         result.append(entry)
     return result

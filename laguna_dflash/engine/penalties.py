@@ -60,6 +60,9 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
         for j in range(max(num_banned, 0) if stops else 0):
             tables["ban_row"] += [pos * n + j] * len(stops)
             tables["ban_token"] += stops
+        # ids were checked against the vocabulary at add_request; a flat index past a row's end
+        # would land in the next row
+        assert all(0 <= t < vocab for t in p.logit_bias or ()), "logit_bias id past the vocabulary"
         for j in range(n) if p.logit_bias else ():
             tables["bias_row"] += [pos * n + j] * len(p.logit_bias)
             tables["bias_token"] += list(p.logit_bias)

@@ -115,6 +115,10 @@
 #   bash benchmarks/gpu_check.sh graphs-count  # DFlash later-step medians with prefill graphs
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
+#   bash benchmarks/gpu_check.sh sampling   # sampling, penalties and logprobs against their old
+#                                           # per-request loops (bench_sampler.py), the sampler's
+#                                           # CUDA tests, then sampled decode tokens/s at batch 1
+#                                           # and 64 (bench_sampled_decode.py; ~6 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -447,6 +451,14 @@ case "$stage" in
     echo "pytest exit ${?} (124: cut by the time limit)"
     grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40
     sed -n '/slowest/,/^$/p' "$log" | head -12 ;;
+  sampling)
+    echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
+    timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
+    echo "== the sampler's CUDA tests and the seeded-sampling CUDA test"
+    gpu_tests 120 tests/test_engine_units.py tests/test_spec_edge_cases.py -k cuda | tail -6
+    echo "== sampled decode tokens/s (distinct prompts), target-only and DFlash K = 3 at L = 4"
+    timeout 240 python benchmarks/bench_sampled_decode.py --batches 1,64 --rounds 1 --new-tokens 64 \
+      2>&1 | quiet | grep -E "^\||rror" ;;
   ep)
     echo "== expert parallelism: the MoE kernels' skipped pairs (CUDA)"
     gpu_tests 150 tests/test_kernel_moe_gemv.py tests/test_kernel_fused_moe.py \

@@ -751,3 +751,16 @@ def reference_target_greedy(
     target = load_reference_target(target_dir, device)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
     return _greedy_no_cache(target, ids, max_new_tokens)[0, ids.shape[1] :].tolist()
+
+
+def make_served_pair(root: str | Path, block_size: int, distill_steps: int) -> tuple[Path, Path]:
+    """The tiny Laguna target (vocabulary 384, with a tokenizer) and a one-layer z-lab drafter
+    distilled for ``distill_steps``, under ``root``: the pair the server and text-API tests use."""
+    import hf_fixtures as hf
+
+    root = Path(root)
+    target = make_tiny_laguna_target(root / "target", seed=0, vocab_size=384)
+    draft = make_zlab_drafter(root / "draft", target, num_layers=1, block_size=block_size,
+                              distill_steps=distill_steps)
+    hf.make_tokenizer(target, 384)
+    return target, draft

@@ -14,13 +14,8 @@ K = 3
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     import dflash_fixtures as df
-    import hf_fixtures as hf
 
-    root = tmp_path_factory.mktemp("offline-stop")
-    target = df.make_tiny_laguna_target(root / "target", seed=0, vocab_size=384)
-    draft = df.make_zlab_drafter(root / "draft", target, num_layers=1, block_size=K + 1,
-                                 distill_steps=200)
-    hf.make_tokenizer(target, 384)
+    target, draft = df.make_served_pair(tmp_path_factory.mktemp("offline-stop"), K + 1, distill_steps=200)
     return LLM(str(target), block_size=8), LLM(str(target), draft=str(draft), block_size=8)
 
 

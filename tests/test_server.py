@@ -71,13 +71,8 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     import dflash_fixtures as df
-    import hf_fixtures as hf
 
-    root = tmp_path_factory.mktemp("server")
-    target = df.make_tiny_laguna_target(root / "target", seed=0, vocab_size=384)
-    draft = df.make_zlab_drafter(root / "draft", target, num_layers=1, block_size=K + 1,
-                                 distill_steps=500)
-    hf.make_tokenizer(target, 384)
+    target, draft = df.make_served_pair(tmp_path_factory.mktemp("server"), K + 1, distill_steps=500)
     args = build_parser().parse_args([
         "serve", "--model", str(target), "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", str(draft), "--speculative-num-draft-tokens", str(K + 1),

@@ -194,20 +194,26 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     if max_n > 0:
         # one top-k per distinct count: which of tied tokens a row reports depends on k, so a
         # row's entries must not depend on the counts its batch mates asked for
+        if set(counts) == {max_n}:  # one count for every row (batch 1 always): one top-k, no buffers
+            top = torch.topk(logp, max_n, dim=-1)
+            return _logprob_entries(torch.cat([parts[0], top.values, top.indices.float()], dim=1),
+                                    tokens, counts, max_n)
         vals = torch.zeros(logp.shape[0], max_n, device=logp.device)
         ids = torch.zeros(logp.shape[0], max_n, device=logp.device)
         for count in sorted(set(counts) - {0}):
-            rows = [r for r, c in enumerate(counts) if c == count]
-            index = None if len(rows) == len(counts) else to_device_async(torch.tensor(rows), logp.device)
-            top = torch.topk(logp if index is None else logp.index_select(0, index), count, dim=-1)
-            if index is None:
-                vals[:, :count], ids[:, :count] = top.values, top.indices.float()
-            else:
-                vals[index, :count], ids[index, :count] = top.values, top.indices.float()
+            index = to_device_async(torch.tensor([r for r, c in enumerate(counts) if c == count]), logp.device)
+            top = torch.topk(logp.index_select(0, index), count, dim=-1)
+            vals[index, :count], ids[index, :count] = top.values, top.indices.float()
         parts += [vals, ids]
-    table = torch.cat(parts, dim=1).tolist()
+    return _logprob_entries(torch.cat(parts, dim=1), tokens, counts, max_n)
+
+
+def _logprob_entries(table: torch.Tensor, tokens: torch.Tensor, counts: list[int],
+                     max_n: int) -> list[dict[int, float]]:
+    """``table [N, 1 + 2 max_n]`` (chosen logprob, top values, top ids as floats), brought to the
+    host in one copy -> one ``{token: logprob}`` dict a row, ``counts[r]`` top entries each."""
     result = []
-    for row, tok, count in zip(table, tokens.tolist(), counts):
+    for row, tok, count in zip(table.tolist(), tokens.tolist(), counts):
         entry = {int(tok): row[0]}
         for v, t in zip(row[1 : 1 + count], row[1 + max_n : 1 + max_n + count]):
             entry.setdefault(int(t), v)

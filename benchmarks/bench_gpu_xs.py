@@ -208,11 +208,15 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm
     return (after["decode_s"] - before["decode_s"]) / steps
 
 
-def prefill_time(llm: LLM, prompt: list[int], batch: int) -> float:
+def prefill_time(llm: LLM, prompt: list[int], batch: int, warm: bool = False) -> float:
     """Seconds of the prefill step of ``batch`` prompts (:func:`batch_prompts`; one token generated: no
     decode step); with a drafter it includes the prompts' drafter context store. The whole
-    prompt is computed: the prefix cache is emptied first."""
+    prompt is computed: the prefix cache is emptied first. ``warm``: one untimed prefill first
+    (a shape's first prefill pays its first-use costs: a graph capture or a compile; a one-round
+    run read 485 ms for a 50 ms step without it, 2026-12-02)."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    if warm:
+        prefill_time(llm, prompt, batch)
     llm.reset_prefix_cache()
     before = llm.get_metrics()
     llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
@@ -473,10 +477,10 @@ def main() -> None:
                 engine.simulated_acceptance = None
                 t = step_time(spec, prompt, args.new_tokens, b, warm=rnd == 0)
                 base[b] = min(t, base.get(b, t))
-                t = prefill_time(spec, prompt, b)
+                t = prefill_time(spec, prompt, b, warm=rnd == 0)
                 prefill[b, False] = min(t, prefill.get((b, False), t))
                 engine.proposer, engine.tap_layer_ids = proposer, tuple(engine.drafter.target_layer_ids)
-                t = prefill_time(spec, prompt, b)
+                t = prefill_time(spec, prompt, b, warm=rnd == 0)
                 prefill[b, True] = min(t, prefill.get((b, True), t))
                 for length in (float(x) for x in args.simulated.split(",")):
                     # K = 0 (no drafting: the target decodes, the drafter's context still kept)

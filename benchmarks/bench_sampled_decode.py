@@ -6,9 +6,9 @@ bench_gpu_xs.py's builders, bf16, the engine's defaults) decodes with four sampl
 * ``greedy``: temperature 0 (the baseline of the ratios);
 * ``temp``: temperature 0.7, no filters;
 * ``top-p``: temperature 0.7, top_p 0.95, top_k 50;
-* ``seeded``: temperature 0.7, top_p 0.95, a distinct seed per request (each request then draws
-  from its own generator; a verify draws its rows one at a time to rewind to the last emitted
-  one, engine/sampler.py).
+* ``seeded``: temperature 0.7, top_p 0.95, a distinct seed per request (its noise then comes
+  from the counter-based generator at its output positions, every seeded row of a step in one
+  launch, engine/sampler.py).
 
 Per batch size (``--batches``) two engine setups on the same weights: target-only (the drafter
 detached, as bench_gpu_xs.py's target-only cells) and DFlash with K = ``--k`` drafts a step at a

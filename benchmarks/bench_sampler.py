@@ -8,6 +8,13 @@ request); the baseline here is that loop, kept in this file as it was. Both are 
 same process on the same logits: wall time per call including the host's launches, the device
 synchronised after each call (the step waits for its tokens), median of ``--iters``.
 
+``seeded``: the baseline draws each request's noise from its own ``torch.Generator`` (at a
+verify a row at a time, recording the state after each: the engine's mechanism before the
+counter-based noise); the batched code takes every seeded row's noise from one
+``counter_exponential`` launch (kernels/counter_noise.py). The "same picks" column compares the
+batched picks with the loop fed that counter noise (untimed), so it checks the batched filter
+and race, not the noise source.
+
     python benchmarks/bench_sampler.py                     # on the H200: V = 100352, bf16
     python benchmarks/bench_sampler.py --device cpu --vocab 4096 --iters 3   # wiring check
 
@@ -32,6 +39,7 @@ from laguna_dflash.engine.runner import to_device_async
 from laguna_dflash.engine.sampler import sample_rows, top_logprobs
 from laguna_dflash.engine.sequence import Sequence
 from laguna_dflash.kernels.argmax import argmax_rows
+from laguna_dflash.kernels.counter_noise import counter_exponential, seed_key
 
 MODES = {
     "greedy": dict(temperature=0.0),
@@ -63,8 +71,11 @@ def loop_filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor
 
 def loop_sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None], rows: int,
-                     states: dict[int, list] | None) -> torch.Tensor:
-    """The per-request sampling loop as it was (baseline)."""
+                     states: dict[int, list] | None,
+                     positions: list[int] | None = None) -> torch.Tensor:
+    """The per-request sampling loop as it was (baseline). ``positions`` (the untimed agreement
+    check): a seeded request takes the counter noise at its positions instead of its generator's
+    draws."""
     out = argmax_rows(logits)
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.is_greedy:
@@ -73,7 +84,11 @@ def loop_sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         probs = loop_filtered_probs(logits[block], p)
         noise = torch.empty_like(probs)
         own_states = states.get(i) if states else None
-        if own_states is None:
+        if positions is not None and p.seed is not None:
+            counter_exponential(torch.full((rows,), seed_key(p.seed), device=logits.device),
+                                torch.arange(positions[i], positions[i] + rows, device=logits.device),
+                                noise.shape[-1], logits.device, out=noise)
+        elif own_states is None:
             noise.exponential_(generator=gen)
         else:
             for r in range(noise.shape[0]):
@@ -178,10 +193,11 @@ def time_cell(logits: torch.Tensor, batch: int, rows: int, mode: str, iters: int
     def states() -> dict[int, list] | None:  # a verify (rows > 1) records the seeded states
         return {i: [] for i in range(batch)} if seeded and rows > 1 else None
 
+    positions = [17 * i for i in range(batch)]  # each request's output position (seeded noise)
     loop_us = time_call(lambda: loop_sample_rows(logits, params, gens(), rows, states()), device, iters)
-    batched_us = time_call(lambda: sample_rows(logits, params, gens(), rows, states=states()), device, iters)
-    a = loop_sample_rows(logits, params, gens(), rows, states())
-    b = sample_rows(logits, params, gens(), rows, states=states())
+    batched_us = time_call(lambda: sample_rows(logits, params, positions, rows), device, iters)
+    a = loop_sample_rows(logits, params, gens(), rows, states(), positions if seeded else None)
+    b = sample_rows(logits, params, positions, rows)
     if mode == "greedy" and not torch.equal(a, b):
         raise AssertionError("greedy rows differ between the loop and the batch")
     return loop_us, batched_us, int((a == b).sum())

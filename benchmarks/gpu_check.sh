@@ -454,8 +454,9 @@ case "$stage" in
   sampling)
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
-    echo "== the sampler's CUDA tests and the seeded-sampling CUDA test"
-    gpu_tests 120 tests/test_engine_units.py tests/test_spec_edge_cases.py -k cuda | tail -6
+    echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"
+    gpu_tests 120 tests/test_kernel_counter_noise.py tests/test_engine_units.py \
+      tests/test_spec_edge_cases.py -k cuda | tail -8
     echo "== sampled decode tokens/s (distinct prompts), target-only and DFlash K = 3 at L = 4"
     timeout 240 python benchmarks/bench_sampled_decode.py --batches 1,64 --rounds 1 --new-tokens 64 \
       2>&1 | quiet | grep -E "^\||rror" ;;

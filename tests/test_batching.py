@@ -244,19 +244,27 @@ def test_logprobs_of_a_batch_are_each_requests_alone(llm: LLM, monkeypatch):
             assert all(abs(ea[t] - eb[t]) <= 1e-5 for t in ea)
 
 
-def test_unseeded_sampled_requests_draw_their_noise_in_one_call(llm: LLM, monkeypatch):
+def test_sampled_requests_draw_their_noise_in_one_call_a_step(llm: LLM, monkeypatch):
     """The engine's generator serves every unseeded sampled request of a step in one
-    ``exponential_`` call; a seeded request draws from its own (one call a row)."""
-    calls = []
-    real = torch.Tensor.exponential_
+    ``exponential_`` call; the seeded requests' rows take one counter-noise launch a step
+    together, at their output positions (engine/sampler.py), however many there are."""
+    import laguna_dflash.engine.sampler as sampler
+    calls, launches = [], []
+    real, real_counter = torch.Tensor.exponential_, sampler.counter_exponential
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    monkeypatch.setattr(sampler, "counter_exponential", lambda seeds, positions, *a, **kw: launches.append(
+        (seeds.tolist(), positions.tolist())) or real_counter(seeds, positions, *a, **kw))
     unseeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, ignore_eos=True)
     llm.generate(prompt_token_ids=PROMPTS[:5], sampling_params=unseeded)
-    assert len(calls) <= 6  # one a step (the prefill's step included), not five
+    assert len(calls) <= 6 and not launches  # one a step (the prefill's step included), not five
     calls.clear()
-    seeded = [unseeded] * 4 + [SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True)]
+    seeded = [unseeded] * 3 + [SamplingParams(temperature=0.9, seed=s, max_tokens=6, ignore_eos=True)
+                               for s in (4, 5)]
     llm.generate(prompt_token_ids=PROMPTS[:5], sampling_params=seeded)
-    assert len(calls) <= 12
+    assert len(calls) <= 6 and len(launches) == len(calls)  # both kinds in every step
+    # every output position 0..5 of both seeded requests, each once
+    rows = sorted((s, p) for seeds, positions in launches for s, p in zip(seeds, positions))
+    assert rows == sorted((s, p) for s in (4, 5) for p in range(6))
 
 
 def test_prompt_logprobs_match_reference(ckpt: Path, llm: LLM):

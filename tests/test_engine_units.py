@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -73,12 +75,15 @@ def test_min_p_keeps_tokens_within_its_ratio_of_the_most_likely():
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     logits = torch.randn(4, 50)
     sp = SamplingParams(temperature=0.8, seed=1)
-    g1 = [torch.Generator().manual_seed(7) for _ in range(4)]
-    g2 = [torch.Generator().manual_seed(7) for _ in range(4)]
-    a = sample_rows(logits, [sp] * 4, g1)
-    b = sample_rows(logits, [sp] * 4, g2)
-    assert torch.equal(a, b)
-    greedy = sample_rows(logits, [SamplingParams(temperature=0)] * 4, [None] * 4)
+    a = sample_rows(logits, [sp] * 4, [0, 1, 2, 3])
+    assert torch.equal(a, sample_rows(logits, [sp] * 4, [0, 1, 2, 3]))
+    # a row's noise is its (seed, position)'s: one request at position 2 alone, and a verify of
+    # four rows from position 0 (rows at positions 0..3), pick what the four decodes picked
+    assert torch.equal(sample_rows(logits[2:3], [sp], [2]), a[2:3])
+    assert torch.equal(sample_rows(logits, [sp], [0], 4), a)
+    with pytest.raises(ValueError, match="positions"):
+        sample_rows(logits, [sp] * 4)
+    greedy = sample_rows(logits, [SamplingParams(temperature=0)] * 4)
     assert torch.equal(greedy, logits.argmax(-1))
 
 
@@ -89,7 +94,7 @@ def test_a_zero_noise_draw_never_picks_a_filtered_token(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **kw: self.zero_())
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.5, top_p=0.3),
               SamplingParams(temperature=1.0, min_p=0.5)]
-    picks = sample_rows(logits, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    picks = sample_rows(logits, params)  # unseeded: the engine's generator, zeroed here
     for row, p, pick in zip(logits, params, picks.tolist()):
         kept = filtered_probs(row[None], p.temperature, p.top_k, p.top_p, p.min_p)[0] > 0
         assert kept[pick], (p, pick)
@@ -100,11 +105,9 @@ def test_sampling_bf16_logits_equals_sampling_them_widened():
     # ties included, and seeded sampled rows must pick what the float32 logits would
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
     logits[0, [10, 200]] = 9.0  # a tie: the first index wins either way
-    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=0.7, top_k=20, top_p=0.9)] * 3
-    picks = []
-    for x in (logits, logits.float()):
-        gens = [None] * 3 + [torch.Generator().manual_seed(11 + i) for i in range(3)]
-        picks.append(sample_rows(x, params, gens))
+    params = [SamplingParams(temperature=0)] * 3 + [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11 + i) for i in range(3)]
+    picks = [sample_rows(x, params, [0, 0, 0, 5, 6, 7]) for x in (logits, logits.float())]
     assert torch.equal(picks[0], picks[1])
     assert picks[0][0] == 10
 
@@ -508,29 +511,57 @@ def test_top_k_from_a_full_sort_equals_top_k_from_topk(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 4])
 def test_sampling_a_mixed_batch_equals_sampling_each_request_alone(rows):
     # greedy, global-RNG and seeded requests with different filters in one batch: each seeded
-    # request picks what it picks alone (its generator ends in the same state), greedy rows are
-    # the argmax, and a verify's per-row states are the alone run's
+    # request picks what it picks alone, greedy rows are the argmax, and a verify's row j picks
+    # what a one-row step at position + j picks (one noise per output position)
     logits = torch.randn(6 * rows, 80, generator=torch.Generator().manual_seed(9)) * 2
     params, seeds = _mixed_batch()
-
-    def gens():
-        return [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-
-    batch_gens = gens()
-    batch_states = {i: [] for i, s in enumerate(seeds) if s is not None}
-    batch = sample_rows(logits, params, batch_gens, rows, states=batch_states if rows > 1 else None)
-    for i, (p, s) in enumerate(zip(params, seeds)):
+    params = [replace(p, seed=s) for p, s in zip(params, seeds)]
+    positions = [3, 0, 9, 2**33 + 1, 1, 40]
+    batch = sample_rows(logits, params, positions, rows)
+    for i, (p, pos) in enumerate(zip(params, positions)):
         block = logits[i * rows : (i + 1) * rows]
-        if s is None:
+        if p.seed is None:
             if p.is_greedy:
                 assert torch.equal(batch[i * rows : (i + 1) * rows], block.argmax(-1))
             continue
-        gen, states = torch.Generator().manual_seed(s), []
-        alone = sample_rows(block, [p], [gen], rows, states={0: states} if rows > 1 else None)
+        alone = sample_rows(block, [p], [pos], rows)
         assert torch.equal(batch[i * rows : (i + 1) * rows], alone), p
-        assert torch.equal(batch_gens[i].get_state(), gen.get_state())
-        if rows > 1:
-            assert all(torch.equal(a, b) for a, b in zip(batch_states[i], states))
+        for j in range(rows):
+            assert torch.equal(sample_rows(block[j : j + 1], [p], [pos + j]), alone[j : j + 1]), (p, j)
+
+
+def test_seeded_rows_take_one_noise_launch_and_unseeded_rows_one_draw(monkeypatch):
+    # whatever the number of seeded requests: one counter_exponential call for all their rows
+    # (no per-request work on the device), one exponential_ for the unseeded rows, none of it
+    # when no row needs it
+    import laguna_dflash.engine.sampler as sampler
+    calls = {"counter": [], "exponential_": 0}
+    real_counter, real_exp = sampler.counter_exponential, torch.Tensor.exponential_
+
+    def counter(seeds, positions, *a, **kw):
+        calls["counter"].append((seeds.tolist(), positions.tolist()))
+        return real_counter(seeds, positions, *a, **kw)
+
+    def exponential_(self, *a, **kw):
+        calls["exponential_"] += 1
+        return real_exp(self, *a, **kw)
+
+    monkeypatch.setattr(sampler, "counter_exponential", counter)
+    monkeypatch.setattr(torch.Tensor, "exponential_", exponential_)
+    logits = torch.randn(8 * 4, 60)
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (5, 6, 7)] + [
+        SamplingParams(temperature=0.8), SamplingParams(temperature=0)] * 2 + [
+        SamplingParams(temperature=0.8, seed=-3)]
+    sample_rows(logits, params, [10, 0, 2, 0, 0, 0, 0, 7], 4)
+    assert calls["exponential_"] == 1
+    assert calls["counter"] == [([5] * 4 + [6] * 4 + [7] * 4 + [-3] * 4,
+                                 [10, 11, 12, 13, 0, 1, 2, 3, 2, 3, 4, 5, 7, 8, 9, 10])]
+    calls["counter"].clear()
+    calls["exponential_"] = 0
+    sample_rows(logits[:12], params[:3], [0, 0, 0], 4)
+    assert calls["exponential_"] == 0 and len(calls["counter"]) == 1
+    sample_rows(logits[:4], [SamplingParams(temperature=0.8)] * 4)
+    assert calls["exponential_"] == 1 and len(calls["counter"]) == 1
 
 
 def test_sampling_launches_do_not_grow_with_the_batch(monkeypatch):
@@ -539,7 +570,7 @@ def test_sampling_launches_do_not_grow_with_the_batch(monkeypatch):
     real = torch.softmax
     monkeypatch.setattr(torch, "softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     logits = torch.randn(16, 50)
-    sample_rows(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 16, [None] * 16)
+    sample_rows(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 16)
     assert len(calls) == 1
 
 
@@ -550,10 +581,10 @@ def test_shared_parameters_need_no_upload_and_varying_ones_one(monkeypatch):
     monkeypatch.setattr(sampler, "to_device_async", lambda t, d: uploads.append(t.shape) or real(t, d))
     logits = torch.randn(4, 50)
     same = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.1)
-    sample_rows(logits, [same] * 4, [None] * 4)
+    sample_rows(logits, [same] * 4)
     assert uploads == []  # batch 1, or every request alike: scalars only
     mixed = [same, SamplingParams(temperature=0.9, top_p=0.8), same, SamplingParams(temperature=0.5)]
-    sample_rows(logits, mixed, [None] * 4)
+    sample_rows(logits, mixed)
     assert len(uploads) == 1 and uploads[0][1] == 4  # one [num_varying, N] table
 
 
@@ -572,5 +603,5 @@ def test_top_logprobs_of_a_row_do_not_depend_on_its_batch_mates_counts():
 def test_tiny_temperatures_are_greedy_and_no_rows_is_no_probs():
     logits = torch.tensor([[-1.0, 0.0, -3.0]])
     p = SamplingParams(temperature=1e-39)
-    assert p.is_greedy and sample_rows(logits, [p], [None]).tolist() == [1]
+    assert p.is_greedy and sample_rows(logits, [p]).tolist() == [1]
     assert filtered_probs(torch.zeros(0, 7), 0.7, 3, 0.9).shape == (0, 7)

@@ -323,7 +323,7 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
         p = build_sampling_params(_completion(temperature=t, top_k=5), 4, None, {})
         assert p.is_greedy, t
         logits = torch.randn(3, 50) * 5
-        assert sample_rows(logits, [p] * 3, [None] * 3).tolist() == logits.argmax(-1).tolist()
+        assert sample_rows(logits, [p] * 3).tolist() == logits.argmax(-1).tolist()
     assert build_sampling_params(_completion(temperature=1e-4), 4, None, {}).temperature == 1e-4
 
 

@@ -286,7 +286,7 @@ def test_seeded_sampling_is_reproducible_with_dflash(pair, spec):
 ], ids=["t0.8", "t1.2-topk-penalty"])
 def test_seeded_tokens_do_not_depend_on_k_acceptance_or_preemption(pair, base, params):
     """A seeded request's tokens depend on its prompt, params and seed only: each output
-    position consumes one draw of its generator, whatever K (adaptive K picks it from step
+    position's noise is a function of (seed, position), whatever K (adaptive K picks it from step
     timings), the acceptance and preemption, so DFlash at any K, adaptive K and a preempted and
     recomputed request all give target-only's seeded tokens (greedy requests around it too)."""
     target, draft = pair
@@ -321,6 +321,35 @@ def test_seeded_tokens_do_not_depend_on_k_acceptance_or_preemption(pair, base, p
     _assert_blocks_back(llm)
 
 
+def test_seeded_verify_rows_take_the_positions_decode_would(pair, base, monkeypatch):
+    """Seeded DFlash at K = 3 gives target-only's tokens, token for token, for a batch of seeded
+    requests of different lengths (float32): a verify's row j samples with the noise of output
+    position len(output) + j, the one target-only decode uses there. The check is sharp: verify
+    rows shifted one position (the off-by-one this guards against) give other tokens."""
+    import laguna_dflash.engine.engine as engine_mod
+
+    target, draft = pair
+    prompts = _prompts(4, seed=10)
+    params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=s) for s in (21, 22, 23, 24)]
+    want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    real = engine_mod.sample_rows
+
+    def shifted(logits, params, positions=None, rows_per_request=1, **kw):
+        if rows_per_request > 1:  # verify rows only
+            positions = [p + 1 for p in positions]
+        return real(logits, params, positions, rows_per_request, **kw)
+
+    monkeypatch.setattr(engine_mod, "sample_rows", shifted)
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4)
+    off = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert off != want
+    assert [o[0] for o in off] == [w[0] for w in want]  # the prefill's first token is unshifted
+
+
 @pytest.mark.parametrize("options", [
     {"block_size": 1},
     {"block_size": 7},
@@ -343,9 +372,9 @@ def test_scheduler_limits_with_dflash(pair, base, options):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_seeded_tokens_do_not_depend_on_k_on_cuda(pair):
-    """The same on a GPU with CUDA graphs: CUDA generators, one draw per output position (the
-    verify's rows drawn one at a time, the state rewound on the host). float32: the verify and
-    decode logits agree to ~1e-6, far from moving an exponential race."""
+    """The same on a GPU with CUDA graphs: the counter-noise kernel, one noise per output
+    position. float32: the verify and decode logits agree to ~1e-6, far from moving an
+    exponential race."""
     target, draft = pair
     prompts = _prompts(4, seed=9)
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True, seed=s)

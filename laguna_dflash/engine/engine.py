@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant
+from ..kernels.counter_noise import counter_exponential
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -56,7 +57,7 @@ draft_ahead = True
 # sync; the next step takes those hidden states (and, with a drafter, the taps, which then join
 # the pending taps as a fresh forward's would) when every request of its batch was in that
 # forward at the position assumed (engine/ahead.py). Sampling stays in the step itself (seeded
-# sampling draws the same numbers). With a drafter the next step must be target-only too: fixed
+# noise is a function of position). With a drafter the next step must be target-only too: fixed
 # K = 0, or adaptive K whose policy expects K = 0 next (AdaptiveK.expects_target_only); a queued
 # forward the next step does not take is wasted work, never a wrong token. None: where the
 # target runs CUDA graphs
@@ -230,6 +231,9 @@ class LLMEngine:
             self.add_request([0] * n, params)
             while self.has_unfinished:
                 self.step()
+        # the seeded requests' noise kernel (engine/sampler.py): built now, not by the first one
+        no_seed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        counter_exponential(no_seed, no_seed, self.target.spec.vocab_size, self.device)
         # half precision only: float32 engines (parity checks, tests) take the fused MoE kernels
         # at every size, whose pair-count buckets would make these prefills compile for minutes
         shapes = WARMUP_PREFILL_LENGTHS if self.dtype in (torch.bfloat16, torch.float16) else ()
@@ -391,8 +395,6 @@ class LLMEngine:
             )
         seq = Sequence(next(self._ids), [int(t) for t in prompt_token_ids], params,
                        eos_token_ids=self.eos_token_ids, prompt=prompt)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.logprobs is not None:
             seq.logprobs = []
         self.scheduler.add(seq)
@@ -463,9 +465,11 @@ class LLMEngine:
         if self._ops is not None:
             self._ops.append(("reset_prefix_cache",))
 
-    def _gens(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
-        """Each request's own generator (seeded requests), None for the engine's one."""
-        return [s.generator for s in seqs]
+    @staticmethod
+    def _positions(seqs: list[Sequence]) -> list[int]:
+        """Each request's next output position (the tokens it generated so far): its first row's
+        seeded noise (engine/sampler.py); a verify's row ``j`` takes the position ``+ j``."""
+        return [len(s.output_token_ids) for s in seqs]
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -585,7 +589,7 @@ class LLMEngine:
             last_rows = torch.tensor([starts[i] + num_new_tokens[i] - 1 for i in done])
             logits = self.target.lm_head_logits(hidden[to_device_async(last_rows, self.device)])
             ended = [seqs[i] for i in done]
-            tokens = sample_rows(logits, [s.params for s in ended], self._gens(ended),
+            tokens = sample_rows(logits, [s.params for s in ended], self._positions(ended),
                                  replaced=penalized_rows(logits, ended), global_generator=self.generator).tolist()
             logprob_rows = []
             for j, s in enumerate(ended):
@@ -631,7 +635,7 @@ class LLMEngine:
             hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
         logits = self.target.lm_head_logits(hidden)
-        sampled = sample_rows(logits, [s.params for s in seqs], self._gens(seqs),
+        sampled = sample_rows(logits, [s.params for s in seqs], self._positions(seqs),
                               replaced=penalized_rows(logits, seqs), global_generator=self.generator)
         if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
@@ -721,11 +725,10 @@ class LLMEngine:
                                            store_context=store_context_in_verify)
         logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
         # penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless).
-        # Seeded sampled requests: their generator's state after each row [k + 1], rewound at
-        # commit to the last emitted row's (one draw per output position, engine/sampler.py)
-        states = {i: [] for i, s in enumerate(seqs) if s.generator is not None and not s.params.is_greedy}
-        target_tokens = sample_rows(logits, [s.params for s in seqs], self._gens(seqs), k + 1,
-                                    replaced=penalized_rows(logits, seqs, k + 1, drafts), states=states,
+        # Seeded requests: row j takes the noise of output position len(output) + j, the one a
+        # target-only step would use there (engine/sampler.py), whichever rows are accepted
+        target_tokens = sample_rows(logits, [s.params for s in seqs], self._positions(seqs), k + 1,
+                                    replaced=penalized_rows(logits, seqs, k + 1, drafts),
                                     global_generator=self.generator)
         target_tokens = target_tokens.view(len(seqs), k + 1)
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
@@ -764,8 +767,6 @@ class LLMEngine:
             # KV (and drafter context: stored by the verify, or pending below). Rows beyond are
             # rolled back by length: they stay in the cache, invisible, and are overwritten.
             s.num_computed = p + a + 1
-            if i in states:  # rows 0..a emitted: the draws of rows a+1.. go to the next positions
-                s.generator.set_state(states[i][a])
             if taps is not None:  # rows of taps [R * (K+1), D]
                 s.clear_pending_taps()
                 s.add_pending_taps(taps, i * (k + 1), a + 1, p)

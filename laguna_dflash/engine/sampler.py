@@ -1,15 +1,19 @@
-"""Token sampling: greedy, temperature, min-p, top-k, top-p; per-request seeded generators.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p; counter-based noise for seeds.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from
 ``p`` exactly and needs no host sync (no ``torch.multinomial``).
 
-Seeded requests: every output position consumes exactly one ``[V]`` draw of the request's
-generator, in order, whatever the step kind (prefill, target-only decode, a verify of any K,
-the recompute after a preemption). A verify draws one row at a time and records the generator
-state after each (``states``); the engine rewinds to the state after the last row it emits, so
-the draws of rejected rows are the next positions' draws. A seed therefore gives the same tokens
-(given the same logits) with or without speculation, at any K (adaptive K picks it from step
-timings), acceptance, and under preemption.
+Unseeded requests draw ``E`` from the engine's generator, every unseeded row of a step in one
+``exponential_`` call. A seeded request's ``E`` at output position ``pos`` (0: its first
+generated token) and column ``v`` is a pure function of ``(seed, pos, v)``: Philox4x32-10
+counter-based noise (kernels/counter_noise.py), every seeded row of a step in one launch. A
+request's rows take consecutive positions (a verify's row ``j`` is position
+``num_output_tokens + j``), so an output position gets the same noise whatever the step kind
+(prefill, target-only decode, a verify of any K, the recompute after a preemption), whichever
+rows the verify accepted, whatever the batch and whatever the device: there is no generator state
+to advance or rewind. A seed therefore gives the same tokens (given the same logits) with or
+without speculation, at any K (adaptive K picks it from step timings), acceptance, and under
+preemption.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 
 from ..config import SamplingParams
 from ..kernels.argmax import argmax_rows
+from ..kernels.counter_noise import counter_exponential, seed_key
+from ..kernels.top_p import top_p_filter_
 from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
@@ -45,7 +51,8 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     * min-p keeps the tokens with ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
     * top-k keeps the scores ``>=`` the k-th largest (ties at it kept);
     * top-p then keeps the smallest prefix of the sorted distribution whose mass reaches
-      ``top_p`` (the token crossing the threshold is kept) and renormalises.
+      ``top_p`` (the token crossing the threshold is kept), with every token tied with that
+      boundary token, and renormalises (kernels/top_p.py: a bisection, no sort, on CUDA).
 
     One launch sequence for the whole batch, each filter only if some row uses it; a parameter
     every row shares is a Python scalar, the varying ones go up in one copy. Every op is
@@ -87,12 +94,8 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
             kth = kth.masked_fill(no_top_k > 0.0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if uses_top_p:  # bound +inf for rows without top-p: nothing dropped
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_bound  # the mass before a token
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        kept = kept / kept.sum(-1, keepdim=True)
-        probs = kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
+    if uses_top_p:  # bound +inf for rows without top-p: left as they are
+        probs = top_p_filter_(probs, top_p_bound)
     return probs
 
 
@@ -111,26 +114,28 @@ def _per_row_parameters(device: torch.device,
 def sample_rows(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    positions: Sequence[int] | None = None,
     rows_per_request: int = 1,
     replaced: dict[int, torch.Tensor] | None = None,
-    states: dict[int, list[torch.Tensor]] | None = None,
     global_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits [R * rows_per_request, V]`` (any float dtype: greedy
     rows take the argmax as given, sampled rows widen to float32 first) -> ``[R * rows]`` int64.
 
     Rows are request-major; request ``i`` owns rows ``i*rows .. (i+1)*rows - 1`` and uses its
-    own params and generator (``None``: ``global_generator``, the engine's, or torch's default
-    when that is None too). ``replaced[i]`` ``[rows, V]``: the
-    logits request ``i`` samples from instead of its rows (its penalised rows,
-    engine/penalties.py). ``states[i]`` (an empty list, for sampled requests with their own
-    generator): filled with the generator's state after each of request ``i``'s rows, drawn one
-    row at a time (``states[i][j]``: rows ``0..j`` consumed; the verify rewinds to it).
+    own params. ``replaced[i]`` ``[rows, V]``: the logits request ``i`` samples from instead of
+    its rows (its penalised rows, engine/penalties.py).
+
+    Noise: a sampled request with ``params[i].seed`` set takes the counter-based noise of its
+    seed at output positions ``positions[i], positions[i] + 1, ..`` for its rows
+    (``positions[i]``: the tokens it generated before this step; required when a sampled
+    request has a seed); the others draw from ``global_generator`` (the engine's; torch's
+    default when None).
 
     The sampled rows of all requests are filtered and raced in one batch (a fixed number of
-    launches, not a number per request); only the seeded requests' noise is drawn per request,
-    from their own generators. The global-RNG rows draw theirs in one call.
+    launches, not a number per request): the unseeded rows' noise is one ``exponential_`` call,
+    the seeded rows' one :func:`counter_exponential` launch (their seeds and positions go up in
+    one copy).
     """
     rows = rows_per_request
     replaced = replaced or {}
@@ -144,8 +149,12 @@ def sample_rows(
                 out[i * rows : (i + 1) * rows] = argmax_rows(own)
     if not sampled:
         return out
-    # the global-RNG requests first: their rows' noise is one contiguous draw
-    sampled.sort(key=lambda i: generators[i] is not None)
+    # the global-RNG requests first: their rows' noise is one contiguous draw, the seeded
+    # requests' rows one contiguous block of counter noise after it
+    sampled.sort(key=lambda i: params[i].seed is not None)
+    seeded = [i for i in sampled if params[i].seed is not None]
+    if seeded and positions is None:
+        raise ValueError("sample_rows: seeded requests need their output positions")
     row_ids = [i * rows + j for i in sampled for j in range(rows)]
     in_order = sampled == list(range(len(params)))  # every request samples, none seeded first
     row_index = None if in_order else to_device_async(torch.tensor(row_ids), logits.device)
@@ -157,20 +166,18 @@ def sample_rows(
     probs = filtered_probs_rows(x, [p.temperature for p in per_row], [p.top_k for p in per_row],
                                 [p.top_p for p in per_row], [p.min_p for p in per_row])
     noise = torch.empty_like(probs)
-    num_global = sum(generators[i] is None for i in sampled) * rows
+    num_global = (len(sampled) - len(seeded)) * rows
     if num_global:
         noise[:num_global].exponential_(generator=global_generator)
-    for pos, i in enumerate(sampled[num_global // rows :], start=num_global // rows):
-        gen, own_states = generators[i], states.get(i) if states else None
-        if own_states is None:
-            noise[pos * rows : (pos + 1) * rows].exponential_(generator=gen)
-        else:  # row by row: a row's draw is what a one-row step would draw at that position
-            for r in range(pos * rows, (pos + 1) * rows):
-                noise[r].exponential_(generator=gen)
-                own_states.append(gen.get_state())
-    # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which the argmax ranks
-    # first: it has probability 0, but nothing else may then pick a filtered token
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which the argmax ranks
+        # first: it has probability 0, but nothing else may then pick a filtered token (the
+        # counter noise is never 0)
+        noise[:num_global].clamp_(min=torch.finfo(noise.dtype).tiny)
+    if seeded:  # each seeded row's key and output position: [2, S * rows], one upload
+        keys = [seed_key(params[i].seed) for i in seeded for _ in range(rows)]
+        rows_at = [positions[i] + j for i in seeded for j in range(rows)]
+        table = to_device_async(torch.tensor([keys, rows_at], dtype=torch.int64), logits.device)
+        counter_exponential(table[0], table[1], noise.shape[-1], logits.device, out=noise[num_global:])
     picks = argmax_rows(probs / noise)
     if in_order:
         return picks

@@ -38,7 +38,6 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     pending_taps: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     pending_start: int = 0
     num_pending: int = 0

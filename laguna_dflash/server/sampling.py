@@ -42,7 +42,7 @@ def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
 #: The most choices one request may ask for (``n``).
 MAX_CHOICES = 64
 #: Seeds a request may send: a signed 64-bit integer (as vLLM); choice ``i`` of ``n`` samples
-#: with ``seed + i``, which torch's generators take up to 2**64 - 1.
+#: with ``seed + i``, whose bits mod 2**64 key the engine's noise (kernels/counter_noise.py).
 SEED_RANGE = (-(2**63), 2**63 - 1)
 #: Temperatures below this sample greedily (vLLM's): dividing float32 logits by less overflows.
 MIN_TEMPERATURE = 1e-5

@@ -1,0 +1,257 @@
+"""Counter-based Exp(1) noise for seeded sampling: a pure function of (seed, position, column).
+
+The sampler's exponential race (``argmax(p / E)``, engine/sampler.py) needs, for a seeded
+request, one ``E ~ Exp(1)`` a vocabulary column at each output position. Here that noise is::
+
+    x = Philox4x32-10(key = (seed lo, seed hi), counter = (v, pos lo, pos hi, STREAM)).word0
+    u = (2 * (x >> 9) + 1) * 2^-24                   (float64; exact)
+    E = float32(-log(u))                             (log in float64, rounded once to float32)
+
+* Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3",
+  SC'11), written from the paper: a 128-bit counter ``(c0, c1, c2, c3)`` and a 64-bit key
+  ``(k0, k1)``, ten rounds of::
+
+      (c0, c1, c2, c3) <- (hi(M1 c2) ^ c1 ^ k0,  lo(M1 c2),  hi(M0 c0) ^ c3 ^ k1,  lo(M0 c0))
+      M0 = 0xD2511F53, M1 = 0xCD9E8D57    (hi / lo: the two 32-bit halves of the 64-bit product)
+
+  with the key bumped by the Weyl constants ``(0x9E3779B9, 0xBB67AE85)`` (mod 2^32) before
+  every round but the first. The Random123 known-answer vectors hold
+  (tests/test_kernel_counter_noise.py).
+* Key: the seed's 64 bits (a Python int taken mod 2^64, :func:`seed_key`: torch's
+  ``manual_seed`` accepts signed and unsigned 64-bit seeds the same way). Counter: the column
+  ``v`` (``< 2^32``), the output position ``pos`` (0 = the request's first generated token; two
+  32-bit words) and a fixed stream word ``STREAM`` that keeps this noise apart from any other
+  use of the same seed and counter. One output word (``word0``) a column.
+* Mapping: the top 23 bits ``m = x >> 9`` pick the midpoint of one of 2^23 equal bins of
+  (0, 1): ``u = (2m + 1) / 2^24`` in ``[2^-24, 1 - 2^-24]``, never 0 (no ``-log 0 = inf``) and
+  never 1 (no ``E = 0``, whose ``p / 0`` an argmax could not rank). Every such ``u`` is exact in
+  float32 and float64. So ``E`` lies in ``[5.96e-8, 16.64]`` and takes 2^23 equiprobable values.
+* ``E`` is ``-log(u)`` in float64 rounded once to float32. Over all 2^23 values of ``u`` the
+  float64 log lies at least 74 float64 ulps from a float32 rounding boundary (checked
+  exhaustively by the tests), so any float64 log within a few ulps (glibc, SLEEF, CUDA's
+  libdevice, numpy in Triton's interpreter) rounds to the same float32: ``E`` is the same BITS
+  on every device and in every position of a tensor (a float32 log is not: torch's vectorised
+  and scalar CPU loops, or Triton's approximate GPU log, differ in the last bit now and then).
+
+Hence a seeded request's noise at an output position does not depend on the step kind
+(prefill, decode, a verify of any K), the batch, acceptance, preemption or the device.
+
+:func:`counter_exponential` runs the Triton kernel on CUDA (and on the CPU under Triton's
+interpreter, the tests), else :func:`counter_exponential_reference` (torch int64 arithmetic,
+any device); both give the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from .availability import interpret_mode, triton_can_run
+from .jit import jit_functions
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+__all__ = ["BLOCK", "STREAM", "can_use", "counter_exponential", "counter_exponential_reference",
+           "exponential_from_bits", "kernel_uniform_bits", "philox_word0", "seed_key", "uniform_bits_reference"]
+
+# The A/B switch (False: the torch reference on every device).
+USE_KERNEL = True
+BLOCK = 1024  # columns a program: 8 a thread with 4 warps
+#: counter word 3: this noise's stream ("EXP1" in ASCII)
+STREAM = 0x45585031
+_MASK32 = 0xFFFFFFFF
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # the round multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # the key's Weyl increments
+_ROUNDS = 10
+_TWO_POW_M24 = 2.0**-24
+_CPU_CHUNK = 2**14  # entries of a chunk of the reference on the CPU
+
+
+def seed_key(seed: int) -> int:
+    """A request seed (any Python int; the server takes signed 64-bit seeds and choice ``i`` of
+    ``n`` adds ``i``) -> the int64 holding its bits mod 2^64 (the Philox key's two words)."""
+    s = int(seed) % 2**64
+    return s - 2**64 if s >= 2**63 else s
+
+
+# ---- the torch reference (int64 arithmetic: every value kept in [0, 2^32)) ------------------
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` (int64 in [0, 2^32)) times the 32-bit constant ``m`` -> (high, low) 32-bit halves
+    of the 64-bit product, exactly in int64: with ``m = mh 2^16 + ml``, ``a ml`` and ``a mh``
+    are below 2^48, so nothing overflows. ``a`` is left as it was."""
+    low = a * (m & 0xFFFF)             # < 2^48
+    high = a * (m >> 16)               # < 2^48, weight 2^16
+    t = high & 0xFFFF
+    t <<= 16
+    low += t                           # the product's bits 0..48 (< 2^49)
+    high >>= 16
+    torch.bitwise_right_shift(low, 32, out=t)
+    high += t                          # bits 32..63
+    low &= _MASK32                     # bits 0..31
+    return high, low
+
+
+def philox_word0(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
+                 k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
+    """Word 0 of Philox4x32-10 of counter ``(c0, c1, c2, c3)`` under key ``(k0, k1)``:
+    broadcastable int64 tensors holding 32-bit values (left as they are) -> int64 in
+    [0, 2^32), of their broadcast shape."""
+    for r in range(_ROUNDS):
+        if r:  # the key bump between rounds
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        hi1, lo1 = _mulhilo(c2, _M1)
+        if r == _ROUNDS - 1:  # only word 0 is used: hi(M1 c2) ^ c1 ^ k0
+            return hi1 ^ c1 ^ k0
+        hi0, lo0 = _mulhilo(c0, _M0)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    raise AssertionError("unreachable")
+
+
+def uniform_bits_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Philox4x32-10 word 0 for every (row, column): ``[R, V]`` int64 in [0, 2^32).
+
+    Args:
+        seeds: ``[R]`` int64, the key's 64 bits (:func:`seed_key`).
+        positions: ``[R]`` int64, ``>= 0``: the output position (counter words 1, 2).
+        vocab: ``V``, the columns (counter word 0), ``< 2^32``.
+    """
+    assert seeds.shape == positions.shape and seeds.dim() == 1, (seeds.shape, positions.shape)
+    assert 0 <= vocab <= 2**32
+    seeds, positions = seeds.to(torch.int64).view(-1, 1), positions.to(torch.int64).view(-1, 1)
+    # [R, 1] words (arithmetic shifts of negative seeds: the mask keeps the 32 bits)
+    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
+    c1, c2 = positions & _MASK32, (positions >> 32) & _MASK32
+    c3 = torch.full_like(c1, STREAM)
+    out = torch.empty((seeds.shape[0], vocab), dtype=torch.int64, device=seeds.device)
+    # on the CPU in chunks of ~2^14 entries, so that the ~200 int64 passes over a chunk stay in
+    # cache (3-4x faster at [64, 100352]); elsewhere in one piece (a chunk costs ~200 launches)
+    step = max(1, _CPU_CHUNK // max(seeds.shape[0], 1)) if seeds.device.type == "cpu" else max(vocab, 1)
+    for start in range(0, vocab, step):
+        end = min(vocab, start + step)
+        c0 = torch.arange(start, end, dtype=torch.int64, device=seeds.device).view(1, -1)  # [1, n]
+        out[:, start:end] = philox_word0(c0, c1, c2, c3, k0, k1)
+    return out
+
+
+def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Philox words (int64 in [0, 2^32)) -> ``E = float32(-log((2 (x >> 9) + 1) 2^-24))``."""
+    u = ((bits >> 9) * 2 + 1).to(torch.float64) * _TWO_POW_M24  # exact: < 2^24 times 2^-24
+    return u.log_().neg_().to(torch.float32)
+
+
+def counter_exponential_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The noise in torch ops on the tensors' device: ``[R, V]`` float32 Exp(1) draws, row ``r``
+    keyed by ``seeds[r]`` (int64 ``[R]``) at output position ``positions[r]`` (int64 ``[R]``);
+    the same bits as the kernel."""
+    return exponential_from_bits(uniform_bits_reference(seeds, positions, vocab))
+
+
+# ---- the Triton kernel ------------------------------------------------------------------------
+
+def _counter_exponential_kernel(seed_ptr, pos_ptr, out_ptr, vocab, stride_out, BLOCK: tl.constexpr,
+                                BITS: tl.constexpr):
+    # program (r, b): columns [b BLOCK, (b + 1) BLOCK) of row r. All Philox words are uint32, so
+    # products and sums wrap mod 2^32 and shifts are logical; umulhi gives the product's high word.
+    # BITS (the tests): store the Philox word itself (int64 out) instead of E.
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seed = tl.load(seed_ptr + r)
+    pos = tl.load(pos_ptr + r)
+    zeros = tl.zeros([BLOCK], dtype=tl.uint32)  # the counter words as full blocks from the start
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = cols.to(tl.uint32)
+    c1 = zeros + (pos & 0xFFFFFFFF).to(tl.uint32)
+    c2 = zeros + ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c3 = zeros + STREAM
+    for i in tl.static_range(10):
+        if i > 0:  # Weyl key bump
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        # M0 = 0xD2511F53 multiplies c0, M1 = 0xCD9E8D57 multiplies c2
+        hi0 = tl.umulhi(c0, zeros + 0xD2511F53)
+        lo0 = c0 * 0xD2511F53
+        hi1 = tl.umulhi(c2, zeros + 0xCD9E8D57)
+        lo1 = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    if BITS:
+        tl.store(out_ptr + r * stride_out + cols, c0.to(tl.int64), mask=cols < vocab)
+    else:
+        # u = (2 (x >> 9) + 1) 2^-24, exact in float64; -log in float64, rounded once to float32
+        odd = (c0 >> 9) * 2 + 1
+        u = odd.to(tl.float64) * 5.9604644775390625e-08
+        e = -tl.log(u)
+        tl.store(out_ptr + r * stride_out + cols, e.to(tl.float32), mask=cols < vocab)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """The jitted kernel for one mode (``interpret`` is the cache key)."""
+    del interpret
+    import triton.language as tl
+
+    ns = jit_functions(__name__, (_counter_exponential_kernel,))
+    ns["STREAM"] = tl.constexpr(STREAM)  # a global a kernel reads must be a constexpr
+    return ns["_counter_exponential_kernel"]
+
+
+def can_use(device: torch.device | str) -> bool:
+    """Whether :func:`counter_exponential` takes the kernel on ``device``: switched on, and a
+    device Triton runs on (CUDA, or the CPU under its interpreter)."""
+    return USE_KERNEL and triton_can_run(device)
+
+
+def counter_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int,
+                        device: torch.device | str | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exp(1) noise ``[R, V]`` float32: row ``r``, column ``v`` is a pure function of
+    ``(seeds[r], positions[r], v)`` (module docstring), the same bits on every device.
+
+    Args:
+        seeds: ``[R]`` int64, each row's 64-bit key (:func:`seed_key` of the request's seed).
+        positions: ``[R]`` int64, ``0 <= pos < 2^64``: each row's output position (0 = the
+            request's first generated token).
+        vocab: ``V``, ``< 2^31``.
+        device: where the noise goes (default: the seeds'). Seeds or positions elsewhere are
+            copied there with ``.to`` (from pageable host memory that may synchronise: the
+            engine uploads them itself).
+        out: optional ``[R, V]`` float32 with unit column stride on ``device`` to fill.
+
+    Returns:
+        ``out``, or a new ``[R, V]`` float32 tensor on ``device``. One launch (grid
+        ``(R, ceil(V / BLOCK))``) on CUDA; the torch reference elsewhere.
+    """
+    rows = seeds.shape[0]
+    assert seeds.shape == positions.shape == (rows,), (seeds.shape, positions.shape)
+    assert 0 <= vocab < 2**31
+    if out is None:
+        out = torch.empty((rows, vocab), dtype=torch.float32,
+                          device=device if device is not None else seeds.device)
+    assert device is None or torch.device(device).type == out.device.type, (device, out.device)
+    assert out.shape == (rows, vocab) and out.dtype == torch.float32, (out.shape, out.dtype)
+    device = out.device  # with its index ("cuda" -> "cuda:0")
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    positions = positions.to(device=device, dtype=torch.int64)
+    if rows == 0 or vocab == 0:
+        return out
+    if can_use(device) and out.stride(1) == 1:
+        _kernel(interpret_mode())[(rows, -(-vocab // BLOCK))](
+            seeds, positions, out, vocab, out.stride(0), BLOCK=BLOCK, BITS=False, num_warps=4)
+        return out
+    return out.copy_(counter_exponential_reference(seeds, positions, vocab))
+
+
+def kernel_uniform_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The kernel's Philox words ``[R, V]`` int64 in [0, 2^32) (the tests compare them with
+    :func:`uniform_bits_reference`); ``seeds`` and ``positions`` ``[R]`` int64 on a device the
+    kernel runs on (:func:`can_use`)."""
+    assert can_use(seeds.device) and positions.device == seeds.device
+    out = torch.empty((seeds.shape[0], vocab), dtype=torch.int64, device=seeds.device)
+    if out.numel():
+        _kernel(interpret_mode())[(seeds.shape[0], -(-vocab // BLOCK))](
+            seeds, positions, out, vocab, out.stride(0), BLOCK=BLOCK, BITS=True, num_warps=4)
+    return out

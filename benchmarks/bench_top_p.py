@@ -67,15 +67,15 @@ def main() -> None:
     ap.add_argument("--bound", type=float, default=0.95)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--configs", nargs="*", default=[],
-                    help="extra kernel configs BLOCK,NUM_PROBES,NUM_WARPS (the module's default always runs)")
+                    help="extra kernel configs CHUNK,SUB,NUM_WARPS (the module's default always runs)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    default = (tp.BLOCK, tp.NUM_PROBES, tp.NUM_WARPS)
+    default = (tp.CHUNK, tp.SUB, tp.NUM_WARPS)
     configs = [default] + [tuple(int(x) for x in c.split(",")) for c in args.configs
                            if tuple(int(x) for x in c.split(",")) != default]
     kernel = tp.can_use(torch.empty(1, 1, device=device))
     header = ["shape", "rows", "kept", "old sort us", "reference us"]
-    header += [f"kernel {b},{p},{w} us" for b, p, w in configs] if kernel else []
+    header += [f"kernel {c},{s},{w} us" for c, s, w in configs] if kernel else []
     header += ["old / kernel"] if kernel else []
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"V = {args.vocab}, top_p = {args.bound}, median of {args.iters} eager calls")
@@ -89,8 +89,8 @@ def main() -> None:
                      f"{wall_us(lambda p=probs: sort_scatter_top_p(p, args.bound), args.iters, device):.1f}",
                      f"{wall_us(lambda p=probs: tp.top_p_filter_reference(p, args.bound), args.iters, device):.1f}"]
             kernel_us = []
-            for block, probes, warps in configs if kernel else ():
-                tp.BLOCK, tp.NUM_PROBES, tp.NUM_WARPS = block, probes, warps
+            for chunk, sub, warps in configs if kernel else ():
+                tp.CHUNK, tp.SUB, tp.NUM_WARPS = chunk, sub, warps
                 got = tp.top_p_filter_(probs.clone(), args.bound)
                 if not torch.equal(got > 0, want > 0):
                     cells.append(f"set differs ({int(((got > 0) != (want > 0)).sum())} tokens)")
@@ -100,7 +100,7 @@ def main() -> None:
                                          args.iters, device)
                                  - wall_us(lambda s=scratch, p=probs: s.copy_(p), args.iters, device))
                 cells.append(f"{kernel_us[-1]:.1f}")
-            tp.BLOCK, tp.NUM_PROBES, tp.NUM_WARPS = default
+            tp.CHUNK, tp.SUB, tp.NUM_WARPS = default
             if kernel and kernel_us:
                 cells.append(f"{float(cells[3]) / kernel_us[0]:.1f}x")
             print("| " + " | ".join(cells) + " |", flush=True)

@@ -1,4 +1,4 @@
-"""Top-p (nucleus) filtering without a sort: a threshold found by bisection, one program a row.
+"""Top-p (nucleus) filtering without a sort: the boundary found by a radix select over the row.
 
 For probabilities ``p [N, V]`` (float32, non-negative, each row summing to ~1) and a bound
 ``0 < top_p < 1`` per row, the kept set is every token at least as likely as the boundary token::
@@ -11,19 +11,31 @@ This is the sorted definition (sort descending, keep a token while the mass befo
 ``top_p``, so the token crossing the bound is kept) with every token tied with the boundary token
 kept too, where a sort would keep an arbitrary subset of the ties. ``S`` is a step function that
 drops at each value of ``p`` and is constant in between, so ``tau`` is exactly the boundary
-token's probability; and a float sum of non-negative terms with fewer terms is never larger
-(rounding is monotone), so the computed ``S`` is non-increasing too and the bisection is exact.
+token's probability.
 
-Why: the sort that ``engine/sampler.filtered_probs_rows`` did for top-p took about 1 ms a step
-at batch 1 on the H200 (100352 entries), the largest part of a sampled step's overhead
-(docs/PERFORMANCE.md, thirtieth pass). Here one program a row bisects over the float32 bit
-patterns (ordered like the values for non-negative floats), testing ``NUM_PROBES`` thresholds a
-pass over the row (which stays in L2): ``log2(NUM_PROBES + 1)`` bits a pass, ~31 bits in all.
-The grid is ``(N,)`` and nothing leaves the device: CUDA-graph safe, no host sync. A row's
-result depends on that row only (one program, a fixed summation order), so a request samples
-the same alone or batched.
+Why: the sort that ``engine/sampler.filtered_probs_rows`` runs for top-p takes 160-430 us a call
+at 1-16 rows and 2.9 ms at 256 rows on the H200 (100352 entries; ``benchmarks/bench_top_p.py``).
+A radix select finds ``tau`` instead: the float32 bit patterns of non-negative values order like
+the values, so ``tau``'s 31 bits are fixed 8, 8, 8 and 7 at a time, high bits first. A pass is two
+launches. The histogram launch, grid ``(N, ceil(V / CHUNK))``, sums the mass of the row's entries
+that share the bits fixed so far into 256 buckets by their next digit, a chunk a program (no
+atomics: each program writes its own partial sums). The select launch, one program a row, adds the
+chunks' partials in a fixed order and picks the boundary digit::
 
-:func:`top_p_filter_` runs the kernel on CUDA (and on the CPU under Triton's interpreter, the
+    A(d) = above + sum { m(d') : d' > d }    (mass above every entry of bucket d)
+    d*   = min { d : A(d) < top_p }           (the bucket holding tau; above < top_p always)
+
+and carries ``above = A(d*)`` into the next pass. After the fourth pass ``tau`` is exact and the
+kept mass is ``A(d*) + m(d*)``; a last launch writes ``p / kept mass`` or 0. Nine launches whose
+grids depend on the shapes only: CUDA-graph safe, no host sync. A row's result depends on that
+row only (its own programs, fixed summation orders), so a request samples the same alone or
+batched.
+
+The first version (one program a row bisecting over the row, one commit before this one) took
+384-616 us a call at 1-16 rows on the H200, slower than the sort: a single SM walked the 400 KB
+row ten times.
+
+:func:`top_p_filter_` runs the kernels on CUDA (and on the CPU under Triton's interpreter, the
 tests) and :func:`top_p_filter_reference` elsewhere; both keep the same set (their sums may
 round differently, which can move the boundary only where ``S(tau)`` is within rounding of
 ``top_p``).
@@ -44,64 +56,106 @@ if TYPE_CHECKING:
 
 __all__ = ["can_use", "top_p_filter_", "top_p_filter_reference"]
 
-# The A/B switch (benchmarks/bench_sampler.py --switch laguna_dflash.kernels.top_p:USE_KERNEL=False).
+# The A/B switch (benchmarks/bench_top_p.py times the kernels against the sort either way).
 USE_KERNEL = True
-BLOCK = 1024  # entries a program loads per iteration of a pass
-NUM_PROBES = 8  # thresholds tested per pass over the row (a power of 2): log2(9) bits a pass
-NUM_WARPS = 8
-_INF_BITS = 0x7F800000  # float32 +inf: S(+inf) = 0 < top_p, the bisection's upper end
+CHUNK = 2048  # entries a histogram / write program
+SUB = 32  # entries a histogram program adds into its [SUB, 256] accumulator at a time
+NUM_WARPS = 4
+_BUCKETS = 256
+# (shift, width) of the digit each pass fixes: bits 30..23 (the exponent), 22..15, 14..7, 6..0
+_PASSES = ((23, 8), (15, 8), (7, 8), (0, 7))
 
 
-def _top_p_kernel(p_ptr, bound_ptr, bound_value, stride_n, NUM_COLS: tl.constexpr,
-                  HAS_COLUMN: tl.constexpr, BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
-    # program n: row n of p, in place. Invariant of the bisection over bit patterns b (int64):
-    # S(float(lo)) >= bound (lo = -1 stands for "below every value") and S(float(hi)) < bound;
-    # it ends with hi = lo + 1, hi = bits(tau).
+def _histogram_kernel(p_ptr, bound_ptr, bound_value, prefix_ptr, partial_ptr, stride_n, shift, width,
+                      IS_FIRST: tl.constexpr, NUM_COLS: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_COLUMN: tl.constexpr,
+                      CHUNK: tl.constexpr, SUB: tl.constexpr):
+    # program (n, c): the entries of chunk c of row n whose bits above the digit equal the
+    # prefix fixed so far (every entry in the first pass: bits >> 31 is 0 for a non-negative
+    # float) -> their mass by digit, partial[n, c, :]
     n = tl.program_id(0).to(tl.int64)
-    row = p_ptr + n * stride_n
+    c = tl.program_id(1)
     if HAS_COLUMN:
         bound = tl.load(bound_ptr + n)
     else:
         bound = bound_value
     if bound < 1.0:
-        lo = tl.full((), -1, tl.int64)
-        hi = tl.full((), _INF_BITS, tl.int64)
-        k = tl.arange(0, NUM_PROBES).to(tl.int64) + 1
-        while hi - lo > 1:
-            # NUM_PROBES thresholds strictly inside (lo, hi), non-decreasing (equal near the end)
-            probes = lo + 1 + ((hi - lo - 1) * k) // (NUM_PROBES + 1)
-            thresholds = probes.to(tl.int32).to(tl.float32, bitcast=True)
-            mass = tl.zeros((NUM_PROBES,), dtype=tl.float32)
-            for start in range(0, NUM_COLS, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(row + offs, mask=offs < NUM_COLS, other=0.0)
-                above = x[:, None] > thresholds[None, :]
-                mass += tl.sum(tl.where(above, x[:, None], 0.0), axis=0)
-            below_bound = mass < bound
-            hi = tl.min(tl.where(below_bound, probes, hi), axis=0)
-            lo = tl.max(tl.where(below_bound, lo, probes), axis=0)
-        tau = hi.to(tl.int32).to(tl.float32, bitcast=True)
-        kept = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, NUM_COLS, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row + offs, mask=offs < NUM_COLS, other=0.0)
-            kept += tl.where(x >= tau, x, 0.0)
-        total = tl.sum(kept, axis=0)
-        for start in range(0, NUM_COLS, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        if IS_FIRST:  # nothing fixed yet (the buffer is not written): every entry is in
+            prefix = 0
+        else:
+            prefix = tl.load(prefix_ptr + n)
+        high = shift + width
+        buckets = tl.arange(0, 256)
+        acc = tl.zeros((SUB, 256), dtype=tl.float32)
+        for s in range(0, CHUNK, SUB):
+            offs = c * CHUNK + s + tl.arange(0, SUB)
             ok = offs < NUM_COLS
-            x = tl.load(row + offs, mask=ok, other=0.0)
-            tl.store(row + offs, tl.where(x >= tau, x / total, 0.0), mask=ok)
+            x = tl.load(p_ptr + n * stride_n + offs, mask=ok, other=0.0)
+            bits = x.to(tl.int32, bitcast=True)
+            digit = (bits >> shift) & ((1 << width) - 1)
+            hit = ok & ((bits >> high) == (prefix >> high))
+            acc += tl.where(hit[:, None] & (digit[:, None] == buckets[None, :]), x[:, None], 0.0)
+        tl.store(partial_ptr + (n * NUM_CHUNKS + c) * 256 + buckets, tl.sum(acc, axis=0))
+
+
+def _select_kernel(partial_ptr, bound_ptr, bound_value, prefix_ptr, above_ptr, kept_ptr, shift, IS_FIRST: tl.constexpr,
+                   NUM_CHUNKS: tl.constexpr, HAS_COLUMN: tl.constexpr, C_BLOCK: tl.constexpr):
+    # program n: the row's bucket masses m (chunks added in order), the boundary digit d*, the
+    # prefix and the mass above extended by it; the kept mass once the last digit is fixed
+    n = tl.program_id(0).to(tl.int64)
+    if HAS_COLUMN:
+        bound = tl.load(bound_ptr + n)
+    else:
+        bound = bound_value
+    if bound < 1.0:
+        buckets = tl.arange(0, 256)
+        m = tl.zeros((256,), dtype=tl.float32)
+        m_next = tl.zeros((256,), dtype=tl.float32)  # m_next[d] = m[d + 1] (m[256] = 0)
+        for c0 in range(0, NUM_CHUNKS, C_BLOCK):
+            cs = c0 + tl.arange(0, C_BLOCK)
+            rows = partial_ptr + (n * NUM_CHUNKS + cs[:, None]) * 256
+            ok = cs[:, None] < NUM_CHUNKS
+            m += tl.sum(tl.load(rows + buckets[None, :], mask=ok, other=0.0), axis=0)
+            m_next += tl.sum(tl.load(rows + buckets[None, :] + 1, mask=ok & (buckets[None, :] < 255), other=0.0),
+                             axis=0)
+        if IS_FIRST:
+            above = 0.0
+            prefix = 0
+        else:
+            above = tl.load(above_ptr + n)
+            prefix = tl.load(prefix_ptr + n)
+        mass_above = above + tl.cumsum(m_next, axis=0, reverse=True)  # A(d); A(255) = above < bound
+        d_star = tl.min(tl.where(mass_above < bound, buckets, 256), axis=0)
+        pick = buckets == d_star
+        above_star = tl.sum(tl.where(pick, mass_above, 0.0), axis=0)
+        tl.store(prefix_ptr + n, prefix | (d_star << shift))
+        tl.store(above_ptr + n, above_star)
+        tl.store(kept_ptr + n, above_star + tl.sum(tl.where(pick, m, 0.0), axis=0))
+
+
+def _write_kernel(p_ptr, bound_ptr, bound_value, prefix_ptr, kept_ptr, stride_n, NUM_COLS: tl.constexpr,
+                  HAS_COLUMN: tl.constexpr, CHUNK: tl.constexpr):
+    # program (n, c): chunk c of row n -> p / kept mass where p >= tau, else 0
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if HAS_COLUMN:
+        bound = tl.load(bound_ptr + n)
+    else:
+        bound = bound_value
+    if bound < 1.0:
+        tau = tl.load(prefix_ptr + n).to(tl.float32, bitcast=True)
+        total = tl.load(kept_ptr + n)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < NUM_COLS
+        x = tl.load(p_ptr + n * stride_n + offs, mask=ok, other=0.0)
+        tl.store(p_ptr + n * stride_n + offs, tl.where(x >= tau, x / total, 0.0), mask=ok)
 
 
 @functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    del interpret  # the cache key: the interpreter decorates differently
-    import triton.language as tl
-
-    ns = jit_functions(__name__, (_top_p_kernel,))
-    ns["_INF_BITS"] = tl.constexpr(_INF_BITS)  # a global a kernel reads must be a constexpr
-    return ns["_top_p_kernel"]
+def _kernels(interpret: bool):
+    """(histogram, select, write) kernels for one mode (``interpret`` is the cache key)."""
+    del interpret
+    ns = jit_functions(__name__, (_histogram_kernel, _select_kernel, _write_kernel))
+    return ns["_histogram_kernel"], ns["_select_kernel"], ns["_write_kernel"]
 
 
 def can_use(probs: torch.Tensor) -> bool:
@@ -129,11 +183,27 @@ def top_p_filter_(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Ten
         return probs
     if not can_use(probs):
         return top_p_filter_reference(probs, top_p)
+    n, v = probs.shape
     if column:
-        assert top_p.shape == (probs.shape[0], 1) and top_p.dtype == torch.float32, top_p.shape
-    _kernel(interpret_mode())[(probs.shape[0],)](
-        probs, top_p if column else probs, 0.0 if column else float(top_p), probs.stride(0),
-        NUM_COLS=probs.shape[1], HAS_COLUMN=column, BLOCK=BLOCK, NUM_PROBES=NUM_PROBES, num_warps=NUM_WARPS)
+        assert top_p.shape == (n, 1) and top_p.dtype == torch.float32, top_p.shape
+    bound_ptr, bound_value = (top_p, 0.0) if column else (probs, float(top_p))
+    num_chunks = -(-v // CHUNK)
+    # per row: tau's bits fixed so far, the mass above them, the kept mass (written by the
+    # first pass before any read: IS_FIRST)
+    prefix = torch.empty(n, dtype=torch.int32, device=probs.device)
+    above = torch.empty(n, dtype=torch.float32, device=probs.device)
+    kept = torch.empty(n, dtype=torch.float32, device=probs.device)
+    partial = torch.empty((n, num_chunks, _BUCKETS), dtype=torch.float32, device=probs.device)
+    histogram, select, write = _kernels(interpret_mode())
+    c_block = min(32, max(2, 1 << (num_chunks - 1).bit_length()))
+    for i, (shift, width) in enumerate(_PASSES):
+        histogram[(n, num_chunks)](probs, bound_ptr, bound_value, prefix, partial, probs.stride(0), shift, width,
+                                   IS_FIRST=i == 0, NUM_COLS=v, NUM_CHUNKS=num_chunks, HAS_COLUMN=column, CHUNK=CHUNK,
+                                   SUB=SUB, num_warps=NUM_WARPS)
+        select[(n,)](partial, bound_ptr, bound_value, prefix, above, kept, shift, IS_FIRST=i == 0, NUM_CHUNKS=num_chunks,
+                     HAS_COLUMN=column, C_BLOCK=c_block, num_warps=4)
+    write[(n, num_chunks)](probs, bound_ptr, bound_value, prefix, kept, probs.stride(0), NUM_COLS=v,
+                           HAS_COLUMN=column, CHUNK=CHUNK, num_warps=NUM_WARPS)
     return probs
 
 

@@ -14,7 +14,6 @@ from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant
 from ..kernels.counter_noise import counter_exponential
-from ..kernels.top_p import top_p_filter_
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -232,13 +231,9 @@ class LLMEngine:
             self.add_request([0] * n, params)
             while self.has_unfinished:
                 self.step()
-        # the seeded requests' noise kernel and the top-p kernels (engine/sampler.py), one bound
-        # for every row and a column of bounds: built now, not by the first such request
-        vocab = self.target.spec.vocab_size
+        # the seeded requests' noise kernel (engine/sampler.py): built now, not by the first one
         no_seed = torch.zeros(1, dtype=torch.int64, device=self.device)
-        counter_exponential(no_seed, no_seed, vocab, self.device)
-        uniform = torch.full((1, vocab), 1.0 / vocab, device=self.device)
-        top_p_filter_(top_p_filter_(uniform, 0.5), torch.full((1, 1), 0.5, device=self.device))
+        counter_exponential(no_seed, no_seed, self.target.spec.vocab_size, self.device)
         # half precision only: float32 engines (parity checks, tests) take the fused MoE kernels
         # at every size, whose pair-count buckets would make these prefills compile for minutes
         shapes = WARMUP_PREFILL_LENGTHS if self.dtype in (torch.bfloat16, torch.float16) else ()

@@ -26,7 +26,6 @@ import torch
 from ..config import SamplingParams
 from ..kernels.argmax import argmax_rows
 from ..kernels.counter_noise import counter_exponential, seed_key
-from ..kernels.top_p import top_p_filter_
 from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
@@ -51,8 +50,7 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     * min-p keeps the tokens with ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
     * top-k keeps the scores ``>=`` the k-th largest (ties at it kept);
     * top-p then keeps the smallest prefix of the sorted distribution whose mass reaches
-      ``top_p`` (the token crossing the threshold is kept), with every token tied with that
-      boundary token, and renormalises (kernels/top_p.py: a radix select, no sort, on CUDA).
+      ``top_p`` (the token crossing the threshold is kept) and renormalises.
 
     One launch sequence for the whole batch, each filter only if some row uses it; a parameter
     every row shares is a Python scalar, the varying ones go up in one copy. Every op is
@@ -94,8 +92,12 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
             kth = kth.masked_fill(no_top_k > 0.0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if uses_top_p:  # bound +inf for rows without top-p: left as they are
-        probs = top_p_filter_(probs, top_p_bound)
+    if uses_top_p:  # bound +inf for rows without top-p: nothing dropped
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_bound  # the mass before a token
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
     return probs
 
 

@@ -6,7 +6,7 @@ becomes, in float32 (vLLM's order)::
 
     z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, logits)
     z = z + logit_bias
-    z = where(seen, where(z > 0, z / rep, z * rep), z)       seen: in the prompt or the n outputs
+    z = where(seen, where(z > 0, z * (1 / rep), z * rep), z)   seen: in the prompt or the n outputs
     z = z - frequency * count - presence * (count > 0)       count: occurrences in the n outputs
 
 A verify forward scores ``K + 1`` positions at once: its row ``j`` follows the bonus token and
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .runner import to_device_async
+from .sampler import per_row_parameters
 from .sequence import Sequence
 
 
@@ -36,9 +37,10 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     unchanged). ``drafts [R, rows_per_request - 1]`` (on the device): the verify's draft tokens,
     counted as outputs by the rows after them. Empty when no request has penalties.
 
-    All the penalised requests of a step at once: their index and value tables go up in two
-    copies (int64, float32) and every op covers all their rows; per-row parameters that a
-    request does not use are neutral (repetition 1, frequency and presence 0: exact no-ops).
+    All the penalised requests of a step at once: their index tables go up in one int64 copy,
+    the bias values and the penalties that differ between requests in a float32 copy each, and
+    every op covers all their rows; per-row parameters that a request does not use are neutral
+    (repetition 1, frequency and presence 0: exact no-ops).
     """
     n = rows_per_request
     chosen = [i for i, s in enumerate(seqs)
@@ -79,9 +81,9 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
                 tables["draft_row"] += [pos * n + j] * j
                 tables["draft_index"] += range(i * (n - 1), i * (n - 1) + j)
     values = tables.pop("bias_value")
-    lengths = [len(v) for v in tables.values()]
-    flat = to_device_async(torch.cat([torch.tensor(v, dtype=torch.long) for v in tables.values()]), device)
-    ints = dict(zip(tables, flat.split(lengths)))
+    used = {name: v for name, v in tables.items() if v}  # one upload of every table in use
+    ints = dict(zip(used, to_device_async(torch.tensor([t for v in used.values() for t in v], dtype=torch.long),
+                                          device).split([len(v) for v in used.values()])))
     x = logits.index_select(0, ints["rows"]).float()  # a copy: logprobs stay the model's raw ones
     # every scatter below is into a flattened [rows * V] view: entry (r, t) is r * V + t
     if tables["ban_row"]:
@@ -91,25 +93,32 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
                               to_device_async(torch.tensor(values, dtype=torch.float32), device))
     if any(r != 1.0 or f or q for r, f, q in zip(rep, freq, pres)):
         num_out = len(tables["out_token"])
-        out_request = torch.repeat_interleave(torch.arange(len(chosen), device=device), ints["out_length"],
-                                              output_size=num_out)  # output_size: no host sync
         counts = torch.zeros(len(chosen), vocab, dtype=torch.float32, device=device)
-        counts.view(-1).index_add_(0, out_request * vocab + ints["out_token"],
-                                   torch.ones((), device=device).expand(num_out))
+        if num_out:
+            out_index = ints["out_token"]  # one request: its row 0
+            if len(chosen) > 1:  # each output's request: output_size, no host sync
+                out_request = torch.repeat_interleave(torch.arange(len(chosen), device=device),
+                                                      ints["out_length"], output_size=num_out)
+                out_index = out_request * vocab + out_index
+            counts.view(-1).index_add_(0, out_index, torch.ones((), device=device).expand(num_out))
         counts = counts.repeat_interleave(n, dim=0) if n > 1 else counts  # [M * n, V]
         if tables["draft_row"]:
             tokens = drafts.reshape(-1)[ints["draft_index"]].long()
             counts.view(-1).index_add_(0, ints["draft_row"] * vocab + tokens,
                                        torch.ones((), device=device).expand(len(tables["draft_row"])))
-        columns = to_device_async(torch.tensor([rep, freq, pres], dtype=torch.float32), device)
-        rep_c, freq_c, pres_c = ((c.repeat_interleave(n) if n > 1 else c).view(-1, 1) for c in columns.unbind(0))
+        # a parameter every request shares is a Python scalar (no upload: batch 1 always), the
+        # others [M, 1] columns in one upload; z / rep as z * (1 / rep), the same float32 op for a
+        # scalar and a column, so a request's rows are the same bits alone and batched
+        inv_rep_c, rep_c, freq_c, pres_c = (
+            c.repeat_interleave(n, dim=0) if isinstance(c, torch.Tensor) and n > 1 else c
+            for c in per_row_parameters(device, [1.0 / r for r in rep], rep, freq, pres))
         if any(r != 1.0 for r in rep):  # seen: in the prompt or the outputs (drafts included)
             blank = (None if all(r != 1.0 for r in rep)  # repetition 1: a no-op whatever it sees
                      else torch.zeros(vocab, dtype=torch.bool, device=device))
             masks = [_prompt_mask(seqs[i], vocab, device) if r != 1.0 else blank for i, r in zip(chosen, rep)]
             in_prompt = masks[0].view(1, -1) if len(masks) == 1 else torch.stack(masks)
             seen = (counts > 0) | (in_prompt.repeat_interleave(n, dim=0) if n > 1 else in_prompt)
-            x = torch.where(seen, torch.where(x > 0, x / rep_c, x * rep_c), x)
+            x = torch.where(seen, torch.where(x > 0, x * inv_rep_c, x * rep_c), x)
         if any(freq):
             x -= freq_c * counts
         if any(pres):

@@ -69,7 +69,7 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     # and as a column (PyTorch's CUDA division by a host scalar multiplies by its reciprocal,
     # by a column it divides), so a row gets the same bits among equal parameters (scalars)
     # and in a mixed batch (columns)
-    inv_temperature, log_min_p, kth_index, no_top_k, top_p_bound = _per_row_parameters(
+    inv_temperature, log_min_p, kth_index, no_top_k, top_p_bound = per_row_parameters(
         logits.device,
         [1.0 / t for t in temperature],
         [math.log(m) if m > 0.0 else float("-inf") for m in min_p] if uses_min_p else None,
@@ -101,7 +101,7 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     return probs
 
 
-def _per_row_parameters(device: torch.device,
+def per_row_parameters(device: torch.device,
                         *values: list[float] | None) -> list[float | torch.Tensor | None]:
     """Each list of per-row values -> a Python float when every row has the same value (no
     upload), else a ``[N, 1]`` float32 column on ``device``; the columns go up in ONE copy.

@@ -1,12 +1,13 @@
 """Counter-based Exp(1) noise (``kernels/counter_noise.py``): Philox4x32-10 and its mapping.
 
 * The torch reference against a plain-Python Philox4x32-10 (itself checked on the Random123
-  known-answer vectors), at columns, positions past 2^32 and seeds of every sign.
+  known-answer vectors): column ``v`` is word ``v & 3`` of counter ``v >> 2``, at columns,
+  vocabularies not a multiple of 4, positions past 2^32 and seeds of every sign.
 * The float mapping: ``E`` is never 0 or inf, and ``float32(-log(u))`` through a float64 log is
   device-independent (exhaustively, over every one of the 2^23 values of ``u``).
 * Statistics: Exp(1) by mean and a Kolmogorov-Smirnov bound that a uniform (the mapping's ``u``
-  itself) fails; seeds and positions give different, uncorrelated rows; the exponential race
-  over it samples ``p``.
+  itself) fails; seeds and positions give different, uncorrelated rows; the four columns of a
+  counter are neither equal nor correlated; the exponential race over it samples ``p``.
 * Under Triton's CPU interpreter (child pytest, ``TRITON_INTERPRET=1``): the kernel's Philox
   words and ``E`` equal the reference's bit for bit; ``counter_exponential`` takes the kernel.
 * On CUDA (skipped without one): the same at the engine's shapes.
@@ -53,8 +54,9 @@ POSITIONS = [0, 1, 2, 7, 2**31, 2**32 - 1, 2**32, 2**32 + 3, 2**40 + 17]
 
 
 def expected_word(seed: int, pos: int, v: int) -> int:
+    """Column ``v``'s word: word ``v & 3`` of Philox of counter ``(v >> 2, pos lo, pos hi, STREAM)``."""
     s = seed % 2**64
-    return philox4x32_10((v, pos & MASK, pos >> 32, cn.STREAM), (s & MASK, s >> 32))[0]
+    return philox4x32_10((v >> 2, pos & MASK, pos >> 32, cn.STREAM), (s & MASK, s >> 32))[v & 3]
 
 
 def table(seeds: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,18 +70,35 @@ def table(seeds: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.T
 @pytest.mark.parametrize("ctr, key, want", KAT)
 def test_python_philox_and_the_torch_rounds_give_the_known_answers(ctr, key, want):
     assert philox4x32_10(ctr, key) == want
-    got = cn.philox_word0(*(torch.tensor([x], dtype=torch.int64) for x in (*ctr, *key)))
-    assert got.tolist() == [want[0]]
+    got = cn.philox_words(*(torch.tensor([x], dtype=torch.int64) for x in (*ctr, *key)))
+    assert [w.tolist() for w in got] == [[x] for x in want]
 
 
-def test_reference_words_equal_the_python_philox():
+@pytest.mark.parametrize("vocab", [70000, 70001, 70002, 70003])
+def test_reference_words_equal_the_python_philox(vocab):
     seeds, positions = SEEDS, POSITIONS
-    bits = cn.uniform_bits_reference(*table(seeds, positions), 70000)
-    assert bits.dtype == torch.int64 and bits.shape == (len(seeds), 70000)
+    bits = cn.uniform_bits_reference(*table(seeds, positions), vocab)
+    assert bits.dtype == torch.int64 and bits.shape == (len(seeds), vocab) and bits.is_contiguous()
     for r, (s, p) in enumerate(zip(seeds, positions)):
-        for v in (0, 1, 2, 511, 1023, 1024, 65535, 65536, 69999):
+        for v in (0, 1, 2, 3, 4, 511, 1023, 1024, 65535, 65536, 69999, *range(69996, vocab)):
             assert int(bits[r, v]) == expected_word(s, p, v), (s, p, v)
     assert 0 <= int(bits.min()) and int(bits.max()) <= MASK
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3, 4, 5, 9])
+def test_reference_words_of_tiny_vocabularies(vocab):
+    bits = cn.uniform_bits_reference(*table(SEEDS, POSITIONS), vocab)
+    want = [[expected_word(s, p, v) for v in range(vocab)] for s, p in zip(SEEDS, POSITIONS)]
+    assert bits.tolist() == want
+
+
+def test_reference_chunks_on_the_cpu_cut_between_counters(monkeypatch):
+    # chunks of a few counters (and a last one cut short): the words land in the right columns
+    seeds, positions = table(SEEDS[:3], POSITIONS[:3])
+    want = cn.uniform_bits_reference(seeds, positions, 1003)
+    monkeypatch.setattr(cn, "_CPU_CHUNK", 21)  # 7 counters (28 columns) a chunk at 3 rows
+    assert torch.equal(cn.uniform_bits_reference(seeds, positions, 1003), want)
+    assert [int(want[0, v]) for v in (27, 28, 1002)] == [expected_word(SEEDS[0], POSITIONS[0], v) for v in (27, 28, 1002)]
 
 
 def test_seed_key_takes_the_seed_mod_2_64():
@@ -167,6 +186,27 @@ def test_rows_of_other_seeds_or_positions_differ_and_do_not_correlate():
     assert abs(float(torch.corrcoef(torch.stack([e[0, :-1], e[0, 1:]]).double())[0, 1])) < 0.05
 
 
+def test_the_four_columns_of_a_counter_neither_repeat_nor_correlate():
+    # columns 4i .. 4i+3 are the four words of one Philox call: every pair of them differs (a
+    # repeat of one word has chance 2^-32 a pair, of one E 2^-23) and does not correlate, in E
+    # and in the words' top bits
+    seeds, positions = table([11, -5, 2**63 + 9, 0], [3, 0, 2**32 + 1, 12345])
+    bits = cn.uniform_bits_reference(seeds, positions, 100000)
+    e = cn.exponential_from_bits(bits).view(4, -1, 4).transpose(0, 2).reshape(4, -1).double()
+    words = bits.view(4, -1, 4).transpose(0, 2).reshape(4, -1)  # [word j, 100k counters]
+    bound = 5 / math.sqrt(words.shape[1])  # ~5 sd of a correlation of independent samples
+    for j in range(4):
+        for k in range(j + 1, 4):
+            assert not (words[j] == words[k]).any(), (j, k)
+            assert (e[j] == e[k]).sum() <= 5, (j, k)
+            assert abs(float(torch.corrcoef(torch.stack([e[j], e[k]]))[0, 1])) < bound, (j, k)
+            hj, hk = (words[j] >> 31).double(), (words[k] >> 31).double()  # the top bit
+            assert abs(float(torch.corrcoef(torch.stack([hj, hk]))[0, 1])) < bound, (j, k)
+    # and each word on its own is Exp(1): no word of the four is off
+    for j in range(4):
+        assert ks_exponential(e[j]) < 1.95 / math.sqrt(e.shape[1]), j
+
+
 def test_the_exponential_race_over_it_samples_p():
     p = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
     n = 40000
@@ -195,19 +235,24 @@ def check_kernel(seeds: list[int], positions: list[int], vocab: int, device: str
 
 
 @interpreted
-@pytest.mark.parametrize("vocab", [1, 7, cn.BLOCK, cn.BLOCK + 1, 5000])
+@pytest.mark.parametrize("vocab", [1, 2, 7, cn.BLOCK, cn.BLOCK + 1, cn.BLOCK + 3, 5000])
 def test_interpreted_kernel_equals_the_reference(vocab):
     check_kernel(SEEDS, POSITIONS, vocab, "cpu")
 
 
+def check_row_strided_out(device: str) -> None:
+    s, p = table(SEEDS[:3], POSITIONS[:3])
+    wide = torch.full((5, 3000), -1.0, device=device)
+    out = wide[1:4, 100:2101]  # 2001 columns: the last counter's words 1..3 are masked off
+    assert cn.counter_exponential(s.to(device), p.to(device), 2001, device, out=out) is out
+    assert torch.equal(out.cpu(), cn.counter_exponential_reference(s, p, 2001))
+    assert (wide[0] == -1).all() and (wide[4] == -1).all() and (wide[1:4, :100] == -1).all()
+    assert (wide[1:4, 2101:] == -1).all()
+
+
 @interpreted
 def test_interpreted_kernel_fills_a_row_strided_out():
-    s, p = table(SEEDS[:3], POSITIONS[:3])
-    wide = torch.full((5, 3000), -1.0)
-    out = wide[1:4, 100:2100]
-    assert cn.counter_exponential(s, p, 2000, "cpu", out=out) is out
-    assert torch.equal(out, cn.counter_exponential_reference(s, p, 2000))
-    assert (wide[0] == -1).all() and (wide[4] == -1).all() and (wide[1:4, :100] == -1).all()
+    check_row_strided_out("cpu")
 
 
 def test_kernel_under_triton_interpreter():
@@ -219,11 +264,13 @@ def test_kernel_under_triton_interpreter():
 @needs_cuda
 def test_cuda_kernel_equals_the_reference():
     check_kernel(SEEDS, POSITIONS, 5000, "cuda")
+    check_kernel(SEEDS, POSITIONS, 5003, "cuda")
     g = torch.Generator().manual_seed(0)
-    for rows, vocab in ((1, 100352), (256, 100352), (3, 151936)):
+    for rows, vocab in ((1, 100352), (256, 100352), (3, 151936), (2, 100351)):
         seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g).tolist()
         positions = torch.randint(0, 2**40, (rows,), generator=g).tolist()
         check_kernel(seeds, positions, vocab, "cuda")
+    check_row_strided_out("cuda")
 
 
 @needs_cuda

@@ -41,11 +41,11 @@ Hence a seeded request's noise at an output position does not depend on the step
 (prefill, decode, a verify of any K), the batch, acceptance, preemption or the device.
 
 :func:`counter_exponential` runs the Triton kernel on CUDA (and on the CPU under Triton's
-interpreter, the tests), else :func:`counter_exponential_reference` (torch int64 arithmetic,
-any device); both give the same bits. On one CPU thread here the reference takes ~0.9 ms a
-``[1, 4096]`` row (overhead-bound: ~200 torch ops on 1024 counters) and ~5.5 ms a
-``[1, 100352]`` one, against 0.09 / 1.9 ms for torch's ``exponential_`` (one word a column,
-before: 1.3 / 17 ms).
+interpreter, the tests), else :func:`counter_exponential_reference` (numpy uint64 words on the
+host, where a 32 x 32-bit product is exact; any device); both give the same bits. On one CPU
+thread here the reference takes 0.23 ms a ``[1, 4096]`` row and 2.5 ms a ``[1, 100352]`` one,
+against 0.10 / 2.0 ms for torch's ``exponential_`` (torch int64 ops with 16-bit halves for the
+products: 0.9 / 5.5 ms; one word a column: 1.3 / 17 ms).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .availability import interpret_mode, triton_can_run
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 __all__ = ["BLOCK", "STREAM", "can_use", "counter_exponential", "counter_exponential_reference",
            "exponential_from_bits", "kernel_uniform_bits", "philox_words", "seed_key", "uniform_bits_reference"]
 
-# The A/B switch (False: the torch reference on every device).
+# The A/B switch (False: the reference on every device).
 USE_KERNEL = True
 BLOCK = 1024  # columns a program (BLOCK // 4 Philox counters: 2 a thread with 4 warps)
 #: counter word 3: this noise's stream ("EXP1" in ASCII)
@@ -84,41 +85,32 @@ def seed_key(seed: int) -> int:
     return s - 2**64 if s >= 2**63 else s
 
 
-# ---- the torch reference (int64 arithmetic: every value kept in [0, 2^32)) ------------------
+# ---- the reference (numpy uint64: a 32 x 32-bit product is exact below 2^64) ----------------
 
-def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` (int64 in [0, 2^32)) times the 32-bit constant ``m`` -> (high, low) 32-bit halves
-    of the 64-bit product, exactly in int64: with ``m = mh 2^16 + ml``, ``a ml`` and ``a mh``
-    are below 2^48, so nothing overflows. ``a`` is left as it was."""
-    low = a * (m & 0xFFFF)             # < 2^48
-    high = a * (m >> 16)               # < 2^48, weight 2^16
-    t = high & 0xFFFF
-    t <<= 16
-    low += t                           # the product's bits 0..48 (< 2^49)
-    high >>= 16
-    torch.bitwise_right_shift(low, 32, out=t)
-    high += t                          # bits 32..63
-    low &= _MASK32                     # bits 0..31
-    return high, low
+_U32 = np.uint64(_MASK32)
+_S32 = np.uint64(32)
 
 
-def philox_words(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
-                 k0: torch.Tensor, k1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def philox_words(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray,
+                 k0: np.ndarray, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The four words ``(c0, c1, c2, c3)`` of Philox4x32-10 of counter ``(c0, c1, c2, c3)``
-    under key ``(k0, k1)``: broadcastable int64 tensors holding 32-bit values (left as they
-    are) -> four int64 tensors in [0, 2^32) (each of a shape the inputs broadcast to)."""
+    under key ``(k0, k1)``: broadcastable uint64 arrays holding 32-bit values (left as they
+    are) -> four uint64 arrays in [0, 2^32) (each of a shape the inputs broadcast to). The round
+    products ``M c`` are below 2^64, so uint64 holds them exactly: high word ``p >> 32``, low
+    word ``p & (2^32 - 1)``."""
+    m0, m1, w0, w1 = np.uint64(_M0), np.uint64(_M1), np.uint64(_W0), np.uint64(_W1)
     for r in range(_ROUNDS):
         if r:  # the key bump between rounds
-            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-        hi1, lo1 = _mulhilo(c2, _M1)
-        hi0, lo0 = _mulhilo(c0, _M0)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+            k0, k1 = (k0 + w0) & _U32, (k1 + w1) & _U32
+        p0, p1 = c0 * m0, c2 * m1
+        c0, c1, c2, c3 = (p1 >> _S32) ^ c1 ^ k0, p1 & _U32, (p0 >> _S32) ^ c3 ^ k1, p0 & _U32
     return c0, c1, c2, c3
 
 
 def uniform_bits_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The Philox word of every (row, column): ``[R, V]`` int64 in [0, 2^32); column ``v`` is
-    word ``v & 3`` of counter ``(v >> 2, pos lo, pos hi, STREAM)``.
+    """The Philox word of every (row, column): ``[R, V]`` int64 in [0, 2^32) on the seeds'
+    device (computed on the host); column ``v`` is word ``v & 3`` of counter
+    ``(v >> 2, pos lo, pos hi, STREAM)``.
 
     Args:
         seeds: ``[R]`` int64, the key's 64 bits (:func:`seed_key`).
@@ -128,23 +120,22 @@ def uniform_bits_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab: 
     assert seeds.shape == positions.shape and seeds.dim() == 1, (seeds.shape, positions.shape)
     assert 0 <= vocab <= 2**32
     rows, n4 = seeds.shape[0], -(-vocab // 4)  # n4 counters a row, four columns each
-    seeds, positions = seeds.to(torch.int64).view(-1, 1), positions.to(torch.int64).view(-1, 1)
-    # [R, 1] words (arithmetic shifts of negative seeds: the mask keeps the 32 bits)
-    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
-    c1, c2 = positions & _MASK32, (positions >> 32) & _MASK32
-    c3 = torch.full_like(c1, STREAM)
+    # [R, 1] words; int64 -> uint64 keeps the 64 bits (two's complement)
+    key = seeds.to(torch.int64).cpu().numpy().astype(np.uint64).reshape(-1, 1)
+    pos = positions.to(torch.int64).cpu().numpy().astype(np.uint64).reshape(-1, 1)
+    k0, k1, c1, c2 = key & _U32, key >> _S32, pos & _U32, pos >> _S32
+    c3 = np.full_like(c1, STREAM)
     # [R, n4, 4]: word j of counter i is column 4 i + j (the last counter's words past V unused)
-    words = torch.empty((rows, n4, 4), dtype=torch.int64, device=seeds.device)
-    # on the CPU in chunks of ~2^14 counters, so that the ~200 int64 passes over a chunk stay
-    # in cache; elsewhere in one piece (a chunk costs ~250 launches)
-    step = max(1, _CPU_CHUNK // max(rows, 1)) if seeds.device.type == "cpu" else max(n4, 1)
+    words = np.empty((rows, n4, 4), dtype=np.uint64)
+    # in chunks of ~2^14 counters, so that the ~120 passes over a chunk stay in cache
+    step = max(1, _CPU_CHUNK // max(rows, 1))
     for start in range(0, n4, step):
         end = min(n4, start + step)
-        c0 = torch.arange(start, end, dtype=torch.int64, device=seeds.device).view(1, -1)  # [1, n]
+        c0 = np.arange(start, end, dtype=np.uint64).reshape(1, -1)  # [1, n]
         for j, w in enumerate(philox_words(c0, c1, c2, c3, k0, k1)):
             words[:, start:end, j] = w
-    words = words.view(rows, 4 * n4)
-    return words if 4 * n4 == vocab else words[:, :vocab].contiguous()
+    flat = torch.from_numpy(words.view(np.int64).reshape(rows, 4 * n4)[:, :vocab])  # values < 2^32
+    return flat.contiguous().to(seeds.device)
 
 
 def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -154,7 +145,7 @@ def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def counter_exponential_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The noise in torch ops on the tensors' device: ``[R, V]`` float32 Exp(1) draws, row ``r``
+    """The noise without the kernel, on the tensors' device: ``[R, V]`` float32 Exp(1) draws, row ``r``
     keyed by ``seeds[r]`` (int64 ``[R]``) at output position ``positions[r]`` (int64 ``[R]``);
     the same bits as the kernel."""
     return exponential_from_bits(uniform_bits_reference(seeds, positions, vocab))
@@ -245,7 +236,7 @@ def counter_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int
 
     Returns:
         ``out``, or a new ``[R, V]`` float32 tensor on ``device``. One launch (grid
-        ``(R, ceil(V / BLOCK))``) on CUDA; the torch reference elsewhere.
+        ``(R, ceil(V / BLOCK))``) on CUDA; the reference elsewhere.
     """
     rows = seeds.shape[0]
     assert seeds.shape == positions.shape == (rows,), (seeds.shape, positions.shape)

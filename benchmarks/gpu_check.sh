@@ -116,9 +116,9 @@
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
 #   bash benchmarks/gpu_check.sh sampling   # sampling, penalties and logprobs against their old
-#                                           # per-request loops (bench_sampler.py), the sampler's
-#                                           # CUDA tests, then sampled decode tokens/s at batch 1
-#                                           # and 64 (bench_sampled_decode.py; ~6 min)
+#                                           # per-request loops (bench_sampler.py), the sampler's and
+#                                           # counter noise's CUDA tests, sampled decode at batch 1
+#                                           # and 64 (bench_sampled_decode.py; ~6-9 min)
 #   bash benchmarks/gpu_check.sh staged     # o_proj parked in shared memory before its PDL wait,
 #                                           # attention signalling early: tests, the window
 #                                           # micro-benchmark, decode A/B (~5 min)
@@ -455,7 +455,8 @@ case "$stage" in
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"
-    gpu_tests 120 tests/test_kernel_counter_noise.py tests/test_engine_units.py \
+    # the seeded engine test alone took 202 s on a fresh H200 (2026-12-02: engine compiles)
+    gpu_tests 240 tests/test_kernel_counter_noise.py tests/test_engine_units.py \
       tests/test_spec_edge_cases.py -k cuda | tail -8
     echo "== sampled decode tokens/s (distinct prompts), target-only and DFlash K = 3 at L = 4"
     timeout 240 python benchmarks/bench_sampled_decode.py --batches 1,64 --rounds 1 --new-tokens 64 \

@@ -497,6 +497,67 @@ def test_filtered_probs_rows_equal_each_row_filtered_alone(device):
     assert torch.equal(rows[4], plain)  # no filter of its own: the softmax, not renormalised
 
 
+def _nucleus_of_top_k(logits: torch.Tensor, temperature: float, k: int, top_p: float) -> torch.Tensor:
+    """The kept set of top-k then top-p by its definition, in float64: the top-k's tokens (ties
+    of the k-th included) by probability, kept while the mass before a token is below top_p,
+    every tie of the boundary token kept."""
+    s = logits.double() / temperature
+    kth = s.sort(descending=True).values[k - 1]
+    p = torch.softmax(s.masked_fill(s < kth, float("-inf")), -1)
+    ranked = p.sort(descending=True).values
+    before = torch.cat([p.new_zeros(1), ranked.cumsum(0)[:-1]])
+    tau = ranked[min(int((before < top_p).sum().clamp(min=1)), k) - 1]
+    return (p >= tau) & (p > 0)
+
+
+@pytest.mark.parametrize("k, top_p", [(1, 0.9), (3, 0.5), (5, 0.99), (20, 0.3), (20, 0.95), (50, 0.9)])
+def test_top_p_over_a_top_k_keeps_the_ranked_nucleus_without_a_sort(monkeypatch, k, top_p):
+    # a row with a top-k of at most TOPK_MAX_COLUMNS takes its nucleus from the top-k's ranked
+    # tokens: no sort of the row, the same set as the definition (float64), renormalised
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(k)) * 2
+    logits[1, 7:12] = logits[1].max() + 0.5  # five tied most likely tokens: the boundary's ties
+    sorts = []
+    real = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **kw: sorts.append(1) or real(*a, **kw))
+    probs = filtered_probs(logits, 0.8, top_k=k, top_p=top_p)
+    assert not sorts
+    for row in range(3):
+        want = _nucleus_of_top_k(logits[row], 0.8, k, top_p)
+        assert torch.equal(probs[row] > 0, want), (row, int((probs[row] > 0).sum()), int(want.sum()))
+        torch.testing.assert_close(probs[row].sum(), torch.tensor(1.0))
+    assert int((probs[1] > 0).sum()) >= min(5, k)  # the tied tokens stay together
+
+
+def test_ranked_top_p_equals_the_full_sort_without_ties(monkeypatch):
+    # float32 logits: no ties, so the ranked nucleus and the sorted one are the same set and
+    # values within rounding; at TOPK_MAX_COLUMNS 0 every row takes the full sort
+    import laguna_dflash.engine.sampler as sampler
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(5)) * 3
+    args = ([0.7, 1.0, 1.3, 0.9], [10, 40, 3, 100], [0.9, 0.5, 0.99, 0.8], [0.0] * 4)
+    ranked = filtered_probs_rows(logits, *args)
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 0)
+    sorted_ = filtered_probs_rows(logits, *args)
+    assert torch.equal(ranked > 0, sorted_ > 0)
+    torch.testing.assert_close(ranked, sorted_, rtol=1e-6, atol=1e-7)
+
+
+def test_ranked_and_sorted_top_p_rows_mixed_are_each_row_alone(monkeypatch):
+    # ranked rows (k <= TOPK_MAX_COLUMNS), a row whose k takes the sort, top-p only, top-k only and
+    # no filter in one batch: each row is bitwise its filtering alone, where the batch's largest
+    # k differs (the ranked prefix sums have one width whatever it is)
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 16)
+    logits = torch.randn(6, 80, generator=torch.Generator().manual_seed(6)) * 2
+    logits[0, :6] = logits[0].max() + 1.0  # six tied most likely tokens in a ranked row
+    temperature, top_k = [0.9, 1.1, 0.7, 1.0, 0.8, 1.2], [4, 12, 40, 0, 7, 0]
+    top_p, min_p = [0.8, 0.6, 0.9, 0.7, 1.0, 1.0], [0.0, 0.1, 0.0, 0.0, 0.0, 0.0]
+    rows = filtered_probs_rows(logits, temperature, top_k, top_p, min_p)
+    for r in range(6):
+        alone = filtered_probs(logits[r : r + 1], temperature[r], top_k[r], top_p[r], min_p[r])[0]
+        assert torch.equal(rows[r], alone), r
+    assert int((rows[0] > 0).sum()) == 6  # k 4 inside the six tied tokens: all six kept
+
+
 def test_top_k_from_a_full_sort_equals_top_k_from_topk(monkeypatch):
     import laguna_dflash.engine.sampler as sampler
     logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(4))

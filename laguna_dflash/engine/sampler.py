@@ -50,7 +50,10 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     * min-p keeps the tokens with ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
     * top-k keeps the scores ``>=`` the k-th largest (ties at it kept);
     * top-p then keeps the smallest prefix of the sorted distribution whose mass reaches
-      ``top_p`` (the token crossing the threshold is kept) and renormalises.
+      ``top_p`` (the token crossing the threshold is kept) and renormalises. A row with a top-k
+      of at most TOPK_MAX_COLUMNS takes its nucleus from its top-k's ranked tokens, no sort of
+      the row (:func:`_ranked_top_p`), and keeps every tie of the boundary token; the full sort
+      keeps the ties it ranks first.
 
     One launch sequence for the whole batch, each filter only if some row uses it; a parameter
     every row shares is a Python scalar, the varying ones go up in one copy. Every op is
@@ -65,25 +68,37 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     uses_min_p, uses_top_k, uses_top_p = (any(m > 0.0 for m in min_p), any(ks),
                                           any(p < 1.0 for p in top_p))
+    # rows whose top-p runs on their own top-k's ranked tokens (no full sort): their k is at most
+    # TOPK_MAX_COLUMNS, so the nucleus lies among at most that many ranked tokens plus the ties
+    # of the k-th. The others with top-p sort the row; a batch of both selects per row
+    ranked_top_p = [0 < k <= TOPK_MAX_COLUMNS and p < 1.0 for k, p in zip(ks, top_p)]
+    is_sorted_top_p = not all(r or p >= 1.0 for r, p in zip(ranked_top_p, top_p))
+    is_mixed_top_p = any(ranked_top_p) and is_sorted_top_p
     # x * (1 / T) rather than x / T: a multiplier is the same float32 op as a Python scalar
     # and as a column (PyTorch's CUDA division by a host scalar multiplies by its reciprocal,
     # by a column it divides), so a row gets the same bits among equal parameters (scalars)
     # and in a mixed batch (columns)
-    inv_temperature, log_min_p, kth_index, no_top_k, top_p_bound = per_row_parameters(
+    inv_temperature, log_min_p, kth_index, no_top_k, top_p_bound, use_ranked = per_row_parameters(
         logits.device,
         [1.0 / t for t in temperature],
         [math.log(m) if m > 0.0 else float("-inf") for m in min_p] if uses_min_p else None,
         [float(max(k - 1, 0)) for k in ks] if uses_top_k else None,
         [float(k == 0) for k in ks] if uses_top_k and not all(ks) else None,
-        [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else None)
+        [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else None,
+        [float(r) for r in ranked_top_p] if is_mixed_top_p else None)
     scores = logits.float() * inv_temperature
     if uses_min_p:  # min_p 0: log 0 = -inf, no score below the floor
         floor = scores.amax(dim=-1, keepdim=True) + log_min_p
         scores = scores.masked_fill(scores < floor, float("-inf"))
     if uses_top_k:
         max_k = max(ks)
-        ranked = (torch.topk(scores, max_k, dim=-1).values if max_k <= TOPK_MAX_COLUMNS
-                  else scores.sort(dim=-1, descending=True).values)  # [N, >= max_k], descending
+        # [N, >= max_k] descending, with the token ids where a ranked top-p needs them
+        if max_k <= TOPK_MAX_COLUMNS:
+            ranked, ranked_ids = torch.topk(scores, max_k, dim=-1)
+        elif any(ranked_top_p):
+            ranked, ranked_ids = scores.sort(dim=-1, descending=True)
+        else:
+            ranked, ranked_ids = scores.sort(dim=-1, descending=True).values, None
         if isinstance(kth_index, float):
             kth = ranked[:, int(kth_index) : int(kth_index) + 1]
         else:
@@ -92,13 +107,43 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
             kth = kth.masked_fill(no_top_k > 0.0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if uses_top_p:  # bound +inf for rows without top-p: nothing dropped
+    if not uses_top_p:
+        return probs
+    if is_sorted_top_p:  # a top-p row without a (small) top-k; bound +inf: nothing dropped
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_bound  # the mass before a token
         kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        kept = kept / kept.sum(-1, keepdim=True)
-        probs = kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
-    return probs
+        if is_mixed_top_p:
+            kept = torch.where(use_ranked > 0.0, _ranked_top_p(probs, ranked_ids, top_p_bound), kept)
+    else:
+        kept = _ranked_top_p(probs, ranked_ids, top_p_bound)
+    kept = kept / kept.sum(-1, keepdim=True)
+    return kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
+
+
+def _ranked_top_p(probs: torch.Tensor, ranked_ids: torch.Tensor, top_p_bound: float | torch.Tensor) -> torch.Tensor:
+    """Top-p of rows filtered by a top-k of ``k <= TOPK_MAX_COLUMNS`` from their ranked tokens,
+    without sorting the row: ``probs [N, V]`` float32 (after top-k: the ranked tokens, the ties
+    of the k-th, zeros), ``ranked_ids [N, >= k]`` the top-k's token ids in descending order ->
+    ``[N, V]`` float32, not renormalised: the tokens at least as likely as the boundary token
+    (the first ranked token whose exclusive prefix mass reaches ``top_p``'s, or the k-th),
+    ties of it included, and zeros elsewhere.
+
+    The ranked probabilities are padded to TOPK_MAX_COLUMNS columns, so the prefix sums have one
+    shape whatever the batch's largest k (a row's bits do not depend on its batch mates); the
+    ids of tied scores may differ between ``torch.topk`` and a sort, their probabilities do not.
+    """
+    width = min(ranked_ids.shape[1], TOPK_MAX_COLUMNS)
+    ranked_p = probs.gather(-1, ranked_ids[:, :width])  # [N, width], descending
+    ranked_p = torch.nn.functional.pad(ranked_p, (0, TOPK_MAX_COLUMNS - width))
+    # exclusive prefix sums, non-decreasing (monotone rounding): the ranked tokens below the bound
+    # are a prefix, its length the count. A count past the row's k lands on a tie of the k-th
+    # (the same probability) or on a token the top-k dropped (0): either way every token the
+    # top-k kept stays
+    before = torch.nn.functional.pad(ranked_p.cumsum(-1)[:, :-1], (1, 0))
+    num_kept = (before < top_p_bound).sum(-1, keepdim=True).clamp_(min=1)  # [N, 1] int64
+    tau = ranked_p.gather(-1, num_kept - 1)
+    return probs.masked_fill(probs < tau, 0.0)
 
 
 def per_row_parameters(device: torch.device,

@@ -395,6 +395,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,3,7,15", help="draft counts K for the batch-1 DFlash step")
     ap.add_argument("--simulated", default="1,2,4,8", help="simulated acceptance lengths to time")
     ap.add_argument("--sim-ks", default="0,1,3,7", help="K values tried per simulated-acceptance cell")
+    ap.add_argument("--every-k", action="store_true",
+                    help="try every --sim-ks value in every cell; by default K > 0 only where K + 1 >= L "
+                         "(a drafter of acceptance L accepts all K < L drafts: 1 + K tokens a step)")
     ap.add_argument("--adaptive", action="store_true",
                     help="also time the adaptive-K engine per simulated-acceptance cell")
     ap.add_argument("--rounds", type=int, default=2,
@@ -484,8 +487,8 @@ def main() -> None:
                 prefill[b, True] = min(t, prefill.get((b, True), t))
                 for length in (float(x) for x in args.simulated.split(",")):
                     # K = 0 (no drafting: the target decodes, the drafter's context still kept)
-                    # is always a candidate; K > 0 only where K + 1 >= L
-                    for k in (k for k in sim_ks if (k == 0 or k + 1 >= length) and k <= max_k):
+                    # is always a candidate; K > 0 only where K + 1 >= L unless --every-k
+                    for k in (k for k in sim_ks if (k == 0 or k + 1 >= length or args.every_k) and k <= max_k):
                         engine.num_speculative_tokens = k
                         engine.simulated_acceptance, engine._sim_carry = length, 0.0
                         # tokens per step: the bonus plus min(K, L - 1) accepted drafts

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh all-tests  # every test file with CUDA tests, 12 pytest-xdist
-#                                           # workers (carry pytest-xdist and execnet wheels in
-#                                           # .whl/); full log in $OUT/gpu_all.log
+#   bash benchmarks/gpu_check.sh all-tests  # every kernel test file (tests/test_kernel_*.py), 12
+#                                           # pytest-xdist workers (carry pytest-xdist and execnet
+#                                           # wheels in .whl/); full log in $OUT/gpu_all.log
+#   bash benchmarks/gpu_check.sh all-tests-engine  # the engine's test files with CUDA tests
+#                                           # (graphs, XS lossless, spec edge cases, the dflash
+#                                           # reference, units, fusion); $OUT/gpu_all_engine.log
 #   bash benchmarks/gpu_check.sh batch-invariant  # --batch-invariant: its CUDA tests (bitwise
 #                                           # rows; bf16 tokens alone = batched = DFlash at XS-2.1
 #                                           # widths), then bench_batch_invariant.py (~6 min)
@@ -145,6 +148,20 @@ gpu_tests() {
     | sed -E 's/^tests\///; s/ +\[ *[0-9]+%\]$//'
   [ "${PIPESTATUS[0]}" = 124 ] && echo "(cut at ${limit} s: the tests not listed did not run)"
   return 0
+}
+# every_test LOG FILES...: every test in FILES on 12 pytest-xdist workers (carry the pytest-xdist
+# and execnet wheels in .whl/), full log in $OUT/LOG. -v: a run cut by the limit still names each
+# result. The interpreter children (one pytest under TRITON_INTERPRET=1 a file) are CPU CI's:
+# run here twelve at once, about 18 of them failed without names on 2026-12-01 (their 300 s
+# limit, presumably).
+every_test() {
+  local log=${OUT:-/tmp}/$1; shift
+  echo "== $* (CUDA and sm_90 cases; the interpreter ones are CPU CI's)"
+  timeout 560 python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
+    -k "not interpret" >"$log" 2>&1
+  echo "pytest exit ${?} (124: cut by the time limit)"
+  grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40
+  sed -n '/slowest/,/^$/p' "$log" | head -12
 }
 # step_ab PYTEST_K SWITCH: the CUDA graph tests selected by PYTEST_K (all when empty), then the
 # batch-1 step A/B of host_timeline.py (defaults against module:attr=value SWITCH) and the
@@ -438,19 +455,13 @@ case "$stage" in
     echo "== what it buys and costs at XS-2.1 size (40 layers, bf16)"
     timeout 300 python benchmarks/bench_batch_invariant.py 2>&1 | quiet | tail -8 ;;
   all-tests)
-    echo "== every test file with CUDA tests (and their interpreter / CPU cases)"
-    log=${OUT:-/tmp}/gpu_all.log
-    # -v: a run cut by the limit still names each result. The interpreter children (one pytest
-    # under TRITON_INTERPRET=1 a file) are CPU CI's; run here twelve at once, about 18 of them
-    # failed without names on 2026-12-01 (their 300 s limit, presumably).
-    timeout 560 python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 \
-      tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_inference_fusion.py \
-      tests/test_dflash_reference.py tests/test_spec_edge_cases.py tests/test_kernel_*.py \
-      tests/test_engine_units.py \
-      -k "not interpret" >"$log" 2>&1
-    echo "pytest exit ${?} (124: cut by the time limit)"
-    grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40
-    sed -n '/slowest/,/^$/p' "$log" | head -12 ;;
+    # the kernel test files; the engine ones are all-tests-engine (one call no longer held both:
+    # 604 of ~630 results in 560 s on 2026-12-02)
+    every_test "gpu_all.log" tests/test_kernel_*.py ;;
+  all-tests-engine)
+    every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
+      tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
+      tests/test_engine_units.py ;;
   sampling)
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"

@@ -6,10 +6,13 @@ Used by the kernel tests to check what the GPU would run (loop bodies, load kind
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 
 from interpreter_child import HAS_TRITON, INTERPRETED
 
@@ -23,6 +26,33 @@ def can_compile_sm90() -> bool:
     except ImportError:
         return False
     return True
+
+
+_lock_depth = 0  # this process's holds of the lock below (a nested hold must not flock again)
+
+
+@contextlib.contextmanager
+def sm90_compile_lock() -> Iterator[None]:
+    """One offline sm_90 build (a Triton compile, which runs ptxas, or a ``ptxas -v``) at a time
+    across the processes of this machine: with 12 pytest-xdist workers compiling at once on the
+    H200's host, triton's ``ptxas`` exited 255 and the same tests passed serially (twentieth and
+    thirty-second passes, docs/PERFORMANCE.md). Reentrant within a process."""
+    global _lock_depth
+    if _lock_depth:
+        _lock_depth += 1
+        try:
+            yield
+        finally:
+            _lock_depth -= 1
+        return
+    with open(os.path.join(tempfile.gettempdir(), "laguna_dflash_sm90_compile.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        _lock_depth = 1
+        try:
+            yield
+        finally:
+            _lock_depth = 0
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict) -> str:
@@ -42,7 +72,8 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict)
                  if signature[a] == "i32" and a != "M" or signature[a].startswith("*")]
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    with sm90_compile_lock():
+        return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict) -> str:
@@ -59,7 +90,8 @@ def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options:
                          constexprs={(names.index(a),): v for a, v in constexprs.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
                                 if signature[a].startswith("*")})
-    return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    with sm90_compile_lock():
+        return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def ptxas_spills(ptx: str) -> list[int]:
@@ -67,7 +99,7 @@ def ptxas_spills(ptx: str) -> list[int]:
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, sm90_compile_lock():
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)

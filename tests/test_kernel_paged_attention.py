@@ -19,12 +19,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import subprocess
 
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import loads_before_pdl_wait
+from ptx_sm90 import loads_before_pdl_wait, ptxas_spills, sm90_compile_lock
 
 from laguna_dflash.engine import attention
 from laguna_dflash.engine.attention import AttentionMetadata, TorchSDPABackend
@@ -282,9 +281,6 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
     """Compile ``kernel`` ahead of time for sm_90 (no GPU needed) with the specialisations a real
     launch gets (unit strides as constants, 16-aligned pointers and strides); ptxas -v on the PTX
     -> (compiled kernel, spill-store bytes per function)."""
-    import re
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -298,16 +294,10 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
         if name.endswith("_ptr") or name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": 2, "launch_pdl": pdl})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(compiled.asm["ptx"])
-        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
-                              capture_output=True, text=True, check=True)
-    return compiled, [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    with sm90_compile_lock():
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": 2, "launch_pdl": pdl})
+    return compiled, ptxas_spills(compiled.asm["ptx"])
 
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,

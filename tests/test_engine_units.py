@@ -569,6 +569,54 @@ def test_top_k_from_a_full_sort_equals_top_k_from_topk(monkeypatch):
     assert int((by_topk[0] > 0).sum()) == 4 and int((by_topk[2] > 0).sum()) == 30
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("k", [1, 7, 20, 64])
+def test_two_stage_topk_gives_topks_values(monkeypatch, device, k):
+    # the top-k over chunks, then over their winners: torch.topk's values bit for bit, ids that
+    # name entries of those values, on rows with ties across chunks (bf16-rounded logits), -inf
+    # entries (a min-p floor) and fewer finite entries than k
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "TOPK_CHUNK_COLUMNS", 64)
+    monkeypatch.setattr(sampler, "two_stage_topk_devices", frozenset({device}))
+    g = torch.Generator().manual_seed(k)
+    scores = (torch.randn(5, 64 * 12, generator=g) * 2).bfloat16().float()  # many ties
+    scores[1] = scores[1].round()  # a few values, each tied across every chunk
+    scores[2, 100:] = float("-inf")
+    scores[3, 5:] = float("-inf")  # 5 finite entries, in one chunk
+    scores[3, 600] = scores[3, :5].max()  # ... and a tie of the largest in another
+    scores = scores.to(device)
+    calls = []
+    real = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, *a, **kw: calls.append(x.dim()) or real(x, *a, **kw))
+    values, ids = sampler.topk_rows(scores, k)
+    assert calls == [3, 2]  # the chunks' top-k, then the winners'
+    want = real(scores, k, dim=-1).values
+    assert torch.equal(values, want)
+    assert torch.equal(scores.gather(-1, ids), values)  # each id names an entry of its value
+    assert all(len(set(row)) == k for row in ids.tolist())  # k distinct entries a row
+    # shapes the chunks do not divide, or a k above a chunk: one torch.topk
+    for cols, kk in ((64 * 12 + 3, min(k, 10)), (64 * 12, 65)):
+        calls.clear()
+        x = torch.randn(2, cols, generator=g).to(device)
+        assert torch.equal(sampler.topk_rows(x, kk)[0], real(x, kk, dim=-1).values) and calls == [2]
+
+
+def test_filtered_probs_are_the_same_bits_with_the_two_stage_topk(monkeypatch):
+    # top-k and the ranked top-p read only the top-k's values (tied ids' probabilities are
+    # equal), so the switch leaves every row's bits as they were, ties at the boundary included
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "TOPK_CHUNK_COLUMNS", 128)
+    logits = (torch.randn(6, 1024, generator=torch.Generator().manual_seed(8)) * 3).bfloat16()
+    logits[0, ::97] = logits[0].max()  # tied most likely tokens in several chunks
+    args = ([0.7, 1.0, 1.3, 0.9, 0.8, 1.0], [20, 5, 50, 1, 128, 0], [0.9, 1.0, 0.95, 0.5, 0.8, 0.9],
+            [0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
+    one_stage = filtered_probs_rows(logits, *args)
+    monkeypatch.setattr(sampler, "two_stage_topk_devices", frozenset({"cpu"}))
+    assert torch.equal(filtered_probs_rows(logits, *args), one_stage)
+    assert int((one_stage[0] > 0).sum()) >= 10  # the eleven tied tokens (k 20): all in the nucleus
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_sampling_a_mixed_batch_equals_sampling_each_request_alone(rows):
     # greedy, global-RNG and seeded requests with different filters in one batch: each seeded

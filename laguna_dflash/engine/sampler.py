@@ -30,6 +30,11 @@ from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
 TOPK_MAX_COLUMNS = 1024
+# the top-k in two stages (:func:`topk_rows`): over chunks of this many columns, then over the
+# chunks' winners, on the device types listed (benchmarks/profile_sampler.py times both forms;
+# on the CPU the one-stage torch.topk is ~4x faster at V = 100352)
+TOPK_CHUNK_COLUMNS = 1024
+two_stage_topk_devices: frozenset[str] = frozenset()
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -94,7 +99,7 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
         max_k = max(ks)
         # [N, >= max_k] descending, with the token ids where a ranked top-p needs them
         if max_k <= TOPK_MAX_COLUMNS:
-            ranked, ranked_ids = torch.topk(scores, max_k, dim=-1)
+            ranked, ranked_ids = topk_rows(scores, max_k)
         elif any(ranked_top_p):
             ranked, ranked_ids = scores.sort(dim=-1, descending=True)
         else:
@@ -119,6 +124,29 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
         kept = _ranked_top_p(probs, ranked_ids, top_p_bound)
     kept = kept / kept.sum(-1, keepdim=True)
     return kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores [N, V]`` float32 -> the ``k`` largest of each row, ``(values [N, k]`` descending,
+    ``ids [N, k]`` int64``)``: ``torch.topk``'s values bit for bit (they are copies of entries).
+    Which of several tied entries an id names may differ from ``torch.topk``'s, and no caller
+    reads it: the top-k threshold is a value, and the ranked top-p gathers tied ids' equal
+    probabilities. Hence a row's bits do not depend on which form ran.
+
+    On a device type in ``two_stage_topk_devices`` (and with ``V`` a multiple of
+    TOPK_CHUNK_COLUMNS, above it, ``k`` at most it): the top ``k`` of each chunk of
+    TOPK_CHUNK_COLUMNS columns, then the top ``k`` of those ``V / chunk * k`` candidates. A row's top ``k`` are among its chunks' top ``k`` (an entry
+    that is not in its chunk's top k has k larger ones). One long row is then many short slices
+    (Laguna's 100352 = 98 x 1024), not one slice for the device to split.
+    """
+    n, vocab = scores.shape
+    chunk = TOPK_CHUNK_COLUMNS
+    if scores.device.type not in two_stage_topk_devices or vocab % chunk or vocab <= chunk or k > chunk:
+        return torch.topk(scores, k, dim=-1)
+    local, local_ids = torch.topk(scores.reshape(n, vocab // chunk, chunk), k, dim=-1)  # [N, V / chunk, k]
+    local_ids = local_ids + torch.arange(0, vocab, chunk, device=scores.device).view(1, -1, 1)
+    values, where = torch.topk(local.reshape(n, -1), k, dim=-1)
+    return values, local_ids.reshape(n, -1).gather(-1, where)
 
 
 def _ranked_top_p(probs: torch.Tensor, ranked_ids: torch.Tensor, top_p_bound: float | torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,8 @@
 #   bash benchmarks/gpu_check.sh graphs-count  # DFlash later-step medians with prefill graphs
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
-#   bash benchmarks/gpu_check.sh sampling   # sampling, penalties and logprobs against their old
+#   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py);
+#                                           # sampling, penalties and logprobs against their old
 #                                           # per-request loops (bench_sampler.py), the sampler's and
 #                                           # counter noise's CUDA tests, sampled decode at batch 1
 #                                           # and 64 (bench_sampled_decode.py; ~6-9 min)
@@ -463,6 +464,8 @@ case "$stage" in
       tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
       tests/test_engine_units.py ;;
   sampling)
+    echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
+    timeout 120 python benchmarks/profile_sampler.py --top 3 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"

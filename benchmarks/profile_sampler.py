@@ -10,10 +10,8 @@ time of its kernels. This script measures that, two ways, for each mode and row 
 * ``kernels us``: the kernels' device time per call under ``torch.profiler`` (eager), and the
   largest kernels by name.
 
-Each top-k mode runs with the one-stage ``torch.topk`` and the two-stage top-k
-(``sampler.two_stage_topk_devices``
-(:func:`laguna_dflash.engine.sampler.topk_rows`), and checks that both give the same bits
-(``filtered_probs_rows``). The claim is the ratio of the two within a run.
+Compare two trees by running it in each (the claim is the ratio of the two, on one device; the
+thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-stage-topk``).
 
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring
@@ -27,9 +25,8 @@ import statistics
 
 import torch
 
-import laguna_dflash.engine.sampler as sampler
 from laguna_dflash.config import SamplingParams
-from laguna_dflash.engine.sampler import filtered_probs_rows, sample_rows
+from laguna_dflash.engine.sampler import sample_rows
 
 MODES = {
     "greedy": dict(temperature=0.0),
@@ -114,41 +111,25 @@ def main() -> None:
         if m not in MODES:
             raise SystemExit(f"--modes: unknown mode {m!r}; one of {', '.join(MODES)}")
     gen = torch.Generator(device=device).manual_seed(0)
-    default_devices = sampler.two_stage_topk_devices
     print(f"sample_rows device time; V = {args.vocab}, {args.dtype}, {device}")
-    print("| rows | mode | top-k | graph us | kernels us | largest kernels (us a call) |")
-    print("|---:|---|---|---:|---:|---|")
+    print("| rows | mode | graph us | kernels us | largest kernels (us a call) |")
+    print("|---:|---|---:|---:|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
         logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 2).to(dtype)
         for mode in modes:
             params = _params(mode, rows)
             positions = list(range(rows))
-            has_top_k = "top_k" in MODES[mode]
-            for two_stage in ([False, True] if has_top_k else [False]):
-                sampler.two_stage_topk_devices = frozenset({device.type} if two_stage else ())
-                # the default generator: a graph captures it without registration
-                call = functools.partial(sample_rows, logits, params, positions)
-                graph = "-"
-                if device.type == "cuda" and not mode.startswith("seeded"):  # seeds are an upload
-                    try:
-                        graph = f"{graph_us(call, args.iters):.1f}"
-                    except Exception as e:  # noqa: BLE001 - the eager columns still count
-                        graph = f"capture failed: {type(e).__name__}"
-                total, kernels = kernel_us(call, args.iters, device, args.top)
-                listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
-                label = ("two-stage" if two_stage else "torch.topk") if has_top_k else "-"
-                print(f"| {rows} | {mode} | {label} | {graph} | {total:.1f} | {listed} |")
-            if has_top_k:  # the switch leaves the bits as they were
-                cols = [[p.temperature for p in params], [p.top_k for p in params],
-                        [p.top_p for p in params], [p.min_p for p in params]]
-                sampler.two_stage_topk_devices = frozenset()
-                one = filtered_probs_rows(logits, *cols)
-                sampler.two_stage_topk_devices = frozenset({device.type})
-                two = filtered_probs_rows(logits, *cols)
-                if not torch.equal(one, two):
-                    print(f"**MISMATCH** {mode} rows {rows}: two-stage top-k changed the probabilities")
-            sampler.two_stage_topk_devices = default_devices
-
+            # the default generator: a graph captures it without registration
+            call = functools.partial(sample_rows, logits, params, positions)
+            graph = "-"
+            if device.type == "cuda" and not mode.startswith("seeded"):  # seeds are an upload
+                try:
+                    graph = f"{graph_us(call, args.iters):.1f}"
+                except Exception as e:  # noqa: BLE001 - the eager columns still count
+                    graph = f"capture failed: {type(e).__name__}"
+            total, kernels = kernel_us(call, args.iters, device, args.top)
+            listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
+            print(f"| {rows} | {mode} | {graph} | {total:.1f} | {listed} |")
 
 if __name__ == "__main__":
     main()

@@ -528,6 +528,39 @@ def test_top_p_over_a_top_k_keeps_the_ranked_nucleus_without_a_sort(monkeypatch,
     assert int((probs[1] > 0).sum()) >= min(5, k)  # the tied tokens stay together
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.6, 0.9])
+def test_ranked_top_p_counts_the_kth_ties_outside_its_columns(monkeypatch, top_p):
+    # k = 2 with six tokens tied at the k-th score, four ranked columns: the nucleus's mass
+    # includes the ties the columns do not hold (top_p 0.6 crosses into them: p(top) = 0.55),
+    # as the float64 definition says
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 4)
+    logits = torch.full((2, 40), -4.0)
+    logits[:, 0], logits[:, 5:11] = 5.0, 3.0
+    logits[1] = logits[1].roll(17)
+    probs = filtered_probs(logits, 1.0, top_k=2, top_p=top_p)
+    for row in range(2):
+        want = _nucleus_of_top_k(logits[row], 1.0, 2, top_p)
+        assert torch.equal(probs[row] > 0, want), (row, int((probs[row] > 0).sum()), int(want.sum()))
+    assert int((probs[0] > 0).sum()) == (1 if top_p == 0.5 else 7)
+
+
+def test_sampled_picks_follow_the_filtered_distribution():
+    # the race on scores (argmax s - log E over the kept tokens) draws from filtered_probs_rows'
+    # distribution: 40000 draws of one row with min-p, top-k and top-p, chi-square against it
+    from scipy.stats import chisquare
+    logits = torch.tensor([2.0, 1.5, 1.4, 1.4, 0.3, -0.5, 0.9, -3.0, 1.1, 0.0])
+    params = SamplingParams(temperature=0.9, top_k=7, top_p=0.9, min_p=0.05)
+    want = filtered_probs(logits[None], 0.9, 7, 0.9, 0.05)[0].double()
+    picks = sample_rows(logits.expand(40000, -1).contiguous(), [params] * 40000,
+                        global_generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(picks, minlength=10).double()
+    kept = want > 0
+    assert int(kept.sum()) >= 4 and counts[~kept].sum() == 0
+    expected = want[kept] / want[kept].sum() * counts.sum()  # the same total, in float64
+    assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3
+
+
 def test_ranked_top_p_equals_the_full_sort_without_ties(monkeypatch):
     # float32 logits: no ties, so the ranked nucleus and the sorted one are the same set and
     # values within rounding; at TOPK_MAX_COLUMNS 0 every row takes the full sort
@@ -567,54 +600,6 @@ def test_top_k_from_a_full_sort_equals_top_k_from_topk(monkeypatch):
     monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 8)  # k = 30 now takes the sort
     assert torch.equal(filtered_probs_rows(logits, *args), by_topk)
     assert int((by_topk[0] > 0).sum()) == 4 and int((by_topk[2] > 0).sum()) == 30
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("k", [1, 7, 20, 64])
-def test_two_stage_topk_gives_topks_values(monkeypatch, device, k):
-    # the top-k over chunks, then over their winners: torch.topk's values bit for bit, ids that
-    # name entries of those values, on rows with ties across chunks (bf16-rounded logits), -inf
-    # entries (a min-p floor) and fewer finite entries than k
-    import laguna_dflash.engine.sampler as sampler
-    monkeypatch.setattr(sampler, "TOPK_CHUNK_COLUMNS", 64)
-    monkeypatch.setattr(sampler, "two_stage_topk_devices", frozenset({device}))
-    g = torch.Generator().manual_seed(k)
-    scores = (torch.randn(5, 64 * 12, generator=g) * 2).bfloat16().float()  # many ties
-    scores[1] = scores[1].round()  # a few values, each tied across every chunk
-    scores[2, 100:] = float("-inf")
-    scores[3, 5:] = float("-inf")  # 5 finite entries, in one chunk
-    scores[3, 600] = scores[3, :5].max()  # ... and a tie of the largest in another
-    scores = scores.to(device)
-    calls = []
-    real = torch.topk
-    monkeypatch.setattr(torch, "topk", lambda x, *a, **kw: calls.append(x.dim()) or real(x, *a, **kw))
-    values, ids = sampler.topk_rows(scores, k)
-    assert calls == [3, 2]  # the chunks' top-k, then the winners'
-    want = real(scores, k, dim=-1).values
-    assert torch.equal(values, want)
-    assert torch.equal(scores.gather(-1, ids), values)  # each id names an entry of its value
-    assert all(len(set(row)) == k for row in ids.tolist())  # k distinct entries a row
-    # shapes the chunks do not divide, or a k above a chunk: one torch.topk
-    for cols, kk in ((64 * 12 + 3, min(k, 10)), (64 * 12, 65)):
-        calls.clear()
-        x = torch.randn(2, cols, generator=g).to(device)
-        assert torch.equal(sampler.topk_rows(x, kk)[0], real(x, kk, dim=-1).values) and calls == [2]
-
-
-def test_filtered_probs_are_the_same_bits_with_the_two_stage_topk(monkeypatch):
-    # top-k and the ranked top-p read only the top-k's values (tied ids' probabilities are
-    # equal), so the switch leaves every row's bits as they were, ties at the boundary included
-    import laguna_dflash.engine.sampler as sampler
-    monkeypatch.setattr(sampler, "TOPK_CHUNK_COLUMNS", 128)
-    logits = (torch.randn(6, 1024, generator=torch.Generator().manual_seed(8)) * 3).bfloat16()
-    logits[0, ::97] = logits[0].max()  # tied most likely tokens in several chunks
-    args = ([0.7, 1.0, 1.3, 0.9, 0.8, 1.0], [20, 5, 50, 1, 128, 0], [0.9, 1.0, 0.95, 0.5, 0.8, 0.9],
-            [0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
-    one_stage = filtered_probs_rows(logits, *args)
-    monkeypatch.setattr(sampler, "two_stage_topk_devices", frozenset({"cpu"}))
-    assert torch.equal(filtered_probs_rows(logits, *args), one_stage)
-    assert int((one_stage[0] > 0).sum()) >= 10  # the eleven tied tokens (k 20): all in the nucleus
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -674,13 +659,24 @@ def test_seeded_rows_take_one_noise_launch_and_unseeded_rows_one_draw(monkeypatc
 
 
 def test_sampling_launches_do_not_grow_with_the_batch(monkeypatch):
-    # one filter pass for every sampled row: softmax runs once whatever the number of requests
-    calls = []
-    real = torch.softmax
-    monkeypatch.setattr(torch, "softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    # one filter pass for every sampled row: top-p's sort of the rows runs once whatever the
+    # number of requests, and the race never normalises (no softmax)
+    calls = {"sort": 0, "softmax": 0}
+    real_sort, real_softmax = torch.Tensor.sort, torch.softmax
+
+    def sort(*a, **kw):
+        calls["sort"] += 1
+        return real_sort(*a, **kw)
+
+    def softmax(*a, **kw):
+        calls["softmax"] += 1
+        return real_softmax(*a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "sort", sort)
+    monkeypatch.setattr(torch, "softmax", softmax)
     logits = torch.randn(16, 50)
     sample_rows(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 16)
-    assert len(calls) == 1
+    assert calls == {"sort": 1, "softmax": 0}
 
 
 def test_shared_parameters_need_no_upload_and_varying_ones_one(monkeypatch):

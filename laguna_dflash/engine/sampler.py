@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p; counter-based noise for seeds.
 
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from
-``p`` exactly and needs no host sync (no ``torch.multinomial``).
+``p`` exactly and needs no host sync (no ``torch.multinomial``). It runs on the scores as
+``argmax(s - log E)`` over the kept tokens: ``p`` is never normalised.
 
 Unseeded requests draw ``E`` from the engine's generator, every unseeded row of a step in one
 ``exponential_`` call. A seeded request's ``E`` at output position ``pos`` (0: its first
@@ -30,11 +31,6 @@ from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
 TOPK_MAX_COLUMNS = 1024
-# the top-k in two stages (:func:`topk_rows`): over chunks of this many columns, then over the
-# chunks' winners, on the device types listed (benchmarks/profile_sampler.py times both forms;
-# on the CPU the one-stage torch.topk is ~4x faster at V = 100352)
-TOPK_CHUNK_COLUMNS = 1024
-two_stage_topk_devices: frozenset[str] = frozenset()
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -47,35 +43,48 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
                         top_p: Sequence[float], min_p: Sequence[float]) -> torch.Tensor:
-    """``logits [N, V]`` (any float dtype) -> probabilities ``[N, V]`` float32, row ``n``
-    filtered by its own parameters (host lists of length N; ``top_k`` 0 or >= V, ``top_p`` 1 and
-    ``min_p`` 0 turn a filter off), in vLLM's order:
+    """``logits [N, V]`` -> the distribution each row samples from, ``[N, V]`` float32: the
+    softmax of :func:`filtered_scores`' scores over the tokens it keeps (zeros elsewhere). The
+    sampler itself never normalises (its race needs no probabilities); this is the definition
+    its picks follow, for tests and callers that want the numbers."""
+    scores, threshold = filtered_scores(logits, temperature, top_k, top_p, min_p)
+    if threshold is not None:
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
+                    top_p: Sequence[float], min_p: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits [N, V]`` (any float dtype) and each row's parameters (host lists of length N;
+    ``top_k`` 0 or >= V, ``top_p`` 1 and ``min_p`` 0 turn a filter off) -> ``(scores [N, V]``
+    float32, ``threshold [N, 1]`` float32 or None``)``: row ``n`` keeps exactly the tokens whose
+    score is at least its threshold (None: no row filters). In vLLM's order:
 
     * temperature: ``s = logits * (1 / T)`` (the reciprocal in float32);
-    * min-p keeps the tokens with ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
+    * min-p keeps ``p >= min_p * max p``, i.e. ``s >= max s + log(min_p)``;
     * top-k keeps the scores ``>=`` the k-th largest (ties at it kept);
-    * top-p then keeps the smallest prefix of the sorted distribution whose mass reaches
-      ``top_p`` (the token crossing the threshold is kept) and renormalises. A row with a top-k
-      of at most TOPK_MAX_COLUMNS takes its nucleus from its top-k's ranked tokens, no sort of
-      the row (:func:`_ranked_top_p`), and keeps every tie of the boundary token; the full sort
-      keeps the ties it ranks first.
+    * top-p then keeps, of what is left, the tokens at least as likely as the boundary token: the
+      first token in descending order whose exclusive prefix mass reaches ``top_p`` of the kept
+      mass (the token crossing the threshold is kept, and so are its ties). A row with a top-k of
+      at most TOPK_MAX_COLUMNS finds it among its top-k's values (plus the count of ties of the
+      k-th outside them), the others in a sort of the row; a batch of both selects per row.
 
-    One launch sequence for the whole batch, each filter only if some row uses it; a parameter
-    every row shares is a Python scalar, the varying ones go up in one copy. Every op is
-    row-wise, so a row's probabilities do not depend on the other rows (a seeded request samples
-    the same alone or batched); a filter a row does not use leaves its values untouched.
+    Every op is row-wise, and the ranked top-p runs at one width (TOPK_MAX_COLUMNS), so a row's
+    threshold does not depend on the other rows (a seeded request samples the same alone or
+    batched). One launch sequence for the whole batch, each filter only if some row uses it; a
+    parameter every row shares is a Python scalar, the varying ones go up in one copy.
     Speculative decoding samples the target's rows through this same function, so any filter
     here keeps it lossless.
     """
     if logits.shape[0] == 0:
-        return logits.float()  # [0, V]
+        return logits.float(), None  # [0, V]
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     uses_min_p, uses_top_k, uses_top_p = (any(m > 0.0 for m in min_p), any(ks),
                                           any(p < 1.0 for p in top_p))
-    # rows whose top-p runs on their own top-k's ranked tokens (no full sort): their k is at most
-    # TOPK_MAX_COLUMNS, so the nucleus lies among at most that many ranked tokens plus the ties
-    # of the k-th. The others with top-p sort the row; a batch of both selects per row
+    # rows whose top-p runs on their own top-k's values (no sort of the row): their nucleus lies
+    # among at most TOPK_MAX_COLUMNS ranked values plus the ties of the k-th. The others with
+    # top-p sort the row
     ranked_top_p = [0 < k <= TOPK_MAX_COLUMNS and p < 1.0 for k, p in zip(ks, top_p)]
     is_sorted_top_p = not all(r or p >= 1.0 for r, p in zip(ranked_top_p, top_p))
     is_mixed_top_p = any(ranked_top_p) and is_sorted_top_p
@@ -92,86 +101,76 @@ def filtered_probs_rows(logits: torch.Tensor, temperature: Sequence[float], top_
         [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else None,
         [float(r) for r in ranked_top_p] if is_mixed_top_p else None)
     scores = logits.float() * inv_temperature
-    if uses_min_p:  # min_p 0: log 0 = -inf, no score below the floor
-        floor = scores.amax(dim=-1, keepdim=True) + log_min_p
-        scores = scores.masked_fill(scores < floor, float("-inf"))
+    threshold = None  # [N, 1]: the smallest kept score so far
+    if uses_min_p:  # min_p 0: log 0 = -inf, no floor
+        threshold = scores.amax(dim=-1, keepdim=True) + log_min_p
+    ranked = None  # [N, >= max k] descending: the top-k's values, or the sorted row
     if uses_top_k:
         max_k = max(ks)
-        # [N, >= max_k] descending, with the token ids where a ranked top-p needs them
         if max_k <= TOPK_MAX_COLUMNS:
-            ranked, ranked_ids = topk_rows(scores, max_k)
-        elif any(ranked_top_p):
-            ranked, ranked_ids = scores.sort(dim=-1, descending=True)
+            ranked = torch.topk(scores, max_k, dim=-1).values
         else:
-            ranked, ranked_ids = scores.sort(dim=-1, descending=True).values, None
+            ranked = scores.sort(dim=-1, descending=True).values
         if isinstance(kth_index, float):
             kth = ranked[:, int(kth_index) : int(kth_index) + 1]
         else:
             kth = ranked.gather(-1, kth_index.long())
         if no_top_k is not None:  # k 0: no threshold
             kth = kth.masked_fill(no_top_k > 0.0, float("-inf"))
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+        threshold = kth if threshold is None else torch.maximum(threshold, kth)
     if not uses_top_p:
-        return probs
-    if is_sorted_top_p:  # a top-p row without a (small) top-k; bound +inf: nothing dropped
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p_bound  # the mass before a token
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return scores, threshold
+    if is_sorted_top_p:  # a top-p row without a (small) top-k: the whole row, descending
+        in_order = ranked if ranked is not None and ranked.shape[-1] == vocab else (
+            scores.sort(dim=-1, descending=True).values)
+        boundary = _top_p_boundary(in_order, threshold, top_p_bound)
         if is_mixed_top_p:
-            kept = torch.where(use_ranked > 0.0, _ranked_top_p(probs, ranked_ids, top_p_bound), kept)
+            boundary = torch.where(use_ranked > 0.0, _ranked_top_p_boundary(
+                scores, ranked, threshold, top_p_bound), boundary)
     else:
-        kept = _ranked_top_p(probs, ranked_ids, top_p_bound)
-    kept = kept / kept.sum(-1, keepdim=True)
-    return kept if all(p < 1.0 for p in top_p) else torch.where(top_p_bound < 1.0, kept, probs)
+        boundary = _ranked_top_p_boundary(scores, ranked, threshold, top_p_bound)
+    return scores, boundary if threshold is None else torch.maximum(threshold, boundary)
 
 
-def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores [N, V]`` float32 -> the ``k`` largest of each row, ``(values [N, k]`` descending,
-    ``ids [N, k]`` int64``)``: ``torch.topk``'s values bit for bit (they are copies of entries).
-    Which of several tied entries an id names may differ from ``torch.topk``'s, and no caller
-    reads it: the top-k threshold is a value, and the ranked top-p gathers tied ids' equal
-    probabilities. Hence a row's bits do not depend on which form ran.
+def _top_p_boundary(in_order: torch.Tensor, threshold: torch.Tensor | None,
+                    top_p_bound: float | torch.Tensor,
+                    num_outside: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-p boundary score of each row: ``in_order [N, W]`` float32 descending (the row's
+    largest scores, ``-inf`` padding), ``threshold [N, 1]`` the kept scores' floor before top-p
+    (None: all kept), ``top_p_bound`` (+inf: no top-p), ``num_outside [N, 1]`` kept tokens not
+    in ``in_order`` (all scoring exactly ``threshold``) -> ``[N, 1]``: the first entry whose
+    exclusive prefix mass reaches ``top_p`` of the kept mass.
 
-    On a device type in ``two_stage_topk_devices`` (and with ``V`` a multiple of
-    TOPK_CHUNK_COLUMNS, above it, ``k`` at most it): the top ``k`` of each chunk of
-    TOPK_CHUNK_COLUMNS columns, then the top ``k`` of those ``V / chunk * k`` candidates. A row's top ``k`` are among its chunks' top ``k`` (an entry
-    that is not in its chunk's top k has k larger ones). One long row is then many short slices
-    (Laguna's 100352 = 98 x 1024), not one slice for the device to split.
-    """
-    n, vocab = scores.shape
-    chunk = TOPK_CHUNK_COLUMNS
-    if scores.device.type not in two_stage_topk_devices or vocab % chunk or vocab <= chunk or k > chunk:
-        return torch.topk(scores, k, dim=-1)
-    local, local_ids = torch.topk(scores.reshape(n, vocab // chunk, chunk), k, dim=-1)  # [N, V / chunk, k]
-    local_ids = local_ids + torch.arange(0, vocab, chunk, device=scores.device).view(1, -1, 1)
-    values, where = torch.topk(local.reshape(n, -1), k, dim=-1)
-    return values, local_ids.reshape(n, -1).gather(-1, where)
+    The mass is unnormalised, ``w = exp(s - max s)`` (the boundary compares ``before <
+    top_p * total``), and the prefix sums are monotone under rounding, so the entries below the
+    bound are a prefix and its length is a count. A count that reaches past the kept entries
+    lands on a dropped one (below ``threshold``), which the caller's maximum with ``threshold``
+    overrides: every kept token then stays."""
+    weights = torch.exp(in_order - in_order[:, :1])  # the row's maximum is always kept
+    if threshold is not None:
+        weights = weights.masked_fill(in_order < threshold, 0.0)
+    cumulative = weights.cumsum(-1)
+    total = cumulative[:, -1:]
+    if num_outside is not None:
+        total = total + num_outside * torch.exp(threshold - in_order[:, :1])
+    num_below = ((cumulative - weights) < top_p_bound * total).sum(-1, keepdim=True).clamp_(min=1)
+    return in_order.gather(-1, num_below - 1)
 
 
-def _ranked_top_p(probs: torch.Tensor, ranked_ids: torch.Tensor, top_p_bound: float | torch.Tensor) -> torch.Tensor:
-    """Top-p of rows filtered by a top-k of ``k <= TOPK_MAX_COLUMNS`` from their ranked tokens,
-    without sorting the row: ``probs [N, V]`` float32 (after top-k: the ranked tokens, the ties
-    of the k-th, zeros), ``ranked_ids [N, >= k]`` the top-k's token ids in descending order ->
-    ``[N, V]`` float32, not renormalised: the tokens at least as likely as the boundary token
-    (the first ranked token whose exclusive prefix mass reaches ``top_p``'s, or the k-th),
-    ties of it included, and zeros elsewhere.
-
-    The ranked probabilities are padded to TOPK_MAX_COLUMNS columns, so the prefix sums have one
-    shape whatever the batch's largest k (a row's bits do not depend on its batch mates); the
-    ids of tied scores may differ between ``torch.topk`` and a sort, their probabilities do not.
-    """
-    width = min(ranked_ids.shape[1], TOPK_MAX_COLUMNS)
-    ranked_p = probs.gather(-1, ranked_ids[:, :width])  # [N, width], descending
-    ranked_p = torch.nn.functional.pad(ranked_p, (0, TOPK_MAX_COLUMNS - width))
-    # exclusive prefix sums, non-decreasing (monotone rounding): the ranked tokens below the bound
-    # are a prefix, its length the count. A count past the row's k lands on a tie of the k-th
-    # (the same probability) or on a token the top-k dropped (0): either way every token the
-    # top-k kept stays
-    before = torch.nn.functional.pad(ranked_p.cumsum(-1)[:, :-1], (1, 0))
-    num_kept = (before < top_p_bound).sum(-1, keepdim=True).clamp_(min=1)  # [N, 1] int64
-    tau = ranked_p.gather(-1, num_kept - 1)
-    return probs.masked_fill(probs < tau, 0.0)
+def _ranked_top_p_boundary(scores: torch.Tensor, ranked: torch.Tensor, threshold: torch.Tensor,
+                           top_p_bound: float | torch.Tensor) -> torch.Tensor:
+    """:func:`_top_p_boundary` of rows with a top-k of ``k <= TOPK_MAX_COLUMNS``, from their
+    top-k's values ``ranked [N, >= k]`` descending (no sort of the row): padded to
+    TOPK_MAX_COLUMNS columns, so the prefix sums have one shape whatever the batch's largest k
+    (a row's bits do not depend on its batch mates). The k-th's ties outside the columns are
+    counted over the row (``threshold [N, 1]``: at least the k-th; kept tokens outside the
+    columns all score exactly the k-th, so they add ``count * exp(threshold - max)``)."""
+    columns = ranked[:, :TOPK_MAX_COLUMNS]
+    columns = torch.nn.functional.pad(columns, (0, TOPK_MAX_COLUMNS - columns.shape[-1]),
+                                      value=float("-inf"))
+    num_outside = ((scores >= threshold).sum(-1, keepdim=True)
+                   - (columns >= threshold).sum(-1, keepdim=True)).float()
+    return _top_p_boundary(columns, threshold, top_p_bound, num_outside)
 
 
 def per_row_parameters(device: torch.device,
@@ -238,22 +237,24 @@ def sample_rows(
     else:
         x = logits if in_order else logits.index_select(0, row_index)
     per_row = [params[i] for i in sampled for _ in range(rows)]
-    probs = filtered_probs_rows(x, [p.temperature for p in per_row], [p.top_k for p in per_row],
-                                [p.top_p for p in per_row], [p.min_p for p in per_row])
-    noise = torch.empty_like(probs)
+    scores, threshold = filtered_scores(x, [p.temperature for p in per_row], [p.top_k for p in per_row],
+                                        [p.top_p for p in per_row], [p.min_p for p in per_row])
+    noise = torch.empty_like(scores)
     num_global = (len(sampled) - len(seeded)) * rows
     if num_global:
         noise[:num_global].exponential_(generator=global_generator)
-        # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which the argmax ranks
-        # first: it has probability 0, but nothing else may then pick a filtered token (the
-        # counter noise is never 0)
-        noise[:num_global].clamp_(min=torch.finfo(noise.dtype).tiny)
     if seeded:  # each seeded row's key and output position: [2, S * rows], one upload
         keys = [seed_key(params[i].seed) for i in seeded for _ in range(rows)]
         rows_at = [positions[i] + j for i in seeded for j in range(rows)]
         table = to_device_async(torch.tensor([keys, rows_at], dtype=torch.int64), logits.device)
         counter_exponential(table[0], table[1], noise.shape[-1], logits.device, out=noise[num_global:])
-    picks = argmax_rows(probs / noise)
+    # argmax p / E = argmax s - log E (p = exp(s) / Z): no normalisation. A draw of E = 0 gives
+    # +inf, the pick p / 0 would be too; the filtered tokens are -inf whatever their noise
+    dropped = None if threshold is None else scores < threshold
+    race = scores.sub_(noise.log_())  # [R', V] in place: scores are not read again
+    if dropped is not None:
+        race.masked_fill_(dropped, float("-inf"))
+    picks = argmax_rows(race)
     if in_order:
         return picks
     return out.index_copy_(0, row_index, picks)

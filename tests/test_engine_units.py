@@ -89,11 +89,13 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
 
 def test_a_zero_noise_draw_never_picks_a_filtered_token(monkeypatch):
     """Every exponential draw 0 (a device RNG may return it): top-k's survivors still win; the
-    filtered tokens' 0 / 0 must not become NaNs that the argmax ranks first."""
-    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    filtered tokens' 0 / 0 must not become NaNs that the argmax ranks first. Nor may a -inf
+    logit (a stop token under min_tokens) in a row without a filter: -inf - log 0."""
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(5))
+    logits[3, 0] = float("-inf")
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **kw: self.zero_())
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.5, top_p=0.3),
-              SamplingParams(temperature=1.0, min_p=0.5)]
+              SamplingParams(temperature=1.0, min_p=0.5), SamplingParams(temperature=1.0)]
     picks = sample_rows(logits, params)  # unseeded: the engine's generator, zeroed here
     for row, p, pick in zip(logits, params, picks.tolist()):
         kept = filtered_probs(row[None], p.temperature, p.top_k, p.top_p, p.min_p)[0] > 0

@@ -243,13 +243,17 @@ def sample_rows(
     num_global = (len(sampled) - len(seeded)) * rows
     if num_global:
         noise[:num_global].exponential_(generator=global_generator)
+        # a draw of exactly 0 would make a -inf score's race -inf - log 0 a NaN, which the
+        # argmax ranks first (a suppressed token, e.g. EOS under min_tokens); the counter noise
+        # is never 0
+        noise[:num_global].clamp_(min=torch.finfo(noise.dtype).tiny)
     if seeded:  # each seeded row's key and output position: [2, S * rows], one upload
         keys = [seed_key(params[i].seed) for i in seeded for _ in range(rows)]
         rows_at = [positions[i] + j for i in seeded for j in range(rows)]
         table = to_device_async(torch.tensor([keys, rows_at], dtype=torch.int64), logits.device)
         counter_exponential(table[0], table[1], noise.shape[-1], logits.device, out=noise[num_global:])
-    # argmax p / E = argmax s - log E (p = exp(s) / Z): no normalisation. A draw of E = 0 gives
-    # +inf, the pick p / 0 would be too; the filtered tokens are -inf whatever their noise
+    # argmax p / E = argmax s - log E (p = exp(s) / Z): no normalisation; the filtered tokens
+    # are -inf whatever their noise
     dropped = None if threshold is None else scores < threshold
     race = scores.sub_(noise.log_())  # [R', V] in place: scores are not read again
     if dropped is not None:

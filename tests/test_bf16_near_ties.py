@@ -8,8 +8,8 @@ decoding itself changes with the batch (vLLM and SGLang behave the same outside 
 batch-invariant modes; ours, ``--batch-invariant`` on a GPU, is ``test_batch_invariant.py``).
 What must still hold, and is checked here with the trained demo pair
 (CPU, bf16, held-out prompts): wherever two runs part, the token the other run chose is the
-reference's runner-up, within ``MAX_MARGIN_NATS`` of its top token, and most prompts never part
-within ``NEW_TOKENS`` tokens. A real bug (a wrong position, a stale cache row, a wrong bonus
+reference's runner-up, within ``MAX_MARGIN_NATS`` of its top token, and at least
+``MIN_UNPARTED`` prompts never part within ``NEW_TOKENS`` tokens. A real bug (a wrong position, a stale cache row, a wrong bonus
 token) parts runs at tokens the target does not nearly tie.
 """
 
@@ -23,7 +23,11 @@ from laguna_dflash.demo import demo_pair, heldout_prompts
 NUM_PROMPTS = 12
 NEW_TOKENS = 64
 MAX_MARGIN_NATS = 1.0  # observed: 0 - 0.44 (CPU, bf16; docs/PERFORMANCE.md, twentieth pass)
-MIN_UNPARTED = NUM_PROMPTS // 2  # observed: 9 - 11 of 12 prompts never part in 64 tokens
+# observed: 9 - 11 of 12 prompts never part in 64 tokens with the stage-2 demo drafter; 5 with
+# stage 3 (DFlash one prompt at a time: its blocks fall elsewhere), every parting at 0 - 0.125
+# nats, one or two bf16 steps (docs/PERFORMANCE.md, thirty-second pass). The margin is the check
+# that catches a bug; the count only bounds how often bf16 rounding may part the runs
+MIN_UNPARTED = NUM_PROMPTS // 3
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:

@@ -563,6 +563,14 @@ def test_sampled_picks_follow_the_filtered_distribution():
     assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3
 
 
+def test_sorted_top_p_keeps_every_tie_of_the_boundary_token():
+    # top-p without a top-k (the sort of the row): p(top) = 0.39 < 0.5, so the boundary is a
+    # token of the four tied at 2.0, and all four stay, as on the ranked path
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 2.0, 0.0, -1.0]])
+    kept = filtered_probs(logits, 1.0, top_k=0, top_p=0.5)[0] > 0
+    assert kept.tolist() == [True] * 5 + [False] * 2
+
+
 def test_ranked_top_p_equals_the_full_sort_without_ties(monkeypatch):
     # float32 logits: no ties, so the ranked nucleus and the sorted one are the same set and
     # values within rounding; at TOPK_MAX_COLUMNS 0 every row takes the full sort

@@ -463,3 +463,50 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
                 assert "griddepcontrol" not in ptx
                 continue
             assert loads_before_pdl_wait(ptx) == []  # skip build: the id is read after the wait
+
+
+def test_ieee_block_k_bounds_a_threads_fmas() -> None:
+    """The fp32 K step: unchanged where it fits, halved to fit, never below tl.dot's 16."""
+    from laguna_dflash.kernels.fused_moe import MAX_IEEE_FMAS_PER_THREAD, ieee_block_k
+
+    assert ieee_block_k(128, 16, 64, 4) == 128  # 16 * 64 * 128 / 128 threads = 1024
+    assert ieee_block_k(128, 64, 32, 4, num_dots=2) == 32
+    assert ieee_block_k(128, 64, 128, 1) == 16  # floor: 4096 a thread still
+    for bm in (16, 32, 64):
+        for bn, nw, dots in ((32, 4, 2), (64, 4, 1), (128, 4, 1), (64, 8, 2)):
+            bk = ieee_block_k(128, bm, bn, nw, dots)
+            assert bk >= 16 and (bk == 16 or dots * bm * bn * bk <= MAX_IEEE_FMAS_PER_THREAD * 32 * nw)
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_sm90_float32_builds_stay_small(block_m: int) -> None:
+    """float32 MoE kernels as the launchers build them (the fused and the sorted ones, their K step
+    from ``ieee_block_k``): at most MAX_IEEE_FMAS_PER_THREAD FMAs a thread in the PTX. At 4096
+    (BLOCK_M 64, BLOCK_K 128 before the cap) ptxas ran for minutes a kernel and stalled the
+    float32 engine's start-up on the H200."""
+    from laguna_dflash.kernels import fused_moe, grouped_moe
+    from laguna_dflash.kernels.fused_moe import MAX_IEEE_FMAS_PER_THREAD, ieee_block_k
+
+    f32 = "*fp32"
+    shapes = dict(H=2048, INTER=512)
+    for kernel, cfg, dots, types, extra in (
+        (fused_moe._gate_up_kernel, fused_moe._GATE_UP_CFG, 2,
+         {"x_ptr": f32, "w_ptr": f32, "ids_ptr": "*i64", "h_ptr": f32},
+         dict(K_TOP=8, P_PAD=512, M_TILES=1, SKIP_NEGATIVE=False)),
+        (fused_moe._down_kernel, fused_moe._DOWN_CFG, 1,
+         {"h_ptr": f32, "w_ptr": f32, "ids_ptr": "*i64", "rw_ptr": f32, "out_ptr": f32},
+         dict(P_PAD=512, M_TILES=1, SKIP_NEGATIVE=False)),
+        (grouped_moe._sorted_gate_up_kernel, grouped_moe._GATE_UP_CFG, 2,
+         {"x_ptr": f32, "w_ptr": f32, "row_pair_ptr": "*i64", "tile_expert_ptr": "*i64", "h_ptr": f32},
+         dict(K_TOP=8)),
+        (grouped_moe._sorted_down_kernel, grouped_moe._DOWN_CFG, 1,
+         {"h_ptr": f32, "w_ptr": f32, "row_pair_ptr": "*i64", "tile_expert_ptr": "*i64", "rw_ptr": f32,
+          "out_ptr": f32}, dict(SKIP_NEGATIVE=False)),
+    ):
+        bn, bk, nw, ns = cfg
+        bk = ieee_block_k(bk, block_m, bn, nw, dots)
+        ptx = compile_sm90(kernel, types, {**shapes, **extra, "BLOCK_M": block_m, "BLOCK_N": bn,
+                                           "BLOCK_K": bk, "IEEE": True, "PDL": False},
+                           {"num_warps": nw, "num_stages": ns})
+        assert ptx.count("fma.rn.f32") <= MAX_IEEE_FMAS_PER_THREAD, (kernel.__name__, block_m, bk)

@@ -274,6 +274,23 @@ if HAS_TRITON:
 _GATE_UP_CFG = (32, 128, 4, 4)
 _DOWN_CFG = (64, 128, 4, 4)
 
+# An fp32 ("ieee") tl.dot is lowered to FMAs, all unrolled in the PTX: BLOCK_M * BLOCK_N *
+# BLOCK_K / threads of them a thread for each dot of a K step. At 4096 (BLOCK_M 64, BLOCK_K 128)
+# ptxas ran for minutes a kernel on the H200's host, which stalled the float32 engine's start-up
+# capture past 5 minutes (2026-12-02); at 1024 a kernel builds in about a second.
+MAX_IEEE_FMAS_PER_THREAD = 1024
+
+
+def ieee_block_k(block_k: int, block_m: int, block_n: int, num_warps: int, num_dots: int = 1) -> int:
+    """``block_k`` for a build whose ``num_dots`` dots a K step (``[block_m, block_k] @
+    [block_k, block_n]`` each) run as fp32 FMAs: halved until a thread's FMAs a K step are at
+    most MAX_IEEE_FMAS_PER_THREAD, and at least 16 (tl.dot's minimum). Only the K step changes:
+    every K loop still runs in order from 0."""
+    threads = 32 * num_warps
+    while block_k > 16 and num_dots * block_m * block_n * block_k > MAX_IEEE_FMAS_PER_THREAD * threads:
+        block_k //= 2
+    return block_k
+
 
 def fused_moe_experts(
     x: torch.Tensor,
@@ -343,6 +360,8 @@ def fused_moe_experts(
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"  # cpu: the interpreter
     use_pdl = pdl.active(x.device, interpret_mode())
     bn, bk, nw, ns = _GATE_UP_CFG
+    if ieee:
+        bk = ieee_block_k(bk, block_m, bn, nw, num_dots=2)  # gate and up
     _gate_up_kernel[(p, triton.cdiv(inter, bn))](
         x, gate_up, ids, h, p,
         K_TOP=k, H=hidden, INTER=inter,
@@ -351,6 +370,8 @@ def fused_moe_experts(
         **pdl.launch_options(use_pdl),
     )
     bn, bk, nw, ns = _DOWN_CFG
+    if ieee:
+        bk = ieee_block_k(bk, block_m, bn, nw)
     _down_kernel[(p, triton.cdiv(hidden, bn))](
         h, down, ids, rw, out_pairs, p,
         H=hidden, INTER=inter,

@@ -50,6 +50,7 @@ import torch
 
 from . import pdl
 from .availability import import_triton, interpret_mode, triton_can_run
+from .fused_moe import ieee_block_k
 
 triton, tl = import_triton()  # (None, None) on a CPU-only install: the module still imports
 HAS_TRITON = triton is not None
@@ -299,12 +300,16 @@ def sorted_moe_experts(
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"  # cpu: the interpreter
     use_pdl = pdl.active(x.device, interpret_mode())
     bn, bk, nw, ns = _GATE_UP_CFG
+    if ieee:
+        bk = ieee_block_k(bk, block_m, bn, nw, num_dots=2)  # gate and up
     _sorted_gate_up_kernel[(num_tiles, triton.cdiv(inter, bn))](
         x, gate_up, row_pair, tile_expert, h,
         K_TOP=k, H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
         PDL=use_pdl, num_warps=nw, num_stages=ns, **pdl.launch_options(use_pdl),
     )
     bn, bk, nw, ns = _DOWN_CFG
+    if ieee:
+        bk = ieee_block_k(bk, block_m, bn, nw)
     _sorted_down_kernel[(num_tiles, triton.cdiv(hidden, bn))](
         h, down, row_pair, tile_expert, rw, out_pairs,
         H=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,

@@ -438,6 +438,35 @@ def test_cuda_grouped_path_large_batch_and_graph_capture() -> None:
         assert torch.equal(static_out, out)
 
 
+@cuda
+def test_cuda_float32_large_batch_takes_the_sorted_kernels_and_captures(monkeypatch) -> None:
+    """float32 has no grouped GEMM: past ``fused_moe_max_pairs`` the forward takes the sorted
+    Triton kernels (kernels/grouped_moe.py), not the fused ones (their O(P) in-program grouping
+    at a prefill's thousands of pairs took ptxas minutes a kernel), matches the reference loop,
+    and captures in a CUDA graph."""
+    from laguna_dflash.kernels import grouped_moe
+
+    calls = []
+    sorted_experts = grouped_moe.sorted_moe_experts
+    monkeypatch.setattr(grouped_moe, "sorted_moe_experts",
+                        lambda *a, **kw: (calls.append(a[0].shape[0]), sorted_experts(*a, **kw))[1])
+    moe = _moe(XS["e"], XS["k"], XS["hidden"], XS["inter"], torch.float32).cuda()
+    x = torch.randn(600, XS["hidden"], device="cuda")
+    with torch.no_grad():
+        out = moe(x)
+        assert calls == [600]
+        moe.use_fused_moe = False
+        assert _rel_err(out, moe(x)) <= TOL["float32"]  # the loop over the experts hit
+        moe.use_fused_moe = True
+        assert moe(x[:16]) is not None and calls == [600, 600]  # 16 x 8 pairs: the fused kernels
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = moe(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-cases"]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     print(json.dumps(_run_interpreter_cases()))

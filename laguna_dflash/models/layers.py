@@ -20,6 +20,7 @@ from ..engine.attention import AttentionBackend, AttentionMetadata
 from ..kernels import (
     batch_invariant,
     fused_moe,
+    grouped_moe,
     moe_gemv,
     moe_routing,
     qk_norm_rope_cache,
@@ -372,7 +373,10 @@ class MoE(nn.Module):
     #   ``use_fused_moe=False`` turns them off.
     # * GPU, more pairs, bf16/fp16 on sm90+: one sorted grouped GEMM pair (torch._grouped_mm),
     #   also sync-free, for verify batches and prefill.
-    # * otherwise (CPU, fp32, training): the reference loop over the experts hit (one host sync).
+    # * GPU, more pairs, elsewhere (fp32, sm80): the sorted Triton kernels (kernels/grouped_moe.py,
+    #   sync-free): the fused kernels' in-program grouping is O(P) a program, and at a prefill's
+    #   P (thousands of pairs) its PTX took ptxas minutes a kernel on the H200 (2026-12-02).
+    # * otherwise (CPU, training): the reference loop over the experts hit (one host sync).
     use_fused_moe: bool = True
     fused_moe_max_pairs: int = 256
     # Up to ``moe_gemv_max_tokens`` tokens (decode at batch <= 4, batch-1 verify of K <= 3): the
@@ -422,8 +426,8 @@ class MoE(nn.Module):
         num_pairs = x.shape[0] * (self.top_k + (self.gate_up_with_shared is not None))
         # Past ``fused_moe_max_pairs`` the grouped GEMM is faster where it runs (half precision,
         # sm90+). Elsewhere (float32, sm80) the other paths sync with the host (the per-expert
-        # loop: no CUDA-graph capture) or read T*k expert matrices (the gather), so the fused
-        # kernels take every size there.
+        # loop: no CUDA-graph capture) or read T*k expert matrices (the gather), so the Triton
+        # kernels take every size there (:meth:`fused_forward`: the sorted ones past it).
         return num_pairs <= self.fused_moe_max_pairs or not grouped_mm_available(x)
 
     def forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
@@ -480,6 +484,8 @@ class MoE(nn.Module):
             pairs = batch_invariant.moe_experts(*experts, **skips)
         elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
             pairs = moe_gemv.moe_gemv_experts(*experts, **skips)
+        elif ids.numel() > self.fused_moe_max_pairs:  # no grouped GEMM here (fp32, sm80)
+            pairs = grouped_moe.sorted_moe_experts(*experts, **skips)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False, **skips)
         if folded and keep_pairs:

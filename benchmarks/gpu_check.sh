@@ -35,8 +35,9 @@
 #                                           # simulated-acceptance table (~3.5 min)
 #   bash benchmarks/gpu_check.sh final      # the lossless, GEMV, forwards-ahead and PDL-race tests
 #                                           # (final-tests, ~4.5 min), then bench (~9 min in all)
-#   bash benchmarks/gpu_check.sh xs-lossless  # float32 DFlash = target-only at XS-2.1 widths, the
-#                                           # skinny GEMM's CUDA tests (~3 min)
+#   bash benchmarks/gpu_check.sh xs-lossless  # float32 DFlash = target-only at XS-2.1 widths (110 s
+#                                           # alone), any ptxas run over 30 s named (watch_ptxas.sh),
+#                                           # the fp32 large-batch MoE, the skinny GEMM's CUDA tests (~4 min)
 #   bash benchmarks/gpu_check.sh handoff    # a step-to-step hand-off: kernel boundary (normal, PDL)
 #                                           # against a persistent kernel's grid barrier (~20 s)
 #   bash benchmarks/gpu_check.sh adaptive   # the adaptive-K engine at L = 1 and 4 (~3 min)
@@ -537,7 +538,10 @@ case "$stage" in
       -k "lossless or prefill_stores or xs21 or forward_ahead or pdl_wait" | tail -20 ;;
   xs-lossless)
     echo "== float32 DFlash = target-only at XS-2.1 widths; the skinny GEMM (fp32 stage cap)"
-    gpu_tests 170 tests/test_cuda_xs_lossless.py | tail -4
+    # watch_ptxas.sh: a build that stalls the float32 start-up shows as "slow ptxas" with its
+    # kernel (2026-12-02: the fused MoE at a prefill's pairs, minutes a kernel)
+    bash benchmarks/watch_ptxas.sh 30 bash -c "$(declare -f gpu_tests); gpu_tests 200 tests/test_cuda_xs_lossless.py" | tail -6
+    gpu_tests 100 tests/test_kernel_fused_moe.py -k "float32_large_batch" | tail -3
     gpu_tests 100 tests/test_kernel_skinny_gemm.py -k "cuda and (fp32 or graph)" | tail -12 ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"

@@ -234,8 +234,9 @@ class LLMEngine:
         # the seeded requests' noise kernel (engine/sampler.py): built now, not by the first one
         no_seed = torch.zeros(1, dtype=torch.int64, device=self.device)
         counter_exponential(no_seed, no_seed, self.target.spec.vocab_size, self.device)
-        # half precision only: float32 engines (parity checks, tests) take the fused MoE kernels
-        # at every size, whose pair-count buckets would make these prefills compile for minutes
+        # half precision only: float32 engines serve parity checks and tests, where start-up
+        # time counts more than a first long prompt's (their MoE prefills past 256 pairs take
+        # the sorted kernels since 2026-12-02: the fused ones' builds there ran for minutes)
         shapes = WARMUP_PREFILL_LENGTHS if self.dtype in (torch.bfloat16, torch.float16) else ()
         # these build the EAGER prefill's kernels (longer prompts, larger batches still run it),
         # so no prefill graph takes them (the graphs are captured at start-up, or on first use)

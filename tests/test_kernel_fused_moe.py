@@ -419,6 +419,16 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     assert not torch.isnan(static_out).any()
 
 
+def _assert_graph_replays(moe: MoE, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``moe(x)`` captured in a CUDA graph replays ``out`` (its eager result) bit for bit."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, out)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_grouped_path_large_batch_and_graph_capture() -> None:
     """Above the fused kernel's pair limit the forward takes the sync-free grouped path: it
@@ -430,12 +440,7 @@ def test_cuda_grouped_path_large_batch_and_graph_capture() -> None:
         assert _rel_err(moe.experts_forward_grouped(x, weights, ids),
                         moe.experts_forward(x, weights, ids)) <= 2e-2
         out = moe(x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = moe(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, out)
+        _assert_graph_replays(moe, x, out)
 
 
 @cuda
@@ -459,12 +464,7 @@ def test_cuda_float32_large_batch_takes_the_sorted_kernels_and_captures(monkeypa
         assert _rel_err(out, moe(x)) <= TOL["float32"]  # the loop over the experts hit
         moe.use_fused_moe = True
         assert moe(x[:16]) is not None and calls == [600]  # 16 x 8 pairs: the fused kernels
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = moe(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, out)
+        _assert_graph_replays(moe, x, out)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-cases"]:

@@ -15,6 +15,7 @@ thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-st
 
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring
+    python benchmarks/profile_sampler.py --modes top-p,top-k20+top-p --one-scan  # chunked scan A/B
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import torch
 
 from laguna_dflash.config import SamplingParams
+from laguna_dflash.engine import sampler
 from laguna_dflash.engine.sampler import sample_rows
 
 MODES = {
@@ -103,6 +105,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=4, help="kernels listed per case")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--one-scan", action="store_true",
+                    help="each top-p mode also with sampler.chunked_prefix_sums off (its prefix "
+                         "sums one cumsum a row), in the same process: the chunked scan's A/B")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -117,19 +122,24 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 2).to(dtype)
         for mode in modes:
-            params = _params(mode, rows)
-            positions = list(range(rows))
-            # the default generator: a graph captures it without registration
-            call = functools.partial(sample_rows, logits, params, positions)
-            graph = "-"
-            if device.type == "cuda" and not mode.startswith("seeded"):  # seeds are an upload
-                try:
-                    graph = f"{graph_us(call, args.iters):.1f}"
-                except Exception as e:  # noqa: BLE001 - the eager columns still count
-                    graph = f"capture failed: {type(e).__name__}"
-            total, kernels = kernel_us(call, args.iters, device, args.top)
-            listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
-            print(f"| {rows} | {mode} | {graph} | {total:.1f} | {listed} |")
+            is_top_p = "top_p" in MODES[mode]
+            for chunked in (True, False) if args.one_scan and is_top_p else (True,):
+                sampler.chunked_prefix_sums = chunked
+                label = mode if chunked else f"{mode} (one scan)"
+                params = _params(mode, rows)
+                positions = list(range(rows))
+                # the default generator: a graph captures it without registration
+                call = functools.partial(sample_rows, logits, params, positions)
+                graph = "-"
+                if device.type == "cuda" and not mode.startswith("seeded"):  # seeds are an upload
+                    try:
+                        graph = f"{graph_us(call, args.iters):.1f}"
+                    except Exception as e:  # noqa: BLE001 - the eager columns still count
+                        graph = f"capture failed: {type(e).__name__}"
+                total, kernels = kernel_us(call, args.iters, device, args.top)
+                listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
+                print(f"| {rows} | {label} | {graph} | {total:.1f} | {listed} |")
+            sampler.chunked_prefix_sums = True
 
 if __name__ == "__main__":
     main()

@@ -571,6 +571,46 @@ def test_sorted_top_p_keeps_every_tie_of_the_boundary_token():
     assert kept.tolist() == [True] * 5 + [False] * 2
 
 
+def test_chunked_prefix_sums(monkeypatch):
+    # top-p's prefix sums over a sorted row in chunks (8 columns here; 1024 by default): the
+    # float64 sums within float32 rounding, monotone on non-negative rows with zero runs, each
+    # row bitwise alone; rows up to two chunks take one cumsum
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "PREFIX_CHUNK", 8)
+    weights = torch.rand(5, 61, generator=torch.Generator().manual_seed(8)) ** 4
+    weights[1, 20:45] = 0.0
+    weights[2] = torch.linspace(1.0, 1e-9, 61)
+    scans = []
+    real = torch.Tensor.cumsum
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda t, *a, **kw: scans.append(t.shape) or real(t, *a, **kw))
+    sums = sampler._prefix_sums(weights)
+    assert scans == [(5, 8, 8), (5, 8)]  # the chunks' scans, then their totals'
+    monkeypatch.setattr(torch.Tensor, "cumsum", real)
+    torch.testing.assert_close(sums.double(), weights.double().cumsum(-1), rtol=1e-6, atol=1e-7)
+    assert bool((sums.diff(dim=-1) >= 0).all())
+    for r in range(5):
+        assert torch.equal(sampler._prefix_sums(weights[r : r + 1])[0], sums[r])
+    assert torch.equal(sampler._prefix_sums(weights[:, :16]), weights[:, :16].cumsum(-1))
+    monkeypatch.setattr(sampler, "chunked_prefix_sums", False)
+    assert torch.equal(sampler._prefix_sums(weights), weights.cumsum(-1))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.95])
+def test_sorted_top_p_with_chunked_sums_keeps_the_nucleus(monkeypatch, top_p):
+    # top-p without a top-k (the sort) with its prefix sums in chunks of 16 over 300 columns:
+    # the kept set is the float64 definition's, with the boundary's ties, as in one cumsum
+    import laguna_dflash.engine.sampler as sampler
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(9)) * 2
+    logits[1, 40:52] = logits[1].max() - 0.1  # twelve tied tokens near the top
+    one_scan = filtered_probs(logits, 0.8, top_k=0, top_p=top_p)
+    monkeypatch.setattr(sampler, "PREFIX_CHUNK", 16)
+    probs = filtered_probs(logits, 0.8, top_k=0, top_p=top_p)
+    assert torch.equal(probs > 0, one_scan > 0)
+    for row in range(3):
+        want = _nucleus_of_top_k(logits[row], 0.8, 300, top_p)
+        assert torch.equal(probs[row] > 0, want), (row, int((probs[row] > 0).sum()), int(want.sum()))
+
+
 def test_ranked_top_p_equals_the_full_sort_without_ties(monkeypatch):
     # float32 logits: no ties, so the ranked nucleus and the sorted one are the same set and
     # values within rounding; at TOPK_MAX_COLUMNS 0 every row takes the full sort

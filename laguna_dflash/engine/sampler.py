@@ -31,6 +31,10 @@ from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
 TOPK_MAX_COLUMNS = 1024
+# top-p's prefix sums over a sorted row run in chunks of this many columns (:func:`_prefix_sums`)
+PREFIX_CHUNK = 1024
+# False: one ``cumsum`` over the whole row (an A/B switch for benchmarks/profile_sampler.py)
+chunked_prefix_sums = True
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -149,12 +153,33 @@ def _top_p_boundary(in_order: torch.Tensor, threshold: torch.Tensor | None,
     weights = torch.exp(in_order - in_order[:, :1])  # the row's maximum is always kept
     if threshold is not None:
         weights = weights.masked_fill(in_order < threshold, 0.0)
-    cumulative = weights.cumsum(-1)
+    cumulative = _prefix_sums(weights)
     total = cumulative[:, -1:]
     if num_outside is not None:
         total = total + num_outside * torch.exp(threshold - in_order[:, :1])
     num_below = ((cumulative - weights) < top_p_bound * total).sum(-1, keepdim=True).clamp_(min=1)
     return in_order.gather(-1, num_below - 1)
+
+
+def _prefix_sums(weights: torch.Tensor) -> torch.Tensor:
+    """Inclusive prefix sums of ``weights [N, W]`` float32 (non-negative) along each row ->
+    ``[N, W]``. Rows longer than two PREFIX_CHUNK run as chunks: each chunk's own prefix sums,
+    plus the sum of the chunks before it. PyTorch scans a few long rows slowly on CUDA (128 us
+    for 4 rows of 100352 on the H200, thirty-second pass) and many short rows fast.
+
+    Monotone along the row as one long scan is: inside a chunk, ``offset + s_j`` rounds
+    monotonically in ``s_j``; across a chunk's start the sums can step back by no more than the
+    rounding of the chunk totals' own scan (a parallel scan of one long row rounds that way
+    too). Row-wise: a row's sums do not depend on the other rows."""
+    n, w = weights.shape
+    if not chunked_prefix_sums or w <= 2 * PREFIX_CHUNK:
+        return weights.cumsum(-1)
+    num_chunks = -(-w // PREFIX_CHUNK)
+    chunks = torch.nn.functional.pad(weights, (0, num_chunks * PREFIX_CHUNK - w))
+    within = chunks.view(n, num_chunks, PREFIX_CHUNK).cumsum(-1)  # [N, C, CHUNK]
+    totals = within[:, :, -1].cumsum(-1)  # [N, C]: the mass up to each chunk's end
+    before = torch.nn.functional.pad(totals[:, :-1], (1, 0))  # [N, C]: before each chunk
+    return (within + before.unsqueeze(-1)).view(n, -1)[:, :w]
 
 
 def _ranked_top_p_boundary(scores: torch.Tensor, ranked: torch.Tensor, threshold: torch.Tensor,

@@ -542,6 +542,7 @@ case "$stage" in
     # kernel (2026-12-02: the fused MoE at a prefill's pairs, minutes a kernel)
     bash benchmarks/watch_ptxas.sh 30 bash -c "$(declare -f gpu_tests); gpu_tests 200 tests/test_cuda_xs_lossless.py" | tail -6
     gpu_tests 100 tests/test_kernel_fused_moe.py -k "float32_large_batch" | tail -3
+    gpu_tests 150 tests/test_cuda_graphs.py -k "fresh_float32" | tail -3  # cuda_graph._blas_ready
     gpu_tests 100 tests/test_kernel_skinny_gemm.py -k "cuda and (fp32 or graph)" | tail -12 ;;
   bench)
     echo "== XS-2.1 size: floor, DFlash steps, simulated acceptance"

@@ -576,6 +576,36 @@ def test_startup_capture_builds_its_kernels_ahead_on_cuda(pair, monkeypatch):
     _assert_same_greedy_tokens(one_by_one, ahead, (1, 3, 6), seed=5, length=250, step=9)
 
 
+_FRESH_ENGINE = """
+import logging, sys
+from laguna_dflash import LLM
+records = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda r: records.append(r.getMessage())
+logging.getLogger("laguna_dflash").addHandler(handler)
+LLM(sys.argv[1], draft=sys.argv[2], num_speculative_tokens=int(sys.argv[3]), device="cuda",
+    dtype="float32", max_num_seqs=2, max_model_len=256)
+print("WARNINGS", [m.splitlines()[0] for m in records])
+"""
+
+
+@needs_cuda
+def test_fresh_float32_engine_builds_its_first_forward_ahead(pair):
+    """In a fresh process (no cuBLAS handle yet) a float32 engine's warm-up records its first
+    forward to build its kernels ahead without a warning: that recording was the process's first
+    cuBLAS use, which invalidated it ("building kernels ahead stopped after 0 of 1 forwards",
+    twenty-eighth and thirty-third passes), until cuda_graph._blas_ready."""
+    import subprocess
+    import sys
+
+    target, draft = pair
+    done = subprocess.run([sys.executable, "-c", _FRESH_ENGINE, str(target), str(draft), str(BLOCK_SIZE - 1)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("WARNINGS")]
+    assert warnings == ["WARNINGS []"], warnings
+
+
 @needs_cuda
 def test_first_use_captures_build_their_kernels_ahead_on_cuda(pair, monkeypatch):
     """A capture made on first use (lazy capture; the warm-up's batch-1 graphs) first builds the

@@ -177,6 +177,22 @@ def _record_only(fn: Callable[[], object], stream: torch.cuda.Stream, pool) -> t
     return graph
 
 
+@functools.cache
+def _blas_ready(device: torch.device) -> bool:
+    """Run one eager cuBLAS GEMM, with and without a bias (the cuBLASLt path), on ``device``,
+    once a process. Both libraries make their handles on first use, and a first use inside a
+    recording allocates, which invalidates the capture. The first forward of a fresh process is
+    recorded (:func:`build_kernels_ahead`) before any eager run. This is the suspected cause of
+    the float32 warm-up's "building kernels ahead stopped after 0 of 1 forwards ... a previous
+    error during capture" (twenty-eighth and thirty-third passes, docs/PERFORMANCE.md): bf16
+    engines, which never logged it, run no cuBLAS GEMM in their first forward. Not yet checked on
+    the GPU (``test_fresh_float32_engine_builds_its_first_forward_ahead``)."""
+    a = torch.ones(16, 16, device=device)
+    torch.nn.functional.linear(a, a, a[0])
+    torch.mm(a, a)
+    return True
+
+
 def build_kernels_ahead(forwards: list[Callable[[], object]], device: torch.device) -> int:
     """Build the Triton kernel variants that ``forwards`` launch, on a thread pool, before they
     are captured (:mod:`kernels.precompile`). Each forward is recorded into a throwaway CUDA
@@ -187,6 +203,7 @@ def build_kernels_ahead(forwards: list[Callable[[], object]], device: torch.devi
     -> the variants built (or failed)."""
     if not forwards or device.type != "cuda" or not triton_importable():
         return 0
+    _blas_ready(device)
     t0 = time.perf_counter()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))

@@ -268,8 +268,8 @@ def test_cuda_expert_parallel_moe_in_graphs_sums_to_the_one_rank_output(num_toke
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_expert_parallel_engine_on_one_gpu_over_gloo(checkpoints):
-    """Two gloo ranks sharing one GPU (eager, float32: the fused MoE kernels at every size, with
-    the other rank's pairs skipped): greedy tokens equal one process's; DFlash = target-only."""
+    """Two gloo ranks sharing one GPU (eager, float32: the fused MoE kernels, the sorted ones past
+    256 pairs, with the other rank's pairs skipped): greedy tokens equal one process's; DFlash = target-only."""
     import tp_worker
 
     prompts = [[5, 9, 2, 44], [7, 1, 8, 30, 12, 6, 19, 3, 11]]

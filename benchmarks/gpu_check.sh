@@ -466,12 +466,12 @@ case "$stage" in
       tests/test_engine_units.py ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --one-scan 2>&1 | quiet | grep -E "^\||device time"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --ab laguna_dflash.engine.sampler:chunked_prefix_sums --ab laguna_dflash.kernels.topk_values:USE_KERNEL 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"
     # the seeded engine test alone took 202 s on a fresh H200 (2026-12-02: engine compiles)
-    gpu_tests 240 tests/test_kernel_counter_noise.py tests/test_engine_units.py \
+    gpu_tests 240 tests/test_kernel_counter_noise.py tests/test_kernel_topk_values.py tests/test_engine_units.py \
       tests/test_spec_edge_cases.py -k cuda | tail -8
     echo "== sampled decode tokens/s (distinct prompts), target-only and DFlash K = 3 at L = 4"
     timeout 240 python benchmarks/bench_sampled_decode.py --batches 1,64 --rounds 1 --new-tokens 64 \

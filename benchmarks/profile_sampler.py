@@ -15,19 +15,20 @@ thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-st
 
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring
-    python benchmarks/profile_sampler.py --modes top-p,top-k20+top-p --one-scan  # chunked scan A/B
+    python benchmarks/profile_sampler.py --ab laguna_dflash.engine.sampler:chunked_prefix_sums \
+        --ab laguna_dflash.kernels.topk_values:USE_KERNEL  # each case again with each switch off
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import statistics
 
 import torch
 
 from laguna_dflash.config import SamplingParams
-from laguna_dflash.engine import sampler
 from laguna_dflash.engine.sampler import sample_rows
 
 MODES = {
@@ -105,10 +106,21 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=4, help="kernels listed per case")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--one-scan", action="store_true",
-                    help="each top-p mode also with sampler.chunked_prefix_sums off (its prefix "
-                         "sums one cumsum a row), in the same process: the chunked scan's A/B")
+    ap.add_argument("--ab", action="append", default=[], metavar="MODULE:ATTR",
+                    help="a boolean switch (e.g. laguna_dflash.engine.sampler:chunked_prefix_sums, "
+                         "laguna_dflash.kernels.topk_values:USE_KERNEL): each case is timed again "
+                         "with it False, in the same process (repeatable)")
     args = ap.parse_args()
+    switches = []
+    for spec in args.ab:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise SystemExit(f"--ab {spec}: cannot import {module_name!r} ({e})") from e
+        if not isinstance(getattr(module, attr, None), bool):
+            raise SystemExit(f"--ab {spec}: {module_name}.{attr} is not a boolean switch")
+        switches.append((module, attr))
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     modes = args.modes.split(",")
@@ -122,10 +134,10 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 2).to(dtype)
         for mode in modes:
-            is_top_p = "top_p" in MODES[mode]
-            for chunked in (True, False) if args.one_scan and is_top_p else (True,):
-                sampler.chunked_prefix_sums = chunked
-                label = mode if chunked else f"{mode} (one scan)"
+            for switch in [None, *switches]:
+                if switch is not None:
+                    setattr(*switch, False)
+                label = mode if switch is None else f"{mode} ({switch[1]} off)"
                 params = _params(mode, rows)
                 positions = list(range(rows))
                 # the default generator: a graph captures it without registration
@@ -139,7 +151,8 @@ def main() -> None:
                 total, kernels = kernel_us(call, args.iters, device, args.top)
                 listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
                 print(f"| {rows} | {label} | {graph} | {total:.1f} | {listed} |")
-            sampler.chunked_prefix_sums = True
+                if switch is not None:
+                    setattr(*switch, True)
 
 if __name__ == "__main__":
     main()

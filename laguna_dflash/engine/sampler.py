@@ -27,6 +27,7 @@ import torch
 from ..config import SamplingParams
 from ..kernels.argmax import argmax_rows
 from ..kernels.counter_noise import counter_exponential, seed_key
+from ..kernels.topk_values import topk_values
 from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
@@ -111,8 +112,8 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
     ranked = None  # [N, >= max k] descending: the top-k's values, or the sorted row
     if uses_top_k:
         max_k = max(ks)
-        if max_k <= TOPK_MAX_COLUMNS:
-            ranked = torch.topk(scores, max_k, dim=-1).values
+        if max_k <= TOPK_MAX_COLUMNS:  # torch.topk's values; in two launches where Triton runs
+            ranked = topk_values(scores, max_k)
         else:
             ranked = scores.sort(dim=-1, descending=True).values
         if isinstance(kth_index, float):

@@ -120,8 +120,8 @@
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
-#                                           # each case again with the chunked prefix sums, then
-#                                           # the top-k values kernel, switched off);
+#                                           # each case again with the chunked prefix sums off,
+#                                           # then with the top-k values kernel on);
 #                                           # sampling, penalties and logprobs against their old
 #                                           # per-request loops (bench_sampler.py), the sampler's and
 #                                           # counter noise's CUDA tests, sampled decode at batch 1

@@ -16,7 +16,7 @@ thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-st
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring
     python benchmarks/profile_sampler.py --ab laguna_dflash.engine.sampler:chunked_prefix_sums \
-        --ab laguna_dflash.kernels.topk_values:USE_KERNEL  # each case again with each switch off
+        --ab laguna_dflash.kernels.topk_values:USE_KERNEL  # each case again with each switch flipped
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--ab", action="append", default=[], metavar="MODULE:ATTR",
                     help="a boolean switch (e.g. laguna_dflash.engine.sampler:chunked_prefix_sums, "
                          "laguna_dflash.kernels.topk_values:USE_KERNEL): each case is timed again "
-                         "with it False, in the same process (repeatable)")
+                         "with it flipped, in the same process (repeatable)")
     args = ap.parse_args()
     switches = []
     for spec in args.ab:
@@ -136,8 +136,8 @@ def main() -> None:
         for mode in modes:
             for switch in [None, *switches]:
                 if switch is not None:
-                    setattr(*switch, False)
-                label = mode if switch is None else f"{mode} ({switch[1]} off)"
+                    setattr(*switch, not getattr(*switch))
+                label = mode if switch is None else f"{mode} ({switch[1]} {'on' if getattr(*switch) else 'off'})"
                 params = _params(mode, rows)
                 positions = list(range(rows))
                 # the default generator: a graph captures it without registration
@@ -152,7 +152,7 @@ def main() -> None:
                 listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
                 print(f"| {rows} | {label} | {graph} | {total:.1f} | {listed} |")
                 if switch is not None:
-                    setattr(*switch, True)
+                    setattr(*switch, not getattr(*switch))
 
 if __name__ == "__main__":
     main()

@@ -44,6 +44,13 @@ def crafted_rows(v: int, k: int) -> torch.Tensor:
     return x
 
 
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+    """The kernels are off by default until timed on a GPU (``USE_KERNEL``); these tests turn
+    them on."""
+    monkeypatch.setattr(tv, "USE_KERNEL", True)
+
+
 def check(x: torch.Tensor, k: int) -> None:
     got = tv.topk_values(x, k)
     want = torch.topk(x, k, dim=-1).values

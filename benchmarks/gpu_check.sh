@@ -120,7 +120,7 @@
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
-#                                           # each case again with the chunked prefix sums off,
+#                                           # each case again with the chunked row scans off,
 #                                           # then with the top-k values kernel on);
 #                                           # sampling, penalties and logprobs against their old
 #                                           # per-request loops (bench_sampler.py), the sampler's and
@@ -468,7 +468,7 @@ case "$stage" in
       tests/test_engine_units.py ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --ab laguna_dflash.engine.sampler:chunked_prefix_sums --ab laguna_dflash.kernels.topk_values:USE_KERNEL 2>&1 | quiet | grep -E "^\||device time"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --ab laguna_dflash.engine.sampler:chunk_long_rows --ab laguna_dflash.kernels.topk_values:USE_KERNEL 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"

@@ -15,7 +15,7 @@ thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-st
 
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring
-    python benchmarks/profile_sampler.py --ab laguna_dflash.engine.sampler:chunked_prefix_sums \
+    python benchmarks/profile_sampler.py --ab laguna_dflash.engine.sampler:chunk_long_rows \
         --ab laguna_dflash.kernels.topk_values:USE_KERNEL  # each case again with each switch flipped
 """
 
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=4, help="kernels listed per case")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--ab", action="append", default=[], metavar="MODULE:ATTR",
-                    help="a boolean switch (e.g. laguna_dflash.engine.sampler:chunked_prefix_sums, "
+                    help="a boolean switch (e.g. laguna_dflash.engine.sampler:chunk_long_rows, "
                          "laguna_dflash.kernels.topk_values:USE_KERNEL): each case is timed again "
                          "with it flipped, in the same process (repeatable)")
     args = ap.parse_args()

@@ -530,13 +530,15 @@ def test_top_p_over_a_top_k_keeps_the_ranked_nucleus_without_a_sort(monkeypatch,
     assert int((probs[1] > 0).sum()) >= min(5, k)  # the tied tokens stay together
 
 
+@pytest.mark.parametrize("row_chunk", [1024, 8])
 @pytest.mark.parametrize("top_p", [0.5, 0.6, 0.9])
-def test_ranked_top_p_counts_the_kth_ties_outside_its_columns(monkeypatch, top_p):
+def test_ranked_top_p_counts_the_kth_ties_outside_its_columns(monkeypatch, top_p, row_chunk):
     # k = 2 with six tokens tied at the k-th score, four ranked columns: the nucleus's mass
     # includes the ties the columns do not hold (top_p 0.6 crosses into them: p(top) = 0.55),
-    # as the float64 definition says
+    # as the float64 definition says; counted over the row in one sum or by chunks of 8
     import laguna_dflash.engine.sampler as sampler
     monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 4)
+    monkeypatch.setattr(sampler, "ROW_CHUNK", row_chunk)
     logits = torch.full((2, 40), -4.0)
     logits[:, 0], logits[:, 5:11] = 5.0, 3.0
     logits[1] = logits[1].roll(17)
@@ -571,12 +573,12 @@ def test_sorted_top_p_keeps_every_tie_of_the_boundary_token():
     assert kept.tolist() == [True] * 5 + [False] * 2
 
 
-def test_chunked_prefix_sums(monkeypatch):
+def test_chunk_long_rows(monkeypatch):
     # top-p's prefix sums over a sorted row in chunks (8 columns here; 1024 by default): the
     # float64 sums within float32 rounding, monotone on non-negative rows with zero runs, each
     # row bitwise alone; rows up to two chunks take one cumsum
     import laguna_dflash.engine.sampler as sampler
-    monkeypatch.setattr(sampler, "PREFIX_CHUNK", 8)
+    monkeypatch.setattr(sampler, "ROW_CHUNK", 8)
     weights = torch.rand(5, 61, generator=torch.Generator().manual_seed(8)) ** 4
     weights[1, 20:45] = 0.0
     weights[2] = torch.linspace(1.0, 1e-9, 61)
@@ -591,8 +593,26 @@ def test_chunked_prefix_sums(monkeypatch):
     for r in range(5):
         assert torch.equal(sampler._prefix_sums(weights[r : r + 1])[0], sums[r])
     assert torch.equal(sampler._prefix_sums(weights[:, :16]), weights[:, :16].cumsum(-1))
-    monkeypatch.setattr(sampler, "chunked_prefix_sums", False)
+    monkeypatch.setattr(sampler, "chunk_long_rows", False)
     assert torch.equal(sampler._prefix_sums(weights), weights.cumsum(-1))
+
+
+def test_chunked_row_counts(monkeypatch):
+    # the true entries of each row, counted by chunks of 8 past two chunks: exact, row-wise
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "ROW_CHUNK", 8)
+    mask = torch.rand(5, 61, generator=torch.Generator().manual_seed(10)) < 0.3
+    mask[1], mask[2] = False, True
+    sums = []
+    real = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **kw: sums.append(t.shape) or real(t, *a, **kw))
+    counts = sampler._row_counts(mask)
+    monkeypatch.setattr(torch.Tensor, "sum", real)
+    assert sums == [(5, 8, 8), (5, 8)]  # by chunk, then the chunks' counts
+    assert torch.equal(counts, mask.sum(-1, keepdim=True)) and counts.dtype == torch.int64
+    assert counts[1, 0] == 0 and counts[2, 0] == 61
+    monkeypatch.setattr(sampler, "chunk_long_rows", False)
+    assert torch.equal(sampler._row_counts(mask), mask.sum(-1, keepdim=True))
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.8, 0.95])
@@ -603,7 +623,7 @@ def test_sorted_top_p_with_chunked_sums_keeps_the_nucleus(monkeypatch, top_p):
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(9)) * 2
     logits[1, 40:52] = logits[1].max() - 0.1  # twelve tied tokens near the top
     one_scan = filtered_probs(logits, 0.8, top_k=0, top_p=top_p)
-    monkeypatch.setattr(sampler, "PREFIX_CHUNK", 16)
+    monkeypatch.setattr(sampler, "ROW_CHUNK", 16)
     probs = filtered_probs(logits, 0.8, top_k=0, top_p=top_p)
     assert torch.equal(probs > 0, one_scan > 0)
     for row in range(3):

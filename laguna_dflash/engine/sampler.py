@@ -32,10 +32,11 @@ from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
 TOPK_MAX_COLUMNS = 1024
-# top-p's prefix sums over a sorted row run in chunks of this many columns (:func:`_prefix_sums`)
-PREFIX_CHUNK = 1024
-# False: one ``cumsum`` over the whole row (an A/B switch for benchmarks/profile_sampler.py)
-chunked_prefix_sums = True
+# top-p's prefix sums and counts over a whole row run in chunks of this many columns
+# (:func:`_prefix_sums`, :func:`_row_counts`)
+ROW_CHUNK = 1024
+# False: one ``cumsum`` / ``sum`` over the whole row (an A/B switch for benchmarks/profile_sampler.py)
+chunk_long_rows = True
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -158,13 +159,13 @@ def _top_p_boundary(in_order: torch.Tensor, threshold: torch.Tensor | None,
     total = cumulative[:, -1:]
     if num_outside is not None:
         total = total + num_outside * torch.exp(threshold - in_order[:, :1])
-    num_below = ((cumulative - weights) < top_p_bound * total).sum(-1, keepdim=True).clamp_(min=1)
+    num_below = _row_counts((cumulative - weights) < top_p_bound * total).clamp_(min=1)
     return in_order.gather(-1, num_below - 1)
 
 
 def _prefix_sums(weights: torch.Tensor) -> torch.Tensor:
     """Inclusive prefix sums of ``weights [N, W]`` float32 (non-negative) along each row ->
-    ``[N, W]``. Rows longer than two PREFIX_CHUNK run as chunks: each chunk's own prefix sums,
+    ``[N, W]``. Rows longer than two ROW_CHUNK run as chunks: each chunk's own prefix sums,
     plus the sum of the chunks before it. PyTorch scans a few long rows slowly on CUDA (128 us
     for 4 rows of 100352 on the H200, thirty-second pass) and many short rows fast.
 
@@ -173,14 +174,29 @@ def _prefix_sums(weights: torch.Tensor) -> torch.Tensor:
     rounding of the chunk totals' own scan (a parallel scan of one long row rounds that way
     too). Row-wise: a row's sums do not depend on the other rows."""
     n, w = weights.shape
-    if not chunked_prefix_sums or w <= 2 * PREFIX_CHUNK:
+    if not chunk_long_rows or w <= 2 * ROW_CHUNK:
         return weights.cumsum(-1)
-    num_chunks = -(-w // PREFIX_CHUNK)
-    chunks = torch.nn.functional.pad(weights, (0, num_chunks * PREFIX_CHUNK - w))
-    within = chunks.view(n, num_chunks, PREFIX_CHUNK).cumsum(-1)  # [N, C, CHUNK]
+    within = _chunks(weights).cumsum(-1)  # [N, C, CHUNK]
     totals = within[:, :, -1].cumsum(-1)  # [N, C]: the mass up to each chunk's end
     before = torch.nn.functional.pad(totals[:, :-1], (1, 0))  # [N, C]: before each chunk
     return (within + before.unsqueeze(-1)).view(n, -1)[:, :w]
+
+
+def _row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """``mask [N, W]`` bool -> ``[N, 1]`` int64: the true entries of each row (exact). Rows
+    longer than two ROW_CHUNK count by chunk, then sum the chunks' counts: PyTorch reduces a
+    few long rows on CUDA in 12-17 us a call at one row (thirty-third pass, item 2)."""
+    if not chunk_long_rows or mask.shape[1] <= 2 * ROW_CHUNK:
+        return mask.sum(-1, keepdim=True)
+    return _chunks(mask).sum(-1).sum(-1, keepdim=True)
+
+
+def _chunks(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, W]`` -> ``[N, C, ROW_CHUNK]`` with ``C = ceil(W / ROW_CHUNK)``, padded at the end
+    with zeros (False): nothing to a sum or a count."""
+    n, w = x.shape
+    num_chunks = -(-w // ROW_CHUNK)
+    return torch.nn.functional.pad(x, (0, num_chunks * ROW_CHUNK - w)).view(n, num_chunks, ROW_CHUNK)
 
 
 def _ranked_top_p_boundary(scores: torch.Tensor, ranked: torch.Tensor, threshold: torch.Tensor,
@@ -194,8 +210,7 @@ def _ranked_top_p_boundary(scores: torch.Tensor, ranked: torch.Tensor, threshold
     columns = ranked[:, :TOPK_MAX_COLUMNS]
     columns = torch.nn.functional.pad(columns, (0, TOPK_MAX_COLUMNS - columns.shape[-1]),
                                       value=float("-inf"))
-    num_outside = ((scores >= threshold).sum(-1, keepdim=True)
-                   - (columns >= threshold).sum(-1, keepdim=True)).float()
+    num_outside = (_row_counts(scores >= threshold) - (columns >= threshold).sum(-1, keepdim=True)).float()
     return _top_p_boundary(columns, threshold, top_p_bound, num_outside)
 
 

@@ -113,7 +113,7 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
     ranked = None  # [N, >= max k] descending: the top-k's values, or the sorted row
     if uses_top_k:
         max_k = max(ks)
-        if max_k <= TOPK_MAX_COLUMNS:  # torch.topk's values; in two launches where Triton runs
+        if max_k <= TOPK_MAX_COLUMNS:  # torch.topk's values (two Triton launches once switched on)
             ranked = topk_values(scores, max_k)
         else:
             ranked = scores.sort(dim=-1, descending=True).values

@@ -9,15 +9,17 @@ top-p the k largest scores in order (engine/sampler.py); neither needs their ind
 
 Why: ``torch.topk`` over one 100352-entry row runs ~30 us of radix-select launches on the H200
 (a top-k 20 sampling step at one row took 79 us in all, against 21 us with temperature alone;
-thirty-third pass, docs/PERFORMANCE.md), and top-k 20 is the server's default for Laguna. Here the row is cut into ``chunk``-entry chunks, one program
-each (grid ``(N, ceil(V / chunk))``), each keeping its chunk's ``K_PAD = next_pow2(k)`` largest
-values (one bitonic ``tl.topk``) in a small scratch; a second launch (one program a row) takes
-the ``K_PAD`` largest of those and stores the first ``k``. The k largest of a row are among the
-k largest of its chunks, so this is exact: sorting moves values and never rounds one, so the
-result equals torch's value for value (NaN excepted: torch ranks a NaN above everything, the
-bitonic network does not order it; logits hold none). The chunk grows with ``k`` so the second
-launch merges at most :data:`MAX_MERGE` values; a ``k`` past that (or a row past the grid) goes
-to ``torch.topk``. The grid depends on the shapes only: CUDA-graph safe, no host sync.
+thirty-third pass, docs/PERFORMANCE.md), and top-k 20 is the server's default for Laguna.
+
+Here the row is cut into ``chunk``-entry chunks, one program each (grid ``(N, ceil(V /
+chunk))``), each keeping its chunk's ``K_PAD = next_pow2(k)`` largest values (one bitonic
+``tl.topk``) in a small scratch; a second launch (one program a row) takes the ``K_PAD`` largest
+of those and stores the first ``k``. The k largest of a row are among the k largest of its
+chunks, so this is exact: sorting moves values and never rounds one, so the result equals
+torch's value for value (NaN excepted: torch ranks a NaN above everything, the bitonic network
+does not order it; logits hold none). The chunk grows with ``k`` so the second launch merges at
+most :data:`MAX_MERGE` values; a ``k`` past that goes to ``torch.topk``. The grid depends on the
+shapes only: CUDA-graph safe, no host sync.
 
 Runs on CUDA, and on the CPU under Triton's interpreter (the tests); elsewhere
 :func:`topk_values` is ``torch.topk``.

@@ -119,6 +119,10 @@
 #   bash benchmarks/gpu_check.sh graphs-count  # DFlash later-step medians with prefill graphs
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
+#   bash benchmarks/gpu_check.sh pass33     # the thirty-third pass's unrun checks in one call: XS
+#                                           # float32 lossless (watch_ptxas.sh), the fp32 sorted MoE,
+#                                           # _blas_ready, top-k values' CUDA tests, profile_sampler
+#                                           # A/B of chunk_long_rows and the top-k kernel (~6 min)
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
 #                                           # each case again with the chunked row scans off,
 #                                           # then with the top-k values kernel on);
@@ -466,6 +470,17 @@ case "$stage" in
     every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
       tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
       tests/test_engine_units.py ;;
+  pass33)
+    echo "== what the thirty-third pass left unrun on a GPU, in one call (~6 min)"
+    echo "-- float32 DFlash = target-only at XS-2.1 widths (any ptxas run over 30 s named)"
+    bash benchmarks/watch_ptxas.sh 30 bash -c "$(declare -f gpu_tests); gpu_tests 200 tests/test_cuda_xs_lossless.py" | tail -6
+    echo "-- the fp32 large-batch MoE (sorted kernels), a fresh float32 engine (_blas_ready), top-k values"
+    gpu_tests 150 tests/test_kernel_fused_moe.py tests/test_cuda_graphs.py -k "float32_large_batch or fresh_float32" | tail -4
+    gpu_tests 100 tests/test_kernel_topk_values.py -k "cuda and not interpret" | tail -10
+    echo "-- sample_rows' device time: chunked row scans off, then the top-k values kernel on"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p \
+      --ab laguna_dflash.engine.sampler:chunk_long_rows --ab laguna_dflash.kernels.topk_values:USE_KERNEL \
+      2>&1 | quiet | grep -E "^\||device time" ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
     timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --ab laguna_dflash.engine.sampler:chunk_long_rows --ab laguna_dflash.kernels.topk_values:USE_KERNEL 2>&1 | quiet | grep -E "^\||device time"

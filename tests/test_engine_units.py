@@ -631,6 +631,60 @@ def test_sorted_top_p_with_chunked_sums_keeps_the_nucleus(monkeypatch, top_p):
         assert torch.equal(probs[row] > 0, want), (row, int((probs[row] > 0).sum()), int(want.sum()))
 
 
+def _kept_by_definition(logits: torch.Tensor, temperature: float, k: int, top_p: float,
+                        min_p: float) -> tuple[torch.Tensor, float]:
+    """The kept set of min-p, top-k, then top-p by their definitions, in float64, and the
+    margin of top-p's decision (how far the boundary's exclusive mass, and the mass before the
+    next distinct score, are from ``top_p``: under ~1e-5, float32 may decide either way)."""
+    s = logits.double() / temperature
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if min_p > 0:
+        keep &= s >= s.max() + torch.log(torch.tensor(min_p, dtype=torch.float64))
+    if 0 < k < s.numel():
+        keep &= s >= s.sort(descending=True).values[k - 1]
+    if top_p >= 1.0:
+        return keep, 1.0
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+    ranked = p.sort(descending=True).values
+    before = torch.cat([p.new_zeros(1), ranked.cumsum(0)[:-1]])
+    num_below = int((before < top_p).sum().clamp(min=1))
+    tau = ranked[num_below - 1]
+    margin = float((before - top_p).abs()[: int(keep.sum())].min())
+    return keep & (p >= tau), margin
+
+
+@pytest.mark.parametrize("row_chunk", [1024, 8])
+def test_filters_keep_the_float64_definitions_randomised(monkeypatch, row_chunk):
+    # 300 random rows and parameters (min-p, top-k, top-p, alone and together; ties from
+    # coarse logits), filtered as one batch, each row's kept set against the float64
+    # definitions; with chunks of 8 the sorted and ranked paths' sums and counts run chunked
+    import random
+
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "ROW_CHUNK", row_chunk)
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 16)  # k above it takes the sort
+    rng = random.Random(row_chunk)
+    checked = 0
+    for case in range(30):
+        vocab = rng.choice([40, 97, 200])
+        gen = torch.Generator().manual_seed(case)
+        logits = torch.randn(10, vocab, generator=gen) * rng.choice([0.5, 2.0, 4.0])
+        if case % 3 == 0:
+            logits = (logits * 4).round() / 4  # many ties
+        temperature = [rng.choice([0.5, 0.8, 1.0, 1.3]) for _ in range(10)]
+        top_k = [rng.choice([0, 1, 3, 10, 16, 30, vocab]) for _ in range(10)]
+        top_p = [rng.choice([1.0, 0.3, 0.7, 0.9, 0.99]) for _ in range(10)]
+        min_p = [rng.choice([0.0, 0.0, 0.05, 0.2]) for _ in range(10)]
+        probs = filtered_probs_rows(logits, temperature, top_k, top_p, min_p)
+        for r in range(10):
+            want, margin = _kept_by_definition(logits[r], temperature[r], top_k[r], top_p[r], min_p[r])
+            if margin < 1e-5:
+                continue  # float32 and float64 may round the boundary differently
+            checked += 1
+            assert torch.equal(probs[r] > 0, want), (case, r, temperature[r], top_k[r], top_p[r], min_p[r])
+    assert checked >= 270
+
+
 def test_ranked_top_p_equals_the_full_sort_without_ties(monkeypatch):
     # float32 logits: no ties, so the ranked nucleus and the sorted one are the same set and
     # values within rounding; at TOPK_MAX_COLUMNS 0 every row takes the full sort

@@ -479,11 +479,11 @@ case "$stage" in
     gpu_tests 100 tests/test_kernel_topk_values.py -k "cuda and not interpret" | tail -10
     echo "-- sample_rows' device time: chunked row scans off, then the top-k values kernel on"
     timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p \
-      --ab laguna_dflash.engine.sampler:chunk_long_rows --ab laguna_dflash.kernels.topk_values:USE_KERNEL \
+      --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=True \
       2>&1 | quiet | grep -E "^\||device time" ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --ab laguna_dflash.engine.sampler:chunk_long_rows --ab laguna_dflash.kernels.topk_values:USE_KERNEL 2>&1 | quiet | grep -E "^\||device time"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=True 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"

@@ -15,18 +15,19 @@ thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-st
 
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring
-    python benchmarks/profile_sampler.py --ab laguna_dflash.engine.sampler:chunk_long_rows \
-        --ab laguna_dflash.kernels.topk_values:USE_KERNEL  # each case again with each switch flipped
+    python benchmarks/profile_sampler.py --switch laguna_dflash.engine.sampler:chunk_long_rows=False \
+        --switch laguna_dflash.kernels.topk_values:USE_KERNEL=True  # each case again, each switch set
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import statistics
 
 import torch
+from bench_gpu_xs import parse_switch
+from host_timeline import switched
 
 from laguna_dflash.config import SamplingParams
 from laguna_dflash.engine.sampler import sample_rows
@@ -106,21 +107,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=4, help="kernels listed per case")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--ab", action="append", default=[], metavar="MODULE:ATTR",
-                    help="a boolean switch (e.g. laguna_dflash.engine.sampler:chunk_long_rows, "
-                         "laguna_dflash.kernels.topk_values:USE_KERNEL): each case is timed again "
-                         "with it flipped, in the same process (repeatable)")
+    ap.add_argument("--switch", action="append", default=[], metavar="MODULE:ATTR=VALUE",
+                    help="e.g. laguna_dflash.kernels.topk_values:USE_KERNEL=True: each case is timed "
+                         "again with it set, in the same process (repeatable; one row each)")
     args = ap.parse_args()
-    switches = []
-    for spec in args.ab:
-        module_name, _, attr = spec.partition(":")
+    for text in args.switch:  # parsed and imported now, not mid-table
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise SystemExit(f"--ab {spec}: cannot import {module_name!r} ({e})") from e
-        if not isinstance(getattr(module, attr, None), bool):
-            raise SystemExit(f"--ab {spec}: {module_name}.{attr} is not a boolean switch")
-        switches.append((module, attr))
+            obj, name, _ = parse_switch(text)
+            getattr(obj, name)
+        except (ValueError, ImportError, AttributeError) as e:
+            raise SystemExit(f"--switch {text}: {e}; use module:attr=value") from e
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     modes = args.modes.split(",")
@@ -134,25 +130,27 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 2).to(dtype)
         for mode in modes:
-            for switch in [None, *switches]:
-                if switch is not None:
-                    setattr(*switch, not getattr(*switch))
-                label = mode if switch is None else f"{mode} ({switch[1]} {'on' if getattr(*switch) else 'off'})"
-                params = _params(mode, rows)
-                positions = list(range(rows))
-                # the default generator: a graph captures it without registration
-                call = functools.partial(sample_rows, logits, params, positions)
-                graph = "-"
-                if device.type == "cuda" and not mode.startswith("seeded"):  # seeds are an upload
-                    try:
-                        graph = f"{graph_us(call, args.iters):.1f}"
-                    except Exception as e:  # noqa: BLE001 - the eager columns still count
-                        graph = f"capture failed: {type(e).__name__}"
-                total, kernels = kernel_us(call, args.iters, device, args.top)
-                listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
-                print(f"| {rows} | {label} | {graph} | {total:.1f} | {listed} |")
-                if switch is not None:
-                    setattr(*switch, not getattr(*switch))
+            for switch in [None, *args.switch]:
+                label = mode if switch is None else f"{mode} ({switch.split(':')[-1]})"
+                with switched([switch] if switch else []):
+                    _print_case(rows, label, logits, mode, device, args)
+
+
+def _print_case(rows: int, label: str, logits: torch.Tensor, mode: str, device: torch.device,
+                args: argparse.Namespace) -> None:
+    """One table row: ``mode`` on ``logits [rows, V]``, graph and profiler device times."""
+    # the default generator: a graph captures it without registration
+    call = functools.partial(sample_rows, logits, _params(mode, rows), list(range(rows)))
+    graph = "-"
+    if device.type == "cuda" and not mode.startswith("seeded"):  # seeds are an upload
+        try:
+            graph = f"{graph_us(call, args.iters):.1f}"
+        except Exception as e:  # noqa: BLE001 - the eager columns still count
+            graph = f"capture failed: {type(e).__name__}"
+    total, kernels = kernel_us(call, args.iters, device, args.top)
+    listed = "; ".join(f"{name[:48]} {t:.1f}" for name, t in kernels)
+    print(f"| {rows} | {label} | {graph} | {total:.1f} | {listed} |")
+
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,9 @@ def sm90_compile_lock() -> Iterator[None]:
     """One offline sm_90 build (a Triton compile, which runs ptxas, or a ``ptxas -v``) at a time
     across the processes of this machine: with 12 pytest-xdist workers compiling at once on the
     H200's host, triton's ``ptxas`` exited 255 and the same tests passed serially (twentieth and
-    thirty-second passes, docs/PERFORMANCE.md). Reentrant within a process."""
+    thirty-second passes, docs/PERFORMANCE.md). The thirty-fourth pass found a likelier cause of
+    those exits, a worker's PTX written for another ptxas (:func:`pinned_options`); the lock stays,
+    it costs little. Reentrant within a process."""
     global _lock_depth
     if _lock_depth:
         _lock_depth += 1
@@ -73,7 +75,7 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     with sm90_compile_lock():
-        return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        return compile(src, target=GPUTarget("cuda", 90, 32), options=pinned_options(options)).asm["ptx"]
 
 
 def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict) -> str:
@@ -91,22 +93,57 @@ def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options:
                          attrs={(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
                                 if signature[a].startswith("*")})
     with sm90_compile_lock():
-        return compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        return compile(src, target=GPUTarget("cuda", 90, 32), options=pinned_options(options)).asm["ptx"]
+
+
+def bundled_ptxas():
+    """Triton's own ptxas (``triton.knobs.NvidiaTool``: ``path``, ``version``), whatever
+    ``TRITON_PTXAS_PATH`` says: the one the engine's kernels are built with by default.
+    ``SM90_CHECK_PTXAS=/path/to/ptxas`` runs the sm_90 checks under another one instead (the
+    PTX version and the spill counts both follow it)."""
+    import triton
+
+    path = os.environ.get("SM90_CHECK_PTXAS") or os.path.join(
+        os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tool = triton.knobs.NvidiaTool.from_path(path)
+    if tool is None:
+        raise RuntimeError(f"{path} did not report its release (ptxas --version)")
+    return tool
+
+
+def pinned_options(options: dict) -> dict:
+    """``options`` with the PTX version of :func:`bundled_ptxas` (unless given).
+
+    Triton writes the PTX version of the ptxas it will call: ``TRITON_PTXAS_PATH``, else its
+    bundled one. Once a process has run torch's inductor, that variable names torch's own ptxas
+    (``torch._inductor.runtime.compile_tasks._set_triton_ptxas_path``); on the H200's host (torch
+    2.11+cu130) that one is CUDA 13.0's and writes PTX 9.0, which the bundled ptxas (CUDA 12.8)
+    rejects. One pytest worker in twelve failed its eight sm_90 checks that way (thirty-fourth
+    pass), and a process's first ptxas release keys triton's cache for the rest of it. Pinned,
+    the PTX and the spill counts do not depend on what ran before in the process. The older of
+    the two ptxas' versions, so that triton's own build of the PTX (with the knob's ptxas) takes
+    it too; the code is the same, as triton caps LLVM's PTX features at 8.6 either way."""
+    import triton
+    from triton.backends.nvidia.compiler import ptx_get_version
+
+    version = min(ptx_get_version(bundled_ptxas().version),
+                  ptx_get_version(triton.knobs.nvidia.ptxas.version))
+    return {"ptx_version": version, **options}
 
 
 def ptxas_spills(ptx: str) -> list[int]:
-    """``ptxas -v`` (triton's own) on ``ptx`` for sm_90a: the spill-store bytes of each function."""
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    """``ptxas -v`` (:func:`bundled_ptxas`) on ``ptx`` for sm_90a: the spill-store bytes of each
+    function."""
+    tool = bundled_ptxas()
     with tempfile.TemporaryDirectory() as tmp, sm90_compile_lock():
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
+        proc = subprocess.run([tool.path, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
                               capture_output=True, text=True)
     if proc.returncode != 0:  # the message, not only the exit status, in the test's failure
-        raise RuntimeError(f"ptxas exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"{tool.path} (release {tool.version}) exited {proc.returncode}: "
+                           f"{proc.stderr.strip()[-2000:]}")
     return [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
 
 

@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import loads_before_pdl_wait, ptxas_spills, sm90_compile_lock
+from ptx_sm90 import loads_before_pdl_wait, pinned_options, ptxas_spills, sm90_compile_lock
 
 from laguna_dflash.engine import attention
 from laguna_dflash.engine.attention import AttentionMetadata, TorchSDPABackend
@@ -296,7 +296,8 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     with sm90_compile_lock():
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": 2, "launch_pdl": pdl})
+                                  options=pinned_options({"num_warps": num_warps, "num_stages": 2,
+                                                          "launch_pdl": pdl}))
     return compiled, ptxas_spills(compiled.asm["ptx"])
 
 

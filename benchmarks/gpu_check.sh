@@ -119,13 +119,13 @@
 #   bash benchmarks/gpu_check.sh graphs-count  # DFlash later-step medians with prefill graphs
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
-#   bash benchmarks/gpu_check.sh pass33     # the thirty-third pass's unrun checks in one call: XS
-#                                           # float32 lossless (watch_ptxas.sh), the fp32 sorted MoE,
-#                                           # _blas_ready, top-k values' CUDA tests, profile_sampler
-#                                           # A/B of chunk_long_rows and the top-k kernel (~6 min)
+#   bash benchmarks/gpu_check.sh pass34     # the thirty-fourth pass's open ends: the 40-layer batch-1
+#                                           # decode profile (its runs aborted), the same with every
+#                                           # Triton kernel built by triton's ptxas and by torch's,
+#                                           # then every kernel test file (~8 min)
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
 #                                           # each case again with the chunked row scans off,
-#                                           # then with the top-k values kernel on);
+#                                           # then with the top-k values kernel off);
 #                                           # sampling, penalties and logprobs against their old
 #                                           # per-request loops (bench_sampler.py), the sampler's and
 #                                           # counter noise's CUDA tests, sampled decode at batch 1
@@ -470,20 +470,31 @@ case "$stage" in
     every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
       tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
       tests/test_engine_units.py ;;
-  pass33)
-    echo "== what the thirty-third pass left unrun on a GPU, in one call (~6 min)"
-    echo "-- float32 DFlash = target-only at XS-2.1 widths (any ptxas run over 30 s named)"
-    bash benchmarks/watch_ptxas.sh 30 bash -c "$(declare -f gpu_tests); gpu_tests 200 tests/test_cuda_xs_lossless.py" | tail -6
-    echo "-- the fp32 large-batch MoE (sorted kernels), a fresh float32 engine (_blas_ready), top-k values"
-    gpu_tests 150 tests/test_kernel_fused_moe.py tests/test_cuda_graphs.py -k "float32_large_batch or fresh_float32" | tail -4
-    gpu_tests 100 tests/test_kernel_topk_values.py -k "cuda and not interpret" | tail -10
-    echo "-- sample_rows' device time: chunked row scans off, then the top-k values kernel on"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p \
-      --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=True \
-      2>&1 | quiet | grep -E "^\||device time" ;;
+  pass34)
+    echo "== what the thirty-fourth pass left open, in one call (~8 min)"
+    # its 40-layer profile_decode_xs.py runs, each with its own TRITON_CACHE_DIR and
+    # TORCHINDUCTOR_CACHE_DIR, aborted in a CUDA tensor's destructor (a 4-layer run passed):
+    # first the plain run, its whole log in $OUT, its errors here
+    echo "-- the batch-1 decode step, 40 layers, default environment"
+    timeout 150 python benchmarks/profile_decode_xs.py --top 6 >"${OUT:-/tmp}/decode_plain.log" 2>&1
+    echo "exit $?"; grep -E "^\| [0-9]|kernels per" "${OUT:-/tmp}/decode_plain.log" | head -4
+    grep -iE "error|exception|Traceback" "${OUT:-/tmp}/decode_plain.log" | grep -vi warn | head -8
+    # which ptxas builds the engine's Triton kernels: triton's bundled one (CUDA 12.8) unless
+    # TRITON_PTXAS_PATH is set, which torch's inductor sets to torch's own (CUDA 13.0 on cu130
+    # builds) when it compiles in-process; separate processes and caches, kernel times compared
+    ptxas_bundled=$(python -c "import triton,os;print(os.path.join(os.path.dirname(triton.__file__),'backends','nvidia','bin','ptxas'))")
+    ptxas_torch=$(python -c "import torch,pathlib;print(pathlib.Path(torch.__file__).parent/'bin'/'ptxas')")
+    for v in bundled torch; do
+      if [ $v = bundled ]; then p=$ptxas_bundled; else p=$ptxas_torch; fi
+      echo "-- the batch-1 decode step, every Triton kernel built by the $v ptxas ($p)"
+      TRITON_PTXAS_PATH=$p TRITON_CACHE_DIR=/tmp/tc_$v timeout 150 python benchmarks/profile_decode_xs.py \
+        --top 6 >"${OUT:-/tmp}/decode_$v.log" 2>&1
+      echo "exit $?"; grep -E "^\| [0-9]|kernels per|^\| \`" "${OUT:-/tmp}/decode_$v.log" | head -10
+    done
+    every_test "gpu_all.log" tests/test_kernel_*.py ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=True 2>&1 | quiet | grep -E "^\||device time"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=False 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"

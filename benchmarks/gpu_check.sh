@@ -122,7 +122,8 @@
 #   bash benchmarks/gpu_check.sh pass34     # the thirty-fourth pass's open ends: the 40-layer batch-1
 #                                           # decode profile (its runs aborted), the same with every
 #                                           # Triton kernel built by triton's ptxas and by torch's,
-#                                           # then every kernel test file (~8 min)
+#                                           # top-p's sort over bf16 keys: test, A/B (~7 min);
+#                                           # then all-tests (now expected green) in its own call
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
 #                                           # each case again with the chunked row scans off,
 #                                           # then with the top-k values kernel off);
@@ -491,10 +492,13 @@ case "$stage" in
         --top 6 >"${OUT:-/tmp}/decode_$v.log" 2>&1
       echo "exit $?"; grep -E "^\| [0-9]|kernels per|^\| \`" "${OUT:-/tmp}/decode_$v.log" | head -10
     done
-    every_test "gpu_all.log" tests/test_kernel_*.py ;;
+    echo "-- top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test, then timed"
+    gpu_tests 100 tests/test_engine_units.py -k "narrow and cuda" | tail -5
+    timeout 120 python benchmarks/profile_sampler.py --top 3 --modes greedy,top-p \
+      --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time" ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=False 2>&1 | quiet | grep -E "^\||device time"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=False --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"

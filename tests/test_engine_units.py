@@ -14,6 +14,7 @@ from laguna_dflash.engine.runner import ForwardItem, build_metadata
 from laguna_dflash.engine.sampler import (
     filtered_probs,
     filtered_probs_rows,
+    filtered_scores,
     sample_rows,
     top_logprobs,
 )
@@ -683,6 +684,57 @@ def test_filters_keep_the_float64_definitions_randomised(monkeypatch, row_chunk)
             checked += 1
             assert torch.equal(probs[r] > 0, want), (case, r, temperature[r], top_k[r], top_p[r], min_p[r])
     assert checked >= 270
+
+
+def _narrow_logits(dtype: torch.dtype) -> torch.Tensor:
+    """``[8, 300]`` 16-bit logits with ties, signed zeros and -inf entries."""
+    logits = (torch.randn(8, 300, generator=torch.Generator().manual_seed(12)) * 3).to(dtype)
+    logits[1] = (logits[1].float() * 2).round().to(dtype) / 2  # a few distinct values
+    logits[2, :40], logits[2, 40:80] = 0.0, -0.0
+    logits[3, ::7] = float("-inf")
+    logits[4, 10:30] = logits[4].max()  # twenty tied most likely tokens
+    return logits
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shared_temperature", [True, False])
+def test_sorting_narrow_logits_gives_the_same_scores_and_thresholds(monkeypatch, device, dtype,
+                                                                    shared_temperature):
+    # sort_narrow_keys: a row sort over 16-bit logits sorts them and then widens and scales;
+    # the scores and every row's threshold are those of the float32 sort (top-p alone, with a
+    # top-k that takes the sort, with min-p; one temperature, or a column of them), and so
+    # are seeded picks; float32 logits, or a 1 / T that overflows float32, keep the float32 sort
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 16)  # k = 30 takes the sort
+    logits = _narrow_logits(dtype).to(device)
+    temperature = [0.8] * 8 if shared_temperature else [0.5, 0.8, 1.0, 1.3, 0.7, 2.0, 0.9, 1.1]
+    top_k = [0, 0, 30, 0, 30, 0, 0, 30]
+    top_p = [0.9, 0.5, 0.95, 0.7, 0.8, 1.0, 0.99, 1.0]
+    min_p = [0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0]
+    args = (temperature, top_k, top_p, min_p)
+    want_scores, want_threshold = filtered_scores(logits, *args)
+    sorted_dtypes = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **kw: sorted_dtypes.append(t.dtype) or real_sort(t, *a, **kw))
+    filtered_scores(logits, *args)
+    assert sorted_dtypes == [torch.float32]  # the switch is off by default
+    sorted_dtypes.clear()
+    monkeypatch.setattr(sampler, "sort_narrow_keys", True)
+    scores, threshold = filtered_scores(logits, *args)
+    assert sorted_dtypes == [dtype]  # one sort, of the logits themselves
+    assert torch.equal(scores, want_scores) and torch.equal(threshold, want_threshold)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p_, min_p=m, seed=40 + i)
+              for i, (t, k, p_, m) in enumerate(zip(*args))]
+    picks = sample_rows(logits, params, positions=list(range(8)))
+    monkeypatch.setattr(sampler, "sort_narrow_keys", False)
+    assert torch.equal(picks, sample_rows(logits, params, positions=list(range(8))))
+    monkeypatch.setattr(sampler, "sort_narrow_keys", True)
+    sorted_dtypes.clear()
+    filtered_scores(logits.float(), *args)
+    filtered_scores(logits, [1e-39] + temperature[1:], *args[1:])  # 1 / T: inf in float32
+    assert sorted_dtypes == [torch.float32, torch.float32]
 
 
 def test_ranked_top_p_equals_the_full_sort_without_ties(monkeypatch):

@@ -37,6 +37,10 @@ TOPK_MAX_COLUMNS = 1024
 ROW_CHUNK = 1024
 # False: one ``cumsum`` / ``sum`` over the whole row (an A/B switch for benchmarks/profile_sampler.py)
 chunk_long_rows = True
+# True: a row sort over 16-bit logits sorts the logits themselves, then scales
+# (:func:`_descending_scores`; the same values, half the key bits). Off until timed on a GPU
+# (benchmarks/profile_sampler.py --switch laguna_dflash.engine.sampler:sort_narrow_keys=True)
+sort_narrow_keys = False
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -107,6 +111,9 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
         [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else None,
         [float(r) for r in ranked_top_p] if is_mixed_top_p else None)
     scores = logits.float() * inv_temperature
+    # every 1 / T positive and finite in float32: a row sort may then sort 16-bit logits
+    is_narrow_sortable = (sort_narrow_keys and logits.dtype in (torch.bfloat16, torch.float16)
+                          and all(0.0 < 1.0 / t <= _FLOAT32_MAX for t in temperature))
     threshold = None  # [N, 1]: the smallest kept score so far
     if uses_min_p:  # min_p 0: log 0 = -inf, no floor
         threshold = scores.amax(dim=-1, keepdim=True) + log_min_p
@@ -116,7 +123,7 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
         if max_k <= TOPK_MAX_COLUMNS:  # torch.topk's values (two Triton launches once switched on)
             ranked = topk_values(scores, max_k)
         else:
-            ranked = scores.sort(dim=-1, descending=True).values
+            ranked = _descending_scores(logits, scores, inv_temperature, is_narrow_sortable)
         if isinstance(kth_index, float):
             kth = ranked[:, int(kth_index) : int(kth_index) + 1]
         else:
@@ -128,7 +135,7 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
         return scores, threshold
     if is_sorted_top_p:  # a top-p row without a (small) top-k: the whole row, descending
         in_order = ranked if ranked is not None and ranked.shape[-1] == vocab else (
-            scores.sort(dim=-1, descending=True).values)
+            _descending_scores(logits, scores, inv_temperature, is_narrow_sortable))
         boundary = _top_p_boundary(in_order, threshold, top_p_bound)
         if is_mixed_top_p:
             boundary = torch.where(use_ranked > 0.0, _ranked_top_p_boundary(
@@ -136,6 +143,23 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
     else:
         boundary = _ranked_top_p_boundary(scores, ranked, threshold, top_p_bound)
     return scores, boundary if threshold is None else torch.maximum(threshold, boundary)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _descending_scores(logits: torch.Tensor, scores: torch.Tensor,
+                       inv_temperature: float | torch.Tensor, is_narrow: bool) -> torch.Tensor:
+    """Each row of ``scores = logits.float() * inv_temperature`` in descending order, ``[N, V]``
+    float32. ``is_narrow`` (16-bit ``logits``, ``inv_temperature`` positive and finite in
+    float32): sort the logits, then widen and scale. That gives the same values:
+    ``x -> float(x) * c`` with ``c > 0`` is the same float32 op on the same value wherever ``x``
+    stands, and it is monotone (widening is exact, rounding a product is monotone), so it maps
+    the sorted logits to the sorted scores. Ties (``-0`` against ``0`` among them) compare equal
+    either way. A radix sort then moves 16-bit keys, not 32-bit ones."""
+    if is_narrow:
+        return logits.sort(dim=-1, descending=True).values.float() * inv_temperature
+    return scores.sort(dim=-1, descending=True).values
 
 
 def _top_p_boundary(in_order: torch.Tensor, threshold: torch.Tensor | None,

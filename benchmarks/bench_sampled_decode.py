@@ -21,12 +21,18 @@ and the prefill's first token left out) over the engine's decode wall time. Roun
 shape up and is not kept; then ``--rounds`` timed rounds interleave the modes (their order
 rotating each round) so that drift hits every mode alike, and each cell keeps its best round.
 
+With ``--switch module:attr=value`` (repeatable) every sampled mode is timed again with the
+switch set, in the same rounds, as a column of its own (``seeded (sort_narrow_keys=True)``):
+an end-to-end A/B of a sampler option against the defaults and greedy of the same run.
+
 The claim is the ratios within one run (sampled mode over greedy of the same row), not the
 absolute rates (dummy weights, one host's clocks).
 
     python benchmarks/bench_sampled_decode.py                                     # H200
     python benchmarks/bench_sampled_decode.py --device cpu --layers 2 --hidden 256 \
         --context 32 --new-tokens 5 --batches 1,2 --rounds 1                    # CPU wiring check
+    python benchmarks/bench_sampled_decode.py --modes seeded --batches 64 \
+        --switch laguna_dflash.engine.sampler:sort_narrow_keys=True              # an A/B
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import add_xs_pair_args, sync, xs_pair_llm
+from bench_gpu_xs import add_xs_pair_args, parse_switch, sync, xs_pair_llm
+from host_timeline import switched
 
 from laguna_dflash import LLM, SamplingParams
 
@@ -98,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=3, help="draft tokens a step of the DFlash rows")
     ap.add_argument("--sim-length", type=float, default=4.0,
                     help="simulated acceptance length L of the DFlash rows (1 <= L <= K + 1)")
+    ap.add_argument("--switch", action="append", default=[], metavar="MODULE:ATTR=VALUE",
+                    help="time every sampled mode again with this set, as its own column "
+                         "(repeatable; e.g. laguna_dflash.engine.sampler:sort_narrow_keys=True)")
     ap.add_argument("--progress", action="store_true",
                     help="print each cell as it is timed (a run cut short keeps them)")
     add_xs_pair_args(ap, new_tokens=128, rounds=2, new_tokens_help="tokens a request a timed run")
@@ -113,7 +123,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"argument --new-tokens: must be >= 2 (the first token is the prefill's), got {args.new_tokens}")
     if args.context < 1:
         ap.error(f"argument --context: must be >= 1, got {args.context}")
+    for text in args.switch:  # parsed and imported now, not after the pair is built
+        try:
+            obj, name, _ = parse_switch(text)
+            getattr(obj, name)
+        except (ValueError, ImportError, AttributeError) as e:
+            ap.error(f"argument --switch: {text!r}: {e}; use module:attr=value, e.g. "
+                     "laguna_dflash.engine.sampler:sort_narrow_keys=True")
     return args
+
+
+def columns_of(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """The timed cells of a row, in table order: (label, mode, switch or None); greedy first,
+    then each sampled mode, then each switch's sampled modes."""
+    sampled = [m for m in args.modes if m != "greedy"]
+    return ([(m, m, None) for m in args.modes]
+            + [(f"{m} ({s.split(':', 1)[-1]})", m, s) for s in args.switch for m in sampled])
 
 
 def rows_of(args: argparse.Namespace) -> list[str]:
@@ -122,7 +147,7 @@ def rows_of(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[tuple[int, str, str], float]:
     """Time every (batch, row, mode) cell -> its best tokens/s over the timed rounds."""
-    batches, modes, rows = args.batches, args.modes, rows_of(args)
+    batches, columns, rows = args.batches, columns_of(args), rows_of(args)
     best: dict[tuple[int, str, str], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         span = args.context + args.new_tokens + 2 * args.k + 16
@@ -137,21 +162,22 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str, str], float]:
         try:
             for rnd in range(args.rounds + 1):  # round 0 warms every shape up, not kept
                 t_round = time.perf_counter()
-                order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
+                order = columns[rnd % len(columns):] + columns[: rnd % len(columns)]
                 for b in batches:
                     for row in rows:
                         dflash = row != "target-only"
                         # target-only on the same weights: the drafter detached (bench_gpu_xs.py)
                         engine.proposer, engine.tap_layer_ids = (proposer, taps) if dflash else (None, ())
                         engine.simulated_acceptance = args.sim_length if dflash else None
-                        for mode in order:
+                        for label, mode, switch in order:
                             engine._sim_carry = 0.0
-                            rate = decode_rate(llm, prompts[:b], mode_params(mode, b, args.new_tokens))
+                            with switched([switch] if switch else []):
+                                rate = decode_rate(llm, prompts[:b], mode_params(mode, b, args.new_tokens))
                             if rnd:
-                                best[b, row, mode] = max(rate, best.get((b, row, mode), 0.0))
+                                best[b, row, label] = max(rate, best.get((b, row, label), 0.0))
                             if args.progress:
                                 print(f"(round {rnd}{' warm-up' if not rnd else ''}: batch {b}, {row}, "
-                                      f"{mode}: {rate:.1f} tok/s)", flush=True)
+                                      f"{label}: {rate:.1f} tok/s)", flush=True)
                 print(f"(round {rnd}{' (warm-up, not kept)' if not rnd else ''} done in "
                       f"{time.perf_counter() - t_round:.1f}s)", flush=True)
         finally:
@@ -163,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str, str], float]:
 def format_table(args: argparse.Namespace, best: dict[tuple[int, str, str], float]) -> str:
     """The markdown table: a row per batch x engine setup, greedy tok/s then each sampled mode's
     tok/s (x greedy of the same row)."""
-    sampled = [m for m in args.modes if m != "greedy"]
+    sampled = [label for label, mode, _ in columns_of(args) if mode != "greedy"]
     lines = ["| batch | decode | greedy tok/s | " + " | ".join(f"{m} tok/s (x greedy)" for m in sampled) + " |",
              "|---:|---|---:|" + "---:|" * len(sampled)]
     for b in args.batches:

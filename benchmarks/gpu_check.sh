@@ -121,9 +121,11 @@
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
 #   bash benchmarks/gpu_check.sh pass34     # the thirty-fourth pass's open ends: the 40-layer batch-1
 #                                           # decode profile (its runs aborted), the same with every
-#                                           # Triton kernel built by triton's ptxas and by torch's,
-#                                           # top-p's sort over bf16 keys: test, A/B (~7 min);
-#                                           # then all-tests (now expected green) in its own call
+#                                           # Triton kernel built by triton's ptxas and by torch's
+#                                           # (~5 min); then all-tests (now expected green)
+#   bash benchmarks/gpu_check.sh narrow-sort  # top-p's row sort over bf16 keys (sort_narrow_keys):
+#                                           # its CUDA test, sample_rows A/B, seeded decode A/B at
+#                                           # batch 1 and 64 (~7 min)
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
 #                                           # each case again with the chunked row scans off,
 #                                           # then with the top-k values kernel off);
@@ -492,10 +494,17 @@ case "$stage" in
         --top 6 >"${OUT:-/tmp}/decode_$v.log" 2>&1
       echo "exit $?"; grep -E "^\| [0-9]|kernels per|^\| \`" "${OUT:-/tmp}/decode_$v.log" | head -10
     done
-    echo "-- top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test, then timed"
+    ;;
+  narrow-sort)
+    echo "== top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test"
     gpu_tests 100 tests/test_engine_units.py -k "narrow and cuda" | tail -5
+    echo "== sample_rows' device time, the switch off and on"
     timeout 120 python benchmarks/profile_sampler.py --top 3 --modes greedy,top-p \
-      --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time" ;;
+      --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"
+    echo "== seeded (top-p without a top-k) decode tokens/s, the switch off and on, same rounds"
+    timeout 300 python benchmarks/bench_sampled_decode.py --modes seeded --batches 1,64 --rounds 2 \
+      --new-tokens 64 --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet \
+      | grep -E "^\||rror" ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
     timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=False --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"

@@ -59,3 +59,32 @@ def test_a_bad_value_names_the_flag(capsys, flags, named) -> None:
     assert f"argument {named}" in err
     if named == "--modes":
         assert "'nucleus'" in err and "greedy, temp, top-p, seeded" in err
+
+
+def test_a_switch_times_each_sampled_mode_again_with_it_set(capsys, monkeypatch) -> None:
+    # --switch: each sampled mode gets a column of its own, timed with the switch set (and only
+    # then: greedy and the plain columns run with the default), restored after the run
+    import laguna_dflash.engine.sampler as sampler
+    seen = []
+    real = bench_sampled_decode.decode_rate
+
+    def spy(llm, prompts, params):
+        seen.append((params[0].is_greedy, params[0].seed is not None, sampler.sort_narrow_keys))
+        return real(llm, prompts, params)
+
+    monkeypatch.setattr(bench_sampled_decode, "decode_rate", spy)
+    bench_sampled_decode.main(ARGS + ["--batches", "1", "--modes", "seeded",
+                                      "--switch", "laguna_dflash.engine.sampler:sort_narrow_keys=True"])
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| batch"))
+    assert [c.strip() for c in header.strip("|").split("|")][2:] == [
+        "greedy tok/s", "seeded tok/s (x greedy)", "seeded (sort_narrow_keys=True) tok/s (x greedy)"]
+    # two rounds (warm-up and one timed) x two setups x three columns; the switch only in its own
+    assert sorted(set(seen)) == [(False, True, False), (False, True, True), (True, False, False)]
+    assert len(seen) == 12 and sum(on for *_, on in seen) == 4
+    assert sampler.sort_narrow_keys is False
+
+
+def test_a_bad_switch_names_the_flag(capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench_sampled_decode.parse_args(ARGS + ["--switch", "laguna_dflash.engine.sampler:no_such=1"])
+    assert "argument --switch" in capsys.readouterr().err

@@ -493,6 +493,7 @@ case "$stage" in
       TRITON_PTXAS_PATH=$p TRITON_CACHE_DIR=/tmp/tc_$v timeout 150 python benchmarks/profile_decode_xs.py \
         --top 6 >"${OUT:-/tmp}/decode_$v.log" 2>&1
       echo "exit $?"; grep -E "^\| [0-9]|kernels per|^\| \`" "${OUT:-/tmp}/decode_$v.log" | head -10
+      grep -iE "error|exception|Traceback" "${OUT:-/tmp}/decode_$v.log" | grep -vi warn | head -4
     done
     ;;
   narrow-sort)

@@ -125,7 +125,8 @@
 #                                           # (~5 min); then all-tests (now expected green)
 #   bash benchmarks/gpu_check.sh narrow-sort  # top-p's row sort over bf16 keys (sort_narrow_keys):
 #                                           # its CUDA test, sample_rows A/B, seeded decode A/B at
-#                                           # batch 1 and 64 (~7 min)
+#                                           # batch 1 and 64; the sampling kernels built at
+#                                           # start-up (sampler.build_ahead) test (~8 min)
 #   bash benchmarks/gpu_check.sh sampling   # sample_rows' device time by mode (profile_sampler.py;
 #                                           # each case again with the chunked row scans off,
 #                                           # then with the top-k values kernel off);
@@ -497,8 +498,9 @@ case "$stage" in
     done
     ;;
   narrow-sort)
-    echo "== top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test"
-    gpu_tests 100 tests/test_engine_units.py -k "narrow and cuda" | tail -5
+    echo "== top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test;"
+    echo "   the first sampled requests after start-up build no Triton kernel (sampler.build_ahead)"
+    gpu_tests 200 tests/test_engine_units.py tests/test_cuda_graphs.py -k "narrow and cuda or first_sampled" | tail -8
     echo "== sample_rows' device time, the switch off and on"
     timeout 120 python benchmarks/profile_sampler.py --top 3 --modes greedy,top-p \
       --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"

@@ -607,6 +607,39 @@ def test_fresh_float32_engine_builds_its_first_forward_ahead(pair):
 
 
 @needs_cuda
+@pytest.mark.parametrize("use_draft", [False, True])
+def test_first_sampled_requests_build_no_triton_kernel_on_cuda(pair, monkeypatch, use_draft):
+    """Start-up builds what a sampled step launches and a greedy one does not
+    (``sampler.build_ahead``: the race's float32 argmax, the top-k values kernels): after a
+    greedy request, the same prompt sampled with temperature, top-k, top-k + top-p, seeded
+    top-p, min-p and a top-k near the vocabulary (64) finds every Triton kernel built. Every
+    variant of the process is forgotten before start-up, so that the check can fail."""
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    target, draft = pair
+    for obj in gc.get_objects():  # in-memory variants only (as in the test below)
+        if issubclass(type(obj), JITFunction):
+            obj.device_caches.clear()
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1) if use_draft else {}
+    llm = LLM(target, device="cuda", dtype="bfloat16", max_num_seqs=2, **kw)
+    prompt = _prompts(3, seed=4)[2:]
+    llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True))
+    built = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
+                        lambda **kw_: built.append(kw_["repr"][:160]) and False)
+    for params in (dict(temperature=0.7), dict(temperature=0.7, top_k=20),
+                   dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=0.7, top_p=0.9, seed=3),
+                   dict(temperature=1.0, min_p=0.1), dict(temperature=0.7, top_k=60)):
+        llm.generate(prompt_token_ids=prompt,
+                     sampling_params=SamplingParams(**params, max_tokens=12, ignore_eos=True))
+    assert not built, built
+
+
+@needs_cuda
 def test_first_use_captures_build_their_kernels_ahead_on_cuda(pair, monkeypatch):
     """A capture made on first use (lazy capture; the warm-up's batch-1 graphs) first builds the
     Triton kernels of its one forward in parallel (cuda_graph.build_kernels_ahead): the

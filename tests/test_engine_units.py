@@ -886,3 +886,10 @@ def test_tiny_temperatures_are_greedy_and_no_rows_is_no_probs():
     p = SamplingParams(temperature=1e-39)
     assert p.is_greedy and sample_rows(logits, [p]).tolist() == [1]
     assert filtered_probs(torch.zeros(0, 7), 0.7, 3, 0.9).shape == (0, 7)
+
+
+def test_sampling_build_ahead_is_cuda_only(monkeypatch):
+    # the sampled step's kernels are built ahead on CUDA only: elsewhere nothing is launched
+    import laguna_dflash.engine.sampler as sampler
+    monkeypatch.setattr(sampler, "launches_build_only", lambda *a, **kw: pytest.fail("built on the CPU"))
+    assert sampler.build_ahead(1000, torch.device("cpu")) == 0

@@ -130,6 +130,27 @@ def test_other_inputs_go_to_torch(monkeypatch):
     check(x, 20)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("v, max_k", [(100352, 1024), (100352, 20), (200, 1024), (5000, 1024), (3, 1024)])
+def test_build_ahead_ks_reach_every_variant(v, max_k):
+    # every k the sampler can launch the kernels with (k <= max_k, a chunk exists) shares its
+    # K_PAD and Triton's own specialisation of the integer k (the oracle: triton's
+    # native_specialize_impl) with one of build_ahead_ks, and the list holds one k per pair
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    def variant(k: int) -> tuple:
+        return max(2, tv._next_pow2(k)), native_specialize_impl(BaseBackend, k, False, True, True)
+
+    ks = tv.build_ahead_ks(v, max_k)
+    launched = [k for k in range(1, min(v, max_k) + 1) if tv.chunk_for(v, k) is not None]
+    assert set(ks) <= set(launched)
+    assert {variant(k) for k in launched} == {variant(k) for k in ks}
+    assert len({variant(k) for k in ks}) == len(ks)
+    if (v, max_k) == (100352, 1024):  # eight K_PAD buckets up to 256; k = 1 and the multiples of 16 apart
+        assert ks == [1, 2, 3, 5, 9, 16, 17, 32, 33, 48, 65, 80, 129, 144]
+
+
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("k_pad", [32, 64, 128, 256])
 def test_sm90_builds_without_spills(k_pad):

@@ -17,7 +17,7 @@ from ..kernels.counter_noise import counter_exponential
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
-from . import cuda_graph
+from . import cuda_graph, sampler
 from .adaptive_k import AdaptiveK
 from .ahead import DraftsAhead, ForwardAhead
 from .attention import get_attention_backend, resolve_backend_name
@@ -234,6 +234,9 @@ class LLMEngine:
         # the seeded requests' noise kernel (engine/sampler.py): built now, not by the first one
         no_seed = torch.zeros(1, dtype=torch.int64, device=self.device)
         counter_exponential(no_seed, no_seed, self.target.spec.vocab_size, self.device)
+        # and the other kernels a sampled step launches (the race's argmax, top-k values)
+        num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)
+        logger.debug("built %d sampling kernel variants ahead", num_built)
         # half precision only: float32 engines serve parity checks and tests, where start-up
         # time counts more than a first long prompt's (their MoE prefills past 256 pairs take
         # the sorted kernels since 2026-12-02: the fused ones' builds there ran for minutes)

@@ -27,7 +27,8 @@ import torch
 from ..config import SamplingParams
 from ..kernels.argmax import argmax_rows
 from ..kernels.counter_noise import counter_exponential, seed_key
-from ..kernels.topk_values import topk_values
+from ..kernels.precompile import launches_build_only
+from ..kernels.topk_values import build_ahead_ks, topk_values
 from .runner import to_device_async
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
@@ -236,6 +237,23 @@ def _ranked_top_p_boundary(scores: torch.Tensor, ranked: torch.Tensor, threshold
                                       value=float("-inf"))
     num_outside = (_row_counts(scores >= threshold) - (columns >= threshold).sum(-1, keepdim=True)).float()
     return _top_p_boundary(columns, threshold, top_p_bound, num_outside)
+
+
+def build_ahead(num_cols: int, device: torch.device) -> int:
+    """Build the Triton kernels that sampled rows of ``num_cols`` columns launch and greedy rows
+    do not, so that the first sampled request does not wait for them (a Triton build takes
+    about a second): the race's argmax over float32 scores (greedy's runs on the logits' dtype)
+    and the top-k values kernels of every ``k <= TOPK_MAX_COLUMNS`` (:func:`build_ahead_ks`).
+    On a thread pool (:func:`kernels.precompile.launches_build_only`); CUDA only. -> the
+    variants submitted (0 when all were built or loaded already)."""
+    if device.type != "cuda":
+        return 0
+    rows = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
+    with launches_build_only() as builds:
+        argmax_rows(rows)
+        for k in build_ahead_ks(num_cols, TOPK_MAX_COLUMNS):
+            topk_values(rows, k)
+    return builds.num_submitted
 
 
 def per_row_parameters(device: torch.device,

@@ -38,7 +38,7 @@ from .jit import jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["MAX_MERGE", "can_use", "chunk_for", "topk_values"]
+__all__ = ["MAX_MERGE", "build_ahead_ks", "can_use", "chunk_for", "topk_values"]
 
 # The A/B switch (benchmarks/profile_sampler.py --switch
 # laguna_dflash.kernels.topk_values:USE_KERNEL=False): False gives the sampler torch.topk. On since
@@ -109,6 +109,20 @@ def can_use(x: torch.Tensor, k: int) -> bool:
             and x.dtype == torch.float32 and x.stride(1) == 1
             and chunk_for(x.shape[1], k) is not None
             and not (x.requires_grad and torch.is_grad_enabled()) and triton_can_run(x.device))
+
+
+def build_ahead_ks(num_cols: int, max_k: int) -> list[int]:
+    """The ``k`` whose launches over rows of ``num_cols`` build every variant :func:`topk_values`
+    launches for ``k <= max_k``: one ``k`` per pair of ``K_PAD`` (the constexpr) and Triton's
+    specialisation of the integer ``k`` (1; a multiple of 16; any other). The chunk follows
+    from ``K_PAD`` and ``num_cols``; the other integer arguments do not depend on ``k``."""
+    first: dict[tuple[int, str], int] = {}
+    for k in range(1, min(num_cols, max_k) + 1):
+        if chunk_for(num_cols, k) is None:
+            continue
+        spec = "1" if k == 1 else "D" if k % 16 == 0 else ""
+        first.setdefault((max(2, _next_pow2(k)), spec), k)
+    return sorted(first.values())
 
 
 def topk_values(x: torch.Tensor, k: int) -> torch.Tensor:

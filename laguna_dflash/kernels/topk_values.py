@@ -115,7 +115,8 @@ def build_ahead_ks(num_cols: int, max_k: int) -> list[int]:
     """The ``k`` whose launches over rows of ``num_cols`` build every variant :func:`topk_values`
     launches for ``k <= max_k``: one ``k`` per pair of ``K_PAD`` (the constexpr) and Triton's
     specialisation of the integer ``k`` (1; a multiple of 16; any other). The chunk follows
-    from ``K_PAD`` and ``num_cols``; the other integer arguments do not depend on ``k``."""
+    from ``K_PAD`` and ``num_cols``; of the other integer arguments, the merge's candidate count
+    depends on ``k`` through ``K_PAD`` only, and its output's row stride is ``k`` itself."""
     first: dict[tuple[int, str], int] = {}
     for k in range(1, min(num_cols, max_k) + 1):
         if chunk_for(num_cols, k) is None:

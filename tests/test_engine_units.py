@@ -893,3 +893,21 @@ def test_sampling_build_ahead_is_cuda_only(monkeypatch):
     import laguna_dflash.engine.sampler as sampler
     monkeypatch.setattr(sampler, "launches_build_only", lambda *a, **kw: pytest.fail("built on the CPU"))
     assert sampler.build_ahead(1000, torch.device("cpu")) == 0
+
+
+def test_sampling_build_ahead_failing_is_logged_not_raised(monkeypatch, caplog):
+    # a failed build pass only costs the first sampled request its builds: start-up goes on
+    import contextlib
+
+    import laguna_dflash.engine.sampler as sampler
+
+    @contextlib.contextmanager
+    def failing(*a, **kw):
+        raise RuntimeError("no build pool")
+        yield
+
+    monkeypatch.setattr(sampler, "launches_build_only", failing)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: None)  # no CUDA here: nothing is allocated
+    with caplog.at_level("WARNING", logger="laguna_dflash.engine.sampler"):
+        assert sampler.build_ahead(1000, torch.device("cuda")) == 0
+    assert "building the sampling kernels ahead failed" in caplog.text and "no build pool" in caplog.text

@@ -19,6 +19,7 @@ preemption.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -30,6 +31,8 @@ from ..kernels.counter_noise import counter_exponential, seed_key
 from ..kernels.precompile import launches_build_only
 from ..kernels.topk_values import build_ahead_ks, topk_values
 from .runner import to_device_async
+
+logger = logging.getLogger(__name__)
 
 # top-k thresholds come from ``torch.topk`` up to this many columns, from a full sort above
 TOPK_MAX_COLUMNS = 1024
@@ -244,15 +247,21 @@ def build_ahead(num_cols: int, device: torch.device) -> int:
     do not, so that the first sampled request does not wait for them (a Triton build takes
     about a second): the race's argmax over float32 scores (greedy's runs on the logits' dtype)
     and the top-k values kernels of every ``k <= TOPK_MAX_COLUMNS`` (:func:`build_ahead_ks`).
-    On a thread pool (:func:`kernels.precompile.launches_build_only`); CUDA only. -> the
+    On a thread pool (:func:`kernels.precompile.launches_build_only`); CUDA only. Only a
+    speed-up: an error is logged, and the first sampled request builds what is missing. -> the
     variants submitted (0 when all were built or loaded already)."""
     if device.type != "cuda":
         return 0
     rows = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
-    with launches_build_only() as builds:
-        argmax_rows(rows)
-        for k in build_ahead_ks(num_cols, TOPK_MAX_COLUMNS):
-            topk_values(rows, k)
+    try:
+        with launches_build_only() as builds:
+            argmax_rows(rows)
+            for k in build_ahead_ks(num_cols, TOPK_MAX_COLUMNS):
+                topk_values(rows, k)
+    except Exception as e:  # noqa: BLE001 - only a speed-up: the launches still build
+        logger.warning("building the sampling kernels ahead failed (the first sampled request "
+                       "builds them): %s", e)
+        return 0
     return builds.num_submitted
 
 

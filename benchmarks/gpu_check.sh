@@ -505,7 +505,7 @@ case "$stage" in
     timeout 120 python benchmarks/profile_sampler.py --top 3 --modes greedy,top-p \
       --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"
     echo "== seeded (top-p without a top-k) decode tokens/s, the switch off and on, same rounds"
-    timeout 300 python benchmarks/bench_sampled_decode.py --modes seeded --batches 1,64 --rounds 2 \
+    timeout 240 python benchmarks/bench_sampled_decode.py --modes seeded --batches 1,64 --rounds 1 \
       --new-tokens 64 --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet \
       | grep -E "^\||rror" ;;
   sampling)

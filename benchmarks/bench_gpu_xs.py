@@ -136,6 +136,17 @@ def parse_switch(text: str) -> tuple[object, str, object]:
     return obj, name, json.loads(value.lower() if value in ("True", "False") else value)
 
 
+def switch_error(text: str) -> str | None:
+    """Why ``text`` is not a ``module:attr=value`` switch of an existing attribute (its module
+    imported now, before any timing), or None when it is one."""
+    try:
+        obj, name, _ = parse_switch(text)
+        getattr(obj, name)
+    except (ValueError, ImportError, AttributeError) as e:
+        return f"{text!r}: {e}; use module:attr=value"
+    return None
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()

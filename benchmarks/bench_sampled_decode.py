@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import add_xs_pair_args, parse_switch, sync, xs_pair_llm
+from bench_gpu_xs import add_xs_pair_args, switch_error, sync, xs_pair_llm
 from host_timeline import switched
 
 from laguna_dflash import LLM, SamplingParams
@@ -124,12 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.context < 1:
         ap.error(f"argument --context: must be >= 1, got {args.context}")
     for text in args.switch:  # parsed and imported now, not after the pair is built
-        try:
-            obj, name, _ = parse_switch(text)
-            getattr(obj, name)
-        except (ValueError, ImportError, AttributeError) as e:
-            ap.error(f"argument --switch: {text!r}: {e}; use module:attr=value, e.g. "
-                     "laguna_dflash.engine.sampler:sort_narrow_keys=True")
+        if error := switch_error(text):
+            ap.error(f"argument --switch: {error}, e.g. laguna_dflash.engine.sampler:sort_narrow_keys=True")
     return args
 
 

@@ -26,7 +26,7 @@ import functools
 import statistics
 
 import torch
-from bench_gpu_xs import parse_switch
+from bench_gpu_xs import switch_error
 from host_timeline import switched
 
 from laguna_dflash.config import SamplingParams
@@ -112,11 +112,8 @@ def main() -> None:
                          "again with it set, in the same process (repeatable; one row each)")
     args = ap.parse_args()
     for text in args.switch:  # parsed and imported now, not mid-table
-        try:
-            obj, name, _ = parse_switch(text)
-            getattr(obj, name)
-        except (ValueError, ImportError, AttributeError) as e:
-            raise SystemExit(f"--switch {text}: {e}; use module:attr=value") from e
+        if error := switch_error(text):
+            ap.error(f"argument --switch: {error}")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     modes = args.modes.split(",")

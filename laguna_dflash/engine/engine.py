@@ -13,7 +13,6 @@ from tqdm import tqdm
 from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant
-from ..kernels.counter_noise import counter_exponential
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -231,10 +230,8 @@ class LLMEngine:
             self.add_request([0] * n, params)
             while self.has_unfinished:
                 self.step()
-        # the seeded requests' noise kernel (engine/sampler.py): built now, not by the first one
-        no_seed = torch.zeros(1, dtype=torch.int64, device=self.device)
-        counter_exponential(no_seed, no_seed, self.target.spec.vocab_size, self.device)
-        # and the other kernels a sampled step launches (the race's argmax, top-k values)
+        # the kernels a sampled step launches and greedy ones do not: built now, not by the
+        # first sampled request (seeded noise, the race's argmax, top-k values)
         num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)
         logger.debug("built %d sampling kernel variants ahead", num_built)
         # half precision only: float32 engines serve parity checks and tests, where start-up

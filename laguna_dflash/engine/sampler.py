@@ -244,17 +244,20 @@ def _ranked_top_p_boundary(scores: torch.Tensor, ranked: torch.Tensor, threshold
 
 def build_ahead(num_cols: int, device: torch.device) -> int:
     """Build the Triton kernels that sampled rows of ``num_cols`` columns launch and greedy rows
-    do not, so that the first sampled request does not wait for them (a Triton build takes
-    about a second): the race's argmax over float32 scores (greedy's runs on the logits' dtype)
-    and the top-k values kernels of every ``k <= TOPK_MAX_COLUMNS`` (:func:`build_ahead_ks`).
+    do not, so that the first sampled request does not wait for them (about a second a variant
+    on the H200, by the twenty-fourth pass's start-up numbers): the seeded rows' counter noise,
+    the race's argmax over float32 scores (greedy's runs on the logits' dtype) and the top-k
+    values kernels of every ``k <= TOPK_MAX_COLUMNS`` (:func:`build_ahead_ks`).
     On a thread pool (:func:`kernels.precompile.launches_build_only`); CUDA only. Only a
     speed-up: an error is logged, and the first sampled request builds what is missing. -> the
     variants submitted (0 when all were built or loaded already)."""
     if device.type != "cuda":
         return 0
     rows = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
+    no_seed = torch.zeros(1, dtype=torch.int64, device=device)
     try:
         with launches_build_only() as builds:
+            counter_exponential(no_seed, no_seed, num_cols, device)
             argmax_rows(rows)
             for k in build_ahead_ks(num_cols, TOPK_MAX_COLUMNS):
                 topk_values(rows, k)

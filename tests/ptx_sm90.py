@@ -96,10 +96,10 @@ def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options:
         return compile(src, target=GPUTarget("cuda", 90, 32), options=pinned_options(options)).asm["ptx"]
 
 
-def bundled_ptxas():
-    """Triton's own ptxas (``triton.knobs.NvidiaTool``: ``path``, ``version``), whatever
-    ``TRITON_PTXAS_PATH`` says: the one the engine's kernels are built with by default.
-    ``SM90_CHECK_PTXAS=/path/to/ptxas`` runs the sm_90 checks under another one instead (the
+def checks_ptxas():
+    """The sm_90 checks' ptxas (``triton.knobs.NvidiaTool``: ``path``, ``version``): Triton's
+    bundled one whatever ``TRITON_PTXAS_PATH`` says (the one Triton builds with until something,
+    torch's inductor for one, sets that variable), or ``SM90_CHECK_PTXAS=/path/to/ptxas`` (the
     PTX version and the spill counts both follow it)."""
     import triton
 
@@ -112,7 +112,7 @@ def bundled_ptxas():
 
 
 def pinned_options(options: dict) -> dict:
-    """``options`` with the PTX version of :func:`bundled_ptxas` (unless given).
+    """``options`` with the PTX version of :func:`checks_ptxas` (unless given).
 
     Triton writes the PTX version of the ptxas it will call: ``TRITON_PTXAS_PATH``, else its
     bundled one. Once a process has run torch's inductor, that variable names torch's own ptxas
@@ -126,15 +126,15 @@ def pinned_options(options: dict) -> dict:
     import triton
     from triton.backends.nvidia.compiler import ptx_get_version
 
-    version = min(ptx_get_version(bundled_ptxas().version),
+    version = min(ptx_get_version(checks_ptxas().version),
                   ptx_get_version(triton.knobs.nvidia.ptxas.version))
     return {"ptx_version": version, **options}
 
 
 def ptxas_spills(ptx: str) -> list[int]:
-    """``ptxas -v`` (:func:`bundled_ptxas`) on ``ptx`` for sm_90a: the spill-store bytes of each
+    """``ptxas -v`` (:func:`checks_ptxas`) on ``ptx`` for sm_90a: the spill-store bytes of each
     function."""
-    tool = bundled_ptxas()
+    tool = checks_ptxas()
     with tempfile.TemporaryDirectory() as tmp, sm90_compile_lock():
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:

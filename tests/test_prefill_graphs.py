@@ -230,3 +230,28 @@ def test_prefill_graphs_match_eager_on_cuda(pair):
     prefill_keys = {k[:2] for k in graphed.engine.runner.graphs.graphs if k[1] > BLOCK_SIZE}
     assert {(1, 8), (1, 32), (1, 64), (4, 32)} <= prefill_keys, prefill_keys
     assert not any(k[1] > BLOCK_SIZE for k in eager.engine.runner.graphs.graphs)
+
+
+@pytest.mark.parametrize("use_draft", [False, True])
+def test_padded_prefill_past_max_model_len_matches_eager_on_cpu(pair, use_draft):
+    """A prefill bucket may run past ``max_model_len`` (its padding positions go up to the key
+    capacity): the RoPE tables must cover every position a padded forward computes, or a
+    graphed prefill reads past them (found on the H200: an illegal memory access capturing the
+    2048-token bucket at max_model_len 1280). Here a 280-token prompt pads to 512 positions at
+    max_model_len 300 (the tables' own minimum is 256); the CPU's indexing raises where CUDA
+    reads out of bounds."""
+    target, draft = pair
+    kw = dict(block_size=4, max_num_seqs=2, max_model_len=300, max_prefill_graph_tokens=512)
+    if use_draft:
+        kw.update(draft=draft, num_speculative_tokens=3)
+    plain, padded = LLM(target, **kw), LLM(target, **kw)
+    shapes = _graphed(padded)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = _prompts([280], seed=5)
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = padded.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert (1, 512) in shapes, shapes
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    graphs = padded.engine.runner.graphs
+    assert graphs.max_positions >= 512  # the padding's last position is 511
+    assert all(r.cos.shape[0] >= graphs.max_positions for r in padded.engine.target.rotaries)

@@ -22,7 +22,7 @@ shape up and is not kept; then ``--rounds`` timed rounds interleave the modes (t
 rotating each round) so that drift hits every mode alike, and each cell keeps its best round.
 
 With ``--switch module:attr=value`` (repeatable) every sampled mode is timed again with the
-switch set, in the same rounds, as a column of its own (``seeded (sort_narrow_keys=True)``):
+switch set, in the same rounds, as a column of its own (``seeded (sort_narrow_keys=False)``):
 an end-to-end A/B of a sampler option against the defaults and greedy of the same run.
 
 The claim is the ratios within one run (sampled mode over greedy of the same row), not the
@@ -32,7 +32,7 @@ absolute rates (dummy weights, one host's clocks).
     python benchmarks/bench_sampled_decode.py --device cpu --layers 2 --hidden 256 \
         --context 32 --new-tokens 5 --batches 1,2 --rounds 1                    # CPU wiring check
     python benchmarks/bench_sampled_decode.py --modes seeded --batches 64 \
-        --switch laguna_dflash.engine.sampler:sort_narrow_keys=True              # an A/B
+        --switch laguna_dflash.engine.sampler:sort_narrow_keys=False              # an A/B
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="simulated acceptance length L of the DFlash rows (1 <= L <= K + 1)")
     ap.add_argument("--switch", action="append", default=[], metavar="MODULE:ATTR=VALUE",
                     help="time every sampled mode again with this set, as its own column "
-                         "(repeatable; e.g. laguna_dflash.engine.sampler:sort_narrow_keys=True)")
+                         "(repeatable; e.g. laguna_dflash.engine.sampler:sort_narrow_keys=False)")
     ap.add_argument("--progress", action="store_true",
                     help="print each cell as it is timed (a run cut short keeps them)")
     add_xs_pair_args(ap, new_tokens=128, rounds=2, new_tokens_help="tokens a request a timed run")
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"argument --context: must be >= 1, got {args.context}")
     for text in args.switch:  # parsed and imported now, not after the pair is built
         if error := switch_error(text):
-            ap.error(f"argument --switch: {error}, e.g. laguna_dflash.engine.sampler:sort_narrow_keys=True")
+            ap.error(f"argument --switch: {error}, e.g. laguna_dflash.engine.sampler:sort_narrow_keys=False")
     return args
 
 

@@ -501,16 +501,16 @@ case "$stage" in
     echo "== top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test;"
     echo "   the first sampled requests after start-up build no Triton kernel (sampler.build_ahead)"
     gpu_tests 200 tests/test_engine_units.py tests/test_cuda_graphs.py -k "narrow and cuda or first_sampled" | tail -8
-    echo "== sample_rows' device time, the switch off and on"
+    echo "== sample_rows' device time, the switch on (the default since the thirty-fifth pass) and off"
     timeout 120 python benchmarks/profile_sampler.py --top 3 --modes greedy,top-p \
-      --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"
-    echo "== seeded (top-p without a top-k) decode tokens/s, the switch off and on, same rounds"
+      --switch laguna_dflash.engine.sampler:sort_narrow_keys=False 2>&1 | quiet | grep -E "^\||device time"
+    echo "== seeded (top-p without a top-k) decode tokens/s, the switch on and off, same rounds"
     timeout 240 python benchmarks/bench_sampled_decode.py --modes seeded --batches 1,64 --rounds 1 \
-      --new-tokens 64 --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet \
+      --new-tokens 64 --switch laguna_dflash.engine.sampler:sort_narrow_keys=False 2>&1 | quiet \
       | grep -E "^\||rror" ;;
   sampling)
     echo "== sample_rows' device time by mode (graph replay and profiler; ~40 s)"
-    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=False --switch laguna_dflash.engine.sampler:sort_narrow_keys=True 2>&1 | quiet | grep -E "^\||device time"
+    timeout 150 python benchmarks/profile_sampler.py --top 3 --modes greedy,temp,top-k20,top-k20+top-p,top-p --switch laguna_dflash.engine.sampler:chunk_long_rows=False --switch laguna_dflash.kernels.topk_values:USE_KERNEL=False --switch laguna_dflash.engine.sampler:sort_narrow_keys=False 2>&1 | quiet | grep -E "^\||device time"
     echo "== sample_rows / penalized_rows / logprobs: batched against the per-request loops"
     timeout 150 python benchmarks/bench_sampler.py --iters 8 2>&1 | quiet | grep -E "^\||loop vs"
     echo "== the sampler's CUDA tests, the seeded-noise kernel's and the seeded-sampling CUDA test"

@@ -74,14 +74,14 @@ def test_a_switch_times_each_sampled_mode_again_with_it_set(capsys, monkeypatch)
 
     monkeypatch.setattr(bench_sampled_decode, "decode_rate", spy)
     bench_sampled_decode.main(ARGS + ["--batches", "1", "--modes", "seeded",
-                                      "--switch", "laguna_dflash.engine.sampler:sort_narrow_keys=True"])
+                                      "--switch", "laguna_dflash.engine.sampler:sort_narrow_keys=False"])
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| batch"))
     assert [c.strip() for c in header.strip("|").split("|")][2:] == [
-        "greedy tok/s", "seeded tok/s (x greedy)", "seeded (sort_narrow_keys=True) tok/s (x greedy)"]
+        "greedy tok/s", "seeded tok/s (x greedy)", "seeded (sort_narrow_keys=False) tok/s (x greedy)"]
     # two rounds (warm-up and one timed) x two setups x three columns; the switch only in its own
-    assert sorted(set(seen)) == [(False, True, False), (False, True, True), (True, False, False)]
-    assert len(seen) == 12 and sum(on for *_, on in seen) == 4
-    assert sampler.sort_narrow_keys is False
+    assert sorted(set(seen)) == [(False, True, False), (False, True, True), (True, False, True)]
+    assert len(seen) == 12 and sum(not on for *_, on in seen) == 4
+    assert sampler.sort_narrow_keys is True
 
 
 def test_a_bad_switch_names_the_flag(capsys) -> None:

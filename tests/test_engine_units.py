@@ -714,12 +714,14 @@ def test_sorting_narrow_logits_gives_the_same_scores_and_thresholds(monkeypatch,
     top_p = [0.9, 0.5, 0.95, 0.7, 0.8, 1.0, 0.99, 1.0]
     min_p = [0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0]
     args = (temperature, top_k, top_p, min_p)
+    assert sampler.sort_narrow_keys  # on by default
+    monkeypatch.setattr(sampler, "sort_narrow_keys", False)
     want_scores, want_threshold = filtered_scores(logits, *args)
     sorted_dtypes = []
     real_sort = torch.Tensor.sort
     monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **kw: sorted_dtypes.append(t.dtype) or real_sort(t, *a, **kw))
     filtered_scores(logits, *args)
-    assert sorted_dtypes == [torch.float32]  # the switch is off by default
+    assert sorted_dtypes == [torch.float32]  # the switch off: the float32 sort
     sorted_dtypes.clear()
     monkeypatch.setattr(sampler, "sort_narrow_keys", True)
     scores, threshold = filtered_scores(logits, *args)
@@ -893,6 +895,31 @@ def test_sampling_build_ahead_is_cuda_only(monkeypatch):
     import laguna_dflash.engine.sampler as sampler
     monkeypatch.setattr(sampler, "launches_build_only", lambda *a, **kw: pytest.fail("built on the CPU"))
     assert sampler.build_ahead(1000, torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("num_cols", [64, 70, 100352, 100353])
+def test_noise_build_arguments_reach_every_variant_the_sampler_launches(num_cols):
+    # every counter-noise launch sample_rows can make (S seeded rows after U unseeded ones: the
+    # table's rows and the noise's row offset) has Triton's own specialisation (the oracle:
+    # triton's native_specialize_impl, pointers by 16-byte alignment) of a build-ahead launch;
+    # the CUDA run that found this built the kernel on a first seeded request (one row: its
+    # positions 8 bytes into the table)
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    import laguna_dflash.engine.sampler as sampler
+
+    def variant(seeds, positions, out) -> tuple:
+        return tuple(native_specialize_impl(BaseBackend, a, False, True, True)
+                     for a in (seeds, positions, out, num_cols, out.stride(0)))
+
+    built = {variant(*args) for args in sampler.noise_build_arguments(num_cols, "cpu")}
+    for num_seeded in range(1, 6):
+        for num_unseeded in range(4):
+            table = torch.tensor([[7] * num_seeded, [3] * num_seeded], dtype=torch.int64)
+            noise = torch.empty(num_unseeded + num_seeded, num_cols)
+            assert variant(table[0], table[1], noise[num_unseeded:]) in built, (num_seeded, num_unseeded)
+    assert len(built) == (4 if num_cols % 4 else 2)  # each launch a variant of its own
 
 
 def test_sampling_build_ahead_failing_is_logged_not_raised(monkeypatch, caplog):

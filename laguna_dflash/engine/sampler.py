@@ -42,9 +42,10 @@ ROW_CHUNK = 1024
 # False: one ``cumsum`` / ``sum`` over the whole row (an A/B switch for benchmarks/profile_sampler.py)
 chunk_long_rows = True
 # True: a row sort over 16-bit logits sorts the logits themselves, then scales
-# (:func:`_descending_scores`; the same values, half the key bits). Off until timed on a GPU
-# (benchmarks/profile_sampler.py --switch laguna_dflash.engine.sampler:sort_narrow_keys=True)
-sort_narrow_keys = False
+# (:func:`_descending_scores`; the same values, half the key bits). On the H200, top-p over
+# V = 100352 bf16: 114 -> 102 us at 1 row, 163 -> 146 at 4, 794 -> 684 at 64 (thirty-fifth
+# pass; benchmarks/profile_sampler.py --switch laguna_dflash.engine.sampler:sort_narrow_keys=False)
+sort_narrow_keys = True
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -254,10 +255,10 @@ def build_ahead(num_cols: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     rows = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
-    no_seed = torch.zeros(1, dtype=torch.int64, device=device)
     try:
         with launches_build_only() as builds:
-            counter_exponential(no_seed, no_seed, num_cols, device)
+            for seeds, positions, out in noise_build_arguments(num_cols, device):
+                counter_exponential(seeds, positions, num_cols, device, out=out)
             argmax_rows(rows)
             for k in build_ahead_ks(num_cols, TOPK_MAX_COLUMNS):
                 topk_values(rows, k)
@@ -266,6 +267,22 @@ def build_ahead(num_cols: int, device: torch.device) -> int:
                        "builds them): %s", e)
         return 0
     return builds.num_submitted
+
+
+def noise_build_arguments(num_cols: int, device: torch.device | str
+                          ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(seeds, positions, out)`` for :func:`counter_exponential` launches that build every
+    variant :func:`sample_rows` can launch at ``num_cols`` columns. Triton specialises a
+    pointer on its 16-byte alignment: the sampler's seeds and positions are the rows of one
+    ``[2, S]`` int64 table (the positions aligned only for even ``S``), and its noise rows start
+    after the unseeded rows (aligned for any offset only when ``num_cols % 4 == 0``)."""
+    out = []
+    for num_rows in (1, 2):
+        table = torch.zeros(2, num_rows, dtype=torch.int64, device=device)
+        for first_row in (0, 1) if num_cols % 4 else (0,):
+            noise = torch.empty(first_row + num_rows, num_cols, dtype=torch.float32, device=device)
+            out.append((table[0], table[1], noise[first_row:]))
+    return out
 
 
 def per_row_parameters(device: torch.device,

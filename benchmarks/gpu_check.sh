@@ -6,7 +6,8 @@
 #                                           # wheels in .whl/); full log in $OUT/gpu_all.log
 #   bash benchmarks/gpu_check.sh all-tests-engine  # the engine's test files with CUDA tests
 #                                           # (graphs, XS lossless, spec edge cases, the dflash
-#                                           # reference, units, fusion); $OUT/gpu_all_engine.log
+#                                           # reference, units, fusion, prefill graphs, chunked
+#                                           # prefill, prefix caching); $OUT/gpu_all_engine.log
 #   bash benchmarks/gpu_check.sh batch-invariant  # --batch-invariant: its CUDA tests (bitwise
 #                                           # rows; bf16 tokens alone = batched = DFlash at XS-2.1
 #                                           # widths), then bench_batch_invariant.py (~6 min)
@@ -473,7 +474,8 @@ case "$stage" in
   all-tests-engine)
     every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
       tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
-      tests/test_engine_units.py ;;
+      tests/test_engine_units.py tests/test_prefill_graphs.py tests/test_chunked_prefill.py \
+      tests/test_prefix_caching.py ;;
   pass34)
     echo "== what the thirty-fourth pass left open, in one call (~8 min)"
     # its 40-layer profile_decode_xs.py runs, each with its own TRITON_CACHE_DIR and

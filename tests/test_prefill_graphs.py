@@ -255,3 +255,35 @@ def test_padded_prefill_past_max_model_len_matches_eager_on_cpu(pair, use_draft)
     graphs = padded.engine.runner.graphs
     assert graphs.max_positions >= 512  # the padding's last position is 511
     assert all(r.cos.shape[0] >= graphs.max_positions for r in padded.engine.target.rotaries)
+
+
+def test_drafts_up_to_max_model_len_stay_inside_the_rope_tables_on_cpu(pair):
+    """A DFlash request that runs to ``max_model_len``, its drafter blocks queued ahead (they
+    reach ``P + 2K + 1``): its tokens equal the target-only engine's, and every position either
+    graph runner computed (real and padding) lies inside that model's RoPE tables, which cover
+    the runner's bound."""
+    target, draft = pair
+    kw = dict(block_size=4, max_num_seqs=2, max_model_len=300)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts([270], seed=6)
+    want = LLM(target, **kw).generate(prompt_token_ids=prompts, sampling_params=params)
+    spec = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, **kw)
+    spec.engine.attach_graph_runners()
+    runners = ((spec.engine.runner, spec.engine.target), (spec.engine.proposer.runner, spec.engine.drafter))
+    ends = {id(runner): [] for runner, _ in runners}
+    for runner, _ in runners:
+        graphs, seen = runner.graphs, ends[id(runner)]
+        run_model = graphs._run_model
+
+        def spy(r, q, *args, graphs=graphs, run_model=run_model, seen=seen):
+            seen.append(int(graphs.start_pos[:r].max()) + q)  # one past the last position
+            return run_model(r, q, *args)
+
+        graphs._run_model = spy
+    got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert len(want[0].token_ids) == 30  # stopped by max_model_len
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for runner, model in runners:
+        assert ends[id(runner)], "no forward through the graph runner"
+        table = min(r.cos.shape[0] for r in model.rotaries)
+        assert max(ends[id(runner)]) <= runner.graphs.max_positions <= table

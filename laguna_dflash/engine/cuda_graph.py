@@ -261,11 +261,12 @@ class CUDAGraphRunner:
         self.prefill_batch_sizes = tuple(r for r in self.batch_sizes if r <= MAX_PREFILL_GRAPH_REQUESTS)
         max_r, max_q = self.batch_sizes[-1], max((max_tokens_per_request, *self.prefill_buckets))
         # Bound (exclusive) on every position a forward here computes, padding included: the
-        # RoPE tables must cover it (the engine sizes them from this). A request's q tokens
-        # (real and padding) sit at start_pos.. with start_pos + q <= num_keys <= max_keys, and a
-        # prefill's real tokens end its sequence (seq_len <= max_model_len), so its padding
-        # reaches at most max_model_len - 1 + q_pad - 1; padding requests sit at 0..q-1.
-        self.max_positions = min(self.max_keys, max_model_len + max_q)
+        # RoPE tables must cover it (the engine sizes them from this). Every request's q tokens
+        # (real and padding) sit at start_pos.. with start_pos + q <= num_keys <= max_keys:
+        # can_run, prefill_shape and the captures check it. Not max_model_len + K + 1: a
+        # prefill's padding and a drafter block queued ahead (up to P + 2K + 1) run past that.
+        # At most twice max_model_len + K + 1 positions (a few KB each).
+        self.max_positions = self.max_keys
         # Request state, one row per request: [start_pos, seq_len, block table (max_blocks),
         # token ids (max_q)]. Filled on the host in a reused (pinned on CUDA) buffer and shipped
         # with ONE copy per forward; the views below are what the captured forwards read.

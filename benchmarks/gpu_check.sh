@@ -124,6 +124,8 @@
 #                                           # decode profile (its runs aborted), the same with every
 #                                           # Triton kernel built by triton's ptxas and by torch's
 #                                           # (~5 min); then all-tests (now expected green)
+#   bash benchmarks/gpu_check.sh pass35     # the RoPE tables' fix on 40-layer engines at three
+#                                           # max_model_len values and the drafter block (~6 min)
 #   bash benchmarks/gpu_check.sh narrow-sort  # top-p's row sort over bf16 keys (sort_narrow_keys):
 #                                           # its CUDA test, sample_rows A/B, seeded decode A/B at
 #                                           # batch 1 and 64; the sampling kernels built at
@@ -499,6 +501,19 @@ case "$stage" in
       grep -iE "error|exception|Traceback" "${OUT:-/tmp}/decode_$v.log" | grep -vi warn | head -4
     done
     ;;
+  pass35)
+    echo "== the RoPE tables cover the graph runner's key capacity (79eb441): the prefill-graph CUDA"
+    echo "   test, then 40-layer engines at max_model_len 1280 / 1756 / 4256 (start-up captures every"
+    echo "   prefill bucket, padding past max_model_len) and the drafter block at 1756 (~6 min)"
+    gpu_tests 120 tests/test_prefill_graphs.py | tail -4
+    for ctx in 1024 1500 4000; do
+      echo "-- context $ctx (max_model_len $((ctx + 256)))"
+      timeout 120 python benchmarks/profile_decode_xs.py --top 1 --context $ctx 2>&1 | quiet \
+        | grep -E "^\| [0-9]|rror|illegal" | head -4
+    done
+    echo "-- the drafter block, K = 3, context 1500"
+    timeout 120 python benchmarks/profile_decode_xs.py --top 1 --context 1500 --drafter --k 3 2>&1 \
+      | quiet | grep -E "^\| [0-9]|rror|illegal" | head -4 ;;
   narrow-sort)
     echo "== top-p's row sort over the bf16 logits themselves (sort_narrow_keys): its CUDA test;"
     echo "   the first sampled requests after start-up build no Triton kernel (sampler.build_ahead)"

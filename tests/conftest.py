@@ -1,5 +1,5 @@
-"""Shared test setup: one torch thread (the tiny models thrash with more), fixture paths, and a
-short engine warm-up (below)."""
+"""Shared test setup: one torch thread (the tiny models thrash with more), fixture paths, RoPE
+tables exactly as long as asked for, and a short engine warm-up (below)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,14 @@ def _short_warmup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         from laguna_dflash.engine import engine
 
         monkeypatch.setattr(engine, "WARMUP_PREFILL_LENGTHS", ())
+
+
+@pytest.fixture(autouse=True)
+def _exact_rope_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RoPE tables hold exactly the positions the engine asks for (not at least 256): a forward
+    computing a position past them then fails on the CPU (an index error) instead of reading
+    the table's slack; on CUDA such a read is out of bounds (the thirty-fifth pass's illegal
+    address, which the CPU tests' short tables hid)."""
+    from laguna_dflash.models import rope
+
+    monkeypatch.setattr(rope, "MIN_TABLE_POSITIONS", 1)

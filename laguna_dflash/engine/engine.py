@@ -316,8 +316,9 @@ class LLMEngine:
                                             self.config.max_num_seqs, self.max_model_len,
                                             self.num_speculative_tokens + 1,
                                             self.config.max_prefill_graph_tokens if runner is self.runner else 0)
-            # a padded forward's positions may pass max_model_len (a prefill bucket's padding):
-            # tables short of them are read out of bounds (an illegal address on CUDA)
+            # a graphed forward's positions may pass max_model_len + K + 1 (a prefill bucket's
+            # padding, a drafter block queued ahead): tables short of them are read out of
+            # bounds (an illegal address on CUDA)
             runner.model.prepare_rope(runner.graphs.max_positions, self.device)
         if self.proposer is not None and self.config.graph_context_precompute:
             self.attach_context_graphs()

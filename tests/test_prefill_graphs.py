@@ -232,6 +232,21 @@ def test_prefill_graphs_match_eager_on_cuda(pair):
     assert not any(k[1] > BLOCK_SIZE for k in eager.engine.runner.graphs.graphs)
 
 
+def test_graphed_forwards_stay_below_max_positions():
+    # max_positions (what the RoPE tables cover): max_model_len + the largest of a prefill
+    # bucket and 2 (K + 1) (a drafter block queued ahead), at most the key capacity; a forward
+    # that would compute a position at or past it is refused (it runs eagerly)
+    runner = _runner(64, max_model_len=300)  # K + 1 = 4, buckets up to 64, 512 keys
+    assert runner.max_positions == 300 + 64
+    assert _runner(0, max_model_len=300).max_positions == 300 + 2 * 4
+    assert _runner(512, max_model_len=300).max_positions == 512  # the key capacity
+    table = list(range(100))
+    assert runner.can_run([ForwardItem(4, 360, 364, table)], 4)
+    assert not runner.can_run([ForwardItem(4, 361, 365, table)], 4)
+    assert runner.prefill_shape([ForwardItem(40, 300, 340, table)], 40) == (1, 64)  # ends at 364
+    assert runner.prefill_shape([ForwardItem(40, 301, 341, table)], 40) is None
+
+
 @pytest.mark.parametrize("use_draft", [False, True])
 def test_padded_prefill_past_max_model_len_matches_eager_on_cpu(pair, use_draft):
     """A prefill bucket may run past ``max_model_len`` (its padding positions go up to the key

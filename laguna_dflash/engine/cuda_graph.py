@@ -261,12 +261,15 @@ class CUDAGraphRunner:
         self.prefill_batch_sizes = tuple(r for r in self.batch_sizes if r <= MAX_PREFILL_GRAPH_REQUESTS)
         max_r, max_q = self.batch_sizes[-1], max((max_tokens_per_request, *self.prefill_buckets))
         # Bound (exclusive) on every position a forward here computes, padding included: the
-        # RoPE tables must cover it (the engine sizes them from this). Every request's q tokens
-        # (real and padding) sit at start_pos.. with start_pos + q <= num_keys <= max_keys:
-        # can_run, prefill_shape and the captures check it. Not max_model_len + K + 1: a
-        # prefill's padding and a drafter block queued ahead (up to P + 2K + 1) run past that.
-        # At most twice max_model_len + K + 1 positions (a few KB each).
-        self.max_positions = self.max_keys
+        # RoPE tables must cover it (the engine grows them to it). can_run and prefill_shape
+        # refuse a forward past it (it runs eagerly) and a capture computes positions < q, so
+        # it holds whatever the callers do. Sized so that none is refused: a prefill's real
+        # tokens end its sequence (< max_model_len), so its padding ends below max_model_len +
+        # q_pad; a verify ends at P + K + 1 and a drafter block queued ahead at P + 2K + 2
+        # (engine/spec_decode.py), P < max_model_len. The engine's own tables, max_model_len +
+        # K + 1 positions, are too short for the first and the last.
+        self.max_positions = min(self.max_keys,
+                                 max_model_len + max(max_q, 2 * max_tokens_per_request))
         # Request state, one row per request: [start_pos, seq_len, block table (max_blocks),
         # token ids (max_q)]. Filled on the host in a reused (pinned on CUDA) buffer and shipped
         # with ONE copy per forward; the views below are what the captured forwards read.
@@ -388,14 +391,14 @@ class CUDAGraphRunner:
             q <= self.max_tokens_per_request
             and num_input_ids == q * len(items)
             and all(it.num_tokens == q and it.start_pos + q == it.seq_len for it in items)
-            and max(it.seq_len for it in items) <= self.max_keys
+            and max(it.seq_len for it in items) <= self.max_positions
         )
 
     def prefill_shape(self, items: list, num_input_ids: int) -> tuple[int, int] | None:
         """``(R_pad, q_pad)`` of the graph that replays a prefill forward of ``items`` (any
         token counts, each request's tokens ending its sequence), or None (eager): more than
         :data:`MAX_PREFILL_GRAPH_REQUESTS` requests, ``R_pad * q_pad`` past
-        ``max_prefill_tokens``, or padding past the key capacity."""
+        ``max_prefill_tokens``, or padding past :attr:`max_positions`."""
         if not self.prefill_buckets or not items or len(items) > MAX_PREFILL_GRAPH_REQUESTS:
             return None
         longest = max(it.num_tokens for it in items)
@@ -405,7 +408,7 @@ class CUDAGraphRunner:
             return None
         if (num_input_ids != sum(it.num_tokens for it in items)
                 or any(it.start_pos + it.num_tokens != it.seq_len for it in items)
-                or max(it.start_pos for it in items) + q_pad > self.max_keys):
+                or max(it.start_pos for it in items) + q_pad > self.max_positions):
             return None
         return r_pad, q_pad
 

@@ -502,7 +502,7 @@ case "$stage" in
     done
     ;;
   pass35)
-    echo "== the RoPE tables cover the graph runner's key capacity (79eb441): the prefill-graph CUDA"
+    echo "== the RoPE tables cover CUDAGraphRunner.max_positions (b341a79): the prefill-graph CUDA"
     echo "   test, then 40-layer engines at max_model_len 1280 / 1756 / 4256 (start-up captures every"
     echo "   prefill bucket, padding past max_model_len) and the drafter block at 1756 (~6 min)"
     gpu_tests 120 tests/test_prefill_graphs.py | tail -4

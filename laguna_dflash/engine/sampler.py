@@ -116,19 +116,16 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
         [p if p < 1.0 else float("inf") for p in top_p] if uses_top_p else None,
         [float(r) for r in ranked_top_p] if is_mixed_top_p else None)
     scores = logits.float() * inv_temperature
-    # every 1 / T positive and finite in float32: a row sort may then sort 16-bit logits
-    is_narrow_sortable = (sort_narrow_keys and logits.dtype in (torch.bfloat16, torch.float16)
-                          and all(0.0 < 1.0 / t <= _FLOAT32_MAX for t in temperature))
     threshold = None  # [N, 1]: the smallest kept score so far
     if uses_min_p:  # min_p 0: log 0 = -inf, no floor
         threshold = scores.amax(dim=-1, keepdim=True) + log_min_p
     ranked = None  # [N, >= max k] descending: the top-k's values, or the sorted row
     if uses_top_k:
         max_k = max(ks)
-        if max_k <= TOPK_MAX_COLUMNS:  # torch.topk's values (two Triton launches once switched on)
+        if max_k <= TOPK_MAX_COLUMNS:  # torch.topk's values (kernels/topk_values.py: two launches)
             ranked = topk_values(scores, max_k)
         else:
-            ranked = _descending_scores(logits, scores, inv_temperature, is_narrow_sortable)
+            ranked = _descending_scores(logits, scores, inv_temperature, temperature)
         if isinstance(kth_index, float):
             kth = ranked[:, int(kth_index) : int(kth_index) + 1]
         else:
@@ -140,7 +137,7 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
         return scores, threshold
     if is_sorted_top_p:  # a top-p row without a (small) top-k: the whole row, descending
         in_order = ranked if ranked is not None and ranked.shape[-1] == vocab else (
-            _descending_scores(logits, scores, inv_temperature, is_narrow_sortable))
+            _descending_scores(logits, scores, inv_temperature, temperature))
         boundary = _top_p_boundary(in_order, threshold, top_p_bound)
         if is_mixed_top_p:
             boundary = torch.where(use_ranked > 0.0, _ranked_top_p_boundary(
@@ -154,15 +151,18 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _descending_scores(logits: torch.Tensor, scores: torch.Tensor,
-                       inv_temperature: float | torch.Tensor, is_narrow: bool) -> torch.Tensor:
-    """Each row of ``scores = logits.float() * inv_temperature`` in descending order, ``[N, V]``
-    float32. ``is_narrow`` (16-bit ``logits``, ``inv_temperature`` positive and finite in
-    float32): sort the logits, then widen and scale. That gives the same values:
+                       inv_temperature: float | torch.Tensor,
+                       temperature: Sequence[float]) -> torch.Tensor:
+    """Each row of ``scores = logits.float() * inv_temperature`` (``1 / temperature``) in
+    descending order, ``[N, V]`` float32. With :data:`sort_narrow_keys`, 16-bit ``logits`` and
+    every ``1 / T`` positive and finite in float32 (checked here, only when a row sorts): sort
+    the logits, then widen and scale. That gives the same values:
     ``x -> float(x) * c`` with ``c > 0`` is the same float32 op on the same value wherever ``x``
     stands, and it is monotone (widening is exact, rounding a product is monotone), so it maps
     the sorted logits to the sorted scores. Ties (``-0`` against ``0`` among them) compare equal
     either way. A radix sort then moves 16-bit keys, not 32-bit ones."""
-    if is_narrow:
+    if (sort_narrow_keys and logits.dtype in (torch.bfloat16, torch.float16)
+            and all(0.0 < 1.0 / t <= _FLOAT32_MAX for t in temperature)):
         return logits.sort(dim=-1, descending=True).values.float() * inv_temperature
     return scores.sort(dim=-1, descending=True).values
 

@@ -124,6 +124,8 @@
 #                                           # decode profile (its runs aborted), the same with every
 #                                           # Triton kernel built by triton's ptxas and by torch's
 #                                           # (~5 min); then all-tests (now expected green)
+#   bash benchmarks/gpu_check.sh pass36     # adaptive K's draft levels captured at start-up (CUDA
+#                                           # tests), the server: adaptive K, prefix caching off (~7 min)
 #   bash benchmarks/gpu_check.sh pass35     # the RoPE tables' fix on 40-layer engines at three
 #                                           # max_model_len values and the drafter block (~6 min)
 #   bash benchmarks/gpu_check.sh narrow-sort  # top-p's row sort over bf16 keys (sort_narrow_keys):
@@ -501,6 +503,15 @@ case "$stage" in
       grep -iE "error|exception|Traceback" "${OUT:-/tmp}/decode_$v.log" | grep -vi warn | head -4
     done
     ;;
+  pass36)
+    echo "== adaptive K's levels captured at start-up: the CUDA start-up tests, then the server at"
+    echo "   XS-2.1 size: target-only, adaptive K, target-only without prefix caching (~7 min)"
+    gpu_tests 150 tests/test_cuda_graphs.py -k "startup_capture_leaves or warmup" | tail -8
+    if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
+      python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
+    fi
+    timeout 420 python benchmarks/serve_smoke_xs.py --modes adaptive,target-only-no-prefix-caching \
+      --log-dir "${OUT:-/tmp}/serve-logs" 2>&1 | quiet | tail -20 ;;
   pass35)
     echo "== the RoPE tables cover CUDAGraphRunner.max_positions (b341a79): the prefill-graph CUDA"
     echo "   test, then 40-layer engines at max_model_len 1280 / 1756 / 4256 (start-up captures every"

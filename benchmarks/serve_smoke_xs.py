@@ -5,10 +5,12 @@
 
 Writes the XS-2.1-shaped target and drafter ``config.json`` (``bench_gpu_xs.write_xs_configs``),
 then runs ``python -m laguna_dflash serve --load-format dummy`` twice as a subprocess: with the
-DFlash drafter and without it (``--adaptive-k`` adds a third: the drafter with adaptive K). Each server gets the same requests (token-id prompts; the
+DFlash drafter and without it (``--adaptive-k`` adds a third: the drafter with adaptive K;
+``--modes`` picks the servers). Each server gets the same requests (token-id prompts; the
 dummy pair has no tokenizer), one at a time:
 
-* greedy, not streamed, twice (the two must agree), then streamed (must agree with it);
+* greedy, not streamed, twice, then streamed: the second and the streamed one reuse the first's
+  cached prompt (prefix caching), so the streamed tokens must be the second's;
 * ``--concurrency`` greedy requests at once (continuous batching), each with its own prompt;
 * a bad request (``max_tokens: -1``): a 400 naming the field, then one more good request;
 * ``/metrics``: the spec-decode counters.
@@ -162,6 +164,15 @@ def run_requests(server: Server, prompts: list[list[int]], max_tokens: int, time
     return res
 
 
+# --modes: name -> (the table's label, the server's flags; DRAFT: the drafter's directory)
+MODES = {
+    "dflash": ("DFlash", ["--draft", "DRAFT"]),
+    "target-only": ("target-only", []),
+    "adaptive": ("DFlash, adaptive K", ["--draft", "DRAFT", "--adaptive-k"]),
+    "target-only-no-prefix-caching": ("target-only, no prefix caching", ["--no-enable-prefix-caching"]),
+}
+
+
 def first_diff(a: list[int], b: list[int]) -> int | None:
     """The first position where two token lists differ (None if equal)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
@@ -182,6 +193,10 @@ def main() -> int:
     ap.add_argument("--adaptive-k", action="store_true",
                     help="a third server: the drafter with --adaptive-k (no draft is accepted with "
                          "random weights, so it should run at about target-only speed)")
+    ap.add_argument("--modes", default=None,
+                    help="the servers, comma-separated, from: " + ", ".join(MODES) + " (default: "
+                         "dflash,target-only, and adaptive with --adaptive-k); target-only is "
+                         "always run, as the reference")
     ap.add_argument("--expect-exact", action="store_true",
                     help="count token-for-token equality across paths as a check in bf16 / fp16 too "
                          "(always a check in float32)")
@@ -203,12 +218,18 @@ def main() -> int:
               "--max-num-seqs", str(args.concurrency), "--log-level", "WARNING"]
     if args.batch_invariant:
         common.append("--batch-invariant")
-    modes = {"DFlash": ["--draft", str(draft)], "target-only": []}
-    if args.adaptive_k:
-        modes["DFlash, adaptive K"] = ["--draft", str(draft), "--adaptive-k"]
+    names = (args.modes.split(",") if args.modes else
+             ["dflash", "target-only"] + (["adaptive"] if args.adaptive_k else []))
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    if "target-only" not in names:
+        names.insert(0, "target-only")
+    modes = {n: [a.replace("DRAFT", str(draft)) for a in MODES[n][1]] for n in names}
     results = {}
-    for mode, extra in modes.items():
-        server = Server(common + extra, log_dir / f"server-{mode}.log", args.start_timeout)
+    for name, extra in modes.items():
+        mode = MODES[name][0]
+        server = Server(common + extra, log_dir / f"server-{name}.log", args.start_timeout)
         server.model = str(target)
         try:
             results[mode] = run_requests(server, prompts, args.max_tokens, args.request_timeout)
@@ -217,7 +238,8 @@ def main() -> int:
         finally:
             server.stop()
 
-    spec, base = results["DFlash"], results["target-only"]
+    base = results["target-only"]
+    drafting = [r for mode, r in results.items() if "DFlash" in mode]
     # Token-for-token equality across paths (a decode step, a verify, another batch size, another
     # K): the engine's kernels differ by token count, so only float32 is bitwise the same path to
     # path; in bf16 the rounding differs in the last bits and, at random weights, the MoE routing
@@ -226,20 +248,25 @@ def main() -> int:
     exact = {
         "greedy single request, DFlash = target-only": [first_diff(r["single"], base["single"])
                                                         for r in results.values()],
-        "repeated request gives the same tokens": [first_diff(r["single"], r["repeat"])
-                                                   for r in results.values()],
+        # the same request again reuses the first's cached prompt blocks (prefix caching, on by
+        # default): its prefill computes only the prompt's last tokens, another kernel path
+        "the same request again (a prefix-cache hit) = the first": [
+            first_diff(r["single"], r["repeat"]) for r in results.values()],
         f"{args.concurrency} concurrent requests, DFlash = target-only": [
             first_diff(a, b) for r in results.values() for a, b in zip(r["batch"], base["batch"])],
     }
     checks = {
-        "streamed tokens = non-streamed": all(r["stream"] == r["single"] for r in results.values()),
+        # the streamed request hits the prefix cache as the repeat did: the same path
+        "streamed tokens = the same request again, not streamed": all(
+            r["stream"] == r["repeat"] for r in results.values()),
         "every request has max_tokens tokens": all(
             len(t) == args.max_tokens for r in results.values() for t in [r["single"], *r["batch"]]),
         "bad request: 400 naming max_tokens": all(
             r["bad_status"] == 400 and "max_tokens" in r["bad_message"] for r in results.values()),
         "served again after the bad request": all(len(r["after_bad"]) == args.max_tokens
                                                   for r in results.values()),
-        "spec-decode counters count drafts": spec["metrics"].get("num_drafts", 0) > 0
+        "spec-decode counters count drafts": all(r["metrics"].get("num_drafts", 0) > 0
+                                                 for r in drafting)
         and base["metrics"].get("num_drafts", 0) == 0,
     }
     expect_exact = args.expect_exact or args.batch_invariant or args.dtype == "float32"
@@ -266,7 +293,7 @@ def main() -> int:
             print(f"| {name} | {verdict} |")
         else:
             print(f"| {name} | {'pass' if ok else 'FAIL'} |")
-    print(f"bad request answer: {spec['bad_message']}")
+    print(f"bad request answer: {base['bad_message']}")
     counted = [n for n in checks if expect_exact or n not in exact]
     return 0 if all(checks[n] for n in counted) else 1
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import serve_smoke_xs  # noqa: E402
 
@@ -31,7 +33,7 @@ def test_three_servers_pass_every_check(tmp_path: Path) -> None:
     assert len(checks) == 8 and all(r.endswith("| pass |") for r in checks)
     assert '"param": "max_tokens"' in proc.stdout
     assert sorted(p.name for p in tmp_path.glob("server-*.log")) == [
-        "server-DFlash, adaptive K.log", "server-DFlash.log", "server-target-only.log"]
+        "server-adaptive.log", "server-dflash.log", "server-target-only.log"]
 
 
 def test_a_changed_token_fails_the_checks(monkeypatch, capsys) -> None:
@@ -58,7 +60,7 @@ def test_a_changed_token_fails_the_checks(monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "| greedy single request, DFlash = target-only | FAIL |" in out
     assert "| 3 concurrent requests, DFlash = target-only | FAIL |" in out
-    assert "| streamed tokens = non-streamed | pass |" in out
+    assert "| streamed tokens = the same request again, not streamed | pass |" in out
 
     # in bf16 the same difference is measured and reported, not failed (the kernels differ by
     # token count, so bf16 rounding does); --expect-exact makes it a failure again
@@ -69,3 +71,51 @@ def test_a_changed_token_fails_the_checks(monkeypatch, capsys) -> None:
     assert "| greedy single request, DFlash = target-only | measured: 1 of 2 differ, first at token 0 |" in out
     monkeypatch.setattr(sys, "argv", ["serve_smoke_xs.py", *bf16, "--expect-exact"])
     assert serve_smoke_xs.main() == 1
+
+
+def test_modes_pick_the_servers_and_the_stream_is_checked_against_the_repeat(monkeypatch, capsys):
+    """``--modes``: the servers named (target-only always, as the reference), each with its
+    flags; the streamed request is compared with the second (prefix-cache hit) request, so a
+    first request that differs from both is measured (bf16), while a stream that differs from
+    the second fails."""
+    started = []
+
+    class FakeServer:
+        def __init__(self, flags, log, start_timeout):
+            self.flags, self.start_s = flags, 0.1
+            started.append((flags, log.name))
+
+        def stop(self):
+            pass
+
+    stream_token = [9]
+
+    def fake_requests(server, prompts, max_tokens, timeout):
+        tokens = [7] * max_tokens
+        return {"single": [6] + tokens[1:], "single_s": 1.0, "repeat": tokens, "repeat_s": 0.5,
+                "stream": stream_token + tokens[1:], "batch": [tokens] * len(prompts),
+                "batch_s": 1.0, "bad_status": 400, "bad_message": "max_tokens", "after_bad": tokens,
+                "metrics": {"num_drafts": 3.0 if "--draft" in server.flags else 0.0}}
+
+    monkeypatch.setattr(serve_smoke_xs, "Server", FakeServer)
+    monkeypatch.setattr(serve_smoke_xs, "run_requests", fake_requests)
+    bf16 = [a if a != "float32" else "bfloat16" for a in TINY]
+    monkeypatch.setattr(sys, "argv", ["serve_smoke_xs.py", *bf16, "--modes",
+                                      "adaptive,target-only-no-prefix-caching"])
+    assert serve_smoke_xs.main() == 1  # the stream differs from the repeat
+    out = capsys.readouterr().out
+    assert "| streamed tokens = the same request again, not streamed | FAIL |" in out
+    assert [log for _, log in started] == ["server-target-only.log", "server-adaptive.log",
+                                           "server-target-only-no-prefix-caching.log"]
+    assert "--adaptive-k" in started[1][0] and "--no-enable-prefix-caching" in started[2][0]
+    assert "--draft" not in started[0][0] + started[2][0]
+    stream_token[0] = 7  # the stream now equals the repeat
+    started.clear()
+    assert serve_smoke_xs.main() == 0
+    out = capsys.readouterr().out
+    assert ("| the same request again (a prefix-cache hit) = the first | measured: 3 of 3 differ, "
+            "first at token 0 |") in out
+    monkeypatch.setattr(sys, "argv", ["serve_smoke_xs.py", *bf16, "--modes", "dflash,fast"])
+    with pytest.raises(SystemExit):
+        serve_smoke_xs.main()
+    assert "--modes: unknown ['fast']" in capsys.readouterr().err

@@ -335,6 +335,29 @@ def test_warmup_leaves_no_trace(pair, adaptive):
     assert warmed.get_metrics()["num_drafts"] == fresh.get_metrics()["num_drafts"]
 
 
+def test_warmup_drafts_at_every_adaptive_k_level(pair, monkeypatch):
+    """With adaptive K the warm-up drafts at each K the policy may choose (its levels), so the
+    start-up capture that follows it on CUDA holds every verify and drafter-block shape; the
+    policy is then a fresh :class:`AdaptiveK` again."""
+    from laguna_dflash.engine.adaptive_k import AdaptiveK
+
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, adaptive_k=True)
+    engine = llm.engine
+    drafted: list[int] = []
+    spec_decode = engine._spec_decode
+
+    def watched(seqs, k, *args):
+        drafted.append(k)
+        return spec_decode(seqs, k, *args)
+
+    monkeypatch.setattr(engine, "_spec_decode", watched)
+    engine.warmup()
+    levels = engine.adaptive_k.levels
+    assert len(levels) > 3 and set(drafted) == set(levels[1:]), (drafted, levels)
+    assert type(engine.adaptive_k) is AdaptiveK and engine.adaptive_k.num_steps == 0
+
+
 def _spy_warmup(engine, monkeypatch) -> tuple[list[int], list[list[int]]]:
     """Record the prompt lengths the engine is given and, per prefill, its prompts' lengths."""
     lengths: list[int] = []
@@ -463,8 +486,8 @@ def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype, monkeypat
 def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptive):
     """With ``cuda_graph_capture="startup"`` every batch size and key bucket is captured before
     the first request, so serving batches of every size past a key bucket (256 keys) captures
-    nothing new (adaptive K: its other K values still capture when first chosen), and the
-    tokens are the lazily captured engine's (float32: the same kernels either way)."""
+    nothing new (adaptive K too: the warm-up drafted at each K it may choose), and the tokens
+    are the lazily captured engine's (float32: the same kernels either way)."""
     target, draft = pair
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=5,
               max_model_len=400, adaptive_k=adaptive)
@@ -477,9 +500,13 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
     sizes = len(runners[0].batch_sizes)  # 1, 2, 4, 5
     # target (verify), drafter block: every size x the buckets up to 400 + K keys; context: sizes
     assert counts[0] >= sizes * 2 and counts[1] >= sizes * 2 and counts[2] == sizes
+    chosen = []
+    if adaptive:  # the policy's choices, recorded
+        choose = engine.adaptive_k.choose
+        engine.adaptive_k.choose = lambda n: chosen.append(choose(n)) or chosen[-1]
     _assert_same_greedy_tokens(lazy, at_start, (1, 3, 5), seed=3, length=230, step=7)
-    if not adaptive:
-        assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
+    assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
+    assert not adaptive or len(set(chosen)) >= 2, set(chosen)
     assert len(lazy.engine.runner.graphs.graphs) < counts[0]
 
 

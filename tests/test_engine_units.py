@@ -378,6 +378,31 @@ def test_adaptive_k_simulated_time_is_close_to_the_best_fixed_k(length, best_fix
     assert adaptive <= 1.03 * fixed[best_fixed], adaptive / fixed[best_fixed]
 
 
+def test_adaptive_k_draft_levels():
+    from laguna_dflash.engine.adaptive_k import draft_levels
+
+    assert draft_levels(15) == (0, 1, 3, 7, 15)
+    assert draft_levels(5) == (0, 1, 3, 5)
+    assert draft_levels(1) == (0, 1)
+    assert draft_levels(8) == (0, 1, 3, 7, 8)
+
+
+@pytest.mark.parametrize("length", [3, 6, 7, 12])
+def test_adaptive_k_chooses_only_its_levels(length):
+    """Acceptance up to L - 1 drafts with a cheap verify, so the best fixed K is L - 1 (2, 5, 6,
+    11: none a level): the policy settles on a level next to it and never chooses another K,
+    because each K is a CUDA-graph shape the start-up capture must hold."""
+    from laguna_dflash.engine.adaptive_k import AdaptiveK
+
+    pol = AdaptiveK(max_k=15, explore_every=16, max_explore_every=256)
+    chosen = _run_policy(pol, 1500, lambda k: min(k, length - 1), lambda k: 1.0 + 0.05 * k)
+    assert set(chosen) <= set(pol.levels), sorted(set(chosen))
+    settled = max(set(chosen[-100:]), key=chosen[-100:].count)
+    below = max(x for x in pol.levels if x <= length - 1)
+    above = min(x for x in pol.levels if x >= length - 1)
+    assert settled in (below, above), (settled, below, above)
+
+
 def test_adaptive_k_a_slow_first_step_at_a_new_k_does_not_lock_it_out():
     """The first step at a new K captures a CUDA graph (several times a replayed step); taken at
     face value it made K = 3 look 14x slower and the policy never ran it again."""

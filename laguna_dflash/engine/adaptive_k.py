@@ -19,6 +19,12 @@ Step times are averages too, robust to the one-off slow steps a CUDA-graph captu
 first step at a new K, batch or key bucket): see ``_observe_time``. What keeps a wrong estimate
 from locking the policy onto a bad K is in the class docstring.
 
+Levels. The policy chooses K only among :func:`draft_levels` (0, 1, 3, 7, ... below ``max_k``,
+and ``max_k``): each K is its own verify and drafter-block shape, so a K first chosen while
+serving would stall that step for its CUDA-graph captures (one per batch size and key bucket,
+tenths of a second to seconds each). The engine's warm-up drafts once at every level, so the
+start-up capture covers them all (``LLMEngine.warmup``).
+
 Exploring. Every ``explore_every`` steps the policy drafts one level above its current choice
 ``b``: ``K = min(max_k, 2 b + 1)`` (0 -> 1 -> 3 -> 7 -> 15), which measures the rates just above
 ``b`` and the step cost there. If longer drafts pay, the choice grows and the next exploration
@@ -50,6 +56,15 @@ from __future__ import annotations
 from bisect import insort
 
 
+def draft_levels(max_k: int) -> tuple[int, ...]:
+    """The K adaptive K may choose: 0, then ``2 b + 1`` from each level ``b`` below ``max_k``,
+    and ``max_k`` (``max_k`` 15: 0, 1, 3, 7, 15; ``max_k`` 5: 0, 1, 3, 5)."""
+    levels = [0]
+    while levels[-1] < max_k:
+        levels.append(min(max_k, 2 * levels[-1] + 1))
+    return tuple(levels)
+
+
 def batch_bucket(batch_size: int) -> int:
     """Step costs are kept per power-of-two batch size (cost ratios change with batch)."""
     return 1 << max(0, (batch_size - 1).bit_length())
@@ -76,6 +91,7 @@ class AdaptiveK:
     def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.1,
                  max_explore_every: int = 256, max_jump: float = 2.0) -> None:
         self.max_k = max_k
+        self.levels = draft_levels(max_k)
         self.explore_every = explore_every
         self.max_explore_every = max(max_explore_every, explore_every)
         self.ema = ema
@@ -147,7 +163,7 @@ class AdaptiveK:
         return best
 
     def _best_of(self, bucket: int) -> int:
-        """The argmax over K in one pass over K = 0..max_k.
+        """The argmax over the levels (:func:`draft_levels`) in one pass over K = 0..max_k.
 
         Rates: the true ``r_k`` is non-increasing in k (accepting k+1 drafts needs the first
         k), but the estimates need not be, because positions are refreshed at different times:
@@ -157,19 +173,18 @@ class AdaptiveK:
         the self-correcting kind (see the class docstring).
 
         Costs: only measured K and linear interpolation between them (``cost``); with the
-        full-K block measured first in every bucket there is no extrapolation. Interpolation
-        can be off for a K never run (the true curve has steps, e.g. at GEMM tiles), but within
-        ``(b, 2b + 1]`` both ends are measured: ``b`` is what runs, ``2b + 1`` what explores
-        (from its second exploration on, see ``_observe_time``); a cost too low there is the
-        self-correcting kind; one too high can hide a slightly better K between the two
-        measured ends, but not stop the climb past them.
+        full-K block measured first in every bucket there is no extrapolation. Only levels are
+        ever run, so interpolation fills in a level not measured yet (the true curve has steps,
+        e.g. at GEMM tiles); the level above the choice is measured by every exploration (from
+        its second one on, see ``_observe_time``), and a cost too low is the self-correcting
+        kind.
         """
         ks, ts = self._points(bucket)
         if not ks or ks[0] != 0:
             return 0  # K = 0 not measured yet in this bucket
         best, best_rate = 0, 1.0 / ts[0]
         tokens, cap, seg = 1.0, 1.0, 0
-        rates = self.rates
+        rates, levels = self.rates, self.levels
         for k in range(1, ks[-1] + 1):
             r = rates[k - 1]
             if r < cap:
@@ -177,6 +192,8 @@ class AdaptiveK:
             if cap <= 0.0:
                 break  # no more tokens from longer drafts, and costs do not decrease
             tokens += cap
+            if k not in levels:
+                continue
             while ks[seg + 1] < k:
                 seg += 1
             a, b = ks[seg], ks[seg + 1]
@@ -295,3 +312,20 @@ class AdaptiveK:
             n = min(n + 1.0, n_max)
             counts[pos], seen[pos] = n, now
             rates[pos] += (above / m - rates[pos]) / n
+
+
+class FixedK:
+    """A policy that always drafts ``k``: the warm-up's steps at each level of :class:`AdaptiveK`
+    (``LLMEngine.warmup``), with the engine's calls to a policy and no state."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k
+
+    def observe(self, k: int, batch_size: int, accepted: list[int], seconds: float) -> None:
+        pass
+
+    def expects_target_only(self, batch_size: int) -> bool:
+        return self.k == 0

@@ -17,7 +17,7 @@ from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from . import cuda_graph, sampler
-from .adaptive_k import AdaptiveK
+from .adaptive_k import AdaptiveK, FixedK
 from .ahead import DraftsAhead, ForwardAhead
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
@@ -213,7 +213,8 @@ class LLMEngine:
         return "triton"
 
     def warmup(self) -> None:
-        """Serve two short greedy requests, then prefill the prompt shapes of
+        """Serve two short greedy requests (with adaptive K, one more at each of its draft
+        levels, :func:`adaptive_k.draft_levels`), then prefill the prompt shapes of
         :data:`WARMUP_PREFILL_LENGTHS`, and forget them, so the first real request does not pay
         the one-time work: ``torch.compile`` of the fused chains (it specialises on the first
         prompt length and compiles a dynamic version at the second), Triton builds, and the
@@ -230,6 +231,20 @@ class LLMEngine:
             self.add_request([0] * n, params)
             while self.has_unfinished:
                 self.step()
+        if self.adaptive_k is not None:
+            # adaptive K drafts at each of its levels once (the requests above ran K = 0 and the
+            # full K), so the start-up capture below holds every verify and drafter-block shape
+            # it may choose: a level first chosen while serving would stall its step for the
+            # captures of its batch size and key bucket
+            policy = self.adaptive_k
+            try:
+                for level in policy.levels[1:-1]:
+                    self.adaptive_k = FixedK(level)
+                    self.add_request([0] * n, params)
+                    while self.has_unfinished:
+                        self.step()
+            finally:
+                self.adaptive_k = policy
         # the kernels a sampled step launches and greedy ones do not: built now, not by the
         # first sampled request (seeded noise, the race's argmax, top-k values)
         num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)

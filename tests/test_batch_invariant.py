@@ -195,15 +195,21 @@ def check_attention(device: str, length: int, num_heads: int, kv_heads: int, hea
 
 def greedy_runs(target: str, draft: str, prompts: list[list[int]], max_tokens: int,
                 **engine_options) -> dict[str, list]:
-    """(token ids, logprobs) of each prompt: alone, in one batch, and with DFlash (batched)."""
+    """(token ids, logprobs) of each prompt: alone, in one batch, and with DFlash (batched).
+    The batch runs after the prompts alone on the same engine, so with prefix caching (on by
+    default) it prefills only their uncached tails: ``runs["cached_tokens"]`` counts the prompt
+    tokens it took from the cache."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    cached = []
 
     def run(llm: LLM, batches: list[list[list[int]]]) -> list:
-        return [(o.token_ids, o.logprobs) for b in batches
-                for o in llm.generate(prompt_token_ids=b, sampling_params=params)]
+        outs = [o for b in batches for o in llm.generate(prompt_token_ids=b, sampling_params=params)]
+        cached.append(sum(o.num_cached_tokens for o in outs))
+        return [(o.token_ids, o.logprobs) for o in outs]
 
     base = LLM(target, **engine_options)
     runs = {"alone": run(base, [[p] for p in prompts]), "batched": run(base, [prompts])}
+    runs["cached_tokens"] = cached[1]
     runs["dflash"] = run(LLM(target, draft=draft, num_speculative_tokens=3, **engine_options), [prompts])
     return runs
 
@@ -428,6 +434,7 @@ def test_engine_greedy_tokens_and_logprobs_do_not_depend_on_the_batch_interprete
     prompts = [[rng.randrange(64) for _ in range(n)] for n in (11, 19, 5)]
     runs = greedy_runs(*tiny_pair, prompts, 5, dtype="bfloat16", batch_invariant=True)
     assert runs["alone"] == runs["batched"] == runs["dflash"]
+    assert runs["cached_tokens"] == 16  # the batch's 19-token prompt: a cache hit, bitwise equal
     assert all(len(ids) == 5 for ids, _ in runs["alone"])
     # the sorted kernels ran (after the check) only where forwards passed the switch
     assert list(batch_invariant._agreement.values()) == ([True] if fused_max_tokens < 35 else [])
@@ -476,6 +483,9 @@ def test_xs_widths_bf16_tokens_do_not_depend_on_the_batch_cuda(tmp_path):
                   max_num_seqs=4, num_kv_blocks=(1024 // 16 + 1) * 5)
     runs = greedy_runs(target, draft, prompts, 16, batch_invariant=True, **common)
     assert runs["alone"] == runs["batched"] == runs["dflash"]
+    # the batch's prompts of 700, 300 and 40 tokens hit the prefix cache (the tails computed
+    # after cached blocks give the whole prompts' bits: 688 + 288 + 32 tokens cached)
+    assert runs["cached_tokens"] == 688 + 288 + 32, runs["cached_tokens"]
     default = greedy_runs(target, draft, prompts, 16, **common)
     parted = sum(a != b for name in ("batched", "dflash")
                  for a, b in zip(default["alone"], default[name]))

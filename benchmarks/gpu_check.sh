@@ -124,6 +124,8 @@
 #                                           # decode profile (its runs aborted), the same with every
 #                                           # Triton kernel built by triton's ptxas and by torch's
 #                                           # (~5 min); then all-tests (now expected green)
+#   bash benchmarks/gpu_check.sh adaptive-startup  # start-up at the server's defaults, K = 15
+#                                           # fixed against adaptive (its levels captured; ~9 min)
 #   bash benchmarks/gpu_check.sh pass36     # adaptive K's draft levels captured at start-up (CUDA
 #                                           # tests), the server: adaptive K, prefix caching off (~7 min)
 #   bash benchmarks/gpu_check.sh pass35     # the RoPE tables' fix on 40-layer engines at three
@@ -503,6 +505,15 @@ case "$stage" in
       grep -iE "error|exception|Traceback" "${OUT:-/tmp}/decode_$v.log" | grep -vi warn | head -4
     done
     ;;
+  adaptive-startup)
+    echo "== start-up at the server's defaults (64 sequences, 8192 tokens), K = 15: fixed, then adaptive"
+    echo "   (its draft levels 1, 3, 7 captured too), each its own process, warm kernel caches second"
+    for opt in "" "--option adaptive_k=true"; do
+      echo "-- ${opt:-fixed K}"
+      timeout 280 python benchmarks/bench_first_request.py --k 15 --max-num-seqs 64 --max-model-len 8192 \
+        --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 $opt 2>&1 | quiet \
+        | grep -E "start-up|captur|Error|error|^\| (1|64)x" | tail -9
+    done ;;
   pass36)
     echo "== adaptive K's levels captured at start-up: the CUDA start-up tests, then the server at"
     echo "   XS-2.1 size: target-only, adaptive K, target-only without prefix caching (~7 min)"

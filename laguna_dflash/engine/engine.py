@@ -236,11 +236,11 @@ class LLMEngine:
             # full K), so the start-up capture below holds every verify and drafter-block shape
             # it may choose: a level first chosen while serving would stall its step for the
             # captures of its batch size and key bucket
-            policy = self.adaptive_k
+            policy, prompt = self.adaptive_k, [0] * n  # the second request's prompt length
             try:
                 for level in policy.levels[1:-1]:
                     self.adaptive_k = FixedK(level)
-                    self.add_request([0] * n, params)
+                    self.add_request(prompt, params)
                     while self.has_unfinished:
                         self.step()
             finally:

@@ -228,21 +228,17 @@ class LLMEngine:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for n in (8, 16):
             n = max(1, min(n, self.max_model_len - params.max_tokens - self.num_speculative_tokens - 1))
-            self.add_request([0] * n, params)
-            while self.has_unfinished:
-                self.step()
+            self._serve_to_the_end([[0] * n], params)
         if self.adaptive_k is not None:
             # adaptive K drafts at each of its levels once (the requests above ran K = 0 and the
             # full K), so the start-up capture below holds every verify and drafter-block shape
             # it may choose: a level first chosen while serving would stall its step for the
             # captures of its batch size and key bucket
-            policy, prompt = self.adaptive_k, [0] * n  # the second request's prompt length
+            policy = self.adaptive_k
             try:
                 for level in policy.levels[1:-1]:
                     self.adaptive_k = FixedK(level)
-                    self.add_request(prompt, params)
-                    while self.has_unfinished:
-                        self.step()
+                    self._serve_to_the_end([[0] * n], params)  # the second request's length
             finally:
                 self.adaptive_k = policy
         # the kernels a sampled step launches and greedy ones do not: built now, not by the
@@ -288,10 +284,14 @@ class LLMEngine:
                     or len(lengths) > self.config.max_num_seqs
                     or sum(lengths) > self.config.max_num_batched_tokens):
                 continue  # a shape this engine never prefills
-            for n in lengths:
-                self.add_request([0] * n, one)
-            while self.has_unfinished:
-                self.step()
+            self._serve_to_the_end([[0] * n for n in lengths], one)
+
+    def _serve_to_the_end(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Add ``prompts`` (token ids) and step until no request is left (the warm-up's)."""
+        for prompt in prompts:
+            self.add_request(prompt, params)
+        while self.has_unfinished:
+            self.step()
 
     def capture_all_graphs(self) -> int:
         """Capture the CUDA graphs of every padded batch size and key bucket for each forward

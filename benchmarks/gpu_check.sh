@@ -126,6 +126,8 @@
 #                                           # (~5 min); then all-tests (now expected green)
 #   bash benchmarks/gpu_check.sh adaptive-startup  # start-up at the server's defaults, K = 15
 #                                           # fixed against adaptive (its levels captured; ~9 min)
+#   bash benchmarks/gpu_check.sh pass37     # --cuda-graph-max-bs: its CUDA start-up test, adaptive K's
+#                                           # start-up at the server's defaults capped at 16 (~8 min)
 #   bash benchmarks/gpu_check.sh pass36     # adaptive K's draft levels captured at start-up (CUDA
 #                                           # tests), the server: adaptive K, prefix caching off (~7 min)
 #   bash benchmarks/gpu_check.sh pass35     # the RoPE tables' fix on 40-layer engines at three
@@ -514,6 +516,14 @@ case "$stage" in
         --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 $opt 2>&1 | quiet \
         | grep -E "start-up|captur|Error|error|^\| (1|64)x" | tail -9
     done ;;
+  pass37)
+    echo "== --cuda-graph-max-bs: the start-up capture CUDA tests (the cap's among them), then adaptive K's"
+    echo "   start-up at the server's defaults with the cap at 16 (uncapped: 218.8-227.5 s, 1040 graphs;"
+    echo "   thirty-seventh pass), batch 64 then eager (~8 min)"
+    gpu_tests 200 tests/test_cuda_graphs.py -k "startup_capture or max_bs" | tail -8
+    timeout 300 python benchmarks/bench_first_request.py --k 15 --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 --option adaptive_k=true \
+      --option cuda_graph_max_bs=16 2>&1 | quiet | grep -E "start-up|captur|Error|error|^\| (1|64)x" | tail -9 ;;
   pass36)
     echo "== adaptive K's levels captured at start-up: the CUDA start-up tests, then the server at"
     echo "   XS-2.1 size: target-only, adaptive K, target-only without prefix caching (~7 min)"

@@ -71,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="startup: capture the decode-phase CUDA graphs of every batch size and "
                         "key-length bucket before serving, so no step waits for a capture; lazy: "
                         "capture each the first time it is needed (faster start, first-use stalls)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs,
+                   help="the largest batch (requests) whose decode-phase forwards replay CUDA "
+                        "graphs; larger batches run eagerly. Fewer graphs to capture: a faster "
+                        "start and less graph memory (default: --max-num-seqs; SGLang's flag)")
     p.add_argument("--load-format", default=EngineConfig.load_format, choices=("auto", "dummy"),
                    help="auto: read the checkpoint's weights; dummy: read only config.json (and the "
                         "tokenizer) and fill the weights with seeded random values at real shapes, "
@@ -117,7 +121,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                cuda_graph_capture=args.cuda_graph_capture, load_format=args.load_format,
+                cuda_graph_capture=args.cuda_graph_capture, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                load_format=args.load_format,
                 batch_invariant=args.batch_invariant,
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel,

@@ -261,6 +261,13 @@ class EngineConfig:
     # no step later stalls for a capture; "lazy": capture a shape the first time a step needs it
     # (faster start-up; a new batch size, or a sequence crossing a key-length bucket, then waits).
     cuda_graph_capture: str = "startup"
+    # The largest padded batch (requests) whose decode-phase forwards (decode, verify, drafter
+    # block, drafter context) replay CUDA graphs; larger batches run eagerly. None: max_num_seqs.
+    # Start-up captures every padded batch size up to it (1, 2, 4, 8, 16, ...: capture_batch_sizes)
+    # times every key bucket, ~0.2 s a graph at XS-2.1 size on the H200 (docs/PERFORMANCE.md,
+    # thirty-seventh pass), so a lower cap starts faster and holds less graph memory (SGLang's
+    # --cuda-graph-max-bs; vLLM's max_cudagraph_capture_size counts tokens instead).
+    cuda_graph_max_bs: int | None = None
     # Every target forward with the batch-invariant kernels (kernels/batch_invariant.py): a
     # position's logits bitwise the same in any batch, prefill, decode or verify, so greedy DFlash
     # equals target-only token for token in bf16 too (vLLM's VLLM_BATCH_INVARIANT). Slower
@@ -305,6 +312,10 @@ class EngineConfig:
         if self.cuda_graph_capture not in ("startup", "lazy"):
             raise ValueError(f"cuda_graph_capture={self.cuda_graph_capture!r} is not supported "
                              "(--cuda-graph-capture); use 'startup' or 'lazy'")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1 (--cuda-graph-max-bs; leave it unset to "
+                             f"graph every batch up to --max-num-seqs, or use --enforce-eager for no "
+                             f"CUDA graphs), got {self.cuda_graph_max_bs}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_logprobs < -1:

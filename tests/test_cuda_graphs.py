@@ -231,6 +231,54 @@ def test_padded_runner_matches_unpadded_on_cpu(pair, use_draft):
         assert got == want, f"batch {batch_size}"
 
 
+def _graph_batches(llm: LLM) -> list[list[int]]:
+    """Record the batch size of every forward each graph runner of ``llm`` takes (the target's,
+    the drafter's, the drafter context's; the engine's graph runners attached first)."""
+    engine = llm.engine
+    engine.attach_graph_runners()
+    runners = [engine.runner.graphs, engine.proposer.runner.graphs, engine.proposer.context_graphs]
+    seen: list[list[int]] = [[] for _ in runners]
+    for runner, sizes in zip(runners, seen):
+        if hasattr(runner, "forward"):
+            original = runner.forward
+            runner.forward = (lambda ids, items, *a, _f=original, _s=sizes, **kw:
+                              (_s.append(len(items)), _f(ids, items, *a, **kw))[1])
+        else:  # the context runner
+            original = runner.run
+            runner.run = (lambda pending, slots_of, _f=original, _s=sizes:
+                          (_s.append(len(pending)), _f(pending, slots_of))[1])
+    return seen
+
+
+def test_cuda_graph_max_bs_caps_the_graphed_batches(pair):
+    """``cuda_graph_max_bs`` caps every graph runner's padded batch sizes (target, drafter
+    block, drafter context); a larger batch runs eagerly and gives the same tokens, a batch
+    within the cap still takes the graph runners. A cap above ``max_num_seqs`` changes nothing."""
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
+    plain = LLM(target, **kw)
+    capped = LLM(target, cuda_graph_max_bs=2, **kw)
+    seen = _graph_batches(capped)
+    engine = capped.engine
+    assert engine.max_graph_batch_size == 2
+    assert engine.runner.graphs.batch_sizes == engine.proposer.runner.graphs.batch_sizes == (1, 2)
+    assert engine.proposer.context_graphs.batch_sizes == (1, 2)
+    for batch_size in (5, 2):
+        prompts = _prompts(batch_size, seed=11 + batch_size)
+        want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+        for sizes in seen:
+            sizes.clear()
+        got = [o.token_ids for o in capped.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want, f"batch {batch_size}"
+        assert all(max(sizes, default=0) <= 2 for sizes in seen), (batch_size, seen)
+        if batch_size == 2:  # the verify and the drafter block replay their graphs
+            assert 2 in seen[0] and 2 in seen[1], seen
+    assert LLM(target, cuda_graph_max_bs=64, **kw).engine.max_graph_batch_size == 6
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
+        LLM(target, cuda_graph_max_bs=0, **kw)
+
+
 def _drafter_caches(llm: LLM) -> list[torch.Tensor]:
     """Every drafter cache tensor without the scratch block (padding rows write there)."""
     kv = llm.engine.proposer.kv_cache
@@ -508,6 +556,29 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
     assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
     assert not adaptive or len(set(chosen)) >= 2, set(chosen)
     assert len(lazy.engine.runner.graphs.graphs) < counts[0]
+
+
+@needs_cuda
+def test_startup_capture_stops_at_cuda_graph_max_bs_on_cuda(pair):
+    """With ``cuda_graph_max_bs=2`` start-up captures batch sizes 1 and 2 only (fewer graphs
+    than without the cap); batches of 3 and 5 then run eagerly, capture nothing, and give the
+    uncapped engine's tokens (float32: the same kernels either way)."""
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda", max_num_seqs=5,
+              max_model_len=400)
+    full = LLM(target, **kw)
+    capped = LLM(target, cuda_graph_max_bs=2, **kw)
+
+    def graphs_of(llm: LLM) -> list[dict]:
+        e = llm.engine
+        return [e.runner.graphs.graphs, e.proposer.runner.graphs.graphs, e.proposer.context_graphs.graphs]
+
+    counts = [len(g) for g in graphs_of(capped)]
+    assert all(c < f for c, f in zip(counts, (len(g) for g in graphs_of(full)))), counts
+    assert all(key[0] <= 2 for g in graphs_of(capped)[:2] for key in g)
+    assert set(graphs_of(capped)[2]) == {1, 2}
+    _assert_same_greedy_tokens(full, capped, (1, 3, 5), seed=4, length=230, step=7)
+    assert [len(g) for g in graphs_of(capped)] == counts, "a step captured"
 
 
 @needs_cuda

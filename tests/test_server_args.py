@@ -183,3 +183,16 @@ def test_max_logprobs_flag_reaches_the_engine_config():
     assert resolve_server_config(_args("--max-logprobs", "-1")).engine.max_logprobs == -1
     with pytest.raises(ValueError, match="max_logprobs must be"):
         resolve_server_config(_args("--max-logprobs", "-5"))
+
+
+def test_cuda_graph_max_bs_flag_reaches_the_engine_config_and_the_log_line(caplog):
+    caplog.set_level(logging.INFO, logger="laguna_dflash.server.args")
+    config = resolve_server_config(_args("--cuda-graph-max-bs", "16"))
+    assert config.engine.cuda_graph_max_bs == 16
+    line = next(r.getMessage() for r in caplog.records if "resolved serve configuration" in r.getMessage())
+    assert "cuda_graph_max_bs=16" in line
+    default = resolve_server_config(_args("--max-num-seqs", "32"))
+    assert default.engine.cuda_graph_max_bs is None
+    assert default.describe()["cuda_graph_max_bs"] == "max_num_seqs (32)"
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
+        resolve_server_config(_args("--cuda-graph-max-bs", "0"))

@@ -322,13 +322,20 @@ class LLMEngine:
                     "skips this)", count, time.perf_counter() - t0)
         return count
 
+    @property
+    def max_graph_batch_size(self) -> int:
+        """The largest padded batch the graph runners capture (``EngineConfig.cuda_graph_max_bs``,
+        at most ``max_num_seqs``); larger batches run eagerly."""
+        cap = self.config.cuda_graph_max_bs
+        return self.config.max_num_seqs if cap is None else min(cap, self.config.max_num_seqs)
+
     def attach_graph_runners(self) -> None:
         """Route the target's and the drafter's decode-phase forwards through a
         :class:`CUDAGraphRunner` (on CPU it runs the same padded forward eagerly: tests), and
         with ``graph_context_precompute`` the drafter's context precompute too."""
         for runner in [self.runner] + ([self.proposer.runner] if self.proposer else []):
             runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, self.backend, self.device,
-                                            self.config.max_num_seqs, self.max_model_len,
+                                            self.max_graph_batch_size, self.max_model_len,
                                             self.num_speculative_tokens + 1,
                                             self.config.max_prefill_graph_tokens if runner is self.runner else 0)
             # a graphed forward's positions may pass max_model_len + K + 1 (a prefill bucket's
@@ -344,7 +351,7 @@ class LLMEngine:
         the same padded computation eagerly: tests)."""
         taps = len(self.drafter.target_layer_ids) * self.target.spec.hidden_size
         self.proposer.context_graphs = ContextGraphRunner(
-            self.drafter, self.proposer.kv_cache, self.device, self.config.max_num_seqs,
+            self.drafter, self.proposer.kv_cache, self.device, self.max_graph_batch_size,
             self.proposer.num_speculative_tokens + 1, taps, self.dtype)  # K_max + 1 rows
 
     def _load_drafter(self, config: EngineConfig) -> None:

@@ -190,3 +190,34 @@ def test_startup_phases_count_the_first_use_builds(monkeypatch) -> None:
     assert cuda_graph.build_kernels_ahead is build_kernels_ahead
     assert (phases.num_first_use, phases.num_built_first_use, phases.num_built_ahead) == (3, 12, 0)
     assert 0.06 <= phases.seconds["first use"] < 0.5
+
+
+def test_compile_log_counts_pooled_builds_without_timing_them(monkeypatch) -> None:
+    """A compile submitted inside Triton's AsyncCompileMode (the builds-ahead pool) is counted as
+    pooled and adds no seconds (its post-compile hook runs when the pool's scope ends); one
+    outside it is timed from its pre- to its post-compile hook."""
+    import time
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    import triton
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
+    log = bench_first_request.CompileLog()
+    before, after = triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook
+    fn = types.SimpleNamespace(name="pkg.module._some_kernel")
+    with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):
+        before(key="pooled", fn=fn)
+    time.sleep(0.02)
+    after(key="pooled", fn=fn)  # as the scope's end finalizes it
+    assert log.builds["_some_kernel"] == log.pooled["_some_kernel"] == 1
+    assert log.seconds["_some_kernel"] == 0.0 and log.total_seconds == 0.0
+    before(key="plain", fn=fn)
+    time.sleep(0.02)
+    after(key="plain", fn=fn)
+    assert log.builds["_some_kernel"] == 2 and log.pooled["_some_kernel"] == 1
+    assert log.seconds["_some_kernel"] >= 0.015 and log.total_seconds == log.seconds["_some_kernel"]
+    log.reset()
+    assert not log.builds and not log.pooled

@@ -64,11 +64,10 @@ class CompileLog:
 
         import torch._dynamo.utils
         import triton
+        from triton.runtime import _async_compile
 
         self._frames = torch._dynamo.utils.counters["frames"]
         self._dynamo_seconds = torch._dynamo.utils.compilation_time_metrics
-        from triton.runtime import _async_compile
-
         self.builds: Counter = Counter()
         self.seconds: Counter = Counter()
         self.pooled: Counter = Counter()  # of builds, those submitted to the builds-ahead pool

@@ -231,23 +231,18 @@ def test_padded_runner_matches_unpadded_on_cpu(pair, use_draft):
         assert got == want, f"batch {batch_size}"
 
 
-def _graph_batches(llm: LLM) -> list[list[int]]:
-    """Record the batch size of every forward each graph runner of ``llm`` takes (the target's,
-    the drafter's, the drafter context's; the engine's graph runners attached first)."""
-    engine = llm.engine
-    engine.attach_graph_runners()
-    runners = [engine.runner.graphs, engine.proposer.runner.graphs, engine.proposer.context_graphs]
-    seen: list[list[int]] = [[] for _ in runners]
-    for runner, sizes in zip(runners, seen):
-        if hasattr(runner, "forward"):
-            original = runner.forward
-            runner.forward = (lambda ids, items, *a, _f=original, _s=sizes, **kw:
-                              (_s.append(len(items)), _f(ids, items, *a, **kw))[1])
-        else:  # the context runner
-            original = runner.run
-            runner.run = (lambda pending, slots_of, _f=original, _s=sizes:
-                          (_s.append(len(pending)), _f(pending, slots_of))[1])
-    return seen
+def _record_batches(runner, method: str, items_arg: int) -> list[int]:
+    """Wrap ``runner.method`` to record the length of its positional argument ``items_arg``
+    (the requests of each forward it takes) into the returned list."""
+    sizes: list[int] = []
+    original = getattr(runner, method)
+
+    def recorded(*args, **kwargs):
+        sizes.append(len(args[items_arg]))
+        return original(*args, **kwargs)
+
+    setattr(runner, method, recorded)
+    return sizes
 
 
 def test_cuda_graph_max_bs_caps_the_graphed_batches(pair):
@@ -259,8 +254,11 @@ def test_cuda_graph_max_bs_caps_the_graphed_batches(pair):
     kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6)
     plain = LLM(target, **kw)
     capped = LLM(target, cuda_graph_max_bs=2, **kw)
-    seen = _graph_batches(capped)
     engine = capped.engine
+    engine.attach_graph_runners()
+    seen = [_record_batches(engine.runner.graphs, "forward", 1),  # forward(input_ids, items, ...)
+            _record_batches(engine.proposer.runner.graphs, "forward", 1),
+            _record_batches(engine.proposer.context_graphs, "run", 0)]  # run(pending, slots_of)
     assert engine.max_graph_batch_size == 2
     assert engine.runner.graphs.batch_sizes == engine.proposer.runner.graphs.batch_sizes == (1, 2)
     assert engine.proposer.context_graphs.batch_sizes == (1, 2)

@@ -220,7 +220,7 @@ def test_logprobs_match_reference(ckpt: Path, llm: LLM):
 
 def test_logprobs_of_a_batch_are_each_requests_alone(llm: LLM, monkeypatch):
     """Requests with different ``logprobs`` counts (none, 0, 1, 5), greedy and seeded, in one
-    batch: each gets the logprobs it gets alone (values within 1e-5: a batch is other GEMM
+    batch: each gets the logprobs it gets alone (values within 1e-4: a batch is other GEMM
     shapes), and a step computes them for all its requests in one pass."""
     from laguna_dflash.engine import engine as engine_module
 
@@ -241,7 +241,9 @@ def test_logprobs_of_a_batch_are_each_requests_alone(llm: LLM, monkeypatch):
         assert len(b.logprobs) == 10 and all(len(e) <= sp.logprobs + 1 for e in b.logprobs)
         for ea, eb in zip(a.logprobs, b.logprobs):
             assert set(ea) == set(eb)
-            assert all(abs(ea[t] - eb[t]) <= 1e-5 for t in ea)
+            # 1e-4: a batch's float32 GEMMs round differently (up to 1.2e-5 seen on an AVX-512
+            # CPU); another request's row, or another position's, is off by far more
+            assert all(abs(ea[t] - eb[t]) <= 1e-4 for t in ea), max(abs(ea[t] - eb[t]) for t in ea)
 
 
 def test_sampled_requests_draw_their_noise_in_one_call_a_step(llm: LLM, monkeypatch):

@@ -118,7 +118,9 @@ class StartupPhases:
     def __init__(self, compiles: CompileLog | None = None) -> None:
         # capture includes "build ahead"; "first use" (the builds of captures made on first use:
         # the warm-up's batch-1 graphs, lazy capture) is inside the phase or step it ran in
-        self.seconds = {"warm-up": 0.0, "capture": 0.0, "build ahead": 0.0, "first use": 0.0}
+        # "eager batches": the warm-up's batches above --cuda-graph-max-bs (inside "warm-up")
+        self.seconds = {"warm-up": 0.0, "capture": 0.0, "build ahead": 0.0, "first use": 0.0,
+                        "eager batches": 0.0}
         self.num_built_ahead = 0
         self.num_built_first_use = 0  # variants, over the whole run
         self.num_first_use = 0  # captures made on first use that built ahead
@@ -142,6 +144,14 @@ class StartupPhases:
         @contextlib.contextmanager
         def patched():
             saved = engine_cls.warmup, engine_cls.capture_all_graphs
+            saved_eager = getattr(engine_cls, "_warmup_eager_batches", None)
+
+            def warmup_eager_batches(engine, *args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return saved_eager(engine, *args, **kwargs)
+                finally:
+                    phases.seconds["eager batches"] += time.perf_counter() - t
 
             def warmup(engine):
                 t, c = time.perf_counter(), phases._compile_totals()
@@ -187,6 +197,8 @@ class StartupPhases:
                     phases.seconds["build ahead"] += time.perf_counter() - t
 
             engine_cls.warmup, engine_cls.capture_all_graphs = warmup, capture_all_graphs
+            if saved_eager is not None:
+                engine_cls._warmup_eager_batches = warmup_eager_batches
             if build is not None:
                 module.build_kernels_ahead = build_kernels_ahead
             graphs_module.build_kernels_ahead = build_first_use
@@ -194,6 +206,8 @@ class StartupPhases:
                 yield phases
             finally:
                 engine_cls.warmup, engine_cls.capture_all_graphs = saved
+                if saved_eager is not None:
+                    engine_cls._warmup_eager_batches = saved_eager
                 if build is not None:
                     module.build_kernels_ahead = build
                 graphs_module.build_kernels_ahead = first_use_build
@@ -229,23 +243,31 @@ class GcClock:
 
 
 class StepClock:
-    """Wraps ``engine.step``: the wall time of every step since :meth:`reset`."""
+    """Wraps ``engine.step``: the wall time of every step since :meth:`reset`, and with
+    ``num_builds`` (a count of Triton compiles so far) the compiles inside decode steps (those
+    that advance ``engine.timings.num_decode_steps``; prefill steps' are not counted)."""
 
-    def __init__(self, engine, sync) -> None:
+    def __init__(self, engine, sync, num_builds=None) -> None:
         self.steps: list[float] = []
+        self.num_decode_builds = 0
         inner = engine.step
 
         def timed():
+            builds = num_builds() if num_builds is not None else 0
+            decodes = engine.timings.num_decode_steps
             t0 = time.perf_counter()
             out = inner()
             sync()
             self.steps.append(time.perf_counter() - t0)
+            if num_builds is not None and engine.timings.num_decode_steps > decodes:
+                self.num_decode_builds += num_builds() - builds
             return out
 
         engine.step = timed
 
     def reset(self) -> None:
         self.steps = []
+        self.num_decode_builds = 0
 
 
 def main() -> None:
@@ -324,7 +346,7 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     engine = llm.engine
     warm_graphs = num_graphs(engine)
     startup_gib = torch.cuda.memory_reserved() / 2**30 if args.device.startswith("cuda") else None
-    clock = StepClock(engine, lambda: sync(args.device))
+    clock = StepClock(engine, lambda: sync(args.device), lambda: sum(compiles.builds.values()))
     rng = random.Random(0)
     rows = []
     for batch, prompt_len, new_tokens in scenarios:
@@ -344,7 +366,7 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
             rows.append((f"{batch}x{prompt_len}x{new_tokens}", label, wall, steps[0],
                          max(steps[1:], default=0.0), sorted(steps[1:])[len(steps[1:]) // 2] if len(steps) > 1 else 0.0,
                          num_graphs(engine) - graphs, sum(compiles.builds.values()),
-                         compiles.num_frames, dict(compiles.builds)))
+                         clock.num_decode_builds, compiles.num_frames, dict(compiles.builds)))
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{gpu}, layers {args.layers}, K {args.k}, batch-invariant {args.batch_invariant}, "
           f"cold caches {args.cold}, max_model_len {args.max_model_len}, max_num_seqs "
@@ -352,7 +374,8 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     mem = f", {startup_gib:.1f} GiB reserved by torch after it" if startup_gib is not None else ""
     print(f"engine start-up (load + warm-up): {startup_s:.1f} s; {warm_graphs} CUDA graphs after it{mem}")
     warm, capture = phases.seconds["warm-up"], phases.seconds["capture"]
-    print(f"start-up phases: load {startup_s - warm - capture:.1f} s, warm-up {warm:.1f} s, "
+    print(f"start-up phases: load {startup_s - warm - capture:.1f} s, warm-up {warm:.1f} s "
+          f"(eager batches above --cuda-graph-max-bs {phases.seconds['eager batches']:.1f} s), "
           f"start-up capture {capture:.1f} s (of which {phases.num_built_ahead} kernel variants "
           f"built ahead in {phases.seconds['build ahead']:.1f} s); {phases.num_first_use} captures on first "
           f"use built {phases.num_built_first_use} variants ahead in {phases.seconds['first use']:.1f} s; "
@@ -369,12 +392,13 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
                           f"{startup_build_s.get(k, 0.0):.1f} s" for k in slowest))
     print()
     print("| scenario (BxPxN) | run | wall s | first step ms | longest later step ms | "
-          "median later step ms | graphs captured | Triton builds | torch.compile frames |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, label, wall, first, longest, median, captured, builds, frames, _ in rows:
+          "median later step ms | graphs captured | Triton builds | of them in decode steps | "
+          "torch.compile frames |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, label, wall, first, longest, median, captured, builds, decode_builds, frames, _ in rows:
         # longest and median at one precision: rounding keeps longest >= median only then
         print(f"| {name} | {label} | {wall:.3f} | {first * 1e3:.1f} | {longest * 1e3:.2f} | "
-              f"{median * 1e3:.2f} | {captured} | {builds} | {frames} |")
+              f"{median * 1e3:.2f} | {captured} | {builds} | {decode_builds} | {frames} |")
     for name, label, *_, kernels in rows:
         if kernels:
             print(f"{name} {label}: Triton built " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))

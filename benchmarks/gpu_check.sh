@@ -114,10 +114,10 @@
 #                                           # (two processes), then first requests after
 #                                           # start-up incl. a 1000-token prompt (~8 min)
 #   bash benchmarks/gpu_check.sh capture-candidates  # start-up capture with one warm-up run and
-#                                           # one allocator-cache emptying against today's at
-#                                           # the server's defaults: today's (fills the caches),
-#                                           # the candidates, today's again (~9 min; the CUDA
-#                                           # test is in pass37)
+#                                           # one allocator-cache emptying (the defaults since
+#                                           # the thirty-eighth pass) against the old capture at
+#                                           # the server's defaults: default (fills the caches),
+#                                           # old, default again (~9 min; the CUDA test is in pass37)
 #   bash benchmarks/gpu_check.sh graphs-count  # DFlash later-step medians with prefill graphs
 #                                           # off / on (fewer / more graphs), four processes
 #                                           # alternated, 255 and 127 steps a scenario (~7 min)
@@ -129,6 +129,11 @@
 #                                           # fixed against adaptive (its levels captured; ~9 min)
 #   bash benchmarks/gpu_check.sh pass37     # --cuda-graph-max-bs: its CUDA start-up test, adaptive K's
 #                                           # start-up at the server's defaults capped at 16 (~8 min)
+#   bash benchmarks/gpu_check.sh pass38     # eager batches above --cuda-graph-max-bs served by the
+#                                           # warm-up: the CUDA tests (no build in their steps; the
+#                                           # new capture defaults), then XS-2.1 at the server's
+#                                           # defaults capped at 16: eager scenarios' builds in
+#                                           # decode steps, 40x1000x8 the key_slots stride's (~8 min)
 #   bash benchmarks/gpu_check.sh pass36     # adaptive K's draft levels captured at start-up (CUDA
 #                                           # tests), the server: adaptive K, prefix caching off (~7 min)
 #   bash benchmarks/gpu_check.sh pass35     # the RoPE tables' fix on 40-layer engines at three
@@ -525,6 +530,13 @@ case "$stage" in
     timeout 300 python benchmarks/bench_first_request.py --k 15 --max-num-seqs 64 --max-model-len 8192 \
       --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 --option adaptive_k=true \
       --option cuda_graph_max_bs=16 2>&1 | quiet | grep -E "start-up|captur|Error|error|^\| (1|64)x" | tail -9 ;;
+  pass38)
+    echo "== eager batches above --cuda-graph-max-bs (engine.warmup_eager_batches): CUDA tests, then"
+    echo "   start-up at the server's defaults (K = 3) capped at 16, scenarios graphed and eager (~8 min)"
+    gpu_tests 170 tests/test_cuda_graphs.py -k "eager_batches or startup_capture_empties or startup_capture_stops" | tail -6
+    timeout 330 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,17x100x8,24x300x8,40x1000x8,64x100x8 --option num_kv_blocks=8192 \
+      --option cuda_graph_max_bs=16 2>&1 | quiet | grep -E "start-up|captur|built|Error|error|^\| [0-9]+x" | tail -18 ;;
   pass36)
     echo "== adaptive K's levels captured at start-up: the CUDA start-up tests, then the server at"
     echo "   XS-2.1 size: target-only, adaptive K, target-only without prefix caching (~7 min)"
@@ -597,9 +609,9 @@ case "$stage" in
   capture-candidates)
     # their CUDA test runs in pass37. Not --cold: with empty caches one start-up at the server's
     # defaults now takes over 190 s (thirty-seventh pass); the first run fills the caches, so the
-    # candidates are compared with the third (both warm)
+    # old capture is compared with the third (both warm)
     C=laguna_dflash.engine.cuda_graph
-    for sw in "" "--switch $C:num_capture_warmups=1 --switch $C:keep_cache_between_captures=true" ""; do
+    for sw in "" "--switch $C:num_capture_warmups=2 --switch $C:keep_cache_between_captures=false" ""; do
       echo "== start-up at the server's defaults (K = 3); switches: ${sw:-none}"
       timeout 185 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len \
         8192 --option num_kv_blocks=8192 --scenarios 1x100x8 $sw 2>&1 | quiet \

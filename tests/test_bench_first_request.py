@@ -141,6 +141,30 @@ def test_gc_clock_times_collections_inside_its_scope() -> None:
     assert clock.count == 2 and clock.seconds > 0
 
 
+def test_step_clock_counts_the_builds_of_decode_steps_only() -> None:
+    """A prefill step's builds are left out of ``num_decode_builds``; a decode step's counted;
+    :meth:`reset` clears them with the step times."""
+    from types import SimpleNamespace
+
+    builds = [0]
+    engine = SimpleNamespace(timings=SimpleNamespace(num_decode_steps=0))
+    kinds = iter(["prefill", "decode", "decode", "prefill"])
+
+    def step():
+        kind = next(kinds)
+        builds[0] += {"prefill": 5, "decode": 2}[kind]
+        engine.timings.num_decode_steps += kind == "decode"
+
+    engine.step = step
+    clock = bench_first_request.StepClock(engine, lambda: None, lambda: builds[0])
+    for _ in range(3):
+        engine.step()
+    assert clock.num_decode_builds == 4 and len(clock.steps) == 3
+    clock.reset()
+    engine.step()
+    assert clock.num_decode_builds == 0 and clock.steps and len(clock.steps) == 1
+
+
 def test_compile_log_counts_and_times_compiles_by_kernel() -> None:
     pytest.importorskip("triton")
     import triton

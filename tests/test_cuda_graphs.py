@@ -277,6 +277,60 @@ def test_cuda_graph_max_bs_caps_the_graphed_batches(pair):
         LLM(target, cuda_graph_max_bs=0, **kw)
 
 
+def test_eager_warmup_batch_sizes():
+    """Above the cap: the first eager size, the powers of two past it, ``max_num_seqs``."""
+    from laguna_dflash.engine.engine import eager_warmup_batch_sizes
+
+    assert eager_warmup_batch_sizes(16, 64) == (17, 32, 64)
+    assert eager_warmup_batch_sizes(8, 64) == (9, 16, 32, 64)
+    assert eager_warmup_batch_sizes(2, 6) == (3, 4, 6)
+    assert eager_warmup_batch_sizes(31, 32) == (32,)
+    assert eager_warmup_batch_sizes(64, 64) == eager_warmup_batch_sizes(6, 4) == ()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_warmup_serves_the_eager_batches_above_cuda_graph_max_bs(pair, adaptive):
+    """With ``cuda_graph_max_bs=2`` and 6 sequences the warm-up (run here on the CPU, where
+    graphs are the padded forwards run eagerly) steps batches of 3, 4 and 6 requests at each
+    draft level (adaptive K: 0, 1, 3, 5; fixed: K), with short prompts and with prompts past
+    two key splits; without the cap it steps none above 2. The engine then gives an unwarmed one's
+    tokens, its counters reset."""
+    target, draft = pair
+    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6,
+              adaptive_k=adaptive)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(5, seed=21)
+    want = [o.token_ids for o in LLM(target, **kw).generate(prompt_token_ids=prompts, sampling_params=params)]
+    for cap in (2, None):
+        llm = LLM(target, cuda_graph_max_bs=cap, **kw)
+        engine = llm.engine
+        engine.attach_graph_runners()
+        steps: list[tuple[int, int, int]] = []  # (requests, K, longest sequence)
+        spec, plain = engine._spec_decode, engine._decode
+
+        def spec_decode(seqs, k, ahead=None, spec=spec, steps=steps):
+            steps.append((len(seqs), k, max(s.num_tokens for s in seqs)))
+            return spec(seqs, k, ahead)
+
+        def decode(seqs, ahead=None, plain=plain, steps=steps):
+            steps.append((len(seqs), 0, max(s.num_tokens for s in seqs)))
+            return plain(seqs, ahead)
+
+        engine._spec_decode, engine._decode = spec_decode, decode
+        engine.warmup()
+        levels = (0, 1, 3, 5) if adaptive else (BLOCK_SIZE - 1,)
+        eager = {(r, k) for r, k, _ in steps if r > 2}
+        if cap is None:
+            assert not eager, steps
+            continue
+        assert eager == {(r, k) for r in (3, 4, 6) for k in levels}, steps
+        long = {r for r, _, n in steps if n > 128}  # past two splits of 64 keys
+        assert long >= {3, 4, 6}, steps
+        assert engine.timings.num_steps == 0 and not engine.has_unfinished
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert got == want
+
+
 def _drafter_caches(llm: LLM) -> list[torch.Tensor]:
     """Every drafter cache tensor without the scratch block (padding rows write there)."""
     kv = llm.engine.proposer.kv_cache
@@ -577,6 +631,55 @@ def test_startup_capture_stops_at_cuda_graph_max_bs_on_cuda(pair):
     assert set(graphs_of(capped)[2]) == {1, 2}
     _assert_same_greedy_tokens(full, capped, (1, 3, 5), seed=4, length=230, step=7)
     assert [len(g) for g in graphs_of(capped)] == counts, "a step captured"
+
+
+@needs_cuda
+def test_eager_batches_above_cuda_graph_max_bs_build_no_triton_kernel_on_cuda(pair, monkeypatch):
+    """With ``cuda_graph_max_bs=2`` the warm-up serves eager batches above the cap
+    (``engine.warmup_eager_batches``), so that the decode steps of batches of 3..6 requests
+    (short prompts, and 3 past two key splits) build no Triton kernel; with the switch off they
+    build some (reported, not asserted: that count is the test model's). Every in-memory
+    variant is forgotten before each engine, so that the check can fail."""
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from laguna_dflash.engine import engine as engine_module
+
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    rng = random.Random(8)
+    batches = [[[rng.randrange(0, 60) for _ in range(n + i)] for i in range(r)]
+               for r, n in ((3, 20), (4, 18), (6, 16), (5, 22), (3, 136))]
+    built: dict[bool, list[str]] = {}
+    state = {"decoding": False}  # inside a decode step (a prefill's builds are not counted)
+    for warm in (False, True):
+        monkeypatch.setattr(engine_module, "warmup_eager_batches", warm)
+        for obj in gc.get_objects():
+            if issubclass(type(obj), JITFunction):
+                obj.device_caches.clear()
+        llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda",
+                  dtype="bfloat16", max_num_seqs=6, max_model_len=400, cuda_graph_max_bs=2)
+        engine, built[warm] = llm.engine, []
+
+        def flagged(step):
+            def wrapped(*args, **kwargs):
+                state["decoding"] = True
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    state["decoding"] = False
+            return wrapped
+
+        engine._spec_decode, engine._decode = flagged(engine._spec_decode), flagged(engine._decode)
+        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
+                            lambda built=built[warm], **kw_: state["decoding"]
+                            and built.append(kw_["repr"][:120]) and False)
+        for prompts in batches:
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    assert not built[True], (built[True], f"switch off: {len(built[False])} builds")
 
 
 @needs_cuda

@@ -78,15 +78,16 @@ use_metadata_kernel = True
 # first launches it (an A/B switch).
 build_ahead = True
 # Eager runs of a forward, on a side stream, before its capture: the first builds any kernel not
-# built ahead, lets torch.compile specialise and cuBLAS choose. 1 is a start-up candidate, not yet
-# run on the GPU (tests/test_cuda_graphs.py checks its tokens; bench_first_request.py --switch
-# times it): vLLM captures after one warm-up run.
-num_capture_warmups = 2
+# built ahead, lets torch.compile specialise and cuBLAS choose (vLLM captures after one warm-up
+# run too). 2 was the default until the thirty-eighth pass (docs/PERFORMANCE.md): with the
+# switch below, 1 cut start-up at the server's defaults from 120.9 s to 89.0 s, same graphs,
+# same step times.
+num_capture_warmups = 1
 # torch.cuda.graph empties the allocator's cache (and the pinned host cache) before every capture,
 # so every capture's warm-ups allocate their activations anew. True: inside ``captures_in_a_row``
-# (the start-up capture) only the first capture empties it, and the scope's end empties it once
-# (a start-up candidate like the one above, not yet run on the GPU).
-keep_cache_between_captures = False
+# (the start-up capture) only the first capture empties it, and the scope's end empties it once.
+# False: every capture empties it (the default until the thirty-eighth pass; an A/B switch).
+keep_cache_between_captures = True
 
 
 @dataclass

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
-from ..kernels import batch_invariant
+from ..kernels import batch_invariant, paged_attention
 from ..models.layers import fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -75,6 +75,24 @@ decode_ahead: bool | None = None
 # multiple of 16 and L not, and the reverse. Measured by benchmarks/bench_first_request.py.
 WARMUP_PREFILL_LENGTHS: tuple[tuple[int, ...], ...] = (
     (1,), (5,), (20,), (200,), (208,), (300,), (320,), (300, 292), (320, 280))
+
+# With ``cuda_graph_max_bs`` below ``max_num_seqs``, batches above the cap run eagerly, and their
+# forwards launch Triton variants no graph built: the warm-up then serves eager batches too
+# (:func:`eager_warmup_batch_sizes`; False: it does not, an A/B switch for benchmarks).
+warmup_eager_batches = True
+
+
+def eager_warmup_batch_sizes(max_graph_batch_size: int, max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes the warm-up serves eagerly when CUDA graphs stop at
+    ``max_graph_batch_size`` (``--cuda-graph-max-bs``) below ``max_num_seqs``: the first eager
+    size, each power of two above it and ``max_num_seqs``. An eager step's Triton variants follow
+    its token count's power-of-two bucket (the fused MoE's tile and pair padding) and its
+    specialisation (a multiple of 16 or not); ``()`` when every batch replays a graph."""
+    first = max_graph_batch_size + 1
+    if first > max_num_seqs:
+        return ()
+    powers = [1 << i for i in range(first.bit_length(), max_num_seqs.bit_length())]
+    return tuple(sorted({first, max_num_seqs, *powers}))
 
 
 @dataclass
@@ -241,6 +259,8 @@ class LLMEngine:
                     self._serve_to_the_end([[0] * n], params)  # the second request's length
             finally:
                 self.adaptive_k = policy
+        if warmup_eager_batches:
+            self._warmup_eager_batches(params)
         # the kernels a sampled step launches and greedy ones do not: built now, not by the
         # first sampled request (seeded noise, the race's argmax, top-k values)
         num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)
@@ -273,6 +293,35 @@ class LLMEngine:
             if self.runner.graphs is not None:
                 self.runner.graphs.add_prefill_kinds(self.tap_layer_ids)
             self.capture_all_graphs()
+
+    def _warmup_eager_batches(self, params: SamplingParams) -> None:
+        """Serve batches of each of :func:`eager_warmup_batch_sizes` (at every adaptive-K level)
+        of 8-token prompts, then of prompts past two attention key splits
+        (``paged_attention._MIN_SPLIT_KEYS``): a batch of few programs splits long keys, a
+        variant of its own (per specialisation of its token count). Batches the KV cache or
+        ``max_model_len`` cannot hold are skipped. Other eager shapes may still build a kernel
+        on first use: more splits (a cap far below 16 at XS-2.1 widths; docs/PERFORMANCE.md)."""
+        sizes = eager_warmup_batch_sizes(self.max_graph_batch_size, self.config.max_num_seqs)
+        if not sizes or self.runner.graphs is None:
+            return
+        k, bs = self.num_speculative_tokens, self.config.block_size
+        capacity = self.allocator.num_blocks * bs
+        batches = [(r, n) for n in (8, 2 * paged_attention._MIN_SPLIT_KEYS + 8) for r in sizes]
+        policy = self.adaptive_k
+        levels = policy.levels if policy is not None else (k,)
+        t0 = time.perf_counter()
+        try:
+            for level in levels:
+                if policy is not None:
+                    self.adaptive_k = FixedK(level)
+                for r, n in batches:
+                    need = r * (n + params.max_tokens + k + 2 + bs)
+                    if n + params.max_tokens + k + 1 < self.max_model_len and need <= capacity:
+                        self._serve_to_the_end([[0] * n for _ in range(r)], params)
+        finally:
+            self.adaptive_k = policy
+        logger.info("served eager batches of %s requests (above --cuda-graph-max-bs %d) in %.1fs",
+                    ", ".join(map(str, sizes)), self.max_graph_batch_size, time.perf_counter() - t0)
 
     def _warmup_prefills(self, shapes: tuple[tuple[int, ...], ...]) -> None:
         """Prefill each shape (its prompts in one step, one token each) this engine can hold."""

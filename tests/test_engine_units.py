@@ -145,6 +145,22 @@ def test_metadata_masks_sliding_window_includes_current_token():
     assert bidir[0, 0, :5].all()
 
 
+@pytest.mark.parametrize("lmax", [1, 13, 16, 17, 40])
+def test_metadata_key_slots_rows_are_16_aligned(lmax):
+    """key_slots is [R, Lmax] whatever its row stride, which is Lmax rounded up to a multiple of
+    16 (Triton specialises strides on divisibility by 16: one eager kernel variant, not two by
+    Lmax % 16); its values are each key position's slot, the scratch slot past a sequence."""
+    bs, scratch = 4, 400
+    items = [ForwardItem(1, lmax - 1, lmax, list(range(10, 10 + -(-lmax // bs)))),
+             ForwardItem(1, 0, 1, [3])]
+    meta = build_metadata(items, bs, scratch, torch.device("cpu"))
+    assert meta.key_slots.shape == (2, lmax)
+    assert meta.key_slots.stride(0) % 16 == 0 and meta.key_slots.stride(0) < lmax + 16
+    want = [(10 + j // bs) * bs + j % bs for j in range(lmax)]
+    assert meta.key_slots[0].tolist() == want
+    assert meta.key_slots[1].tolist() == [12] + [scratch] * (lmax - 1)
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k"),
     ("max_tokens", 0, "max_tokens"), ("logprobs", -1, "logprobs"),

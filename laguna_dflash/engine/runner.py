@@ -82,7 +82,8 @@ def build_metadata(
     r = len(items)
     qmax = max(it.num_tokens for it in items)
     lmax = max(it.seq_len for it in items)
-    max_blocks = max(max(len(it.block_table) for it in items), -(-lmax // block_size))
+    width = -(-lmax // 16) * 16  # key_slots' row stride (below)
+    max_blocks = max(max(len(it.block_table) for it in items), -(-width // block_size))
     scratch_block = scratch_slot // block_size
     tables = torch.full((r, max_blocks), scratch_block, dtype=torch.long)
     starts = torch.tensor([it.start_pos for it in items], dtype=torch.long)
@@ -99,13 +100,17 @@ def build_metadata(
     positions = q_pos[q_valid]
     req_of_token = torch.arange(r).repeat_interleave(counts)
     slot_mapping = tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    j = torch.arange(lmax)
+    # key_slots' row stride is Lmax rounded up to a multiple of 16 (a [R, Lmax] view of wider
+    # rows): Triton specialises integer arguments, strides among them, on divisibility by 16, so
+    # an exact Lmax stride gave each kernel reading key_slots a variant per Lmax % 16 == 0 or not,
+    # built on first use (the graphs' key buckets are multiples of 16 already)
+    j = torch.arange(width)
     key_slots = tables[:, j // block_size] * block_size + (j % block_size).view(1, -1)
     key_slots = torch.where(j.view(1, -1) < seq_lens.view(-1, 1), key_slots, torch.full((), scratch_slot))
     dev = functools.partial(to_device_async, device=device)
     return AttentionMetadata(
         positions=dev(positions), slot_mapping=dev(slot_mapping), flat_index=dev(flat_index),
-        query_index=dev(query_index), query_positions=dev(q_pos), key_slots=dev(key_slots),
+        query_index=dev(query_index), query_positions=dev(q_pos), key_slots=dev(key_slots)[:, :lmax],
         seq_lens=dev(seq_lens), is_causal=is_causal,
     )
 

@@ -133,7 +133,8 @@
 #                                           # warm-up: the CUDA tests (no build in their steps; the
 #                                           # new capture defaults), then XS-2.1 at the server's
 #                                           # defaults capped at 16: eager scenarios' builds in
-#                                           # decode steps, 40x1000x8 the key_slots stride's (~8 min)
+#                                           # decode steps, 40x1000x8 the key_slots stride's;
+#                                           # --mem-fraction-static's CUDA test (~8 min)
 #   bash benchmarks/gpu_check.sh pass36     # adaptive K's draft levels captured at start-up (CUDA
 #                                           # tests), the server: adaptive K, prefix caching off (~7 min)
 #   bash benchmarks/gpu_check.sh pass35     # the RoPE tables' fix on 40-layer engines at three
@@ -534,6 +535,7 @@ case "$stage" in
     echo "== eager batches above --cuda-graph-max-bs (engine.warmup_eager_batches): CUDA tests, then"
     echo "   start-up at the server's defaults (K = 3) capped at 16, scenarios graphed and eager (~8 min)"
     gpu_tests 170 tests/test_cuda_graphs.py -k "eager_batches or startup_capture_empties or startup_capture_stops" | tail -6
+    gpu_tests 60 tests/test_engine_units.py -k "mem_fraction or key_slots" | tail -3
     timeout 330 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
       --scenarios 1x100x8,17x100x8,24x300x8,40x1000x8,64x100x8 --option num_kv_blocks=8192 \
       --option cuda_graph_max_bs=16 2>&1 | quiet | grep -E "start-up|captur|built|Error|error|^\| [0-9]+x" | tail -18 ;;

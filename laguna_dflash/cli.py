@@ -75,6 +75,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="the largest batch (requests) whose decode-phase forwards replay CUDA "
                         "graphs; larger batches run eagerly. Fewer graphs to capture: a faster "
                         "start and less graph memory (default: --max-num-seqs; SGLang's flag)")
+    p.add_argument("--mem-fraction-static", type=float, default=EngineConfig.mem_fraction_static,
+                   help="GPU: the fraction of the device's memory for the weights and the KV "
+                        "cache together, the rest left for activations, CUDA graphs and other "
+                        "processes (SGLang's flag; default: the KV cache takes 80%% of the memory "
+                        "free after loading; --num-kv-blocks overrides both)")
     p.add_argument("--load-format", default=EngineConfig.load_format, choices=("auto", "dummy"),
                    help="auto: read the checkpoint's weights; dummy: read only config.json (and the "
                         "tokenizer) and fill the weights with seeded random values at real shapes, "
@@ -122,7 +127,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 cuda_graph_capture=args.cuda_graph_capture, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                load_format=args.load_format,
+                mem_fraction_static=args.mem_fraction_static, load_format=args.load_format,
                 batch_invariant=args.batch_invariant,
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel,

@@ -268,6 +268,11 @@ class EngineConfig:
     # thirty-seventh pass), so a lower cap starts faster and holds less graph memory (SGLang's
     # --cuda-graph-max-bs; vLLM's max_cudagraph_capture_size counts tokens instead).
     cuda_graph_max_bs: int | None = None
+    # On a GPU, with num_kv_blocks unset: the fraction of the device's memory the weights and
+    # the KV cache hold together (SGLang's --mem-fraction-static); the rest is left for
+    # activations, CUDA graphs and other processes. None: the KV cache takes 80% of the memory
+    # free after the weights load (kv_cache_budget_bytes).
+    mem_fraction_static: float | None = None
     # Every target forward with the batch-invariant kernels (kernels/batch_invariant.py): a
     # position's logits bitwise the same in any batch, prefill, decode or verify, so greedy DFlash
     # equals target-only token for token in bf16 too (vLLM's VLLM_BATCH_INVARIANT). Slower
@@ -316,6 +321,10 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1 (--cuda-graph-max-bs; leave it unset to "
                              f"graph every batch up to --max-num-seqs, or use --enforce-eager for no "
                              f"CUDA graphs), got {self.cuda_graph_max_bs}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1] (--mem-fraction-static: the share "
+                             f"of GPU memory for weights and KV cache, e.g. 0.85), got "
+                             f"{self.mem_fraction_static}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_logprobs < -1:

@@ -179,6 +179,60 @@ def test_config_errors():
         SpeculativeConfig(draft="d", num_speculative_tokens=0)
 
 
+def test_kv_cache_budget_from_mem_fraction_static():
+    """Default: 80% of the memory free after load. With a fraction f: f x total less what is in
+    use (weights and the rest), an error naming the flag once f is used up."""
+    from laguna_dflash.engine.engine import kv_cache_budget_bytes
+
+    gib = 2**30
+    assert kv_cache_budget_bytes(70 * gib, 140 * gib, None) == 56 * gib
+    assert kv_cache_budget_bytes(70 * gib, 140 * gib, 0.9) == 56 * gib  # 126 - 70 in use
+    assert kv_cache_budget_bytes(70 * gib, 140 * gib, 1.0) == 70 * gib
+    with pytest.raises(ValueError, match=r"--mem-fraction-static.*raise it above 0\.50"):
+        kv_cache_budget_bytes(70 * gib, 140 * gib, 0.5)
+
+
+def test_mem_fraction_static_that_cannot_hold_one_sequence_names_the_flag(tmp_path, monkeypatch):
+    """A fraction whose KV budget is short of one max_model_len sequence fails at start-up with
+    the flag named (here on the CPU, its fixed budget shrunk below one sequence); without the
+    flag the engine keeps its one-sequence floor."""
+    import hf_fixtures as hf
+
+    from laguna_dflash import LLM
+    from laguna_dflash.engine import engine as engine_module
+
+    ckpt = hf.make_laguna_checkpoint(tmp_path / "t", "xs_mini", seed=0)
+    monkeypatch.setattr(engine_module, "_CPU_KV_BUDGET_BYTES", 1)
+    floor = -(-(64 + 1) // 16)  # blocks of one max_model_len sequence (positions 0..64)
+    assert LLM(model=str(ckpt), max_model_len=64).engine.allocator.num_blocks == floor
+    with pytest.raises(ValueError, match="--mem-fraction-static.*--max-model-len"):
+        LLM(model=str(ckpt), max_model_len=64, mem_fraction_static=0.9)
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        EngineConfig(model="x", mem_fraction_static=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mem_fraction_static_sizes_the_kv_cache_on_cuda(tmp_path):
+    """On a GPU the KV cache of ``mem_fraction_static=f`` takes f x total less what is in use
+    once the weights are loaded: with f set 2 GiB above what is in use before the engine (its
+    weights are a few MiB), the cache holds 1.5-2 GiB (more: the fraction was not applied; less:
+    in use counted twice). Other processes on the GPU move this by what they allocate meanwhile."""
+    import hf_fixtures as hf
+
+    from laguna_dflash import LLM
+
+    gib = 2**30
+    ckpt = hf.make_laguna_checkpoint(tmp_path / "t", "xs_mini", seed=0)
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    fraction = (total - free + 2 * gib) / total
+    llm = LLM(model=str(ckpt), device="cuda", max_model_len=64, max_num_seqs=10**6,
+              mem_fraction_static=fraction, enforce_eager=True)
+    kv = llm.engine.runner.kv_cache
+    num_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in layer)
+    assert 1.5 * gib < num_bytes <= 2 * gib, num_bytes / gib
+
+
 def test_moe_gather_path_equals_grouped_loop():
     from laguna_dflash.models.layers import MoE
 

@@ -185,6 +185,20 @@ def test_max_logprobs_flag_reaches_the_engine_config():
         resolve_server_config(_args("--max-logprobs", "-5"))
 
 
+def test_mem_fraction_static_flag_reaches_the_engine_config_and_the_log_line(caplog):
+    """--mem-fraction-static (SGLang's) reaches EngineConfig and the start-up line; unset it
+    says the default rule; out of (0, 1] it is an error naming the flag."""
+    config = resolve_server_config(_args("--mem-fraction-static", "0.85"))
+    assert config.engine.mem_fraction_static == 0.85
+    assert config.describe()["mem_fraction_static"] == 0.85
+    default = resolve_server_config(_args())
+    assert default.engine.mem_fraction_static is None
+    assert "80%" in default.describe()["mem_fraction_static"]
+    for bad in ("0", "1.5"):
+        with pytest.raises(ValueError, match="--mem-fraction-static"):
+            resolve_server_config(_args("--mem-fraction-static", bad))
+
+
 def test_cuda_graph_max_bs_flag_reaches_the_engine_config_and_the_log_line(caplog):
     caplog.set_level(logging.INFO, logger="laguna_dflash.server.args")
     config = resolve_server_config(_args("--cuda-graph-max-bs", "16"))

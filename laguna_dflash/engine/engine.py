@@ -33,6 +33,27 @@ from .spec_decode import DFlashProposer, SpecDecodingStats, num_accepted
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET_BYTES = 2 << 30
+# With no --mem-fraction-static: the KV cache takes this share of the GPU memory free after load.
+DEFAULT_KV_SHARE_OF_FREE = 0.8
+
+
+def kv_cache_budget_bytes(free: int, total: int, mem_fraction_static: float | None) -> int:
+    """Bytes the KV cache may take on a GPU with ``free`` of ``total`` bytes free once the
+    weights are loaded: :data:`DEFAULT_KV_SHARE_OF_FREE` of ``free``, or with
+    ``mem_fraction_static`` what keeps the memory in use (weights, anything else on the device)
+    plus the cache at that fraction of ``total``. Raises ValueError naming the flag when that
+    fraction is used up already."""
+    if mem_fraction_static is None:
+        return int(free * DEFAULT_KV_SHARE_OF_FREE)
+    used = total - free
+    budget = int(mem_fraction_static * total) - used
+    if budget <= 0:
+        raise ValueError(
+            f"mem_fraction_static={mem_fraction_static} (--mem-fraction-static) leaves no memory "
+            f"for the KV cache: {used / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB "
+            f"({used / total:.2f}) are in use once the weights are loaded; raise it above "
+            f"{used / total:.2f}, or set --num-kv-blocks")
+    return budget
 
 # True: the verify forward writes the drafter's context K/V of all its K + 1 rows itself, inside
 # its CUDA graph, before the step's host sync (the next step starts with the drafter block).
@@ -430,12 +451,19 @@ class LLMEngine:
             d = self.drafter
             per_block += KVCache.bytes_per_block(d.num_cache_layers, self.config.block_size,
                                                  d.num_kv_heads, d.head_dim, self.dtype)
+        fraction = self.config.mem_fraction_static
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.8)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = kv_cache_budget_bytes(free, total, fraction)
         else:
             budget = _CPU_KV_BUDGET_BYTES
         wanted = blocks_per_seq * self.config.max_num_seqs
+        if fraction is not None and budget // per_block < blocks_per_seq:
+            raise ValueError(
+                f"mem_fraction_static={fraction} (--mem-fraction-static) leaves room for "
+                f"{budget // per_block} KV blocks, fewer than one max_model_len="
+                f"{self.max_model_len} sequence needs ({blocks_per_seq}); raise it, or lower "
+                f"--max-model-len")
         return max(blocks_per_seq, min(wanted, budget // per_block))
 
     # ---- requests ------------------------------------------------------------------------------

@@ -288,16 +288,17 @@ def test_eager_warmup_batch_sizes():
     assert eager_warmup_batch_sizes(64, 64) == eager_warmup_batch_sizes(6, 4) == ()
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_warmup_serves_the_eager_batches_above_cuda_graph_max_bs(pair, adaptive):
+@pytest.mark.parametrize("mode", ["fixed K", "adaptive K", "target-only"])
+def test_warmup_serves_the_eager_batches_above_cuda_graph_max_bs(pair, mode):
     """With ``cuda_graph_max_bs=2`` and 6 sequences the warm-up (run here on the CPU, where
     graphs are the padded forwards run eagerly) steps batches of 3, 4 and 6 requests at each
-    draft level (adaptive K: 0, 1, 3, 5; fixed: K), with short prompts and with prompts past
-    two key splits; without the cap it steps none above 2. The engine then gives an unwarmed one's
-    tokens, its counters reset."""
+    draft level (adaptive K: 0, 1, 3, 5; fixed: K; target-only: 0), with short prompts and with
+    prompts past two key splits; without the cap it steps none above 2. The engine then gives an
+    unwarmed one's tokens, its counters reset."""
     target, draft = pair
-    kw = dict(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=6,
-              adaptive_k=adaptive)
+    kw = dict(block_size=4, max_num_seqs=6)
+    if mode != "target-only":
+        kw.update(draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, adaptive_k=mode == "adaptive K")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = _prompts(5, seed=21)
     want = [o.token_ids for o in LLM(target, **kw).generate(prompt_token_ids=prompts, sampling_params=params)]
@@ -318,7 +319,7 @@ def test_warmup_serves_the_eager_batches_above_cuda_graph_max_bs(pair, adaptive)
 
         engine._spec_decode, engine._decode = spec_decode, decode
         engine.warmup()
-        levels = (0, 1, 3, 5) if adaptive else (BLOCK_SIZE - 1,)
+        levels = {"fixed K": (BLOCK_SIZE - 1,), "adaptive K": (0, 1, 3, 5), "target-only": (0,)}[mode]
         eager = {(r, k) for r, k, _ in steps if r > 2}
         if cap is None:
             assert not eager, steps

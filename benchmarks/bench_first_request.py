@@ -305,7 +305,7 @@ def option_value(text: str):
             return cast(text)
         except ValueError:
             pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
 def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Path) -> None:
@@ -327,6 +327,18 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     for item in args.option:
         name, _, value = item.partition("=")
         options[name] = option_value(value)
+    from laguna_dflash.engine import engine as engine_module
+    profile_s = []  # --option gpu_memory_utilization=U: the start-up profile run's seconds
+    profile = engine_module.activation_peak_bytes
+
+    def timed_profile(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return profile(*a, **kw)
+        finally:
+            profile_s.append(time.perf_counter() - t)
+
+    engine_module.activation_peak_bytes = timed_profile
     compiles = CompileLog()  # before the engine: its start-up compiles count too
     gc_clock = GcClock()
     t0 = time.perf_counter()
@@ -390,6 +402,17 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
         print("start-up Triton compiles by kernel (count, of them pooled, seconds of the others): "
               + ", ".join(f"{k} x{startup_builds[k]} ({startup_pooled_by.get(k, 0)}) "
                           f"{startup_build_s.get(k, 0.0):.1f} s" for k in slowest))
+    if args.device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        kv_gib = sum(t.numel() * t.element_size() for c in [engine.runner.kv_cache]
+                     + ([engine.proposer.kv_cache] if engine.proposer else []) for layer in c.layers
+                     for t in layer) / 2**30
+        print(f"KV cache {engine.allocator.num_blocks} blocks ({kv_gib:.1f} GiB); profiled activation "
+              f"peak {engine.profiled_activation_bytes / 2**30:.2f} GiB"
+              + (f" in {sum(profile_s):.1f} s" if profile_s else " (no profile run)")
+              + f"; torch's peak reserved while serving {torch.cuda.max_memory_reserved() / 2**30:.1f}"
+              f" GiB; device memory in use at the end {(total - free) / 2**30:.1f} of "
+              f"{total / 2**30:.1f} GiB")
     print()
     print("| scenario (BxPxN) | run | wall s | first step ms | longest later step ms | "
           "median later step ms | graphs captured | Triton builds | of them in decode steps | "

@@ -4,6 +4,10 @@
 #   bash benchmarks/gpu_check.sh all-tests  # every kernel test file (tests/test_kernel_*.py), 12
 #                                           # pytest-xdist workers (carry pytest-xdist and execnet
 #                                           # wheels in .whl/); full log in $OUT/gpu_all.log
+#   bash benchmarks/gpu_check.sh pass39     # --gpu-memory-utilization: CUDA tests, the server's
+#                                           # defaults sized by it (~5 min)
+#   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
+#                                           # capped at 16 (~5 min)
 #   bash benchmarks/gpu_check.sh all-tests-engine  # the engine's test files with CUDA tests
 #                                           # (graphs, XS lossless, spec edge cases, the dflash
 #                                           # reference, units, fusion, prefill graphs, chunked
@@ -531,6 +535,18 @@ case "$stage" in
     timeout 300 python benchmarks/bench_first_request.py --k 15 --max-num-seqs 64 --max-model-len 8192 \
       --scenarios 1x100x8,64x100x8 --option num_kv_blocks=8192 --option adaptive_k=true \
       --option cuda_graph_max_bs=16 2>&1 | quiet | grep -E "start-up|captur|Error|error|^\| (1|64)x" | tail -9 ;;
+  pass39)
+    echo "== --gpu-memory-utilization (vLLM's; engine/memory_profile.py): its CUDA tests, then the"
+    echo "   server's defaults (K = 3, 64 sequences, 8192 tokens) sized by it at 0.9 (~5 min)"
+    gpu_tests 150 tests/test_engine_units.py -k "gpu_memory_utilization or mem_fraction or profile" | tail -4
+    timeout 330 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none --option gpu_memory_utilization=0.9 \
+      2>&1 | quiet | grep -E "start-up|KV cache|profile|Error|error|^\| [0-9]+x" | tail -12 ;;
+  eager-k15)
+    echo "== the eager warm-up above --cuda-graph-max-bs 16 at adaptive K = 15 (5 levels; ~5 min)"
+    timeout 560 python benchmarks/bench_first_request.py --k 15 --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,40x1000x8 --option num_kv_blocks=8192 --option cuda_graph_max_bs=16 \
+      --option adaptive_k=true 2>&1 | quiet | grep -E "start-up|KV cache|Error|error|^\| [0-9]+x" | tail -12 ;;
   pass38)
     echo "== eager batches above --cuda-graph-max-bs (engine.warmup_eager_batches): CUDA tests, then"
     echo "   start-up at the server's defaults (K = 3) capped at 16, scenarios graphed and eager (~8 min)"

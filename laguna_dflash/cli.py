@@ -80,6 +80,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "cache together, the rest left for activations, CUDA graphs and other "
                         "processes (SGLang's flag; default: the KV cache takes 80%% of the memory "
                         "free after loading; --num-kv-blocks overrides both)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=EngineConfig.gpu_memory_utilization,
+                   help="GPU: the fraction of the device's memory for the weights, the "
+                        "activations of the largest step (profiled at start-up) and the KV cache "
+                        "together (vLLM's flag, e.g. 0.9; CUDA graph memory not counted). Set it "
+                        "or --mem-fraction-static, not both")
     p.add_argument("--load-format", default=EngineConfig.load_format, choices=("auto", "dummy"),
                    help="auto: read the checkpoint's weights; dummy: read only config.json (and the "
                         "tokenizer) and fill the weights with seeded random values at real shapes, "
@@ -127,7 +133,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 cuda_graph_capture=args.cuda_graph_capture, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                mem_fraction_static=args.mem_fraction_static, load_format=args.load_format,
+                mem_fraction_static=args.mem_fraction_static,
+                gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
                 batch_invariant=args.batch_invariant,
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel,

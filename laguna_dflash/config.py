@@ -273,6 +273,12 @@ class EngineConfig:
     # activations, CUDA graphs and other processes. None: the KV cache takes 80% of the memory
     # free after the weights load (kv_cache_budget_bytes).
     mem_fraction_static: float | None = None
+    # On a GPU, with num_kv_blocks unset: the fraction of the device's memory the weights, the
+    # activations of the largest forward (profiled at start-up: a prefill of
+    # max_num_batched_tokens tokens, then sampling the largest verify batch) and the KV cache
+    # hold together (vLLM's --gpu-memory-utilization; engine/memory_profile.py). CUDA graph pools
+    # are not counted, as in vLLM. At most one of the two fractions may be set.
+    gpu_memory_utilization: float | None = None
     # Every target forward with the batch-invariant kernels (kernels/batch_invariant.py): a
     # position's logits bitwise the same in any batch, prefill, decode or verify, so greedy DFlash
     # equals target-only token for token in bf16 too (vLLM's VLLM_BATCH_INVARIANT). Slower
@@ -325,6 +331,14 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1] (--mem-fraction-static: the share "
                              f"of GPU memory for weights and KV cache, e.g. 0.85), got "
                              f"{self.mem_fraction_static}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (--gpu-memory-utilization: "
+                             f"the share of GPU memory for weights, activations and KV cache, e.g. "
+                             f"0.9), got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and self.mem_fraction_static is not None:
+            raise ValueError("gpu_memory_utilization (--gpu-memory-utilization, vLLM's: activations "
+                             "inside the fraction) and mem_fraction_static (--mem-fraction-static, "
+                             "SGLang's: activations on top) both size the KV cache; set one")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_logprobs < -1:

@@ -182,7 +182,7 @@ def test_config_errors():
 def test_kv_cache_budget_from_mem_fraction_static():
     """Default: 80% of the memory free after load. With a fraction f: f x total less what is in
     use (weights and the rest), an error naming the flag once f is used up."""
-    from laguna_dflash.engine.engine import kv_cache_budget_bytes
+    from laguna_dflash.engine.memory_profile import kv_cache_budget_bytes
 
     gib = 2**30
     assert kv_cache_budget_bytes(70 * gib, 140 * gib, None) == 56 * gib
@@ -190,6 +190,83 @@ def test_kv_cache_budget_from_mem_fraction_static():
     assert kv_cache_budget_bytes(70 * gib, 140 * gib, 1.0) == 70 * gib
     with pytest.raises(ValueError, match=r"--mem-fraction-static.*raise it above 0\.50"):
         kv_cache_budget_bytes(70 * gib, 140 * gib, 0.5)
+
+
+def test_kv_cache_budget_from_gpu_memory_utilization():
+    """vLLM's fraction holds the weights (in use), the profiled activations and the cache:
+    the activations come out of the cache's share; the error names the flag and what to lower."""
+    from laguna_dflash.engine.memory_profile import kv_cache_budget_bytes
+
+    gib = 2**30
+    assert kv_cache_budget_bytes(70 * gib, 140 * gib, 0.9, 6 * gib, "gpu_memory_utilization") == 50 * gib
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization.*activations take 6\.0 GiB.*"
+                                         r"raise it above 0\.54.*--max-num-batched-tokens"):
+        kv_cache_budget_bytes(70 * gib, 140 * gib, 0.5, 6 * gib, "gpu_memory_utilization")
+
+
+def test_profile_items_cover_the_prefill_budget_in_requests_the_scheduler_could_form():
+    """The profile's prefill: the whole token budget, in requests of at most max_model_len - 1
+    prompt tokens (one output token left), each from position 0 over its own blocks."""
+    from laguna_dflash.engine.memory_profile import profile_items
+
+    items = profile_items(8192, 3000, 16)
+    assert [it.num_tokens for it in items] == [2999, 2999, 2194]
+    assert all(it.start_pos == 0 and it.seq_len == it.num_tokens for it in items)
+    assert all(len(it.block_table) == -(-it.num_tokens // 16) for it in items)
+    blocks = [b for it in items for b in it.block_table]
+    assert blocks == list(range(len(blocks)))  # no block shared
+    assert [it.num_tokens for it in profile_items(100, 8192, 16)] == [100]
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["target-only", "dflash"])
+def test_profile_forward_runs_the_budget_and_the_largest_sampling_step(tmp_path, monkeypatch,
+                                                                       with_drafter):
+    """The profile's work, on the CPU (its measurement is CUDA's): one forward of the whole
+    token budget over the throwaway caches, with the drafter's context stored into its cache,
+    then the sampler over max_num_seqs x (K + 1) rows with a top-k and top-p."""
+    import hf_fixtures as hf
+
+    from laguna_dflash import LLM
+    from laguna_dflash.engine import memory_profile
+    from laguna_dflash.models.random_init import write_random_pair
+
+    if with_drafter:
+        target, draft = write_random_pair(tmp_path, seed=0)
+        llm = LLM(str(target), draft=str(draft), max_model_len=64, max_num_seqs=3,
+                  max_num_batched_tokens=150)
+    else:
+        ckpt = hf.make_laguna_checkpoint(tmp_path / "t", "xs_mini", seed=0)
+        llm = LLM(model=str(ckpt), max_model_len=64, max_num_seqs=3, max_num_batched_tokens=150)
+    engine = llm.engine
+    k = engine.num_speculative_tokens
+    seen = {}
+    real_sample_rows = memory_profile.sample_rows
+
+    def spy(logits, params, positions=None, rows_per_request=1, **kw):
+        seen["rows"], seen["params"] = logits.shape[0], params[0]
+        return real_sample_rows(logits, params, positions, rows_per_request, **kw)
+
+    monkeypatch.setattr(memory_profile, "sample_rows", spy)
+    items = memory_profile.profile_items(engine.prefill_token_budget, engine.max_model_len, 16)
+    assert sum(it.num_tokens for it in items) == 150
+    num_blocks = sum(len(it.block_table) for it in items)
+    spec = engine.target.spec
+    cache = memory_profile.KVCache(spec.num_layers, num_blocks, 16, engine.target.num_local_kv_heads,
+                                   spec.head_dim, engine.dtype, engine.device)
+    d = engine.drafter
+    draft_cache = (memory_profile.KVCache(d.num_cache_layers, num_blocks, 16, d.num_kv_heads,
+                                          d.head_dim, engine.dtype, engine.device) if d else None)
+    runner = memory_profile.ModelRunner(engine.target, cache, engine.backend, engine.device)
+    assert runner.context_store is None  # the taps come back and are stored as a prefill does
+    memory_profile.run_profile_forward(engine.target, d, runner, draft_cache, items, 3, k + 1)
+    assert seen["rows"] == 3 * (k + 1)
+    assert seen["params"].top_k > 0 and seen["params"].top_p < 1 and seen["params"].temperature > 0
+    written = cache.layers[0][0][: num_blocks * 16].abs().sum(dim=(1, 2)) > 0
+    assert written.sum() == 150  # every prompt token's K, nothing else
+    if with_drafter:
+        assert (draft_cache.layers[0][0][: num_blocks * 16].abs().sum(dim=(1, 2)) > 0).sum() == 150
+    else:
+        assert k == 0
 
 
 def test_mem_fraction_static_that_cannot_hold_one_sequence_names_the_flag(tmp_path, monkeypatch):
@@ -231,6 +308,47 @@ def test_mem_fraction_static_sizes_the_kv_cache_on_cuda(tmp_path):
     kv = llm.engine.runner.kv_cache
     num_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in layer)
     assert 1.5 * gib < num_bytes <= 2 * gib, num_bytes / gib
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_memory_utilization_profiles_activations_and_sizes_the_kv_cache_on_cuda(tmp_path):
+    """On a GPU, ``gpu_memory_utilization=u``: the profile measures the activations of a
+    prefill of the whole token budget and of sampling the largest verify batch, and the cache
+    takes u x total less what is in use and that peak (here u is set 2 GiB above what is in use
+    before the engine: a cache of 2 GiB less the peak, give or take what other processes
+    allocate meanwhile). Serving that largest prefill afterwards allocates not much more than the
+    profile measured (a profile that missed work would under-count), nor far less (one that
+    measured something else)."""
+    from laguna_dflash import LLM
+    from laguna_dflash.models.random_init import write_random_pair
+
+    gib = 2**30
+    target, draft = write_random_pair(tmp_path / "pair", seed=0)
+    options = dict(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
+                   max_model_len=2048, max_num_batched_tokens=2048, enforce_eager=True)
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    util = (total - free + 2 * gib) / total
+    # 4096 sequences of 2048 tokens want ~6 GiB of this pair's cache: the budget decides
+    engine = LLM(**options, max_num_seqs=4096, gpu_memory_utilization=util).engine
+    peak = engine.profiled_activation_bytes
+    assert peak > 0
+    kv = [t for cache in (engine.runner.kv_cache, engine.proposer.kv_cache) for layer in cache.layers
+          for t in layer]
+    num_bytes = sum(t.numel() * t.element_size() for t in kv)
+    assert 2 * gib - peak - 0.5 * gib < num_bytes <= 2 * gib - peak, (num_bytes / gib, peak / gib)
+    del engine, kv
+    torch.cuda.empty_cache()
+    # few sequences: the prefill forward dominates the profile, and the real one is measured
+    llm = LLM(**options, max_num_seqs=4, gpu_memory_utilization=util)
+    peak = llm.engine.profiled_activation_bytes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[1] * 1000, [2] * 1000, [3] * 48], sampling_params=params)
+    used = torch.cuda.max_memory_allocated() - before
+    assert 0.5 * peak <= used <= 1.1 * peak, (used / 2**20, peak / 2**20)
 
 
 def test_moe_gather_path_equals_grouped_loop():

@@ -199,6 +199,21 @@ def test_mem_fraction_static_flag_reaches_the_engine_config_and_the_log_line(cap
             resolve_server_config(_args("--mem-fraction-static", bad))
 
 
+def test_gpu_memory_utilization_flag_reaches_the_engine_config_and_the_log_line():
+    """--gpu-memory-utilization (vLLM's) reaches EngineConfig and the start-up line; out of
+    (0, 1], or set with --mem-fraction-static, it is an error naming the flags."""
+    config = resolve_server_config(_args("--gpu-memory-utilization", "0.9"))
+    assert config.engine.gpu_memory_utilization == 0.9
+    assert config.describe()["gpu_memory_utilization"] == 0.9
+    assert config.describe()["mem_fraction_static"] == "unset"
+    assert resolve_server_config(_args()).engine.gpu_memory_utilization is None
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+            resolve_server_config(_args("--gpu-memory-utilization", bad))
+    with pytest.raises(ValueError, match="--gpu-memory-utilization.*--mem-fraction-static.*set one"):
+        resolve_server_config(_args("--gpu-memory-utilization", "0.9", "--mem-fraction-static", "0.8"))
+
+
 def test_cuda_graph_max_bs_flag_reaches_the_engine_config_and_the_log_line(caplog):
     caplog.set_level(logging.INFO, logger="laguna_dflash.server.args")
     config = resolve_server_config(_args("--cuda-graph-max-bs", "16"))

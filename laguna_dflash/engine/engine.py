@@ -23,6 +23,7 @@ from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner, build_kernels_ahead
 from .kv_cache import BlockAllocator, KVCache
+from .memory_profile import activation_peak_bytes, flag_name, kv_cache_budget_bytes
 from .penalties import penalized_rows
 from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
@@ -33,27 +34,6 @@ from .spec_decode import DFlashProposer, SpecDecodingStats, num_accepted
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET_BYTES = 2 << 30
-# With no --mem-fraction-static: the KV cache takes this share of the GPU memory free after load.
-DEFAULT_KV_SHARE_OF_FREE = 0.8
-
-
-def kv_cache_budget_bytes(free: int, total: int, mem_fraction_static: float | None) -> int:
-    """Bytes the KV cache may take on a GPU with ``free`` of ``total`` bytes free once the
-    weights are loaded: :data:`DEFAULT_KV_SHARE_OF_FREE` of ``free``, or with
-    ``mem_fraction_static`` what keeps the memory in use (weights, anything else on the device)
-    plus the cache at that fraction of ``total``. Raises ValueError naming the flag when that
-    fraction is used up already."""
-    if mem_fraction_static is None:
-        return int(free * DEFAULT_KV_SHARE_OF_FREE)
-    used = total - free
-    budget = int(mem_fraction_static * total) - used
-    if budget <= 0:
-        raise ValueError(
-            f"mem_fraction_static={mem_fraction_static} (--mem-fraction-static) leaves no memory "
-            f"for the KV cache: {used / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB "
-            f"({used / total:.2f}) are in use once the weights are loaded; raise it above "
-            f"{used / total:.2f}, or set --num-kv-blocks")
-    return budget
 
 # True: the verify forward writes the drafter's context K/V of all its K + 1 rows itself, inside
 # its CUDA graph, before the step's host sync (the next step starts with the drafter block).
@@ -178,9 +158,13 @@ class LLMEngine:
             torch.cuda.empty_cache()  # the replaced tensors' blocks: free for the KV cache sizing
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
+        if self.drafter is not None:
+            self.drafter.prepare_rope(max_positions, self.device)
         self.eos_token_ids = spec.eos_token_ids
         self.backend = get_attention_backend(self._attention_backend_name(config))
         blocks_per_seq = -(-max_positions // config.block_size)
+        # gpu_memory_utilization's profiled activation peak (bytes; 0: no profile ran)
+        self.profiled_activation_bytes = 0
         # the same count on every rank (the scheduler's decisions depend on it)
         num_blocks = config.num_kv_blocks or self.tp.min_int(
             self._default_num_blocks(blocks_per_seq), self.device)
@@ -205,7 +189,6 @@ class LLMEngine:
         self.adaptive_k = AdaptiveK(k) if adaptive and k else None
         if self.drafter is not None:
             d = self.drafter
-            self.drafter.prepare_rope(max_positions, self.device)
             dkv = KVCache(d.num_cache_layers, num_blocks, config.block_size, d.num_kv_heads,
                           d.head_dim, self.dtype, self.device)
             self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k)
@@ -215,9 +198,7 @@ class LLMEngine:
             self.attach_graph_runners()
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs,
-            # without chunking a prompt is computed whole, so the budget holds the longest
-            config.max_num_batched_tokens if config.enable_chunked_prefill
-            else max(config.max_num_batched_tokens, self.max_model_len), num_lookahead=k,
+            self.prefill_token_budget, num_lookahead=k,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
@@ -443,24 +424,43 @@ class LLMEngine:
             )
         self.num_speculative_tokens = k
 
+    @property
+    def prefill_token_budget(self) -> int:
+        """The most prompt tokens one prefill step computes (the scheduler's token budget):
+        ``max_num_batched_tokens``; without chunked prefill a prompt is computed whole, so at
+        least ``max_model_len``."""
+        c = self.config
+        return (c.max_num_batched_tokens if c.enable_chunked_prefill
+                else max(c.max_num_batched_tokens, self.max_model_len))
+
     def _default_num_blocks(self, blocks_per_seq: int) -> int:
-        spec = self.target.spec
-        per_block = KVCache.bytes_per_block(spec.num_layers, self.config.block_size,
+        """KV blocks for ``max_num_seqs`` full-length sequences, at most what the memory budget
+        holds (:mod:`memory_profile`), at least one sequence's ``blocks_per_seq``."""
+        spec, config = self.target.spec, self.config
+        per_block = KVCache.bytes_per_block(spec.num_layers, config.block_size,
                                             self.target.num_local_kv_heads, spec.head_dim, self.dtype)
         if self.drafter is not None:  # replicated on every rank
             d = self.drafter
-            per_block += KVCache.bytes_per_block(d.num_cache_layers, self.config.block_size,
+            per_block += KVCache.bytes_per_block(d.num_cache_layers, config.block_size,
                                                  d.num_kv_heads, d.head_dim, self.dtype)
-        fraction = self.config.mem_fraction_static
+        field = "gpu_memory_utilization" if config.gpu_memory_utilization is not None else "mem_fraction_static"
+        fraction = getattr(config, field)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = kv_cache_budget_bytes(free, total, fraction)
+            activations = 0
+            if config.gpu_memory_utilization is not None:
+                activations = activation_peak_bytes(
+                    self.target, self.drafter, self.backend, self.device, self.dtype,
+                    self.prefill_token_budget, self.max_model_len, config.block_size,
+                    config.max_num_seqs, self.num_speculative_tokens + 1)
+            self.profiled_activation_bytes = activations
+            free, total = torch.cuda.mem_get_info(self.device)  # after the profile's own growth
+            budget = kv_cache_budget_bytes(free, total, fraction, activations, field)
         else:
             budget = _CPU_KV_BUDGET_BYTES
-        wanted = blocks_per_seq * self.config.max_num_seqs
+        wanted = blocks_per_seq * config.max_num_seqs
         if fraction is not None and budget // per_block < blocks_per_seq:
             raise ValueError(
-                f"mem_fraction_static={fraction} (--mem-fraction-static) leaves room for "
+                f"{field}={fraction} ({flag_name(field)}) leaves room for "
                 f"{budget // per_block} KV blocks, fewer than one max_model_len="
                 f"{self.max_model_len} sequence needs ({blocks_per_seq}); raise it, or lower "
                 f"--max-model-len")

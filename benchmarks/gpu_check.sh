@@ -542,6 +542,14 @@ case "$stage" in
     timeout 330 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
       --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none --option gpu_memory_utilization=0.9 \
       2>&1 | quiet | grep -E "start-up|KV cache|profile|Error|error|^\| [0-9]+x" | tail -12 ;;
+  memory)
+    echo "== the fixed --gpu-memory-utilization CUDA test, then where start-up memory goes for each"
+    echo "   setting (benchmarks/memory_budget.py, lazy capture, one process each; ~7 min)"
+    gpu_tests 150 tests/test_engine_units.py -k "gpu_memory_utilization or mem_fraction" | tail -3
+    for opt in "" "--option gpu_memory_utilization=0.9" "--option mem_fraction_static=0.9"; do
+      timeout 150 python benchmarks/memory_budget.py --option cuda_graph_capture=lazy $opt 2>&1 \
+        | quiet | grep -E "KV cache budget|profile run|options|after|rror" | cut -c1-400
+    done ;;
   eager-k15)
     echo "== the eager warm-up above --cuda-graph-max-bs 16 at adaptive K = 15 (5 levels; ~5 min)"
     timeout 560 python benchmarks/bench_first_request.py --k 15 --max-num-seqs 64 --max-model-len 8192 \

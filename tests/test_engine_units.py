@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import pytest
@@ -301,6 +302,8 @@ def test_mem_fraction_static_sizes_the_kv_cache_on_cuda(tmp_path):
     gib = 2**30
     ckpt = hf.make_laguna_checkpoint(tmp_path / "t", "xs_mini", seed=0)
     torch.cuda.init()
+    gc.collect()  # earlier tests' cached blocks: released by the engine before it sizes the cache
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     fraction = (total - free + 2 * gib) / total
     llm = LLM(model=str(ckpt), device="cuda", max_model_len=64, max_num_seqs=10**6,
@@ -327,6 +330,8 @@ def test_gpu_memory_utilization_profiles_activations_and_sizes_the_kv_cache_on_c
     options = dict(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
                    max_model_len=2048, max_num_batched_tokens=2048, enforce_eager=True)
     torch.cuda.init()
+    gc.collect()  # what earlier tests of this process left in torch's cache is not in use: the
+    torch.cuda.empty_cache()  # engine empties the cache before it sizes the KV cache
     free, total = torch.cuda.mem_get_info()
     util = (total - free + 2 * gib) / total
     # 4096 sequences of 2048 tokens want ~6 GiB of this pair's cache: the budget decides

@@ -455,6 +455,13 @@ class LLMEngine:
             self.profiled_activation_bytes = activations
             free, total = torch.cuda.mem_get_info(self.device)  # after the profile's own growth
             budget = kv_cache_budget_bytes(free, total, fraction, activations, field)
+            gib = 2**30
+            logger.info(
+                "KV cache budget %.1f GiB (%s=%s): device %.1f GiB, in use after load %.1f GiB "
+                "(torch: %.1f allocated, %.1f reserved), profiled activations %.2f GiB", budget / gib,
+                field, fraction, total / gib, (total - free) / gib,
+                torch.cuda.memory_allocated(self.device) / gib,
+                torch.cuda.memory_reserved(self.device) / gib, activations / gib)
         else:
             budget = _CPU_KV_BUDGET_BYTES
         wanted = blocks_per_seq * config.max_num_seqs

@@ -27,7 +27,7 @@ from .sampler import sample_rows
 logger = logging.getLogger(__name__)
 
 # With neither fraction set: the KV cache takes this share of the GPU memory free after load.
-DEFAULT_KV_SHARE_OF_FREE = 0.8
+DEFAULT_KV_SHARE_OF_FREE = 0.7
 
 
 def flag_name(field: str) -> str:

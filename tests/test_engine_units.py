@@ -181,12 +181,12 @@ def test_config_errors():
 
 
 def test_kv_cache_budget_from_mem_fraction_static():
-    """Default: 80% of the memory free after load. With a fraction f: f x total less what is in
+    """Default: 70% of the memory free after load. With a fraction f: f x total less what is in
     use (weights and the rest), an error naming the flag once f is used up."""
     from laguna_dflash.engine.memory_profile import kv_cache_budget_bytes
 
     gib = 2**30
-    assert kv_cache_budget_bytes(70 * gib, 140 * gib, None) == 56 * gib
+    assert kv_cache_budget_bytes(70 * gib, 140 * gib, None) == 49 * gib
     assert kv_cache_budget_bytes(70 * gib, 140 * gib, 0.9) == 56 * gib  # 126 - 70 in use
     assert kv_cache_budget_bytes(70 * gib, 140 * gib, 1.0) == 70 * gib
     with pytest.raises(ValueError, match=r"--mem-fraction-static.*raise it above 0\.50"):

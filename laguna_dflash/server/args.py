@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import EngineConfig, SpeculativeConfig
+from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
 from ..models.dflash import dflash_value
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class ServerConfig:
             "block_size": e.block_size,
             "num_kv_blocks": e.num_kv_blocks or "auto",
             "mem_fraction_static": e.mem_fraction_static or (
-                "unset" if e.gpu_memory_utilization else "auto (80% of the memory free after load)"),
+                "unset" if e.gpu_memory_utilization
+                else f"auto ({DEFAULT_KV_SHARE_OF_FREE:.0%} of the memory free after load)"),
             "gpu_memory_utilization": e.gpu_memory_utilization or "unset",
             "max_num_seqs": e.max_num_seqs,
             "max_num_batched_tokens": e.max_num_batched_tokens,

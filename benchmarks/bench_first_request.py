@@ -411,7 +411,7 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
               f"peak {engine.profiled_activation_bytes / 2**30:.2f} GiB"
               + (f" in {sum(profile_s):.1f} s" if profile_s else " (no profile run)")
               + f"; torch's peak reserved while serving {torch.cuda.max_memory_reserved() / 2**30:.1f}"
-              f" GiB; device memory in use at the end {(total - free) / 2**30:.1f} of "
+              f" GiB (allocated {torch.cuda.max_memory_allocated() / 2**30:.1f}); device memory in use at the end {(total - free) / 2**30:.1f} of "
               f"{total / 2**30:.1f} GiB")
     print()
     print("| scenario (BxPxN) | run | wall s | first step ms | longest later step ms | "

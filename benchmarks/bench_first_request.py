@@ -358,6 +358,10 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     engine = llm.engine
     warm_graphs = num_graphs(engine)
     startup_gib = torch.cuda.memory_reserved() / 2**30 if args.device.startswith("cuda") else None
+    if startup_gib is not None:  # start-up's peaks, then the scenarios' own
+        startup_peak_gib = (torch.cuda.max_memory_reserved() / 2**30,
+                            torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
     clock = StepClock(engine, lambda: sync(args.device), lambda: sum(compiles.builds.values()))
     rng = random.Random(0)
     rows = []
@@ -410,8 +414,9 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
         print(f"KV cache {engine.allocator.num_blocks} blocks ({kv_gib:.1f} GiB); profiled activation "
               f"peak {engine.profiled_activation_bytes / 2**30:.2f} GiB"
               + (f" in {sum(profile_s):.1f} s" if profile_s else " (no profile run)")
-              + f"; torch's peak reserved while serving {torch.cuda.max_memory_reserved() / 2**30:.1f}"
-              f" GiB (allocated {torch.cuda.max_memory_allocated() / 2**30:.1f}); device memory in use at the end {(total - free) / 2**30:.1f} of "
+              + f"; torch's peak reserved (allocated) GiB: start-up {startup_peak_gib[0]:.1f} "
+              f"({startup_peak_gib[1]:.1f}), the scenarios {torch.cuda.max_memory_reserved() / 2**30:.1f}"
+              f" ({torch.cuda.max_memory_allocated() / 2**30:.1f}); device memory in use at the end {(total - free) / 2**30:.1f} of "
               f"{total / 2**30:.1f} GiB")
     print()
     print("| scenario (BxPxN) | run | wall s | first step ms | longest later step ms | "

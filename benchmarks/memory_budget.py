@@ -61,7 +61,10 @@ def main() -> None:
     free, total = torch.cuda.mem_get_info()
     print(f"after start-up: in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB; torch "
           f"allocated {torch.cuda.memory_allocated() / 2**30:.1f}, reserved "
-          f"{torch.cuda.memory_reserved() / 2**30:.1f}, peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f}")
+          f"{torch.cuda.memory_reserved() / 2**30:.1f}, start-up's peak reserved "
+          f"{torch.cuda.max_memory_reserved() / 2**30:.1f} (allocated "
+          f"{torch.cuda.max_memory_allocated() / 2**30:.1f})")
+    torch.cuda.reset_peak_memory_stats()  # the serving's own peaks below
     prompts = [[100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(args.prompts)]
     llm.generate(prompt_token_ids=prompts,
                  sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

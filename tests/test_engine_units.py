@@ -219,6 +219,30 @@ def test_profile_items_cover_the_prefill_budget_in_requests_the_scheduler_could_
     assert [it.num_tokens for it in profile_items(100, 8192, 16)] == [100]
 
 
+def test_profile_run_out_of_memory_names_the_flags(tmp_path, monkeypatch):
+    """A profile run that does not fit is a start-up error naming what to lower, not a bare
+    CUDA out-of-memory (the CUDA calls are stood in for on the CPU; the forward raises)."""
+    import hf_fixtures as hf
+
+    from laguna_dflash import LLM
+    from laguna_dflash.engine import memory_profile
+
+    engine = LLM(model=str(hf.make_laguna_checkpoint(tmp_path / "t", "xs_mini", seed=0)),
+                 max_model_len=64).engine
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+
+    def out_of_memory(*a):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(memory_profile, "run_profile_forward", out_of_memory)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization.*8192 tokens "
+                                         r"\(--max-num-batched-tokens\).*--max-num-seqs"):
+        memory_profile.activation_peak_bytes(engine.target, None, engine.backend, engine.device,
+                                             engine.dtype, 8192, 64, 16, 64, 1)
+
+
 @pytest.mark.parametrize("with_drafter", [False, True], ids=["target-only", "dflash"])
 def test_profile_forward_runs_the_budget_and_the_largest_sampling_step(tmp_path, monkeypatch,
                                                                        with_drafter):

@@ -88,7 +88,8 @@ def run_profile_forward(target: torch.nn.Module, drafter: torch.nn.Module | None
     rows_per_request`` rows sampled with a temperature, top-k and top-p (the sampler's largest
     path), and their float32 log-softmax (logprobs)."""
     num_tokens = sum(it.num_tokens for it in items)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
+    # distinct tokens: a prompt of one repeated token would route every row to the same experts
+    ids = torch.arange(num_tokens, device=runner.device) * 7919 % target.spec.vocab_size
     tap_layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
     hidden, taps = runner.forward(ids, items, tap_layer_ids)
     if drafter is not None:
@@ -126,8 +127,15 @@ def activation_peak_bytes(target: torch.nn.Module, drafter: torch.nn.Module | No
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    run_profile_forward(target, drafter, runner, draft_cache, items, num_sampled_requests,
-                        rows_per_request)
+    try:
+        run_profile_forward(target, drafter, runner, draft_cache, items, num_sampled_requests,
+                            rows_per_request)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ValueError(
+            f"the start-up profile run (gpu_memory_utilization, --gpu-memory-utilization) ran out of "
+            f"memory: one prefill step of {num_tokens} tokens (--max-num-batched-tokens) and "
+            f"sampling {num_sampled_requests} x {rows_per_request} rows (--max-num-seqs x (K + 1)) "
+            f"do not fit next to the weights; lower those, or set --num-kv-blocks") from e
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del runner, cache, draft_cache

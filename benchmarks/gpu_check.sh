@@ -6,6 +6,8 @@
 #                                           # wheels in .whl/); full log in $OUT/gpu_all.log
 #   bash benchmarks/gpu_check.sh pass39     # --gpu-memory-utilization: CUDA tests, the server's
 #                                           # defaults sized by it (~5 min)
+#   bash benchmarks/gpu_check.sh pass40     # the fusion's memory test; start-up's and serving's
+#                                           # memory peaks apart, default and U = 0.9 (~6 min)
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
 #   bash benchmarks/gpu_check.sh all-tests-engine  # the engine's test files with CUDA tests
@@ -542,6 +544,17 @@ case "$stage" in
     timeout 330 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
       --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none --option gpu_memory_utilization=0.9 \
       2>&1 | quiet | grep -E "start-up|KV cache|profile|Error|error|^\| [0-9]+x" | tail -12 ;;
+  pass40)
+    echo "== what the thirty-ninth pass left unrun: the per-module empty_cache's CUDA test, then"
+    echo "   start-up's and the scenarios' memory peaks apart (reserved and allocated), default"
+    echo "   and --gpu-memory-utilization 0.9, start-up capture (~6 min)"
+    gpu_tests 120 tests/test_inference_fusion.py tests/test_engine_units.py \
+      -k "reserved_memory or gpu_memory_utilization" | tail -3
+    for opt in "" "--option gpu_memory_utilization=0.9"; do
+      timeout 200 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
+        --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none $opt 2>&1 | quiet \
+        | grep -E "start-up \(|KV cache|rror|^\| 64x" | cut -c1-400
+    done ;;
   memory)
     echo "== the fixed --gpu-memory-utilization CUDA test, then where start-up memory goes for each"
     echo "   setting (benchmarks/memory_budget.py, lazy capture, one process each; ~7 min)"

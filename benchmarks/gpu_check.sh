@@ -545,11 +545,12 @@ case "$stage" in
       --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none --option gpu_memory_utilization=0.9 \
       2>&1 | quiet | grep -E "start-up|KV cache|profile|Error|error|^\| [0-9]+x" | tail -12 ;;
   pass40)
-    echo "== what the thirty-ninth pass left unrun: the per-module empty_cache's CUDA test, then"
+    echo "== what the thirty-ninth pass left unrun: the per-module empty_cache's and the one warm-up"
+    echo "   stream's CUDA tests, then"
     echo "   start-up's and the scenarios' memory peaks apart (reserved and allocated), default"
     echo "   and --gpu-memory-utilization 0.9, start-up capture (~6 min)"
-    gpu_tests 120 tests/test_inference_fusion.py tests/test_engine_units.py \
-      -k "reserved_memory or gpu_memory_utilization" | tail -3
+    gpu_tests 200 tests/test_inference_fusion.py tests/test_engine_units.py tests/test_cuda_graphs.py \
+      -k "reserved_memory or gpu_memory_utilization or warmups_reuse or startup_capture_empties" | tail -6
     for opt in "" "--option gpu_memory_utilization=0.9"; do
       timeout 200 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
         --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none $opt 2>&1 | quiet \

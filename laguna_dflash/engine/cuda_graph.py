@@ -132,7 +132,7 @@ def capture_graph(fn: Callable[[], T], device: torch.device, pool,
     (:func:`build_kernels_ahead`), not one after another inside the warm-up runs."""
     if build_first and build_ahead:
         build_kernels_ahead([fn], device)
-    side = torch.cuda.Stream(device)
+    side = _warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with building_cuda_graph():  # graph-only kernel choices (models.layers.linear)
         with torch.cuda.stream(side):
@@ -152,6 +152,17 @@ def capture_graph(fn: Callable[[], T], device: torch.device, pool,
 
 @functools.cache
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every capture's eager warm-ups run on. The caching allocator keeps a
+    freed block for reuse on the stream that allocated it only, so with a new stream per
+    capture and the cache kept between captures (:data:`keep_cache_between_captures`) each
+    capture's warm-up activations took new segments, held until the start-up capture's end:
+    torch's peak reserved reached 137.7 GiB of 139.8 at XS-2.1 size, 10.4 above what start-up
+    left reserved (docs/PERFORMANCE.md, thirty-ninth pass; the cause inferred, not measured)."""
     return torch.cuda.Stream(device)
 
 

@@ -18,6 +18,7 @@ import typing
 import torch
 
 from .config import EngineConfig, SamplingParams
+from .config import flag as config_flag
 
 logger = logging.getLogger("laguna_dflash")
 
@@ -194,7 +195,7 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     """One ``--flag`` per dataclass field, defaults taken from the dataclass (defined once)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flag = config_flag(f.name)
         kind = hints[f.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         required = f.default is dataclasses.MISSING

@@ -25,6 +25,11 @@ _DTYPES = {
 }
 
 
+def flag(name: str) -> str:
+    """The command-line spelling of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
 def resolve_dtype(dtype: str | torch.dtype, model_config: dict | None = None,
                   device: torch.device | None = None) -> torch.dtype:
     """Map a user dtype spelling ("bfloat16", "bf16", torch.float32, ...) to a torch dtype.

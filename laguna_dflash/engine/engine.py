@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, SamplingParams, resolve_device, resolve_dtype
+from ..config import EngineConfig, SamplingParams, flag, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
 from ..models.layers import fuse_for_inference
@@ -23,7 +23,7 @@ from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner, build_kernels_ahead
 from .kv_cache import BlockAllocator, KVCache
-from .memory_profile import activation_peak_bytes, flag_name, kv_cache_budget_bytes
+from .memory_profile import activation_peak_bytes, kv_cache_budget_bytes
 from .penalties import penalized_rows
 from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
 from .sampler import sample_rows, top_logprobs
@@ -467,7 +467,7 @@ class LLMEngine:
         wanted = blocks_per_seq * config.max_num_seqs
         if fraction is not None and budget // per_block < blocks_per_seq:
             raise ValueError(
-                f"{field}={fraction} ({flag_name(field)}) leaves room for "
+                f"{field}={fraction} ({flag(field)}) leaves room for "
                 f"{budget // per_block} KV blocks, fewer than one max_model_len="
                 f"{self.max_model_len} sequence needs ({blocks_per_seq}); raise it, or lower "
                 f"--max-model-len")

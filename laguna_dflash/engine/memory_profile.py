@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from ..config import SamplingParams
+from ..config import SamplingParams, flag
 from .kv_cache import KVCache
 from .runner import ForwardItem, ModelRunner
 from .sampler import sample_rows
@@ -33,12 +33,6 @@ logger = logging.getLogger(__name__)
 # thirty-ninth pass). 0.8 until that pass, when 17.7 GiB of fragmented segments, counted in
 # use, had been that room.
 DEFAULT_KV_SHARE_OF_FREE = 0.7
-
-
-def flag_name(field: str) -> str:
-    """The command-line flag of an ``EngineConfig`` field: ``gpu_memory_utilization`` ->
-    ``--gpu-memory-utilization``."""
-    return "--" + field.replace("_", "-")
 
 
 def kv_cache_budget_bytes(free: int, total: int, fraction: float | None,
@@ -55,12 +49,11 @@ def kv_cache_budget_bytes(free: int, total: int, fraction: float | None,
     used = total - free
     budget = int(fraction * total) - used - activation_bytes
     if budget <= 0:
-        flag = flag_name(field)
         needed = (used + activation_bytes) / total
         activations = (f" and a forward's activations take {activation_bytes / 2**30:.1f} GiB "
                        "(profiled at --max-num-batched-tokens)" if activation_bytes else "")
         raise ValueError(
-            f"{field}={fraction} ({flag}) leaves no memory for the KV cache: "
+            f"{field}={fraction} ({flag(field)}) leaves no memory for the KV cache: "
             f"{used / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB are in use once the "
             f"weights are loaded{activations}; raise it above {needed:.2f}, or set --num-kv-blocks"
             + (", or lower --max-num-batched-tokens" if activation_bytes else ""))

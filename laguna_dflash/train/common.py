@@ -13,14 +13,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..config import flag
 from ..distributed import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of a config field: ``batch_size`` -> ``--batch-size``."""
-    return "--" + name.replace("_", "-")
 
 
 def require_at_least(c, **minimums: float) -> None:

@@ -26,3 +26,14 @@ def table_rows(stdout: str) -> list[list[str]]:
     """The cells of every markdown table row of ``stdout``, header rows included, rules not."""
     return [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines()
             if line.startswith("| ") and "---" not in line]
+
+
+def printed_ratio_tolerance(num: float, den: float, num_step: float, den_step: float,
+                            ratio_step: float) -> float:
+    """How far a printed ratio may sit from the quotient of its printed operands.
+
+    Each printed figure is rounded to its last digit (``*_step``: 0.1 for ``:.1f``), so it is
+    off by at most half a step. Carried through the quotient, d(n/d) = dn/d + n*dd/d^2, which
+    adds to the ratio's own half step (a first-order bound, with a little slack on top).
+    """
+    return (ratio_step + num_step / den + num * den_step / den**2) / 2 * 1.01 + 1e-12

@@ -233,14 +233,21 @@ def test_profile_run_out_of_memory_names_the_flags(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
 
-    def out_of_memory(*a):
+    import weakref
+    caches = []
+
+    def out_of_memory(target, drafter, runner, draft_cache, *a):
+        caches.append(weakref.ref(runner.kv_cache))
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(memory_profile, "run_profile_forward", out_of_memory)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization.*8192 tokens "
-                                         r"\(--max-num-batched-tokens\).*--max-num-seqs"):
+                                         r"\(--max-num-batched-tokens\).*--max-num-seqs") as err:
         memory_profile.activation_peak_bytes(engine.target, None, engine.backend, engine.device,
                                              engine.dtype, 8192, 64, 16, 64, 1)
+    # the throwaway KV cache is freed while the caller still holds the error (and its frames)
+    assert len(caches) == 1 and caches[0]() is None
+    assert "CUDA out of memory" in str(err.value)
 
 
 @pytest.mark.parametrize("with_drafter", [False, True], ids=["target-only", "dflash"])

@@ -125,19 +125,27 @@ def activation_peak_bytes(target: torch.nn.Module, drafter: torch.nn.Module | No
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
+    out_of_memory = None
     try:
         run_profile_forward(target, drafter, runner, draft_cache, items, num_sampled_requests,
                             rows_per_request)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
     except torch.cuda.OutOfMemoryError as e:
+        # only its message is kept: the exception's traceback holds the profile's frames, and
+        # with them its activations and throwaway caches, for as long as a caller keeps the
+        # error (a retry with smaller flags would run out of memory again)
+        out_of_memory = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
+    finally:
+        del runner, cache, draft_cache
+        torch.cuda.empty_cache()
+    if out_of_memory is not None:
         raise ValueError(
             f"the start-up profile run (gpu_memory_utilization, --gpu-memory-utilization) ran out of "
-            f"memory: one prefill step of {num_tokens} tokens (--max-num-batched-tokens) and "
-            f"sampling {num_sampled_requests} x {rows_per_request} rows (--max-num-seqs x (K + 1)) "
-            f"do not fit next to the weights; lower those, or set --num-kv-blocks") from e
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del runner, cache, draft_cache
-    torch.cuda.empty_cache()
+            f"memory ({out_of_memory}): one prefill step of {num_tokens} tokens "
+            f"(--max-num-batched-tokens) and sampling {num_sampled_requests} x {rows_per_request} "
+            f"rows (--max-num-seqs x (K + 1)) do not fit next to the weights; lower those, or set "
+            f"--num-kv-blocks")
     logger.info("profile run: %d prefill tokens in %d requests, then sampling %d x %d rows: "
                 "activation peak %.2f GiB", num_tokens, len(items), num_sampled_requests,
                 rows_per_request, peak / 2**30)

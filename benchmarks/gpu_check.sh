@@ -8,6 +8,8 @@
 #                                           # defaults sized by it (~5 min)
 #   bash benchmarks/gpu_check.sh pass40     # the fusion's memory test; start-up's and serving's
 #                                           # memory peaks apart, default and U = 0.9 (~6 min)
+#   bash benchmarks/gpu_check.sh pass41     # the engine units' CUDA tests (exclusive_gpu ones alone),
+#                                           # start-up and serving peaks at the default KV share (~6 min)
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
 #   bash benchmarks/gpu_check.sh all-tests-engine  # the engine's test files with CUDA tests
@@ -187,15 +189,18 @@ gpu_tests() {
 # and execnet wheels in .whl/), full log in $OUT/LOG. -v: a run cut by the limit still names each
 # result. The interpreter children (one pytest under TRITON_INTERPRET=1 a file) are CPU CI's:
 # run here twelve at once, about 18 of them failed without names on 2026-12-01 (their 300 s
-# limit, presumably).
+# limit, presumably). Tests marked exclusive_gpu size memory from the device's free bytes, which
+# the other workers move (one read 0.5 GiB short on 2026-12-02): they run afterwards, one at a time.
 every_test() {
   local log=${OUT:-/tmp}/$1; shift
   echo "== $* (CUDA and sm_90 cases; the interpreter ones are CPU CI's)"
-  timeout 560 python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
-    -k "not interpret" >"$log" 2>&1
+  timeout 460 python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
+    -k "not interpret" -m "not exclusive_gpu" >"$log" 2>&1
   echo "pytest exit ${?} (124: cut by the time limit)"
   grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40
   sed -n '/slowest/,/^$/p' "$log" | head -12
+  echo "-- the exclusive_gpu tests, one process"
+  gpu_tests 100 "$@" -k "not interpret" -m exclusive_gpu | tail -8
 }
 # step_ab PYTEST_K SWITCH: the CUDA graph tests selected by PYTEST_K (all when empty), then the
 # batch-1 step A/B of host_timeline.py (defaults against module:attr=value SWITCH) and the
@@ -556,6 +561,13 @@ case "$stage" in
         --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none $opt 2>&1 | quiet \
         | grep -E "start-up \(|KV cache|rror|^\| 64x" | cut -c1-400
     done ;;
+  pass41)
+    echo "== the engine units' CUDA tests, the memory-sizing ones alone after the rest; then the"
+    echo "   server's defaults at the default KV share (0.8 again): start-up's and serving's peaks (~6 min)"
+    every_test "gpu_units.log" tests/test_engine_units.py
+    timeout 240 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none 2>&1 | quiet \
+      | grep -E "start-up \(|KV cache|rror|^\| 64x" | cut -c1-400 ;;
   memory)
     echo "== the fixed --gpu-memory-utilization CUDA test, then where start-up memory goes for each"
     echo "   setting (benchmarks/memory_budget.py, lazy capture, one process each; ~7 min)"

@@ -79,7 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--mem-fraction-static", type=float, default=EngineConfig.mem_fraction_static,
                    help="GPU: the fraction of the device's memory for the weights and the KV "
                         "cache together, the rest left for activations, CUDA graphs and other "
-                        "processes (SGLang's flag; default: the KV cache takes 70%% of the memory "
+                        "processes (SGLang's flag; default: the KV cache takes 80%% of the memory "
                         "free after loading; --num-kv-blocks overrides both)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    default=EngineConfig.gpu_memory_utilization,

@@ -275,7 +275,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     # On a GPU, with num_kv_blocks unset: the fraction of the device's memory the weights and
     # the KV cache hold together (SGLang's --mem-fraction-static); the rest is left for
-    # activations, CUDA graphs and other processes. None: the KV cache takes 70% of the memory
+    # activations, CUDA graphs and other processes. None: the KV cache takes 80% of the memory
     # free after the weights load (kv_cache_budget_bytes).
     mem_fraction_static: float | None = None
     # On a GPU, with num_kv_blocks unset: the fraction of the device's memory the weights, the

@@ -181,12 +181,12 @@ def test_config_errors():
 
 
 def test_kv_cache_budget_from_mem_fraction_static():
-    """Default: 70% of the memory free after load. With a fraction f: f x total less what is in
+    """Default: 80% of the memory free after load. With a fraction f: f x total less what is in
     use (weights and the rest), an error naming the flag once f is used up."""
     from laguna_dflash.engine.memory_profile import kv_cache_budget_bytes
 
     gib = 2**30
-    assert kv_cache_budget_bytes(70 * gib, 140 * gib, None) == 49 * gib
+    assert kv_cache_budget_bytes(70 * gib, 140 * gib, None) == 56 * gib
     assert kv_cache_budget_bytes(70 * gib, 140 * gib, 0.9) == 56 * gib  # 126 - 70 in use
     assert kv_cache_budget_bytes(70 * gib, 140 * gib, 1.0) == 70 * gib
     with pytest.raises(ValueError, match=r"--mem-fraction-static.*raise it above 0\.50"):
@@ -320,6 +320,7 @@ def test_mem_fraction_static_that_cannot_hold_one_sequence_names_the_flag(tmp_pa
         EngineConfig(model="x", mem_fraction_static=0.0)
 
 
+@pytest.mark.exclusive_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_mem_fraction_static_sizes_the_kv_cache_on_cuda(tmp_path):
     """On a GPU the KV cache of ``mem_fraction_static=f`` takes f x total less what is in use
@@ -344,6 +345,7 @@ def test_mem_fraction_static_sizes_the_kv_cache_on_cuda(tmp_path):
     assert 1.5 * gib < num_bytes <= 2 * gib, num_bytes / gib
 
 
+@pytest.mark.exclusive_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_memory_utilization_profiles_activations_and_sizes_the_kv_cache_on_cuda(tmp_path):
     """On a GPU, ``gpu_memory_utilization=u``: the profile measures the activations of a

@@ -193,7 +193,7 @@ def test_mem_fraction_static_flag_reaches_the_engine_config_and_the_log_line(cap
     assert config.describe()["mem_fraction_static"] == 0.85
     default = resolve_server_config(_args())
     assert default.engine.mem_fraction_static is None
-    assert "70%" in default.describe()["mem_fraction_static"]
+    assert "80%" in default.describe()["mem_fraction_static"]
     for bad in ("0", "1.5"):
         with pytest.raises(ValueError, match="--mem-fraction-static"):
             resolve_server_config(_args("--mem-fraction-static", bad))

@@ -27,12 +27,12 @@ from .sampler import sample_rows
 logger = logging.getLogger(__name__)
 
 # With neither fraction set: the KV cache takes this share of the GPU memory free after load.
-# The rest holds activations, CUDA graph pools and start-up's transients: at XS-2.1 size on the
+# The rest holds activations, CUDA graph pools and start-up's transients. At XS-2.1 size on the
 # H200 with start-up capture, 0.7 gave a 53.1 GiB cache and torch's peak reserved 130.7 of
-# 139.8 GiB; the same start-up with a 60.3 GiB cache peaked at 137.7 (docs/PERFORMANCE.md,
-# thirty-ninth pass). 0.8 until that pass, when 17.7 GiB of fragmented segments, counted in
-# use, had been that room.
-DEFAULT_KV_SHARE_OF_FREE = 0.7
+# 139.8 GiB while start-up's capture warm-ups left ~10 GiB of cached blocks on dead streams
+# (thirty-ninth pass; 0.7 then). With the warm-ups on one stream that peak is 119.8 GiB at 0.7,
+# and a 60.3 GiB cache peaks at 127.0 start-up, 128.2 serving (fortieth pass): 0.8 again.
+DEFAULT_KV_SHARE_OF_FREE = 0.8
 
 
 def kv_cache_budget_bytes(free: int, total: int, fraction: float | None,

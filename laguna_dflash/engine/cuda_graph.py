@@ -162,7 +162,8 @@ def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
     capture and the cache kept between captures (:data:`keep_cache_between_captures`) each
     capture's warm-up activations took new segments, held until the start-up capture's end:
     torch's peak reserved reached 137.7 GiB of 139.8 at XS-2.1 size, 10.4 above what start-up
-    left reserved (docs/PERFORMANCE.md, thirty-ninth pass; the cause inferred, not measured)."""
+    left reserved (docs/PERFORMANCE.md, thirty-ninth pass). On this one stream the same start-up
+    peaked at 127.0, 0.6 above (fortieth pass)."""
     return torch.cuda.Stream(device)
 
 

@@ -3,6 +3,7 @@ tables exactly as long as asked for, and a short engine warm-up (below)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter children (interpreter_child.py)
+    import interpreter_speedup
+
+    interpreter_speedup.install()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """tests/interpreter_speedup.py: under Triton's interpreter a kernel with nested ``@triton.jit``
 helpers computes what the reference does while its helpers' calls skip the language patch,
-the launch still patches once, and ``triton.language`` is back as it was after the launch."""
+the launch still patches once, and ``triton.language`` is back as it was after the launch; the
+memoized numpy dtypes equal the interpreter's own."""
 
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
     run_interpreted_child(__file__, timeout=120)
+
+
+@interpreted
+def test_interpreted_memoized_np_dtypes_equal_the_interpreters():
+    import interpreter_speedup
+    from triton.runtime import interpreter
+
+    assert interpreter_speedup.install()
+    unwrapped = interpreter._get_np_dtype.wrapped
+    scalars = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int8, tl.uint8,
+               tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float8e5,
+               tl.float8e4nv]
+    dtypes = scalars + [tl.pointer_type(tl.float32), tl.block_type(tl.bfloat16, [4, 8]),
+                        tl.block_type(tl.pointer_type(tl.int32), [16])]
+    for _ in range(2):  # the second round answers from the cache
+        for dtype in dtypes:
+            assert interpreter._get_np_dtype(dtype) == unwrapped(dtype), dtype

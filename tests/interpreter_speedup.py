@@ -3,13 +3,13 @@
 Under ``TRITON_INTERPRET=1`` triton 3.6 patches ``triton.language`` for the interpreter (every
 builtin wrapped, ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math``) once per kernel
 launch, and again on every call of a nested ``@triton.jit`` helper, in every program of the
-grid, without undoing the nested patches. The launch's own patch already covers the helpers'
-modules, so the nested ones are redundant: in one profile of an engine test under the
+grid, without undoing the nested patches: in one profile of an engine test under the
 interpreter they were 28% of its time (97 of 349 s).
 
 :func:`install` makes each launch patch both language modules the interpreter patches
 (``tl`` and ``tl.core``: triton's standard library, ``tl.sum`` and the like, sees ``core`` only)
-and undo both at its end, and skips the patch of every nested call inside the launch. Triton
+whichever its kernel sees, undo both at its end, and skip the patch of every nested call
+inside the launch (it would patch the same modules again). Triton
 itself leaves ``tl.core`` patched after a launch whose helpers patched it; here the launch undoes
 it. It also memoizes ``_get_np_dtype`` (a dict of 17 triton dtypes built and hashed on every call:
 30% of a top-k case whose custom-combine reductions run element by element in Python). It relies
@@ -20,7 +20,6 @@ missing.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -30,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 # the running launch's function; None outside a launch
 _launch = threading.local()
-# fn -> ids of the triton.language modules in its globals
-_langs_cache: dict[Callable, frozenset[int]] = {}
 stats = {"launch_patches": 0, "nested_skipped": 0}
 
 
@@ -40,28 +37,6 @@ class _Globals:
 
     def __init__(self, modules: dict[str, Any]) -> None:
         self.__globals__ = modules
-
-
-class _Scopes:
-    """Several patch scopes undone as one, the last applied first."""
-
-    def __init__(self, *scopes: Any) -> None:
-        self.scopes = scopes
-
-    def restore(self) -> None:
-        for scope in reversed(self.scopes):
-            scope.restore()
-
-
-def _language_modules(fn: Callable) -> frozenset[int]:
-    langs = _langs_cache.get(fn)
-    if langs is None:
-        import triton.language as tl
-
-        langs = frozenset(id(v) for v in fn.__globals__.values()
-                          if inspect.ismodule(v) and (v is tl or v is tl.core))
-        _langs_cache[fn] = langs
-    return langs
 
 
 def install() -> bool:
@@ -83,7 +58,7 @@ def install() -> bool:
 
     import triton.language as tl
 
-    every_language = {id(tl): ("tl", tl), id(tl.core): ("core", tl.core)}
+    every_language = _Globals({"tl": tl, "core": tl.core})
 
     def call_launch(self: Any, *args: Any, **kwargs: Any) -> Any:
         previous = getattr(_launch, "current", None)
@@ -97,12 +72,9 @@ def install() -> bool:
         current = getattr(_launch, "current", None)
         if current is None:  # a helper called outside a launch: as triton does
             return patch_lang(fn)
-        if fn is current:  # the launch: its modules, then the ones its helpers may see
+        if fn is current:  # the launch: every module its kernel and helpers may see
             stats["launch_patches"] += 1
-            missing = dict(every_language[m] for m in every_language
-                           if m not in _language_modules(fn))
-            scope = patch_lang(fn)
-            return _Scopes(scope, patch_lang(_Globals(missing))) if missing else scope
+            return patch_lang(every_language)
         stats["nested_skipped"] += 1
         return scope_type()  # the launch patched every module a helper sees: nothing to undo
 
@@ -110,7 +82,7 @@ def install() -> bool:
 
     def np_dtype_once(tt_dtype: Any) -> Any:
         # the original looks tt_dtype up in a dict by equality and hash: so does this cache;
-        # pointer types (and blocks of them) are unhashable, and answered before its dict
+        # pointer types (and blocks of them) are unhashable: the original answers those
         try:
             found = np_dtypes.get(tt_dtype)
         except TypeError:

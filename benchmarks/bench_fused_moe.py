@@ -9,6 +9,12 @@ bf16; ``gate_up [256, 1024, 2048]`` + ``down [256, 2048, 512]`` = 6 MiB per expe
 * ``loop``: ``MoE.experts_forward`` (grouped loop over the experts hit, one host sync);
 * ``gemv`` (T <= 4): ``kernels.moe_gemv.moe_gemv_experts`` (per-pair GEMVs, ``MoE.use_moe_gemv``
   up to ``MoE.moe_gemv_max_tokens``), replayed, with ``--sweep`` over its tile configs at T = 1;
+* ``sorted``: ``kernels.grouped_moe.sorted_moe_experts`` (pairs sorted by expert once, fixed
+  16-row tiles: the batch-invariant mode's and the float32 path's kernels past
+  ``MoE.fused_moe_max_pairs``), replayed;
+* ``grouped``: ``MoE.experts_forward_grouped`` (``torch._grouped_mm``: what a bf16 engine on sm90
+  runs past ``MoE.fused_moe_max_pairs`` pairs, batch-64 decode and batch-16 verify among them),
+  replayed;
 
 eagerly, and the first two also replayed from a CUDA graph (``graph``), against the bandwidth
 floor: bytes of the distinct experts hit over the device-to-device copy bandwidth measured in the
@@ -18,22 +24,29 @@ reference before timing. Prints a markdown table.
 
     python benchmarks/bench_fused_moe.py
     python benchmarks/bench_fused_moe.py --sweep   # also try kernel tile configs at T=1 and T=16
+    python benchmarks/bench_fused_moe.py --tokens 16,32,64,128,256 --top-k 9 --paths fused,sorted,grouped
+
+``--paths`` picks the columns (default: fused, gather, loop, gemv); every path timed is checked
+against the fp32 reference first.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
-from laguna_dflash.kernels import fused_moe, moe_gemv
+from laguna_dflash.kernels import fused_moe, grouped_moe, moe_gemv
 from laguna_dflash.models.layers import MoE
 
 E, K, H, INTER = 256, 8, 2048, 512
 EXPERT_BYTES = (2 * INTER * H + H * INTER) * 2  # bf16
 GEMV_MAX_TOKENS = 4  # per-pair GEMVs re-read an expert per pair: only small T is worth timing
+# the fused kernels group the pairs inside every program over a P-wide vector: past this many
+# pairs their build and their per-program scan grow (the engine stops them at 256 pairs)
+FUSED_MAX_PAIRS = 1024
+PATHS = ("fused", "gather", "loop", "gemv", "sorted", "grouped")
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -81,6 +94,23 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
+def path_call(name: str, moe: MoE, x: torch.Tensor, ids: torch.Tensor,
+              w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Path ``name`` over ``moe``'s experts for ``x [T, H]`` routed to ``ids [T, k]`` with weights
+    ``w [T, k]``: a callable returning ``[T, H]``, or the weighted pairs ``[T, k, H]`` unsummed."""
+    base, _, rows = name.partition(":")  # sorted:N = the sorted kernels at block_m N
+    block_m = int(rows) if rows else grouped_moe.DEFAULT_BLOCK_M
+    gate_up, down = moe.experts_gate_up, moe.experts_down
+    return {
+        "fused": lambda: fused_moe.fused_moe_experts(x, ids, w, gate_up, down),
+        "gather": lambda: moe.experts_forward_gather(x, w, ids),
+        "loop": lambda: moe.experts_forward(x, w, ids),
+        "gemv": lambda: moe_gemv.moe_gemv_experts(x, ids, w, gate_up, down),
+        "sorted": lambda: grouped_moe.sorted_moe_experts(x, ids, w, gate_up, down, block_m=block_m),
+        "grouped": lambda: moe.experts_forward_grouped(x, w, ids),
+    }[base]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,2,4,8,16")
@@ -89,7 +119,17 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time kernel tile configs")
     ap.add_argument("--top-k", type=int, default=K,
                     help="pairs per token (9: top-8 plus the folded shared expert, as the engine runs it)")
+    ap.add_argument("--sweep-sorted", default="",
+                    help="comma list of T at which to time the sorted kernels' tile configs")
+    ap.add_argument("--paths", default="fused,gather,loop,gemv",
+                    help=f"comma list of the paths to time, of {','.join(PATHS)}; sorted:N times "
+                         "the sorted kernels at block_m N")
     args = ap.parse_args()
+    paths = [s for s in args.paths.split(",") if s]
+    unknown = sorted({p for p in paths if p.partition(":")[0] not in PATHS
+                      or (p.partition(":")[2] and not p.startswith("sorted:"))})
+    if unknown:
+        raise SystemExit(f"--paths: unknown {unknown}; choose from {','.join(PATHS)}")
     k_top = args.top_k
     device = torch.device("cuda")
     assert fused_moe.is_available(device), "needs a CUDA GPU (sm80+) with triton"
@@ -111,51 +151,47 @@ def main() -> None:
         w = torch.rand(t, k_top, generator=g)
         w = (w / w.sum(-1, keepdim=True)).to(device=device, dtype=torch.bfloat16)
         x = torch.randn(t, H, generator=g).to(device=device, dtype=torch.bfloat16)
-        distinct = int(ids.unique().numel())
+        timed = [p for p in paths if (p != "gemv" or t <= GEMV_MAX_TOKENS)
+                 and (p != "fused" or t * k_top <= FUSED_MAX_PAIRS)]
         m0 = layers[0]
+        row = {"T": t, "pairs": t * k_top, "experts hit": int(ids.unique().numel())}
+        row["floor"] = row["experts hit"] * EXPERT_BYTES / bw * 1e6
         with torch.no_grad():
             ref = fused_moe.moe_experts_reference(
                 x.float(), ids, w.float(), m0.experts_gate_up.float(), m0.experts_down.float())
             scale = ref.abs().max().item()
-            for name, out in (
-                ("fused", fused_moe.fused_moe_experts(x, ids, w, m0.experts_gate_up, m0.experts_down)),
-                ("gather", m0.experts_forward_gather(x, w, ids)),
-                ("loop", m0.experts_forward(x, w, ids)),
-            ):
+            for name in timed:
+                out = path_call(name, m0, x, ids, w)()
+                out = out.sum(1) if out.dim() == 3 else out  # the pairs, unsummed
                 err = (out.float() - ref).abs().max().item() / scale
                 assert err < 3e-2, f"T={t} {name}: relative error {err:.3g} vs the fp32 reference"
-            if t <= GEMV_MAX_TOKENS:
-                out = moe_gemv.moe_gemv_experts(x, ids, w, m0.experts_gate_up, m0.experts_down).sum(1)
-                err = (out.float() - ref).abs().max().item() / scale
-                assert err < 3e-2, f"T={t} gemv: relative error {err:.3g} vs the fp32 reference"
-            fused = [partial(fused_moe.fused_moe_experts, x, ids, w, m.experts_gate_up,
-                             m.experts_down) for m in layers]
-            gather = [partial(m.experts_forward_gather, x, w, ids) for m in layers]
-            loop = [partial(m.experts_forward, x, w, ids) for m in layers]
-            row = {"T": t, "pairs": t * k_top, "experts hit": distinct,
-                   "floor": distinct * EXPERT_BYTES / bw * 1e6}
-            row["fused"] = time_per_call(fused, args.reps)
-            row["fused graph"] = time_per_call([graphed(f) for f in fused], args.reps)
-            row["gather"] = time_per_call(gather, args.reps)
-            row["gather graph"] = time_per_call([graphed(f) for f in gather], args.reps)
-            row["loop"] = time_per_call(loop, max(2, args.reps // 4))
-            if t <= GEMV_MAX_TOKENS:  # the per-pair GEMVs (pairs unsummed, as the engine runs them)
-                gemv = [partial(moe_gemv.moe_gemv_experts, x, ids, w, m.experts_gate_up,
-                                m.experts_down) for m in layers]
-                row["gemv graph"] = time_per_call([graphed(f) for f in gemv], args.reps)
-                if args.sweep and t == 1:
-                    sweep_gemv(row, gemv, args.reps)
-            if args.sweep and t in (1, 16):
-                sweep(row, fused, args.reps)
+            for name in timed:
+                fns = [path_call(name, m, x, ids, w) for m in layers]
+                if name in ("fused", "gather"):  # the eager launches too (host overhead)
+                    row[name] = time_per_call(fns, args.reps)
+                if name == "loop":  # syncs the host: no graph
+                    row[name] = time_per_call(fns, max(2, args.reps // 4))
+                else:
+                    row[f"{name} graph"] = time_per_call([graphed(f) for f in fns], args.reps)
+            if args.sweep and t == 1 and "gemv graph" in row:
+                sweep_gemv(row, [path_call("gemv", m, x, ids, w) for m in layers], args.reps)
+            if str(t) in args.sweep_sorted.split(","):
+                sweep_sorted(row, [path_call("sorted", m, x, ids, w) for m in layers], args.reps)
+            if args.sweep and t in (1, 16) and "fused" in paths:
+                sweep(row, [path_call("fused", m, x, ids, w) for m in layers], args.reps)
         rows.append(row)
     cols = ["T", "pairs", "experts hit", "floor", "fused", "fused graph", "gather", "gather graph",
-            "loop", "gemv graph"]
+            "loop", "gemv graph", "sorted graph", "grouped graph"]
+    cols += sorted({c for r in rows for c in r if c.startswith("sorted:")})
+    cols = [c for c in cols if any(c in r for r in rows)]
+    graphs = [c for c in cols if c.endswith(" graph")]
     print("times in microseconds per layer; floor = bytes of the experts hit / copy bandwidth\n")
-    print("| " + " | ".join(cols) + " | fused graph / floor |")
-    print("|" + "---|" * (len(cols) + 1))
+    print("| " + " | ".join(cols + [f"{c} / floor" for c in graphs]) + " |")
+    print("|" + "---|" * (len(cols) + len(graphs)))
     for r in rows:
         cells = ["" if c not in r else str(r[c]) if isinstance(r[c], int) else f"{r[c]:.1f}" for c in cols]
-        print("| " + " | ".join(cells) + f" | {r['fused graph'] / r['floor']:.2f} |")
+        cells += ["" if c not in r else f"{r[c] / r['floor']:.2f}" for c in graphs]
+        print("| " + " | ".join(cells) + " |")
 
 
 def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
@@ -174,6 +210,24 @@ def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
     print(f"T={row['T']} sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
           f"floor {row['floor']:.1f}, current {current:.1f}: "
           + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]))
+
+
+def sweep_sorted(row: dict, calls: list[Callable[[], object]], reps: int) -> None:
+    """Time (BLOCK_N, BLOCK_K, warps, stages) per sorted kernel (graph replay); prints the best."""
+    base_gu, base_dn = grouped_moe._GATE_UP_CFG, grouped_moe._DOWN_CFG
+    results = []
+    for gu in [(64, 128, 4, 3), (32, 128, 4, 4), (16, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4),
+               (128, 64, 8, 3)]:
+        for dn in [(128, 64, 4, 4), (64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3),
+                   (32, 256, 4, 3)]:
+            grouped_moe._GATE_UP_CFG, grouped_moe._DOWN_CFG = gu, dn
+            results.append((time_per_call([graphed(f) for f in calls], reps), gu, dn))
+    grouped_moe._GATE_UP_CFG, grouped_moe._DOWN_CFG = base_gu, base_dn
+    results.sort()
+    current = next(t for t, a, b in results if (a, b) == (base_gu, base_dn))
+    print(f"T={row['T']} sorted sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
+          f"floor {row['floor']:.1f}, current {current:.1f}: "
+          + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]), flush=True)
 
 
 def sweep_gemv(row: dict, gemv: list[Callable[[], object]], reps: int) -> None:

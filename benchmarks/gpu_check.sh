@@ -10,6 +10,10 @@
 #                                           # memory peaks apart, default and U = 0.9 (~6 min)
 #   bash benchmarks/gpu_check.sh pass41     # the engine units' CUDA tests (exclusive_gpu ones alone),
 #                                           # start-up and serving peaks at the default KV share (~6 min)
+#   bash benchmarks/gpu_check.sh pass42     # the sorted MoE past 256 pairs: CUDA tests, kernels by T,
+#                                           # batch 16 / 64 against torch._grouped_mm (~8 min)
+#   bash benchmarks/gpu_check.sh pass43     # the sorted MoE's engine tiles, every engine CUDA test
+#   bash benchmarks/gpu_check.sh startup-moe  # cold start-up, sorted MoE against torch._grouped_mm
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
 #   bash benchmarks/gpu_check.sh all-tests-engine  # the engine's test files with CUDA tests
@@ -560,6 +564,33 @@ case "$stage" in
       timeout 200 python benchmarks/bench_first_request.py --max-num-seqs 64 --max-model-len 8192 \
         --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none $opt 2>&1 | quiet \
         | grep -E "start-up \(|KV cache|rror|^\| 64x" | cut -c1-400
+    done ;;
+  pass42)
+    echo "== the sorted MoE kernels past 256 pairs (they replace torch._grouped_mm): their CUDA"
+    echo "   tests, the kernels by T up to 16384 tokens, then target-only and DFlash at batch 16 / 64"
+    echo "   against the grouped GEMM (MoE.grouped_mm_min_pairs=257), two processes (~8 min)"
+    gpu_tests 150 tests/test_kernel_grouped_moe.py -k cuda | tail -4
+    gpu_tests 100 tests/test_engine_units.py -k moe | tail -3
+    timeout 150 python benchmarks/bench_fused_moe.py --tokens 2048,4096,8192,16384 --top-k 9 \
+      --paths sorted:64,sorted:128,grouped --reps 5 2>&1 | quiet | tail -9
+    for sw in "" "--switch laguna_dflash.models.layers:MoE.grouped_mm_min_pairs=257"; do
+      timeout 200 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16,64 \
+        --simulated 1,4 --sim-ks 0,3 --rounds 2 $sw 2>&1 | quiet | tail -24
+    done ;;
+  pass43)
+    echo "== the sorted MoE's CUDA tests at the engine's tile rows, then every engine CUDA test (~6 min)"
+    gpu_tests 120 tests/test_kernel_grouped_moe.py -k "cuda_xs21_engine_tiles" | tail -4
+    every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
+      tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
+      tests/test_engine_units.py tests/test_prefill_graphs.py tests/test_chunked_prefill.py \
+      tests/test_prefix_caching.py ;;
+  startup-moe)
+    echo "== start-up at the server's defaults with empty kernel caches: the sorted MoE past 256"
+    echo "   pairs against torch._grouped_mm (MoE.grouped_mm_min_pairs=257), two processes (~5 min)"
+    for sw in "" "--switch laguna_dflash.models.layers:MoE.grouped_mm_min_pairs=257"; do
+      timeout 270 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len 8192 \
+        --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none $sw 2>&1 | quiet \
+        | grep -E "start-up|captur|built|rror|^\| [0-9]+x" | cut -c1-300 | tail -10
     done ;;
   pass41)
     echo "== the engine units' CUDA tests, the memory-sizing ones alone after the rest; then the"

@@ -695,10 +695,12 @@ def test_failed_step_names_its_requests(tmp_path, monkeypatch):
     assert info.value.sequences == seqs
 
 
-def test_moe_takes_the_fused_kernels_where_the_other_paths_would_sync(monkeypatch):
-    """The MoE path choice on a GPU (faked here): up to ``fused_moe_max_pairs`` pairs the fused
-    kernels; past it the grouped GEMM where it runs, else still the fused kernels (the loop
-    syncs with the host, which a CUDA-graph capture refuses)."""
+def test_moe_takes_the_triton_kernels_at_every_size_on_a_gpu(monkeypatch):
+    """The MoE path choice on a GPU (faked here): the Triton kernels at every pair count (the
+    sorted ones past ``fused_moe_max_pairs``), whether or not the grouped GEMM runs; with the
+    A/B switch ``grouped_mm_min_pairs`` set, the grouped GEMM from that many pairs where it runs,
+    else still the Triton kernels (the loop syncs with the host, which a CUDA-graph capture
+    refuses)."""
     from laguna_dflash.kernels import fused_moe
     from laguna_dflash.models import layers
     from laguna_dflash.models.laguna import LagunaForCausalLM
@@ -718,11 +720,58 @@ def test_moe_takes_the_fused_kernels_where_the_other_paths_would_sync(monkeypatc
     with torch.no_grad():
         for grouped in (True, False):
             monkeypatch.setattr(layers, "grouped_mm_available", lambda x, g=grouped: g)
+            assert moe._fused_kernels_run(few) and moe._fused_kernels_run(many)
+            monkeypatch.setattr(moe, "grouped_mm_min_pairs", many.shape[0] * pairs_per_token)
             assert moe._fused_kernels_run(few)
             assert moe._fused_kernels_run(many) is (not grouped)
+            monkeypatch.setattr(moe, "grouped_mm_min_pairs", None)
         assert not moe._fused_kernels_run(torch.zeros(2, 4))  # a CPU tensor
     with torch.enable_grad():
         assert not moe._fused_kernels_run(few)  # training-style calls keep the reference paths
+
+
+def test_moe_sorted_path_takes_its_tile_rows_from_the_token_count(monkeypatch):
+    """Past ``fused_moe_max_pairs`` the fused forward runs the sorted kernels at the tile rows
+    :func:`grouped_moe.block_m_for` gives its token count (16 to 128 by size), and at or
+    below it the fused kernels; the routing's ids and weights reach them unchanged."""
+    from laguna_dflash.kernels import fused_moe, grouped_moe, moe_routing
+    from laguna_dflash.models import layers
+    from laguna_dflash.models.laguna import LagunaForCausalLM
+    from laguna_dflash.models.random_init import tiny_laguna_config
+
+    sizes = (1, 384, 385, 768, 769, 1536, 1537, 16384)
+    assert [grouped_moe.block_m_for(t) for t in sizes] == [16, 16, 32, 32, 64, 64, 128, 128]
+    model = LagunaForCausalLM.from_config(tiny_laguna_config())
+    moe = next(m for m in model.modules() if isinstance(m, layers.MoE)).eval()
+    moe.fold_shared_expert()
+    monkeypatch.setattr(moe, "use_moe_gemv", False)
+    calls = []
+
+    def route(logits, *args, **kwargs):
+        t = logits.shape[0]
+        ids = torch.arange(t * moe.top_k).remainder(moe.num_local_experts).view(t, moe.top_k)
+        ids = torch.cat([ids, torch.full((t, 1), moe.num_local_experts)], 1)
+        return torch.ones(t, moe.top_k + 1, dtype=logits.dtype), ids
+
+    def experts(name):
+        def run(x, ids, weights, gate_up, down, block_m=None, **kwargs):
+            calls.append((name, x.shape[0], block_m, ids))
+            return torch.zeros(x.shape[0], ids.shape[1], x.shape[1], dtype=x.dtype)
+        return run
+
+    monkeypatch.setattr(moe_routing, "fused_moe_route", route)
+    monkeypatch.setattr(grouped_moe, "sorted_moe_experts", experts("sorted"))
+    monkeypatch.setattr(fused_moe, "fused_moe_experts", experts("fused"))
+    hidden = moe.experts_gate_up.shape[-1]
+    most_fused = moe.fused_moe_max_pairs // (moe.top_k + 1)
+    with torch.no_grad():
+        for t in (most_fused, most_fused + 1, 400, 800):
+            moe.fused_forward(torch.randn(t, hidden))
+    expected = [("fused", most_fused, None), ("sorted", most_fused + 1, 16), ("sorted", 400, 32),
+                ("sorted", 800, 64)]
+    assert [c[:3] for c in calls] == expected
+    for _, t, _, ids in calls:
+        assert torch.equal(ids, route(torch.zeros(t, 1))[1])
 
 
 def _mixed_batch() -> tuple[list[SamplingParams], list[int | None]]:

@@ -11,14 +11,15 @@
   against ``fused_moe_experts(reduce=False)``: T in {1, 3, 17, 40}, every pair on one expert, every
   token on the same experts, every pair on its own expert, E larger than P, zero weights, a
   folded shared expert, ragged N / K tiles, small configs (several column blocks and K steps),
-  ``block_m`` 32; row independence (a token alone == the token in a batch of 37 or shuffled),
+  ``block_m`` 32, 64 and 128 (the engine's tiles for long forwards); row independence (a token alone == the token in a batch of 37 or shuffled),
   which under numpy checks the indexing.
 * Offline sm_90 compile (no GPU): the programmatic-dependent-launch order, no spills, the K loop
-  pipelined (``cp.async``).
+  pipelined (``cp.async``), at 16 rows and at the engine's 32, 64 and 128.
 * On CUDA (skipped without one): Laguna-XS-2.1 shapes (H 2048, I 512, E 256 + the shared expert,
   k 8 + 1, bf16) against ``fused_moe_experts(reduce=False)`` and the fp32 reference at T = 1, 4,
   300; bitwise row independence alone vs among 37 and 300 tokens and in a shuffled batch; no host
-  sync; CUDA-graph capture and replay equal to eager.
+  sync; CUDA-graph capture and replay equal to eager; the engine's tiles at 512, 1024 and 2048
+  tokens against the 16-row tiles, the reference and their graph replay.
 * Skipped pairs (``has_skipped_pairs``: id ``-1``, an expert on another rank): ``align_pairs``
   puts them, as an expert ``E``, on ``-1`` tiles after the real experts' (pure torch); interpreted
   and on CUDA (no host sync, CUDA-graph capture, the fused kernels' bits) a rank's call against
@@ -334,15 +335,19 @@ def test_interpreted_zero_weights(dtype) -> None:
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interpreted_small_tiles_and_block_m_32(dtype, monkeypatch) -> None:
+def test_interpreted_small_tiles_and_larger_block_m(dtype, monkeypatch) -> None:
     """Small configs: two column blocks and four K steps in gate_up, four and two in down; and
-    ``block_m`` 32 at the default configs."""
+    ``block_m`` 32, 64 and 128 (the engine's tiles past 384, 768 and 1536 tokens,
+    ``block_m_for``) at the default configs, with experts holding more pairs than a 16-row tile."""
     args = _problem(17, 3, 9, 64, 32, dtype, seed=11)
     monkeypatch.setattr(grouped_moe, "_GATE_UP_CFG", (16, 16, 4, 2))
     monkeypatch.setattr(grouped_moe, "_DOWN_CFG", (16, 16, 4, 2))
     _check_against_references(args, vs_fused=False)
     monkeypatch.undo()
     _check_against_references(args, block_m=32, vs_fused=False)
+    many = _problem(40, 2, 3, 64, 32, dtype, seed=12)  # ~27 pairs an expert
+    _check_against_references(many, block_m=64, vs_fused=False)
+    _check_against_references(many, block_m=128, vs_fused=False)
 
 
 @interpreted
@@ -396,9 +401,10 @@ def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
 # ----------------------------------------------------------------------------- sm_90 PTX (offline)
 
 
-def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> tuple[str, list[int]]:
+def _compile_sm90(which: int, pdl: bool, skip: bool = False,
+                  block_m: int = grouped_moe.DEFAULT_BLOCK_M) -> tuple[str, list[int]]:
     """PTX and spill bytes of the gate_up (0) or down (1, ``skip``: its skipped-pairs build)
-    kernel at XS-2.1 shapes, bf16."""
+    kernel at XS-2.1 shapes, bf16, ``block_m`` rows a tile."""
     if which == 0:
         kernel, cfg = grouped_moe._sorted_gate_up_kernel, grouped_moe._GATE_UP_CFG
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "row_pair_ptr": "*i32",
@@ -410,7 +416,7 @@ def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> tuple[str, list[
                  "tile_expert_ptr": "*i32", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=2048, INTER=512, SKIP_NEGATIVE=skip)
     bn, bk, nw, ns = cfg
-    constexprs.update(BLOCK_M=grouped_moe.DEFAULT_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=pdl)
+    constexprs.update(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=pdl)
     return compile_sm90_spills(kernel, types, constexprs,
                                {"num_warps": nw, "num_stages": ns, "launch_pdl": pdl})
 
@@ -430,6 +436,17 @@ def test_sm90_pdl_order_no_spills_pipelined(which: int, skip: bool) -> None:
     ptx, spills = _compile_sm90(which, True, skip)
     assert loads_before_pdl_wait(ptx) == []
     assert spills == [0]
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("which", [0, 1], ids=["gate_up", "down"])
+def test_sm90_engine_tiles_of_long_forwards_do_not_spill(which: int) -> None:
+    """The 32-, 64- and 128-row tiles ``block_m_for`` gives forwards past 384, 768 and 1536
+    tokens build without register spills, with the PDL order and a pipelined K loop."""
+    for block_m in (32, 64, 128):
+        ptx, spills = _compile_sm90(which, True, block_m=block_m)
+        assert loads_before_pdl_wait(ptx) == [] and "cp.async" in ptx
+        assert spills == [0], block_m
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -530,6 +547,28 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     torch.cuda.synchronize()
     assert torch.equal(static_out, sorted_moe_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
     assert not torch.isnan(static_out).any() and torch.all(static_out[local == -1] == 0)
+
+
+@cuda
+@pytest.mark.parametrize("t", [512, 1024, 2048])
+def test_cuda_xs21_engine_tiles_of_long_forwards(t: int, xs_experts) -> None:
+    """At the tile rows the engine takes past 384 / 768 / 1536 tokens (``block_m_for``: 32 / 64 /
+    128) the
+    pairs match the 16-row tiles' to bf16 rounding (another MMA shape: the same products, maybe
+    other last bits) and the fp32 reference; a CUDA graph replays them bitwise."""
+    gu, dn = xs_experts
+    args = (*_xs_tokens(t, seed=t), gu, dn)
+    block_m = grouped_moe.block_m_for(t)
+    assert block_m > grouped_moe.DEFAULT_BLOCK_M
+    out = sorted_moe_experts(*args, block_m=block_m)
+    assert _rel_err(out, sorted_moe_experts(*args)) <= 1e-2
+    assert _rel_err(out.float().sum(1), moe_experts_reference(*_fp32(*args))) <= 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = sorted_moe_experts(*args, block_m=block_m)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, out)
 
 
 @cuda

@@ -55,9 +55,18 @@ from .fused_moe import ieee_block_k
 triton, tl = import_triton()  # (None, None) on a CPU-only install: the module still imports
 HAS_TRITON = triton is not None
 
-__all__ = ["DEFAULT_BLOCK_M", "align_pairs", "is_available", "max_tiles", "sorted_moe_experts"]
+__all__ = ["DEFAULT_BLOCK_M", "align_pairs", "block_m_for", "is_available", "max_tiles",
+           "sorted_moe_experts"]
 
 DEFAULT_BLOCK_M = 16  # rows (pairs) of a tile; tl.dot needs >= 16
+# (most tokens, block_m) for the engine's default (not batch-invariant) path, in order; more
+# tokens take 128 rows. A tile of one expert reads its weight slice once for its rows, so fewer,
+# fuller tiles read less once experts hold many pairs; short tiles leave fewer rows padded. On
+# the H200 at XS-2.1 shapes (256 experts, 9 pairs a token, bf16; bench_fused_moe.py, us a layer):
+# 16 / 32 / 64 rows took 469 / 471 / 497 at 256 tokens, 566 / 511 / 537 at 512 and 712 / 618 /
+# 578 at 1024; 64 / 128 rows 800 / 741 at 2048, 1125 / 1130 at 4096 and 1783 / 1725 at 8192
+# (docs/PERFORMANCE.md, forty-first pass; 1536 splits the untimed gap between 1024 and 2048).
+BLOCK_M_BY_TOKENS = ((384, 16), (768, 32), (1536, 64))
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel. Constants, whatever T: a pair's result must
 # not depend on the batch (module docstring). Picked for H = 2048, I = 512 bf16 on an H100 / H200,
@@ -76,6 +85,16 @@ def is_available(device: torch.device | str) -> bool:
 def _check_block_m(block_m: int) -> None:
     if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+
+
+def block_m_for(num_tokens: int) -> int:
+    """The tile rows :data:`BLOCK_M_BY_TOKENS` gives a call of ``num_tokens`` tokens (a shape
+    alone, so a CUDA graph captures one). Not batch-invariant: the batch-invariant mode keeps
+    one fixed ``block_m`` (kernels/batch_invariant.py)."""
+    for max_tokens, block_m in BLOCK_M_BY_TOKENS:
+        if num_tokens <= max_tokens:
+            return block_m
+    return 128
 
 
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -371,14 +371,19 @@ class MoE(nn.Module):
     #   static grid; measured in docs/PERFORMANCE.md),
     #   with the shared expert as one more always-on pair once :meth:`fold_shared_expert` ran.
     #   ``use_fused_moe=False`` turns them off.
-    # * GPU, more pairs, bf16/fp16 on sm90+: one sorted grouped GEMM pair (torch._grouped_mm),
-    #   also sync-free, for verify batches and prefill.
-    # * GPU, more pairs, elsewhere (fp32, sm80): the sorted Triton kernels (kernels/grouped_moe.py,
-    #   sync-free): the fused kernels' in-program grouping is O(P) a program, and at a prefill's
-    #   P (thousands of pairs) its PTX took ptxas minutes a kernel on the H200 (2026-12-02).
+    # * GPU, more pairs: the same routing, then the sorted Triton kernels (kernels/grouped_moe.py,
+    #   sync-free), their tile rows from the token count (:func:`grouped_moe.block_m_for`). On the
+    #   H200 at XS-2.1 shapes (9 pairs a token) they took 0.59-0.75x the time of one sorted
+    #   ``torch._grouped_mm`` pair from 64 to 16384 tokens (batch-64 decode 409 against 572 us a
+    #   layer; docs/PERFORMANCE.md, forty-first pass). The fused kernels' in-program grouping is
+    #   O(P) a program: past ``fused_moe_max_pairs`` it loses to the sorted ones.
+    # * GPU without the Triton kernels, half precision on sm90+: the grouped GEMM pair
+    #   (:meth:`experts_forward_grouped`, sync-free); also past ``grouped_mm_min_pairs`` pairs
+    #   when that is set (the A/B switch; None: never).
     # * otherwise (CPU, training): the reference loop over the experts hit (one host sync).
     use_fused_moe: bool = True
     fused_moe_max_pairs: int = 256
+    grouped_mm_min_pairs: int | None = None
     # Up to ``moe_gemv_max_tokens`` tokens (decode at batch <= 4, batch-1 verify of K <= 3): the
     # per-pair GEMV kernels (kernels/moe_gemv.py) instead of the grouped fused kernels. Few pairs
     # share an expert there; on the H200 they take 19.8 / 36.4 / 57.3 us per layer at T = 1 / 2 /
@@ -424,11 +429,10 @@ class MoE(nn.Module):
                 and not torch.is_grad_enabled() and fused_moe.is_available(x.device)):
             return False
         num_pairs = x.shape[0] * (self.top_k + (self.gate_up_with_shared is not None))
-        # Past ``fused_moe_max_pairs`` the grouped GEMM is faster where it runs (half precision,
-        # sm90+). Elsewhere (float32, sm80) the other paths sync with the host (the per-expert
-        # loop: no CUDA-graph capture) or read T*k expert matrices (the gather), so the Triton
-        # kernels take every size there (:meth:`fused_forward`: the sorted ones past it).
-        return num_pairs <= self.fused_moe_max_pairs or not grouped_mm_available(x)
+        # the Triton kernels take every size (the sorted ones past fused_moe_max_pairs), unless
+        # the A/B switch sends large ones to the grouped GEMM where it runs
+        return (self.grouped_mm_min_pairs is None or num_pairs < self.grouped_mm_min_pairs
+                or not grouped_mm_available(x))
 
     def forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. ``keep_pairs``: the fused path may return its pairs
@@ -484,8 +488,9 @@ class MoE(nn.Module):
             pairs = batch_invariant.moe_experts(*experts, **skips)
         elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
             pairs = moe_gemv.moe_gemv_experts(*experts, **skips)
-        elif ids.numel() > self.fused_moe_max_pairs:  # no grouped GEMM here (fp32, sm80)
-            pairs = grouped_moe.sorted_moe_experts(*experts, **skips)
+        elif ids.numel() > self.fused_moe_max_pairs:
+            pairs = grouped_moe.sorted_moe_experts(
+                *experts, block_m=grouped_moe.block_m_for(x.shape[0]), **skips)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False, **skips)
         if folded and keep_pairs:

@@ -870,6 +870,43 @@ def test_first_sampled_requests_build_no_triton_kernel_on_cuda(pair, monkeypatch
 
 
 @needs_cuda
+def test_first_long_eager_prefills_build_no_sorted_moe_kernel_on_cuda(pair, monkeypatch):
+    """Start-up builds the sorted MoE kernels at every tile height
+    (``layers.build_sorted_moe_kernels_ahead``): an eager engine's first prompts of 800 and 1600
+    tokens (past 256 pairs; 64- and 128-row tiles) build none of them. Without that build they
+    do, so the check can fail. Every variant of the process is forgotten before each start-up."""
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from laguna_dflash.engine import engine as engine_module
+
+    target, _ = pair
+    rng = random.Random(5)
+    prompts = [[rng.randrange(0, 60) for _ in range(n)] for n in (800, 1600)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for ahead in (True, False):
+        for obj in gc.get_objects():
+            if issubclass(type(obj), JITFunction):
+                obj.device_caches.clear()
+        if not ahead:
+            monkeypatch.setattr(engine_module, "build_sorted_moe_kernels_ahead", lambda model: 0)
+        llm = LLM(target, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=1,
+                  max_model_len=2048)
+        built = []
+        with monkeypatch.context() as m:
+            m.setattr(triton.knobs.runtime, "jit_cache_hook",
+                      lambda built=built, **kw_: built.append(kw_["repr"][:160]) and False)
+            for prompt in prompts:
+                llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        sorted_built = [b for b in built if "_sorted_" in b]
+        assert bool(sorted_built) is not ahead, (ahead, sorted_built)
+        del llm
+        gc.collect()
+
+
+@needs_cuda
 def test_first_use_captures_build_their_kernels_ahead_on_cuda(pair, monkeypatch):
     """A capture made on first use (lazy capture; the warm-up's batch-1 graphs) first builds the
     Triton kernels of its one forward in parallel (cuda_graph.build_kernels_ahead): the

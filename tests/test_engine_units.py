@@ -774,6 +774,44 @@ def test_moe_sorted_path_takes_its_tile_rows_from_the_token_count(monkeypatch):
         assert torch.equal(ids, route(torch.zeros(t, 1))[1])
 
 
+def test_moe_launches_the_sorted_kernels_at_every_tile_height(monkeypatch):
+    """The build ahead of the sorted MoE kernels launches them once at each tile height the
+    engine can take (``engine_block_ms`` is exactly ``block_m_for``'s range), with the layer's
+    folded experts, its dtype, one token routed to ``k`` distinct experts in range, and the
+    skipped-pairs build under expert parallelism; a model with no CUDA experts builds nothing."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.kernels import grouped_moe
+    from laguna_dflash.models import layers
+    from laguna_dflash.models.laguna import LagunaForCausalLM
+    from laguna_dflash.models.random_init import tiny_laguna_config
+
+    assert grouped_moe.engine_block_ms() == (16, 32, 64, 128)
+    assert {grouped_moe.block_m_for(t) for t in range(1, 5000)} == set(grouped_moe.engine_block_ms())
+    model = LagunaForCausalLM.from_config(tiny_laguna_config()).to(torch.bfloat16)
+    moe = next(m for m in model.modules() if isinstance(m, layers.MoE)).eval()
+    moe.fold_shared_expert()
+    calls = []
+
+    def record(x, ids, weights, gate_up, down, block_m=16, has_skipped_pairs=False):
+        calls.append((block_m, has_skipped_pairs))
+        assert gate_up is moe.gate_up_with_shared and down is moe.down_with_shared
+        assert x.dtype == weights.dtype == gate_up.dtype and x.shape == (1, gate_up.shape[-1])
+        assert ids.shape == weights.shape == (1, moe.top_k + 1)
+        assert ids.unique().numel() == ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < gate_up.shape[0]
+        return torch.zeros(1, ids.shape[1], x.shape[1], dtype=x.dtype)
+
+    monkeypatch.setattr(grouped_moe, "sorted_moe_experts", record)
+    moe.launch_sorted_kernels_at_every_tile_height()
+    assert calls == [(b, False) for b in grouped_moe.engine_block_ms()]
+    calls.clear()
+    monkeypatch.setattr(moe, "tp", SimpleNamespace(shards_experts=True))
+    moe.launch_sorted_kernels_at_every_tile_height()
+    assert calls == [(b, True) for b in grouped_moe.engine_block_ms()]
+    calls.clear()
+    assert layers.build_sorted_moe_kernels_ahead(model) == 0 and not calls  # CPU experts
+
+
 def _mixed_batch() -> tuple[list[SamplingParams], list[int | None]]:
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5),
               SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=0.9, min_p=0.2),

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from ..config import EngineConfig, SamplingParams, flag, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
-from ..models.layers import fuse_for_inference
+from ..models.layers import build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from . import cuda_graph, sampler
@@ -267,6 +267,12 @@ class LLMEngine:
         # first sampled request (seeded noise, the race's argmax, top-k values)
         num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)
         logger.debug("built %d sampling kernel variants ahead", num_built)
+        # the sorted MoE kernels of every tile height (past 256 pairs a forward; the height
+        # follows the token count): built now, not by a first long eager prefill (half
+        # precision, as the warm-up prefills below)
+        if not self.config.batch_invariant and self.dtype in (torch.bfloat16, torch.float16):
+            num_built = build_sorted_moe_kernels_ahead(self.target)
+            logger.debug("built %d sorted MoE kernel variants ahead", num_built)
         # half precision only: float32 engines serve parity checks and tests, where start-up
         # time counts more than a first long prompt's (their MoE prefills past 256 pairs take
         # the sorted kernels since 2026-12-02: the fused ones' builds there ran for minutes)

@@ -55,8 +55,8 @@ from .fused_moe import ieee_block_k
 triton, tl = import_triton()  # (None, None) on a CPU-only install: the module still imports
 HAS_TRITON = triton is not None
 
-__all__ = ["DEFAULT_BLOCK_M", "align_pairs", "block_m_for", "is_available", "max_tiles",
-           "sorted_moe_experts"]
+__all__ = ["DEFAULT_BLOCK_M", "align_pairs", "block_m_for", "engine_block_ms", "is_available",
+           "max_tiles", "sorted_moe_experts"]
 
 DEFAULT_BLOCK_M = 16  # rows (pairs) of a tile; tl.dot needs >= 16
 # (most tokens, block_m) for the engine's default (not batch-invariant) path, in order; more
@@ -67,6 +67,7 @@ DEFAULT_BLOCK_M = 16  # rows (pairs) of a tile; tl.dot needs >= 16
 # 578 at 1024; 64 / 128 rows 800 / 741 at 2048, 1125 / 1130 at 4096 and 1783 / 1725 at 8192
 # (docs/PERFORMANCE.md, forty-first pass; 1536 splits the untimed gap between 1024 and 2048).
 BLOCK_M_BY_TOKENS = ((384, 16), (768, 32), (1536, 64))
+LARGEST_BLOCK_M = 128
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel. Constants, whatever T: a pair's result must
 # not depend on the batch (module docstring). Picked for H = 2048, I = 512 bf16 on an H100 / H200,
@@ -94,7 +95,13 @@ def block_m_for(num_tokens: int) -> int:
     for max_tokens, block_m in BLOCK_M_BY_TOKENS:
         if num_tokens <= max_tokens:
             return block_m
-    return 128
+    return LARGEST_BLOCK_M
+
+
+def engine_block_ms() -> tuple[int, ...]:
+    """Every tile height :func:`block_m_for` gives, ascending (the kernels' variants differ by
+    it, not by the token count: what a build ahead of the first long forward covers)."""
+    return tuple(sorted({block_m for _, block_m in BLOCK_M_BY_TOKENS} | {LARGEST_BLOCK_M}))
 
 
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -8,6 +8,7 @@ the split on-disk names onto row slices of these tensors.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from ..kernels import (
 )
 from . import fusion
 from .rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 # Decode-phase GEMMs (M <= 16 rows: decode, verify, the drafter block) through the Triton skinny
 # GEMM (kernels/skinny_gemm.py) on CUDA; False: cuBLAS everywhere (an A/B switch for benchmarks).
@@ -434,6 +437,24 @@ class MoE(nn.Module):
         return (self.grouped_mm_min_pairs is None or num_pairs < self.grouped_mm_min_pairs
                 or not grouped_mm_available(x))
 
+    def launch_sorted_kernels_at_every_tile_height(self) -> None:
+        """Launch the sorted expert kernels (:meth:`fused_forward` past ``fused_moe_max_pairs``)
+        once at each tile height of :func:`grouped_moe.engine_block_ms`, with this layer's
+        experts, dtype and switches and one token routed to its first ``k`` experts. Meant for
+        :func:`kernels.precompile.launches_build_only`, where each launch only builds its
+        variant: the variants differ by those, not by the token count, so a first long forward
+        (an eager prefill past the prefill graphs, or with no graphs) then builds none."""
+        folded = self.gate_up_with_shared is not None
+        gate_up = self.gate_up_with_shared if folded else self.experts_gate_up
+        down = self.down_with_shared if folded else self.experts_down
+        k = min(self.top_k + folded, gate_up.shape[0])
+        x = gate_up.new_zeros(1, gate_up.shape[-1])
+        ids = torch.arange(k, device=x.device)[None]  # distinct, in range: align_pairs runs
+        skips = {"has_skipped_pairs": True} if self.tp.shards_experts else {}
+        for block_m in grouped_moe.engine_block_ms():
+            grouped_moe.sorted_moe_experts(x, ids, x.new_ones(1, k), gate_up, down,
+                                           block_m=block_m, **skips)
+
     def forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. ``keep_pairs``: the fused path may return its pairs
         ``[T, P, H]`` unsummed (each already weighted; the caller sums them with the residual
@@ -577,6 +598,34 @@ class MoE(nn.Module):
             out.index_add_(0, rows, (h * w_sorted[start : start + count, None]).to(out.dtype))
             start += count
         return out
+
+
+def build_sorted_moe_kernels_ahead(model: nn.Module) -> int:
+    """Build the sorted MoE kernels of every tile height for each distinct expert layout of
+    ``model``'s MoE layers on CUDA (:meth:`MoE.launch_sorted_kernels_at_every_tile_height`), on
+    the precompile pool. Only a speed-up: an error is logged, and the first long forward
+    builds what is missing. -> the variants submitted (0 when all were built or loaded)."""
+    from ..kernels.precompile import launches_build_only
+
+    layouts = {}
+    for module in model.modules():
+        if (isinstance(module, MoE) and module.experts_gate_up.is_cuda and module.use_fused_moe
+                and grouped_moe.is_available(module.experts_gate_up.device)):
+            gate_up = module.gate_up_with_shared
+            gate_up = module.experts_gate_up if gate_up is None else gate_up
+            key = (tuple(gate_up.shape), gate_up.dtype, module.top_k, module.tp.shards_experts)
+            layouts.setdefault(key, module)
+    if not layouts:
+        return 0
+    try:
+        with torch.inference_mode(), launches_build_only() as builds:
+            for module in layouts.values():
+                module.launch_sorted_kernels_at_every_tile_height()
+    except Exception as e:  # noqa: BLE001 - only a speed-up: the launches still build
+        logger.warning("building the sorted MoE kernels ahead failed (the first long forward "
+                       "builds them): %s", e)
+        return 0
+    return builds.num_submitted
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

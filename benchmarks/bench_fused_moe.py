@@ -194,54 +194,52 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
-    """Time a few (BLOCK_N, BLOCK_K, warps, stages) per kernel (graph replay); prints the best."""
-    base_gu, base_dn = fused_moe._GATE_UP_CFG, fused_moe._DOWN_CFG
+def sweep_configs(label: str, row: dict, calls: list[Callable[[], object]], reps: int, module,
+                  names: tuple[str, str], gate_up_cfgs: list[tuple], down_cfgs: list[tuple]) -> None:
+    """Time every (gate_up config, down config) pair: ``module``'s two config attributes
+    ``names`` set to each in turn (graph replays of ``calls``), then restored; prints the best
+    six and the current configs' time."""
+    base = tuple(getattr(module, n) for n in names)
     results = []
-    for gu in [(16, 128, 4, 4), (16, 256, 4, 3), (16, 128, 2, 4), (32, 128, 4, 4), (32, 256, 4, 3),
-               (64, 128, 4, 4), (32, 64, 2, 6)]:
-        for dn in [(16, 128, 4, 4), (16, 256, 2, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4),
-                   (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 2, 3)]:
-            fused_moe._GATE_UP_CFG, fused_moe._DOWN_CFG = gu, dn
-            results.append((time_per_call([graphed(f) for f in fused], reps), gu, dn))
-    fused_moe._GATE_UP_CFG, fused_moe._DOWN_CFG = base_gu, base_dn
+    try:
+        for gu in gate_up_cfgs:
+            for dn in down_cfgs:
+                for n, cfg in zip(names, (gu, dn), strict=True):
+                    setattr(module, n, cfg)
+                results.append((time_per_call([graphed(f) for f in calls], reps), gu, dn))
+    finally:
+        for n, cfg in zip(names, base, strict=True):
+            setattr(module, n, cfg)
     results.sort()
-    current = next(t for t, a, b in results if (a, b) == (base_gu, base_dn))
-    print(f"T={row['T']} sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
-          f"floor {row['floor']:.1f}, current {current:.1f}: "
-          + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]))
-
-
-def sweep_sorted(row: dict, calls: list[Callable[[], object]], reps: int) -> None:
-    """Time (BLOCK_N, BLOCK_K, warps, stages) per sorted kernel (graph replay); prints the best."""
-    base_gu, base_dn = grouped_moe._GATE_UP_CFG, grouped_moe._DOWN_CFG
-    results = []
-    for gu in [(64, 128, 4, 3), (32, 128, 4, 4), (16, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4),
-               (128, 64, 8, 3)]:
-        for dn in [(128, 64, 4, 4), (64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3),
-                   (32, 256, 4, 3)]:
-            grouped_moe._GATE_UP_CFG, grouped_moe._DOWN_CFG = gu, dn
-            results.append((time_per_call([graphed(f) for f in calls], reps), gu, dn))
-    grouped_moe._GATE_UP_CFG, grouped_moe._DOWN_CFG = base_gu, base_dn
-    results.sort()
-    current = next(t for t, a, b in results if (a, b) == (base_gu, base_dn))
-    print(f"T={row['T']} sorted sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
+    current = next(t for t, a, b in results if (a, b) == base)
+    print(f"T={row['T']} {label} sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
           f"floor {row['floor']:.1f}, current {current:.1f}: "
           + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]), flush=True)
 
 
+def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
+    """The fused kernels' (BLOCK_N, BLOCK_K, warps, stages) per kernel."""
+    sweep_configs("fused", row, fused, reps, fused_moe, ("_GATE_UP_CFG", "_DOWN_CFG"),
+                  [(16, 128, 4, 4), (16, 256, 4, 3), (16, 128, 2, 4), (32, 128, 4, 4), (32, 256, 4, 3),
+                   (64, 128, 4, 4), (32, 64, 2, 6)],
+                  [(16, 128, 4, 4), (16, 256, 2, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4),
+                   (64, 256, 4, 3), (128, 128, 4, 4), (32, 256, 2, 3)])
+
+
+def sweep_sorted(row: dict, calls: list[Callable[[], object]], reps: int) -> None:
+    """The sorted kernels' (BLOCK_N, BLOCK_K, warps, stages) per kernel."""
+    sweep_configs("sorted", row, calls, reps, grouped_moe, ("_GATE_UP_CFG", "_DOWN_CFG"),
+                  [(64, 128, 4, 3), (32, 128, 4, 4), (16, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4),
+                   (128, 64, 8, 3)],
+                  [(128, 64, 4, 4), (64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3),
+                   (32, 256, 4, 3)])
+
+
 def sweep_gemv(row: dict, gemv: list[Callable[[], object]], reps: int) -> None:
-    """Time (BLOCK_N, BLOCK_K, warps) per GEMV kernel (graph replay); prints the best."""
-    base_gu, base_dn = moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG
-    results = []
-    for gu in [(8, 256, 4), (16, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 4), (8, 512, 8)]:
-        for dn in [(16, 256, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4), (16, 512, 4), (64, 128, 4)]:
-            moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG = gu, dn
-            results.append((time_per_call([graphed(f) for f in gemv], reps), gu, dn))
-    moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG = base_gu, base_dn
-    results.sort()
-    print(f"T=1 gemv sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
-          f"floor {row['floor']:.1f}: " + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]))
+    """The per-pair GEMVs' (BLOCK_N, BLOCK_K, warps) per kernel, at T = 1."""
+    sweep_configs("gemv", row, gemv, reps, moe_gemv, ("GATE_UP_CONFIG", "DOWN_CONFIG"),
+                  [(8, 256, 4), (16, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 4), (8, 512, 8)],
+                  [(16, 256, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4), (16, 512, 4), (64, 128, 4)])
 
 
 if __name__ == "__main__":

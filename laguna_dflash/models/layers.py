@@ -377,7 +377,7 @@ class MoE(nn.Module):
     # * GPU, more pairs: the same routing, then the sorted Triton kernels (kernels/grouped_moe.py,
     #   sync-free), their tile rows from the token count (:func:`grouped_moe.block_m_for`). On the
     #   H200 at XS-2.1 shapes (9 pairs a token) they took 0.59-0.75x the time of one sorted
-    #   ``torch._grouped_mm`` pair from 64 to 16384 tokens (batch-64 decode 409 against 572 us a
+    #   ``torch._grouped_mm`` pair from 32 to 16384 tokens (batch-64 decode 409 against 572 us a
     #   layer; docs/PERFORMANCE.md, forty-first pass). The fused kernels' in-program grouping is
     #   O(P) a program: past ``fused_moe_max_pairs`` it loses to the sorted ones.
     # * GPU without the Triton kernels, half precision on sm90+: the grouped GEMM pair

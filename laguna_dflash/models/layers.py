@@ -24,6 +24,7 @@ from ..kernels import (
     grouped_moe,
     moe_gemv,
     moe_routing,
+    precompile,
     qk_norm_rope_cache,
     skinny_gemm,
     staged_gemv,
@@ -437,6 +438,14 @@ class MoE(nn.Module):
         return (self.grouped_mm_min_pairs is None or num_pairs < self.grouped_mm_min_pairs
                 or not grouped_mm_available(x))
 
+    def fused_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(gate_up, down)`` the Triton expert kernels run: the stacked ``[E + 1, ...]``
+        tensors once :meth:`fold_shared_expert` ran (the shared expert as pair ``E``), else the
+        routed experts."""
+        if self.gate_up_with_shared is not None:
+            return self.gate_up_with_shared, self.down_with_shared
+        return self.experts_gate_up, self.experts_down
+
     def launch_sorted_kernels_at_every_tile_height(self) -> None:
         """Launch the sorted expert kernels (:meth:`fused_forward` past ``fused_moe_max_pairs``)
         once at each tile height of :func:`grouped_moe.engine_block_ms`, with this layer's
@@ -444,10 +453,8 @@ class MoE(nn.Module):
         :func:`kernels.precompile.launches_build_only`, where each launch only builds its
         variant: the variants differ by those, not by the token count, so a first long forward
         (an eager prefill past the prefill graphs, or with no graphs) then builds none."""
-        folded = self.gate_up_with_shared is not None
-        gate_up = self.gate_up_with_shared if folded else self.experts_gate_up
-        down = self.down_with_shared if folded else self.experts_down
-        k = min(self.top_k + folded, gate_up.shape[0])
+        gate_up, down = self.fused_experts()
+        k = min(self.top_k + (self.gate_up_with_shared is not None), gate_up.shape[0])
         x = gate_up.new_zeros(1, gate_up.shape[-1])
         ids = torch.arange(k, device=x.device)[None]  # distinct, in range: align_pairs runs
         skips = {"has_skipped_pairs": True} if self.tp.shards_experts else {}
@@ -502,9 +509,7 @@ class MoE(nn.Module):
                 num_shared=int(folded))
         # expert parallelism: the kernels skip (output 0, no weight read) the pairs of id -1
         skips = {"has_skipped_pairs": True} if self.tp.shards_experts else {}
-        experts = (x, self.local_ids(ids), weights,
-                   self.gate_up_with_shared if folded else self.experts_gate_up,
-                   self.down_with_shared if folded else self.experts_down)
+        experts = (x, self.local_ids(ids), weights, *self.fused_experts())
         if invariant:
             pairs = batch_invariant.moe_experts(*experts, **skips)
         elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
@@ -605,20 +610,17 @@ def build_sorted_moe_kernels_ahead(model: nn.Module) -> int:
     ``model``'s MoE layers on CUDA (:meth:`MoE.launch_sorted_kernels_at_every_tile_height`), on
     the precompile pool. Only a speed-up: an error is logged, and the first long forward
     builds what is missing. -> the variants submitted (0 when all were built or loaded)."""
-    from ..kernels.precompile import launches_build_only
-
     layouts = {}
     for module in model.modules():
         if (isinstance(module, MoE) and module.experts_gate_up.is_cuda and module.use_fused_moe
                 and grouped_moe.is_available(module.experts_gate_up.device)):
-            gate_up = module.gate_up_with_shared
-            gate_up = module.experts_gate_up if gate_up is None else gate_up
+            gate_up = module.fused_experts()[0]
             key = (tuple(gate_up.shape), gate_up.dtype, module.top_k, module.tp.shards_experts)
             layouts.setdefault(key, module)
     if not layouts:
         return 0
     try:
-        with torch.inference_mode(), launches_build_only() as builds:
+        with torch.inference_mode(), precompile.launches_build_only() as builds:
             for module in layouts.values():
                 module.launch_sorted_kernels_at_every_tile_height()
     except Exception as e:  # noqa: BLE001 - only a speed-up: the launches still build

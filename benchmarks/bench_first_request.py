@@ -285,6 +285,9 @@ def main() -> None:
     ap.add_argument("--no-build-ahead", action="store_true",
                     help="start-up capture builds each Triton kernel when first launched "
                          "(engine.cuda_graph.build_ahead = False)")
+    ap.add_argument("--no-moe-build-ahead", action="store_true",
+                    help="start-up does not build the sorted MoE kernels of every tile height "
+                         "(layers.build_sorted_moe_kernels_ahead): a first long eager prefill does")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value set before the engine is built (repeatable), e.g. "
                          "laguna_dflash.engine.cuda_graph:num_capture_warmups=2")
@@ -339,6 +342,16 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
             profile_s.append(time.perf_counter() - t)
 
     engine_module.activation_peak_bytes = timed_profile
+    moe_ahead = []  # (variants submitted, seconds) of the sorted MoE kernels' build at start-up
+    build_moe = engine_module.build_sorted_moe_kernels_ahead
+
+    def timed_moe_build(model):
+        t = time.perf_counter()
+        n = 0 if args.no_moe_build_ahead else build_moe(model)
+        moe_ahead.append((n, time.perf_counter() - t))
+        return n
+
+    engine_module.build_sorted_moe_kernels_ahead = timed_moe_build
     compiles = CompileLog()  # before the engine: its start-up compiles count too
     gc_clock = GcClock()
     t0 = time.perf_counter()
@@ -398,6 +411,8 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
           f"Triton compiles {sum(startup_builds.values())}, {startup_pooled} of them through the "
           f"builds-ahead pool (timed as that pool only); the others took "
           f"{sum(startup_build_s.values()):.1f} s")
+    print(f"sorted MoE kernels built ahead: {sum(n for n, _ in moe_ahead)} variants in "
+          f"{sum(t for _, t in moe_ahead):.1f} s" + (" (off: --no-moe-build-ahead)" if args.no_moe_build_ahead else ""))
     print("compile seconds inside each phase (Triton, torch.compile): " + ", ".join(
         f"{name} {tri:.1f} / {tc:.1f}" for name, (tri, tc) in phases.compile_seconds.items())
         + f"; garbage collection during start-up: {gc_clock.seconds:.1f} s in {gc_clock.count} runs")

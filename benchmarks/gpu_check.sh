@@ -13,6 +13,10 @@
 #   bash benchmarks/gpu_check.sh pass42     # the sorted MoE past 256 pairs: CUDA tests, kernels by T,
 #                                           # batch 16 / 64 against torch._grouped_mm (~8 min)
 #   bash benchmarks/gpu_check.sh pass43     # the sorted MoE's engine tiles, every engine CUDA test
+#   bash benchmarks/gpu_check.sh pass44     # the persistent MoE half against five launches; the sorted
+#                                           # MoE build's CUDA test; tiles 1024-2048 (~4 min)
+#   bash benchmarks/gpu_check.sh pass44-startup  # eager first prompts with / without the sorted
+#                                           # MoE build ahead, cold start-up (~7 min)
 #   bash benchmarks/gpu_check.sh startup-moe  # cold start-up, sorted MoE against torch._grouped_mm
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
@@ -584,6 +588,25 @@ case "$stage" in
       tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
       tests/test_engine_units.py tests/test_prefill_graphs.py tests/test_chunked_prefill.py \
       tests/test_prefix_caching.py ;;
+  pass44)
+    echo "== the persistent MoE half against the engine's five launches (bench_persistent_moe.py);"
+    echo "   the sorted MoE build at start-up: its CUDA test; the 64/128-row tiles between 1024 and"
+    echo "   2048 tokens (~4 min)"
+    timeout 240 python benchmarks/bench_persistent_moe.py --windows 0,8 2>&1 | quiet | tail -12
+    gpu_tests 200 tests/test_cuda_graphs.py -k first_long_eager_prefills | tail -3
+    timeout 100 python benchmarks/bench_fused_moe.py --tokens 1024,1280,1536,1792,2048 --top-k 9 \
+      --paths sorted:64,sorted:128 --reps 5 2>&1 | quiet | tail -7 ;;
+  pass44-startup)
+    echo "== an eager engine's first 800/1600-token prompts with and without the sorted MoE build"
+    echo "   ahead; a cold start-up at the server's defaults (~7 min)"
+    for sw in "" "--no-moe-build-ahead"; do
+      timeout 150 python benchmarks/bench_first_request.py --cold --max-num-seqs 4 --max-model-len 4096 \
+        --scenarios 1x800x4,1x1600x4 --option enforce_eager=true $sw 2>&1 | quiet \
+        | grep -E "start-up|built ahead|rror|^\| [0-9]+x" | cut -c1-300 | tail -8
+    done
+    timeout 220 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len 8192 \
+      --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none 2>&1 | quiet \
+      | grep -E "start-up|built ahead|rror|^\| [0-9]+x" | cut -c1-300 | tail -8 ;;
   startup-moe)
     echo "== start-up at the server's defaults with empty kernel caches: the sorted MoE past 256"
     echo "   pairs against torch._grouped_mm (MoE.grouped_mm_min_pairs=257), two processes (~5 min)"

@@ -870,19 +870,20 @@ def test_first_sampled_requests_build_no_triton_kernel_on_cuda(pair, monkeypatch
 
 
 @needs_cuda
-def test_first_long_eager_prefills_build_no_sorted_moe_kernel_on_cuda(pair, monkeypatch):
+def test_first_long_eager_prefills_build_no_sorted_moe_kernel_on_cuda(tmp_path, monkeypatch):
     """Start-up builds the sorted MoE kernels at every tile height
     (``layers.build_sorted_moe_kernels_ahead``): an eager engine's first prompts of 800 and 1600
     tokens (past 256 pairs; 64- and 128-row tiles) build none of them. Without that build they
     do, so the check can fail. Every variant of the process is forgotten before each start-up."""
     import gc
 
+    import dflash_fixtures as df
     import triton
     from triton.runtime.jit import JITFunction
 
     from laguna_dflash.engine import engine as engine_module
 
-    target, _ = pair
+    target = df.make_tiny_laguna_target(tmp_path / "laguna", seed=0, max_position_embeddings=2048)
     rng = random.Random(5)
     prompts = [[rng.randrange(0, 60) for _ in range(n)] for n in (800, 1600)]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

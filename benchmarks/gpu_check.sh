@@ -597,11 +597,11 @@ case "$stage" in
     timeout 100 python benchmarks/bench_fused_moe.py --tokens 1024,1280,1536,1792,2048 --top-k 9 \
       --paths sorted:64,sorted:128 --reps 5 2>&1 | quiet | tail -7 ;;
   pass44-startup)
-    echo "== an eager engine's first 800/1600-token prompts with and without the sorted MoE build"
+    echo "== an eager engine's first 800/1900-token prompts with and without the sorted MoE build"
     echo "   ahead; a cold start-up at the server's defaults (~7 min)"
     for sw in "" "--no-moe-build-ahead"; do
       timeout 150 python benchmarks/bench_first_request.py --cold --max-num-seqs 4 --max-model-len 4096 \
-        --scenarios 1x800x4,1x1600x4 --option enforce_eager=true $sw 2>&1 | quiet \
+        --scenarios 1x800x4,1x1900x4 --option enforce_eager=true $sw 2>&1 | quiet \
         | grep -E "start-up|built ahead|rror|^\| [0-9]+x" | cut -c1-300 | tail -8
     done
     timeout 220 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len 8192 \

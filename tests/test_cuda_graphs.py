@@ -684,6 +684,58 @@ def test_eager_batches_above_cuda_graph_max_bs_build_no_triton_kernel_on_cuda(pa
 
 
 @needs_cuda
+def test_eager_engine_decodes_growing_contexts_building_no_triton_kernel_on_cuda(pair, monkeypatch):
+    """Under ``enforce_eager`` the warm-up serves eager batches too, and eager forwards split the
+    keys into one fixed count (``triton_attention.fixed_eager_splits``): decoding a request and a
+    pair of them from 20 to 400 keys (the split count would follow the key length, a variant
+    every 64 keys) builds no Triton kernel in a decode step. With the fixed count off the same
+    decodes do build (asserted, so the check can fail). Every in-memory variant is forgotten
+    before each engine."""
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from laguna_dflash.engine import triton_attention
+
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_tokens=380, ignore_eos=True)
+    rng = random.Random(9)
+    batches = [[[rng.randrange(0, 60) for _ in range(20 + i)] for i in range(r)] for r in (1, 2)]
+    built: dict[bool, list[str]] = {}
+    state = {"decoding": False}  # inside a decode step (a prefill's builds are not counted)
+    for fixed in (True, False):
+        monkeypatch.setattr(triton_attention, "fixed_eager_splits", fixed)
+        for obj in gc.get_objects():
+            if issubclass(type(obj), JITFunction):
+                obj.device_caches.clear()
+        llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda",
+                  dtype="bfloat16", max_num_seqs=2, max_model_len=512, enforce_eager=True)
+        engine, built[fixed] = llm.engine, []
+
+        def flagged(step):
+            def wrapped(*args, **kwargs):
+                state["decoding"] = True
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    state["decoding"] = False
+            return wrapped
+
+        engine._spec_decode, engine._decode = flagged(engine._spec_decode), flagged(engine._decode)
+        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
+                            lambda built=built[fixed], **kw_: state["decoding"]
+                            and built.append(kw_["repr"][:120]) and False)
+        for prompts in batches:
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+        del llm, engine
+        gc.collect()
+    assert not built[True], built[True]
+    assert any("attention" in b for b in built[False]), built[False]
+
+
+@needs_cuda
 def test_startup_capture_empties_the_allocator_cache_once_on_cuda(pair, monkeypatch):
     """Start-up capture (cuda_graph.captures_in_a_row) empties the allocator's cache before its
     first capture and after its last only, where torch.cuda.graph empties it before every
@@ -872,7 +924,7 @@ def test_first_sampled_requests_build_no_triton_kernel_on_cuda(pair, monkeypatch
 @needs_cuda
 def test_first_long_eager_prefills_build_no_sorted_moe_kernel_on_cuda(tmp_path, monkeypatch):
     """Start-up builds the sorted MoE kernels at every tile height
-    (``layers.build_sorted_moe_kernels_ahead``): an eager engine's first prompts of 800 and 1600
+    (``layers.build_sorted_moe_kernels_ahead``): an eager engine's first prompts of 800 and 1900
     tokens (past 256 pairs; 64- and 128-row tiles) build none of them. Without that build they
     do, so the check can fail. Every variant of the process is forgotten before each start-up."""
     import gc
@@ -885,7 +937,7 @@ def test_first_long_eager_prefills_build_no_sorted_moe_kernel_on_cuda(tmp_path, 
 
     target = df.make_tiny_laguna_target(tmp_path / "laguna", seed=0, max_position_embeddings=2048)
     rng = random.Random(5)
-    prompts = [[rng.randrange(0, 60) for _ in range(n)] for n in (800, 1600)]
+    prompts = [[rng.randrange(0, 60) for _ in range(n)] for n in (800, 1900)]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for ahead in (True, False):
         for obj in gc.get_objects():

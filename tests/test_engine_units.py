@@ -739,7 +739,7 @@ def test_moe_sorted_path_takes_its_tile_rows_from_the_token_count(monkeypatch):
     from laguna_dflash.models.laguna import LagunaForCausalLM
     from laguna_dflash.models.random_init import tiny_laguna_config
 
-    sizes = (1, 384, 385, 768, 769, 1536, 1537, 16384)
+    sizes = (1, 384, 385, 768, 769, 1792, 1793, 16384)
     assert [grouped_moe.block_m_for(t) for t in sizes] == [16, 16, 32, 32, 64, 64, 128, 128]
     model = LagunaForCausalLM.from_config(tiny_laguna_config())
     moe = next(m for m in model.modules() if isinstance(m, layers.MoE)).eval()

@@ -337,7 +337,7 @@ def test_interpreted_zero_weights(dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interpreted_small_tiles_and_larger_block_m(dtype, monkeypatch) -> None:
     """Small configs: two column blocks and four K steps in gate_up, four and two in down; and
-    ``block_m`` 32, 64 and 128 (the engine's tiles past 384, 768 and 1536 tokens,
+    ``block_m`` 32, 64 and 128 (the engine's tiles past 384, 768 and 1792 tokens,
     ``block_m_for``) at the default configs, with experts holding more pairs than a 16-row tile."""
     args = _problem(17, 3, 9, 64, 32, dtype, seed=11)
     monkeypatch.setattr(grouped_moe, "_GATE_UP_CFG", (16, 16, 4, 2))
@@ -441,7 +441,7 @@ def test_sm90_pdl_order_no_spills_pipelined(which: int, skip: bool) -> None:
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("which", [0, 1], ids=["gate_up", "down"])
 def test_sm90_engine_tiles_of_long_forwards_do_not_spill(which: int) -> None:
-    """The 32-, 64- and 128-row tiles ``block_m_for`` gives forwards past 384, 768 and 1536
+    """The 32-, 64- and 128-row tiles ``block_m_for`` gives forwards past 384, 768 and 1792
     tokens build without register spills, with the PDL order and a pipelined K loop."""
     for block_m in (32, 64, 128):
         ptx, spills = _compile_sm90(which, True, block_m=block_m)
@@ -552,7 +552,7 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
 @cuda
 @pytest.mark.parametrize("t", [512, 1024, 2048])
 def test_cuda_xs21_engine_tiles_of_long_forwards(t: int, xs_experts) -> None:
-    """At the tile rows the engine takes past 384 / 768 / 1536 tokens (``block_m_for``: 32 / 64 /
+    """At the tile rows the engine takes past 384 / 768 / 1792 tokens (``block_m_for``: 32 / 64 /
     128) the
     pairs match the 16-row tiles' to bf16 rounding (another MMA shape: the same products, maybe
     other last bits) and the fp32 reference; a CUDA graph replays them bitwise."""

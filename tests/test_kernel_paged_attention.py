@@ -223,6 +223,47 @@ def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty):
 
 
 @interpreted
+def test_interpreted_fixed_splits_keep_the_empty_chunks(monkeypatch):
+    """``fixed_splits`` (eager forwards): a chosen split count above one becomes ``_MAX_SPLITS``
+    chunks of whole tiles, most of them empty here, launched as such (the kernels' NUM_SPLITS),
+    and the values are the reference's; poisoned scratch shows any empty chunk read."""
+    _poisoned_partials(monkeypatch, True)
+    monkeypatch.setattr(pa, "choose_num_splits", lambda *args: 3)  # the CPU's choice is 1
+    launched = []
+    kernels = pa._kernels
+
+    def recording(interpret):
+        attn, merge = kernels(interpret)
+
+        class Launch:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    launched.append(kw["NUM_SPLITS"])
+                    return self.kernel[grid](*args, **kw)
+                return run
+        return Launch(attn), Launch(merge)
+
+    monkeypatch.setattr(pa, "_kernels", recording)
+    q, kc, vc, meta, _ = make_case([(100, 1), (20, 1), (60, 4)], 2, 64, torch.float32, True)
+    scale = q.shape[-1] ** -0.5
+    want = TorchSDPABackend().attend(q, kc, vc, meta, scale=scale)
+    args = (q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots, meta.seq_lens)
+    got = pa.paged_attention(*args, scale=scale, causal=True, block_n=16, fixed_splits=True)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert launched == [pa._MAX_SPLITS, pa._MAX_SPLITS]  # 7 of 32 chunks hold keys (104 / 16)
+    launched.clear()
+    pa.paged_attention(*args, scale=scale, causal=True, block_n=16)
+    assert launched == [3, 3]
+    launched.clear()  # a forward of many tokens (a prefill) keeps its count: partials stay small
+    monkeypatch.setattr(pa, "FIXED_SPLITS_MAX_PARTIAL_BYTES", pa._MAX_SPLITS * 6 * NUM_HEADS * 64 * 4 - 1)
+    pa.paged_attention(*args, scale=scale, causal=True, block_n=16, fixed_splits=True)
+    assert launched == [3, 3]
+
+
+@interpreted
 def test_interpreted_causality_override_and_group_padding():
     """The per-layer ``is_causal`` override beats ``meta.is_causal`` both ways; a GQA group of 3
     (rows not a power of two) and head_dim 80 (padded to a 128-wide tile)."""
@@ -254,6 +295,36 @@ def test_cpu_without_interpreter_falls_back_to_sdpa():
     got = backend.attend(q, kc, vc, meta, scale=0.125, sliding_window=4)
     want = TorchSDPABackend().attend(q, kc, vc, meta, scale=0.125, sliding_window=4)
     assert torch.equal(got, want)
+
+
+def test_split_plan_drops_or_keeps_the_empty_chunks():
+    assert pa.split_plan(1000, 64, 12) == (8, 128)  # 84 keys a split -> 2 tiles: 8 chunks
+    assert pa.split_plan(1000, 64, 32) == (16, 64)
+    assert pa.split_plan(1000, 64, 32, keep_empty=True) == (32, 64)
+    assert pa.split_plan(130, 64, 32, keep_empty=True) == (32, 64)
+    assert pa.split_plan(4096, 64, 32, keep_empty=True) == (32, 128)
+    assert pa.split_plan(100, 16, 1) == (1, 112)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / interpreter on")
+def test_backend_fixes_the_split_count_outside_graph_builds(monkeypatch):
+    """Eager forwards ask for the fixed split count (``triton_attention.fixed_eager_splits``);
+    forwards inside a CUDA-graph build (captures, their warm-ups, the build-ahead recordings)
+    keep the count of their key bucket."""
+    from laguna_dflash.engine import triton_attention
+    from laguna_dflash.models import layers
+
+    calls = []
+    monkeypatch.setattr(pa, "is_available", lambda device: True)
+    monkeypatch.setattr(pa, "paged_attention", lambda *a, **kw: calls.append(kw["fixed_splits"]) or a[0])
+    q, kc, vc, meta, _ = make_case([(5, 3), (20, 1)], 2, 64, torch.float32, True)
+    backend = TritonPagedBackend()
+    backend.attend(q, kc, vc, meta, scale=0.125)
+    with layers.building_cuda_graph():
+        backend.attend(q, kc, vc, meta, scale=0.125)
+    monkeypatch.setattr(triton_attention, "fixed_eager_splits", False)
+    backend.attend(q, kc, vc, meta, scale=0.125)
+    assert calls == [True, False, False]
 
 
 def test_register_exposes_triton_backend(monkeypatch):

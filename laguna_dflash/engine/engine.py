@@ -303,14 +303,21 @@ class LLMEngine:
             self.capture_all_graphs()
 
     def _warmup_eager_batches(self, params: SamplingParams) -> None:
-        """Serve batches of each of :func:`eager_warmup_batch_sizes` (at every adaptive-K level)
-        of 8-token prompts, then of prompts past two attention key splits
-        (``paged_attention._MIN_SPLIT_KEYS``): a batch of few programs splits long keys, a
-        variant of its own (per specialisation of its token count). Batches the KV cache or
-        ``max_model_len`` cannot hold are skipped. Other eager shapes may still build a kernel
-        on first use: more splits (a cap far below 16 at XS-2.1 widths; docs/PERFORMANCE.md)."""
-        sizes = eager_warmup_batch_sizes(self.max_graph_batch_size, self.config.max_num_seqs)
-        if not sizes or self.runner.graphs is None:
+        """Serve batches of each of :func:`eager_warmup_batch_sizes` (every size from 1 under
+        ``enforce_eager``; at every adaptive-K level) of 8-token prompts, then of prompts past
+        two attention key splits (``paged_attention._MIN_SPLIT_KEYS``): a batch of few programs
+        splits long keys, a variant of its own (per specialisation of its token count; eager
+        forwards take one split count for every key length, ``triton_attention.
+        fixed_eager_splits``). Batches the KV cache or ``max_model_len`` cannot hold are
+        skipped."""
+        if self.runner.graphs is not None:
+            cap = self.max_graph_batch_size
+        elif self.config.enforce_eager and self.device.type == "cuda":
+            cap = 0  # every step eager
+        else:
+            return
+        sizes = eager_warmup_batch_sizes(cap, self.config.max_num_seqs)
+        if not sizes:
             return
         k, bs = self.num_speculative_tokens, self.config.block_size
         capacity = self.allocator.num_blocks * bs
@@ -328,8 +335,9 @@ class LLMEngine:
                         self._serve_to_the_end([[0] * n for _ in range(r)], params)
         finally:
             self.adaptive_k = policy
-        logger.info("served eager batches of %s requests (above --cuda-graph-max-bs %d) in %.1fs",
-                    ", ".join(map(str, sizes)), self.max_graph_batch_size, time.perf_counter() - t0)
+        logger.info("served eager batches of %s requests (%s) in %.1fs", ", ".join(map(str, sizes)),
+                    "--enforce-eager" if cap == 0 else f"above --cuda-graph-max-bs {cap}",
+                    time.perf_counter() - t0)
 
     def _warmup_prefills(self, shapes: tuple[tuple[int, ...], ...]) -> None:
         """Prefill each shape (its prompts in one step, one token each) this engine can hold."""

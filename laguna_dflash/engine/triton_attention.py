@@ -27,8 +27,16 @@ import torch
 
 from ..kernels import batch_invariant
 from ..kernels import paged_attention as pa
+from ..models import layers
 from . import attention
 from .attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+
+# Eager forwards (outside a CUDA-graph build) that split the keys take a fixed split count
+# (``paged_attention(fixed_splits=True)``): with a count that followed the key length an eager
+# decode built new attention and merge variants every 64 keys as its context grew (H200, XS-2.1
+# size: ~3 s steps at 800 and 1600 keys; docs/PERFORMANCE.md, forty-second pass). The graphed
+# forwards keep the count of their key bucket. False: the count follows the keys (A/B switch).
+fixed_eager_splits = True
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -85,6 +93,7 @@ class TritonPagedBackend(AttentionBackend):
             meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
             num_splits=self.num_splits, block_n=self.block_n, gate=gate if per_head else None,
             prefetch=prefetch, early_signal=early_signal, batch_invariant=invariant,
+            fixed_splits=fixed_eager_splits and not layers.is_building_cuda_graph(),
         )
         return out if per_head else attention.apply_output_gate(out, gate)
 

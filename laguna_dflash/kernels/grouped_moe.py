@@ -65,8 +65,9 @@ DEFAULT_BLOCK_M = 16  # rows (pairs) of a tile; tl.dot needs >= 16
 # the H200 at XS-2.1 shapes (256 experts, 9 pairs a token, bf16; bench_fused_moe.py, us a layer):
 # 16 / 32 / 64 rows took 469 / 471 / 497 at 256 tokens, 566 / 511 / 537 at 512 and 712 / 618 /
 # 578 at 1024; 64 / 128 rows 800 / 741 at 2048, 1125 / 1130 at 4096 and 1783 / 1725 at 8192
-# (docs/PERFORMANCE.md, forty-first pass; 1536 splits the untimed gap between 1024 and 2048).
-BLOCK_M_BY_TOKENS = ((384, 16), (768, 32), (1536, 64))
+# (docs/PERFORMANCE.md, forty-first pass); in one later call 64 / 128 rows 612 / 700 at 1280,
+# 641 / 706 at 1536, 715 / 736 at 1792 and 795 / 740 at 2048 (forty-second pass).
+BLOCK_M_BY_TOKENS = ((384, 16), (768, 32), (1792, 64))
 LARGEST_BLOCK_M = 128
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel. Constants, whatever T: a pair's result must

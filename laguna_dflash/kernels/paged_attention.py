@@ -428,6 +428,11 @@ INVARIANT_SPLIT_KEYS = 128
 # ... and a forward whose fp32 partials would exceed this many bytes (a long prefill: they grow
 # with tokens x splits) runs in token chunks of at most this size, each a launch pair
 INVARIANT_MAX_PARTIAL_BYTES = 256 << 20
+# fixed_splits: only for forwards whose fp32 partials at _MAX_SPLITS splits stay within this
+# many bytes (decode, verify and the drafter block of small batches: 17 MiB at 16 tokens x 64
+# heads x 128); a prefill of few programs keeps the count of its keys (a chosen 2 at 512 tokens
+# would otherwise become 32 and write 0.5 GiB of partials a layer)
+FIXED_SPLITS_MAX_PARTIAL_BYTES = 64 << 20
 # CUDA's limit on a grid's y and z sizes; the attention grid's z is query tiles x splits
 MAX_GRID_Z = 65535
 
@@ -499,6 +504,15 @@ def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) ->
     return max(1, min(_MAX_SPLITS, -(-target // num_programs), max_keys // _MIN_SPLIT_KEYS))
 
 
+def split_plan(lmax: int, block_n: int, num_splits: int, keep_empty: bool = False) -> tuple[int, int]:
+    """``num_splits`` chunks of whole ``block_n``-key tiles over ``lmax`` keys -> (the split
+    count launched, keys a split). The chunks that would start past ``lmax`` are dropped unless
+    ``keep_empty`` (the kernels skip a split with no keys: ``SKIP_EMPTY_SPLITS``)."""
+    keys_per_split = -(-lmax // max(1, num_splits))
+    split_len = -(-keys_per_split // block_n) * block_n
+    return (max(1, num_splits) if keep_empty else -(-lmax // split_len)), split_len
+
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -556,6 +570,7 @@ def paged_attention(
     prefetch: torch.Tensor | None = None,
     early_signal: bool = False,
     batch_invariant: bool = False,
+    fixed_splits: bool = False,
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
@@ -595,6 +610,14 @@ def paged_attention(
             each query's result is bitwise the same in decode, verify and prefill and in any
             batch (kernels/batch_invariant.py). ``num_splits`` must then be None. Long
             prefills run in token chunks (:data:`INVARIANT_MAX_PARTIAL_BYTES`).
+        fixed_splits: with ``num_splits`` None, a split count of more than one becomes
+            :data:`_MAX_SPLITS` chunks of whole tiles, the empty ones past ``Lmax`` kept (where
+            the partials stay within :data:`FIXED_SPLITS_MAX_PARTIAL_BYTES`: few tokens): the
+            launch then depends on ``Lmax`` only through a runtime argument. For forwards
+            outside CUDA graphs, whose ``Lmax`` grows with every decode step: the split count
+            is a constexpr of both kernels, so a count that followed ``Lmax`` built a variant
+            every 64 keys (on the H200 ~1-3 s each, inside a served step; docs/PERFORMANCE.md,
+            forty-second pass). Changes the summation order, not the math.
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype, contiguous. Launch shapes depend only on
@@ -635,12 +658,13 @@ def paged_attention(
                 sinks=sinks, block_n=block_n, gate=gate)
     else:
         block_q = _block_q(qmax, group)
+        fixed = False
         if num_splits is None:
             num_splits = choose_num_splits(r * kv_heads * -(-qmax // block_q), lmax, q.device)
-        # chunks of whole tiles; drop chunks that would start past Lmax
-        keys_per_split = -(-lmax // max(1, num_splits))
-        split_len = -(-keys_per_split // block_n) * block_n
-        num_splits = -(-lmax // split_len)
+            fixed = (fixed_splits and num_splits > 1 and _MAX_SPLITS * t * num_heads * head_dim * 4
+                     <= FIXED_SPLITS_MAX_PARTIAL_BYTES)
+        num_splits, split_len = split_plan(lmax, block_n, _MAX_SPLITS if fixed else num_splits,
+                                           keep_empty=fixed)
     split_tiles = split_len // block_n
     partials = num_splits > 1 or batch_invariant
     block_m = max(16, _next_pow2(block_q * group))

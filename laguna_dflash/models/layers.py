@@ -63,6 +63,13 @@ def building_cuda_graph() -> Iterator[None]:
         _num_graph_builds -= 1
 
 
+def is_building_cuda_graph() -> bool:
+    """Whether a CUDA graph is being built (:func:`building_cuda_graph`: its warm-up runs, its
+    capture, the recordings that build its kernels ahead): kernels may then choose for a replay,
+    not for an eager forward."""
+    return _num_graph_builds > 0
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA
     while a CUDA graph is built, with M <= 16, no bias and a shape the skinny GEMM was tuned for

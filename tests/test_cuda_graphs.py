@@ -634,6 +634,41 @@ def test_startup_capture_stops_at_cuda_graph_max_bs_on_cuda(pair):
     assert [len(g) for g in graphs_of(capped)] == counts, "a step captured"
 
 
+def _decode_step_builds(make_llm, batches, params, monkeypatch) -> list[str]:
+    """Every in-memory Triton variant of the process forgotten, ``make_llm()`` built (its
+    start-up and warm-up build what they build), then ``batches`` generated: the Triton builds
+    made inside decode steps (``_decode`` / ``_spec_decode``; a prefill's are not counted)."""
+    import gc
+
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), JITFunction):
+            obj.device_caches.clear()
+    llm = make_llm()
+    engine, built, state = llm.engine, [], {"decoding": False}
+
+    def flagged(step):
+        def wrapped(*args, **kwargs):
+            state["decoding"] = True
+            try:
+                return step(*args, **kwargs)
+            finally:
+                state["decoding"] = False
+        return wrapped
+
+    engine._spec_decode, engine._decode = flagged(engine._spec_decode), flagged(engine._decode)
+    with monkeypatch.context() as m:
+        m.setattr(triton.knobs.runtime, "jit_cache_hook",
+                  lambda **kw_: state["decoding"] and built.append(kw_["repr"][:120]) and False)
+        for prompts in batches:
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    del llm, engine
+    gc.collect()
+    return built
+
+
 @needs_cuda
 def test_eager_batches_above_cuda_graph_max_bs_build_no_triton_kernel_on_cuda(pair, monkeypatch):
     """With ``cuda_graph_max_bs=2`` the warm-up serves eager batches above the cap
@@ -641,11 +676,6 @@ def test_eager_batches_above_cuda_graph_max_bs_build_no_triton_kernel_on_cuda(pa
     (short prompts, and 3 past two key splits) build no Triton kernel; with the switch off they
     build some (reported, not asserted: that count is the test model's). Every in-memory
     variant is forgotten before each engine, so that the check can fail."""
-    import gc
-
-    import triton
-    from triton.runtime.jit import JITFunction
-
     from laguna_dflash.engine import engine as engine_module
 
     target, draft = pair
@@ -654,32 +684,12 @@ def test_eager_batches_above_cuda_graph_max_bs_build_no_triton_kernel_on_cuda(pa
     batches = [[[rng.randrange(0, 60) for _ in range(n + i)] for i in range(r)]
                for r, n in ((3, 20), (4, 18), (6, 16), (5, 22), (3, 136))]
     built: dict[bool, list[str]] = {}
-    state = {"decoding": False}  # inside a decode step (a prefill's builds are not counted)
     for warm in (False, True):
         monkeypatch.setattr(engine_module, "warmup_eager_batches", warm)
-        for obj in gc.get_objects():
-            if issubclass(type(obj), JITFunction):
-                obj.device_caches.clear()
-        llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda",
-                  dtype="bfloat16", max_num_seqs=6, max_model_len=400, cuda_graph_max_bs=2)
-        engine, built[warm] = llm.engine, []
-
-        def flagged(step):
-            def wrapped(*args, **kwargs):
-                state["decoding"] = True
-                try:
-                    return step(*args, **kwargs)
-                finally:
-                    state["decoding"] = False
-            return wrapped
-
-        engine._spec_decode, engine._decode = flagged(engine._spec_decode), flagged(engine._decode)
-        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
-                            lambda built=built[warm], **kw_: state["decoding"]
-                            and built.append(kw_["repr"][:120]) and False)
-        for prompts in batches:
-            llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+        built[warm] = _decode_step_builds(
+            lambda: LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda",
+                        dtype="bfloat16", max_num_seqs=6, max_model_len=400, cuda_graph_max_bs=2),
+            batches, params, monkeypatch)
     assert not built[True], (built[True], f"switch off: {len(built[False])} builds")
 
 
@@ -691,11 +701,6 @@ def test_eager_engine_decodes_growing_contexts_building_no_triton_kernel_on_cuda
     every 64 keys) builds no Triton kernel in a decode step. With the fixed count off the same
     decodes do build (asserted, so the check can fail). Every in-memory variant is forgotten
     before each engine."""
-    import gc
-
-    import triton
-    from triton.runtime.jit import JITFunction
-
     from laguna_dflash.engine import triton_attention
 
     target, draft = pair
@@ -703,34 +708,12 @@ def test_eager_engine_decodes_growing_contexts_building_no_triton_kernel_on_cuda
     rng = random.Random(9)
     batches = [[[rng.randrange(0, 60) for _ in range(20 + i)] for i in range(r)] for r in (1, 2)]
     built: dict[bool, list[str]] = {}
-    state = {"decoding": False}  # inside a decode step (a prefill's builds are not counted)
     for fixed in (True, False):
         monkeypatch.setattr(triton_attention, "fixed_eager_splits", fixed)
-        for obj in gc.get_objects():
-            if issubclass(type(obj), JITFunction):
-                obj.device_caches.clear()
-        llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda",
-                  dtype="bfloat16", max_num_seqs=2, max_model_len=512, enforce_eager=True)
-        engine, built[fixed] = llm.engine, []
-
-        def flagged(step):
-            def wrapped(*args, **kwargs):
-                state["decoding"] = True
-                try:
-                    return step(*args, **kwargs)
-                finally:
-                    state["decoding"] = False
-            return wrapped
-
-        engine._spec_decode, engine._decode = flagged(engine._spec_decode), flagged(engine._decode)
-        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
-                            lambda built=built[fixed], **kw_: state["decoding"]
-                            and built.append(kw_["repr"][:120]) and False)
-        for prompts in batches:
-            llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
-        del llm, engine
-        gc.collect()
+        built[fixed] = _decode_step_builds(
+            lambda: LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, device="cuda",
+                        dtype="bfloat16", max_num_seqs=2, max_model_len=512, enforce_eager=True),
+            batches, params, monkeypatch)
     assert not built[True], built[True]
     assert any("attention" in b for b in built[False]), built[False]
 

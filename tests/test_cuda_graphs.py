@@ -478,6 +478,26 @@ def _spy_warmup(engine, monkeypatch) -> tuple[list[int], list[list[int]]]:
     return lengths, prefills
 
 
+def test_enforce_eager_warmup_serves_eager_batches_of_every_size(pair, monkeypatch):
+    """Under ``enforce_eager`` (on CUDA: here the device check is faked and the requests are
+    recorded, not run) the warm-up serves the eager batches of sizes 1, 2, 4, ...,
+    ``max_num_seqs``, each of short and of two-split prompts; an engine without graphs that is
+    not ``enforce_eager`` (a CPU one) serves none."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    long = 2 * engine_module.paged_attention._MIN_SPLIT_KEYS + 8
+    for eager, want in ((True, [(r, n) for n in (8, long) for r in (1, 2, 4, 5)]), (False, [])):
+        llm = LLM(target, max_num_seqs=5, max_model_len=400, enforce_eager=eager)
+        engine, served = llm.engine, []
+        monkeypatch.setattr(engine, "_serve_to_the_end",
+                            lambda prompts, p, served=served: served.append((len(prompts), len(prompts[0]))))
+        monkeypatch.setattr(engine, "device", type("FakeCuda", (), {"type": "cuda"})())
+        engine._warmup_eager_batches(params)
+        assert served == want, eager
+
+
 @pytest.mark.full_warmup
 def test_warmup_prefills_the_listed_prompt_shapes_in_half_precision(pair, monkeypatch):
     """bf16: after its two decoding requests the warm-up prefills every shape of

@@ -17,6 +17,8 @@
 #                                           # MoE build's CUDA test; tiles 1024-2048 (~4 min)
 #   bash benchmarks/gpu_check.sh pass44-startup  # eager first prompts with / without the sorted
 #                                           # MoE build ahead, cold start-up (~7 min)
+#   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
+#                                           # MoE half's phases alone (~7 min)
 #   bash benchmarks/gpu_check.sh startup-moe  # cold start-up, sorted MoE against torch._grouped_mm
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
@@ -602,11 +604,18 @@ case "$stage" in
     for sw in "" "--no-moe-build-ahead"; do
       timeout 150 python benchmarks/bench_first_request.py --cold --max-num-seqs 4 --max-model-len 4096 \
         --scenarios 1x800x4,1x1900x4 --option enforce_eager=true $sw 2>&1 | quiet \
-        | grep -E "start-up|built ahead|rror|^\| [0-9]+x" | cut -c1-300 | tail -8
+        | grep -E "start-up|built ahead|rror|^\| [0-9]+x" | cut -c1-300 | tail -10
     done
     timeout 220 python benchmarks/bench_first_request.py --cold --max-num-seqs 64 --max-model-len 8192 \
       --scenarios 1x100x8,64x1000x8 --option num_kv_blocks=none 2>&1 | quiet \
       | grep -E "start-up|built ahead|rror|^\| [0-9]+x" | cut -c1-300 | tail -8 ;;
+  pass45)
+    echo "== left from the forty-second pass: the eager split count's engine CUDA tests (and the"
+    echo "   graphs-vs-eager ones it touches), then each phase of the persistent MoE half alone (~7 min)"
+    gpu_tests 400 tests/test_cuda_graphs.py \
+      -k "growing_contexts or first_long_eager or graphs_match_eager or eager_batches_above" | tail -12
+    timeout 150 python benchmarks/bench_persistent_moe.py --windows 0,8 --configs 1x8,2x4:8/1024/4/8 \
+      --phase-times 2>&1 | quiet | tail -10 ;;
   startup-moe)
     echo "== start-up at the server's defaults with empty kernel caches: the sorted MoE past 256"
     echo "   pairs against torch._grouped_mm (MoE.grouped_mm_min_pairs=257), two processes (~5 min)"

@@ -40,8 +40,14 @@ Timing (CUDA-graph replays, us a layer): each layer is a one-program "window" ke
 the GPU ``W`` us with its dependents launched (attention's place: the HBM idle, the next kernel's
 pre-wait loads in flight), then the MoE half; weights rotate over ``--layers`` copies (more than
 L2). The window's own time, measured alone, is subtracted. The floor is the bytes of o_proj, the
-router and the 9 experts hit over the copy rate of the same call. Outputs are checked against
-the five launches first (ids equal, residual bitwise, pairs within a few bf16 ulps).
+router and the 9 experts hit over the copy rate of the same call. Every variant's outputs are
+first checked against the torch reference (:func:`reference`: the residual bitwise, the pairs in
+bf16 ulps; the engine's routed ids too).
+
+Measured on the H200 (docs/PERFORMANCE.md, forty-second pass): 40-44 us a layer against 32.5
+for the engine's five launches (floor 21.3); the barriers saved 2.4-5.9 us a layer against the
+same phases as four launches, at most 0.09-0.23 ms a decode step even at the engine kernels'
+speed: no-go for goal 1.
 
     python benchmarks/bench_persistent_moe.py                       # H200, XS-2.1 shapes
     python benchmarks/bench_persistent_moe.py --windows 0,8 --configs 1x8,2x4:8/1024/4/8 --phase-times

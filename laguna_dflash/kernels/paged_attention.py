@@ -429,7 +429,7 @@ INVARIANT_SPLIT_KEYS = 128
 # with tokens x splits) runs in token chunks of at most this size, each a launch pair
 INVARIANT_MAX_PARTIAL_BYTES = 256 << 20
 # fixed_splits: only for forwards whose fp32 partials at _MAX_SPLITS splits stay within this
-# many bytes (decode, verify and the drafter block of small batches: 17 MiB at 16 tokens x 64
+# many bytes (decode, verify and the drafter block of small batches: 16 MiB at 16 tokens x 64
 # heads x 128); a prefill of few programs keeps the count of its keys (a chosen 2 at 512 tokens
 # would otherwise become 32 and write 0.5 GiB of partials a layer)
 FIXED_SPLITS_MAX_PARTIAL_BYTES = 64 << 20

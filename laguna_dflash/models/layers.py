@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     :func:`batch_invariant.linear` (row results independent of ``M``)."""
     if batch_invariant.is_active():
         return batch_invariant.linear(x, weight, bias)
-    if (_num_graph_builds and bias is None and use_skinny_gemm and x.is_cuda
+    if (is_building_cuda_graph() and bias is None and use_skinny_gemm and x.is_cuda
             and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
             and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])):
         return skinny_gemm.skinny_gemm(x, weight)
@@ -242,7 +242,7 @@ class Attention(nn.Module):
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
-        staged = (t <= staged_o_proj_max_rows and use_staged_o_proj and _num_graph_builds
+        staged = (t <= staged_o_proj_max_rows and use_staged_o_proj and is_building_cuda_graph()
                   and not batch_invariant.is_active()
                   and self.o_proj.bias is None and not torch.is_grad_enabled()
                   and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight, m=t))

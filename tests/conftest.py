@@ -14,9 +14,11 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter children (interpreter_child.py)
+    import interpreter_bounds
     import interpreter_speedup
 
     interpreter_speedup.install()
+    interpreter_bounds.install()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,14 +34,31 @@ def run_interpreted_child(test_file: str, timeout: int = 300) -> None:
     assert "passed" in summary and "skipped" not in summary, summary
 
 
+# what `python SCRIPT ARGS...` does, after installing in the interpreter what the test children
+# get from conftest.py: the out-of-bounds checks (interpreter_bounds) and the patching speed-up
+_BOOT = (
+    "import os, runpy, sys; sys.path.insert(0, {tests!r}); import interpreter_bounds, "
+    "interpreter_speedup; sys.path.remove({tests!r}); interpreter_speedup.install(); "
+    "interpreter_bounds.install(); sys.argv = sys.argv[1:]; "
+    "sys.path[0] = os.path.dirname(sys.argv[0]); runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def run_interpreted_script(script: str | Path, *args: str, timeout: int = 300,
+                           cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python script args...`` under Triton's interpreter (``TRITON_INTERPRET=1``, one
+    thread) with every launch's memory accesses checked (:mod:`interpreter_bounds`): an
+    out-of-bounds one ends the script with ``OutOfBoundsAccess``. Output captured as text."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    boot = _BOOT.format(tests=str(Path(__file__).resolve().parent))
+    return subprocess.run([sys.executable, "-c", boot, str(Path(script).resolve()), *args],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 def interpreter_script_json(script: str, timeout: int = 300) -> dict:
     """Run ``python script --interpreter-cases`` under the interpreter (from the repository root)
     and return the JSON object its last output line holds (the script's per-case results)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(script), "--interpreter-cases"],
-        env=env, capture_output=True, text=True, timeout=timeout,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(script))),
-    )
+    proc = run_interpreted_script(script, "--interpreter-cases", timeout=timeout,
+                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(script))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,13 +6,11 @@ schedule the loads itself, which is why the script times it)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from interpreter_child import HAS_TRITON, INTERPRETED
+from interpreter_child import HAS_TRITON, INTERPRETED, run_interpreted_script
 from ptx_sm90 import can_compile_sm90, compile_sm90_spills
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,10 +19,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton (runs its own interpreter child)")
 def test_cpu_wiring_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gemv_formulations.py"),
-                          "--device", "cpu", "--tiny"], env=env, capture_output=True, text=True,
-                         check=True, timeout=600).stdout
+    proc = run_interpreted_script(ROOT / "benchmarks" / "bench_gemv_formulations.py", "--device", "cpu",
+                                  "--tiny", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     rows = [line for line in out.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 4 and not any("wrong" in line for line in rows), out
 

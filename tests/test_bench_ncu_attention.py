@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from interpreter_child import run_interpreted_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -72,13 +73,9 @@ def test_metrics_list_asks_for_duration_and_every_stall_reason(capsys, monkeypat
                     reason="needs triton (the workload runs under its CPU interpreter here)")
 def test_workload_runs_under_the_interpreter():
     """``run`` (what ncu profiles) at a small context, on the CPU under TRITON_INTERPRET=1."""
-    import os
-    import subprocess
 
     script = Path(ncu.__file__)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     for shape in ("sliding", "full"):
-        proc = subprocess.run([sys.executable, str(script), "run", "--q", "4", "--shape", shape,
-                               "--device", "cpu", "--context", "64", "--calls", "1"],
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = run_interpreted_script(script, "run", "--q", "4", "--shape", shape, "--device", "cpu",
+                                      "--context", "64", "--calls", "1")
         assert proc.returncode == 0, proc.stderr[-3000:]

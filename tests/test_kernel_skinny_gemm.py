@@ -30,7 +30,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from interpreter_child import (
+    HAS_TRITON,
+    INTERPRETED,
+    interpreted,
+    run_interpreted_child,
+    run_interpreted_script,
+)
 from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 
 from laguna_dflash.kernels import pdl
@@ -272,12 +278,8 @@ def test_imports_and_reports_unavailable_without_triton() -> None:
 def test_benchmark_cpu_wiring_check() -> None:
     """``bench_skinny_gemm.py --device cpu --tiny`` runs under the interpreter and prints the
     table and a ``_MEASURED`` dict that evaluates to SkinnyConfigs keyed (m_bucket, N, K)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_skinny_gemm.py"), "--device", "cpu", "--tiny",
-         "--m", "1,3"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
-    )
+    proc = run_interpreted_script(REPO / "benchmarks" / "bench_skinny_gemm.py", "--device", "cpu",
+                                  "--tiny", "--m", "1,3", cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "| shape |" in out and "cuBLAS" in out

@@ -201,16 +201,17 @@ gpu_tests() {
 # run here twelve at once, about 18 of them failed without names on 2026-12-01 (their 300 s
 # limit, presumably). Tests marked exclusive_gpu size memory from the device's free bytes, which
 # the other workers move (one read 0.5 GiB short on 2026-12-02): they run afterwards, one at a time.
+# MAIN_S / EXCLUSIVE_S: the two parts' limits (460 / 100 s unless set).
 every_test() {
   local log=${OUT:-/tmp}/$1; shift
   echo "== $* (CUDA and sm_90 cases; the interpreter ones are CPU CI's)"
-  timeout 460 python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
+  timeout "${MAIN_S:-460}" python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
     -k "not interpret" -m "not exclusive_gpu" >"$log" 2>&1
   echo "pytest exit ${?} (124: cut by the time limit)"
   grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40
   sed -n '/slowest/,/^$/p' "$log" | head -12
   echo "-- the exclusive_gpu tests, one process"
-  gpu_tests 100 "$@" -k "not interpret" -m exclusive_gpu | tail -8
+  gpu_tests "${EXCLUSIVE_S:-100}" "$@" -k "not interpret" -m exclusive_gpu | tail -8
 }
 # step_ab PYTEST_K SWITCH: the CUDA graph tests selected by PYTEST_K (all when empty), then the
 # batch-1 step A/B of host_timeline.py (defaults against module:attr=value SWITCH) and the
@@ -508,7 +509,9 @@ case "$stage" in
     # 604 of ~630 results in 560 s on 2026-12-02)
     every_test "gpu_all.log" tests/test_kernel_*.py ;;
   all-tests-engine)
-    every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
+    # the parallel part took 185 s on a fresh machine (2026-12-03), where the exclusive_gpu
+    # tests ran past 100 s
+    MAIN_S=380 EXCLUSIVE_S=180 every_test "gpu_all_engine.log" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py \
       tests/test_inference_fusion.py tests/test_dflash_reference.py tests/test_spec_edge_cases.py \
       tests/test_engine_units.py tests/test_prefill_graphs.py tests/test_chunked_prefill.py \
       tests/test_prefix_caching.py ;;

@@ -286,6 +286,12 @@ def test_eager_warmup_batch_sizes():
     assert eager_warmup_batch_sizes(2, 6) == (3, 4, 6)
     assert eager_warmup_batch_sizes(31, 32) == (32,)
     assert eager_warmup_batch_sizes(64, 64) == eager_warmup_batch_sizes(6, 4) == ()
+    # none past MAX_EAGER_WARMUP_BATCH (256), which stands in for the larger sizes; a first
+    # eager size past it is served alone
+    assert eager_warmup_batch_sizes(0, 10**6) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert eager_warmup_batch_sizes(100, 4096) == (101, 128, 256)
+    assert eager_warmup_batch_sizes(300, 4096) == (301,)
+    assert eager_warmup_batch_sizes(0, 200) == (1, 2, 4, 8, 16, 32, 64, 128, 200)
 
 
 @pytest.mark.parametrize("mode", ["fixed K", "adaptive K", "target-only"])

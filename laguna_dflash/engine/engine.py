@@ -81,19 +81,27 @@ WARMUP_PREFILL_LENGTHS: tuple[tuple[int, ...], ...] = (
 # forwards launch Triton variants no graph built: the warm-up then serves eager batches too
 # (:func:`eager_warmup_batch_sizes`; False: it does not, an A/B switch for benchmarks).
 warmup_eager_batches = True
+# The largest eager batch the warm-up serves. Past a few dozen tokens a forward's variants stop
+# changing (the MoE takes the sorted kernels, built ahead, past 256 pairs; attention of many
+# programs splits keys by its own count; the multiple-of-16 specialisation is met at 16-64), and
+# each size is served whole: --max-num-seqs 1000000 (a memory test's) made the warm-up serve
+# batches of half a million requests.
+MAX_EAGER_WARMUP_BATCH = 256
 
 
 def eager_warmup_batch_sizes(max_graph_batch_size: int, max_num_seqs: int) -> tuple[int, ...]:
     """The batch sizes the warm-up serves eagerly when CUDA graphs stop at
     ``max_graph_batch_size`` (``--cuda-graph-max-bs``) below ``max_num_seqs``: the first eager
-    size, each power of two above it and ``max_num_seqs``. An eager step's Triton variants follow
-    its token count's power-of-two bucket (the fused MoE's tile and pair padding) and its
-    specialisation (a multiple of 16 or not); ``()`` when every batch replays a graph."""
+    size, each power of two above it and ``max_num_seqs``, none above
+    :data:`MAX_EAGER_WARMUP_BATCH` (which stands in for the larger ones). An eager step's Triton
+    variants follow its token count's power-of-two bucket (the fused MoE's tile and pair padding)
+    and its specialisation (a multiple of 16 or not); ``()`` when every batch replays a graph."""
     first = max_graph_batch_size + 1
     if first > max_num_seqs:
         return ()
-    powers = [1 << i for i in range(first.bit_length(), max_num_seqs.bit_length())]
-    return tuple(sorted({first, max_num_seqs, *powers}))
+    last = min(max_num_seqs, max(first, MAX_EAGER_WARMUP_BATCH))
+    powers = [1 << i for i in range(first.bit_length(), last.bit_length())]
+    return tuple(sorted({first, last, *powers}))
 
 
 @dataclass

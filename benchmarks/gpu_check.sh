@@ -19,6 +19,10 @@
 #                                           # MoE build ahead, cold start-up (~7 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
 #                                           # MoE half's phases alone (~7 min)
+#   bash benchmarks/gpu_check.sh sanitize   # compute-sanitizer memcheck over the kernels' CUDA tests:
+#                                           # first the two the CPU interpreter cannot run (staged
+#                                           # GEMV: Gluon; L2 prefetch: inline PTX), then the decode
+#                                           # path's kernel files, each file under its own limit (~9 min)
 #   bash benchmarks/gpu_check.sh startup-moe  # cold start-up, sorted MoE against torch._grouped_mm
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
@@ -619,6 +623,21 @@ case "$stage" in
       -k "growing_contexts or first_long_eager or graphs_match_eager or eager_batches_above" | tail -12
     timeout 150 python benchmarks/bench_persistent_moe.py --windows 0,8 --configs 1x8,2x4:8/1024/4/8 \
       --phase-times 2>&1 | quiet | tail -10 ;;
+  sanitize)
+    echo "== compute-sanitizer memcheck: out-of-bounds and misaligned accesses in the kernels' CUDA"
+    echo "   tests (torch's caching allocator off, so each tensor is its own allocation)"
+    command -v compute-sanitizer >/dev/null || { echo "no compute-sanitizer on this machine"; exit 0; }
+    for spec in 150:tests/test_kernel_staged_gemv.py 60:tests/test_kernel_l2_prefetch.py \
+        90:tests/test_kernel_paged_attention.py 60:tests/test_kernel_moe_gemv.py \
+        60:tests/test_kernel_skinny_gemm.py 40:tests/test_kernel_add_rms_norm.py \
+        40:tests/test_kernel_qk_norm_rope_cache.py 40:tests/test_kernel_context_kv.py; do
+      echo "-- ${spec#*:}"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${spec%%:*}" compute-sanitizer --tool memcheck \
+        --error-exitcode 99 --print-limit 5 python -m pytest -q -p no:cacheprovider -x \
+        -k "cuda and not interpret" "${spec#*:}" 2>&1 \
+        | grep -E "Invalid|out of bounds|misaligned|at 0x|ERROR SUMMARY|passed|failed" | head -12
+      echo "exit ${PIPESTATUS[0]} (99: memcheck found errors; 124: cut by the limit)"
+    done ;;
   startup-moe)
     echo "== start-up at the server's defaults with empty kernel caches: the sorted MoE past 256"
     echo "   pairs against torch._grouped_mm (MoE.grouped_mm_min_pairs=257), two processes (~5 min)"

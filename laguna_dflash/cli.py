@@ -75,7 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs,
                    help="the largest batch (requests) whose decode-phase forwards replay CUDA "
                         "graphs; larger batches run eagerly. Fewer graphs to capture: a faster "
-                        "start and less graph memory (default: --max-num-seqs; SGLang's flag)")
+                        "start and less graph memory (default: --max-num-seqs, at most 256; "
+                        "SGLang's flag)")
     p.add_argument("--mem-fraction-static", type=float, default=EngineConfig.mem_fraction_static,
                    help="GPU: the fraction of the device's memory for the weights and the KV "
                         "cache together, the rest left for activations, CUDA graphs and other "

@@ -228,6 +228,14 @@ class SpeculativeConfig:
             )
 
 
+# The graphed batch cap when cuda_graph_max_bs is unset: max_num_seqs, at most this many. Every
+# padded size up to the cap is captured (multiples of 8 past 8) times every key bucket and
+# forward kind, ~0.2 s a graph at XS-2.1 size on the H200: uncapped, --max-num-seqs 1024 would
+# capture ~130 batch sizes (thousands of graphs). SGLang caps its graphs the same way, vLLM by
+# tokens (max_cudagraph_capture_size, 512).
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine-wide settings.
@@ -267,7 +275,8 @@ class EngineConfig:
     # (faster start-up; a new batch size, or a sequence crossing a key-length bucket, then waits).
     cuda_graph_capture: str = "startup"
     # The largest padded batch (requests) whose decode-phase forwards (decode, verify, drafter
-    # block, drafter context) replay CUDA graphs; larger batches run eagerly. None: max_num_seqs.
+    # block, drafter context) replay CUDA graphs; larger batches run eagerly. None: max_num_seqs,
+    # at most DEFAULT_CUDA_GRAPH_MAX_BS (graph_batch_cap).
     # Start-up captures every padded batch size up to it (1, 2, 4, 8, 16, ...: capture_batch_sizes)
     # times every key bucket, ~0.2 s a graph at XS-2.1 size on the H200 (docs/PERFORMANCE.md,
     # thirty-seventh pass), so a lower cap starts faster and holds less graph memory (SGLang's
@@ -316,6 +325,14 @@ class EngineConfig:
     # docs/PERFORMANCE.md; a 1024-token prefill 99.6 ms eager against 49.3 from a graph). 0: every
     # prefill eager. No effect under enforce_eager.
     max_prefill_graph_tokens: int = 2048
+
+    @property
+    def graph_batch_cap(self) -> int:
+        """The largest padded batch (requests) whose decode-phase forwards replay CUDA graphs:
+        ``cuda_graph_max_bs``, or ``DEFAULT_CUDA_GRAPH_MAX_BS`` when unset, at most
+        ``max_num_seqs``."""
+        cap = DEFAULT_CUDA_GRAPH_MAX_BS if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
+        return min(cap, self.max_num_seqs)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.config import EngineConfig
 from laguna_dflash.engine.cuda_graph import CUDAGraphRunner, capture_batch_sizes
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
 
@@ -196,8 +197,6 @@ def test_no_kernels_built_ahead_off_cuda():
 
 
 def test_cuda_graph_capture_setting_is_checked():
-    from laguna_dflash.config import EngineConfig
-
     with pytest.raises(ValueError, match="--cuda-graph-capture"):
         EngineConfig(model="x", cuda_graph_capture="eager")
 
@@ -273,6 +272,11 @@ def test_cuda_graph_max_bs_caps_the_graphed_batches(pair):
         if batch_size == 2:  # the verify and the drafter block replay their graphs
             assert 2 in seen[0] and 2 in seen[1], seen
     assert LLM(target, cuda_graph_max_bs=64, **kw).engine.max_graph_batch_size == 6
+    # unset: max_num_seqs, at most 256 (DEFAULT_CUDA_GRAPH_MAX_BS); a cap set above 256 holds
+    assert LLM(target, **{**kw, "max_num_seqs": 300}).engine.max_graph_batch_size == 256
+    assert EngineConfig(model="x", max_num_seqs=1024).graph_batch_cap == 256
+    assert EngineConfig(model="x", max_num_seqs=1024, cuda_graph_max_bs=512).graph_batch_cap == 512
+    assert EngineConfig(model="x", max_num_seqs=64).graph_batch_cap == 64
     with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
         LLM(target, cuda_graph_max_bs=0, **kw)
 

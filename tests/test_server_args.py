@@ -222,6 +222,6 @@ def test_cuda_graph_max_bs_flag_reaches_the_engine_config_and_the_log_line(caplo
     assert "cuda_graph_max_bs=16" in line
     default = resolve_server_config(_args("--max-num-seqs", "32"))
     assert default.engine.cuda_graph_max_bs is None
-    assert default.describe()["cuda_graph_max_bs"] == "max_num_seqs (32)"
+    assert default.describe()["cuda_graph_max_bs"] == "max_num_seqs, at most 256 (32)"
     with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
         resolve_server_config(_args("--cuda-graph-max-bs", "0"))

@@ -397,10 +397,9 @@ class LLMEngine:
 
     @property
     def max_graph_batch_size(self) -> int:
-        """The largest padded batch the graph runners capture (``EngineConfig.cuda_graph_max_bs``,
-        at most ``max_num_seqs``); larger batches run eagerly."""
-        cap = self.config.cuda_graph_max_bs
-        return self.config.max_num_seqs if cap is None else min(cap, self.config.max_num_seqs)
+        """The largest padded batch the graph runners capture (``EngineConfig.graph_batch_cap``);
+        larger batches run eagerly."""
+        return self.config.graph_batch_cap
 
     def attach_graph_runners(self) -> None:
         """Route the target's and the drafter's decode-phase forwards through a

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import EngineConfig, SpeculativeConfig
+from ..config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig, SpeculativeConfig
 from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
 from ..models.dflash import dflash_value
 
@@ -89,7 +89,8 @@ class ServerConfig:
             "attention_backend": e.attention_backend,
             "enforce_eager": e.enforce_eager,
             "cuda_graph_capture": e.cuda_graph_capture,
-            "cuda_graph_max_bs": e.cuda_graph_max_bs or f"max_num_seqs ({e.max_num_seqs})",
+            "cuda_graph_max_bs": e.cuda_graph_max_bs or (
+                f"max_num_seqs, at most {DEFAULT_CUDA_GRAPH_MAX_BS} ({e.graph_batch_cap})"),
             "load_format": e.load_format,
             "batch_invariant": e.batch_invariant,
             "tensor_parallel_size": e.tensor_parallel_size,

@@ -84,8 +84,8 @@ warmup_eager_batches = True
 # The largest eager batch the warm-up serves. Past a few dozen tokens a forward's variants stop
 # changing (the MoE takes the sorted kernels, built ahead, past 256 pairs; attention of many
 # programs splits keys by its own count; the multiple-of-16 specialisation is met at 16-64), and
-# each size is served whole: --max-num-seqs 1000000 (a memory test's) made the warm-up serve
-# batches of half a million requests.
+# each size is served whole: with --max-num-seqs 1000000 (a memory test's) the warm-up asked for
+# every power of two up to 524288 requests, served as far as the KV cache held them.
 MAX_EAGER_WARMUP_BATCH = 256
 
 

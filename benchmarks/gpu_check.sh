@@ -626,17 +626,27 @@ case "$stage" in
   sanitize)
     echo "== compute-sanitizer memcheck: out-of-bounds and misaligned accesses in the kernels' CUDA"
     echo "   tests (torch's caching allocator off, so each tensor is its own allocation)"
-    command -v compute-sanitizer >/dev/null || { echo "no compute-sanitizer on this machine"; exit 0; }
-    for spec in 150:tests/test_kernel_staged_gemv.py 60:tests/test_kernel_l2_prefetch.py \
-        90:tests/test_kernel_paged_attention.py 60:tests/test_kernel_moe_gemv.py \
-        60:tests/test_kernel_skinny_gemm.py 40:tests/test_kernel_add_rms_norm.py \
-        40:tests/test_kernel_qk_norm_rope_cache.py 40:tests/test_kernel_context_kv.py; do
-      echo "-- ${spec#*:}"
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${spec%%:*}" compute-sanitizer --tool memcheck \
-        --error-exitcode 99 --print-limit 5 python -m pytest -q -p no:cacheprovider -x \
-        -k "cuda and not interpret" "${spec#*:}" 2>&1 \
-        | grep -E "Invalid|out of bounds|misaligned|at 0x|ERROR SUMMARY|passed|failed" | head -12
-      echo "exit ${PIPESTATUS[0]} (99: memcheck found errors; 124: cut by the limit)"
+    # off PATH in CUDA images (/usr/local/cuda*/bin), or anywhere a pip wheel put it
+    san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+      /usr/local/cuda*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
+    [ -z "$san" ] && san=$(timeout 60 find / -xdev -name compute-sanitizer -type f -perm -u+x 2>/dev/null | head -1)
+    [ -z "$san" ] && { echo "no compute-sanitizer on this machine"; exit 0; }
+    echo "using $san"
+    # the graph parts of the tests skip (tests/conftest.py: no capture without the caching
+    # allocator); --target-processes application-only: Triton's ptxas children run untraced.
+    # 2026-12-03, first run: L2 prefetch clean (0 errors); the files cut at their limits printed
+    # nothing, hence the per-file logs in $OUT and the counts.
+    for spec in ${SANITIZE_FILES:-90:tests/test_kernel_staged_gemv.py \
+        150:tests/test_kernel_paged_attention.py 90:tests/test_kernel_moe_gemv.py \
+        60:tests/test_kernel_skinny_gemm.py 30:tests/test_kernel_add_rms_norm.py \
+        40:tests/test_kernel_qk_norm_rope_cache.py 90:tests/test_kernel_context_kv.py}; do
+      f=${spec#*:}; log=${OUT:-/tmp}/sanitize_$(basename "$f" .py).log
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${spec%%:*}" "$san" --tool memcheck \
+        --target-processes application-only --error-exitcode 99 --print-limit 5 \
+        python -m pytest -v -p no:cacheprovider -x -rs -k "cuda and not interpret" "$f" >"$log" 2>&1
+      echo "-- $f: exit $? (99: memcheck found errors; 124: cut by the limit), $(grep -c " PASSED" "$log")" \
+        "passed, $(grep -c " SKIPPED" "$log") skipped (graph parts), $(grep -c " FAILED" "$log") failed"
+      grep -E "Invalid|out of bounds|misaligned|Address 0x|ERROR SUMMARY|Program hit| FAILED" "$log" | head -8
     done ;;
   startup-moe)
     echo "== start-up at the server's defaults with empty kernel caches: the sorted MoE past 256"

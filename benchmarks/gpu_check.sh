@@ -635,7 +635,8 @@ case "$stage" in
     # the graph parts of the tests skip (tests/conftest.py: no capture without the caching
     # allocator); --target-processes application-only: Triton's ptxas children run untraced.
     # 2026-12-03, first run: L2 prefetch clean (0 errors); the files cut at their limits printed
-    # nothing, hence the per-file logs in $OUT and the counts.
+    # nothing, hence the per-file logs in $OUT and the counts. SANITIZE_FILES ("LIMIT:FILE ...")
+    # and SANITIZE_K (pytest -k) pick a part.
     for spec in ${SANITIZE_FILES:-90:tests/test_kernel_staged_gemv.py \
         150:tests/test_kernel_paged_attention.py 90:tests/test_kernel_moe_gemv.py \
         60:tests/test_kernel_skinny_gemm.py 30:tests/test_kernel_add_rms_norm.py \
@@ -643,7 +644,7 @@ case "$stage" in
       f=${spec#*:}; log=${OUT:-/tmp}/sanitize_$(basename "$f" .py).log
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${spec%%:*}" "$san" --tool memcheck \
         --target-processes application-only --error-exitcode 99 --print-limit 5 \
-        python -m pytest -v -p no:cacheprovider -x -rs -k "cuda and not interpret" "$f" >"$log" 2>&1
+        python -m pytest -v -p no:cacheprovider -x -rs -k "${SANITIZE_K:-cuda and not interpret}" "$f" >"$log" 2>&1
       echo "-- $f: exit $? (99: memcheck found errors; 124: cut by the limit), $(grep -c " PASSED" "$log")" \
         "passed, $(grep -c " SKIPPED" "$log") skipped (graph parts), $(grep -c " FAILED" "$log") failed"
       grep -E "Invalid|out of bounds|misaligned|Address 0x|ERROR SUMMARY|Program hit| FAILED" "$log" | head -8

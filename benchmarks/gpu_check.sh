@@ -19,10 +19,11 @@
 #                                           # MoE build ahead, cold start-up (~7 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
 #                                           # MoE half's phases alone (~7 min)
-#   bash benchmarks/gpu_check.sh sanitize   # compute-sanitizer memcheck over the kernels' CUDA tests:
-#                                           # first the two the CPU interpreter cannot run (staged
-#                                           # GEMV: Gluon; L2 prefetch: inline PTX), then the decode
-#                                           # path's kernel files, each file under its own limit (~9 min)
+#   bash benchmarks/gpu_check.sh sanitize   # compute-sanitizer memcheck over the kernels' CUDA tests
+#                                           # (their eager parts): first the two the CPU interpreter
+#                                           # cannot run (staged GEMV: Gluon; L2 prefetch: inline
+#                                           # PTX), then the decode path's kernel files (~9 min);
+#                                           # SANITIZE_FILES / SANITIZE_K for the others
 #   bash benchmarks/gpu_check.sh startup-moe  # cold start-up, sorted MoE against torch._grouped_mm
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
@@ -634,19 +635,21 @@ case "$stage" in
     echo "using $san"
     # the graph parts of the tests skip (tests/conftest.py: no capture without the caching
     # allocator); --target-processes application-only: Triton's ptxas children run untraced.
-    # 2026-12-03, first run: L2 prefetch clean (0 errors); the files cut at their limits printed
-    # nothing, hence the per-file logs in $OUT and the counts. SANITIZE_FILES ("LIMIT:FILE ...")
-    # and SANITIZE_K (pytest -k) pick a part.
-    for spec in ${SANITIZE_FILES:-90:tests/test_kernel_staged_gemv.py \
-        150:tests/test_kernel_paged_attention.py 90:tests/test_kernel_moe_gemv.py \
-        60:tests/test_kernel_skinny_gemm.py 30:tests/test_kernel_add_rms_norm.py \
-        40:tests/test_kernel_qk_norm_rope_cache.py 90:tests/test_kernel_context_kv.py}; do
+    # Per-file logs in $OUT. SANITIZE_FILES ("LIMIT:FILE ...") and SANITIZE_K (pytest -k) pick a
+    # part. The default list took ~7 min on 2026-12-03 (memcheck runs kernels 10-100x slower);
+    # the rest took two more calls: paged attention (~5 min in all), and routing, fused MoE,
+    # grouped MoE, top-k values (each over 70 s; docs/PERFORMANCE.md, forty-fourth pass).
+    for spec in ${SANITIZE_FILES:-60:tests/test_kernel_staged_gemv.py \
+        30:tests/test_kernel_l2_prefetch.py 180:tests/test_kernel_moe_gemv.py \
+        80:tests/test_kernel_skinny_gemm.py 40:tests/test_kernel_add_rms_norm.py \
+        30:tests/test_kernel_qk_norm_rope_cache.py 80:tests/test_kernel_context_kv.py \
+        40:tests/test_kernel_argmax.py}; do
       f=${spec#*:}; log=${OUT:-/tmp}/sanitize_$(basename "$f" .py).log
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${spec%%:*}" "$san" --tool memcheck \
         --target-processes application-only --error-exitcode 99 --print-limit 5 \
         python -m pytest -v -p no:cacheprovider -x -rs -k "${SANITIZE_K:-cuda and not interpret}" "$f" >"$log" 2>&1
       echo "-- $f: exit $? (99: memcheck found errors; 124: cut by the limit), $(grep -c " PASSED" "$log")" \
-        "passed, $(grep -c " SKIPPED" "$log") skipped (graph parts), $(grep -c " FAILED" "$log") failed"
+        "passed, $(grep -c " SKIPPED" "$log") skipped (the log says why: a graph capture, mostly), $(grep -c " FAILED" "$log") failed"
       grep -E "Invalid|out of bounds|misaligned|Address 0x|ERROR SUMMARY|Program hit| FAILED" "$log" | head -8
     done ;;
   startup-moe)

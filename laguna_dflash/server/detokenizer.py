@@ -58,7 +58,8 @@ class OutputText:
     While stop strings are active, the last ``max(len(stop)) - 1`` characters are held back: they
     could be the start of a stop string, which must never reach the client. When a stop string
     appears the text is cut before it (or after it with ``include_stop_str``). As in vLLM, stop
-    strings are looked for only once more than ``min_tokens`` tokens were generated.
+    strings are looked for only once more than ``min_tokens`` tokens were generated, and a stop
+    string counts only where it ends in the text of those later tokens.
     """
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: tuple[str, ...] = (),
@@ -76,13 +77,15 @@ class OutputText:
     def _append(self, delta: str) -> None:
         if not delta or self.stop_hit is not None:
             return
-        start = max(0, len(self.text) - self.hold)
+        before = len(self.text)
         self.text += delta
         if self.num_tokens <= self.min_tokens:
             return
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            # only a match that ends in ``delta`` is new: one wholly in the earlier text lay in
+            # the first min_tokens tokens (any other would have stopped the request already)
+            i = self.text.find(s, max(0, before - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:

@@ -122,6 +122,9 @@ class Serving:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(f"malformed JSON body: {e}") from e
+        except RecursionError:  # the parser recurses once per nested array or object
+            raise bad_request("the JSON body is nested too deeply to parse; no request field "
+                              "nests more than a few levels") from None
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object")
         try:
@@ -184,6 +187,9 @@ class Serving:
         if bad:
             raise bad_request(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
                               f"[0, {self.vocab_size})", "logit_bias")
+        if stop and self.tokenizer is None:  # stop strings are matched in the text (none here)
+            raise bad_request("stop strings need a tokenizer, and the model has none; leave stop "
+                              "out, or send the tokens to stop on as stop_token_ids", "stop")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         try:

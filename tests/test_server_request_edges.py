@@ -1,0 +1,129 @@
+"""Server request edges: stop strings and ``min_tokens`` with several stop strings, ``stop`` on a
+model without a tokenizer, and a JSON body nested past the parser's recursion limit."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from laguna_dflash.server.detokenizer import IncrementalDetokenizer, OutputText
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    import hf_fixtures as hf
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    hf.make_tokenizer(d, VOCAB, update_model_config=False)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def _run(tokenizer, ids: list[int], stop: tuple[str, ...], min_tokens: int,
+         block: int) -> tuple[OutputText, int, str]:
+    """Feed ``ids`` ``block`` at a time (one speculative step each), as the server does ->
+    (the OutputText, the tokens taken, the text streamed)."""
+    out = OutputText(IncrementalDetokenizer(tokenizer), stop, False, min_tokens)
+    taken, streamed = 0, ""
+    for start in range(0, len(ids), block):
+        chunk = ids[start : start + block]
+        n = out.add_tokens(chunk, ends_on_stop_token=False)
+        taken += n
+        if out.stop_hit is not None:
+            break
+        streamed += out.take(final=False)
+    else:
+        out.finish()
+    return out, taken, streamed + out.take(final=True)
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_a_stop_string_inside_the_first_min_tokens_never_stops_the_request(tokenizer, block):
+    """vLLM's min_tokens: a stop string completed within the first ``min_tokens`` tokens is
+    ignored. With a second, longer stop string the text held back for it reached into those
+    tokens, so the short stop string found there stopped the request on the next token and cut
+    the text inside the first ``min_tokens`` tokens ("alpha ")."""
+    text = "alpha beta gamma delta"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    b_at = next(i for i in range(len(ids)) if "b" in tokenizer.decode(ids[: i + 1]))
+    assert b_at + 2 < len(ids) and "b" not in tokenizer.decode(ids[b_at + 1 :])
+    for stop in (("b",), ("b", "zzzzzzzzzz"), ("zzzzzzzzzz", "b")):
+        out, taken, streamed = _run(tokenizer, ids, stop, b_at + 1, block)
+        assert out.stop_hit is None, stop
+        assert (taken, streamed, out.text) == (len(ids), text, text), stop
+    # a later occurrence, past min_tokens, still stops it (at the first one after them)
+    later = "alpha beta gamma bed"
+    ids = tokenizer.encode(later, add_special_tokens=False)
+    out, taken, streamed = _run(tokenizer, ids, ("b", "zzzzzzzzzz"), b_at + 1, block)
+    assert out.stop_hit == "b" and streamed == out.text == "alpha beta gamma "
+    assert tokenizer.decode(ids[:taken]).endswith("b") and taken < len(ids)
+
+
+# ---- a live server on a model without a tokenizer ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_server(tmp_path_factory):
+    """A target-only server over a checkpoint without tokenizer files (token-id prompts only)."""
+    import dflash_fixtures as df
+
+    from laguna_dflash.cli import build_parser
+    from laguna_dflash.server.app import build_app
+    from laguna_dflash.server.args import resolve_server_config
+    from laguna_dflash.server.launcher import ServerThread, build_serving
+
+    target = df.make_tiny_laguna_target(tmp_path_factory.mktemp("bare") / "target", seed=0)
+    args = build_parser().parse_args([
+        "serve", "--model", str(target), "--max-model-len", "64", "--block-size", "8",
+        "--num-kv-blocks", "32", "--log-stats-interval", "0"])
+    serving = build_serving(resolve_server_config(args))
+    assert serving.tokenizer is None
+    server = ServerThread(build_app(serving)).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            yield http
+    finally:
+        server.stop()
+
+
+def test_stop_strings_without_a_tokenizer_are_a_400_naming_stop(bare_server):
+    """Stop strings are matched in the output text, and a model without a tokenizer has none:
+    ``stop`` was silently ignored (the request ran to max_tokens, finish_reason "length"), while
+    ``LLM.generate`` refuses it. Now a 400 naming ``stop`` and the way out (stop_token_ids); the
+    same connection then serves requests without ``stop``, streamed or not."""
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for extra in ({"stop": "x"}, {"stop": ["a", "b"]}, {"stop": "x", "stream": True},
+                  {"stop": ["x"], "n": 2}):
+        r = bare_server.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "stop" and "stop_token_ids" in error["message"], error
+    ok = bare_server.post("/v1/completions", json={**body, "stop": []})  # no stop strings
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+    first = ok.json()["choices"][0]
+    assert first["finish_reason"] == "length"
+    r = bare_server.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    deadline = time.monotonic() + 15  # the engine thread publishes /health after its step
+    while (h := bare_server.get("/health").json())["kv_cache_free_blocks"] != h[
+            "kv_cache_total_blocks"] or h["num_requests_running"] or h["num_requests_waiting"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+
+
+def test_a_body_nested_past_the_parsers_recursion_limit_is_a_400(bare_server):
+    """JSON nested deeper than Python's recursion limit made ``json.loads`` raise a
+    RecursionError, answered as a 500 internal error; it is a malformed request (400)."""
+    depth = 100_000
+    raw = ('{"prompt": ' + "[" * depth + "]" * depth + "}").encode()
+    r = bare_server.post("/v1/completions", content=raw,
+                         headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and "nested too deeply" in error["message"]
+    ok = bare_server.post("/v1/completions", json={"prompt": [7, 8], "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

@@ -778,8 +778,15 @@ def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(stack):
             "temperature": 0, "logit_bias": {str(eos): 100}, "skip_special_tokens": False,
             "return_token_ids": True, "logprobs": True}
     with stack.http() as http:
-        r = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        whole = http.post("/v1/chat/completions", json=body).json()
+        r = whole["choices"][0]
+        assert whole["prompt_token_ids"] == r["prompt_token_ids"]  # vLLM's place, and ours
         assert r["token_ids"] == [eos] and r["finish_reason"] == "stop"
+        chunks = [json.loads(line[6:]) for line in http.post(
+            "/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+            if line.startswith("data: {")]
+        assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
         assert r["message"]["content"] == ""
         assert len(r["logprobs"]["content"]) == 1  # the token is still scored
         r = http.post("/v1/chat/completions",

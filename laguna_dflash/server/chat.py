@@ -111,20 +111,23 @@ async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
             "created": jobs[0].created, "model": serving.model_name}
 
     def chunk(index: int, delta: dict, logprobs: list | None = None, finish: str | None = None,
-              stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> str:
+              stop_reason: str | int | None = None, token_ids: list[int] | None = None,
+              top: dict | None = None) -> str:
         choice: dict[str, Any] = {"index": index, "delta": delta,
                                   "logprobs": None if logprobs is None else {"content": logprobs},
                                   "finish_reason": finish, "stop_reason": stop_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        body = {**base, "choices": [choice]}
+        body = {**base, **(top or {}), "choices": [choice]}
         if opts is not None and opts.continuous_usage_stats:
             body["usage"] = usage(jobs)
         return sse(body)
 
     try:
         for i in range(len(jobs)):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            # vLLM's place for the prompt's ids: the first chunk's, beside its choices
+            top = {"prompt_token_ids": jobs[0].prompt_token_ids} if req.return_token_ids and i == 0 else {}
+            yield chunk(i, {"role": "assistant", "content": ""}, top=top)
         async for i, d in serving.merged(jobs):
             wants_tokens = n_logprobs is not None or req.return_token_ids
             if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
@@ -159,7 +162,10 @@ def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
             choice["token_ids"] = tokens
             choice["prompt_token_ids"] = job.prompt_token_ids
         choices.append(choice)
-    return serving.response_body(jobs, "chat.completion", choices)
+    body = serving.response_body(jobs, "chat.completion", choices)
+    if req.return_token_ids:  # vLLM's place for chat: the response's, as every choice shares it
+        body["prompt_token_ids"] = jobs[0].prompt_token_ids
+    return body
 
 
 async def create_chat_completion(serving: Serving, request: Request) -> Response:

@@ -25,19 +25,23 @@ MAX_PROMPTS = 256
 
 
 def _prompts(serving: Serving, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
-    """The request's prompts as (token ids, the text sent or None): a string, token ids, or a
-    list of strings or of id lists (a batch, as vLLM accepts)."""
+    """The request's prompts as (token ids, the text sent or None), each checked
+    (``Serving.check_prompt``): a string, token ids, or a list of strings or of id lists (a
+    batch, as vLLM accepts; an error names the entry, ``prompt.1``)."""
     p = req.prompt
     if isinstance(p, str):
-        return [(serving.encode(p, req.add_special_tokens), p)]
+        return [(serving.check_prompt(serving.encode(p, req.add_special_tokens), "prompt"), p)]
     if not p:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(p[0], int):
-        return [(list(p), None)]
+        return [(serving.check_prompt(list(p), "prompt"), None)]
     if len(p) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
-    return [(serving.encode(x, req.add_special_tokens), x) if isinstance(x, str) else (list(x), None)
-            for x in p]
+    prompts = []
+    for i, x in enumerate(p):
+        ids = serving.encode(x, req.add_special_tokens, f"prompt.{i}") if isinstance(x, str) else list(x)
+        prompts.append((serving.check_prompt(ids, f"prompt.{i}"), x if isinstance(x, str) else None))
+    return prompts
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     req = await serving.parse(request, CompletionRequest)
     serving.check_model(req.model)
     reject_unsupported(req)
-    prompts = [(serving.check_prompt(ids, "prompt"), text) for ids, text in _prompts(serving, req)]
+    prompts = _prompts(serving, req)
     stop = stop_strings(req)
     jobs: list[Job] = []
     echoes: list[Echo | None] = []

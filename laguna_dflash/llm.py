@@ -176,6 +176,9 @@ class LLM:
                              "strings with; use stop_token_ids")
         seqs: list[list[Sequence]] = []  # per prompt, its n choices
         texts_of: dict[int, OutputText] = {}  # request id -> its text, requests with stop strings
+        # Every request of this call leaves the engine when the call does: an invalid prompt
+        # (add_request), a failing step (StepError) or an interrupt aborts the ones not finished,
+        # so none of them runs (and holds KV blocks) inside a later generate()
         try:
             for ids, p, t in zip(token_lists, params_list, texts):
                 seqs.append([])
@@ -187,19 +190,19 @@ class LLM:
                         texts_of[seq.request_id] = OutputText(
                             IncrementalDetokenizer(self.tokenizer), p.stop or (),
                             p.include_stop_str_in_output, p.min_tokens)
-        except Exception:
-            for s in (s for choices in seqs for s in choices):  # nothing of a rejected batch stays
+            watched = [s for choices in seqs for s in choices if s.params.stop]
+            while self.engine.has_unfinished:
+                self.engine.step()
+                for s in watched:  # a stop string ends the request at the token that completed it
+                    text = texts_of[s.request_id]
+                    if text.stop_hit is None and _feed(text, s):
+                        if not s.is_finished:
+                            self.engine.abort(s)
+                        del s.output_token_ids[text.num_tokens:]  # a verify's tokens past it
+        except BaseException:
+            for s in (s for choices in seqs for s in choices if not s.is_finished):
                 self.engine.abort(s)
             raise
-        watched = [s for choices in seqs for s in choices if s.params.stop]
-        while self.engine.has_unfinished:
-            self.engine.step()
-            for s in watched:  # a stop string ends the request at the token that completed it
-                text = texts_of[s.request_id]
-                if text.stop_hit is None and _feed(text, s):
-                    if not s.is_finished:
-                        self.engine.abort(s)
-                    del s.output_token_ids[text.num_tokens:]  # a verify's tokens past it
         outputs = []
         for choices in seqs:
             first, *others = [replace(self._output(s, texts_of.get(s.request_id)), index=i)

@@ -1,0 +1,370 @@
+"""Randomised engine stress: many requests under KV pressure, with and without DFlash.
+
+32 requests of very different lengths (half share a system prompt, so the prefix cache hits)
+and max_tokens (some run to max_model_len), some ending on a stop token, some seeded-sampled,
+some asking for logprobs or prompt logprobs, arrive at random steps into an engine whose KV
+cache holds a few sequences, so requests are preempted and recomputed; some are aborted
+mid-run, and the prefix cache is reset now and then. Every request must produce what
+target-only decoding of it alone produces (tokens, greedy and seeded alike, and the logprobs of
+its tokens; an aborted one a prefix of that). After every step the block bookkeeping must be
+exact (reference counts = block-table entries, the free pool = the unreferenced blocks, no
+block twice in a table, the prefix-cache maps inverse to each other), and no block registered
+in the prefix cache may be written while it keeps its hash (its target K/V and its drafter
+context K/V are what later prompts reuse). At the end every block is free.
+
+Configurations: target-only; DFlash at fixed K, whole-prompt prefills; a scripted per-step K
+(0: target-only steps whose taps wait as pending taps) with the drafter context stored by the
+next step instead of the verify; the graph runners' padded path on CPU (drafts queued ahead;
+with the scripted K, target forwards queued ahead too). The fixture's drafter is random (almost
+never accepted), so all but the fixed-K run replace the draft values by :class:`OracleDrafts`:
+every acceptance count happens, and requests end inside accepted blocks (on a stop token, at
+max_tokens, at max_model_len), also across a KV block boundary.
+
+Also: an ``LLM.generate`` call whose step fails leaves none of its requests in the engine.
+
+CPU, float32, the Laguna / Poolside pair of tests/dflash_fixtures.py.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.engine import LLMEngine
+from laguna_dflash.engine.sequence import Sequence
+
+BLOCK_SIZE = 6  # the drafter's block: K <= 5
+MAX_MODEL_LEN = 60
+VOCAB = 60  # prompt token range (the fixture's vocabulary is larger)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    import dflash_fixtures as df
+
+    return df.make_laguna_poolside_pair(tmp_path_factory.mktemp("stress"), BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingParams]]:
+    """Prompts (half start with one 15-token system prompt, cut anywhere) of 1 .. 41 tokens,
+    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed. Stop tokens
+    are chosen later from the reference output (random ids would rarely stop anything)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(15)]
+    out = []
+    for _ in range(n):
+        head = system[: rng.randrange(3, 16)] if rng.random() < 0.5 else []
+        prompt = head + [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 5, 9, 17, 26]))]
+        max_tokens = rng.choice([1, 2, 3, 7, 15, 30, 45, None])
+        sampled = rng.random() < 0.33
+        params = SamplingParams(temperature=0.9 if sampled else 0.0, max_tokens=max_tokens,
+                                ignore_eos=True, seed=rng.randrange(1000) if sampled else None,
+                                logprobs=2 if rng.random() < 0.2 else None,
+                                prompt_logprobs=1 if rng.random() < 0.15 else None)
+        out.append((tuple(prompt), params))
+    return out
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A request's output alone: its tokens, the logprob of each output / prompt token (None
+    where the request does not ask for them), and ``continuation``: the tokens target-only
+    decoding gives it up to max_model_len, past its max_tokens and stop token (what a perfect
+    drafter would propose there)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    prompt_logprobs: list[float] | None
+    continuation: list[int]
+
+
+def _chosen(entries, tokens) -> list[float] | None:
+    """The logprob of each chosen token (a top-n tie may list other tokens, batch to batch)."""
+    return None if entries is None else [e[t] for e, t in zip(entries, tokens)]
+
+
+@pytest.fixture(scope="module")
+def requests(pair) -> list[tuple[Request, Expected]]:
+    return expected_requests(pair[0], seed=0)
+
+
+def expected_requests(target, seed: int) -> list[tuple[Request, Expected]]:
+    """The workload with stop tokens, and each request's target-only output alone (batch 1, no
+    prefix cache, no preemption): its tokens to max_model_len (a seeded request's too: its
+    noise is a function of the output position), cut at max_tokens and after the first
+    occurrence of its stop token. A stop token is taken from the request's own output, so it
+    does stop it (stop ids do not change the tokens before it: no min_tokens)."""
+    base = LLM(target, block_size=4, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+    rng = random.Random(seed + 1)
+    out = []
+    for prompt, params in _workload(seed=seed):
+        alone = base.generate(prompt_token_ids=[list(prompt)],
+                              sampling_params=SamplingParams(**{**_fields(params), "max_tokens": None}))[0]
+        continuation = alone.token_ids
+        full = continuation[: params.max_tokens]
+        if len(full) > 2 and rng.random() < 0.4:
+            stop = full[rng.randrange(1, len(full))]
+            params = SamplingParams(**{**_fields(params), "stop_token_ids": [stop]})
+            full = full[: full.index(stop) + 1]
+        out.append((Request(prompt, params), Expected(
+            full, _chosen(alone.logprobs, full),
+            _chosen((alone.prompt_logprobs or [None])[1:], prompt[1:]) if params.prompt_logprobs else None,
+            continuation)))
+    assert any(e.logprobs for _, e in out) and any(e.prompt_logprobs for _, e in out)
+    return out
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
+
+
+class Invariants:
+    """Per-step checks of an engine's block bookkeeping, and that a block registered in the
+    prefix cache is never written while it keeps its hash (target and drafter K/V of its slots
+    compared with a snapshot taken when it was first seen registered)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.snapshots: dict[int, tuple[bytes, list[torch.Tensor]]] = {}
+        self.num_compared = 0
+        # a block that loses its hash (evicted: handed out again; or a cache reset) may be
+        # rewritten, and registered again, within one step: its snapshot goes with the hash
+        alloc = engine.allocator
+        forget, reset = alloc._forget, alloc.reset_prefix_cache
+
+        def forgets(block: int) -> None:
+            self.snapshots.pop(block, None)
+            forget(block)
+
+        def resets() -> None:
+            self.snapshots.clear()
+            reset()
+
+        alloc._forget, alloc.reset_prefix_cache = forgets, resets
+
+    def _caches(self):
+        caches = [self.engine.runner.kv_cache]
+        if self.engine.proposer is not None:
+            caches.append(self.engine.proposer.kv_cache)
+        return caches
+
+    def _contents(self, block: int) -> list[torch.Tensor]:
+        bs = self.engine.allocator.block_size
+        return [t[block * bs : (block + 1) * bs].clone() for kv in self._caches()
+                for layer in kv.layers for t in layer]
+
+    def check(self) -> None:
+        alloc, sched = self.engine.allocator, self.engine.scheduler
+        holders = list(sched.running) + list(sched.prefilling)
+        refs: dict[int, int] = {}
+        for s in holders:
+            assert len(set(s.block_table)) == len(s.block_table), f"request {s.request_id}: a block twice"
+            for b in s.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        for s in sched.waiting:
+            assert not s.block_table, f"waiting request {s.request_id} holds blocks"
+        for b in range(alloc.num_blocks):
+            assert alloc._refs[b] == refs.get(b, 0), f"block {b}: {alloc._refs[b]} refs, {refs.get(b, 0)} holders"
+            assert (b in alloc._free) == (alloc._refs[b] == 0), f"block {b}: pool membership"
+        assert {b: h for h, b in alloc._block_of.items()} == alloc._hash_of, "prefix-cache maps disagree"
+        for s in holders:  # the cached head of a table names the request's own tokens
+            for i in range(s.num_registered_blocks):
+                h = alloc._hash_of.get(s.block_table[i])
+                assert h is None or h == s.block_hashes[i], f"request {s.request_id}: block {i}'s hash"
+        for block, h in list(alloc._hash_of.items()):
+            seen = self.snapshots.get(block)
+            if seen is None or seen[0] != h:
+                self.snapshots[block] = (h, self._contents(block))
+                continue
+            now = self._contents(block)
+            assert all(torch.equal(a, b) for a, b in zip(seen[1], now)), \
+                f"cached block {block} was written while registered"
+            self.num_compared += 1
+        for block in set(self.snapshots) - set(alloc._hash_of):
+            del self.snapshots[block]
+
+
+CONFIGS = {
+    "target-only": dict(block_size=3, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=7),
+    "dflash": dict(draft=True, num_speculative_tokens=5, block_size=4, num_kv_blocks=19,
+                   max_num_seqs=8, enable_chunked_prefill=False),
+    "dflash-k-per-step-pending-taps": dict(draft=True, oracle=True, num_speculative_tokens=3, adaptive_k=True,
+                                           k_pattern=(3, 0, 0, 1, 3, 2, 0), store_in_verify=False,
+                                           block_size=4, num_kv_blocks=19, max_num_seqs=6,
+                                           max_num_batched_tokens=9),
+    "dflash-ahead": dict(draft=True, oracle=True, num_speculative_tokens=5, graphs=True, block_size=7,
+                         num_kv_blocks=13, max_num_seqs=4, max_num_batched_tokens=6),
+    "dflash-k-per-step-ahead": dict(draft=True, oracle=True, num_speculative_tokens=3, adaptive_k=True,
+                                    k_pattern=(0, 0, 3, 0, 0, 0, 2, 3), graphs=True,
+                                    decode_ahead=True, block_size=4, num_kv_blocks=20,
+                                    max_num_seqs=5, max_num_batched_tokens=11),
+}
+
+
+class OracleDrafts:
+    """Drafts from the requests' known continuations (target-only's tokens, seeded samples
+    included, past max_tokens and the stop token) that turn wrong at a random index, so
+    verifies accept every count 0 .. K about equally often and requests end inside accepted
+    blocks (the fixture's drafter is random: it is almost never accepted). The drafter still
+    runs (its block forward, its context K/V and the drafts queued ahead are computed as
+    usual); only the draft values are replaced."""
+
+    def __init__(self, engine: LLMEngine, expected: dict[int, list[int]], seed: str) -> None:
+        self.expected, self.rng = expected, random.Random(seed)
+        self.vocab = engine.target.spec.vocab_size
+        self.num_cut_inside = 0  # requests that ended before the last token a verify gave them
+        propose, spec_decode, commit = engine.proposer.propose, engine._spec_decode, engine._commit
+
+        def proposes(seqs: list[Sequence], k: int | None = None) -> torch.Tensor:
+            drafts = propose(seqs, k)
+            return self.drafts(seqs, drafts.shape[1]).to(drafts)
+
+        def spec_decodes(seqs: list[Sequence], k: int, ahead=None):
+            if ahead is not None and ahead.fits(seqs, k):  # drafts queued by the last step
+                ahead.drafts = self.drafts(seqs, k).to(ahead.drafts)
+            return spec_decode(seqs, k, ahead)
+
+        def commits(seq: Sequence, tokens: list[int], *args) -> int:
+            kept = commit(seq, tokens, *args)
+            self.num_cut_inside += kept < len(tokens)
+            return kept
+
+        engine.proposer.propose, engine._spec_decode, engine._commit = proposes, spec_decodes, commits
+
+    def drafts(self, seqs: list[Sequence], k: int) -> torch.Tensor:
+        """``[R, k]``: request ``i``'s next ``k`` expected tokens after its bonus token, the
+        first wrong one at a uniform index in ``0 .. k`` (``k``: all right)."""
+        rows = []
+        for s in seqs:
+            n = len(s.output_token_ids)  # the bonus is output n - 1; the target's next, output n
+            row = list(self.expected[s.request_id][n : n + k])
+            row += [self.rng.randrange(VOCAB) for _ in range(k - len(row))]
+            wrong = self.rng.randrange(k + 1)
+            if wrong < k:
+                row[wrong] = (row[wrong] + 1) % self.vocab
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long)
+
+
+def _engine(pair, monkeypatch, options: dict) -> LLM:
+    from laguna_dflash.engine import engine as engine_module
+
+    target, draft = pair
+    options = dict(options)
+    monkeypatch.setattr(engine_module, "store_context_in_verify", options.pop("store_in_verify", True))
+    monkeypatch.setattr(engine_module, "decode_ahead", options.pop("decode_ahead", None))
+    graphs, pattern = options.pop("graphs", False), options.pop("k_pattern", None)
+    options.pop("oracle", None)
+    if options.pop("draft", False):
+        options["draft"] = draft
+    llm = LLM(target, max_model_len=MAX_MODEL_LEN, **options)
+    if graphs:
+        llm.engine.attach_graph_runners()  # CPU: the padded path the CUDA graphs replay
+    if pattern is not None:  # adaptive K's choice follows step times: a fixed script instead
+        ks = itertools.cycle(pattern)
+        llm.engine.adaptive_k.choose = lambda batch_size: next(ks)
+    return llm
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_random_load_gives_each_requests_alone_output(pair, requests, monkeypatch, name):
+    """The module docstring's workload through configuration ``name``: each request's output
+    alone, exact block bookkeeping after every step, cached blocks never rewritten, no block
+    leaked; and the run did preempt, hit the prefix cache, stop on stop tokens (and with oracle
+    drafts: accept whole blocks and end requests inside them)."""
+    llm = _engine(pair, monkeypatch, CONFIGS[name])
+    engine = llm.engine
+    preempted: list[int] = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]
+    check = Invariants(engine)
+    rng = random.Random(name)
+    expected: dict[int, list[int]] = {}  # request id -> its continuation alone
+    oracle = OracleDrafts(engine, expected, name) if CONFIGS[name].get("oracle") else None
+    todo = list(requests)
+    rng.shuffle(todo)
+    added: list[tuple[Sequence, Expected]] = []
+    aborted: set[int] = set()
+    while todo or engine.has_unfinished:
+        if todo and (not engine.has_unfinished or rng.random() < 0.35):
+            n = rng.randrange(1, 4)
+            arriving, todo = todo[:n], todo[n:]
+            for req, want in arriving:
+                added.append((engine.add_request(list(req.prompt), req.params), want))
+                expected[added[-1][0].request_id] = want.continuation
+        live = [s for s, _ in added if not s.is_finished]
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
+            engine.abort(victim)
+            aborted.add(victim.request_id)
+        if rng.random() < 0.02:
+            engine.reset_prefix_cache()
+        engine.step()
+        check.check()
+    assert len(added) == len(requests)
+    for s, want in added:
+        got = s.output_token_ids
+        if s.request_id in aborted:
+            assert got == want.token_ids[: len(got)], f"aborted request {s.request_id}"
+            assert s.finish_reason == "abort" or got == want.token_ids
+            continue
+        assert got == want.token_ids, (
+            f"request {s.request_id} ({'greedy' if s.params.is_greedy else 'seeded'}, "
+            f"{s.num_preemptions} preemptions, {s.num_cached_tokens} cached tokens)")
+        if want.logprobs is not None:  # one entry per token, recomputed or not
+            assert _chosen(s.logprobs, got) == pytest.approx(want.logprobs, abs=1e-4)
+        if want.prompt_logprobs is not None:  # the whole prompt, in chunks or not, once
+            assert s.prompt_logprobs[0] is None and len(s.prompt_logprobs) == len(s.prompt_token_ids)
+            assert _chosen(s.prompt_logprobs[1:], s.prompt_token_ids[1:]) == \
+                pytest.approx(want.prompt_logprobs, abs=1e-4)
+    alloc = engine.allocator
+    assert alloc.num_free_blocks == alloc.num_blocks, "KV blocks leaked"
+    assert sum(alloc._refs) == 0
+    # the run exercised what it is about
+    assert preempted, "no preemption: the KV cache is too large for this workload"
+    assert engine.scheduler.num_prefix_hits > 0 and check.num_compared > 0
+    assert any(s.finish_reason == "stop" for s, _ in added)
+    if oracle is not None:  # every acceptance count, and requests ending inside a block
+        metrics = llm.get_metrics()
+        assert metrics["num_accepted_tokens_per_pos"][-1] > 0 and oracle.num_cut_inside > 0
+
+
+def test_failed_generate_leaves_none_of_its_requests_behind(pair, monkeypatch):
+    """A step failing inside ``LLM.generate`` (StepError) aborts the call's requests: none stays
+    queued or running, every KV block is free, and the next call's output is as if the failed
+    call never happened (its requests do not run, and fail, again inside it)."""
+    from laguna_dflash.engine.engine import StepError
+
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=5, block_size=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 11]
+    want = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    forward, calls = engine.runner.forward, itertools.count()
+
+    def fails_on_the_third(*args, **kwargs):  # the prefill and a verify run, then one fails
+        if next(calls) == 2:
+            raise FloatingPointError("injected")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", fails_on_the_third)
+    with pytest.raises(StepError, match="injected"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert not engine.has_unfinished, "the failed call's requests are still in the engine"
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    steps = engine.timings.num_steps
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)]
+    assert got == want[:1]
+    # one prefill plus at most 11 one-request verifies: no leftover request ran in between
+    assert engine.timings.num_steps - steps <= 12

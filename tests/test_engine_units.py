@@ -52,6 +52,19 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
     assert alloc.num_free_blocks == 1
 
 
+@pytest.mark.parametrize("how", ["finish", "abort", "preempt"])
+def test_a_released_request_drops_its_pending_taps(how):
+    """Pending taps reference a step's whole taps tensor; a finished or aborted request (kept by
+    its caller) must not hold it, and a preempted one recomputes its taps."""
+    sched = Scheduler(BlockAllocator(4, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    seq = Sequence(0, [1] * 6, SamplingParams(max_tokens=10))
+    sched.add(seq)
+    sched.schedule()
+    seq.add_pending_taps(torch.zeros(3, 8), 0, 2, 6)
+    {"finish": sched.finish, "abort": sched.abort, "preempt": sched._preempt}[how](seq)
+    assert seq.pending_taps == [] and seq.num_pending == 0 and seq.block_table == []
+
+
 def test_top_k_top_p_filtering():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     p = filtered_probs(logits, 1.0, top_k=2, top_p=1.0)

@@ -94,8 +94,11 @@ class Scheduler:
         return self._reserve(seq, num_positions)
 
     def release(self, seq: Sequence) -> None:
-        """Free a request's KV blocks (finished, aborted or preempted)."""
+        """Free a request's KV blocks (finished, aborted or preempted) and drop its pending taps:
+        they reference whole batch-taps tensors ``[N, n_taps * H]``, held for as long as the
+        caller keeps the Sequence, and only a running request's next step writes them."""
         self.allocator.free(seq.block_table)
+        seq.clear_pending_taps()
         seq.block_table = []
         seq.num_computed = 0
         seq.num_registered_blocks = 0
@@ -258,7 +261,6 @@ class Scheduler:
         self.running.remove(seq)
         self.release(seq)
         seq.status = Status.WAITING
-        seq.clear_pending_taps()
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 

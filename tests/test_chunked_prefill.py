@@ -2,7 +2,7 @@
 in chunks over several prefill steps, which alternate with the running requests' decode steps.
 
 Units: the chunk sizes, the alternation, a waiting prompt taking what a finishing chunk leaves
-of the budget. Engine (CPU, float32, a Laguna target and a partly trained Poolside drafter):
+of the budget. Engine (CPU, float32, a Laguna target and a random-weight Poolside drafter):
 chunked prompts give the unchunked tokens, drafts at every step and prompt logprobs, with and
 without the prefix cache; DFlash equals target-only; a running request keeps decoding while a
 long prompt is prefilled.

@@ -2,7 +2,7 @@
 
 Units: the block hash chain, the allocator's reference counts, lookup, eviction order and
 reset, the scheduler's admission (a cached prefix, never the last token, the token budget).
-Engine (CPU, float32, a Laguna target with a partly trained Poolside drafter): prompts that share
+Engine (CPU, float32, a Laguna target with a random-weight Poolside drafter): prompts that share
 prefixes with earlier ones (the same prompt again, a longer one, a multi-turn follow-up holding
 the first turn's generated tokens, under eviction pressure) give the tokens an engine without
 the cache gives, while prefilling fewer tokens; with DFlash the drafts of every step are the

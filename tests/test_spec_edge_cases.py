@@ -3,8 +3,9 @@ expectation): requests ending inside an accepted block (max_tokens, stop ids, EO
 token, max_model_len), min_tokens with stop tokens planted in the drafts, aborts between steps,
 preemption, mixed greedy / sampled batches, one-token prompts and max_tokens = 1.
 
-CPU, float32, a tiny Laguna target with a partly trained Poolside drafter (drafts are often but
-not always accepted, so blocks end in accepted drafts and in corrections alike).
+CPU, float32, a tiny Laguna target with a random-weight Poolside drafter: it shares the target's
+embeddings and lm_head, so some drafts are accepted (the tests that need blocks ending in
+accepted drafts assert they met some), most are corrected.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Both drafter flavours (Poolside Laguna drafter on a Laguna target; z-lab Qwen3-flavour drafter on
 a Qwen3 and on a Laguna target), batches of 1 to 8 prompts of mixed lengths (several longer than
-the target's sliding window), K = block_size - 1 and a smaller K. The drafters are partly trained
+the target's sliding window), K = block_size - 1 and a smaller K. The z-lab drafters are partly trained
 (distilled for a few steps) so drafts are often but not always accepted: both the accept and the
-reject paths run.
+reject paths run. The Poolside drafter has random weights (it shares the target's embeddings
+and lm_head, so a few drafts are still accepted; tests/test_engine_stress.py forces every
+acceptance count with oracle drafts).
 """
 
 from __future__ import annotations

@@ -504,6 +504,39 @@ def test_disconnects_abort_requests_and_free_their_blocks(stack, slow_engine):
     assert generated < 5 * 220  # they really stopped early
 
 
+@pytest.mark.parametrize("held", ["stop string", "waiting"])
+def test_a_stream_that_sent_nothing_yet_is_aborted_when_its_client_leaves(stack, slow_engine, held):
+    """A streamed request that has sent no chunk (its text all held back for a long stop
+    string, or still waiting for a slot behind a full batch) is aborted when its client goes
+    away, not run on to max_tokens and counted as served ("length"). Starlette watches for it
+    under uvicorn's ASGI spec 2.3; the response's own watcher covers servers of spec 2.4
+    (tests/test_server_units.py)."""
+    before = _wait_idle(stack)
+    body = {"model": NAME, "prompt": "print", "max_tokens": 220, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    others = []
+    with stack.http() as http:
+        if held == "stop string":
+            body["stop"] = ["#" * 1000]  # the last 999 characters wait: all of this output
+        else:  # fill every slot first (max_num_seqs is 64), each streaming as it should
+            for _ in range(64):
+                r = http.send(http.build_request("POST", "/v1/completions", json={
+                    **body, "max_tokens": 40}), stream=True)
+                others.append(r)
+        r = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+        assert r.status_code == 200
+        time.sleep(0.5)  # ~25 steps of the slow engine: nothing of it sent, or not yet running
+        r.close()
+        for other in others:
+            other.read()
+    after = _wait_idle(stack, timeout=30)
+    aborted = after['vllm:request_success_total{finished_reason="abort"}'] - before.get(
+        'vllm:request_success_total{finished_reason="abort"}', 0)
+    assert aborted == 1
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < 220 + 40 * len(others)  # it stopped early (or never ran)
+
+
 # ---- bad input and failures ----------------------------------------------------------------------
 
 

@@ -402,3 +402,45 @@ def test_logprobs_cap_is_the_servers_max_logprobs():
     with pytest.raises(APIError) as info:
         build_sampling_params(_completion(), 4, 21, {})
     assert info.value.param == "logprobs"
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_silent_stream_ends_and_aborts_its_jobs_when_the_client_leaves(spec_version):
+    """A streamed response whose events have sent nothing yet (a request still waiting, or
+    text held back for a stop string) must end, and abort its jobs, once the client goes
+    away. Starlette watches for the disconnect only under ASGI spec versions before 2.4; under
+    2.4 it learns of it from a failing send, and a silent stream never sends."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from laguna_dflash.server.serving import JobsStreamingResponse
+
+    aborted, closed = [], []
+
+    async def events():
+        try:
+            await asyncio.Event().wait()  # no delta ever comes
+            yield "never"
+        finally:
+            closed.append(True)
+
+    jobs = [SimpleNamespace(request_id="cmpl-1", stream=SimpleNamespace(
+        abort=lambda: aborted.append(True)))]
+
+    async def receive() -> dict:
+        await asyncio.sleep(0.05)  # the client leaves after the headers went out
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        response = JobsStreamingResponse(events(), jobs, media_type="text/event-stream")
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}}
+        await asyncio.wait_for(response(scope, receive, send), timeout=5)
+
+    asyncio.run(run())
+    assert aborted and closed == [True]
+    assert [m["type"] for m in sent] == ["http.response.start"]

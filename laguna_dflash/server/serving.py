@@ -8,11 +8,12 @@ non-streaming concatenates the same deltas, so both give the same text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -87,10 +88,11 @@ SSE_DONE = "data: [DONE]\n\n"
 MAX_BODY_BYTES = 64 << 20
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Resolve when the client closes the connection (the body has been read already)."""
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Resolve when the client closes the connection (the body has been read already);
+    ``receive``: the ASGI receive callable (``Request.receive``)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
         await asyncio.sleep(0.05)  # a server that answers at once must not make this spin
@@ -273,7 +275,7 @@ class Serving:
     async def collect(self, jobs: list[Job], request: Request) -> list[list[Delta]]:
         """Run a non-streamed response's jobs to the end -> each job's deltas; abort them all if
         the client disconnects (one watcher for the connection)."""
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
 
         async def run(job: Job) -> list[Delta]:
             return [d async for d in self.generate(job, watcher)]
@@ -345,15 +347,31 @@ class Serving:
 class JobsStreamingResponse(StreamingResponse):
     """A stream that aborts its jobs once sent, failed or cancelled: a client gone before the
     first chunk can fail the response before ``events`` ever starts, and a generator that never
-    started runs no ``finally`` (its requests would run on to ``max_tokens``)."""
+    started runs no ``finally`` (its requests would run on to ``max_tokens``).
+
+    A client that goes away is noticed while nothing is being sent too: Starlette watches for
+    the disconnect only under ASGI spec versions before 2.4 (uvicorn 0.55 reports 2.3), and
+    under 2.4 learns of it when a send fails, so there a request still waiting for a slot, or
+    one whose text is all held back (a long stop string), would run on to ``max_tokens``."""
 
     def __init__(self, events: AsyncIterator[str], jobs: list[Job], **kw: Any) -> None:
         super().__init__(events, **kw)
         self.jobs = jobs
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        response = asyncio.ensure_future(super().__call__(scope, receive, send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({response, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if response.done():
+                await response  # its result, or its error
+            else:  # the client went away first: stop the stream
+                logger.info("client disconnected; aborted %s", self.jobs[0].request_id)
+                response.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await response
         finally:
+            watcher.cancel()
+            response.cancel()  # a no-op unless this call itself was cancelled
             for job in self.jobs:
                 job.stream.abort()

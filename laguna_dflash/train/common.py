@@ -123,6 +123,7 @@ def run_training(
     after_step: Callable[[], None] | None = None,
     on_save: Callable[[], None] | None = None,
     dp: TensorParallel = SINGLE,
+    generator: torch.Generator | None = None,
 ) -> tuple[list[float], float]:
     """The shared optimisation loop: cosine LR, grad clip 1.0, resumable state, progress bar.
 
@@ -134,10 +135,20 @@ def run_training(
     loss), so the gradients and the loss are summed over the ranks before clipping; every rank
     then takes the same optimizer step. Rank 0 alone writes states, saves and shows progress;
     the time budget follows rank 0's clock.
+
+    ``generator``: the generator ``loss_fn`` draws its data from (batch rows, anchors). Its
+    state is part of the training state, as are the losses so far, so a resumed run draws the
+    batches an uninterrupted run would draw next and returns the whole run's losses.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    start, _ = load_state(state_path, model, optimizer)
-    losses: list[float] = []
+    start, extra = load_state(state_path, model, optimizer)
+    if start and generator is not None:
+        if "generator" in extra:
+            generator.set_state(extra["generator"])
+        else:  # a state written before the generator was saved: the data restart from the top
+            logger.warning("%s holds no data-generator state; the resumed run redraws its "
+                           "batches from the first one", state_path)
+    losses: list[float] = list(extra.get("losses", []))[:start]
     t0 = time.perf_counter()
     t_mark, step_mark, total = t0, start, steps
     bar = tqdm(total=steps, desc=desc, initial=start, disable=not dp.is_driver)
@@ -168,7 +179,10 @@ def run_training(
         if (step + 1) % log_every == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-log_every:]):.3f}")
         if (step + 1) % save_every == 0 and dp.is_driver:
-            save_state(state_path, model, optimizer, step + 1)
+            extra = {"losses": list(losses)}
+            if generator is not None:
+                extra["generator"] = generator.get_state()
+            save_state(state_path, model, optimizer, step + 1, extra)
             if on_save is not None:
                 on_save()
         step += 1

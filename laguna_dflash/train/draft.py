@@ -382,6 +382,19 @@ def draft_loss(drafter, target, seqs: torch.Tensor, c: DraftTrainConfig, gen: to
     return (ce * weights).sum() / total
 
 
+def save_drafter(drafter: DFlashDraftModel, out: Path, cfg: dict) -> None:
+    """Write the drafter checkpoint (bf16 weights, ``cfg`` as config.json) into ``out``, with
+    the ``mask_embedding.pt`` (``[H_target]``) it was trained with if it has one (a drafter
+    continued from a checkpoint that ships one): without it the engine would fill the masked
+    slots with the target's mask row instead."""
+    save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
+    mask_file = out / "mask_embedding.pt"
+    if drafter.mask_embedding is not None:
+        torch.save(drafter.mask_embedding.detach().to("cpu").clone(), mask_file)
+    elif mask_file.is_file():
+        mask_file.unlink()
+
+
 def train_draft(c: DraftTrainConfig) -> Path:
     out = Path(c.out_dir)
     work = out / "work"
@@ -438,11 +451,12 @@ def train_draft(c: DraftTrainConfig) -> Path:
         "train-draft", drafter, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,
         state_path=work / "train_state.pt", save_every=c.save_every, log_every=c.log_every,
         time_budget_s=c.time_budget_s,
-        on_save=lambda: save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16), dp=dp,
+        on_save=lambda: save_drafter(drafter, out, cfg), dp=dp,
+        generator=gen,
     )
     drafter.eval()
     if dp.is_driver:
-        save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
+        save_drafter(drafter, out, cfg)
         summary = {"config": asdict(c), "losses": losses, "seconds": seconds,
                    "num_sequences": int(data.shape[0]), "num_ranks": dp.world_size,
                    "num_cached_sequences": 0 if cache is None else int(cache[0].shape[0])}

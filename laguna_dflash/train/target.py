@@ -172,7 +172,7 @@ def train_target(c: TargetTrainConfig) -> Path:
         "train-target", model, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,
         state_path=out / "work" / "train_state.pt", save_every=c.save_every,
         log_every=c.log_every, time_budget_s=c.time_budget_s,
-        after_step=lambda: balance_moe_(model, 1e-3),
+        after_step=lambda: balance_moe_(model, 1e-3), generator=gen,
     )
     model.eval()
     save_checkpoint(model, out, cfg, dtype=torch.bfloat16, max_shard_bytes=c.max_shard_bytes)

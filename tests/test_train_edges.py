@@ -1,0 +1,113 @@
+"""Drafter-training edges: resume from ``train_state.pt`` continues exactly as an uninterrupted
+run; a written drafter checkpoint (both flavours) loads back in the engine with the trained
+weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import laguna_dflash.train.draft as draft_module
+from laguna_dflash.models.random_init import write_random_pair
+from laguna_dflash.train.draft import DraftTrainConfig, train_draft
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    return write_random_pair(tmp_path_factory.mktemp("edges-pair"), seed=4)
+
+
+def _config(target, out_dir, **kw) -> DraftTrainConfig:
+    """A tiny run on pre-written regenerated data (no regeneration through the engine)."""
+    out = out_dir
+    if not (out / "work" / "regenerated.npy").is_file():
+        (out / "work").mkdir(parents=True)
+        data = np.random.default_rng(0).integers(5, 500, size=(8, 32)).astype(np.int32)
+        np.save(out / "work" / "regenerated.npy", data)
+    return DraftTrainConfig(**{"target": str(target), "out_dir": str(out), "num_layers": 1,
+                               "block_size": 4, "num_anchors": 4, "prompt_len": 16, "gen_len": 16,
+                               "num_sequences": 8, "batch_size": 2, "steps": 4, "warmup": 1,
+                               "lr": 3e-3, "save_every": 2, "log_every": 1, "mask_token_id": 3, **kw})
+
+
+def _state(out) -> dict:
+    return torch.load(out / "work" / "train_state.pt", map_location="cpu", weights_only=False)
+
+
+def test_resume_continues_as_the_uninterrupted_run(random_pair, tmp_path, monkeypatch):
+    """Interrupted after the step-2 save and rerun: the same batches and anchors (the data
+    generator's state is part of the training state), so the same weights, optimizer state and
+    losses as one uninterrupted run."""
+    target, _ = random_pair
+    whole = train_draft(_config(target, tmp_path / "whole"))
+    real_loss = draft_module.draft_loss
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 2, after the state of step 2 was written
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(draft_module, "draft_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(_config(target, tmp_path / "resumed"))
+    assert _state(tmp_path / "resumed")["step"] == 2
+    monkeypatch.setattr(draft_module, "draft_loss", real_loss)
+    resumed = train_draft(_config(target, tmp_path / "resumed"))
+
+    want, got = _state(whole), _state(resumed)
+    assert got["step"] == want["step"] == 4
+    for name, value in want["model"].items():
+        torch.testing.assert_close(got["model"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+    for key, value in want["optimizer"]["state"].items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["optimizer"]["state"][key][field], value[field],
+                                       rtol=1e-6, atol=1e-9)
+    losses = [json.loads((d / "work" / "train_summary.json").read_text())["losses"] for d in (whole, resumed)]
+    assert len(losses[1]) == 4
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("flavour", ["laguna", "qwen3"])
+def test_written_drafter_loads_in_the_engine_with_the_trained_weights(random_pair, tmp_path, flavour):
+    """``LLM(target, draft=out)`` holds exactly the trained weights (bf16, as written) under
+    their module names, with the trained drafter's taps, block size, mask id and causality."""
+    from laguna_dflash import LLM
+
+    target, _ = random_pair
+    out = train_draft(_config(target, tmp_path / flavour, flavour=flavour, steps=2, save_every=2))
+    trained = _state(out)["model"]
+    llm = LLM(str(target), draft=str(out), max_model_len=64, max_num_seqs=2)
+    drafter = llm.engine.drafter
+    cfg = json.loads((out / "config.json").read_text())
+    assert list(drafter.target_layer_ids) == cfg["dflash_config"]["target_layer_ids"]
+    assert (drafter.block_size, drafter.mask_token_id) == (4, 3)
+    assert drafter.is_causal == (flavour == "laguna")
+    params = dict(drafter.named_parameters())
+    assert params and set(params) <= set(trained)
+    for name, p in params.items():
+        want = trained[name].to(torch.bfloat16).float()
+        torch.testing.assert_close(p.detach().float().cpu(), want, rtol=0, atol=0, msg=name)
+
+
+def test_continued_drafter_keeps_its_mask_embedding(random_pair, tmp_path):
+    """``init_from`` a drafter that ships ``mask_embedding.pt``: training fills the masked
+    slots with it, so the written drafter ships it too and the engine loads the same vector."""
+    from laguna_dflash import LLM
+
+    target, draft = random_pair
+    init = tmp_path / "init"
+    init.mkdir()
+    for f in draft.iterdir():
+        (init / f.name).write_bytes(f.read_bytes())
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    vector = torch.randn(hidden, generator=torch.Generator().manual_seed(7))
+    torch.save(vector, init / "mask_embedding.pt")
+    out = train_draft(_config(target, tmp_path / "cont", init_from=str(init), steps=1, save_every=1))
+    drafter = LLM(str(target), draft=str(out), max_model_len=64, max_num_seqs=2).engine.drafter
+    assert drafter.mask_embedding is not None
+    torch.testing.assert_close(drafter.mask_embedding.float().cpu(), vector, rtol=0, atol=0)

@@ -111,3 +111,12 @@ def test_continued_drafter_keeps_its_mask_embedding(random_pair, tmp_path):
     drafter = LLM(str(target), draft=str(out), max_model_len=64, max_num_seqs=2).engine.drafter
     assert drafter.mask_embedding is not None
     torch.testing.assert_close(drafter.mask_embedding.float().cpu(), vector, rtol=0, atol=0)
+
+
+def test_regenerated_data_of_other_lengths_is_an_error_naming_the_flags(random_pair, tmp_path):
+    """``work/regenerated.npy`` is reused as it is: one made with other --prompt-len / --gen-len
+    (rows of 32 tokens here, the run asking for 24) was trained on silently, with anchors and
+    labels laid out for lengths the rows do not have."""
+    c = _config(random_pair[0], tmp_path / "out", gen_len=8)
+    with pytest.raises(ValueError, match=r"--prompt-len 16 \+ --gen-len 8 = 24.*delete it"):
+        train_draft(c)

@@ -152,7 +152,14 @@ def regenerate(c: DraftTrainConfig, work: Path, dp: TensorParallel = SINGLE) -> 
         else:
             np.save(cache, part)
     dp.barrier()
-    return torch.from_numpy(np.load(cache).astype(np.int64))
+    rows = np.load(cache)
+    if rows.ndim != 2 or rows.shape[1] != c.prompt_len + c.gen_len:
+        raise ValueError(
+            f"{cache} holds rows of shape {list(rows.shape[1:])}, not the "
+            f"--prompt-len {c.prompt_len} + --gen-len {c.gen_len} = {c.prompt_len + c.gen_len} "
+            "tokens of this run (a run with other lengths made it): delete it to regenerate, or "
+            "pass the lengths it was made with")
+    return torch.from_numpy(rows.astype(np.int64))
 
 
 def _regenerate_part(c: DraftTrainConfig, work: Path, dp: TensorParallel) -> np.ndarray:

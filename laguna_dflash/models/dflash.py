@@ -74,18 +74,54 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
 
 
+def _eagle_aux_ids(cfg: dict, arch: str) -> list[int] | None:
+    """``eagle_aux_hidden_state_layer_ids`` (vLLM's tap ids: id ``k`` is the output of layer
+    ``k - 1``, id 0 the embeddings), checked; ``None`` when absent."""
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        return None
+    if not isinstance(aux, list) or any(isinstance(a, bool) or not isinstance(a, int) for a in aux):
+        raise ValueError(f"{arch}: config.json field 'eagle_aux_hidden_state_layer_ids' must be a list "
+                         f"of layer ids (ints), got {aux!r}")
+    if any(a < 1 for a in aux):
+        raise ValueError(
+            f"{arch}: config.json field 'eagle_aux_hidden_state_layer_ids' {aux} holds id 0 (the "
+            "embedding output), which a DFlash drafter does not tap; ids are target layer index + 1"
+        )
+    return list(aux)
+
+
+def resolve_target_layer_ids(cfg: dict, arch: str) -> list[int] | None:
+    """The tapped target layers (0-based; tap ``t`` is the output of layer ``t``):
+    ``dflash_config.target_layer_ids`` (or the top-level field), else vLLM's
+    ``eagle_aux_hidden_state_layer_ids`` minus one; ``None`` when the config names neither."""
+    taps = dflash_value(cfg, "target_layer_ids")
+    if taps is not None:
+        return list(taps)
+    aux = _eagle_aux_ids(cfg, arch)
+    return None if aux is None else [a - 1 for a in aux]
+
+
 def check_target_compat(cfg: dict, target: nn.Module | None, taps: list[int], arch: str) -> None:
-    """Drafter/target consistency: taps inside the target's depth, same vocabulary."""
+    """Drafter/target consistency: taps inside the target's depth, and the same taps as
+    ``eagle_aux_hidden_state_layer_ids`` (which vLLM reads first) when the config has both."""
     if not taps:
         raise ValueError(f"{arch}: dflash_config.target_layer_ids is empty; list the tapped target layers")
-    if target is None:
-        return
-    depth = target.spec.num_layers
-    bad = [t for t in taps if not 0 <= t < depth]
-    if bad:
+    if target is not None:
+        depth = target.spec.num_layers
+        bad = [t for t in taps if not 0 <= t < depth]
+        if bad:
+            raise ValueError(
+                f"{arch}: dflash_config.target_layer_ids {bad} reference layers that do not exist in "
+                f"a {depth}-layer target; use ids in [0, {depth})"
+            )
+    aux = _eagle_aux_ids(cfg, arch)
+    if aux is not None and aux != [t + 1 for t in taps]:
         raise ValueError(
-            f"{arch}: dflash_config.target_layer_ids {bad} reference layers that do not exist in a "
-            f"{depth}-layer target; use ids in [0, {depth})"
+            f"{arch}: config.json field 'eagle_aux_hidden_state_layer_ids' {aux} and "
+            f"dflash_config.target_layer_ids {list(taps)} name different target layers (vLLM taps "
+            f"the first, SGLang the second); the eagle ids must be each target layer id + 1, i.e. "
+            f"{[t + 1 for t in taps]}: fix one of them or remove eagle_aux_hidden_state_layer_ids"
         )
 
 
@@ -125,7 +161,7 @@ def qwen3_draft_spec(cfg: dict, target: nn.Module | None, arch: str = "DFlashDra
     num_heads = r.int("num_attention_heads")
     head_dim = r.int("head_dim", hidden // num_heads)
     num_target_layers = cfg.get("num_target_layers") or dflash_value(cfg, "num_target_layers")
-    taps = dflash_value(cfg, "target_layer_ids")
+    taps = resolve_target_layer_ids(cfg, arch)
     if taps is None:
         if not num_target_layers:
             raise ValueError(f"{arch}: config needs dflash_config.target_layer_ids (or num_target_layers)")

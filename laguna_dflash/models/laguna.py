@@ -75,6 +75,12 @@ def resolve_gating(cfg: dict, layer: int, num_heads: int, head_dim: int, g_rows:
     per-element in Poolside's remote code), so the ``g_proj`` row count decides when known.
     """
     types = cfg.get("gating_types")
+    if types and (not isinstance(types, list) or layer >= len(types)):
+        raise ValueError(
+            f"config.json field 'gating_types' must list one entry per layer ('per_head', "
+            f"'per_element' or false) and has no entry for layer {layer}, got {types!r}; give one "
+            "per layer or remove it (then 'gating' applies to every layer)"
+        )
     gating = types[layer] if types else cfg.get("gating", True)
     if gating is False or gating is None or gating in ("none", "disabled"):
         return None
@@ -104,6 +110,8 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
     layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
     r.check_len("num_attention_heads_per_layer", heads, num_layers)
     r.check_len("layer_types", layer_types, num_layers)
+    if cfg.get("gating_types"):
+        r.check_len("gating_types", cfg["gating_types"], num_layers)
     is_moe = resolve_moe_layers(cfg, num_layers)
     sinks = r.bool("swa_attention_sink_enabled")
     window = r.optional_int("sliding_window")

@@ -21,7 +21,14 @@ from torch import nn
 from . import fusion
 from .config_utils import ConfigReader
 from .decoder import Group
-from .dflash import DFlashDraftModel, DraftLayerSpec, DraftSpec, check_target_compat, dflash_value
+from .dflash import (
+    DFlashDraftModel,
+    DraftLayerSpec,
+    DraftSpec,
+    check_target_compat,
+    dflash_value,
+    resolve_target_layer_ids,
+)
 from .fusion import rms_norm_grouped
 from .laguna import resolve_gating, resolve_layer_rope
 from .layers import DecoderLayer, RMSNorm, linear
@@ -38,6 +45,8 @@ def laguna_draft_spec(cfg: dict, shapes: dict | None, target: nn.Module | None) 
     head_dim = r.int("head_dim", hidden // num_heads)
     layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
     r.check_len("layer_types", layer_types, num_layers)
+    if cfg.get("gating_types"):
+        r.check_len("gating_types", cfg["gating_types"], num_layers)
     if len(set(layer_types)) != 1:
         raise ValueError(
             f"{arch}: layer_types must be uniform (all sliding_attention or all full_attention), "
@@ -49,11 +58,12 @@ def laguna_draft_spec(cfg: dict, shapes: dict | None, target: nn.Module | None) 
         raise ValueError(
             f"{arch}: config.json needs rope_theta (the drafter's own RoPE; never the target's SWA theta)"
         )
-    taps = dflash_value(cfg, "target_layer_ids") or []
+    taps = resolve_target_layer_ids(cfg, arch) or []
     check_target_compat(cfg, target, list(taps), arch)
     if target is not None:
         vocab = target.spec.vocab_size
-        draft_vocab = cfg.get("draft_vocab_size", cfg.get("vocab_size", vocab))
+        # null counts as absent: the drafter then uses the target vocabulary
+        draft_vocab = next((cfg[k] for k in ("draft_vocab_size", "vocab_size") if cfg.get(k) is not None), vocab)
         if draft_vocab != vocab:
             raise ValueError(
                 f"{arch}: draft_vocab_size={draft_vocab} differs from the target vocabulary {vocab}; "

@@ -156,9 +156,15 @@ def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, _Destination], igno
     if missing:
         listed = ", ".join(f"{n} (expected shape {tuple(dests[n].shape)})" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        fix = "re-export the checkpoint or fix config.json"
+        if missing == ["lm_head.weight"] and not info.config.get("tie_word_embeddings"):
+            fix = ("config.json has tie_word_embeddings "
+                   f"{'absent' if 'tie_word_embeddings' not in info.config else 'false'}; if the "
+                   "output projection is the input embedding, set \"tie_word_embeddings\": true, "
+                   "else re-export the checkpoint with lm_head.weight")
         raise CheckpointError(
             f"checkpoint {info.path} is missing {len(missing)} tensor(s) that "
-            f"{info.architecture} needs: {listed}{more}; re-export the checkpoint or fix config.json"
+            f"{info.architecture} needs: {listed}{more}; {fix}"
         )
     unexpected = sorted(
         n for n in available - set(dests) - ignorable if not n.endswith(_IGNORED_SUFFIXES)

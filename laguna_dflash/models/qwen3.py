@@ -38,7 +38,17 @@ def qwen3_spec(cfg: dict, shapes: dict | None = None) -> ModelSpec:
     layer_types = qwen3_layer_types(cfg, num_layers)
     r.check_len("layer_types", layer_types, num_layers)
     rope = RopeSpec.from_dict(qwen3_rope(cfg), head_dim, max_pos)
-    window = r.optional_int("sliding_window")
+    # transformers' Qwen3Config drops sliding_window unless use_sliding_window (default false) is
+    # set, and then refuses layer_types that name sliding layers: refuse them here too, rather
+    # than window layers transformers would not
+    window = r.optional_int("sliding_window") if r.bool("use_sliding_window") else None
+    if "sliding_attention" in layer_types and window is None:
+        raise ValueError(
+            "config.json layer_types names sliding_attention layers but the window is off "
+            f"(use_sliding_window={cfg.get('use_sliding_window')!r}, sliding_window="
+            f"{cfg.get('sliding_window')!r}); set \"use_sliding_window\": true and a sliding_window "
+            "to window them, or make those layer_types full_attention"
+        )
     layers = tuple(
         LayerSpec(
             num_heads=num_heads, rope=rope,

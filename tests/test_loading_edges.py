@@ -1,0 +1,165 @@
+"""Loading edge cases of real configs that the other loader tests leave out.
+
+Every checkpoint is a ``save_pretrained`` fixture (``hf_fixtures``) or a drafter written in the
+published on-disk format (``dflash_fixtures``), copied and changed in one config field:
+
+* ``gating_types`` with the wrong number of entries: a ValueError naming the field (it was an
+  IndexError, or silently accepted when too long);
+* drafter tap ids: ``eagle_aux_hidden_state_layer_ids`` (what vLLM reads first) alone gives the
+  taps, and disagreeing with ``dflash_config.target_layer_ids`` is an error naming both;
+* ``draft_vocab_size: null`` means the target vocabulary, as an absent field does;
+* a missing ``lm_head.weight`` under an untied config says to set ``tie_word_embeddings``;
+* Qwen3 ``layer_types`` naming sliding layers without ``use_sliding_window`` or a
+  ``sliding_window``: a ValueError naming them (transformers refuses such a config too).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import hf_fixtures as hf
+import pytest
+
+from laguna_dflash import LLM
+from laguna_dflash.models.loader import CheckpointError, load_model
+
+
+def _copy_with_config(src: Path, dst: Path, edit) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` and apply ``edit(config_dict)`` to its config.json."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def laguna(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hf.make_laguna_checkpoint(tmp_path_factory.mktemp("edges") / "xs_mini", "xs_mini", seed=5)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Laguna target (4 layers) with a Poolside and a z-lab drafter tapping [1, 2]."""
+    import dflash_fixtures as df
+
+    root = tmp_path_factory.mktemp("edge_pair")
+    target = df.make_tiny_laguna_target(root / "target", seed=3)
+    return {
+        "target": target,
+        "poolside": df.make_poolside_laguna_drafter(root / "poolside", target, seed=6,
+                                                    target_layer_ids=[1, 2]),
+        "zlab": df.make_zlab_drafter(root / "zlab", target, seed=6, num_layers=2,
+                                     target_layer_ids=[1, 2], distill_steps=0),
+    }
+
+
+# ---- target config ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entries", [1, 5])  # xs_mini has 4 layers
+def test_gating_types_of_the_wrong_length_is_named(laguna: Path, tmp_path: Path, entries: int):
+    """S-2.1 ships ``gating_types`` (one per layer); a list of the wrong length is a ValueError
+    naming the field, not an IndexError (too short) or a silently accepted list (too long)."""
+    d = _copy_with_config(laguna, tmp_path / "ckpt",
+                          lambda c: c.__setitem__("gating_types", ["per_head"] * entries))
+    with pytest.raises(ValueError, match="gating_types"):
+        load_model(d)
+
+
+def test_gating_types_of_the_right_length_loads(laguna: Path, tmp_path: Path):
+    """The release spelling ``per_head`` per layer loads as per-head gating."""
+    d = _copy_with_config(laguna, tmp_path / "ckpt",
+                          lambda c: c.__setitem__("gating_types", ["per_head"] * 4))
+    model = load_model(d)
+    assert [layer.self_attn.gating for layer in model.layers] == ["per-head"] * 4
+
+
+@pytest.mark.parametrize("tie", ["false", "absent"])
+def test_missing_lm_head_under_untied_config_says_tie_word_embeddings(tmp_path: Path, tie: str):
+    """A tied checkpoint (no ``lm_head.weight`` on disk) whose config.json says, or defaults to,
+    untied: the error names lm_head.weight, the field and the value that fixes it."""
+    src = hf.make_qwen3_checkpoint(tmp_path / "tied", seed=2, variant="tied")
+
+    def untie(cfg: dict) -> None:
+        if tie == "absent":
+            del cfg["tie_word_embeddings"]
+        else:
+            cfg["tie_word_embeddings"] = False
+
+    d = _copy_with_config(src, tmp_path / "untied", untie)
+    with pytest.raises(CheckpointError) as info:
+        LLM(model=str(d))
+    message = str(info.value)
+    assert "lm_head.weight" in message and str(d) in message
+    assert '"tie_word_embeddings": true' in message, message
+
+
+@pytest.mark.parametrize("change", [{"use_sliding_window": False}, {"sliding_window": None}])
+def test_qwen3_sliding_layer_types_without_a_window_are_named(tmp_path: Path, change: dict):
+    """transformers' Qwen3Config keeps ``sliding_window`` only with ``use_sliding_window: true``
+    and then refuses ``layer_types`` naming sliding layers (its mask raises). Such a config is a
+    ValueError naming both fields, not a model that windows layers transformers would not, or
+    silently runs them unwindowed."""
+    src = hf.make_qwen3_checkpoint(tmp_path / "sliding", seed=4, variant="sliding")
+    d = _copy_with_config(src, tmp_path / "off", lambda c: c.update(change))
+    assert "sliding_attention" in json.loads((d / "config.json").read_text())["layer_types"]
+    with pytest.raises(ValueError, match=r"(?s)layer_types.*use_sliding_window.*sliding_window"):
+        LLM(model=str(d))
+    assert LLM(model=str(src)).engine.target.spec.layers[1].sliding_window == 6  # control
+
+
+# ---- drafter configs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", ["poolside", "zlab"])
+def test_eagle_aux_ids_alone_give_the_taps(pair: dict[str, Path], tmp_path: Path, flavour: str):
+    """A drafter config naming its taps only by vLLM's ``eagle_aux_hidden_state_layer_ids``
+    (layer output ids, numbered from 1) taps ``id - 1``: not an "empty target_layer_ids" error,
+    nor (z-lab) the default taps computed from ``num_target_layers``."""
+
+    def only_eagle(cfg: dict) -> None:
+        cfg["dflash_config"].pop("target_layer_ids")
+        cfg.pop("target_layer_ids", None)
+        cfg["eagle_aux_hidden_state_layer_ids"] = [2, 3]
+
+    d = _copy_with_config(pair[flavour], tmp_path / "eagle", only_eagle)
+    drafter = load_model(d, target=load_model(pair["target"]))
+    assert drafter.target_layer_ids == (1, 2)
+
+
+def test_eagle_aux_ids_disagreeing_with_target_layer_ids_is_named(pair: dict[str, Path], tmp_path: Path):
+    """vLLM taps ``eagle_aux_hidden_state_layer_ids``, SGLang ``target_layer_ids + 1``: a config
+    where they differ would draft from different layers in each, so it is an error naming both
+    fields and the consistent eagle ids."""
+    d = _copy_with_config(pair["poolside"], tmp_path / "disagree",
+                          lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [1, 2]))
+    with pytest.raises(ValueError) as info:
+        load_model(d, target=load_model(pair["target"]))
+    message = str(info.value)
+    assert "eagle_aux_hidden_state_layer_ids" in message and "target_layer_ids" in message
+    assert "[2, 3]" in message, message
+
+
+def test_eagle_aux_id_zero_is_named(pair: dict[str, Path], tmp_path: Path):
+    """Eagle id 0 is the embedding output, which no DFlash drafter taps: named, not turned into
+    layer -1."""
+
+    def embed_tap(cfg: dict) -> None:
+        cfg["dflash_config"].pop("target_layer_ids")
+        cfg["eagle_aux_hidden_state_layer_ids"] = [0, 3]
+
+    d = _copy_with_config(pair["poolside"], tmp_path / "zero", embed_tap)
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids.*embedding"):
+        load_model(d, target=load_model(pair["target"]))
+
+
+def test_null_draft_vocab_size_means_the_target_vocabulary(pair: dict[str, Path], tmp_path: Path):
+    """``draft_vocab_size: null`` (and ``vocab_size: null``) is an absent field: the drafter
+    shares the target's vocabulary, as when the key is missing."""
+    d = _copy_with_config(pair["poolside"], tmp_path / "null_vocab",
+                          lambda c: c.update(draft_vocab_size=None, vocab_size=None))
+    drafter = load_model(d, target=load_model(pair["target"]))
+    assert drafter.lm_head_weight.shape[0] == 64

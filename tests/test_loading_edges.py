@@ -163,3 +163,38 @@ def test_null_draft_vocab_size_means_the_target_vocabulary(pair: dict[str, Path]
                           lambda c: c.update(draft_vocab_size=None, vocab_size=None))
     drafter = load_model(d, target=load_model(pair["target"]))
     assert drafter.lm_head_weight.shape[0] == 64
+
+
+# ---- generation_config.json's end tokens ------------------------------------------------------
+
+
+def test_generation_config_eos_ids_stop_generation_too(pair, tmp_path):
+    """Instruct checkpoints list their end-of-turn token in generation_config.json only (Qwen3:
+    ``<|im_end|>`` there, ``<|endoftext|>`` in config.json); transformers' generate and vLLM stop
+    on both. A token the model greedily emits, listed there alone, ends the request as "stop"
+    with the DFlash engine and target-only alike; ``ignore_eos`` still runs past it."""
+    from laguna_dflash import SamplingParams
+
+    target = pair["target"]
+    config_eos = json.loads((target / "config.json").read_text()).get("eos_token_id")
+    free = [1, 2, 3, 4, 5]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    first = LLM(str(target)).generate(prompt_token_ids=[free], sampling_params=greedy)[0].token_ids
+    listed = [e for e in ([config_eos] if isinstance(config_eos, int) else config_eos or [])]
+    cut = next(i for i in range(2, len(first)) if first[i] not in first[:i] and first[i] not in listed)
+    copy = shutil.copytree(target, tmp_path / "target")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": listed + [first[cut]]}))
+    for draft in (None, pair["poolside"]):
+        llm = LLM(str(copy), draft=None if draft is None else str(draft))
+        out = llm.generate(prompt_token_ids=[free], sampling_params=greedy)[0]
+        assert (out.token_ids, out.finish_reason) == (first[: cut + 1], "stop"), draft
+        past = llm.generate(prompt_token_ids=[free], sampling_params=SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True))[0]
+        assert past.token_ids == first and past.finish_reason == "length"
+
+
+def test_a_malformed_generation_config_eos_is_named(pair, tmp_path):
+    copy = shutil.copytree(pair["target"], tmp_path / "target")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(ValueError, match=r"generation_config.json field 'eos_token_id'"):
+        LLM(str(copy))

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..config import EngineConfig, SamplingParams, flag, resolve_device, resolve_dtype
 from ..distributed import init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
+from ..models.config_utils import with_generation_eos_ids
 from ..models.layers import build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
@@ -168,7 +169,8 @@ class LLMEngine:
         self.target.prepare_rope(max_positions, self.device)
         if self.drafter is not None:
             self.drafter.prepare_rope(max_positions, self.device)
-        self.eos_token_ids = spec.eos_token_ids
+        # config.json's, then generation_config.json's (where instruct models list end-of-turn)
+        self.eos_token_ids = with_generation_eos_ids(config.model, spec.eos_token_ids)
         self.backend = get_attention_backend(self._attention_backend_name(config))
         blocks_per_seq = -(-max_positions // config.block_size)
         # gpu_memory_utilization's profiled activation peak (bytes; 0: no profile ran)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -61,13 +63,27 @@ class ConfigReader:
             )
 
 
-def eos_ids(cfg: dict) -> tuple[int, ...]:
-    """``eos_token_id`` as a tuple (it may be an int, a list or absent)."""
+def eos_ids(cfg: dict, file: str = "config.json") -> tuple[int, ...]:
+    """``eos_token_id`` of ``cfg`` (read from ``file``) as a tuple (an int, a list or absent)."""
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
     ids = eos if isinstance(eos, list) else [eos]
     if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in ids):
-        raise ValueError(f"config.json field 'eos_token_id' must be a token id or a list of token ids "
+        raise ValueError(f"{file} field 'eos_token_id' must be a token id or a list of token ids "
                          f"(ints >= 0), got {eos!r}")
     return tuple(ids)
+
+
+def with_generation_eos_ids(model_dir: str | Path, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """``eos`` and then the ``eos_token_id`` of ``model_dir/generation_config.json`` not in it.
+    Instruct checkpoints list their end-of-turn token there only (Qwen3's ``<|im_end|>`` beside
+    ``<|endoftext|>``), and transformers' ``generate`` and vLLM stop on both. A missing or
+    unreadable file adds nothing."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return eos
+    extra = eos_ids(data, str(path)) if isinstance(data, dict) else ()
+    return eos + tuple(dict.fromkeys(e for e in extra if e not in eos))

@@ -198,3 +198,17 @@ def test_a_malformed_generation_config_eos_is_named(pair, tmp_path):
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
     with pytest.raises(ValueError, match=r"generation_config.json field 'eos_token_id'"):
         LLM(str(copy))
+
+
+def test_a_drafter_trained_for_another_target_depth_is_warned_about(pair, tmp_path, caplog):
+    """``num_target_layers`` says which target the drafter was trained on; a drafter made for a
+    40-layer target loads on this 4-layer one (its taps exist here), with a warning naming both."""
+    def edit(cfg: dict) -> None:
+        cfg["dflash_config"]["num_target_layers"] = 40
+
+    other = _copy_with_config(pair["poolside"], tmp_path / "poolside", edit)
+    with caplog.at_level("WARNING", logger="laguna_dflash.models.dflash"):
+        LLM(str(pair["target"]), draft=str(pair["poolside"]))
+        assert "num_target_layers" not in caplog.text
+        LLM(str(pair["target"]), draft=str(other))
+    assert "trained against a 40-layer target" in caplog.text and "4-layer one" in caplog.text

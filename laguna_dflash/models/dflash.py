@@ -115,6 +115,11 @@ def check_target_compat(cfg: dict, target: nn.Module | None, taps: list[int], ar
                 f"{arch}: dflash_config.target_layer_ids {bad} reference layers that do not exist in "
                 f"a {depth}-layer target; use ids in [0, {depth})"
             )
+        trained = dflash_value(cfg, "num_target_layers")
+        if isinstance(trained, int) and trained != depth:  # lossless still; drafts may be poor
+            logger.warning("%s: the drafter was trained against a %d-layer target "
+                           "(num_target_layers) and is paired with a %d-layer one: pair it with "
+                           "the target it was trained for", arch, trained, depth)
     aux = _eagle_aux_ids(cfg, arch)
     if aux is not None and aux != [t + 1 for t in taps]:
         raise ValueError(

@@ -16,6 +16,7 @@ published on-disk format (``dflash_fixtures``), copied and changed in one config
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -212,3 +213,27 @@ def test_a_drafter_trained_for_another_target_depth_is_warned_about(pair, tmp_pa
         assert "num_target_layers" not in caplog.text
         LLM(str(pair["target"]), draft=str(other))
     assert "trained against a 40-layer target" in caplog.text and "4-layer one" in caplog.text
+
+
+@pytest.mark.parametrize("flavour", ["poolside", "zlab"])
+@pytest.mark.parametrize("field, value, needle", [
+    ("block_size", "16", "dflash_config.block_size must be an integer >= 2"),
+    ("block_size", 1, "dflash_config.block_size must be an integer >= 2"),
+    ("mask_token_id", 3.5, "dflash_config.mask_token_id must be an integer >= 0"),
+    ("target_layer_ids", [1, "2"], "dflash_config.target_layer_ids must be a list"),
+])
+def test_badly_typed_drafter_fields_are_named(pair, tmp_path, flavour, field, value, needle):
+    """These fields went through bare int(): "16" loaded as 16, 3.5 as 3, and ["2"] failed with
+    a Python TypeError naming no field."""
+    def edit(cfg: dict) -> None:
+        cfg["dflash_config"][field] = value
+
+    bad = _copy_with_config(pair[flavour], tmp_path / flavour, edit)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        LLM(str(pair["target"]), draft=str(bad))
+
+
+def test_a_badly_typed_drafter_rms_norm_eps_is_named(pair, tmp_path):
+    bad = _copy_with_config(pair["poolside"], tmp_path / "p", lambda cfg: cfg.update(rms_norm_eps="1e-6"))
+    with pytest.raises(ValueError, match="'rms_norm_eps' must be a number"):
+        LLM(str(pair["target"]), draft=str(bad))

@@ -66,6 +66,18 @@ def dflash_value(cfg: dict, name: str, default=None):
     return cfg.get(name, default)
 
 
+def dflash_int(cfg: dict, name: str, arch: str, default: int, minimum: int = 0) -> int:
+    """:func:`dflash_value` ``name`` as an integer of at least ``minimum`` (``default`` when
+    absent); any other value is an error naming the field."""
+    value = dflash_value(cfg, name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{arch}: config.json field dflash_config.{name} must be an integer >= "
+                         f"{minimum}, got {value!r}")
+    return value
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """z-lab's default taps: evenly from layer 1 to L-3 (``[L // 2]`` for a single tap)."""
     if num_taps == 1:
@@ -97,6 +109,9 @@ def resolve_target_layer_ids(cfg: dict, arch: str) -> list[int] | None:
     ``eagle_aux_hidden_state_layer_ids`` minus one; ``None`` when the config names neither."""
     taps = dflash_value(cfg, "target_layer_ids")
     if taps is not None:
+        if not isinstance(taps, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in taps):
+            raise ValueError(f"{arch}: config.json field dflash_config.target_layer_ids must be a list "
+                             f"of target layer ids (ints), got {taps!r}")
         return list(taps)
     aux = _eagle_aux_ids(cfg, arch)
     return None if aux is None else [a - 1 for a in aux]
@@ -184,8 +199,8 @@ def qwen3_draft_spec(cfg: dict, target: nn.Module | None, arch: str = "DFlashDra
         target_hidden_size=r.int("target_hidden_size", target.spec.hidden_size if target is not None else hidden),
         num_heads=num_heads, num_kv_heads=r.int("num_key_value_heads", num_heads), head_dim=head_dim,
         intermediate_size=r.int("intermediate_size"), rope=rope, layers=layers,
-        target_layer_ids=tuple(int(t) for t in taps), block_size=int(dflash_value(cfg, "block_size", 16)),
-        mask_token_id=int(mask_id), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        target_layer_ids=tuple(int(t) for t in taps), block_size=dflash_int(cfg, "block_size", arch, 16, 2),
+        mask_token_id=dflash_int(cfg, "mask_token_id", arch, 0), rms_norm_eps=r.float("rms_norm_eps", 1e-6),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         input_embedding_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
     )

@@ -26,6 +26,7 @@ from .dflash import (
     DraftLayerSpec,
     DraftSpec,
     check_target_compat,
+    dflash_int,
     dflash_value,
     resolve_target_layer_ids,
 )
@@ -94,8 +95,8 @@ def laguna_draft_spec(cfg: dict, shapes: dict | None, target: nn.Module | None) 
         hidden_size=hidden, target_hidden_size=r.int("target_hidden_size", target_hidden),
         num_heads=num_heads, num_kv_heads=r.int("num_key_value_heads", num_heads), head_dim=head_dim,
         intermediate_size=r.int("intermediate_size"), rope=rope, layers=layers,
-        target_layer_ids=tuple(int(t) for t in taps), block_size=int(dflash_value(cfg, "block_size", 16)),
-        mask_token_id=int(mask_id), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        target_layer_ids=tuple(int(t) for t in taps), block_size=dflash_int(cfg, "block_size", arch, 16, 2),
+        mask_token_id=dflash_int(cfg, "mask_token_id", arch, 0), rms_norm_eps=r.float("rms_norm_eps", 1e-6),
         qkv_bias=bool(cfg.get("attention_bias", False)),
     )
 

@@ -237,3 +237,13 @@ def test_a_badly_typed_drafter_rms_norm_eps_is_named(pair, tmp_path):
     bad = _copy_with_config(pair["poolside"], tmp_path / "p", lambda cfg: cfg.update(rms_norm_eps="1e-6"))
     with pytest.raises(ValueError, match="'rms_norm_eps' must be a number"):
         LLM(str(pair["target"]), draft=str(bad))
+
+
+def test_weights_of_another_architecture_point_at_architectures(laguna, tmp_path):
+    """A Laguna checkpoint whose config.json says Qwen3ForCausalLM lacks the dense MLPs Qwen3
+    needs and holds experts in their place; the error says to check ``architectures`` rather
+    than to re-export the checkpoint."""
+    bad = _copy_with_config(laguna, tmp_path / "x", lambda cfg: cfg.update(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True))
+    with pytest.raises(CheckpointError, match=r"check config.json's architectures \(it says Qwen3ForCausalLM\)"):
+        load_model(str(bad), device="cpu")

@@ -153,11 +153,18 @@ _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, _Destination], ignorable: set[str]) -> None:
     available = set(info.shapes)
     missing = sorted(set(dests) - available)
+    unexpected = sorted(
+        n for n in available - set(dests) - ignorable if not n.endswith(_IGNORED_SUFFIXES)
+    )
     if missing:
         listed = ", ".join(f"{n} (expected shape {tuple(dests[n].shape)})" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         fix = "re-export the checkpoint or fix config.json"
-        if missing == ["lm_head.weight"] and not info.config.get("tie_word_embeddings"):
+        if unexpected:  # tensors of another layout in their place: likely another model's
+            fix = (f"it also holds {len(unexpected)} tensor(s) {info.architecture} does not use "
+                   f"(e.g. {unexpected[0]}): check config.json's architectures (it says "
+                   f"{info.architecture}), or re-export the checkpoint")
+        elif missing == ["lm_head.weight"] and not info.config.get("tie_word_embeddings"):
             fix = ("config.json has tie_word_embeddings "
                    f"{'absent' if 'tie_word_embeddings' not in info.config else 'false'}; if the "
                    "output projection is the input embedding, set \"tie_word_embeddings\": true, "
@@ -166,9 +173,6 @@ def _fail_on_mismatch(info: CheckpointInfo, dests: dict[str, _Destination], igno
             f"checkpoint {info.path} is missing {len(missing)} tensor(s) that "
             f"{info.architecture} needs: {listed}{more}; {fix}"
         )
-    unexpected = sorted(
-        n for n in available - set(dests) - ignorable if not n.endswith(_IGNORED_SUFFIXES)
-    )
     if unexpected:
         listed = ", ".join(f"{n} (shape {info.shapes[n]})" for n in unexpected[:5])
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""

@@ -14,7 +14,7 @@ from laguna_dflash.engine.kv_cache import KVCache
 from laguna_dflash.engine.runner import ForwardItem, ModelRunner
 from laguna_dflash.models.loader import load_model
 from laguna_dflash.models.random_init import write_random_pair
-from laguna_dflash.train.draft import DraftTrainConfig, draft_loss, train_draft
+from laguna_dflash.train.draft import DraftTrainConfig, draft_loss, draw_anchors, train_draft
 from laguna_dflash.train.target import TargetTrainConfig, train_target
 
 
@@ -45,9 +45,9 @@ def test_block_training_forward_equals_inference(pair, monkeypatch):
     monkeypatch.setattr(drafter, "compute_logits", capture)
     cfg = DraftTrainConfig(target="", out_dir="", block_size=s, num_anchors=3, prompt_len=10)
     gen = torch.Generator().manual_seed(1)
-    anchors = torch.randint(9, seq_len - 1, (2, 3), generator=torch.Generator().manual_seed(1)).sort(1).values
+    anchors = draw_anchors(cfg, 2, seq_len, torch.Generator().manual_seed(1))
     with torch.no_grad():
-        draft_loss(drafter, target, seqs, cfg, gen)
+        draft_loss(drafter, target, seqs, cfg, gen, anchors=anchors)
     train_logits = captured["logits"].view(2, 3, s - 1, -1)
     monkeypatch.setattr(drafter, "compute_logits", real_logits)
     # inference: the engine path for sequence 0, anchor anchors[0, j]

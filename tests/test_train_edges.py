@@ -5,6 +5,7 @@ weights."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -120,3 +121,18 @@ def test_regenerated_data_of_other_lengths_is_an_error_naming_the_flags(random_p
     c = _config(random_pair[0], tmp_path / "out", gen_len=8)
     with pytest.raises(ValueError, match=r"--prompt-len 16 \+ --gen-len 8 = 24.*delete it"):
         train_draft(c)
+
+
+def test_anchors_are_distinct_in_a_row_and_inside_the_generated_part():
+    """The recipe samples distinct anchor positions per sequence; drawn with repeats, 32 of 40
+    positions repeated some in nearly every row. Rows with fewer positions than anchors repeat."""
+    from laguna_dflash.train.draft import draw_anchors
+
+    gen = torch.Generator().manual_seed(0)
+    c = DraftTrainConfig(target="t", out_dir="o", prompt_len=16, gen_len=41, num_anchors=32)
+    anchors = draw_anchors(c, 64, 57, gen)  # positions 15 .. 55: 41 of them
+    assert anchors.shape == (64, 32) and anchors.min() >= 15 and anchors.max() <= 55
+    assert all(len(set(row.tolist())) == 32 for row in anchors)
+    assert torch.equal(anchors, anchors.sort(dim=1).values)
+    short = draw_anchors(replace(c, gen_len=9), 4, 25, gen)  # 9 positions for 32 anchors
+    assert short.shape == (4, 32) and short.min() >= 15 and short.max() <= 23

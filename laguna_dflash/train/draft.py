@@ -327,9 +327,16 @@ def batch_states(cache: tuple[torch.Tensor, torch.Tensor], idx: torch.Tensor, ro
 
 def draw_anchors(c: DraftTrainConfig, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
     """``[batch, num_anchors]`` sorted block anchors in the generated part of each sequence, so
-    that labels are the target's own continuation."""
+    that labels are the target's own continuation: distinct within a row, as the recipe samples
+    them (a repeated anchor only counted its block twice), unless the row has fewer positions
+    than ``num_anchors``, where they are drawn with repeats."""
     low, high = c.prompt_len - 1, seq_len - 2
-    return torch.randint(low, high + 1, (batch, c.num_anchors), generator=gen).sort(dim=1).values
+    span = high - low + 1
+    if span >= c.num_anchors:  # a random subset per row: the first num_anchors of a permutation
+        picks = torch.rand(batch, span, generator=gen).argsort(dim=1)[:, : c.num_anchors] + low
+    else:
+        picks = torch.randint(low, high + 1, (batch, c.num_anchors), generator=gen)
+    return picks.sort(dim=1).values
 
 
 def slot_weights(c: DraftTrainConfig, anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:

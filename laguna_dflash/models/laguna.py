@@ -74,13 +74,7 @@ def resolve_gating(cfg: dict, layer: int, num_heads: int, head_dim: int, g_rows:
     ``gating: true`` is ambiguous across implementations (per-head in transformers and vLLM,
     per-element in Poolside's remote code), so the ``g_proj`` row count decides when known.
     """
-    types = cfg.get("gating_types")
-    if types and (not isinstance(types, list) or layer >= len(types)):
-        raise ValueError(
-            f"config.json field 'gating_types' must list one entry per layer ('per_head', "
-            f"'per_element' or false) and has no entry for layer {layer}, got {types!r}; give one "
-            "per layer or remove it (then 'gating' applies to every layer)"
-        )
+    types = cfg.get("gating_types")  # one per layer: both callers checked its length
     gating = types[layer] if types else cfg.get("gating", True)
     if gating is False or gating is None or gating in ("none", "disabled"):
         return None

@@ -360,7 +360,10 @@ class JobsStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         response = asyncio.ensure_future(super().__call__(scope, receive, send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        spec = tuple(int(v) for v in scope.get("asgi", {}).get("spec_version", "2.0").split("."))
+        # below 2.4 Starlette watches for the disconnect itself: a second watcher is not needed
+        watcher = (asyncio.ensure_future(_wait_disconnect(receive)) if spec >= (2, 4)
+                   else asyncio.get_running_loop().create_future())
         try:
             await asyncio.wait({response, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if response.done():

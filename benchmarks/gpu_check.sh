@@ -23,7 +23,8 @@
 #                                           # (their eager parts): first the two the CPU interpreter
 #                                           # cannot run (staged GEMV: Gluon; L2 prefetch: inline
 #                                           # PTX), then the decode path's kernel files (~9 min);
-#                                           # SANITIZE_FILES / SANITIZE_K for the others
+#                                           # SANITIZE_FILES / SANITIZE_K for the others,
+#                                           # SANITIZE_PARALLEL=1: the files at once
 #   bash benchmarks/gpu_check.sh startup-moe  # cold start-up, sorted MoE against torch._grouped_mm
 #   bash benchmarks/gpu_check.sh eager-k15  # start-up with the eager warm-up at adaptive K = 15
 #                                           # capped at 16 (~5 min)
@@ -639,16 +640,29 @@ case "$stage" in
     # part. The default list took ~7 min on 2026-12-03 (memcheck runs kernels 10-100x slower);
     # the rest took two more calls: paged attention (~5 min in all), and routing, fused MoE,
     # grouped MoE, top-k values (each over 70 s; docs/PERFORMANCE.md, forty-fourth pass).
-    for spec in ${SANITIZE_FILES:-60:tests/test_kernel_staged_gemv.py \
+    # SANITIZE_PARALLEL=1 runs the files at once (one process each, sharing the GPU), then reports.
+    sanitize_one() {
+      local f=${1#*:} log
+      log=${OUT:-/tmp}/sanitize_$(basename "$f" .py).log
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${1%%:*}" "$san" --tool memcheck \
+        --target-processes application-only --error-exitcode 99 --print-limit 5 \
+        python -m pytest -v -p no:cacheprovider -x -rs -k "${SANITIZE_K:-cuda and not interpret}" "$f" >"$log" 2>&1
+      echo "$?" >"$log.rc"
+    }
+    specs=${SANITIZE_FILES:-60:tests/test_kernel_staged_gemv.py \
         30:tests/test_kernel_l2_prefetch.py 180:tests/test_kernel_moe_gemv.py \
         80:tests/test_kernel_skinny_gemm.py 40:tests/test_kernel_add_rms_norm.py \
         30:tests/test_kernel_qk_norm_rope_cache.py 80:tests/test_kernel_context_kv.py \
-        40:tests/test_kernel_argmax.py}; do
+        40:tests/test_kernel_argmax.py}
+    start=$SECONDS
+    for spec in $specs; do
+      if [ -n "${SANITIZE_PARALLEL:-}" ]; then sanitize_one "$spec" & else sanitize_one "$spec"; fi
+    done
+    wait
+    echo "(all files: $((SECONDS - start)) s)"
+    for spec in $specs; do
       f=${spec#*:}; log=${OUT:-/tmp}/sanitize_$(basename "$f" .py).log
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${spec%%:*}" "$san" --tool memcheck \
-        --target-processes application-only --error-exitcode 99 --print-limit 5 \
-        python -m pytest -v -p no:cacheprovider -x -rs -k "${SANITIZE_K:-cuda and not interpret}" "$f" >"$log" 2>&1
-      echo "-- $f: exit $? (99: memcheck found errors; 124: cut by the limit), $(grep -c " PASSED" "$log")" \
+      echo "-- $f: exit $(cat "$log.rc") (99: memcheck found errors; 124: cut by the limit), $(grep -c " PASSED" "$log")" \
         "passed, $(grep -c " SKIPPED" "$log") skipped (the log says why: a graph capture, mostly), $(grep -c " FAILED" "$log") failed"
       grep -E "Invalid|out of bounds|misaligned|Address 0x|ERROR SUMMARY|Program hit| FAILED" "$log" | head -8
     done ;;

@@ -136,3 +136,56 @@ def test_anchors_are_distinct_in_a_row_and_inside_the_generated_part():
     assert torch.equal(anchors, anchors.sort(dim=1).values)
     short = draw_anchors(replace(c, gen_len=9), 4, 25, gen)  # 9 positions for 32 anchors
     assert short.shape == (4, 32) and short.min() >= 15 and short.max() <= 23
+
+
+class _FakeClock:
+    """``time.perf_counter`` for ``run_training``: each training step costs exactly one second."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _budgeted_run(state_path, clock, *, stop_at: int | None = None) -> tuple[list[float], list[float]]:
+    """``run_training`` over a one-parameter model with a 40 s budget on 100 planned steps (one
+    second a step, so the re-plan settles on 40 steps); -> (learning rates by step, losses).
+    ``stop_at``: interrupted before that step (after the state of the step before was saved)."""
+    from laguna_dflash.train.common import run_training
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rates: list[float] = []
+
+    def loss_fn(step: int) -> torch.Tensor:
+        if step == stop_at:
+            raise KeyboardInterrupt
+        clock.now += 1.0
+        rates.append(opt.param_groups[0]["lr"])
+        return (model.weight * (step + 1)).square().sum()
+
+    losses, _ = run_training("t", model, opt, loss_fn, steps=100, lr=1.0, warmup=2,
+                             state_path=state_path, save_every=10, log_every=5, time_budget_s=40.0)
+    return rates, losses
+
+
+def test_resume_under_a_time_budget_continues_the_learning_rate_schedule(tmp_path, monkeypatch):
+    """A ``--time-budget-s`` run interrupted at step 20 and resumed: the budget counts the
+    seconds already spent and the re-planned schedule carries over, so the resumed run's learning
+    rates and step count equal the uninterrupted run's (before, the resumed run planned over
+    ``--steps`` again with a fresh clock: its rates jumped up and it ran 40 s more)."""
+    import laguna_dflash.train.common as common
+
+    clock = _FakeClock()
+    monkeypatch.setattr(common.time, "perf_counter", clock)
+    whole_rates, whole_losses = _budgeted_run(tmp_path / "whole.pt", clock)
+    assert len(whole_rates) == 40  # the budget cut 100 planned steps to 40
+
+    with pytest.raises(KeyboardInterrupt):
+        _budgeted_run(tmp_path / "resumed.pt", clock, stop_at=20)
+    clock.now += 500.0  # wall time between the two processes does not count
+    resumed_rates, resumed_losses = _budgeted_run(tmp_path / "resumed.pt", clock)
+    assert resumed_rates == pytest.approx(whole_rates[20:], rel=1e-12)
+    np.testing.assert_allclose(resumed_losses, whole_losses, rtol=1e-6)

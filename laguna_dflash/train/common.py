@@ -128,7 +128,10 @@ def run_training(
     """The shared optimisation loop: cosine LR, grad clip 1.0, resumable state, progress bar.
 
     With ``time_budget_s`` the schedule is re-planned from the measured step rate so training
-    (and its LR decay) ends within the budget. Returns (losses, seconds).
+    (and its LR decay) ends within the budget. The budget covers the whole run: a resumed run
+    starts with the seconds already spent and the schedule already planned (both in the
+    training state), so its learning rates continue the interrupted run's instead of jumping
+    back to a plan over ``steps``. Returns (losses, seconds of the whole run).
 
     Data parallelism (``dp``, :func:`~laguna_dflash.distributed.init_data_parallel`): each
     rank's ``loss_fn`` returns its part of the step's loss (the parts sum to the whole batch's
@@ -149,9 +152,10 @@ def run_training(
             logger.warning("%s holds no data-generator state; the resumed run redraws its "
                            "batches from the first one", state_path)
     losses: list[float] = list(extra.get("losses", []))[:start]
-    t0 = time.perf_counter()
-    t_mark, step_mark, total = t0, start, steps
-    bar = tqdm(total=steps, desc=desc, initial=start, disable=not dp.is_driver)
+    t0 = time.perf_counter() - float(extra.get("elapsed_s", 0.0)) if start else time.perf_counter()
+    total = min(steps, int(extra.get("planned_steps", steps))) if time_budget_s and start else steps
+    t_mark, step_mark = time.perf_counter(), start
+    bar = tqdm(total=total, desc=desc, initial=start, disable=not dp.is_driver)
     step = start
     while step < total:
         if time_budget_s and step >= start + 8:
@@ -179,7 +183,8 @@ def run_training(
         if (step + 1) % log_every == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-log_every:]):.3f}")
         if (step + 1) % save_every == 0 and dp.is_driver:
-            extra = {"losses": list(losses)}
+            extra = {"losses": list(losses), "elapsed_s": time.perf_counter() - t0,
+                     "planned_steps": total}
             if generator is not None:
                 extra["generator"] = generator.get_state()
             save_state(state_path, model, optimizer, step + 1, extra)

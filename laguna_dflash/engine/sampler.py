@@ -106,10 +106,14 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
     # x * (1 / T) rather than x / T: a multiplier is the same float32 op as a Python scalar
     # and as a column (PyTorch's CUDA division by a host scalar multiplies by its reciprocal,
     # by a column it divides), so a row gets the same bits among equal parameters (scalars)
-    # and in a mixed batch (columns)
+    # and in a mixed batch (columns). 1 / T is at least float32's smallest normal: a huge T
+    # (inf is a valid temperature) would give 1 / T = 0 in float32, and a -inf logit (a token
+    # banned by min_tokens) times 0 is NaN, which the race's argmax ranks first: the banned
+    # token would always win. At the floor the kept scores are all ~0 (uniform, T's limit)
+    # and -inf stays -inf. Every T below ~8.5e37 keeps its own 1 / T.
     inv_temperature, log_min_p, kth_index, no_top_k, top_p_bound, use_ranked = per_row_parameters(
         logits.device,
-        [1.0 / t for t in temperature],
+        [max(1.0 / t, _FLOAT32_TINY) for t in temperature],
         [math.log(m) if m > 0.0 else float("-inf") for m in min_p] if uses_min_p else None,
         [float(max(k - 1, 0)) for k in ks] if uses_top_k else None,
         [float(k == 0) for k in ks] if uses_top_k and not all(ks) else None,
@@ -144,10 +148,18 @@ def filtered_scores(logits: torch.Tensor, temperature: Sequence[float], top_k: S
                 scores, ranked, threshold, top_p_bound), boundary)
     else:
         boundary = _ranked_top_p_boundary(scores, ranked, threshold, top_p_bound)
+    if isinstance(top_p_bound, torch.Tensor):
+        # a row without top-p (bound +inf) counts every column as "below the bound", so its
+        # boundary is its last column's score: the row's minimum on the sorted path, but on the
+        # ranked path only the TOPK_MAX_COLUMNS-th largest score, which would cut a row with no
+        # top-k (or one above TOPK_MAX_COLUMNS) to the top TOPK_MAX_COLUMNS tokens whenever a
+        # batch mate's top-k filled the columns. Such a row has no top-p boundary at all.
+        boundary = boundary.masked_fill(top_p_bound == float("inf"), float("-inf"))  # [N, 1]
     return scores, boundary if threshold is None else torch.maximum(threshold, boundary)
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, ~1.18e-38
 
 
 def _descending_scores(logits: torch.Tensor, scores: torch.Tensor,

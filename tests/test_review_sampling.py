@@ -118,3 +118,31 @@ def test_min_tokens_holds_at_an_infinite_temperature_with_and_without_dflash(tin
         for out in outs:
             assert len(out.token_ids) >= 6 and 5 not in out.token_ids[:6], out.token_ids
         assert len({tuple(o.token_ids) for o in outs}) == 8  # sampled, not one forced token
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_row_keeps_what_it_keeps_alone_in_random_mixed_batches(monkeypatch, seed):
+    """Fuzz of the filters' row independence (the property the ranked-columns bug broke): 50
+    random batches of 1-6 rows, each row its own temperature, top-k (off, ranked, or above the
+    ranked columns), top-p (off or on) and min-p, some logits with ties; every row's kept set
+    and probabilities equal those of the row filtered alone, bit for bit."""
+    monkeypatch.setattr(sampler, "TOPK_MAX_COLUMNS", 8)
+    rng = torch.Generator().manual_seed(seed)
+
+    def pick(options: list) -> object:
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    vocab = 29
+    for _ in range(50):
+        n = int(torch.randint(1, 7, (1,), generator=rng))
+        logits = torch.randn(n, vocab, generator=rng) * pick([0.3, 1.0, 4.0])
+        if pick([False, True]):
+            logits = logits.round()  # ties at the top-k and top-p boundaries
+        temperature = [pick([0.5, 1.0, 1.7]) for _ in range(n)]
+        top_k = [pick([0, 1, 3, 8, 12, vocab]) for _ in range(n)]
+        top_p = [pick([1.0, 1.0, 0.3, 0.9]) for _ in range(n)]
+        min_p = [pick([0.0, 0.0, 0.05]) for _ in range(n)]
+        batch = filtered_probs_rows(logits, temperature, top_k, top_p, min_p)
+        for i in range(n):
+            alone = filtered_probs(logits[i : i + 1], temperature[i], top_k[i], top_p[i], min_p[i])[0]
+            assert torch.equal(batch[i], alone), (temperature, top_k, top_p, min_p, i)

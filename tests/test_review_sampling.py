@@ -120,8 +120,10 @@ def test_min_tokens_holds_at_an_infinite_temperature_with_and_without_dflash(tin
         assert len({tuple(o.token_ids) for o in outs}) == 8  # sampled, not one forced token
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton top-k values path)"))])
 @pytest.mark.parametrize("seed", range(4))
-def test_every_row_keeps_what_it_keeps_alone_in_random_mixed_batches(monkeypatch, seed):
+def test_every_row_keeps_what_it_keeps_alone_in_random_mixed_batches(monkeypatch, seed, device):
     """Fuzz of the filters' row independence (the property the ranked-columns bug broke): 50
     random batches of 1-6 rows, each row its own temperature, top-k (off, ranked, or above the
     ranked columns), top-p (off or on) and min-p, some logits with ties; every row's kept set
@@ -138,6 +140,7 @@ def test_every_row_keeps_what_it_keeps_alone_in_random_mixed_batches(monkeypatch
         logits = torch.randn(n, vocab, generator=rng) * pick([0.3, 1.0, 4.0])
         if pick([False, True]):
             logits = logits.round()  # ties at the top-k and top-p boundaries
+        logits = logits.to(device)
         temperature = [pick([0.5, 1.0, 1.7]) for _ in range(n)]
         top_k = [pick([0, 1, 3, 8, 12, vocab]) for _ in range(n)]
         top_p = [pick([1.0, 1.0, 0.3, 0.9]) for _ in range(n)]

@@ -17,6 +17,7 @@
 #                                           # MoE build's CUDA test; tiles 1024-2048 (~4 min)
 #   bash benchmarks/gpu_check.sh pass44-startup  # eager first prompts with / without the sorted
 #                                           # MoE build ahead, cold start-up (~7 min)
+#   bash benchmarks/gpu_check.sh pass46     # the sampler review's CUDA tests; start-up at --max-num-seqs 512
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
 #                                           # MoE half's phases alone (~7 min)
 #   bash benchmarks/gpu_check.sh sanitize   # compute-sanitizer memcheck over the kernels' CUDA tests
@@ -625,6 +626,13 @@ case "$stage" in
       -k "growing_contexts or first_long_eager or graphs_match_eager or eager_batches_above" | tail -12
     timeout 150 python benchmarks/bench_persistent_moe.py --windows 0,8 --configs 1x8,2x4:8/1024/4/8 \
       --phase-times 2>&1 | quiet | tail -10 ;;
+  pass46)
+    echo "== the sampler review's tests on CUDA (row independence through the Triton top-k values),"
+    echo "   then start-up at --max-num-seqs 512 (graphs up to the default cap, 256; ~7 min)"
+    gpu_tests 150 tests/test_review_sampling.py tests/test_spec_sampling.py | tail -8
+    timeout 420 python benchmarks/bench_first_request.py --max-num-seqs 512 --max-model-len 8192 \
+      --scenarios 1x100x8,256x100x8,300x100x8 --option num_kv_blocks=none 2>&1 | quiet \
+      | grep -E "start-up|captur|built|KV cache|rror|^\| [0-9]+x" | cut -c1-300 | tail -14 ;;
   sanitize)
     echo "== compute-sanitizer memcheck: out-of-bounds and misaligned accesses in the kernels' CUDA"
     echo "   tests (torch's caching allocator off, so each tensor is its own allocation)"

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import typing
+from pathlib import Path
 
 import torch
 
@@ -60,9 +61,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "
                         "torch_dtype, else bfloat16, on a GPU)")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence, prompt plus output, in tokens (default: the "
+                        "model's max_position_embeddings, at most 8192)")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV block size")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks of --block-size tokens (default: room for every "
+                        "request decoded together at full length, within the memory budget on "
+                        "a GPU)")
     p.add_argument("--attention-backend", default=EngineConfig.attention_backend,
                    help="auto (paged Triton kernels on a GPU, torch SDPA elsewhere) | torch_sdpa | triton")
     p.add_argument("--enforce-eager", action="store_true",
@@ -174,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
-    b.add_argument("--plot", help="save the per-position acceptance plot to this PNG")
+    b.add_argument("--plot", help="save the per-position acceptance plot to this PNG (needs "
+                                  "matplotlib)")
     b.add_argument("--json", action="store_true")
     from .train.draft import DraftTrainConfig
     from .train.target import TargetTrainConfig
@@ -211,8 +218,53 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     p.set_defaults(config_class=cls)
 
 
+#: ``generate``'s sampling flags and the :class:`SamplingParams` field each one sets.
+GENERATE_SAMPLING_FLAGS = {
+    "--temperature": "temperature", "--top-p": "top_p", "--top-k": "top_k",
+    "--max-new-tokens": "max_tokens", "--seed": "seed", "--presence-penalty": "presence_penalty",
+    "--frequency-penalty": "frequency_penalty", "--repetition-penalty": "repetition_penalty",
+}
+
+
+def sampling_params_from_flags(args: argparse.Namespace) -> SamplingParams:
+    """``generate``'s :class:`SamplingParams`; a bad value is an error naming its flag (the
+    dataclass alone would name its field: ``--max-new-tokens 0`` is ``max_tokens`` there)."""
+    values = {field: getattr(args, flag[2:].replace("-", "_"))
+              for flag, field in GENERATE_SAMPLING_FLAGS.items()}
+    for flag, field in GENERATE_SAMPLING_FLAGS.items():  # each field is checked on its own
+        try:
+            SamplingParams(**{field: values[field]})
+        except ValueError as e:
+            raise ValueError(f"{flag} {values[field]}: {e}") from e
+    return SamplingParams(**values, ignore_eos=args.ignore_eos)
+
+
+def check_checkpoint_dir(flag: str, path: str | None, what: str) -> None:
+    """A checkpoint flag's directory exists, or an error naming the flag (the loader's own
+    message says "model path" whichever flag gave it)."""
+    if path is not None and not Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: no such directory; pass {what} (a local Hugging Face "
+                         "checkpoint directory with config.json and *.safetensors)")
+
+
+def check_plot_path(path: str) -> None:
+    """``bench --plot PNG`` can be written: checked before the benchmark runs, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"--plot needs matplotlib: pip install 'laguna-dflash[plot]' (or "
+                         f"matplotlib), or drop --plot ({e})") from e
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"--plot {path}: directory {parent} does not exist; create it or pick "
+                         "another path")
+
+
 def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
     """(model, draft, is_demo): the embedded pair when no --model is given."""
+    check_checkpoint_dir("--model", args.model, "the target model's directory")
+    if not args.no_spec:
+        check_checkpoint_dir("--draft", args.draft, "the DFlash drafter's directory")
     if args.model is not None:
         return args.model, (None if args.no_spec else args.draft), False
     from .demo import demo_pair
@@ -231,12 +283,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else args.text
     if (prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of a prompt (TEXT or --prompt) or --prompt-ids")
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-    )
+    params = sampling_params_from_flags(args)
     if args.num_speculative_tokens is not None and draft is None:
         raise ValueError("--num-speculative-tokens needs --draft DIR (and no --no-spec)")
     t0 = time.perf_counter()
@@ -306,6 +353,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= {low}, got {value}"
                              + (" (the first token comes from the prefill; decoding is timed)"
                                 if flag == "--max-new-tokens" else ""))
+    if args.plot:
+        check_plot_path(args.plot)
     model, draft, _ = resolve_pair(args)
     if draft is None:
         raise ValueError("bench compares with and without speculation: it needs a drafter (--draft DIR)")
@@ -323,9 +372,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        args.num_speculative_tokens, args.adaptive_k, **engine_options(args))
     if not is_rank_zero():
         return 0
+    # the numbers first: a plot that fails to save must not lose a finished benchmark
+    print(json.dumps(result.as_dict()) if args.json else format_result(result), flush=True)
     if args.plot:
         save_acceptance_plot(result, args.plot)
-    print(json.dumps(result.as_dict()) if args.json else format_result(result))
     return 0
 
 
@@ -351,6 +401,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.args import resolve_server_config
 
     config = resolve_server_config(args)
+    check_checkpoint_dir("--model", config.engine.model, "the target model's directory")
+    spec = config.speculative
+    if spec.config is not None:
+        check_checkpoint_dir(spec.draft_flag or "--draft", spec.config.draft,
+                             "the DFlash drafter's directory")
+    if args.tokenizer is not None:  # given on purpose: one that loads nothing is an error
+        tok = Path(args.tokenizer)
+        if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
+            raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json or "
+                             "tokenizer_config.json there; pass a local tokenizer directory, or "
+                             "leave --tokenizer unset to use --model's")
     try:
         from .server.launcher import serve
     except ImportError as e:

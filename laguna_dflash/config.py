@@ -50,7 +50,8 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: dict | None = None,
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(
-            f"dtype={dtype!r} is not supported; use one of auto, float32, bfloat16, float16"
+            f"dtype={dtype!r} is not supported (--dtype); use one of auto, float32, bfloat16, "
+            "float16"
         )
     return _DTYPES[key]
 
@@ -216,14 +217,16 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method.lower() != "dflash":
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
-        if self.simulate_acceptance_length is not None and self.simulate_acceptance_length < 1:
+        sim = self.simulate_acceptance_length
+        if sim is not None and not (math.isfinite(sim) and sim >= 1):  # NaN passes a plain < 1
             raise ValueError(
-                "simulate_acceptance_length must be >= 1 (it counts the bonus token), got "
-                f"{self.simulate_acceptance_length}"
+                "simulate_acceptance_length must be a finite number >= 1 (--simulate-acceptance-"
+                f"length; it counts the bonus token), got {sim}"
             )
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
-                "num_speculative_tokens must be >= 1 (or None for block_size - 1), got "
+                "num_speculative_tokens must be >= 1 (--num-speculative-tokens; leave it unset "
+                "for the drafter's block_size - 1), got "
                 f"{self.num_speculative_tokens}"
             )
 
@@ -340,8 +343,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1 (--tensor-parallel-size), got "
                              f"{self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch_sdpa", "triton"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
-                             "use 'auto', 'torch_sdpa' or 'triton'")
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported "
+                             "(--attention-backend); use 'auto', 'torch_sdpa' or 'triton'")
         if self.cuda_graph_capture not in ("startup", "lazy"):
             raise ValueError(f"cuda_graph_capture={self.cuda_graph_capture!r} is not supported "
                              "(--cuda-graph-capture); use 'startup' or 'lazy'")
@@ -362,15 +365,17 @@ class EngineConfig:
                              "inside the fraction) and mem_fraction_static (--mem-fraction-static, "
                              "SGLang's: activations on top) both size the KV cache; set one")
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise ValueError(f"block_size must be >= 1 (--block-size: tokens per KV block, e.g. "
+                             f"16), got {self.block_size}")
         if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got "
-                             f"{self.max_logprobs}")
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary "
+                             f"(--max-logprobs), got {self.max_logprobs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (--num-kv-blocks; leave it unset to size the "
                              f"cache from max_num_seqs), got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise ValueError(f"max_model_len must be >= 2 (--max-model-len: prompt plus output "
+                             f"tokens; leave it unset for the model's), got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1 (--max-num-batched-tokens), got "
                              f"{self.max_num_batched_tokens}")
@@ -378,8 +383,11 @@ class EngineConfig:
             raise ValueError(f"max_prefill_graph_tokens must be >= 0 (--max-prefill-graph-tokens; 0 "
                              f"keeps every prefill eager), got {self.max_prefill_graph_tokens}")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ValueError(f"max_num_seqs must be >= 1 (--max-num-seqs: requests decoded "
+                             f"together), got {self.max_num_seqs}")
         if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format={self.load_format!r} is not supported; use 'auto' or 'dummy'")
+            raise ValueError(f"load_format={self.load_format!r} is not supported (--load-format); "
+                             "use 'auto' or 'dummy'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
+            raise ValueError(f"device={self.device!r} is not supported (--device); use 'cpu' or "
+                             "'cuda[:N]'")

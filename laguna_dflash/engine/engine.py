@@ -525,7 +525,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}; shorten the prompt or raise max_model_len"
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len (--max-model-len)"
             )
         seq = Sequence(next(self._ids), [int(t) for t in prompt_token_ids], params,
                        eos_token_ids=self.eos_token_ids, prompt=prompt)

@@ -216,8 +216,11 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         cfg = _vllm_spec(args.speculative_config)
         drafts.append(("--speculative-config model", os.path.normpath(str(cfg["model"]))))
         if cfg.get("num_speculative_tokens") is not None:
-            tokens.append(("--speculative-config num_speculative_tokens",
-                           int(cfg["num_speculative_tokens"])))
+            value = cfg["num_speculative_tokens"]
+            if isinstance(value, bool) or not isinstance(value, int):  # "3", 2.7: no silent cast
+                raise ValueError(f"--speculative-config num_speculative_tokens must be a JSON "
+                                 f"integer, got {value!r}; e.g. \"num_speculative_tokens\": 15")
+            tokens.append(("--speculative-config num_speculative_tokens", value))
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm is not None and algorithm.upper() != "DFLASH":
         raise ValueError(f"--speculative-algorithm {algorithm} is not supported; use DFLASH")

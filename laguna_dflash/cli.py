@@ -284,14 +284,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of a prompt (TEXT or --prompt) or --prompt-ids")
     params = sampling_params_from_flags(args)
-    if args.num_speculative_tokens is not None and draft is None:
-        raise ValueError("--num-speculative-tokens needs --draft DIR (and no --no-spec)")
+    for flag, is_given in (("--num-speculative-tokens", args.num_speculative_tokens is not None),
+                           ("--adaptive-k", args.adaptive_k),
+                           ("--simulate-acceptance-length", args.simulate_acceptance_length is not None)):
+        if is_given and draft is None:  # they act on draft tokens: without a drafter, nothing
+            raise ValueError(f"{flag} needs --draft DIR (and no --no-spec)")
+    if args.trace and not args.json:
+        raise ValueError("--trace adds the per-step trace to the --json output; add --json")
     t0 = time.perf_counter()
     # one request: batch-1 KV sizing and CUDA graphs (start-up capture of batch size 1 only)
     llm = LLM(model=model, draft=draft, **engine_options(args), max_num_seqs=1,
               num_speculative_tokens=args.num_speculative_tokens,
-              adaptive_k=args.adaptive_k and draft is not None,
-              simulate_acceptance_length=args.simulate_acceptance_length if draft else None,
+              adaptive_k=args.adaptive_k, simulate_acceptance_length=args.simulate_acceptance_length,
               trace=args.trace)
     load_s = time.perf_counter() - t0
     if prompt is not None:

@@ -102,8 +102,12 @@ class LLM:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
                                             adaptive=adaptive_k,
                                             simulate_acceptance_length=simulate_acceptance_length)
-        elif num_speculative_tokens is not None:
-            raise ValueError("num_speculative_tokens was given without draft=; pass a DFlash drafter directory")
+        else:  # these act on draft tokens: without a drafter they would silently do nothing
+            for name, is_given in (("num_speculative_tokens", num_speculative_tokens is not None),
+                                   ("adaptive_k", adaptive_k),
+                                   ("simulate_acceptance_length", simulate_acceptance_length is not None)):
+                if is_given:
+                    raise ValueError(f"{name} was given without draft=; pass a DFlash drafter directory")
         self.config = EngineConfig(model=str(model), dtype=dtype, device=device,
                                    max_model_len=max_model_len, speculative=speculative,
                                    **engine_options)

@@ -220,3 +220,44 @@ def test_bench_plot_is_written(tmp_path: Path, capsys, fake_bench):
     assert code == 0, err
     assert "speedup 1.50x" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Speculative flags without a drafter, and --trace without --json: errors, not silently ignored
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [["--adaptive-k"], ["--simulate-acceptance-length", "3"],
+                                   ["--num-speculative-tokens", "3"]])
+@pytest.mark.parametrize("no_spec", [False, True])
+def test_generate_speculative_flags_without_a_drafter_are_an_error(empty_dir: Path, capsys, flags, no_spec):
+    """``--adaptive-k`` and ``--simulate-acceptance-length`` were dropped without a word when no
+    drafter ran (as ``--num-speculative-tokens`` already was not)."""
+    extra = ["--draft", str(empty_dir), "--no-spec"] if no_spec else []
+    code, out, err = _run_main(["generate", "--model", str(empty_dir), "--prompt-ids", "1,2,3",
+                                *extra, *flags], capsys)
+    _assert_one_error_line(code, err, re.escape(flags[0]), "needs --draft")
+    assert out == ""
+
+
+@pytest.mark.parametrize("flags", [["--adaptive-k"], ["--simulate-acceptance-length", "3"]])
+def test_serve_speculative_flags_without_a_drafter_are_an_error(empty_dir: Path, capsys, no_launch, flags):
+    code, _, err = _run_main(["serve", "--model", str(empty_dir), *flags], capsys)
+    _assert_one_error_line(code, err, re.escape(flags[0]), "needs a drafter")
+    assert no_launch == []
+
+
+@pytest.mark.parametrize("option", [{"adaptive_k": True}, {"simulate_acceptance_length": 3.0},
+                                    {"num_speculative_tokens": 3}])
+def test_llm_speculative_options_without_a_drafter_are_an_error(empty_dir: Path, option):
+    from laguna_dflash import LLM
+
+    with pytest.raises(ValueError, match=f"{next(iter(option))} was given without draft="):
+        LLM(str(empty_dir), **option)
+
+
+def test_generate_trace_without_json_is_an_error(empty_dir: Path, capsys):
+    code, out, err = _run_main(["generate", "--model", str(empty_dir), "--draft", str(empty_dir),
+                                "--prompt-ids", "1,2,3", "--trace"], capsys)
+    _assert_one_error_line(code, err, "--trace", "--json")
+    assert out == ""

@@ -240,8 +240,13 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     draft_flag, draft = _agree("draft models", drafts)
     tokens_flag, k = _agree("numbers of speculative tokens", tokens)
     if draft is None:
-        if tokens_flag is not None:
-            raise ValueError(f"{tokens_flag.split(' ')[0]} needs a drafter: pass --draft DIR "
+        needs_drafter = [tokens_flag.split(" ")[0]] if tokens_flag is not None else []
+        needs_drafter += [flag for flag, is_given in (
+            ("--adaptive-k", getattr(args, "adaptive_k", False)),
+            ("--simulate-acceptance-length", getattr(args, "simulate_acceptance_length", None) is not None))
+            if is_given]
+        if needs_drafter:  # they act on draft tokens: without a drafter they would do nothing
+            raise ValueError(f"{needs_drafter[0]} needs a drafter: pass --draft DIR "
                              "(or --speculative-config / --speculative-draft-model-path)")
         return SpeculativeChoice(None)
     if getattr(args, "no_spec", False):

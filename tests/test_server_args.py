@@ -231,3 +231,23 @@ def test_cuda_graph_max_bs_flag_reaches_the_engine_config_and_the_log_line(caplo
     assert default.describe()["cuda_graph_max_bs"] == "max_num_seqs, at most 256 (32)"
     with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
         resolve_server_config(_args("--cuda-graph-max-bs", "0"))
+
+
+def test_generation_config_flag_takes_vllms_choices(tmp_path):
+    """``--generation-config``: auto reads the model's file, vllm / none give no defaults, a
+    directory gives its file's (vLLM's choices; before, only auto | none parsed), and a
+    directory without the file is an error naming the flag."""
+    model, other = tmp_path / "model", tmp_path / "other"
+    for d, top_k in ((model, 20), (other, 7)):
+        d.mkdir()
+        (d / "generation_config.json").write_text(json.dumps({"top_k": top_k, "temperature": 0.6}))
+
+    def defaults(*flags: str) -> dict:
+        args = build_parser().parse_args(["serve", "--model", str(model), *flags])
+        return resolve_server_config(args).generation_defaults
+
+    assert defaults() == defaults("--generation-config", "auto") == {"top_k": 20, "temperature": 0.6}
+    assert defaults("--generation-config", "vllm") == defaults("--generation-config", "none") == {}
+    assert defaults("--generation-config", str(other)) == {"top_k": 7, "temperature": 0.6}
+    with pytest.raises(ValueError, match="--generation-config .*no generation_config.json there"):
+        defaults("--generation-config", str(tmp_path))

@@ -141,8 +141,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens, help="prefill token budget per step")
     p.add_argument("--seed", type=int, default=EngineConfig.seed, help="engine sampling seed")
-    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                   help="auto: sampling defaults from the model's generation_config.json")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for fields a request leaves out: auto (the model's "
+                        "generation_config.json), vllm or none (no defaults), or a directory "
+                        "holding a generation_config.json (vLLM's choices)")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between engine / SpecDecoding log lines while busy (0: off)")
     p.add_argument("--chat-template", default=None,
@@ -204,6 +206,22 @@ def _draft_block_size(draft: str) -> int | None:
     return int(value) if value else None
 
 
+def generation_defaults(choice: str, model: str) -> dict[str, float]:
+    """``--generation-config``: auto = ``model``'s ``generation_config.json``; vllm / none = no
+    defaults; else a directory that must hold a ``generation_config.json``."""
+    # .sampling imports the request models (pydantic): loaded for serve only
+    from .sampling import load_generation_defaults
+
+    if choice == "auto":
+        return load_generation_defaults(model)
+    if choice in ("vllm", "none"):
+        return {}
+    if not (Path(choice) / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {choice}: no generation_config.json there; pass "
+                         "auto (the model's), vllm / none (no defaults), or a directory holding one")
+    return load_generation_defaults(choice)
+
+
 def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
     drafts: list[tuple[str, object]] = []
@@ -262,8 +280,6 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
 
 def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
     """Resolve every derived setting from parsed ``serve`` flags and log the result once."""
-    from .sampling import load_generation_defaults
-
     spec = resolve_speculative(args)
     engine = EngineConfig(
         model=str(args.model), dtype=args.dtype, device=args.device,
@@ -293,7 +309,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
     chat_template = read_chat_template(getattr(args, "chat_template", None))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    defaults = load_generation_defaults(args.model) if args.generation_config == "auto" else {}
+    defaults = generation_defaults(args.generation_config, args.model)
     config = ServerConfig(
         engine=engine, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -293,10 +293,12 @@ class MLP(nn.Module):
     ``reduce_results`` is False (the MoE's shared expert: the MoE reduces its whole output)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 tp: TensorParallel = SINGLE, reduce_results: bool = True) -> None:
+                 tp: TensorParallel = SINGLE, reduce_results: bool = True,
+                 size_field: str = "intermediate_size") -> None:
         super().__init__()
         self.tp, self.reduce_results = tp, reduce_results
-        self.intermediate_size = intermediate_size = tp.shard_size(intermediate_size, "intermediate_size")
+        # size_field: the config field an indivisible width is reported under
+        self.intermediate_size = intermediate_size = tp.shard_size(intermediate_size, size_field)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
@@ -353,7 +355,8 @@ class MoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * moe_intermediate_size, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(n, hidden_size, moe_intermediate_size))
         self.shared_expert = (
-            MLP(hidden_size, shared_intermediate_size, tp=tp, reduce_results=False)
+            MLP(hidden_size, shared_intermediate_size, tp=tp, reduce_results=False,
+                size_field="shared_expert_intermediate_size")
             if shared_intermediate_size > 0 else None
         )
         self.routed_scaling_factor = routed_scaling_factor
@@ -417,11 +420,15 @@ class MoE(nn.Module):
 
     def fold_shared_expert(self) -> None:
         """Inference: stack the shared expert after the routed ones (when its width matches,
-        as in every Laguna) so the fused kernels run it as pair ``E`` with weight 1, instead of
-        three more GEMV/activation kernels. The expert and shared parameters become views of
+        as in every Laguna, and the routed experts are not split by expert) so the fused
+        kernels run it as pair ``E`` with weight 1, instead of three more GEMV/activation
+        kernels. The expert and shared parameters become views of
         the stacked tensors (no copy kept; call after loading and the last ``.to()``)."""
         shared = self.shared_expert
-        if (shared is None or shared.intermediate_size != self.intermediate_size
+        # expert parallelism: the fused kernels' pair id E would be another rank's expert
+        # (local_ids: -1) on every rank, and the shared expert would be dropped
+        if (shared is None or self.tp.shards_experts
+                or shared.intermediate_size != self.intermediate_size
                 or shared.gate_up_proj.bias is not None or self.gate_up_with_shared is not None):
             return
         e = self.num_local_experts

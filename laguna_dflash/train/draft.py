@@ -278,10 +278,14 @@ def cached_target_states(target, data: torch.Tensor, tap_layer_ids, device: torc
     Costs one target pass instead of one per step. Data parallel: rank ``r`` of ``W`` computes
     and keeps sequences ``r, r + W, ...`` only (sequence ``i`` at row ``i // W``), so the ranks
     share the pass and the memory; :func:`batch_states` fetches a batch's rows from them."""
+    if data.shape[0] < dp.world_size:  # a rank would keep no sequence (and fetch from none)
+        raise ValueError(f"--cache-target-states over {data.shape[0]} sequences on "
+                         f"{dp.world_size} ranks: each rank keeps a share; use --num-sequences "
+                         f">= {dp.world_size}, or drop --cache-target-states")
     data = data[dp.rank :: dp.world_size]
     store = torch.bfloat16 if device.type == "cuda" else torch.float32
     hiddens, taps = [], []
-    for i in tqdm(range(0, data.shape[0], chunk), desc="target states"):
+    for i in tqdm(range(0, data.shape[0], chunk), desc="target states", disable=not dp.is_driver):
         seqs = data[i : i + chunk].to(device)
         with autocast(device):
             h, x = target_states(target, seqs, tap_layer_ids)
@@ -424,6 +428,9 @@ def train_draft(c: DraftTrainConfig) -> Path:
     if c.batch_size % dp.world_size:
         raise ValueError(f"--batch-size {c.batch_size} is not divisible by the {dp.world_size} "
                          "launched ranks; pick a multiple of the rank count")
+    if c.num_sequences < dp.world_size:  # the ranks share the regeneration by sequence
+        raise ValueError(f"--num-sequences {c.num_sequences} is fewer than the "
+                         f"{dp.world_size} launched ranks; use at least one sequence a rank")
     data = regenerate(c, work, dp)
     target = load_model(c.target, torch.float32, device)
     if c.init_from:

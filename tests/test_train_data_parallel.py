@@ -128,3 +128,28 @@ def test_regeneration_is_split_between_the_ranks(setup):
     assert one.shape == two.shape == (6, 24)
     np.testing.assert_array_equal(two, np.concatenate([one[0::2], one[1::2]]))
     assert sorted((root / "r2" / "work").glob("regenerated.rank*")) == []
+
+
+def test_train_target_on_two_ranks_takes_one_process_steps(tmp_path):
+    """``torchrun ... train-target``: two data-parallel ranks (each half of every batch, the
+    expert loads summed before the bias update) end with one process's weights, expert biases
+    included; rank 0 alone writes (before, every rank trained the whole batch on its own and
+    all wrote the same files)."""
+    import tp_worker
+
+    cfg = dict(vocab_size=300, hidden_size=32, num_layers=2, num_experts=4, moe_intermediate_size=16,
+               seq_len=32, batch_size=4, steps=STEPS, warmup=1, lr=3e-3, max_corpus_bytes=60_000,
+               save_every=STEPS, log_every=1)
+    one = tp_worker.run_job({"kind": "train_target", "config": {**cfg, "out_dir": str(tmp_path / "one")}}, 1)
+    two = tp_worker.run_ranks([{"kind": "train_target", "config": {**cfg, "out_dir": str(tmp_path / "two")}}],
+                              world_size=2)
+    assert one.keys() == two[0][0].keys()
+    biases = [name for name in one if name.endswith("e_score_correction_bias")]
+    assert biases and any(one[name].abs().max() > 0 for name in biases)  # balancing moved them
+    for name in one:
+        torch.testing.assert_close(two[0][0][name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert torch.equal(two[1][0][name], two[0][0][name]), name  # the ranks agree
+    summary = json.loads((tmp_path / "two" / "work" / "train_summary.json").read_text())
+    want = json.loads((tmp_path / "one" / "work" / "train_summary.json").read_text())["losses"]
+    assert summary["num_ranks"] == 2
+    np.testing.assert_allclose(summary["losses"], want, rtol=1e-4)

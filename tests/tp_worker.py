@@ -10,7 +10,7 @@ logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | N
 "prompts": [[ids]], "max_tokens": N, "temperature": T (default 0), "options": {...}}`` -> ``(token ids per prompt, mean
 acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
 ``"logprobs": N``; ``{"kind": "train_draft", "config": {...}}`` -> the drafter's weights after
-``train-draft`` (data parallel over the ranks); with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
+``train-draft`` (data parallel over the ranks; ``"train_target"`` the same for ``train-target``); with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
 prompts generated a second time)`` (the prefix cache then holds them); ``{"kind": "batch_states",
 "num_sequences": N, "idx": [ids]}`` -> this rank's ``train.draft.batch_states`` of a random
 cache (seed 0, ``[N, 3, 4]`` and ``[N, 3, 8]``) kept one sequence in ``world_size`` a rank.
@@ -67,6 +67,11 @@ def run_job(job: dict, tensor_parallel_size: int):
         from laguna_dflash.train.draft import DraftTrainConfig, train_draft
 
         out = train_draft(DraftTrainConfig(**job["config"]))
+        return torch.load(out / "work" / "train_state.pt", weights_only=False)["model"]
+    if job["kind"] == "train_target":  # data parallel: -> the final training state's weights
+        from laguna_dflash.train.target import TargetTrainConfig, train_target
+
+        out = train_target(TargetTrainConfig(**job["config"]))
         return torch.load(out / "work" / "train_state.pt", weights_only=False)["model"]
     if job["kind"] == "prompt_logits":
         llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,

@@ -94,14 +94,16 @@ def load_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     return int(state["step"]), state.get("extra", {})
 
 
-def balance_moe_(model: torch.nn.Module, rate: float) -> None:
+def balance_moe_(model: torch.nn.Module, rate: float, dp: TensorParallel = SINGLE) -> None:
     """Aux-loss-free load balancing (arXiv 2408.15664): nudge each MoE layer's
-    ``e_score_correction_bias`` up for under-loaded experts and down for over-loaded ones."""
+    ``e_score_correction_bias`` up for under-loaded experts and down for over-loaded ones.
+    Data parallel: the loads are summed over the ranks first (the whole batch's load), so every
+    rank's biases move alike."""
     for module in model.modules():
         ids = getattr(module, "last_expert_ids", None)
         if ids is None:
             continue
-        load = torch.bincount(ids.reshape(-1), minlength=module.num_experts).float()
+        load = dp.all_reduce(torch.bincount(ids.reshape(-1), minlength=module.num_experts).float())
         with torch.no_grad():
             module.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
         module.last_expert_ids = None

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import resolve_device
+from ..distributed import init_data_parallel
 from ..models.laguna import LagunaForCausalLM
 from ..models.layers import ForwardContext
 from ..models.random_init import randomize_, small_rope_parameters
@@ -148,11 +149,24 @@ def build_corpus(c: TargetTrainConfig, out: Path) -> np.ndarray:
 
 
 def train_target(c: TargetTrainConfig) -> Path:
+    """Pretrain the target. Under a torchrun-style launch the ranks are data-parallel replicas
+    (as ``train-draft``'s): each computes its rows of every batch (the same global rows on every
+    rank), gradients and expert loads are summed over the ranks, and rank 0 alone writes."""
     out = Path(c.out_dir)
     check_out_dir(out)
     seed_everything(c.seed)
     device = resolve_device(c.device)
+    dp = init_data_parallel(device)
+    if dp.is_parallel and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
+    if c.batch_size % dp.world_size:
+        raise ValueError(f"--batch-size {c.batch_size} is not divisible by the {dp.world_size} "
+                         "launched ranks; pick a multiple of the rank count")
+    if not dp.is_driver:  # rank 0 trains the tokenizer and writes the corpus cache; then read
+        dp.barrier()
     tokens = torch.from_numpy(build_corpus(c, out).astype(np.int64))
+    if dp.is_driver:
+        dp.barrier()
     cfg = demo_target_config(c)
     model = LagunaForCausalLM.from_config(cfg)
     randomize_(model, c.seed)
@@ -162,25 +176,32 @@ def train_target(c: TargetTrainConfig) -> Path:
                             betas=(0.9, 0.95), weight_decay=c.weight_decay)
     gen = torch.Generator().manual_seed(c.seed)
 
+    share = c.batch_size // dp.world_size
+
     def loss_fn(step: int) -> torch.Tensor:
         starts = torch.randint(0, len(tokens) - c.seq_len - 1, (c.batch_size,), generator=gen)
+        starts = starts[dp.rank * share : (dp.rank + 1) * share]  # this rank's rows
         batch = torch.stack([tokens[s : s + c.seq_len + 1] for s in starts.tolist()]).to(device)
         with autocast(device):
-            return lm_loss(model, batch)
+            # every row has seq_len tokens: the batch's mean is the ranks' means, each weighted
+            # share / batch_size, so the parts sum to the whole batch's loss (x 1 on one rank)
+            return lm_loss(model, batch) * (share / c.batch_size)
 
     losses, seconds = run_training(
         "train-target", model, opt, loss_fn, steps=c.steps, lr=c.lr, warmup=c.warmup,
         state_path=out / "work" / "train_state.pt", save_every=c.save_every,
         log_every=c.log_every, time_budget_s=c.time_budget_s,
-        after_step=lambda: balance_moe_(model, 1e-3), generator=gen,
+        after_step=lambda: balance_moe_(model, 1e-3, dp), generator=gen, dp=dp,
     )
     model.eval()
-    save_checkpoint(model, out, cfg, dtype=torch.bfloat16, max_shard_bytes=c.max_shard_bytes)
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID}) + "\n")
-    summary = {"config": asdict(c), "final_loss": float(np.mean(losses[-50:])) if losses else None,
-               "first_loss": losses[0] if losses else None, "seconds": seconds,
-               "num_corpus_tokens": len(tokens), "losses": losses}
-    (out / "work" / "train_summary.json").write_text(json.dumps(summary, indent=2))
-    logger.info("train-target done: %s", summary)
+    if dp.is_driver:
+        save_checkpoint(model, out, cfg, dtype=torch.bfloat16, max_shard_bytes=c.max_shard_bytes)
+        (out / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": data.BOS_ID, "eos_token_id": data.EOS_ID, "pad_token_id": data.PAD_ID}) + "\n")
+        summary = {"config": asdict(c), "final_loss": float(np.mean(losses[-50:])) if losses else None,
+                   "first_loss": losses[0] if losses else None, "seconds": seconds,
+                   "num_corpus_tokens": len(tokens), "num_ranks": dp.world_size, "losses": losses}
+        (out / "work" / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        logger.info("train-target done: %s", summary)
+    dp.barrier()  # the checkpoint is written before any rank returns
     return out

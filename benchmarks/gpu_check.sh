@@ -646,9 +646,9 @@ case "$stage" in
     # allocator); --target-processes application-only: Triton's ptxas children run untraced.
     # Per-file logs in $OUT. SANITIZE_FILES ("LIMIT:FILE ...") and SANITIZE_K (pytest -k) pick a
     # part. The default list took ~7 min on 2026-12-03 (memcheck runs kernels 10-100x slower);
-    # the rest took two more calls: paged attention (~5 min in all), and routing, fused MoE,
-    # grouped MoE, top-k values (each over 70 s; docs/PERFORMANCE.md, forty-fourth pass).
-    # SANITIZE_PARALLEL=1 runs the files at once (one process each, sharing the GPU), then reports.
+    # the rest took more calls: paged attention (~5 min in all), and routing, fused MoE, grouped
+    # MoE, top-k values (56-155 s each; 161 s for the four with SANITIZE_PARALLEL=1, which runs
+    # the files at once, one process each sharing the GPU; PERFORMANCE.md, 44th / 45th passes).
     sanitize_one() {
       local f=${1#*:} log
       log=${OUT:-/tmp}/sanitize_$(basename "$f" .py).log

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import flag
-from ..distributed import SINGLE, TensorParallel
+from ..distributed import SINGLE, TensorParallel, init_data_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,18 @@ def check_device(device: str) -> None:
 def check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir {out} is a file; pass a directory (new, or one to resume in)")
+
+
+def join_data_parallel(device: torch.device, batch_size: int) -> tuple[TensorParallel, torch.device]:
+    """The launch's data-parallel ranks (:data:`SINGLE` in one process) and this rank's device
+    (``LOCAL_RANK``'s GPU under a multi-GPU launch); ``--batch-size`` must split evenly."""
+    dp = init_data_parallel(device)
+    if dp.is_parallel and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if batch_size % dp.world_size:
+        raise ValueError(f"--batch-size {batch_size} is not divisible by the {dp.world_size} "
+                         "launched ranks; pick a multiple of the rank count")
+    return dp, device
 
 
 def seed_everything(seed: int) -> None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import resolve_device
-from ..distributed import SINGLE, TensorParallel, init_data_parallel
+from ..distributed import SINGLE, TensorParallel
 from ..engine.attention import AttentionMetadata
 from ..models.dflash import DFlashDraftModel, qwen3_draft_spec
 from ..models.laguna_dflash import DFlashLaguna, laguna_draft_spec
@@ -44,6 +44,7 @@ from .common import (
     autocast,
     check_device,
     check_out_dir,
+    join_data_parallel,
     require_at_least,
     require_positive,
     run_training,
@@ -421,13 +422,7 @@ def train_draft(c: DraftTrainConfig) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     seed_everything(c.seed)
     resolve_device(c.device)  # a clear error where CUDA is asked for but missing
-    device = torch.device(c.device)
-    dp = init_data_parallel(device)
-    if dp.is_parallel and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
-    if c.batch_size % dp.world_size:
-        raise ValueError(f"--batch-size {c.batch_size} is not divisible by the {dp.world_size} "
-                         "launched ranks; pick a multiple of the rank count")
+    dp, device = join_data_parallel(torch.device(c.device), c.batch_size)
     if c.num_sequences < dp.world_size:  # the ranks share the regeneration by sequence
         raise ValueError(f"--num-sequences {c.num_sequences} is fewer than the "
                          f"{dp.world_size} launched ranks; use at least one sequence a rank")

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from ..config import resolve_device
-from ..distributed import init_data_parallel
 from ..models.laguna import LagunaForCausalLM
 from ..models.layers import ForwardContext
 from ..models.random_init import randomize_, small_rope_parameters
@@ -30,6 +29,7 @@ from .common import (
     balance_moe_,
     check_device,
     check_out_dir,
+    join_data_parallel,
     require_at_least,
     require_positive,
     run_training,
@@ -155,13 +155,7 @@ def train_target(c: TargetTrainConfig) -> Path:
     out = Path(c.out_dir)
     check_out_dir(out)
     seed_everything(c.seed)
-    device = resolve_device(c.device)
-    dp = init_data_parallel(device)
-    if dp.is_parallel and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's GPU
-    if c.batch_size % dp.world_size:
-        raise ValueError(f"--batch-size {c.batch_size} is not divisible by the {dp.world_size} "
-                         "launched ranks; pick a multiple of the rank count")
+    dp, device = join_data_parallel(resolve_device(c.device), c.batch_size)
     if not dp.is_driver:  # rank 0 trains the tokenizer and writes the corpus cache; then read
         dp.barrier()
     tokens = torch.from_numpy(build_corpus(c, out).astype(np.int64))

@@ -405,7 +405,10 @@ def save_drafter(drafter: DFlashDraftModel, out: Path, cfg: dict) -> None:
     """Write the drafter checkpoint (bf16 weights, ``cfg`` as config.json) into ``out``, with
     the ``mask_embedding.pt`` (``[H_target]``) it was trained with if it has one (a drafter
     continued from a checkpoint that ships one): without it the engine would fill the masked
-    slots with the target's mask row instead."""
+    slots with the target's mask row instead. The config names the weights' dtype
+    (``torch_dtype: bfloat16``, as the published drafters do); a ``dtype`` carried over from an
+    ``init_from`` checkpoint (e.g. ``float32``) would misname it, so it is dropped."""
+    cfg = {k: v for k, v in cfg.items() if k != "dtype"} | {"torch_dtype": "bfloat16"}
     save_checkpoint(drafter, out, cfg, dtype=torch.bfloat16)
     mask_file = out / "mask_embedding.pt"
     if drafter.mask_embedding is not None:

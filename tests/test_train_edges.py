@@ -189,3 +189,18 @@ def test_resume_under_a_time_budget_continues_the_learning_rate_schedule(tmp_pat
     resumed_rates, resumed_losses = _budgeted_run(tmp_path / "resumed.pt", clock)
     assert resumed_rates == pytest.approx(whole_rates[20:], rel=1e-12)
     np.testing.assert_allclose(resumed_losses, whole_losses, rtol=1e-6)
+
+
+def test_default_taps_follow_each_flavours_published_convention():
+    """The qwen3 flavour taps as z-lab's ``build_target_layer_ids`` (reference/dflash.md: 1 to
+    L - 3; its examples), never the last layer on a target of 3 or more layers (the reference's
+    loop would feed it normed); the laguna flavour ends at the last layer, pre-norm, as
+    Poolside's published drafters do."""
+    from laguna_dflash.train.draft import default_taps
+
+    assert default_taps(32, 5, "qwen3") == [1, 8, 15, 22, 29]
+    assert default_taps(36, 5, "qwen3") == [1, 9, 17, 25, 33]
+    assert default_taps(64, 5, "qwen3") == [1, 16, 31, 46, 61]
+    for depth in range(3, 12):
+        assert max(default_taps(depth, 3, "qwen3")) < depth - 1, depth
+    assert default_taps(40, 5, "laguna")[-1] == 39 and default_taps(4, 3, "laguna") == [1, 2, 3]

@@ -98,18 +98,25 @@ class DraftTrainConfig:
 DEFAULT_NUM_TAPS = 3
 
 
-def default_taps(depth: int, n: int) -> list[int]:
-    """Evenly spaced taps from layer 1 to the last layer (the last tap is pre-final-norm)."""
+def default_taps(depth: int, n: int, flavour: str = "laguna") -> list[int]:
+    """``n`` evenly spaced target layers to tap, from layer 1 (distinct: fewer on a shallow
+    target). The laguna flavour ends at the last layer, pre-final-norm, as Poolside's published
+    drafters do. The qwen3 flavour follows z-lab's ``build_target_layer_ids`` (1 to ``L - 3``;
+    e.g. L = 32, n = 5 -> [1, 8, 15, 22, 29]): the reference's loop reads transformers' hidden
+    states, which are normed at the last layer, so a drafter trained on the pre-norm last layer
+    would see other inputs there. On a target of under 5 layers it ends at ``L - 2`` (not the
+    last layer while ``L >= 3``)."""
     if n == 1:
         return [depth // 2]
-    return sorted({round(1 + i * (depth - 2) / (n - 1)) for i in range(n)})
+    last = depth - 1 if flavour == "laguna" else max(1, depth - 3 if depth >= 5 else depth - 2)
+    return sorted({round(1 + i * (last - 1) / (n - 1)) for i in range(n)})
 
 
 def draft_config(c: DraftTrainConfig, target_cfg: dict) -> dict:
     """config.json of the drafter, in the chosen flavour's on-disk schema."""
     hidden = target_cfg["hidden_size"]
     head_dim = target_cfg.get("head_dim", 64)
-    taps = default_taps(target_cfg["num_hidden_layers"], c.num_taps or DEFAULT_NUM_TAPS)
+    taps = default_taps(target_cfg["num_hidden_layers"], c.num_taps or DEFAULT_NUM_TAPS, c.flavour)
     mask_id = c.mask_token_id if c.mask_token_id is not None else target_cfg.get("mask_token_id")
     if mask_id is None:
         raise ValueError("the target config has no mask_token_id; pass --mask-token-id (a reserved row)")
@@ -240,9 +247,9 @@ def check_inputs(c: DraftTrainConfig, work: Path) -> dict:
                              "pass a reserved row of it")
     depth = target_cfg.get("num_hidden_layers")
     if (c.num_taps is not None and not c.init_from and isinstance(depth, int)
-            and len(default_taps(depth, c.num_taps)) < c.num_taps):
+            and len(default_taps(depth, c.num_taps, c.flavour)) < c.num_taps):
         raise ValueError(f"--num-taps {c.num_taps}: the target's {depth} layers give "
-                         f"{len(default_taps(depth, c.num_taps))} distinct evenly spaced taps at most "
+                         f"{len(default_taps(depth, c.num_taps, c.flavour))} distinct evenly spaced taps at most "
                          "here; lower --num-taps")
     max_pos = target_cfg.get("max_position_embeddings")
     if isinstance(max_pos, int) and c.prompt_len + c.gen_len > max_pos:

@@ -6,6 +6,7 @@ User input errors raise ``ValueError`` with the field name and how to fix it.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import sys
@@ -196,6 +197,33 @@ class SamplingParams:
         """The logits are biased or penalised before sampling (engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
+
+
+#: The keys of vLLM's ``speculative_config`` this engine reads; others are logged and ignored.
+VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens")
+
+
+def from_vllm_speculative_config(cfg: object, where: str) -> tuple[str, int | None]:
+    """vLLM's ``speculative_config`` (``{"method": "dflash", "model": DIR,
+    "num_speculative_tokens": K}``) -> (drafter directory, K or None). ``where`` names it in
+    errors (``--speculative-config``, ``speculative_config=``); other keys are logged and ignored."""
+    example = '{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}'
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} must be a JSON object / dict, got {type(cfg).__name__}; e.g. {example}")
+    method = str(cfg.get("method") or "dflash")
+    if method.lower() != "dflash":
+        raise ValueError(f"{where} method {method!r} is not supported; use \"dflash\"")
+    if not cfg.get("model"):
+        raise ValueError(f'{where} needs "model": the DFlash drafter directory; e.g. {example}')
+    k = cfg.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):  # "3", 2.7: no silent cast
+        raise ValueError(f"{where} num_speculative_tokens must be a JSON integer, got {k!r}; e.g. "
+                         '"num_speculative_tokens": 15')
+    ignored = sorted(set(cfg) - set(VLLM_SPECULATIVE_KEYS))
+    if ignored:
+        logging.getLogger(__name__).warning("%s: ignoring keys %s (not used by this engine)",
+                                            where, ", ".join(ignored))
+    return str(cfg["model"]), k
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .config import EngineConfig, SamplingParams, SpeculativeConfig, from_vllm_speculative_config
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
 from .server.detokenizer import IncrementalDetokenizer, OutputText
@@ -80,7 +80,9 @@ class LLM:
     """Offline batched generation with optional DFlash speculative decoding.
 
     ``LLM(model=DIR, draft=None, dtype="float32", device="cpu", max_model_len=None,
-    num_speculative_tokens=None, adaptive_k=False, **engine_options)``; ``adaptive_k`` picks
+    num_speculative_tokens=None, adaptive_k=False, **engine_options)``; vLLM's
+    ``speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": K}`` may
+    stand for ``draft`` and ``num_speculative_tokens``; ``adaptive_k`` picks
     K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting); engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
@@ -95,8 +97,15 @@ class LLM:
         num_speculative_tokens: int | None = None,
         adaptive_k: bool = False,
         simulate_acceptance_length: float | None = None,
+        speculative_config: dict | None = None,
         **engine_options,
     ) -> None:
+        if speculative_config is not None:  # vLLM's spelling of draft= / num_speculative_tokens=
+            if draft is not None or num_speculative_tokens is not None:
+                raise ValueError("give the drafter once: speculative_config= (vLLM's spelling) or "
+                                 "draft= / num_speculative_tokens=, not both")
+            draft, num_speculative_tokens = from_vllm_speculative_config(
+                speculative_config, "speculative_config=")
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,

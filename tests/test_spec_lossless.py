@@ -145,3 +145,28 @@ def test_decode_token_count_is_the_tokens_delivered(pairs):
                        sampling_params=SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     assert [len(o.token_ids) for o in out] == [9] * 3
     assert llm.get_metrics()["num_decode_tokens"] == 3 * 8  # the prefill's first token excluded
+
+
+def test_vllm_speculative_config_spelling(pairs):
+    """``LLM(target, speculative_config={"method": "dflash", "model": DIR,
+    "num_speculative_tokens": K})``, vLLM's offline spelling, builds the same engine as
+    ``draft=DIR, num_speculative_tokens=K`` (same tokens, same acceptance); a bad dict or both
+    spellings at once are errors naming ``speculative_config=``."""
+    target, draft = pairs["laguna+poolside"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(3, seed=2)
+    ours = LLM(target, draft=draft, num_speculative_tokens=3)
+    vllm = LLM(target, speculative_config={"method": "dflash", "model": str(draft), "num_speculative_tokens": 3})
+    assert vllm.config.speculative == ours.config.speculative
+    want = ours.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = vllm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.metrics["num_accepted_tokens"] for o in got] == [o.metrics["num_accepted_tokens"] for o in want]
+    for bad, needle in (({"method": "eagle", "model": str(draft)}, "method 'eagle'"),
+                        ({"num_speculative_tokens": 3}, 'needs "model"'),
+                        ({"model": str(draft), "num_speculative_tokens": "3"}, "JSON integer"),
+                        ([str(draft)], "must be a JSON object")):
+        with pytest.raises(ValueError, match=f"speculative_config=.*{needle}"):
+            LLM(target, speculative_config=bad)
+    with pytest.raises(ValueError, match="give the drafter once"):
+        LLM(target, draft=draft, speculative_config={"model": str(draft)})

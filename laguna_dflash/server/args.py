@@ -22,7 +22,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig, SpeculativeConfig
+from ..config import (
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    EngineConfig,
+    SpeculativeConfig,
+    from_vllm_speculative_config,
+)
 from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
 from ..models.dflash import dflash_value
 
@@ -176,24 +181,15 @@ def _agree(kind: str, candidates: list[tuple[str, object]]) -> tuple[str | None,
     return first_flag, first
 
 
-def _vllm_spec(text: str) -> dict:
+def _vllm_spec(text: str) -> tuple[str, int | None]:
+    """``--speculative-config`` JSON -> (drafter directory, K or None)."""
     flag = "--speculative-config"
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{flag} is not valid JSON ({e}); e.g. "
                          '\'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'') from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {type(cfg).__name__}")
-    method = str(cfg.get("method") or "dflash")
-    if method.lower() != "dflash":
-        raise ValueError(f"{flag} method {method!r} is not supported; use \"dflash\"")
-    if not cfg.get("model"):
-        raise ValueError(f'{flag} needs "model": the DFlash drafter directory')
-    ignored = sorted(set(cfg) - {"method", "model", "num_speculative_tokens"})
-    if ignored:
-        logger.warning("%s: ignoring keys %s (not used by this engine)", flag, ", ".join(ignored))
-    return cfg
+    return from_vllm_speculative_config(cfg, flag)
 
 
 def _draft_block_size(draft: str) -> int | None:
@@ -231,14 +227,10 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     if getattr(args, "num_speculative_tokens", None) is not None:
         tokens.append(("--num-speculative-tokens", args.num_speculative_tokens))
     if getattr(args, "speculative_config", None):
-        cfg = _vllm_spec(args.speculative_config)
-        drafts.append(("--speculative-config model", os.path.normpath(str(cfg["model"]))))
-        if cfg.get("num_speculative_tokens") is not None:
-            value = cfg["num_speculative_tokens"]
-            if isinstance(value, bool) or not isinstance(value, int):  # "3", 2.7: no silent cast
-                raise ValueError(f"--speculative-config num_speculative_tokens must be a JSON "
-                                 f"integer, got {value!r}; e.g. \"num_speculative_tokens\": 15")
-            tokens.append(("--speculative-config num_speculative_tokens", value))
+        model, k = _vllm_spec(args.speculative_config)
+        drafts.append(("--speculative-config model", os.path.normpath(model)))
+        if k is not None:
+            tokens.append(("--speculative-config num_speculative_tokens", k))
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm is not None and algorithm.upper() != "DFLASH":
         raise ValueError(f"--speculative-algorithm {algorithm} is not supported; use DFLASH")

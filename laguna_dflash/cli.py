@@ -155,8 +155,11 @@ def engine_options(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="laguna-dflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from .server.args import add_server_args, add_speculative_spelling_args
+
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_args(g, model_required=False)
+    add_speculative_spelling_args(g)
     g.add_argument("text", nargs="?", help="prompt text (same as --prompt)")
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in --model)")
     g.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
@@ -176,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run target-only and report both speeds (default: on for the demo pair)")
     b = sub.add_parser("bench", help="tokens/s with and without speculation on a prompt set")
     add_engine_args(b, model_required=False)
+    add_speculative_spelling_args(b)
     b.add_argument("--prompts", help="JSON list / JSON Lines of prompts (default: held-out set)")
     b.add_argument("--num-prompts", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -190,8 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
                        TargetTrainConfig)
     add_dataclass_args(sub.add_parser("train-draft", help="distil a DFlash drafter for a target"),
                        DraftTrainConfig)
-    from .server.args import add_server_args
-
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(s)
     add_server_args(s)
@@ -261,10 +263,15 @@ def check_plot_path(path: str) -> None:
 
 
 def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
-    """(model, draft, is_demo): the embedded pair when no --model is given."""
+    """(model, draft, is_demo): the embedded pair when no --model is given. serve's vLLM and
+    SGLang spellings of the drafter and K are merged into ``args.draft`` and
+    ``args.num_speculative_tokens`` first."""
+    from .server.args import merge_speculative_spellings
+
+    draft_flag, args.draft, _, args.num_speculative_tokens = merge_speculative_spellings(args)
     check_checkpoint_dir("--model", args.model, "the target model's directory")
     if not args.no_spec:
-        check_checkpoint_dir("--draft", args.draft, "the DFlash drafter's directory")
+        check_checkpoint_dir(draft_flag or "--draft", args.draft, "the DFlash drafter's directory")
     if args.model is not None:
         return args.model, (None if args.no_spec else args.draft), False
     from .demo import demo_pair

@@ -261,3 +261,45 @@ def test_generate_trace_without_json_is_an_error(empty_dir: Path, capsys):
                                 "--prompt-ids", "1,2,3", "--trace"], capsys)
     _assert_one_error_line(code, err, "--trace", "--json")
     assert out == ""
+
+
+# --------------------------------------------------------------------------------------------
+# generate / bench take serve's vLLM and SGLang spellings of the drafter too
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", [
+    lambda d: ["--speculative-config", json.dumps({"method": "dflash", "model": d, "num_speculative_tokens": 3})],
+    lambda d: ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", d,
+               "--speculative-num-draft-tokens", "4"],
+], ids=["vllm", "sglang"])
+def test_generate_takes_serves_speculative_spellings(capsys, spelling):
+    """``generate --speculative-config ...`` (vLLM's) and SGLang's flags give the run that
+    ``--draft DIR --num-speculative-tokens 3`` gives: the same tokens and acceptance (before,
+    argparse refused them: only serve knew them)."""
+    target, draft = demo_pair()
+    common = ["generate", "--model", str(target), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12",
+              "--json", "--no-compare"]
+    outs = []
+    for flags in (["--draft", str(draft), "--num-speculative-tokens", "3"], spelling(str(draft))):
+        code, out, err = _run_main([*common, *flags], capsys)
+        assert code == 0, err
+        outs.append(json.loads(out))
+    assert outs[1]["token_ids"] == outs[0]["token_ids"]
+    assert outs[1]["mean_acceptance_length"] == outs[0]["mean_acceptance_length"]
+
+
+def test_generate_conflicting_speculative_spellings_name_both_flags(tmp_path: Path, capsys):
+    target, draft = demo_pair()
+    code, _, err = _run_main(["generate", "--model", str(target), "--prompt-ids", "1,2",
+                              "--draft", str(draft), "--speculative-config",
+                              json.dumps({"model": str(tmp_path)})], capsys)
+    _assert_one_error_line(code, err, "--draft", "--speculative-config")
+
+
+def test_bench_missing_sglang_draft_dir_names_its_flag(tmp_path: Path, capsys, fake_bench):
+    target, _ = demo_pair()
+    code, _, err = _run_main(["bench", "--model", str(target), "--speculative-algorithm", "DFLASH",
+                              "--speculative-draft-model-path", str(tmp_path / "nope")], capsys)
+    _assert_one_error_line(code, err, "--speculative-draft-model-path")
+    assert fake_bench == []

@@ -157,6 +157,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "the tokenizer's")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat_template (off: such requests get a 400)")
+    add_speculative_spelling_args(p)
+
+
+def add_speculative_spelling_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's and SGLang's spellings of ``--draft`` / ``--num-speculative-tokens`` (serve,
+    generate, bench; merged by :func:`merge_speculative_spellings`)."""
     g = p.add_argument_group("speculative decoding, vLLM and SGLang spellings")
     g.add_argument("--speculative-config", default=None,
                    help='vLLM JSON: {"method": "dflash", "model": DIR, "num_speculative_tokens": K}')
@@ -218,8 +224,11 @@ def generation_defaults(choice: str, model: str) -> dict[str, float]:
     return load_generation_defaults(choice)
 
 
-def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
-    """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
+def merge_speculative_spellings(args: argparse.Namespace) -> tuple[str | None, str | None,
+                                                                  str | None, int | None]:
+    """The drafter and K from ours, vLLM's and SGLang's spellings -> (the flag naming the
+    drafter, its directory, the flag naming K, K); each None where none was given. Spellings may
+    be mixed where they agree; a disagreement is an error naming both flags."""
     drafts: list[tuple[str, object]] = []
     tokens: list[tuple[str, object]] = []
     if getattr(args, "draft", None):
@@ -249,6 +258,12 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         tokens.append((f"{flag} (minus the bonus token)", width - 1))
     draft_flag, draft = _agree("draft models", drafts)
     tokens_flag, k = _agree("numbers of speculative tokens", tokens)
+    return draft_flag, draft, tokens_flag, k
+
+
+def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
+    """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
+    draft_flag, draft, tokens_flag, k = merge_speculative_spellings(args)
     if draft is None:
         needs_drafter = [tokens_flag.split(" ")[0]] if tokens_flag is not None else []
         needs_drafter += [flag for flag, is_given in (

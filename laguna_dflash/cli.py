@@ -418,8 +418,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_checkpoint_dir(spec.draft_flag or "--draft", spec.config.draft,
                              "the DFlash drafter's directory")
     if args.tokenizer is not None:  # given on purpose: one that loads nothing is an error
-        tok = Path(args.tokenizer)
-        if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
+        from .llm import has_tokenizer
+
+        if not has_tokenizer(args.tokenizer):
             raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json or "
                              "tokenizer_config.json there; pass a local tokenizer directory, or "
                              "leave --tokenizer unset to use --model's")

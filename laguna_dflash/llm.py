@@ -63,10 +63,15 @@ def _token_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """``path`` holds a tokenizer :func:`load_tokenizer` can read."""
+    path = Path(path)
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+
+
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer via transformers' AutoTokenizer, or None if it has none."""
-    path = Path(path)
-    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+    if not has_tokenizer(path):
         return None
     try:
         from transformers import AutoTokenizer

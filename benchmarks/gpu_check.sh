@@ -647,7 +647,7 @@ case "$stage" in
     # Per-file logs in $OUT. SANITIZE_FILES ("LIMIT:FILE ...") and SANITIZE_K (pytest -k) pick a
     # part. The default list took ~7 min on 2026-12-03 (memcheck runs kernels 10-100x slower);
     # the rest took more calls: paged attention (~5 min in all), and routing, fused MoE, grouped
-    # MoE, top-k values (56-155 s each; 161 s for the four with SANITIZE_PARALLEL=1, which runs
+    # MoE, top-k values (161 s for the four at once with SANITIZE_PARALLEL=1, which runs
     # the files at once, one process each sharing the GPU; PERFORMANCE.md, 44th / 45th passes).
     sanitize_one() {
       local f=${1#*:} log

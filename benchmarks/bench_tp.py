@@ -9,7 +9,9 @@ the rows so several launches make one table::
 
 Per batch size: the target-only decode step (ms) and tokens/s, and DFlash tokens/s at a
 simulated acceptance length (``--acceptance``, K = ``--k``; every draft accepted up to it:
-system speed apart from draft quality, as SGLang's SGLANG_SIMULATE_ACC_LEN).
+system speed apart from draft quality, as SGLang's SGLANG_SIMULATE_ACC_LEN). The header gives
+rank 0's batch-1 bandwidth floor: the bytes its shard reads a decode step (active weights and
+visible KV, ``bench_gpu_xs.active_bytes``) over the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import torch
 from bench_gpu_xs import (
+    active_bytes,
+    copy_bandwidth,
     decode_tokens_per_s,
     step_time,
     write_xs_configs,
@@ -104,6 +108,7 @@ def main() -> None:
         t0 = time.perf_counter()
         base = LLM(str(tdir), **common)
         load_s = time.perf_counter() - t0
+        floor_s = active_bytes(base.engine.target, args.context) / copy_bandwidth(args.device, 1 << 30)
         rows = []
         for b in batches:
             step = step_time(base, prompt, args.new_tokens, b)
@@ -124,12 +129,16 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# {name}, tp={args.tp}{' (experts split by expert)' if args.enable_expert_parallel else ''}, {dtype} {args.model} size ({args.layers} layers), context "
           f"{args.context}, {args.new_tokens} new tokens, DFlash K={args.k} at simulated "
-          f"acceptance {args.acceptance}; load + warm-up {load_s:.1f} s")
-    print("| tp | batch | target-only step ms | target-only tok/s | DFlash tok/s | DFlash x |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          f"acceptance {args.acceptance}; load + warm-up {load_s:.1f} s; rank 0's batch-1 "
+          f"bandwidth floor {floor_s * 1e3:.3f} ms")
+    print("| tp | batch | target-only step ms | x floor | target-only tok/s | DFlash tok/s | DFlash x |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tp']} | {r['batch']} | {r['step_ms']:.2f} | {r['target_tok_s']:.1f} | "
-              f"{r['dflash_tok_s']:.1f} | {r['dflash_x']:.2f} |")
+        # the floor is batch 1's: more rows read more experts and KV
+        r["floor_ms"] = floor_s * 1e3
+        x_floor = f"{r['step_ms'] / r['floor_ms']:.2f}" if r["batch"] == 1 else "-"
+        print(f"| {r['tp']} | {r['batch']} | {r['step_ms']:.2f} | {x_floor} | "
+              f"{r['target_tok_s']:.1f} | {r['dflash_tok_s']:.1f} | {r['dflash_x']:.2f} |")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

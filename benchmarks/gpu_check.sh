@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_check.sh pass44-startup  # eager first prompts with / without the sorted
 #                                           # MoE build ahead, cold start-up (~7 min)
 #   bash benchmarks/gpu_check.sh pass46     # the sampler review's CUDA tests; start-up at --max-num-seqs 512
+#   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
+#                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
 #                                           # MoE half's phases alone (~7 min)
 #   bash benchmarks/gpu_check.sh sanitize   # compute-sanitizer memcheck over the kernels' CUDA tests
@@ -633,6 +635,13 @@ case "$stage" in
     timeout "${STARTUP_S:-420}" python benchmarks/bench_first_request.py --max-num-seqs 512 --max-model-len 8192 \
       --scenarios 1x100x8,300x100x8 --option num_kv_blocks=none 2>&1 | quiet \
       | grep -E "start-up|captur|built|KV cache|rror|^\| [0-9]+x" | cut -c1-300 | tail -14 ;;
+  pass47)
+    echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
+    echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"
+    echo "   40-layer XS-2.1 one at batch 1 by the same script (~9 min)"
+    gpu_tests 280 -n 2 tests/test_cuda_xs_lossless.py | tail -4
+    timeout 200 python benchmarks/bench_tp.py --model s21 --layers 16 --batches 1,4,16 2>&1 | quiet | tail -7
+    timeout 110 python benchmarks/bench_tp.py --model xs --batches 1 2>&1 | quiet | tail -5 ;;
   sanitize)
     echo "== compute-sanitizer memcheck: out-of-bounds and misaligned accesses in the kernels' CUDA"
     echo "   tests (torch's caching allocator off, so each tensor is its own allocation)"

@@ -44,4 +44,4 @@ def test_bench_tp_runs_both_engines_on_two_ranks(tmp_path, expert_parallel):
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [(r["tp"], r["ep"], r["batch"]) for r in rows] == [(2, expert_parallel, 1),
                                                                (2, expert_parallel, 2)]
-    assert all(r["step_ms"] > 0 and r["dflash_tok_s"] > 0 for r in rows)
+    assert all(r["step_ms"] > 0 and r["dflash_tok_s"] > 0 and r["floor_ms"] > 0 for r in rows)

@@ -1,4 +1,4 @@
-"""Lossless DFlash at the real Laguna-XS-2.1 layer widths on the GPU, through the whole engine.
+"""Lossless DFlash at the real Laguna-XS-2.1 and S-2.1 layer widths on the GPU, through the whole engine.
 
 The small pairs of ``test_cuda_graphs.py`` have shapes the tuned decode kernels (skinny GEMM
 configs, GEMV MoE, split attention) never see. Here a 3-layer target with XS-2.1's widths (hidden
@@ -8,6 +8,9 @@ ones) in float32 with CUDA graphs: greedy DFlash (K = 3) gives target-only's tok
 (a 700-token context, so decode attention splits its keys) and batch 3 (verify batches of 12
 tokens: the skinny GEMM's dot path). Before the fp32 stage cap of ``skinny_gemm._dot_stages`` the
 target-only engine already failed here (shared memory over the limit in the graph capture).
+The S-2.1 case (hidden 3072, 48 / 72 heads: GQA 6 and 9; top-10 routing + shared, experts of
+1024; its 6-layer, 72-head drafter) runs the same checks at the widths of the larger model,
+which the tuned configs and the routing's top-k were not written around.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ from laguna_dflash import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_gpu_xs  # noqa: E402
+import bench_tp  # noqa: E402
 
 _LAYERS = 3
+_CONFIGS = {"xs21": (bench_gpu_xs.xs_target_config, bench_gpu_xs.xs_draft_config),
+            "s21": (bench_tp.s21_target_config, bench_tp.s21_draft_config)}
 
 
-def _write_pair(root: Path) -> tuple[str, str]:
-    tcfg, dcfg = bench_gpu_xs.xs_target_config(_LAYERS), bench_gpu_xs.xs_draft_config(_LAYERS)
+def _write_pair(root: Path, widths: str) -> tuple[str, str]:
+    target_config, draft_config = _CONFIGS[widths]
+    tcfg, dcfg = target_config(_LAYERS), draft_config(_LAYERS)
     for cfg in (tcfg, dcfg):
         cfg["vocab_size"] = 4096
     dcfg["draft_vocab_size"] = 4096
@@ -50,9 +57,19 @@ def _tokens(llm: LLM) -> list[list[list[int]]]:
     return [[o.token_ids for o in llm.generate(prompt_token_ids=b, sampling_params=params)] for b in batches]
 
 
+def test_s21_configs_hold_the_widths_that_set_s21_apart(tmp_path):
+    """The S-2.1 case's configs carry what distinguishes S-2.1 (so the CUDA case tests it)."""
+    target, draft = (json.loads((Path(d) / "config.json").read_text()) for d in _write_pair(tmp_path, "s21"))
+    assert target["hidden_size"] == draft["hidden_size"] == 3072
+    assert target["num_attention_heads_per_layer"] == [48, 72, 72]
+    assert (target["num_experts_per_tok"], target["moe_intermediate_size"]) == (10, 1024)
+    assert draft["num_attention_heads"] == 72 and draft["num_hidden_layers"] == 6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_xs_widths_float32_dflash_equals_target_only(tmp_path):
-    target, draft = _write_pair(tmp_path)
+@pytest.mark.parametrize("widths", ["xs21", "s21"])
+def test_xs_widths_float32_dflash_equals_target_only(tmp_path, widths):
+    target, draft = _write_pair(tmp_path, widths)
     common = dict(dtype="float32", device="cuda", load_format="dummy", max_model_len=1024,
                   max_num_seqs=4, num_kv_blocks=(1024 // 16 + 1) * 5)
     base = LLM(target, **common)

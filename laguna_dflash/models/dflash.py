@@ -145,7 +145,8 @@ def check_target_compat(cfg: dict, target: nn.Module | None, taps: list[int], ar
         )
 
 
-def resolve_qwen3_draft_layers(cfg: dict, num_layers: int) -> tuple[DraftLayerSpec, ...]:
+def resolve_qwen3_draft_layers(cfg: dict, num_layers: int,
+                               arch: str = "DFlashDraftModel") -> tuple[DraftLayerSpec, ...]:
     """Per-layer window and causality (vLLM's ``_resolve_layer_attention``).
 
     ``layer_types``: sliding layers are windowed and causal, full layers bidirectional;
@@ -155,6 +156,8 @@ def resolve_qwen3_draft_layers(cfg: dict, num_layers: int) -> tuple[DraftLayerSp
     dcfg = cfg.get("dflash_config") or {}
     window = dcfg.get("swa_window_size") or cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
+    if layer_types:
+        ConfigReader(cfg, arch).check_len("layer_types", layer_types, num_layers)
     override = cfg.get("is_causal")
     if override is None:
         override = dcfg.get("causal")
@@ -191,7 +194,7 @@ def qwen3_draft_spec(cfg: dict, target: nn.Module | None, arch: str = "DFlashDra
     if mask_id is None:
         raise ValueError(f"{arch}: config needs dflash_config.mask_token_id (the MASK row of the target vocab)")
     rope = RopeSpec.from_dict(qwen3_rope(cfg), head_dim, r.int("max_position_embeddings", 40960))
-    layers = resolve_qwen3_draft_layers(cfg, num_layers)
+    layers = resolve_qwen3_draft_layers(cfg, num_layers, arch)
     if dflash_value(cfg, "attention_sink_bias"):
         layers = tuple(DraftLayerSpec(s.sliding_window, s.is_causal, s.gating, True) for s in layers)
     return DraftSpec(

@@ -20,11 +20,21 @@ _DEFAULT_ROPE = {
 }
 
 
+# transformers' LagunaConfig defaults of fields this reader does not require. Generic defaults
+# (head_dim = hidden / heads, kv heads = heads, no experts, no shared expert) would build another
+# model than transformers from the same config.json (2048 / 48 is not even a head size).
+_DEFAULT_HEAD_DIM = 128
+_DEFAULT_KV_HEADS = 8
+_DEFAULT_NUM_EXPERTS = 256
+_DEFAULT_SHARED_EXPERT_SIZE = 512
+
+
 def resolve_layer_rope(cfg: dict, layer_type: str) -> dict:
     """RoPE dict of one layer type, in vLLM's resolution order.
 
-    1. nested ``rope_parameters[layer_type]`` (falling back to ``full_attention``), else the flat
-       dict (``rope_parameters`` or legacy ``rope_scaling``);
+    1. nested ``rope_parameters[layer_type]`` (falling back to ``full_attention``; scalars beside
+       the per-type dicts, e.g. ``original_max_position_embeddings``, fill what a scaled one
+       lacks), else the flat dict (``rope_parameters`` or legacy ``rope_scaling``);
     2. on sliding layers ``swa_rope_parameters`` wins;
     3. a top-level ``partial_rotary_factor`` / ``rope_theta`` fill only what the dict lacks.
     """
@@ -39,6 +49,14 @@ def resolve_layer_rope(cfg: dict, layer_type: str) -> dict:
                 f"config.json rope_parameters has no entry for {layer_type!r} nor 'full_attention'"
             )
         chosen = dict(chosen)
+        # Scaling settings beside the per-type dicts (lablup's "XS.2 style" puts
+        # original_max_position_embeddings there) fill only what a scaled (non-default) dict
+        # lacks, as the top-level config fields below do; dropping them would silently make
+        # the YaRN base max_position_embeddings (transformers crashes on this form).
+        if chosen.get("rope_type", chosen.get("type", "default")) not in (None, "default"):
+            for key, value in rope.items():
+                if key not in ("rope_type", "type") and not isinstance(value, dict) and value is not None:
+                    chosen.setdefault(key, value)
     else:
         chosen = rope
     if layer_type == "sliding_attention" and cfg.get("swa_rope_parameters"):
@@ -52,19 +70,33 @@ def resolve_layer_rope(cfg: dict, layer_type: str) -> dict:
 
 def resolve_moe_layers(cfg: dict, num_layers: int) -> list[bool]:
     """Which layers are MoE: ``mlp_layer_types`` (HF v5) or ``mlp_only_layers``/``decoder_sparse_step``."""
-    num_experts = ConfigReader(cfg, "LagunaForCausalLM").int("num_experts", 0)
+    r = ConfigReader(cfg, "LagunaForCausalLM")
+    num_experts = r.int("num_experts", _DEFAULT_NUM_EXPERTS)
+    legacy = None
+    if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = r.positive_int("decoder_sparse_step", 1)
+        legacy = [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
     if cfg.get("mlp_layer_types") is not None:
         kinds = cfg["mlp_layer_types"]
-        if len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
+        if (not isinstance(kinds, list) or len(kinds) != num_layers
+                or any(k not in ("dense", "sparse") for k in kinds)):
             raise ValueError(
                 "config.json mlp_layer_types must list 'dense' or 'sparse' for each of the "
                 f"{num_layers} layers, got {kinds}"
             )
-        return [k == "sparse" and num_experts > 0 for k in kinds]
-    if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:
-        dense = set(cfg.get("mlp_only_layers") or [])
-        step = ConfigReader(cfg, "LagunaForCausalLM").positive_int("decoder_sparse_step", 1)
-        return [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+        is_moe = [k == "sparse" and num_experts > 0 for k in kinds]
+        if legacy is not None and legacy != is_moe:
+            # transformers reads the first form, vLLM the second: they would build different models
+            raise ValueError(
+                f"config.json mlp_layer_types {kinds} and mlp_only_layers "
+                f"{cfg.get('mlp_only_layers')} / decoder_sparse_step {cfg.get('decoder_sparse_step', 1)} "
+                "name different MoE layers (transformers reads the first, vLLM the second); fix "
+                "one of them or remove mlp_only_layers and decoder_sparse_step"
+            )
+        return is_moe
+    if legacy is not None:
+        return legacy
     return [i > 0 and num_experts > 0 for i in range(num_layers)]
 
 
@@ -98,7 +130,7 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
     num_layers = r.positive_int("num_hidden_layers")
     hidden = r.positive_int("hidden_size")
     num_heads = r.positive_int("num_attention_heads")
-    head_dim = r.positive_int("head_dim", hidden // num_heads)
+    head_dim = r.positive_int("head_dim", _DEFAULT_HEAD_DIM)
     max_pos = r.positive_int("max_position_embeddings", 131072)
     heads = cfg.get("num_attention_heads_per_layer") or [num_heads] * num_layers
     layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
@@ -128,11 +160,18 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
         ))
     moe = None
     if any(is_moe):
+        if cfg.get("moe_router_use_sigmoid") is False:
+            # the legacy key some ports read as softmax routing; ignoring it would route by sigmoid
+            raise ValueError(
+                "config.json has moe_router_use_sigmoid=false (softmax router scores), which is not "
+                "supported; Laguna routes by sigmoid: remove the field or set it to true, or set "
+                "moe_router_score_func to 'sigmoid' or 'sqrtsoftplus'"
+            )
         moe = MoESpec(
-            num_experts=r.int("num_experts"),
+            num_experts=r.int("num_experts", _DEFAULT_NUM_EXPERTS),
             top_k=r.int("num_experts_per_tok"),
             moe_intermediate_size=r.int("moe_intermediate_size"),
-            shared_intermediate_size=r.int("shared_expert_intermediate_size", 0),
+            shared_intermediate_size=r.int("shared_expert_intermediate_size", _DEFAULT_SHARED_EXPERT_SIZE),
             routed_scaling_factor=r.float("moe_routed_scaling_factor", 1.0),
             logit_softcapping=r.float("moe_router_logit_softcapping", 0.0),
             score_func=cfg.get("moe_router_score_func", "sigmoid"),
@@ -146,7 +185,7 @@ def laguna_spec(cfg: dict, shapes: dict[str, tuple[int, ...]] | None = None, pre
     return ModelSpec(
         vocab_size=r.positive_int("vocab_size"),
         hidden_size=hidden,
-        num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
+        num_kv_heads=r.positive_int("num_key_value_heads", _DEFAULT_KV_HEADS),
         head_dim=head_dim,
         intermediate_size=r.positive_int("intermediate_size"),
         layers=tuple(layers),

@@ -32,6 +32,10 @@ class RopeSpec:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    # YaRN magnitude when attention_factor is absent and BOTH are set (transformers' rule):
+    # (0.1 * mscale * ln s + 1) / (0.1 * mscale_all_dim * ln s + 1)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
     truncate: bool = True
 
     @property
@@ -48,6 +52,13 @@ class RopeSpec:
             )
         if "rope_theta" not in params:
             raise ValueError(f"rope parameters {params} lack 'rope_theta'; add it to config.json")
+        if rope_type != "default" and params.get("factor") is None:
+            # transformers refuses this too; running it as factor 1 would silently drop the scaling
+            raise ValueError(
+                f"config.json rope_parameters {params} has rope_type={rope_type!r} but no 'factor'; "
+                "add the scaling factor (YaRN: max_position_embeddings / "
+                "original_max_position_embeddings) or set rope_type to 'default'"
+            )
         return cls(
             head_dim=head_dim,
             theta=float(params["rope_theta"]),
@@ -60,6 +71,8 @@ class RopeSpec:
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
             attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
         )
 
@@ -90,11 +103,23 @@ def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
     extra_mask = 1.0 - ramp
     inv_freq = (inv_extra / s) * (1.0 - extra_mask) + inv_extra * extra_mask
+    return inv_freq, yarn_magnitude(spec)
+
+
+def yarn_magnitude(spec: RopeSpec) -> float:
+    """The YaRN cos/sin scale, as transformers computes it (vLLM ignores ``attention_factor``
+    and ``mscale``; every release's ``attention_factor`` equals the default, so both agree there):
+    an explicit ``attention_factor`` as is; else, with both ``mscale`` and ``mscale_all_dim``
+    set, the ratio of their magnitudes; else ``0.1 ln s + 1`` (1 for ``s <= 1``)."""
     if spec.attention_factor is not None:
-        mscale = float(spec.attention_factor)
-    else:
-        mscale = 1.0 if s <= 1 else 0.1 * math.log(s) + 1.0
-    return inv_freq, mscale
+        return float(spec.attention_factor)
+
+    def magnitude(m: float = 1.0) -> float:
+        return 1.0 if spec.factor <= 1 else 0.1 * m * math.log(spec.factor) + 1.0
+
+    if spec.mscale and spec.mscale_all_dim:
+        return magnitude(float(spec.mscale)) / magnitude(float(spec.mscale_all_dim))
+    return magnitude()
 
 
 class RotaryEmbedding:

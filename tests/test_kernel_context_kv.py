@@ -186,6 +186,44 @@ def test_kernel_interpreted_dtype_mix(in_dtype, cache_dtype):
         torch.testing.assert_close(b, d, rtol=0, atol=0)
 
 
+def s21_drafter_problem(n: int, kv_heads: int, dtype: torch.dtype, device: str = "cpu", num_slots: int = 64):
+    """The S-2.1 drafter's context K/V: 6 layers, hidden 3072, ``kv_heads`` (8; 4 a rank under
+    2-way TP) x 128, theta 5e5 full rotary. K and V are the strided views ``_split_context_kv``
+    makes of ONE GEMM ``[N, 3072] @ [6 * 2 * kv * 128, 3072]^T``; caches pre-filled (7 / -7).
+    Returns (k, v, k_norm_weight, rope, positions, slots, caches)."""
+    layers, hidden, hd = 6, 3072, 128
+    g = torch.Generator().manual_seed(n + kv_heads)
+    context = torch.randn(n, hidden, generator=g).to(device, dtype)
+    weight = (torch.randn(layers * 2 * kv_heads * hd, hidden, generator=g) * hidden**-0.5).to(device, dtype)
+    kv = torch.nn.functional.linear(context, weight)
+    k, v = kv.view(n, layers, 2, kv_heads, hd).permute(2, 1, 0, 3, 4)  # as DFlashDraftModel._split_context_kv
+    w = (1 + 0.1 * torch.randn(layers, hd, generator=g)).to(device, dtype)
+    rope = RotaryEmbedding(RopeSpec(hd, 500000.0), device)
+    rope.ensure(4096)
+    positions = torch.randint(0, 4096, (n,), generator=g).to(device)
+    slots = torch.randperm(num_slots, generator=g)[:n].to(device)
+    shape = (num_slots, kv_heads, hd)
+    kv_caches = [(torch.full(shape, 7.0, dtype=dtype, device=device), torch.full(shape, -7.0, dtype=dtype, device=device))
+                 for _ in range(layers)]
+    return k, v, w, rope, positions, slots, kv_caches
+
+
+def s21_check(n: int, kv_heads: int, dtype: torch.dtype, device: str = "cpu", num_slots: int = 64) -> None:
+    k, v, w, rope, positions, slots, kv_kernel = s21_drafter_problem(n, kv_heads, dtype, device, num_slots)
+    assert not k.is_contiguous()
+    kv_ref = [(a.clone(), b.clone()) for a, b in kv_kernel]
+    ckv.context_kv_reference(k, v, w, 1e-6, rope.cos, rope.sin, positions, slots, kv_ref)
+    ckv.fused_context_kv_(k, v, w, 1e-6, rope.cos, rope.sin, positions, slots, kv_kernel)
+    assert_caches(kv_kernel, kv_ref, slots, exact=False, dtype=dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("kv_heads,dtype", [(8, torch.bfloat16), (4, torch.float32)], ids=["s21", "s21_tp2"])
+def test_kernel_interpreted_s21_drafter(kv_heads, dtype):
+    """The S-2.1 drafter's 6 layers x hidden 3072 context K/V (one program a row and layer)."""
+    s21_check(3, kv_heads, dtype)
+
+
 def test_fused_rejects_bad_inputs():
     k = torch.zeros(2, 3, 1, 8)
     cos = torch.zeros(4, 8)
@@ -226,3 +264,11 @@ def test_kernel_cuda_equals_reference(shape, dtype, n, monkeypatch):
     assert len(calls) == 1
     assert_caches(kv_torch, kv_ref, slots, exact=True, dtype=dtype)
     assert_caches(kv_hook, kv_ref, slots, exact=False, dtype=dtype)
+
+
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["s21", "s21_tp2"])
+@pytest.mark.parametrize("n", [1, 16, 700])
+def test_kernel_cuda_s21_drafter(n, kv_heads, dtype):
+    s21_check(n, kv_heads, dtype, device="cuda", num_slots=2048)

@@ -319,6 +319,57 @@ def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
     assert torch.equal(fused_moe_experts(*args, has_skipped_pairs=True), fused_moe_experts(*args))
 
 
+# ----------------------------------------------------------------------------- Laguna-S-2.1
+
+# top-10 routed + the folded shared expert = 11 pairs a token; expert / shared width 1024 (512 a
+# rank under 2-way tensor parallelism); hidden 3072 (not a power of two)
+S21 = {"e": 257, "k": 11, "hidden": 3072, "inter": 1024}
+
+
+def s21_interpreter_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Larger tiles for the interpreted S-2.1 cases of the three MoE kernels (moe_gemv, fused,
+    sorted): the interpreter costs ~20 ms a program step, and the default tiles at hidden 3072
+    are ~1000 programs a kernel (minutes). 256 x 256 tiles divide 3072, 1024 and 512 as the
+    defaults do (the widths stay unmasked on the K and N axes), so the same code paths run; the
+    default tiles at full S-2.1 width run in the ``cuda`` S-2.1 tests."""
+    from laguna_dflash.kernels import fused_moe, grouped_moe, moe_gemv
+
+    for width in (S21["hidden"], S21["inter"], S21["inter"] // 2):
+        for block in (*moe_gemv.GATE_UP_CONFIG[:2], *moe_gemv.DOWN_CONFIG[:2], *fused_moe._GATE_UP_CFG[:2],
+                      *fused_moe._DOWN_CFG[:2], *grouped_moe._GATE_UP_CFG[:2], *grouped_moe._DOWN_CFG[:2], 256):
+            assert width % block == 0, (width, block)
+    monkeypatch.setattr(moe_gemv, "GATE_UP_CONFIG", (256, 256, 4))
+    monkeypatch.setattr(moe_gemv, "DOWN_CONFIG", (256, 256, 4))
+    for module in (fused_moe, grouped_moe):
+        monkeypatch.setattr(module, "_GATE_UP_CFG", (256, 256, 4, 1))
+        monkeypatch.setattr(module, "_DOWN_CFG", (256, 256, 4, 1))
+    # the interpreter's fp32 dot would halve BLOCK_K to 16 (a GPU compile-time bound only)
+    monkeypatch.setattr(fused_moe, "MAX_IEEE_FMAS_PER_THREAD", 1 << 30)
+
+
+def s21_shared_ids(t: int, e: int, seed: int) -> torch.Tensor:
+    """``[T, 11]``: 10 distinct routed experts of the first ``E - 1``, then the folded shared
+    expert ``E - 1`` for every token (as ``MoE.fold_shared_expert`` routes it)."""
+    g = torch.Generator().manual_seed(seed)
+    routed = torch.stack([torch.randperm(e - 1, generator=g)[: S21["k"] - 1] for _ in range(t)])
+    return torch.cat([routed, torch.full((t, 1), e - 1)], 1)
+
+
+@interpreted
+def test_interpreted_s21_eleven_pairs_hidden_3072(monkeypatch) -> None:
+    """One decode token, 11 pairs (top-10 + shared), hidden 3072 (the gate_up K loop and the
+    down kernel's 12 column blocks), fp32 against the reference. The expert
+    width is shrunk (40, ragged) and so is the expert count (12): width 1024 / 512 run in the
+    moe_gemv and sorted kernels' S-2.1 tests."""
+    s21_interpreter_tiles(monkeypatch)
+    x, _, w, gate_up, down = _problem(1, S21["k"], 12, S21["hidden"], 40, torch.float32, seed=21)
+    ids = s21_shared_ids(1, 12, seed=21)
+    args = (x, ids, w, gate_up, down)
+    pairs = _fused_pairs(*args)  # reduce=True is this sum in torch (one launch pair: ~4 s here)
+    assert pairs.shape == (1, S21["k"], S21["hidden"])
+    assert _rel_err(pairs.sum(1), _fp32_reference(*args)) <= TOL["float32"]
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.skipif(not is_available("cuda"), reason="needs a CUDA GPU (sm80+) and triton")
@@ -539,3 +590,19 @@ def test_sm90_float32_builds_stay_small(block_m: int) -> None:
                                            "BLOCK_K": bk, "IEEE": True, "PDL": False},
                            {"num_warps": nw, "num_stages": ns})
         assert ptx.count("fma.rn.f32") <= MAX_IEEE_FMAS_PER_THREAD, (kernel.__name__, block_m, bk)
+
+
+@cuda
+@pytest.mark.parametrize("inter", [1024, 512], ids=["width1024", "tp2-width512"])
+@pytest.mark.parametrize("t", [1, 4, 16, 32])
+def test_cuda_s21_shapes_match_reference(t: int, inter: int) -> None:
+    """S-2.1 widths on the default tiles: 11 pairs a token (top-10 + the folded shared expert),
+    hidden 3072, expert width 1024 (512 a rank under 2-way TP), bf16 and fp32."""
+    x, _, w, gate_up, down = _problem(t, S21["k"], S21["e"], S21["hidden"], inter, torch.bfloat16, seed=t,
+                                      device="cuda")
+    args = (x, s21_shared_ids(t, S21["e"], seed=t).cuda(), w, gate_up, down)
+    ref = _fp32_reference(*args)
+    torch_path = moe_experts_reference(*args)
+    assert _rel_err(fused_moe_experts(*args), ref) <= max(TOL["bfloat16"], 2 * _rel_err(torch_path, ref))
+    args32 = tuple(a.float() if a.is_floating_point() else a for a in args)
+    assert _rel_err(fused_moe_experts(*args32), _fp32_reference(*args32)) <= 1e-5

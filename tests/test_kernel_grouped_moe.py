@@ -38,7 +38,13 @@ import torch
 import torch.nn.functional as F
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from ptx_sm90 import can_compile_sm90, compile_sm90_spills, loads_before_pdl_wait
-from test_kernel_fused_moe import check_skipped_pairs, eager_then_graphed, ep_problem
+from test_kernel_fused_moe import (
+    S21,
+    check_skipped_pairs,
+    eager_then_graphed,
+    ep_problem,
+    s21_interpreter_tiles,
+)
 
 from laguna_dflash.kernels import grouped_moe
 from laguna_dflash.kernels.fused_moe import fused_moe_experts, moe_experts_reference
@@ -401,6 +407,17 @@ def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
 # ----------------------------------------------------------------------------- sm_90 PTX (offline)
 
 
+@interpreted
+def test_interpreted_s21_eleven_pairs_width_512(monkeypatch) -> None:
+    """S-2.1 under 2-way TP: expert width 512 a rank, 11 pairs a token (top-10 + the folded
+    shared expert: one run of every token), 3 tokens, fp32, against the references and the
+    fused kernels. Hidden and the expert count shrunk (80: ragged; 12)."""
+    s21_interpreter_tiles(monkeypatch)
+    args = _problem(3, S21["k"], 12, 80, S21["inter"] // 2, torch.float32, seed=21, mode="shared")
+    assert torch.all(args[1][:, -1] == 11)
+    _check_against_references(args)
+
+
 def _compile_sm90(which: int, pdl: bool, skip: bool = False,
                   block_m: int = grouped_moe.DEFAULT_BLOCK_M) -> tuple[str, list[int]]:
     """PTX and spill bytes of the gate_up (0) or down (1, ``skip``: its skipped-pairs build)
@@ -596,3 +613,19 @@ def test_cuda_no_sync_and_graph_capture(xs_experts) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, sorted_moe_experts(x, ids, w, gu, dn))
+
+
+@cuda
+@pytest.mark.parametrize("inter", [1024, 512], ids=["width1024", "tp2-width512"])
+@pytest.mark.parametrize("t", [1, 4, 300])
+def test_cuda_s21_matches_fused_moe(t: int, inter: int) -> None:
+    """S-2.1 on the default tiles: 11 pairs a token (top-10 + the folded shared expert), hidden
+    3072, expert width 1024 (512 a rank under 2-way TP), bf16."""
+    gu, dn = _experts(S21["e"], S21["hidden"], inter, torch.bfloat16, seed=0, device="cuda")
+    args = (*_tokens(t, S21["k"], S21["e"], S21["hidden"], torch.bfloat16, t, "shared", "cuda"), gu, dn)
+    out = sorted_moe_experts(*args)
+    assert out.shape == (t, S21["k"], S21["hidden"])
+    fused = fused_moe_experts(*args, reduce=False)
+    assert _rel_err(out, fused) <= 2e-2
+    ref = moe_experts_reference(*_fp32(*args))
+    assert _rel_err(out.float().sum(1), ref) <= 2e-2

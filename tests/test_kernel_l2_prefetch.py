@@ -47,3 +47,17 @@ def test_plan_on_cuda():
     assert (l2_prefetch.plan(w, 4) is not None) == sm90
     assert l2_prefetch.plan(w[:, 1:], 4) is None  # not contiguous
     assert l2_prefetch.plan(w.view(-1)[1:], 4) is None  # not 16-byte aligned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA sm90+ GPU")
+def test_cuda_s21_o_proj_prefetch_changes_nothing():
+    """S-2.1's largest decode o_proj (3072 x 72 heads x 128, bf16: 56.6 MB) is covered by the
+    plan of 256 attention programs to the byte and left unchanged by the prefetch."""
+    w = torch.randn(3072, 72 * 128, device="cuda").to(torch.bfloat16)
+    before = w.clone()
+    nbytes, chunk = l2_prefetch.plan(w, 256)
+    assert nbytes == w.numel() * 2 and chunk * 256 * l2_prefetch.PREFETCH_BLOCK >= nbytes
+    assert l2_prefetch.prefetch_l2(w)
+    torch.cuda.synchronize()
+    assert torch.equal(w, before)

@@ -21,8 +21,15 @@ import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
 from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
+from test_kernel_fused_moe import (
+    S21,
+    check_skipped_pairs,
+    eager_then_graphed,
+    ep_problem,
+    s21_interpreter_tiles,
+    s21_shared_ids,
+)
 from test_kernel_fused_moe import _problem as fused_moe_problem
-from test_kernel_fused_moe import check_skipped_pairs, eager_then_graphed, ep_problem
 
 from laguna_dflash.kernels.fused_moe import moe_experts_reference
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
@@ -91,6 +98,21 @@ def test_interpreted_skip_flag_without_skipped_pairs(dtype) -> None:
     assert torch.equal(moe_gemv_experts(*args, has_skipped_pairs=True), moe_gemv_experts(*args))
 
 
+@interpreted
+def test_interpreted_s21_eleven_pairs_width_1024(monkeypatch) -> None:
+    """The decode path at S-2.1: one token, 11 pairs (top-10 + the folded shared expert: token
+    p // 11 of each pair), expert width 1024, fp32 against each pair's reference. Hidden and the
+    expert count are shrunk (80: ragged; 12); hidden 3072 runs in test_kernel_fused_moe's S-2.1
+    test and the CUDA one here."""
+    s21_interpreter_tiles(monkeypatch)
+    x, _, w, gate_up, down = _problem(1, S21["k"], 12, 80, S21["inter"], torch.float32, seed=21)
+    args = (x, s21_shared_ids(1, 12, seed=21), w, gate_up, down)
+    got = moe_gemv_experts(*args)
+    want = _pairs_reference(*args)
+    assert got.shape == (1, S21["k"], 80)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -114,6 +136,24 @@ def test_cuda_xs21_shapes_match_reference_and_fused_moe() -> None:
     for t in (1, 4):  # batch-1 decode, batch-1 verify of K = 3
         got = _check(t, 9, 257, 2048, 512, torch.bfloat16, seed=3, device="cuda")
         args = _problem(t, 9, 257, 2048, 512, torch.bfloat16, seed=3, device="cuda")
+        fused = fused_moe_experts(*args, reduce=False)
+        assert ((got.float() - fused.float()).abs().max() / fused.float().abs().max()).item() < 2e-2
+
+
+@cuda
+@pytest.mark.parametrize("inter", [1024, 512], ids=["width1024", "tp2-width512"])
+def test_cuda_s21_shapes_match_reference_and_fused_moe(inter) -> None:
+    """S-2.1 on the default tiles: 11 pairs a token (top-10 + the folded shared expert), hidden
+    3072, expert width 1024 (512 a rank under 2-way TP); decode and a 4-token verify."""
+    from laguna_dflash.kernels.fused_moe import fused_moe_experts
+
+    for t in (1, 4):
+        x, _, w, gate_up, down = _problem(t, S21["k"], S21["e"], S21["hidden"], inter, torch.bfloat16, seed=t,
+                                          device="cuda")
+        args = (x, s21_shared_ids(t, S21["e"], seed=t).cuda(), w, gate_up, down)
+        got = moe_gemv_experts(*args)
+        want = _pairs_reference(*(a.cpu() for a in args))
+        assert ((got.float().cpu() - want).abs().max() / want.abs().max()).item() < 2e-2
         fused = fused_moe_experts(*args, reduce=False)
         assert ((got.float() - fused.float()).abs().max() / fused.float().abs().max()).item() < 2e-2
 

@@ -664,3 +664,82 @@ def test_cuda_router_route_graph_replays() -> None:
         want = _two_kernel_path(x, w, *args, scale=SCALE, num_shared=1)
         assert torch.equal(gids, want[1])
         _assert_same_weights(gw, want[0])
+
+
+# ---- Laguna-S-2.1: top-10 routing plus the shared expert (11 pairs a token, K_PAD = SEL_K = 16)
+
+S21_E, S21_TOP_K, S21_HIDDEN = 256, 10, 3072
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_s21_top10_shared_every_selection_path(monkeypatch, dtype) -> None:
+    """S-2.1 routing (E = 256, top_k = 10, the shared column: [T, 11]) equals the reference for
+    every selection path (bitonic top-k of SEL_K = 16 keys, whose K_PAD = 16 needs no repeat,
+    and the max-reduction loop) with packed and re-read logits, bit for bit between paths; ties
+    that straddle the 10th place keep the lower indices."""
+    t = 3
+    logits, bias = _problem(t, S21_E, dtype, seed=21, device="cpu")
+    tied = [5, 17, 40, 41, 99, 100, 101, 128, 200, 201, 202, 255]  # 12 equal keys for 10 places
+    logits[2] = -20.0
+    logits[2, tied] = 30.0  # sigmoid(30) == 1 in fp32
+    bias[tied] = 1.0  # above every other bias (< 0.5)
+    ref_w, ref_ids = _reference(logits, bias, S21_TOP_K, 0.0, "sigmoid", True)
+    results = []
+    for bitonic in (True, False):
+        for pack in ((True, False) if dtype != torch.float32 else (True,)):  # fp32 is never packed
+            monkeypatch.setattr(moe_routing, "TOPK_BITONIC", bitonic)
+            monkeypatch.setattr(moe_routing, "PACK_LOGITS", pack)
+            w, ids = fused_moe_route(logits, bias, S21_TOP_K, 0.0, "sigmoid", True, scale=SCALE, num_shared=1)
+            assert w.shape == ids.shape == (t, S21_TOP_K + 1) and w.dtype == dtype
+            assert torch.all(ids[:, -1] == S21_E) and torch.all(w[:, -1] == 1.0)
+            assert torch.equal(ids[:2, :-1], ref_ids[:2])
+            assert ids[2, :-1].tolist() == tied[:S21_TOP_K]  # the lower indices of the tie, in order
+            torch.testing.assert_close(w[:, :-1].float(), ref_w, **TOL[dtype])
+            results.append((w, ids))
+    for w, ids in results[1:]:
+        assert torch.equal(w, results[0][0]) and torch.equal(ids, results[0][1])
+
+
+@interpreted
+@pytest.mark.parametrize("t", [1, 3], ids=["decode", "verify"])
+def test_interpreted_s21_router_hidden_3072(t) -> None:
+    """The fused router at S-2.1's H = 3072 (not a power of two: 3 K splits of 4 bf16 steps)
+    and top-10 + shared, bf16: bitwise the two-kernel path (exact logits), the ids the
+    reference's; T = 1 routes from the packed key, T = 3 a 3-row tile re-reading the logits (the
+    fp32 route's path; fp32 itself, 6 splits, runs in the CUDA test: 2x the interpreter's time)."""
+    dtype = torch.bfloat16
+    x, w, bias = _router_problem(t, S21_E, S21_HIDDEN, dtype, seed=t)
+    cfg = moe_routing.default_router_config(t)
+    meta = moe_routing._router_plan(t, S21_E, S21_HIDDEN, dtype, cfg, False)[1]
+    assert meta["SPLIT_K"] == 3 and meta["K_STEPS"] == 4 and not meta["MASK_K"]
+    assert (meta["ROUTE_ROWS"] == 1) == (t == 1)
+    assert moe_routing._router_plan(t, S21_E, S21_HIDDEN, torch.float32, cfg, False)[1]["SPLIT_K"] == 6
+    args = (S21_TOP_K, 0.0, "sigmoid", True)
+    got = fused_router_route(x, w, bias, *args, scale=SCALE, num_shared=1)
+    want = _two_kernel_path(x, w, bias, *args, scale=SCALE, num_shared=1)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    ref_w, ref_ids = _reference(F.linear(x, w), bias, *args)
+    assert torch.equal(got[1][:, :S21_TOP_K], ref_ids)
+    torch.testing.assert_close(got[0][:, :S21_TOP_K].float(), ref_w, **TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 4, 16, 64])
+def test_cuda_s21_top10_shared(t, dtype) -> None:
+    """S-2.1 routing on the GPU: fused_moe_route (every T) and the fused router at H = 3072
+    (T <= 16) with top-10 + shared, against the reference and the two-kernel path."""
+    logits, bias = _problem(t, S21_E, dtype, seed=t, device="cuda")
+    for softcap, score_func in ((0.0, "sigmoid"), (30.0, "sqrtsoftplus")):
+        _assert_matches_reference(logits, bias, S21_TOP_K, softcap, score_func, True)
+    w, ids = fused_moe_route(logits, bias, S21_TOP_K, 0.0, "sigmoid", True, scale=SCALE, num_shared=1)
+    assert torch.all(ids[:, -1] == S21_E) and torch.all(w[:, -1] == 1.0)
+    if t > moe_routing.MAX_ROUTER_TOKENS:
+        return
+    x, rw, rbias = _router_problem(t, S21_E, S21_HIDDEN, dtype, seed=t, device="cuda")
+    args = (S21_TOP_K, 0.0, "sigmoid", True)
+    got = fused_router_route(x, rw, rbias, *args, scale=SCALE, num_shared=1)
+    want = _two_kernel_path(x, rw, rbias, *args, scale=SCALE, num_shared=1)
+    assert torch.equal(got[1], want[1])
+    _assert_same_weights(got[0], want[0])

@@ -274,6 +274,40 @@ def test_interpreted_causality_override_and_group_padding():
     compare(q, kc, vc, meta, block_n=32)
 
 
+# Laguna-S-2.1: 72 query heads over 8 KV heads on sliding layers (GQA 9, not a power of two: a
+# tile of BLOCK_Q = 7 queries x 9 heads = 63 of 64 rows), 36 over 4 a rank under 2-way TP (GQA 9
+# again); sliding window 512 with a context longer than it; the drafter's bidirectional 16-token
+# block. (id, [(context_len, num_tokens)], causal, window, kv_heads, num_heads, num_splits, block_n)
+S21_CASES = [
+    ("s21_decode_gqa9", [(37, 1), (130, 1)], True, None, 8, 72, None, None),
+    ("s21_tp2_verify4_gqa9", [(20, 4), (77, 4)], True, None, 4, 36, None, None),
+    ("s21_drafter_block16_w512", [(600, 16)], False, 512, 8, 72, None, 64),
+    ("s21_decode_w512", [(700, 1)], True, 512, 8, 72, None, 64),
+    ("s21_verify4_split3", [(150, 4)], True, None, 8, 72, 3, 16),
+]
+
+
+def _s21_compare(case, dtype, device: str = "cpu", block_n=None) -> None:
+    """One S-2.1 case against the SDPA reference, with Laguna's per-head output gate."""
+    name, specs, causal, window, kv_heads, num_heads, splits, case_block_n = case
+    q, kc, vc, meta, _ = make_case(specs, kv_heads, 128, dtype, causal, device=device, num_heads=num_heads,
+                                   seed=len(name))
+    assert num_heads // kv_heads == 9
+    if window is not None:  # the context outruns the window: some keys must be masked out
+        assert max(c + n for c, n in specs) > window
+    gate = torch.randn(q.shape[0], num_heads, generator=torch.Generator().manual_seed(2)).to(device)
+    compare(q, kc, vc, meta, window=window, num_splits=splits, block_n=block_n or case_block_n, gate=gate)
+
+
+@interpreted
+@pytest.mark.parametrize("case", S21_CASES, ids=[c[0] for c in S21_CASES])
+def test_interpreted_s21_gqa9(case):
+    """S-2.1's head layouts in fp32 (tight); the batch-1 decode also in bf16."""
+    _s21_compare(case, torch.float32)
+    if case[0] == "s21_decode_gqa9":
+        _s21_compare(case, torch.bfloat16)
+
+
 @interpreted
 def test_interpreted_is_available():
     assert pa.is_available("cpu")
@@ -519,6 +553,27 @@ def test_cuda_gqa_head_dim(kv_heads, head_dim, dtype):
     q, kc, vc, meta, _ = make_case([(0, 12), (70, 1), (21, 8)], kv_heads, head_dim, dtype, True,
                                    device="cuda", seed=kv_heads + head_dim)
     compare(q, kc, vc, meta)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", S21_CASES, ids=[c[0] for c in S21_CASES])
+def test_cuda_s21_gqa9(case, dtype):
+    for block_n in (16, None):
+        _s21_compare(case, dtype, device="cuda", block_n=block_n)
+
+
+@cuda
+@pytest.mark.parametrize("num_heads,kv_heads", [(72, 8), (36, 4)], ids=["s21_gqa9", "s21_tp2_gqa9"])
+@pytest.mark.parametrize("qlen", [1, 4, 16])
+def test_cuda_s21_long_context_window_512(qlen, num_heads, kv_heads):
+    """S-2.1 sliding layers at long contexts (split-K chosen and forced), causal and the
+    drafter's bidirectional block, bf16."""
+    for causal in (True, False):
+        q, kc, vc, meta, _ = make_case([(4000, qlen), (1500, qlen)], kv_heads, 128, torch.bfloat16, causal,
+                                       device="cuda", num_heads=num_heads)
+        for splits in (None, 1, 5):
+            compare(q, kc, vc, meta, window=512, num_splits=splits)
 
 
 @cuda

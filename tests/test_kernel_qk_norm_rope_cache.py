@@ -149,6 +149,42 @@ def test_interpreted_padded_head_dim_strided_caches(dtype, cache_dtype, index_dt
     check(a)
 
 
+def s21_full_layer_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """S-2.1's full-attention RoPE: YaRN factor 128 over 8192, beta_fast 32, beta_slow 1,
+    theta 5e5, partial 0.5 (64 of 128 dims), mscale 1.4852 folded into cos / sin; 512 positions."""
+    from laguna_dflash.models.rope import RopeSpec, RotaryEmbedding
+
+    spec = RopeSpec(128, theta=500000.0, rope_type="yarn", partial_rotary_factor=0.5, factor=128.0,
+                    original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
+                    attention_factor=1.4852030263919618)
+    rope = RotaryEmbedding(spec)
+    rope.ensure(512)
+    assert rope.cos.shape == (512, 64) and rope.cos.abs().max() > 1.4  # the magnitude factor
+    return rope.cos, rope.sin
+
+
+# (num_heads, kv_heads, rot, dtype): sliding layers (72 over 8; 36 over 4 a rank under 2-way TP)
+# with full rotary, full layers (48 over 8; 24 over 4) with the YaRN tables on half the dims
+S21_LAYOUTS = [(72, 8, 128, torch.bfloat16), (36, 4, 128, torch.float32), (48, 8, 64, torch.bfloat16),
+               (24, 4, 64, torch.float32)]
+
+
+def s21_problem(nh: int, nkv: int, rot: int, dtype: torch.dtype, t: int, device: str = "cpu", **kw) -> dict:
+    a = problem(t, nh, nkv, 128, rot, dtype, device=device, seed=nh + rot, **kw)
+    if rot == 64:
+        a["cos_table"], a["sin_table"] = (tab.to(device) for tab in s21_full_layer_tables())
+    return a
+
+
+@interpreted
+@pytest.mark.parametrize("nh,nkv,rot,dtype", [(36, 4, 128, torch.float32), (72, 8, 64, torch.bfloat16)],
+                         ids=["s21_tp2_swa36_rot128", "s21_72_yarn_rot64"])
+def test_interpreted_s21_heads(nh, nkv, rot, dtype):
+    """S-2.1 head counts (72 / 36 heads: 80 / 40 programs a token) with full rotary and with
+    the YaRN partial (0.5) tables, one decode token (the other layouts: the CUDA test)."""
+    check(s21_problem(nh, nkv, rot, dtype, t=1), max_mismatch=STRICT[dtype])
+
+
 # ---- host side (no launch) ----------------------------------------------------------------------------
 
 
@@ -210,6 +246,14 @@ cuda = pytest.mark.skipif(INTERPRETED or not qnrc.is_available("cuda"),
 @pytest.mark.parametrize("t,nh,nkv", [(1, 8, 2), (7, 8, 2), (1, 64, 8), (16, 64, 8), (300, 32, 4)])
 def test_cuda_equals_reference(t, nh, nkv, rot, dtype):
     check(problem(t, nh, nkv, 128, rot, dtype, num_slots=1024, device="cuda", seed=t))
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 16, 300])
+@pytest.mark.parametrize("nh,nkv,rot,dtype", S21_LAYOUTS,
+                         ids=["s21_swa72", "s21_tp2_swa36", "s21_full48_yarn", "s21_tp2_full24_yarn"])
+def test_cuda_s21_heads(nh, nkv, rot, dtype, t):
+    check(s21_problem(nh, nkv, rot, dtype, t=t, device="cuda", num_slots=1024))
 
 
 @cuda

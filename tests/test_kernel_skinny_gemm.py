@@ -168,6 +168,27 @@ def test_interpreted_default_config(m) -> None:
     _assert_close_to_exact(skinny_gemm(x, w), x, w)
 
 
+# Laguna-S-2.1's fused attention input projection: Q (72 heads) | K | V (8 heads each) | the
+# per-head gate (72), over hidden 3072
+S21_QKVG_N, S21_K = (72 + 8 + 8) * 128 + 72, 3072
+
+
+@interpreted
+@pytest.mark.parametrize("m", [1, 5], ids=["s21_gemv", "s21_dot"])
+def test_interpreted_s21_qkvg_projection_tail(m) -> None:
+    """K = 3072 with the config ``default_config`` picks for the full S-2.1 Q|K|V|gate shape
+    (N = 11336: 11336 = 8 mod every block_n >= 16, so its last column tile is ragged), run on the
+    last 200 rows of such a weight (200 = 11336 mod 64 + 3 * 64: the same ragged tail; the full N
+    is 355 GEMV programs x 24 K steps, minutes under the interpreter; it runs in the CUDA test)."""
+    cfg = sg.default_config(m, S21_QKVG_N, S21_K)
+    assert S21_QKVG_N % cfg.block_n == 200 % cfg.block_n != 0
+    full = sg._plan(m, S21_QKVG_N, S21_K, torch.bfloat16, cfg, True)
+    tail = sg._plan(m, 200, S21_K, torch.bfloat16, cfg, True)
+    assert full[2] == tail[2] and full[1] == tail[1]  # same constexprs (MASK_W on) and split
+    x, w = _problem(m, 200, S21_K, torch.bfloat16, seed=m)
+    _assert_close_to_exact(skinny_gemm(x, w, cfg), x, w)
+
+
 @interpreted
 def test_interpreted_is_available() -> None:
     assert sg.is_available("cpu")
@@ -410,6 +431,16 @@ def test_cuda_real_shapes(n, k, m) -> None:
     _assert_close_to_exact(y, x, w)
     ref = F.linear(x, w)  # cuBLAS: another fp32 summation order; at most ~1 bf16 ulp apart
     torch.testing.assert_close(y.float(), ref.float(), rtol=4 * _U[torch.bfloat16], atol=1e-3)
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n,k", [(S21_QKVG_N, S21_K), (3072, 9216), (256, S21_K)],
+                         ids=["s21_qkvg", "s21_o_proj", "s21_router"])
+def test_cuda_s21_shapes(n, k, m) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = _problem(m, n, k, dtype, seed=m, device="cuda")
+        _assert_close_to_exact(skinny_gemm(x, w), x, w)
 
 
 @cuda

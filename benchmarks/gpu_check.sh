@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_check.sh pass44-startup  # eager first prompts with / without the sorted
 #                                           # MoE build ahead, cold start-up (~7 min)
 #   bash benchmarks/gpu_check.sh pass46     # the sampler review's CUDA tests; start-up at --max-num-seqs 512
+#   bash benchmarks/gpu_check.sh pass48     # the hybrid KV layout: engine CUDA tests, the kernels' S-2.1
+#                                           # CUDA cases, bench_hybrid_kv.py (~9 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -635,6 +637,15 @@ case "$stage" in
     timeout "${STARTUP_S:-420}" python benchmarks/bench_first_request.py --max-num-seqs 512 --max-model-len 8192 \
       --scenarios 1x100x8,300x100x8 --option num_kv_blocks=none 2>&1 | quiet \
       | grep -E "start-up|captur|built|KV cache|rror|^\| [0-9]+x" | cut -c1-300 | tail -14 ;;
+  pass48)
+    echo "== the hybrid KV layout (on by default) on the GPU: the engine's CUDA tests (graphs, the"
+    echo "   float32 lossless test at XS-2.1 and S-2.1 widths, prefix caching, chunked prefill, prefill"
+    echo "   graphs), the kernels' S-2.1 CUDA cases, then bench_hybrid_kv.py (~9 min)"
+    gpu_tests "${ENGINE_S:-210}" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
+      tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
+      -k "cuda or xs_widths" | tail -70
+    gpu_tests 70 -n 4 tests/test_kernel_*.py -k "s21 and cuda and not interpret" | tail -16
+    timeout "${BENCH_S:-270}" python benchmarks/bench_hybrid_kv.py --new-tokens 32 2>&1 | quiet | tail -8 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

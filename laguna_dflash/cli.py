@@ -115,6 +115,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="compute a prompt longer than --max-num-batched-tokens in chunks over "
                         "several steps, alternating with decode steps (vLLM's chunked prefill; "
                         "on by default)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every layer's K/V at every position (vLLM's flag): by default a "
+                        "target with full and sliding-window layers (Laguna) keeps the sliding "
+                        "layers' K/V only within their window, about 4x the tokens a GiB holds")
     p.add_argument("--max-prefill-graph-tokens", type=int, default=EngineConfig.max_prefill_graph_tokens,
                    help="replay prefill steps of up to 4 requests from CUDA graphs when their "
                         "requests, padded to the longest one's power-of-two bucket, hold at most "
@@ -148,6 +152,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 enable_expert_parallel=args.enable_expert_parallel,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                 max_prefill_graph_tokens=args.max_prefill_graph_tokens,
                 max_logprobs=args.max_logprobs)
 

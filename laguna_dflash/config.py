@@ -348,6 +348,11 @@ class EngineConfig:
     # alternating with the running requests' decode steps. False: every prompt is computed whole
     # in one step (the budget then grows to max_model_len).
     enable_chunked_prefill: bool = True
+    # vLLM's hybrid KV cache manager is on unless this is set (its flag's name): a target with
+    # both full and sliding-window layers (Laguna: 10 + 30 at XS-2.1) keeps the sliding layers'
+    # K/V only within their window, so a long context costs the full layers' K/V per token
+    # (engine/kv_cache.HybridLayout). True: every layer keeps every position (the unified layout).
+    disable_hybrid_kv_cache_manager: bool = False
     # A prefill step of at most engine/cuda_graph.MAX_PREFILL_GRAPH_REQUESTS (4) requests replays
     # a CUDA graph when its requests padded to the longest one's token bucket (8, 16, .., a power
     # of two) hold at most this many tokens; larger prefills run eagerly (vLLM's

@@ -86,7 +86,7 @@ def test_padded_metadata_matches_build_metadata():
     runner.block_tables[:4] = runner.scratch_block
     for i, it in enumerate(items):
         runner.block_tables[i, : len(it.block_table)] = torch.tensor(it.block_table)
-    meta = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    meta, = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)  # one table: no hybrid layout
     assert meta.key_slots.shape == (4, 256)
     assert torch.equal(meta.positions[:9], ref.positions)
     assert torch.equal(meta.slot_mapping[:9], ref.slot_mapping)
@@ -1339,7 +1339,7 @@ def test_drafts_ahead_survive_aborts_and_kv_pressure(pair):
     assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
     # KV pressure: preemption and recompute with drafts ahead
     llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_num_seqs=6,
-              num_kv_blocks=40, max_model_len=64)
+              num_kv_blocks=24, max_model_len=64)
     engine = llm.engine
     engine.attach_graph_runners()
     preempted = []
@@ -1515,7 +1515,7 @@ def test_forward_ahead_survives_aborts_and_kv_pressure(pair, monkeypatch):
     while engine.has_unfinished:
         engine.step()
     assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
-    llm = LLM(target, block_size=4, max_num_seqs=6, num_kv_blocks=30, max_model_len=64)
+    llm = LLM(target, block_size=4, max_num_seqs=6, num_kv_blocks=18, max_model_len=64)
     preempted = []
     preempt = llm.engine.scheduler._preempt
     llm.engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))[1]

@@ -167,12 +167,23 @@ class Invariants:
         alloc, sched = self.engine.allocator, self.engine.scheduler
         holders = list(sched.running) + list(sched.prefilling)
         refs: dict[int, int] = {}
+        layout = sched.layout
         for s in holders:
-            assert len(set(s.block_table)) == len(s.block_table), f"request {s.request_id}: a block twice"
-            for b in s.block_table:
+            held = list(s.block_table)
+            if layout is not None:  # hybrid KV: each SWA group's table, trimmed to the window
+                assert len(s.swa_block_tables) == layout.num_swa_groups
+                first = max(0, s.num_computed - layout.sliding_window) // alloc.block_size
+                for table in s.swa_block_tables:
+                    assert len(table) <= len(s.block_table)
+                    assert s.swa_start == min(len(table), first), f"request {s.request_id}: not trimmed"
+                    assert table[: s.swa_start] == [sched.null_block] * s.swa_start
+                    held += table[s.swa_start :]
+                    self.num_swa_held = getattr(self, "num_swa_held", 0) + len(table) - s.swa_start
+            assert len(set(held)) == len(held), f"request {s.request_id}: a block twice"
+            for b in held:
                 refs[b] = refs.get(b, 0) + 1
         for s in sched.waiting:
-            assert not s.block_table, f"waiting request {s.request_id} holds blocks"
+            assert not s.block_table and not s.swa_block_tables, f"waiting request {s.request_id} holds blocks"
         for b in range(alloc.num_blocks):
             assert alloc._refs[b] == refs.get(b, 0), f"block {b}: {alloc._refs[b]} refs, {refs.get(b, 0)} holders"
             assert (b in alloc._free) == (alloc._refs[b] == 0), f"block {b}: pool membership"
@@ -181,6 +192,10 @@ class Invariants:
             for i in range(s.num_registered_blocks):
                 h = alloc._hash_of.get(s.block_table[i])
                 assert h is None or h == s.block_hashes[i], f"request {s.request_id}: block {i}'s hash"
+                for g, table in enumerate(s.swa_block_tables if i >= s.swa_start else ()):
+                    h = alloc._hash_of.get(table[i])
+                    assert h is None or h == sched.swa_hash(s.block_hashes[i], g), \
+                        f"request {s.request_id}: SWA group {g} block {i}'s hash"
         for block, h in list(alloc._hash_of.items()):
             seen = self.snapshots.get(block)
             if seen is None or seen[0] != h:
@@ -195,15 +210,19 @@ class Invariants:
 
 
 CONFIGS = {
-    "target-only": dict(block_size=3, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=7),
-    "dflash": dict(draft=True, num_speculative_tokens=5, block_size=4, num_kv_blocks=19,
+    # hybrid KV layout (the default: the fixture's 2 sliding layers keep only their window) and
+    # the unified one; an explicit num_kv_blocks is the same memory either way
+    "target-only": dict(block_size=3, num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=7),
+    "target-only-unified": dict(block_size=3, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=7,
+                                disable_hybrid_kv_cache_manager=True),
+    "dflash": dict(draft=True, num_speculative_tokens=5, block_size=4, num_kv_blocks=24,
                    max_num_seqs=8, enable_chunked_prefill=False),
     "dflash-k-per-step-pending-taps": dict(draft=True, oracle=True, num_speculative_tokens=3, adaptive_k=True,
                                            k_pattern=(3, 0, 0, 1, 3, 2, 0), store_in_verify=False,
                                            block_size=4, num_kv_blocks=19, max_num_seqs=6,
                                            max_num_batched_tokens=9),
     "dflash-ahead": dict(draft=True, oracle=True, num_speculative_tokens=5, graphs=True, block_size=7,
-                         num_kv_blocks=13, max_num_seqs=4, max_num_batched_tokens=6),
+                         num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=6),
     "dflash-k-per-step-ahead": dict(draft=True, oracle=True, num_speculative_tokens=3, adaptive_k=True,
                                     k_pattern=(0, 0, 3, 0, 0, 0, 2, 3), graphs=True,
                                     decode_ahead=True, block_size=4, num_kv_blocks=20,
@@ -284,6 +303,7 @@ def test_random_load_gives_each_requests_alone_output(pair, requests, monkeypatc
     drafts: accept whole blocks and end requests inside them)."""
     llm = _engine(pair, monkeypatch, CONFIGS[name])
     engine = llm.engine
+    assert (engine.kv_layout is None) == CONFIGS[name].get("disable_hybrid_kv_cache_manager", False)
     preempted: list[int] = []
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]

@@ -326,7 +326,8 @@ def test_mem_fraction_static_that_cannot_hold_one_sequence_names_the_flag(tmp_pa
     ckpt = hf.make_laguna_checkpoint(tmp_path / "t", "xs_mini", seed=0)
     monkeypatch.setattr(engine_module, "_CPU_KV_BUDGET_BYTES", 1)
     floor = -(-(64 + 1) // 16)  # blocks of one max_model_len sequence (positions 0..64)
-    assert LLM(model=str(ckpt), max_model_len=64).engine.allocator.num_blocks == floor
+    unified = dict(disable_hybrid_kv_cache_manager=True)  # (a hybrid layout's floor has SWA blocks too)
+    assert LLM(model=str(ckpt), max_model_len=64, **unified).engine.allocator.num_blocks == floor
     with pytest.raises(ValueError, match="--mem-fraction-static.*--max-model-len"):
         LLM(model=str(ckpt), max_model_len=64, mem_fraction_static=0.9)
     with pytest.raises(ValueError, match="--mem-fraction-static"):

@@ -87,9 +87,9 @@ def test_interpreted_graph_runner_takes_the_kernel(monkeypatch) -> None:
     calls = []
     launch = module.decode_metadata
     monkeypatch.setattr(module, "decode_metadata", lambda *a: calls.append(a[1:]) or launch(*a))
-    got = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    got, = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)  # one table: no hybrid layout
     monkeypatch.setattr(cuda_graph, "use_metadata_kernel", False)
-    want = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    want, = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
     assert len(calls) == 1
     for name in ("positions", "slot_mapping", "flat_index", "query_index", "query_positions",
                  "key_slots", "seq_lens"):

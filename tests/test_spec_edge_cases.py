@@ -307,8 +307,8 @@ def test_seeded_tokens_do_not_depend_on_k_acceptance_or_preemption(pair, base, p
     llm.engine.adaptive_k.choose = lambda batch_size: next(pattern)
     assert llm.generate(prompt_token_ids=[prompts[J]], sampling_params=params)[0].token_ids == want
     # KV pressure: the seeded request is preempted and recomputed among greedy requests
-    llm = LLM(target, draft=draft, num_speculative_tokens=K, block_size=4, num_kv_blocks=36,
-              max_model_len=64)
+    llm = LLM(target, draft=draft, num_speculative_tokens=K, block_size=4, num_kv_blocks=30,
+              max_num_batched_tokens=16, max_model_len=64)
     preempted = []
     preempt = llm.engine.scheduler._preempt
     llm.engine.scheduler._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]

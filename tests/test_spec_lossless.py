@@ -92,11 +92,11 @@ def test_spec_under_kv_pressure_preempts_and_stays_lossless(pairs, caplog):
     prompts = _prompts(8, seed=3)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = LLM(target).generate(prompt_token_ids=prompts, sampling_params=params)
-    llm = LLM(target, draft=draft, block_size=4, num_kv_blocks=40, max_model_len=96)
+    llm = LLM(target, draft=draft, block_size=4, num_kv_blocks=36, max_model_len=96)
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert any("preempting" in r.message for r in caplog.records)  # pressure was real
-    assert llm.engine.allocator.num_free_blocks == 40
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
 
 
 @pytest.mark.parametrize("pair_name", ["laguna+poolside", "qwen3+zlab"])

@@ -284,10 +284,13 @@ class CUDAGraphRunner:
         self.max_positions = min(self.max_keys,
                                  max_model_len + max(max_q, 2 * max_tokens_per_request))
         # Request state, one row per request: [start_pos, seq_len, block table (max_blocks),
-        # token ids (max_q)]. Filled on the host in a reused (pinned on CUDA) buffer and shipped
-        # with ONE copy per forward; the views below are what the captured forwards read.
+        # each SWA group's block table (max_blocks each; hybrid KV layout), token ids (max_q)].
+        # Filled on the host in a reused (pinned on CUDA) buffer and shipped with ONE copy per
+        # forward; the views below are what the captured forwards read.
         self.max_blocks = self.max_keys // bs
-        self.ids_offset = 2 + self.max_blocks
+        layout = kv_cache.layout
+        self.num_tables = 1 + (layout.num_swa_groups if layout is not None else 0)
+        self.ids_offset = 2 + self.num_tables * self.max_blocks
         width = self.ids_offset + max_q
         pin = device.type == "cuda"
         self.host_state = torch.zeros(max_r, width, dtype=torch.long, pin_memory=pin)
@@ -296,7 +299,7 @@ class CUDAGraphRunner:
         self.state = torch.zeros(max_r, width, dtype=torch.long, device=device)
         self.start_pos = self.state[:, 0]
         self.seq_lens = self.state[:, 1]
-        self.block_tables = self.state[:, 2 : self.ids_offset]
+        self.block_tables = self.state[:, 2 : 2 + self.max_blocks]  # the full layers' tables
         self.flat_index = torch.arange(max_r * max_q, device=device)
         self.graphs: dict[tuple, _Captured] = {}
         # every forward kind captured so far, (q, is_causal, taps, has a context store) -> the
@@ -425,25 +428,31 @@ class CUDAGraphRunner:
             return None
         return r_pad, q_pad
 
-    def _metadata(self, r: int, q: int, num_keys: int, is_causal: bool) -> AttentionMetadata:
-        """Attention metadata of the padded batch, computed on the device from the buffers: one
-        kernel (kernels/decode_metadata.py) where Triton runs, else the same in torch ops."""
-        args = (self.state[:r], q, num_keys, self.block_size, self.kv_cache.scratch_slot)
-        if use_metadata_kernel and decode_metadata.is_available(self.device):
-            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata(*args)
-        else:
-            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_reference(*args)
-        flat = self.flat_index[: r * q]  # a view of a constant: no kernel in the graph
-        return AttentionMetadata(
-            positions=q_pos.reshape(-1), slot_mapping=slots.reshape(-1), flat_index=flat,
-            query_index=flat.view(r, q), query_positions=q_pos, key_slots=key_slots,
-            seq_lens=seq_lens, is_causal=is_causal,
-        )
+    def _metadata(self, r: int, q: int, num_keys: int, is_causal: bool) -> list[AttentionMetadata]:
+        """Attention metadata of the padded batch, one a block table (the full layers', then
+        each SWA group's), computed on the device from the buffers: one kernel a table
+        (kernels/decode_metadata.py) where Triton runs, else the same in torch ops."""
+        metas = []
+        for table in range(self.num_tables):  # one launch a block table (hybrid: a group's)
+            args = (self.state[:r], q, num_keys, self.block_size, self.kv_cache.scratch_slot,
+                    2 + table * self.max_blocks)
+            if use_metadata_kernel and decode_metadata.is_available(self.device):
+                q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata(*args)
+            else:
+                q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_reference(*args)
+            flat = self.flat_index[: r * q]  # a view of a constant: no kernel in the graph
+            metas.append(AttentionMetadata(
+                positions=q_pos.reshape(-1), slot_mapping=slots.reshape(-1), flat_index=flat,
+                query_index=flat.view(r, q), query_positions=q_pos, key_slots=key_slots,
+                seq_lens=seq_lens, is_causal=is_causal,
+            ))
+        return metas
 
     def _run_model(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
                    context_store: ContextStore | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        meta = self._metadata(r, q, num_keys, is_causal)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
+        meta, *swa_metas = self._metadata(r, q, num_keys, is_causal)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend,
+                             swa_metas=tuple(swa_metas), kv_layout=self.kv_cache.layout)
         input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
         hidden, taps = self.model(input_ids, ctx, tap_layer_ids)
         if context_store is not None:  # padding requests' rows go to the scratch slots
@@ -487,15 +496,19 @@ class CUDAGraphRunner:
         rows = self.host_rows
         rows[:r_pad, : self.ids_offset + q] = 0
         rows[r:r_pad, 1] = q
-        rows[:r_pad, 2 : 2 + nb] = self.scratch_block
+        for table in range(self.num_tables):
+            col = 2 + table * self.max_blocks
+            rows[:r_pad, col : col + nb] = self.scratch_block
         # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
         # copied tensor to tensor, never read back on the host (no sync on the step path)
         is_tensor = isinstance(input_ids, torch.Tensor)
         offset = 0
         for i, it in enumerate(items):
-            n = min(len(it.block_table), nb)
             rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
-            rows[i, 2 : 2 + n] = it.block_table[:n]
+            assert len(it.swa_block_tables) == self.num_tables - 1, "a hybrid layout's item needs every table"
+            for table, blocks in enumerate((it.block_table, *it.swa_block_tables)):
+                n, col = min(len(blocks), nb), 2 + table * self.max_blocks
+                rows[i, col : col + n] = blocks[:n]
             if not is_tensor:
                 rows[i, self.ids_offset : self.ids_offset + it.num_tokens] = input_ids[offset : offset + it.num_tokens]
             offset += it.num_tokens

@@ -23,10 +23,10 @@ from .ahead import DraftsAhead, ForwardAhead
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner, build_kernels_ahead
-from .kv_cache import BlockAllocator, KVCache
+from .kv_cache import BlockAllocator, HybridLayout, KVCache
 from .memory_profile import activation_peak_bytes, kv_cache_budget_bytes
 from .penalties import penalized_rows
-from .runner import ForwardItem, HostCopy, ModelRunner, to_device_async
+from .runner import ForwardItem, HostCopy, ModelRunner, forward_item, to_device_async
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -172,20 +172,33 @@ class LLMEngine:
         # config.json's, then generation_config.json's (where instruct models list end-of-turn)
         self.eos_token_ids = with_generation_eos_ids(config.model, spec.eos_token_ids)
         self.backend = get_attention_backend(self._attention_backend_name(config))
+        self.kv_layout = (None if config.disable_hybrid_kv_cache_manager else
+                          HybridLayout.for_layers([layer.sliding_window for layer in spec.layers]))
         blocks_per_seq = -(-max_positions // config.block_size)
+        # an explicit num_kv_blocks counts blocks of every layer (and the drafter's): a hybrid
+        # layout's blocks hold one group's layers, so the same memory is more of them
+        explicit_blocks = config.num_kv_blocks
+        if self.kv_layout is not None:  # and the SWA groups' blocks of a window and a prefill step
+            window_tokens = min(max_positions, self.kv_layout.sliding_window + self.prefill_token_budget + k + 1)
+            blocks_per_seq += self.kv_layout.num_swa_groups * (-(-window_tokens // config.block_size) + 1)
+            num_draft = self.drafter.num_cache_layers if self.drafter is not None else 0
+            if explicit_blocks:
+                explicit_blocks = (explicit_blocks * (spec.num_layers + num_draft)
+                                   // (self.kv_layout.group_size + num_draft))
         # gpu_memory_utilization's profiled activation peak (bytes; 0: no profile ran)
         self.profiled_activation_bytes = 0
         # the same count on every rank (the scheduler's decisions depend on it)
-        num_blocks = config.num_kv_blocks or self.tp.min_int(
-            self._default_num_blocks(blocks_per_seq), self.device)
+        num_blocks = explicit_blocks or self.tp.min_int(self._default_num_blocks(blocks_per_seq), self.device)
         if num_blocks < blocks_per_seq:
             raise ValueError(
-                f"num_kv_blocks={num_blocks} cannot hold one max_model_len={self.max_model_len} "
-                f"sequence ({blocks_per_seq} blocks of {config.block_size}); raise it or lower max_model_len"
+                f"num_kv_blocks={config.num_kv_blocks or num_blocks} cannot hold one max_model_len="
+                f"{self.max_model_len} sequence ({blocks_per_seq} blocks of {config.block_size}"
+                f"{'' if self.kv_layout is None else f' of the hybrid layout, which has {num_blocks}'}); "
+                "raise it or lower max_model_len"
             )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         kv = KVCache(spec.num_layers, num_blocks, config.block_size, self.target.num_local_kv_heads,
-                     spec.head_dim, self.dtype, self.device)
+                     spec.head_dim, self.dtype, self.device, self.kv_layout)
         self.runner = ModelRunner(self.target, kv, self.backend, self.device)
         self.proposer = None
         self.spec_stats = SpecDecodingStats(k) if k else None
@@ -211,6 +224,7 @@ class LLMEngine:
             self.prefill_token_budget, num_lookahead=k,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            layout=self.kv_layout,
         )
         self.tap_layer_ids = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self._ids = itertools.count()
@@ -220,9 +234,12 @@ class LLMEngine:
         # rank 0 leading follower ranks (:meth:`lead`): the adds, aborts and steps not yet sent
         self._ops: list[tuple] | None = None
         logger.info(
-            "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d, spec=%s, "
+            "engine ready: %s, dtype=%s, device=%s, max_model_len=%d, kv blocks=%d x %d (%s), spec=%s, "
             "attention=%s, cuda graphs=%s, batch-invariant=%s", info.architecture, self.dtype,
             self.device, self.max_model_len, num_blocks, config.block_size,
+            "unified" if self.kv_layout is None else
+            f"hybrid: blocks of {self.kv_layout.group_size} layers, {self.kv_layout.num_swa_groups} "
+            f"sliding-window groups kept within {self.kv_layout.sliding_window} positions",
             f"dflash K={k}" if k else "off", self.backend.name, self.runner.graphs is not None,
             config.batch_invariant,
         )
@@ -460,7 +477,9 @@ class LLMEngine:
         """KV blocks for ``max_num_seqs`` full-length sequences, at most what the memory budget
         holds (:mod:`memory_profile`), at least one sequence's ``blocks_per_seq``."""
         spec, config = self.target.spec, self.config
-        per_block = KVCache.bytes_per_block(spec.num_layers, config.block_size,
+        # a hybrid layout's block holds one group's layers (kv_cache.HybridLayout)
+        num_layers = self.kv_layout.group_size if self.kv_layout is not None else spec.num_layers
+        per_block = KVCache.bytes_per_block(num_layers, config.block_size,
                                             self.target.num_local_kv_heads, spec.head_dim, self.dtype)
         if self.drafter is not None:  # replicated on every rank
             d = self.drafter
@@ -613,15 +632,17 @@ class LLMEngine:
         """
         n = len(token_ids)
         need = self.allocator.blocks_needed(n, 0)
-        if not self.allocator.can_allocate(need):
+        num_tables = 1 + (self.kv_layout.num_swa_groups if self.kv_layout is not None else 0)
+        if not self.allocator.can_allocate(need * num_tables):
             raise RuntimeError("no free KV blocks to score the prompt; wait for running requests")
-        blocks = self.allocator.allocate(need)
+        tables = [self.allocator.allocate(need) for _ in range(num_tables)]  # and each SWA group's
         try:
             with batch_invariant.scope(self.config.batch_invariant):
-                hidden, _ = self.runner.forward(token_ids, [ForwardItem(n, 0, n, blocks)])
+                hidden, _ = self.runner.forward(token_ids, [ForwardItem(n, 0, n, tables[0], tuple(tables[1:]))])
                 return self.target.compute_logits(hidden)
         finally:
-            self.allocator.free(blocks)
+            for blocks in tables:
+                self.allocator.free(blocks)
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -667,6 +688,7 @@ class LLMEngine:
         self.timings.num_steps += 1
         for s in batch.sequences:  # their full blocks whose K/V became final, for later prompts
             self.scheduler.cache_blocks(s)
+            self.scheduler.trim_window(s)  # then the SWA blocks out of every later window
         finished = [s for s in batch.sequences if s.is_finished]
         for s in finished:
             self.scheduler.finish(s)
@@ -700,7 +722,7 @@ class LLMEngine:
         """Compute ``num_new_tokens[i]`` tokens of request ``i`` at positions ``num_computed ..``
         (past its cached prefix; a chunk of its prompt with chunked prefill) and store their
         drafter context; a request whose prompt this completes samples its first token."""
-        items = [ForwardItem(n, s.num_computed, s.num_computed + n, s.block_table)
+        items = [forward_item(s, n, s.num_computed, s.num_computed + n)
                  for s, n in zip(seqs, num_new_tokens)]
         ids = [t for s, n in zip(seqs, num_new_tokens)
                for t in s.token_ids[s.num_computed : s.num_computed + n]]
@@ -761,7 +783,7 @@ class LLMEngine:
         fits = ahead is not None and (ahead.taps is not None) == bool(self.tap_layer_ids)
         rows = ahead.rows_for(seqs) if fits else None
         if rows is None:
-            items = [ForwardItem(1, s.num_tokens - 1, s.num_tokens, s.block_table) for s in seqs]
+            items = [forward_item(s, 1, s.num_tokens - 1, s.num_tokens) for s in seqs]
             hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
             tap_rows = range(len(seqs))
         else:
@@ -813,7 +835,7 @@ class LLMEngine:
         positions = [s.num_tokens for s in seqs]
         if not all(self.scheduler.reserve(s, p + 1) for s, p in zip(seqs, positions)):
             return None
-        items = [ForwardItem(1, p, p + 1, s.block_table) for p, s in zip(positions, seqs)]
+        items = [forward_item(s, 1, p, p + 1) for p, s in zip(positions, seqs)]
         hidden, taps = self.runner.forward(sampled, items, self.tap_layer_ids)
         return ForwardAhead(tuple(s.request_id for s in seqs), positions, hidden, taps)
 
@@ -854,7 +876,7 @@ class LLMEngine:
         # drafter runs (a blocking upload here would first wait for the whole draft)
         bonus = to_device_async(torch.tensor([s.last_token for s in seqs]), drafts.device)
         ids = torch.cat([bonus.view(-1, 1), drafts], dim=1).reshape(-1)
-        items = [ForwardItem(k + 1, p, p + k + 1, s.block_table) for p, s in zip(anchors, seqs)]
+        items = [forward_item(s, k + 1, p, p + k + 1) for p, s in zip(anchors, seqs)]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
                                            store_context=store_context_in_verify)
         logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype

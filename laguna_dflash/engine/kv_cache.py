@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -127,8 +128,61 @@ class BlockAllocator:
             del self._block_of[block_hash]
 
 
+# Most layer groups a hybrid layout may have (each SWA group is one more block table a request
+# and one more metadata build a forward); past it the layout stays unified.
+MAX_KV_GROUPS = 8
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Sliding-window layers' KV reclaimed outside the window (vLLM's hybrid KV cache manager).
+
+    The target's layers form groups of ``group_size`` layers, all of one kind: group 0 the
+    full-attention layers, groups ``1 ..`` the sliding-window ones. A KV block of the shared
+    pool holds ``block_size`` tokens of ``group_size`` layers, and each group gives a request its
+    own block table: group 0 covers every position (as the unified layout), an SWA group only
+    the blocks within ``sliding_window`` of the positions still to be computed (the rest are the
+    scratch block). Layer ``i`` of every group reads and writes the same tensor: a block belongs
+    to one group at a time, so the groups never share a slot. Per token of a long context the
+    target keeps ``num_full`` layers' K/V instead of all of them.
+
+    ``group_of_layer[l]``, ``index_in_group[l]``: where cache layer ``l`` lives.
+    """
+
+    group_size: int
+    group_of_layer: tuple[int, ...]
+    index_in_group: tuple[int, ...]
+    sliding_window: int  # the largest window of the SWA layers: blocks before it are freed
+
+    @property
+    def num_swa_groups(self) -> int:
+        return max(self.group_of_layer)
+
+    @staticmethod
+    def for_layers(windows: list[int | None]) -> HybridLayout | None:
+        """The layout of target layers with these sliding windows (None: full attention), or
+        None where it does not apply: no sliding or no full layer, a sliding layer count that
+        is not a multiple of the full one (groups must be equal), or more than
+        ``MAX_KV_GROUPS`` groups. Laguna XS-2.1: 10 full + 3 x 10 sliding; S-2.1: 12 + 3 x 12."""
+        full = [i for i, w in enumerate(windows) if w is None]
+        swa = [i for i, w in enumerate(windows) if w is not None]
+        if not full or not swa or len(swa) % len(full) or 1 + len(swa) // len(full) > MAX_KV_GROUPS:
+            return None
+        size = len(full)
+        group, index = [0] * len(windows), [0] * len(windows)
+        for j, layer in enumerate(full):
+            index[layer] = j
+        for j, layer in enumerate(swa):
+            group[layer], index[layer] = 1 + j // size, j % size
+        return HybridLayout(size, tuple(group), tuple(index), max(w for w in windows if w is not None))
+
+
 class KVCache:
-    """Per-layer K and V tensors ``[num_slots, num_kv_heads, head_dim]`` (slots incl. scratch)."""
+    """Per-layer K and V tensors ``[num_slots, num_kv_heads, head_dim]`` (slots incl. scratch).
+
+    With a :class:`HybridLayout` the layers are views of ``group_size`` pooled tensors: layer
+    ``l`` is pool entry ``index_in_group[l]``, shared by the layers of that index in every group.
+    """
 
     def __init__(
         self,
@@ -139,17 +193,21 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layout: HybridLayout | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size
-        self.layers = [
+        self.layout = layout
+        num_tensors = layout.group_size if layout is not None else num_layers
+        pool = [
             (
                 torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
                 torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
             )
-            for _ in range(num_layers)
+            for _ in range(num_tensors)
         ]
+        self.layers = pool if layout is None else [pool[i] for i in layout.index_in_group]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -6,6 +6,7 @@ with one non-blocking copy; the model forward itself never reads device values b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ class ForwardItem:
     start_pos: int
     seq_len: int
     block_table: list[int]
+    # the hybrid layout's sliding-window groups' tables (kv_cache.HybridLayout); () otherwise
+    swa_block_tables: tuple[list[int], ...] = ()
+
+
+def forward_item(seq, num_tokens: int, start_pos: int, seq_len: int) -> ForwardItem:
+    """``seq``'s slice of a target forward: its block tables (every group's)."""
+    return ForwardItem(num_tokens, start_pos, seq_len, seq.block_table, tuple(seq.swa_block_tables))
 
 
 # False: plain blocking uploads in to_device_async (an A/B switch for benchmarks)
@@ -71,34 +79,16 @@ class HostCopy:
         return self.host.tolist()
 
 
-def build_metadata(
-    items: list[ForwardItem],
-    block_size: int,
-    scratch_slot: int,
-    device: torch.device,
-    is_causal: bool = True,
-) -> AttentionMetadata:
-    """Index tensors for a flat batch of ``T = sum(num_tokens)`` tokens from ``R`` requests."""
-    r = len(items)
-    qmax = max(it.num_tokens for it in items)
-    lmax = max(it.seq_len for it in items)
-    width = -(-lmax // 16) * 16  # key_slots' row stride (below)
-    max_blocks = max(max(len(it.block_table) for it in items), -(-width // block_size))
-    scratch_block = scratch_slot // block_size
-    tables = torch.full((r, max_blocks), scratch_block, dtype=torch.long)
-    starts = torch.tensor([it.start_pos for it in items], dtype=torch.long)
-    counts = torch.tensor([it.num_tokens for it in items], dtype=torch.long)
-    seq_lens = torch.tensor([it.seq_len for it in items], dtype=torch.long)
+def _slots(items: list[ForwardItem], tables_of, block_size: int, scratch_slot: int, lmax: int,
+           req_of_token: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_mapping ``[T]``, key_slots ``[R, width]``) int64 of the block tables
+    ``tables_of(item)`` (host tensors; width: Lmax rounded up to a multiple of 16)."""
+    width = -(-lmax // 16) * 16
+    max_blocks = max(max(len(tables_of(it)) for it in items), -(-width // block_size))
+    tables = torch.full((len(items), max_blocks), scratch_slot // block_size, dtype=torch.long)
     for i, it in enumerate(items):
-        tables[i, : len(it.block_table)] = torch.tensor(it.block_table, dtype=torch.long)
-    col = torch.arange(qmax)
-    q_valid = col.view(1, -1) < counts.view(-1, 1)  # [R, Qmax]
-    q_pos = torch.where(q_valid, starts.view(-1, 1) + col.view(1, -1), torch.full((), -1))
-    offsets = torch.cumsum(counts, 0) - counts
-    query_index = torch.where(q_valid, offsets.view(-1, 1) + col.view(1, -1), torch.zeros((), dtype=torch.long))
-    flat_index = (torch.arange(r).view(-1, 1) * qmax + col.view(1, -1))[q_valid]
-    positions = q_pos[q_valid]
-    req_of_token = torch.arange(r).repeat_interleave(counts)
+        tables[i, : len(tables_of(it))] = torch.tensor(tables_of(it), dtype=torch.long)
     slot_mapping = tables[req_of_token, positions // block_size] * block_size + positions % block_size
     # key_slots' row stride is Lmax rounded up to a multiple of 16 (a [R, Lmax] view of wider
     # rows): Triton specialises integer arguments, strides among them, on divisibility by 16, so
@@ -107,12 +97,59 @@ def build_metadata(
     j = torch.arange(width)
     key_slots = tables[:, j // block_size] * block_size + (j % block_size).view(1, -1)
     key_slots = torch.where(j.view(1, -1) < seq_lens.view(-1, 1), key_slots, torch.full((), scratch_slot))
+    return slot_mapping, key_slots
+
+
+def build_metadata(
+    items: list[ForwardItem],
+    block_size: int,
+    scratch_slot: int,
+    device: torch.device,
+    is_causal: bool = True,
+) -> AttentionMetadata:
+    """Index tensors for a flat batch of ``T = sum(num_tokens)`` tokens from ``R`` requests
+    (of the items' ``block_table``)."""
+    return build_group_metadata(items, block_size, scratch_slot, device, is_causal)[0]
+
+
+def build_group_metadata(
+    items: list[ForwardItem],
+    block_size: int,
+    scratch_slot: int,
+    device: torch.device,
+    is_causal: bool = True,
+) -> tuple[AttentionMetadata, tuple[AttentionMetadata, ...]]:
+    """:func:`build_metadata`, and one metadata of each of the items' ``swa_block_tables``
+    (the same but for ``slot_mapping`` and ``key_slots``)."""
+    r = len(items)
+    qmax = max(it.num_tokens for it in items)
+    lmax = max(it.seq_len for it in items)
+    starts = torch.tensor([it.start_pos for it in items], dtype=torch.long)
+    counts = torch.tensor([it.num_tokens for it in items], dtype=torch.long)
+    seq_lens = torch.tensor([it.seq_len for it in items], dtype=torch.long)
+    col = torch.arange(qmax)
+    q_valid = col.view(1, -1) < counts.view(-1, 1)  # [R, Qmax]
+    q_pos = torch.where(q_valid, starts.view(-1, 1) + col.view(1, -1), torch.full((), -1))
+    offsets = torch.cumsum(counts, 0) - counts
+    query_index = torch.where(q_valid, offsets.view(-1, 1) + col.view(1, -1), torch.zeros((), dtype=torch.long))
+    flat_index = (torch.arange(r).view(-1, 1) * qmax + col.view(1, -1))[q_valid]
+    positions = q_pos[q_valid]
+    req_of_token = torch.arange(r).repeat_interleave(counts)
+    slots = functools.partial(_slots, items, block_size=block_size, scratch_slot=scratch_slot, lmax=lmax,
+                              req_of_token=req_of_token, positions=positions, seq_lens=seq_lens)
+    slot_mapping, key_slots = slots(lambda it: it.block_table)
     dev = functools.partial(to_device_async, device=device)
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         positions=dev(positions), slot_mapping=dev(slot_mapping), flat_index=dev(flat_index),
         query_index=dev(query_index), query_positions=dev(q_pos), key_slots=dev(key_slots)[:, :lmax],
         seq_lens=dev(seq_lens), is_causal=is_causal,
     )
+    swa_metas = []
+    for g in range(len(items[0].swa_block_tables)):
+        swa_slot_mapping, swa_key_slots = slots(lambda it, g=g: it.swa_block_tables[g])
+        swa_metas.append(dataclasses.replace(meta, slot_mapping=dev(swa_slot_mapping),
+                                             key_slots=dev(swa_key_slots)[:, :lmax], _masks={}))
+    return meta, tuple(swa_metas)
 
 
 class ModelRunner:
@@ -129,9 +166,10 @@ class ModelRunner:
         self.context_store: ContextStore | None = None
 
     def context(self, items: list[ForwardItem], is_causal: bool = True) -> ForwardContext:
-        meta = build_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,
-                              self.device, is_causal)
-        return ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend)
+        meta, swa_metas = build_group_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,
+                                               self.device, is_causal)
+        return ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend,
+                              swa_metas=swa_metas, kv_layout=self.kv_cache.layout)
 
     @torch.inference_mode()
     def forward(

@@ -23,6 +23,13 @@ Chunked prefill (``enable_chunked_prefill``, vLLM's): a prefill step computes at
 in chunks over several prefill steps (its blocks reserved whole at admission), and while one is
 in progress the steps alternate with decode steps of the running requests, so a long prompt
 delays their next token by one chunk, not by its whole prefill.
+
+Hybrid KV layout (``kv_cache.HybridLayout``, vLLM's hybrid KV cache manager): the sliding-window
+layers' groups hold, per request, only the blocks within ``sliding_window`` of the positions it
+still computes (``Sequence.swa_block_tables``): a step's reservation takes their blocks up to the
+step's end, :meth:`Scheduler.trim_window` frees those that fell out of the window after it. With
+prefix caching their blocks are registered under the full blocks' hashes qualified by the
+group, and a cached prefix is used only as far as every group holds its last window.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockAllocator, block_hashes
+from .kv_cache import BlockAllocator, HybridLayout, block_hashes
 from .sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -59,8 +66,12 @@ class Scheduler:
         num_lookahead: int = 0,
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
+        layout: HybridLayout | None = None,
     ) -> None:
         self.allocator = allocator
+        self.layout = layout
+        self.num_swa_groups = layout.num_swa_groups if layout is not None else 0
+        self.null_block = allocator.num_blocks  # the scratch block: an SWA table's freed entry
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_chunked_prefill = enable_chunked_prefill
         self.prefilling: list[Sequence] = []  # admitted, prompt partly computed (chunked)
@@ -81,11 +92,24 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def _swa_needed(self, seq: Sequence, num_positions: int) -> int:
+        """Blocks the SWA groups' tables of ``seq`` lack to cover ``num_positions`` positions
+        (their entries from ``swa_start`` on are held, so only the new ones at the end)."""
+        if not self.num_swa_groups:
+            return 0
+        return self.num_swa_groups * self.allocator.blocks_needed(num_positions, len(seq.swa_block_tables[0]))
+
+    def _swa_grow(self, seq: Sequence, num_positions: int) -> None:
+        need = self._swa_needed(seq, num_positions) // max(1, self.num_swa_groups)
+        for table in seq.swa_block_tables:
+            table += self.allocator.allocate(need)
+
     def _reserve(self, seq: Sequence, num_positions: int) -> bool:
         need = self.allocator.blocks_needed(num_positions, len(seq.block_table))
-        if not self.allocator.can_allocate(need):
+        if not self.allocator.can_allocate(need + self._swa_needed(seq, num_positions)):
             return False
         seq.block_table += self.allocator.allocate(need)
+        self._swa_grow(seq, num_positions)
         return True
 
     def reserve(self, seq: Sequence, num_positions: int) -> bool:
@@ -93,33 +117,99 @@ class Scheduler:
         (no preemption); False when they are not."""
         return self._reserve(seq, num_positions)
 
+    def trim_window(self, seq: Sequence) -> None:
+        """Free the SWA groups' blocks that every position ``seq`` still computes is past the
+        window of: position ``p >= num_computed`` sees keys ``> p - window``, so blocks before
+        the one holding ``num_computed - window`` are never read again."""
+        if not self.num_swa_groups or not seq.swa_block_tables:
+            return
+        first = max(0, seq.num_computed - self.layout.sliding_window) // self.allocator.block_size
+        first = min(first, len(seq.swa_block_tables[0]))
+        if first <= seq.swa_start:
+            return
+        for table in seq.swa_block_tables:
+            self.allocator.free(table[seq.swa_start : first])
+            table[seq.swa_start : first] = [self.null_block] * (first - seq.swa_start)
+        seq.swa_start = first
+
     def release(self, seq: Sequence) -> None:
         """Free a request's KV blocks (finished, aborted or preempted) and drop its pending taps:
         they reference whole batch-taps tensors ``[N, n_taps * H]``, held for as long as the
         caller keeps the Sequence, and only a running request's next step writes them."""
         self.allocator.free(seq.block_table)
+        for table in seq.swa_block_tables:
+            self.allocator.free(table[seq.swa_start :])
         seq.clear_pending_taps()
         seq.block_table = []
+        seq.swa_block_tables = []
+        seq.swa_start = 0
         seq.num_computed = 0
         seq.num_registered_blocks = 0
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of ``seq``'s longest cached prefix, short of its last token."""
+    @staticmethod
+    def swa_hash(block_hash: bytes, group: int) -> bytes:
+        """The name of an SWA group's block of the prefix ``block_hash`` names (group 0, the
+        full layers, uses the hash itself)."""
+        return block_hash + bytes([group + 1])
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[list[int]]]:
+        """The cached blocks of ``seq``'s longest cached prefix, short of its last token: the
+        full group's, and each SWA group's last window before its end (``[start, n)``, see
+        :meth:`_swa_cached`)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
+            return [], [[] for _ in range(self.num_swa_groups)]
         bs = self.allocator.block_size
         seq.block_hashes = block_hashes(seq.token_ids, bs, seq.block_hashes)
-        return self.allocator.lookup(seq.block_hashes[: (seq.num_tokens - 1) // bs])
+        cached = self.allocator.lookup(seq.block_hashes[: (seq.num_tokens - 1) // bs])
+        if not self.num_swa_groups:
+            return cached, []
+        n, swa = self._swa_cached(seq, len(cached))
+        return cached[:n], swa
 
-    def _admit(self, seq: Sequence, cached: list[int]) -> bool:
-        """Give ``seq`` its block table for a prefill (``cached`` shared at its head) and
-        ``num_computed`` at the cached prefix's end; False when the blocks are not free."""
+    def _swa_first(self, num_computed: int) -> int:
+        """The first SWA block the positions from ``num_computed`` on still read."""
+        return max(0, num_computed - self.layout.sliding_window) // self.allocator.block_size
+
+    def _swa_cached(self, seq: Sequence, num_full: int) -> tuple[int, list[list[int]]]:
+        """The longest prefix of ``n <= num_full`` cached full blocks whose last window is
+        cached in every SWA group too -> (n, each group's blocks ``[_swa_first(n * bs), n)``).
+        A group missing block ``m`` rules out every ``n > m`` whose window holds it, so the
+        search goes on from ``n = m`` (at most ``num_full`` lookups a group, not a window each)."""
+        bs = self.allocator.block_size
+        n = num_full
+        while n > 0:
+            first = self._swa_first(n * bs)
+            groups = []
+            for g in range(self.num_swa_groups):
+                names = [self.swa_hash(h, g) for h in reversed(seq.block_hashes[first:n])]
+                found = self.allocator.lookup(names)  # from block n - 1 down, to the first miss
+                if len(found) < n - first:
+                    n = n - 1 - len(found)  # the missing block: no hit past it
+                    break
+                groups.append(found[::-1])
+            else:
+                return n, groups
+        return 0, [[] for _ in range(self.num_swa_groups)]
+
+    def _admit(self, seq: Sequence, cached: list[int], swa_cached: list[list[int]], num_compute: int) -> bool:
+        """Give ``seq`` its block table for a prefill (``cached`` shared at its head; each SWA
+        group's ``swa_cached`` at the end of its cached prefix, then blocks for the
+        ``num_compute`` tokens of this step) and ``num_computed`` at the cached prefix's end;
+        False when the blocks are not free."""
+        bs = self.allocator.block_size
         need = self.allocator.blocks_needed(seq.num_tokens + 1 + self.num_lookahead, len(cached))
-        if not self.allocator.can_allocate(need + self.allocator.num_unreferenced(cached)):
+        swa_end = len(cached) * bs + num_compute + 1 + self.num_lookahead
+        swa_need = self.num_swa_groups * self.allocator.blocks_needed(swa_end, len(cached))
+        shared = [b for blocks in [cached, *swa_cached] for b in blocks]
+        if not self.allocator.can_allocate(need + swa_need + self.allocator.num_unreferenced(shared)):
             return False
-        self.allocator.share(cached)
+        self.allocator.share(shared)
         seq.block_table = cached + self.allocator.allocate(need)
-        seq.num_computed = seq.num_admitted_cached_tokens = len(cached) * self.allocator.block_size
+        seq.num_computed = seq.num_admitted_cached_tokens = len(cached) * bs
+        if self.num_swa_groups:
+            seq.swa_start = self._swa_first(seq.num_computed) if cached else 0
+            seq.swa_block_tables = [[self.null_block] * seq.swa_start + blocks for blocks in swa_cached]
+            self._swa_grow(seq, swa_end)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
         if self.enable_prefix_caching:
@@ -164,6 +254,9 @@ class Scheduler:
         seq.block_hashes = block_hashes(seq.token_ids[: num_full * bs], bs, seq.block_hashes)
         for i in range(seq.num_registered_blocks, num_full):
             self.allocator.register(seq.block_table[i], seq.block_hashes[i])
+            if i >= seq.swa_start:  # an SWA block not freed yet (else it stays unnamed)
+                for g, table in enumerate(seq.swa_block_tables):
+                    self.allocator.register(table[i], self.swa_hash(seq.block_hashes[i], g))
         seq.num_registered_blocks = num_full
 
     def reset_prefix_cache(self) -> None:
@@ -192,9 +285,12 @@ class Scheduler:
         for seq in self.prefilling:  # chunked prefills in progress go first, oldest first
             if budget <= 0:
                 break
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + count + 1 + self.num_lookahead):
+                break  # the SWA groups' blocks of this chunk are not free (the full ones are held)
             prefill.append(seq)
-            counts.append(min(seq.num_tokens - seq.num_computed, budget))
-            budget -= counts[-1]
+            counts.append(count)
+            budget -= count
         num_admitted = 0
         in_flight = {h for seq in self.prefilling for h in self._uncached_prompt_blocks(seq)}
         i = 0  # waiting requests before i wait for a prefix another request is computing
@@ -203,22 +299,23 @@ class Scheduler:
             seq = self.waiting[i]
             # A prefill computes every token past the cached prefix and samples the next, so
             # reserve one extra position plus the decode lookahead it will need next.
-            cached = self._cached_prefix(seq)
+            cached, swa_cached = self._cached_prefix(seq)
             if self._waits_for_prefix(seq, cached, in_flight):
                 i += 1
                 continue
             num_new = seq.num_tokens - len(cached) * self.allocator.block_size
             if num_new > budget and prefill and not self.enable_chunked_prefill:
                 break
-            if not self._admit(seq, cached):
+            count = min(num_new, budget) if self.enable_chunked_prefill else num_new
+            if not self._admit(seq, cached, swa_cached, count):
                 break
             del self.waiting[i]
             in_flight.update(self._uncached_prompt_blocks(seq))
             seq.status = Status.RUNNING
             num_admitted += 1
             prefill.append(seq)
-            counts.append(min(num_new, budget) if self.enable_chunked_prefill else num_new)
-            budget -= counts[-1]
+            counts.append(count)
+            budget -= count
         if prefill:
             for seq, n in zip(prefill, counts):
                 completes = seq.num_computed + n == seq.num_tokens

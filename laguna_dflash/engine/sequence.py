@@ -35,6 +35,11 @@ class Sequence:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # hybrid KV layout (kv_cache.HybridLayout): one table per sliding-window group, as long as
+    # block_table; entries before swa_start are the scratch block (freed: outside the window of
+    # every position still to compute), entries from it on are held
+    swa_block_tables: list[list[int]] = field(default_factory=list)
+    swa_start: int = 0
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None

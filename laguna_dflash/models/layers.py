@@ -95,6 +95,17 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: AttentionBackend
+    # hybrid KV layout (engine/kv_cache.HybridLayout): the metadata of each sliding-window
+    # group's block tables, and the layout saying which group each cache layer is in
+    swa_metas: tuple[AttentionMetadata, ...] = ()
+    kv_layout: object | None = None
+
+    def meta_of(self, cache_index: int) -> AttentionMetadata:
+        """The metadata a cache layer reads and writes its K/V by (its group's slots)."""
+        if not self.swa_metas:
+            return self.meta
+        group = self.kv_layout.group_of_layer[cache_index]
+        return self.meta if group == 0 else self.swa_metas[group - 1]
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -225,20 +236,21 @@ class Attention(nn.Module):
         """``x [T, H]`` (already input-normed) -> ``[T, H]``; writes this forward's K/V."""
         t = x.shape[0]
         qkv, gate = self.project(x)
-        positions = ctx.meta.positions
+        meta = ctx.meta_of(self.cache_index)
+        positions = meta.positions
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         rot = self.rotary
         if self._fused_qk_cache_runs(qkv, ctx):
             q = qk_norm_rope_cache.qk_norm_rope_cache(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
                 self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
-                rot.spec.rotary_dim, ctx.meta.slot_mapping, k_cache, v_cache)
+                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.norm_rope(self.q_norm, q.view(t, self.num_heads, self.head_dim), positions)
             k = self.norm_rope(self.k_norm, k.view(t, self.num_kv_heads, self.head_dim), positions)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
+            ctx.backend.write_kv(k_cache, v_cache, k, v, meta)
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
@@ -247,7 +259,7 @@ class Attention(nn.Module):
                   and self.o_proj.bias is None and not torch.is_grad_enabled()
                   and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight, m=t))
         out = ctx.backend.attend(
-            q, k_cache, v_cache, ctx.meta, scale=self.scale,
+            q, k_cache, v_cache, meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
             prefetch=prefetch, early_signal=staged,  # the staged o_proj reads only its weight first
         )

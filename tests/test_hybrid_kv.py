@@ -1,0 +1,198 @@
+"""The hybrid KV layout (vLLM's hybrid KV cache manager): sliding-window layers keep their K/V
+only within the window, so a long context costs the full layers' K/V per token.
+
+The layout's groups (XS-2.1 / S-2.1 layer mixes); the pooled tensors (layer ``i`` of every
+group is one tensor); the engine's capacity at the same memory; every output equal to the
+unified layout's (target-only, DFlash, the CPU padded graph path, prefix-cache hits, chunked
+prefill) while the SWA tables stay within the window; the padded metadata of each group's table
+equal to the per-forward metadata. The randomised load with preemption, aborts and the prefix
+cache runs in ``tests/test_engine_stress.py`` under both layouts. CPU, float32.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.engine.cuda_graph import CUDAGraphRunner
+from laguna_dflash.engine.kv_cache import MAX_KV_GROUPS, HybridLayout, KVCache
+from laguna_dflash.engine.runner import ForwardItem, build_group_metadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dflash_fixtures as df  # noqa: E402
+
+UNIFIED = dict(disable_hybrid_kv_cache_manager=True)
+
+
+def _windows(full_every: int, num_layers: int, window: int = 512) -> list[int | None]:
+    return [None if i % full_every == 0 else window for i in range(num_layers)]
+
+
+def test_layout_groups_laguna_layer_mixes():
+    """XS-2.1 (10 full + 30 sliding) and S-2.1 (12 + 36): one full group and three sliding ones
+    of the full count; every group holds one kind and each index once; nothing where no group
+    split applies."""
+    for num_layers, size in ((40, 10), (48, 12)):
+        windows = _windows(4, num_layers)
+        layout = HybridLayout.for_layers(windows)
+        assert (layout.group_size, layout.num_swa_groups, layout.sliding_window) == (size, 3, 512)
+        members: dict[int, list[int]] = {}
+        for layer, (g, i) in enumerate(zip(layout.group_of_layer, layout.index_in_group)):
+            members.setdefault(g, []).append(i)
+            assert (g == 0) == (windows[layer] is None)
+        assert all(sorted(idx) == list(range(size)) for idx in members.values())
+    assert HybridLayout.for_layers([None] * 4) is None  # no sliding layer
+    assert HybridLayout.for_layers([8] * 4) is None  # no full layer
+    assert HybridLayout.for_layers([None, None, 8, 8, 8]) is None  # 3 sliding, 2 full: unequal groups
+    assert HybridLayout.for_layers([None] + [8] * MAX_KV_GROUPS) is None  # too many groups
+    assert HybridLayout.for_layers([None, 8, 16]).sliding_window == 16  # the largest window
+
+
+def test_pooled_tensors_are_shared_by_one_index_of_every_group():
+    layout = HybridLayout.for_layers(_windows(4, 8, window=4))  # 2 full + 6 sliding: 4 groups of 2
+    kv = KVCache(8, 5, 4, 2, 8, torch.float32, "cpu", layout)
+    ptrs = {(layout.index_in_group[i], k.data_ptr()) for i, (k, _) in enumerate(kv.layers)}
+    assert len({p for _, p in ptrs}) == layout.group_size == 2 and len(ptrs) == 2
+    assert all(k.shape == (6 * 4, 2, 8) for k, _ in kv.layers)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return df.make_laguna_poolside_pair(tmp_path_factory.mktemp("hybrid"), 4)
+
+
+@pytest.fixture(scope="module")
+def three_groups(tmp_path_factory):
+    """A target of 1 full + 3 sliding layers (window 4): 3 sliding groups of one layer."""
+    types = ["full_attention"] + ["sliding_attention"] * 3
+    return df.make_tiny_laguna_target(tmp_path_factory.mktemp("groups"), layer_types=types,
+                                      num_attention_heads_per_layer=[4, 8, 8, 8])
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 60) for _ in range(n)] for n in lengths]
+
+
+def test_same_memory_holds_more_blocks(pair, monkeypatch):
+    """A KV budget of 100 unified blocks: the hybrid pool's blocks hold one group's layers (2 of
+    the fixture's 4), so it has twice the blocks; an explicit num_kv_blocks is the same memory."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, _ = pair
+    per_block = KVCache.bytes_per_block(4, 16, 2, 8, torch.float32)  # the fixture's 4 layers
+    monkeypatch.setattr(engine_module, "_CPU_KV_BUDGET_BYTES", 100 * per_block)
+    hybrid, unified = LLM(target, max_model_len=64).engine, LLM(target, max_model_len=64, **UNIFIED).engine
+    assert unified.allocator.num_blocks == 100
+    assert hybrid.kv_layout is not None and unified.kv_layout is None
+    assert hybrid.allocator.num_blocks == 2 * unified.allocator.num_blocks
+    assert LLM(target, max_model_len=64, num_kv_blocks=20).engine.allocator.num_blocks == 40
+
+
+# (the three-group target has no drafter: the fixture's drafter taps the pair's target)
+@pytest.mark.parametrize(("fixture", "with_draft"), [("pair", False), ("pair", True), ("three_groups", False)])
+def test_outputs_equal_the_unified_layout_and_the_window_is_kept(request, fixture, with_draft):
+    """Greedy and seeded outputs of long generations (the window is 4 positions) equal the
+    unified layout's, target-only and DFlash, on the CPU's padded graph path too; after every
+    step a request's SWA tables hold no block before its window (and at most the window plus
+    a step's positions), while its full table covers every position."""
+    if fixture == "pair":
+        target, draft = request.getfixturevalue("pair")
+    else:
+        target, draft = request.getfixturevalue("three_groups"), None
+    options = dict(block_size=4, max_model_len=96, max_num_batched_tokens=16)
+    if with_draft:
+        options.update(draft=draft, num_speculative_tokens=3)
+    prompts = _prompts([5, 30, 12], seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)]
+    want = [o.token_ids for o in LLM(target, **options, **UNIFIED).generate(
+        prompt_token_ids=prompts, sampling_params=params)]
+    for graphs in (False, True):
+        llm = LLM(target, **options)
+        engine = llm.engine
+        layout = engine.kv_layout
+        assert layout is not None and layout.num_swa_groups == (1 if fixture == "pair" else 3)
+        if graphs:
+            engine.attach_graph_runners()
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        most_held = 0
+        while engine.has_unfinished:
+            engine.step()
+            for s in seqs:
+                if s.is_finished or not s.block_table:  # done, or not admitted yet
+                    continue
+                first = max(0, s.num_computed - layout.sliding_window) // 4
+                for table in s.swa_block_tables:
+                    held = [b for b in table if b != engine.scheduler.null_block]
+                    assert held == table[s.swa_start:] and s.swa_start == min(first, len(table))
+                    most_held = max(most_held, len(held))
+                assert len(s.block_table) * 4 >= s.num_computed
+        assert [s.output_token_ids for s in seqs] == want
+        # the window (4) plus a step's positions (chunks of 16, or K + 1 + the drafts ahead)
+        assert most_held <= -(-(4 + 16 + 8) // 4) + 1
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_prefix_cache_hits_need_the_window_and_give_the_same_tokens(pair):
+    """A prompt sent again hits the prefix cache under the hybrid layout (its full blocks and
+    each SWA group's last window before the hit) and decodes what it did the first time; with
+    the SWA blocks' names forgotten, the hit is gone (the window cannot be restored)."""
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, block_size=4, max_model_len=96)
+    prompt = _prompts([41], seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    again = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert again.token_ids == first.token_ids and again.num_cached_tokens == 40
+    engine = llm.engine
+    alloc = engine.allocator
+    for h, b in list(alloc._block_of.items()):  # forget the SWA blocks' names only
+        if len(h) > 32:
+            del alloc._block_of[h], alloc._hash_of[b]
+    third = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert third.token_ids == first.token_ids and third.num_cached_tokens == 0
+
+
+def test_prompt_logits_equal_the_unified_layout(pair):
+    target, _ = pair
+    prompt = _prompts([23], seed=2)[0]
+    hybrid = LLM(target, block_size=4, max_model_len=64).engine.prompt_logits(prompt)
+    unified = LLM(target, block_size=4, max_model_len=64, **UNIFIED).engine.prompt_logits(prompt)
+    assert torch.allclose(hybrid, unified, atol=1e-5)
+
+
+def test_padded_metadata_of_every_table_matches_build_group_metadata():
+    """The graph runner's state rows hold one table per group; the on-device metadata of each
+    (real rows) equals the per-forward metadata of the items' tables."""
+    layout = HybridLayout.for_layers([None, 4, 4, 4])  # 3 SWA groups of one layer
+    kv = KVCache(4, 40, 4, 1, 8, torch.float32, "cpu", layout)
+    runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=8,
+                             max_model_len=100, max_tokens_per_request=3)
+    null = kv.scratch_slot // 4
+    items = [ForwardItem(3, 10, 13, [5, 2, 9, 7], ([null, 11, 12, 13], [null, 14, 15, 16], [null, 17, 18, 19])),
+             ForwardItem(3, 0, 3, [1], ([20], [21], [22])),
+             ForwardItem(3, 4, 7, [3, 4], ([23, 24], [25, 26], [27, 28]))]
+    ref, swa_refs = build_group_metadata(items, 4, kv.scratch_slot, torch.device("cpu"))
+    rows = runner.host_rows
+    rows[:4, : runner.ids_offset] = null
+    for i, it in enumerate(items):
+        rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
+        for t, blocks in enumerate((it.block_table, *it.swa_block_tables)):
+            col = 2 + t * runner.max_blocks
+            rows[i, col : col + len(blocks)] = blocks
+    rows[3, 0], rows[3, 1] = 0, 3
+    runner.state.copy_(runner.host_state)
+    metas = runner._metadata(4, 3, runner.key_bucket(13), is_causal=True)
+    assert len(metas) == 4 and len(swa_refs) == 3
+    for meta, want in zip(metas, (ref, *swa_refs)):
+        assert torch.equal(meta.positions[:9], want.positions)
+        assert torch.equal(meta.slot_mapping[:9], want.slot_mapping)
+        assert torch.equal(meta.key_slots[:3, : want.key_slots.shape[1]], want.key_slots)
+    assert not torch.equal(swa_refs[0].slot_mapping, swa_refs[1].slot_mapping)

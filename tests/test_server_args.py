@@ -251,3 +251,15 @@ def test_generation_config_flag_takes_vllms_choices(tmp_path):
     assert defaults("--generation-config", str(other)) == {"top_k": 7, "temperature": 0.6}
     with pytest.raises(ValueError, match="--generation-config .*no generation_config.json there"):
         defaults("--generation-config", str(tmp_path))
+
+
+def test_disable_hybrid_kv_cache_manager_flag_reaches_the_engine_config_and_generate():
+    """vLLM's flag, for serve (EngineConfig and the start-up line) and generate / bench."""
+    from laguna_dflash.cli import build_parser, engine_options
+
+    assert not resolve_server_config(_args()).engine.disable_hybrid_kv_cache_manager
+    config = resolve_server_config(_args("--disable-hybrid-kv-cache-manager"))
+    assert config.engine.disable_hybrid_kv_cache_manager
+    assert config.describe()["disable_hybrid_kv_cache_manager"] is True
+    args = build_parser().parse_args(["generate", "--model", "m", "--disable-hybrid-kv-cache-manager", "x"])
+    assert engine_options(args)["disable_hybrid_kv_cache_manager"] is True

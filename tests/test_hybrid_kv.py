@@ -196,3 +196,39 @@ def test_padded_metadata_of_every_table_matches_build_group_metadata():
         assert torch.equal(meta.slot_mapping[:9], want.slot_mapping)
         assert torch.equal(meta.key_slots[:3, : want.key_slots.shape[1]], want.key_slots)
     assert not torch.equal(swa_refs[0].slot_mapping, swa_refs[1].slot_mapping)
+
+
+def test_a_chunked_prefill_short_of_sliding_blocks_shrinks_its_chunk_then_preempts():
+    """Chunked prompts hold their full blocks from admission but take their sliding groups'
+    blocks chunk by chunk: with fewer free than a chunk needs, the chunk shrinks to what fits;
+    with none free and no decode to free any, the newest chunked request goes back to waiting
+    (its blocks freed) instead of the engine stalling."""
+    from laguna_dflash.engine.kv_cache import BlockAllocator
+    from laguna_dflash.engine.scheduler import Scheduler
+    from laguna_dflash.engine.sequence import Sequence, Status
+
+    layout = HybridLayout.for_layers([None, 4])  # one sliding group, window 4
+    alloc = BlockAllocator(40, 4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=True,
+                      layout=layout)
+    a, b = (Sequence(i, list(range(40)), SamplingParams(temperature=0, max_tokens=4)) for i in range(2))
+    for seq in (a, b):  # both admitted, a first chunk of 8 computed
+        assert sched._admit(seq, [], [[]], 8)  # 11 full blocks, sliding blocks for positions < 9
+        seq.num_computed, seq.status = 8, Status.RUNNING
+        sched.trim_window(seq)
+        sched.prefilling.append(seq)
+
+    def step() -> list[tuple[int, int]]:
+        batch = sched.schedule()
+        for seq, n in zip(batch.sequences, batch.num_new_tokens):
+            seq.num_computed += n
+            sched.trim_window(seq)
+        return [(s.request_id, n) for s, n in zip(batch.sequences, batch.num_new_tokens)]
+
+    held = alloc.allocate(alloc.num_free_blocks)  # no block free: 4-token chunks need none
+    assert step() == [(0, 4), (1, 4)]
+    held += alloc.allocate(alloc.num_free_blocks)  # what the trims freed: now every chunk needs one
+    assert step() == [(0, 8)]  # b preempted: back to waiting, its blocks free for a
+    assert b in sched.waiting and not b.block_table and b.num_preemptions == 1
+    assert sched.prefilling == [a] and a.num_computed == 20
+    alloc.free(held)

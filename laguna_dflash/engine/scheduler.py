@@ -117,6 +117,17 @@ class Scheduler:
         (no preemption); False when they are not."""
         return self._reserve(seq, num_positions)
 
+    def _fit_chunk(self, seq: Sequence, count: int) -> int:
+        """Reserve the blocks of ``seq``'s next ``count`` prompt tokens (the SWA groups' only:
+        its full table was reserved whole at admission), as many as fit -> the tokens reserved
+        (0: none). A chunk that completes the prompt reserves its first decode positions too."""
+        while count > 0:
+            done = seq.num_computed + count == seq.num_tokens
+            if self._reserve(seq, seq.num_computed + count + (1 + self.num_lookahead if done else 0)):
+                return count
+            count = count // 2 if count > 1 else 0
+        return 0
+
     def trim_window(self, seq: Sequence) -> None:
         """Free the SWA groups' blocks that every position ``seq`` still computes is past the
         window of: position ``p >= num_computed`` sees keys ``> p - window``, so blocks before
@@ -285,9 +296,9 @@ class Scheduler:
         for seq in self.prefilling:  # chunked prefills in progress go first, oldest first
             if budget <= 0:
                 break
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, seq.num_computed + count + 1 + self.num_lookahead):
-                break  # the SWA groups' blocks of this chunk are not free (the full ones are held)
+            count = self._fit_chunk(seq, min(seq.num_tokens - seq.num_computed, budget))
+            if count == 0:
+                break  # no SWA block free for it (its full blocks are held since admission)
             prefill.append(seq)
             counts.append(count)
             budget -= count
@@ -316,6 +327,12 @@ class Scheduler:
             prefill.append(seq)
             counts.append(count)
             budget -= count
+        if not prefill and not self.running and self.prefilling and not self.allocator.can_allocate(
+                self.num_swa_groups):
+            # a chunked prefill cannot get its SWA blocks, and no decode will free any: the
+            # newest chunked request goes back to waiting (its blocks free), as a preemption
+            self._preempt(self.prefilling[-1])
+            return self.schedule()
         if prefill:
             for seq, n in zip(prefill, counts):
                 completes = seq.num_computed + n == seq.num_tokens
@@ -355,7 +372,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         logger.warning("KV cache full: preempting request %d (recomputed later)", seq.request_id)
-        self.running.remove(seq)
+        (self.running if seq in self.running else self.prefilling).remove(seq)
         self.release(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1

@@ -507,8 +507,11 @@ class CUDAGraphRunner:
             rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
             assert len(it.swa_block_tables) == self.num_tables - 1, "a hybrid layout's item needs every table"
             for table, blocks in enumerate((it.block_table, *it.swa_block_tables)):
+                # an SWA table's entries before swa_start are the scratch block, as the row is
+                # already: a long context copies its window, not its length, per SWA group
+                first = min(it.swa_start, nb) if table else 0
                 n, col = min(len(blocks), nb), 2 + table * self.max_blocks
-                rows[i, col : col + n] = blocks[:n]
+                rows[i, col + first : col + n] = blocks[first:n]
             if not is_tensor:
                 rows[i, self.ids_offset : self.ids_offset + it.num_tokens] = input_ids[offset : offset + it.num_tokens]
             offset += it.num_tokens

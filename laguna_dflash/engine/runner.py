@@ -31,13 +31,16 @@ class ForwardItem:
     start_pos: int
     seq_len: int
     block_table: list[int]
-    # the hybrid layout's sliding-window groups' tables (kv_cache.HybridLayout); () otherwise
+    # the hybrid layout's sliding-window groups' tables (kv_cache.HybridLayout); () otherwise;
+    # their entries before swa_start are the scratch block (outside every window)
     swa_block_tables: tuple[list[int], ...] = ()
+    swa_start: int = 0
 
 
 def forward_item(seq, num_tokens: int, start_pos: int, seq_len: int) -> ForwardItem:
     """``seq``'s slice of a target forward: its block tables (every group's)."""
-    return ForwardItem(num_tokens, start_pos, seq_len, seq.block_table, tuple(seq.swa_block_tables))
+    return ForwardItem(num_tokens, start_pos, seq_len, seq.block_table, tuple(seq.swa_block_tables),
+                       seq.swa_start)
 
 
 # False: plain blocking uploads in to_device_async (an A/B switch for benchmarks)

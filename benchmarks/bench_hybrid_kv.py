@@ -35,12 +35,10 @@ def capacity(llm: LLM, long_context: int) -> dict:
     if engine.proposer is not None:
         tensors.update({t.data_ptr(): t for layer in engine.proposer.kv_cache.layers for t in layer})
     gib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
-    per_seq = -(-long_context // bs)
-    if layout is not None:  # a window (and a step's blocks) of each sliding group
-        per_seq += layout.num_swa_groups * (-(-(layout.sliding_window + 16) // bs) + 1)
-    return {"kv_gib": gib, "blocks": num_blocks, "tokens": num_blocks * bs if layout is None else
-            (num_blocks - layout.num_swa_groups * (-(-(layout.sliding_window + 16) // bs) + 1)) * bs,
-            "long_seqs": num_blocks // per_seq}
+    # a window (and a step's blocks) of each sliding group, per sequence
+    swa_blocks = 0 if layout is None else layout.num_swa_groups * (-(-(layout.sliding_window + 16) // bs) + 1)
+    return {"kv_gib": gib, "blocks": num_blocks, "tokens": (num_blocks - swa_blocks) * bs,
+            "long_seqs": num_blocks // (-(-long_context // bs) + swa_blocks)}
 
 
 def main() -> None:

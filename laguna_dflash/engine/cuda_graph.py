@@ -452,7 +452,7 @@ class CUDAGraphRunner:
                    context_store: ContextStore | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta, *swa_metas = self._metadata(r, q, num_keys, is_causal)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend,
-                             swa_metas=tuple(swa_metas), kv_layout=self.kv_cache.layout)
+                             swa_metas=tuple(swa_metas), group_of_layer=self.kv_cache.group_of_layer)
         input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
         hidden, taps = self.model(input_ids, ctx, tap_layer_ids)
         if context_store is not None:  # padding requests' rows go to the scratch slots

@@ -208,6 +208,8 @@ class KVCache:
             for _ in range(num_tensors)
         ]
         self.layers = pool if layout is None else [pool[i] for i in layout.index_in_group]
+        # each layer's group (engine/runner, cuda_graph: which block table's metadata it takes)
+        self.group_of_layer = layout.group_of_layer if layout is not None else ()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

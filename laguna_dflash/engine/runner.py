@@ -172,7 +172,7 @@ class ModelRunner:
         meta, swa_metas = build_group_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,
                                                self.device, is_causal)
         return ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend,
-                              swa_metas=swa_metas, kv_layout=self.kv_cache.layout)
+                              swa_metas=swa_metas, group_of_layer=self.kv_cache.group_of_layer)
 
     @torch.inference_mode()
     def forward(

@@ -20,7 +20,7 @@ behind it are admitted meanwhile.
 
 Chunked prefill (``enable_chunked_prefill``, vLLM's): a prefill step computes at most
 ``max_num_batched_tokens`` tokens; a prompt longer than what is left of that budget is computed
-in chunks over several prefill steps (its blocks reserved whole at admission), and while one is
+in chunks over several prefill steps (its full layers' blocks reserved whole at admission), and while one is
 in progress the steps alternate with decode steps of the running requests, so a long prompt
 delays their next token by one chunk, not by its whole prefill.
 
@@ -100,9 +100,8 @@ class Scheduler:
         return self.num_swa_groups * self.allocator.blocks_needed(num_positions, len(seq.swa_block_tables[0]))
 
     def _swa_grow(self, seq: Sequence, num_positions: int) -> None:
-        need = self._swa_needed(seq, num_positions) // max(1, self.num_swa_groups)
-        for table in seq.swa_block_tables:
-            table += self.allocator.allocate(need)
+        for table in seq.swa_block_tables:  # all of one length: each takes the same count
+            table += self.allocator.allocate(self.allocator.blocks_needed(num_positions, len(table)))
 
     def _reserve(self, seq: Sequence, num_positions: int) -> bool:
         need = self.allocator.blocks_needed(num_positions, len(seq.block_table))

@@ -96,15 +96,15 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: AttentionBackend
     # hybrid KV layout (engine/kv_cache.HybridLayout): the metadata of each sliding-window
-    # group's block tables, and the layout saying which group each cache layer is in
+    # group's block tables, and each cache layer's group (0: the full layers, ``meta``)
     swa_metas: tuple[AttentionMetadata, ...] = ()
-    kv_layout: object | None = None
+    group_of_layer: tuple[int, ...] = ()
 
     def meta_of(self, cache_index: int) -> AttentionMetadata:
         """The metadata a cache layer reads and writes its K/V by (its group's slots)."""
         if not self.swa_metas:
             return self.meta
-        group = self.kv_layout.group_of_layer[cache_index]
+        group = self.group_of_layer[cache_index]
         return self.meta if group == 0 else self.swa_metas[group - 1]
 
 

@@ -20,6 +20,12 @@
 #   bash benchmarks/gpu_check.sh pass46     # the sampler review's CUDA tests; start-up at --max-num-seqs 512
 #   bash benchmarks/gpu_check.sh pass48     # the hybrid KV layout: engine CUDA tests, the kernels' S-2.1
 #                                           # CUDA cases, bench_hybrid_kv.py (~9 min)
+#   bash benchmarks/gpu_check.sh pass49     # the drafter's context in a sliding group of the hybrid
+#                                           # layout: engine CUDA tests, the moe_gemv S-2.1 CUDA
+#                                           # cases, DFlash at L = 4 against target-only (~8 min)
+#   bash benchmarks/gpu_check.sh pass49-kv  # bench_hybrid_kv.py at --max-num-seqs 64: unified,
+#                                           # hybrid with the drafter's own cache, hybrid; the
+#                                           # prefill store's test; DFlash at L = 4 (~9.5 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -646,6 +652,27 @@ case "$stage" in
       -k "cuda or xs_widths" | tail -70
     gpu_tests 70 -n 4 tests/test_kernel_*.py -k "s21 and cuda and not interpret" | tail -16
     timeout "${BENCH_S:-270}" python benchmarks/bench_hybrid_kv.py --new-tokens 32 2>&1 | quiet | tail -8 ;;
+  pass49)
+    echo "== the drafter's context K/V in a sliding group of the hybrid layout (on by default): the"
+    echo "   engine's CUDA tests, the moe_gemv S-2.1 CUDA cases, then DFlash at L = 4, batch 1"
+    echo "   against target-only, the drafter in the pool against its own cache (~8 min)"
+    gpu_tests "${ENGINE_S:-220}" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
+      tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
+      -k "cuda or xs_widths" | tail -70
+    gpu_tests 80 -n 3 tests/test_kernel_moe_gemv.py -k "s21 and cuda and not interpret" | tail -8
+    for v in True False; do
+      echo "-- drafter_in_sliding_group=$v"
+      timeout 110 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 3 --rounds 1 --switch laguna_dflash.engine.engine:drafter_in_sliding_group=$v 2>&1 | quiet | tail -6
+    done ;;
+  pass49-kv)
+    echo "== bench_hybrid_kv.py at 64 sequences: unified, hybrid with the drafter's own"
+    echo "   full-context cache, hybrid with the drafter in a sliding group; the prefill store's"
+    echo "   CUDA test; DFlash at L = 4 against target-only by bench_gpu_xs.py (~9.5 min)"
+    timeout "${BENCH_S:-390}" python benchmarks/bench_hybrid_kv.py --new-tokens 64 --max-num-seqs 64 2>&1 | quiet | tail -9
+    gpu_tests 80 tests/test_cuda_graphs.py -k "prefill_stores_the_prompts_context" | tail -3
+    timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+      --sim-ks 3 --rounds 1 2>&1 | quiet | grep -E "^\||floor|simulated" | head -14 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

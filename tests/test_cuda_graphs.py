@@ -1188,7 +1188,8 @@ class _Alternating:
 @pytest.mark.parametrize("context_graphs", [False, True])
 def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs, in_verify, monkeypatch):
     """Switching between target-only and speculative steps, every context row a drafter block
-    can see (the positions before its anchor) was last written with the target's tap row of that
+    can see (the positions before its anchor within its window: the drafter's sliding layers
+    keep their context in a sliding group of the hybrid layout) was last written with the target's tap row of that
     position (the taps of a full prefill of the final sequence), eagerly or through the padded
     layouts; the verify's own store also writes rows of rejected drafts (checked: some are), at
     positions no block reads before rewriting them (``in_verify``; else only committed rows are
@@ -1210,6 +1211,8 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
         engine.attach_context_graphs()
     engine.adaptive_k = _Alternating(k)
     drafter, proposer = engine.drafter, engine.proposer
+    assert engine.kv_layout.draft_group  # the drafter's context kept within the window
+    window = max(layer.sliding_window for layer in drafter.spec.layers)
     scratch = proposer.kv_cache.scratch_slot
     last_written = {}  # drafter cache slot -> the feature row last stored there
     writes = []  # (position, feature row) of every real row stored, in order
@@ -1237,9 +1240,10 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
         num_ahead += start_pos is not None
         anchors = start_pos.tolist() if start_pos is not None else [it.start_pos for it in items]
         for it, anchor in zip(items, anchors):
-            s = next(s for s in engine.scheduler.running if s.block_table is it.block_table)
-            rows = [last_written.get(int(slot)) for slot in proposer.slots(s, 0, anchor)]
-            reads.append((tuple(s.prompt_token_ids), anchor, rows))
+            s = next(s for s in engine.scheduler.running if proposer.table(s) is it.block_table)
+            first = max(0, anchor - window + 1)  # keys > anchor - window
+            rows = [last_written.get(int(slot)) for slot in proposer.slots(s, first, anchor - first)]
+            reads.append((tuple(s.prompt_token_ids), anchor, first, rows))
         return block_forward(input_ids, items, *args, start_pos=start_pos, **kwargs)
 
     drafter.combine_hidden_states, drafter.precompute_and_store_context_kv = combine_spy, store_spy
@@ -1257,13 +1261,13 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
         ref.allocator.free(blocks)
         taps_of[tuple(p)] = taps
     num_checked = 0
-    for prompt, anchor, rows in reads:
-        for pos, row in enumerate(rows):
+    for prompt, anchor, first, rows in reads:
+        for pos, row in enumerate(rows, start=first):
             assert row is not None, (prompt, anchor, pos)
             error = float((taps_of[prompt][pos] - row).abs().max())
             assert error < 1e-4, (prompt, anchor, pos, error)
             num_checked += 1
-    assert len(reads) >= 3 * 3 and num_checked > len(reads) * min(map(len, prompts))
+    assert len(reads) >= 3 * 3 and num_checked > len(reads) * min(window - 1, *map(len, prompts))
     # every stored row is some request's tap row of its position, except rejected drafts'
     def matches_some_request(pos, row):
         return any(pos < t.shape[0] and float((t[pos] - row).abs().max()) < 1e-4 for t in taps_of.values())
@@ -1526,7 +1530,9 @@ def test_forward_ahead_survives_aborts_and_kv_pressure(pair, monkeypatch):
 
 def test_prefill_stores_the_prompts_context(pair):
     """The prefill step writes the drafter's context K/V of every prompt position (no pending
-    taps survive it: the decode steps never carry a prompt-sized store), and only those slots."""
+    taps survive it: the decode steps never carry a prompt-sized store), and only those slots
+    (of the blocks not the target's: the drafter's layers are pool entries of the hybrid
+    layout, whose other groups' blocks the target's layers write)."""
     target, draft = pair
     llm = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=4)
     engine = llm.engine
@@ -1539,7 +1545,12 @@ def test_prefill_stores_the_prompts_context(pair):
     assert all(s.num_pending == 0 for s in seqs)
     written = {int(slot) for s in seqs
                for slot in engine.proposer.slots(s, 0, len(s.prompt_token_ids))}
+    draft_group, bs = engine.kv_layout.draft_group, 4
+    assert draft_group and len(written) == sum(len(s.prompt_token_ids) for s in seqs)
+    targets = {b * bs + j for s in seqs for g, table in enumerate([s.block_table, *s.swa_block_tables])
+               if g != draft_group for b in table for j in range(bs)}
+    assert not targets & written
     for layer, old in zip(layers, before):
         for new_t, old_t in zip(layer, old):  # K and V caches [slots, heads, head_dim]
             changed = {int(i) for i in (new_t != old_t).flatten(1).any(1).nonzero().flatten()}
-            assert changed == written
+            assert changed - targets == written

@@ -94,6 +94,52 @@ def test_same_memory_holds_more_blocks(pair, monkeypatch):
     assert LLM(target, max_model_len=64, num_kv_blocks=20).engine.allocator.num_blocks == 40
 
 
+def test_a_drafter_in_the_pool_makes_the_same_memory_hold_more_blocks(pair, monkeypatch):
+    """With the drafter's 2 layers in a sliding group of their own, a block holds 2 layers
+    (one group's) instead of the unified layout's 4 + 2: three times the blocks of the same
+    budget, and of the same explicit num_kv_blocks' memory."""
+    from laguna_dflash.engine import engine as engine_module
+
+    target, draft = pair
+    per_block = KVCache.bytes_per_block(4 + 2, 16, 2, 8, torch.float32)
+    monkeypatch.setattr(engine_module, "_CPU_KV_BUDGET_BYTES", 100 * per_block)
+    options = dict(draft=draft, num_speculative_tokens=3, max_model_len=64)
+    hybrid, unified = LLM(target, **options).engine, LLM(target, **options, **UNIFIED).engine
+    assert unified.allocator.num_blocks == 100 and hybrid.kv_layout.draft_group == 2
+    assert hybrid.allocator.num_blocks == 3 * unified.allocator.num_blocks
+    assert LLM(target, **options, num_kv_blocks=20).engine.allocator.num_blocks == 60
+    tensors = {t.data_ptr() for cache in (hybrid.runner.kv_cache, hybrid.proposer.kv_cache)
+               for layer in cache.layers for t in layer}
+    assert len(tensors) == 2 * 2  # the pool's K and V of 2 layers, nothing of the drafter's own
+
+
+def test_layout_with_drafter_groups_only_a_sliding_drafter_that_fits(tmp_path):
+    """Laguna XS-2.1's drafter (5 sliding layers) and S-2.1's (6) take group 4 of blocks of 10
+    / 12 layers; a drafter with a full-attention layer, more layers than a group, or past the
+    group limit keeps its own cache (the layout unchanged), as does one whose K/V rows have
+    another shape (the engine's check): its generation is still the target's."""
+    xs = HybridLayout.for_layers(_windows(4, 40))
+    s21 = HybridLayout.for_layers(_windows(4, 48))
+    for layout, num in ((xs, 5), (s21, 6)):
+        with_draft = layout.with_drafter([512] * num)
+        assert (with_draft.draft_group, with_draft.num_draft_layers, with_draft.num_swa_groups) == (4, num, 4)
+        assert with_draft.group_of_layer == layout.group_of_layer
+    assert xs.with_drafter([512, None]) is xs
+    assert xs.with_drafter([512] * 11) is xs
+    assert xs.with_drafter([1024]).sliding_window == 1024
+    most = HybridLayout.for_layers([None] + [8] * (MAX_KV_GROUPS - 1))
+    assert most.with_drafter([8]) is most
+    target = df.make_tiny_laguna_target(tmp_path / "t")
+    wide = df.make_poolside_laguna_drafter(tmp_path / "d", target, head_dim=16)
+    llm = LLM(target, draft=wide, num_speculative_tokens=3, block_size=4, max_model_len=64)
+    assert llm.engine.kv_layout.draft_group == 0 and llm.engine.kv_layout.num_swa_groups == 1
+    assert llm.engine.proposer.kv_cache.layers[0][0].shape[-1] == 16
+    prompt, params = _prompts([9], seed=6), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = LLM(target, block_size=4, max_model_len=64).generate(prompt_token_ids=prompt, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompt, sampling_params=params)
+    assert got[0].token_ids == want[0].token_ids
+
+
 # (the three-group target has no drafter: the fixture's drafter taps the pair's target)
 @pytest.mark.parametrize(("fixture", "with_draft"), [("pair", False), ("pair", True), ("three_groups", False)])
 def test_outputs_equal_the_unified_layout_and_the_window_is_kept(request, fixture, with_draft):
@@ -112,13 +158,15 @@ def test_outputs_equal_the_unified_layout_and_the_window_is_kept(request, fixtur
     params = [SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)]
-    want = [o.token_ids for o in LLM(target, **options, **UNIFIED).generate(
-        prompt_token_ids=prompts, sampling_params=params)]
+    unified = LLM(target, **options, **UNIFIED)
+    want = [o.token_ids for o in unified.generate(prompt_token_ids=prompts, sampling_params=params)]
     for graphs in (False, True):
         llm = LLM(target, **options)
         engine = llm.engine
         layout = engine.kv_layout
-        assert layout is not None and layout.num_swa_groups == (1 if fixture == "pair" else 3)
+        # the pair's drafter (2 layers, window 8) keeps its context in a sliding group of its own
+        assert layout is not None and layout.num_swa_groups == (2 if with_draft else 1 if fixture == "pair" else 3)
+        assert layout.draft_group == (2 if with_draft else 0)
         if graphs:
             engine.attach_graph_runners()
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -135,8 +183,12 @@ def test_outputs_equal_the_unified_layout_and_the_window_is_kept(request, fixtur
                     most_held = max(most_held, len(held))
                 assert len(s.block_table) * 4 >= s.num_computed
         assert [s.output_token_ids for s in seqs] == want
-        # the window (4) plus a step's positions (chunks of 16, or K + 1 + the drafts ahead)
-        assert most_held <= -(-(4 + 16 + 8) // 4) + 1
+        if with_draft:  # the same drafts: the drafter saw the same context within its window
+            assert engine.spec_stats.as_dict() == unified.engine.spec_stats.as_dict()
+            assert engine.spec_stats.num_accepted_tokens > 0
+        # the window (4, the drafter's 8) plus a step's positions (chunks of 16, or K + 1 + the
+        # drafts ahead)
+        assert most_held <= -(-(layout.sliding_window + 16 + 8) // 4) + 1
         assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
@@ -232,3 +284,40 @@ def test_a_chunked_prefill_short_of_sliding_blocks_shrinks_its_chunk_then_preemp
     assert b in sched.waiting and not b.block_table and b.num_preemptions == 1
     assert sched.prefilling == [a] and a.num_computed == 20
     alloc.free(held)
+
+
+def test_drafter_context_within_its_window_equals_the_unified_layouts(pair):
+    """The drafter's layers (all sliding, window 8, longer than the target's 4) keep their
+    context K/V in a sliding group of their own: run step by step beside the unified layout
+    (the drafter's own full-context cache), after every step each request's drafter K/V at the
+    positions its next block reads (its window before the pending bonus, context final there)
+    equal the unified layout's, and the drafter's table holds no block before the window."""
+    target, draft = pair
+    options = dict(draft=draft, num_speculative_tokens=3, block_size=4, max_model_len=96,
+                   max_num_batched_tokens=16)
+    hybrid, unified = LLM(target, **options).engine, LLM(target, **options, **UNIFIED).engine
+    layout = hybrid.kv_layout
+    assert (layout.draft_group, layout.sliding_window) == (2, 8)
+    assert hybrid.proposer.kv_cache.layers[0][0] is hybrid.runner.kv_cache.pool[0][0]  # pooled
+    prompts = _prompts([5, 30, 12], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    pairs = [(hybrid.add_request(p, params), unified.add_request(p, params)) for p in prompts]
+    num_checked = 0
+    while hybrid.has_unfinished:
+        hybrid.step()
+        unified.step()
+        for h, u in pairs:
+            if h.is_finished or not h.block_table or h.num_computed < h.num_tokens - 1:
+                continue  # done, waiting, or its prompt not computed yet
+            assert (h.num_computed, h.output_token_ids) == (u.num_computed, u.output_token_ids)
+            end = h.num_final_positions
+            positions = range(max(0, h.num_computed - layout.sliding_window + 1), end)
+            if not positions:
+                continue
+            slots_h = torch.from_numpy(hybrid.proposer.slots(h, positions[0], len(positions)))
+            slots_u = torch.from_numpy(unified.proposer.slots(u, positions[0], len(positions)))
+            assert not (slots_h == hybrid.proposer.kv_cache.scratch_slot).any()
+            for (kh, vh), (ku, vu) in zip(hybrid.proposer.kv_cache.layers, unified.proposer.kv_cache.layers):
+                assert torch.equal(kh[slots_h], ku[slots_u]) and torch.equal(vh[slots_h], vu[slots_u])
+            num_checked += 1
+    assert num_checked > 20

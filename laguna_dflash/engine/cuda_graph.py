@@ -456,7 +456,8 @@ class CUDAGraphRunner:
         input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
         hidden, taps = self.model(input_ids, ctx, tap_layer_ids)
         if context_store is not None:  # padding requests' rows go to the scratch slots
-            context_store(taps, meta.positions, meta.slot_mapping)
+            # at the slots of the drafter's table (kv_cache.draft_group: a sliding group's)
+            context_store(taps, meta.positions, ctx.meta_of_group(self.kv_cache.draft_group).slot_mapping)
             taps = None
         return hidden, taps
 
@@ -509,7 +510,7 @@ class CUDAGraphRunner:
             for table, blocks in enumerate((it.block_table, *it.swa_block_tables)):
                 # an SWA table's entries before swa_start are the scratch block, as the row is
                 # already: a long context copies its window, not its length, per SWA group
-                first = min(it.swa_start, nb) if table else 0
+                first = min(it.swa_start, nb) if table or it.is_window_table else 0
                 n, col = min(len(blocks), nb), 2 + table * self.max_blocks
                 rows[i, col + first : col + n] = blocks[first:n]
             if not is_tensor:

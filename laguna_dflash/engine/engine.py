@@ -44,6 +44,10 @@ _CPU_KV_BUDGET_BYTES = 2 << 30
 # own K/V there first). False: the committed rows become pending taps, stored by the next
 # step's propose (an A/B switch for benchmarks).
 store_context_in_verify = True
+# True: under the hybrid KV layout a drafter whose layers all slide keeps its context K/V in a
+# sliding group of the pool (LLMEngine._hybrid_layout); False: in a full-context cache of its
+# own (an A/B switch for benchmarks/bench_hybrid_kv.py)
+drafter_in_sliding_group = True
 
 # True: each DFlash step queues the NEXT step's drafter block right behind its own acceptance,
 # from device values (anchors P + a + 1, bonus tokens t_a), before its host sync waits; the host
@@ -172,8 +176,7 @@ class LLMEngine:
         # config.json's, then generation_config.json's (where instruct models list end-of-turn)
         self.eos_token_ids = with_generation_eos_ids(config.model, spec.eos_token_ids)
         self.backend = get_attention_backend(self._attention_backend_name(config))
-        self.kv_layout = (None if config.disable_hybrid_kv_cache_manager else
-                          HybridLayout.for_layers([layer.sliding_window for layer in spec.layers]))
+        self.kv_layout = self._hybrid_layout(config)
         blocks_per_seq = -(-max_positions // config.block_size)
         # an explicit num_kv_blocks counts blocks of every layer (and the drafter's): a hybrid
         # layout's blocks hold one group's layers, so the same memory is more of them
@@ -184,7 +187,7 @@ class LLMEngine:
             num_draft = self.drafter.num_cache_layers if self.drafter is not None else 0
             if explicit_blocks:
                 explicit_blocks = (explicit_blocks * (spec.num_layers + num_draft)
-                                   // (self.kv_layout.group_size + num_draft))
+                                   // (self.kv_layout.group_size + self._num_own_draft_layers))
         # gpu_memory_utilization's profiled activation peak (bytes; 0: no profile ran)
         self.profiled_activation_bytes = 0
         # the same count on every rank (the scheduler's decisions depend on it)
@@ -212,9 +215,11 @@ class LLMEngine:
         self.adaptive_k = AdaptiveK(k) if adaptive and k else None
         if self.drafter is not None:
             d = self.drafter
-            dkv = KVCache(d.num_cache_layers, num_blocks, config.block_size, d.num_kv_heads,
-                          d.head_dim, self.dtype, self.device)
-            self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k)
+            dkv = (kv.drafter_view() if kv.draft_group else
+                   KVCache(d.num_cache_layers, num_blocks, config.block_size, d.num_kv_heads,
+                           d.head_dim, self.dtype, self.device))
+            self.proposer = DFlashProposer(d, dkv, ModelRunner(d, dkv, self.backend, self.device), k,
+                                           draft_group=kv.draft_group)
             assert dkv.scratch_slot == kv.scratch_slot  # one slot index space (store_rows)
             self.runner.context_store = self.proposer.store_rows
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -239,7 +244,8 @@ class LLMEngine:
             self.device, self.max_model_len, num_blocks, config.block_size,
             "unified" if self.kv_layout is None else
             f"hybrid: blocks of {self.kv_layout.group_size} layers, {self.kv_layout.num_swa_groups} "
-            f"sliding-window groups kept within {self.kv_layout.sliding_window} positions",
+            f"sliding-window groups{' (the drafter in one)' if self.kv_layout.draft_group else ''} "
+            f"kept within {self.kv_layout.sliding_window} positions",
             f"dflash K={k}" if k else "off", self.backend.name, self.runner.graphs is not None,
             config.batch_invariant,
         )
@@ -247,6 +253,27 @@ class LLMEngine:
             self.warmup()
 
     # ---- setup ---------------------------------------------------------------------------------
+
+    def _hybrid_layout(self, config: EngineConfig) -> HybridLayout | None:
+        """The KV layout (``kv_cache.HybridLayout``; None: unified). A drafter whose layers all
+        slide, whose K/V rows have the target's shape (not under tensor parallelism: it is
+        replicated, the target's heads split) keeps its context in a sliding group of its own."""
+        if config.disable_hybrid_kv_cache_manager:
+            return None
+        layout = HybridLayout.for_layers([layer.sliding_window for layer in self.target.spec.layers])
+        d = self.drafter
+        if (layout is None or d is None or not drafter_in_sliding_group
+                or d.num_kv_heads != self.target.num_local_kv_heads
+                or d.head_dim != self.target.spec.head_dim):
+            return layout
+        return layout.with_drafter([layer.sliding_window for layer in d.spec.layers])
+
+    @property
+    def _num_own_draft_layers(self) -> int:
+        """The drafter's layers in a cache of their own (not in the hybrid layout's pool)."""
+        if self.drafter is None or (self.kv_layout is not None and self.kv_layout.draft_group):
+            return 0
+        return self.drafter.num_cache_layers
 
     def _attention_backend_name(self, config: EngineConfig) -> str:
         """The backend to build; with ``batch_invariant`` the paged Triton kernels, which must
@@ -481,7 +508,7 @@ class LLMEngine:
         num_layers = self.kv_layout.group_size if self.kv_layout is not None else spec.num_layers
         per_block = KVCache.bytes_per_block(num_layers, config.block_size,
                                             self.target.num_local_kv_heads, spec.head_dim, self.dtype)
-        if self.drafter is not None:  # replicated on every rank
+        if self._num_own_draft_layers:  # replicated on every rank
             d = self.drafter
             per_block += KVCache.bytes_per_block(d.num_cache_layers, config.block_size,
                                                  d.num_kv_heads, d.head_dim, self.dtype)

@@ -8,6 +8,8 @@ from there (always masked), so shapes stay fixed without branches.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -147,16 +149,35 @@ class HybridLayout:
     target keeps ``num_full`` layers' K/V instead of all of them.
 
     ``group_of_layer[l]``, ``index_in_group[l]``: where cache layer ``l`` lives.
+
+    A DFlash drafter whose layers all slide (Laguna's: window 512) may keep its context K/V in
+    one more SWA group, ``draft_group`` (:meth:`with_drafter`): its ``num_draft_layers`` layers
+    are pool entries ``0 ..``, and its block table is that group's; else (0) the drafter keeps
+    a cache of its own, indexed by the full group's table (every position).
     """
 
     group_size: int
     group_of_layer: tuple[int, ...]
     index_in_group: tuple[int, ...]
     sliding_window: int  # the largest window of the SWA layers: blocks before it are freed
+    draft_group: int = 0
+    num_draft_layers: int = 0
 
     @property
     def num_swa_groups(self) -> int:
-        return max(self.group_of_layer)
+        return max(max(self.group_of_layer), self.draft_group)
+
+    def with_drafter(self, windows: list[int | None]) -> HybridLayout:
+        """This layout with a drafter of layers of these sliding windows in a group of its own,
+        or this layout unchanged where that does not apply: a drafter layer without a window
+        (full attention reads every position), more drafter layers than a group holds, or no
+        group left under ``MAX_KV_GROUPS``. The window kept becomes the largest of both models'
+        (the drafter's block at ``P ..`` reads context keys ``> P - window``)."""
+        if (not windows or any(w is None for w in windows) or len(windows) > self.group_size
+                or self.num_swa_groups + 2 > MAX_KV_GROUPS):
+            return self
+        return dataclasses.replace(self, sliding_window=max(self.sliding_window, *windows),
+                                   draft_group=self.num_swa_groups + 1, num_draft_layers=len(windows))
 
     @staticmethod
     def for_layers(windows: list[int | None]) -> HybridLayout | None:
@@ -200,16 +221,29 @@ class KVCache:
         self.scratch_slot = num_blocks * block_size
         self.layout = layout
         num_tensors = layout.group_size if layout is not None else num_layers
-        pool = [
+        self.pool = [
             (
                 torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
                 torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
             )
             for _ in range(num_tensors)
         ]
-        self.layers = pool if layout is None else [pool[i] for i in layout.index_in_group]
+        self.layers = self.pool if layout is None else [self.pool[i] for i in layout.index_in_group]
         # each layer's group (engine/runner, cuda_graph: which block table's metadata it takes)
         self.group_of_layer = layout.group_of_layer if layout is not None else ()
+        # the group whose table holds the drafter's context K/V (HybridLayout.draft_group; 0:
+        # the full group's, the drafter's own cache shares its slot index space)
+        self.draft_group = layout.draft_group if layout is not None else 0
+
+    def drafter_view(self) -> KVCache:
+        """The drafter's cache in the layout's drafter group: its layers are pool entries
+        ``0 .. num_draft_layers - 1`` (a block of the group holds them; the rest of the block's
+        entries stay unused), same slots and scratch slot; one block table, the group's."""
+        assert self.layout is not None and self.layout.draft_group, "the layout has no drafter group"
+        view = copy.copy(self)
+        view.layers = self.pool[: self.layout.num_draft_layers]
+        view.layout, view.group_of_layer, view.draft_group = None, (), 0
+        return view
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

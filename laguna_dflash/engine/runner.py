@@ -35,6 +35,9 @@ class ForwardItem:
     # their entries before swa_start are the scratch block (outside every window)
     swa_block_tables: tuple[list[int], ...] = ()
     swa_start: int = 0
+    # block_table is a sliding group's too (the drafter's in the hybrid layout): its entries
+    # before swa_start are the scratch block as well
+    is_window_table: bool = False
 
 
 def forward_item(seq, num_tokens: int, start_pos: int, seq_len: int) -> ForwardItem:
@@ -207,7 +210,7 @@ class ModelRunner:
                else to_device_async(torch.tensor(input_ids, dtype=torch.long), self.device))
         ctx = self.context(items, is_causal)
         hidden, taps = self.model(ids, ctx, tap_layer_ids)
-        if store is not None:
-            store(taps, ctx.meta.positions, ctx.meta.slot_mapping)
+        if store is not None:  # at the slots of the drafter's table (kv_cache.draft_group)
+            store(taps, ctx.meta.positions, ctx.meta_of_group(self.kv_cache.draft_group).slot_mapping)
             taps = None
         return hidden, taps

@@ -79,24 +79,39 @@ class SpecDecodingStats:
 class DFlashProposer:
     """Runs the drafter: context K/V precompute, then one block forward for all requests.
 
-    The drafter's KV cache shares the target's slot index space (same block tables), so the
-    context K/V of position ``j`` lives at the slot of the target's KV of ``j``.
+    The drafter's KV cache shares the target's slot index space. With ``draft_group`` 0 it is a
+    cache of its own indexed by the target's full table, so the context K/V of position ``j``
+    lives at the slot of the target's KV of ``j``; else it is a sliding group of the hybrid
+    layout (``kv_cache.HybridLayout.draft_group``) and its table is the request's
+    ``swa_block_tables[draft_group - 1]``: entries before ``swa_start`` are the scratch block, so
+    context older than the window is written there (never read: outside every window).
     """
 
     def __init__(self, drafter: torch.nn.Module, kv_cache: KVCache, runner: ModelRunner,
-                 num_speculative_tokens: int) -> None:
+                 num_speculative_tokens: int, draft_group: int = 0) -> None:
         self.drafter = drafter
         self.kv_cache = kv_cache
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_group = draft_group
         # set by LLMEngine.attach_context_graphs (EngineConfig.graph_context_precompute)
         self.context_graphs: ContextGraphRunner | None = None
+
+    def table(self, seq: Sequence) -> list[int]:
+        """``seq``'s block table of the drafter's cache."""
+        return seq.swa_block_tables[self.draft_group - 1] if self.draft_group else seq.block_table
+
+    def forward_item(self, seq: Sequence, start_pos: int, num_tokens: int) -> ForwardItem:
+        """``seq``'s slice of a drafter block forward: ``num_tokens`` at ``start_pos ..``."""
+        return ForwardItem(num_tokens, start_pos, start_pos + num_tokens, self.table(seq),
+                           swa_start=seq.swa_start if self.draft_group else 0,
+                           is_window_table=bool(self.draft_group))
 
     def slots(self, seq: Sequence, start: int, count: int) -> np.ndarray:
         """Drafter cache slots ``[count]`` int64 of ``seq``'s positions ``start ..`` (host)."""
         bs = self.kv_cache.block_size
         pos = np.arange(start, start + count)
-        return np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+        return np.asarray(self.table(seq), dtype=np.int64)[pos // bs] * bs + pos % bs
 
     def store_rows(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the context K/V of ``taps [N, n_taps * H_t]`` at ``positions [N]`` / drafter
@@ -143,7 +158,7 @@ class DFlashProposer:
         for s in seqs:
             p = s.num_tokens - 1  # position of the pending bonus token
             ids += [s.last_token] + [mask_id] * k
-            items.append(ForwardItem(k + 1, p, p + k + 1, s.block_table))
+            items.append(self.forward_item(s, p, k + 1))
         return self._drafts(ids, items, k)
 
     @torch.inference_mode()
@@ -158,9 +173,9 @@ class DFlashProposer:
         graphs = self.runner.graphs
         bs = self.kv_cache.block_size
         max_anchors = [p + k + 1 for p in anchors]
-        items = [ForwardItem(k + 1, m, m + k + 1, s.block_table) for m, s in zip(max_anchors, seqs)]
+        items = [self.forward_item(s, m, k + 1) for m, s in zip(max_anchors, seqs)]
         if (graphs is None or not graphs.can_run(items, len(seqs) * (k + 1))
-                or any(s.num_pending or len(s.block_table) * bs < m + k + 1
+                or any(s.num_pending or len(self.table(s)) * bs < m + k + 1
                        for m, s in zip(max_anchors, seqs))):
             return None
         device = target_tokens.device

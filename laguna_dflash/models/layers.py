@@ -104,7 +104,10 @@ class ForwardContext:
         """The metadata a cache layer reads and writes its K/V by (its group's slots)."""
         if not self.swa_metas:
             return self.meta
-        group = self.group_of_layer[cache_index]
+        return self.meta_of_group(self.group_of_layer[cache_index])
+
+    def meta_of_group(self, group: int) -> AttentionMetadata:
+        """The metadata of a group's block table (0: the full layers', ``meta``)."""
         return self.meta if group == 0 else self.swa_metas[group - 1]
 
 

@@ -26,6 +26,8 @@
 #   bash benchmarks/gpu_check.sh pass49-kv  # bench_hybrid_kv.py at --max-num-seqs 64: unified,
 #                                           # hybrid with the drafter's own cache, hybrid; the
 #                                           # prefill store's test; DFlash at L = 4 (~9.5 min)
+#   bash benchmarks/gpu_check.sh pass49-long  # a 16k-token context: decode and DFlash at L = 4,
+#                                           # batch 1 and 4, hybrid against unified (~8 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -211,6 +213,13 @@ gpu_tests() {
     | sed -E 's/^tests\///; s/ +\[ *[0-9]+%\]$//'
   [ "${PIPESTATUS[0]}" = 124 ] && echo "(cut at ${limit} s: the tests not listed did not run)"
   return 0
+}
+# engine_cuda_tests SECONDS: the engine's CUDA tests (graphs against eager, the float32 lossless
+# test at XS-2.1 and S-2.1 widths, prefix caching, chunked prefill, prefill graphs), 6 workers
+engine_cuda_tests() {
+  gpu_tests "$1" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
+    tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
+    -k "cuda or xs_widths" | tail -70
 }
 # every_test LOG FILES...: every test in FILES on 12 pytest-xdist workers (carry the pytest-xdist
 # and execnet wheels in .whl/), full log in $OUT/LOG. -v: a run cut by the limit still names each
@@ -647,23 +656,21 @@ case "$stage" in
     echo "== the hybrid KV layout (on by default) on the GPU: the engine's CUDA tests (graphs, the"
     echo "   float32 lossless test at XS-2.1 and S-2.1 widths, prefix caching, chunked prefill, prefill"
     echo "   graphs), the kernels' S-2.1 CUDA cases, then bench_hybrid_kv.py (~9 min)"
-    gpu_tests "${ENGINE_S:-210}" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
-      tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
-      -k "cuda or xs_widths" | tail -70
+    engine_cuda_tests "${ENGINE_S:-210}"
     gpu_tests 70 -n 4 tests/test_kernel_*.py -k "s21 and cuda and not interpret" | tail -16
     timeout "${BENCH_S:-270}" python benchmarks/bench_hybrid_kv.py --new-tokens 32 2>&1 | quiet | tail -8 ;;
   pass49)
     echo "== the drafter's context K/V in a sliding group of the hybrid layout (on by default): the"
     echo "   engine's CUDA tests, the moe_gemv S-2.1 CUDA cases, then DFlash at L = 4, batch 1"
     echo "   against target-only, the drafter in the pool against its own cache (~8 min)"
-    gpu_tests "${ENGINE_S:-220}" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
-      tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
-      -k "cuda or xs_widths" | tail -70
+    engine_cuda_tests "${ENGINE_S:-220}"
+    # (the moe_gemv S-2.1 cases take ~330 s on 6 workers, width 1024 alone 323 s: a call of their own)
     gpu_tests 80 -n 3 tests/test_kernel_moe_gemv.py -k "s21 and cuda and not interpret" | tail -8
     for v in True False; do
       echo "-- drafter_in_sliding_group=$v"
       timeout 110 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 3 --rounds 1 --switch laguna_dflash.engine.engine:drafter_in_sliding_group=$v 2>&1 | quiet | tail -6
+        --sim-ks 3 --rounds 1 --switch laguna_dflash.engine.engine:drafter_in_sliding_group=$v 2>&1 | quiet \
+        | grep -E "^\||floor|simulated" | head -14
     done ;;
   pass49-kv)
     echo "== bench_hybrid_kv.py at 64 sequences: unified, hybrid with the drafter's own"
@@ -673,6 +680,15 @@ case "$stage" in
     gpu_tests 80 tests/test_cuda_graphs.py -k "prefill_stores_the_prompts_context" | tail -3
     timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
       --sim-ks 3 --rounds 1 2>&1 | quiet | grep -E "^\||floor|simulated" | head -14 ;;
+  pass49-long)
+    echo "== a 16k-token context: batch 1 and 4 decode and DFlash at L = 4, the hybrid layout (the"
+    echo "   drafter in a sliding group) against the unified one (MAX_KV_GROUPS=0) (~8 min)"
+    for g in 8 0; do
+      echo "-- laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=$g"
+      timeout "${LONG_S:-250}" python benchmarks/bench_gpu_xs.py --context 16384 --new-tokens 64 --ks 3 \
+        --batches 1,4 --simulated 4 --sim-ks 3 --rounds 1 --switch laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=$g \
+        2>&1 | quiet | grep -E "^\||floor|simulated|context" | head -20
+    done ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

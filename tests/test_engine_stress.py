@@ -304,6 +304,8 @@ def test_random_load_gives_each_requests_alone_output(pair, requests, monkeypatc
     llm = _engine(pair, monkeypatch, CONFIGS[name])
     engine = llm.engine
     assert (engine.kv_layout is None) == CONFIGS[name].get("disable_hybrid_kv_cache_manager", False)
+    # the drafter's sliding layers keep their context in a sliding group of the pool
+    assert bool(engine.kv_layout and engine.kv_layout.draft_group) == bool(CONFIGS[name].get("draft"))
     preempted: list[int] = []
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]

@@ -321,3 +321,22 @@ def test_drafter_context_within_its_window_equals_the_unified_layouts(pair):
                 assert torch.equal(kh[slots_h], ku[slots_u]) and torch.equal(vh[slots_h], vu[slots_u])
             num_checked += 1
     assert num_checked > 20
+
+
+def test_startup_logs_the_kv_cache_size_and_concurrency_as_vllm(pair, caplog):
+    """vLLM's start-up lines, "KV cache size: N tokens" and "maximum concurrency for L tokens per
+    request: Cx": the hybrid layout holds more tokens of context in the same memory than the
+    unified one, less one request's sliding-window blocks; C is the blocks over what one
+    max_model_len request may hold."""
+    target, draft = pair
+    options = dict(draft=draft, num_speculative_tokens=3, block_size=4, max_model_len=64, num_kv_blocks=40,
+                   max_num_batched_tokens=16)
+    with caplog.at_level("INFO", logger="laguna_dflash.engine.engine"):
+        hybrid, unified = LLM(target, **options).engine, LLM(target, **options, **UNIFIED).engine
+    assert unified.kv_cache_size_tokens == 40 * 4 and unified.max_concurrency == 40 / 17  # 64 + 3 + 1 positions
+    # 120 blocks (the drafter in the pool: 3x); 2 sliding groups keep window 8 + 16 + 4 positions
+    assert hybrid.allocator.num_blocks == 120 and hybrid.max_blocks_per_seq == 17 + 2 * (7 + 1)
+    assert hybrid.kv_cache_size_tokens == (120 - 16) * 4 and hybrid.max_concurrency == 120 / 33
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache size")]
+    assert lines == ["KV cache size: 416 tokens; maximum concurrency for 64 tokens per request: 3.64x",
+                     "KV cache size: 160 tokens; maximum concurrency for 64 tokens per request: 2.35x"]

@@ -200,6 +200,10 @@ class LLMEngine:
                 "raise it or lower max_model_len"
             )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
+        # the blocks one max_model_len request may hold at once: its full table, and each SWA
+        # group's window plus a prefill step (vLLM's sizing of a sliding-window group)
+        self.max_blocks_per_seq = blocks_per_seq
+        self._num_swa_blocks_per_seq = blocks_per_seq - -(-max_positions // config.block_size)
         kv = KVCache(spec.num_layers, num_blocks, config.block_size, self.target.num_local_kv_heads,
                      spec.head_dim, self.dtype, self.device, self.kv_layout)
         self.runner = ModelRunner(self.target, kv, self.backend, self.device)
@@ -249,8 +253,22 @@ class LLMEngine:
             f"dflash K={k}" if k else "off", self.backend.name, self.runner.graphs is not None,
             config.batch_invariant,
         )
+        logger.info("KV cache size: %d tokens; maximum concurrency for %d tokens per request: %.2fx",
+                    self.kv_cache_size_tokens, self.max_model_len, self.max_concurrency)
         if self.device.type == "cuda":
             self.warmup()
+
+    @property
+    def kv_cache_size_tokens(self) -> int:
+        """Tokens of context the KV cache holds (vLLM's "KV cache size"): every block in full
+        tables, less one request's blocks of the SWA groups (hybrid layout)."""
+        return (self.allocator.num_blocks - self._num_swa_blocks_per_seq) * self.allocator.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many ``max_model_len`` requests the KV cache holds at once (vLLM's "maximum
+        concurrency"), each at its most blocks (:attr:`max_blocks_per_seq`)."""
+        return self.allocator.num_blocks / self.max_blocks_per_seq
 
     # ---- setup ---------------------------------------------------------------------------------
 

@@ -318,6 +318,7 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
     from laguna_dflash import LLM, SamplingParams
     from laguna_dflash.engine import cuda_graph
     from laguna_dflash.engine.engine import LLMEngine
+    from laguna_dflash.engine.kv_cache import KVCache
 
     cuda_graph.build_ahead = not args.no_build_ahead
     for text in args.switch:
@@ -423,9 +424,8 @@ def run(args: argparse.Namespace, scenarios: list[tuple[int, int, int]], tmp: Pa
                           f"{startup_build_s.get(k, 0.0):.1f} s" for k in slowest))
     if args.device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info()
-        kv_gib = sum(t.numel() * t.element_size() for c in [engine.runner.kv_cache]
-                     + ([engine.proposer.kv_cache] if engine.proposer else []) for layer in c.layers
-                     for t in layer) / 2**30
+        kv_gib = KVCache.num_bytes(engine.runner.kv_cache,
+                                   *([engine.proposer.kv_cache] if engine.proposer else [])) / 2**30
         print(f"KV cache {engine.allocator.num_blocks} blocks ({kv_gib:.1f} GiB); profiled activation "
               f"peak {engine.profiled_activation_bytes / 2**30:.2f} GiB"
               + (f" in {sum(profile_s):.1f} s" if profile_s else " (no profile run)")

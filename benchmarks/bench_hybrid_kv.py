@@ -34,10 +34,7 @@ def capacity(llm: LLM, long_context: int) -> dict:
     engine = llm.engine
     kv, bs, layout = engine.runner.kv_cache, engine.allocator.block_size, engine.kv_layout
     num_blocks = engine.allocator.num_blocks
-    tensors = {t.data_ptr(): t for layer in kv.layers for t in layer}
-    if engine.proposer is not None:
-        tensors.update({t.data_ptr(): t for layer in engine.proposer.kv_cache.layers for t in layer})
-    gib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
+    gib = KVCache.num_bytes(kv, *([engine.proposer.kv_cache] if engine.proposer else [])) / 2**30
     # a window (and a step's blocks) of each sliding group, per sequence
     swa_blocks = 0 if layout is None else layout.num_swa_groups * (-(-(layout.sliding_window + 16) // bs) + 1)
     return {"kv_gib": gib, "blocks": num_blocks, "tokens": (num_blocks - swa_blocks) * bs,

@@ -40,6 +40,7 @@ def main() -> None:
     from bench_gpu_xs import write_xs_configs
 
     from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine.kv_cache import KVCache
 
     options = {name: option_value(value) for name, _, value in
                (item.partition("=") for item in args.option)}
@@ -53,7 +54,7 @@ def main() -> None:
         startup_s = time.perf_counter() - t0
     engine = llm.engine
     caches = [engine.runner.kv_cache] + ([engine.proposer.kv_cache] if engine.proposer else [])
-    kv_gib = sum(t.numel() * t.element_size() for c in caches for layer in c.layers for t in layer) / 2**30
+    kv_gib = KVCache.num_bytes(*caches) / 2**30  # pooled layers counted once
     print(f"options {options}: start-up {startup_s:.1f} s, KV cache {engine.allocator.num_blocks} "
           f"blocks ({kv_gib:.1f} GiB), profiled activations {engine.profiled_activation_bytes / 2**30:.2f} GiB")
     if not cuda:

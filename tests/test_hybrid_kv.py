@@ -111,6 +111,10 @@ def test_a_drafter_in_the_pool_makes_the_same_memory_hold_more_blocks(pair, monk
     tensors = {t.data_ptr() for cache in (hybrid.runner.kv_cache, hybrid.proposer.kv_cache)
                for layer in cache.layers for t in layer}
     assert len(tensors) == 2 * 2  # the pool's K and V of 2 layers, nothing of the drafter's own
+    num_slots = hybrid.runner.kv_cache.num_slots
+    assert KVCache.num_bytes(hybrid.runner.kv_cache, hybrid.proposer.kv_cache) == 4 * num_slots * 2 * 8 * 4
+    unified_slots = unified.runner.kv_cache.num_slots  # 4 target layers and the drafter's 2, K and V
+    assert KVCache.num_bytes(unified.runner.kv_cache, unified.proposer.kv_cache) == 12 * unified_slots * 2 * 8 * 4
 
 
 def test_layout_with_drafter_groups_only_a_sliding_drafter_that_fits(tmp_path):

@@ -246,6 +246,13 @@ class KVCache:
         return view
 
     @staticmethod
+    def num_bytes(*caches: KVCache) -> int:
+        """Device bytes of the distinct tensors behind ``caches``' layers: a hybrid layout's
+        pooled layers, and a drafter view of the pool (:meth:`drafter_view`), counted once."""
+        tensors = {t.data_ptr(): t for cache in caches for layer in cache.layers for t in layer}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()

@@ -29,7 +29,9 @@ layers' groups hold, per request, only the blocks within ``sliding_window`` of t
 still computes (``Sequence.swa_block_tables``): a step's reservation takes their blocks up to the
 step's end, :meth:`Scheduler.trim_window` frees those that fell out of the window after it. With
 prefix caching their blocks are registered under the full blocks' hashes qualified by the
-group, and a cached prefix is used only as far as every group holds its last window.
+group, and a cached prefix is used only as far as every group holds its last window. A DFlash
+drafter whose layers all slide keeps its context K/V in one of these groups
+(``HybridLayout.draft_group``): nothing here tells it from the target's.
 """
 
 from __future__ import annotations

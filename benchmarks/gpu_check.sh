@@ -28,6 +28,9 @@
 #                                           # prefill store's test; DFlash at L = 4 (~9.5 min)
 #   bash benchmarks/gpu_check.sh pass49-long  # a 16k-token context: decode and DFlash at L = 4,
 #                                           # batch 1 and 4, hybrid against unified (~8 min)
+#   bash benchmarks/gpu_check.sh pass50     # the two memory-sizing CUDA tests under the hybrid layout;
+#                                           # the 16k-context decode graph by kernel, hybrid
+#                                           # against unified (~9 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -688,6 +691,15 @@ case "$stage" in
       timeout "${LONG_S:-250}" python benchmarks/bench_gpu_xs.py --context 16384 --new-tokens 64 --ks 3 \
         --batches 1,4 --simulated 4 --sim-ks 3 --rounds 1 --switch laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=$g \
         2>&1 | quiet | grep -E "^\||floor|simulated|context" | head -20
+    done ;;
+  pass50)
+    echo "== the memory-sizing CUDA tests (exclusive_gpu, alone) under the hybrid layout; then the"
+    echo "   16k-context batch-1 decode graph by kernel, hybrid against unified (MAX_KV_GROUPS=0)"
+    gpu_tests 150 tests/test_engine_units.py -k "gpu_memory_utilization or mem_fraction" | tail -3
+    for g in 8 0; do
+      echo "-- laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=$g"
+      timeout "${PROFILE_S:-200}" python benchmarks/profile_decode_xs.py --context 16384 --top 12 \
+        --set laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=$g 2>&1 | quiet | grep -v "^$" | tail -36
     done ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"

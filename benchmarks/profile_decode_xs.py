@@ -252,6 +252,10 @@ def main() -> None:
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value] to compare against the defaults "
                          "(repeatable)")
+    ap.add_argument("--set", action="append", default=[], dest="settings",
+                    help="module:attr=value set before the engine is built, for every row (e.g. "
+                         "laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=0, the unified KV layout; "
+                         "repeatable)")
     ap.add_argument("--ablate", action="append", default=[],
                     help="NAME[+NAME] of benchmarks/ablations.py: time the step without those "
                          "kernels (wrong output; an upper bound on fusing them away; repeatable)")
@@ -281,6 +285,10 @@ def main() -> None:
 
         carveout.install(args.carveout)
         print(f"every Triton kernel's preferred shared-memory carveout: {args.carveout}%")
+    for text in args.settings:  # before the engine: a layout is chosen when it is built
+        obj, name, value = parse_switch(text)
+        setattr(obj, name, value)
+        print(f"set {text}")
     bw = copy_bandwidth("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(xs_target_config(args.layers)))

@@ -3,7 +3,9 @@ CUDA kernels run at the sharded shapes (24 / 32 query heads, 4 KV heads, expert 
 the vocabulary) without a second GPU. Checks them against one process on the same checkpoint:
 
 * prompt logits: the largest absolute difference, relative to the logits' largest magnitude;
-* greedy tokens, target-only and DFlash (K = 3), per dtype; DFlash = target-only on the ranks.
+* greedy tokens, target-only and DFlash (K = 3), per dtype; DFlash = target-only on the ranks;
+* DFlash with the drafter sharded (the default) and replicated (``draft_tensor_parallel_size``
+  1): each spec step's draft tokens against one process's, and the acceptance length.
 
 ``--enable-expert-parallel``: the ranks split the routed experts by expert instead (128 whole
 experts each, the MoE kernels skipping the other rank's pairs).
@@ -68,8 +70,10 @@ def main() -> None:
             names.append((dtype, "logits"))
             gen = {"kind": "generate", "model": str(tdir), "prompts": prompts,
                    "max_tokens": args.new_tokens, "options": opts}
-            jobs += [gen, {**gen, "draft": str(ddir), "options": {**opts}}]
-            names += [(dtype, "target-only"), (dtype, "dflash K=3")]
+            traced = {**opts, "trace": True}
+            jobs += [gen, {**gen, "draft": str(ddir), "options": traced},
+                     {**gen, "draft": str(ddir), "options": {**traced, "draft_tensor_parallel_size": 1}}]
+            names += [(dtype, "target-only"), (dtype, "dflash K=3"), (dtype, "dflash K=3, drafter replicated")]
         for job in jobs:
             job["skip_warmup_prefills"] = True  # every engine here prefills these 2 prompts only
             if job.get("draft"):
@@ -79,8 +83,9 @@ def main() -> None:
         print(f"# two gloo ranks on one GPU: {time.perf_counter() - t0:.1f} s", flush=True)
         single = [tp_worker.to_cpu(tp_worker.run_job(job, tensor_parallel_size=1)) for job in jobs]
     print(f"# experts split by {'expert' if args.enable_expert_parallel else 'width'}")
-    print("| dtype | what | ranks equal | tp=2 vs tp=1 | DFlash = target-only (tp=2) |")
-    print("|---|---|---|---|---|")
+    print("| dtype | what | ranks equal | tp=2 vs tp=1 | DFlash = target-only (tp=2) | steps whose drafts "
+          "equal tp=1's | acceptance length tp=2 / tp=1 |")
+    print("|---|---|---|---|---|---|---|")
     for i, (dtype, what) in enumerate(names):
         a, b, one = sharded[0][i], sharded[1][i], single[i]
         if what == "logits":
@@ -91,11 +96,18 @@ def main() -> None:
                   f"argmax equal at {top:.0%} of positions | |")
             continue
         equal = sum(x == y for x, y in zip(a[0], one[0]))
-        lossless = ""
+        lossless = drafts = acceptance = ""
         if what.startswith("dflash"):
-            lossless = str(a[0] == sharded[0][i - 1][0])
+            lossless = str(a[0] == sharded[0][names.index((dtype, "target-only"))][0])
+            same = total = 0
+            for trace, want_trace in zip(a[2], one[2]):  # a prompt's steps, by anchor position
+                want = {s["anchor_position"]: s["draft_tokens"] for s in want_trace}
+                same += sum(want.get(s["anchor_position"]) == s["draft_tokens"] for s in trace)
+                total += len(trace)
+            drafts = f"{same} of {total}"
+            acceptance = f"{sum(a[1]) / len(a[1]):.2f} / {sum(one[1]) / len(one[1]):.2f}"
         print(f"| {dtype} | greedy {what} | {a == b} | {equal} of {len(one[0])} sequences equal | "
-              f"{lossless} |")
+              f"{lossless} | {drafts} | {acceptance} |")
 
 
 if __name__ == "__main__":

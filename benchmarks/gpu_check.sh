@@ -31,6 +31,10 @@
 #   bash benchmarks/gpu_check.sh pass50     # the two memory-sizing CUDA tests under the hybrid layout;
 #                                           # the 16k-context decode graph by kernel, hybrid
 #                                           # against unified (~9 min)
+#   bash benchmarks/gpu_check.sh pass50-tp  # the drafter sharded as the target: NCCL collectives in
+#                                           # the graphs; two gloo ranks at XS-2.1 widths, the
+#                                           # drafter sharded and replicated (~8 min; GLOO_S=240
+#                                           # adds the tiny pairs on two gloo ranks)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -701,6 +705,18 @@ case "$stage" in
       timeout "${PROFILE_S:-200}" python benchmarks/profile_decode_xs.py --context 16384 --top 12 \
         --set laguna_dflash.engine.kv_cache:MAX_KV_GROUPS=$g 2>&1 | quiet | grep -v "^$" | tail -36
     done ;;
+  pass50-tp)
+    echo "== the DFlash drafter sharded as the target: the sharded engines' CUDA tests (two gloo"
+    echo "   ranks sharing the GPU; NCCL collectives in the graphs, the drafter block's too), then"
+    echo "   two gloo ranks at XS-2.1 widths, the drafter sharded and replicated, against one process"
+    # (test_sharded_engine_on_one_gpu_over_gloo alone took 183 s in the twenty-sixth pass; the
+    # XS-width float32 check 172 s with two generate jobs, three here, so at 16 tokens)
+    gpu_tests 100 tests/test_tensor_parallel.py -k "nccl_collectives" | tail -3
+    timeout "${XS_S:-400}" python benchmarks/check_tp_xs.py --layers 2 --dtypes float32 --new-tokens 16 \
+      2>&1 | quiet | tail -8
+    if [ "${GLOO_S:-0}" -gt 0 ]; then
+      gpu_tests "$GLOO_S" tests/test_tensor_parallel.py -k "one_gpu_over_gloo" | tail -3
+    fi ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

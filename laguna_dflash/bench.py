@@ -78,7 +78,8 @@ def _timed_generate(llm: LLM, prompts: list[str], params: SamplingParams, batch_
 
 def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 128,
               batch_size: int = 1, num_speculative_tokens: int | None = None,
-              adaptive_k: bool = False, **engine_options) -> BenchResult:
+              adaptive_k: bool = False, draft_tensor_parallel_size: int | None = None,
+              **engine_options) -> BenchResult:
     """Greedy decode every prompt with and without the drafter; decode time excludes prefill.
 
     ``engine_options`` go to both ``LLM``s unchanged (``device``, ``dtype``, ``max_model_len``,
@@ -95,7 +96,8 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     base = LLM(model, **engine_options)
     spec = LLM(model, draft=draft, **engine_options,
-               num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k)
+               num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k,
+               draft_tensor_parallel_size=draft_tensor_parallel_size)
     warm = prompts[: min(2, len(prompts))]
     _timed_generate(base, warm, params, batch_size)
     _timed_generate(spec, warm, params, batch_size)

@@ -105,6 +105,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
                    help="shard the target over this many ranks (launch one process per rank: "
                         "torchrun --nproc-per-node N -m laguna_dflash ...)")
+    p.add_argument("--draft-tensor-parallel-size", type=int, default=None,
+                   help="with --tensor-parallel-size N and a drafter: 1 replicates the drafter on "
+                        "every rank, N shards its layers as the target's (then its context K/V "
+                        "can share the target's KV pool); default: N where the drafter's heads "
+                        "and MLP width divide it, else 1 (vLLM's speculative-config key)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.enable_prefix_caching,
                    help="keep full KV blocks after their request, keyed by their token prefix, so "
@@ -271,9 +276,10 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
     """(model, draft, is_demo): the embedded pair when no --model is given. serve's vLLM and
     SGLang spellings of the drafter and K are merged into ``args.draft`` and
     ``args.num_speculative_tokens`` first."""
-    from .server.args import merge_speculative_spellings
+    from .server.args import merge_draft_tensor_parallel_size, merge_speculative_spellings
 
     draft_flag, args.draft, _, args.num_speculative_tokens = merge_speculative_spellings(args)
+    args.draft_tensor_parallel_size = merge_draft_tensor_parallel_size(args)
     check_checkpoint_dir("--model", args.model, "the target model's directory")
     if not args.no_spec:
         check_checkpoint_dir(draft_flag or "--draft", args.draft, "the DFlash drafter's directory")
@@ -298,7 +304,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_flags(args)
     for flag, is_given in (("--num-speculative-tokens", args.num_speculative_tokens is not None),
                            ("--adaptive-k", args.adaptive_k),
-                           ("--simulate-acceptance-length", args.simulate_acceptance_length is not None)):
+                           ("--simulate-acceptance-length", args.simulate_acceptance_length is not None),
+                           ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size is not None)):
         if is_given and draft is None:  # they act on draft tokens: without a drafter, nothing
             raise ValueError(f"{flag} needs --draft DIR (and no --no-spec)")
     if args.trace and not args.json:
@@ -308,7 +315,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=model, draft=draft, **engine_options(args), max_num_seqs=1,
               num_speculative_tokens=args.num_speculative_tokens,
               adaptive_k=args.adaptive_k, simulate_acceptance_length=args.simulate_acceptance_length,
-              trace=args.trace)
+              draft_tensor_parallel_size=args.draft_tensor_parallel_size, trace=args.trace)
     load_s = time.perf_counter() - t0
     if prompt is not None:
         out = llm.generate(prompts=[prompt], sampling_params=params)[0]
@@ -385,7 +392,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = heldout_prompts()
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
-                       args.num_speculative_tokens, args.adaptive_k, **engine_options(args))
+                       args.num_speculative_tokens, args.adaptive_k,
+                       draft_tensor_parallel_size=args.draft_tensor_parallel_size, **engine_options(args))
     if not is_rank_zero():
         return 0
     # the numbers first: a plot that fails to save must not lose a finished benchmark

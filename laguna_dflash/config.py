@@ -200,13 +200,14 @@ class SamplingParams:
 
 
 #: The keys of vLLM's ``speculative_config`` this engine reads; others are logged and ignored.
-VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens")
+VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size")
 
 
-def from_vllm_speculative_config(cfg: object, where: str) -> tuple[str, int | None]:
+def from_vllm_speculative_config(cfg: object, where: str) -> tuple[str, int | None, int | None]:
     """vLLM's ``speculative_config`` (``{"method": "dflash", "model": DIR,
-    "num_speculative_tokens": K}``) -> (drafter directory, K or None). ``where`` names it in
-    errors (``--speculative-config``, ``speculative_config=``); other keys are logged and ignored."""
+    "num_speculative_tokens": K, "draft_tensor_parallel_size": N}``) -> (drafter directory, K or
+    None, N or None). ``where`` names it in errors (``--speculative-config``,
+    ``speculative_config=``); other keys are logged and ignored."""
     example = '{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}'
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} must be a JSON object / dict, got {type(cfg).__name__}; e.g. {example}")
@@ -219,11 +220,15 @@ def from_vllm_speculative_config(cfg: object, where: str) -> tuple[str, int | No
     if k is not None and (isinstance(k, bool) or not isinstance(k, int)):  # "3", 2.7: no silent cast
         raise ValueError(f"{where} num_speculative_tokens must be a JSON integer, got {k!r}; e.g. "
                          '"num_speculative_tokens": 15')
+    draft_tp = cfg.get("draft_tensor_parallel_size")
+    if draft_tp is not None and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int)):
+        raise ValueError(f"{where} draft_tensor_parallel_size must be a JSON integer (1: the "
+                         f"drafter replicated, or the target's tensor_parallel_size), got {draft_tp!r}")
     ignored = sorted(set(cfg) - set(VLLM_SPECULATIVE_KEYS))
     if ignored:
         logging.getLogger(__name__).warning("%s: ignoring keys %s (not used by this engine)",
                                             where, ", ".join(ignored))
-    return str(cfg["model"]), k
+    return str(cfg["model"]), k, draft_tp
 
 
 @dataclass(frozen=True)
@@ -241,8 +246,17 @@ class SpeculativeConfig:
     # benchmarking only (SGLang's SGLANG_SIMULATE_ACC_LEN): accept drafts without checking so that
     # the mean acceptance length is this value; the output is then not the target's
     simulate_acceptance_length: float | None = None
+    # with tensor parallelism (vLLM's key): 1 replicates the drafter on every rank; the target's
+    # tensor_parallel_size shards its layers as the target's are; None: sharded where its heads
+    # and MLP width divide the ranks, else replicated
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
+            raise ValueError("draft_tensor_parallel_size must be an integer >= 1 (--draft-tensor-"
+                             "parallel-size: 1 replicates the drafter on every rank, the target's "
+                             f"--tensor-parallel-size shards it), got {dtp!r}")
         if self.method.lower() != "dflash":
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
         sim = self.simulate_acceptance_length

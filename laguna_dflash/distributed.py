@@ -4,8 +4,10 @@ Megatron-style sharding (README.md, "Tensor parallelism"): Q|K|V|gate, gate|up a
 the experts' gate|up are column-parallel (each rank holds ``1 / world_size`` of the heads or of
 the intermediate width), ``o_proj`` and every ``down`` are row-parallel and followed by one
 all-reduce, the embedding and the lm_head hold ``1 / world_size`` of the vocabulary (the
-embedding's rows summed by an all-reduce, the logits gathered). Norms, the MoE router and the
-DFlash drafter's own layers are replicated. With expert parallelism (``expert_parallel``,
+embedding's rows summed by an all-reduce, the logits gathered). Norms and the MoE router are
+replicated. The DFlash drafter's layers are sharded the same way where their heads and MLP
+width divide ``world_size`` (``draft_tensor_parallel_size`` 1 replicates them), its ``fc`` and
+norms replicated. With expert parallelism (``expert_parallel``,
 vLLM's ``--enable-expert-parallel``) each rank holds ``num_experts / world_size`` whole routed
 experts instead of every expert's ``1 / world_size`` width: the router stays replicated, a rank
 computes only the (token, expert) pairs routed to its experts, and the MoE's one all-reduce sums

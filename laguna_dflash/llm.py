@@ -85,9 +85,12 @@ class LLM:
     """Offline batched generation with optional DFlash speculative decoding.
 
     ``LLM(model=DIR, draft=None, dtype="float32", device="cpu", max_model_len=None,
-    num_speculative_tokens=None, adaptive_k=False, **engine_options)``; vLLM's
-    ``speculative_config={"method": "dflash", "model": DIR, "num_speculative_tokens": K}`` may
-    stand for ``draft`` and ``num_speculative_tokens``; ``adaptive_k`` picks
+    num_speculative_tokens=None, adaptive_k=False, draft_tensor_parallel_size=None,
+    **engine_options)``; vLLM's ``speculative_config={"method": "dflash", "model": DIR,
+    "num_speculative_tokens": K, "draft_tensor_parallel_size": N}`` may stand for ``draft``,
+    ``num_speculative_tokens`` and ``draft_tensor_parallel_size`` (with tensor parallelism: 1
+    replicates the drafter on every rank, the target's size shards it; unset: sharded where its
+    widths divide the ranks); ``adaptive_k`` picks
     K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting); engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
@@ -103,21 +106,26 @@ class LLM:
         adaptive_k: bool = False,
         simulate_acceptance_length: float | None = None,
         speculative_config: dict | None = None,
+        draft_tensor_parallel_size: int | None = None,
         **engine_options,
     ) -> None:
         if speculative_config is not None:  # vLLM's spelling of draft= / num_speculative_tokens=
-            if draft is not None or num_speculative_tokens is not None:
+            if (draft is not None or num_speculative_tokens is not None
+                    or draft_tensor_parallel_size is not None):
                 raise ValueError("give the drafter once: speculative_config= (vLLM's spelling) or "
-                                 "draft= / num_speculative_tokens=, not both")
-            draft, num_speculative_tokens = from_vllm_speculative_config(
+                                 "draft= / num_speculative_tokens= / draft_tensor_parallel_size=, "
+                                 "not both")
+            draft, num_speculative_tokens, draft_tensor_parallel_size = from_vllm_speculative_config(
                 speculative_config, "speculative_config=")
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
                                             adaptive=adaptive_k,
-                                            simulate_acceptance_length=simulate_acceptance_length)
+                                            simulate_acceptance_length=simulate_acceptance_length,
+                                            draft_tensor_parallel_size=draft_tensor_parallel_size)
         else:  # these act on draft tokens: without a drafter they would silently do nothing
             for name, is_given in (("num_speculative_tokens", num_speculative_tokens is not None),
+                                   ("draft_tensor_parallel_size", draft_tensor_parallel_size is not None),
                                    ("adaptive_k", adaptive_k),
                                    ("simulate_acceptance_length", simulate_acceptance_length is not None)):
                 if is_given:

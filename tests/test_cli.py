@@ -240,6 +240,13 @@ def test_main_num_speculative_tokens_without_draft(ckpt: Path, capsys: pytest.Ca
     _assert_one_error_line(code, err, "num-speculative-tokens", "draft")
 
 
+def test_main_draft_tensor_parallel_size_without_draft(ckpt: Path, capsys: pytest.CaptureFixture):
+    """``--draft-tensor-parallel-size`` without a drafter: one error line naming both options."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2,3",
+                              "--draft-tensor-parallel-size", "1"], capsys)
+    _assert_one_error_line(code, err, "draft-tensor-parallel-size", "draft")
+
+
 def test_main_needs_exactly_one_prompt(ckpt: Path, capsys: pytest.CaptureFixture):
     """Neither or both of a text prompt and ``--prompt-ids``: one error line, exit != 0."""
     code, _, err = _run_main(["generate", "--model", str(ckpt)], capsys)

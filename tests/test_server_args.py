@@ -69,6 +69,16 @@ def test_no_speculation_by_default_and_with_no_spec():
     assert resolve_speculative(_args("--draft", "/d", "--no-spec")).config is None
 
 
+def test_draft_tensor_parallel_size_from_the_flag_or_vllms_key():
+    assert resolve_speculative(_args("--draft", "/d")).config.draft_tensor_parallel_size is None
+    spec = resolve_speculative(_args("--draft", "/d", "--draft-tensor-parallel-size", "1"))
+    assert spec.config.draft_tensor_parallel_size == 1
+    spec = resolve_speculative(_args(
+        "--speculative-config", '{"model": "/d", "draft_tensor_parallel_size": 2}',
+        "--draft-tensor-parallel-size", "2"))
+    assert spec.config.draft_tensor_parallel_size == 2
+
+
 def test_spellings_that_agree_may_be_mixed():
     spec = resolve_speculative(_args(
         "--draft", "/d/", "--speculative-config", '{"model": "/d", "num_speculative_tokens": 15}',
@@ -91,6 +101,9 @@ def test_spellings_that_agree_may_be_mixed():
     (("--draft", "/a", "--speculative-num-draft-tokens", "16",
       "--speculative-dflash-block-size", "8"),
      "--speculative-num-draft-tokens", "--speculative-dflash-block-size"),
+    (("--speculative-config", '{"model": "/a", "draft_tensor_parallel_size": 1}',
+      "--draft-tensor-parallel-size", "2"),
+     "--draft-tensor-parallel-size", "--speculative-config draft_tensor_parallel_size"),
 ])
 def test_conflicting_spellings_name_both_flags(flags, first, second):
     with pytest.raises(ValueError, match="conflicting") as info:
@@ -114,6 +127,11 @@ def test_conflicting_spellings_name_both_flags(flags, first, second):
     (("--draft", "/d", "--speculative-num-draft-tokens", "1"), "must be >= 2"),
     (("--num-speculative-tokens", "3",), "--num-speculative-tokens needs a drafter"),
     (("--speculative-num-draft-tokens", "16",), "--speculative-num-draft-tokens needs a drafter"),
+    (("--draft-tensor-parallel-size", "1",), "--draft-tensor-parallel-size needs a drafter"),
+    (("--draft", "/d", "--draft-tensor-parallel-size", "0"),
+     "draft_tensor_parallel_size must be an integer >= 1 (--draft-tensor-parallel-size"),
+    (("--speculative-config", '{"model": "/d", "draft_tensor_parallel_size": "2"}'),
+     "draft_tensor_parallel_size must be a JSON integer"),
 ])
 def test_bad_speculative_flags(flags, needle):
     with pytest.raises(ValueError) as info:

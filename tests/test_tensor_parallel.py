@@ -87,7 +87,22 @@ def _generate_jobs(c: dict) -> dict[str, dict]:
             "fail_step": 3},
         "qwen3+zlab sampled": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
                                "temperature": 0.8},
+        # each step's drafts: the sharded drafter against one process's (and the replicated one)
+        "laguna+poolside traced": {**job, "model": str(c["laguna"]), "draft": str(c["poolside"]),
+                                   "options": {"trace": True}},
+        "laguna+poolside replicated, traced": {
+            **job, "model": str(c["laguna"]), "draft": str(c["poolside"]),
+            "options": {"trace": True, "draft_tensor_parallel_size": 1}},
+        "qwen3+zlab traced": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
+                              "options": {"trace": True}},
     }
+
+
+def _layout_jobs(c: dict) -> dict[str, dict]:
+    job = {"kind": "drafter_layout", "model": str(c["laguna"]), "draft": str(c["poolside"])}
+    return {"poolside sharded": job,
+            "poolside replicated": {**job, "options": {"draft_tensor_parallel_size": 1}},
+            "poolside sharded, asked": {**job, "options": {"draft_tensor_parallel_size": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +116,10 @@ def two_ranks(checkpoints):
     logit_jobs["dummy"] = {"kind": "prompt_logits", "model": str(checkpoints["dummy"]),
                            "prompt": PROMPT, "options": {"load_format": "dummy"}}
     gen_jobs = _generate_jobs(checkpoints)
-    results = tp_worker.run_ranks(list(logit_jobs.values()) + list(gen_jobs.values()), world_size=2)
-    names = list(logit_jobs) + list(gen_jobs)
+    layout_jobs = _layout_jobs(checkpoints)
+    results = tp_worker.run_ranks(list(logit_jobs.values()) + list(gen_jobs.values())
+                                  + list(layout_jobs.values()), world_size=2)
+    names = list(logit_jobs) + list(gen_jobs) + list(layout_jobs)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(names)}, gen_jobs
 
 
@@ -216,6 +233,44 @@ def test_sharded_dflash_is_lossless_and_accepts_drafts(two_ranks):
     assert sum(acceptance) / len(acceptance) > 1.3, acceptance
 
 
+def test_the_drafter_is_sharded_as_the_target_and_keeps_its_context_in_the_pool(two_ranks, checkpoints):
+    """By default (and with draft_tensor_parallel_size = 2) each rank holds half of every
+    drafter layer's heads, KV heads and MLP width, so its K/V rows are the target's and its
+    context K/V takes a sliding group of the target's pool; with draft_tensor_parallel_size = 1
+    it is replicated and keeps a cache of its own."""
+    import tp_worker
+
+    by_name, _ = two_ranks
+    single = tp_worker.run_job(_layout_jobs(checkpoints)["poolside sharded"], tensor_parallel_size=1)
+    assert single["world_size"] == 1 and single["draft_group"] > 0  # the drafter slides
+    for name in ("poolside sharded", "poolside sharded, asked"):
+        for rank in by_name[name]:
+            assert rank["world_size"] == 2
+            assert rank["num_kv_heads"] * 2 == single["num_kv_heads"]
+            assert [2 * n for n in rank["qkv_rows"]] == single["qkv_rows"]
+            assert [2 * n for n in rank["gate_up_rows"]] == single["gate_up_rows"]
+            assert rank["draft_group"] > 0 and rank["num_own_draft_layers"] == 0
+    for rank in by_name["poolside replicated"]:
+        assert rank["world_size"] == 1 and rank["qkv_rows"] == single["qkv_rows"]
+        assert rank["draft_group"] == 0 and rank["num_own_draft_layers"] == len(single["qkv_rows"])
+
+
+def test_the_sharded_drafter_drafts_what_one_process_drafts(two_ranks):
+    """Every spec step's draft tokens and accepted count, sharded (and replicated) drafter on
+    two ranks, equal one process's: the sharded layers compute the same drafts (float32)."""
+    import tp_worker
+
+    by_name, jobs = two_ranks
+    for name in ("laguna+poolside traced", "laguna+poolside replicated, traced", "qwen3+zlab traced"):
+        rank0, rank1 = by_name[name]
+        assert rank0 == rank1, f"{name}: the ranks differ"
+        single = tp_worker.run_job({**jobs[name], "options": {"trace": True}}, tensor_parallel_size=1)
+        assert rank0[0] == single[0], f"{name}: tokens differ from one process"
+        assert rank0[2] == single[2], f"{name}: drafts differ from one process"
+        steps = [step for trace in rank0[2] for step in trace]
+        assert len(steps) > 10 and sum(step["num_accepted"] for step in steps) > 0
+
+
 # ---- no processes ----------------------------------------------------------------------------
 
 
@@ -324,7 +379,7 @@ def _check_sharded_on_cuda(checkpoints: dict, options: dict, backend: str) -> No
 
     jobs = {name: {**job, "options": {"device": "cuda", **options}}
             for name, job in _generate_jobs(checkpoints).items()
-            if job["kind"] == "generate" and "adaptive" not in name}
+            if job["kind"] == "generate" and "adaptive" not in name and "traced" not in name}
     results = tp_worker.run_ranks(list(jobs.values()), world_size=2, backend=backend)
     for i, (name, job) in enumerate(jobs.items()):
         assert results[0][i] == results[1][i], f"{name}: the ranks' outputs differ"
@@ -496,3 +551,60 @@ def test_batch_invariant_holds_on_two_ranks_in_bf16(tmp_path):
     first = [r[2][0] for r in (alone, batch, spec_alone, spec_batch)]  # the first prompt's logprobs
     assert all(lp == first[0] for lp in first[1:])
     assert spec_batch[0] == batch[0]
+
+
+def test_draft_tensor_parallel_size_is_checked_against_the_targets():
+    """1 replicates, the target's size shards, None lets the drafter's widths choose; any other
+    size (or a non-integer) is an error naming the flag."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.config import SpeculativeConfig, from_vllm_speculative_config
+    from laguna_dflash.engine.engine import LLMEngine
+
+    tp = TensorParallel(rank=1, world_size=2)
+    engine = SimpleNamespace(tp=tp)
+    for size, want in ((None, None), (1, SINGLE), (2, tp)):
+        got = LLMEngine._draft_tp(engine, SpeculativeConfig(draft="d", draft_tensor_parallel_size=size))
+        assert got is want
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=4 \(--draft-tensor-parallel-size\)"
+                                         r" must be 1 .* tensor_parallel_size \(2"):
+        LLMEngine._draft_tp(engine, SpeculativeConfig(draft="d", draft_tensor_parallel_size=4))
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="draft_tensor_parallel_size must be an integer >= 1"):
+            SpeculativeConfig(draft="d", draft_tensor_parallel_size=bad)
+    assert from_vllm_speculative_config(
+        {"method": "dflash", "model": "d", "draft_tensor_parallel_size": 2}, "w")[2] == 2
+    with pytest.raises(ValueError, match="w draft_tensor_parallel_size must be a JSON integer"):
+        from_vllm_speculative_config({"model": "d", "draft_tensor_parallel_size": "2"}, "w")
+    from laguna_dflash import LLM
+
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size was given without draft="):
+        LLM("/no/such/model", draft_tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="give the drafter once"):
+        LLM("/no/such/model", speculative_config={"model": "d"}, draft_tensor_parallel_size=1)
+
+
+def test_a_drafter_whose_widths_do_not_divide_the_ranks_is_replicated(caplog):
+    """resolve_draft_tp: the target's ranks when the drafter's heads, KV heads and MLP width all
+    divide them, else replicated (logged); an explicit choice is kept."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.models.dflash import DraftLayerSpec, DraftSpec, resolve_draft_tp
+    from laguna_dflash.models.rope import RopeSpec
+
+    def spec(num_heads: int, num_kv_heads: int, intermediate: int) -> DraftSpec:
+        return DraftSpec(hidden_size=32, target_hidden_size=32, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=8, intermediate_size=intermediate,
+                         rope=RopeSpec.from_dict({"rope_theta": 1e4}, 8, 64),
+                         layers=(DraftLayerSpec(None, False),), target_layer_ids=(1,),
+                         block_size=4, mask_token_id=0)
+
+    tp = TensorParallel(rank=0, world_size=2)
+    target = SimpleNamespace(tp=tp)
+    assert resolve_draft_tp(spec(8, 2, 64), target, None) is tp
+    for widths in ((6, 3, 64), (8, 2, 63)):
+        with caplog.at_level("INFO", logger="laguna_dflash.models.dflash"):
+            assert resolve_draft_tp(spec(*widths), target, None) is SINGLE
+        assert "replicated on every rank" in caplog.text
+    assert resolve_draft_tp(spec(8, 2, 64), target, SINGLE) is SINGLE
+    assert resolve_draft_tp(spec(8, 2, 64), SimpleNamespace(tp=SINGLE), None) is SINGLE

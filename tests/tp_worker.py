@@ -11,7 +11,9 @@ logits ``[T, V]`` float32; ``{"kind": "generate", "model": DIR, "draft": DIR | N
 acceptance length per prompt)``, plus each prompt's per-token ``{token: logprob}`` with
 ``"logprobs": N``; ``{"kind": "train_draft", "config": {...}}`` -> the drafter's weights after
 ``train-draft`` (data parallel over the ranks; ``"train_target"`` the same for ``train-target``); with ``"again": True`` ``(that, (token ids, num_cached_tokens) of the same
-prompts generated a second time)`` (the prefix cache then holds them); ``{"kind": "batch_states",
+prompts generated a second time)`` (the prefix cache then holds them); ``{"kind": "drafter_layout", "model": DIR, "draft": DIR, "options": {...}}`` -> the rank's
+drafter shape and where its context K/V lives; ``"options": {"trace": True}`` on a generate job
+adds each prompt's per-step trace (anchor, draft tokens, accepted); ``{"kind": "batch_states",
 "num_sequences": N, "idx": [ids]}`` -> this rank's ``train.draft.batch_states`` of a random
 cache (seed 0, ``[N, 3, 4]`` and ``[N, 3, 8]``) kept one sequence in ``world_size`` a rank.
 """
@@ -73,6 +75,15 @@ def run_job(job: dict, tensor_parallel_size: int):
 
         out = train_target(TargetTrainConfig(**job["config"]))
         return torch.load(out / "work" / "train_state.pt", weights_only=False)["model"]
+    if job["kind"] == "drafter_layout":  # -> what a rank's drafter and its cache hold
+        engine = LLM(model=job["model"], draft=job["draft"], tensor_parallel_size=tensor_parallel_size,
+                     max_model_len=256, num_kv_blocks=64, **job.get("options", {})).engine
+        layers = engine.drafter.layers
+        return {"world_size": engine.drafter.tp.world_size, "num_kv_heads": engine.drafter.num_kv_heads,
+                "qkv_rows": [layer.self_attn.qkv_proj.weight.shape[0] for layer in layers],
+                "gate_up_rows": [layer.mlp.gate_up_proj.weight.shape[0] for layer in layers],
+                "draft_group": engine.runner.kv_cache.draft_group,
+                "num_own_draft_layers": engine._num_own_draft_layers}
     if job["kind"] == "prompt_logits":
         llm = LLM(model=job["model"], tensor_parallel_size=tensor_parallel_size,
                   max_model_len=256, num_kv_blocks=32, **job.get("options", {}))
@@ -86,6 +97,8 @@ def run_job(job: dict, tensor_parallel_size: int):
     outs = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
     result = ([o.token_ids for o in outs],
               [o.metrics.get("mean_acceptance_length", 0.0) for o in outs])
+    if job.get("options", {}).get("trace"):  # -> and each prompt's per-step drafts
+        return result + ([o.metrics.get("trace", []) for o in outs],)
     if job.get("again"):
         again = llm.generate(prompt_token_ids=job["prompts"], sampling_params=params)
         return result, ([o.token_ids for o in again], [o.num_cached_tokens for o in again])

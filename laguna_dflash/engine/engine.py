@@ -10,8 +10,15 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, SamplingParams, flag, resolve_device, resolve_dtype
-from ..distributed import init_tensor_parallel
+from ..config import (
+    EngineConfig,
+    SamplingParams,
+    SpeculativeConfig,
+    flag,
+    resolve_device,
+    resolve_dtype,
+)
+from ..distributed import SINGLE, TensorParallel, init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
 from ..models.config_utils import with_generation_eos_ids
 from ..models.layers import build_sorted_moe_kernels_ahead, fuse_for_inference
@@ -274,8 +281,8 @@ class LLMEngine:
 
     def _hybrid_layout(self, config: EngineConfig) -> HybridLayout | None:
         """The KV layout (``kv_cache.HybridLayout``; None: unified). A drafter whose layers all
-        slide, whose K/V rows have the target's shape (not under tensor parallelism: it is
-        replicated, the target's heads split) keeps its context in a sliding group of its own."""
+        slide, whose K/V rows have the target's shape (under tensor parallelism: sharded as the
+        target, not replicated) keeps its context in a sliding group of its own."""
         if config.disable_hybrid_kv_cache_manager:
             return None
         layout = HybridLayout.for_layers([layer.sliding_window for layer in self.target.spec.layers])
@@ -499,7 +506,10 @@ class LLMEngine:
                 f"{', '.join(sorted(DRAFT_ARCHITECTURES))}"
             )
         self.drafter = load_model(sc.draft, self.dtype, self.device, config.load_format,
-                                  target=self.target)
+                                  target=self.target, tp=self._draft_tp(sc))
+        if self.tp.is_parallel:
+            logger.info("the drafter is %s", f"sharded over {self.tp.world_size} ranks"
+                        if self.drafter.tp.is_parallel else "replicated on every rank")
         block = self.drafter.block_size
         k = sc.num_speculative_tokens or block - 1
         if k > block - 1:
@@ -508,6 +518,22 @@ class LLMEngine:
                 "acceptance will suffer", k, block - 1,
             )
         self.num_speculative_tokens = k
+
+    def _draft_tp(self, sc: SpeculativeConfig) -> TensorParallel | None:
+        """The drafter's tensor parallelism from ``draft_tensor_parallel_size``: 1 ``SINGLE``
+        (replicated), the target's size the target's (sharded), None chosen by the drafter's
+        widths (``dflash.resolve_draft_tp``)."""
+        size = sc.draft_tensor_parallel_size
+        if size is None:
+            return None
+        if size == 1:
+            return SINGLE
+        if size != self.tp.world_size:
+            raise ValueError(
+                f"draft_tensor_parallel_size={size} (--draft-tensor-parallel-size) must be 1 "
+                f"(the drafter replicated on every rank) or the target's tensor_parallel_size "
+                f"({self.tp.world_size}, the drafter sharded), as in vLLM")
+        return self.tp
 
     @property
     def prefill_token_budget(self) -> int:
@@ -526,7 +552,7 @@ class LLMEngine:
         num_layers = self.kv_layout.group_size if self.kv_layout is not None else spec.num_layers
         per_block = KVCache.bytes_per_block(num_layers, config.block_size,
                                             self.target.num_local_kv_heads, spec.head_dim, self.dtype)
-        if self._num_own_draft_layers:  # replicated on every rank
+        if self._num_own_draft_layers:  # its own cache (every rank's rows, where replicated)
             d = self.drafter
             per_block += KVCache.bytes_per_block(d.num_cache_layers, config.block_size,
                                                  d.num_kv_heads, d.head_dim, self.dtype)

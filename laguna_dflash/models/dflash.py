@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import SINGLE, TensorParallel
 from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
@@ -209,6 +210,32 @@ def qwen3_draft_spec(cfg: dict, target: nn.Module | None, arch: str = "DFlashDra
     )
 
 
+def draft_tp_shardable(spec: DraftSpec, world_size: int) -> bool:
+    """The drafter's heads, KV heads and MLP width all divide ``world_size``."""
+    return all(n % world_size == 0 for n in (spec.num_heads, spec.num_kv_heads, spec.intermediate_size))
+
+
+def resolve_draft_tp(spec: DraftSpec, target: nn.Module | None,
+                     tp: TensorParallel | None) -> TensorParallel:
+    """The drafter's tensor parallelism: ``tp`` as given (``SINGLE``: replicated on every rank;
+    the target's: sharded as the target's layers are), or with ``None`` the target's where the
+    drafter's widths divide its ranks (:func:`draft_tp_shardable`), else replicated.
+
+    Sharded (vLLM's ``draft_tensor_parallel_size`` = the target's), a rank holds ``1 / world_size``
+    of each drafter layer's heads, KV heads and MLP width, and of its cache's rows: the same rows
+    as the target's, so its context K/V can live in the target's pool (engine, hybrid layout).
+    ``fc`` and the norms stay replicated: the taps they read are every rank's same bits."""
+    if tp is not None:
+        return tp
+    target_tp = getattr(target, "tp", SINGLE)
+    if target_tp.is_parallel and not draft_tp_shardable(spec, target_tp.world_size):
+        logger.info("the drafter's heads (%d), KV heads (%d) or MLP width (%d) do not divide "
+                    "tensor_parallel_size=%d: it is replicated on every rank", spec.num_heads,
+                    spec.num_kv_heads, spec.intermediate_size, target_tp.world_size)
+        return SINGLE
+    return target_tp
+
+
 class DFlashDraftModel(nn.Module):
     """DFlash drafter, Qwen3 flavour: ``context = hidden_norm(fc(taps))`` feeds every layer's K/V."""
 
@@ -216,15 +243,18 @@ class DFlashDraftModel(nn.Module):
     fused_qkv_on_disk = False  # z-lab checkpoints store q/k/v split
     use_triton_context_kv = True  # False forces the torch context-K/V path (set per instance)
 
-    def __init__(self, spec: DraftSpec, target: nn.Module | None = None) -> None:
+    def __init__(self, spec: DraftSpec, target: nn.Module | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp  # the target's ranks (layers sharded as the target's), or SINGLE (replicated)
         self.rotaries, by_spec = build_rotaries([spec.rope])
         self.rotary = by_spec[spec.rope]
         self.fc = nn.Linear(len(spec.target_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(self._make_attention(i, layer), MLP(spec.hidden_size, spec.intermediate_size),
+            DecoderLayer(self._make_attention(i, layer),
+                         MLP(spec.hidden_size, spec.intermediate_size, tp=tp),
                          spec.hidden_size, spec.rms_norm_eps)
             for i, layer in enumerate(spec.layers)
         )
@@ -240,11 +270,14 @@ class DFlashDraftModel(nn.Module):
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, self.rotary, cache_index=index,
             sliding_window=layer.sliding_window, gating=layer.gating, has_sinks=layer.has_sinks,
             qkv_bias=s.qkv_bias, o_bias=s.qkv_bias, eps=s.rms_norm_eps, is_causal=layer.is_causal,
+            tp=self.tp,
         )
 
     @classmethod
-    def from_config(cls, cfg: dict, shapes: dict | None = None, target: nn.Module | None = None):
-        return cls(qwen3_draft_spec(cfg, target, cls.architecture), target)
+    def from_config(cls, cfg: dict, shapes: dict | None = None, target: nn.Module | None = None,
+                    tp: TensorParallel | None = None):
+        spec = qwen3_draft_spec(cfg, target, cls.architecture)
+        return cls(spec, target, resolve_draft_tp(spec, target, tp))
 
     # ---- properties the engine reads ---------------------------------------------------------
 
@@ -271,7 +304,8 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.spec.num_kv_heads
+        """KV heads this rank's cache holds (all of them unless the drafter is sharded)."""
+        return self.spec.num_kv_heads // self.tp.world_size
 
     @property
     def head_dim(self) -> int:
@@ -357,9 +391,10 @@ class DFlashDraftModel(nn.Module):
             linear(self.hidden_norm(context), self.context_kv_weight, self.context_kv_bias))
 
     def _split_context_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, L * 2 * kv]`` GEMM output -> K, V each ``[L, N, kv_heads, hd]`` (layer-major)."""
+        """``[N, L * 2 * kv]`` GEMM output -> K, V each ``[L, N, kv_heads, hd]`` (layer-major; the
+        rank's KV heads when sharded)."""
         s = self.spec
-        kv = kv.view(kv.shape[0], len(self.layers), 2, s.num_kv_heads, s.head_dim).permute(2, 1, 0, 3, 4)
+        kv = kv.view(kv.shape[0], len(self.layers), 2, self.num_kv_heads, s.head_dim).permute(2, 1, 0, 3, 4)
         return kv[0], kv[1]
 
     def _normalize_context_k(self, k: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed import SINGLE, TensorParallel
 from . import fusion
 from .config_utils import ConfigReader
 from .decoder import Group
@@ -28,6 +29,7 @@ from .dflash import (
     check_target_compat,
     dflash_int,
     dflash_value,
+    resolve_draft_tp,
     resolve_target_layer_ids,
 )
 from .fusion import rms_norm_grouped
@@ -107,15 +109,18 @@ class DFlashLaguna(DFlashDraftModel):
     architecture = "DFlashLagunaForCausalLM"
     fused_qkv_on_disk = True  # Poolside checkpoints store the fused qkv_proj
 
-    def __init__(self, spec: DraftSpec, target: nn.Module | None = None) -> None:
-        super().__init__(spec, target)
+    def __init__(self, spec: DraftSpec, target: nn.Module | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(spec, target, tp)
         self.aux_hidden_norms = nn.ModuleList(
             RMSNorm(spec.target_hidden_size, spec.rms_norm_eps) for _ in spec.target_layer_ids
         )
 
     @classmethod
-    def from_config(cls, cfg: dict, shapes: dict | None = None, target: nn.Module | None = None):
-        return cls(laguna_draft_spec(cfg, shapes, target), target)
+    def from_config(cls, cfg: dict, shapes: dict | None = None, target: nn.Module | None = None,
+                    tp: TensorParallel | None = None):
+        spec = laguna_draft_spec(cfg, shapes, target)
+        return cls(spec, target, resolve_draft_tp(spec, target, tp))
 
     def checkpoint_groups(self, prefix: str = "") -> list[Group]:
         groups = super().checkpoint_groups(prefix)
@@ -135,7 +140,7 @@ class DFlashLaguna(DFlashDraftModel):
     def _build_context_kv_buffers(self) -> None:
         """Stacked K|V rows with each layer's ``input_layernorm`` weight folded into its columns."""
         super()._build_context_kv_buffers()
-        kv = 2 * self.spec.num_kv_heads * self.spec.head_dim
+        kv = 2 * self.num_kv_heads * self.spec.head_dim
         ln = torch.cat([layer.input_layernorm.weight.view(1, -1).expand(kv, -1) for layer in self.layers])
         self.context_kv_weight = (self.context_kv_weight.float() * ln.float()).to(self.context_kv_weight.dtype)
 

@@ -188,8 +188,9 @@ def _agree(kind: str, candidates: list[tuple[str, object]]) -> tuple[str | None,
     return first_flag, first
 
 
-def _vllm_spec(text: str) -> tuple[str, int | None]:
-    """``--speculative-config`` JSON -> (drafter directory, K or None)."""
+def _vllm_spec(text: str) -> tuple[str, int | None, int | None]:
+    """``--speculative-config`` JSON -> (drafter directory, K or None, its
+    draft_tensor_parallel_size or None)."""
     flag = "--speculative-config"
     try:
         cfg = json.loads(text)
@@ -237,7 +238,7 @@ def merge_speculative_spellings(args: argparse.Namespace) -> tuple[str | None, s
     if getattr(args, "num_speculative_tokens", None) is not None:
         tokens.append(("--num-speculative-tokens", args.num_speculative_tokens))
     if getattr(args, "speculative_config", None):
-        model, k = _vllm_spec(args.speculative_config)
+        model, k, _ = _vllm_spec(args.speculative_config)
         drafts.append(("--speculative-config model", os.path.normpath(model)))
         if k is not None:
             tokens.append(("--speculative-config num_speculative_tokens", k))
@@ -262,6 +263,19 @@ def merge_speculative_spellings(args: argparse.Namespace) -> tuple[str | None, s
     return draft_flag, draft, tokens_flag, k
 
 
+def merge_draft_tensor_parallel_size(args: argparse.Namespace) -> int | None:
+    """``--draft-tensor-parallel-size`` and ``--speculative-config``'s
+    ``draft_tensor_parallel_size`` (None where neither gives it; an error where they disagree)."""
+    sizes: list[tuple[str, object]] = []
+    if getattr(args, "draft_tensor_parallel_size", None) is not None:
+        sizes.append(("--draft-tensor-parallel-size", args.draft_tensor_parallel_size))
+    if getattr(args, "speculative_config", None):
+        size = _vllm_spec(args.speculative_config)[2]
+        if size is not None:
+            sizes.append(("--speculative-config draft_tensor_parallel_size", size))
+    return _agree("drafter tensor-parallel sizes", sizes)[1]
+
+
 def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
     draft_flag, draft, tokens_flag, k = merge_speculative_spellings(args)
@@ -269,7 +283,8 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         needs_drafter = [tokens_flag.split(" ")[0]] if tokens_flag is not None else []
         needs_drafter += [flag for flag, is_given in (
             ("--adaptive-k", getattr(args, "adaptive_k", False)),
-            ("--simulate-acceptance-length", getattr(args, "simulate_acceptance_length", None) is not None))
+            ("--simulate-acceptance-length", getattr(args, "simulate_acceptance_length", None) is not None),
+            ("--draft-tensor-parallel-size", merge_draft_tensor_parallel_size(args) is not None))
             if is_given]
         if needs_drafter:  # they act on draft tokens: without a drafter they would do nothing
             raise ValueError(f"{needs_drafter[0]} needs a drafter: pass --draft DIR "
@@ -281,7 +296,8 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     return SpeculativeChoice(SpeculativeConfig(draft=str(draft), num_speculative_tokens=k,
                                                adaptive=bool(getattr(args, "adaptive_k", False)),
                                                simulate_acceptance_length=getattr(
-                                                   args, "simulate_acceptance_length", None)),
+                                                   args, "simulate_acceptance_length", None),
+                                               draft_tensor_parallel_size=merge_draft_tensor_parallel_size(args)),
                              draft_flag=draft_flag, tokens_flag=tokens_flag,
                              block_size=_draft_block_size(str(draft)))
 

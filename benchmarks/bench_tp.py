@@ -9,7 +9,8 @@ the rows so several launches make one table::
 
 Per batch size: the target-only decode step (ms) and tokens/s, and DFlash tokens/s at a
 simulated acceptance length (``--acceptance``, K = ``--k``; every draft accepted up to it:
-system speed apart from draft quality, as SGLang's SGLANG_SIMULATE_ACC_LEN). The header gives
+system speed apart from draft quality, as SGLang's SGLANG_SIMULATE_ACC_LEN), once per
+``--draft-tp`` setting (``auto,1``: the drafter sharded as the target, then replicated). The header gives
 rank 0's batch-1 bandwidth floor: the bytes its shard reads a decode step (active weights and
 visible KV, ``bench_gpu_xs.active_bytes``) over the copy bandwidth measured in the same run.
 """
@@ -90,8 +91,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="routed experts split by expert over the ranks (else by width)")
+    ap.add_argument("--draft-tp", default="auto",
+                    help="comma-separated drafter tensor-parallel settings, one DFlash engine each "
+                         "(auto: sharded where its widths divide the ranks; 1: replicated; N: "
+                         "sharded), e.g. auto,1 to time the sharded drafter against the replicated")
     ap.add_argument("--json", help="append the rows (JSON Lines) to this file")
     args = ap.parse_args()
+    draft_tps = [None if v == "auto" else int(v) for v in args.draft_tp.split(",")]
     args.layers = args.layers or (40 if args.model == "xs" else 48)
     batches = [int(b) for b in args.batches.split(",")]
     rank = int(os.environ.get("RANK", "0"))
@@ -117,13 +123,21 @@ def main() -> None:
         del base
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        spec = LLM(str(tdir), draft=str(ddir), num_speculative_tokens=args.k,
-                   simulate_acceptance_length=args.acceptance, **common)
-        for row in rows:
-            b = row["batch"]
-            decode_tokens_per_s(spec, prompt, args.new_tokens, b)  # warm: graphs of this size
-            row["dflash_tok_s"] = decode_tokens_per_s(spec, prompt, args.new_tokens, b)
-            row["dflash_x"] = row["dflash_tok_s"] / row["target_tok_s"]
+        for i, draft_tp in enumerate(draft_tps):
+            spec = LLM(str(tdir), draft=str(ddir), num_speculative_tokens=args.k,
+                       simulate_acceptance_length=args.acceptance, draft_tensor_parallel_size=draft_tp,
+                       **common)
+            sharded = spec.engine.drafter.tp.world_size  # the ranks the drafter is split over
+            for row in rows:
+                b = row["batch"]
+                decode_tokens_per_s(spec, prompt, args.new_tokens, b)  # warm: graphs of this size
+                tok_s = decode_tokens_per_s(spec, prompt, args.new_tokens, b)
+                suffix = "" if i == 0 else f"_{i}"  # the first setting keeps the plain keys
+                row.update({f"draft_tp{suffix}": sharded, f"dflash_tok_s{suffix}": tok_s,
+                            f"dflash_x{suffix}": tok_s / row["target_tok_s"]})
+            del spec
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
     if rank != 0:
         return
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
@@ -131,14 +145,19 @@ def main() -> None:
           f"{args.context}, {args.new_tokens} new tokens, DFlash K={args.k} at simulated "
           f"acceptance {args.acceptance}; load + warm-up {load_s:.1f} s; rank 0's batch-1 "
           f"bandwidth floor {floor_s * 1e3:.3f} ms")
-    print("| tp | batch | target-only step ms | x floor | target-only tok/s | DFlash tok/s | DFlash x |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    names = [f"drafter split over {rows[0]['draft_tp' + ('' if i == 0 else f'_{i}')]}"
+             for i in range(len(draft_tps))]
+    print("| tp | batch | target-only step ms | x floor | target-only tok/s | "
+          + " | ".join(f"DFlash tok/s ({n}) | x" for n in names) + " |")
+    print("|---:|---:|---:|---:|---:|" + "---:|---:|" * len(draft_tps))
     for r in rows:
         # the floor is batch 1's: more rows read more experts and KV
         r["floor_ms"] = floor_s * 1e3
         x_floor = f"{r['step_ms'] / r['floor_ms']:.2f}" if r["batch"] == 1 else "-"
+        cells = " | ".join(f"{r['dflash_tok_s' + s]:.1f} | {r['dflash_x' + s]:.2f}"
+                           for s in ("" if i == 0 else f"_{i}" for i in range(len(draft_tps))))
         print(f"| {r['tp']} | {r['batch']} | {r['step_ms']:.2f} | {x_floor} | "
-              f"{r['target_tok_s']:.1f} | {r['dflash_tok_s']:.1f} | {r['dflash_x']:.2f} |")
+              f"{r['target_tok_s']:.1f} | {cells} |")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -709,11 +709,12 @@ case "$stage" in
     echo "== the DFlash drafter sharded as the target: the sharded engines' CUDA tests (two gloo"
     echo "   ranks sharing the GPU; NCCL collectives in the graphs, the drafter block's too), then"
     echo "   two gloo ranks at XS-2.1 widths, the drafter sharded and replicated, against one process"
-    # (test_sharded_engine_on_one_gpu_over_gloo alone took 183 s in the twenty-sixth pass; the
-    # XS-width float32 check 172 s with two generate jobs, three here, so at 16 tokens)
+    # (test_sharded_engine_on_one_gpu_over_gloo alone took 183 s in the twenty-sixth pass; in
+    # the forty-ninth the XS-width float32 check's four jobs took 281 s on the two ranks alone,
+    # and its 400 s cut the one-process half: the two DFlash jobs only, ~half of that)
     gpu_tests 100 tests/test_tensor_parallel.py -k "nccl_collectives" | tail -3
     timeout "${XS_S:-400}" python benchmarks/check_tp_xs.py --layers 2 --dtypes float32 --new-tokens 16 \
-      2>&1 | quiet | tail -8
+      --only-dflash 2>&1 | quiet | tail -8
     if [ "${GLOO_S:-0}" -gt 0 ]; then
       gpu_tests "$GLOO_S" tests/test_tensor_parallel.py -k "one_gpu_over_gloo" | tail -3
     fi ;;

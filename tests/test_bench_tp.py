@@ -45,3 +45,14 @@ def test_bench_tp_runs_both_engines_on_two_ranks(tmp_path, expert_parallel):
     assert [(r["tp"], r["ep"], r["batch"]) for r in rows] == [(2, expert_parallel, 1),
                                                                (2, expert_parallel, 2)]
     assert all(r["step_ms"] > 0 and r["dflash_tok_s"] > 0 and r["floor_ms"] > 0 for r in rows)
+    assert all(r["draft_tp"] == 2 for r in rows)  # auto: the drafter sharded as the target
+
+
+def test_bench_tp_times_the_sharded_and_the_replicated_drafter(tmp_path):
+    out = _torchrun("bench_tp.py", "--tp", "2", "--device", "cpu", "--hidden", "256",
+                    "--layers", "2", "--context", "32", "--new-tokens", "4", "--batches", "1",
+                    "--draft-tp", "auto,1", "--json", str(tmp_path / "rows.jsonl"), tmp_path=tmp_path)
+    assert "DFlash tok/s (drafter split over 2)" in out and "DFlash tok/s (drafter split over 1)" in out
+    (row,) = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert (row["draft_tp"], row["draft_tp_1"]) == (2, 1)
+    assert row["dflash_tok_s"] > 0 and row["dflash_tok_s_1"] > 0

@@ -79,6 +79,16 @@ def test_draft_tensor_parallel_size_from_the_flag_or_vllms_key():
     assert spec.config.draft_tensor_parallel_size == 2
 
 
+def test_draft_tensor_parallel_size_in_the_resolved_settings():
+    def shown(*flags: str):
+        return resolve_server_config(_args(*flags)).describe()["draft_tensor_parallel_size"]
+
+    assert shown("--draft", "/d") is None  # one rank: nothing to shard
+    assert shown("--draft", "/d", "--tensor-parallel-size", "2").startswith("auto")
+    assert shown("--draft", "/d", "--tensor-parallel-size", "2", "--draft-tensor-parallel-size", "1") == 1
+    assert shown("--tensor-parallel-size", "2") is None
+
+
 def test_spellings_that_agree_may_be_mixed():
     spec = resolve_speculative(_args(
         "--draft", "/d/", "--speculative-config", '{"model": "/d", "num_speculative_tokens": 15}',

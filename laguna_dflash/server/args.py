@@ -111,6 +111,10 @@ class ServerConfig:
                 "drafter block_size - 1" if spec.config is not None else 0),
             "num_speculative_tokens_from": spec.tokens_flag or (
                 "drafter block_size" if spec.config is not None else None),
+            "draft_tensor_parallel_size": (
+                None if spec.config is None or e.tensor_parallel_size == 1
+                else spec.config.draft_tensor_parallel_size
+                or "auto (the target's where the drafter's widths divide it, else 1)"),
             "generation_defaults": dict(self.generation_defaults),
             "log_stats_interval_s": self.log_stats_interval_s,
             "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",

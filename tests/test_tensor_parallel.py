@@ -167,6 +167,35 @@ def test_randomize_gives_each_rank_its_part_of_the_one_rank_values(tmp_path):
         assert num_sharded >= 10
 
 
+def test_randomize_gives_each_rank_its_part_of_the_one_rank_drafter(tmp_path):
+    """The same for a drafter sharded with its target (``--load-format dummy`` drafts as the
+    one-rank drafter would): each rank's dummy drafter equals its shard of the one-rank one's
+    checkpoint, and ``fc`` and the norms stay whole."""
+    from laguna_dflash.models.laguna_dflash import DFlashLaguna
+    from laguna_dflash.models.random_init import tiny_laguna_draft_config
+
+    cfg = tiny_laguna_config()
+    dcfg = tiny_laguna_draft_config(cfg)
+    one = DFlashLaguna.from_config(dcfg, {}, LagunaForCausalLM.from_config(cfg))
+    randomize_(one, seed=5)
+    save_checkpoint(one, tmp_path, dcfg)
+    whole = dict(one.named_parameters())
+    for rank in range(2):
+        target = LagunaForCausalLM.from_config(cfg, tp=TensorParallel(rank, 2))
+        dummy = DFlashLaguna.from_config(dcfg, {}, target)
+        assert dummy.tp is target.tp  # sharded with the target by default
+        randomize_(dummy, seed=5)
+        loaded = dict(load_model(tmp_path, target=target).named_parameters())
+        sharded = set()
+        for name, p in dummy.named_parameters():
+            if p.shape != whole[name].shape:
+                sharded.add(name)
+            assert torch.equal(p.detach(), loaded[name].detach()), name
+        assert {"fc.weight", "hidden_norm.weight", "norm.weight"}.isdisjoint(sharded)
+        assert {"layers.0.self_attn.qkv_proj.weight", "layers.0.self_attn.o_proj.weight",
+                "layers.0.mlp.gate_up_proj.weight", "layers.0.mlp.down_proj.weight"} <= sharded
+
+
 def test_sharded_greedy_tokens_equal_single_process(two_ranks):
     import tp_worker
 

@@ -35,6 +35,9 @@
 #                                           # the graphs; two gloo ranks at XS-2.1 widths, the
 #                                           # drafter sharded and replicated (~8 min; GLOO_S=240
 #                                           # adds the tiny pairs on two gloo ranks)
+#   bash benchmarks/gpu_check.sh pass50-split  # split-K chunks relative to each query tile's
+#                                           # visible keys against absolute ones: the batch-1
+#                                           # decode graph at 16k and 1k contexts (~4 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -718,6 +721,12 @@ case "$stage" in
     if [ "${GLOO_S:-0}" -gt 0 ]; then
       gpu_tests "$GLOO_S" tests/test_tensor_parallel.py -k "one_gpu_over_gloo" | tail -3
     fi ;;
+  pass50-split)
+    echo "== split-K chunks relative to each query tile's visible keys (the default) against absolute"
+    echo "   ones from key 0 (RELATIVE_SPLITS=False): the batch-1 decode graph at a 16k and a 1k context"
+    timeout "${SPLIT_S:-190}" python benchmarks/profile_decode_xs.py --context 16384 --also-context 1024 \
+      --top 3 --switch laguna_dflash.kernels.paged_attention:RELATIVE_SPLITS=False 2>&1 | quiet \
+      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -40 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -246,6 +246,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--also-context", type=int, action="append", default=[],
+                    help="after the --context rows, the same rows (defaults and switches) at this "
+                         "context, on the same engine (repeatable)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--sequence", type=int, default=0, help="print the first N kernels in order")
@@ -298,8 +301,9 @@ def main() -> None:
             (Path(tmp) / "draft" / "config.json").write_text(json.dumps(xs_draft_config(args.layers)))
             draft = {"draft": str(Path(tmp) / "draft")}
         t0 = time.perf_counter()
+        longest = max([args.context, *args.also_context])
         llm = LLM(tmp, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
-                  max_model_len=args.context + 256, num_kv_blocks=(args.context + 320) // 16 * 2,
+                  max_model_len=longest + 256, num_kv_blocks=(longest + 320) // 16 * 2,
                   batch_invariant=args.batch_invariant, **draft,
                   **({} if args.max_prefill_graph_tokens is None
                      else {"max_prefill_graph_tokens": args.max_prefill_graph_tokens}))
@@ -322,30 +326,16 @@ def main() -> None:
         if args.ncu:
             ncu_replay(llm, prompt, args)
             return
-        reference = report("defaults", llm, prompt, args, floor_ms)
-        for text in args.switch:
-            saved = []
-            for part in text.split(";"):
-                obj, name, value = parse_switch(part)
-                saved.append((obj, name, getattr(obj, name)))
-                setattr(obj, name, value)
+        rows(llm, prompt, args, floor_ms)
+        for context in args.also_context:
+            args.context = context
+            prompt = torch.randint(100, 100000, (context,),
+                                   generator=torch.Generator().manual_seed(0)).tolist()
+            if not args.drafter:
+                floor_ms = 1e3 * active_bytes(llm.engine.target, context) / bw
+            print(f"\n# context {context}")
             reset_graphs(llm)
-            try:
-                report(text, llm, prompt, args, floor_ms, reference)
-            except Exception as e:  # noqa: BLE001 - a broken switch must not lose the other rows
-                print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
-            for obj, name, value in reversed(saved):
-                setattr(obj, name, value)
-            reset_graphs(llm)
-        for spec in args.ablate:
-            undo = ablations.apply(spec)
-            reset_graphs(llm)
-            try:
-                report(f"ablate {spec}", llm, prompt, args, floor_ms, reference)
-            except Exception as e:  # noqa: BLE001 - print what failed, keep the rows before it
-                print(f"\n## ablate {spec}\n\nfailed: {type(e).__name__}: {e}")
-            undo()
-            reset_graphs(llm)
+            rows(llm, prompt, args, floor_ms)
     if args.gemv:
         h = 2048
         shapes = {"qkv (64 heads)": (8192 + 2048, h), "qkv+gate (64 heads)": (8192 + 2048 + 64, h),
@@ -354,6 +344,34 @@ def main() -> None:
         print("\n| GEMV M=1 | N | K | us | TB/s of weights |\n|---|---:|---:|---:|---:|")
         for name, n, k, us, tbs in gemv_table("cuda", shapes):
             print(f"| {name} | {n} | {k} | {us:.1f} | {tbs:.2f} |")
+
+
+def rows(llm: LLM, prompt: list[int], args, floor_ms: float) -> None:
+    """The defaults' row, then each switch's and each ablation's, at ``args.context``."""
+    reference = report("defaults", llm, prompt, args, floor_ms)
+    for text in args.switch:
+        saved = []
+        for part in text.split(";"):
+            obj, name, value = parse_switch(part)
+            saved.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+        reset_graphs(llm)
+        try:
+            report(text, llm, prompt, args, floor_ms, reference)
+        except Exception as e:  # noqa: BLE001 - a broken switch must not lose the other rows
+            print(f"\n## {text}\n\nfailed: {type(e).__name__}: {e}")
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+        reset_graphs(llm)
+    for spec in args.ablate:
+        undo = ablations.apply(spec)
+        reset_graphs(llm)
+        try:
+            report(f"ablate {spec}", llm, prompt, args, floor_ms, reference)
+        except Exception as e:  # noqa: BLE001 - print what failed, keep the rows before it
+            print(f"\n## ablate {spec}\n\nfailed: {type(e).__name__}: {e}")
+        undo()
+        reset_graphs(llm)
 
 
 if __name__ == "__main__":

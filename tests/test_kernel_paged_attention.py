@@ -223,6 +223,47 @@ def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty):
 
 
 @interpreted
+@pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])
+def test_interpreted_split_modes_match_sdpa(monkeypatch, relative):
+    """Split-K chunks relative to each query tile's visible keys (``RELATIVE_SPLITS``, the
+    default) or absolute from key 0: both equal the reference over mixed lengths, windows and
+    the bidirectional block, with poisoned scratch (no unwritten acc row read)."""
+    _poisoned_partials(monkeypatch, True)
+    monkeypatch.setattr(pa, "RELATIVE_SPLITS", relative)
+    for specs, causal, window in _EMPTY_SPLIT_CASES + [([(300, 1), (90, 1), (7, 1)], True, 32)]:
+        q, kc, vc, meta, _ = make_case(specs, 2, 64, torch.float32, causal)
+        compare(q, kc, vc, meta, window=window, num_splits=5, block_n=16)
+
+
+@interpreted
+def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
+    """A decode at position 400 with a 48-key window, 4 splits: relative chunks give each split
+    one 16-key tile of the window (every split's m finite); absolute chunks of 112 keys from
+    key 0 leave three of the four empty. The split count of a sliding layer comes from its
+    window (relative) or the whole key axis (absolute)."""
+    captured, seen = [], []
+    new_partials, choose = pa._new_partials, pa.choose_num_splits
+
+    def recording(*args, **kwargs):
+        captured.append(new_partials(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(pa, "_new_partials", recording)
+    monkeypatch.setattr(pa, "choose_num_splits", lambda n, keys, dev: seen.append(keys) or choose(n, keys, dev))
+    q, kc, vc, meta, _ = make_case([(400, 1)], 2, 64, torch.float32, True)
+    holding = {}
+    for relative in (True, False):
+        monkeypatch.setattr(pa, "RELATIVE_SPLITS", relative)
+        captured.clear()
+        compare(q, kc, vc, meta, window=48, num_splits=4, block_n=16)
+        holding[relative] = torch.isfinite(captured[0][1][:, 0, 0]).sum().item()  # part_m [S, T, H]
+        compare(q, kc, vc, meta, window=48, block_n=16)  # the count chosen from the shapes
+    assert holding == {True: 4, False: 1}
+    lmax = meta.key_slots.shape[1]
+    assert seen[0] < 64 <= lmax == seen[1], (seen, lmax)  # 48 keys + the query tile; the axis
+
+
+@interpreted
 def test_interpreted_fixed_splits_keep_the_empty_chunks(monkeypatch):
     """``fixed_splits`` (eager forwards): a chosen split count above one becomes ``_MAX_SPLITS``
     chunks of whole tiles, most of them empty here, launched as such (the kernels' NUM_SPLITS),

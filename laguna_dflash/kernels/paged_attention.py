@@ -199,7 +199,7 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr, PARTIALS: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr, PARTIALS: tl.constexpr, RELATIVE: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split).
     # PARTIALS: store (acc, m, l) for the merge kernel (split-K; and batch-invariant, one split too)
@@ -250,9 +250,21 @@ def _paged_attention_kernel(
         lo = tl.maximum(p_min - window + 1, 0)
     else:
         lo = p_min * 0
-    split_lo = split.to(tl.int64) * split_len
+    if RELATIVE:
+        # the tile's visible keys [lo, hi), from their first whole key tile, cut into NUM_SPLITS
+        # chunks of whole tiles: every split holds ~1/S of the keys the tile sees, wherever
+        # they lie (a window at the end of a long key axis, a context short of its bucket);
+        # the chunk length is at most split_len (the interpreter's static trip count)
+        base = lo // BLOCK_N * BLOCK_N
+        chunk = tl.maximum(hi - base, 0)
+        chunk = ((chunk + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        split_lo = base + split.to(tl.int64) * chunk
+        split_hi = split_lo + chunk
+    else:  # absolute: chunks of split_len keys from key 0 (batch-invariant boundaries)
+        split_lo = split.to(tl.int64) * split_len
+        split_hi = split_lo + split_len
     lo = tl.maximum(lo, split_lo)
-    hi = tl.minimum(hi, split_lo + split_len)
+    hi = tl.minimum(hi, split_hi)
 
     ks_row_ptr = key_slots_ptr + r * stride_ks_r
     k_head_ptr = k_cache_ptr + g * stride_kc_h
@@ -419,6 +431,15 @@ PRELOAD_MAX_QUERIES: int | None = 1
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
 # S * 4 * H * D * 4 bytes (4 MiB at 32 splits, 64 heads). Changes no value. False: the A/B.
 SKIP_EMPTY_SPLITS = True
+# Split-K chunks relative to the keys a program's query tile can see (its window, or the
+# context up to its position), cut into S equal runs of whole tiles, instead of S chunks of the
+# key axis [0, Lmax) from key 0: the key axis of a graph is its key bucket, up to twice the
+# context, and a sliding layer sees only its window, so the absolute chunks left most splits
+# empty and a few walking many tiles (a 16k-token context: a full layer's 16k keys in 16 splits
+# of 1024, a sliding layer's 512 in one or two). The split count of a sliding layer is chosen
+# from its window. Not for batch-invariant attention (its boundaries are fixed from key 0).
+# Changes the summation order, not the math. False: the A/B.
+RELATIVE_SPLITS = True
 
 
 # batch_invariant: the keys are cut into splits of this many (from key 0, whatever the forward),
@@ -638,6 +659,7 @@ def paged_attention(
 
     group = num_heads // kv_heads
     block_n = block_n or 64
+    relative = False  # RELATIVE_SPLITS below (never batch-invariant)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if batch_invariant:
@@ -658,13 +680,22 @@ def paged_attention(
                 sinks=sinks, block_n=block_n, gate=gate)
     else:
         block_q = _block_q(qmax, group)
+        relative = RELATIVE_SPLITS
+        # keys one query tile can see: the whole axis, or its window around its block_q queries
+        visible = lmax
+        if relative and sliding_window is not None:
+            visible = min(lmax, (1 if causal else 2) * int(sliding_window) + block_q)
         fixed = False
         if num_splits is None:
-            num_splits = choose_num_splits(r * kv_heads * -(-qmax // block_q), lmax, q.device)
+            num_splits = choose_num_splits(r * kv_heads * -(-qmax // block_q), visible, q.device)
             fixed = (fixed_splits and num_splits > 1 and _MAX_SPLITS * t * num_heads * head_dim * 4
                      <= FIXED_SPLITS_MAX_PARTIAL_BYTES)
-        num_splits, split_len = split_plan(lmax, block_n, _MAX_SPLITS if fixed else num_splits,
-                                           keep_empty=fixed)
+        if relative:  # every split may hold keys; a split spans at most this many (whole tiles)
+            num_splits = _MAX_SPLITS if fixed else max(1, num_splits)
+            split_len = split_plan(min(lmax, visible + block_n), block_n, num_splits, keep_empty=True)[1]
+        else:
+            num_splits, split_len = split_plan(lmax, block_n, _MAX_SPLITS if fixed else num_splits,
+                                               keep_empty=fixed)
     split_tiles = split_len // block_n
     partials = num_splits > 1 or batch_invariant
     block_m = max(16, _next_pow2(block_q * group))
@@ -702,7 +733,7 @@ def paged_attention(
         PRELOAD=(PRELOAD_OLD_KEYS and not batch_invariant
                  and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES)),
         EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS, PARTIALS=partials,
-        num_warps=_num_warps(block_m, block_d), num_stages=2,
+        RELATIVE=relative, num_warps=_num_warps(block_m, block_d), num_stages=2,
         **pdl.launch_options(use_pdl),
     )
     if partials:

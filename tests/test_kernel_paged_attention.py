@@ -222,6 +222,14 @@ def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty):
         compare(q, kc, vc, meta, window=window and window * 10, num_splits=12)
 
 
+def _as_in_graphs(monkeypatch) -> None:
+    """The backend's launches as inside a CUDA-graph build (no ``fixed_splits``: relative
+    chunks apply there only)."""
+    from laguna_dflash.engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "fixed_eager_splits", False)
+
+
 @interpreted
 @pytest.mark.parametrize("relative", [True, False], ids=["relative", "absolute"])
 def test_interpreted_split_modes_match_sdpa(monkeypatch, relative):
@@ -230,6 +238,8 @@ def test_interpreted_split_modes_match_sdpa(monkeypatch, relative):
     the bidirectional block, with poisoned scratch (no unwritten acc row read)."""
     _poisoned_partials(monkeypatch, True)
     monkeypatch.setattr(pa, "RELATIVE_SPLITS", relative)
+    monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", 0)  # these key axes are short
+    _as_in_graphs(monkeypatch)
     for specs, causal, window in _EMPTY_SPLIT_CASES + [([(300, 1), (90, 1), (7, 1)], True, 32)]:
         q, kc, vc, meta, _ = make_case(specs, 2, 64, torch.float32, causal)
         compare(q, kc, vc, meta, window=window, num_splits=5, block_n=16)
@@ -250,6 +260,8 @@ def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
 
     monkeypatch.setattr(pa, "_new_partials", recording)
     monkeypatch.setattr(pa, "choose_num_splits", lambda n, keys, dev: seen.append(keys) or choose(n, keys, dev))
+    monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", 0)  # this key axis is short
+    _as_in_graphs(monkeypatch)
     q, kc, vc, meta, _ = make_case([(400, 1)], 2, 64, torch.float32, True)
     holding = {}
     for relative in (True, False):
@@ -261,6 +273,23 @@ def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
     assert holding == {True: 4, False: 1}
     lmax = meta.key_slots.shape[1]
     assert seen[0] < 64 <= lmax == seen[1], (seen, lmax)  # 48 keys + the query tile; the axis
+    # below RELATIVE_MIN_KEYS (the default: contexts past 2048), and in eager forwards
+    # (fixed_splits), the chunks stay absolute
+    monkeypatch.setattr(pa, "RELATIVE_SPLITS", True)
+    monkeypatch.setattr(pa, "choose_num_splits", lambda *args: 4)  # the CPU's choice is 1
+    long_case = make_case([(2000, 1)], 2, 64, torch.float32, True)
+    # (min keys, fixed_splits, the case, splits holding keys: 4 splits of 112 keys from key 0;
+    # fixed: 32 of 64 keys from key 0, where relative ones would be 4 of 16 from key 1952)
+    short_case = (q, kc, vc, meta, None)
+    for min_keys, fixed, case, want in ((lmax + 1, False, short_case, 1), (0, True, long_case, 2)):
+        monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", min_keys)
+        captured.clear()
+        cq, ck, cv, cmeta, _ = case
+        pa.paged_attention(cq, ck, cv, cmeta.query_index, cmeta.query_positions, cmeta.key_slots,
+                           cmeta.seq_lens, scale=cq.shape[-1] ** -0.5, causal=True, sliding_window=48,
+                           block_n=16, fixed_splits=fixed)
+        part_m = captured[0][1]
+        assert torch.isfinite(part_m[:, 0, 0]).sum().item() == want, (min_keys, fixed)
 
 
 @interpreted

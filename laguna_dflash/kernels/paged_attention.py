@@ -438,8 +438,14 @@ SKIP_EMPTY_SPLITS = True
 # empty and a few walking many tiles (a 16k-token context: a full layer's 16k keys in 16 splits
 # of 1024, a sliding layer's 512 in one or two). The split count of a sliding layer is chosen
 # from its window. Not for batch-invariant attention (its boundaries are fixed from key 0).
-# Changes the summation order, not the math. False: the A/B.
+# Changes the summation order, not the math. False: the A/B. On the H200 (XS-2.1 size, batch-1
+# decode graph; docs/PERFORMANCE.md, forty-ninth pass) at a 16k context: step 3.65 -> 2.60 ms
+# (attention's span 1700 -> 619 us); at 1k: 2.25 -> 2.29 ms (a sliding layer's 8 relative
+# splits of its ~9 window tiles took two tiles each), hence only from RELATIVE_MIN_KEYS keys.
 RELATIVE_SPLITS = True
+# ... for key axes (the graph's key bucket) of at least this many keys: contexts past 2048,
+# in CUDA graphs (not for fixed_splits forwards)
+RELATIVE_MIN_KEYS = 4096
 
 
 # batch_invariant: the keys are cut into splits of this many (from key 0, whatever the forward),
@@ -680,7 +686,9 @@ def paged_attention(
                 sinks=sinks, block_n=block_n, gate=gate)
     else:
         block_q = _block_q(qmax, group)
-        relative = RELATIVE_SPLITS
+        # (not for fixed_splits forwards, eager ones, whose Lmax grows a key a step: the
+        # absolute chunks' kernels, which their warm-up builds, at every length)
+        relative = RELATIVE_SPLITS and lmax >= RELATIVE_MIN_KEYS and not fixed_splits
         # keys one query tile can see: the whole axis, or its window around its block_q queries
         visible = lmax
         if relative and sliding_window is not None:

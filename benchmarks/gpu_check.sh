@@ -38,6 +38,9 @@
 #   bash benchmarks/gpu_check.sh pass50-split  # split-K chunks relative to each query tile's
 #                                           # visible keys against absolute ones: the batch-1
 #                                           # decode graph at 16k and 1k contexts (~4 min)
+#   bash benchmarks/gpu_check.sh pass51-split  # relative split-K chunks at every length with a
+#                                           # sliding layer's splits counted in window tiles,
+#                                           # against the defaults, at 1k and 16k (~4 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -727,6 +730,15 @@ case "$stage" in
     timeout "${SPLIT_S:-190}" python benchmarks/profile_decode_xs.py --context 16384 --also-context 1024 \
       --top 3 --switch laguna_dflash.kernels.paged_attention:RELATIVE_SPLITS=False 2>&1 | quiet \
       | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -40 ;;
+  pass51-split)
+    echo "== relative split-K chunks at every key length, a sliding layer's splits counted in the"
+    echo "   tiles its window spans (RELATIVE_WINDOW_SLACK), against the defaults (relative from"
+    echo "   4096 keys, window splits by keys): the batch-1 decode graph at a 1k and a 16k context"
+    p=laguna_dflash.kernels.paged_attention
+    timeout "${SPLIT_S:-240}" python benchmarks/profile_decode_xs.py --context 1024 --also-context 16384 \
+      --top 3 --switch "$p:RELATIVE_WINDOW_SLACK=True" \
+      --switch "$p:RELATIVE_WINDOW_SLACK=True;$p:RELATIVE_MIN_KEYS=0" 2>&1 | quiet \
+      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -50 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -293,6 +293,35 @@ def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
 
 
 @interpreted
+def test_interpreted_window_slack_splits_a_window_into_one_tile_runs(monkeypatch):
+    """``RELATIVE_WINDOW_SLACK``: a sliding layer's split count counts the tiles its window can
+    span once tile-aligned, so each split walks one tile (a 48-key window at position 400 spans
+    4 tiles of 16: 4 splits holding keys), where the window's keys alone (49) give 3 splits of
+    two-tile runs, one of them empty; the values stay the reference's."""
+    captured = []
+    new_partials = pa._new_partials
+
+    def recording(*args, **kwargs):
+        captured.append(new_partials(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(pa, "_new_partials", recording)
+    monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", 0)
+    # as on a GPU that wants many programs: as many 16-key splits as the keys allow
+    monkeypatch.setattr(pa, "choose_num_splits", lambda n, keys, dev: max(1, keys // 16))
+    _as_in_graphs(monkeypatch)
+    q, kc, vc, meta, _ = make_case([(400, 1)], 2, 64, torch.float32, True)
+    splits = {}
+    for slack in (False, True):
+        monkeypatch.setattr(pa, "RELATIVE_WINDOW_SLACK", slack)
+        captured.clear()
+        compare(q, kc, vc, meta, window=48, block_n=16)
+        part_m = captured[0][1][:, 0, 0]
+        splits[slack] = (part_m.shape[0], torch.isfinite(part_m).sum().item())
+    assert splits == {False: (3, 2), True: (4, 4)}, splits
+
+
+@interpreted
 def test_interpreted_fixed_splits_keep_the_empty_chunks(monkeypatch):
     """``fixed_splits`` (eager forwards): a chosen split count above one becomes ``_MAX_SPLITS``
     chunks of whole tiles, most of them empty here, launched as such (the kernels' NUM_SPLITS),

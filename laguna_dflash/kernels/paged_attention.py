@@ -446,6 +446,11 @@ RELATIVE_SPLITS = True
 # ... for key axes (the graph's key bucket) of at least this many keys: contexts past 2048,
 # in CUDA graphs (not for fixed_splits forwards)
 RELATIVE_MIN_KEYS = 4096
+# ... and a sliding layer's split count chosen from the tiles its window can span once aligned
+# to whole tiles (window + query tile + one tile - 1 keys: 9-10 splits of one tile at 512) instead
+# of its keys (8 splits, most of two tiles). Off: not yet timed (the A/B for the next GPU run,
+# with RELATIVE_MIN_KEYS=0: gpu_check.sh pass51-split).
+RELATIVE_WINDOW_SLACK = False
 
 
 # batch_invariant: the keys are cut into splits of this many (from key 0, whatever the forward),
@@ -692,7 +697,8 @@ def paged_attention(
         # keys one query tile can see: the whole axis, or its window around its block_q queries
         visible = lmax
         if relative and sliding_window is not None:
-            visible = min(lmax, (1 if causal else 2) * int(sliding_window) + block_q)
+            slack = block_n - 1 if RELATIVE_WINDOW_SLACK else 0
+            visible = min(lmax, (1 if causal else 2) * int(sliding_window) + block_q + slack)
         fixed = False
         if num_splits is None:
             num_splits = choose_num_splits(r * kv_heads * -(-qmax // block_q), visible, q.device)

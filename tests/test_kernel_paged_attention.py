@@ -222,6 +222,27 @@ def test_cuda_empty_splits_are_not_read(monkeypatch, skip_empty):
         compare(q, kc, vc, meta, window=window and window * 10, num_splits=12)
 
 
+def _recorded_partials(monkeypatch) -> list:
+    """Each launch's split-K scratch ``(acc, m, l)``, appended as it is allocated."""
+    captured, new_partials = [], pa._new_partials
+
+    def recording(*args, **kwargs):
+        captured.append(new_partials(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(pa, "_new_partials", recording)
+    return captured
+
+
+def _relative_window_decode(monkeypatch) -> tuple[list, tuple]:
+    """A decode at position 400 (float32, 2 KV heads, head_dim 64), launched as in graphs with
+    relative chunks at this short key axis -> (the launches' recorded scratch, the case)."""
+    captured = _recorded_partials(monkeypatch)
+    monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", 0)
+    _as_in_graphs(monkeypatch)
+    return captured, make_case([(400, 1)], 2, 64, torch.float32, True)
+
+
 def _as_in_graphs(monkeypatch) -> None:
     """The backend's launches as inside a CUDA-graph build (no ``fixed_splits``: relative
     chunks apply there only)."""
@@ -251,18 +272,9 @@ def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
     one 16-key tile of the window (every split's m finite); absolute chunks of 112 keys from
     key 0 leave three of the four empty. The split count of a sliding layer comes from its
     window (relative) or the whole key axis (absolute)."""
-    captured, seen = [], []
-    new_partials, choose = pa._new_partials, pa.choose_num_splits
-
-    def recording(*args, **kwargs):
-        captured.append(new_partials(*args, **kwargs))
-        return captured[-1]
-
-    monkeypatch.setattr(pa, "_new_partials", recording)
+    seen, choose = [], pa.choose_num_splits
     monkeypatch.setattr(pa, "choose_num_splits", lambda n, keys, dev: seen.append(keys) or choose(n, keys, dev))
-    monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", 0)  # this key axis is short
-    _as_in_graphs(monkeypatch)
-    q, kc, vc, meta, _ = make_case([(400, 1)], 2, 64, torch.float32, True)
+    captured, (q, kc, vc, meta, _) = _relative_window_decode(monkeypatch)
     holding = {}
     for relative in (True, False):
         monkeypatch.setattr(pa, "RELATIVE_SPLITS", relative)
@@ -298,19 +310,9 @@ def test_interpreted_window_slack_splits_a_window_into_one_tile_runs(monkeypatch
     span once tile-aligned, so each split walks one tile (a 48-key window at position 400 spans
     4 tiles of 16: 4 splits holding keys), where the window's keys alone (49) give 3 splits of
     two-tile runs, one of them empty; the values stay the reference's."""
-    captured = []
-    new_partials = pa._new_partials
-
-    def recording(*args, **kwargs):
-        captured.append(new_partials(*args, **kwargs))
-        return captured[-1]
-
-    monkeypatch.setattr(pa, "_new_partials", recording)
-    monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", 0)
     # as on a GPU that wants many programs: as many 16-key splits as the keys allow
     monkeypatch.setattr(pa, "choose_num_splits", lambda n, keys, dev: max(1, keys // 16))
-    _as_in_graphs(monkeypatch)
-    q, kc, vc, meta, _ = make_case([(400, 1)], 2, 64, torch.float32, True)
+    captured, (q, kc, vc, meta, _) = _relative_window_decode(monkeypatch)
     splits = {}
     for slack in (False, True):
         monkeypatch.setattr(pa, "RELATIVE_WINDOW_SLACK", slack)

@@ -19,6 +19,7 @@ safetensors, the real on-disk names) so both runs load the same values::
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu_xs import xs_draft_config, xs_target_config
+from bench_gpu_xs import write_xs_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tp_worker  # noqa: E402
@@ -37,8 +38,12 @@ from laguna_dflash.models.random_init import randomize_  # noqa: E402
 from laguna_dflash.models.writer import save_checkpoint  # noqa: E402
 
 
-def write_pair(root: Path, num_layers: int) -> tuple[Path, Path]:
-    tcfg, dcfg = xs_target_config(num_layers), xs_draft_config(num_layers)
+def write_pair(root: Path, num_layers: int, hidden: int = 2048) -> tuple[Path, Path]:
+    """The pair's random weights in the real on-disk format (``hidden`` other than 2048: every
+    width shrunk with it, as ``bench_gpu_xs.write_xs_configs`` does: a CPU wiring check)."""
+    (root / "configs").mkdir()
+    _, ddir, tcfg = write_xs_configs(root / "configs", num_layers, hidden)
+    dcfg = json.loads((ddir / "config.json").read_text())
     target = LagunaForCausalLM.from_config(tcfg)
     randomize_(target, 0)
     tdir = save_checkpoint(target, root / "target", tcfg)
@@ -53,20 +58,24 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a wiring check (with --hidden 256 or less)")
+    ap.add_argument("--hidden", type=int, default=2048,
+                    help="other than 2048: every width shrunk with it (a CPU wiring check)")
     ap.add_argument("--only-dflash", action="store_true",
                     help="only the two DFlash jobs a dtype (no prompt logits, no target-only): "
                          "about half the time (each job is an engine on both ranks and on one)")
     args = ap.parse_args()
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 100000) for _ in range(n)] for n in (40, 97)]
+    vocab = 100000 if args.hidden == 2048 else 4000  # write_xs_configs: 4096 when shrunk
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (40, 97)]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        tdir, ddir = write_pair(Path(tmp), args.layers)
+        tdir, ddir = write_pair(Path(tmp), args.layers, args.hidden)
         print(f"# wrote the {args.layers}-layer XS-2.1-width pair in {time.perf_counter() - t0:.1f} s",
               flush=True)
         jobs, names = [], []
         for dtype in args.dtypes.split(","):
-            opts = {"device": "cuda", "enforce_eager": True, "dtype": dtype,
+            opts = {"device": args.device, "enforce_eager": True, "dtype": dtype,
                     "enable_expert_parallel": args.enable_expert_parallel}
             gen = {"kind": "generate", "model": str(tdir), "prompts": prompts,
                    "max_tokens": args.new_tokens, "options": opts}
@@ -84,7 +93,7 @@ def main() -> None:
                 job["options"]["num_speculative_tokens"] = 3
         t0 = time.perf_counter()
         sharded = tp_worker.run_ranks(jobs, world_size=2, backend="gloo")
-        print(f"# two gloo ranks on one GPU: {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"# two gloo ranks on one {args.device} device: {time.perf_counter() - t0:.1f} s", flush=True)
         single = [tp_worker.to_cpu(tp_worker.run_job(job, tensor_parallel_size=1)) for job in jobs]
     print(f"# experts split by {'expert' if args.enable_expert_parallel else 'width'}")
     print("| dtype | what | ranks equal | tp=2 vs tp=1 | DFlash = target-only (tp=2) | steps whose drafts "
@@ -97,7 +106,7 @@ def main() -> None:
             rel = ((a - one).abs().max() / one.abs().max()).item()
             top = (a.argmax(-1) == one.argmax(-1)).float().mean().item()
             print(f"| {dtype} | prompt logits | {same} | max |diff| / max |logit| = {rel:.2e}, "
-                  f"argmax equal at {top:.0%} of positions | |")
+                  f"argmax equal at {top:.0%} of positions | | | |")
             continue
         equal = sum(x == y for x, y in zip(a[0], one[0]))
         lossless = drafts = acceptance = ""

@@ -717,7 +717,8 @@ case "$stage" in
     echo "   two gloo ranks at XS-2.1 widths, the drafter sharded and replicated, against one process"
     # (test_sharded_engine_on_one_gpu_over_gloo alone took 183 s in the twenty-sixth pass; in
     # the forty-ninth the XS-width float32 check's four jobs took 281 s on the two ranks alone,
-    # and its 400 s cut the one-process half: the two DFlash jobs only, ~half of that)
+    # and its 400 s cut the one-process half: the two DFlash jobs only, ~half of that; its
+    # wiring is CPU-tested, tests/test_bench_tp.py)
     gpu_tests 100 tests/test_tensor_parallel.py -k "nccl_collectives" | tail -3
     timeout "${XS_S:-400}" python benchmarks/check_tp_xs.py --layers 2 --dtypes float32 --new-tokens 16 \
       --only-dflash 2>&1 | quiet | tail -8

@@ -56,3 +56,23 @@ def test_bench_tp_times_the_sharded_and_the_replicated_drafter(tmp_path):
     (row,) = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert (row["draft_tp"], row["draft_tp_1"]) == (2, 1)
     assert row["dflash_tok_s"] > 0 and row["dflash_tok_s_1"] > 0
+
+
+def test_check_tp_xs_compares_the_sharded_and_replicated_drafter_with_one_process(tmp_path):
+    """check_tp_xs.py's wiring on CPU ranks (widths shrunk): its table has a row for each
+    drafter setting, the ranks agree, and every step's drafts equal one process's."""
+    import re
+
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "check_tp_xs.py"), "--device", "cpu", "--hidden", "128",
+         "--layers", "2", "--dtypes", "float32", "--new-tokens", "4", "--only-dflash"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| float32 | greedy dflash")]
+    assert len(rows) == 2 and "drafter replicated" in rows[1], done.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == "True" and cells[3] == "2 of 2 sequences equal", row
+        same, total = map(int, re.fullmatch(r"(\d+) of (\d+)", cells[5]).groups())
+        assert same == total > 0, row

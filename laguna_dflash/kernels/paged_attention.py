@@ -440,8 +440,9 @@ SKIP_EMPTY_SPLITS = True
 # from its window. Not for batch-invariant attention (its boundaries are fixed from key 0).
 # Changes the summation order, not the math. False: the A/B. On the H200 (XS-2.1 size, batch-1
 # decode graph; docs/PERFORMANCE.md, forty-ninth pass) at a 16k context: step 3.65 -> 2.60 ms
-# (attention's span 1700 -> 619 us); at 1k: 2.25 -> 2.29 ms (a sliding layer's 8 relative
-# splits of its ~9 window tiles took two tiles each), hence only from RELATIVE_MIN_KEYS keys.
+# (attention's span 1700 -> 619 us); at 1k: 2.25 -> 2.29 ms (likely because a sliding layer's
+# 8 relative splits of its ~9 window tiles walk two tiles each; not profiled), hence only from
+# RELATIVE_MIN_KEYS keys.
 RELATIVE_SPLITS = True
 # ... for key axes (the graph's key bucket) of at least this many keys: contexts past 2048,
 # in CUDA graphs (not for fixed_splits forwards)
@@ -705,7 +706,7 @@ def paged_attention(
             fixed = (fixed_splits and num_splits > 1 and _MAX_SPLITS * t * num_heads * head_dim * 4
                      <= FIXED_SPLITS_MAX_PARTIAL_BYTES)
         if relative:  # every split may hold keys; a split spans at most this many (whole tiles)
-            num_splits = _MAX_SPLITS if fixed else max(1, num_splits)
+            num_splits = max(1, num_splits)  # (never fixed: relative excludes fixed_splits)
             split_len = split_plan(min(lmax, visible + block_n), block_n, num_splits, keep_empty=True)[1]
         else:
             num_splits, split_len = split_plan(lmax, block_n, _MAX_SPLITS if fixed else num_splits,

@@ -41,6 +41,11 @@
 #   bash benchmarks/gpu_check.sh pass51-split  # relative split-K chunks at every length with a
 #                                           # sliding layer's splits counted in window tiles,
 #                                           # against the defaults, at 1k and 16k (~4 min)
+#   bash benchmarks/gpu_check.sh pass51     # pass51-split, then DFlash at L = 4 at a 16k context with
+#                                           # the relative chunks, batch 1 and 4 (~8.5 min)
+#   bash benchmarks/gpu_check.sh pass51-default  # the split defaults: paged-attention and engine CUDA
+#                                           # tests, the verify forward's A/B (absolute chunks at
+#                                           # 1k against relative), goal cells (~8.5 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -740,6 +745,30 @@ case "$stage" in
       --top 3 --switch "$p:RELATIVE_WINDOW_SLACK=True" \
       --switch "$p:RELATIVE_WINDOW_SLACK=True;$p:RELATIVE_MIN_KEYS=0" 2>&1 | quiet \
       | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -50 ;;
+  pass51)
+    echo "== pass51-split, then DFlash at a 16k context with the relative chunks (the default past"
+    echo "   2048 keys): decode and L = 4 at batch 1 and 4 (~8.5 min)"
+    SPLIT_S=${SPLIT_S:-240} bash "$0" pass51-split
+    echo "== bench_gpu_xs.py --context 16384 (relative split-K chunks)"
+    timeout "${LONG_S:-250}" python benchmarks/bench_gpu_xs.py --context 16384 --new-tokens 64 --ks 3 \
+      --batches 1,4 --simulated 4 --sim-ks 3 --rounds 1 2>&1 | quiet \
+      | grep -E "^\||floor|simulated|context" | head -20 ;;
+  pass51-default)
+    echo "== relative split-K chunks with the window slack: the paged-attention and engine CUDA"
+    echo "   tests, the 4-token verify forward with the absolute chunks at 1k (the default) against"
+    echo "   relative ones (the fiftieth pass measured 3.74 against 3.81 ms), then the"
+    echo "   goal table's batch-1 cells (~8.5 min). A part's limit of 0 skips it (KERNEL_S,"
+    echo "   ENGINE_S, VERIFY_S, BENCH_S: timeout 0 would mean no limit)"
+    p=laguna_dflash.kernels.paged_attention
+    [ "${KERNEL_S:-110}" -gt 0 ] && gpu_tests "${KERNEL_S:-110}" -n 6 tests/test_kernel_paged_attention.py \
+      -k "cuda and not timing" | tail -4
+    [ "${ENGINE_S:-200}" -gt 0 ] && engine_cuda_tests "${ENGINE_S:-200}"
+    [ "${VERIFY_S:-120}" -gt 0 ] && timeout "${VERIFY_S:-120}" python benchmarks/profile_decode_xs.py \
+      --top 3 --q 4 --switch "$p:RELATIVE_ANY_LENGTH_MAX_QUERIES=16" 2>&1 | quiet \
+      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -20
+    [ "${BENCH_S:-100}" -gt 0 ] && timeout "${BENCH_S:-100}" python benchmarks/bench_gpu_xs.py --new-tokens 64 \
+      --ks 3 --batches 1 --simulated 4 --sim-ks 3 --rounds 1 2>&1 | quiet | grep -E "^\||floor|simulated" | head -16
+    true ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

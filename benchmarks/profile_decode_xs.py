@@ -72,12 +72,17 @@ def decode_graph(llm: LLM, q: int = 1, context: int = 1024):
                                         1, engine.max_model_len, q)
     if q > 1 and not any(k[0] == 1 and k[1] == q for k in runner.graphs.graphs):
         allocator = engine.allocator
-        blocks = allocator.allocate(allocator.blocks_needed(context + q, 0))
+        # one table per KV group of the layout (the hybrid layout's sliding groups take blocks of
+        # the same pool: scheduler.Scheduler), each covering the whole sequence
+        tables = [allocator.allocate(allocator.blocks_needed(context + q, 0))
+                  for _ in range(1 + engine.scheduler.num_swa_groups)]
         try:
-            runner.forward(list(range(100, 100 + q)), [ForwardItem(q, context, context + q, blocks)])
+            item = ForwardItem(q, context, context + q, tables[0], tuple(tables[1:]))
+            runner.forward(list(range(100, 100 + q)), [item])
             torch.cuda.synchronize()
         finally:
-            allocator.free(blocks)  # the graph keeps only shapes; its slots are rewritten per replay
+            for blocks in tables:  # the graph keeps only shapes; its slots are rewritten per replay
+                allocator.free(blocks)
     graphs = runner.graphs.graphs
     key = max((k for k in graphs if k[0] == 1 and k[1] == q), key=lambda k: k[2])
     return graphs[key].graph

@@ -274,6 +274,7 @@ def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
     window (relative) or the whole key axis (absolute)."""
     seen, choose = [], pa.choose_num_splits
     monkeypatch.setattr(pa, "choose_num_splits", lambda n, keys, dev: seen.append(keys) or choose(n, keys, dev))
+    monkeypatch.setattr(pa, "RELATIVE_WINDOW_SLACK", False)  # its own test below
     captured, (q, kc, vc, meta, _) = _relative_window_decode(monkeypatch)
     holding = {}
     for relative in (True, False):
@@ -284,24 +285,34 @@ def test_interpreted_relative_splits_give_every_split_keys(monkeypatch):
         compare(q, kc, vc, meta, window=48, block_n=16)  # the count chosen from the shapes
     assert holding == {True: 4, False: 1}
     lmax = meta.key_slots.shape[1]
-    assert seen[0] < 64 <= lmax == seen[1], (seen, lmax)  # 48 keys + the query tile; the axis
-    # below RELATIVE_MIN_KEYS (the default: contexts past 2048), and in eager forwards
-    # (fixed_splits), the chunks stay absolute
+    assert seen[0] == 49 < lmax == seen[1], (seen, lmax)  # 48 keys + the query tile; the axis
+    # below RELATIVE_MIN_KEYS (the default: contexts past 2048) a forward of more than
+    # RELATIVE_ANY_LENGTH_MAX_QUERIES query tokens a request (a verify, the drafter block; the
+    # default lets the 1-token decode through), and eager forwards (fixed_splits) at any
+    # length, keep the absolute chunks
     monkeypatch.setattr(pa, "RELATIVE_SPLITS", True)
     monkeypatch.setattr(pa, "choose_num_splits", lambda *args: 4)  # the CPU's choice is 1
     long_case = make_case([(2000, 1)], 2, 64, torch.float32, True)
-    # (min keys, fixed_splits, the case, splits holding keys: 4 splits of 112 keys from key 0;
-    # fixed: 32 of 64 keys from key 0, where relative ones would be 4 of 16 from key 1952)
+    verify_case = make_case([(400, 4)], 2, 64, torch.float32, True)
     short_case = (q, kc, vc, meta, None)
-    for min_keys, fixed, case, want in ((lmax + 1, False, short_case, 1), (0, True, long_case, 2)):
+    # (min keys, max queries at any length, fixed_splits, the case, splits holding keys:
+    # absolute, the window in 1 of 4 splits of 112 keys from key 0; relative, 4 of 16 keys from
+    # key 352; fixed: 32 of 64 keys from key 0, where relative ones would be 4 of 16 from 1952)
+    above = 1 << 20  # a min-keys bound above both key axes
+    for min_keys, any_length, fixed, case, want in ((above, 0, False, short_case, 1),
+                                                    (above, 1, False, short_case, 4),
+                                                    (above, 1, False, verify_case, 1),
+                                                    (above, 4, False, verify_case, 4),
+                                                    (0, 1, True, long_case, 2)):
         monkeypatch.setattr(pa, "RELATIVE_MIN_KEYS", min_keys)
+        monkeypatch.setattr(pa, "RELATIVE_ANY_LENGTH_MAX_QUERIES", any_length)
         captured.clear()
         cq, ck, cv, cmeta, _ = case
         pa.paged_attention(cq, ck, cv, cmeta.query_index, cmeta.query_positions, cmeta.key_slots,
                            cmeta.seq_lens, scale=cq.shape[-1] ** -0.5, causal=True, sliding_window=48,
                            block_n=16, fixed_splits=fixed)
         part_m = captured[0][1]
-        assert torch.isfinite(part_m[:, 0, 0]).sum().item() == want, (min_keys, fixed)
+        assert torch.isfinite(part_m[:, 0, 0]).sum().item() == want, (min_keys, any_length, fixed)
 
 
 @interpreted

@@ -440,18 +440,23 @@ SKIP_EMPTY_SPLITS = True
 # from its window. Not for batch-invariant attention (its boundaries are fixed from key 0).
 # Changes the summation order, not the math. False: the A/B. On the H200 (XS-2.1 size, batch-1
 # decode graph; docs/PERFORMANCE.md, forty-ninth pass) at a 16k context: step 3.65 -> 2.60 ms
-# (attention's span 1700 -> 619 us); at 1k: 2.25 -> 2.29 ms (likely because a sliding layer's
-# 8 relative splits of its ~9 window tiles walk two tiles each; not profiled), hence only from
-# RELATIVE_MIN_KEYS keys.
+# (attention's span 1700 -> 619 us); 2.53 ms with the window slack below (fiftieth pass).
 RELATIVE_SPLITS = True
-# ... for key axes (the graph's key bucket) of at least this many keys: contexts past 2048,
-# in CUDA graphs (not for fixed_splits forwards)
+# ... for key axes (the graph's key bucket) of at least this many keys (contexts past 2048), in
+# CUDA graphs (not for fixed_splits forwards) ...
 RELATIVE_MIN_KEYS = 4096
+# ... or at any key length where a request holds at most this many query tokens (the decode
+# step). On the H200 at a 1k context (fiftieth pass, gpu_check.sh pass51-default, the window
+# slack below on): the decode step 2.25 -> 2.21 ms, but the 4-token verify graph 3.74 -> 3.81 ms
+# (and goal 2's L = 4 cell 1.95x against 2.00-2.04x in earlier passes), so a verify and the
+# drafter block keep the absolute chunks below RELATIVE_MIN_KEYS.
+RELATIVE_ANY_LENGTH_MAX_QUERIES = 1
 # ... and a sliding layer's split count chosen from the tiles its window can span once aligned
-# to whole tiles (window + query tile + one tile - 1 keys: 9-10 splits of one tile at 512) instead
-# of its keys (8 splits, most of two tiles). Off: not yet timed (the A/B for the next GPU run,
-# with RELATIVE_MIN_KEYS=0: gpu_check.sh pass51-split).
-RELATIVE_WINDOW_SLACK = False
+# to whole tiles (window + query tile + one tile - 1 keys: 9-10 splits of one tile at 512)
+# instead of its keys (8 splits, most of two tiles). On the H200 (fiftieth pass, gpu_check.sh
+# pass51-split): at 16k 2.61 -> 2.53 ms (attention 616 -> 519 us, merge 685 -> 604 us of kernel
+# time); at 1k the decode step 2.22 ms against 2.23 with absolute chunks. False: the A/B.
+RELATIVE_WINDOW_SLACK = True
 
 
 # batch_invariant: the keys are cut into splits of this many (from key 0, whatever the forward),
@@ -694,7 +699,8 @@ def paged_attention(
         block_q = _block_q(qmax, group)
         # (not for fixed_splits forwards, eager ones, whose Lmax grows a key a step: the
         # absolute chunks' kernels, which their warm-up builds, at every length)
-        relative = RELATIVE_SPLITS and lmax >= RELATIVE_MIN_KEYS and not fixed_splits
+        relative = (RELATIVE_SPLITS and not fixed_splits
+                    and (lmax >= RELATIVE_MIN_KEYS or qmax <= RELATIVE_ANY_LENGTH_MAX_QUERIES))
         # keys one query tile can see: the whole axis, or its window around its block_q queries
         visible = lmax
         if relative and sliding_window is not None:

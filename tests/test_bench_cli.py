@@ -44,14 +44,46 @@ def test_load_prompts_formats(tmp_path):
         load_prompts(tmp_path / "c.jsonl")
 
 
-def test_generate_compare_reports_speedup(pair, capsys):
+def test_generate_compare_reports_speedup(pair, capsys, monkeypatch):
+    """``--compare`` runs DFlash and target-only in alternation (3 rounds by default,
+    ``--compare-rounds``) and reports each one's best round, with every round's speed."""
+    from laguna_dflash import llm as llm_module
+
+    order, real_generate = [], llm_module.LLM.generate
+
+    def recording(self, *args, **kwargs):
+        order.append("spec" if self.config.speculative is not None else "target")
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(llm_module.LLM, "generate", recording)
+    target, draft = pair
+    argv = ["generate", "--model", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "10", "--ignore-eos", "--json", "--compare"]
+    for extra, rounds in (([], 3), (["--compare-rounds", "2"], 2)):
+        order.clear()
+        assert main([*argv, *extra]) == 0
+        t = json.loads(capsys.readouterr().out)["timings"]
+        assert order == ["spec", "target"] * rounds
+        assert t["compare_rounds"] == rounds and t["outputs_identical"] is True
+        for key in ("decode_tokens_per_s", "target_only_decode_tokens_per_s"):
+            per_round = t[f"{key}_per_round"]
+            assert len(per_round) == rounds and min(per_round) > 0 and t[key] == max(per_round)
+        assert t["speedup"] == pytest.approx(t["decode_tokens_per_s"] / t["target_only_decode_tokens_per_s"])
+    # the stats line says what the speeds are
+    assert main([*argv[:-2], "--compare", "--compare-rounds", "2"]) == 0  # no --json
+    assert "(best of 2 alternating runs each)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--compare", "--compare-rounds", "0"], "--compare-rounds must be at least 1, got 0"),
+    (["--no-compare", "--compare-rounds", "2"], "it needs --compare"),
+])
+def test_generate_compare_rounds_errors_name_the_flag(pair, capsys, extra, message):
     target, draft = pair
     assert main(["generate", "--model", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7",
-                 "--max-new-tokens", "10", "--ignore-eos", "--json", "--compare"]) == 0
-    obj = json.loads(capsys.readouterr().out)
-    t = obj["timings"]
-    assert t["outputs_identical"] is True and t["target_only_decode_tokens_per_s"] > 0
-    assert t["speedup"] == pytest.approx(t["decode_tokens_per_s"] / t["target_only_decode_tokens_per_s"])
+                 "--max-new-tokens", "4", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_generate_without_model_uses_demo_dir(pair, capsys, monkeypatch, tmp_path):

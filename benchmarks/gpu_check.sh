@@ -46,6 +46,8 @@
 #   bash benchmarks/gpu_check.sh pass51-default  # the split defaults: paged-attention and engine CUDA
 #                                           # tests, the verify forward's A/B (absolute chunks at
 #                                           # 1k against relative), goal cells (~8.5 min)
+#   bash benchmarks/gpu_check.sh pass52     # the fiftieth pass's split defaults end to end: goal 2 at
+#                                           # 1k, DFlash at 16k, the 16k verify's slack A/B (~8.5 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -769,6 +771,19 @@ case "$stage" in
     [ "${BENCH_S:-100}" -gt 0 ] && timeout "${BENCH_S:-100}" python benchmarks/bench_gpu_xs.py --new-tokens 64 \
       --ks 3 --batches 1 --simulated 4 --sim-ks 3 --rounds 1 2>&1 | quiet | grep -E "^\||floor|simulated" | head -16
     true ;;
+  pass52)
+    echo "== the fiftieth pass's defaults (relative chunks in every decode graph and from 4096 keys,"
+    echo "   the window slack) end to end: goal 2's batch-1 cell at 1k, DFlash at a 16k context, and"
+    echo "   the 16k verify forward with the slack against without (~8.5 min)"
+    p=laguna_dflash.kernels.paged_attention
+    timeout "${GOAL_S:-130}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
+      --simulated 4 --sim-ks 0,3 --rounds 2 2>&1 | quiet | grep -E "^\||floor|simulated" | head -16
+    timeout "${LONG_S:-250}" python benchmarks/bench_gpu_xs.py --context 16384 --new-tokens 64 --ks 3 \
+      --batches 1,4 --simulated 4 --sim-ks 3 --rounds 1 2>&1 | quiet \
+      | grep -E "^\||floor|simulated|context" | head -20
+    timeout "${VERIFY_S:-130}" python benchmarks/profile_decode_xs.py --context 16384 --top 3 --q 4 \
+      --switch "$p:RELATIVE_WINDOW_SLACK=False" 2>&1 | quiet \
+      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -20 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -766,8 +766,8 @@ case "$stage" in
       -k "cuda and not timing" | tail -4
     [ "${ENGINE_S:-200}" -gt 0 ] && engine_cuda_tests "${ENGINE_S:-200}"
     [ "${VERIFY_S:-120}" -gt 0 ] && timeout "${VERIFY_S:-120}" python benchmarks/profile_decode_xs.py \
-      --top 3 --q 4 --switch "$p:RELATIVE_ANY_LENGTH_MAX_QUERIES=16" 2>&1 | quiet \
-      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -20
+      --top 14 --q 4 --switch "$p:RELATIVE_ANY_LENGTH_MAX_QUERIES=16" 2>&1 | quiet \
+      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -30
     [ "${BENCH_S:-100}" -gt 0 ] && timeout "${BENCH_S:-100}" python benchmarks/bench_gpu_xs.py --new-tokens 64 \
       --ks 3 --batches 1 --simulated 4 --sim-ks 3 --rounds 1 2>&1 | quiet | grep -E "^\||floor|simulated" | head -16
     true ;;
@@ -781,9 +781,9 @@ case "$stage" in
     timeout "${LONG_S:-250}" python benchmarks/bench_gpu_xs.py --context 16384 --new-tokens 64 --ks 3 \
       --batches 1,4 --simulated 4 --sim-ks 3 --rounds 1 2>&1 | quiet \
       | grep -E "^\||floor|simulated|context" | head -20
-    timeout "${VERIFY_S:-130}" python benchmarks/profile_decode_xs.py --context 16384 --top 3 --q 4 \
+    timeout "${VERIFY_S:-130}" python benchmarks/profile_decode_xs.py --context 16384 --top 14 --q 4 \
       --switch "$p:RELATIVE_WINDOW_SLACK=False" 2>&1 | quiet \
-      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -20 ;;
+      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -30 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SamplingParams
-from .llm import LLM
+from .llm import LLM, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,21 @@ def _prompt(item, where: str) -> str:
     return item
 
 
+def timed_generate(llm: LLM, **generate_kwargs) -> tuple[list[RequestOutput], float]:
+    """``llm.generate(**generate_kwargs)`` -> (its outputs, the decode seconds it added to the
+    engine's counters: prefill excluded)."""
+    before = llm.engine.timings.decode_s
+    outs = llm.generate(**generate_kwargs)
+    return outs, llm.engine.timings.decode_s - before
+
+
 def _timed_generate(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
+    """:func:`timed_generate` over ``prompts`` in batches of ``batch_size``."""
     outs, t_decode = [], 0.0
     for i in range(0, len(prompts), batch_size):
-        before = llm.engine.timings.decode_s
-        outs += llm.generate(prompts[i : i + batch_size], params)
-        t_decode += llm.engine.timings.decode_s - before
+        batch_outs, t = timed_generate(llm, prompts=prompts[i : i + batch_size], sampling_params=params)
+        outs += batch_outs
+        t_decode += t
     return outs, t_decode
 
 

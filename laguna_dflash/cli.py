@@ -308,13 +308,11 @@ def _timed_generate(llm: LLM, prompt: str | None, prompt_ids: list[int] | None,
                     params: SamplingParams) -> tuple[RequestOutput, float]:
     """One request on ``llm`` -> (its output, decode tokens/s: its tokens over the decode time
     this run added to the engine's counters; 0.0 when it decoded nothing)."""
-    before = llm.get_metrics()["decode_s"]
-    if prompt is not None:
-        out = llm.generate(prompts=[prompt], sampling_params=params)[0]
-    else:
-        out = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0]
-    decode_s = llm.get_metrics()["decode_s"] - before
-    return out, (len(out.token_ids) / decode_s if decode_s > 0 else 0.0)
+    from .bench import timed_generate
+
+    request = {"prompts": [prompt]} if prompt is not None else {"prompt_token_ids": [prompt_ids]}
+    outs, decode_s = timed_generate(llm, **request, sampling_params=params)
+    return outs[0], (len(outs[0].token_ids) / decode_s if decode_s > 0 else 0.0)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -48,9 +48,7 @@
 #                                           # 1k against relative), goal cells (~8.5 min)
 #   bash benchmarks/gpu_check.sh pass52     # the fiftieth pass's split defaults end to end: goal 2 at
 #                                           # 1k, DFlash at 16k, the 16k verify's slack A/B (~8.5 min)
-#   bash benchmarks/gpu_check.sh pass53     # relative chunks in windowed sliding layers at any length
-#                                           # up to 16 queries: verify and drafter graphs at 1k,
-#                                           # goal 2's cell with and without (~7 min)
+#   bash benchmarks/gpu_check.sh pass54     # goal 2's L = 4 cell in five separate processes (~7 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -787,23 +785,13 @@ case "$stage" in
     timeout "${VERIFY_S:-130}" python benchmarks/profile_decode_xs.py --context 16384 --top 14 --q 4 \
       --switch "$p:RELATIVE_WINDOW_SLACK=False" 2>&1 | quiet \
       | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -30 ;;
-  pass53)
-    echo "== relative split-K chunks in a windowed sliding layer at any length for up to 16 query"
-    echo "   tokens a request (the verify's and the drafter block's sliding layers at 1k) against the"
-    echo "   defaults, and all-relative verify: the 4-token verify graph, the drafter block's graph,"
-    echo "   goal 2's L = 4 cell with and without (~7 min)"
-    p=laguna_dflash.kernels.paged_attention
-    w="$p:RELATIVE_WINDOW_ANY_LENGTH_MAX_QUERIES=16"
-    timeout "${VERIFY_S:-110}" python benchmarks/profile_decode_xs.py --context 1024 --top 14 --q 4 \
-      --switch "$w" --switch "$p:RELATIVE_ANY_LENGTH_MAX_QUERIES=4" 2>&1 | quiet \
-      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|greedy|_paged_attention|_merge|rror" | head -30
-    timeout "${DRAFT_S:-110}" python benchmarks/profile_decode_xs.py --context 1024 --top 14 --drafter \
-      --k 3 --switch "$w" 2>&1 | quiet \
-      | grep -E "^# |^## |^NVIDIA|^\| [0-9]|_paged_attention|_merge|rror" | head -24
-    for sw in "" "--switch $w"; do
-      echo "-- goal 2 cell ${sw:-(defaults)}"
-      timeout "${GOAL_S:-120}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
-        --simulated 4 --sim-ks 0,3 --rounds 3 $sw 2>&1 | quiet | grep -E "^\| 1 |floor|DFlash K" | head -8
+  pass54)
+    echo "== goal 2's L = 4 batch-1 cell in GOAL_N (default 5) separate processes, the defaults: how"
+    echo "   far the ratio moves between processes (~8 min)"
+    for i in $(seq "${GOAL_N:-5}"); do
+      echo "-- process $i"
+      timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
+        --simulated 4 --sim-ks 0,3 --rounds 3 2>&1 | quiet | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(" | head -4
     done ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"

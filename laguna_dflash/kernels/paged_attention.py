@@ -449,12 +449,10 @@ RELATIVE_MIN_KEYS = 4096
 # step). On the H200 at a 1k context (fiftieth pass, gpu_check.sh pass51-default, the window
 # slack below on): the decode step 2.25 -> 2.21 ms, but the 4-token verify graph 3.74 -> 3.81 ms
 # (and goal 2's L = 4 cell 1.95x against 2.00-2.04x in earlier passes), so a verify and the
-# drafter block keep the absolute chunks below RELATIVE_MIN_KEYS.
+# drafter block keep the absolute chunks below RELATIVE_MIN_KEYS. In the fifty-first pass the
+# same verify A/B measured 3.77 (relative) against 3.80 ms, and relative chunks in the sliding
+# layers only 3.78 (drafter block 0.36 ms either way): noise-level both ways, so unchanged.
 RELATIVE_ANY_LENGTH_MAX_QUERIES = 1
-# ... or at any key length in a sliding layer whose window hides part of the key axis, where a
-# request holds at most this many query tokens (a verify, the drafter block: their sliding
-# layers' absolute chunks are mostly empty below RELATIVE_MIN_KEYS too). 0: off.
-RELATIVE_WINDOW_ANY_LENGTH_MAX_QUERIES = 0
 # ... and a sliding layer's split count chosen from the tiles its window can span once aligned
 # to whole tiles (window + query tile + one tile - 1 keys: 9-10 splits of one tile at 512)
 # instead of its keys (8 splits, most of two tiles). On the H200 (fiftieth pass, gpu_check.sh
@@ -703,11 +701,8 @@ def paged_attention(
         block_q = _block_q(qmax, group)
         # (not for fixed_splits forwards, eager ones, whose Lmax grows a key a step: the
         # absolute chunks' kernels, which their warm-up builds, at every length)
-        windowed = (sliding_window is not None
-                    and (1 if causal else 2) * int(sliding_window) + block_q < lmax)
         relative = (RELATIVE_SPLITS and not fixed_splits
-                    and (lmax >= RELATIVE_MIN_KEYS or qmax <= RELATIVE_ANY_LENGTH_MAX_QUERIES
-                         or (windowed and qmax <= RELATIVE_WINDOW_ANY_LENGTH_MAX_QUERIES)))
+                    and (lmax >= RELATIVE_MIN_KEYS or qmax <= RELATIVE_ANY_LENGTH_MAX_QUERIES))
         # keys one query tile can see: the whole axis, or its window around its block_q queries
         visible = lmax
         if relative and sliding_window is not None:

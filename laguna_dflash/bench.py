@@ -75,7 +75,7 @@ def timed_generate(llm: LLM, **generate_kwargs) -> tuple[list[RequestOutput], fl
     return outs, llm.engine.timings.decode_s - before
 
 
-def _timed_generate(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
+def _timed_batches(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
     """:func:`timed_generate` over ``prompts`` in batches of ``batch_size``."""
     outs, t_decode = [], 0.0
     for i in range(0, len(prompts), batch_size):
@@ -108,11 +108,11 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
                num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k,
                draft_tensor_parallel_size=draft_tensor_parallel_size)
     warm = prompts[: min(2, len(prompts))]
-    _timed_generate(base, warm, params, batch_size)
-    _timed_generate(spec, warm, params, batch_size)
+    _timed_batches(base, warm, params, batch_size)
+    _timed_batches(spec, warm, params, batch_size)
     stats_before = dict(spec.get_metrics())
-    base_outs, t_base = _timed_generate(base, prompts, params, batch_size)
-    spec_outs, t_spec = _timed_generate(spec, prompts, params, batch_size)
+    base_outs, t_base = _timed_batches(base, prompts, params, batch_size)
+    spec_outs, t_spec = _timed_batches(spec, prompts, params, batch_size)
     after = spec.get_metrics()
     drafts = after["num_drafts"] - stats_before["num_drafts"]
     accepted = after["num_accepted_tokens"] - stats_before["num_accepted_tokens"]

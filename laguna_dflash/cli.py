@@ -304,7 +304,7 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
 DEFAULT_COMPARE_ROUNDS = 3
 
 
-def _timed_generate(llm: LLM, prompt: str | None, prompt_ids: list[int] | None,
+def _request_tokens_per_s(llm: LLM, prompt: str | None, prompt_ids: list[int] | None,
                     params: SamplingParams) -> tuple[RequestOutput, float]:
     """One request on ``llm`` -> (its output, decode tokens/s: its tokens over the decode time
     this run added to the engine's counters; 0.0 when it decoded nothing)."""
@@ -346,7 +346,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               adaptive_k=args.adaptive_k, simulate_acceptance_length=args.simulate_acceptance_length,
               draft_tensor_parallel_size=args.draft_tensor_parallel_size, trace=args.trace)
     load_s = time.perf_counter() - t0
-    run = functools.partial(_timed_generate, prompt=prompt, prompt_ids=args.prompt_ids, params=params)
+    run = functools.partial(_request_tokens_per_s, prompt=prompt, prompt_ids=args.prompt_ids, params=params)
     out, decode_tps = run(llm)
     m = llm.get_metrics()  # the first run's: the reported output and acceptance are its
     timings = {"load_s": load_s, "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],

@@ -49,6 +49,10 @@
 #   bash benchmarks/gpu_check.sh pass52     # the fiftieth pass's split defaults end to end: goal 2 at
 #                                           # 1k, DFlash at 16k, the 16k verify's slack A/B (~8.5 min)
 #   bash benchmarks/gpu_check.sh pass54     # goal 2's L = 4 cell in five separate processes (~7 min)
+#   bash benchmarks/gpu_check.sh pass55     # the launch timeline of 8-layer verify, decode and drafter
+#                                           # graphs, kernel by kernel (~4 min)
+#   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again: its
+#                                           # K/V tables and each capture's replay (~3 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -793,6 +797,26 @@ case "$stage" in
       timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
         --simulated 4 --sim-ks 0,3 --rounds 3 2>&1 | quiet | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(" | head -4
     done ;;
+  pass55)
+    echo "== the launch timeline of an 8-layer graph: the 4-token verify, the 1-token decode and the"
+    echo "   drafter block (K = 3), kernel by kernel with the gap before each (~4 min)"
+    for q in 4 1; do
+      echo "-- q = $q"
+      timeout 150 python benchmarks/profile_decode_xs.py --layers 8 --q $q --top 12 --sequence 40 \
+        2>&1 | quiet | tail -75
+    done
+    echo "-- drafter block"
+    timeout 150 python benchmarks/profile_decode_xs.py --layers 8 --drafter --k 3 --top 12 --sequence 30 \
+      2>&1 | quiet | tail -60 ;;
+  pass59)
+    echo "== where the 4-token verify graph's 4% comes from: in the fifty-second pass the same graph"
+    echo "   replayed in 3.68-3.69 ms in the fourth row of a process and 3.82-3.92 in the others."
+    echo "   Each row here captures it RECAPTURE (default 8) more times, each on new K/V blocks"
+    echo "   and graph-pool buffers, and prints the tables and each replay (~3 min)"
+    # the switch is a no-op (PDL is on by default): it only makes a second row, after a reset
+    timeout 240 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 \
+      --recapture "${RECAPTURE:-8}" --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet \
+      | grep -E "^## |^\| [0-9]|verify graph's table|recapture" ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

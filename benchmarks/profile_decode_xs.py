@@ -76,6 +76,10 @@ def decode_graph(llm: LLM, q: int = 1, context: int = 1024):
         # the same pool: scheduler.Scheduler), each covering the whole sequence
         tables = [allocator.allocate(allocator.blocks_needed(context + q, 0))
                   for _ in range(1 + engine.scheduler.num_swa_groups)]
+        for i, blocks in enumerate(tables):  # where the captured graph's K/V lie in the pool
+            ids = list(blocks)
+            jumps = sum(b != a + 1 for a, b in zip(ids, ids[1:]))
+            print(f"verify graph's table {i}: {len(ids)} blocks {ids[0]}..{ids[-1]}, {jumps} jumps")
         try:
             item = ForwardItem(q, context, context + q, tables[0], tuple(tables[1:]))
             runner.forward(list(range(100, 100 + q)), [item])
@@ -211,6 +215,12 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     print("\n| kernel | span added us per replay | share of the span |\n|---|---:|---:|")
     for name, us in span_by_name.most_common(args.top):
         print(f"| `{name}` | {us:.0f} | {us / 10 / span_ms:.1f}% |")
+    for i in range(args.recapture if args.q > 1 and not args.drafter else 0):
+        # the same graph captured again: new K/V blocks (the allocator's free list is FIFO) and
+        # new graph-pool buffers; the replay time of each capture apart
+        engine = llm.engine
+        engine.runner.graphs.reset()
+        print(f"recapture {i + 1}: replay {replay_ms(decode_graph(llm, args.q, args.context)):.3f} ms")
     if args.sequence:
         print("\n| # | kernel (launch order) | us | gap before us | span added us |\n|---:|---|---:|---:|---:|")
         for i, (name, start, d) in enumerate(one[: args.sequence]):
@@ -257,6 +267,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--sequence", type=int, default=0, help="print the first N kernels in order")
+    ap.add_argument("--recapture", type=int, default=0,
+                    help="with --q > 1: capture the graph N more times per row (new K/V blocks and "
+                         "graph-pool buffers each time) and print each capture's replay time")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value] to compare against the defaults "
                          "(repeatable)")
@@ -308,7 +321,8 @@ def main() -> None:
         t0 = time.perf_counter()
         longest = max([args.context, *args.also_context])
         llm = LLM(tmp, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
-                  max_model_len=longest + 256, num_kv_blocks=(longest + 320) // 16 * 2,
+                  # blocks enough for the hybrid layout (and the drafter's group) at any --layers
+                  max_model_len=longest + 256, num_kv_blocks=(longest + 320) // 16 * 4,
                   batch_invariant=args.batch_invariant, **draft,
                   **({} if args.max_prefill_graph_tokens is None
                      else {"max_prefill_graph_tokens": args.max_prefill_graph_tokens}))

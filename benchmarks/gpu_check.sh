@@ -53,6 +53,8 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again: its
 #                                           # K/V tables and each capture's replay (~3 min)
+#   bash benchmarks/gpu_check.sh pass60     # attention and its merge signalling first at 2+ tokens:
+#                                           # the chain's CUDA test, verify / drafter / goal 2 A/B (~9 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -817,6 +819,23 @@ case "$stage" in
     timeout 240 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 \
       --recapture "${RECAPTURE:-8}" --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet \
       | grep -E "^## |^\| [0-9]|verify graph's table|recapture" ;;
+  pass60)
+    echo "== attention and its merge signalling first in the verify and the drafter block"
+    echo "   (Attention.early_signal_min_tokens = 2, off by default): the chain's CUDA test, then the"
+    echo "   4-token verify graph (rows: off, on, off, on), the drafter block and goal 2's cell"
+    echo "   against it off in separate processes (~9 min)"
+    gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "early_signalling" | tail -3
+    on=laguna_dflash.models.layers:Attention.early_signal_min_tokens=2
+    off=laguna_dflash.models.layers:Attention.early_signal_min_tokens=null
+    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 --switch $on \
+      --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]"
+    timeout 100 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 3 --switch $on 2>&1 \
+      | quiet | grep -E "^## |^\| [0-9]|attention|merge"
+    for sw in $on $off $on $off; do
+      echo "-- goal 2 cell, $sw"
+      timeout 55 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 --switch $sw 2>&1 | quiet | grep -E "^\| 1 .*x, K|DFlash K=3 \(" | head -2
+    done ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

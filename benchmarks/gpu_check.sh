@@ -824,7 +824,8 @@ case "$stage" in
     echo "   (Attention.early_signal_min_tokens = 2, off by default): the chain's CUDA test, then the"
     echo "   4-token verify graph (rows: off, on, off, on), the drafter block and goal 2's cell"
     echo "   against it off in separate processes (~9 min)"
-    gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "early_signalling" | tail -3
+    gpu_tests 90 tests/test_kernel_skinny_gemm.py tests/test_kernel_staged_gemv.py \
+      -k "early_signalling or reads_this_replays" | tail -5
     on=laguna_dflash.models.layers:Attention.early_signal_min_tokens=2
     off=laguna_dflash.models.layers:Attention.early_signal_min_tokens=null
     timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 --switch $on \

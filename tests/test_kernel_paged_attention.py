@@ -852,3 +852,42 @@ def test_engine_config_selects_the_triton_backend() -> None:
     assert isinstance(get_attention_backend("triton"), TritonPagedBackend)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model="x", attention_backend="flash")
+
+
+def check_o_proj_reads_this_replays_attention(o_proj, num_tokens: int, early: bool) -> None:
+    """Q/K kernel -> attention -> split merge (both signalling first with ``early``) ->
+    ``o_proj(out [T, H * D], w) -> y`` in one CUDA graph, PDL-launched as the engine launches
+    them. Every replay gets new q/k/v; o_proj must read the merge's output of the same replay (a
+    read before its wait would see the previous one): 30 replays, each bitwise against o_proj
+    run eagerly on the attention output the replay left. ``num_tokens`` query tokens of one
+    request with 700 keys of context."""
+    from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
+
+    dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
+    _, kc, vc, meta, _ = make_case([(700, num_tokens)], kv_heads, head_dim, dtype, True, device="cuda", seed=3)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t = meta.num_tokens
+    qkv = torch.randn(t, (NUM_HEADS + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
+    qw = torch.ones(head_dim, device="cuda", dtype=dtype)
+    angles = torch.arange(1024, device="cuda")[:, None] * torch.rand(head_dim, device="cuda", generator=g)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    w = (torch.randn(512, NUM_HEADS * head_dim, device="cuda", generator=g) * 0.02).to(dtype)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, qw, 1e-6, cos, sin,
+                                    meta.positions, head_dim, meta.slot_mapping, kc, vc)
+        out = pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
+                                 meta.seq_lens, scale=head_dim ** -0.5, causal=True, num_splits=4,
+                                 early_signal=early)
+        return out, o_proj(out.reshape(t, -1), w)
+
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, y = forward()
+    for _ in range(30):
+        qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=g).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, o_proj(out.reshape(t, -1), w))

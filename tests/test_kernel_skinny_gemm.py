@@ -534,45 +534,14 @@ def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
 def test_cuda_verify_o_proj_after_early_signalling_attention_reads_this_replays_output(early):
     """The verify's chain as ``Attention.early_signal_min_tokens`` launches it: Q/K kernel ->
     attention -> split merge (both signalling first, with ``early``) -> the skinny GEMM's dot
-    path at 4 rows, in one graph, PDL-launched. Every replay gets new q/k/v; o_proj must read
-    the merge's output of the same replay: 30 replays, each bitwise against an eager skinny GEMM
-    of the attention output the replay left."""
-    from test_kernel_paged_attention import NUM_HEADS, make_case
-
-    from laguna_dflash.kernels import paged_attention as pa
-    from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
+    path at 4 rows, in one graph, PDL-launched: o_proj reads each replay's own attention output
+    (30 replays, bitwise; the checks are ``check_o_proj_reads_this_replays_attention``'s)."""
+    from test_kernel_paged_attention import check_o_proj_reads_this_replays_attention
 
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs programmatic dependent launch")
-    dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
-    _, kc, vc, meta, _ = make_case([(700, 4)], kv_heads, head_dim, dtype, True, device="cuda", seed=3)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    t = meta.num_tokens
-    qkv = torch.randn(t, (NUM_HEADS + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
-    qw = torch.ones(head_dim, device="cuda", dtype=dtype)
-    angles = torch.arange(1024, device="cuda")[:, None] * torch.rand(head_dim, device="cuda", generator=g)
-    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
-    w = (torch.randn(512, NUM_HEADS * head_dim, device="cuda", generator=g) * 0.02).to(dtype)
     cfg = SkinnyConfig(64, 128, 2, 4, 3, use_dot=True)
-
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, qw, 1e-6, cos, sin,
-                                    meta.positions, head_dim, meta.slot_mapping, kc, vc)
-        out = pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
-                                 meta.seq_lens, scale=head_dim ** -0.5, causal=True, num_splits=4,
-                                 early_signal=early)
-        return out, skinny_gemm(out.reshape(t, -1), w, cfg)
-
-    forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, y = forward()
-    for _ in range(30):
-        qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=g).to(dtype))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, skinny_gemm(out.reshape(t, -1), w, cfg))
+    check_o_proj_reads_this_replays_attention(lambda x, w: skinny_gemm(x, w, cfg), 4, early)
 
 
 def test_bound_helper_can_fail() -> None:

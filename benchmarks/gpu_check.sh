@@ -51,8 +51,9 @@
 #   bash benchmarks/gpu_check.sh pass54     # goal 2's L = 4 cell in five separate processes (~7 min)
 #   bash benchmarks/gpu_check.sh pass55     # the launch timeline of 8-layer verify, decode and drafter
 #                                           # graphs, kernel by kernel (~4 min)
-#   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again: its
-#                                           # K/V tables and each capture's replay (~3 min)
+#   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again, on
+#                                           # new K/V blocks and on fixed ones: each capture's
+#                                           # tables and replay (~4 min)
 #   bash benchmarks/gpu_check.sh pass60     # attention and its merge signalling first at 2+ tokens:
 #                                           # the chain's CUDA test, verify / drafter / goal 2 A/B (~9 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
@@ -812,13 +813,16 @@ case "$stage" in
       2>&1 | quiet | tail -60 ;;
   pass59)
     echo "== where the 4-token verify graph's 4% comes from: in the fifty-second pass the same graph"
-    echo "   replayed in 3.68-3.69 ms in the fourth row of a process and 3.82-3.92 in the others."
-    echo "   Each row here captures it RECAPTURE (default 8) more times, each on new K/V blocks"
-    echo "   and graph-pool buffers, and prints the tables and each replay (~3 min)"
-    # the switch is a no-op (PDL is on by default): it only makes a second row, after a reset
-    timeout 240 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 \
-      --recapture "${RECAPTURE:-8}" --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|verify graph's table|recapture" ;;
+    echo "   replayed in 3.68-3.69 ms in the fourth capture of a process and 3.82-3.92 in the others."
+    echo "   Two processes, each capturing it RECAPTURE (default 8) more times in each of two rows:"
+    echo "   on new K/V blocks each time, then on one fixed set (only the graph pool moves) (~4 min)"
+    for fixed in "" --fixed-blocks; do
+      echo "-- recaptures ${fixed:-on new blocks}"
+      # the switch is a no-op (PDL is on by default): it only makes a second row, after a reset
+      timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 $fixed \
+        --recapture "${RECAPTURE:-8}" --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|verify graph's table|recapture"
+    done ;;
   pass60)
     echo "== attention and its merge signalling first in the verify and the drafter block"
     echo "   (Attention.early_signal_min_tokens = 2, off by default): the chain's CUDA test, then the"

@@ -62,31 +62,39 @@ def engine_step_ms(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float,
     return 1e3 * (after["decode_s"] - before["decode_s"]) / steps, list(out[0].token_ids)
 
 
-def decode_graph(llm: LLM, q: int = 1, context: int = 1024):
+def verify_tables(llm: LLM, q: int, context: int) -> list[list[int]]:
+    """K/V blocks for a verify-shaped forward of ``q`` tokens after ``context``: one table per KV
+    group of the layout (the hybrid layout's sliding groups take blocks of the same pool:
+    scheduler.Scheduler), each covering the whole sequence; where they lie is printed."""
+    allocator = llm.engine.allocator
+    tables = [allocator.allocate(allocator.blocks_needed(context + q, 0))
+              for _ in range(1 + llm.engine.scheduler.num_swa_groups)]
+    for i, ids in enumerate(tables):
+        jumps = sum(b != a + 1 for a, b in zip(ids, ids[1:]))
+        print(f"verify graph's table {i}: {len(ids)} blocks {ids[0]}..{ids[-1]}, {jumps} jumps")
+    return tables
+
+
+def decode_graph(llm: LLM, q: int = 1, context: int = 1024, tables: list[list[int]] | None = None):
     """The batch-1 graph of ``q`` tokens per request (1: the decode step; > 1: a verify-shaped
-    target forward at the end of a ``context``-token sequence, captured here if needed)."""
+    target forward at the end of a ``context``-token sequence, captured here if needed, on
+    ``tables`` (:func:`verify_tables`; None: new ones, freed after the capture))."""
     engine = llm.engine
     runner = engine.runner
     if q > runner.graphs.max_tokens_per_request:  # a target-only engine captures q = 1 only
         runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, runner.backend, runner.device,
                                         1, engine.max_model_len, q)
     if q > 1 and not any(k[0] == 1 and k[1] == q for k in runner.graphs.graphs):
-        allocator = engine.allocator
-        # one table per KV group of the layout (the hybrid layout's sliding groups take blocks of
-        # the same pool: scheduler.Scheduler), each covering the whole sequence
-        tables = [allocator.allocate(allocator.blocks_needed(context + q, 0))
-                  for _ in range(1 + engine.scheduler.num_swa_groups)]
-        for i, blocks in enumerate(tables):  # where the captured graph's K/V lie in the pool
-            ids = list(blocks)
-            jumps = sum(b != a + 1 for a, b in zip(ids, ids[1:]))
-            print(f"verify graph's table {i}: {len(ids)} blocks {ids[0]}..{ids[-1]}, {jumps} jumps")
+        own = tables is None
+        tables = verify_tables(llm, q, context) if own else tables
         try:
             item = ForwardItem(q, context, context + q, tables[0], tuple(tables[1:]))
             runner.forward(list(range(100, 100 + q)), [item])
             torch.cuda.synchronize()
         finally:
-            for blocks in tables:  # the graph keeps only shapes; its slots are rewritten per replay
-                allocator.free(blocks)
+            # the graph keeps only shapes; its slots are rewritten per replay
+            for blocks in tables if own else ():
+                engine.allocator.free(blocks)
     graphs = runner.graphs.graphs
     key = max((k for k in graphs if k[0] == 1 and k[1] == q), key=lambda k: k[2])
     return graphs[key].graph
@@ -215,12 +223,16 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     print("\n| kernel | span added us per replay | share of the span |\n|---|---:|---:|")
     for name, us in span_by_name.most_common(args.top):
         print(f"| `{name}` | {us:.0f} | {us / 10 / span_ms:.1f}% |")
-    for i in range(args.recapture if args.q > 1 and not args.drafter else 0):
-        # the same graph captured again: new K/V blocks (the allocator's free list is FIFO) and
-        # new graph-pool buffers; the replay time of each capture apart
-        engine = llm.engine
-        engine.runner.graphs.reset()
-        print(f"recapture {i + 1}: replay {replay_ms(decode_graph(llm, args.q, args.context)):.3f} ms")
+    recaptures = args.recapture if args.q > 1 and not args.drafter else 0
+    # the same graph captured again: new graph-pool buffers each time, and new K/V blocks (the
+    # allocator's free list is FIFO) unless --fixed-blocks holds one set for every recapture
+    fixed = verify_tables(llm, args.q, args.context) if recaptures and args.fixed_blocks else None
+    for i in range(recaptures):
+        llm.engine.runner.graphs.reset()
+        graph = decode_graph(llm, args.q, args.context, fixed)
+        print(f"recapture {i + 1}: replay {replay_ms(graph):.3f} ms")
+    for blocks in fixed or ():
+        llm.engine.allocator.free(blocks)
     if args.sequence:
         print("\n| # | kernel (launch order) | us | gap before us | span added us |\n|---:|---|---:|---:|---:|")
         for i, (name, start, d) in enumerate(one[: args.sequence]):
@@ -270,6 +282,9 @@ def main() -> None:
     ap.add_argument("--recapture", type=int, default=0,
                     help="with --q > 1: capture the graph N more times per row (new K/V blocks and "
                          "graph-pool buffers each time) and print each capture's replay time")
+    ap.add_argument("--fixed-blocks", action="store_true",
+                    help="with --recapture: every recapture on the same K/V blocks (only the "
+                         "graph pool's buffers move)")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value] to compare against the defaults "
                          "(repeatable)")

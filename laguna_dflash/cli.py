@@ -305,7 +305,7 @@ DEFAULT_COMPARE_ROUNDS = 3
 
 
 def _request_tokens_per_s(llm: LLM, prompt: str | None, prompt_ids: list[int] | None,
-                    params: SamplingParams) -> tuple[RequestOutput, float]:
+                          params: SamplingParams) -> tuple[RequestOutput, float]:
     """One request on ``llm`` -> (its output, decode tokens/s: its tokens over the decode time
     this run added to the engine's counters; 0.0 when it decoded nothing)."""
     from .bench import timed_generate
@@ -355,18 +355,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # rounds alternate the two engines, so a slow spell of a shared machine hits both; each
         # engine's best round is reported (a round's speed: its tokens over its decode time)
         base = LLM(model=model, **engine_options(args), max_num_seqs=1)
-        base_outs, spec_tps, base_tps = [], [decode_tps], []
+        # every round's tokens, both engines': each must equal the first DFlash run's
+        round_ids, spec_tps, base_tps = [], [decode_tps], []
         for i in range(num_rounds):
             if i:
-                spec_tps.append(run(llm)[1])
+                spec_out, tps = run(llm)
+                round_ids.append(spec_out.token_ids)
+                spec_tps.append(tps)
             base_out, tps = run(base)
-            base_outs.append(base_out.token_ids)
+            round_ids.append(base_out.token_ids)
             base_tps.append(tps)
         timings.update(compare_rounds=num_rounds, decode_tokens_per_s=max(spec_tps),
                        decode_tokens_per_s_per_round=spec_tps, target_only_decode_tokens_per_s=max(base_tps),
                        target_only_decode_tokens_per_s_per_round=base_tps)
         timings["speedup"] = timings["decode_tokens_per_s"] / max(timings["target_only_decode_tokens_per_s"], 1e-9)
-        timings["outputs_identical"] = all(ids == out.token_ids for ids in base_outs)
+        timings["outputs_identical"] = all(ids == out.token_ids for ids in round_ids)
     if not is_rank_zero():  # every rank ran the same generation; rank 0 reports it
         return 0
     if args.json:

@@ -74,6 +74,28 @@ def test_generate_compare_reports_speedup(pair, capsys, monkeypatch):
     assert "(best of 2 alternating runs each)" in capsys.readouterr().err
 
 
+def test_generate_compare_checks_every_rounds_tokens(pair, capsys, monkeypatch):
+    """``outputs_identical`` covers every round of both engines, not only the first DFlash run:
+    a later DFlash round whose tokens differ makes it False."""
+    from laguna_dflash import llm as llm_module
+
+    calls, real_generate = [], llm_module.LLM.generate
+
+    def second_spec_run_differs(self, *args, **kwargs):
+        outs = real_generate(self, *args, **kwargs)
+        if self.config.speculative is not None:
+            calls.append(1)
+            if len(calls) == 2:
+                outs[0].token_ids[-1] += 1
+        return outs
+
+    monkeypatch.setattr(llm_module.LLM, "generate", second_spec_run_differs)
+    target, draft = pair
+    assert main(["generate", "--model", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7",
+                 "--max-new-tokens", "10", "--ignore-eos", "--json", "--compare"]) == 0
+    assert json.loads(capsys.readouterr().out)["timings"]["outputs_identical"] is False
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--compare", "--compare-rounds", "0"], "--compare-rounds must be at least 1, got 0"),
     (["--no-compare", "--compare-rounds", "2"], "it needs --compare"),

@@ -56,6 +56,9 @@
 #                                           # tables and replay (~4 min)
 #   bash benchmarks/gpu_check.sh pass60     # attention and its merge signalling first at 2+ tokens:
 #                                           # the chain's CUDA test, verify / drafter / goal 2 A/B (~9 min)
+#   bash benchmarks/gpu_check.sh pass61     # the verify graph on explicit K/V placements: replay and
+#                                           # attention per KV group (~3 min)
+#   bash benchmarks/gpu_check.sh pass62     # the same on pools of 2, 4 and 8 sequences (~5 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -842,6 +845,28 @@ case "$stage" in
       echo "-- goal 2 cell, $sw"
       timeout 55 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
         --sim-ks 0,3 --rounds 3 --switch $sw 2>&1 | quiet | grep -E "^\| 1 .*x, K|DFlash K=3 \(" | head -2
+    done ;;
+  pass61)
+    echo "== the verify graph's placement effect, attributed: the 4-token verify graph captured on"
+    echo "   explicit K/V blocks (profile_decode_xs.py --placement), its replay and its attention"
+    echo "   time per KV group; then the allocator's recaptures of pass59 the same way (~3 min)"
+    p=""
+    for spec in ${PLACEMENTS:-contig@0 contig@400 mix@400@0 mix@0@400 contig@0 contig@400}; do
+      p="$p --placement $spec"
+    done
+    timeout 200 python benchmarks/profile_decode_xs.py --q 4 --top "${TOP:-12}" --new-tokens 8 \
+      --recapture "${RECAPTURE:-0}" $p 2>&1 | quiet | grep -E "^## |^\| [0-9a-z\`]|recapture|verify graph's table" ;;
+  pass62)
+    echo "== is 'low K/V block ids are fast' a property of the block id or of this process's"
+    echo "   addresses? The verify graph on contiguous placements across pools of 2, 4 and 8"
+    echo "   sequences (three processes, ~5 min)"
+    for factor in 2 4 8; do
+      p=""
+      top=$((factor * 336 - 260))
+      for base in 0 $((top / 4)) $((top / 2)) $((3 * top / 4)) $top 0; do p="$p --placement contig@$base"; done
+      echo "-- pool of $factor sequences"
+      timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 3 --new-tokens 8 \
+        --pool-factor $factor $p 2>&1 | quiet | grep -E "^\| (contig|\`_gate|\`_down|[0-9])"
     done ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"

@@ -76,6 +76,63 @@ def verify_tables(llm: LLM, q: int, context: int) -> list[list[int]]:
     return tables
 
 
+def placement_tables(llm: LLM, spec: str, q: int, context: int) -> list[list[int]]:
+    """Explicit K/V blocks for a verify-shaped forward (one table per KV group, each covering
+    the sequence), taken out of the free pool (:meth:`BlockAllocator.share`; free them after).
+    ``spec``: ``contig@B`` (group g's table the run ``B + g n ..``), ``reverse@B`` (the same
+    runs descending), ``interleave@B`` (group g's block i is ``B + G i + g``), ``stride@S@B``
+    (each group a run with stride S, groups after one another), ``mix@F@S`` (the full group's
+    run at F, the sliding groups' runs from S)."""
+    allocator = llm.engine.allocator
+    num_groups = 1 + llm.engine.scheduler.num_swa_groups
+    n = allocator.blocks_needed(context + q, 0)
+    kind, *nums = spec.split("@")
+    base = int(nums[-1]) if nums else 0
+    if kind == "contig":
+        tables = [[base + g * n + i for i in range(n)] for g in range(num_groups)]
+    elif kind == "reverse":
+        tables = [[base + g * n + n - 1 - i for i in range(n)] for g in range(num_groups)]
+    elif kind == "interleave":
+        tables = [[base + num_groups * i + g for i in range(n)] for g in range(num_groups)]
+    elif kind == "mix" and len(nums) == 2:
+        full, swa = int(nums[0]), int(nums[1])
+        tables = [[(full if g == 0 else swa + (g - 1) * n) + i for i in range(n)] for g in range(num_groups)]
+    elif kind == "stride" and len(nums) == 2:
+        s = int(nums[0])
+        tables = [[base + g * n * s + s * i for i in range(n)] for g in range(num_groups)]
+    else:
+        raise SystemExit(f"--placement {spec}: expected contig@B, reverse@B, interleave@B, "
+                         "stride@S@B or mix@F@S")
+    ids = [b for t in tables for b in t]
+    if (max(ids) >= allocator.num_blocks or len(set(ids)) != len(ids)
+            or allocator.num_unreferenced(ids) != len(ids)):
+        raise SystemExit(f"--placement {spec}: blocks {min(ids)}..{max(ids)} are not all free in a "
+                         f"pool of {allocator.num_blocks}; pick a smaller base")
+    allocator.reset_prefix_cache()  # their K/V get overwritten
+    allocator.share(ids)
+    return tables
+
+
+def attention_by_group(llm: LLM, graph, by_name: Counter | None = None) -> str:
+    """One profiled replay's attention kernel time per KV group, the merges', the rest's (us),
+    as table cells: the i-th attention launch is layer i's. ``by_name``: also summed per kernel
+    name into it."""
+    one = graph_kernels(graph)[-1]
+    for name, _, d in one if by_name is not None else ():
+        by_name[name[:70]] += d
+    groups = llm.engine.runner.kv_cache.group_of_layer
+    per_group, merge, rest, layer = Counter(), 0.0, 0.0, 0
+    for name, _, d in one:
+        if "_paged_attention_kernel" in name:
+            per_group[groups[layer] if layer < len(groups) else 0] += d
+            layer += 1
+        elif "_merge_splits_kernel" in name:
+            merge += d
+        else:
+            rest += d
+    return " | ".join([*(f"{per_group[g]:.0f}" for g in sorted(per_group)), f"{merge:.0f}", f"{rest:.0f}"])
+
+
 def decode_graph(llm: LLM, q: int = 1, context: int = 1024, tables: list[list[int]] | None = None):
     """The batch-1 graph of ``q`` tokens per request (1: the decode step; > 1: a verify-shaped
     target forward at the end of a ``context``-token sequence, captured here if needed, on
@@ -231,9 +288,29 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     for i in range(recaptures):
         llm.engine.runner.graphs.reset()
         graph = decode_graph(llm, args.q, args.context, fixed)
-        print(f"recapture {i + 1}: replay {replay_ms(graph):.3f} ms")
+        print(f"recapture {i + 1}: replay {replay_ms(graph):.3f} ms; attention us per KV group, "
+              f"merges, rest: {attention_by_group(llm, graph)}")
     for blocks in fixed or ():
         llm.engine.allocator.free(blocks)
+    if args.placement and args.q > 1 and not args.drafter:
+        print("\n| placement | replay ms | attention us per KV group (0: full) | merges us | rest us |")
+        sums = []
+        for spec in args.placement:
+            tables = placement_tables(llm, spec, args.q, args.context)
+            try:
+                llm.engine.runner.graphs.reset()
+                graph = decode_graph(llm, args.q, args.context, tables)
+                sums.append(Counter())
+                print(f"| {spec} | {replay_ms(graph):.3f} | {attention_by_group(llm, graph, sums[-1])} |")
+            finally:
+                for blocks in tables:
+                    llm.engine.allocator.free(blocks)
+        # the kernels whose summed time moves most across the placements (PDL: a kernel's time
+        # includes its wait for the one before)
+        spread = {k: max(c[k] for c in sums) - min(c[k] for c in sums) for k in sums[0]}
+        print("\n| kernel (us per replay, one column per placement) | " + " | ".join(args.placement) + " |")
+        for name in sorted(spread, key=spread.get, reverse=True)[: args.top]:
+            print(f"| `{name}` | " + " | ".join(f"{c[name]:.0f}" for c in sums) + " |")
     if args.sequence:
         print("\n| # | kernel (launch order) | us | gap before us | span added us |\n|---:|---|---:|---:|---:|")
         for i, (name, start, d) in enumerate(one[: args.sequence]):
@@ -286,6 +363,13 @@ def main() -> None:
     ap.add_argument("--fixed-blocks", action="store_true",
                     help="with --recapture: every recapture on the same K/V blocks (only the "
                          "graph pool's buffers move)")
+    ap.add_argument("--placement", action="append", default=[],
+                    help="with --q > 1: capture the graph again on these K/V blocks and print its "
+                         "replay and attention per KV group (placement_tables: contig@B, "
+                         "reverse@B, interleave@B, stride@S@B; repeatable)")
+    ap.add_argument("--pool-factor", type=int, default=2,
+                    help="KV pool: this many sequences' blocks (falls back to 4 where it cannot "
+                         "hold one)")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value] to compare against the defaults "
                          "(repeatable)")
@@ -348,7 +432,7 @@ def main() -> None:
         # replay by 4% (fifty-second pass), so keep it; a few layers with a drafter need more
         # (a hybrid block then holds a larger share of the drafter's layers)
         try:
-            llm = build((longest + 320) // 16 * 2)
+            llm = build((longest + 320) // 16 * args.pool_factor)
         except ValueError as e:
             if "cannot hold" not in str(e):
                 raise

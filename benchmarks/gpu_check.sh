@@ -59,6 +59,8 @@
 #   bash benchmarks/gpu_check.sh pass61     # the verify graph on explicit K/V placements: replay and
 #                                           # attention per KV group (~3 min)
 #   bash benchmarks/gpu_check.sh pass62     # the same on pools of 2, 4 and 8 sequences (~5 min)
+#   bash benchmarks/gpu_check.sh pass63     # the same blocks with every block's K/V the same (+fill),
+#                                           # then the early-signal A/B on filled blocks (~4 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -868,6 +870,21 @@ case "$stage" in
       timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 3 --new-tokens 8 \
         --pool-factor $factor $p 2>&1 | quiet | grep -E "^\| (contig|\`_gate|\`_down|[0-9])"
     done ;;
+  pass63)
+    echo "== is it the K/V blocks' contents? The verify graph on low and high blocks, then on the"
+    echo "   same ones after every block holds the same K/V (+fill); then the early-signal switch"
+    echo "   (Attention.early_signal_min_tokens = 2) A/B on filled blocks (two processes, ~4 min)"
+    p=""
+    for spec in contig@0 contig@400 contig@0+fill contig@400+fill mix@0@400+fill contig@0+fill \
+        contig@400+fill; do p="$p --placement $spec"; done
+    timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 3 --new-tokens 8 $p 2>&1 \
+      | quiet | grep -E "^\| (contig|mix|\`_gate|\`_down|\`_paged|[0-9])"
+    on=laguna_dflash.models.layers:Attention.early_signal_min_tokens=2
+    off=laguna_dflash.models.layers:Attention.early_signal_min_tokens=null
+    echo "-- rows: defaults (off), on, off, on; each on contig@0+fill, contig@100+fill"
+    timeout 160 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --switch $on \
+      --switch $off --switch $on --placement contig@0+fill --placement contig@100+fill 2>&1 \
+      | quiet | grep -E "^## |^\| (contig|[0-9])" ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -82,10 +82,12 @@ def placement_tables(llm: LLM, spec: str, q: int, context: int) -> list[list[int
     ``spec``: ``contig@B`` (group g's table the run ``B + g n ..``), ``reverse@B`` (the same
     runs descending), ``interleave@B`` (group g's block i is ``B + G i + g``), ``stride@S@B``
     (each group a run with stride S, groups after one another), ``mix@F@S`` (the full group's
-    run at F, the sliding groups' runs from S)."""
+    run at F, the sliding groups' runs from S); a ``+fill`` suffix first writes the same K/V
+    into every block (:func:`fill_kv_blocks`)."""
     allocator = llm.engine.allocator
     num_groups = 1 + llm.engine.scheduler.num_swa_groups
     n = allocator.blocks_needed(context + q, 0)
+    spec, fill = spec.removesuffix("+fill"), spec.endswith("+fill")
     kind, *nums = spec.split("@")
     base = int(nums[-1]) if nums else 0
     if kind == "contig":
@@ -110,7 +112,23 @@ def placement_tables(llm: LLM, spec: str, q: int, context: int) -> list[list[int
                          f"pool of {allocator.num_blocks}; pick a smaller base")
     allocator.reset_prefix_cache()  # their K/V get overwritten
     allocator.share(ids)
+    if fill:  # every block of the pool the same K/V: the graph's output no longer depends on where
+        fill_kv_blocks(llm)
     return tables
+
+
+def fill_kv_blocks(llm: LLM, seed: int = 0) -> None:
+    """Write one seeded random block of K/V (per pool tensor) into every block of the target's
+    pool: a forward then attends to the same keys and values wherever its tables point, so its
+    routing, and what its MoE kernels read, are the same too."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = llm.engine.runner.kv_cache
+    for k, v in cache.pool:
+        for t in (k, v):
+            blocks = t.view(-1, cache.block_size, *t.shape[1:])
+            pattern = torch.randn(blocks.shape[1:], generator=g, device=t.device, dtype=torch.float32)
+            blocks.copy_(pattern.to(t.dtype).expand_as(blocks))
+    llm.engine.allocator.reset_prefix_cache()
 
 
 def attention_by_group(llm: LLM, graph, by_name: Counter | None = None) -> str:
@@ -366,7 +384,8 @@ def main() -> None:
     ap.add_argument("--placement", action="append", default=[],
                     help="with --q > 1: capture the graph again on these K/V blocks and print its "
                          "replay and attention per KV group (placement_tables: contig@B, "
-                         "reverse@B, interleave@B, stride@S@B; repeatable)")
+                         "reverse@B, interleave@B, stride@S@B, mix@F@S; +fill: the same K/V in every "
+                         "block first; repeatable)")
     ap.add_argument("--pool-factor", type=int, default=2,
                     help="KV pool: this many sequences' blocks (falls back to 4 where it cannot "
                          "hold one)")

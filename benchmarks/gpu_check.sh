@@ -54,13 +54,13 @@
 #   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again, on
 #                                           # new K/V blocks and on fixed ones: each capture's
 #                                           # tables and replay (~4 min)
-#   bash benchmarks/gpu_check.sh pass60     # attention and its merge signalling first at 2+ tokens:
-#                                           # the chain's CUDA test, verify / drafter / goal 2 A/B (~9 min)
 #   bash benchmarks/gpu_check.sh pass61     # the verify graph on explicit K/V placements: replay and
 #                                           # attention per KV group (~3 min)
 #   bash benchmarks/gpu_check.sh pass62     # the same on pools of 2, 4 and 8 sequences (~5 min)
-#   bash benchmarks/gpu_check.sh pass63     # the same blocks with every block's K/V the same (+fill),
-#                                           # then the early-signal A/B on filled blocks (~4 min)
+#   bash benchmarks/gpu_check.sh pass63     # the same blocks with every block's K/V the same (+fill)
+#                                           # (~2 min)
+#   bash benchmarks/gpu_check.sh pass64     # the staged o_proj chain's CUDA test; verify recaptures
+#                                           # on filled K/V (~3 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -824,29 +824,9 @@ case "$stage" in
     for fixed in "" --fixed-blocks; do
       echo "-- recaptures ${fixed:-on new blocks}"
       # the switch is a no-op (PDL is on by default): it only makes a second row, after a reset
-      timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 $fixed \
+      timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 --stale-kv $fixed \
         --recapture "${RECAPTURE:-8}" --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|verify graph's table|recapture"
-    done ;;
-  pass60)
-    echo "== attention and its merge signalling first in the verify and the drafter block"
-    echo "   (Attention.early_signal_min_tokens = 2, off by default): the chain's CUDA test, then the"
-    echo "   4-token verify graph (rows: off, on, off), the drafter block and goal 2's cell"
-    echo "   against it off in separate processes (~9 min)"
-    gpu_tests 90 tests/test_kernel_skinny_gemm.py tests/test_kernel_staged_gemv.py \
-      -k "early_signalling or reads_this_replays" | tail -5
-    on=laguna_dflash.models.layers:Attention.early_signal_min_tokens=2
-    off=laguna_dflash.models.layers:Attention.early_signal_min_tokens=null
-    # three rows (off, on, off): the fifty-second pass saw a process's fourth capture of the
-    # verify graph replay 4% faster whatever its switch
-    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 1 --new-tokens 8 --switch $on \
-      --switch $off 2>&1 | quiet | grep -E "^## |^\| [0-9]"
-    timeout 100 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 3 --switch $on 2>&1 \
-      | quiet | grep -E "^## |^\| [0-9]|attention|merge"
-    for sw in $on $off $on $off; do
-      echo "-- goal 2 cell, $sw"
-      timeout 55 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 --switch $sw 2>&1 | quiet | grep -E "^\| 1 .*x, K|DFlash K=3 \(" | head -2
     done ;;
   pass61)
     echo "== the verify graph's placement effect, attributed: the 4-token verify graph captured on"
@@ -857,7 +837,7 @@ case "$stage" in
       p="$p --placement $spec"
     done
     timeout 200 python benchmarks/profile_decode_xs.py --q 4 --top "${TOP:-12}" --new-tokens 8 \
-      --recapture "${RECAPTURE:-0}" $p 2>&1 | quiet | grep -E "^## |^\| [0-9a-z\`]|recapture|verify graph's table" ;;
+      --stale-kv --recapture "${RECAPTURE:-0}" $p 2>&1 | quiet | grep -E "^## |^\| [0-9a-z\`]|recapture|verify graph's table" ;;
   pass62)
     echo "== is 'low K/V block ids are fast' a property of the block id or of this process's"
     echo "   addresses? The verify graph on contiguous placements across pools of 2, 4 and 8"
@@ -868,23 +848,23 @@ case "$stage" in
       for base in 0 $((top / 4)) $((top / 2)) $((3 * top / 4)) $top 0; do p="$p --placement contig@$base"; done
       echo "-- pool of $factor sequences"
       timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 3 --new-tokens 8 \
-        --pool-factor $factor $p 2>&1 | quiet | grep -E "^\| (contig|\`_gate|\`_down|[0-9])"
+        --stale-kv --pool-factor $factor $p 2>&1 | quiet | grep -E "^\| (contig|\`_gate|\`_down|[0-9])"
     done ;;
   pass63)
     echo "== is it the K/V blocks' contents? The verify graph on low and high blocks, then on the"
-    echo "   same ones after every block holds the same K/V (+fill); then the early-signal switch"
-    echo "   (Attention.early_signal_min_tokens = 2) A/B on filled blocks (two processes, ~4 min)"
+    echo "   same ones after every block holds the same K/V (+fill) (~2 min; its second part, the"
+    echo "   early-signal A/B, ran on branch exp/early-signal-verify)"
     p=""
     for spec in contig@0 contig@400 contig@0+fill contig@400+fill mix@0@400+fill contig@0+fill \
         contig@400+fill; do p="$p --placement $spec"; done
-    timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 3 --new-tokens 8 $p 2>&1 \
-      | quiet | grep -E "^\| (contig|mix|\`_gate|\`_down|\`_paged|[0-9])"
-    on=laguna_dflash.models.layers:Attention.early_signal_min_tokens=2
-    off=laguna_dflash.models.layers:Attention.early_signal_min_tokens=null
-    echo "-- rows: defaults (off), on, off, on; each on contig@0+fill, contig@100+fill"
-    timeout 160 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --switch $on \
-      --switch $off --switch $on --placement contig@0+fill --placement contig@100+fill 2>&1 \
-      | quiet | grep -E "^## |^\| (contig|[0-9])" ;;
+    timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 3 --new-tokens 8 --stale-kv $p 2>&1 \
+      | quiet | grep -E "^\| (contig|mix|\`_gate|\`_down|\`_paged|[0-9])" ;;
+  pass64)
+    echo "== checks of this pass's changes: the staged o_proj chain test (shared helper), and the"
+    echo "   verify graph now captured on filled K/V: new blocks and fixed ones recaptured (~3 min)"
+    gpu_tests 100 tests/test_kernel_staged_gemv.py -k "reads_this_replays" | tail -3
+    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --recapture 4 \
+      --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -151,10 +151,17 @@ def attention_by_group(llm: LLM, graph, by_name: Counter | None = None) -> str:
     return " | ".join([*(f"{per_group[g]:.0f}" for g in sorted(per_group)), f"{merge:.0f}", f"{rest:.0f}"])
 
 
-def decode_graph(llm: LLM, q: int = 1, context: int = 1024, tables: list[list[int]] | None = None):
+def decode_graph(llm: LLM, q: int = 1, context: int = 1024, tables: list[list[int]] | None = None,
+                 fill_kv: bool = True):
     """The batch-1 graph of ``q`` tokens per request (1: the decode step; > 1: a verify-shaped
     target forward at the end of a ``context``-token sequence, captured here if needed, on
-    ``tables`` (:func:`verify_tables`; None: new ones, freed after the capture))."""
+    ``tables`` (:func:`verify_tables`; None: new ones, freed after the capture, and with
+    ``fill_kv`` every block's K/V made the same first).
+
+    The replay attends to whatever K/V its blocks hold, and those steer the MoE routing: on the
+    stale K/V of earlier runs the same graph replayed 3.67-3.84 ms depending on which blocks it
+    got, on filled blocks 3.83 ms wherever they lay (docs/PERFORMANCE.md, fifty-third pass). So
+    rows compare on filled blocks unless ``--stale-kv``."""
     engine = llm.engine
     runner = engine.runner
     if q > runner.graphs.max_tokens_per_request:  # a target-only engine captures q = 1 only
@@ -163,6 +170,8 @@ def decode_graph(llm: LLM, q: int = 1, context: int = 1024, tables: list[list[in
     if q > 1 and not any(k[0] == 1 and k[1] == q for k in runner.graphs.graphs):
         own = tables is None
         tables = verify_tables(llm, q, context) if own else tables
+        if own and fill_kv:
+            fill_kv_blocks(llm)
         try:
             item = ForwardItem(q, context, context + q, tables[0], tuple(tables[1:]))
             runner.forward(list(range(100, 100 + q)), [item])
@@ -259,7 +268,8 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     tokens, to say whether the switch changed the output (a switch that only changes launch
     timing, like PDL, must not; one that changes the summation order may, in bf16)."""
     step, tokens = engine_step_ms(llm, prompt, args.new_tokens)
-    graph = drafter_graph(llm, args.k) if args.drafter else decode_graph(llm, args.q, args.context)
+    graph = (drafter_graph(llm, args.k) if args.drafter
+             else decode_graph(llm, args.q, args.context, fill_kv=not args.stale_kv))
     replay = replay_ms(graph)
     replays = graph_kernels(graph)
     print(f"\n## {label}\n")
@@ -303,9 +313,11 @@ def report(label: str, llm: LLM, prompt: list[int], args, floor_ms: float,
     # the same graph captured again: new graph-pool buffers each time, and new K/V blocks (the
     # allocator's free list is FIFO) unless --fixed-blocks holds one set for every recapture
     fixed = verify_tables(llm, args.q, args.context) if recaptures and args.fixed_blocks else None
+    if fixed and not args.stale_kv:
+        fill_kv_blocks(llm)
     for i in range(recaptures):
         llm.engine.runner.graphs.reset()
-        graph = decode_graph(llm, args.q, args.context, fixed)
+        graph = decode_graph(llm, args.q, args.context, fixed, fill_kv=not args.stale_kv)
         print(f"recapture {i + 1}: replay {replay_ms(graph):.3f} ms; attention us per KV group, "
               f"merges, rest: {attention_by_group(llm, graph)}")
     for blocks in fixed or ():
@@ -386,6 +398,9 @@ def main() -> None:
                          "replay and attention per KV group (placement_tables: contig@B, "
                          "reverse@B, interleave@B, stride@S@B, mix@F@S; +fill: the same K/V in every "
                          "block first; repeatable)")
+    ap.add_argument("--stale-kv", action="store_true",
+                    help="with --q > 1: capture the verify graph on its blocks' K/V as earlier runs "
+                         "left them, not on filled blocks (decode_graph)")
     ap.add_argument("--pool-factor", type=int, default=2,
                     help="KV pool: this many sequences' blocks (falls back to 4 where it cannot "
                          "hold one)")

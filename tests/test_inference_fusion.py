@@ -130,36 +130,6 @@ def test_fuse_projections_keeps_values_and_outputs(gating: str) -> None:
         torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("min_tokens", [None, 2, 4])
-def test_attention_signals_early_from_its_token_count(monkeypatch, min_tokens) -> None:
-    """``Attention.early_signal_min_tokens``: the backend is asked for paged attention's early
-    signal exactly from that many tokens a forward (never with None; the staged o_proj, which
-    asks for it itself, does not run off a graph build), and the output does not change."""
-    attn = _attention(64, 4, 2, 16, 1.0, None, "per-head", torch.float32)
-    seen = []
-    backend = TorchSDPABackend()
-    attend = backend.attend
-
-    def recording(*args, early_signal=False, **kwargs):
-        seen.append(early_signal)
-        return attend(*args, early_signal=early_signal, **kwargs)
-
-    monkeypatch.setattr(backend, "attend", recording)
-    monkeypatch.setattr(Attention, "early_signal_min_tokens", min_tokens)
-    for new_tokens in (1, 2, 4):
-        ctx = _context([(20, new_tokens)], 2, 16, torch.float32, "cpu")
-        ctx.backend = backend
-        x = torch.randn(new_tokens, 64, generator=torch.Generator().manual_seed(new_tokens))
-        with torch.no_grad():
-            out = attn(x, ctx)
-        monkeypatch.setattr(Attention, "early_signal_min_tokens", None)
-        ctx = _context([(20, new_tokens)], 2, 16, torch.float32, "cpu")
-        with torch.no_grad():
-            assert torch.equal(out, attn(x, ctx))
-        monkeypatch.setattr(Attention, "early_signal_min_tokens", min_tokens)
-    assert seen == [min_tokens is not None and t >= min_tokens for t in (1, 2, 4)]
-
-
 def test_ungated_attention_is_not_refused() -> None:
     attn = _attention(64, 4, 2, 16, 1.0, None, None, torch.float32)
     fuse_for_inference(attn)

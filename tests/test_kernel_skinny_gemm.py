@@ -529,21 +529,6 @@ def test_cuda_programmatic_dependent_launch_in_a_graph(monkeypatch) -> None:
         monkeypatch.setattr(pdl, "USE_PDL", True)
 
 
-@cuda
-@pytest.mark.parametrize("early", [False, True])
-def test_cuda_verify_o_proj_after_early_signalling_attention_reads_this_replays_output(early):
-    """The verify's chain as ``Attention.early_signal_min_tokens`` launches it: Q/K kernel ->
-    attention -> split merge (both signalling first, with ``early``) -> the skinny GEMM's dot
-    path at 4 rows, in one graph, PDL-launched: o_proj reads each replay's own attention output
-    (30 replays, bitwise; the checks are ``check_o_proj_reads_this_replays_attention``'s)."""
-    from test_kernel_paged_attention import check_o_proj_reads_this_replays_attention
-
-    if not pdl.active(torch.device("cuda"), False):
-        pytest.skip("needs programmatic dependent launch")
-    cfg = SkinnyConfig(64, 128, 2, 4, 3, use_dot=True)
-    check_o_proj_reads_this_replays_attention(lambda x, w: skinny_gemm(x, w, cfg), 4, early)
-
-
 def test_bound_helper_can_fail() -> None:
     # the accuracy check rejects an off-by-one-ulp-of-bf16-scale error on an fp32 result
     x, w = _problem(2, 8, 64, torch.float32, seed=0)

@@ -14,9 +14,7 @@ visible. Kernels that opt in here follow three rules:
    launched, the kernel two back has completed (every program of the one in between has passed
    its wait). One exception: ``paged_attention(early_signal=True)``, where attention and its
    split merge signal first, is only used when the launch after the merge reads nothing but
-   weights before its wait (the staged o_proj, kernels/staged_gemv.py; with
-   ``Attention.early_signal_min_tokens``, off by default, also the skinny GEMM's o_proj of
-   verify and drafter forwards).
+   weights before its wait (the staged o_proj, kernels/staged_gemv.py).
 3. Before its wait a program reads only tensors that no kernel of the forward writes (weights,
    the routing bias, the RoPE tables) or, through L2 (``.cg``, never a possibly stale L1 line),
    data written by a kernel at least two launches back when the kernel in between is one of

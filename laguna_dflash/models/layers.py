@@ -209,13 +209,6 @@ class Attention(nn.Module):
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
     # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
     prefetch_o_proj: bool = False
-    # From this many tokens a forward (the verify, the drafter block; None: never), attention and
-    # its split merge signal their dependents first thing (paged_attention's ``early_signal``), so
-    # the merge and o_proj are resident before attention ends. Safe for any o_proj launch: the
-    # skinny GEMM reads only its weight before its PDL wait (the dot path nothing), and a normal
-    # launch waits for everything before it. Off: built for an A/B, not yet timed (at decode, with
-    # the skinny o_proj, early signals cost 0.07 ms a step: docs/PERFORMANCE.md, thirteenth pass)
-    early_signal_min_tokens: int | None = None
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -271,17 +264,12 @@ class Attention(nn.Module):
         out = ctx.backend.attend(
             q, k_cache, v_cache, meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
-            prefetch=prefetch, early_signal=staged or self._signals_early(t),
+            prefetch=prefetch, early_signal=staged,
         )
         out = out.reshape(t, self.q_size)
         if staged and staged_gemv.can_use(out, self.o_proj.weight):
             return self.tp.all_reduce(staged_gemv.staged_gemv(out, self.o_proj.weight))
         return row_parallel_linear(out, self.o_proj, self.tp)
-
-    def _signals_early(self, num_tokens: int) -> bool:
-        # the staged o_proj (decode) reads only its weight before its wait and always signals
-        # early; other o_proj launches from ``early_signal_min_tokens`` tokens a forward
-        return self.early_signal_min_tokens is not None and num_tokens >= self.early_signal_min_tokens
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them

@@ -61,6 +61,8 @@
 #                                           # (~2 min)
 #   bash benchmarks/gpu_check.sh pass64     # the staged o_proj chain's CUDA test; verify recaptures
 #                                           # on filled K/V (~3 min)
+#   bash benchmarks/gpu_check.sh pass65     # relative split-K chunks in the verify, on identical K/V
+#                                           # (~2 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -865,6 +867,14 @@ case "$stage" in
     gpu_tests 100 tests/test_kernel_staged_gemv.py -k "reads_this_replays" | tail -3
     timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --recapture 4 \
       --switch laguna_dflash.kernels.pdl:USE_PDL=true 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
+  pass65)
+    echo "== relative split-K chunks in the 4-token verify (RELATIVE_ANY_LENGTH_MAX_QUERIES = 4)"
+    echo "   against the absolute ones, now on identical K/V: rows off, on, off, on, each captured"
+    echo "   twice (~2 min)"
+    on=laguna_dflash.kernels.paged_attention:RELATIVE_ANY_LENGTH_MAX_QUERIES=4
+    off=laguna_dflash.kernels.paged_attention:RELATIVE_ANY_LENGTH_MAX_QUERIES=1
+    timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --recapture 1 \
+      --switch $on --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

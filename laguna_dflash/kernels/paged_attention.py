@@ -452,6 +452,8 @@ RELATIVE_MIN_KEYS = 4096
 # drafter block keep the absolute chunks below RELATIVE_MIN_KEYS. In the fifty-first pass the
 # same verify A/B measured 3.77 (relative) against 3.80 ms, and relative chunks in the sliding
 # layers only 3.78 (drafter block 0.36 ms either way): noise-level both ways, so unchanged.
+# Those rows attended different stale K/V, which moves the verify's MoE time by up to 4%; on
+# identical K/V (fifty-third pass) relative chunks took 3.83 against 3.80-3.81 ms: slower.
 RELATIVE_ANY_LENGTH_MAX_QUERIES = 1
 # ... and a sliding layer's split count chosen from the tiles its window can span once aligned
 # to whole tiles (window + query tile + one tile - 1 keys: 9-10 splits of one tile at 512)

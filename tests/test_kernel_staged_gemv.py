@@ -161,17 +161,42 @@ def test_cuda_s21_o_proj_matches_the_fp64_reference(n, k, m):
 def test_cuda_o_proj_after_attention_reads_this_replays_output(early):
     """Q/K kernel -> attention -> split merge -> staged o_proj in one graph, PDL-launched, with
     ``early_signal`` (o_proj resident while attention runs, as the engine launches it) and
-    without: o_proj reads each replay's own attention output (30 replays, bitwise; the checks
-    are ``check_o_proj_reads_this_replays_attention``'s)."""
-    from test_kernel_paged_attention import check_o_proj_reads_this_replays_attention
+    without. Every replay gets new q/k/v; o_proj must read the merge's output of the same replay
+    (a read before its wait would see the previous one): 30 replays, each bitwise against an
+    eager o_proj of the attention output the replay left."""
+    from test_kernel_paged_attention import NUM_HEADS, make_case
 
+    from laguna_dflash.kernels import paged_attention as pa
     from laguna_dflash.kernels import pdl
+    from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
 
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs programmatic dependent launch")
+    dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
+    _, kc, vc, meta, _ = make_case([(700, 1)], kv_heads, head_dim, dtype, True, device="cuda", seed=3)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(1, (NUM_HEADS + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
+    qw = torch.ones(head_dim, device="cuda", dtype=dtype)
+    angles = torch.arange(1024, device="cuda")[:, None] * torch.rand(head_dim, device="cuda", generator=g)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    w = (torch.randn(512, NUM_HEADS * head_dim, device="cuda", generator=g) * 0.02).to(dtype)
+    assert stg.supports(w)
 
-    def o_proj(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        assert stg.supports(w)
-        return stg.staged_gemv(x, w)
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, qw, 1e-6, cos, sin,
+                                    meta.positions, head_dim, meta.slot_mapping, kc, vc)
+        out = pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
+                                 meta.seq_lens, scale=head_dim ** -0.5, causal=True, num_splits=4,
+                                 early_signal=early)
+        return out, stg.staged_gemv(out.reshape(1, -1), w)
 
-    check_o_proj_reads_this_replays_attention(o_proj, 1, early)
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, y = forward()
+    for _ in range(30):
+        qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=g).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, stg.staged_gemv(out.reshape(1, -1), w))

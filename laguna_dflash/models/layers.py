@@ -264,7 +264,7 @@ class Attention(nn.Module):
         out = ctx.backend.attend(
             q, k_cache, v_cache, meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
-            prefetch=prefetch, early_signal=staged,
+            prefetch=prefetch, early_signal=staged,  # the staged o_proj reads only its weight first
         )
         out = out.reshape(t, self.q_size)
         if staged and staged_gemv.can_use(out, self.o_proj.weight):

@@ -63,6 +63,11 @@
 #                                           # on filled K/V (~3 min)
 #   bash benchmarks/gpu_check.sh pass65     # relative split-K chunks in the verify, on identical K/V
 #                                           # (~2 min)
+#   bash benchmarks/gpu_check.sh pass66     # the skinny GEMM's GEMV path at 2-4 rows
+#                                           # (MULTI_ROW_GEMV_MAX_M=4): its CUDA tests, the 4-token
+#                                           # verify graph and the drafter block, off / on (~4 min)
+#   bash benchmarks/gpu_check.sh pass66-goal  # goal 2's cell with it, in GOAL_N (default 2)
+#                                           # processes each, alternated with the defaults (~7 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -875,6 +880,29 @@ case "$stage" in
     off=laguna_dflash.kernels.paged_attention:RELATIVE_ANY_LENGTH_MAX_QUERIES=1
     timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --recapture 1 \
       --switch $on --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
+  pass66)
+    echo "== the skinny GEMM's GEMV path at 2-4 rows (skinny_gemm.MULTI_ROW_GEMV_MAX_M = 4; the"
+    echo "   M = 4 table was swept before PDL existed): its CUDA tests, then the 4-token verify graph"
+    echo "   on identical K/V (rows: defaults, on, off, on) and the drafter block (K = 3) (~4 min)"
+    on=laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=4
+    off=laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=0
+    gpu_tests 100 tests/test_kernel_skinny_gemm.py -k "multi_row" | tail -6
+    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 12 --new-tokens 8 --recapture 1 \
+      --switch $on --switch $off --switch $on 2>&1 | quiet \
+      | grep -E "^## |^\| [0-9]|recapture|_skinny|equal|rror" | head -40
+    timeout 120 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 10 --new-tokens 8 \
+      --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -20 ;;
+  pass66-goal)
+    echo "== goal 2's L = 4 batch-1 cell with the GEMV path at 2-4 rows against the defaults, in"
+    echo "   GOAL_N (default 2) processes each, alternated (~7 min)"
+    for i in $(seq "${GOAL_N:-2}"); do
+      for sw in laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=4 laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=0; do
+        echo "-- process $i, $sw"
+        timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
+          --simulated 4 --sim-ks 0,3 --rounds 3 --switch "$sw" 2>&1 | quiet \
+          | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(" | head -4
+      done
+    done ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

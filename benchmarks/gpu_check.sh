@@ -65,7 +65,8 @@
 #                                           # (~2 min)
 #   bash benchmarks/gpu_check.sh pass66     # the skinny GEMM's GEMV path at 2-4 rows
 #                                           # (MULTI_ROW_GEMV_MAX_M=4): its CUDA tests, the 4-token
-#                                           # verify graph and the drafter block, off / on (~4 min)
+#                                           # verify graph and the drafter block, off / on; the
+#                                           # M = 4 sweep with PDL (~8 min)
 #   bash benchmarks/gpu_check.sh pass66-goal  # goal 2's cell with it, in GOAL_N (default 2)
 #                                           # processes each, alternated with the defaults (~7 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
@@ -883,7 +884,8 @@ case "$stage" in
   pass66)
     echo "== the skinny GEMM's GEMV path at 2-4 rows (skinny_gemm.MULTI_ROW_GEMV_MAX_M = 4; the"
     echo "   M = 4 table was swept before PDL existed): its CUDA tests, then the 4-token verify graph"
-    echo "   on identical K/V (rows: defaults, on, off, on) and the drafter block (K = 3) (~4 min)"
+    echo "   on identical K/V (rows: defaults, on, off, on), the drafter block (K = 3), and the M = 4"
+    echo "   sweep with PDL on (~8 min)"
     on=laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=4
     off=laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=0
     gpu_tests 100 tests/test_kernel_skinny_gemm.py -k "multi_row" | tail -6
@@ -891,7 +893,10 @@ case "$stage" in
       --switch $on --switch $off --switch $on 2>&1 | quiet \
       | grep -E "^## |^\| [0-9]|recapture|_skinny|equal|rror" | head -40
     timeout 120 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 10 --new-tokens 8 \
-      --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -20 ;;
+      --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -20
+    echo "-- the M = 4 sweep again, now with PDL (the table's was swept without): GEMV and dot alone"
+    timeout 130 python benchmarks/bench_skinny_gemm.py --m 4 --quick --budget 100 \
+      --json "${OUT:-/tmp}/skinny_m4.json" 2>&1 | quiet | grep -E "^\||copy|skipped" | head -16 ;;
   pass66-goal)
     echo "== goal 2's L = 4 batch-1 cell with the GEMV path at 2-4 rows against the defaults, in"
     echo "   GOAL_N (default 2) processes each, alternated (~7 min)"

@@ -14,6 +14,8 @@ elementwise chains). Prints, from one run:
 * with ``--profile``: kernels per eager decode step, fused and unfused;
 * tokens/s at simulated acceptance lengths (SGLang's SIMULATE_ACC_LEN: drafts accepted without
   checking) against target-only at batch 1, 4, 16, 64, best K per cell (K = 0 is no drafting).
+* a digest of the batch-1 greedy tokens of target-only and of the longest simulated cell, to
+  compare between processes (their routing is the same exactly when their tokens are).
 
     python benchmarks/bench_gpu_xs.py --new-tokens 32 --variants --profile   # H200
     python benchmarks/bench_gpu_xs.py --device cpu --layers 2 --hidden 256 --context 64 \
@@ -23,6 +25,7 @@ elementwise chains). Prints, from one run:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import tempfile
@@ -243,6 +246,15 @@ def decode_tokens_per_s(llm: LLM, prompt: list[int], new_tokens: int, batch: int
     sync(llm.config.device)
     after = llm.get_metrics()
     return (after["num_decode_tokens"] - before["num_decode_tokens"]) / (after["decode_s"] - before["decode_s"])
+
+
+def tokens_digest(llm: LLM, prompt: list[int], new_tokens: int) -> str:
+    """The first 12 hex digits of a SHA-1 over the greedy token ids of one batch-1 run: the
+    same in every process exactly when the runs generated the same tokens (and so routed the
+    same way; dummy weights and the prompt are seeded)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    return hashlib.sha1(json.dumps(list(out.outputs[0].token_ids)).encode()).hexdigest()[:12]
 
 
 def graph_runners(llm: LLM) -> list:
@@ -527,6 +539,18 @@ def main() -> None:
                     mean_k = (engine.spec_stats.num_draft_tokens - drafted[0]) / max(1, steps) / b
                     adaptive[b, length] = (rate, mean_k)
             engine.adaptive_k = None
+        # the batch-1 tokens of target-only and of the longest simulated cell, as digests: do
+        # separate processes generate (and so route) the same? (their step times differ)
+        digests = {}
+        if 1 in batches and simulated:
+            length = max(x for b, x in simulated if b == 1)
+            engine.num_speculative_tokens = simulated[1, length][1]
+            engine.simulated_acceptance, engine._sim_carry = length, 0.0
+            digests[f"L={length:g}, K={simulated[1, length][1]}"] = tokens_digest(spec, prompt, args.new_tokens)
+            engine.proposer, engine.tap_layer_ids = None, ()
+            engine.simulated_acceptance = None
+            digests["target-only"] = tokens_digest(spec, prompt, args.new_tokens)
+            engine.proposer, engine.tap_layer_ids = proposer, tuple(engine.drafter.target_layer_ids)
         engine.simulated_acceptance = None
         engine.num_speculative_tokens = max_k
         engine.proposer, engine.tap_layer_ids = None, ()  # target-only for the variants
@@ -575,6 +599,9 @@ def main() -> None:
         cells = [f"{b / simulated[b, x][0]:.1f} ({base[b] / simulated[b, x][0]:.2f}x, K={simulated[b, x][1]})"
                  for x in lengths]
         print(f"| {b} | {b / base[b]:.1f} | " + " | ".join(cells) + " |")
+    if digests:
+        print("\nbatch-1 greedy tokens (SHA-1, 12 hex digits): "
+              + ", ".join(f"{name} {d}" for name, d in digests.items()))
     print(f"\nprefill step of the {args.context}-token prompt(s), ms (the drafter's context store of "
           "the prompts runs in it)\n\n| batch | target-only | with the drafter | ratio |\n|---:|---:|---:|---:|")
     for b in batches:

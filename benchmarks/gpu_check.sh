@@ -811,7 +811,7 @@ case "$stage" in
     for i in $(seq "${GOAL_N:-5}"); do
       echo "-- process $i"
       timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
-        --simulated 4 --sim-ks 0,3 --rounds 3 2>&1 | quiet | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(" | head -4
+        --simulated 4 --sim-ks 0,3 --rounds 3 2>&1 | quiet | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
   pass55)
     echo "== the launch timeline of an 8-layer graph: the 4-token verify, the 1-token decode and the"
@@ -905,7 +905,7 @@ case "$stage" in
         echo "-- process $i, $sw"
         timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
           --simulated 4 --sim-ks 0,3 --rounds 3 --switch "$sw" 2>&1 | quiet \
-          | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(" | head -4
+          | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
       done
     done ;;
   pass47)

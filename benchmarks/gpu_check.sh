@@ -64,11 +64,13 @@
 #   bash benchmarks/gpu_check.sh pass65     # relative split-K chunks in the verify, on identical K/V
 #                                           # (~2 min)
 #   bash benchmarks/gpu_check.sh pass66     # the skinny GEMM's GEMV path at 2-4 rows
-#                                           # (MULTI_ROW_GEMV_MAX_M=4): its CUDA tests, the 4-token
-#                                           # verify graph and the drafter block, off / on; the
-#                                           # M = 4 sweep with PDL (~8 min)
-#   bash benchmarks/gpu_check.sh pass66-goal  # goal 2's cell with it, in GOAL_N (default 2)
-#                                           # processes each, alternated with the defaults (~7 min)
+#                                           # (MULTI_ROW_GEMV_MAX_M=4, 64 or 32 accumulator
+#                                           # registers): its CUDA tests, the 4-token verify graph
+#                                           # and the drafter block, off / on; the M = 4 sweep with
+#                                           # PDL (~8 min)
+#   bash benchmarks/gpu_check.sh pass66-goal  # goal 2's cell with it (ACC_REGS, default 64), in
+#                                           # GOAL_N (default 2) processes each, alternated with
+#                                           # the defaults (~7 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -883,28 +885,33 @@ case "$stage" in
       --switch $on --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
   pass66)
     echo "== the skinny GEMM's GEMV path at 2-4 rows (skinny_gemm.MULTI_ROW_GEMV_MAX_M = 4; the"
-    echo "   M = 4 table was swept before PDL existed): its CUDA tests, then the 4-token verify graph"
-    echo "   on identical K/V (rows: defaults, on, off, on), the drafter block (K = 3), and the M = 4"
-    echo "   sweep with PDL on (~8 min)"
-    on=laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=4
-    off=laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=0
-    gpu_tests 100 tests/test_kernel_skinny_gemm.py -k "multi_row" | tail -6
-    timeout 150 python benchmarks/profile_decode_xs.py --q 4 --top 12 --new-tokens 8 --recapture 1 \
-      --switch $on --switch $off --switch $on 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|recapture|_skinny|equal|rror" | head -40
+    echo "   M = 4 table was swept before PDL existed), with 64 and with 32 accumulator registers a"
+    echo "   thread: its CUDA tests, the 4-token verify graph on identical K/V (rows: defaults, 64,"
+    echo "   32, off, 32), the drafter block (K = 3), and the M = 4 sweep with PDL on (~8 min)"
+    sg=laguna_dflash.kernels.skinny_gemm
+    on64="$sg:MULTI_ROW_GEMV_MAX_M=4;$sg:MULTI_ROW_GEMV_ACC_REGS=64"
+    on32="$sg:MULTI_ROW_GEMV_MAX_M=4;$sg:MULTI_ROW_GEMV_ACC_REGS=32"
+    off="$sg:MULTI_ROW_GEMV_MAX_M=0"
+    gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "multi_row" | tail -8
+    timeout 180 python benchmarks/profile_decode_xs.py --q 4 --top 12 --new-tokens 8 \
+      --switch "$on64" --switch "$on32" --switch "$off" --switch "$on32" 2>&1 | quiet \
+      | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -40
     timeout 120 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 10 --new-tokens 8 \
-      --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -20
+      --switch "$on64" --switch "$on32" 2>&1 | quiet | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -24
     echo "-- the M = 4 sweep again, now with PDL (the table's was swept without): GEMV and dot alone"
-    timeout 130 python benchmarks/bench_skinny_gemm.py --m 4 --quick --budget 100 \
+    timeout 120 python benchmarks/bench_skinny_gemm.py --m 4 --quick --budget 90 \
       --json "${OUT:-/tmp}/skinny_m4.json" 2>&1 | quiet | grep -E "^\||copy|skipped" | head -16 ;;
   pass66-goal)
-    echo "== goal 2's L = 4 batch-1 cell with the GEMV path at 2-4 rows against the defaults, in"
-    echo "   GOAL_N (default 2) processes each, alternated (~7 min)"
+    echo "== goal 2's L = 4 batch-1 cell with the GEMV path at 2-4 rows (ACC_REGS accumulator"
+    echo "   registers, default 64) against the defaults, in GOAL_N (default 2) processes each,"
+    echo "   alternated (~7 min)"
+    sg=laguna_dflash.kernels.skinny_gemm
     for i in $(seq "${GOAL_N:-2}"); do
-      for sw in laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=4 laguna_dflash.kernels.skinny_gemm:MULTI_ROW_GEMV_MAX_M=0; do
-        echo "-- process $i, $sw"
+      for on in 4 0; do
+        echo "-- process $i, MULTI_ROW_GEMV_MAX_M=$on"
         timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
-          --simulated 4 --sim-ks 0,3 --rounds 3 --switch "$sw" 2>&1 | quiet \
+          --simulated 4 --sim-ks 0,3 --rounds 3 --switch "$sg:MULTI_ROW_GEMV_MAX_M=$on" \
+          --switch "$sg:MULTI_ROW_GEMV_ACC_REGS=${ACC_REGS:-64}" 2>&1 | quiet \
           | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
       done
     done ;;

@@ -307,18 +307,26 @@ def test_multi_row_gemv_switch(monkeypatch) -> None:
     # the qkvg shape's one-row tile (16 x 256, 4 warps) halves to 8 x 256 at 4 rows, not at 2
     assert (sg.default_config(4, 10304, 2048).block_n, sg.default_config(2, 10304, 2048).block_n) == (8, 16)
     assert sg.default_config(4, 256, 4096) == sg._heuristic_config(4, 256, 4096)  # no one-row entry
+    # the tighter accumulator bound of the A/B's other row: 32 registers, the same minimality
+    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_ACC_REGS", 32)
+    for n, k in _SHAPES:
+        cfg, one = sg.default_config(4, n, k), sg._MEASURED[1, n, k]
+        assert 4 * cfg.block_n * cfg.block_k <= 32 * 32 * cfg.num_warps < 8 * cfg.block_n * cfg.block_k or cfg == one
+    assert (sg.default_config(4, 10304, 2048).block_n, sg.default_config(4, 10304, 2048).block_k) == (8, 128)
+    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_ACC_REGS", 64)
     monkeypatch.setattr(sg, "MULTI_ROW_GEMV_MAX_M", 2)
     assert sg.default_config(2, 10304, 2048).use_dot is False
     assert sg.default_config(3, 10304, 2048) == off[3, 10304, 2048]
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("m", [2, 4])
-def test_sm90_multi_row_gemv_configs_build_without_spills(monkeypatch, m) -> None:
+@pytest.mark.parametrize("m,acc_regs", [(2, 64), (4, 64), (4, 32)])
+def test_sm90_multi_row_gemv_configs_build_without_spills(monkeypatch, m, acc_regs) -> None:
     """The multi-row GEMV configs of every measured shape build for sm_90 with PDL without
     spills; those with the prefetch load their first weight tile (evict_first), and nothing
     else, before the PDL wait."""
     monkeypatch.setattr(sg, "MULTI_ROW_GEMV_MAX_M", 4)
+    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_ACC_REGS", acc_regs)
     for n, k in _SHAPES:
         cfg = sg.default_config(m, n, k)
         ptx, spills = _compile_sm90(m, n, k, cfg, pdl=True, with_spills=True)

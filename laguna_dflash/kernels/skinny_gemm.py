@@ -223,8 +223,8 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
 MULTI_ROW_GEMV_MAX_M = 0
 # ... with at most this many fp32 accumulator registers a thread. 64 is the bound
 # bench_skinny_gemm.py's GEMV sweep prunes at (next_pow2(M) x BLOCK_N x BLOCK_K <= 64 x 32 x 4 at
-# 4 warps); the sm_90 builds at 4 rows then take 128-172 registers a thread (one or two programs
-# an SM, against 55-96 registers at one row), so 32 is the other row of the A/B.
+# 4 warps); the sm_90 builds at 4 rows then take up to 128-172 registers a thread (one or two
+# programs an SM, against 32-96 registers at one row), so 32 is the other row of the A/B.
 MULTI_ROW_GEMV_ACC_REGS = 64
 
 

@@ -33,6 +33,7 @@ against the fp32 reference first.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 
 import torch
@@ -117,6 +118,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="weight copies to rotate (> L2)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time kernel tile configs")
+    ap.add_argument("--sweep-gemv", default="",
+                    help="token counts (comma-separated) at which to sweep the per-pair GEMVs' tile "
+                         "configs (--sweep sweeps them at 1)")
     ap.add_argument("--top-k", type=int, default=K,
                     help="pairs per token (9: top-8 plus the folded shared expert, as the engine runs it)")
     ap.add_argument("--sweep-sorted", default="",
@@ -173,7 +177,7 @@ def main() -> None:
                     row[name] = time_per_call(fns, max(2, args.reps // 4))
                 else:
                     row[f"{name} graph"] = time_per_call([graphed(f) for f in fns], args.reps)
-            if args.sweep and t == 1 and "gemv graph" in row:
+            if "gemv graph" in row and ((args.sweep and t == 1) or str(t) in args.sweep_gemv.split(",")):
                 sweep_gemv(row, [path_call("gemv", m, x, ids, w) for m in layers], args.reps)
             if str(t) in args.sweep_sorted.split(","):
                 sweep_sorted(row, [path_call("sorted", m, x, ids, w) for m in layers], args.reps)
@@ -215,6 +219,10 @@ def sweep_configs(label: str, row: dict, calls: list[Callable[[], object]], reps
     print(f"T={row['T']} {label} sweep (graph us, gate_up cfg, down cfg), best 6 of {len(results)}, "
           f"floor {row['floor']:.1f}, current {current:.1f}: "
           + "; ".join(f"{t:.1f} {a} {b}" for t, a, b in results[:6]), flush=True)
+    # the best pair as module switches (JSON values), for profile_decode_xs.py / bench_gpu_xs.py
+    print(f"T={row['T']} {label} best: " + " ".join(
+        f"{module.__name__}:{n}={json.dumps(list(cfg), separators=(',', ':'))}"
+        for n, cfg in zip(names, results[0][1:], strict=True)), flush=True)
 
 
 def sweep(row: dict, fused: list[Callable[[], object]], reps: int) -> None:
@@ -236,10 +244,12 @@ def sweep_sorted(row: dict, calls: list[Callable[[], object]], reps: int) -> Non
 
 
 def sweep_gemv(row: dict, gemv: list[Callable[[], object]], reps: int) -> None:
-    """The per-pair GEMVs' (BLOCK_N, BLOCK_K, warps) per kernel, at T = 1."""
+    """The per-pair GEMVs' (BLOCK_N, BLOCK_K, warps) per kernel, at ``row``'s T."""
     sweep_configs("gemv", row, gemv, reps, moe_gemv, ("GATE_UP_CONFIG", "DOWN_CONFIG"),
-                  [(8, 256, 4), (16, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 4), (8, 512, 8)],
-                  [(16, 256, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4), (16, 512, 4), (64, 128, 4)])
+                  [(8, 256, 4), (16, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 4), (8, 512, 8),
+                   (32, 128, 4), (16, 512, 8)],
+                  [(16, 256, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4), (16, 512, 4), (64, 128, 4),
+                   (128, 128, 8), (8, 512, 4)])
 
 
 if __name__ == "__main__":

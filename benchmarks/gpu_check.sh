@@ -71,6 +71,8 @@
 #   bash benchmarks/gpu_check.sh pass66-goal  # goal 2's cell with it (ACC_REGS, default 64), in
 #                                           # GOAL_N (default 2) processes each, alternated with
 #                                           # the defaults (~7 min)
+#   bash benchmarks/gpu_check.sh pass67     # the MoE per-pair GEMVs' tiles swept at T = 4, the
+#                                           # best pair in the 4-token verify graph (~6 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
 #                                           # decode against its floor and DFlash at L = 4 (~9 min)
 #   bash benchmarks/gpu_check.sh pass45     # the eager split count's engine CUDA tests; the persistent
@@ -915,6 +917,24 @@ case "$stage" in
           | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
       done
     done ;;
+  pass67)
+    echo "== the MoE per-pair GEMVs' tiles at T = 4 (swept at T = 1 before PDL; the verify of K = 3"
+    echo "   runs them at 4 tokens): the sweep at T = 1 and 4, then the 4-token verify graph on"
+    echo "   identical K/V with the best T = 4 pair (rows: defaults, a no-op switch, gate_up, down,"
+    echo "   both, the no-op again) and the decode graph with both (~6 min)"
+    sg=laguna_dflash.kernels.skinny_gemm
+    noop="$sg:MULTI_ROW_GEMV_MAX_M=0"
+    sweep=$(timeout 150 python benchmarks/bench_fused_moe.py --tokens 1,4 --paths gemv \
+      --sweep-gemv 1,4 2>&1 | quiet)
+    echo "$sweep" | grep -E "sweep|best|^\| [0-9]"
+    best=$(echo "$sweep" | sed -n 's/^T=4 gemv best: //p')
+    gu=${best%% *}; dn=${best##* }
+    [ -z "$best" ] && { echo "no T = 4 sweep result"; exit 1; }
+    timeout 240 python benchmarks/profile_decode_xs.py --q 4 --top 6 --new-tokens 8 \
+      --switch "$noop" --switch "$gu" --switch "$dn" --switch "$gu;$dn" --switch "$noop" 2>&1 \
+      | quiet | grep -E "^## |^\| [0-9]|_gemv_kernel|equal|rror" | head -40
+    timeout 120 python benchmarks/profile_decode_xs.py --top 6 --new-tokens 8 --switch "$gu;$dn" \
+      2>&1 | quiet | grep -E "^## |^\| [0-9]|_gemv_kernel|equal|rror" | head -16 ;;
   pass47)
     echo "== S-2.1 widths: the float32 lossless test at XS-2.1 and S-2.1 widths (2 workers), then"
     echo "   a 16-layer S-2.1 target in bf16 (decode against its floor, DFlash at L = 4) and the"

@@ -8,7 +8,10 @@ bf16; ``gate_up [256, 1024, 2048]`` + ``down [256, 2048, 512]`` = 6 MiB per expe
 * ``gather``: ``MoE.experts_forward_gather`` (the previous GPU path: one expert copy per pair);
 * ``loop``: ``MoE.experts_forward`` (grouped loop over the experts hit, one host sync);
 * ``gemv`` (T <= 4): ``kernels.moe_gemv.moe_gemv_experts`` (per-pair GEMVs, ``MoE.use_moe_gemv``
-  up to ``MoE.moe_gemv_max_tokens``), replayed, with ``--sweep`` over its tile configs at T = 1;
+  up to ``MoE.moe_gemv_max_tokens``), replayed, with ``--sweep`` over its tile configs at T = 1
+  (``--sweep-gemv 1,4``: at those T; the best pair is printed as module switches, which
+  ``profile_decode_xs.py --switch`` takes: an isolated sweep did not rank the T = 4 tiles as the
+  verify graph does, docs/PERFORMANCE.md fifty-fifth pass);
 * ``sorted``: ``kernels.grouped_moe.sorted_moe_experts`` (pairs sorted by expert once, fixed
   16-row tiles: the batch-invariant mode's and the float32 path's kernels past
   ``MoE.fused_moe_max_pairs``), replayed;

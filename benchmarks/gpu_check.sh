@@ -63,14 +63,6 @@
 #                                           # on filled K/V (~3 min)
 #   bash benchmarks/gpu_check.sh pass65     # relative split-K chunks in the verify, on identical K/V
 #                                           # (~2 min)
-#   bash benchmarks/gpu_check.sh pass66     # the skinny GEMM's GEMV path at 2-4 rows
-#                                           # (MULTI_ROW_GEMV_MAX_M=4, 64 or 32 accumulator
-#                                           # registers): its CUDA tests, the 4-token verify graph
-#                                           # and the drafter block, off / on; the M = 4 sweep with
-#                                           # PDL (~8 min)
-#   bash benchmarks/gpu_check.sh pass66-goal  # goal 2's cell with it (ACC_REGS, default 64), in
-#                                           # GOAL_N (default 2) processes each, alternated with
-#                                           # the defaults (~7 min)
 #   bash benchmarks/gpu_check.sh pass67     # the MoE per-pair GEMVs' tiles swept at T = 4, the
 #                                           # best pair in the 4-token verify graph (~6 min)
 #   bash benchmarks/gpu_check.sh pass47     # S-2.1 widths: float32 lossless; a 16-layer S-2.1 target's
@@ -885,45 +877,12 @@ case "$stage" in
     off=laguna_dflash.kernels.paged_attention:RELATIVE_ANY_LENGTH_MAX_QUERIES=1
     timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --recapture 1 \
       --switch $on --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
-  pass66)
-    echo "== the skinny GEMM's GEMV path at 2-4 rows (skinny_gemm.MULTI_ROW_GEMV_MAX_M = 4; the"
-    echo "   M = 4 table was swept before PDL existed), with 64 and with 32 accumulator registers a"
-    echo "   thread: its CUDA tests, the 4-token verify graph on identical K/V (rows: defaults, 64,"
-    echo "   32, off, 32), the drafter block (K = 3), and the M = 4 sweep with PDL on (~8 min)"
-    sg=laguna_dflash.kernels.skinny_gemm
-    on64="$sg:MULTI_ROW_GEMV_MAX_M=4;$sg:MULTI_ROW_GEMV_ACC_REGS=64"
-    on32="$sg:MULTI_ROW_GEMV_MAX_M=4;$sg:MULTI_ROW_GEMV_ACC_REGS=32"
-    off="$sg:MULTI_ROW_GEMV_MAX_M=0"
-    gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "multi_row" | tail -8
-    timeout 180 python benchmarks/profile_decode_xs.py --q 4 --top 12 --new-tokens 8 \
-      --switch "$on64" --switch "$on32" --switch "$off" --switch "$on32" 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -40
-    timeout 120 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 10 --new-tokens 8 \
-      --switch "$on64" --switch "$on32" 2>&1 | quiet | grep -E "^## |^\| [0-9]|_skinny|equal|rror" | head -24
-    echo "-- the M = 4 sweep again, now with PDL (the table's was swept without): GEMV and dot alone"
-    timeout 120 python benchmarks/bench_skinny_gemm.py --m 4 --quick --budget 90 \
-      --json "${OUT:-/tmp}/skinny_m4.json" 2>&1 | quiet | grep -E "^\||copy|skipped" | head -16 ;;
-  pass66-goal)
-    echo "== goal 2's L = 4 batch-1 cell with the GEMV path at 2-4 rows (ACC_REGS accumulator"
-    echo "   registers, default 64) against the defaults, in GOAL_N (default 2) processes each,"
-    echo "   alternated (~7 min)"
-    sg=laguna_dflash.kernels.skinny_gemm
-    for i in $(seq "${GOAL_N:-2}"); do
-      for on in 4 0; do
-        echo "-- process $i, MULTI_ROW_GEMV_MAX_M=$on"
-        timeout "${GOAL_S:-150}" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 \
-          --simulated 4 --sim-ks 0,3 --rounds 3 --switch "$sg:MULTI_ROW_GEMV_MAX_M=$on" \
-          --switch "$sg:MULTI_ROW_GEMV_ACC_REGS=${ACC_REGS:-64}" 2>&1 | quiet \
-          | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
-      done
-    done ;;
   pass67)
     echo "== the MoE per-pair GEMVs' tiles at T = 4 (swept at T = 1 before PDL; the verify of K = 3"
     echo "   runs them at 4 tokens): the sweep at T = 1 and 4, then the 4-token verify graph on"
     echo "   identical K/V with the best T = 4 pair (rows: defaults, a no-op switch, gate_up, down,"
     echo "   both, the no-op again) and the decode graph with both (~6 min)"
-    sg=laguna_dflash.kernels.skinny_gemm
-    noop="$sg:MULTI_ROW_GEMV_MAX_M=0"
+    noop="laguna_dflash.kernels.pdl:USE_PDL=True"  # already on: a switch that changes nothing
     sweep=$(timeout 150 python benchmarks/bench_fused_moe.py --tokens 1,4 --paths gemv \
       --sweep-gemv 1,4 2>&1 | quiet)
     echo "$sweep" | grep -E "sweep|best|^\| [0-9]"

@@ -37,7 +37,7 @@ from interpreter_child import (
     run_interpreted_child,
     run_interpreted_script,
 )
-from ptx_sm90 import can_compile_sm90, compile_sm90, compile_sm90_spills, loads_before_pdl_wait
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 
 from laguna_dflash.kernels import pdl
 from laguna_dflash.kernels import skinny_gemm as sg
@@ -263,7 +263,7 @@ def test_default_config_table(monkeypatch) -> None:
     four = SkinnyConfig(32, 256, 2, 8, 4, use_dot=True)
     sixteen = SkinnyConfig(64, 128, 1, 4, 3, use_dot=True)
     monkeypatch.setattr(sg, "_MEASURED", {(4, 256, 2048): four, (16, 256, 2048): sixteen})
-    sg._default_config.cache_clear()
+    sg.default_config.cache_clear()
     try:
         assert sg.default_config(3, 256, 2048) is four
         assert sg.default_config(1, 256, 2048) is four
@@ -274,65 +274,7 @@ def test_default_config_table(monkeypatch) -> None:
         assert not sg.is_tuned(17, 256, 2048) and not sg.is_tuned(1, 256, 4096)
     finally:
         monkeypatch.undo()
-        sg._default_config.cache_clear()
-
-
-def test_multi_row_gemv_switch(monkeypatch) -> None:
-    """``MULTI_ROW_GEMV_MAX_M`` (off by default): rows 2..max take the GEMV path in the one-row
-    measured config of their shape, BLOCK_N / BLOCK_K halved to keep the accumulators within 64
-    fp32 registers a thread; one row, more rows than the switch, and shapes without a one-row
-    GEMV entry keep their configs."""
-    assert sg.MULTI_ROW_GEMV_MAX_M == 0
-    off = {(m, n, k): sg.default_config(m, n, k) for n, k in _SHAPES for m in range(1, 17)}
-    assert all(off[4, n, k].use_dot for n, k in _SHAPES)  # the measured M = 4 table: the dot path
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_MAX_M", 4)
-    checked = 0
-    for n, k in _SHAPES:
-        one = sg._MEASURED[1, n, k]
-        for m in range(1, 17):
-            cfg = sg.default_config(m, n, k)
-            if m == 1 or m > 4:
-                assert cfg == off[m, n, k]
-                continue
-            assert cfg.use_dot is False and cfg == sg.multi_row_gemv_config(m, n, k)
-            assert (cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.x_bcast) == (
-                one.split_k, one.num_warps, one.num_stages, one.x_bcast)
-            assert cfg.block_n <= one.block_n and cfg.block_k <= one.block_k
-            m_pad = 1 << (m - 1).bit_length()
-            assert m_pad * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
-            assert 2 * m_pad * cfg.block_n * cfg.block_k > 64 * 32 * cfg.num_warps or cfg == one
-            sg._check_config(cfg, False, m)
-            checked += 1
-    assert checked == 3 * len(_SHAPES)
-    # the qkvg shape's one-row tile (16 x 256, 4 warps) halves to 8 x 256 at 4 rows, not at 2
-    assert (sg.default_config(4, 10304, 2048).block_n, sg.default_config(2, 10304, 2048).block_n) == (8, 16)
-    assert sg.default_config(4, 256, 4096) == sg._heuristic_config(4, 256, 4096)  # no one-row entry
-    # the tighter accumulator bound of the A/B's other row: 32 registers, the same minimality
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_ACC_REGS", 32)
-    for n, k in _SHAPES:
-        cfg, one = sg.default_config(4, n, k), sg._MEASURED[1, n, k]
-        assert 4 * cfg.block_n * cfg.block_k <= 32 * 32 * cfg.num_warps < 8 * cfg.block_n * cfg.block_k or cfg == one
-    assert (sg.default_config(4, 10304, 2048).block_n, sg.default_config(4, 10304, 2048).block_k) == (8, 128)
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_ACC_REGS", 64)
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_MAX_M", 2)
-    assert sg.default_config(2, 10304, 2048).use_dot is False
-    assert sg.default_config(3, 10304, 2048) == off[3, 10304, 2048]
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("m,acc_regs", [(2, 64), (4, 64), (4, 32)])
-def test_sm90_multi_row_gemv_configs_build_without_spills(monkeypatch, m, acc_regs) -> None:
-    """The multi-row GEMV configs of every measured shape build for sm_90 with PDL without
-    spills; those with the prefetch load their first weight tile (evict_first), and nothing
-    else, before the PDL wait."""
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_MAX_M", 4)
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_ACC_REGS", acc_regs)
-    for n, k in _SHAPES:
-        cfg = sg.default_config(m, n, k)
-        ptx, spills = _compile_sm90(m, n, k, cfg, pdl=True, with_spills=True)
-        assert spills and max(spills) == 0, (m, n, k, cfg, spills)
-        early = loads_before_pdl_wait(ptx)  # the prefetch (num_stages > 1) starts before the wait
-        assert all("evict_first" in line for line in early) and bool(early) == (cfg.num_stages > 1), (m, n, k)
+        sg.default_config.cache_clear()
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / interpreter on")
@@ -373,18 +315,15 @@ def test_benchmark_cpu_wiring_check() -> None:
 # ---- offline sm_90 compile (no GPU needed) -------------------------------------------------------------
 
 
-def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False,
-                  with_spills: bool = False) -> str | tuple[str, list[int]]:
+def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False) -> str:
     """PTX of the kernel compiled for an H100/H200 (sm_90) with bf16 inputs, through ptxas (the
-    launch's own constexprs from ``_plan``); no driver or GPU involved. ``with_spills``: (PTX,
-    spill-store bytes of each function, from ``ptxas -v``)."""
+    launch's own constexprs from ``_plan``); no driver or GPU involved."""
     meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl)[2])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    build = compile_sm90_spills if with_spills else compile_sm90
-    return build(sg._kernels(False), pointers, {"stride_xk": 1, **meta}, options)
+    return compile_sm90(sg._kernels(False), pointers, {"stride_xk": 1, **meta}, options)
 
 
 def _loop_bodies(ptx: str) -> list[str]:
@@ -501,16 +440,6 @@ def test_cuda_real_shapes(n, k, m) -> None:
 def test_cuda_s21_shapes(n, k, m) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         x, w = _problem(m, n, k, dtype, seed=m, device="cuda")
-        _assert_close_to_exact(skinny_gemm(x, w), x, w)
-
-
-@cuda
-@pytest.mark.parametrize("m", [2, 3, 4])
-def test_cuda_multi_row_gemv_real_shapes(monkeypatch, m) -> None:
-    monkeypatch.setattr(sg, "MULTI_ROW_GEMV_MAX_M", 4)
-    for n, k in _SHAPES:
-        assert sg.default_config(m, n, k).use_dot is False
-        x, w = _problem(m, n, k, torch.bfloat16, seed=m + n, device="cuda")
         _assert_close_to_exact(skinny_gemm(x, w), x, w)
 
 

@@ -74,7 +74,7 @@ truncates; ``jit._round_to``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -213,43 +213,6 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
 
 
-# The A/B switch (off): rows ``2..MULTI_ROW_GEMV_MAX_M`` (at most 4; the K = 3 verify and the
-# drafter block have 4) take the GEMV path in the one-row measured config of their shape
-# (:func:`multi_row_gemv_config`) instead of the measured dot config. The M = 4 table was swept
-# before programmatic dependent launch existed (2026-11-29, no PDL): the GEMV path loads its
-# first weight tile before its PDL wait, the dot path waits first, and in the graphs the
-# verify's 4-row GEMMs add 1.8 and 1.0 us a layer over the decode's one-row GEMV path
-# (docs/PERFORMANCE.md, fifty-second pass). Not yet timed in the graphs.
-MULTI_ROW_GEMV_MAX_M = 0
-# ... with at most this many fp32 accumulator registers a thread. 64 is the bound
-# bench_skinny_gemm.py's GEMV sweep prunes at (next_pow2(M) x BLOCK_N x BLOCK_K <= 64 x 32 x 4 at
-# 4 warps); the sm_90 builds at 4 rows then take up to 128-172 registers a thread (one or two
-# programs an SM, against 32-96 registers at one row), so 32 is the other row of the A/B.
-MULTI_ROW_GEMV_ACC_REGS = 64
-
-
-def multi_row_gemv_config(m: int, n: int, k: int, acc_regs: int | None = None) -> SkinnyConfig | None:
-    """The GEMV config for ``2 <= m <= 4`` rows of a shape whose one-row measured config is a
-    GEMV: that config with ``BLOCK_N`` (down to 8), then ``BLOCK_K`` (down to 64), halved until
-    the ``next_pow2(m)`` rows' fp32 accumulators take at most ``acc_regs`` (default
-    :data:`MULTI_ROW_GEMV_ACC_REGS`) registers a thread; split-K, warps, stages and loads as
-    measured. None for other shapes."""
-    one = _MEASURED.get((1, n, k))
-    if not 2 <= m <= _MAX_GEMV_M or one is None or one.use_dot is not False:
-        return None
-    acc_regs = MULTI_ROW_GEMV_ACC_REGS if acc_regs is None else acc_regs
-    block_n, block_k = one.block_n, one.block_k
-    threads = 32 * one.num_warps
-    while _next_pow2(m) * block_n * block_k > acc_regs * threads:
-        if block_n > _MIN_BLOCK_N:
-            block_n //= 2
-        elif block_k > 64:
-            block_k //= 2
-        else:
-            return None
-    return replace(one, block_n=block_n, block_k=block_k)
-
-
 def _measured(m: int, n: int, k: int) -> SkinnyConfig | None:
     """The measured config of the smallest bucket ``>= next_pow2(m)`` of this ``(n, k)``, or None."""
     bucket = _next_pow2(max(1, m))
@@ -267,20 +230,10 @@ def is_tuned(m: int, n: int, k: int) -> bool:
     return _measured(m, n, k) is not None
 
 
+@functools.lru_cache(maxsize=1024)
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """Config for ``x [m, k] @ W[n, k]^T``: the measured table (``_MEASURED``, smallest bucket
-    ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic. ``1 <= m <= 16``. With
-    :data:`MULTI_ROW_GEMV_MAX_M` ``>= m > 1``, the multi-row GEMV config where the shape has
-    one (:func:`multi_row_gemv_config`)."""
-    return _default_config(m, n, k, MULTI_ROW_GEMV_MAX_M, MULTI_ROW_GEMV_ACC_REGS)
-
-
-@functools.lru_cache(maxsize=1024)
-def _default_config(m: int, n: int, k: int, multi_row_gemv_max_m: int, acc_regs: int) -> SkinnyConfig:
-    if 1 < m <= multi_row_gemv_max_m:
-        cfg = multi_row_gemv_config(m, n, k, acc_regs)
-        if cfg is not None:
-            return cfg
+    ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic. ``1 <= m <= 16``."""
     cfg = _measured(m, n, k)
     if cfg is not None:
         return cfg

@@ -165,9 +165,8 @@ def decode_graph(llm: LLM, q: int = 1, context: int = 1024, tables: list[list[in
     engine = llm.engine
     runner = engine.runner
     if q > runner.graphs.max_tokens_per_request:  # a target-only engine captures q = 1 only
-        # keep the prefill graphs: without them every later row prefilled eagerly, whose bf16
-        # sums differ, and its greedy tokens matched the defaults' in 0 of 8 even for a switch
-        # that changes nothing (2026-12-04, pass66)
+        # keep the prefill graphs: the defaults' row prefilled through them, and an eager
+        # prefill sums differently in bf16, so later rows' tokens would not compare with its
         runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, runner.backend, runner.device,
                                         1, engine.max_model_len, q, runner.graphs.max_prefill_tokens)
     if q > 1 and not any(k[0] == 1 and k[1] == q for k in runner.graphs.graphs):

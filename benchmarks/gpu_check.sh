@@ -51,6 +51,8 @@
 #   bash benchmarks/gpu_check.sh pass54     # goal 2's L = 4 cell in five separate processes (~7 min)
 #   bash benchmarks/gpu_check.sh pass55     # the launch timeline of 8-layer verify, decode and drafter
 #                                           # graphs, kernel by kernel (~4 min)
+#   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
+#                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
 #   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again, on
 #                                           # new K/V blocks and on fixed ones: each capture's
 #                                           # tables and replay (~4 min)
@@ -877,6 +879,26 @@ case "$stage" in
     off=laguna_dflash.kernels.paged_attention:RELATIVE_ANY_LENGTH_MAX_QUERIES=1
     timeout 140 python benchmarks/profile_decode_xs.py --q 4 --top 2 --new-tokens 8 --recapture 1 \
       --switch $on --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
+  pass68)
+    echo "== the Q/K norm + RoPE + cache write in the Q|K|V|gate GEMM's epilogue (a program a head,"
+    echo "   Attention.fuse_qk_into_projection): its kernel's CUDA tests, then decode, 4-token verify"
+    echo "   and drafter-block graphs on identical K/V (rows: defaults, on, off, on) and goal 2's"
+    echo "   cell off / on in separate processes (~8 min)"
+    sw="laguna_dflash.models.layers:Attention.fuse_qk_into_projection"
+    gpu_tests 90 -n 4 -k cuda tests/test_kernel_qkv_norm_rope_cache.py | tail -6
+    for q in 1 4; do
+      timeout 110 python benchmarks/profile_decode_xs.py --q $q --top 8 --new-tokens 8 \
+        --switch "$sw=True" --switch "$sw=False" --switch "$sw=True" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|qkv_norm|qk_norm|skinny|equal|rror" | head -40
+    done
+    timeout 90 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
+      --switch "$sw=True" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|qk_norm|equal|rror" | head -24
+    for on in ${GOAL_ROWS:-False True}; do
+      echo "-- goal cell, fuse_qk_into_projection=$on"
+      timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
+        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+    done ;;
   pass67)
     echo "== the MoE per-pair GEMVs' tiles at T = 4 (swept at T = 1 before PDL; the verify of K = 3"
     echo "   runs them at 4 tokens): the sweep at T = 1 and 4, then the 4-token verify graph on"

@@ -69,6 +69,32 @@ def test_s21_configs_hold_the_widths_that_set_s21_apart(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("widths", ["xs21", "s21"])
 def test_xs_widths_float32_dflash_equals_target_only(tmp_path, widths):
+    _check_lossless(tmp_path, widths)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_xs_widths_float32_lossless_with_the_projection_epilogue(tmp_path, monkeypatch):
+    """``Attention.fuse_qk_min_tokens = 1``: the Q/K norm, RoPE and K/V write inside the
+    Q|K|V|gate GEMM (kernels/qkv_norm_rope_cache.py) in every graph of up to 16 tokens, decode
+    included (the default keeps one token on two launches). It must run at decode (1 token) and
+    at verify / drafter sizes, and keep DFlash lossless."""
+    from laguna_dflash.kernels import qkv_norm_rope_cache
+    from laguna_dflash.models import layers
+
+    monkeypatch.setattr(layers.Attention, "fuse_qk_min_tokens", 1)
+    rows = []
+    fused = qkv_norm_rope_cache.qkv_norm_rope_cache
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return fused(x, *args, **kwargs)
+
+    monkeypatch.setattr(qkv_norm_rope_cache, "qkv_norm_rope_cache", counted)
+    _check_lossless(tmp_path, "xs21")
+    assert 1 in rows and max(rows) > 1, sorted(set(rows))
+
+
+def _check_lossless(tmp_path: Path, widths: str) -> None:
     target, draft = _write_pair(tmp_path, widths)
     common = dict(dtype="float32", device="cuda", load_format="dummy", max_model_len=1024,
                   max_num_seqs=4, num_kv_blocks=(1024 // 16 + 1) * 5)

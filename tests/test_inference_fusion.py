@@ -7,7 +7,9 @@
   ``MoE.fused_forward`` (the router GEMM + routing kernel, or the two apart; fused experts with
   the folded shared expert; the pairs' sum with the residual) equals the torch path, folded or
   not; ``Attention.forward`` with the fused Q/K norm + RoPE + cache-write kernel and the gate in
-  the attention store equals the eager chain (output and cache contents).
+  the attention store equals the eager chain (output and cache contents), and so does it inside a
+  CUDA-graph build, where a forward of 2-16 tokens takes the projection with the Q/K work in its
+  epilogue (kernels/qkv_norm_rope_cache.py) and a 1-token one does not.
 * On CUDA: the same comparisons at Laguna-XS-2.1 widths.
 """
 
@@ -27,7 +29,7 @@ from laguna_dflash.engine.attention import TorchSDPABackend
 from laguna_dflash.engine.runner import ForwardItem, build_metadata
 from laguna_dflash.engine.triton_attention import TritonPagedBackend
 from laguna_dflash.kernels.availability import triton_importable
-from laguna_dflash.models import fusion
+from laguna_dflash.models import fusion, layers
 from laguna_dflash.models.layers import Attention, ForwardContext, MoE, fuse_for_inference
 from laguna_dflash.models.rope import RopeSpec, RotaryEmbedding
 
@@ -194,11 +196,44 @@ def _attention_cases(device: str) -> dict[str, float]:
             untouched[slots] = False
             errors[name + "-untouched"] = float(not all(
                 torch.equal(c[untouched], w[untouched]) for c, w in zip(ctx.kv_caches[0], want_caches)))
+            errors.update(_head_gemm_case(name, attn, x, ctx, caches, want, want_caches))
     return errors
 
 
+def _head_gemm_case(name: str, attn: Attention, x: torch.Tensor, ctx: ForwardContext, caches: list,
+                    want: torch.Tensor, want_caches: list) -> dict[str, float]:
+    """The same forward inside a CUDA-graph build, where ``Attention.fuse_qk_min_tokens`` (2)
+    hands Q|K|V|gate with the Q/K norm, RoPE and cache write to ONE kernel
+    (kernels/qkv_norm_rope_cache.py): it must run for these 6 tokens, match the eager chain, and
+    not run for a 1-token forward."""
+    from laguna_dflash.kernels import qkv_norm_rope_cache as head_gemm
+
+    rows = []
+    kernel = head_gemm.qkv_norm_rope_cache
+    head_gemm.qkv_norm_rope_cache = lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw)
+    try:
+        ctx.kv_caches[0] = tuple(c.clone() for c in caches)
+        with torch.no_grad(), layers.building_cuda_graph():
+            got = attn(x, ctx)
+            one_ctx = _context([(5, 1)], *caches[0].shape[1:], x.dtype, str(x.device))
+            attn(x[:1], one_ctx)
+    finally:
+        head_gemm.qkv_norm_rope_cache = kernel
+    slots = ctx.meta.slot_mapping
+    untouched = torch.ones(caches[0].shape[0], dtype=torch.bool, device=x.device)
+    untouched[slots] = False
+    name += "-head-gemm"
+    return {
+        name: _rel_err(got, want),
+        name + "-cache": max(_rel_err(c[slots], w[slots]) for c, w in zip(ctx.kv_caches[0], want_caches)),
+        name + "-untouched": float(not all(
+            torch.equal(c[untouched], w[untouched]) for c, w in zip(ctx.kv_caches[0], want_caches))),
+        name + "-ran-for-6-not-1-token": float(rows != [6]),
+    }
+
+
 def _case_tol(name: str) -> float:
-    if name.endswith("-untouched"):
+    if name.endswith(("-untouched", "-token")):
         return 0.0
     return TOL["bfloat16" if "bfloat16" in name else "float32"] * (3 if name.startswith("moe") else 1)
 
@@ -211,7 +246,7 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 24 + 18
+    assert len(interpreter_errors) == 24 + 18 + 24
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 

@@ -178,22 +178,38 @@ def _check(
     k_cache: torch.Tensor, v_cache: torch.Tensor,
 ) -> None:
     """ValueError naming the argument for every input the kernel cannot take."""
-    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_heads(num_heads, num_kv_heads, head_dim)
     if qkv.dtype not in DTYPE_CODE:
         raise ValueError(f"qkv must be float32, bfloat16 or float16, got {qkv.dtype}")
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] < width:
         raise ValueError(f"qkv must be [T, >= (num_heads + 2 * num_kv_heads) * head_dim = {width}], "
                          f"got {tuple(qkv.shape)}")
-    t = qkv.shape[0]
+    _check_norm_rope_cache("qkv", qkv, num_kv_heads, head_dim, q_weight, k_weight, cos_table,
+                           sin_table, positions, rot, slot_mapping, k_cache, v_cache)
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_norm_rope_cache(
+    src_name: str, src: torch.Tensor, num_kv_heads: int, head_dim: int,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, cos_table: torch.Tensor,
+    sin_table: torch.Tensor, positions: torch.Tensor, rot: int, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> None:
+    # everything but the head rows' source src ([T, ...], the kernel's dtype and device), whose
+    # name the messages use
+    t = src.shape[0]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(w.shape) != (head_dim,):
             raise ValueError(f"{name} must be [{head_dim}], got {tuple(w.shape)}")
-        if w.dtype != qkv.dtype:
-            raise ValueError(f"{name} dtype {w.dtype} must equal qkv's {qkv.dtype}")
+        if w.dtype != src.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} must equal {src_name}'s {src.dtype}")
     if not isinstance(rot, int) or rot <= 0 or rot % 2 or rot > head_dim:
         raise ValueError(f"rot must be an even int in (0, head_dim={head_dim}], got {rot!r}")
     for name, tab in (("cos_table", cos_table), ("sin_table", sin_table)):
@@ -214,11 +230,11 @@ def _check(
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {cache.dtype}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}")
-    tensors = (qkv, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, k_cache,
+    tensors = (src, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, k_cache,
                v_cache)
     if len({x.device for x in tensors}) != 1:
-        raise ValueError("qkv, weights, tables, positions, slot_mapping and caches must be on one "
-                         "device")
+        raise ValueError(f"{src_name}, weights, tables, positions, slot_mapping and caches must be "
+                         "on one device")
 
 
 def qk_norm_rope_cache(

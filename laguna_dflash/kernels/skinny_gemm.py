@@ -279,6 +279,27 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 # ``kernels/context_kv.py``.
 
 
+def _dot_acc(w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K_ITERS: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, IEEE: tl.constexpr,
+             MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    # the dot path's K loop: acc[n, m] = sum_k W[n, k] x[m, k] over K_ITERS steps of BLOCK_K from
+    # k_start (w_rows / x_rows: row pointers [BLOCK_N, 1] / [M_PAD, 1]); fp32 [BLOCK_N, M_PAD].
+    # The weight is the wide (MMA M-side) operand; Triton's pipeliner stages its loads.
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for i in range(K_ITERS):
+        k0 = k_start + i * BLOCK_K
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        w = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K),
+                    MASK_W, EVICT_FIRST)
+        x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    return acc
+
+
 def _load_w(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr):
     # a weight tile; unmasked when the tiles divide N and K (no predicates, widest vectors)
     if MASKED:
@@ -386,18 +407,8 @@ def _skinny_gemm_kernel(
         offs_m = tl.arange(0, M_PAD)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         x_rows = x_ptr + offs_m[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-        for i in range(K_ITERS):
-            k0 = k_start + i * BLOCK_K
-            offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-            w = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K),
-                        MASK_W, EVICT_FIRST)
-            x = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
+        acc = _dot_acc(w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K_ITERS,
+                       BLOCK_N, BLOCK_K, M_PAD, IEEE, MASK_W, EVICT_FIRST)
         out = tl.trans(acc)  # [M_PAD, BLOCK_N]
     else:
         # GEMV, M_PAD <= 4 rows: one [BLOCK_N, BLOCK_K] fp32 accumulator per row, all in the
@@ -474,7 +485,7 @@ def _skinny_gemm_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _load_w, _gemv_w_load, _gemv_x_loads, _gemv_loads,
+    namespace = jit_functions(__name__, (_round_to, _load_w, _dot_acc, _gemv_w_load, _gemv_x_loads, _gemv_loads,
                                          _bcast, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 

@@ -26,6 +26,7 @@ from ..kernels import (
     moe_routing,
     precompile,
     qk_norm_rope_cache,
+    qkv_norm_rope_cache,
     skinny_gemm,
     staged_gemv,
 )
@@ -204,6 +205,14 @@ class Attention(nn.Module):
     # Q/K norm + RoPE + K/V cache write in one kernel; Q|K|V|gate as one GEMM once fused.
     use_fused_qk_cache: bool = True
     qkvg_weight: torch.Tensor | None = None
+    # In CUDA graphs of this many tokens up to 16 (verify, the drafter block, small decode
+    # batches), Q|K|V|gate, the Q/K norm + RoPE and the K/V write are one launch
+    # (kernels/qkv_norm_rope_cache.py: a program a head) instead of the skinny GEMM and the Q/K
+    # kernel; None: never. On the H200 (XS-2.1, 1k context) the 4-token verify graph replayed in
+    # 3.79 against 3.82-3.83 ms and the drafter block in 0.35 against 0.36; ONE token stays on
+    # the two launches: the one-row GEMV preloads its first weight tile before its PDL wait, and
+    # the decode graph replayed in 2.19 ms fused against 2.12 (docs/PERFORMANCE.md, 56th pass).
+    fuse_qk_min_tokens: int | None = 2
     # True: up to skinny_gemm.MAX_M tokens, ``o_proj.weight`` goes to the backend as an L2
     # prefetch hint (kernels/l2_prefetch.py). Off: on the H200 it did not pay (batch-1 replay
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
@@ -238,11 +247,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``x [T, H]`` (already input-normed) -> ``[T, H]``; writes this forward's K/V."""
         t = x.shape[0]
-        qkv, gate = self.project(x)
         meta = ctx.meta_of(self.cache_index)
         positions = meta.positions
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         rot = self.rotary
+        if self._head_gemm_runs(x, ctx):
+            q, gate = qkv_norm_rope_cache.qkv_norm_rope_cache(
+                x, self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
+                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
+            if self.gating != "per-head":
+                gate = gate.view(t, self.num_heads, self.head_dim)
+            return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
+        qkv, gate = self.project(x)
         if self._fused_qk_cache_runs(qkv, ctx):
             q = qk_norm_rope_cache.qk_norm_rope_cache(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
@@ -254,6 +271,14 @@ class Attention(nn.Module):
             k = self.norm_rope(self.k_norm, k.view(t, self.num_kv_heads, self.head_dim), positions)
             v = v.view(t, self.num_kv_heads, self.head_dim)
             ctx.backend.write_kv(k_cache, v_cache, k, v, meta)
+        return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
+
+    def _attend_and_project(self, q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # attention over the cache (this forward's K/V already written) and o_proj:
+        # q [T, nh, hd] -> [T, H]
+        t = q.shape[0]
+        meta = ctx.meta_of(self.cache_index)
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
@@ -270,6 +295,19 @@ class Attention(nn.Module):
         if staged and staged_gemv.can_use(out, self.o_proj.weight):
             return self.tp.all_reduce(staged_gemv.staged_gemv(out, self.o_proj.weight))
         return row_parallel_linear(out, self.o_proj, self.tp)
+
+    def _head_gemm_runs(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
+        # The projection with the Q/K norm, RoPE and cache write in its epilogue: where the
+        # skinny GEMM would take the projection (a CUDA-graph build of at most 16 tokens, the
+        # fused Q|K|V|gate weight) and the Q/K kernel would follow it; not in batch-invariant mode
+        # (its GEMMs keep one tile for every row count).
+        return (
+            self.fuse_qk_min_tokens is not None and use_skinny_gemm and self.qkvg_weight is not None
+            and is_building_cuda_graph() and not batch_invariant.is_active()
+            and self.fuse_qk_min_tokens <= x.shape[0] <= qkv_norm_rope_cache.MAX_M
+            and self._fused_qk_cache_runs(x, ctx)
+            and qkv_norm_rope_cache.can_use(x, self.qkvg_weight, self.head_dim)
+        )
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them

@@ -53,6 +53,7 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass69     # the head GEMM's preload / early-signal switches (~4 min)
 #   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again, on
 #                                           # new K/V blocks and on fixed ones: each capture's
 #                                           # tables and replay (~4 min)
@@ -899,6 +900,20 @@ case "$stage" in
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
+  pass69)
+    echo "== the head GEMM's two switches (kernels/qkv_norm_rope_cache.py: the first weight tile"
+    echo "   before the PDL wait, the dependents signalled right after it) in the 4-token verify"
+    echo "   graph (on by default from 2 tokens) and in the decode graph with the head GEMM at one"
+    echo "   token too, each row against the defaults on identical K/V (~4 min)"
+    k="laguna_dflash.kernels.qkv_norm_rope_cache"
+    one="laguna_dflash.models.layers:Attention.fuse_qk_min_tokens=1"
+    timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 6 --new-tokens 8 \
+      --switch "$k:PRELOAD_FIRST_TILE=True" --switch "$k:EARLY_SIGNAL=True" \
+      --switch "$k:PRELOAD_FIRST_TILE=True;$k:EARLY_SIGNAL=True" 2>&1 | quiet \
+      | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -30
+    timeout 130 python benchmarks/profile_decode_xs.py --q 1 --top 6 --new-tokens 8 --switch "$one" \
+      --switch "$one;$k:PRELOAD_FIRST_TILE=True" --switch "$one;$k:PRELOAD_FIRST_TILE=True;$k:EARLY_SIGNAL=True" \
+      2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|skinny|equal|rror" | head -30 ;;
   pass67)
     echo "== the MoE per-pair GEMVs' tiles at T = 4 (swept at T = 1 before PDL; the verify of K = 3"
     echo "   runs them at 4 tokens): the sweep at T = 1 and 4, then the 4-token verify graph on"

@@ -144,6 +144,16 @@ def test_interpreted_gate_tiles(gate_dim):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_first_tile_preloaded_sums_alike(dtype, monkeypatch):
+    """``PRELOAD_FIRST_TILE``: the K loop's first step peeled (its weight tile before the PDL
+    wait) runs the same dots in the same order."""
+    monkeypatch.setattr(fused, "PRELOAD_FIRST_TILE", True)
+    monkeypatch.setattr(fused, "EARLY_SIGNAL", True)
+    check(problem(3, 4, 2, 128, 8, dtype, seed=11))
+
+
+@interpreted
 def test_interpreted_bf16_cache_under_fp32():
     check(problem(3, 4, 1, 64, 4, torch.float32, cache_dtype=torch.bfloat16, seed=9))
 
@@ -193,31 +203,50 @@ def test_can_use_needs_a_power_of_two_head_dim():
 # ---- offline sm_90 build ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("m_pad,dtype", [(16, "bf16"), (16, "fp32")])
-def test_sm90_build_loads_only_parameters_before_the_pdl_wait(m_pad, dtype):
-    """XS-2.1 sliding-layer build (64 / 8 heads, 2048 hidden), the default tile (fp32: its own):
-    before ``griddepcontrol.wait`` a program reads only positions and slots (through L2), the
-    norm weight and the cos / sin rows, never x or the weight; the weight streams through
-    ``cp.async`` after it; nothing spills."""
+def _sm90_build(dtype: str, preload: bool = False, early: bool = False) -> tuple[str, list[int]]:
+    # the XS-2.1 sliding layer's build (64 / 8 heads, 2048 hidden) with the default tile (fp32: its
+    # own): (PTX, spill bytes)
     cfg = fused.DEFAULT_CONFIG if dtype == "bf16" else fused.FP32_CONFIG
     types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "qw_ptr", "kw_ptr", "q_ptr", "g_ptr", "kc_ptr", "vc_ptr")}
     types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
     constexprs = dict(stride_xk=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
                       N=10304, K=2048, GATE_DIM=64, NUM_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128,
-                      ROT_DIM=128, M_PAD=m_pad, BLOCK_K=cfg.block_k, K_ITERS=2048 // cfg.block_k,
+                      ROT_DIM=128, M_PAD=16, BLOCK_K=cfg.block_k, K_ITERS=2048 // cfg.block_k,
                       IEEE=dtype == "fp32", MASK_W=True, DTYPE=1 if dtype == "bf16" else 0,
-                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True)
-    ptx, spills = compile_sm90_spills(
+                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early)
+    return compile_sm90_spills(
         fused._kernels(False), types, constexprs,
         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False,
          "launch_pdl": True})
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_sm90_build_loads_only_parameters_before_the_pdl_wait(dtype):
+    """Before ``griddepcontrol.wait`` a program reads only positions and slots (through L2), the
+    norm weight and the cos / sin rows, never x or the weight; the weight streams after it;
+    nothing spills."""
+    ptx, spills = _sm90_build(dtype)
     assert spills == [0], spills
     before = loads_before_pdl_wait(ptx)
     assert before and not any("cp.async" in line for line in before), before
     assert sum(".cg" in line for line in before) >= 2, before  # position and slot
     after = ptx[ptx.index("griddepcontrol.wait"):]
     assert "cp.async" in after or "ld.global" in after
+    # the signal after the K loop: the weight's loads come before it
+    assert "cp.async" in ptx[:ptx.index("griddepcontrol.launch_dependents")] or dtype == "fp32"
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_switches_move_the_first_tile_and_the_signal():
+    """``PRELOAD_FIRST_TILE`` adds the first weight tile's loads before the wait (x still after
+    it); ``EARLY_SIGNAL`` puts launch_dependents before the K loop's loads."""
+    plain, _ = _sm90_build("bf16")
+    ptx, spills = _sm90_build("bf16", preload=True, early=True)
+    assert spills == [0], spills
+    assert len(loads_before_pdl_wait(ptx)) > len(loads_before_pdl_wait(plain))
+    signal = ptx.index("griddepcontrol.launch_dependents")
+    assert "cp.async" not in ptx[:signal] and "cp.async" in ptx[signal:]
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------

@@ -53,6 +53,13 @@ if TYPE_CHECKING:
 __all__ = ["HeadGemmConfig", "can_use", "qkv_norm_rope_cache"]
 
 MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
+# A/B switches (off: the measured default). PRELOAD_FIRST_TILE: each program loads its first
+# weight tile before the PDL wait (the K loop's first step peeled; the same dots in the same
+# order), as the one-row GEMV does. EARLY_SIGNAL: programs signal their dependents right after
+# the wait instead of after the K loop, so attention's programs become resident on the SMs the
+# ~80-program grid leaves idle (attention waits for this kernel's completion either way).
+PRELOAD_FIRST_TILE = False
+EARLY_SIGNAL = False
 
 
 class HeadGemmConfig:
@@ -106,7 +113,7 @@ def _qkv_norm_rope_cache_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
     IEEE: tl.constexpr, MASK_W: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PRELOAD: tl.constexpr, EARLY: tl.constexpr,
 ):
     # program p: rows [p HEAD_DIM, (p + 1) HEAD_DIM) of W: Q head p, K head p - NUM_HEADS, V head
     # p - NUM_HEADS - NUM_KV_HEADS, or a gate tile past them (module docstring)
@@ -127,14 +134,31 @@ def _qkv_norm_rope_cache_kernel(
     w, wp, c, s = _norm_rope_params(tl.where(is_q, qw_ptr, kw_ptr), tl.where(is_q, stride_qw, stride_kw),
                                     cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, rows_ok, d,
                                     HEAD_DIM, ROT_DIM, DTYPE)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     offs_n = n0 + tl.arange(0, HEAD_DIM)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + rows * stride_xm
-    acc = _dot_acc(w_rows, x_rows, offs_n, offs_m, 0, M, N, K, stride_xk, K_ITERS,
-                   HEAD_DIM, BLOCK_K, M_PAD, IEEE, MASK_W, True)
+    if PRELOAD:
+        # step 0 peeled: its weight tile (a parameter) before the wait, x (the previous
+        # kernel's output) after it; then steps 1.. through the pipelined loop
+        offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        w0 = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K), MASK_W, True)
     if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    if PRELOAD:
+        x0 = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=rows_ok & (offs_k[None, :] < K), other=0.0)
+        acc = tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32)
+        if IEEE:
+            acc = tl.dot(w0.to(tl.float32), tl.trans(x0.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w0, tl.trans(x0), acc)
+        acc = _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, BLOCK_K, M, N, K, stride_xk, K_ITERS - 1,
+                       BLOCK_K, IEEE, MASK_W, True)
+    else:
+        acc = _dot_acc(tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
+                       0, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, True)
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()  # the weight rows are read: let attention launch
     x = _round_to(tl.trans(acc), DTYPE)  # [M_PAD, HEAD_DIM]: the GEMM output, as the GEMM rounds it
     if is_q | is_k:
@@ -249,6 +273,7 @@ def qkv_norm_rope_cache(
         K_ITERS=-(-h // block_k), IEEE=x.dtype == torch.float32 or interpret,
         MASK_W=n % head_dim != 0 or h % block_k != 0,
         DTYPE=DTYPE_CODE[x.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype], PDL=use_pdl,
+        PRELOAD=PRELOAD_FIRST_TILE and -(-h // block_k) > 1, EARLY=EARLY_SIGNAL,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False,  # no FMA contraction in the epilogue: it rounds as qk_norm_rope_cache
         **pdl.launch_options(use_pdl),

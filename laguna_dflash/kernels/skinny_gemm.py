@@ -279,13 +279,11 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 # ``kernels/context_kv.py``.
 
 
-def _dot_acc(w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K_ITERS: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, IEEE: tl.constexpr,
-             MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    # the dot path's K loop: acc[n, m] = sum_k W[n, k] x[m, k] over K_ITERS steps of BLOCK_K from
-    # k_start (w_rows / x_rows: row pointers [BLOCK_N, 1] / [M_PAD, 1]); fp32 [BLOCK_N, M_PAD].
-    # The weight is the wide (MMA M-side) operand; Triton's pipeliner stages its loads.
-    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+def _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K_ITERS: tl.constexpr,
+             BLOCK_K: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    # the dot path's K loop: acc[n, m] += W[n, k] x[m, k], K_ITERS steps of BLOCK_K from k_start,
+    # in order, into acc (fp32 [BLOCK_N, M_PAD]); w_rows / x_rows: row pointers [BLOCK_N, 1] /
+    # [M_PAD, 1]. The weight is the wide (MMA M-side) operand; Triton's pipeliner stages its loads.
     for i in range(K_ITERS):
         k0 = k_start + i * BLOCK_K
         offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
@@ -407,8 +405,8 @@ def _skinny_gemm_kernel(
         offs_m = tl.arange(0, M_PAD)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         x_rows = x_ptr + offs_m[:, None] * stride_xm
-        acc = _dot_acc(w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K_ITERS,
-                       BLOCK_N, BLOCK_K, M_PAD, IEEE, MASK_W, EVICT_FIRST)
+        acc = _dot_acc(tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
+                       k_start, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, EVICT_FIRST)
         out = tl.trans(acc)  # [M_PAD, BLOCK_N]
     else:
         # GEMV, M_PAD <= 4 rows: one [BLOCK_N, BLOCK_K] fp32 accumulator per row, all in the

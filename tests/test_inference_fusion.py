@@ -8,8 +8,9 @@
   the folded shared expert; the pairs' sum with the residual) equals the torch path, folded or
   not; ``Attention.forward`` with the fused Q/K norm + RoPE + cache-write kernel and the gate in
   the attention store equals the eager chain (output and cache contents), and so does it inside a
-  CUDA-graph build, where a forward of 2-16 tokens takes the projection with the Q/K work in its
-  epilogue (kernels/qkv_norm_rope_cache.py) and a 1-token one does not.
+  CUDA-graph build, where a forward from ``Attention.fuse_qk_min_tokens`` (2 there) to 16 tokens
+  takes the projection with the Q/K work in its epilogue (kernels/qkv_norm_rope_cache.py) and a
+  1-token one does not.
 * On CUDA: the same comparisons at Laguna-XS-2.1 widths.
 """
 
@@ -202,15 +203,16 @@ def _attention_cases(device: str) -> dict[str, float]:
 
 def _head_gemm_case(name: str, attn: Attention, x: torch.Tensor, ctx: ForwardContext, caches: list,
                     want: torch.Tensor, want_caches: list) -> dict[str, float]:
-    """The same forward inside a CUDA-graph build, where ``Attention.fuse_qk_min_tokens`` (2)
-    hands Q|K|V|gate with the Q/K norm, RoPE and cache write to ONE kernel
+    """The same forward inside a CUDA-graph build, where ``Attention.fuse_qk_min_tokens`` (set
+    to 2 here) hands Q|K|V|gate with the Q/K norm, RoPE and cache write to ONE kernel
     (kernels/qkv_norm_rope_cache.py): it must run for these 6 tokens, match the eager chain, and
     not run for a 1-token forward."""
     from laguna_dflash.kernels import qkv_norm_rope_cache as head_gemm
 
     rows = []
-    kernel = head_gemm.qkv_norm_rope_cache
+    kernel, min_tokens = head_gemm.qkv_norm_rope_cache, Attention.fuse_qk_min_tokens
     head_gemm.qkv_norm_rope_cache = lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw)
+    Attention.fuse_qk_min_tokens = 2
     try:
         ctx.kv_caches[0] = tuple(c.clone() for c in caches)
         with torch.no_grad(), layers.building_cuda_graph():
@@ -218,7 +220,7 @@ def _head_gemm_case(name: str, attn: Attention, x: torch.Tensor, ctx: ForwardCon
             one_ctx = _context([(5, 1)], *caches[0].shape[1:], x.dtype, str(x.device))
             attn(x[:1], one_ctx)
     finally:
-        head_gemm.qkv_norm_rope_cache = kernel
+        head_gemm.qkv_norm_rope_cache, Attention.fuse_qk_min_tokens = kernel, min_tokens
     slots = ctx.meta.slot_mapping
     untouched = torch.ones(caches[0].shape[0], dtype=torch.bool, device=x.device)
     untouched[slots] = False

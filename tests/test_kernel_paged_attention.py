@@ -770,18 +770,23 @@ def test_cuda_no_host_sync_and_graph_capture():
 
 
 @cuda
+@pytest.mark.parametrize("producer", ["qk_kernel", "head_gemm"])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("qlen", [1, 4])
-def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, qlen, splits):
+def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, qlen, splits, producer):
     """With PDL and ``PRELOAD_OLD_KEYS``, attention reads the K/V before each request's first query
     before its wait, and the forward's own K/V, which the Q/K norm + RoPE + cache kernel right
     before it writes, after it. Here those slots hold NaN until that kernel writes them (filled by
     a normal launch at the start of the same CUDA graph, so the Q/K kernel and attention, PDL
     launched, overlap as in the model): a new key read before the wait shows as NaN or a wrong
     output. The requests' new keys fall in the first key tile of some program (the tile loaded
-    around the wait). 40 replays, each against the reference on the caches the graph left."""
+    around the wait). 40 replays, each against the reference on the caches the graph left.
+    ``head_gemm``: the K/V come from the Q|K|V|gate GEMM with the Q/K work in its epilogue
+    (kernels/qkv_norm_rope_cache.py), which signals attention right after its own wait, before
+    its K loop, so attention's programs run their pre-wait loads while it computes."""
     from laguna_dflash.kernels import pdl
     from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
+    from laguna_dflash.kernels import qkv_norm_rope_cache as head_gemm
 
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs sm90+ (programmatic dependent launch)")
@@ -797,12 +802,20 @@ def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, 
     angles = torch.arange(512, device="cuda")[:, None] * torch.rand(head_dim, device="cuda", generator=g)
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     scale = head_dim ** -0.5
+    x = torch.randn(t, 256, device="cuda", generator=g).to(dtype)
+    w = (torch.randn((NUM_HEADS + 2 * kv_heads) * head_dim + NUM_HEADS, 256, device="cuda", generator=g)
+         * 256**-0.5).to(dtype)
+    assert head_gemm.EARLY_SIGNAL or producer == "qk_kernel"
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
         kc.index_fill_(0, meta.slot_mapping, float("nan"))  # normal launches: ordered before
         vc.index_fill_(0, meta.slot_mapping, float("nan"))
-        q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, kw, 1e-6, cos, sin,
-                                    meta.positions, head_dim, meta.slot_mapping, kc, vc)
+        if producer == "head_gemm":
+            q = head_gemm.qkv_norm_rope_cache(x, w, NUM_HEADS, kv_heads, head_dim, qw, kw, 1e-6, cos, sin,
+                                              meta.positions, head_dim, meta.slot_mapping, kc, vc)[0]
+        else:
+            q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, kw, 1e-6, cos, sin,
+                                        meta.positions, head_dim, meta.slot_mapping, kc, vc)
         out = pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
                                  meta.seq_lens, scale=scale, causal=True, num_splits=splits)
         return q, out

@@ -223,7 +223,8 @@ def _sm90_build(dtype: str, preload: bool = False, early: bool = False) -> tuple
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_sm90_build_loads_only_parameters_before_the_pdl_wait(dtype):
-    """Before ``griddepcontrol.wait`` a program reads only positions and slots (through L2), the
+    """With both switches off: before ``griddepcontrol.wait`` a program reads only positions and
+    slots (through L2), the
     norm weight and the cos / sin rows, never x or the weight; the weight streams after it;
     nothing spills."""
     ptx, spills = _sm90_build(dtype)

@@ -53,13 +53,18 @@ if TYPE_CHECKING:
 __all__ = ["HeadGemmConfig", "can_use", "qkv_norm_rope_cache"]
 
 MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
-# A/B switches (off: the measured default). PRELOAD_FIRST_TILE: each program loads its first
-# weight tile before the PDL wait (the K loop's first step peeled; the same dots in the same
-# order), as the one-row GEMV does. EARLY_SIGNAL: programs signal their dependents right after
-# the wait instead of after the K loop, so attention's programs become resident on the SMs the
-# ~80-program grid leaves idle (attention waits for this kernel's completion either way).
-PRELOAD_FIRST_TILE = False
-EARLY_SIGNAL = False
+# PRELOAD_FIRST_TILE: each program loads its first weight tile before the PDL wait (the K
+# loop's first step peeled; the same dots in the same order), as the one-row GEMV does.
+# EARLY_SIGNAL: programs signal their dependents right after the wait instead of after the K
+# loop, so attention's programs become resident on the SMs the ~80-program grid leaves idle and
+# load their metadata and old K/V before their own wait (kernels/pdl.py rules 2 and 3 hold:
+# the signal still follows this kernel's wait, and attention reads this kernel's K/V only after
+# its wait). On the H200 (XS-2.1, 1k context) the decode graph with this kernel at one token
+# replayed in 2.18 ms plain, 2.07 with the early signal and 2.04-2.06 with both, against 2.11-2.12
+# for the GEMV and the Q/K kernel; the 4-token verify graph in 3.77-3.79 ms every way
+# (docs/PERFORMANCE.md, fifty-sixth pass).
+PRELOAD_FIRST_TILE = True
+EARLY_SIGNAL = True
 
 
 class HeadGemmConfig:

@@ -205,14 +205,14 @@ class Attention(nn.Module):
     # Q/K norm + RoPE + K/V cache write in one kernel; Q|K|V|gate as one GEMM once fused.
     use_fused_qk_cache: bool = True
     qkvg_weight: torch.Tensor | None = None
-    # In CUDA graphs of this many tokens up to 16 (verify, the drafter block, small decode
-    # batches), Q|K|V|gate, the Q/K norm + RoPE and the K/V write are one launch
-    # (kernels/qkv_norm_rope_cache.py: a program a head) instead of the skinny GEMM and the Q/K
-    # kernel; None: never. On the H200 (XS-2.1, 1k context) the 4-token verify graph replayed in
-    # 3.79 against 3.82-3.83 ms and the drafter block in 0.35 against 0.36; ONE token stays on
-    # the two launches: the one-row GEMV preloads its first weight tile before its PDL wait, and
-    # the decode graph replayed in 2.19 ms fused against 2.12 (docs/PERFORMANCE.md, 56th pass).
-    fuse_qk_min_tokens: int | None = 2
+    # In CUDA graphs of this many tokens up to 16 (decode, verify, the drafter block), Q|K|V|gate,
+    # the Q/K norm + RoPE and the K/V write are one launch (kernels/qkv_norm_rope_cache.py: a
+    # program a head, its first weight tile before the PDL wait, attention signalled early)
+    # instead of the skinny GEMM and the Q/K kernel; None: never. On the H200 (XS-2.1, 1k
+    # context) the decode graph replayed in 2.04-2.06 ms against 2.11-2.12, the 4-token verify
+    # graph in 3.77-3.79 against 3.82-3.83 and the drafter block in 0.35 against 0.36 ms
+    # (docs/PERFORMANCE.md, fifty-sixth pass).
+    fuse_qk_min_tokens: int | None = 1
     # True: up to skinny_gemm.MAX_M tokens, ``o_proj.weight`` goes to the backend as an L2
     # prefetch hint (kernels/l2_prefetch.py). Off: on the H200 it did not pay (batch-1 replay
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,

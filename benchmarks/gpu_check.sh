@@ -53,7 +53,7 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
-#   bash benchmarks/gpu_check.sh pass69     # the head GEMM's preload / early-signal switches (~4 min)
+#   bash benchmarks/gpu_check.sh pass69     # the head GEMM's preload / early-signal switches off (~4 min)
 #   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again, on
 #                                           # new K/V blocks and on fixed ones: each capture's
 #                                           # tables and replay (~4 min)
@@ -882,38 +882,36 @@ case "$stage" in
       --switch $on --switch $off --switch $on 2>&1 | quiet | grep -E "^## |^\| [0-9]|recapture" ;;
   pass68)
     echo "== the Q/K norm + RoPE + cache write in the Q|K|V|gate GEMM's epilogue (a program a head,"
-    echo "   Attention.fuse_qk_into_projection): its kernel's CUDA tests, then decode, 4-token verify"
-    echo "   and drafter-block graphs on identical K/V (rows: defaults, on, off, on) and goal 2's"
-    echo "   cell off / on in separate processes (~8 min)"
-    sw="laguna_dflash.models.layers:Attention.fuse_qk_into_projection"
+    echo "   kernels/qkv_norm_rope_cache.py; Attention.fuse_qk_min_tokens, 1 by default): its kernel's"
+    echo "   CUDA tests, then decode, 4-token verify and drafter-block graphs on identical K/V (rows:"
+    echo "   defaults, off, on, off) and goal 2's cell off / on in separate processes (~8 min)"
+    sw="laguna_dflash.models.layers:Attention.fuse_qk_min_tokens"
     gpu_tests 90 -n 4 -k cuda tests/test_kernel_qkv_norm_rope_cache.py | tail -6
     for q in 1 4; do
       timeout 110 python benchmarks/profile_decode_xs.py --q $q --top 8 --new-tokens 8 \
-        --switch "$sw=True" --switch "$sw=False" --switch "$sw=True" 2>&1 | quiet \
+        --switch "$sw=null" --switch "$sw=1" --switch "$sw=null" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|qkv_norm|qk_norm|skinny|equal|rror" | head -40
     done
     timeout 90 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
-      --switch "$sw=True" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|qk_norm|equal|rror" | head -24
-    for on in ${GOAL_ROWS:-False True}; do
-      echo "-- goal cell, fuse_qk_into_projection=$on"
+      --switch "$sw=null" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|qk_norm|equal|rror" | head -24
+    for on in ${GOAL_ROWS:-null 1}; do
+      echo "-- goal cell, fuse_qk_min_tokens=$on"
       timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
   pass69)
-    echo "== the head GEMM's two switches (kernels/qkv_norm_rope_cache.py: the first weight tile"
-    echo "   before the PDL wait, the dependents signalled right after it) in the 4-token verify"
-    echo "   graph (on by default from 2 tokens) and in the decode graph with the head GEMM at one"
-    echo "   token too, each row against the defaults on identical K/V (~4 min)"
+    echo "== the head GEMM's two switches (kernels/qkv_norm_rope_cache.py, both on by default: the"
+    echo "   first weight tile before the PDL wait, attention signalled right after it) switched off"
+    echo "   in the 4-token verify and the decode graphs, each row against the defaults on"
+    echo "   identical K/V (~4 min)"
     k="laguna_dflash.kernels.qkv_norm_rope_cache"
-    one="laguna_dflash.models.layers:Attention.fuse_qk_min_tokens=1"
-    timeout 130 python benchmarks/profile_decode_xs.py --q 4 --top 6 --new-tokens 8 \
-      --switch "$k:PRELOAD_FIRST_TILE=True" --switch "$k:EARLY_SIGNAL=True" \
-      --switch "$k:PRELOAD_FIRST_TILE=True;$k:EARLY_SIGNAL=True" 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -30
-    timeout 130 python benchmarks/profile_decode_xs.py --q 1 --top 6 --new-tokens 8 --switch "$one" \
-      --switch "$one;$k:PRELOAD_FIRST_TILE=True" --switch "$one;$k:PRELOAD_FIRST_TILE=True;$k:EARLY_SIGNAL=True" \
-      2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|skinny|equal|rror" | head -30 ;;
+    for q in 4 1; do
+      timeout 130 python benchmarks/profile_decode_xs.py --q $q --top 6 --new-tokens 8 \
+        --switch "$k:PRELOAD_FIRST_TILE=False" --switch "$k:EARLY_SIGNAL=False" \
+        --switch "$k:PRELOAD_FIRST_TILE=False;$k:EARLY_SIGNAL=False" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -30
+    done ;;
   pass67)
     echo "== the MoE per-pair GEMVs' tiles at T = 4 (swept at T = 1 before PDL; the verify of K = 3"
     echo "   runs them at 4 tokens): the sweep at T = 1 and 4, then the 4-token verify graph on"

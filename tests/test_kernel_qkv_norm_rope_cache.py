@@ -145,11 +145,11 @@ def test_interpreted_gate_tiles(gate_dim):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interpreted_first_tile_preloaded_sums_alike(dtype, monkeypatch):
-    """``PRELOAD_FIRST_TILE``: the K loop's first step peeled (its weight tile before the PDL
-    wait) runs the same dots in the same order."""
-    monkeypatch.setattr(fused, "PRELOAD_FIRST_TILE", True)
-    monkeypatch.setattr(fused, "EARLY_SIGNAL", True)
+def test_interpreted_without_the_first_tile_preload_sums_alike(dtype, monkeypatch):
+    """``PRELOAD_FIRST_TILE`` off (on by default: the K loop's first step peeled, its weight
+    tile loaded before the PDL wait): the plain K loop, the same dots in the same order."""
+    monkeypatch.setattr(fused, "PRELOAD_FIRST_TILE", False)
+    monkeypatch.setattr(fused, "EARLY_SIGNAL", False)
     check(problem(3, 4, 2, 128, 8, dtype, seed=11))
 
 

@@ -28,13 +28,15 @@ So for one dot tile, the gate columns and V rows equal ``skinny_gemm`` with that
 by ``qk_norm_rope_cache`` bit for bit, and q and the K rows do up to the summation order of
 ``mean(x^2)`` (the tile's layout against the Q/K kernel's row: about one ulp of the statistic,
 which flips a rounding on well under 1% of bf16 elements; tested). With PDL a program reads positions, slots, norm
-weights and cos / sin rows before its wait (kernels/pdl.py rule 3), x after it, and signals its
-dependents once its weight rows are read. Shapes alone decide the launch: CUDA-graph capturable.
+weights, cos / sin rows and its first weight tile before its wait (kernels/pdl.py rule 3), x after
+it, and signals its dependents right after the wait (``PRELOAD_FIRST_TILE``, ``EARLY_SIGNAL``).
+Shapes alone decide the launch: CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,25 +69,26 @@ PRELOAD_FIRST_TILE = True
 EARLY_SIGNAL = True
 
 
+@dataclass(frozen=True)
 class HeadGemmConfig:
-    """The K loop's tile: ``block_k`` hidden elements a step, ``num_stages`` weight tiles in flight
-    (Triton's pipeliner), ``num_warps`` a program. The H200 measured 128 x 4 stages x 4 warps best
-    among 18 whole-head dot configs at 1 and 4 tokens (``benchmarks/bench_head_tiles.py``)."""
+    """The K loop's tile: ``block_k`` hidden elements a step (a power of two >= 16),
+    ``num_stages`` weight tiles in flight (Triton's pipeliner), ``num_warps`` (1, 2, 4 or 8) a
+    program. The H200 measured 128 x 4 stages x 4 warps best among 18 whole-head dot configs at
+    1 and 4 tokens (``benchmarks/bench_head_tiles.py``)."""
 
-    __slots__ = ("block_k", "num_stages", "num_warps")
+    block_k: int = 128
+    num_stages: int = 4
+    num_warps: int = 4
 
-    def __init__(self, block_k: int = 128, num_stages: int = 4, num_warps: int = 4) -> None:
-        for name, value in (("block_k", block_k), ("num_stages", num_stages), ("num_warps", num_warps)):
+    def __post_init__(self) -> None:
+        for name in ("block_k", "num_stages", "num_warps"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if block_k & (block_k - 1) or block_k < 16:
-            raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
-        if num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-        self.block_k, self.num_stages, self.num_warps = block_k, num_stages, num_warps
-
-    def key(self) -> tuple[int, int, int]:
-        return self.block_k, self.num_stages, self.num_warps
+                raise ValueError(f"HeadGemmConfig.{name} must be a positive int, got {value!r}")
+        if self.block_k & (self.block_k - 1) or self.block_k < 16:
+            raise ValueError(f"HeadGemmConfig.block_k must be a power of two >= 16, got {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"HeadGemmConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
 
 
 DEFAULT_CONFIG = HeadGemmConfig()

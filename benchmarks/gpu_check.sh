@@ -53,6 +53,9 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass70     # the L = 4 digest question (defaults against the same
+#                                           # switches, early signal off); the engine files the
+#                                           # fifty-sixth pass did not run (~8 min)
 #   bash benchmarks/gpu_check.sh pass69     # the head GEMM's preload / early-signal switches off (~4 min)
 #   bash benchmarks/gpu_check.sh pass59     # the 4-token verify graph captured again and again, on
 #                                           # new K/V blocks and on fixed ones: each capture's
@@ -900,6 +903,24 @@ case "$stage" in
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
+  pass70)
+    echo "== the fifty-sixth pass's open question: the same settings gave L = 4 token digest"
+    echo "   ac16c99dfbbe when set by --switch and 5cb78bab92c7 as the defaults, each repeatable in"
+    echo "   its call. Goal 2's cell on the defaults, with the equivalent switches, and with the"
+    echo "   head GEMM's early signal off (a race would show there), then the engine test files the"
+    echo "   pass did not run on the GPU (~8 min)"
+    k="laguna_dflash.kernels.qkv_norm_rope_cache"
+    same="--switch laguna_dflash.models.layers:Attention.fuse_qk_min_tokens=1 --switch $k:PRELOAD_FIRST_TILE=True --switch $k:EARLY_SIGNAL=True"
+    for row in defaults switches defaults switches early-off; do
+      case $row in defaults) extra="" ;; switches) extra=$same ;; early-off) extra="--switch $k:EARLY_SIGNAL=False" ;; esac
+      echo "-- $row"
+      # $extra unquoted on purpose: several --switch arguments
+      timeout 90 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 $extra 2>&1 | quiet \
+        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+    done
+    gpu_tests 200 -n 6 -m "not exclusive_gpu" tests/test_prefix_caching.py tests/test_chunked_prefill.py \
+      tests/test_prefill_graphs.py | tail -8 ;;
   pass69)
     echo "== the head GEMM's two switches (kernels/qkv_norm_rope_cache.py, both on by default: the"
     echo "   first weight tile before the PDL wait, attention signalled right after it) switched off"

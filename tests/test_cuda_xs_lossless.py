@@ -68,15 +68,10 @@ def test_s21_configs_hold_the_widths_that_set_s21_apart(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("widths", ["xs21", "s21"])
-def test_xs_widths_float32_dflash_equals_target_only(tmp_path, widths):
-    _check_lossless(tmp_path, widths)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_xs_widths_float32_lossless_takes_the_projection_epilogue(tmp_path, monkeypatch):
-    """The XS-2.1 case again, counting the launches of the Q|K|V|gate GEMM with the Q/K norm,
-    RoPE and K/V write in its epilogue (kernels/qkv_norm_rope_cache.py; the default in graphs of
-    ``Attention.fuse_qk_min_tokens`` to 16 tokens): the check above covers it only if it runs at
+def test_xs_widths_float32_dflash_equals_target_only(tmp_path, monkeypatch, widths):
+    """Also counts the launches of the Q|K|V|gate GEMM with the Q/K norm, RoPE and K/V write in
+    its epilogue (kernels/qkv_norm_rope_cache.py; the default in graphs of
+    ``Attention.fuse_qk_min_tokens`` to 16 tokens): the check covers it only if it runs at
     decode (1 token) and at verify / drafter sizes."""
     from laguna_dflash.kernels import qkv_norm_rope_cache
 
@@ -88,11 +83,6 @@ def test_xs_widths_float32_lossless_takes_the_projection_epilogue(tmp_path, monk
         return fused(x, *args, **kwargs)
 
     monkeypatch.setattr(qkv_norm_rope_cache, "qkv_norm_rope_cache", counted)
-    _check_lossless(tmp_path, "xs21")
-    assert 1 in rows and max(rows) > 1, sorted(set(rows))
-
-
-def _check_lossless(tmp_path: Path, widths: str) -> None:
     target, draft = _write_pair(tmp_path, widths)
     common = dict(dtype="float32", device="cuda", load_format="dummy", max_model_len=1024,
                   max_num_seqs=4, num_kv_blocks=(1024 // 16 + 1) * 5)
@@ -103,3 +93,4 @@ def _check_lossless(tmp_path: Path, widths: str) -> None:
     torch.cuda.empty_cache()
     spec = LLM(target, draft=draft, num_speculative_tokens=3, **common)
     assert _tokens(spec) == want
+    assert 1 in rows and max(rows) > 1, sorted(set(rows))

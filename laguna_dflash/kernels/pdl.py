@@ -29,7 +29,8 @@ Kernels launched normally (torch, torch.compile, cuBLAS) keep full stream orderi
 and a PDL kernel after one of them simply launches when that one's programs exit.
 
 ``USE_PDL`` switches it on for every Triton kernel of the decode, verify and drafter steps: the
-skinny GEMM (Q|K|V|gate, o_proj, router), the Q/K norm + RoPE + cache kernel, paged attention and
+skinny GEMM (Q|K|V|gate, o_proj, router), the Q/K norm + RoPE + cache kernel and the Q|K|V|gate
+GEMM with that work in its epilogue (kernels/qkv_norm_rope_cache.py), paged attention and
 its split merge, the routing kernel, the GEMV and fused MoE kernels, the residual add + RMSNorm
 kernel, the staged o_proj GEMV (Gluon), and the drafter's context K-norm + RoPE + cache kernel:
 every launch of a batch-1 target decode layer. On the H200 at Laguna-XS-2.1 size it took the batch-1 decode graph replay from

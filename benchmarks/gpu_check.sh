@@ -53,6 +53,8 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass71     # attention's pre-wait loads at 4 query tokens with the
+#                                           # head GEMM's early signal; the decode timeline (~7 min)
 #   bash benchmarks/gpu_check.sh pass70     # the L = 4 digest question (defaults against the same
 #                                           # switches, early signal off); the engine files the
 #                                           # fifty-sixth pass did not run (~8 min)
@@ -903,6 +905,26 @@ case "$stage" in
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
+  pass71)
+    echo "== attention's pre-wait loads at 4 query tokens (paged_attention.PRELOAD_MAX_QUERIES = 4)"
+    echo "   now that the head GEMM signals attention right after its own wait: the verify and"
+    echo "   drafter-block graphs on identical K/V, goal 2's cell in separate processes; then the"
+    echo "   decode graph's launch timeline on the head GEMM (~7 min)"
+    a="laguna_dflash.kernels.paged_attention:PRELOAD_MAX_QUERIES"
+    timeout 110 python benchmarks/profile_decode_xs.py --q 4 --top 6 --new-tokens 8 \
+      --switch "$a=4" --switch "$a=1" --switch "$a=4" 2>&1 | quiet \
+      | grep -E "^## |^\| [0-9]|paged_att|equal|rror" | head -30
+    timeout 90 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
+      --switch "$a=4" 2>&1 | quiet | grep -E "^## |^\| [0-9]|paged_att|equal|rror" | head -24
+    for on in 1 4 1 4; do
+      echo "-- goal cell, PRELOAD_MAX_QUERIES=$on"
+      timeout 90 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 --switch "$a=$on" 2>&1 | quiet \
+        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+    done
+    echo "-- decode timeline"
+    timeout 120 python benchmarks/profile_decode_xs.py --layers 8 --q 1 --top 12 --sequence 40 \
+      2>&1 | quiet | tail -50 ;;
   pass70)
     echo "== the fifty-sixth pass's open question: the same settings gave L = 4 token digest"
     echo "   ac16c99dfbbe when set by --switch and 5cb78bab92c7 as the defaults, each repeatable in"

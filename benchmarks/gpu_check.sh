@@ -53,9 +53,6 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
-#   bash benchmarks/gpu_check.sh pass72     # the shared expert's gate_up before the routing wait: CUDA
-#                                           # tests, graphs, goal cell; PRELOAD_MAX_QUERIES at batches
-#                                           # 4 and 16 (~9 min)
 #   bash benchmarks/gpu_check.sh pass71     # attention's pre-wait loads at 4 query tokens with the
 #                                           # head GEMM's early signal; the decode timeline (~7 min)
 #   bash benchmarks/gpu_check.sh pass70     # the L = 4 digest question (defaults against the same
@@ -907,31 +904,6 @@ case "$stage" in
       timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
-    done ;;
-  pass72)
-    echo "== the shared expert's gate_up programs before the routing wait (moe_gemv.SHARED_BEFORE_WAIT,"
-    echo "   on): its CUDA tests with the PDL race tests and the float32 lossless files; decode and"
-    echo "   4-token verify graphs on identical K/V; goal 2's cell; attention's 4-token pre-wait"
-    echo "   loads (PRELOAD_MAX_QUERIES 4, the default now, against 1) at batches 4 and 16 (~9 min)"
-    gpu_tests 170 -n 6 tests/test_kernel_moe_gemv.py tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
-      tests/test_kernel_paged_attention.py -k "cuda or xs_widths or sm90" | grep -v PASSED | tail -12
-    s="laguna_dflash.kernels.moe_gemv:SHARED_BEFORE_WAIT"
-    for q in 1 4; do
-      timeout 100 python benchmarks/profile_decode_xs.py --q $q --top 8 --new-tokens 8 \
-        --switch "$s=false" --switch "$s=true" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|gemv_kernel|router|equal|rror" | head -30
-    done
-    for on in true false true; do
-      echo "-- goal cell, SHARED_BEFORE_WAIT=$on"
-      timeout 80 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 --switch "$s=$on" 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
-    done
-    a="laguna_dflash.kernels.paged_attention:PRELOAD_MAX_QUERIES"
-    for on in 4 1; do
-      echo "-- batches 4 and 16, PRELOAD_MAX_QUERIES=$on"
-      timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 4,16 --simulated 4 \
-        --sim-ks 0,3 --rounds 1 --switch "$a=$on" 2>&1 | quiet | grep -E "^\| (4|16) .*x, K" | head -4
     done ;;
   pass71)
     echo "== attention's pre-wait loads at 4 query tokens (paged_attention.PRELOAD_MAX_QUERIES = 4)"

@@ -53,8 +53,6 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
-#   bash benchmarks/gpu_check.sh pass73     # the final tree's lossless / graph / race tests; the
-#                                           # shared expert before the routing wait, second form (~7 min)
 #   bash benchmarks/gpu_check.sh pass71     # attention's pre-wait loads at 4 query tokens with the
 #                                           # head GEMM's early signal; the decode timeline (~7 min)
 #   bash benchmarks/gpu_check.sh pass70     # the L = 4 digest question (defaults against the same
@@ -906,20 +904,6 @@ case "$stage" in
       timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
-    done ;;
-  pass73)
-    echo "== the fifty-seventh pass's final tree: the float32 lossless and graph files, the PDL race"
-    echo "   tests (attention's pre-wait loads at 4 tokens, the default now), the GEMV MoE's CUDA"
-    echo "   tests; then the shared expert's gate_up before the routing wait, second form (its own"
-    echo "   loop with x through L2; moe_gemv.SHARED_BEFORE_WAIT, off) in the decode and verify"
-    echo "   graphs (~7 min)"
-    gpu_tests 230 -n 8 tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py tests/test_kernel_moe_gemv.py \
-      tests/test_kernel_paged_attention.py -k "xs_widths or (cuda and (graph or keys_written or moe or shared or skipped or xs21))" \
-      | tail -45
-    s="laguna_dflash.kernels.moe_gemv:SHARED_BEFORE_WAIT"
-    for q in 1 4; do
-      timeout 75 python benchmarks/profile_decode_xs.py --q $q --top 4 --new-tokens 8 \
-        --switch "$s=true" 2>&1 | quiet | grep -E "^## |^\| [0-9]|gemv_kernel|equal|rror" | head -14
     done ;;
   pass71)
     echo "== attention's pre-wait loads at 4 query tokens (paged_attention.PRELOAD_MAX_QUERIES = 4)"

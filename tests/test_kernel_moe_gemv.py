@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
-from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait, ptxas_spills
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 from test_kernel_fused_moe import (
     S21,
     check_skipped_pairs,
@@ -116,46 +116,6 @@ def test_interpreted_s21_eleven_pairs_width_1024(monkeypatch) -> None:
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interpreted_shared_last_takes_the_shared_id_from_the_shapes(monkeypatch, dtype) -> None:
-    """``shared_last`` with ``SHARED_BEFORE_WAIT``: every token's last pair is the last expert
-    (a folded shared expert). The gate_up kernel then never reads those ids: with them overwritten by another expert the
-    pairs are still the bits of the call with the true ids (the down kernel still reads them, so
-    its column keeps the true id). With ``SHARED_BEFORE_WAIT`` off the gate_up kernel reads the
-    overwritten ids again and the shared pairs change (the check can fail)."""
-    from laguna_dflash.kernels import moe_gemv
-
-    t, k, e = 3, 4, 9
-    x, ids, w, gate_up, down = _problem(t, k, e, 272, 40, dtype, seed=3)
-    ids[:, -1] = e - 1
-    ids[:, :-1] = torch.stack([torch.randperm(e - 1)[: k - 1] for _ in range(t)])
-    want = moe_gemv_experts(x, ids, w, gate_up, down)
-    # gate_up's h for the shared pairs must not come from expert 0: the down kernel reads its
-    # own (true) id column from a copy of the ids, so poison only what gate_up sees
-    poisoned = ids.clone()
-    poisoned[:, -1] = 0
-    real_kernels = moe_gemv._kernels
-
-    def kernels(interpret):
-        gate_up_kernel, down_kernel = real_kernels(interpret)
-
-        class DownWithTrueIds:
-            def __getitem__(self, grid):
-                def launch(h, down_w, _ids, *args, **kwargs):
-                    return down_kernel[grid](h, down_w, ids.reshape(-1).contiguous(), *args, **kwargs)
-                return launch
-        return gate_up_kernel, DownWithTrueIds()
-
-    monkeypatch.setattr(moe_gemv, "_kernels", kernels)
-    monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-    got = moe_gemv_experts(x, poisoned, w, gate_up, down, shared_last=True)
-    assert torch.equal(got, want)
-    monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", False)
-    off = moe_gemv_experts(x, poisoned, w, gate_up, down, shared_last=True)
-    assert torch.equal(off[:, :-1], want[:, :-1]) and not torch.equal(off[:, -1], want[:, -1])
-
-
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -228,55 +188,6 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
 
 
 @cuda
-@pytest.mark.parametrize("t", [1, 4])
-def test_cuda_shared_pairs_before_the_wait_read_the_norm_just_written(monkeypatch, t) -> None:
-    """The shared expert's gate_up programs read x before their PDL wait (``shared_last``,
-    ``SHARED_BEFORE_WAIT``). x is
-    the PDL add + RMSNorm's output two launches back, the fused router + routing kernel in
-    between. A CUDA graph of norm -> MoE (XS-2.1 widths, folded shared expert), replayed 30
-    times on a new residual each time (a normal copy before each replay), must give each
-    replay's eager pairs with every program waiting first: a stale x shows as other bits."""
-    from laguna_dflash.kernels import moe_gemv, pdl
-    from laguna_dflash.kernels.add_rms_norm import add_rms_norm
-    from laguna_dflash.models.layers import MoE
-
-    if not pdl.active(torch.device("cuda"), False):
-        pytest.skip("needs sm90+ (programmatic dependent launch)")
-    torch.manual_seed(t)
-    moe = MoE(2048, 256, 8, 512, 512).to("cuda", torch.bfloat16).eval()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    moe.fold_shared_expert()
-    assert moe.use_moe_gemv and t <= moe.moe_gemv_max_tokens and moe.use_fused_router
-    h = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
-    delta = torch.randn_like(h)
-    norm_w = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
-    calls = []
-    real = moe_gemv.moe_gemv_experts
-    monkeypatch.setattr(moe_gemv, "moe_gemv_experts",
-                        lambda *a, **k: calls.append(k.get("shared_last")) or real(*a, **k))
-    monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-
-    def forward() -> torch.Tensor:
-        return moe(add_rms_norm(h, delta, norm_w, 1e-6)[1], keep_pairs=True)
-
-    with torch.inference_mode():
-        forward()
-        assert calls == [True]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
-        for _ in range(30):
-            h.copy_(torch.randn_like(h))
-            graph.replay()
-            torch.cuda.synchronize()
-            monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", False)
-            want = forward()
-            monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-            assert torch.equal(out, want)
-
-
-@cuda
 def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     """XS-2.1 widths (9 pairs a token, 20 of 40 experts on this rank), bf16 and fp32: the rank's
     pairs are the global call's bits, the skipped ones zeros; a captured graph replays another
@@ -303,9 +214,8 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     assert torch.equal(static_out, moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
 
 
-def _compile_sm90(which: int, pdl: bool, skip: bool = False, shared_id: int = -1) -> str:
-    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline);
-    ``shared_id``: gate_up's ``SHARED_ID`` (-1: no folded shared expert known)."""
+def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
@@ -314,7 +224,6 @@ def _compile_sm90(which: int, pdl: bool, skip: bool = False, shared_id: int = -1
     if which == 0:
         pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
         constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
-        constexprs.update(SHARED_ID=shared_id)
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
@@ -337,20 +246,3 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
             assert any("evict_first" in line for line in early)  # the first weight tile
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_shared_pairs_wait_after_their_loop() -> None:
-    """gate_up with a known shared expert (``SHARED_ID``): two ``griddepcontrol.wait`` sites, one
-    per path (the routed pairs' first, the shared pairs' after their K loop), the shared path's x
-    read through L2 (``.cg``, kernels/pdl.py rule 3) and the routed path's not (its own loop),
-    ``launch_dependents`` after both; off PDL, none at all."""
-    assert "griddepcontrol" not in _compile_sm90(0, False, shared_id=256)
-    ptx = _compile_sm90(0, True, shared_id=256)
-    waits = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
-    signals = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.launch_dependents" in line]
-    assert len(waits) == 2 and signals and min(signals) > max(waits)
-    loads = [line for line in ptx.splitlines() if "ld.global" in line and "evict_first" not in line]
-    assert any(".cg" in line for line in loads) and any(".cg" not in line for line in loads), loads
-    assert "evict_first" in ptx  # the weights still streamed once
-    assert ptxas_spills(ptx) == [0]

@@ -18,9 +18,7 @@ reduction once after the loop.
 
 * ``_gate_up_gemv_kernel``: grid ``(P, ceil(I / BLOCK_N))``; program ``(p, j)`` streams the gate rows
   ``j BLOCK_N ..`` and the matching up rows ``I + j BLOCK_N ..`` of expert ``ids[p]`` over ``H``
-  and stores ``h[p, j BLOCK_N ..] = silu(g) * u`` (SwiGLU in the epilogue). With
-  ``shared_last`` the folded shared expert's pairs take their id from the shapes, not from
-  ``ids``, and under PDL compute before their wait (the routing kernel's time).
+  and stores ``h[p, j BLOCK_N ..] = silu(g) * u`` (SwiGLU in the epilogue).
 * ``_down_gemv_kernel``: grid ``(P, ceil(H / BLOCK_N))``; program ``(p, j)`` streams down rows
   ``j BLOCK_N ..`` of expert ``ids[p]`` over ``I`` against ``h[p]`` and stores ``w[p]`` times the
   result into ``out[p]``.
@@ -63,10 +61,6 @@ __all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 # next five within 4%).
 GATE_UP_CONFIG = (8, 256, 4)
 DOWN_CONFIG = (32, 128, 4)
-# With ``shared_last`` and PDL, the shared expert's gate_up programs run before the routing
-# kernel's output is ready (they wait only before their store); False: every program waits first
-# (the A/B switch).
-SHARED_BEFORE_WAIT = False
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -81,80 +75,54 @@ def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
                    other=0.0, eviction_policy="evict_first")
 
 
-def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr):
-    # the x slice at column k0 in the weight tile's shape (stride 0 along n); X_CACHE ".cg": read
-    # through L2 (x read before a PDL wait, kernels/pdl.py rule 3)
+def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
+    # the x slice at column k0 in the weight tile's shape (stride 0 along n)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     kk = offs_k[None, :] + zero_n
-    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0, cache_modifier=X_CACHE)
+    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
 
 
-def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr,
-               X_CACHE: tl.constexpr):
+def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
     # weight tile and x slice at column k0 (see _tile_w, _tile_x)
-    return (_tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K),
-            _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K, X_CACHE))
-
-
-def _gate_up_sums(g_rows, x_row, offs_n, zero_n, H: tl.constexpr, INTER: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-                  X_CACHE: tl.constexpr):
-    # ([BLOCK_N] gate sums, [BLOCK_N] up sums) in fp32 of the gate rows at g_rows and the up rows
-    # INTER rows further, over H, against the x row
-    u_rows = g_rows + INTER * H
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K, X_CACHE)
-    wu = _tile_w(u_rows, 0, True, offs_n, INTER, H, BLOCK_K)
-    for i in range(K_ITERS):
-        cg, cu, cx = wg, wu, xs
-        ok = i + 1 < K_ITERS
-        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K,
-                            X_CACHE)
-        wu = _tile_w(u_rows, (i + 1) * BLOCK_K, ok, offs_n, INTER, H, BLOCK_K)
-        xf = cx.to(tl.float32)
-        acc_g += cg.to(tl.float32) * xf
-        acc_u += cu.to(tl.float32) * xf
-    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, SHARED_ID: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
-    tl.static_assert(SHARED_ID < 0 or not SKIP_NEGATIVE)  # the host never asks for both
     p = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    if SKIP_NEGATIVE:
+        # a skipped pair (id -1): its h row stays unwritten, and the down kernel never reads it
+        if expert < 0:
+            return
     x_row = x_ptr + (p // K_TOP).to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
-    rows = offs_n[:, None].to(tl.int64) * H
-    if SHARED_ID >= 0:
-        is_shared = p % K_TOP == K_TOP - 1
-    else:
-        is_shared = False
-    if is_shared:
-        # every token's last pair is the folded shared expert SHARED_ID: no routing output needed,
-        # so it streams its weights against x (two launches back, read through L2: kernels/pdl.py
-        # rule 3) while the routing kernel still runs, and waits only before its store (rule 1).
-        # Its own copy of the loop: the routed pairs keep x's L1-cached loads.
-        g, u = _gate_up_sums(w_ptr + SHARED_ID * (2 * INTER * H) + rows, x_row, offs_n, zero_n, H,
-                             INTER, BLOCK_N, BLOCK_K, K_ITERS, ".cg")
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-    else:
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
-        expert = tl.load(ids_ptr + p).to(tl.int64)
-        if SKIP_NEGATIVE:
-            # a skipped pair (id -1): its h row stays unwritten, and the down kernel never reads it
-            if expert < 0:
-                return
-        g, u = _gate_up_sums(w_ptr + expert * (2 * INTER * H) + rows, x_row, offs_n, zero_n, H,
-                             INTER, BLOCK_N, BLOCK_K, K_ITERS, "")
+    base = w_ptr + expert * (2 * INTER * H)
+    g_rows = base + offs_n[:, None].to(tl.int64) * H
+    u_rows = g_rows + INTER * H
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    for i in range(K_ITERS):
+        cg, cu, cx = wg, wu, xs
+        ok = i + 1 < K_ITERS
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        xf = cx.to(tl.float32)
+        acc_g += cg.to(tl.float32) * xf
+        acc_u += cu.to(tl.float32) * xf
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
     tl.store(h_ptr + p.to(tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
              mask=offs_n < INTER)
@@ -193,11 +161,11 @@ def _down_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * H + offs_n,
                      tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < H)
             return
-    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K, "")
+    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
     for i in range(K_ITERS):
         cw, ch = w, hs
         w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
-                           BLOCK_K, "")
+                           BLOCK_K)
         acc += cw.to(tl.float32) * ch.to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -210,7 +178,7 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_sums, _gate_up_gemv_kernel,
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
                                   _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
@@ -222,7 +190,6 @@ def moe_gemv_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     has_skipped_pairs: bool = False,
-    shared_last: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output ``[T, k, H]`` in ``x.dtype``.
 
@@ -238,13 +205,6 @@ def moe_gemv_experts(
             expert weight is read for it. Every other pair's row is bitwise the one the same call
             gives it with no pair skipped (pairs are independent here). ``False`` compiles the
             kernels without the check (the tuned default).
-        shared_last: every token's last pair is the folded shared expert, the last of
-            ``gate_up`` / ``down`` (``E - 1``), as ``MoE.fold_shared_expert`` and the routing
-            kernels' ``num_shared=1`` lay them out. Then (``SHARED_BEFORE_WAIT``) the gate_up
-            kernel never reads those ids: with PDL the shared pairs' programs stream their
-            weights before the wait for the routing kernel. Their x must then come from a kernel
-            at least two launches back, with the ids' producer in between signalling after its
-            own wait (kernels/pdl.py rule 3; the routing kernels do). The same bits either way.
 
     Returns:
         ``[T, k, H]``: pair ``(t, j)`` is ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, the
@@ -277,7 +237,6 @@ def moe_gemv_experts(
     gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
-        SHARED_ID=e - 1 if shared_last and SHARED_BEFORE_WAIT and not has_skipped_pairs else -1,
         num_warps=nw, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](

@@ -7,8 +7,8 @@ be scheduled as soon as every program of the previous kernel has executed
 ``griddepcontrol.wait``, which returns once the previous kernel has completed and its writes are
 visible. Kernels that opt in here follow three rules:
 
-1. Every program executes ``gdc_wait`` exactly once (on whichever path it takes), before it
-   reads anything the previous kernel may write and before it writes anything. So a PDL kernel completes only
+1. Every program executes ``gdc_wait`` exactly once, unconditionally, before it reads anything
+   the previous kernel may write and before it writes anything. So a PDL kernel completes only
    after its predecessor did, and completion stays ordered along the stream.
 2. ``gdc_launch_dependents`` comes after ``gdc_wait`` in every program. So when a PDL kernel is
    launched, the kernel two back has completed (every program of the one in between has passed
@@ -19,9 +19,7 @@ visible. Kernels that opt in here follow three rules:
    the routing bias, the RoPE tables) or, through L2 (``.cg``, never a possibly stale L1 line),
    data written by a kernel at least two launches back when the kernel in between is one of
    these kernels (rule 2) or was launched normally. Examples: the GEMV MoE's down kernel reads
-   the expert ids of the routing kernel before it waits for the gate_up kernel, and its gate_up
-   kernel's shared-expert programs read x (the norm before the routing kernel) and compute
-   before they wait for the routing kernel; the Q/K norm +
+   the expert ids of the routing kernel before it waits for the gate_up kernel; the Q/K norm +
    RoPE + cache kernel reads the positions and slots, and paged attention the metadata and the
    K/V cache at positions before each request's first query, before their waits (the metadata
    is built before the first layer; the cache rows of this forward's own positions are the only

@@ -25,6 +25,7 @@ elementwise chains). Prints, from one run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -129,14 +130,24 @@ def write_xs_configs(directory: Path, num_layers: int, hidden: int = 2048) -> tu
 
 def parse_switch(text: str) -> tuple[object, str, object]:
     """``module:attr[.attr]=value`` (value as JSON; True / False accepted) -> (object, attribute
-    name, value), e.g. ``laguna_dflash.kernels.pdl:USE_PDL=True``."""
+    name, value), e.g. ``laguna_dflash.kernels.pdl:USE_PDL=True``. A JSON object for an attribute
+    holding a dataclass instance gives a copy with those fields replaced (its checks run), e.g.
+    ``laguna_dflash.kernels.qkv_norm_rope_cache:DEFAULT_CONFIG={"num_warps": 8}``."""
     target, value = text.split("=", 1)
     module, attr = target.split(":")
     obj = importlib.import_module(module)
     *path, name = attr.split(".")
     for p in path:
         obj = getattr(obj, p)
-    return obj, name, json.loads(value.lower() if value in ("True", "False") else value)
+    parsed = json.loads(value.lower() if value in ("True", "False") else value)
+    current = getattr(obj, name, None)
+    if isinstance(parsed, dict) and dataclasses.is_dataclass(current) and not isinstance(current, type):
+        try:
+            parsed = dataclasses.replace(current, **parsed)
+        except TypeError as e:  # an unknown field
+            raise ValueError(f"{type(current).__name__} fields are "
+                             f"{[f.name for f in dataclasses.fields(current)]}: {e}") from None
+    return obj, name, parsed
 
 
 def switch_error(text: str) -> str | None:

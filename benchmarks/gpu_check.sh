@@ -53,6 +53,9 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass74     # built, not run: the head GEMM's tile in the decode and
+#                                           # verify graphs; attention's pre-wait loads at 8 / 16
+#                                           # query tokens (~8 min)
 #   bash benchmarks/gpu_check.sh pass71     # attention's pre-wait loads at 4 query tokens with the
 #                                           # head GEMM's early signal; the decode timeline (~7 min)
 #   bash benchmarks/gpu_check.sh pass70     # the L = 4 digest question (defaults against the same
@@ -904,6 +907,25 @@ case "$stage" in
       timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+    done ;;
+  pass74)
+    echo "== (built for the fifty-eighth pass) the head GEMM's tile inside the decode and 4-token"
+    echo "   verify graphs (qkv_norm_rope_cache.DEFAULT_CONFIG: the isolated sweep's pick, 128 x 4"
+    echo "   stages x 4 warps, was never swept in a graph), then attention's pre-wait loads at 8 and"
+    echo "   16 query tokens (the K = 7 and K = 15 verify; PRELOAD_MAX_QUERIES 16 against 4) (~8 min)"
+    c="laguna_dflash.kernels.qkv_norm_rope_cache:DEFAULT_CONFIG"
+    for q in 1 4; do
+      timeout 150 python benchmarks/profile_decode_xs.py --q $q --top 4 --new-tokens 8 \
+        --switch "$c={\"num_warps\": 8}" --switch "$c={\"num_stages\": 3}" \
+        --switch "$c={\"num_stages\": 6}" --switch "$c={\"block_k\": 64, \"num_stages\": 6}" \
+        --switch "$c={\"block_k\": 256, \"num_stages\": 2}" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -40
+    done
+    a="laguna_dflash.kernels.paged_attention:PRELOAD_MAX_QUERIES"
+    for q in 8 16; do
+      timeout 90 python benchmarks/profile_decode_xs.py --q $q --top 4 --new-tokens 8 \
+        --switch "$a=16" --switch "$a=4" --switch "$a=16" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|paged_att|equal|rror" | head -24
     done ;;
   pass71)
     echo "== attention's pre-wait loads at 4 query tokens (paged_attention.PRELOAD_MAX_QUERIES = 4)"

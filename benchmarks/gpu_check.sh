@@ -53,6 +53,9 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass75     # built, not run: the input residual add + RMSNorm in the
+#                                           # head GEMM (Attention.fuse_input_norm): tests, graphs,
+#                                           # goal cell, on against off (~9 min)
 #   bash benchmarks/gpu_check.sh pass74     # built, not run: the head GEMM's tile in the decode and
 #                                           # verify graphs; attention's pre-wait loads at 8 / 16
 #                                           # query tokens (~8 min)
@@ -906,6 +909,31 @@ case "$stage" in
       echo "-- goal cell, fuse_qk_min_tokens=$on"
       timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
+        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+    done ;;
+  pass75)
+    echo "== (built for the fifty-eighth pass) the layer's input residual add + RMSNorm in the head"
+    echo "   GEMM's launch (Attention.fuse_input_norm, off): its CUDA tests (the kernel file's and"
+    echo "   the layers' against eager, then the float32 lossless test with it on), then the decode,"
+    echo "   4-token verify and drafter-block graphs and goal 2's cell, on against off (~9 min)"
+    W="laguna_dflash.models.layers:Attention.fuse_input_norm"
+    gpu_tests 150 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_inference_fusion.py \
+      tests/test_kernel_add_rms_norm.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    echo "-- float32 DFlash = target-only at XS-2.1 widths with the switch on (set in the process)"
+    timeout 150 python -c "import sys, pytest; from laguna_dflash.models.layers import Attention; \
+Attention.fuse_input_norm = True; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', \
+'tests/test_cuda_xs_lossless.py', '-k', 'xs21']))" 2>&1 | tail -3
+    for q in 1 4; do
+      timeout 100 python benchmarks/profile_decode_xs.py --q $q --top 6 --new-tokens 8 \
+        --switch "$W=true" --switch "$W=false" --switch "$W=true" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|equal|rror" | head -30
+    done
+    timeout 90 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
+      --switch "$W=true" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|equal|rror" | head -20
+    for on in true false true false; do
+      echo "-- goal cell, fuse_input_norm=$on"
+      timeout 80 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 --switch "$W=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
   pass74)

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TensorParallel
 from ..engine.attention import AttentionBackend, AttentionMetadata
+from ..kernels import add_rms_norm as norm_kernel
 from ..kernels import (
     batch_invariant,
     fused_moe,
@@ -213,6 +214,11 @@ class Attention(nn.Module):
     # graph in 3.77-3.79 against 3.82-3.83 and the drafter block in 0.35 against 0.36 ms
     # (docs/PERFORMANCE.md, fifty-sixth pass).
     fuse_qk_min_tokens: int | None = 1
+    # Where the head GEMM runs (above) and the layer's input is a residual plus a delta, the
+    # layer's input residual add + RMSNorm runs in the same launch too
+    # (qkv_norm_rope_cache.add_norm_qkv_norm_rope_cache: each program norms the rows itself):
+    # one launch a layer fewer. Not yet timed on a GPU, so off.
+    fuse_input_norm: bool = False
     # True: up to skinny_gemm.MAX_M tokens, ``o_proj.weight`` goes to the backend as an L2
     # prefetch hint (kernels/l2_prefetch.py). Off: on the H200 it did not pay (batch-1 replay
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
@@ -272,6 +278,27 @@ class Attention(nn.Module):
             v = v.view(t, self.num_kv_heads, self.head_dim)
             ctx.backend.write_kv(k_cache, v_cache, k, v, meta)
         return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
+
+    def forward_from_residual(self, residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm,
+                              ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(s, forward(norm(s), ctx))`` for the layer input ``s = residual + delta`` (``[T, H]``
+        each; ``delta`` ``[T, H]`` or MoE pairs ``[T, P, H]``) in the head GEMM's one launch, where
+        :attr:`fuse_input_norm` and the head GEMM both apply and the norm kernel takes the
+        operands; None elsewhere (the caller norms, then calls :meth:`forward`)."""
+        if not (self.fuse_input_norm and fusion.use_norm_kernel and not torch.is_grad_enabled()
+                and self._head_gemm_runs(residual, ctx)
+                and norm_kernel.can_run(residual, delta, norm.weight)):
+            return None
+        meta = ctx.meta_of(self.cache_index)
+        k_cache, v_cache = ctx.kv_caches[self.cache_index]
+        rot = self.rotary
+        s, q, gate = qkv_norm_rope_cache.add_norm_qkv_norm_rope_cache(
+            residual, delta, norm.weight, norm.eps, self.qkvg_weight, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            rot.cos, rot.sin, meta.positions, rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
+        if self.gating != "per-head":
+            gate = gate.view(residual.shape[0], self.num_heads, self.head_dim)
+        return s, self._attend_and_project(q, gate, k_cache, v_cache, ctx)
 
     def _attend_and_project(self, q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -752,7 +779,19 @@ class DecoderLayer(nn.Module):
                          ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input ``residual + delta`` (``delta`` None: ``residual`` alone; else
         ``[T, H]`` or MoE pairs ``[T, P, H]``) -> ``(residual, delta)`` whose sum is its output."""
-        return self.forward_normed(*self.add_input_norm(residual, delta), ctx)
+        return self.finish(*self.attend(residual, delta, ctx))
+
+    def attend(self, residual: torch.Tensor, delta: torch.Tensor | None,
+               ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self_attn(input_layernorm(s)))`` for the layer input ``s = residual + delta``:
+        the input norm in the attention's first launch where :meth:`Attention.forward_from_residual`
+        takes it, else :meth:`add_input_norm` and then the attention."""
+        if delta is not None:
+            fused = self.self_attn.forward_from_residual(residual, delta, self.input_layernorm, ctx)
+            if fused is not None:
+                return fused
+        residual, x = self.add_input_norm(residual, delta)
+        return residual, self.self_attn(x, ctx)
 
     def add_input_norm(self, residual: torch.Tensor,
                        delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -763,12 +802,11 @@ class DecoderLayer(nn.Module):
             return residual, norm(residual)
         return fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
 
-    def forward_normed(self, residual: torch.Tensor, x: torch.Tensor,
-                       ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after its input norm: ``residual`` its input, ``x`` the normed input ->
-        ``(residual, delta)`` whose sum is its output (:meth:`forward_deferred`)."""
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention: ``residual`` its input, ``attn_out`` the attention's
+        output -> ``(residual, delta)`` whose sum is its output."""
         norm = self.post_attention_layernorm
-        residual, x = fusion.add_rms_norm(residual, self.self_attn(x, ctx), norm.weight, norm.eps)
+        residual, x = fusion.add_rms_norm(residual, attn_out, norm.weight, norm.eps)
         delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
         return residual, delta
 
@@ -777,17 +815,17 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, ctx: ForwardContext, fina
                tap_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """``h [T, H]`` through ``layers`` then ``final_norm`` -> (normed ``[T, H]``, taps): tap
     ``i`` is layer ``i``'s output ``[T, H]``. Each layer's residual add runs fused with the next
-    norm (:meth:`DecoderLayer.add_input_norm`, or the final norm), and a tap is the sum that
+    norm (:meth:`DecoderLayer.attend`, or the final norm), and a tap is the sum that
     kernel writes anyway: a forward with taps runs the same kernels, with the same values, as
     one without."""
     residual, delta = h, None
     taps: dict[int, torch.Tensor] = {}
     wanted = set(tap_layer_ids)
     for i, layer in enumerate(layers):
-        residual, x = layer.add_input_norm(residual, delta)
+        residual, attn_out = layer.attend(residual, delta, ctx)
         if i - 1 in wanted:  # residual is layer i - 1's output
             taps[i - 1] = residual
-        residual, delta = layer.forward_normed(residual, x, ctx)
+        residual, delta = layer.finish(residual, attn_out)
     if delta is None:  # no layers
         normed = final_norm(residual)
     else:

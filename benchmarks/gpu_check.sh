@@ -53,9 +53,10 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
-#   bash benchmarks/gpu_check.sh pass75     # built, not run: the input residual add + RMSNorm in the
-#                                           # head GEMM (Attention.fuse_input_norm): tests, graphs,
-#                                           # goal cell, on against off (~9 min)
+#   bash benchmarks/gpu_check.sh pass75     # built, not run: the two norms folded into the head GEMM
+#                                           # and the fused router (Attention.fuse_input_norm,
+#                                           # MoE.fuse_post_attention_norm): tests, graphs (~7 min)
+#   bash benchmarks/gpu_check.sh pass76     # built, not run: the same, drafter block and goal cell (~5 min)
 #   bash benchmarks/gpu_check.sh pass74     # built, not run: the head GEMM's tile in the decode and
 #                                           # verify graphs; attention's pre-wait loads at 8 / 16
 #                                           # query tokens (~8 min)
@@ -912,28 +913,37 @@ case "$stage" in
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
   pass75)
-    echo "== (built for the fifty-eighth pass) the layer's input residual add + RMSNorm in the head"
-    echo "   GEMM's launch (Attention.fuse_input_norm, off): its CUDA tests (the kernel file's and"
-    echo "   the layers' against eager, then the float32 lossless test with it on), then the decode,"
-    echo "   4-token verify and drafter-block graphs and goal 2's cell, on against off (~9 min)"
+    echo "== (built for the fifty-eighth pass) the layer's two residual add + RMSNorm launches folded"
+    echo "   into their consumers (both off): the input norm into the head GEMM"
+    echo "   (Attention.fuse_input_norm), the post-attention norm into the fused router"
+    echo "   (MoE.fuse_post_attention_norm). Their CUDA tests, the float32 lossless test with both on,"
+    echo "   then the decode and 4-token verify graphs (each, both, against off); pass76 has the"
+    echo "   drafter block and goal 2's cell (~7 min)"
     W="laguna_dflash.models.layers:Attention.fuse_input_norm"
+    R="laguna_dflash.models.layers:MoE.fuse_post_attention_norm"
     gpu_tests 150 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_inference_fusion.py \
-      tests/test_kernel_add_rms_norm.py -k "cuda or sm90" | grep -v PASSED | tail -8
-    echo "-- float32 DFlash = target-only at XS-2.1 widths with the switch on (set in the process)"
-    timeout 150 python -c "import sys, pytest; from laguna_dflash.models.layers import Attention; \
-Attention.fuse_input_norm = True; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', \
-'tests/test_cuda_xs_lossless.py', '-k', 'xs21']))" 2>&1 | tail -3
+      tests/test_kernel_add_rms_norm.py tests/test_kernel_moe_routing.py -k "cuda or sm90" \
+      | grep -v PASSED | tail -8
+    echo "-- float32 DFlash = target-only at XS-2.1 widths with both on (set in the process)"
+    timeout 150 python -c "import sys, pytest; from laguna_dflash.models.layers import Attention, MoE; \
+Attention.fuse_input_norm = True; MoE.fuse_post_attention_norm = True; sys.exit(pytest.main(['-q', \
+'-p', 'no:cacheprovider', 'tests/test_cuda_xs_lossless.py', '-k', 'xs21']))" 2>&1 | tail -3
     for q in 1 4; do
-      timeout 100 python benchmarks/profile_decode_xs.py --q $q --top 6 --new-tokens 8 \
-        --switch "$W=true" --switch "$W=false" --switch "$W=true" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|equal|rror" | head -30
-    done
-    timeout 90 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
+      timeout 110 python benchmarks/profile_decode_xs.py --q $q --top 6 --new-tokens 8 \
+        --switch "$W=true" --switch "$R=true" --switch "$W=true;$R=true" --switch "$W=false" 2>&1 \
+        | quiet | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|router|equal|rror" | head -40
+    done ;;
+  pass76)
+    echo "== (built for the fifty-eighth pass) pass75's two folded norms, both on against off: the"
+    echo "   drafter block's graph and goal 2's cell in four processes (~5 min)"
+    W="laguna_dflash.models.layers:Attention.fuse_input_norm"
+    R="laguna_dflash.models.layers:MoE.fuse_post_attention_norm"
+    timeout 80 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
       --switch "$W=true" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|equal|rror" | head -20
     for on in true false true false; do
-      echo "-- goal cell, fuse_input_norm=$on"
-      timeout 80 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 --switch "$W=$on" 2>&1 | quiet \
+      echo "-- goal cell, both switches $on"
+      timeout 75 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 --switch "$W=$on" --switch "$R=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
   pass74)

@@ -169,6 +169,53 @@ def _moe_cases(device: str) -> dict[str, float]:
     return errors
 
 
+def _post_attention_norm_cases(device: str) -> dict[str, float]:
+    """``DecoderLayer.finish`` on a folded MoE layer in a CUDA-graph build with
+    ``MoE.fuse_post_attention_norm``: the residual add + RMSNorm in the fused router's launch
+    (``moe_routing.fused_add_norm_router_route``, counted: it must run) against the switch off
+    (``add_rms_norm`` then ``MoE.fused_forward``): bit for bit on the interpreter (the same row
+    code), within tolerance on a GPU (the statistic's order follows the warp count). Off the GPU
+    the MoE's fused path and the norm kernel need CUDA tensors, so both are forced on there (the
+    interpreter runs them)."""
+    from laguna_dflash.kernels import add_rms_norm as norm_kernel
+    from laguna_dflash.kernels import moe_routing
+
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (1, 3):
+            moe = _moe(48, 16, 4, 24, 24, dtype, seed=t).to(device)
+            fuse_for_inference(moe)
+            layer = layers.DecoderLayer(torch.nn.Identity(), moe, 48, 1e-5).to(device=device, dtype=dtype)
+            with torch.no_grad():
+                layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            g = torch.Generator().manual_seed(t)
+            residual = torch.randn(t, 48, generator=g).to(device=device, dtype=dtype)
+            attn_out = torch.randn(t, 48, generator=g).to(device=device, dtype=dtype)
+            runs, kernel = [], moe_routing.fused_add_norm_router_route
+            moe_routing.fused_add_norm_router_route = (
+                lambda *a, _runs=runs, _kernel=kernel, **kw: _runs.append(1) or _kernel(*a, **kw))
+            forced, norm_runs = MoE._fused_kernels_run, fusion._norm_kernel_runs
+            if device == "cpu":
+                MoE._fused_kernels_run = lambda self, x: True
+                fusion._norm_kernel_runs = norm_kernel.can_run
+            try:
+                with torch.no_grad(), layers.building_cuda_graph():
+                    want = layer.finish(residual, attn_out)
+                    MoE.fuse_post_attention_norm = True
+                    got = layer.finish(residual, attn_out)
+            finally:
+                moe_routing.fused_add_norm_router_route, MoE._fused_kernels_run = kernel, forced
+                fusion._norm_kernel_runs = norm_runs
+                MoE.fuse_post_attention_norm = False
+            name = f"post-attn-norm-{dtype}-T{t}"
+            exact = device == "cpu"
+            for part, a, b in (("residual", got[0], want[0]), ("pairs", got[1], want[1])):
+                errors[f"{name}-{part}" + ("-bits" if exact else "")] = (
+                    float(not torch.equal(a, b)) if exact else _rel_err(a, b))
+            errors[name + "-ran-once-token"] = float(runs != [1])
+    return errors
+
+
 def _attention_cases(device: str) -> dict[str, float]:
     """Relative error of ``Attention.forward`` with the fused Q/K/cache kernel and fused gate
     against the eager chain, for the output and the written cache rows."""
@@ -332,14 +379,15 @@ def interpreter_errors() -> dict[str, float]:
 
 
 def test_layers_under_triton_interpreter_match_eager(interpreter_errors: dict[str, float]) -> None:
-    assert len(interpreter_errors) == 24 + 18 + 24 + 24 + 6
+    assert len(interpreter_errors) == 24 + 18 + 24 + 24 + 6 + 12
     bad = {n: e for n, e in interpreter_errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_layers_on_cuda_match_eager() -> None:
-    errors = {**_moe_cases("cuda"), **_attention_cases("cuda"), **_run_layers_cases("cuda")}
+    errors = {**_moe_cases("cuda"), **_attention_cases("cuda"), **_run_layers_cases("cuda"),
+              **_post_attention_norm_cases("cuda")}
     bad = {n: e for n, e in errors.items() if not e <= _case_tol(n)}
     assert not bad, bad
 
@@ -367,4 +415,5 @@ def test_fusing_leaves_no_reserved_memory_behind_on_cuda() -> None:
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-cases"]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)
-    print(json.dumps({**_moe_cases("cpu"), **_attention_cases("cpu"), **_run_layers_cases("cpu")}))
+    print(json.dumps({**_moe_cases("cpu"), **_attention_cases("cpu"), **_run_layers_cases("cpu"),
+                      **_post_attention_norm_cases("cpu")}))

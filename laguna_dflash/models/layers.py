@@ -493,6 +493,10 @@ class MoE(nn.Module):
     # 5.8 / 5.8 / 5.8 for the skinny GEMM + routing kernel, but 7.1 against 5.9 at T = 8.
     # False: the two-launch path everywhere (the A/B baseline).
     use_fused_router: bool = True
+    # In CUDA-graph builds where the fused router runs, the layer's post-attention residual add +
+    # RMSNorm runs in its launch too (moe_routing.fused_add_norm_router_route: each program norms
+    # the rows itself): one launch a layer fewer. Not yet timed on a GPU, so off.
+    fuse_post_attention_norm: bool = False
     fused_router_max_tokens: int = 4
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
@@ -590,17 +594,48 @@ class MoE(nn.Module):
         over all pairs (the shared expert included once folded); the pairs ``[T, P, H]`` when
         ``keep_pairs`` and folded, else their sum ``[T, H]``."""
         folded = self.gate_up_with_shared is not None
-        route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
-                 self.norm_topk_prob)
         invariant = batch_invariant.is_active()  # per-token paths only (no GEMV variants)
         if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
             weights, ids = moe_routing.fused_router_route(
-                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
+                x, self.gate.weight, *self._route_args(), scale=self.routed_scaling_factor,
+                num_shared=int(folded))
         else:
             weights, ids = moe_routing.fused_moe_route(
-                linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor,
+                linear(x, self.gate.weight), *self._route_args(), scale=self.routed_scaling_factor,
                 num_shared=int(folded))
+        return self._fused_experts(x, weights, ids, keep_pairs)
+
+    def forward_from_residual(self, residual: torch.Tensor, attn_out: torch.Tensor, norm: RMSNorm,
+                              keep_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(s, forward(norm(s), keep_pairs))`` for ``s = residual + attn_out`` (``[T, H]`` each)
+        with the residual add + RMSNorm in the fused router's launch
+        (:func:`moe_routing.fused_add_norm_router_route`), where :attr:`fuse_post_attention_norm`
+        holds, the fused router would run, it is a CUDA-graph build and the norm kernel takes the
+        operands; None elsewhere (the caller norms, then calls :meth:`forward`)."""
+        if not (self.fuse_post_attention_norm and fusion.use_norm_kernel and not self.tp.is_parallel
+                and is_building_cuda_graph() and not batch_invariant.is_active()
+                and self._fused_kernels_run(residual) and self.use_fused_router
+                and residual.shape[0] <= self.fused_router_max_tokens and self.gate.bias is None
+                and moe_routing.can_fuse_router(residual, self.gate.weight)
+                and attn_out.dim() == 2 and norm_kernel.can_run(residual, attn_out, norm.weight)):
+            return None
+        weights, ids, s, x = moe_routing.fused_add_norm_router_route(
+            residual, attn_out, norm.weight, norm.eps, self.gate.weight, *self._route_args(),
+            scale=self.routed_scaling_factor, num_shared=int(self.gate_up_with_shared is not None))
+        return s, self._fused_experts(x, weights, ids, keep_pairs)
+
+    def _route_args(self) -> tuple:
+        # (bias, top_k, softcap, score_func, norm_topk_prob) as the routing kernels take them
+        return (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
+                self.norm_topk_prob)
+
+    def _fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       keep_pairs: bool) -> torch.Tensor:
+        # the expert kernels of fused_forward on its routes: the pairs [T, P, H] when keep_pairs
+        # and folded, else their sum [T, H]
+        folded = self.gate_up_with_shared is not None
+        invariant = batch_invariant.is_active()
         # expert parallelism: the kernels skip (output 0, no weight read) the pairs of id -1
         skips = {"has_skipped_pairs": True} if self.tp.shards_experts else {}
         experts = (x, self.local_ids(ids), weights, *self.fused_experts())
@@ -804,8 +839,13 @@ class DecoderLayer(nn.Module):
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after its attention: ``residual`` its input, ``attn_out`` the attention's
-        output -> ``(residual, delta)`` whose sum is its output."""
+        output -> ``(residual, delta)`` whose sum is its output; the post-attention norm in the
+        MoE router's launch where :meth:`MoE.forward_from_residual` takes it."""
         norm = self.post_attention_layernorm
+        if isinstance(self.mlp, MoE):
+            fused = self.mlp.forward_from_residual(residual, attn_out, norm, keep_pairs=True)
+            if fused is not None:
+                return fused
         residual, x = fusion.add_rms_norm(residual, attn_out, norm.weight, norm.eps)
         delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
         return residual, delta

@@ -258,13 +258,8 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         rot = self.rotary
         if self._head_gemm_runs(x, ctx):
-            q, gate = qkv_norm_rope_cache.qkv_norm_rope_cache(
-                x, self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim,
-                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
-                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
-            if self.gating != "per-head":
-                gate = gate.view(t, self.num_heads, self.head_dim)
-            return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
+            return self._attend_heads(*qkv_norm_rope_cache.qkv_norm_rope_cache(
+                x, *self._head_gemm_operands(ctx)), ctx)
         qkv, gate = self.project(x)
         if self._fused_qk_cache_runs(qkv, ctx):
             q = qk_norm_rope_cache.qk_norm_rope_cache(
@@ -289,16 +284,24 @@ class Attention(nn.Module):
                 and self._head_gemm_runs(residual, ctx)
                 and norm_kernel.can_run(residual, delta, norm.weight)):
             return None
-        meta = ctx.meta_of(self.cache_index)
-        k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        rot = self.rotary
         s, q, gate = qkv_norm_rope_cache.add_norm_qkv_norm_rope_cache(
-            residual, delta, norm.weight, norm.eps, self.qkvg_weight, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-            rot.cos, rot.sin, meta.positions, rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
+            residual, delta, norm.weight, norm.eps, *self._head_gemm_operands(ctx))
+        return s, self._attend_heads(q, gate, ctx)
+
+    def _head_gemm_operands(self, ctx: ForwardContext) -> tuple:
+        # the head GEMM's arguments after its input: the fused Q|K|V|gate weight, the head layout,
+        # the Q/K norms, RoPE at this forward's positions, and the K/V cache slots
+        meta = ctx.meta_of(self.cache_index)
+        rot = self.rotary
+        return (self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, meta.positions,
+                rot.spec.rotary_dim, meta.slot_mapping, *ctx.kv_caches[self.cache_index])
+
+    def _attend_heads(self, q: torch.Tensor, gate: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # the head GEMM's q [T, nh, hd] and gate columns [T, gate_dim] -> the layer's attention output
         if self.gating != "per-head":
-            gate = gate.view(residual.shape[0], self.num_heads, self.head_dim)
-        return s, self._attend_and_project(q, gate, k_cache, v_cache, ctx)
+            gate = gate.view(q.shape[0], self.num_heads, self.head_dim)
+        return self._attend_and_project(q, gate, *ctx.kv_caches[self.cache_index], ctx)
 
     def _attend_and_project(self, q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -946,6 +946,30 @@ Attention.fuse_input_norm = True; MoE.fuse_post_attention_norm = True; sys.exit(
         --sim-ks 0,3 --rounds 3 --switch "$W=$on" --switch "$R=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
+  pass78)
+    echo "== (fifty-eighth pass) the new defaults (head GEMM at 8 warps, pre-wait loads up to 16"
+    echo "   query tokens) and the default path since 7766d37's refactors: the engine's CUDA tests,"
+    echo "   then the head GEMM's and attention's CUDA and sm_90 kernel tests (~7 min)"
+    engine_cuda_tests 300
+    gpu_tests 130 -n 6 tests/test_kernel_qkv_norm_rope_cache.py tests/test_kernel_paged_attention.py \
+      tests/test_inference_fusion.py -k "cuda or sm90" | grep -v PASSED | tail -12 ;;
+  pass77)
+    echo "== (fifty-eighth pass) the head GEMM at 8 warps (pass74's only tile that timed faster in"
+    echo "   the graphs) against a deeper pipeline at 8 warps, then goal 2's cell in four processes:"
+    echo "   defaults against 8 warps + attention's pre-wait loads up to 16 query tokens (~7 min)"
+    c="laguna_dflash.kernels.qkv_norm_rope_cache:DEFAULT_CONFIG"
+    a="laguna_dflash.kernels.paged_attention:PRELOAD_MAX_QUERIES"
+    timeout 150 python benchmarks/profile_decode_xs.py --q 1 --top 2 --new-tokens 8 \
+      --switch "$c={\"num_warps\": 8}" --switch "$c={\"num_warps\": 8, \"num_stages\": 5}" \
+      --switch "$c={\"num_warps\": 8, \"block_k\": 64, \"num_stages\": 8}" \
+      --switch "$c={\"num_warps\": 8}" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -30
+    for on in 0 1 0 1; do
+      echo "-- goal cell, new settings $on"
+      if [ $on = 1 ]; then set -- --switch "$c={\"num_warps\": 8}" --switch "$a=16"; else set --; fi
+      timeout 75 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+        --sim-ks 0,3 --rounds 3 "$@" 2>&1 | quiet \
+        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+    done ;;
   pass74)
     echo "== (built for the fifty-eighth pass) the head GEMM's tile inside the decode and 4-token"
     echo "   verify graphs (qkv_norm_rope_cache.DEFAULT_CONFIG: the isolated sweep's pick, 128 x 4"

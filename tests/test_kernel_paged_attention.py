@@ -772,7 +772,7 @@ def test_cuda_no_host_sync_and_graph_capture():
 @cuda
 @pytest.mark.parametrize("producer", ["qk_kernel", "head_gemm"])
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("qlen", [1, 4])
+@pytest.mark.parametrize("qlen", [1, 4, 16])
 def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, qlen, splits, producer):
     """With PDL and ``PRELOAD_OLD_KEYS``, attention reads the K/V before each request's first query
     before its wait, and the forward's own K/V, which the Q/K norm + RoPE + cache kernel right
@@ -790,7 +790,7 @@ def test_cuda_keys_written_just_before_are_read_after_the_pdl_wait(monkeypatch, 
 
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs sm90+ (programmatic dependent launch)")
-    monkeypatch.setattr(pa, "PRELOAD_MAX_QUERIES", None)  # the loads before the wait at 4 tokens too
+    monkeypatch.setattr(pa, "PRELOAD_MAX_QUERIES", None)  # the loads before the wait at any length
     dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
     _, kc, vc, meta, _ = make_case([(5, qlen), (70, qlen), (130, qlen)], kv_heads, head_dim, dtype,
                                    True, device="cuda", seed=5)

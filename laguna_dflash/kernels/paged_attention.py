@@ -44,8 +44,8 @@ rest. Loop bounds are read on the device: the grid depends only on shapes.
 Programmatic dependent launch (kernels/pdl.py): q and the K/V of the forward's own positions are
 the previous kernel's output; the metadata and the K/V at positions before a request's first
 query are not (earlier forwards wrote them). So with ``PRELOAD_OLD_KEYS``, while a request holds
-at most ``PRELOAD_MAX_QUERIES`` query tokens (4 by default: decode, the K = 3 verify and
-drafter block), a program loads its metadata, its first key tile's slots and that tile's K/V
+at most ``PRELOAD_MAX_QUERIES`` query tokens (16 by default: decode, the verify up to K = 15
+and the drafter block), a program loads its metadata, its first key tile's slots and that tile's K/V
 before the first query position, then waits, then loads q and the tile's remaining (new) K/V:
 the wait no longer heads a chain of four dependent reads.
 
@@ -427,8 +427,10 @@ PRELOAD_OLD_KEYS = True
 # wait. That made the verify slower while attention launched only as the Q/K kernel ended (3.93
 # against 3.87 ms); since the head GEMM signals attention right after its own wait
 # (kernels/qkv_norm_rope_cache.py), the loads overlap the GEMM and the verify graph replays in
-# 3.72 against 3.80 ms (docs/PERFORMANCE.md, fifty-seventh pass). 8 and 16 tokens: not timed.
-PRELOAD_MAX_QUERIES: int | None = 4
+# 3.72 against 3.80 ms (docs/PERFORMANCE.md, fifty-seventh pass); the 8-token verify in 6.08
+# against 6.20-6.22 ms, the 16-token one in 8.50 against 8.48-8.70 (fifty-eighth pass). More
+# than 16 tokens: not timed.
+PRELOAD_MAX_QUERIES: int | None = 16
 # Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
 # the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are

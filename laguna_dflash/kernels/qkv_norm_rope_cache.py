@@ -78,11 +78,13 @@ class HeadGemmConfig:
     """The K loop's tile: ``block_k`` hidden elements a step (a power of two >= 16),
     ``num_stages`` weight tiles in flight (Triton's pipeliner), ``num_warps`` (1, 2, 4 or 8) a
     program. The H200 measured 128 x 4 stages x 4 warps best among 18 whole-head dot configs at
-    1 and 4 tokens (``benchmarks/bench_head_tiles.py``)."""
+    1 and 4 tokens alone (``benchmarks/bench_head_tiles.py``); inside the decode graph 8 warps
+    replay it in 2.03 against 2.06 ms (its span 541-551 against 582 us a step), the 4-token
+    verify in 3.71 against 3.74 (docs/PERFORMANCE.md, fifty-eighth pass)."""
 
     block_k: int = 128
     num_stages: int = 4
-    num_warps: int = 4
+    num_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_k", "num_stages", "num_warps"):

@@ -4,7 +4,7 @@ The forty-first pass (docs/PERFORMANCE.md) left the batch-1 floor goal to a pers
 named its first measurement: a layer's MoE half, from o_proj to the down projection, as one
 persistent kernel against today's five launches. This script builds that kernel and times both.
 
-What the engine runs at batch 1 (``DecoderLayer.finish`` then ``MoE.fused_forward``)::
+What the engine runs at batch 1 (``DecoderLayer.forward_normed`` then ``MoE.fused_forward``)::
 
     o     = T(W_o a)                                  staged o_proj GEMV         [H]
     s, y  = T(r + o), RMSNorm(s) w                    add + RMSNorm kernel       [H], [H]

@@ -53,13 +53,12 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
-#   bash benchmarks/gpu_check.sh pass75     # built, not run: the two norms folded into the head GEMM
-#                                           # and the fused router (Attention.fuse_input_norm,
-#                                           # MoE.fuse_post_attention_norm): tests, graphs (~7 min)
-#   bash benchmarks/gpu_check.sh pass76     # built, not run: the same, drafter block and goal cell (~5 min)
-#   bash benchmarks/gpu_check.sh pass74     # built, not run: the head GEMM's tile in the decode and
-#                                           # verify graphs; attention's pre-wait loads at 8 / 16
-#                                           # query tokens (~8 min)
+#   bash benchmarks/gpu_check.sh pass78     # the new defaults: engine CUDA tests, head GEMM and
+#                                           # attention kernel tests (~7 min)
+#   bash benchmarks/gpu_check.sh pass77     # the head GEMM at 8 warps against deeper pipelines; goal
+#                                           # cell with 8 warps + pre-wait loads to 16 tokens (~7 min)
+#   bash benchmarks/gpu_check.sh pass74     # the head GEMM's tile in the decode and verify graphs;
+#                                           # attention's pre-wait loads at 8 / 16 query tokens (~8 min)
 #   bash benchmarks/gpu_check.sh pass71     # attention's pre-wait loads at 4 query tokens with the
 #                                           # head GEMM's early signal; the decode timeline (~7 min)
 #   bash benchmarks/gpu_check.sh pass70     # the L = 4 digest question (defaults against the same
@@ -912,40 +911,6 @@ case "$stage" in
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
-  pass75)
-    echo "== (built for the fifty-eighth pass) the layer's two residual add + RMSNorm launches folded"
-    echo "   into their consumers (both off): the input norm into the head GEMM"
-    echo "   (Attention.fuse_input_norm), the post-attention norm into the fused router"
-    echo "   (MoE.fuse_post_attention_norm). Their CUDA tests, the float32 lossless test with both on,"
-    echo "   then the decode and 4-token verify graphs (each, both, against off); pass76 has the"
-    echo "   drafter block and goal 2's cell (~7 min)"
-    W="laguna_dflash.models.layers:Attention.fuse_input_norm"
-    R="laguna_dflash.models.layers:MoE.fuse_post_attention_norm"
-    gpu_tests 150 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_inference_fusion.py \
-      tests/test_kernel_add_rms_norm.py tests/test_kernel_moe_routing.py -k "cuda or sm90" \
-      | grep -v PASSED | tail -8
-    echo "-- float32 DFlash = target-only at XS-2.1 widths with both on (set in the process)"
-    timeout 150 python -c "import sys, pytest; from laguna_dflash.models.layers import Attention, MoE; \
-Attention.fuse_input_norm = True; MoE.fuse_post_attention_norm = True; sys.exit(pytest.main(['-q', \
-'-p', 'no:cacheprovider', 'tests/test_cuda_xs_lossless.py', '-k', 'xs21']))" 2>&1 | tail -3
-    for q in 1 4; do
-      timeout 110 python benchmarks/profile_decode_xs.py --q $q --top 6 --new-tokens 8 \
-        --switch "$W=true" --switch "$R=true" --switch "$W=true;$R=true" --switch "$W=false" 2>&1 \
-        | quiet | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|router|equal|rror" | head -40
-    done ;;
-  pass76)
-    echo "== (built for the fifty-eighth pass) pass75's two folded norms, both on against off: the"
-    echo "   drafter block's graph and goal 2's cell in four processes (~5 min)"
-    W="laguna_dflash.models.layers:Attention.fuse_input_norm"
-    R="laguna_dflash.models.layers:MoE.fuse_post_attention_norm"
-    timeout 80 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 \
-      --switch "$W=true" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|equal|rror" | head -20
-    for on in true false true false; do
-      echo "-- goal cell, both switches $on"
-      timeout 75 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 --switch "$W=$on" --switch "$R=$on" 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
-    done ;;
   pass78)
     echo "== (fifty-eighth pass) the new defaults (head GEMM at 8 warps, pre-wait loads up to 16"
     echo "   query tokens) and the default path since 7766d37's refactors: the engine's CUDA tests,"
@@ -971,7 +936,7 @@ Attention.fuse_input_norm = True; MoE.fuse_post_attention_norm = True; sys.exit(
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
   pass74)
-    echo "== (built for the fifty-eighth pass) the head GEMM's tile inside the decode and 4-token"
+    echo "== (fifty-eighth pass) the head GEMM's tile inside the decode and 4-token"
     echo "   verify graphs (qkv_norm_rope_cache.DEFAULT_CONFIG: the isolated sweep's pick, 128 x 4"
     echo "   stages x 4 warps, was never swept in a graph), then attention's pre-wait loads at 8 and"
     echo "   16 query tokens (the K = 7 and K = 15 verify; PRELOAD_MAX_QUERIES 16 against 4) (~8 min)"

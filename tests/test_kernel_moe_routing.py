@@ -351,42 +351,6 @@ def test_interpreted_router_route_equals_two_kernel_path(case, dtype) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("t,e,h,k", [(1, 256, 2048, 8), (3, 40, 200, 6), (4, 64, 512, 6)])
-def test_interpreted_add_norm_router_route_equals_add_rms_norm_then_the_router(t, e, h, k, dtype) -> None:
-    """``fused_add_norm_router_route``: the post-attention residual add + RMSNorm in the router's
-    launch, bit for bit against ``add_rms_norm`` then ``fused_router_route`` under the interpreter
-    (the same row code; numpy sums the statistic alike): the routes, the new residual and the
-    normed rows; Laguna's widths (4 K chunks of 512), a ragged hidden size and 4 tokens."""
-    from laguna_dflash.kernels.add_rms_norm import add_rms_norm
-    from laguna_dflash.kernels.moe_routing import fused_add_norm_router_route
-
-    g = torch.Generator().manual_seed(t)
-    _, w, bias = _router_problem(t, e, h, dtype, seed=t, exact=False)
-    residual = torch.randn(t, h, generator=g).to(dtype)
-    delta = torch.randn(t, h, generator=g).to(dtype)
-    norm_w = (1 + 0.2 * torch.randn(h, generator=g)).to(dtype)
-    args = (k, 30.0, "sigmoid", True)
-    s_two, y_two = add_rms_norm(residual, delta, norm_w, 1e-5)
-    want_w, want_ids = fused_router_route(y_two, w, bias, *args, scale=SCALE, num_shared=1)
-    weights, ids, s, y = fused_add_norm_router_route(residual, delta, norm_w, 1e-5, w, bias, *args,
-                                                     scale=SCALE, num_shared=1)
-    assert torch.equal(s, s_two) and torch.equal(y, y_two)
-    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
-
-
-def test_add_norm_router_route_refuses_pairs_and_names_the_argument() -> None:
-    from laguna_dflash.kernels.moe_routing import fused_add_norm_router_route
-
-    x, w, bias = _router_problem(2, 8, 16, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="delta must be"):
-        fused_add_norm_router_route(x, x[:, None].expand(2, 3, 16).contiguous(), x[0], 1e-5, w, bias,
-                                    2, 0.0, "sigmoid", True)
-    with pytest.raises(ValueError, match="weight must be"):
-        fused_add_norm_router_route(x, x, x[0, :8], 1e-5, w, bias, 2, 0.0, "sigmoid", True)
-
-
-@interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_interpreted_packed_logits_equal_the_re_read(monkeypatch, dtype) -> None:
     """``PACK_LOGITS``: the chosen 16-bit logits taken from the top-k key give bitwise the
@@ -591,37 +555,19 @@ def test_interpreted_can_fuse_router() -> None:
     assert not moe_routing.can_fuse_router(torch.zeros(0, 32), torch.zeros(16, 32))
 
 
-def _router_ptx(t: int, e: int, h: int, pdl: bool, input_norm: bool = False) -> tuple[str, list[int]]:
-    """sm_90 PTX of the fused router kernel as ``fused_router_route`` (``input_norm``:
-    ``fused_add_norm_router_route``) launches it for bf16 x (constexprs from ``_router_plan``),
-    and ptxas's spill-store bytes."""
+def _router_ptx(t: int, e: int, h: int, pdl: bool) -> tuple[str, list[int]]:
+    """sm_90 PTX of the fused router kernel as ``fused_router_route`` launches it for bf16 x
+    (constexprs from ``_router_plan``), and ptxas's spill-store bytes."""
     meta = dict(moe_routing._router_plan(t, e, h, torch.bfloat16, moe_routing.default_router_config(t), pdl)[1])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*bf16",
-             "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "softcap": "fp32", "scale": "fp32",
-             "d_ptr": "*bf16", "nw_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "scratch_ptr": "*bf16",
-             "norm_eps": "fp32"}
+             "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "softcap": "fp32", "scale": "fp32"}
     constexprs = dict(stride_b=1, NUM_EXPERTS=e, BLOCK_E=moe_routing._next_pow2(e), TOP_K=8,
                       NUM_SHARED=1, K_PAD=16, HAS_SOFTCAP=True, SQRT_SOFTPLUS=False, NORM=True,
-                      OUT_DTYPE=1, BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8,
-                      INPUT_NORM=input_norm, BLOCK_H=moe_routing._next_pow2(h) if input_norm else 1, **meta)
+                      OUT_DTYPE=1, BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8, **meta)
     return compile_sm90_spills(moe_routing._router_route_kernel, types, constexprs, options)
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("t", [1, 4])
-def test_sm90_add_norm_router_route_code(t) -> None:
-    """With the post-attention norm in front (XS-2.1: 256 experts, hidden 2048): no spills; before
-    the wait the weight tile's loads as without it plus only the norm weight's (evict_last);
-    launch_dependents after the wait."""
-    plain = loads_before_pdl_wait(_router_ptx(t, 256, 2048, pdl=True)[0])
-    ptx, spills = _router_ptx(t, 256, 2048, pdl=True, input_norm=True)
-    assert spills and max(spills) == 0, spills
-    early = loads_before_pdl_wait(ptx)
-    extra = [line for line in early if "evict_last" in line]
-    assert extra and len(early) - len(extra) == len(plain), early
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")

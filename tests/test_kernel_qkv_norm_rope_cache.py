@@ -118,39 +118,6 @@ def check(a: dict) -> None:
 # ---- Triton kernel (CPU interpreter) --------------------------------------------------------------
 
 
-def check_input_norm(a: dict, delta_shape: tuple[int, ...] | None, seed: int) -> None:
-    """``add_norm_qkv_norm_rope_cache`` on ``x`` as the residual stream against ``add_rms_norm``
-    then ``qkv_norm_rope_cache``: bit for bit under the interpreter (the same row code and dot
-    tile; numpy sums the norm's statistic alike in both kernels)."""
-    from laguna_dflash.kernels.add_rms_norm import add_rms_norm
-
-    g = torch.Generator().manual_seed(seed)
-    h = a.pop("x")
-    delta = None if delta_shape is None else torch.randn(*delta_shape, generator=g).to(h.dtype)
-    norm_w = (1 + 0.2 * torch.randn(h.shape[1], generator=g)).to(h.dtype)
-    s_two, y = add_rms_norm(h, delta, norm_w, 1e-5)
-    s_two = h if s_two is None else s_two
-    k_two, v_two = a["k_cache"].clone(), a["v_cache"].clone()
-    q_two, gate_two = fused.qkv_norm_rope_cache(y, **{**a, "k_cache": k_two, "v_cache": v_two})
-    s, q, gate = fused.add_norm_qkv_norm_rope_cache(h, delta, norm_w, 1e-5, **a)
-    assert torch.equal(s, s_two) and (delta is not None or s is h)
-    assert torch.equal(q, q_two) and torch.equal(gate, gate_two)
-    assert torch.equal(a["k_cache"], k_two) and torch.equal(a["v_cache"], v_two)
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("t,delta,hidden", [
-    (1, (1, 3, 200), 200),   # decode: the MoE's pairs; a ragged hidden size (norm and K tiles)
-    (3, (3, 256), 256),      # a dense sublayer's delta
-    (2, None, 256),          # the first layer: a plain RMSNorm of the embeddings
-    (5, (5, 2, 256), 256),   # five rows: a norm loop of 8 with 3 rows past M
-])
-def test_interpreted_input_norm_equals_add_rms_norm_then_the_kernel(t, delta, hidden, dtype):
-    check_input_norm(problem(t, 8, 2, 128, 64, dtype, hidden=hidden, seed=t), delta, seed=t)
-
-
-
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
 def test_kernel_under_triton_interpreter():
     run_interpreted_child(__file__, timeout=600)
@@ -236,21 +203,17 @@ def test_can_use_needs_a_power_of_two_head_dim():
 # ---- offline sm_90 build ---------------------------------------------------------------------------
 
 
-def _sm90_build(dtype: str, preload: bool = False, early: bool = False,
-                norm_pairs: int = -2) -> tuple[str, list[int]]:
+def _sm90_build(dtype: str, preload: bool = False, early: bool = False) -> tuple[str, list[int]]:
     # the XS-2.1 sliding layer's build (64 / 8 heads, 2048 hidden) with the default tile (fp32: its
-    # own), norm_pairs: the fused input norm's NORM_PAIRS (-2: none): (PTX, spill bytes)
+    # own): (PTX, spill bytes)
     cfg = fused.DEFAULT_CONFIG if dtype == "bf16" else fused.FP32_CONFIG
-    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "qw_ptr", "kw_ptr", "q_ptr", "g_ptr", "kc_ptr",
-                                      "vc_ptr", "d_ptr", "nw_ptr", "res_ptr", "y_ptr")}
-    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32",
-                 norm_eps="fp32")
+    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "qw_ptr", "kw_ptr", "q_ptr", "g_ptr", "kc_ptr", "vc_ptr")}
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
     constexprs = dict(stride_xk=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
                       N=10304, K=2048, GATE_DIM=64, NUM_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128,
                       ROT_DIM=128, M_PAD=16, BLOCK_K=cfg.block_k, K_ITERS=2048 // cfg.block_k,
                       IEEE=dtype == "fp32", MASK_W=True, DTYPE=1 if dtype == "bf16" else 0,
-                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early,
-                      NORM_PAIRS=norm_pairs, NORM_ROWS=1, BLOCK_H=2048)
+                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early)
     return compile_sm90_spills(
         fused._kernels(False), types, constexprs,
         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False,
@@ -285,22 +248,6 @@ def test_sm90_switches_move_the_first_tile_and_the_signal():
     assert len(loads_before_pdl_wait(ptx)) > len(loads_before_pdl_wait(plain))
     signal = ptx.index("griddepcontrol.launch_dependents")
     assert "cp.async" not in ptx[:signal] and "cp.async" in ptx[signal:]
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_input_norm_build_reads_only_parameters_before_the_wait():
-    """The fused input norm (decode: 9 MoE pairs, one row) with the default switches: before the
-    wait the same loads as the build without it (positions, slots, Q/K norm weights, cos / sin,
-    the first weight tile) plus only the input norm's weight (``evict_last``); the residual and
-    the pairs after it; a CTA barrier before the K loop reads the normed copy; no spills."""
-    plain = loads_before_pdl_wait(_sm90_build("bf16", preload=True, early=True)[0])
-    ptx, spills = _sm90_build("bf16", preload=True, early=True, norm_pairs=9)
-    assert spills == [0], spills
-    before = loads_before_pdl_wait(ptx)
-    extra = [line for line in before if "evict_last" in line]
-    assert extra and not any("evict_last" in line for line in plain)
-    assert len(before) - len(extra) == len(plain), (before, plain)
-    assert ptx.count("bar.sync") >= 1
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------

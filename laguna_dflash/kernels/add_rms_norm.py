@@ -50,27 +50,6 @@ def is_available(device: torch.device | str) -> bool:
     return triton_can_run(device, min_major=8)
 
 
-def _residual_row(h_row, d_row, stride_dp, i, in_row, NUM_PAIRS: tl.constexpr, DTYPE: tl.constexpr):
-    # s [BLOCK] fp32 (values of dtype DTYPE): the row of h plus its delta row(s), as the module
-    # docstring sums them (NUM_PAIRS -1: h alone)
-    s = tl.load(h_row + i, mask=in_row, other=0.0).to(tl.float32)
-    if NUM_PAIRS == 0:
-        s = _round_to(s + tl.load(d_row + i, mask=in_row, other=0.0).to(tl.float32), DTYPE)
-    elif NUM_PAIRS > 0:
-        for p in tl.static_range(NUM_PAIRS):  # the pairs in order, as fusion._add sums them
-            s += tl.load(d_row + p * stride_dp + i, mask=in_row, other=0.0).to(tl.float32)
-        s = _round_to(s, DTYPE)
-    return s
-
-
-def _rms_norm_row(s, w, eps, HIDDEN: tl.constexpr, DTYPE: tl.constexpr):
-    # y [BLOCK] fp32 (values of dtype DTYPE) = T(w * T(s / sqrt(mean(s^2) + eps))); padding lanes
-    # of s are 0 and add nothing to the statistic
-    mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
-    return _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
-
-
 def _add_rms_norm_kernel(
     h_ptr, d_ptr, w_ptr, res_ptr, out_ptr,
     stride_ht, stride_dt, stride_dp, stride_rt, stride_ot, eps,
@@ -86,19 +65,29 @@ def _add_rms_norm_kernel(
     if PDL:  # kernels/pdl.py: wait for the kernel writing delta, then let the next GEMM launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    s = _residual_row(h_ptr + t * stride_ht, d_ptr + t * stride_dt, stride_dp, i, in_row, NUM_PAIRS, DTYPE)
+    s = tl.load(h_ptr + t * stride_ht + i, mask=in_row, other=0.0).to(tl.float32)
+    if NUM_PAIRS == 0:
+        s = _round_to(s + tl.load(d_ptr + t * stride_dt + i, mask=in_row, other=0.0).to(tl.float32),
+                      DTYPE)
+    elif NUM_PAIRS > 0:
+        for p in tl.static_range(NUM_PAIRS):  # the pairs in order, as fusion._add sums them
+            s += tl.load(d_ptr + t * stride_dt + p * stride_dp + i, mask=in_row,
+                         other=0.0).to(tl.float32)
+        s = _round_to(s, DTYPE)
     if WRITE_RESIDUAL:
         tl.store(res_ptr + t * stride_rt + i, s, mask=in_row)
     if WRITE_NORM:
-        tl.store(out_ptr + t * stride_ot + i, _rms_norm_row(s, w, eps, HIDDEN, DTYPE), mask=in_row)
+        mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
+        y = _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
+        tl.store(out_ptr + t * stride_ot + i, y, mask=in_row)
 
 
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    return jit_functions(__name__, (_round_to, _residual_row, _rms_norm_row,
-                                    _add_rms_norm_kernel))["_add_rms_norm_kernel"]
+    return jit_functions(__name__, (_round_to, _add_rms_norm_kernel))["_add_rms_norm_kernel"]
 
 
 def _operand_problem(h: torch.Tensor, delta: torch.Tensor | None,

@@ -105,7 +105,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import add_rms_norm as _add_rms_norm
 from . import jit as _jit
 from . import pdl
 from .availability import import_triton, interpret_mode, triton_can_run
@@ -122,7 +121,6 @@ __all__ = [
     "RouterConfig",
     "can_fuse_router",
     "default_router_config",
-    "fused_add_norm_router_route",
     "fused_moe_route",
     "fused_router_route",
     "is_available",
@@ -196,10 +194,6 @@ if HAS_TRITON:
     # fp32 -> the nearest value of the output dtype (round to nearest even, on the bits for bf16:
     # the interpreter's fp32 -> bf16 cast truncates); shared with the skinny GEMM (kernels/jit.py)
     _round_to = jit_functions(__name__, (_jit._round_to,))["_round_to"]
-    # the residual add + RMSNorm row code of kernels/add_rms_norm.py (fused_add_norm_router_route)
-    _norm_rows = jit_functions(_add_rms_norm.__name__, (_jit._round_to, _add_rms_norm._residual_row,
-                                                        _add_rms_norm._rms_norm_row))
-    _residual_row, _rms_norm_row = _norm_rows["_residual_row"], _norm_rows["_rms_norm_row"]
 
     # ---- the routing math, shared by both kernels: ROWS tokens at a time, [ROWS, BLOCK_E] tiles
 
@@ -349,9 +343,8 @@ if HAS_TRITON:
     @triton.jit
     def _router_route_kernel(
         x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, part_ptr, count_ptr,
-        d_ptr, nw_ptr, res_ptr, y_ptr, scratch_ptr,
-        T, stride_xt, stride_b, stride_dt, stride_rt, stride_yt,
-        softcap, scale, norm_eps,
+        T, stride_xt, stride_b,
+        softcap, scale,
         HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
@@ -360,7 +353,6 @@ if HAS_TRITON:
         M_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
         X_GROUP: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
         BITONIC: tl.constexpr, SEL_K: tl.constexpr,
-        INPUT_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         # program (j, s): experts [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Kc, (s + 1) Kc) with
         # Kc = K_STEPS * BLOCK_K: the weight as one [BLOCK_N, K_STEPS, 1, BLOCK_K] tile, x rows as
@@ -380,33 +372,8 @@ if HAS_TRITON:
         else:
             wt = tl.load(w_ptrs, eviction_policy="evict_first")
         wt = wt.to(tl.float32)
-        if INPUT_NORM:
-            # the norm weight, a parameter: before the wait (kernels/pdl.py rule 3)
-            hi = tl.arange(0, BLOCK_H)
-            h_ok = hi < HIDDEN
-            nw = tl.load(nw_ptr + hi, mask=h_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
-        if INPUT_NORM:
-            # x is the residual and d its sublayer's output: each row's add + RMSNorm with
-            # kernels/add_rms_norm.py's row code, the program's K chunk of the normed row into its
-            # own scratch rows (read below like x, after a CTA barrier); the first expert tile's
-            # programs store the new residual stream and the normed rows for the experts
-            k_lo = pid_k * (K_STEPS * BLOCK_K)
-            chunk = (hi >= k_lo) & (hi < k_lo + K_STEPS * BLOCK_K) & h_ok
-            own = scratch_ptr + (pid_k * tl.num_programs(0) + pid_n) * (M_PAD * K_STEPS * BLOCK_K) - k_lo
-            for r in tl.static_range(M_PAD):
-                if r < T:
-                    srow = _residual_row(x_ptr + r * stride_xt, d_ptr + r * stride_dt, 0, hi, h_ok, 0,
-                                         OUT_DTYPE)
-                    yrow = _rms_norm_row(srow, nw, norm_eps, HIDDEN, OUT_DTYPE)
-                    tl.store(own + r * (K_STEPS * BLOCK_K) + hi, yrow, mask=chunk)
-                    if pid_n == 0:
-                        tl.store(res_ptr + r * stride_rt + hi, srow, mask=chunk)
-                        tl.store(y_ptr + r * stride_yt + hi, yrow, mask=chunk)
-            tl.debug_barrier()
-            x_ptr = own
-            stride_xt = K_STEPS * BLOCK_K
         # x in the weight tile's layout (stride 0 along n: no shuffle; the redundant lanes hit
         # L1), X_GROUP rows per load so that their L2 latencies overlap
         x_k = k4 + n4 * 0
@@ -723,57 +690,6 @@ def fused_router_route(
         reproducible (fixed summation orders). Runs where :func:`is_available` says; check
         :func:`can_fuse_router` first to fall back to the two-kernel path.
     """
-    return _router_launch(x, router_weight, bias, top_k, softcap, score_func, norm_topk_prob, scale,
-                          num_shared, config, None)[:2]
-
-
-def fused_add_norm_router_route(
-    residual: torch.Tensor,
-    delta: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-    router_weight: torch.Tensor,
-    bias: torch.Tensor,
-    top_k: int,
-    softcap: float,
-    score_func: str,
-    norm_topk_prob: bool,
-    scale: float = 1.0,
-    num_shared: int = 0,
-    *,
-    config: RouterConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The post-attention residual add + RMSNorm (``kernels/add_rms_norm.py``) in front of
-    :func:`fused_router_route`, one launch.
-
-    Args:
-        residual: ``[T, H]`` the residual stream, unit column stride.
-        delta: ``[T, H]`` the sublayer's output (attention's), residual's dtype, unit column stride.
-        norm_weight: ``[H]`` the RMSNorm weight, contiguous, residual's dtype.
-        norm_eps: its epsilon.
-        router_weight .. config: as :func:`fused_router_route` takes them.
-
-    Returns:
-        ``(weights, ids, s [T, H], y [T, H])``: ``(s, y) = add_rms_norm(residual, delta,
-        norm_weight, norm_eps)`` (each program norms the rows with that kernel's row code, so
-        ``y`` equals it up to the summation order of the norm statistic, which follows the warp
-        count) and ``(weights, ids) = fused_router_route(y, ...)``.
-
-    Raises:
-        ValueError: on operands either function refuses, naming the argument.
-    """
-    problem = _add_rms_norm._operand_problem(residual, delta, norm_weight)
-    if problem is None and (delta is None or delta.dim() != 2):
-        problem = "delta must be a sublayer's output [T, H] (not None, not MoE pairs)"
-    if problem is not None:
-        raise ValueError(f"fused_add_norm_router_route: {problem}")
-    return _router_launch(residual, router_weight, bias, top_k, softcap, score_func, norm_topk_prob,
-                          scale, num_shared, config, (delta, norm_weight, float(norm_eps)))
-
-
-def _router_launch(x, router_weight, bias, top_k, softcap, score_func, norm_topk_prob, scale,
-                   num_shared, config, norm):
-    # norm: None (x is the router's input) or (delta, norm weight, eps) with x the residual stream
     _check_router_inputs(x, router_weight)
     t, h = x.shape
     e = router_weight.shape[0]
@@ -781,31 +697,20 @@ def _router_launch(x, router_weight, bias, top_k, softcap, score_func, norm_topk
     k_out = top_k + num_shared
     weights = torch.empty((t, k_out), device=x.device, dtype=x.dtype)
     ids = torch.empty((t, k_out), device=x.device, dtype=torch.int64)
-    res = y = None
-    if norm is not None:
-        res, y = torch.empty_like(x), torch.empty_like(x)
     if t == 0:
-        return weights, ids, res, y
+        return weights, ids
     assert HAS_TRITON, "fused_router_route needs triton (check is_available first)"
     use_pdl = pdl.active(x.device, interpret_mode())
     grid, meta = _router_plan(t, e, h, x.dtype, config or default_router_config(t), use_pdl)
     part, counter = _router_workspace(x.device, e, meta["SPLIT_K"])
-    delta, norm_weight, norm_eps = norm if norm is not None else (x, x, 0.0)
-    # every program's own K chunk of the normed rows, read back by its multiply
-    kc = meta["K_STEPS"] * meta["BLOCK_K"]
-    scratch = (torch.empty(grid[0] * grid[1] * meta["M_PAD"] * kc, dtype=x.dtype, device=x.device)
-               if norm is not None else x)
     _router_route_kernel[grid](
         x, router_weight, bias, weights, ids, part, counter,
-        delta, norm_weight, x if res is None else res, x if y is None else y, scratch,
-        t, x.stride(0), bias.stride(0), delta.stride(0), 0 if res is None else res.stride(0),
-        0 if y is None else y.stride(0),
-        float(softcap), float(scale), float(norm_eps),
+        t, x.stride(0), bias.stride(0),
+        float(softcap), float(scale),
         NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
         NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
         PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0,
-        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k), INPUT_NORM=norm is not None,
-        BLOCK_H=_next_pow2(h) if norm is not None else 1, **meta,
+        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k), **meta,
     )
-    return weights, ids, res, y
+    return weights, ids

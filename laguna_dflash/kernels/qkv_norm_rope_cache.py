@@ -44,7 +44,6 @@ import torch
 from . import pdl
 from . import qk_norm_rope_cache as _qk
 from . import skinny_gemm as _sg
-from .add_rms_norm import _operand_problem, _residual_row, _rms_norm_row
 from .availability import interpret_mode
 from .jit import DTYPE_CODE, _round_to, jit_functions
 from .qk_norm_rope_cache import _norm_rope, _norm_rope_params, _rope_partner
@@ -53,12 +52,9 @@ from .skinny_gemm import _dot_acc, _load_w
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["HeadGemmConfig", "add_norm_qkv_norm_rope_cache", "can_use", "qkv_norm_rope_cache"]
+__all__ = ["HeadGemmConfig", "can_use", "qkv_norm_rope_cache"]
 
 MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
-# NORM_PAIRS codes: x is the GEMM input itself; else x is the residual stream and -1 no delta,
-# 0 a delta [M, H], P > 0 the MoE's pairs [M, P, H] (kernels/add_rms_norm.py's codes)
-_NO_INPUT_NORM = -2
 # PRELOAD_FIRST_TILE: each program loads its first weight tile before the PDL wait (the K
 # loop's first step peeled; the same dots in the same order), as the one-row GEMV does.
 # EARLY_SIGNAL: programs signal their dependents right after the wait instead of after the K
@@ -119,18 +115,15 @@ def can_use(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
 
 def _qkv_norm_rope_cache_kernel(
     x_ptr, w_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, g_ptr, kc_ptr, vc_ptr,
-    d_ptr, nw_ptr, res_ptr, y_ptr,
     M, stride_xm, stride_xk, stride_wn, stride_qw, stride_kw, stride_cos, stride_sin, stride_pos,
     stride_slot, stride_qt, stride_qh, stride_gt,
     stride_kcs, stride_kch, stride_kcd, stride_vcs, stride_vch, stride_vcd,
-    stride_dt, stride_dp, stride_rt, stride_yp, stride_yt,
-    eps, norm_eps,
+    eps,
     N: tl.constexpr, K: tl.constexpr, GATE_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
     IEEE: tl.constexpr, MASK_W: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
     PDL: tl.constexpr, PRELOAD: tl.constexpr, EARLY: tl.constexpr,
-    NORM_PAIRS: tl.constexpr, NORM_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # program p: rows [p HEAD_DIM, (p + 1) HEAD_DIM) of W: Q head p, K head p - NUM_HEADS, V head
     # p - NUM_HEADS - NUM_KV_HEADS, or a gate tile past them (module docstring)
@@ -153,13 +146,7 @@ def _qkv_norm_rope_cache_kernel(
                                     HEAD_DIM, ROT_DIM, DTYPE)
     offs_n = n0 + tl.arange(0, HEAD_DIM)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    if NORM_PAIRS > -2:  # an input norm to fuse (_NO_INPUT_NORM: none)
-        hi = tl.arange(0, BLOCK_H)
-        h_ok = hi < K
-        # the input RMSNorm's weight, a parameter: before the wait (kernels/pdl.py rule 3)
-        nw = tl.load(nw_ptr + hi, mask=h_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        x_rows = x_ptr + rows * stride_xm
+    x_rows = x_ptr + rows * stride_xm
     if PRELOAD:
         # step 0 peeled: its weight tile (a parameter) before the wait, x (the previous
         # kernel's output) after it; then steps 1.. through the pipelined loop
@@ -169,22 +156,6 @@ def _qkv_norm_rope_cache_kernel(
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    if NORM_PAIRS > -2:
-        # the input residual add + RMSNorm, each row as kernels/add_rms_norm.py computes it (its
-        # own row helpers): program 0 stores the new residual stream, every program its own copy
-        # of the normed rows, which its K loop then reads like x (the CTA barrier makes the
-        # copy's stores visible to all of the program's threads)
-        for t in tl.static_range(NORM_ROWS):
-            if t < M:
-                srow = _residual_row(x_ptr + t * stride_xm, d_ptr + t * stride_dt, stride_dp, hi, h_ok,
-                                     NORM_PAIRS, DTYPE)
-                if NORM_PAIRS >= 0:
-                    if p == 0:
-                        tl.store(res_ptr + t * stride_rt + hi, srow, mask=h_ok)
-                tl.store(y_ptr + p * stride_yp + t * stride_yt + hi,
-                         _rms_norm_row(srow, nw, norm_eps, K, DTYPE), mask=h_ok)
-        tl.debug_barrier()
-        x_rows = y_ptr + p * stride_yp + rows * stride_yt
     if PRELOAD:
         x0 = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=rows_ok & (offs_k[None, :] < K), other=0.0)
         acc = tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32)
@@ -225,8 +196,8 @@ def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
     namespace = jit_functions(__name__, (
-        _round_to, _load_w, _dot_acc, _rope_partner, _norm_rope_params, _norm_rope, _residual_row,
-        _rms_norm_row, _qkv_norm_rope_cache_kernel))
+        _round_to, _load_w, _dot_acc, _rope_partner, _norm_rope_params, _norm_rope,
+        _qkv_norm_rope_cache_kernel))
     return namespace["_qkv_norm_rope_cache_kernel"]
 
 
@@ -272,65 +243,6 @@ def qkv_norm_rope_cache(
     Raises:
         ValueError: on a shape, dtype, layout or device the kernel does not take.
     """
-    return _launch(x, weight, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps, cos_table,
-                   sin_table, positions, rot, slot_mapping, k_cache, v_cache, config, None)[:2]
-
-
-def add_norm_qkv_norm_rope_cache(
-    residual: torch.Tensor,
-    delta: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-    weight: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
-    positions: torch.Tensor,
-    rot: int,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    config: HeadGemmConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's input residual add + RMSNorm (``kernels/add_rms_norm.py``) and then
-    :func:`qkv_norm_rope_cache` on the normed rows, in ONE launch.
-
-    Args:
-        residual: ``[M, H]`` the residual stream, unit stride along H.
-        delta: None (``residual`` is the input), ``[M, H]`` or the MoE's pairs ``[M, P, H]``,
-            residual's dtype, unit stride along H: the previous layer's output is
-            ``residual + delta``.
-        norm_weight: ``[H]`` the input RMSNorm's weight, contiguous, residual's dtype.
-        norm_eps: its epsilon.
-        weight .. config: as :func:`qkv_norm_rope_cache` takes them.
-
-    Returns:
-        ``(s [M, H], q, gate)``: ``s = residual + delta`` as ``add_rms_norm`` writes it (``residual``
-        itself when ``delta`` is None), and ``qkv_norm_rope_cache(add_rms_norm(...)[1], ...)``. Each
-        program norms the rows itself with add_rms_norm's row code, so the normed rows equal that
-        kernel's up to the summation order of the norm statistic, which follows the program's
-        warp count (equal where both use the same).
-
-    Raises:
-        ValueError: as the two functions raise, naming the argument.
-    """
-    problem = _operand_problem(residual, delta, norm_weight)
-    if problem is not None:
-        raise ValueError(f"add_norm_qkv_norm_rope_cache: {problem}")
-    q, gate, s = _launch(residual, weight, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps,
-                         cos_table, sin_table, positions, rot, slot_mapping, k_cache, v_cache, config,
-                         (delta, norm_weight, float(norm_eps)))
-    return s, q, gate
-
-
-def _launch(x, weight, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps, cos_table,
-            sin_table, positions, rot, slot_mapping, k_cache, v_cache, config, norm):
-    # norm: None (x is the GEMM input) or (delta, norm weight, norm eps) with x the residual
     _sg._check(x, weight)
     _qk._check_heads(num_heads, num_kv_heads, head_dim)
     m, h = x.shape
@@ -352,46 +264,28 @@ def _launch(x, weight, num_heads, num_kv_heads, head_dim, q_weight, k_weight, ep
     gate_dim = n - width
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     gate = torch.empty((m, gate_dim), dtype=x.dtype, device=x.device)
-    delta, norm_weight, norm_eps = norm if norm is not None else (None, None, 0.0)
-    if norm is None:
-        res = None
-    else:
-        res = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if m == 0:
-        return q, gate, res
+        return q, gate
     interpret = interpret_mode()
     use_pdl = pdl.active(x.device, interpret)
     block_k = min(cfg.block_k, max(16, 1 << (h - 1).bit_length()))
     grid = (num_heads + 2 * num_kv_heads + -(-gate_dim // head_dim),)
-    norm_rows = 1 << (m - 1).bit_length()
-    if norm is None:
-        norm_pairs, normed = _NO_INPUT_NORM, None
-    else:
-        norm_pairs = -1 if delta is None else (0 if delta.dim() == 2 else delta.shape[1])
-        # every program's own copy of the normed rows, read back by its K loop
-        normed = torch.empty((grid[0], norm_rows, h), dtype=x.dtype, device=x.device)
     _kernels(interpret)[grid](
         x, weight, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, q, gate,
         k_cache, v_cache,
-        x if delta is None else delta, x if norm_weight is None else norm_weight,
-        x if res is None or delta is None else res, x if normed is None else normed,
-        m, x.stride(0), 1 if norm is not None else x.stride(1), weight.stride(0), q_weight.stride(0),
-        k_weight.stride(0), cos_table.stride(0), sin_table.stride(0), positions.stride(0),
-        slot_mapping.stride(0), q.stride(0), q.stride(1), gate.stride(0),
+        m, x.stride(0), x.stride(1), weight.stride(0), q_weight.stride(0), k_weight.stride(0),
+        cos_table.stride(0), sin_table.stride(0), positions.stride(0), slot_mapping.stride(0),
+        q.stride(0), q.stride(1), gate.stride(0),
         *k_cache.stride(), *v_cache.stride(),
-        0 if delta is None else delta.stride(0), delta.stride(1) if norm_pairs > 0 else 0,
-        0 if res is None else res.stride(0), 0 if normed is None else normed.stride(0),
-        0 if normed is None else normed.stride(1),
-        float(eps), float(norm_eps),
+        float(eps),
         N=n, K=h, GATE_DIM=gate_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, ROT_DIM=rot, M_PAD=max(16, 1 << (m - 1).bit_length()), BLOCK_K=block_k,
         K_ITERS=-(-h // block_k), IEEE=x.dtype == torch.float32 or interpret,
         MASK_W=n % head_dim != 0 or h % block_k != 0,
         DTYPE=DTYPE_CODE[x.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype], PDL=use_pdl,
         PRELOAD=PRELOAD_FIRST_TILE and -(-h // block_k) > 1, EARLY=EARLY_SIGNAL,
-        NORM_PAIRS=norm_pairs, NORM_ROWS=norm_rows, BLOCK_H=1 << (h - 1).bit_length(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False,  # no FMA contraction in the epilogue: it rounds as qk_norm_rope_cache
         **pdl.launch_options(use_pdl),
     )
-    return q, gate, res
+    return q, gate

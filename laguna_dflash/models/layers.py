@@ -18,7 +18,6 @@ from torch import nn
 
 from ..distributed import SINGLE, TensorParallel
 from ..engine.attention import AttentionBackend, AttentionMetadata
-from ..kernels import add_rms_norm as norm_kernel
 from ..kernels import (
     batch_invariant,
     fused_moe,
@@ -214,11 +213,6 @@ class Attention(nn.Module):
     # graph in 3.77-3.79 against 3.82-3.83 and the drafter block in 0.35 against 0.36 ms
     # (docs/PERFORMANCE.md, fifty-sixth pass).
     fuse_qk_min_tokens: int | None = 1
-    # Where the head GEMM runs (above) and the layer's input is a residual plus a delta, the
-    # layer's input residual add + RMSNorm runs in the same launch too
-    # (qkv_norm_rope_cache.add_norm_qkv_norm_rope_cache: each program norms the rows itself):
-    # one launch a layer fewer. Not yet timed on a GPU, so off.
-    fuse_input_norm: bool = False
     # True: up to skinny_gemm.MAX_M tokens, ``o_proj.weight`` goes to the backend as an L2
     # prefetch hint (kernels/l2_prefetch.py). Off: on the H200 it did not pay (batch-1 replay
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
@@ -258,8 +252,13 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         rot = self.rotary
         if self._head_gemm_runs(x, ctx):
-            return self._attend_heads(*qkv_norm_rope_cache.qkv_norm_rope_cache(
-                x, *self._head_gemm_operands(ctx)), ctx)
+            q, gate = qkv_norm_rope_cache.qkv_norm_rope_cache(
+                x, self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
+                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
+            if self.gating != "per-head":
+                gate = gate.view(t, self.num_heads, self.head_dim)
+            return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
         qkv, gate = self.project(x)
         if self._fused_qk_cache_runs(qkv, ctx):
             q = qk_norm_rope_cache.qk_norm_rope_cache(
@@ -273,35 +272,6 @@ class Attention(nn.Module):
             v = v.view(t, self.num_kv_heads, self.head_dim)
             ctx.backend.write_kv(k_cache, v_cache, k, v, meta)
         return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
-
-    def forward_from_residual(self, residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm,
-                              ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(s, forward(norm(s), ctx))`` for the layer input ``s = residual + delta`` (``[T, H]``
-        each; ``delta`` ``[T, H]`` or MoE pairs ``[T, P, H]``) in the head GEMM's one launch, where
-        :attr:`fuse_input_norm` and the head GEMM both apply and the norm kernel takes the
-        operands; None elsewhere (the caller norms, then calls :meth:`forward`)."""
-        if not (self.fuse_input_norm and fusion.use_norm_kernel and not torch.is_grad_enabled()
-                and self._head_gemm_runs(residual, ctx)
-                and norm_kernel.can_run(residual, delta, norm.weight)):
-            return None
-        s, q, gate = qkv_norm_rope_cache.add_norm_qkv_norm_rope_cache(
-            residual, delta, norm.weight, norm.eps, *self._head_gemm_operands(ctx))
-        return s, self._attend_heads(q, gate, ctx)
-
-    def _head_gemm_operands(self, ctx: ForwardContext) -> tuple:
-        # the head GEMM's arguments after its input: the fused Q|K|V|gate weight, the head layout,
-        # the Q/K norms, RoPE at this forward's positions, and the K/V cache slots
-        meta = ctx.meta_of(self.cache_index)
-        rot = self.rotary
-        return (self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, meta.positions,
-                rot.spec.rotary_dim, meta.slot_mapping, *ctx.kv_caches[self.cache_index])
-
-    def _attend_heads(self, q: torch.Tensor, gate: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # the head GEMM's q [T, nh, hd] and gate columns [T, gate_dim] -> the layer's attention output
-        if self.gating != "per-head":
-            gate = gate.view(q.shape[0], self.num_heads, self.head_dim)
-        return self._attend_and_project(q, gate, *ctx.kv_caches[self.cache_index], ctx)
 
     def _attend_and_project(self, q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -496,10 +466,6 @@ class MoE(nn.Module):
     # 5.8 / 5.8 / 5.8 for the skinny GEMM + routing kernel, but 7.1 against 5.9 at T = 8.
     # False: the two-launch path everywhere (the A/B baseline).
     use_fused_router: bool = True
-    # In CUDA-graph builds where the fused router runs, the layer's post-attention residual add +
-    # RMSNorm runs in its launch too (moe_routing.fused_add_norm_router_route: each program norms
-    # the rows itself): one launch a layer fewer. Not yet timed on a GPU, so off.
-    fuse_post_attention_norm: bool = False
     fused_router_max_tokens: int = 4
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
@@ -597,48 +563,17 @@ class MoE(nn.Module):
         over all pairs (the shared expert included once folded); the pairs ``[T, P, H]`` when
         ``keep_pairs`` and folded, else their sum ``[T, H]``."""
         folded = self.gate_up_with_shared is not None
+        route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
+                 self.norm_topk_prob)
         invariant = batch_invariant.is_active()  # per-token paths only (no GEMV variants)
         if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
             weights, ids = moe_routing.fused_router_route(
-                x, self.gate.weight, *self._route_args(), scale=self.routed_scaling_factor,
-                num_shared=int(folded))
+                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
         else:
             weights, ids = moe_routing.fused_moe_route(
-                linear(x, self.gate.weight), *self._route_args(), scale=self.routed_scaling_factor,
+                linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor,
                 num_shared=int(folded))
-        return self._fused_experts(x, weights, ids, keep_pairs)
-
-    def forward_from_residual(self, residual: torch.Tensor, attn_out: torch.Tensor, norm: RMSNorm,
-                              keep_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(s, forward(norm(s), keep_pairs))`` for ``s = residual + attn_out`` (``[T, H]`` each)
-        with the residual add + RMSNorm in the fused router's launch
-        (:func:`moe_routing.fused_add_norm_router_route`), where :attr:`fuse_post_attention_norm`
-        holds, the fused router would run, it is a CUDA-graph build and the norm kernel takes the
-        operands; None elsewhere (the caller norms, then calls :meth:`forward`)."""
-        if not (self.fuse_post_attention_norm and fusion.use_norm_kernel and not self.tp.is_parallel
-                and is_building_cuda_graph() and not batch_invariant.is_active()
-                and self._fused_kernels_run(residual) and self.use_fused_router
-                and residual.shape[0] <= self.fused_router_max_tokens and self.gate.bias is None
-                and moe_routing.can_fuse_router(residual, self.gate.weight)
-                and attn_out.dim() == 2 and norm_kernel.can_run(residual, attn_out, norm.weight)):
-            return None
-        weights, ids, s, x = moe_routing.fused_add_norm_router_route(
-            residual, attn_out, norm.weight, norm.eps, self.gate.weight, *self._route_args(),
-            scale=self.routed_scaling_factor, num_shared=int(self.gate_up_with_shared is not None))
-        return s, self._fused_experts(x, weights, ids, keep_pairs)
-
-    def _route_args(self) -> tuple:
-        # (bias, top_k, softcap, score_func, norm_topk_prob) as the routing kernels take them
-        return (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
-                self.norm_topk_prob)
-
-    def _fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       keep_pairs: bool) -> torch.Tensor:
-        # the expert kernels of fused_forward on its routes: the pairs [T, P, H] when keep_pairs
-        # and folded, else their sum [T, H]
-        folded = self.gate_up_with_shared is not None
-        invariant = batch_invariant.is_active()
         # expert parallelism: the kernels skip (output 0, no weight read) the pairs of id -1
         skips = {"has_skipped_pairs": True} if self.tp.shards_experts else {}
         experts = (x, self.local_ids(ids), weights, *self.fused_experts())
@@ -817,19 +752,7 @@ class DecoderLayer(nn.Module):
                          ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input ``residual + delta`` (``delta`` None: ``residual`` alone; else
         ``[T, H]`` or MoE pairs ``[T, P, H]``) -> ``(residual, delta)`` whose sum is its output."""
-        return self.finish(*self.attend(residual, delta, ctx))
-
-    def attend(self, residual: torch.Tensor, delta: torch.Tensor | None,
-               ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s, self_attn(input_layernorm(s)))`` for the layer input ``s = residual + delta``:
-        the input norm in the attention's first launch where :meth:`Attention.forward_from_residual`
-        takes it, else :meth:`add_input_norm` and then the attention."""
-        if delta is not None:
-            fused = self.self_attn.forward_from_residual(residual, delta, self.input_layernorm, ctx)
-            if fused is not None:
-                return fused
-        residual, x = self.add_input_norm(residual, delta)
-        return residual, self.self_attn(x, ctx)
+        return self.forward_normed(*self.add_input_norm(residual, delta), ctx)
 
     def add_input_norm(self, residual: torch.Tensor,
                        delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -840,16 +763,12 @@ class DecoderLayer(nn.Module):
             return residual, norm(residual)
         return fusion.add_rms_norm(residual, delta, norm.weight, norm.eps)
 
-    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after its attention: ``residual`` its input, ``attn_out`` the attention's
-        output -> ``(residual, delta)`` whose sum is its output; the post-attention norm in the
-        MoE router's launch where :meth:`MoE.forward_from_residual` takes it."""
+    def forward_normed(self, residual: torch.Tensor, x: torch.Tensor,
+                       ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its input norm: ``residual`` its input, ``x`` the normed input ->
+        ``(residual, delta)`` whose sum is its output (:meth:`forward_deferred`)."""
         norm = self.post_attention_layernorm
-        if isinstance(self.mlp, MoE):
-            fused = self.mlp.forward_from_residual(residual, attn_out, norm, keep_pairs=True)
-            if fused is not None:
-                return fused
-        residual, x = fusion.add_rms_norm(residual, attn_out, norm.weight, norm.eps)
+        residual, x = fusion.add_rms_norm(residual, self.self_attn(x, ctx), norm.weight, norm.eps)
         delta = self.mlp(x, keep_pairs=True) if isinstance(self.mlp, MoE) else self.mlp(x)
         return residual, delta
 
@@ -858,17 +777,17 @@ def run_layers(layers: nn.ModuleList, h: torch.Tensor, ctx: ForwardContext, fina
                tap_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """``h [T, H]`` through ``layers`` then ``final_norm`` -> (normed ``[T, H]``, taps): tap
     ``i`` is layer ``i``'s output ``[T, H]``. Each layer's residual add runs fused with the next
-    norm (:meth:`DecoderLayer.attend`, or the final norm), and a tap is the sum that
+    norm (:meth:`DecoderLayer.add_input_norm`, or the final norm), and a tap is the sum that
     kernel writes anyway: a forward with taps runs the same kernels, with the same values, as
     one without."""
     residual, delta = h, None
     taps: dict[int, torch.Tensor] = {}
     wanted = set(tap_layer_ids)
     for i, layer in enumerate(layers):
-        residual, attn_out = layer.attend(residual, delta, ctx)
+        residual, x = layer.add_input_norm(residual, delta)
         if i - 1 in wanted:  # residual is layer i - 1's output
             taps[i - 1] = residual
-        residual, delta = layer.finish(residual, attn_out)
+        residual, delta = layer.forward_normed(residual, x, ctx)
     if delta is None:  # no layers
         normed = final_norm(residual)
     else:

@@ -53,6 +53,8 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass80     # built, not run: the head GEMM's first two weight tiles
+#                                           # before its PDL wait; decode / verify graphs (~5 min)
 #   bash benchmarks/gpu_check.sh pass79     # built, not run: the PDL race test at 16 tokens; goal 2's
 #                                           # cell in four processes; batch 4 / 16 at K = 0, 3 (~9 min)
 #   bash benchmarks/gpu_check.sh pass78     # the new defaults: engine CUDA tests, head GEMM and
@@ -913,6 +915,17 @@ case "$stage" in
         --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
         | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
     done ;;
+  pass80)
+    echo "== (built for the fifty-ninth pass) the head GEMM's first two weight tiles before its PDL"
+    echo "   wait (qkv_norm_rope_cache.PRELOAD_TILES=2 against 1): its CUDA and sm_90 tests, then"
+    echo "   the decode and 4-token verify graphs, each setting twice (~5 min)"
+    gpu_tests 100 -n 4 tests/test_kernel_qkv_norm_rope_cache.py -k "cuda or sm90" | grep -v PASSED | tail -4
+    k="laguna_dflash.kernels.qkv_norm_rope_cache:PRELOAD_TILES"
+    for q in 1 4; do
+      timeout 120 python benchmarks/profile_decode_xs.py --q $q --top 4 --new-tokens 8 \
+        --switch "$k=2" --switch "$k=1" --switch "$k=2" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -20
+    done ;;
   pass79)
     echo "== (for the fifty-ninth pass) the fifty-eighth pass's defaults end to end: the PDL race"
     echo "   test at 16 query tokens, goal 2's cell in four processes, then batch 4 and 16 at"
@@ -997,7 +1010,7 @@ case "$stage" in
     echo "   head GEMM's early signal off (a race would show there), then the engine test files the"
     echo "   pass did not run on the GPU (~8 min)"
     k="laguna_dflash.kernels.qkv_norm_rope_cache"
-    same="--switch laguna_dflash.models.layers:Attention.fuse_qk_min_tokens=1 --switch $k:PRELOAD_FIRST_TILE=True --switch $k:EARLY_SIGNAL=True"
+    same="--switch laguna_dflash.models.layers:Attention.fuse_qk_min_tokens=1 --switch $k:PRELOAD_TILES=1 --switch $k:EARLY_SIGNAL=True"
     for row in defaults switches defaults switches early-off; do
       case $row in defaults) extra="" ;; switches) extra=$same ;; early-off) extra="--switch $k:EARLY_SIGNAL=False" ;; esac
       echo "-- $row"
@@ -1016,8 +1029,8 @@ case "$stage" in
     k="laguna_dflash.kernels.qkv_norm_rope_cache"
     for q in 4 1; do
       timeout 130 python benchmarks/profile_decode_xs.py --q $q --top 6 --new-tokens 8 \
-        --switch "$k:PRELOAD_FIRST_TILE=False" --switch "$k:EARLY_SIGNAL=False" \
-        --switch "$k:PRELOAD_FIRST_TILE=False;$k:EARLY_SIGNAL=False" 2>&1 | quiet \
+        --switch "$k:PRELOAD_TILES=0" --switch "$k:EARLY_SIGNAL=False" \
+        --switch "$k:PRELOAD_TILES=0;$k:EARLY_SIGNAL=False" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -30
     done ;;
   pass67)

@@ -144,13 +144,28 @@ def test_interpreted_gate_tiles(gate_dim):
 
 
 @interpreted
+@pytest.mark.parametrize("tiles", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interpreted_without_the_first_tile_preload_sums_alike(dtype, monkeypatch):
-    """``PRELOAD_FIRST_TILE`` off (on by default: the K loop's first step peeled, its weight
-    tile loaded before the PDL wait): the plain K loop, the same dots in the same order."""
-    monkeypatch.setattr(fused, "PRELOAD_FIRST_TILE", False)
+def test_interpreted_other_preload_depths_sum_alike(dtype, tiles, monkeypatch):
+    """``PRELOAD_TILES`` 0 (the plain K loop) or 2 (two steps peeled, their weight tiles loaded
+    before the PDL wait) instead of the default 1: the same dots in the same order. The hidden
+    size of 320 is three 128-wide steps, the last one ragged, so with 2 the loop runs one step."""
+    monkeypatch.setattr(fused, "PRELOAD_TILES", tiles)
     monkeypatch.setattr(fused, "EARLY_SIGNAL", False)
-    check(problem(3, 4, 2, 128, 8, dtype, seed=11))
+    check(problem(3, 4, 2, 128, 8, dtype, hidden=320, seed=11))
+
+
+@pytest.mark.parametrize("tiles,k_iters,want", [(1, 16, 1), (2, 16, 2), (2, 2, 1), (2, 1, 0), (0, 16, 0)])
+def test_preload_tiles_leave_the_loop_a_step(tiles, k_iters, want, monkeypatch):
+    monkeypatch.setattr(fused, "PRELOAD_TILES", tiles)
+    assert fused.preload_tiles(k_iters) == want
+
+
+@pytest.mark.parametrize("tiles", [3, True, -1])
+def test_preload_tiles_rejects_other_values(tiles, monkeypatch):
+    monkeypatch.setattr(fused, "PRELOAD_TILES", tiles)
+    with pytest.raises(ValueError, match="PRELOAD_TILES must be 0, 1 or 2"):
+        fused.preload_tiles(16)
 
 
 @interpreted
@@ -203,7 +218,7 @@ def test_can_use_needs_a_power_of_two_head_dim():
 # ---- offline sm_90 build ---------------------------------------------------------------------------
 
 
-def _sm90_build(dtype: str, preload: bool = False, early: bool = False) -> tuple[str, list[int]]:
+def _sm90_build(dtype: str, preload: int = 0, early: bool = False) -> tuple[str, list[int]]:
     # the XS-2.1 sliding layer's build (64 / 8 heads, 2048 hidden) with the default tile (fp32: its
     # own): (PTX, spill bytes)
     cfg = fused.DEFAULT_CONFIG if dtype == "bf16" else fused.FP32_CONFIG
@@ -239,15 +254,20 @@ def test_sm90_build_loads_only_parameters_before_the_pdl_wait(dtype):
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_switches_move_the_first_tile_and_the_signal():
-    """``PRELOAD_FIRST_TILE`` adds the first weight tile's loads before the wait (x still after
-    it); ``EARLY_SIGNAL`` puts launch_dependents before the K loop's loads."""
+def test_sm90_switches_move_the_first_tiles_and_the_signal():
+    """``PRELOAD_TILES`` adds the first weight tiles' loads before the wait (x still after it),
+    twice as many for two tiles, without spills; ``EARLY_SIGNAL`` puts launch_dependents before
+    the K loop's loads."""
     plain, _ = _sm90_build("bf16")
-    ptx, spills = _sm90_build("bf16", preload=True, early=True)
-    assert spills == [0], spills
-    assert len(loads_before_pdl_wait(ptx)) > len(loads_before_pdl_wait(plain))
-    signal = ptx.index("griddepcontrol.launch_dependents")
-    assert "cp.async" not in ptx[:signal] and "cp.async" in ptx[signal:]
+    ptx, spills = _sm90_build("bf16", preload=1, early=True)
+    two, two_spills = _sm90_build("bf16", preload=2, early=True)
+    assert spills == [0] and two_spills == [0], (spills, two_spills)
+    num_plain = len(loads_before_pdl_wait(plain))
+    num_one, num_two = len(loads_before_pdl_wait(ptx)) - num_plain, len(loads_before_pdl_wait(two)) - num_plain
+    assert num_one > 0 and num_two == 2 * num_one, (num_plain, num_one, num_two)
+    for build in (ptx, two):
+        signal = build.index("griddepcontrol.launch_dependents")
+        assert "cp.async" not in build[:signal] and "cp.async" in build[signal:]
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------
@@ -263,6 +283,14 @@ cuda = pytest.mark.skipif(INTERPRETED or not fused.can_use(torch.zeros(1, 16, de
 @pytest.mark.parametrize("t", [1, 4, 16])
 def test_cuda_xs_shapes_equal_two_launches(t, nh, rot, gate, dtype):
     check(problem(t, nh, 8, rot, gate, dtype, hidden=2048, num_slots=1024, device="cuda", seed=t + nh))
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 4])
+def test_cuda_two_preloaded_tiles_equal_two_launches(t, monkeypatch):
+    """``PRELOAD_TILES = 2`` (two weight tiles before the PDL wait) at XS-2.1 shapes."""
+    monkeypatch.setattr(fused, "PRELOAD_TILES", 2)
+    check(problem(t, 64, 8, 128, 64, torch.bfloat16, hidden=2048, num_slots=1024, device="cuda", seed=t))
 
 
 @cuda

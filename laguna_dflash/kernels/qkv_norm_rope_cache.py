@@ -29,7 +29,7 @@ by ``qk_norm_rope_cache`` bit for bit, and q and the K rows do up to the summati
 ``mean(x^2)`` (the tile's layout against the Q/K kernel's row: about one ulp of the statistic,
 which flips a rounding on well under 1% of bf16 elements; tested). With PDL a program reads positions, slots, norm
 weights, cos / sin rows and its first weight tile before its wait (kernels/pdl.py rule 3), x after
-it, and signals its dependents right after the wait (``PRELOAD_FIRST_TILE``, ``EARLY_SIGNAL``).
+it, and signals its dependents right after the wait (``PRELOAD_TILES``, ``EARLY_SIGNAL``).
 Shapes alone decide the launch: CUDA-graph capturable.
 """
 
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 __all__ = ["HeadGemmConfig", "can_use", "qkv_norm_rope_cache"]
 
 MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
-# PRELOAD_FIRST_TILE: each program loads its first weight tile before the PDL wait (the K
-# loop's first step peeled; the same dots in the same order), as the one-row GEMV does.
+# PRELOAD_TILES: each program loads its first weight tiles (0, 1 or 2) before the PDL wait (the
+# K loop's first steps peeled; the same dots in the same order), as the one-row GEMV does.
 # EARLY_SIGNAL: programs signal their dependents right after the wait instead of after the K
 # loop, so attention's programs become resident on the SMs the ~80-program grid leaves idle and
 # load their metadata and old K/V before their own wait (kernels/pdl.py rules 2 and 3 hold:
@@ -64,8 +64,10 @@ MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
 # its wait). On the H200 (XS-2.1, 1k context) the decode graph with this kernel at one token
 # replayed in 2.18 ms plain, 2.07 with the early signal and 2.04-2.06 with both, against 2.11-2.12
 # for the GEMV and the Q/K kernel; the 4-token verify graph in 3.77-3.79 ms every way
-# (docs/PERFORMANCE.md, fifty-sixth pass).
-PRELOAD_FIRST_TILE = True
+# (docs/PERFORMANCE.md, fifty-sixth pass). Two tiles: the input norm before this kernel leaves
+# the HBM idle for ~2.5 us a layer at decode, time for a second 32 KiB tile a program (2.6 MB
+# a launch at XS-2.1 size); 64 of the 8 warps' registers a thread hold both. Not yet timed.
+PRELOAD_TILES = 1
 EARLY_SIGNAL = True
 
 
@@ -148,23 +150,24 @@ def _qkv_norm_rope_cache_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + rows * stride_xm
     if PRELOAD:
-        # step 0 peeled: its weight tile (a parameter) before the wait, x (the previous
-        # kernel's output) after it; then steps 1.. through the pipelined loop
+        # steps 0 (and 1) peeled: their weight tiles (parameters) before the wait, x (the
+        # previous kernel's output) after it; then the next steps through the pipelined loop
         offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         w0 = _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K), MASK_W, True)
+        if PRELOAD >= 2:
+            w1 = _load_w(w_rows + BLOCK_K + offs_k[None, :],
+                         (offs_n[:, None] < N) & (BLOCK_K + offs_k[None, :] < K), MASK_W, True)
     if PDL:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
         if EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     if PRELOAD:
-        x0 = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=rows_ok & (offs_k[None, :] < K), other=0.0)
-        acc = tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32)
-        if IEEE:
-            acc = tl.dot(w0.to(tl.float32), tl.trans(x0.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w0, tl.trans(x0), acc)
-        acc = _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, BLOCK_K, M, N, K, stride_xk, K_ITERS - 1,
-                       BLOCK_K, IEEE, MASK_W, True)
+        acc = _peeled_dot(tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32), w0, x_rows, offs_k, rows_ok, K,
+                          stride_xk, IEEE)
+        if PRELOAD >= 2:
+            acc = _peeled_dot(acc, w1, x_rows, BLOCK_K + offs_k, rows_ok, K, stride_xk, IEEE)
+        acc = _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, PRELOAD * BLOCK_K, M, N, K, stride_xk,
+                       K_ITERS - PRELOAD, BLOCK_K, IEEE, MASK_W, True)
     else:
         acc = _dot_acc(tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
                        0, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, True)
@@ -191,14 +194,31 @@ def _qkv_norm_rope_cache_kernel(
         tl.store(g_ptr + rows * stride_gt + col, x, mask=rows_ok & (col < GATE_DIM))
 
 
+def _peeled_dot(acc, w, x_rows, offs_k, rows_ok, K, stride_xk, IEEE: tl.constexpr):
+    # one peeled K step: acc [HEAD_DIM, M_PAD] += w [HEAD_DIM, BLOCK_K] x[:, offs_k]^T, the dot
+    # _dot_acc's loop body does (so the sums are the loop's, step for step)
+    x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=rows_ok & (offs_k[None, :] < K), other=0.0)
+    if IEEE:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
+
+
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
     namespace = jit_functions(__name__, (
-        _round_to, _load_w, _dot_acc, _rope_partner, _norm_rope_params, _norm_rope,
+        _round_to, _load_w, _dot_acc, _peeled_dot, _rope_partner, _norm_rope_params, _norm_rope,
         _qkv_norm_rope_cache_kernel))
     return namespace["_qkv_norm_rope_cache_kernel"]
+
+
+def preload_tiles(k_iters: int) -> int:
+    """The K steps a launch of ``k_iters`` steps peels before its PDL wait: ``PRELOAD_TILES``,
+    leaving the pipelined loop at least one step."""
+    if isinstance(PRELOAD_TILES, bool) or PRELOAD_TILES not in (0, 1, 2):
+        raise ValueError(f"qkv_norm_rope_cache.PRELOAD_TILES must be 0, 1 or 2, got {PRELOAD_TILES!r}")
+    return max(0, min(PRELOAD_TILES, k_iters - 1))
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -283,7 +303,7 @@ def qkv_norm_rope_cache(
         K_ITERS=-(-h // block_k), IEEE=x.dtype == torch.float32 or interpret,
         MASK_W=n % head_dim != 0 or h % block_k != 0,
         DTYPE=DTYPE_CODE[x.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype], PDL=use_pdl,
-        PRELOAD=PRELOAD_FIRST_TILE and -(-h // block_k) > 1, EARLY=EARLY_SIGNAL,
+        PRELOAD=preload_tiles(-(-h // block_k)), EARLY=EARLY_SIGNAL,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False,  # no FMA contraction in the epilogue: it rounds as qk_norm_rope_cache
         **pdl.launch_options(use_pdl),

@@ -54,7 +54,7 @@
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
 #   bash benchmarks/gpu_check.sh pass80     # built, not run: the head GEMM's first two weight tiles
-#                                           # before its PDL wait; decode / verify graphs (~5 min)
+#                                           # before its PDL wait, the norm's warps; graphs (~6 min)
 #   bash benchmarks/gpu_check.sh pass79     # built, not run: the PDL race test at 16 tokens; goal 2's
 #                                           # cell in four processes; batch 4 / 16 at K = 0, 3 (~9 min)
 #   bash benchmarks/gpu_check.sh pass78     # the new defaults: engine CUDA tests, head GEMM and
@@ -917,14 +917,17 @@ case "$stage" in
     done ;;
   pass80)
     echo "== (built for the fifty-ninth pass) the head GEMM's first two weight tiles before its PDL"
-    echo "   wait (qkv_norm_rope_cache.PRELOAD_TILES=2 against 1): its CUDA and sm_90 tests, then"
-    echo "   the decode and 4-token verify graphs, each setting twice (~5 min)"
-    gpu_tests 100 -n 4 tests/test_kernel_qkv_norm_rope_cache.py -k "cuda or sm90" | grep -v PASSED | tail -4
-    k="laguna_dflash.kernels.qkv_norm_rope_cache:PRELOAD_TILES"
+    echo "   wait (qkv_norm_rope_cache.PRELOAD_TILES=2 against 1) and the norm kernel's warps"
+    echo "   (add_rms_norm.NUM_WARPS 8 and 2 against 4): their CUDA and sm_90 tests, then the decode"
+    echo "   and 4-token verify graphs (~6 min)"
+    gpu_tests 100 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_kernel_add_rms_norm.py \
+      -k "cuda or sm90" | grep -v PASSED | tail -4
+    y="laguna_dflash.kernels.qkv_norm_rope_cache:PRELOAD_TILES"
+    z="laguna_dflash.kernels.add_rms_norm:NUM_WARPS"
     for q in 1 4; do
-      timeout 120 python benchmarks/profile_decode_xs.py --q $q --top 4 --new-tokens 8 \
-        --switch "$k=2" --switch "$k=1" --switch "$k=2" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -20
+      timeout 150 python benchmarks/profile_decode_xs.py --q $q --top 4 --new-tokens 8 \
+        --switch "$y=2" --switch "$y=1" --switch "$y=2" --switch "$z=8" --switch "$z=2" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|qkv_norm|add_rms|equal|rror" | head -30
     done ;;
   pass79)
     echo "== (for the fifty-ninth pass) the fifty-eighth pass's defaults end to end: the PDL race"

@@ -130,6 +130,20 @@ def test_not_available_on_a_cpu_without_the_interpreter():
         arn.add_rms_norm(h, delta, w, EPS)
 
 
+@pytest.mark.parametrize("warps,block,want", [(None, 2048, 4), (None, 128, 1), (None, 16384, 8), (16, 2048, 16),
+                                               (2, 2048, 2)])
+def test_warp_count(warps, block, want, monkeypatch):
+    monkeypatch.setattr(arn, "NUM_WARPS", warps)
+    assert arn._num_warps(block) == want
+
+
+@pytest.mark.parametrize("warps", [3, 32, True])
+def test_bad_warp_count_names_the_knob(warps, monkeypatch):
+    monkeypatch.setattr(arn, "NUM_WARPS", warps)
+    with pytest.raises(ValueError, match="NUM_WARPS must be None or 1, 2, 4, 8 or 16"):
+        arn._num_warps(2048)
+
+
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("num_pairs", [-1, 0, 10])
 def test_sm90_programmatic_dependent_launch_order(num_pairs):
@@ -165,6 +179,16 @@ cuda = pytest.mark.skipif(INTERPRETED or not arn.is_available("cuda"),
 @pytest.mark.parametrize("t,hidden", [(1, 2048), (16, 2048), (300, 2048), (5, 3072), (3, 96)])
 def test_cuda_equals_eager(t, hidden, num_pairs, dtype):
     check(*operands(t, hidden, dtype, num_pairs, device="cuda", seed=t), max_mismatch=STRICT[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("warps", [2, 8, 16])
+def test_cuda_other_warp_counts_equal_eager(warps, monkeypatch):
+    """``NUM_WARPS`` (the A/B knob): the same values up to the statistic's summation order."""
+    monkeypatch.setattr(arn, "NUM_WARPS", warps)
+    for t, num_pairs in ((1, 10), (4, 10), (2, 0)):
+        check(*operands(t, 2048, torch.bfloat16, num_pairs, device="cuda", seed=t),
+              max_mismatch=STRICT[torch.bfloat16])
 
 
 @cuda

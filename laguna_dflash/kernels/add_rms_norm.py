@@ -42,6 +42,12 @@ __all__ = ["MAX_HIDDEN", "add_rms_norm", "can_run", "is_available"]
 
 MAX_HIDDEN = 16384  # one row in one program's registers
 _NO_DELTA = -1  # NUM_PAIRS codes: -1 no delta, 0 delta [T, H], P > 0 pairs [T, P, H]
+# Warps a program (1, 2, 4, 8 or 16); None: 16 values a thread (4 warps at H = 2048). The
+# kernel is latency-bound at decode (one program, ~2 us of a layer's span per launch); more
+# warps shorten each thread's load and FMA chains but lengthen the cross-warp reduction. The
+# summation order of mean(s^2) follows the warp count. Not yet timed in the graphs (an A/B
+# knob; benchmarks/gpu_check.sh pass80).
+NUM_WARPS: int | None = None
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -119,6 +125,15 @@ def can_run(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
     return _operand_problem(h, delta, weight) is None and is_available(h.device)
 
 
+def _num_warps(block: int) -> int:
+    # NUM_WARPS, or 16 values a thread (at most 8 warps)
+    if NUM_WARPS is None:
+        return max(1, min(8, block // 512))
+    if isinstance(NUM_WARPS, bool) or NUM_WARPS not in (1, 2, 4, 8, 16):
+        raise ValueError(f"add_rms_norm.NUM_WARPS must be None or 1, 2, 4, 8 or 16, got {NUM_WARPS!r}")
+    return NUM_WARPS
+
+
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -166,7 +181,7 @@ def add_rms_norm(
         0 if res is None else res.stride(0), 0 if out is None else out.stride(0), float(eps),
         HIDDEN=hidden, BLOCK=block, NUM_PAIRS=num_pairs, WRITE_RESIDUAL=res is not None,
         WRITE_NORM=out is not None, DTYPE=DTYPE_CODE[h.dtype], PDL=use_pdl,
-        num_warps=max(1, min(8, block // 512)),  # 16 bf16 values a thread
+        num_warps=_num_warps(block),
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
         **pdl.launch_options(use_pdl),
     )

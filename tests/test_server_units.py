@@ -246,10 +246,11 @@ def test_stats_logger_logs_interval_deltas_only_when_busy(caplog):
     log.maybe_log(EngineSnapshot(num_running=1, num_blocks=4, num_free_blocks=4, spec=first),
                   now=start + 1.0)
     assert not caplog.records  # interval not over yet
+    # intervals of 5.5 s: (start + 5.0) - start may round below 5.0 for a large monotonic clock
     log.maybe_log(EngineSnapshot(num_running=1, num_blocks=4, num_free_blocks=4, spec=first),
-                  now=start + 5.0)
+                  now=start + 5.5)
     second = SpecCounters(2, 6, 12, 5, (3, 2))
-    log.maybe_log(EngineSnapshot(num_blocks=4, num_free_blocks=4, spec=second), now=start + 10.0)
+    log.maybe_log(EngineSnapshot(num_blocks=4, num_free_blocks=4, spec=second), now=start + 11.0)
     spec_lines = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
     assert len(spec_lines) == 2
     assert "Accepted: 2 tokens, Drafted: 4 tokens" in spec_lines[1]  # the delta, not the total

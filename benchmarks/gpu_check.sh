@@ -312,6 +312,15 @@ decode_and_verify_ab() {
       | grep -E "^##|^\| [0-9]|kernels per|equal|$2|failed" | head -16
   done
 }
+# goal_cell LIMIT [ARGS...]: goal 2's cell (batch 1, L = 4 with K = 3 against target-only, 64
+# tokens, 3 rounds) in one process, bench_gpu_xs.py ARGS added (e.g. --switch module:attr=value);
+# prints the ratio row, both steps and the token digests
+goal_cell() {
+  local limit=$1; shift
+  timeout "$limit" python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
+    --sim-ks 0,3 --rounds 3 "$@" 2>&1 | quiet \
+    | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+}
 case "$stage" in
   tests)
     echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
@@ -911,9 +920,7 @@ case "$stage" in
       --switch "$sw=null" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|qk_norm|equal|rror" | head -24
     for on in ${GOAL_ROWS:-null 1}; do
       echo "-- goal cell, fuse_qk_min_tokens=$on"
-      timeout 100 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 --switch "$sw=$on" 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+      goal_cell 100 --switch "$sw=$on"
     done ;;
   pass80)
     echo "== (built for the fifty-ninth pass) the head GEMM's first two weight tiles before its PDL"
@@ -937,9 +944,7 @@ case "$stage" in
       | grep -v PASSED | tail -4
     for i in 1 2 3 4; do
       echo "-- goal cell, process $i"
-      timeout 85 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+      goal_cell 85
     done
     timeout 150 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 4,16 \
       --simulated 1,4 --sim-ks 0,3 --rounds 1 2>&1 | quiet | tail -16 ;;
@@ -962,10 +967,7 @@ case "$stage" in
       --switch "$c={\"num_warps\": 8}" 2>&1 | quiet | grep -E "^## |^\| [0-9]|qkv_norm|equal|rror" | head -30
     for on in 0 1 0 1; do
       echo "-- goal cell, new settings $on"
-      if [ $on = 1 ]; then set -- --switch "$c={\"num_warps\": 8}" --switch "$a=16"; else set --; fi
-      timeout 75 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 "$@" 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+      if [ $on = 1 ]; then goal_cell 75 --switch "$c={\"num_warps\": 8}" --switch "$a=16"; else goal_cell 75; fi
     done ;;
   pass74)
     echo "== (fifty-eighth pass) the head GEMM's tile inside the decode and 4-token"
@@ -999,9 +1001,7 @@ case "$stage" in
       --switch "$a=4" 2>&1 | quiet | grep -E "^## |^\| [0-9]|paged_att|equal|rror" | head -24
     for on in 1 4 1 4; do
       echo "-- goal cell, PRELOAD_MAX_QUERIES=$on"
-      timeout 90 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 --switch "$a=$on" 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+      goal_cell 90 --switch "$a=$on"
     done
     echo "-- decode timeline"
     timeout 120 python benchmarks/profile_decode_xs.py --layers 8 --q 1 --top 12 --sequence 40 \
@@ -1018,9 +1018,7 @@ case "$stage" in
       case $row in defaults) extra="" ;; switches) extra=$same ;; early-off) extra="--switch $k:EARLY_SIGNAL=False" ;; esac
       echo "-- $row"
       # $extra unquoted on purpose: several --switch arguments
-      timeout 90 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 4 \
-        --sim-ks 0,3 --rounds 3 $extra 2>&1 | quiet \
-        | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
+      goal_cell 90 $extra
     done
     gpu_tests 200 -n 6 -m "not exclusive_gpu" tests/test_prefix_caching.py tests/test_chunked_prefill.py \
       tests/test_prefill_graphs.py | tail -8 ;;

@@ -53,10 +53,14 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
-#   bash benchmarks/gpu_check.sh pass80     # built, not run: the head GEMM's first two weight tiles
-#                                           # before its PDL wait, the norm's warps; graphs (~6 min)
-#   bash benchmarks/gpu_check.sh pass79     # built, not run: the PDL race test at 16 tokens; goal 2's
-#                                           # cell in four processes; batch 4 / 16 at K = 0, 3 (~9 min)
+#   bash benchmarks/gpu_check.sh pass82     # the SwiGLU kernel with CUDA's expf: its tests, the engine's
+#                                           # CUDA tests, goal 2's cell on / off / on (~9 min)
+#   bash benchmarks/gpu_check.sh pass81     # the SwiGLU as a PDL kernel; the 4-row N 2048 x K 8192
+#                                           # GEMM's tile in the verify and drafter graphs (~7 min)
+#   bash benchmarks/gpu_check.sh pass80     # the head GEMM's first two weight tiles before its PDL
+#                                           # wait, the norm's warps; graphs (~6 min)
+#   bash benchmarks/gpu_check.sh pass79     # the PDL race test at 16 tokens; goal 2's cell in four
+#                                           # processes; batch 4 / 16 at K = 0, 3 (~9 min)
 #   bash benchmarks/gpu_check.sh pass78     # the new defaults: engine CUDA tests, head GEMM and
 #                                           # attention kernel tests (~7 min)
 #   bash benchmarks/gpu_check.sh pass77     # the head GEMM at 8 warps against deeper pipelines; goal
@@ -921,6 +925,36 @@ case "$stage" in
     for on in ${GOAL_ROWS:-null 1}; do
       echo "-- goal cell, fuse_qk_min_tokens=$on"
       goal_cell 100 --switch "$sw=$on"
+    done ;;
+  pass82)
+    echo "== (fifty-ninth pass) the SwiGLU kernel with CUDA's expf (libdevice): its CUDA and sm_90"
+    echo "   tests, the engine's CUDA tests (float32 lossless at XS-2.1 widths, graphs against"
+    echo "   eager), then goal 2's cell with the kernel on, off (torch.compile), on (~9 min)"
+    gpu_tests 60 -n 4 tests/test_kernel_silu_mul.py -k "cuda or sm90" | grep -v PASSED | tail -4
+    engine_cuda_tests 200 | grep -v PASSED | tail -8
+    u="laguna_dflash.models.fusion:use_silu_kernel"
+    for on in 1 0 1; do
+      echo "-- goal cell, SwiGLU kernel $on"
+      if [ $on = 1 ]; then goal_cell 85; else goal_cell 85 --switch "$u=False"; fi
+    done ;;
+  pass81)
+    echo "== (fifty-ninth pass) the dense MLPs' SwiGLU as a PDL kernel (kernels/silu_mul.py) and the"
+    echo "   4-row GEMM of N 2048 x K 8192 (the verify's o_proj, the drafter's o_proj and down) and"
+    echo "   the drafter's gate_up (N 16384 x K 2048) tiles, inside the 4-token verify and drafter"
+    echo "   graphs; the 16-token PDL race test with the head GEMM at 16 rows (~7 min)"
+    gpu_tests 120 -n 4 tests/test_kernel_silu_mul.py tests/test_kernel_paged_attention.py \
+      tests/test_cuda_graphs.py -k "(cuda or sm90) and (silu or keys_written_just_before or fused_elementwise)" \
+      | grep -v PASSED | tail -6
+    u="laguna_dflash.models.fusion:use_silu_kernel"
+    o="laguna_dflash.kernels.skinny_gemm:CONFIG_OVERRIDES"
+    n='"4,2048,8192"'
+    for mode in "--q 4" "--drafter --k 3"; do
+      timeout 170 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
+        --switch "$u=False" --switch "$o={$n: {\"split_k\": 8}}" --switch "$o={$n: {\"block_n\": 32}}" \
+        --switch "$o={$n: {\"block_k\": 128, \"num_stages\": 4, \"split_k\": 8}}" \
+        --switch "$o={$n: {\"num_warps\": 8}}" --switch "$o={$n: {\"num_stages\": 4}}" \
+        --switch "$o={\"4,16384,2048\": {\"split_k\": 2}}" --switch "$u=False" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|skinny|silu|equal|rror" | head -40
     done ;;
   pass80)
     echo "== (built for the fifty-ninth pass) the head GEMM's first two weight tiles before its PDL"

@@ -16,7 +16,7 @@ layers.use_staged_o_proj = False
 
 key = (1, 2048, 8192)
 sg._MEASURED[key] = dataclasses.replace(sg._MEASURED[key], evict_first=False)
-sg.default_config.cache_clear()
+sg._table_config.cache_clear()
 import profile_decode_xs  # noqa: E402
 
 sys.argv[0] = "profile_decode_xs.py"

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -263,7 +264,7 @@ def test_default_config_table(monkeypatch) -> None:
     four = SkinnyConfig(32, 256, 2, 8, 4, use_dot=True)
     sixteen = SkinnyConfig(64, 128, 1, 4, 3, use_dot=True)
     monkeypatch.setattr(sg, "_MEASURED", {(4, 256, 2048): four, (16, 256, 2048): sixteen})
-    sg.default_config.cache_clear()
+    sg._table_config.cache_clear()
     try:
         assert sg.default_config(3, 256, 2048) is four
         assert sg.default_config(1, 256, 2048) is four
@@ -274,7 +275,21 @@ def test_default_config_table(monkeypatch) -> None:
         assert not sg.is_tuned(17, 256, 2048) and not sg.is_tuned(1, 256, 4096)
     finally:
         monkeypatch.undo()
-        sg.default_config.cache_clear()
+        sg._table_config.cache_clear()
+
+
+def test_config_overrides_replace_fields_of_one_shape_bucket(monkeypatch) -> None:
+    """``CONFIG_OVERRIDES`` (the in-graph sweep knob) replaces the named fields of its shape
+    bucket's config and nothing else; an unknown field is an error naming the fields."""
+    table = sg.default_config(4, 2048, 8192)
+    monkeypatch.setattr(sg, "CONFIG_OVERRIDES", {"4,2048,8192": {"split_k": 8, "num_warps": 8}})
+    got = sg.default_config(3, 2048, 8192)
+    assert got == dataclasses.replace(table, split_k=8, num_warps=8) and got != table
+    assert sg.default_config(1, 2048, 8192) == sg._table_config(1, 2048, 8192)  # bucket 1
+    assert sg.default_config(16, 2048, 8192) == sg._table_config(16, 2048, 8192)
+    monkeypatch.setattr(sg, "CONFIG_OVERRIDES", {"4,2048,8192": {"splitk": 8}})
+    with pytest.raises(ValueError, match="CONFIG_OVERRIDES entry .*fields are .*split_k"):
+        sg.default_config(4, 2048, 8192)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / interpreter on")

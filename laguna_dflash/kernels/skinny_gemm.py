@@ -73,6 +73,7 @@ truncates; ``jit._round_to``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -230,10 +231,31 @@ def is_tuned(m: int, n: int, k: int) -> bool:
     return _measured(m, n, k) is not None
 
 
-@functools.lru_cache(maxsize=1024)
+# An A/B knob for sweeping a shape's tile inside the CUDA graphs, where the isolated sweep's pick
+# need not win (the head GEMM's did not: docs/PERFORMANCE.md, fifty-eighth pass):
+# ``"M_BUCKET,N,K"`` (M_BUCKET = next_pow2(M), as in ``_MEASURED``) -> SkinnyConfig fields that
+# replace those of the config :func:`default_config` would give, e.g.
+# ``{"4,2048,8192": {"split_k": 8}}``. Empty: the table and the heuristic alone.
+CONFIG_OVERRIDES: dict[str, dict] = {}
+
+
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """Config for ``x [m, k] @ W[n, k]^T``: the measured table (``_MEASURED``, smallest bucket
-    ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic. ``1 <= m <= 16``."""
+    ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic; with the fields of a
+    :data:`CONFIG_OVERRIDES` entry for this shape replaced. ``1 <= m <= 16``."""
+    cfg = _table_config(m, n, k)
+    fields = CONFIG_OVERRIDES.get(f"{_next_pow2(max(1, m))},{n},{k}") if CONFIG_OVERRIDES else None
+    if fields is None:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, **fields)
+    except TypeError as e:  # a field SkinnyConfig does not have
+        raise ValueError(f"skinny_gemm.CONFIG_OVERRIDES entry {fields!r}: SkinnyConfig fields are "
+                         f"{[f.name for f in dataclasses.fields(SkinnyConfig)]} ({e})") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_config(m: int, n: int, k: int) -> SkinnyConfig:
     cfg = _measured(m, n, k)
     if cfg is not None:
         return cfg

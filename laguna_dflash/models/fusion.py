@@ -15,7 +15,8 @@ throwaway graphs to build Triton kernels ahead (``kernels.precompile.is_build_on
 eager body: compiling there would fail inside the recording. If compiling fails the error is
 logged once and the eager body is used from then on. ``enabled = False`` turns fusion off.
 The residual add + RMSNorm chains (:func:`rms_norm`, :func:`add_rms_norm`, :func:`add`) take the
-Triton kernel of kernels/add_rms_norm.py instead where it runs (:data:`use_norm_kernel`).
+Triton kernel of kernels/add_rms_norm.py instead where it runs (:data:`use_norm_kernel`), and
+:func:`silu_mul` the one of kernels/silu_mul.py (:data:`use_silu_kernel`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from ..kernels import add_rms_norm as norm_kernel
 from ..kernels import precompile
+from ..kernels import silu_mul as silu_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ enabled = True
 # dependent launch, instead of torch.compile's kernels, which are normal launches (two pipeline
 # drains per layer in a PDL graph). Same math; False: torch.compile (an A/B switch).
 use_norm_kernel = True
+# CUDA inference: the dense MLPs' SwiGLU (silu_mul) through the PDL-capable Triton kernel of
+# kernels/silu_mul.py instead of a torch.compile'd normal launch between the gate|up and down
+# GEMMs. Same math (rounded as eager rounds); False: torch.compile (an A/B switch).
+use_silu_kernel = True
 
 Fn = TypeVar("Fn", bound=Callable)
 
@@ -195,11 +201,25 @@ def softplus_gate(out: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
     return out * F.softplus(gate_logits.float()).to(out.dtype)
 
 
-@fused
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation of ``gate_up [T, 2I]`` (gate half first) -> ``[T, I]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+_silu_mul_fused = fused(_silu_mul)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`_silu_mul`: the Triton kernel of kernels/silu_mul.py where it runs
+    (:data:`use_silu_kernel`), else one torch.compile'd kernel on CUDA, eager elsewhere."""
+    if (use_silu_kernel and enabled and gate_up.is_cuda and not torch.is_grad_enabled()
+            and silu_kernel.can_run(gate_up)):
+        return silu_kernel.silu_mul(gate_up)
+    return _silu_mul_fused(gate_up)
+
+
+silu_mul.eager = _silu_mul  # type: ignore[attr-defined]
 
 
 @fused

@@ -53,6 +53,8 @@
 #                                           # graphs, kernel by kernel (~4 min)
 #   bash benchmarks/gpu_check.sh pass68     # the Q/K work in the Q|K|V|gate GEMM's epilogue: kernel
 #                                           # tests, decode / verify / drafter graphs, goal cell (~8 min)
+#   bash benchmarks/gpu_check.sh pass83     # the drafter's context path as PDL kernels: norm tests, the
+#                                           # DFlash step's kernels, goal 2's cell (~4 min)
 #   bash benchmarks/gpu_check.sh pass82     # the SwiGLU kernel with CUDA's expf: its tests, the engine's
 #                                           # CUDA tests, goal 2's cell on / off / on (~9 min)
 #   bash benchmarks/gpu_check.sh pass81     # the SwiGLU as a PDL kernel; the 4-row N 2048 x K 8192
@@ -926,6 +928,16 @@ case "$stage" in
       echo "-- goal cell, fuse_qk_min_tokens=$on"
       goal_cell 100 --switch "$sw=$on"
     done ;;
+  pass83)
+    echo "== (fifty-ninth pass) the drafter's context path in the verify graph as PDL launches: the"
+    echo "   per-tap norms and the unweighted statistic in the norm kernel, fc as the skinny GEMM,"
+    echo "   the tap norms' weights stacked once: the norm kernel's CUDA tests, the DFlash step's"
+    echo "   kernels (host_timeline.py), then goal 2's cell (~4 min)"
+    gpu_tests 50 -n 4 tests/test_kernel_add_rms_norm.py tests/test_cuda_graphs.py \
+      -k "(cuda or sm90) and not graphs_match and (norm or fused_elementwise)" | grep -v PASSED | tail -4
+    timeout 70 python benchmarks/host_timeline.py --rounds 1 --top 2 --kernels 20 2>&1 | quiet \
+      | grep -E "^\| defaults|^\| .(_|triton|nvjet|void|Mem)|GPU time per step" | tail -24
+    goal_cell 85 ;;
   pass82)
     echo "== (fifty-ninth pass) the SwiGLU kernel with CUDA's expf (libdevice): its CUDA and sm_90"
     echo "   tests, the engine's CUDA tests (float32 lossless at XS-2.1 widths, graphs against"

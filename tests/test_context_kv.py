@@ -74,3 +74,29 @@ def test_drafter_shares_target_embedding_and_head(flavour, laguna_pair, qwen3_pa
     assert drafter.lm_head_weight.data_ptr() == target.lm_head_weight.data_ptr()
     names = {n for n, _ in drafter.named_parameters()}
     assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_laguna_combine_uses_the_stacked_tap_norms_only_while_they_are_current(laguna_pair):
+    """Without autograd ``combine_hidden_states`` reads the per-tap norm weights stacked after
+    loading (no stack launch in a decode graph), but only while each weight is unchanged: after
+    an in-place update (an optimizer step, a reload) it stacks them anew, and with autograd the
+    stack is differentiable. Each case against the per-tap formula written out."""
+    _, drafter = _load(laguna_pair)
+    h_t = drafter.spec.target_hidden_size
+    taps = torch.randn(3, len(drafter.target_layer_ids) * h_t, generator=torch.Generator().manual_seed(1))
+
+    def by_hand() -> torch.Tensor:
+        parts = [norm(tap) for norm, tap in zip(drafter.aux_hidden_norms, taps.split(h_t, dim=-1))]
+        return drafter.hidden_norm(drafter.fc(torch.cat(parts, dim=-1)))
+
+    norms = drafter.aux_hidden_norms
+    with torch.no_grad():
+        assert drafter._aux_norm_weights() is drafter._aux_norm_stack
+        torch.testing.assert_close(drafter.combine_hidden_states(taps), by_hand(), rtol=1e-6, atol=1e-6)
+        norms[1].weight.mul_(3.0)  # in place: same storage, new version
+        assert drafter._aux_norm_weights() is not drafter._aux_norm_stack
+        torch.testing.assert_close(drafter._aux_norm_weights()[1], norms[1].weight)
+        torch.testing.assert_close(drafter.combine_hidden_states(taps), by_hand(), rtol=1e-6, atol=1e-6)
+    drafter.requires_grad_(True)
+    drafter.combine_hidden_states(taps).sum().backward()
+    assert norms[1].weight.grad is not None and norms[1].weight.grad.abs().sum() > 0

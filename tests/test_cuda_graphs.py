@@ -1099,6 +1099,7 @@ def test_fused_elementwise_chains_match_eager_on_cuda():
         (f.scale_add, (rnd(5, 256), 2.5, rnd(5, 256))),
         (f.rms_norm_unweighted, (rnd(5, 256), 1e-6)),
         (f.rms_norm_grouped, (rnd(3, 5, 64), rnd(3, 64), 1e-6)),
+        (f.rms_norm_interleaved, (rnd(5, 3 * 64), rnd(3, 64), 1e-6)),
         (f.moe_route, (rnd(5, 16), rnd(16), 4, 0.0, "sigmoid", True)),
     ]
     with torch.inference_mode():

@@ -77,6 +77,37 @@ def test_interpreted_equals_eager(t, hidden, num_pairs, dtype):
     check(*operands(t, hidden, dtype, num_pairs, seed=t + hidden), max_mismatch=STRICT[dtype])
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [2, 7])
+def test_interpreted_grouped_weight_equals_eager(t, dtype):
+    """``weight [G, H]``: row ``r`` normed with weight row ``r % G``, i.e. taps ``[N, G * H]``
+    viewed as ``[N * G, H]`` give ``fusion.rms_norm_interleaved.eager``."""
+    groups, hidden = 3, 96
+    h, _, _ = operands(t * groups, hidden, dtype, None, seed=t)
+    h = h.contiguous()
+    g = torch.Generator().manual_seed(1)
+    weight = (1 + 0.5 * torch.randn(groups, hidden, generator=g)).to(dtype)
+    res, out = arn.add_rms_norm(h, None, weight, EPS)
+    assert res is None
+    want = fusion.rms_norm_interleaved.eager(h.view(t, groups * hidden), weight, EPS).view_as(h)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    assert int((out != want).sum()) <= STRICT[dtype] * out.numel()
+    # each group's own row: the same rows against one weight row differ where the weights do
+    assert not torch.equal(out[1::groups], arn.add_rms_norm(h, None, weight[0], EPS)[1][1::groups])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_unit_weight_equals_rms_normalize(dtype):
+    h, _, _ = operands(5, 256, dtype, None, seed=3)
+    res, out = arn.add_rms_norm(h, None, None, EPS, unit_weight=True)
+    want = fusion.rms_norm_unweighted.eager(h, EPS)
+    assert res is None
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    assert int((out != want).sum()) <= STRICT[dtype] * out.numel()
+
+
 # ---- host side (no launch) ----------------------------------------------------------------------------
 
 
@@ -120,6 +151,32 @@ def test_refuses_what_it_cannot_take(change):
 def test_needs_a_delta_or_a_weight():
     with pytest.raises(ValueError, match="delta, a weight"):
         arn.add_rms_norm(torch.zeros(2, 64), None, None, EPS)
+    with pytest.raises(ValueError, match="a weight or unit_weight=True, not both"):
+        arn.add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), EPS, unit_weight=True)
+
+
+def test_grouped_weight_must_match_the_rows_width():
+    h = torch.zeros(6, 64)
+    assert not arn.can_run(h, None, torch.ones(3, 32))
+    assert not arn.can_run(h, None, torch.ones(64, 3).t())  # not contiguous
+    with pytest.raises(ValueError, match=r"weight must be None, \[H=64\] or grouped \[G, H=64\]"):
+        arn.add_rms_norm(h, None, torch.ones(3, 32), EPS)
+
+
+def test_interleaved_norm_eager_equals_the_grouped_norm_over_transposed_taps():
+    """The drafter's per-tap norms as written before (``rms_norm_grouped`` over the taps
+    transposed to ``[G, N, H]``, then back) and as ``rms_norm_interleaved`` reads them in place:
+    the same values bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        taps = (3 * torch.randn(4, 5 * 64, generator=g)).to(dtype)
+        weight = (1 + 0.3 * torch.randn(5, 64, generator=g)).to(dtype)
+        old = fusion.rms_norm_grouped.eager(taps.view(4, 5, 64).transpose(0, 1), weight, EPS)
+        assert torch.equal(fusion.rms_norm_interleaved.eager(taps, weight, EPS),
+                           old.transpose(0, 1).reshape(4, -1))
+        with torch.inference_mode():  # off CUDA: the eager body
+            assert torch.equal(fusion.rms_norm_interleaved(taps, weight, EPS),
+                               old.transpose(0, 1).reshape(4, -1))
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / interpreter on")
@@ -155,7 +212,7 @@ def test_sm90_programmatic_dependent_launch_order(num_pairs):
 
     def ptx_of(pdl: bool) -> str:
         constexprs = dict(HIDDEN=2048, BLOCK=2048, NUM_PAIRS=num_pairs, WRITE_RESIDUAL=num_pairs >= 0,
-                          WRITE_NORM=True, DTYPE=1, PDL=pdl)
+                          WRITE_NORM=True, DTYPE=1, PDL=pdl, NUM_WEIGHT_ROWS=1)
         return compile_sm90(arn._kernels(False), types, constexprs,
                             {"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": pdl})
 
@@ -211,7 +268,7 @@ def test_cuda_graph_capture():
 
 @cuda
 def test_cuda_fusion_dispatches_to_the_kernel(monkeypatch):
-    """In CUDA inference ``fusion``'s three norm chains run this kernel (once each), and
+    """In CUDA inference ``fusion``'s five norm chains run this kernel (once each), and
     ``use_norm_kernel = False`` (or autograd on) takes them back to torch.compile / eager."""
     h, delta, w = operands(5, 2048, torch.bfloat16, 0, device="cuda")
     calls = []
@@ -222,8 +279,16 @@ def test_cuda_fusion_dispatches_to_the_kernel(monkeypatch):
         fusion.add_rms_norm(h, delta, w, EPS)
         fusion.add(h, delta)
         assert len(calls) == 3
+        fusion.rms_norm_unweighted(h, EPS)
+        taps, weights = h.contiguous().view(5, 4, 512).reshape(5, 2048), w.view(4, 512)
+        got = fusion.rms_norm_interleaved(taps, weights, EPS)
+        assert len(calls) == 5
+        torch.testing.assert_close(got, fusion.rms_norm_interleaved.eager(taps, weights, EPS),
+                                   **TOL[torch.bfloat16])
         monkeypatch.setattr(fusion, "use_norm_kernel", False)
         got = fusion.add_rms_norm(h, delta, w, EPS)
-        assert len(calls) == 3
+        fusion.rms_norm_unweighted(h, EPS)
+        fusion.rms_norm_interleaved(taps, weights, EPS)
+        assert len(calls) == 5
     torch.testing.assert_close(got[1], fusion.add_rms_norm.eager(h, delta, w, EPS)[1],
                                **TOL[torch.bfloat16])

@@ -12,6 +12,10 @@ layer. This kernel computes the same chains and takes part in PDL. Per row ``t``
     s = h[t]                                         no delta (a plain RMSNorm)
     y = T(w * T(s / sqrt(mean(s^2) + eps)))          statistic in fp32 (fusion.rms_normalize)
 
+with ``w`` the weight ``[H]``, or row ``t % G`` of a grouped weight ``[G, H]`` (rows that
+interleave G groups, e.g. ``[N, G * H]`` taps viewed as ``[N * G, H]``), or 1 (``unit_weight``:
+``y = T(s / sqrt(mean(s^2) + eps))``, fusion.rms_normalize itself),
+
 and writes ``s`` (the new residual stream) and/or ``y`` (the normed input of the next GEMM).
 Products, sums, the square root and the divisions are correctly rounded fp32 without FMA
 contraction, rounded to ``T`` where torch's eager ops round; so the result differs from
@@ -61,13 +65,15 @@ def _add_rms_norm_kernel(
     stride_ht, stride_dt, stride_dp, stride_rt, stride_ot, eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, NUM_PAIRS: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr, WRITE_NORM: tl.constexpr, DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, NUM_WEIGHT_ROWS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     in_row = i < HIDDEN
-    if WRITE_NORM:  # a parameter no kernel writes: loaded before the wait (kernels/pdl.py rule 3)
-        w = tl.load(w_ptr + i, mask=in_row, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if WRITE_NORM and NUM_WEIGHT_ROWS > 0:  # a parameter no kernel writes: loaded before the wait
+        # (kernels/pdl.py rule 3); row t % G of a grouped [G, H] weight (contiguous rows)
+        w = tl.load(w_ptr + (t % NUM_WEIGHT_ROWS) * HIDDEN + i, mask=in_row, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
     if PDL:  # kernels/pdl.py: wait for the kernel writing delta, then let the next GEMM launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -85,7 +91,9 @@ def _add_rms_norm_kernel(
     if WRITE_NORM:
         mean_sq = tl.math.div_rn(tl.sum(s * s, axis=0), HIDDEN * 1.0)
         inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
-        y = _round_to(w * _round_to(s * inv, DTYPE), DTYPE)
+        y = _round_to(s * inv, DTYPE)
+        if NUM_WEIGHT_ROWS > 0:
+            y = _round_to(w * y, DTYPE)
         tl.store(out_ptr + t * stride_ot + i, y, mask=in_row)
 
 
@@ -110,10 +118,11 @@ def _operand_problem(h: torch.Tensor, delta: torch.Tensor | None,
         return (f"delta must be None, [T, H] or [T, P, H] with T={t}, H={hidden}, h's dtype "
                 f"{h.dtype} and unit stride along H, got {tuple(delta.shape)} {delta.dtype}")
     # a weight of another dtype promotes torch's product (not this kernel's rounding)
-    if weight is not None and (tuple(weight.shape) != (hidden,) or weight.dtype != h.dtype
-                               or weight.device != h.device or weight.stride(0) != 1):
-        return (f"weight must be None or [H={hidden}] contiguous in h's dtype {h.dtype}, got "
-                f"{tuple(weight.shape)} {weight.dtype}")
+    if weight is not None and (weight.dim() not in (1, 2) or weight.shape[-1] != hidden
+                               or weight.dtype != h.dtype or weight.device != h.device
+                               or not weight.is_contiguous() or weight.numel() == 0):
+        return (f"weight must be None, [H={hidden}] or grouped [G, H={hidden}], contiguous in h's "
+                f"dtype {h.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     return None
 
 
@@ -121,7 +130,7 @@ def can_run(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
     """Whether :func:`add_rms_norm` takes these operands here (else the caller runs its
     reference): ``h [T, H]`` with ``H <= MAX_HIDDEN`` and unit stride along H, ``delta`` None /
     ``[T, H]`` / ``[T, P, H]`` of h's dtype with unit stride along H, ``weight`` None / ``[H]``
-    contiguous of h's dtype, and :func:`is_available` on h's device."""
+    / ``[G, H]`` contiguous of h's dtype, and :func:`is_available` on h's device."""
     return _operand_problem(h, delta, weight) is None and is_available(h.device)
 
 
@@ -136,6 +145,7 @@ def _num_warps(block: int) -> int:
 
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    unit_weight: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(s, y)`` of the module docstring in one launch.
 
@@ -143,25 +153,32 @@ def add_rms_norm(
         h: ``[T, H]`` residual stream, fp32 / bf16 / fp16, unit stride along H.
         delta: None, ``[T, H]`` (a sublayer's output) or ``[T, P, H]`` (the MoE's weighted
             pairs), h's dtype, unit stride along H.
-        weight: ``[H]`` RMSNorm weight in h's dtype, or None to return only the sum.
+        weight: ``[H]`` RMSNorm weight in h's dtype, ``[G, H]`` (row ``t`` normed with weight row
+            ``t % G``), or None: no norm (only the sum), unless ``unit_weight``.
         eps: RMSNorm epsilon.
+        unit_weight: with ``weight`` None, the norm without a weight (``fusion.rms_normalize``).
 
     Returns:
         ``(s [T, H], y [T, H])``, new contiguous tensors in h's dtype; ``s`` is None when
-        ``delta`` is None (it would be ``h``), ``y`` is None when ``weight`` is None.
+        ``delta`` is None (it would be ``h``), ``y`` is None when ``weight`` is None and
+        ``unit_weight`` is False.
 
     Raises:
         ValueError: on operands the kernel does not take (naming the argument), with neither a
-            delta nor a weight, or where :func:`is_available` does not hold.
+            delta nor a norm, with both a weight and ``unit_weight``, or where
+            :func:`is_available` does not hold.
     """
     problem = _operand_problem(h, delta, weight)
     if problem is not None:
         raise ValueError(f"add_rms_norm: {problem} (fusion.add_rms_norm takes any operands)")
-    if delta is None and weight is None:
-        raise ValueError("add_rms_norm needs a delta, a weight or both")
+    if weight is not None and unit_weight:
+        raise ValueError("add_rms_norm: pass a weight or unit_weight=True, not both")
+    write_norm = weight is not None or unit_weight
+    if delta is None and not write_norm:
+        raise ValueError("add_rms_norm needs a delta, a weight (or unit_weight=True) or both")
     t, hidden = h.shape
     res = torch.empty_like(h, memory_format=torch.contiguous_format) if delta is not None else None
-    out = torch.empty_like(h, memory_format=torch.contiguous_format) if weight is not None else None
+    out = torch.empty_like(h, memory_format=torch.contiguous_format) if write_norm else None
     if t == 0:
         return res, out
     if not is_available(h.device):
@@ -181,6 +198,7 @@ def add_rms_norm(
         0 if res is None else res.stride(0), 0 if out is None else out.stride(0), float(eps),
         HIDDEN=hidden, BLOCK=block, NUM_PAIRS=num_pairs, WRITE_RESIDUAL=res is not None,
         WRITE_NORM=out is not None, DTYPE=DTYPE_CODE[h.dtype], PDL=use_pdl,
+        NUM_WEIGHT_ROWS=0 if weight is None else (1 if weight.dim() == 1 else weight.shape[0]),
         num_warps=_num_warps(block),
         enable_fp_fusion=False,  # no FMA contraction: products and sums round as torch's do
         **pdl.launch_options(use_pdl),

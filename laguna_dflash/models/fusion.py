@@ -105,10 +105,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 rms_norm.eager = _rms_norm  # type: ignore[attr-defined]
 
 
-@fused
+_rms_norm_unweighted_fused = fused(rms_normalize)
+
+
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`rms_normalize` as one kernel (the drafter's shared context statistic)."""
-    return rms_normalize(x, eps)
+    """:func:`rms_normalize` of ``x [T, H]`` as one kernel (the drafter's shared context
+    statistic): the Triton kernel where it runs (:data:`use_norm_kernel`), else torch.compile's
+    on CUDA, eager elsewhere."""
+    if _norm_kernel_runs(x, None, None):
+        return norm_kernel.add_rms_norm(x, None, None, eps, unit_weight=True)[1]
+    return _rms_norm_unweighted_fused(x, eps)
+
+
+rms_norm_unweighted.eager = rms_normalize  # type: ignore[attr-defined]
+
+
+def _rms_norm_interleaved(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [T, G * H]`` as G groups of H per row, group ``j`` RMS-normed with ``weight[j]``
+    (``weight [G, H]``) -> ``[T, G * H]``: the DFlash taps' per-tap norms, concatenated."""
+    g, hidden = weight.shape
+    y = weight * rms_normalize(x.view(x.shape[0], g, hidden), eps)
+    return y.reshape(x.shape[0], g * hidden)
+
+
+_rms_norm_interleaved_fused = fused(_rms_norm_interleaved)
+
+
+def rms_norm_interleaved(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`_rms_norm_interleaved` as one kernel: the Triton kernel (each ``[H]`` slice of a
+    row a row of its own, weight row ``r % G`` for slice ``r``) where it runs
+    (:data:`use_norm_kernel`), else torch.compile's on CUDA, eager elsewhere."""
+    if x.dim() == 2 and weight.dim() == 2 and x.shape[-1] == weight.numel() and x.is_contiguous():
+        rows = x.view(-1, weight.shape[1])
+        if _norm_kernel_runs(rows, None, weight):
+            return norm_kernel.add_rms_norm(rows, None, weight, eps)[1].view(x.shape)
+    return _rms_norm_interleaved_fused(x, weight, eps)
+
+
+rms_norm_interleaved.eager = _rms_norm_interleaved  # type: ignore[attr-defined]
 
 
 @fused

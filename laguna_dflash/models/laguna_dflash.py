@@ -32,7 +32,7 @@ from .dflash import (
     resolve_draft_tp,
     resolve_target_layer_ids,
 )
-from .fusion import rms_norm_grouped
+from .fusion import rms_norm_interleaved
 from .laguna import resolve_gating, resolve_layer_rope
 from .layers import DecoderLayer, RMSNorm, linear
 from .rope import RopeSpec
@@ -129,16 +129,31 @@ class DFlashLaguna(DFlashDraftModel):
         return groups
 
     def combine_hidden_states(self, taps: torch.Tensor) -> torch.Tensor:
-        """``hidden_norm(fc(concat_j aux_norm_j(tap_j)))``; the per-tap norms run as one grouped
-        RMSNorm over ``[n_taps, N, H_t]``."""
-        n, h_t = taps.shape[0], self.spec.target_hidden_size
-        x = taps.to(self.fc.weight.dtype).view(n, -1, h_t).transpose(0, 1)
-        weights = torch.stack([norm.weight for norm in self.aux_hidden_norms])
-        x = rms_norm_grouped(x, weights, self.spec.rms_norm_eps).transpose(0, 1).reshape(n, -1)
-        return self.hidden_norm(self.fc(x))
+        """``hidden_norm(fc(concat_j aux_norm_j(tap_j)))`` for taps ``[N, n_taps * H_t]``; the
+        per-tap norms run as one launch over the taps as they lie (``rms_norm_interleaved``),
+        ``fc`` as the skinny GEMM where :func:`linear` takes it (decode-size CUDA graphs)."""
+        x = rms_norm_interleaved(taps.to(self.fc.weight.dtype).contiguous(), self._aux_norm_weights(),
+                                 self.spec.rms_norm_eps)
+        return self.hidden_norm(linear(x, self.fc.weight, self.fc.bias))
+
+    def _aux_norm_weights(self) -> torch.Tensor:
+        """The per-tap norm weights stacked, ``[n_taps, H_t]``. Without autograd, the copy made
+        after loading (:meth:`_build_context_kv_buffers`) while every weight is the tensor it was
+        stacked from, unchanged since (same storage, same version counter), so a decode-step
+        CUDA graph holds no stack launch; otherwise stacked anew (with autograd: differentiable)."""
+        weights = [norm.weight for norm in self.aux_hidden_norms]
+        stacked = getattr(self, "_aux_norm_stack", None)
+        if (stacked is not None and not torch.is_grad_enabled()
+                and self._aux_norm_stack_key == [(w.data_ptr(), w._version) for w in weights]):
+            return stacked
+        return torch.stack(weights)
 
     def _build_context_kv_buffers(self) -> None:
-        """Stacked K|V rows with each layer's ``input_layernorm`` weight folded into its columns."""
+        """Stacked K|V rows with each layer's ``input_layernorm`` weight folded into its columns;
+        the per-tap norm weights stacked (:meth:`_aux_norm_weights`)."""
+        weights = [norm.weight.detach() for norm in self.aux_hidden_norms]
+        self._aux_norm_stack = torch.stack(weights)
+        self._aux_norm_stack_key = [(w.data_ptr(), w._version) for w in weights]
         super()._build_context_kv_buffers()
         kv = 2 * self.num_kv_heads * self.spec.head_dim
         ln = torch.cat([layer.input_layernorm.weight.view(1, -1).expand(kv, -1) for layer in self.layers])

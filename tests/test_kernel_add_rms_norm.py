@@ -273,7 +273,7 @@ def test_cuda_fusion_dispatches_to_the_kernel(monkeypatch):
     h, delta, w = operands(5, 2048, torch.bfloat16, 0, device="cuda")
     calls = []
     real = arn.add_rms_norm
-    monkeypatch.setattr(arn, "add_rms_norm", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(arn, "add_rms_norm", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     with torch.inference_mode():
         fusion.rms_norm(h, w, EPS)
         fusion.add_rms_norm(h, delta, w, EPS)

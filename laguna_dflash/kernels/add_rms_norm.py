@@ -49,8 +49,9 @@ _NO_DELTA = -1  # NUM_PAIRS codes: -1 no delta, 0 delta [T, H], P > 0 pairs [T, 
 # Warps a program (1, 2, 4, 8 or 16); None: 16 values a thread (4 warps at H = 2048). The
 # kernel is latency-bound at decode (one program, ~2 us of a layer's span per launch); more
 # warps shorten each thread's load and FMA chains but lengthen the cross-warp reduction. The
-# summation order of mean(s^2) follows the warp count. Not yet timed in the graphs (an A/B
-# knob; benchmarks/gpu_check.sh pass80).
+# summation order of mean(s^2) follows the warp count. In the graphs on the H200 (an A/B knob):
+# 8 warps replayed decode in 2.02 against 2.03 ms and the 4-token verify in 3.67 against
+# 3.68-3.69 (within noise), 2 warps 2.08 and 3.73 (docs/PERFORMANCE.md, fifty-ninth pass).
 NUM_WARPS: int | None = None
 
 

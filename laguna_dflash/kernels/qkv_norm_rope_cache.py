@@ -66,7 +66,9 @@ MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
 # for the GEMV and the Q/K kernel; the 4-token verify graph in 3.77-3.79 ms every way
 # (docs/PERFORMANCE.md, fifty-sixth pass). Two tiles: the input norm before this kernel leaves
 # the HBM idle for ~2.5 us a layer at decode, time for a second 32 KiB tile a program (2.6 MB
-# a launch at XS-2.1 size); 64 of the 8 warps' registers a thread hold both. Not yet timed.
+# a launch at XS-2.1 size); 64 of the 8 warps' registers a thread hold both. Timed in the
+# graphs, it did not pay: decode 2.04 against 2.03 ms, 4-token verify 3.69 against 3.68-3.69
+# (docs/PERFORMANCE.md, fifty-ninth pass); one tile stays.
 PRELOAD_TILES = 1
 EARLY_SIGNAL = True
 

@@ -235,7 +235,10 @@ def is_tuned(m: int, n: int, k: int) -> bool:
 # need not win (the head GEMM's did not: docs/PERFORMANCE.md, fifty-eighth pass):
 # ``"M_BUCKET,N,K"`` (M_BUCKET = next_pow2(M), as in ``_MEASURED``) -> SkinnyConfig fields that
 # replace those of the config :func:`default_config` would give, e.g.
-# ``{"4,2048,8192": {"split_k": 8}}``. Empty: the table and the heuristic alone.
+# ``{"4,2048,8192": {"split_k": 8}}``. Empty: the table and the heuristic alone. The 4-row
+# N 2048 x K 8192 entry (the verify's o_proj, the drafter's o_proj and down) swept this way:
+# none of split 8, block_n 32, block_k 128 x 4 stages x split 8, 8 warps or 4 stages beat the
+# table's config in the verify or drafter graphs (fifty-ninth pass).
 CONFIG_OVERRIDES: dict[str, dict] = {}
 
 

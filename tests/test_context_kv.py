@@ -100,3 +100,16 @@ def test_laguna_combine_uses_the_stacked_tap_norms_only_while_they_are_current(l
     drafter.requires_grad_(True)
     drafter.combine_hidden_states(taps).sum().backward()
     assert norms[1].weight.grad is not None and norms[1].weight.grad.abs().sum() > 0
+
+
+def test_laguna_tap_norms_loaded_under_inference_mode_are_stacked_each_call(laguna_pair):
+    """Weights made under ``torch.inference_mode`` have no version counter: nothing is cached,
+    so an in-place change (possible only in inference mode) is still seen."""
+    _, drafter = _load(laguna_pair)
+    with torch.inference_mode():
+        for norm in drafter.aux_hidden_norms:
+            norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
+        drafter._build_context_kv_buffers()
+        assert drafter._aux_norm_stack is None
+        drafter.aux_hidden_norms[0].weight.mul_(2.0)
+        torch.testing.assert_close(drafter._aux_norm_weights()[0], drafter.aux_hidden_norms[0].weight)

@@ -103,6 +103,14 @@ def laguna_draft_spec(cfg: dict, shapes: dict | None, target: nn.Module | None) 
     )
 
 
+def _versions(weights: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """Each tensor's storage and version counter; None if one has none (an inference tensor:
+    made under ``torch.inference_mode``, its in-place changes cannot be seen)."""
+    if any(w.is_inference() for w in weights):
+        return None
+    return [(w.data_ptr(), w._version) for w in weights]
+
+
 class DFlashLaguna(DFlashDraftModel):
     """Laguna flavour of the DFlash drafter."""
 
@@ -144,7 +152,7 @@ class DFlashLaguna(DFlashDraftModel):
         weights = [norm.weight for norm in self.aux_hidden_norms]
         stacked = getattr(self, "_aux_norm_stack", None)
         if (stacked is not None and not torch.is_grad_enabled()
-                and self._aux_norm_stack_key == [(w.data_ptr(), w._version) for w in weights]):
+                and self._aux_norm_stack_key == _versions(weights)):
             return stacked
         return torch.stack(weights)
 
@@ -152,8 +160,9 @@ class DFlashLaguna(DFlashDraftModel):
         """Stacked K|V rows with each layer's ``input_layernorm`` weight folded into its columns;
         the per-tap norm weights stacked (:meth:`_aux_norm_weights`)."""
         weights = [norm.weight.detach() for norm in self.aux_hidden_norms]
-        self._aux_norm_stack = torch.stack(weights)
-        self._aux_norm_stack_key = [(w.data_ptr(), w._version) for w in weights]
+        key = _versions(weights)
+        self._aux_norm_stack = torch.stack(weights) if key is not None else None
+        self._aux_norm_stack_key = key
         super()._build_context_kv_buffers()
         kv = 2 * self.num_kv_heads * self.spec.head_dim
         ln = torch.cat([layer.input_layernorm.weight.view(1, -1).expand(kv, -1) for layer in self.layers])

@@ -120,6 +120,9 @@ class DFlashLaguna(DFlashDraftModel):
     def __init__(self, spec: DraftSpec, target: nn.Module | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(spec, target, tp)
+        # the tap norms' weights stacked after loading, and the storage / versions they had then
+        self._aux_norm_stack: torch.Tensor | None = None
+        self._aux_norm_stack_key: list[tuple[int, int]] | None = None
         self.aux_hidden_norms = nn.ModuleList(
             RMSNorm(spec.target_hidden_size, spec.rms_norm_eps) for _ in spec.target_layer_ids
         )
@@ -150,10 +153,9 @@ class DFlashLaguna(DFlashDraftModel):
         stacked from, unchanged since (same storage, same version counter), so a decode-step
         CUDA graph holds no stack launch; otherwise stacked anew (with autograd: differentiable)."""
         weights = [norm.weight for norm in self.aux_hidden_norms]
-        stacked = getattr(self, "_aux_norm_stack", None)
-        if (stacked is not None and not torch.is_grad_enabled()
+        if (self._aux_norm_stack is not None and not torch.is_grad_enabled()
                 and self._aux_norm_stack_key == _versions(weights)):
-            return stacked
+            return self._aux_norm_stack
         return torch.stack(weights)
 
     def _build_context_kv_buffers(self) -> None:

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass84     # a drafter block queued ahead rewound in one launch, the
+#                                           # verify's bonus uploaded with its rows, no copies of the
+#                                           # graphs' hidden states: CUDA tests, goal 2's cell against
+#                                           # the tree in .ab/base (carry it: git archive BASE
+#                                           # laguna_dflash benchmarks | tar -x -C .ab/base) (~8 min)
 #   bash benchmarks/gpu_check.sh all-tests  # every kernel test file (tests/test_kernel_*.py), 12
 #                                           # pytest-xdist workers (carry pytest-xdist and execnet
 #                                           # wheels in .whl/); full log in $OUT/gpu_all.log
@@ -327,7 +332,24 @@ goal_cell() {
     --sim-ks 0,3 --rounds 3 "$@" 2>&1 | quiet \
     | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
 }
+# base_goal_cell LIMIT [ARGS...]: goal_cell run from the tree in .ab/base (an older commit's
+# laguna_dflash and benchmarks, carried), in its own process on the same machine
+base_goal_cell() {
+  local limit=$1; shift
+  (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
+}
 case "$stage" in
+  pass84)
+    echo "== (sixtieth pass) the DFlash step's eager inputs: a drafter block queued ahead rewound on"
+    echo "   the device in one launch (kernels/rewind_rows.py), the verify's bonus uploaded with its"
+    echo "   rows, the graphs' hidden states not copied: the kernel's and the engine's CUDA tests,"
+    echo "   then goal 2's cell, this tree and .ab/base's in turn, three processes each (~8 min)"
+    gpu_tests 40 tests/test_kernel_rewind_rows.py -k cuda | grep -v PASSED | tail -3
+    engine_cuda_tests 230 | grep -v PASSED | tail -8
+    for i in 1 2 3; do
+      echo "-- goal cell, this tree"; goal_cell 85
+      echo "-- goal cell, .ab/base"; base_goal_cell 85
+    done ;;
   tests)
     echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
     gpu_tests 330 -x tests/test_cuda_graphs.py tests/test_inference_fusion.py \

@@ -1236,16 +1236,19 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
     num_ahead = 0  # blocks queued ahead, at anchors known only on the device
     block_forward = proposer.runner.forward
 
-    def block_spy(input_ids, items, *args, start_pos=None, **kwargs):
+    def block_spy(input_ids, items, *args, device_start=None, **kwargs):
         nonlocal num_ahead
-        num_ahead += start_pos is not None
-        anchors = start_pos.tolist() if start_pos is not None else [it.start_pos for it in items]
+        num_ahead += device_start is not None
+        anchors = [it.start_pos for it in items]
+        if device_start is not None:  # the items' starts are P + k + 1: k - a past the block
+            max_shift = device_start.tokens.shape[1] - 1
+            anchors = [p - max_shift + a for p, a in zip(anchors, device_start.accepted.tolist())]
         for it, anchor in zip(items, anchors):
             s = next(s for s in engine.scheduler.running if proposer.table(s) is it.block_table)
             first = max(0, anchor - window + 1)  # keys > anchor - window
             rows = [last_written.get(int(slot)) for slot in proposer.slots(s, first, anchor - first)]
             reads.append((tuple(s.prompt_token_ids), anchor, first, rows))
-        return block_forward(input_ids, items, *args, start_pos=start_pos, **kwargs)
+        return block_forward(input_ids, items, *args, device_start=device_start, **kwargs)
 
     drafter.combine_hidden_states, drafter.precompute_and_store_context_kv = combine_spy, store_spy
     proposer.runner.forward = block_spy

@@ -50,6 +50,7 @@ import torch
 
 from ..kernels import decode_metadata, precompile
 from ..kernels.availability import triton_importable
+from ..kernels.rewind_rows import rewind_rows
 from ..models.layers import ForwardContext, building_cuda_graph
 from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
@@ -238,6 +239,17 @@ def build_kernels_ahead(forwards: list[Callable[[], object]], device: torch.devi
                "(%d threads)", builds.num_submitted, len(forwards), time.perf_counter() - t0,
                builds.num_threads)
     return builds.num_submitted
+
+
+@dataclass(frozen=True)
+class DeviceStart:
+    """First positions and first token ids of a decode-phase forward known only on the device
+    (a drafter block queued ahead, engine/ahead.py): request ``i`` starts ``S - accepted[i]``
+    positions before its item's ``start_pos`` (its ``seq_len`` moves with it), and its first
+    token id is ``tokens[i, accepted[i]]``; the items' positions are upper bounds."""
+
+    accepted: torch.Tensor  # [R] int32 / int64 on the device, each 0..S
+    tokens: torch.Tensor  # [R, S + 1] int64 on the device
 
 
 @dataclass
@@ -473,19 +485,21 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
                 is_causal: bool, context_store: ContextStore | None = None,
-                start_pos: torch.Tensor | None = None,
-                shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tail_ids: torch.Tensor | None = None, device_start: DeviceStart | None = None,
+                shape: tuple[int, int] | None = None,
+                copy_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
-        (``context_store``: captured into the graph, after the forward; ``start_pos [R]`` on the
-        device: written over the items' first positions, which then only bound the key length),
-        or a prefill of :meth:`prefill_shape` ``shape`` (token ids a list; no context store)."""
+        (``context_store``: captured into the graph, after the forward; ``tail_ids``,
+        ``device_start``: written into the request rows after their upload), or a prefill of
+        :meth:`prefill_shape` ``shape`` (token ids a list; no context store)."""
         r = len(items)
         if shape is None:
             q = items[0].num_tokens
             r_pad = next(b for b in self.batch_sizes if b >= r)
         else:
             r_pad, q = shape
-            assert not isinstance(input_ids, torch.Tensor) and context_store is None and start_pos is None
+            assert (not isinstance(input_ids, torch.Tensor) and context_store is None and tail_ids is None
+                    and device_start is None)
         num_keys = self.key_bucket(max(it.start_pos for it in items) + q)
         nb = num_keys // self.block_size
         # Request state on the host, padded: padding requests sit at positions 0..q-1 of the
@@ -521,9 +535,10 @@ class CUDAGraphRunner:
             self.copied.record()
         if is_tensor:
             self.state[:r, self.ids_offset : self.ids_offset + q].copy_(input_ids.view(r, q))
-        if start_pos is not None:
-            self.start_pos[:r].copy_(start_pos)
-            self.seq_lens[:r].copy_(start_pos + q)
+        if tail_ids is not None:  # one copy (the verify's drafts after the bonus uploaded above)
+            self.state[:r, self.ids_offset + q - tail_ids.shape[1] : self.ids_offset + q].copy_(tail_ids)
+        if device_start is not None:  # one launch
+            rewind_rows(self.state, device_start.accepted, device_start.tokens, self.ids_offset)
         if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
             hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
                                            context_store)
@@ -542,7 +557,8 @@ class CUDAGraphRunner:
         # copied out: the graph's next replay overwrites its static outputs
         if shape is None or r == 1:  # decode phase (every request q tokens), or one prefill
             n = r * q if shape is None else items[0].num_tokens
-            return hidden[:n].clone(), taps[:n].clone() if taps is not None else None
+            hidden = hidden[:n].clone() if copy_hidden else hidden[:n]
+            return hidden, taps[:n].clone() if taps is not None else None
         rows_out = self._real_rows(items, q)
         return rows_out(hidden), rows_out(taps) if taps is not None else None
 

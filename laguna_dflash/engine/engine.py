@@ -944,12 +944,12 @@ class LLMEngine:
             drafts = self.proposer.propose(seqs, k)
         anchors = [s.num_tokens - 1 for s in seqs]  # position P of each bonus token
         # No host sync between draft and verify: the host prepares the verify launch while the
-        # drafter runs (a blocking upload here would first wait for the whole draft)
-        bonus = to_device_async(torch.tensor([s.last_token for s in seqs]), drafts.device)
-        ids = torch.cat([bonus.view(-1, 1), drafts], dim=1).reshape(-1)
+        # drafter runs. The bonus tokens go up with the request rows; the drafts (placeholders
+        # 0 here) are copied device to device after them
+        ids = [t for s in seqs for t in [s.last_token] + [0] * k]
         items = [forward_item(s, k + 1, p, p + k + 1) for p, s in zip(anchors, seqs)]
-        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids,
-                                           store_context=store_context_in_verify)
+        hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids, store_context=store_context_in_verify,
+                                           tail_ids=drafts, copy_hidden=False)  # consumed by the lm_head
         logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
         # penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless).
         # Seeded requests: row j takes the noise of output position len(output) + j, the one a

@@ -15,7 +15,7 @@ import torch
 
 from ..models.layers import ForwardContext
 from .attention import AttentionBackend, AttentionMetadata
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, DeviceStart
 from .kv_cache import KVCache
 
 
@@ -185,7 +185,9 @@ class ModelRunner:
         tap_layer_ids: tuple[int, ...] = (),
         is_causal: bool = True,
         store_context: bool = False,
-        start_pos: torch.Tensor | None = None,
+        tail_ids: torch.Tensor | None = None,
+        device_start: DeviceStart | None = None,
+        copy_hidden: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over a flat batch -> (final-normed hidden ``[T, H]``, taps or None).
 
@@ -193,21 +195,32 @@ class ModelRunner:
         so do short prefills (``CUDAGraphRunner.prefill_shape``, padded).
         ``store_context``: the taps go to ``context_store`` at the tokens' positions and cache
         slots inside the forward (inside its CUDA graph), and are not returned (``None``).
-        ``start_pos [R]`` int64 on the device: the requests' first positions, known only there
-        (the items' positions are upper bounds); graphs only (``graphs.can_run`` must hold).
+        ``tail_ids [R, c]`` int64 on the device: each request's last ``c`` token ids, written
+        over those ``input_ids`` (a list then: placeholders there); every item the same
+        ``num_tokens``. ``device_start``: first positions and first token ids known only on the
+        device (``cuda_graph.DeviceStart``); graphs only (``graphs.can_run`` must hold).
+        ``copy_hidden=False``: a replay's hidden states are returned as a view of the graph's
+        output, valid until that graph's next replay, for a caller that consumes them at once
+        (in stream order); the copy would be a launch.
         """
         store = self.context_store if store_context else None
         assert store is not None or not store_context, "store_context needs a context_store"
         if self.graphs is not None:
             if self.graphs.can_run(items, len(input_ids)):
-                return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, start_pos)
+                return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, tail_ids,
+                                           device_start, copy_hidden=copy_hidden)
             is_prefill = not isinstance(input_ids, torch.Tensor) and store is None and is_causal
             shape = self.graphs.prefill_shape(items, len(input_ids)) if is_prefill else None
             if shape is not None:
                 return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, shape=shape)
-        assert start_pos is None, "device start positions need the graph runner"
+        assert device_start is None, "device start positions need the graph runner"
         ids = (input_ids.to(self.device) if isinstance(input_ids, torch.Tensor)  # on the device already
                else to_device_async(torch.tensor(input_ids, dtype=torch.long), self.device))
+        if tail_ids is not None:  # ids: a fresh upload of the list (placeholders at the tail)
+            assert not isinstance(input_ids, torch.Tensor), "tail_ids go with a list of input_ids"
+            ids = ids.view(len(items), -1)
+            ids[:, ids.shape[1] - tail_ids.shape[1] :] = tail_ids
+            ids = ids.view(-1)
         ctx = self.context(items, is_causal)
         hidden, taps = self.model(ids, ctx, tap_layer_ids)
         if store is not None:  # at the slots of the drafter's table (kv_cache.draft_group)

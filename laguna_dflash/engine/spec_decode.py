@@ -20,9 +20,10 @@ import torch
 from ..kernels.argmax import argmax_rows
 from .ahead import DraftsAhead
 from .context_graph import ContextGraphRunner
+from .cuda_graph import DeviceStart
 from .kv_cache import KVCache
 from .pending_taps import gather_pending_taps, plan_rows
-from .runner import ForwardItem, ModelRunner, to_device_async
+from .runner import ForwardItem, ModelRunner
 from .sequence import Sequence
 
 
@@ -178,18 +179,18 @@ class DFlashProposer:
                 or any(s.num_pending or len(self.table(s)) * bs < m + k + 1
                        for m, s in zip(max_anchors, seqs))):
             return None
-        device = target_tokens.device
-        starts = to_device_async(torch.tensor(anchors), device) + accepted + 1
-        bonus = target_tokens.gather(1, accepted.view(-1, 1).to(torch.long))  # [R, 1]
-        mask = torch.full((len(seqs), k), self.drafter.mask_token_id, dtype=bonus.dtype, device=device)
-        ids = torch.cat([bonus, mask], dim=1).reshape(-1)
-        return DraftsAhead(tuple(s.request_id for s in seqs), k, self._drafts(ids, items, k, starts))
+        # the items start at P + k + 1, k - a past the block; the bonus t_a is the placeholder 0
+        # (one launch corrects both on the device: kernels/rewind_rows.py)
+        ids = [t for _ in seqs for t in [0] + [self.drafter.mask_token_id] * k]
+        return DraftsAhead(tuple(s.request_id for s in seqs), k,
+                           self._drafts(ids, items, k, DeviceStart(accepted, target_tokens)))
 
-    def _drafts(self, ids: list[int] | torch.Tensor, items: list[ForwardItem], k: int,
-                start_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def _drafts(self, ids: list[int], items: list[ForwardItem], k: int,
+                device_start: DeviceStart | None = None) -> torch.Tensor:
         """The drafter block forward and the argmax of its ``k`` mask rows -> ``[R, k]`` int64."""
         r = len(items)
-        hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, start_pos=start_pos)[0]
+        hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, device_start=device_start,
+                                     copy_hidden=False)[0]  # consumed at once by the lm_head
         hidden = hidden.view(r, k + 1, -1)[:, 1:]
         logits = self.drafter.lm_head_logits(hidden.reshape(r * k, -1))  # argmax: no float32 copy
         return argmax_rows(logits).view(r, k)

@@ -37,15 +37,20 @@ def _round_to(x, DTYPE: tl.constexpr):
         return x
 
 
-def jit_functions(module_name: str, functions: tuple[Callable, ...]) -> dict[str, Callable]:
-    """``triton.jit`` copies of ``functions`` sharing one globals dict; returns it by name."""
+def jit_functions(module_name: str, functions: tuple[Callable, ...],
+                  do_not_specialize: dict[str, tuple[str, ...]] | None = None) -> dict[str, Callable]:
+    """``triton.jit`` copies of ``functions`` sharing one globals dict; returns it by name.
+    ``do_not_specialize[name]``: integer arguments of function ``name`` that Triton must not
+    specialise on (equal to 1, divisible by 16): one build serves every value."""
     import triton
     import triton.language as tl
+
+    do_not_specialize = do_not_specialize or {}
 
     namespace = {"__name__": module_name, "__builtins__": __builtins__, "tl": tl, "triton": triton}
     for fn in functions:
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__)
         copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
         copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks
-        namespace[fn.__name__] = triton.jit(copy)
+        namespace[fn.__name__] = triton.jit(copy, do_not_specialize=do_not_specialize.get(fn.__name__))
     return namespace

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass85     # the K = 3 DFlash step's GPU idle time by host phase and
+#                                           # its 45 costliest kernels (host_timeline.py) (~3 min)
 #   bash benchmarks/gpu_check.sh pass84     # a drafter block queued ahead rewound in one launch, the
 #                                           # verify's bonus uploaded with its rows, no copies of the
 #                                           # graphs' hidden states: CUDA tests, goal 2's cell against
@@ -339,6 +341,12 @@ base_goal_cell() {
   (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
 }
 case "$stage" in
+  pass85)
+    echo "== (sixtieth pass) where the K = 3 DFlash step's GPU time and idle time go"
+    timeout 170 python benchmarks/host_timeline.py --rounds 2 --top 10 --kernels 45 >"${OUT:-/tmp}/pass85.log" 2>&1
+    quiet <"${OUT:-/tmp}/pass85.log" | sed -n '/^| variant/,/^$/p'
+    sed -n '/defaults: target-only decode (profiled/,/^GPU time/p' "${OUT:-/tmp}/pass85.log" | head -16
+    sed -n '/defaults: DFlash K=3 (profiled/,$p' "${OUT:-/tmp}/pass85.log" | head -75 ;;
   pass84)
     echo "== (sixtieth pass) the DFlash step's eager inputs: a drafter block queued ahead rewound on"
     echo "   the device in one launch (kernels/rewind_rows.py), the verify's bonus uploaded with its"

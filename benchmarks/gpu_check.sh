@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass86     # the GPU's wait between the drafter block queued ahead and
+#                                           # the verify's launch, no profiler (host_timeline.py
+#                                           # --gaps), at 40 and 8 layers (~3 min)
 #   bash benchmarks/gpu_check.sh pass85     # the K = 3 DFlash step's GPU idle time by host phase and
 #                                           # its 45 costliest kernels (host_timeline.py) (~3 min)
 #   bash benchmarks/gpu_check.sh pass84     # a drafter block queued ahead rewound in one launch, the
@@ -341,6 +344,13 @@ base_goal_cell() {
   (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
 }
 case "$stage" in
+  pass86)
+    echo "== (sixtieth pass) the GPU's wait for the verify's launch after the drafter block queued ahead"
+    for layers in 40 8; do
+      echo "-- $layers layers"
+      timeout 120 python benchmarks/host_timeline.py --layers $layers --rounds 1 --top 4 --gaps 2>&1 | quiet \
+        | grep -E "^\| defaults|GPU gap|profiled|^\| (replay|graph forward|spec_decode|step|commit) "
+    done ;;
   pass85)
     echo "== (sixtieth pass) where the K = 3 DFlash step's GPU time and idle time go"
     timeout 170 python benchmarks/host_timeline.py --rounds 2 --top 10 --kernels 45 >"${OUT:-/tmp}/pass85.log" 2>&1

@@ -201,6 +201,56 @@ def print_profile(title: str, result: tuple, top: int, num_kernels: int = 0,
                   f"{kernel_count[name] / steps:.1f} | {us / steps:.1f} |")
 
 
+def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int) -> list[tuple[float, float]]:
+    """Per DFlash step with drafts queued ahead, without the profiler: (the GPU's gap between the
+    end of the drafter block queued by the step before and the first work of the verify, the
+    drafter block's GPU span) in us, from CUDA events: one recorded after ``propose_ahead``'s
+    last launch, one just before the verify graph's replay (it runs when the host reaches it,
+    so a late host shows as a gap; the replay call's own latency is not in it), one before
+    ``propose_ahead``'s first launch."""
+    engine = llm.engine
+    proposer, graphs = engine.proposer, engine.runner.graphs
+    pending: list[torch.cuda.Event] = []
+    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+    propose_ahead, forward, replay = proposer.propose_ahead, graphs.forward, torch.cuda.CUDAGraph.replay
+
+    def event() -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def timed_propose_ahead(*args, **kwargs):
+        start = event()
+        out = propose_ahead(*args, **kwargs)
+        pending[:] = [start, event()] if out is not None else []
+        return out
+
+    is_verify = []
+
+    def timed_forward(input_ids, items, *args, **kwargs):
+        is_verify[:] = [bool(pending) and kwargs.get("tail_ids") is not None]
+        try:
+            return forward(input_ids, items, *args, **kwargs)
+        finally:
+            is_verify.clear()
+
+    def timed_replay(graph):  # the verify's: an event just before its launch
+        if is_verify and is_verify[0]:
+            pairs.append((*pending, event()))
+            pending.clear()
+        return replay(graph)
+
+    proposer.propose_ahead, graphs.forward = timed_propose_ahead, timed_forward
+    torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        step_time(llm, prompt, new_tokens, warm=False)
+        sync(llm.config.device)
+    finally:
+        proposer.propose_ahead, graphs.forward = propose_ahead, forward
+        torch.cuda.CUDAGraph.replay = replay
+    return [(1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done)) for start, done, verify in pairs]
+
+
 def lm_head_table(device: str, n: int = 100352, k: int = 2048, copies: int = 3) -> list[tuple]:
     from laguna_dflash.kernels import skinny_gemm
 
@@ -242,6 +292,9 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0,
                     help="also list the N kernels with the most GPU time per profiled step")
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check at small widths")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also time, without the profiler, the GPU's wait for the verify's launch "
+                         "after the drafter block queued ahead (CUDA events)")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value]: a row against the defaults "
                          "(repeatable; the first also gets the profile tables)")
@@ -312,6 +365,13 @@ def main() -> None:
         for name, _ in variants:
             base, spec = best[name, "target-only"], best[name, f"DFlash K={args.k}"]
             print(f"| {name} | {base:.2f} | {spec:.2f} | {(args.k + 1) * base / spec:.2f} |")
+        if args.gaps and not cpu:
+            gaps = sorted(verify_gaps(llm, prompt, args.new_tokens))
+            if gaps:
+                mid = gaps[len(gaps) // 2]
+                print(f"\nDFlash K={args.k}, {len(gaps)} steps with drafts ahead (no profiler): GPU gap "
+                      f"between the drafter block queued ahead and the verify: median {mid[0]:.1f} us, "
+                      f"min {gaps[0][0]:.1f}, max {gaps[-1][0]:.1f}; that step's drafter block span {mid[1]:.1f} us")
         install_labels(llm)
         for name, texts in variants[:2]:
             with switched(texts):

@@ -348,8 +348,9 @@ case "$stage" in
     echo "== (sixtieth pass) the GPU's wait for the verify's launch after the drafter block queued ahead"
     for layers in 40 8; do
       echo "-- $layers layers"
-      timeout 120 python benchmarks/host_timeline.py --layers $layers --rounds 1 --top 4 --gaps 2>&1 | quiet \
-        | grep -E "^\| defaults|GPU gap|profiled|^\| (replay|graph forward|spec_decode|step|commit) "
+      timeout 120 python benchmarks/host_timeline.py --layers $layers --rounds 1 --top 4 --gaps >/tmp/gaps.log 2>&1
+      echo "exit $?"; quiet </tmp/gaps.log \
+        | grep -E "^\| defaults|GPU gap|profiled|^\| (replay|graph forward|spec_decode|step|commit) |Error" | tail -12
     done ;;
   pass85)
     echo "== (sixtieth pass) where the K = 3 DFlash step's GPU time and idle time go"

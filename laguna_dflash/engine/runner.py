@@ -207,8 +207,8 @@ class ModelRunner:
         assert store is not None or not store_context, "store_context needs a context_store"
         if self.graphs is not None:
             if self.graphs.can_run(items, len(input_ids)):
-                return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, tail_ids,
-                                           device_start, copy_hidden=copy_hidden)
+                return self.graphs.forward(input_ids, items, tap_layer_ids, is_causal, store, tail_ids=tail_ids,
+                                           device_start=device_start, copy_hidden=copy_hidden)
             is_prefill = not isinstance(input_ids, torch.Tensor) and store is None and is_causal
             shape = self.graphs.prefill_shape(items, len(input_ids)) if is_prefill else None
             if shape is not None:

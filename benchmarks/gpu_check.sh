@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass87     # the acceptance + host-copy rows and the embedding gather as
+#                                           # one launch each: the three new kernels' CUDA tests, the
+#                                           # engine's CUDA tests, goal 2's cell against .ab/base (~9 min)
 #   bash benchmarks/gpu_check.sh pass86     # the GPU's wait between the drafter block queued ahead and
 #                                           # the verify's launch, no profiler (host_timeline.py
-#                                           # --gaps), at 40 and 8 layers (~3 min)
+#                                           # --gaps) (~2 min)
 #   bash benchmarks/gpu_check.sh pass85     # the K = 3 DFlash step's GPU idle time by host phase and
 #                                           # its 45 costliest kernels (host_timeline.py) (~3 min)
 #   bash benchmarks/gpu_check.sh pass84     # a drafter block queued ahead rewound in one launch, the
@@ -344,9 +347,21 @@ base_goal_cell() {
   (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
 }
 case "$stage" in
+  pass87)
+    echo "== (sixtieth pass) acceptance + the host copy's rows in one launch (kernels/accept_pack.py),"
+    echo "   the embedding gather as a PDL kernel (kernels/embedding.py), with pass84's rewind: the"
+    echo "   kernels' CUDA and sm_90 tests, the engine's CUDA tests, then goal 2's cell, this tree"
+    echo "   and .ab/base's in turn, three processes each (~9 min)"
+    gpu_tests 70 -n 3 tests/test_kernel_accept_pack.py tests/test_kernel_embedding.py \
+      tests/test_kernel_rewind_rows.py -k "cuda or sm90" | grep -v PASSED | tail -4
+    engine_cuda_tests 230 | grep -v PASSED | tail -8
+    for i in 1 2 3; do
+      echo "-- goal cell, this tree"; goal_cell 85
+      echo "-- goal cell, .ab/base"; base_goal_cell 85
+    done ;;
   pass86)
     echo "== (sixtieth pass) the GPU's wait for the verify's launch after the drafter block queued ahead"
-    for layers in 40 8; do
+    for layers in 40; do
       echo "-- $layers layers"
       timeout 120 python benchmarks/host_timeline.py --layers $layers --rounds 1 --top 4 --gaps >/tmp/gaps.log 2>&1
       echo "exit $?"; quiet </tmp/gaps.log \

@@ -20,6 +20,7 @@ from ..config import (
 )
 from ..distributed import SINGLE, TensorParallel, init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
+from ..kernels.accept_pack import accept_and_pack
 from ..models.config_utils import with_generation_eos_ids
 from ..models.layers import build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
@@ -37,7 +38,7 @@ from .runner import ForwardItem, HostCopy, ModelRunner, forward_item, to_device_
 from .sampler import sample_rows, top_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec_decode import DFlashProposer, SpecDecodingStats, num_accepted
+from .spec_decode import DFlashProposer, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -958,16 +959,17 @@ class LLMEngine:
                                     replaced=penalized_rows(logits, seqs, k + 1, drafts),
                                     global_generator=self.generator)
         target_tokens = target_tokens.view(len(seqs), k + 1)
+        simulated = None
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
-            accepted = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),
-                                       drafts.device)
-        else:
-            accepted = num_accepted(drafts, target_tokens)
+            simulated = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),
+                                        drafts.device)
+        # the accepted counts (given when simulated) and the rows of the host copy, in one launch
+        # where Triton runs (kernels/accept_pack.py); accepted [R] int64, contiguous
+        packed, accepted = accept_and_pack(drafts, target_tokens, simulated)
         # One host sync per step, after the device work: bring back what commits need, in one
-        # copy ([R, 1 + (K+1) + K]: accepted count, target tokens, drafts). The next step's
-        # drafter block is queued behind the copy, so the wait below does not include it.
-        result = HostCopy(torch.cat([accepted.view(-1, 1).to(drafts.dtype), target_tokens.to(drafts.dtype),
-                                     drafts], dim=1))
+        # copy (packed [R, 1 + (K+1) + K] int64: accepted count, target tokens, drafts). The next
+        # step's drafter block is queued behind the copy, so the wait below does not include it.
+        result = HostCopy(packed)
         ahead = self._queue_drafts_ahead(seqs, k, anchors, accepted, target_tokens, taps)
         rows = result.tolist()
         accepted_list = [row[0] for row in rows]

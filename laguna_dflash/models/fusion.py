@@ -16,7 +16,8 @@ eager body: compiling there would fail inside the recording. If compiling fails 
 logged once and the eager body is used from then on. ``enabled = False`` turns fusion off.
 The residual add + RMSNorm chains (:func:`rms_norm`, :func:`add_rms_norm`, :func:`add`) take the
 Triton kernel of kernels/add_rms_norm.py instead where it runs (:data:`use_norm_kernel`), and
-:func:`silu_mul` the one of kernels/silu_mul.py (:data:`use_silu_kernel`).
+:func:`silu_mul` the one of kernels/silu_mul.py (:data:`use_silu_kernel`); :func:`embedding`,
+not a chain, the PDL gather of kernels/embedding.py (:data:`use_embedding_kernel`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import add_rms_norm as norm_kernel
+from ..kernels import embedding as embedding_kernel
 from ..kernels import precompile
 from ..kernels import silu_mul as silu_kernel
 
@@ -47,6 +49,10 @@ use_norm_kernel = True
 # the drafter block's graph replayed in 0.34 against 0.35 ms and the DFlash K = 3 step in 4.33
 # against 4.38 ms (docs/PERFORMANCE.md, fifty-ninth pass).
 use_silu_kernel = True
+# CUDA inference: the token embedding gather through the PDL-capable Triton kernel of
+# kernels/embedding.py instead of torch's gather, a normal launch ahead of layer 0's PDL chain.
+# A copy either way; False: F.embedding (an A/B switch).
+use_embedding_kernel = True
 
 Fn = TypeVar("Fn", bound=Callable)
 
@@ -256,6 +262,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 silu_mul.eager = _silu_mul  # type: ignore[attr-defined]
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids [T], weight [V, H]) -> [T, H]``: the Triton gather of
+    kernels/embedding.py for CUDA inference where it runs (:data:`use_embedding_kernel`), else
+    torch's."""
+    if (use_embedding_kernel and enabled and weight.is_cuda and not torch.is_grad_enabled()
+            and embedding_kernel.can_run(ids, weight)):
+        return embedding_kernel.embedding(ids, weight)
+    return F.embedding(ids, weight)
 
 
 @fused

@@ -125,7 +125,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [T]`` int64 (full-vocabulary ids) -> ``[T, H]``."""
         if not self.tp.is_parallel:
-            return super().forward(input_ids)
+            return fusion.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         is_here = (local >= 0) & (local < self.num_embeddings)
         rows = F.embedding(torch.where(is_here, local, 0), self.weight)

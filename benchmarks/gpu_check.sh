@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass88     # the other test files' CUDA tests (batch invariance, fusion,
+#                                           # sampling, TP / EP on one GPU, edge cases) with the
+#                                           # embedding kernel, then goal 2's cell twice (~6 min)
 #   bash benchmarks/gpu_check.sh pass87     # the acceptance + host-copy rows and the embedding gather as
 #                                           # one launch each: the three new kernels' CUDA tests, the
 #                                           # engine's CUDA tests, goal 2's cell against .ab/base (~9 min)
@@ -347,6 +350,13 @@ base_goal_cell() {
   (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
 }
 case "$stage" in
+  pass88)
+    echo "== (sixtieth pass) the CUDA tests outside engine_cuda_tests' files, then goal 2's cell twice"
+    gpu_tests 220 -n 6 -m "not exclusive_gpu" tests/test_batch_invariant.py tests/test_engine_units.py \
+      tests/test_expert_parallel.py tests/test_inference_fusion.py tests/test_review_distributed.py \
+      tests/test_review_sampling.py tests/test_spec_edge_cases.py tests/test_tensor_parallel.py \
+      -k "cuda or gpu" | grep -v PASSED | tail -8
+    for i in 1 2; do echo "-- goal cell"; goal_cell 85; done ;;
   pass87)
     echo "== (sixtieth pass) acceptance + the host copy's rows in one launch (kernels/accept_pack.py),"
     echo "   the embedding gather as a PDL kernel (kernels/embedding.py), with pass84's rewind: the"

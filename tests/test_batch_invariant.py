@@ -478,7 +478,7 @@ def test_xs_widths_bf16_tokens_do_not_depend_on_the_batch_cuda(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_cuda_xs_lossless import _write_pair
 
-    target, draft = _write_pair(tmp_path)
+    target, draft = _write_pair(tmp_path, "xs21")
     rng = random.Random(0)
     long = [rng.randrange(100, 4000) for _ in range(700)]
     prompts = [long, long[:300], [rng.randrange(100, 4000) for _ in range(40)], long[:9]]
@@ -504,7 +504,7 @@ def test_xs_widths_eager_graphs_and_seeded_sampling_agree_cuda(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_cuda_xs_lossless import _write_pair
 
-    target, _ = _write_pair(tmp_path)
+    target, _ = _write_pair(tmp_path, "xs21")
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 4000) for _ in range(n)] for n in (500, 37, 9)]
     common = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=1024,

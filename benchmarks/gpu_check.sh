@@ -349,6 +349,13 @@ base_goal_cell() {
   local limit=$1; shift
   (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
 }
+# goal_cells_against_base N: goal_cell from this tree and from .ab/base in turn, N processes each
+goal_cells_against_base() {
+  for ((i = 0; i < $1; i++)); do
+    echo "-- goal cell, this tree"; goal_cell 85
+    echo "-- goal cell, .ab/base"; base_goal_cell 85
+  done
+}
 case "$stage" in
   pass88)
     echo "== (sixtieth pass) the CUDA tests outside engine_cuda_tests' files, then goal 2's cell twice"
@@ -365,10 +372,7 @@ case "$stage" in
     gpu_tests 70 -n 3 tests/test_kernel_accept_pack.py tests/test_kernel_embedding.py \
       tests/test_kernel_rewind_rows.py -k "cuda or sm90" | grep -v PASSED | tail -4
     engine_cuda_tests 230 | grep -v PASSED | tail -8
-    for i in 1 2 3; do
-      echo "-- goal cell, this tree"; goal_cell 85
-      echo "-- goal cell, .ab/base"; base_goal_cell 85
-    done ;;
+    goal_cells_against_base 3 ;;
   pass86)
     echo "== (sixtieth pass) the GPU's wait for the verify's launch after the drafter block queued ahead"
     for layers in 40; do
@@ -390,10 +394,7 @@ case "$stage" in
     echo "   then goal 2's cell, this tree and .ab/base's in turn, three processes each (~8 min)"
     gpu_tests 40 tests/test_kernel_rewind_rows.py -k cuda | grep -v PASSED | tail -3
     engine_cuda_tests 230 | grep -v PASSED | tail -8
-    for i in 1 2 3; do
-      echo "-- goal cell, this tree"; goal_cell 85
-      echo "-- goal cell, .ab/base"; base_goal_cell 85
-    done ;;
+    goal_cells_against_base 3 ;;
   tests)
     echo "== graphs, fast path, skinny GEMM, losslessness on the GPU"
     gpu_tests 330 -x tests/test_cuda_graphs.py tests/test_inference_fusion.py \

@@ -490,8 +490,10 @@ class CUDAGraphRunner:
                 copy_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
         (``context_store``: captured into the graph, after the forward; ``tail_ids``,
-        ``device_start``: written into the request rows after their upload), or a prefill of
-        :meth:`prefill_shape` ``shape`` (token ids a list; no context store)."""
+        ``device_start``: written into the request rows after their upload; ``copy_hidden``:
+        False returns a view of the static output, which any later replay of this runner's
+        graphs may overwrite), or a prefill of :meth:`prefill_shape` ``shape`` (token ids a
+        list; no context store)."""
         r = len(items)
         if shape is None:
             q = items[0].num_tokens

@@ -200,8 +200,9 @@ class ModelRunner:
         ``num_tokens``. ``device_start``: first positions and first token ids known only on the
         device (``cuda_graph.DeviceStart``); graphs only (``graphs.can_run`` must hold).
         ``copy_hidden=False``: a replay's hidden states are returned as a view of the graph's
-        output, valid until that graph's next replay, for a caller that consumes them at once
-        (in stream order); the copy would be a launch.
+        static output, for a caller that queues its consumer before the runner replays any
+        graph again (the runner's graphs share one memory pool: a later replay of another may
+        write there); the copy would be a launch.
         """
         store = self.context_store if store_context else None
         assert store is not None or not store_context, "store_context needs a context_store"

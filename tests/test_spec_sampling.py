@@ -145,8 +145,13 @@ def test_biased_acceptance_is_detected(pair, monkeypatch):
     target, draft = pair
     params = SamplingParams(temperature=1.0)
     _, p3, _ = exact_token_distributions(LLM(target), params)
-    monkeypatch.setattr(engine_module, "num_accepted",
-                        lambda drafts, target_tokens: torch.full((drafts.shape[0],), drafts.shape[1]))
+    from laguna_dflash.kernels.accept_pack import accept_and_pack_reference
+
+    def accept_all(drafts, target_tokens, accepted=None):
+        every = torch.full((drafts.shape[0],), drafts.shape[1], device=drafts.device)
+        return accept_and_pack_reference(drafts, target_tokens, every)
+
+    monkeypatch.setattr(engine_module, "accept_and_pack", accept_all)
     biased = LLM(target, draft=draft, max_num_seqs=128)
     p_value = gof_pvalue(sampled_tokens(biased, params)[:, 2], p3)
     assert p_value < 1e-6, p_value

@@ -60,7 +60,7 @@ def install_labels(llm: LLM) -> None:
     label(engine_mod.LLMEngine, "_decode", "H decode")
     label(engine_mod.LLMEngine, "_spec_decode", "H spec_decode")
     label(engine_mod, "sample_rows", "H sample_rows")
-    label(engine_mod, "num_accepted", "H num_accepted")
+    label(engine_mod, "accept_and_pack", "H accept_and_pack")
     label(spec_decode.DFlashProposer, "propose", "H propose")
     label(spec_decode.DFlashProposer, "store_context", "H store_context")
     label(context_graph.ContextGraphRunner, "run", "H context graph run")

@@ -24,6 +24,7 @@ us and TB/s, default-config us, best Triton config, its us and TB/s, cuBLAS / Tr
     python benchmarks/bench_skinny_gemm.py                    # all shapes, M = 1, 4, 16
     python benchmarks/bench_skinny_gemm.py --quick --m 1,16   # smaller sweep
     python benchmarks/bench_skinny_gemm.py --shapes 4096x2048,2048x4096   # extra (drafter) shapes
+    python benchmarks/bench_skinny_gemm.py --only --shapes 100352x2048 --m 1,4   # the lm_head alone
     TRITON_INTERPRET=1 python benchmarks/bench_skinny_gemm.py --device cpu --tiny   # wiring check
 """
 
@@ -354,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,4,16", help="rows of x to measure (comma list, each <= 16)")
     ap.add_argument("--shapes", default="", help="extra NxK shapes, comma list (e.g. drafter)")
+    ap.add_argument("--only", action="store_true", help="only the --shapes shapes (e.g. the lm_head)")
     ap.add_argument("--quick", action="store_true", help="smaller phase A, top-1 phase B")
     ap.add_argument("--top-b", type=int, default=2, help="phase-A configs refined in phase B")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run")
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(s) for s in args.m.split(",") if s]
     if not ms or not all(1 <= m <= sg.MAX_M for m in ms):
         ap.error(f"--m values must be in 1..{sg.MAX_M}")
-    shapes = TINY_SHAPES if args.tiny else list(SHAPES)
+    shapes = TINY_SHAPES if args.tiny else [] if args.only else list(SHAPES)
     for s in filter(None, args.shapes.split(",")):
         n, k = (int(v) for v in s.lower().split("x"))
         shapes.append((f"extra {n}x{k}", n, k))

@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass90     # the lm_head as the skinny GEMM (tuned at 1 and 4 rows) and
+#                                           # the SwiGLU epilogue: the lm_head's CUDA test, the
+#                                           # engine's CUDA tests, goal 2's cell against .ab/base (~8 min)
+#   bash benchmarks/gpu_check.sh pass89     # the dense MLPs' SwiGLU as the skinny gate|up GEMM's
+#                                           # epilogue: its and the skinny GEMM's CUDA / sm_90
+#                                           # tests, the lm_head's GEMM swept at 1 and 4 rows, the
+#                                           # drafter / decode / verify graphs on and off (~8 min)
 #   bash benchmarks/gpu_check.sh pass88     # the other test files' CUDA tests (batch invariance, fusion,
 #                                           # sampling, TP / EP on one GPU, edge cases) with the
 #                                           # embedding kernel, then goal 2's cell twice (~6 min)
@@ -357,6 +364,27 @@ goal_cells_against_base() {
   done
 }
 case "$stage" in
+  pass90)
+    echo "== (sixty-first pass) the lm_head through the skinny GEMM (eager, tuned at 1 and 4 rows) with"
+    echo "   the SwiGLU epilogue: the lm_head's CUDA test, the engine's CUDA tests, then goal 2's"
+    echo "   cell, this tree and .ab/base's in turn, three processes each"
+    gpu_tests 60 tests/test_kernel_skinny_gemm.py -k "lm_head" | grep -v PASSED | tail -3
+    engine_cuda_tests 230 | grep -v PASSED | tail -8
+    goal_cells_against_base 3 ;;
+  pass89)
+    echo "== (sixty-first pass) the SwiGLU in the gate|up GEMM's epilogue (skinny_gemm glu=True): its"
+    echo "   CUDA and sm_90 tests and the skinny GEMM's; the lm_head (100352 x 2048) swept at 1 and 4"
+    echo "   rows; the drafter block, decode and 4-token verify graphs with the epilogue on / off"
+    gpu_tests 150 -n 4 tests/test_kernel_skinny_glu.py tests/test_kernel_skinny_gemm.py \
+      -k "cuda or sm90" | grep -v PASSED | tail -6
+    timeout 150 python benchmarks/bench_skinny_gemm.py --only --shapes 100352x2048 --m 1,4 --budget 120 \
+      2>&1 | quiet | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -20
+    g="laguna_dflash.models.layers:use_glu_epilogue"
+    for mode in "--drafter --k 3" "--q 1" "--q 4"; do
+      timeout 100 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
+        --switch "$g=False" --switch "$g=True" --switch "$g=False" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|skinny|silu|equal|rror" | head -24
+    done ;;
   pass88)
     echo "== (sixtieth pass) the CUDA tests outside engine_cuda_tests' files, then goal 2's cell twice"
     gpu_tests 220 -n 6 -m "not exclusive_gpu" tests/test_batch_invariant.py tests/test_engine_units.py \

@@ -580,6 +580,43 @@ def test_cuda_layers_linear_takes_the_kernel_only_while_a_graph_is_built_and_whe
         assert calls == [1, 4, 16]
 
 
+@cuda
+def test_cuda_lm_head_takes_the_kernel_eagerly_where_tuned(monkeypatch) -> None:
+    """``layers.lm_head_linear`` runs the measured lm_head shape (V 100352 x H 2048) through the
+    kernel eagerly at 1..4 rows (within the accumulation bound of the exact logits), keeps cuBLAS
+    for untuned row counts and shapes and with ``use_skinny_lm_head`` off; and
+    ``build_lm_head_ahead`` submits the builds of the tuned row counts."""
+    from laguna_dflash.models import layers
+
+    calls = []
+    original = sg.skinny_gemm
+    monkeypatch.setattr(sg, "skinny_gemm", lambda x, w, cfg=None, glu=False: (calls.append(x.shape[0]), original(x, w, cfg, glu))[1])
+    with torch.inference_mode():
+        _, w = _problem(1, 100352, 2048, torch.bfloat16, seed=0, device="cuda")
+        assert sg.is_tuned(1, 100352, 2048) and sg.is_tuned(4, 100352, 2048)
+        for m in (1, 3, 4):
+            x = _problem(m, 8, 2048, torch.bfloat16, seed=m, device="cuda")[0]
+            _assert_close_to_exact(layers.lm_head_linear(x, w), x, w)
+        assert calls == [1, 3, 4]
+        layers.lm_head_linear(_problem(5, 8, 2048, torch.bfloat16, seed=5, device="cuda")[0], w)  # untuned
+        x = _problem(1, 8, 2048, torch.bfloat16, seed=1, device="cuda")[0]
+        layers.lm_head_linear(x, w[:50000])  # another vocabulary: untuned
+        monkeypatch.setattr(layers, "use_skinny_lm_head", False)
+        assert torch.equal(layers.lm_head_linear(x, w), F.linear(x, w))
+        assert calls == [1, 3, 4]
+        monkeypatch.setattr(layers, "use_skinny_lm_head", True)
+    assert layers.build_lm_head_ahead(w) >= 0  # built already above: possibly nothing to submit
+    assert calls[3:] == [1, 2, 3, 4]  # the tuned row counts, launched as builds only
+
+
+def test_lm_head_off_cuda_is_f_linear() -> None:
+    from laguna_dflash.models import layers
+
+    x, w = _problem(2, 64, 32, torch.float32, seed=0)
+    assert torch.equal(layers.lm_head_linear(x, w), F.linear(x, w))
+    assert layers.build_lm_head_ahead(w) == 0
+
+
 def test_graph_build_scope_nests_and_unwinds() -> None:
     from laguna_dflash.models import layers
 

@@ -22,7 +22,7 @@ from ..distributed import SINGLE, TensorParallel, init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
 from ..kernels.accept_pack import accept_and_pack
 from ..models.config_utils import with_generation_eos_ids
-from ..models.layers import build_sorted_moe_kernels_ahead, fuse_for_inference
+from ..models.layers import build_lm_head_ahead, build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from . import cuda_graph, sampler
@@ -347,6 +347,9 @@ class LLMEngine:
         # first sampled request (seeded noise, the race's argmax, top-k values)
         num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)
         logger.debug("built %d sampling kernel variants ahead", num_built)
+        # the lm_head's skinny GEMM at the row counts a first batch size brings (models/layers.py)
+        num_built = build_lm_head_ahead(self.target.lm_head_weight)
+        logger.debug("built %d lm_head GEMM variants ahead", num_built)
         # the sorted MoE kernels of every tile height (past 256 pairs a forward; the height
         # follows the token count): built now, not by a first long eager prefill (half
         # precision, as the warm-up prefills below)

@@ -168,6 +168,10 @@ _MEASURED: dict[tuple[int, int, int], SkinnyConfig] = {
     (4, 10240, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 12.63 us, cuBLAS 12.88 us
     (4, 10304, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 12.75 us, cuBLAS 13.80 us
     (4, 16384, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=False, x_bcast=True),  # 18.26 us, cuBLAS 18.77 us
+    # the lm_head (V 100352 x H 2048: XS-2.1 and its drafter), measured 2026-12-04 with
+    # bench_skinny_gemm.py --only --shapes 100352x2048 --m 1,4 (docs/PERFORMANCE.md, sixty-first pass)
+    (1, 100352, 2048): SkinnyConfig(block_n=8, block_k=128, split_k=1, num_warps=8, num_stages=1, use_dot=False, evict_first=True, x_bcast=True),  # 91.03 us, cuBLAS 95.59 us
+    (4, 100352, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=False, x_bcast=True),  # 93.23 us, cuBLAS 97.18 us
     (16, 256, 2048): SkinnyConfig(block_n=16, block_k=256, split_k=8, num_warps=4, num_stages=2, use_dot=True, evict_first=True, x_bcast=True),  # 3.75 us, cuBLAS 5.73 us
     (16, 2048, 6144): SkinnyConfig(block_n=32, block_k=256, split_k=4, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 9.75 us, cuBLAS 11.64 us
     (16, 2048, 8192): SkinnyConfig(block_n=32, block_k=256, split_k=4, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 11.83 us, cuBLAS 13.80 us
@@ -393,20 +397,62 @@ def _bcast(x, X_BCAST: tl.constexpr):
     return v
 
 
+def _weight_rows(offs_n, glu_inter, GLU: tl.constexpr):
+    # the weight row of each row index (virtual with GLU) of a column tile
+    if GLU:
+        return (offs_n % 2) * glu_inter + offs_n // 2
+    return offs_n
+
+
+def _store_y(acc, y_ptr, stride_ym, pid_n, M, N, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+             OUT_DTYPE: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # y of column tile pid_n from acc [M_PAD, BLOCK_N] fp32, rounded once. GLU: virtual columns
+    # 2c and 2c + 1 are the gate and up of output column c; each is rounded to the output dtype
+    # as the unfused GEMM stores it, then y[m, c] = T(T(g / (1 + exp(-g))) * u) as
+    # kernels/silu_mul.py computes it (libdevice's expf, a correctly rounded division), so y is
+    # bitwise silu_mul(skinny_gemm(x, W)) under the same config. That kernel is built without
+    # FMA contraction; this one keeps it for its GEMV FMAs, so the one add a contraction could
+    # merge with exp's last product is an explicit round-to-nearest add (its flush of a
+    # subnormal e cannot change 1 + e). The product s * u feeds only the rounding's integer ops
+    # and the store: nothing to contract with.
+    offs_mo = tl.arange(0, M_PAD)[:, None]
+    if GLU:
+        g, u = tl.split(tl.reshape(acc, [M_PAD, BLOCK_N // 2, 2]))
+        g = _round_to(g, OUT_DTYPE)
+        u = _round_to(u, OUT_DTYPE)
+        if LIBDEVICE:
+            one_plus_e = tl.extra.cuda.libdevice.add_rn(1.0, tl.extra.cuda.libdevice.exp(-g))
+        else:  # the interpreter: numpy's exp, and no contraction
+            one_plus_e = 1.0 + tl.exp(-g)
+        h = _round_to(tl.math.div_rn(g, one_plus_e), OUT_DTYPE) * u
+        offs_c = (pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2))[None, :]
+        tl.store(y_ptr + offs_mo * stride_ym + offs_c, _round_to(h, OUT_DTYPE).to(y_ptr.dtype.element_ty),
+                 mask=(offs_mo < M) & (offs_c < N // 2))
+    else:
+        offs_no = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        tl.store(y_ptr + offs_mo * stride_ym + offs_no, _round_to(acc, OUT_DTYPE).to(y_ptr.dtype.element_ty),
+                 mask=(offs_mo < M) & (offs_no < N))
+
+
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, glu_inter,
     K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    GLU: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
     # interpreter holds scalar arguments as arrays, which range() rejects).
     # ROW_BLOCKS (skinny_gemm_rows): program (b, j, s) runs the same on rows [16 b, 16 b + 16) of
     # x and y, with its own workspace slabs and counters; b varies fastest, so the programs of
-    # one weight tile run together and all but the first read it from L2
+    # one weight tile run together and all but the first read it from L2.
+    # GLU (skinny_gemm(..., glu=True)): W is [2I, K] (gate rows, then up rows; glu_inter = I) and
+    # N = 2I counts VIRTUAL rows v = 2c + h of weight row h I + c (_weight_rows): a column tile
+    # holds the gate and up rows of BLOCK_N / 2 output columns, and the epilogue stores
+    # silu(gate) * up of them into y [M, I] (_store_y)
     if ROW_BLOCKS:
         pid_b = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
@@ -428,7 +474,7 @@ def _skinny_gemm_kernel(
         # acc[n, m] += W[n, k] x[m, k]: the weight is the wide (M-side) operand
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, M_PAD)
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        w_rows = w_ptr + _weight_rows(offs_n, glu_inter, GLU)[:, None].to(tl.int64) * stride_wn
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         acc = _dot_acc(tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
                        k_start, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, EVICT_FIRST)
@@ -439,7 +485,7 @@ def _skinny_gemm_kernel(
         # PREFETCH: the loads of step i + 1 are issued before the FMAs of step i (a register
         # double buffer; Triton's pipeliner only stages loads that feed tl.dot)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        w_rows = w_ptr + _weight_rows(offs_n, glu_inter, GLU)[:, None].to(tl.int64) * stride_wn
         zero_n = offs_n[:, None] * 0
         acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if M_PAD > 1:
@@ -485,9 +531,8 @@ def _skinny_gemm_kernel(
     offs_mo = tl.arange(0, M_PAD)[:, None]
     offs_no = (n0 + tl.arange(0, BLOCK_N))[None, :]
     o_mask = (offs_mo < M) & (offs_no < N)
-    y_ptrs = y_ptr + offs_mo * stride_ym + offs_no
     if SPLIT_K == 1:
-        tl.store(y_ptrs, _round_to(out, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
+        _store_y(out, y_ptr, stride_ym, pid_n, M, N, M_PAD, BLOCK_N, OUT_DTYPE, GLU, LIBDEVICE)
     else:
         # partial -> part[pid_k, m, n]; the last of the SPLIT_K programs of this column tile sums
         # the slabs in split order, stores y and re-arms the counter (module docstring)
@@ -500,7 +545,7 @@ def _skinny_gemm_kernel(
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part + s * (PART_ROWS * N), mask=o_mask, other=0.0,
                                  cache_modifier=".cg")
-            tl.store(y_ptrs, _round_to(total, OUT_DTYPE).to(y_ptr.dtype.element_ty), mask=o_mask)
+            _store_y(total, y_ptr, stride_ym, pid_n, M, N, M_PAD, BLOCK_N, OUT_DTYPE, GLU, LIBDEVICE)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -509,7 +554,7 @@ def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
     namespace = jit_functions(__name__, (_round_to, _load_w, _dot_acc, _gemv_w_load, _gemv_x_loads, _gemv_loads,
-                                         _bcast, _skinny_gemm_kernel))
+                                         _bcast, _weight_rows, _store_y, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -589,39 +634,50 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{tuple(weight.stride())}; pass weight.contiguous()")
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """``x @ weight^T`` for at most 16 rows in one Triton launch (see the module docstring).
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
+                glu: bool = False) -> torch.Tensor:
+    """``x @ weight^T`` for at most 16 rows in one Triton launch (see the module docstring);
+    with ``glu``, the SwiGLU of it in the same launch.
 
     Args:
         x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= 16``, any strides.
         weight: ``[N, K]`` of x's dtype and device, unit column stride (any row stride).
         config: tiles and launch options; ``None``: :func:`default_config` ``(M, N, K)``.
+        glu: ``weight`` is a SwiGLU MLP's ``gate_up [2I, K]`` (gate rows first, ``N = 2I`` even)
+            and the result is ``silu(x W_gate^T) * (x W_up^T)`` ``[M, I]``: bitwise
+            ``kernels.silu_mul.silu_mul(skinny_gemm(x, weight, config))`` (the gate and up rows
+            of an output column share a column tile; the activation is the epilogue), without
+            the second launch and the ``[M, 2I]`` round trip. Same config table (the gate_up's).
 
     Returns:
-        ``[M, N]`` contiguous in x.dtype: ``F.linear(x, weight)`` up to the fp32 accumulation
-        order (fp32 accumulation; one rounding at the end). Bitwise reproducible for a given
-        config. Runs where :func:`is_available` says (CUDA sm80+, or a CPU under the
-        interpreter); check :func:`can_use` first to fall back to ``F.linear``.
+        ``[M, N]`` (``[M, N / 2]`` with ``glu``) contiguous in x.dtype: ``F.linear(x, weight)``
+        up to the fp32 accumulation order (fp32 accumulation; one rounding at the end). Bitwise
+        reproducible for a given config. Runs where :func:`is_available` says (CUDA sm80+, or a
+        CPU under the interpreter); check :func:`can_use` first to fall back to ``F.linear``.
     """
     _check(x, weight)
     m, k = x.shape
     n = weight.shape[0]
+    if glu and n % 2:
+        raise ValueError(f"glu=True needs weight [2I, K] (gate rows, then up rows), got {n} rows: "
+                         "an odd count; pass the fused gate_up weight")
     cfg = default_config(m, n, k) if config is None else config
     if not isinstance(cfg, SkinnyConfig):
         raise ValueError(f"config must be a SkinnyConfig or None, got {type(cfg).__name__}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         _check_config(cfg, _use_dot(cfg, m), m)
-        return y.zero_()
+        return y.zero_()  # with glu and K = 0: gate = up = 0, silu(0) * 0 = 0
     interpret = interpret_mode()
-    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret))
+    grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret),
+                                glu=glu)
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
         part = counters = y  # unused
     _kernels(interpret)[grid](
         x, weight, y, part, counters,
-        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0),
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0), n // 2,
         **meta,
     )
     return y
@@ -661,7 +717,7 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
     part, counters = _workspace(x.device, n, split_k, blocks) if split_k > 1 else (y, y)
     _kernels(interpret)[grid](
         x, weight, y, part, counters,
-        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0),
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0), 0,
         **meta,
     )
     return y
@@ -673,10 +729,12 @@ def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
-          interpret: bool, pdl: bool = False, row_blocks: int = 0) -> tuple[tuple[int, ...], int, dict]:
+          interpret: bool, pdl: bool = False, row_blocks: int = 0,
+          glu: bool = False) -> tuple[tuple[int, ...], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
     (cached per shape and config: the eager host path is a dict lookup and one launch).
-    ``row_blocks`` > 0: a :func:`skinny_gemm_rows` launch over that many 16-row blocks."""
+    ``row_blocks`` > 0: a :func:`skinny_gemm_rows` launch over that many 16-row blocks; ``glu``:
+    the SwiGLU epilogue of :func:`skinny_gemm`."""
     use_dot = True if row_blocks else _use_dot(cfg, m)
     _check_config(cfg, use_dot, m)
     block_k = cfg.block_k
@@ -690,6 +748,7 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl, ROW_BLOCKS=row_blocks > 0,
+        GLU=bool(glu), LIBDEVICE=not interpret,
         num_warps=cfg.num_warps, num_stages=_dot_stages(cfg, dtype) if use_dot else cfg.num_stages,
         **launch_options(pdl),
     )

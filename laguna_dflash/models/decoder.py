@@ -23,6 +23,7 @@ from .layers import (
     MoE,
     RMSNorm,
     VocabParallelEmbedding,
+    lm_head_linear,
     run_layers,
 )
 from .rope import RopeSpec, RotaryEmbedding
@@ -173,7 +174,7 @@ class DecoderLM(nn.Module):
         parallelism each rank computes its vocabulary columns and all ranks gather the rest."""
         if batch_invariant.is_active():
             return self.tp.all_gather_last(batch_invariant.linear(hidden, self.lm_head_weight))
-        return self.tp.all_gather_last(torch.nn.functional.linear(hidden, self.lm_head_weight))
+        return self.tp.all_gather_last(lm_head_linear(hidden, self.lm_head_weight))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""

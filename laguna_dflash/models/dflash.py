@@ -26,7 +26,16 @@ from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
 from .fusion import rms_norm_grouped
-from .layers import MLP, Attention, DecoderLayer, ForwardContext, RMSNorm, linear, run_layers
+from .layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    ForwardContext,
+    RMSNorm,
+    linear,
+    lm_head_linear,
+    run_layers,
+)
 from .qwen3 import qwen3_rope
 from .rope import RopeSpec
 
@@ -468,7 +477,7 @@ class DFlashDraftModel(nn.Module):
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype
         (each tensor-parallel rank's vocabulary columns, gathered)."""
-        return self.target.tp.all_gather_last(F.linear(hidden, self.lm_head_weight))
+        return self.target.tp.all_gather_last(lm_head_linear(hidden, self.lm_head_weight))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""

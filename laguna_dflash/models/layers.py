@@ -51,6 +51,15 @@ use_staged_o_proj = True
 # verify's o_proj too: timed on the H200, the 4-token verify graph got slower with every 2-4 row
 # config (3.95 -> 4.09-4.41 ms; gpu_check.sh staged4, docs/PERFORMANCE.md, fourteenth pass).
 staged_o_proj_max_rows = 1
+# The dense MLPs' SwiGLU (the drafter's layers, the target's first layer) as the epilogue of the
+# skinny gate|up GEMM (skinny_gemm(..., glu=True): bitwise the GEMM then kernels/silu_mul.py, in
+# one launch) wherever :func:`linear` takes the skinny GEMM for that gate|up; False: the GEMM and
+# the activation kernel as two launches (an A/B switch for benchmarks).
+use_glu_epilogue = True
+# The lm_head (decode, verify and draft rows: M <= 16) through the skinny GEMM where a measured
+# config covers its (M, V, H), eagerly as well (it runs outside the graphs; the host is ahead of
+# the GPU there); False: cuBLAS (an A/B switch for benchmarks).
+use_skinny_lm_head = True
 
 
 @contextlib.contextmanager
@@ -79,11 +88,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     :func:`batch_invariant.linear` (row results independent of ``M``)."""
     if batch_invariant.is_active():
         return batch_invariant.linear(x, weight, bias)
-    if (is_building_cuda_graph() and bias is None and use_skinny_gemm and x.is_cuda
-            and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
-            and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1])):
+    if _takes_skinny(x, weight, bias):
         return skinny_gemm.skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
+
+
+def _takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # the rule of :func:`linear`'s skinny branch (batch-invariant scope aside)
+    return (is_building_cuda_graph() and bias is None and use_skinny_gemm and x.is_cuda
+            and not torch.is_grad_enabled() and skinny_gemm.can_use(x, weight)
+            and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1]))
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of a dense MLP: ``silu(g) * u`` of ``[g | u] = x [M, K] @ weight [2I, K]^T (+ bias)``
+    -> ``[M, I]`` in x's dtype. Where :func:`linear` takes the skinny GEMM for this gate|up and
+    :data:`use_glu_epilogue` is on: one launch with the activation as its epilogue (bitwise
+    the two-launch result); otherwise :func:`linear` then ``fusion.silu_mul``."""
+    if use_glu_epilogue and not batch_invariant.is_active() and _takes_skinny(x, weight, bias):
+        return skinny_gemm.skinny_gemm(x, weight, glu=True)
+    return fusion.silu_mul(linear(x, weight, bias))
+
+
+def lm_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``x [M, H] @ weight [V, H]^T`` -> ``[M, V]`` in x's dtype: the skinny GEMM where
+    :data:`use_skinny_lm_head` is on and a measured config covers the shape (inference on CUDA,
+    ``M <= 16``; a first use builds its kernel, :func:`build_lm_head_ahead` does so at start-up),
+    else ``F.linear``."""
+    if _skinny_lm_head(x.shape[0], weight) and x.is_cuda and skinny_gemm.can_use(x, weight):
+        return skinny_gemm.skinny_gemm(x, weight)
+    return F.linear(x, weight)
+
+
+def _skinny_lm_head(m: int, weight: torch.Tensor) -> bool:
+    return (use_skinny_lm_head and use_skinny_gemm and not torch.is_grad_enabled()
+            and m <= skinny_gemm.MAX_M and skinny_gemm.is_tuned(m, weight.shape[0], weight.shape[1]))
+
+
+def build_lm_head_ahead(weight: torch.Tensor) -> int:
+    """Build the skinny GEMM variants :func:`lm_head_linear` launches for 1..16 rows of this
+    lm_head ``[V, H]`` on a thread pool (:func:`kernels.precompile.launches_build_only`), so that
+    a first batch size does not wait for them. Only a speed-up: an error is logged. -> the
+    variants submitted (0 off CUDA or when none is tuned)."""
+    if not weight.is_cuda or not skinny_gemm.is_available(weight.device):
+        return 0
+    try:
+        with torch.inference_mode(), precompile.launches_build_only() as builds:
+            for m in range(1, skinny_gemm.MAX_M + 1):
+                if _skinny_lm_head(m, weight):
+                    skinny_gemm.skinny_gemm(weight.new_zeros(m, weight.shape[1]), weight)
+    except Exception as e:  # noqa: BLE001 - only a speed-up: the first launch still builds
+        logger.warning("building the lm_head's GEMM kernels ahead failed (the first use builds "
+                       "them): %s", e)
+        return 0
+    return builds.num_submitted
 
 
 @dataclass
@@ -357,7 +415,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        h = fusion.silu_mul(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        h = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         return row_parallel_linear(h, self.down_proj, self.tp, self.reduce_results)
 
 

@@ -583,7 +583,8 @@ def test_cuda_layers_linear_takes_the_kernel_only_while_a_graph_is_built_and_whe
 @cuda
 def test_cuda_lm_head_takes_the_kernel_eagerly_where_tuned(monkeypatch) -> None:
     """``layers.lm_head_linear`` runs the measured lm_head shape (V 100352 x H 2048) through the
-    kernel eagerly at 1..4 rows (within the accumulation bound of the exact logits), keeps cuBLAS
+    kernel eagerly at 1..4 rows (within the accumulation bound of the exact logits), also in grad
+    mode when nothing requires grad (the engine's steps); keeps cuBLAS where autograd is in play,
     for untuned row counts and shapes and with ``use_skinny_lm_head`` off; and
     ``build_lm_head_ahead`` submits the builds of the tuned row counts."""
     from laguna_dflash.models import layers
@@ -591,13 +592,17 @@ def test_cuda_lm_head_takes_the_kernel_eagerly_where_tuned(monkeypatch) -> None:
     calls = []
     original = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda x, w, cfg=None, glu=False: (calls.append(x.shape[0]), original(x, w, cfg, glu))[1])
+    _, w = _problem(1, 100352, 2048, torch.bfloat16, seed=0, device="cuda")
+    assert sg.is_tuned(1, 100352, 2048) and sg.is_tuned(4, 100352, 2048)
+    assert torch.is_grad_enabled()
+    for m in (1, 3, 4):
+        x = _problem(m, 8, 2048, torch.bfloat16, seed=m, device="cuda")[0]
+        _assert_close_to_exact(layers.lm_head_linear(x, w), x, w)
+    assert calls == [1, 3, 4]
+    x.requires_grad_(True)
+    layers.lm_head_linear(x, w).sum().backward()  # autograd: cuBLAS
+    assert calls == [1, 3, 4] and x.grad is not None
     with torch.inference_mode():
-        _, w = _problem(1, 100352, 2048, torch.bfloat16, seed=0, device="cuda")
-        assert sg.is_tuned(1, 100352, 2048) and sg.is_tuned(4, 100352, 2048)
-        for m in (1, 3, 4):
-            x = _problem(m, 8, 2048, torch.bfloat16, seed=m, device="cuda")[0]
-            _assert_close_to_exact(layers.lm_head_linear(x, w), x, w)
-        assert calls == [1, 3, 4]
         layers.lm_head_linear(_problem(5, 8, 2048, torch.bfloat16, seed=5, device="cuda")[0], w)  # untuned
         x = _problem(1, 8, 2048, torch.bfloat16, seed=1, device="cuda")[0]
         layers.lm_head_linear(x, w[:50000])  # another vocabulary: untuned

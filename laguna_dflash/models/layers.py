@@ -112,17 +112,19 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def lm_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Logits ``x [M, H] @ weight [V, H]^T`` -> ``[M, V]`` in x's dtype: the skinny GEMM where
-    :data:`use_skinny_lm_head` is on and a measured config covers the shape (inference on CUDA,
-    ``M <= 16``; a first use builds its kernel, :func:`build_lm_head_ahead` does so at start-up),
-    else ``F.linear``."""
-    if _skinny_lm_head(x.shape[0], weight) and x.is_cuda and skinny_gemm.can_use(x, weight):
+    :data:`use_skinny_lm_head` is on and a measured config covers the shape (on CUDA, ``M <= 16``,
+    nothing to differentiate: the engine's steps run with grad mode on but no tensor requiring
+    grad; a first use builds its kernel, :func:`build_lm_head_ahead` does so at start-up), else
+    ``F.linear``."""
+    if (_skinny_lm_head(x.shape[0], weight) and x.is_cuda and skinny_gemm.can_use(x, weight)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return skinny_gemm.skinny_gemm(x, weight)
     return F.linear(x, weight)
 
 
 def _skinny_lm_head(m: int, weight: torch.Tensor) -> bool:
-    return (use_skinny_lm_head and use_skinny_gemm and not torch.is_grad_enabled()
-            and m <= skinny_gemm.MAX_M and skinny_gemm.is_tuned(m, weight.shape[0], weight.shape[1]))
+    return (use_skinny_lm_head and use_skinny_gemm and m <= skinny_gemm.MAX_M
+            and skinny_gemm.is_tuned(m, weight.shape[0], weight.shape[1]))
 
 
 def build_lm_head_ahead(weight: torch.Tensor) -> int:

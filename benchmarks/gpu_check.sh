@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass92     # the CUDA tests outside engine_cuda_tests' files (batch
+#                                           # invariance, fusion, sampling, TP / EP on one GPU, edge
+#                                           # cases) with the SwiGLU epilogue and the lm_head GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass91     # goal 2's cell: this tree against .ab/base in four processes
+#                                           # each, then this tree with the lm_head's skinny GEMM off
+#                                           # and with the SwiGLU epilogue off, two each (~7 min)
 #   bash benchmarks/gpu_check.sh pass90     # the lm_head as the skinny GEMM (tuned at 1 and 4 rows) and
 #                                           # the SwiGLU epilogue: the lm_head's CUDA test, the
 #                                           # engine's CUDA tests, goal 2's cell against .ab/base (~8 min)
@@ -364,6 +370,21 @@ goal_cells_against_base() {
   done
 }
 case "$stage" in
+  pass92)
+    echo "== (sixty-first pass) the CUDA tests outside engine_cuda_tests' files with the SwiGLU epilogue"
+    echo "   and the lm_head through the skinny GEMM"
+    gpu_tests 230 -n 6 -m "not exclusive_gpu" tests/test_batch_invariant.py tests/test_engine_units.py \
+      tests/test_expert_parallel.py tests/test_inference_fusion.py tests/test_review_distributed.py \
+      tests/test_review_sampling.py tests/test_spec_edge_cases.py tests/test_tensor_parallel.py \
+      -k "cuda or gpu" | grep -v PASSED | tail -8 ;;
+  pass91)
+    echo "== (sixty-first pass) goal 2's cell: this tree and .ab/base's in turn, four processes each;"
+    echo "   then this tree with layers.use_skinny_lm_head and with layers.use_glu_epilogue off"
+    goal_cells_against_base 4
+    for i in 1 2; do
+      echo "-- goal cell, lm_head through cuBLAS"; goal_cell 85 --switch "laguna_dflash.models.layers:use_skinny_lm_head=False"
+      echo "-- goal cell, SwiGLU epilogue off"; goal_cell 85 --switch "laguna_dflash.models.layers:use_glu_epilogue=False"
+    done ;;
   pass90)
     echo "== (sixty-first pass) the lm_head through the skinny GEMM (eager, tuned at 1 and 4 rows) with"
     echo "   the SwiGLU epilogue: the lm_head's CUDA test, the engine's CUDA tests, then goal 2's"

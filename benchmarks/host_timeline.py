@@ -320,7 +320,10 @@ def main() -> None:
         llm = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
                   device=args.device, load_format="dummy", enforce_eager=cpu,
                   max_model_len=args.context + 256, max_num_seqs=1,
-                  num_kv_blocks=(args.context + 320) // 16 * 2)
+                  # room for the hybrid layout at any --layers: its sliding groups each hold the
+                  # whole 1k context (window >= context), so a few layers' groups need more
+                  # blocks than the unified layout (8 layers: 327 where x 2 gave 312)
+                  num_kv_blocks=(args.context + 320) // 16 * 4)
         engine = llm.engine
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()

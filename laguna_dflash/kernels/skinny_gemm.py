@@ -64,6 +64,14 @@ With ``kernels.pdl.USE_PDL`` (on by default) the kernel is launched with program
 dependent launch: a program loads its first weight tile, then waits for the previous kernel
 before it loads x, and signals its dependents once its weights are read (kernels/pdl.py).
 
+``glu=True`` (a dense MLP's ``gate_up [2I, K]``, gate rows first): the SwiGLU in the epilogue,
+``y [M, I] = silu(x Wg^T) * (x Wu^T)``. Column tile ``j`` holds virtual rows ``v = 2c + h``
+(weight row ``h I + c``: the gate and up rows of output columns ``c``), so the activation needs
+nothing from another program; with split-K the last program applies it after the reduction.
+Gate and up are rounded where the plain GEMM stores them, then activated as
+``kernels/silu_mul.py`` does: bitwise ``silu_mul(skinny_gemm(x, W))`` under the same config,
+with one launch fewer and no ``[M, 2I]`` round trip.
+
 The grid and every launch argument depend only on the shapes and the config (no host sync, no
 data-dependent sizes): capturable. fp32 inputs accumulate exact products (``tl.dot`` in "ieee"
 precision, not tf32). Under Triton's CPU interpreter the dot path also runs in fp32 (its bf16

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh lmhead-sweep  # the skinny GEMM swept at the lm_head shapes without
+#                                           # a table entry: S-2.1 (100352 x 3072) and the
+#                                           # two-rank shards of both, at 1 and 4 rows (~2 min)
 #   bash benchmarks/gpu_check.sh pass92     # the CUDA tests outside engine_cuda_tests' files (batch
 #                                           # invariance, fusion, sampling, TP / EP on one GPU, edge
 #                                           # cases) with the SwiGLU epilogue and the lm_head GEMM;
@@ -371,6 +374,11 @@ goal_cells_against_base() {
   done
 }
 case "$stage" in
+  lmhead-sweep)
+    echo "== the lm_head shapes the skinny GEMM's table does not cover yet (S-2.1; two-rank shards)"
+    timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
+      --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
+      | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
   pass92)
     echo "== (sixty-first pass) the CUDA tests outside engine_cuda_tests' files with the SwiGLU epilogue"
     echo "   and the lm_head through the skinny GEMM"

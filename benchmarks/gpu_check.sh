@@ -6,8 +6,8 @@
 #                                           # two-rank shards of both, at 1 and 4 rows (~2 min)
 #   bash benchmarks/gpu_check.sh pass92     # the CUDA tests outside engine_cuda_tests' files (batch
 #                                           # invariance, fusion, sampling, TP / EP on one GPU, edge
-#                                           # cases) with the SwiGLU epilogue and the lm_head GEMM;
-#                                           # 230 s cut it on a cold machine: give it 400 (~4-7 min)
+#                                           # cases) with the SwiGLU epilogue and the lm_head GEMM
+#                                           # (230 s cut it on a cold machine; now 400 s, ~4-7 min)
 #   bash benchmarks/gpu_check.sh pass91     # goal 2's cell: this tree against .ab/base in four processes
 #                                           # each, then this tree with the lm_head's skinny GEMM off
 #                                           # and with the SwiGLU epilogue off, two each (~7 min)
@@ -302,10 +302,13 @@ quiet() { grep -Ev "warn|Warn"; }
 # timeout still shows which tests passed; the summary line only when it completes.
 gpu_tests() {
   local limit=$1; shift
+  local log; log=$(mktemp)
   timeout "$limit" python -m pytest -v -p no:cacheprovider --tb=short "$@" 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "interpreted.*PASSED" \
-    | sed -E 's/^tests\///; s/ +\[ *[0-9]+%\]$//'
-  [ "${PIPESTATUS[0]}" = 124 ] && echo "(cut at ${limit} s: the tests not listed did not run)"
+    | sed -E 's/^tests\///; s/ +\[ *[0-9]+%\]$//' | tee "$log"
+  # the count survives callers that filter out the PASSED lines
+  [ "${PIPESTATUS[0]}" = 124 ] && echo "(cut at ${limit} s after $(grep -c PASSED "$log") passed: the tests not listed did not run)"
+  rm -f "$log"
   return 0
 }
 # engine_cuda_tests SECONDS: the engine's CUDA tests (graphs against eager, the float32 lossless

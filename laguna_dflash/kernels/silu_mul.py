@@ -6,8 +6,8 @@ activation is a normal launch between them, which drains the pipeline twice per 
 only once every gate|up program has exited, and the down GEMM's programs can load no weight
 while it runs. This kernel computes the same values and takes part in PDL. Where the gate|up
 runs through the skinny GEMM (CUDA graphs, tuned shapes) its epilogue computes these values
-instead (``skinny_gemm(..., glu=True)``, bitwise this kernel's result; ``layers.gate_up_silu``). Per row ``t`` of
-``gate_up [T, 2I]`` (gate half first) in dtype ``T``::
+instead (``skinny_gemm(..., glu=True)``, bitwise this kernel's result; ``layers.gate_up_silu``).
+Per row ``t`` of ``gate_up [T, 2I]`` (gate half first) in dtype ``T``::
 
     s = T(g / (1 + exp(-g)))        g = gate_up[t, :I], in fp32 (torch's silu in its opmath)
     y = T(s * u)                    u = gate_up[t, I:], the product in fp32, rounded once

@@ -622,6 +622,22 @@ def test_lm_head_off_cuda_is_f_linear() -> None:
     assert layers.build_lm_head_ahead(w) == 0
 
 
+@pytest.mark.parametrize("vocab, hidden", [(100352, 2048), (100352, 3072), (50176, 2048), (50176, 3072)],
+                         ids=["xs21", "s21", "xs21-tp2", "s21-tp2"])
+def test_lm_heads_of_both_sizes_and_their_two_rank_shards_are_tuned_at_1_to_4_rows(vocab, hidden) -> None:
+    """Every lm_head the engine runs at XS-2.1 and S-2.1 widths, whole or split over two ranks by
+    vocabulary, has measured configs for 1-4 rows (the sizes of batch-1 decode, the K = 3 verify and
+    the drafter's block): a GEMV for one row, a dot tile for 2-4; more rows stay on cuBLAS."""
+    from laguna_dflash.models import layers
+
+    weight = torch.empty(vocab, hidden, device="meta")
+    for m in (1, 2, 3, 4):
+        assert layers._skinny_lm_head(m, weight), m
+        assert sg.default_config(m, vocab, hidden).use_dot == (m > 1)
+    assert not layers._skinny_lm_head(5, weight)
+    assert not layers._skinny_lm_head(1, torch.empty(vocab + 1, hidden, device="meta"))
+
+
 def test_graph_build_scope_nests_and_unwinds() -> None:
     from laguna_dflash.models import layers
 

@@ -180,6 +180,15 @@ _MEASURED: dict[tuple[int, int, int], SkinnyConfig] = {
     # bench_skinny_gemm.py --only --shapes 100352x2048 --m 1,4 (docs/PERFORMANCE.md, sixty-first pass)
     (1, 100352, 2048): SkinnyConfig(block_n=8, block_k=128, split_k=1, num_warps=8, num_stages=1, use_dot=False, evict_first=True, x_bcast=True),  # 91.03 us, cuBLAS 95.59 us
     (4, 100352, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=False, x_bcast=True),  # 93.23 us, cuBLAS 97.18 us
+    # S-2.1's lm_head (100352 x 3072) and both lm_heads' two-rank vocabulary shards (50176 rows),
+    # measured 2026-12-04 with bench_skinny_gemm.py --only --m 1,4 --shapes
+    # 100352x3072,50176x2048,50176x3072 (gpu_check.sh lmhead-sweep; PERFORMANCE.md, sixty-second pass)
+    (1, 100352, 3072): SkinnyConfig(block_n=8, block_k=128, split_k=1, num_warps=8, num_stages=1, use_dot=False, evict_first=True, x_bcast=True),  # 137.89 us, cuBLAS 148.37 us
+    (4, 100352, 3072): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 140.52 us, cuBLAS 149.84 us
+    (1, 50176, 2048): SkinnyConfig(block_n=8, block_k=128, split_k=1, num_warps=8, num_stages=1, use_dot=False, evict_first=True, x_bcast=True),  # 47.93 us, cuBLAS 52.47 us
+    (4, 50176, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 49.64 us, cuBLAS 53.31 us
+    (1, 50176, 3072): SkinnyConfig(block_n=8, block_k=128, split_k=1, num_warps=8, num_stages=1, use_dot=False, evict_first=True, x_bcast=True),  # 70.71 us, cuBLAS 78.68 us
+    (4, 50176, 3072): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 72.28 us, cuBLAS 79.19 us
     (16, 256, 2048): SkinnyConfig(block_n=16, block_k=256, split_k=8, num_warps=4, num_stages=2, use_dot=True, evict_first=True, x_bcast=True),  # 3.75 us, cuBLAS 5.73 us
     (16, 2048, 6144): SkinnyConfig(block_n=32, block_k=256, split_k=4, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 9.75 us, cuBLAS 11.64 us
     (16, 2048, 8192): SkinnyConfig(block_n=32, block_k=256, split_k=4, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 11.83 us, cuBLAS 13.80 us

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass93     # the lm_head entries for S-2.1 and the two-rank shards:
+#                                           # their CUDA tests and the lm_head's (~2 min)
 #   bash benchmarks/gpu_check.sh lmhead-sweep  # the skinny GEMM swept at the lm_head shapes without
 #                                           # a table entry: S-2.1 (100352 x 3072) and the
 #                                           # two-rank shards of both, at 1 and 4 rows (~2 min)
@@ -382,6 +384,9 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass93)
+    echo "== (sixty-second pass) the lm_head through the skinny GEMM at S-2.1's width and on two-rank shards"
+    gpu_tests 200 tests/test_kernel_skinny_gemm.py -k "lm_head" | tail -12 ;;
   pass92)
     echo "== (sixty-first pass) the CUDA tests outside engine_cuda_tests' files with the SwiGLU epilogue"
     echo "   and the lm_head through the skinny GEMM"

@@ -614,6 +614,27 @@ def test_cuda_lm_head_takes_the_kernel_eagerly_where_tuned(monkeypatch) -> None:
     assert calls[3:] == [1, 2, 3, 4]  # the tuned row counts, launched as builds only
 
 
+@cuda
+@pytest.mark.parametrize("vocab, hidden", [(100352, 3072), (50176, 2048), (50176, 3072)],
+                         ids=["s21", "xs21-tp2", "s21-tp2"])
+def test_cuda_lm_heads_of_s21_and_the_two_rank_shards_take_the_kernel(monkeypatch, vocab, hidden) -> None:
+    """The measured entries for S-2.1's lm_head and both sizes' two-rank vocabulary shards: at 1..4
+    rows ``lm_head_linear`` launches the skinny GEMM with the table's config (a GEMV at one row, a
+    dot tile at 2-4), within the fp32-accumulation bound of the exact logits."""
+    from laguna_dflash.models import layers
+
+    configs = []
+    original = sg.skinny_gemm
+    monkeypatch.setattr(sg, "skinny_gemm", lambda x, w, cfg=None, glu=False: (
+        configs.append(sg.default_config(x.shape[0], w.shape[0], w.shape[1])), original(x, w, cfg, glu))[1])
+    _, w = _problem(1, vocab, hidden, torch.bfloat16, seed=0, device="cuda")
+    with torch.inference_mode():
+        for m in (1, 2, 3, 4):
+            x = _problem(m, 8, hidden, torch.bfloat16, seed=m, device="cuda")[0]
+            _assert_close_to_exact(layers.lm_head_linear(x, w), x, w)
+    assert [c.use_dot for c in configs] == [False, True, True, True]
+
+
 def test_lm_head_off_cuda_is_f_linear() -> None:
     from laguna_dflash.models import layers
 

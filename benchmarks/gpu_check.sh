@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass94     # L = 4 at batch 16 and 64 (K 0 or 3) against target-only,
+#                                           # this tree and .ab/base's in turn, one process each
+#                                           # (~5 min)
 #   bash benchmarks/gpu_check.sh pass93     # the lm_head entries for S-2.1 and the two-rank shards:
 #                                           # their CUDA tests and the lm_head's (~2 min)
 #   bash benchmarks/gpu_check.sh lmhead-sweep  # the skinny GEMM swept at the lm_head shapes without
@@ -384,6 +387,12 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass94)
+    echo "== (sixty-second pass) L = 4 at batch 16 and 64: this tree, then .ab/base's"
+    cell() { timeout 240 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16,64 \
+      --simulated 4 --sim-ks 0,3 --rounds 2 2>&1 | quiet | grep -E "copy bandwidth|^\| (16|64) \|"; }
+    echo "-- this tree"; cell
+    echo "-- .ab/base"; (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks cell) ;;
   pass93)
     echo "== (sixty-second pass) the lm_head through the skinny GEMM at S-2.1's width and on two-rank shards"
     gpu_tests 200 tests/test_kernel_skinny_gemm.py -k "lm_head" | tail -12 ;;

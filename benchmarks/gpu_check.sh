@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass95     # L = 4 at batch 16: defaults, then with one attention
+#                                           # setting added since .ab/base's tree back at its old value
+#                                           # each, one process each (~6 min)
 #   bash benchmarks/gpu_check.sh pass94     # L = 4 at batch 16 and 64 (K 0 or 3) against target-only,
 #                                           # this tree and .ab/base's in turn, one process each
 #                                           # (~5 min)
@@ -387,6 +390,17 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass95)
+    echo "== (sixty-second pass) L = 4 at batch 16: the defaults, then one attention setting each"
+    for sw in laguna_dflash.kernels.pdl:USE_PDL=True \
+        laguna_dflash.kernels.paged_attention:PRELOAD_MAX_QUERIES=1 \
+        laguna_dflash.kernels.paged_attention:RELATIVE_WINDOW_SLACK=False \
+        laguna_dflash.kernels.paged_attention:RELATIVE_SPLITS=False \
+        laguna_dflash.models.fusion:use_embedding_kernel=False; do
+      echo "-- $sw"
+      timeout 150 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16 --simulated 4 \
+        --sim-ks 0,3 --rounds 2 --switch "$sw" 2>&1 | quiet | grep -E "^\| 16 \|" | head -1
+    done ;;
   pass94)
     echo "== (sixty-second pass) L = 4 at batch 16 and 64: this tree, then .ab/base's"
     cell() { timeout 240 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16,64 \

@@ -395,10 +395,9 @@ case "$stage" in
     for sw in laguna_dflash.kernels.pdl:USE_PDL=True \
         laguna_dflash.kernels.paged_attention:PRELOAD_MAX_QUERIES=1 \
         laguna_dflash.kernels.paged_attention:RELATIVE_WINDOW_SLACK=False \
-        laguna_dflash.kernels.paged_attention:RELATIVE_SPLITS=False \
-        laguna_dflash.models.fusion:use_embedding_kernel=False; do
+        laguna_dflash.kernels.paged_attention:RELATIVE_SPLITS=False; do
       echo "-- $sw"
-      timeout 150 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16 --simulated 4 \
+      timeout 140 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16 --simulated 4 \
         --sim-ks 0,3 --rounds 2 --switch "$sw" 2>&1 | quiet | grep -E "^\| 16 \|" | head -1
     done ;;
   pass94)

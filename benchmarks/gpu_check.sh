@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass96     # L = 4 at batch 16, this tree and .ab/base's alternating,
+#                                           # two processes each (~5 min)
 #   bash benchmarks/gpu_check.sh pass95     # L = 4 at batch 16: defaults, then with one attention
 #                                           # setting added since .ab/base's tree back at its old value
 #                                           # each, one process each (~6 min)
@@ -390,6 +392,14 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass96)
+    echo "== (sixty-second pass) L = 4 at batch 16: this tree and .ab/base's, alternating"
+    cell16() { timeout 140 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16 \
+      --simulated 4 --sim-ks 0,3 --rounds 2 2>&1 | quiet | grep -E "^\| 16 \|" | head -1; }
+    for i in 1 2; do
+      echo "-- this tree"; cell16
+      echo "-- .ab/base"; (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks cell16)
+    done ;;
   pass95)
     echo "== (sixty-second pass) L = 4 at batch 16: the defaults, then one attention setting each"
     for sw in laguna_dflash.kernels.pdl:USE_PDL=True \

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh trees16    # L = 4 at batch 16 against target-only for every tree in
+#                                           # .ab/trees/*/ in name order (a bisect of the batch-16
+#                                           # DFlash step; make them with: git archive C laguna_dflash
+#                                           # benchmarks | tar -x -C .ab/trees/NN-C; ~50 s a tree)
 #   bash benchmarks/gpu_check.sh pass96     # L = 4 at batch 16, this tree and .ab/base's alternating,
 #                                           # two processes each (~5 min)
 #   bash benchmarks/gpu_check.sh pass95     # L = 4 at batch 16: defaults, then with one attention
@@ -392,6 +396,14 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  trees16)
+    echo "== L = 4 at batch 16 for each tree in .ab/trees/ (name order)"
+    for tree in .ab/trees/*/; do
+      echo "-- $tree"
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 140 python benchmarks/bench_gpu_xs.py \
+        --new-tokens 32 --ks 3 --batches 16 --simulated 4 --sim-ks 0,3 --rounds 2 2>&1 | quiet \
+        | grep -E "^\| 16 \|" | head -1)
+    done ;;
   pass96)
     echo "== (sixty-second pass) L = 4 at batch 16: this tree and .ab/base's, alternating"
     cell16() { timeout 140 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 16 \

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass97     # the staged o_proj at 4 rows re-timed (slower in the
+#                                           # fourteenth pass, before attention's pre-wait loads at 4
+#                                           # query tokens): the 4-token verify and the drafter block
+#                                           # with it (three configs), then goal 2's cell off / on
+#                                           # (~7 min)
 #   bash benchmarks/gpu_check.sh trees16    # L = 4 at batch 16 against target-only for every tree in
 #                                           # .ab/trees/*/ in name order (a bisect of the batch-16
 #                                           # DFlash step; make them with: git archive C laguna_dflash
@@ -396,6 +401,18 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass97)
+    echo "== (sixty-second pass) the staged o_proj at 4 rows (attention signalling early): 4-token verify"
+    echo "   and drafter block graphs, then goal 2's cell without and with it"
+    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
+    cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
+    for mode in "--q 4" "--drafter --k 3"; do
+      timeout 140 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
+        --switch "$st;$cf=[8,256,8,4]" --switch "$st;$cf=[16,256,12,8]" --switch "$st" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
+    done
+    echo "-- goal cell, defaults"; goal_cell 85
+    echo "-- goal cell, $st"; goal_cell 85 --switch "$st" ;;
   trees16)
     echo "== L = 4 at batch 16 for each tree in .ab/trees/ (name order)"
     for tree in .ab/trees/*/; do

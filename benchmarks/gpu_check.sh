@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass100    # the metadata in one launch, end to end: the 40-layer decode
+#                                           # graph, then goal 2's cell (same digests expected: the
+#                                           # metadata is bitwise the same), this tree and .ab/base's
+#                                           # in turn (~5 min)
+#   bash benchmarks/gpu_check.sh pass99     # the attention metadata of every KV group in one launch:
+#                                           # its CUDA tests, the engine's CUDA tests, then the head of
+#                                           # the 8-layer decode and verify graphs, this tree and
+#                                           # .ab/base's (~6 min)
+#   bash benchmarks/gpu_check.sh pass98     # the drafter block's launch timeline (K = 3, 5 layers), the
+#                                           # 4-token verify's on 8 layers, then goal 3's batch-1 row
+#                                           # (K = 0 against target-only) in 5 rounds, two processes
+#                                           # (~6 min)
 #   bash benchmarks/gpu_check.sh pass97     # the staged o_proj at 4 rows re-timed (slower in the
 #                                           # fourteenth pass, before attention's pre-wait loads at 4
 #                                           # query tokens): the 4-token verify and the drafter block
@@ -401,6 +413,39 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass100)
+    echo "== (sixty-third pass) the metadata in one launch: the 40-layer decode graph, then goal 2's cell, this tree and .ab/base's"
+    for tree in . .ab/base; do
+      echo "-- $tree, decode graph"
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 100 python benchmarks/profile_decode_xs.py \
+        --q 1 --top 2 --new-tokens 8 2>&1 | quiet | grep -E "^\| [0-9]|kernels per replay|metadata" | head -6)
+    done
+    goal_cells_against_base 1 ;;
+  pass99)
+    echo "== (sixty-third pass) the attention metadata of every KV group in one launch"
+    gpu_tests 90 tests/test_kernel_decode_metadata.py -k cuda | tail -12
+    engine_cuda_tests 230 | grep -v PASSED | tail -8
+    for tree in . .ab/base; do
+      for q in 1 4; do
+        echo "-- $tree, q = $q, 8 layers"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 100 python benchmarks/profile_decode_xs.py \
+          --layers 8 --q $q --top 2 --new-tokens 8 --sequence 9 2>&1 | quiet \
+          | grep -E "^\| [0-9]|kernels per replay" | head -14)
+      done
+    done ;;
+  pass98)
+    echo "== (sixty-third pass) the drafter block's launch timeline, the 4-token verify's, then goal 3 at batch 1"
+    echo "-- drafter block (K = 3)"
+    timeout 150 python benchmarks/profile_decode_xs.py --layers 8 --drafter --k 3 --top 14 --sequence 26 \
+      2>&1 | quiet | grep -E "^\| |kernels per replay" | head -60
+    echo "-- 4-token verify, 8 layers"
+    timeout 150 python benchmarks/profile_decode_xs.py --layers 8 --q 4 --top 14 --sequence 40 \
+      2>&1 | quiet | grep -E "^\| |kernels per replay" | tail -42
+    for i in 1 2; do
+      echo "-- goal 3 at batch 1, process $i"
+      timeout 120 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 1 \
+        --sim-ks 0 --rounds 5 2>&1 | quiet | grep -E "^\| 1 \||target-only decode" | head -3
+    done ;;
   pass97)
     echo "== (sixty-second pass) the staged o_proj at 4 rows (attention signalling early): 4-token verify"
     echo "   and drafter block graphs, then goal 2's cell without and with it"

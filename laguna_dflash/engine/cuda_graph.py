@@ -442,23 +442,21 @@ class CUDAGraphRunner:
 
     def _metadata(self, r: int, q: int, num_keys: int, is_causal: bool) -> list[AttentionMetadata]:
         """Attention metadata of the padded batch, one a block table (the full layers', then
-        each SWA group's), computed on the device from the buffers: one kernel a table
-        (kernels/decode_metadata.py) where Triton runs, else the same in torch ops."""
-        metas = []
-        for table in range(self.num_tables):  # one launch a block table (hybrid: a group's)
-            args = (self.state[:r], q, num_keys, self.block_size, self.kv_cache.scratch_slot,
-                    2 + table * self.max_blocks)
-            if use_metadata_kernel and decode_metadata.is_available(self.device):
-                q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata(*args)
-            else:
-                q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_reference(*args)
-            flat = self.flat_index[: r * q]  # a view of a constant: no kernel in the graph
-            metas.append(AttentionMetadata(
-                positions=q_pos.reshape(-1), slot_mapping=slots.reshape(-1), flat_index=flat,
-                query_index=flat.view(r, q), query_positions=q_pos, key_slots=key_slots,
-                seq_lens=seq_lens, is_causal=is_causal,
-            ))
-        return metas
+        each SWA group's), computed on the device from the buffers: one kernel for every table
+        (kernels/decode_metadata.py) where Triton runs, else the same in torch ops. The tables
+        share the positions and sequence lengths (the same tensors)."""
+        args = (self.state[:r], q, num_keys, self.block_size, self.kv_cache.scratch_slot, self.num_tables,
+                2, self.max_blocks)
+        if use_metadata_kernel and decode_metadata.is_available(self.device):
+            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_tables(*args)
+        else:
+            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_tables_reference(*args)
+        flat = self.flat_index[: r * q]  # a view of a constant: no kernel in the graph
+        return [AttentionMetadata(
+            positions=q_pos.reshape(-1), slot_mapping=slots[table].reshape(-1), flat_index=flat,
+            query_index=flat.view(r, q), query_positions=q_pos, key_slots=key_slots[table],
+            seq_lens=seq_lens, is_causal=is_causal,
+        ) for table in range(self.num_tables)]
 
     def _run_model(self, r: int, q: int, num_keys: int, is_causal: bool, tap_layer_ids: tuple[int, ...],
                    context_store: ContextStore | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,7 +25,8 @@ fp32 a row of x lives in that layout (one FMA per weight element and row); the K
 happens once, at the end. The engine uses one row (batch-1 decode). 2-4 rows (the verify's
 o_proj) are value-tested and timed, and lose: standalone they barely beat the skinny GEMM behind a
 busy window, and in the 4-token verify graph (attention signalling early) every config measured
-was slower (``layers.staged_o_proj_max_rows`` stays 1; docs/PERFORMANCE.md, fourteenth pass).
+was slower (``layers.staged_o_proj_max_rows`` stays 1; docs/PERFORMANCE.md, fourteenth pass; again
+in the sixty-third, with attention's pre-wait loads at 4 tokens: three configs, all slower).
 
 Written in Gluon (triton.experimental.gluon, pinned with triton 3.6), which exposes shared
 memory; it has no interpreter: CPU tests check the sm_90 build offline, GPU tests the values

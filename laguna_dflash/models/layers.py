@@ -49,7 +49,9 @@ _num_graph_builds = 0
 use_staged_o_proj = True
 # Rows up to which o_proj takes the staged GEMV: 1 (batch-1 decode). 4 would take the K = 3
 # verify's o_proj too: timed on the H200, the 4-token verify graph got slower with every 2-4 row
-# config (3.95 -> 4.09-4.41 ms; gpu_check.sh staged4, docs/PERFORMANCE.md, fourteenth pass).
+# config (3.95 -> 4.09-4.41 ms; gpu_check.sh staged4, docs/PERFORMANCE.md, fourteenth pass), and
+# again with attention's pre-wait loads at 4 tokens: 3.79-3.83 against 3.66 ms, drafter block
+# 0.35-0.36 against 0.33 (gpu_check.sh pass97, sixty-third pass).
 staged_o_proj_max_rows = 1
 # The dense MLPs' SwiGLU (the drafter's layers, the target's first layer) as the epilogue of the
 # skinny gate|up GEMM (skinny_gemm(..., glu=True): bitwise the GEMM then kernels/silu_mul.py, in

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass101    # goal 2's cell with the simulated cells' tokens counted as
+#                                           # delivered (token_time): 64 new tokens (63 decode tokens,
+#                                           # the last step keeps 3 of 4), then 65 (64: every step
+#                                           # keeps 4) twice (~5 min)
 #   bash benchmarks/gpu_check.sh pass100    # the metadata in one launch, end to end: the 40-layer decode
 #                                           # graph, then goal 2's cell (same digests expected: the
 #                                           # metadata is bitwise the same), this tree and .ab/base's
@@ -413,6 +417,10 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass101)
+    echo "== (sixty-third pass) goal 2's cell, tokens delivered over decode time: 64 new tokens, then 65 twice"
+    echo "-- 64 new tokens"; goal_cell 95
+    for i in 1 2; do echo "-- 65 new tokens, process $i"; goal_cell 95 --new-tokens 65; done ;;
   pass100)
     echo "== (sixty-third pass) the metadata in one launch: the 40-layer decode graph, then goal 2's cell, this tree and .ab/base's"
     for tree in . .ab/base; do

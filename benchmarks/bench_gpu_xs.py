@@ -13,7 +13,10 @@ elementwise chains). Prints, from one run:
   elementwise chains, Triton / torch SDPA attention, fused Triton / grouped_mm MoE;
 * with ``--profile``: kernels per eager decode step, fused and unfused;
 * tokens/s at simulated acceptance lengths (SGLang's SIMULATE_ACC_LEN: drafts accepted without
-  checking) against target-only at batch 1, 4, 16, 64, best K per cell (K = 0 is no drafting).
+  checking) against target-only at batch 1, 4, 16, 64, best K per cell (K = 0 is no drafting):
+  the tokens delivered over decode time (``token_time``; a request's last step keeps only the
+  tokens up to ``--new-tokens``, so at 64 new tokens and L = 4 the rate is 63 tokens over 16
+  steps; with 65 every step delivers L).
 * a digest of the batch-1 greedy tokens of target-only and of the longest simulated cell, to
   compare between processes (their routing is the same exactly when their tokens are).
 

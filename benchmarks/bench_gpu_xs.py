@@ -222,9 +222,10 @@ def batch_prompts(prompt: list[int], batch: int) -> list[list[int]]:
     return [prompt[(37 * i) % len(prompt):] + prompt[: (37 * i) % len(prompt)] for i in range(batch)]
 
 
-def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm: bool = True) -> float:
-    """Mean seconds per decode (or DFlash) step of ``batch`` prompts (:func:`batch_prompts`); the warm-up
-    run has the same shapes, so CUDA graphs are captured before timing."""
+def decode_run(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm: bool = False) -> dict:
+    """One greedy run of ``batch`` prompts (:func:`batch_prompts`), ``new_tokens`` each -> the
+    engine metrics it added: ``num_decode_steps``, ``num_decode_tokens`` (the tokens delivered),
+    ``decode_s``. ``warm``: one untimed run of the same shapes first (CUDA graphs captured)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     if warm:
         llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
@@ -232,8 +233,14 @@ def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm
     llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
     sync(llm.config.device)
     after = llm.get_metrics()
-    steps = after["num_decode_steps"] - before["num_decode_steps"]
-    return (after["decode_s"] - before["decode_s"]) / steps
+    return {key: after[key] - before[key] for key in ("num_decode_steps", "num_decode_tokens", "decode_s")}
+
+
+def step_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm: bool = True) -> float:
+    """Mean seconds per decode (or DFlash) step of ``batch`` prompts (:func:`batch_prompts`); the warm-up
+    run has the same shapes, so CUDA graphs are captured before timing."""
+    run = decode_run(llm, prompt, new_tokens, batch, warm)
+    return run["decode_s"] / run["num_decode_steps"]
 
 
 def token_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, warm: bool = True) -> float:
@@ -243,10 +250,8 @@ def token_time(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1, war
     the tokens up to ``max_tokens`` (64 new tokens at acceptance length 4 are 16 steps for 63
     decode tokens: a step time / 4 overstated the rate by 64 / 63, sixty-third pass). The warm-up
     run has the same shapes."""
-    if warm:
-        llm.generate(prompt_token_ids=batch_prompts(prompt, batch),
-                     sampling_params=SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    return batch / decode_tokens_per_s(llm, prompt, new_tokens, batch)
+    run = decode_run(llm, prompt, new_tokens, batch, warm)
+    return batch * run["decode_s"] / run["num_decode_tokens"]
 
 
 def prefill_time(llm: LLM, prompt: list[int], batch: int, warm: bool = False) -> float:
@@ -267,12 +272,8 @@ def prefill_time(llm: LLM, prompt: list[int], batch: int, warm: bool = False) ->
 def decode_tokens_per_s(llm: LLM, prompt: list[int], new_tokens: int, batch: int) -> float:
     """Decode-phase tokens per second of ``batch`` prompts (:func:`batch_prompts`; committed tokens over
     decode wall time: what a speculating engine delivers)."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    before = llm.get_metrics()
-    llm.generate(prompt_token_ids=batch_prompts(prompt, batch), sampling_params=params)
-    sync(llm.config.device)
-    after = llm.get_metrics()
-    return (after["num_decode_tokens"] - before["num_decode_tokens"]) / (after["decode_s"] - before["decode_s"])
+    run = decode_run(llm, prompt, new_tokens, batch)
+    return run["num_decode_tokens"] / run["decode_s"]
 
 
 def tokens_digest(llm: LLM, prompt: list[int], new_tokens: int) -> str:

@@ -34,8 +34,8 @@ from laguna_dflash.kernels import staged_gemv as stg  # noqa: E402
 ROTATE_BYTES = 256 * 2**20
 # (block_n, stage_k, stages, num_warps)
 CONFIGS = [(8, 512, 8, 4), (8, 512, 12, 4), (8, 1024, 4, 4), (16, 512, 6, 8), (8, 512, 4, 4)]
-# for 2-4 rows (--m): registers and shared memory allow one or two programs an SM
-MULTI_ROW_CONFIGS = [(16, 256, 16, 8), (16, 256, 12, 8), (8, 256, 8, 4), (8, 256, 16, 4), (16, 256, 8, 8)]
+# for 2-4 rows (--m), the rows kernel: two programs an SM by registers (ptxas, 4 rows, K = 8192)
+MULTI_ROW_CONFIGS = [(8, 512, 8, 4), (8, 512, 6, 4), (8, 512, 10, 4), (8, 256, 16, 4), (8, 256, 8, 4)]
 
 
 @functools.cache

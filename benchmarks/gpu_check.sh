@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass102    # the staged o_proj's 2-4 row kernel (x from global memory,
+#                                           # 1/8 accumulators): its CUDA tests, 4 rows behind a busy
+#                                           # window, the 4-token verify and drafter block graphs with
+#                                           # it (three configs), then goal 2's cell off / on (~8 min)
 #   bash benchmarks/gpu_check.sh pass101    # goal 2's cell with the simulated cells' tokens counted as
 #                                           # delivered (token_time): 64 new tokens (63 decode tokens,
 #                                           # the last step keeps 3 of 4), then 65 (64: every step
@@ -417,6 +421,21 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass102)
+    echo "== (sixty-fourth pass) the staged o_proj's 2-4 row kernel: CUDA tests"
+    gpu_tests 100 tests/test_kernel_staged_gemv.py -k cuda | grep -v PASSED | tail -6
+    echo "== 4-row o_proj behind a busy window (us past the window)"
+    timeout 60 python benchmarks/bench_staged_gemv.py --m 4 --windows 0,8 2>&1 | quiet | tail -8
+    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
+    cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
+    for mode in "--q 4" "--drafter --k 3"; do
+      echo "-- $mode: defaults, rows kernel (8x512, 8 parked), 6 parked, 8x256 16 parked"
+      timeout 140 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
+        --switch "$st;$cf=[8,512,6,4]" --switch "$st;$cf=[8,256,16,4]" 2>&1 | quiet \
+        | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
+    done
+    echo "-- goal cell, defaults"; goal_cell 85
+    echo "-- goal cell, $st"; goal_cell 85 --switch "$st" ;;
   pass101)
     echo "== (sixty-third pass) goal 2's cell, tokens delivered over decode time: 64 new tokens, then 65 twice"
     echo "-- 64 new tokens"; goal_cell 95

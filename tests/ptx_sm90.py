@@ -78,10 +78,12 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict)
         return compile(src, target=GPUTarget("cuda", 90, 32), options=pinned_options(options)).asm["ptx"]
 
 
-def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict) -> str:
+def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options: dict,
+                       divisible: tuple[str, ...] = ()) -> str:
     """:func:`compile_sm90` for a Gluon kernel (``gluon.jit``): ``types`` must name every
     non-constexpr argument (tensor descriptors as ``tensordesc<bf16[8, 256],NVMMASharedLayout(...)>``);
-    pointer arguments are marked 16-divisible."""
+    pointer arguments are marked 16-divisible, and the integer arguments named in ``divisible``
+    (as triton does at a launch where their value is)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -91,7 +93,7 @@ def compile_gluon_sm90(kernel, types: dict[str, str], constexprs: dict, options:
     src = GluonASTSource(fn=kernel, signature=signature,
                          constexprs={(names.index(a),): v for a, v in constexprs.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-                                if signature[a].startswith("*")})
+                                if signature[a].startswith("*") or a in divisible})
     with sm90_compile_lock():
         return compile(src, target=GPUTarget("cuda", 90, 32), options=pinned_options(options)).asm["ptx"]
 
@@ -131,9 +133,8 @@ def pinned_options(options: dict) -> dict:
     return {"ptx_version": version, **options}
 
 
-def ptxas_spills(ptx: str) -> list[int]:
-    """``ptxas -v`` (:func:`checks_ptxas`) on ``ptx`` for sm_90a: the spill-store bytes of each
-    function."""
+def _ptxas_report(ptx: str) -> str:
+    # ``ptxas -v`` (:func:`checks_ptxas`) on ``ptx`` for sm_90a: its report (stderr)
     tool = checks_ptxas()
     with tempfile.TemporaryDirectory() as tmp, sm90_compile_lock():
         path = os.path.join(tmp, "k.ptx")
@@ -144,7 +145,18 @@ def ptxas_spills(ptx: str) -> list[int]:
     if proc.returncode != 0:  # the message, not only the exit status, in the test's failure
         raise RuntimeError(f"{tool.path} (release {tool.version}) exited {proc.returncode}: "
                            f"{proc.stderr.strip()[-2000:]}")
-    return [int(x) for x in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    return proc.stderr
+
+
+def ptxas_spills(ptx: str) -> list[int]:
+    """``ptxas -v`` (:func:`checks_ptxas`) on ``ptx`` for sm_90a: the spill-store bytes of each
+    function."""
+    return [int(x) for x in re.findall(r"(\d+) bytes spill stores", _ptxas_report(ptx))]
+
+
+def ptxas_registers(ptx: str) -> list[int]:
+    """``ptxas -v`` on ``ptx`` for sm_90a: the registers a thread of each function."""
+    return [int(x) for x in re.findall(r"Used (\d+) registers", _ptxas_report(ptx))]
 
 
 def compile_sm90_spills(kernel, types: dict[str, str], constexprs: dict, options: dict) -> tuple[str, list[int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED
-from ptx_sm90 import can_compile_sm90, compile_gluon_sm90, ptxas_spills
+from ptx_sm90 import can_compile_sm90, compile_gluon_sm90, ptxas_registers, ptxas_spills
 
 from laguna_dflash.kernels import staged_gemv as stg
 
@@ -23,9 +23,14 @@ needs_sm90 = pytest.mark.skipif(
 def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
     num_k = k // cfg.stage_k
     consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
-                  X_ROWS=stg._next_pow2(num_k), PDL=pdl, num_warps=cfg.num_warps)
+                  PDL=pdl, num_warps=cfg.num_warps)
+    one_row, rows = stg._kernel()
+    if m == 1:
+        consts["X_ROWS"] = stg._next_pow2(num_k)
     types = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "stride_xm": "i32", "stride_ym": "i32"}
-    return compile_gluon_sm90(stg._kernel(), types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl})
+    # the engine's x and y have 16-divisible row strides (triton specialises them at the launch)
+    return compile_gluon_sm90(one_row if m == 1 else rows, types, consts,
+                              {"num_warps": cfg.num_warps, "launch_pdl": pdl}, divisible=("stride_xm", "stride_ym"))
 
 
 @pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
@@ -33,14 +38,16 @@ def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
     (stg.StagedConfig(8, 512, 8), 8192, 1), (stg.StagedConfig(8, 512, 8), 6144, 1),
     (stg.StagedConfig(8, 512, 4), 3072, 1), (stg.StagedConfig(8, 512, 8), 2048, 1),
     (stg.StagedConfig(8, 512, 1), 1024, 1), (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 4),
-    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 2), (stg.StagedConfig(8, 256, 8, 4), 8192, 4),
+    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 2), (stg.StagedConfig(8, 256, 16, 4), 8192, 4),
+    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 9216, 3), (stg.StagedConfig(8, 512, 10, 4), 8192, 4),
 ], ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked", "verify-4-rows", "2-rows",
-        "4-rows-8x256"])
+        "4-rows-8x256", "s21-3-rows", "4-rows-10-parked"])
 def test_sm90_stages_are_parked_before_the_pdl_wait(cfg, k, m):
     """Before ``griddepcontrol.wait``: the loads of the parked stages plus four stages ahead (no
     load past the last stage), all ``evict_first`` 16-byte vectors, and the parked stages'
     shared-memory stores; after it x and the remaining stages' loads, then the signal; ``m``
-    rows stored; no spills. Without PDL: no griddepcontrol at all."""
+    rows stored; no spills. 2-4 rows: x read from global memory (no shared-memory x), and the
+    registers leave room for two programs an SM. Without PDL: no griddepcontrol at all."""
     stages = cfg.stages
     ptx = _build(cfg, k, m=m)
     assert ptx.count("griddepcontrol.wait") == 1
@@ -58,16 +65,22 @@ def test_sm90_stages_are_parked_before_the_pdl_wait(cfg, k, m):
     assert "griddepcontrol.launch_dependents" in after
     assert after.count("st.global") >= m  # one output row each
     assert max(ptxas_spills(ptx)) == 0
+    if m > 1:
+        assert before.count("st.shared") == after.count("ld.shared") == parked * per_stage  # weights only
+        assert after.count("ld.global") - after.count(evict_first) == m * num_k * cfg.stage_k // 256  # x
+        assert max(ptxas_registers(ptx)) * 32 * cfg.num_warps * 2 <= 65536
     assert "griddepcontrol" not in _build(cfg, k, pdl=False, m=m)
 
 
 def test_default_config_and_shared_memory():
     assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 8, 4)
-    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(16, 256, 16, 8)
-    # the 2-4 row config: one program an SM (192 KiB), one wave of 128 programs for N = 2048
-    assert stg.default_config(2048, 8192, 4).smem_bytes(8192, 4) == 192 * 1024
-    # 16 parked [8, 256] stages + 4 rows of x as 32 rows of 256
-    assert stg.StagedConfig(8, 256, 16).smem_bytes(8192, 4) == (16 * 8 + 4 * 32) * 256 * 2
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(8, 512, 8, 4)
+    # the 2-4 row kernel keeps x out of shared memory: only the parked stages, as one row's
+    assert stg.default_config(2048, 8192, 4).smem_bytes(8192, 4) == 64 * 1024
+    assert stg.StagedConfig(8, 256, 16).smem_bytes(8192, 4) == 16 * 8 * 256 * 2
+    # S-2.1's o_proj (K = 9216) at 3-4 rows now fits; a stage narrower than 256 does not run 2-4 rows
+    assert stg.default_config(3072, 9216, 4).smem_bytes(9216, 4) <= stg._MAX_SMEM
+    assert stg.default_config(64, 128, 2).stage_k == 256  # K % stage_k != 0: supports() refuses it
     for k in (64, 128, 192, 256, 512, 2048, 6144, 8192):
         assert k % stg.default_config(64, k).stage_k == 0
     # 8 parked [8, 512] stages + x as 16 (8192 / 512) rows of 512
@@ -81,7 +94,7 @@ def test_one_row_config_is_the_switch_default_config_reads(monkeypatch):
     monkeypatch.setattr(stg, "ONE_ROW_CONFIG", (8, 512, 12, 4))
     assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 12, 4)
     assert stg.default_config(2048, 6144).smem_bytes(6144) == (12 * 8 + 16) * 512 * 2
-    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(16, 256, 16, 8)  # 2-4 rows: unchanged
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(*stg.MULTI_ROW_CONFIG)  # 2-4 rows: unchanged
 
 
 def test_gluon_is_detected():
@@ -122,6 +135,8 @@ def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
     (2048, 6144, 3, None),
     (256, 1024, 2, None),
     (2048, 8192, 4, stg.StagedConfig(8, 256, 8, 4)),
+    (2048, 8192, 4, stg.StagedConfig(8, 512, 10, 4)),
+    (2048, 8192, 2, stg.StagedConfig(8, 256, 16, 4)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_matches_the_fp64_reference(n, k, m, cfg, dtype):
@@ -146,13 +161,11 @@ def test_cuda_matches_the_fp64_reference(n, k, m, cfg, dtype):
 
 
 @needs_sm90
-@pytest.mark.parametrize("n,k,m", [(3072, k, m) for k in (9216, 6144, 4608, 3072) for m in (1, 2)]
-                         + [(3072, k, m) for k in (6144, 4608, 3072) for m in (3, 4)],
+@pytest.mark.parametrize("n,k,m", [(3072, k, m) for k in (9216, 6144, 4608, 3072) for m in (1, 2, 3, 4)],
                          ids=lambda v: str(v))
 def test_cuda_s21_o_proj_matches_the_fp64_reference(n, k, m):
     """S-2.1's o_proj (hidden 3072 over 72 / 48 heads x 128; 36 / 24 a rank under 2-way TP) on
-    the default config. (K = 9216 at 3-4 rows is not supported: the default config's parked
-    stages and x exceed shared memory, so ``can_use`` sends it elsewhere.)"""
+    the default config, 1-4 rows."""
     test_cuda_matches_the_fp64_reference(n, k, m, None, torch.bfloat16)
 
 

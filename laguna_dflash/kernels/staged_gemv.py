@@ -52,6 +52,7 @@ MAX_M = 4  # rows of x (one fp32 accumulator tile each)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_SMEM = 220 * 1024  # of the 227 KiB a program may have on sm_90
+_MIN_ROWS_STAGE_K = 256  # the rows kernel: a stage spans the 32 lanes' 16-byte vectors
 
 
 @dataclass(frozen=True)
@@ -71,21 +72,21 @@ class StagedConfig:
     num_warps: int = 4
 
     def smem_bytes(self, k: int, m: int = 1, elem_bytes: int = 2) -> int:
-        """Shared memory a program needs: the parked stages plus the ``m`` rows of x (each as
-        ``K / stage_k`` rows of a stage, padded to a power of two)."""
+        """Shared memory a program needs: the parked stages, plus for one row x (as ``K /
+        stage_k`` rows of a stage, padded to a power of two; the 2-4 row kernel reads x from
+        global memory)."""
         num_k = -(-k // self.stage_k)
         parked = min(self.stages, num_k)
-        return (parked * self.block_n + m * _next_pow2(num_k)) * self.stage_k * elem_bytes
+        x_rows = _next_pow2(num_k) if m == 1 else 0
+        return (parked * self.block_n + x_rows) * self.stage_k * elem_bytes
 
 
-# 2-4 rows: (block_n, stage_k, stages, num_warps). 16 x 256 stages, 16 parked, 8 warps: 128
-# programs for N = 2048 (one wave on 132 SMs, one program an SM: 192 KiB of shared memory with
-# four rows of x at K = 8192), 211 registers, no spills. The first 2-4 row config, 8 x 256 with 16
-# parked and 4 warps, needs 128 KiB a program (64 parked, 64 of x), so its 256 programs ran in two waves (25 us
-# against the skinny GEMM's 17 behind a busy window). Measured on the H200: this one is 16.2
-# against 17.1 us behind an 8 us window, but the 4-token verify graph still slowed by 0.17 ms
-# (the least slow config, 8 x 256 with 8 parked and 4 warps, by 0.14 ms).
-MULTI_ROW_CONFIG: tuple[int, int, int, int] = (16, 256, 16, 8)
+# 2-4 rows: (block_n, stage_k, stages, num_warps) of the rows kernel (x read from global memory,
+# accumulators 1/8 of the one-row kernel's a row). The one-row config's tile: 8 x 512 stages, 8
+# parked (64 KiB), 4 warps, two programs an SM. The first 2-4 row kernel kept four rows of x in
+# shared memory next to full-size accumulators (201-255 registers, one program an SM) and lost in
+# every config (fourteenth and sixty-third passes, docs/PERFORMANCE.md).
+MULTI_ROW_CONFIG: tuple[int, int, int, int] = (8, 512, 8, 4)
 # One row (the decode's o_proj): 8 x 512 stages, 8 parked (64 KiB), 4 warps: two programs an SM
 # next to attention (thirteenth pass, docs/PERFORMANCE.md). 10 and 12 parked stages made the
 # decode replay 0.03-0.04 ms slower (nineteenth pass): they crowd out attention and the merge.
@@ -99,7 +100,8 @@ def default_config(n: int, k: int, m: int = 1) -> StagedConfig:
     del n
     cfg = StagedConfig(*(ONE_ROW_CONFIG if m <= 1 else MULTI_ROW_CONFIG))
     stage_k = cfg.stage_k
-    while stage_k > 64 and k % stage_k:
+    min_stage_k = 64 if m <= 1 else _MIN_ROWS_STAGE_K
+    while stage_k > min_stage_k and k % stage_k:
         stage_k //= 2
     return StagedConfig(cfg.block_n, stage_k, cfg.stages, cfg.num_warps)
 
@@ -132,7 +134,8 @@ def supports(weight: torch.Tensor, config: StagedConfig | None = None, m: int = 
     n, k = weight.shape
     cfg = config or default_config(n, k, m)
     return (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and n > 0 and k > 0
-            and n % cfg.block_n == 0 and k % cfg.stage_k == 0 and cfg.smem_bytes(k, m) <= _MAX_SMEM)
+            and n % cfg.block_n == 0 and k % cfg.stage_k == 0 and cfg.smem_bytes(k, m) <= _MAX_SMEM
+            and (m == 1 or cfg.stage_k >= _MIN_ROWS_STAGE_K))
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> bool:
@@ -182,18 +185,6 @@ def _kernel():
         return gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
 
     @gluon.jit
-    def _fma_rows(wf, i, x0, x1, x2, x3, acc0, acc1, acc2, acc3, M: gl.constexpr, w_layout: gl.constexpr):
-        # acc_m += wf * x_m[stage i] for the M rows (stage i of each x row is row i of its buffer)
-        acc0 += wf * x0.slice(i, 1).load(w_layout).to(gl.float32)
-        if M > 1:
-            acc1 += wf * x1.slice(i, 1).load(w_layout).to(gl.float32)
-        if M > 2:
-            acc2 += wf * x2.slice(i, 1).load(w_layout).to(gl.float32)
-        if M > 3:
-            acc3 += wf * x3.slice(i, 1).load(w_layout).to(gl.float32)
-        return acc0, acc1, acc2, acc3
-
-    @gluon.jit
     def _store_row(y_ptr, m, stride_ym, rows, acc):
         out = gl.sum(acc, axis=1)  # [BLOCK_N], row m of y
         gl.store(y_ptr + m * stride_ym + rows, out.to(y_ptr.dtype.element_ty))
@@ -204,9 +195,9 @@ def _kernel():
         BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
         X_ROWS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # stages 0 .. PRE - 1 parked in shared memory before the wait, the rest consumed from
-        # registers after it; q0..q3 always hold the next four stages' loads (in flight). M <= 4
-        # rows of x, one accumulator each (acc0..acc3)
+        # one row of x (M = 1): stages 0 .. PRE - 1 parked in shared memory before the wait, the
+        # rest consumed from registers after it; q0..q3 always hold the next four stages' loads
+        # (in flight); x in shared memory, one accumulator [BLOCK_N, STAGE_K]
         PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
         n0 = gl.program_id(0) * BLOCK_N
         w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -232,33 +223,122 @@ def _kernel():
         xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))
         x0 = _x_to_shared(x_ptr, 0, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
         acc0 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
-        x1 = x0  # rows past M: placeholders, never read (_fma_rows skips them)
-        x2 = x0
-        x3 = x0
-        acc1 = acc0
-        acc2 = acc0
-        acc3 = acc0
-        if M > 1:
-            x1 = _x_to_shared(x_ptr, 1, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
-            acc1 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
-        if M > 2:
-            x2 = _x_to_shared(x_ptr, 2, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
-            acc2 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
-        if M > 3:
-            x3 = _x_to_shared(x_ptr, 3, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
-            acc3 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
         gl.thread_barrier()  # x in shared memory, written by every thread
         for i in gl.static_range(PRE):
             wf = parked.index(i).load(w_layout).to(gl.float32)
-            acc0, acc1, acc2, acc3 = _fma_rows(wf, i, x0, x1, x2, x3, acc0, acc1, acc2, acc3, M, w_layout)
+            acc0 += wf * x0.slice(i, 1).load(w_layout).to(gl.float32)
         for i in gl.static_range(PRE, NUM_K):
             w = q0
             q0 = q1
             q1 = q2
             q2 = q3
             q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
-            acc0, acc1, acc2, acc3 = _fma_rows(w.to(gl.float32), i, x0, x1, x2, x3, acc0, acc1, acc2, acc3,
-                                               M, w_layout)
+            acc0 += w.to(gl.float32) * x0.slice(i, 1).load(w_layout).to(gl.float32)
+        if PDL:
+            _gdc_launch_dependents()  # the weights are read
+        _store_row(y_ptr, 0, stride_ym, rows, acc0)
+
+    @gluon.jit
+    def _x_stage(x_ptr, m, stride_xm, i, x_offs, STAGE_K: gl.constexpr, NUM_K: gl.constexpr, like):
+        # row m's K slice of stage i, [STAGE_K / 8, 8] (a placeholder past the last stage)
+        if i < NUM_K:
+            v = gl.load(x_ptr + m * stride_xm + i * STAGE_K + x_offs)
+        else:
+            v = like
+        return v
+
+    @gluon.jit
+    def _dot_rows(wf, c0, c1, c2, c3, acc0, acc1, acc2, acc3, M: gl.constexpr):
+        # acc_m [BLOCK_N, STAGE_K / 8] += the sum over each thread's 8 columns of wf * x_m
+        acc0 += gl.sum(wf * gl.expand_dims(c0.to(gl.float32), 0), axis=2)
+        if M > 1:
+            acc1 += gl.sum(wf * gl.expand_dims(c1.to(gl.float32), 0), axis=2)
+        if M > 2:
+            acc2 += gl.sum(wf * gl.expand_dims(c2.to(gl.float32), 0), axis=2)
+        if M > 3:
+            acc3 += gl.sum(wf * gl.expand_dims(c3.to(gl.float32), 0), axis=2)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _staged_rows_kernel(
+        w_ptr, x_ptr, y_ptr, stride_xm, stride_ym, K: gl.constexpr, M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
+        PDL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # 2-4 rows of x: the weight side as the one-row kernel (PRE stages parked before the wait,
+        # q0..q3 in flight), but a stage is viewed [BLOCK_N, STAGE_K / 8, 8] (each thread's
+        # 16-byte vector on the last axis) and x is read from global memory (L1 / L2: it is a few
+        # KiB), one stage ahead, not parked: shared memory holds only weights, as much a program
+        # as the one-row kernel. Row m accumulates acc_m [BLOCK_N, STAGE_K / 8] += the sum over
+        # the vector axis of w * x_m: 1/8 of the one-row kernel's accumulator a row, so four
+        # rows fit the registers of two programs an SM.
+        PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
+        SUB: gl.constexpr = STAGE_K // 8
+        w3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0])
+        acc_l: gl.constexpr = gl.SliceLayout(2, w3)
+        x_l: gl.constexpr = gl.SliceLayout(0, w3)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        n0 = gl.program_id(0) * BLOCK_N
+        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+        subs = gl.arange(0, SUB, layout=gl.SliceLayout(0, acc_l))
+        vec = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3)))
+        r3 = gl.expand_dims(gl.expand_dims(rows, 1), 2)
+        s3 = gl.expand_dims(gl.expand_dims(subs, 0), 2)
+        v3 = gl.expand_dims(gl.expand_dims(vec, 0), 1)
+        w_tile = w_ptr + r3.to(gl.int64) * K + s3 * 8 + v3  # [BLOCK_N, SUB, 8]
+        x_offs = (gl.expand_dims(gl.arange(0, SUB, layout=gl.SliceLayout(1, x_l)), 1) * 8
+                  + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, x_l)), 0))  # [SUB, 8]
+        parked = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PRE, BLOCK_N, SUB, 8], flat)
+        q0 = gl.load(w_tile, eviction_policy="evict_first")
+        q1 = _stage_load(w_tile, 1, STAGE_K, NUM_K, q0)
+        q2 = _stage_load(w_tile, 2, STAGE_K, NUM_K, q0)
+        q3 = _stage_load(w_tile, 3, STAGE_K, NUM_K, q0)
+        # the weight is never written in a forward (kernels/pdl.py rule 3): parked before the wait
+        for i in gl.static_range(PRE):
+            w = q0
+            q0 = q1
+            q1 = q2
+            q2 = q3
+            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+            parked.index(i).store(w)
+        if PDL:
+            _gdc_wait()  # x is the previous kernel's output
+        x0 = gl.load(x_ptr + x_offs)
+        x1 = x0  # rows past M: placeholders, never read (_dot_rows skips them)
+        x2 = x0
+        x3 = x0
+        if M > 1:
+            x1 = gl.load(x_ptr + stride_xm + x_offs)
+        if M > 2:
+            x2 = gl.load(x_ptr + 2 * stride_xm + x_offs)
+        if M > 3:
+            x3 = gl.load(x_ptr + 3 * stride_xm + x_offs)
+        acc0 = gl.zeros([BLOCK_N, SUB], gl.float32, acc_l)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        for i in gl.static_range(NUM_K):
+            c0 = x0
+            c1 = x1
+            c2 = x2
+            c3 = x3
+            x0 = _x_stage(x_ptr, 0, stride_xm, i + 1, x_offs, STAGE_K, NUM_K, c0)
+            if M > 1:
+                x1 = _x_stage(x_ptr, 1, stride_xm, i + 1, x_offs, STAGE_K, NUM_K, c1)
+            if M > 2:
+                x2 = _x_stage(x_ptr, 2, stride_xm, i + 1, x_offs, STAGE_K, NUM_K, c2)
+            if M > 3:
+                x3 = _x_stage(x_ptr, 3, stride_xm, i + 1, x_offs, STAGE_K, NUM_K, c3)
+            if i < PRE:
+                wf = parked.index(i).load(w3).to(gl.float32)
+            else:
+                w = q0
+                q0 = q1
+                q1 = q2
+                q2 = q3
+                q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+                wf = w.to(gl.float32)
+            acc0, acc1, acc2, acc3 = _dot_rows(wf, c0, c1, c2, c3, acc0, acc1, acc2, acc3, M)
         if PDL:
             _gdc_launch_dependents()  # the weights are read
         _store_row(y_ptr, 0, stride_ym, rows, acc0)
@@ -269,7 +349,7 @@ def _kernel():
         if M > 3:
             _store_row(y_ptr, 3, stride_ym, rows, acc3)
 
-    return _staged_gemv_kernel
+    return _staged_gemv_kernel, _staged_rows_kernel
 
 
 def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> torch.Tensor:
@@ -294,8 +374,11 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     use_pdl = pdl.active(x.device, False)
     num_k = k // cfg.stage_k
-    _kernel()[(n // cfg.block_n,)](
-        weight, x, y, x.stride(0), n, K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
-        X_ROWS=_next_pow2(num_k), PDL=use_pdl, num_warps=cfg.num_warps, **pdl.launch_options(use_pdl),
-    )
+    one_row, rows = _kernel()
+    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
+                  PDL=use_pdl, num_warps=cfg.num_warps)
+    if m == 1:
+        consts["X_ROWS"] = _next_pow2(num_k)
+    (one_row if m == 1 else rows)[(n // cfg.block_n,)](
+        weight, x, y, x.stride(0), n, **consts, **pdl.launch_options(use_pdl))
     return y

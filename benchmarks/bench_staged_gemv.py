@@ -35,7 +35,7 @@ ROTATE_BYTES = 256 * 2**20
 # (block_n, stage_k, stages, num_warps)
 CONFIGS = [(8, 512, 8, 4), (8, 512, 12, 4), (8, 1024, 4, 4), (16, 512, 6, 8), (8, 512, 4, 4)]
 # for 2-4 rows (--m), the rows kernel: two programs an SM by registers (ptxas, 4 rows, K = 8192)
-MULTI_ROW_CONFIGS = [(8, 512, 8, 4), (8, 512, 6, 4), (8, 512, 10, 4), (8, 256, 16, 4), (8, 256, 8, 4)]
+MULTI_ROW_CONFIGS = [(8, 256, 16, 2), (8, 256, 8, 2), (16, 256, 8, 4), (8, 512, 8, 4), (8, 256, 24, 2)]
 
 
 @functools.cache

@@ -438,10 +438,14 @@ case "$stage" in
     a="\"4,2048,8192\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 8}"
     b="\"4,2048,8192\": {$g, \"block_n\": 8, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 4}"
     c="\"4,16384,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
+    # the drafter's context path in the verify graph: fc (2048 x 6144) and the context K/V (10240 x 2048)
+    d="\"4,2048,6144\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 8}"
+    e="\"4,10240,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
     for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, 2048x8192 16x256 w8, 8x256 w4, gate_up 16x256 w8, both"
-      timeout 150 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
-        --switch "$o={$a}" --switch "$o={$b}" --switch "$o={$c}" --switch "$o={$a, $c}" 2>&1 | quiet \
+      echo "-- $mode: defaults, 2048x8192 16x256 w8, 8x256 w4, gate_up 16x256 w8, those two, all four shapes"
+      timeout 170 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
+        --switch "$o={$a}" --switch "$o={$b}" --switch "$o={$c}" --switch "$o={$a, $c}" \
+        --switch "$o={$a, $c, $d, $e}" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|skinny|equal|failed|rror" | head -40
     done ;;
   pass102)
@@ -452,9 +456,9 @@ case "$stage" in
     st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
     cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
     for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, rows kernel (8x512, 8 parked), 6 parked, 8x256 16 parked"
-      timeout 140 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
-        --switch "$st;$cf=[8,512,6,4]" --switch "$st;$cf=[8,256,16,4]" 2>&1 | quiet \
+      echo "-- $mode: defaults, rows kernel (8x256, 16 parked, 2 warps), 8 parked, 16x256 x 4 warps, 8x512"
+      timeout 170 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
+        --switch "$st;$cf=[8,256,8,2]" --switch "$st;$cf=[16,256,8,4]" --switch "$st;$cf=[8,512,8,4]" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
     done
     echo "-- goal cell, defaults"; goal_cell 85

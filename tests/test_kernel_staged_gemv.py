@@ -39,9 +39,10 @@ def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
     (stg.StagedConfig(8, 512, 4), 3072, 1), (stg.StagedConfig(8, 512, 8), 2048, 1),
     (stg.StagedConfig(8, 512, 1), 1024, 1), (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 4),
     (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 2), (stg.StagedConfig(8, 256, 16, 4), 8192, 4),
-    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 9216, 3), (stg.StagedConfig(8, 512, 10, 4), 8192, 4),
+    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 9216, 3), (stg.StagedConfig(8, 512, 8, 4), 8192, 4),
+    (stg.StagedConfig(16, 256, 8, 4), 6144, 4),
 ], ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked", "verify-4-rows", "2-rows",
-        "4-rows-8x256", "s21-3-rows", "4-rows-10-parked"])
+        "4-rows-8x256x4", "s21-3-rows", "4-rows-8x512", "4-rows-16x256-6144"])
 def test_sm90_stages_are_parked_before_the_pdl_wait(cfg, k, m):
     """Before ``griddepcontrol.wait``: the loads of the parked stages plus four stages ahead (no
     load past the last stage), all ``evict_first`` 16-byte vectors, and the parked stages'
@@ -74,7 +75,7 @@ def test_sm90_stages_are_parked_before_the_pdl_wait(cfg, k, m):
 
 def test_default_config_and_shared_memory():
     assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 8, 4)
-    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(8, 512, 8, 4)
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(8, 256, 16, 2)
     # the 2-4 row kernel keeps x out of shared memory: only the parked stages, as one row's
     assert stg.default_config(2048, 8192, 4).smem_bytes(8192, 4) == 64 * 1024
     assert stg.StagedConfig(8, 256, 16).smem_bytes(8192, 4) == 16 * 8 * 256 * 2
@@ -135,7 +136,8 @@ def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
     (2048, 6144, 3, None),
     (256, 1024, 2, None),
     (2048, 8192, 4, stg.StagedConfig(8, 256, 8, 4)),
-    (2048, 8192, 4, stg.StagedConfig(8, 512, 10, 4)),
+    (2048, 8192, 4, stg.StagedConfig(8, 512, 8, 4)),
+    (2048, 6144, 4, stg.StagedConfig(16, 256, 8, 4)),
     (2048, 8192, 2, stg.StagedConfig(8, 256, 16, 4)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

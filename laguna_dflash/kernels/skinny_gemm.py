@@ -33,7 +33,13 @@ and the rows of ``x`` over the same K range (L2-resident, re-read by every colum
   that feed ``tl.dot``, so the GEMV double-buffers in registers). Checked on the sm_90 PTX
   (offline compile): no shared memory or barrier in the loop, 16-byte loads; a 3-D
   ``[M, BLOCK_N, BLOCK_K]`` formulation instead round-trips the weight tile itself through
-  shared memory every step.
+  shared memory every step. With ``sum_vectors`` (a config field, off in the measured table) the
+  tile is ``[BLOCK_N, BLOCK_K / 8, 8]``, a thread's 16-byte vector on the last axis, and each
+  step adds a vector's 8 products (in order) to ``acc [BLOCK_N, BLOCK_K / 8]`` a row: 1/8 of the
+  accumulator registers (82 against 172 a thread at 4 rows, 16 x 256, 8 warps; ptxas for sm_90),
+  the same loop shape (16-byte loads, no shared memory), ~1.1 instructions a product and row.
+  Four rows of full accumulators made the GEMV twice as slow in the verify graph as the dot path
+  (fifty-fifth pass); this is its register fix, built to be timed (``gpu_check.sh pass103``).
 * ``USE_DOT = True`` (default for ``M > 4``): ``acc [BLOCK_N, M_PAD] += W_tile @ x_tile^T`` on
   the tensor cores, with ``M_PAD = 16`` (tl.dot's minimum) and the weight as the wide operand
   ("swap AB": the padding falls on the 16-wide side). Triton stages the weight tiles through

@@ -20,13 +20,22 @@ split-K, no workspace). A stage is ``[BLOCK_N, STAGE_K]``, ``NUM_K = K / STAGE_K
 loads are ``evict_first`` (each byte is read once: measured, a weight stream left at the default
 L2 priority slowed the next layers' attention by ~1 us a layer). Each thread stores and later reads
 back exactly the bytes it loaded (one register layout for both), so no barrier guards the parked
-stages; x goes through shared memory once (one barrier). One accumulator ``[BLOCK_N, STAGE_K]``
-fp32 a row of x lives in that layout (one FMA per weight element and row); the K reduction
-happens once, at the end. The engine uses one row (batch-1 decode). 2-4 rows (the verify's
-o_proj) are value-tested and timed, and lose: standalone they barely beat the skinny GEMM behind a
-busy window, and in the 4-token verify graph (attention signalling early) every config measured
-was slower (``layers.staged_o_proj_max_rows`` stays 1; docs/PERFORMANCE.md, fourteenth pass; again
-in the sixty-third, with attention's pre-wait loads at 4 tokens: three configs, all slower).
+stages. Two kernels:
+
+* one row (``M = 1``, the batch-1 decode's o_proj, the engine's default): x goes through shared
+  memory once (one barrier); one accumulator ``[BLOCK_N, STAGE_K]`` fp32 in the weight tile's
+  layout (one FMA per weight element); the K reduction once, at the end.
+* 2-4 rows (the K = 3 verify's and the drafter block's o_proj; ``layers.staged_o_proj_max_rows``
+  turns it on, off by default until timed): the same weight side, but a stage is viewed
+  ``[BLOCK_N, STAGE_K / 8, 8]`` (a thread's 16-byte vector on the last axis), each row of x is
+  read from global memory (L1 / L2; a stage ahead) instead of shared memory, and row ``m`` keeps
+  ``acc_m [BLOCK_N, STAGE_K / 8]`` fp32, to which each step adds the sum of a vector's 8
+  products (in order). Shared memory then holds only the parked weight, as much a program as the
+  one-row kernel (64 KiB at the default 8 x 256, 16 parked, 2 warps), and ptxas gives it 238
+  registers at 4 rows: two programs an SM, as the one-row kernel runs next to attention. The
+  first 2-4 row design kept four rows of x in shared memory next to full-size accumulators
+  (201-255 registers, 96-192 KiB, one program an SM) and lost in every config in the 4-token
+  verify graph (docs/PERFORMANCE.md, fourteenth and sixty-third passes).
 
 Written in Gluon (triton.experimental.gluon, pinned with triton 3.6), which exposes shared
 memory; it has no interpreter: CPU tests check the sm_90 build offline, GPU tests the values
@@ -48,7 +57,7 @@ from . import pdl
 __all__ = ["MAX_M", "StagedConfig", "can_use", "default_config", "staged_gemv", "staged_gemv_reference",
            "supports"]
 
-MAX_M = 4  # rows of x (one fp32 accumulator tile each)
+MAX_M = 4  # rows of x (one fp32 accumulator each)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_SMEM = 220 * 1024  # of the 227 KiB a program may have on sm_90
@@ -82,11 +91,16 @@ class StagedConfig:
 
 
 # 2-4 rows: (block_n, stage_k, stages, num_warps) of the rows kernel (x read from global memory,
-# accumulators 1/8 of the one-row kernel's a row). The one-row config's tile: 8 x 512 stages, 8
-# parked (64 KiB), 4 warps, two programs an SM. The first 2-4 row kernel kept four rows of x in
-# shared memory next to full-size accumulators (201-255 registers, one program an SM) and lost in
-# every config (fourteenth and sixty-third passes, docs/PERFORMANCE.md).
-MULTI_ROW_CONFIG: tuple[int, int, int, int] = (8, 512, 8, 4)
+# accumulators 1/8 of the one-row kernel's a row). 8 x 256 stages, 16 parked (64 KiB), 2 warps:
+# 256 programs for N = 2048, two an SM (the one-row config's 128 KiB parked an SM), 238 registers
+# (ptxas, sm_90). Each thread holds 4 weight rows of a stage, so a row of x converted to fp32
+# serves 4 of them: 7.96 SASS instructions a weight element at 4 rows against 9.6 with 8 x 512 x
+# 4 warps (2 rows a thread), ~4 us of issue for an XS-2.1 o_proj (2048 x 8192) on 132 SMs, all
+# after the wait (x is needed), against ~1.8 us for one row. Not timed yet (gpu_check.sh
+# pass102). The first 2-4 row kernel kept four rows of x in shared memory next to full-size
+# accumulators (201-255 registers, 96-192 KiB, one program an SM) and lost in every config
+# (fourteenth and sixty-third passes, docs/PERFORMANCE.md).
+MULTI_ROW_CONFIG: tuple[int, int, int, int] = (8, 256, 16, 2)
 # One row (the decode's o_proj): 8 x 512 stages, 8 parked (64 KiB), 4 warps: two programs an SM
 # next to attention (thirteenth pass, docs/PERFORMANCE.md). 10 and 12 parked stages made the
 # decode replay 0.03-0.04 ms slower (nineteenth pass): they crowd out attention and the merge.
@@ -353,7 +367,7 @@ def _kernel():
 
 
 def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> torch.Tensor:
-    """``x @ weight^T`` for one row, the weight parked in shared memory before the PDL wait
+    """``x @ weight^T`` for 1-4 rows, the weight parked in shared memory before the PDL wait
     (module docstring).
 
     Args:

@@ -34,8 +34,16 @@ from laguna_dflash.kernels import staged_gemv as stg  # noqa: E402
 ROTATE_BYTES = 256 * 2**20
 # (block_n, stage_k, stages, num_warps)
 CONFIGS = [(8, 512, 8, 4), (8, 512, 12, 4), (8, 1024, 4, 4), (16, 512, 6, 8), (8, 512, 4, 4)]
-# for 2-4 rows (--m), the rows kernel: two programs an SM by registers (ptxas, 4 rows, K = 8192)
-MULTI_ROW_CONFIGS = [(8, 256, 16, 2), (8, 256, 8, 2), (16, 256, 8, 4), (8, 512, 8, 4), (8, 256, 24, 2)]
+# for 2-4 rows (--m): the tensor-core kernel (5th field True; the default), then the CUDA-core
+# rows kernel (two programs an SM by registers: ptxas, 4 rows, K = 8192)
+MULTI_ROW_CONFIGS = [(16, 64, 16, 4, True), (16, 64, 8, 4, True), (16, 128, 8, 4, True),
+                     (8, 256, 16, 2), (8, 256, 8, 2), (16, 256, 8, 4)]
+
+
+def config_label(c: tuple) -> str:
+    cfg = stg.StagedConfig(*c)
+    kind = f"tensor cores, 16 x ({cfg.num_warps} x {cfg.stage_k})" if cfg.tensor_cores else f"{c[0]}x{c[1]}"
+    return f"staged {kind}, {cfg.stages} parked, {cfg.num_warps} warps"
 
 
 @functools.cache
@@ -84,8 +92,8 @@ def main() -> None:
     ulp = want.abs() * 2.0**-7 + 1e-3
 
     rows = [("skinny_gemm default", sg.skinny_gemm, ())]
-    rows += [(f"staged {c[0]}x{c[1]}, {c[2]} parked, {c[3]} warps", stg.staged_gemv,
-              (stg.StagedConfig(*c),)) for c in (CONFIGS if args.m == 1 else MULTI_ROW_CONFIGS)]
+    rows += [(config_label(c), stg.staged_gemv, (stg.StagedConfig(*c),))
+             for c in (CONFIGS if args.m == 1 else MULTI_ROW_CONFIGS)]
     print(f"weight {n}x{k} bf16, x {args.m} rows, {copies} copies; us per (busy + GEMV) minus the window")
     print("| GEMV | " + " | ".join(f"W={w:g} us" for w in windows) + " | max err / ulp | smem KiB |")
     print("|---|" + "---:|" * (len(windows) + 2))

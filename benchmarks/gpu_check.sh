@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass104 [CFG]  # goal 2's cell at 65 new tokens, defaults against the
+#                                           # staged o_proj at 4 rows (MULTI_ROW_CONFIG CFG if given,
+#                                           # e.g. [8,256,16,2]), two processes each (~6 min)
 #   bash benchmarks/gpu_check.sh pass103    # the skinny GEMM's GEMV at 4 rows with sum_vectors (1/8
 #                                           # accumulators): its CUDA tests, a quick 4-row sweep of the
 #                                           # o_proj / down, gate_up and lm_head shapes, then the
 #                                           # 4-token verify and drafter block graphs with it (~8 min)
-#   bash benchmarks/gpu_check.sh pass102    # the staged o_proj's 2-4 row kernel (x from global memory,
-#                                           # 1/8 accumulators): its CUDA tests, 4 rows behind a busy
-#                                           # window, the 4-token verify and drafter block graphs with
-#                                           # it (three configs), then goal 2's cell off / on (~8 min)
+#   bash benchmarks/gpu_check.sh pass102    # the staged o_proj's 2-4 row kernels (tensor cores, the
+#                                           # default; CUDA cores): their CUDA tests, 4 rows behind a
+#                                           # busy window, the 4-token verify and drafter block graphs
+#                                           # with them (four configs; ~9 min); pass104 times goal 2's
+#                                           # cell with them
 #   bash benchmarks/gpu_check.sh pass101    # goal 2's cell with the simulated cells' tokens counted as
 #                                           # delivered (token_time): 64 new tokens (63 decode tokens,
 #                                           # the last step keeps 3 of 4), then 65 (64: every step
@@ -430,8 +434,8 @@ case "$stage" in
     gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "cuda and (explicit or real_shapes or graph)" \
       | grep -v PASSED | tail -6
     echo "== quick 4-row sweep (sum_vectors candidates included; the table's config is the default row)"
-    timeout 200 python benchmarks/bench_skinny_gemm.py --quick --only --m 4 \
-      --shapes 2048x8192,16384x2048,100352x2048 --budget 170 2>&1 | quiet \
+    timeout 170 python benchmarks/bench_skinny_gemm.py --quick --only --m 4 \
+      --shapes 2048x8192,16384x2048,100352x2048 --budget 140 2>&1 | quiet \
       | grep -E "^\| |runners-up|M=4|sumvec" | head -24
     o="laguna_dflash.kernels.skinny_gemm:CONFIG_OVERRIDES"
     g='"use_dot": false, "sum_vectors": true, "num_stages": 2'
@@ -443,26 +447,33 @@ case "$stage" in
     e="\"4,10240,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
     for mode in "--q 4" "--drafter --k 3"; do
       echo "-- $mode: defaults, 2048x8192 16x256 w8, 8x256 w4, gate_up 16x256 w8, those two, all four shapes"
-      timeout 170 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
+      timeout 160 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
         --switch "$o={$a}" --switch "$o={$b}" --switch "$o={$c}" --switch "$o={$a, $c}" \
         --switch "$o={$a, $c, $d, $e}" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|skinny|equal|failed|rror" | head -40
     done ;;
   pass102)
-    echo "== (sixty-fourth pass) the staged o_proj's 2-4 row kernel: CUDA tests"
-    gpu_tests 100 tests/test_kernel_staged_gemv.py -k cuda | grep -v PASSED | tail -6
+    echo "== (sixty-fourth pass) the staged o_proj's 2-4 row kernels: CUDA tests"
+    gpu_tests 130 -n 4 tests/test_kernel_staged_gemv.py -k cuda | grep -v PASSED | tail -8
     echo "== 4-row o_proj behind a busy window (us past the window)"
     timeout 60 python benchmarks/bench_staged_gemv.py --m 4 --windows 0,8 2>&1 | quiet | tail -8
     st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
     cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
     for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, rows kernel (8x256, 16 parked, 2 warps), 8 parked, 16x256 x 4 warps, 8x512"
-      timeout 170 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
-        --switch "$st;$cf=[8,256,8,2]" --switch "$st;$cf=[16,256,8,4]" --switch "$st;$cf=[8,512,8,4]" 2>&1 | quiet \
+      echo "-- $mode: defaults, tensor cores (16 x (4 x 64), 16 parked), 8 parked, CUDA cores 8x256 x 2 warps, 16x256 x 4"
+      timeout 190 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
+        --switch "$st;$cf=[16,64,8,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
-    done
-    echo "-- goal cell, defaults"; goal_cell 85
-    echo "-- goal cell, $st"; goal_cell 85 --switch "$st" ;;
+    done ;;
+  pass104)
+    echo "== (sixty-fourth pass) goal 2's cell at 65 new tokens: defaults and the staged o_proj at 4 rows"
+    echo "   (MULTI_ROW_CONFIG: set it with a second argument, e.g. [8,256,16,2]), two processes each"
+    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
+    cfg=${2:+;laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=$2}
+    for i in 1 2; do
+      echo "-- defaults, process $i"; goal_cell 85 --new-tokens 65
+      echo "-- $st$cfg, process $i"; goal_cell 85 --new-tokens 65 --switch "$st$cfg"
+    done ;;
   pass101)
     echo "== (sixty-third pass) goal 2's cell, tokens delivered over decode time: 64 new tokens, then 65 twice"
     echo "-- 64 new tokens"; goal_cell 95

@@ -21,25 +21,32 @@ needs_sm90 = pytest.mark.skipif(
 
 
 def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
-    num_k = k // cfg.stage_k
-    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
+    num_k = k // cfg.stage_cols
+    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.parked(k), NUM_K=num_k,
                   PDL=pdl, num_warps=cfg.num_warps)
-    one_row, rows = stg._kernel()
-    if m == 1:
-        consts["X_ROWS"] = stg._next_pow2(num_k)
+    one_row, rows, mma = stg._kernel()
+    if cfg.tensor_cores:
+        kernel = mma
+    elif m == 1:
+        kernel, consts["X_ROWS"] = one_row, stg._next_pow2(num_k)
+    else:
+        kernel = rows
     types = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "stride_xm": "i32", "stride_ym": "i32"}
     # the engine's x and y have 16-divisible row strides (triton specialises them at the launch)
-    return compile_gluon_sm90(one_row if m == 1 else rows, types, consts,
-                              {"num_warps": cfg.num_warps, "launch_pdl": pdl}, divisible=("stride_xm", "stride_ym"))
+    return compile_gluon_sm90(kernel, types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl},
+                              divisible=("stride_xm", "stride_ym"))
+
+
+_CUDA_CORE_ROWS = stg.StagedConfig(8, 256, 16, 2)  # the 2-4 row CUDA-core kernel's config in pass102
 
 
 @pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
 @pytest.mark.parametrize("cfg,k,m", [
     (stg.StagedConfig(8, 512, 8), 8192, 1), (stg.StagedConfig(8, 512, 8), 6144, 1),
     (stg.StagedConfig(8, 512, 4), 3072, 1), (stg.StagedConfig(8, 512, 8), 2048, 1),
-    (stg.StagedConfig(8, 512, 1), 1024, 1), (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 4),
-    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 8192, 2), (stg.StagedConfig(8, 256, 16, 4), 8192, 4),
-    (stg.StagedConfig(*stg.MULTI_ROW_CONFIG), 9216, 3), (stg.StagedConfig(8, 512, 8, 4), 8192, 4),
+    (stg.StagedConfig(8, 512, 1), 1024, 1), (_CUDA_CORE_ROWS, 8192, 4),
+    (_CUDA_CORE_ROWS, 8192, 2), (stg.StagedConfig(8, 256, 16, 4), 8192, 4),
+    (_CUDA_CORE_ROWS, 9216, 3), (stg.StagedConfig(8, 512, 8, 4), 8192, 4),
     (stg.StagedConfig(16, 256, 8, 4), 6144, 4),
 ], ids=["o_proj", "o_proj-6144", "ahead-past-end", "all-parked", "one-parked", "verify-4-rows", "2-rows",
         "4-rows-8x256x4", "s21-3-rows", "4-rows-8x512", "4-rows-16x256-6144"])
@@ -73,15 +80,52 @@ def test_sm90_stages_are_parked_before_the_pdl_wait(cfg, k, m):
     assert "griddepcontrol" not in _build(cfg, k, pdl=False, m=m)
 
 
+@pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")
+@pytest.mark.parametrize("k,m,cfg", [
+    (8192, 4, None), (8192, 2, None), (9216, 3, None), (6144, 4, None), (8192, 1, None),
+    (8192, 4, stg.StagedConfig(16, 128, 8, 4, True)), (4096, 4, stg.StagedConfig(16, 64, 16, 2, True)),
+    (3072, 4, None), (8192, 4, stg.StagedConfig(16, 64, 24, 4, True)),
+], ids=["o_proj-4", "o_proj-2", "s21-3", "6144-4", "one-row", "128-wide-slices", "2-warps-all-parked",
+        "12-stages-8-parked", "24-asked-16-parked"])
+def test_sm90_tensor_core_kernel_parks_then_multiplies_on_mma(k, m, cfg):
+    """The tensor-core kernel (the default 2-4 row config): before the wait only the parked and
+    the four stages ahead of the weight (16-byte evict_first loads) and the parked stages'
+    shared-memory stores; after it ldmatrix reads of the parked stages, one mma.sync m16n8k16 a
+    warp and 16 columns of a stage, x's loads, the signal, y's stores; no spills."""
+    cfg = cfg or stg.default_config(2048, k, 4)
+    assert cfg.tensor_cores and cfg.block_n == 16 and k % cfg.stage_cols == 0
+    ptx = _build(cfg, k, m=m)
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    num_k = k // cfg.stage_cols
+    per_stage = cfg.block_n * cfg.stage_cols * 2 // 16 // (32 * cfg.num_warps)  # 16-byte loads a thread
+    parked = cfg.parked(k)
+    assert parked & (parked - 1) == 0 and parked <= min(cfg.stages, num_k)
+    evict_first = "ld.global.L1::evict_first.L2::cache_hint.v4"
+    assert before.count(evict_first) == before.count("ld.global") == min(parked + 4, num_k) * per_stage
+    assert before.count("st.shared") >= parked * per_stage and "ldmatrix" not in before
+    assert after.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == num_k * cfg.stage_k // 16
+    assert after.count("ldmatrix") >= parked * cfg.stage_k // 16
+    assert after.count(evict_first) == max(0, num_k - parked - 4) * per_stage
+    assert after.count("ld.global") > after.count(evict_first)  # x
+    assert after.index("griddepcontrol.launch_dependents") < after.rindex("st.global")
+    assert max(ptxas_spills(ptx)) == 0
+    assert "griddepcontrol" not in _build(cfg, k, pdl=False, m=m)
+
+
 def test_default_config_and_shared_memory():
     assert stg.default_config(2048, 8192) == stg.StagedConfig(8, 512, 8, 4)
-    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(8, 256, 16, 2)
-    # the 2-4 row kernel keeps x out of shared memory: only the parked stages, as one row's
-    assert stg.default_config(2048, 8192, 4).smem_bytes(8192, 4) == 64 * 1024
+    assert stg.default_config(2048, 8192, 4) == stg.StagedConfig(16, 64, 16, 4, True)
+    # the tensor-core kernel: 16 parked stages of 16 x (4 x 64) and one stage of scratch
+    assert stg.default_config(2048, 8192, 4).smem_bytes(8192, 4) == 17 * 16 * 256 * 2
+    assert stg.StagedConfig(16, 64, 16, 4, True).stage_cols == 256
+    # the 2-4 row CUDA-core kernel keeps x out of shared memory: only the parked stages
+    assert _CUDA_CORE_ROWS.smem_bytes(8192, 4) == 64 * 1024
     assert stg.StagedConfig(8, 256, 16).smem_bytes(8192, 4) == 16 * 8 * 256 * 2
-    # S-2.1's o_proj (K = 9216) at 3-4 rows now fits; a stage narrower than 256 does not run 2-4 rows
+    # S-2.1's o_proj (K = 9216) at 3-4 rows fits; narrower stages divide smaller K
     assert stg.default_config(3072, 9216, 4).smem_bytes(9216, 4) <= stg._MAX_SMEM
-    assert stg.default_config(64, 128, 2).stage_k == 256  # K % stage_k != 0: supports() refuses it
+    assert stg.default_config(64, 192, 2) == stg.StagedConfig(16, 16, 16, 4, True)  # 192 = 3 x 64
+    assert stg.default_config(64, 8, 2).stage_k == 16  # K % stage_cols != 0: supports() refuses it
     for k in (64, 128, 192, 256, 512, 2048, 6144, 8192):
         assert k % stg.default_config(64, k).stage_k == 0
     # 8 parked [8, 512] stages + x as 16 (8192 / 512) rows of 512
@@ -136,6 +180,10 @@ def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
     (2048, 6144, 3, None),
     (256, 1024, 2, None),
     (2048, 8192, 4, stg.StagedConfig(8, 256, 8, 4)),
+    (2048, 8192, 4, _CUDA_CORE_ROWS),
+    (2048, 8192, 1, stg.StagedConfig(16, 64, 16, 4, True)),
+    (2048, 8192, 3, stg.StagedConfig(16, 128, 8, 4, True)),
+    (256, 1024, 4, stg.StagedConfig(16, 64, 16, 2, True)),
     (2048, 8192, 4, stg.StagedConfig(8, 512, 8, 4)),
     (2048, 6144, 4, stg.StagedConfig(16, 256, 8, 4)),
     (2048, 8192, 2, stg.StagedConfig(8, 256, 16, 4)),

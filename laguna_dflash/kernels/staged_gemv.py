@@ -36,6 +36,19 @@ stages. Two kernels:
   first 2-4 row design kept four rows of x in shared memory next to full-size accumulators
   (201-255 registers, 96-192 KiB, one program an SM) and lost in every config in the 4-token
   verify graph (docs/PERFORMANCE.md, fourteenth and sixty-third passes).
+* 1-4 rows on the tensor cores (``StagedConfig.tensor_cores``; the default 2-4 row config): the
+  CUDA-core kernels spend an FMA per weight element and row plus conversions, all after the
+  wait, ~8 SASS instructions a weight element at 4 rows. Here a program owns 16 weight rows (one
+  ``mma.sync m16n8k16`` tile) and a stage is ``[num_warps, 16, STAGE_K]``: warp ``w`` takes the
+  K slice ``w`` of it, parked (16-byte chunks XOR-swizzled, so ``ldmatrix`` reads them without
+  bank conflicts) or in flight as above, and multiplies it by ``x^T [STAGE_K, 8]`` (x's rows
+  read from global memory, rows past M as zeros) into its own ``[16, 8]`` fp32 accumulator (a
+  batched dot over the warps); the warps' accumulators are summed once at the end. 1.25 SASS
+  instructions a weight element after the wait (4 rows, 16 x (4 x 64) stages, 144 registers).
+
+The grid and every launch argument depend only on the shapes and the config: CUDA-graph
+capturable, no host sync. Every kernel sums in fp32 and rounds y once; each is bitwise
+reproducible for a config, and the three give different summation orders.
 
 Written in Gluon (triton.experimental.gluon, pinned with triton 3.6), which exposes shared
 memory; it has no interpreter: CPU tests check the sm_90 build offline, GPU tests the values
@@ -46,6 +59,7 @@ against an fp64 reference (tests/test_kernel_staged_gemv.py). Other ways of fill
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -69,38 +83,56 @@ class StagedConfig:
     """Launch configuration of :func:`staged_gemv`.
 
     Attributes:
-        block_n: weight rows per program (a power of two in [8, 64]).
-        stage_k: K elements of one stage (a power of two, >= 64; 16-byte loads a thread).
+        block_n: weight rows per program (a power of two in [8, 64]; 16 with ``tensor_cores``).
+        stage_k: K elements of one stage (a power of two, >= 64; 16-byte loads a thread); with
+            ``tensor_cores`` those of one warp's slice of a stage (>= 16).
         stages: stages parked in shared memory before the PDL wait.
         num_warps: warps per program.
+        tensor_cores: the tensor-core kernel (module docstring): a stage is ``num_warps x
+            stage_k`` columns, warp ``w`` multiplies slice ``w`` of it with ``mma.sync``; its
+            parked stages are the largest power of two <= ``stages`` (a layout constraint).
     """
 
     block_n: int = 8
     stage_k: int = 512
     stages: int = 8
     num_warps: int = 4
+    tensor_cores: bool = False
+
+    @property
+    def stage_cols(self) -> int:
+        """K columns of one stage."""
+        return self.stage_k * (self.num_warps if self.tensor_cores else 1)
+
+    def parked(self, k: int) -> int:
+        """Stages parked before the wait for a K of ``k`` columns."""
+        parked = min(self.stages, -(-k // self.stage_cols))
+        return 1 << (parked.bit_length() - 1) if self.tensor_cores and parked > 0 else parked
 
     def smem_bytes(self, k: int, m: int = 1, elem_bytes: int = 2) -> int:
         """Shared memory a program needs: the parked stages, plus for one row x (as ``K /
-        stage_k`` rows of a stage, padded to a power of two; the 2-4 row kernel reads x from
-        global memory)."""
-        num_k = -(-k // self.stage_k)
-        parked = min(self.stages, num_k)
+        stage_k`` rows of a stage, padded to a power of two; the 2-4 row kernels read x from
+        global memory), plus for the tensor-core kernel a stage of scratch (a streamed stage's
+        change of register layout)."""
+        num_k = -(-k // self.stage_cols)
+        parked = self.parked(k)
+        if self.tensor_cores:
+            return (parked + 1) * self.block_n * self.stage_cols * elem_bytes
         x_rows = _next_pow2(num_k) if m == 1 else 0
         return (parked * self.block_n + x_rows) * self.stage_k * elem_bytes
 
 
-# 2-4 rows: (block_n, stage_k, stages, num_warps) of the rows kernel (x read from global memory,
-# accumulators 1/8 of the one-row kernel's a row). 8 x 256 stages, 16 parked (64 KiB), 2 warps:
-# 256 programs for N = 2048, two an SM (the one-row config's 128 KiB parked an SM), 238 registers
-# (ptxas, sm_90). Each thread holds 4 weight rows of a stage, so a row of x converted to fp32
-# serves 4 of them: 7.96 SASS instructions a weight element at 4 rows against 9.6 with 8 x 512 x
-# 4 warps (2 rows a thread), ~4 us of issue for an XS-2.1 o_proj (2048 x 8192) on 132 SMs, all
-# after the wait (x is needed), against ~1.8 us for one row. Not timed yet (gpu_check.sh
-# pass102). The first 2-4 row kernel kept four rows of x in shared memory next to full-size
-# accumulators (201-255 registers, 96-192 KiB, one program an SM) and lost in every config
-# (fourteenth and sixty-third passes, docs/PERFORMANCE.md).
-MULTI_ROW_CONFIG: tuple[int, int, int, int] = (8, 256, 16, 2)
+# 2-4 rows: (block_n, stage_k, stages, num_warps[, tensor_cores]). Neither 2-4 row kernel is
+# timed yet (gpu_check.sh pass102 A/Bs them). Offline (ptxas / cuobjdump, sm_90a, 4 rows, K =
+# 8192), SASS instructions a weight element after the PDL wait, where all of the 2-4 row work
+# happens (the parked stages need x): the tensor-core kernel, 16 x (4 warps x 64) stages, 16
+# parked (128 KiB; 128 programs for N = 2048, one an SM), 144 registers: 1.25; the CUDA-core
+# kernel, 8 x 256 stages, 16 parked, 2 warps (64 KiB, two programs an SM), 238 registers: 7.96
+# (~4 us of issue for an XS-2.1 o_proj on 132 SMs, against ~1.8 us for the one-row kernel at one
+# row), 9.6 with 8 x 512 x 4 warps. The first 2-4 row kernel kept four rows of x in shared
+# memory next to full-size accumulators (one program an SM, 9.3 instructions a weight element)
+# and lost in every config (fourteenth and sixty-third passes, docs/PERFORMANCE.md).
+MULTI_ROW_CONFIG: tuple = (16, 64, 16, 4, True)
 # One row (the decode's o_proj): 8 x 512 stages, 8 parked (64 KiB), 4 warps: two programs an SM
 # next to attention (thirteenth pass, docs/PERFORMANCE.md). 10 and 12 parked stages made the
 # decode replay 0.03-0.04 ms slower (nineteenth pass): they crowd out attention and the merge.
@@ -110,14 +142,13 @@ ONE_ROW_CONFIG: tuple[int, int, int, int] = (8, 512, 8, 4)
 def default_config(n: int, k: int, m: int = 1) -> StagedConfig:
     """One row: the measured o_proj config (2048 x 8192 and 2048 x 6144 on the H200: 8 x 512
     stages, 8 parked, 4 warps). 2-4 rows: :data:`MULTI_ROW_CONFIG`. The stage narrowed to divide
-    smaller K (down to 64)."""
+    smaller K (down to 64; the 2-4 row CUDA-core kernel 256, the tensor-core one 16 a warp)."""
     del n
     cfg = StagedConfig(*(ONE_ROW_CONFIG if m <= 1 else MULTI_ROW_CONFIG))
-    stage_k = cfg.stage_k
-    min_stage_k = 64 if m <= 1 else _MIN_ROWS_STAGE_K
-    while stage_k > min_stage_k and k % stage_k:
-        stage_k //= 2
-    return StagedConfig(cfg.block_n, stage_k, cfg.stages, cfg.num_warps)
+    min_stage_k = 16 if cfg.tensor_cores else 64 if m <= 1 else _MIN_ROWS_STAGE_K
+    while cfg.stage_k > min_stage_k and k % cfg.stage_cols:
+        cfg = dataclasses.replace(cfg, stage_k=cfg.stage_k // 2)
+    return cfg
 
 
 def _next_pow2(v: int) -> int:
@@ -129,9 +160,11 @@ def _has_gluon() -> bool:
     """triton's Gluon dialect with what the kernel uses (triton 3.6 has it; older ones do not)."""
     try:
         from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: F401
     except ImportError:
         return False
-    return all(hasattr(gl, a) for a in ("allocate_shared_memory", "SwizzledSharedLayout", "BlockedLayout"))
+    return all(hasattr(gl, a) for a in ("allocate_shared_memory", "SwizzledSharedLayout", "BlockedLayout",
+                                        "NVMMADistributedLayout", "DotOperandLayout"))
 
 
 def supports(weight: torch.Tensor, config: StagedConfig | None = None, m: int = 1) -> bool:
@@ -147,9 +180,12 @@ def supports(weight: torch.Tensor, config: StagedConfig | None = None, m: int = 
         return False
     n, k = weight.shape
     cfg = config or default_config(n, k, m)
-    return (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and n > 0 and k > 0
-            and n % cfg.block_n == 0 and k % cfg.stage_k == 0 and cfg.smem_bytes(k, m) <= _MAX_SMEM
-            and (m == 1 or cfg.stage_k >= _MIN_ROWS_STAGE_K))
+    if cfg.tensor_cores:  # one 16-row mma tile a program, each warp's slice whole k16 steps
+        kernel_ok = cfg.block_n == 16 and cfg.stage_k >= 16
+    else:  # the 2-4 row kernel: a stage spans the 32 lanes' 16-byte vectors
+        kernel_ok = m == 1 or cfg.stage_k >= _MIN_ROWS_STAGE_K
+    return (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and n > 0 and k > 0 and kernel_ok
+            and n % cfg.block_n == 0 and k % cfg.stage_cols == 0 and cfg.smem_bytes(k, m) <= _MAX_SMEM)
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> bool:
@@ -169,6 +205,7 @@ def staged_gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 def _kernel():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     @gluon.jit
     def _gdc_wait():
@@ -363,7 +400,77 @@ def _kernel():
         if M > 3:
             _store_row(y_ptr, 3, stride_ym, rows, acc3)
 
-    return _staged_gemv_kernel, _staged_rows_kernel
+    @gluon.jit
+    def _staged_mma_kernel(
+        w_ptr, x_ptr, y_ptr, stride_xm, stride_ym, K: gl.constexpr, M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
+        PDL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # 1-4 rows on the tensor cores. A stage is [num_warps, BLOCK_N = 16, STAGE_K]: warp w
+        # holds the K slice w of it (columns i SUPER + w STAGE_K ..), parked or in flight as in
+        # the other kernels, and after the wait multiplies it by x^T [STAGE_K, 8] (rows of x past
+        # M read as zeros) with mma.sync m16n8k16 into its own acc [16, 8] fp32 (a batched
+        # dot, the warps the batch); the warps' accumulators are summed once at the end
+        PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
+        SUPER: gl.constexpr = num_warps * STAGE_K
+        w3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [num_warps, 1, 1], [2, 1, 0])
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # 16-byte chunks XOR-swizzled over 8 phases: ldmatrix reads the rows without bank conflicts
+        swizzled: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+        n0 = gl.program_id(0) * BLOCK_N
+        wi = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3)))
+        ri = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3)))
+        ci = gl.arange(0, STAGE_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3)))
+        w_tile = (w_ptr + (n0 + ri)[None, :, None].to(gl.int64) * K + wi[:, None, None] * STAGE_K
+                  + ci[None, None, :])  # [num_warps, BLOCK_N, STAGE_K]
+        parked = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PRE * num_warps, BLOCK_N, STAGE_K], swizzled)
+        q0 = gl.load(w_tile, eviction_policy="evict_first")
+        q1 = _stage_load(w_tile, 1, SUPER, NUM_K, q0)
+        q2 = _stage_load(w_tile, 2, SUPER, NUM_K, q0)
+        q3 = _stage_load(w_tile, 3, SUPER, NUM_K, q0)
+        # the weight is never written in a forward (kernels/pdl.py rule 3): parked before the wait
+        for i in gl.static_range(PRE):
+            w = q0
+            q0 = q1
+            q1 = q2
+            q2 = q3
+            q3 = _stage_load(w_tile, i + 4, SUPER, NUM_K, w)
+            parked.slice(i * num_warps, num_warps).store(w)
+        if PDL:
+            _gdc_wait()  # x is the previous kernel's output
+        # x^T slices [num_warps, STAGE_K, 8]: element (w, k, m) = x[m, w STAGE_K + k] (0 past M)
+        bw = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
+        bk = gl.arange(0, STAGE_K, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
+        bm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
+        x_t = x_ptr + bm[None, None, :] * stride_xm + bw[:, None, None] * STAGE_K + bk[None, :, None]
+        x_ok = (bm[None, None, :] < M) & (bk[None, :, None] < STAGE_K) & (bw[:, None, None] < num_warps)
+        acc = gl.zeros([num_warps, BLOCK_N, 8], gl.float32, mma)
+        gl.thread_barrier()  # the parked stages are read in the mma operand layout, not as written
+        for i in gl.static_range(NUM_K):
+            xs = gl.load(x_t + i * SUPER, mask=x_ok, other=0.0)
+            if i < PRE:
+                a = parked.slice(i * num_warps, num_warps).load(a_l)
+            else:
+                w = q0
+                q0 = q1
+                q1 = q2
+                q2 = q3
+                q3 = _stage_load(w_tile, i + 4, SUPER, NUM_K, w)
+                a = gl.convert_layout(w, a_l)
+            acc = mma_v2(a, xs, acc)
+        if PDL:
+            _gdc_launch_dependents()  # the weights are read
+        out = gl.sum(acc, axis=0)  # [BLOCK_N, 8]: the warps' K slices, in a fixed order
+        o_l: gl.constexpr = gl.SliceLayout(0, mma)
+        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_l))
+        cols = gl.arange(0, 8, layout=gl.SliceLayout(0, o_l))
+        gl.store(y_ptr + cols[None, :] * stride_ym + rows[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=cols[None, :] < M)
+
+    return _staged_gemv_kernel, _staged_rows_kernel, _staged_mma_kernel
 
 
 def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | None = None) -> torch.Tensor:
@@ -387,12 +494,15 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | No
                          f"{weight.dtype} with {cfg}; check can_use() first and fall back to F.linear")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     use_pdl = pdl.active(x.device, False)
-    num_k = k // cfg.stage_k
-    one_row, rows = _kernel()
-    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.stages, NUM_K=num_k,
+    num_k = k // cfg.stage_cols
+    one_row, rows, mma = _kernel()
+    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.parked(k), NUM_K=num_k,
                   PDL=use_pdl, num_warps=cfg.num_warps)
-    if m == 1:
-        consts["X_ROWS"] = _next_pow2(num_k)
-    (one_row if m == 1 else rows)[(n // cfg.block_n,)](
-        weight, x, y, x.stride(0), n, **consts, **pdl.launch_options(use_pdl))
+    if cfg.tensor_cores:
+        kernel = mma
+    elif m == 1:
+        kernel, consts["X_ROWS"] = one_row, _next_pow2(num_k)
+    else:
+        kernel = rows
+    kernel[(n // cfg.block_n,)](weight, x, y, x.stride(0), n, **consts, **pdl.launch_options(use_pdl))
     return y

@@ -36,7 +36,7 @@ ROTATE_BYTES = 256 * 2**20
 CONFIGS = [(8, 512, 8, 4), (8, 512, 12, 4), (8, 1024, 4, 4), (16, 512, 6, 8), (8, 512, 4, 4)]
 # for 2-4 rows (--m): the tensor-core kernel (5th field True; the default), then the CUDA-core
 # rows kernel (two programs an SM by registers: ptxas, 4 rows, K = 8192)
-MULTI_ROW_CONFIGS = [(16, 64, 16, 4, True), (16, 64, 8, 4, True), (16, 128, 8, 4, True),
+MULTI_ROW_CONFIGS = [(16, 128, 8, 4, True), (16, 64, 16, 4, True), (16, 128, 4, 4, True),
                      (8, 256, 16, 2), (8, 256, 8, 2), (16, 256, 8, 4)]
 
 

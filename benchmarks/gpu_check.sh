@@ -460,9 +460,9 @@ case "$stage" in
     st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
     cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
     for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, tensor cores (16 x (4 x 64), 16 parked), 8 parked, CUDA cores 8x256 x 2 warps, 16x256 x 4"
+      echo "-- $mode: defaults, tensor cores (16 x (4 x 128), 8 parked), 16 x (4 x 64) 16 parked, CUDA cores 8x256 x 2 warps, 16x256 x 4"
       timeout 190 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
-        --switch "$st;$cf=[16,64,8,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
+        --switch "$st;$cf=[16,64,16,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
     done ;;
   pass104)

@@ -43,8 +43,8 @@ stages. Two kernels:
   K slice ``w`` of it, parked (16-byte chunks XOR-swizzled, so ``ldmatrix`` reads them without
   bank conflicts) or in flight as above, and multiplies it by ``x^T [STAGE_K, 8]`` (x's rows
   read from global memory, rows past M as zeros) into its own ``[16, 8]`` fp32 accumulator (a
-  batched dot over the warps); the warps' accumulators are summed once at the end. 1.25 SASS
-  instructions a weight element after the wait (4 rows, 16 x (4 x 64) stages, 144 registers).
+  batched dot over the warps); the warps' accumulators are summed once at the end. 1.18 SASS
+  instructions a weight element after the wait (4 rows, 16 x (4 x 128) stages, 246 registers).
 
 The grid and every launch argument depend only on the shapes and the config: CUDA-graph
 capturable, no host sync. Every kernel sums in fp32 and rounds y once; each is bitwise
@@ -125,14 +125,17 @@ class StagedConfig:
 # 2-4 rows: (block_n, stage_k, stages, num_warps[, tensor_cores]). Neither 2-4 row kernel is
 # timed yet (gpu_check.sh pass102 A/Bs them). Offline (ptxas / cuobjdump, sm_90a, 4 rows, K =
 # 8192), SASS instructions a weight element after the PDL wait, where all of the 2-4 row work
-# happens (the parked stages need x): the tensor-core kernel, 16 x (4 warps x 64) stages, 16
-# parked (128 KiB; 128 programs for N = 2048, one an SM), 144 registers: 1.25; the CUDA-core
+# happens (the parked stages need x): the tensor-core kernel, 16 x (4 warps x 128) stages, 8
+# parked (128 KiB, and 16 KiB of scratch; 128 programs for N = 2048, one an SM), 246 registers:
+# 1.18 (16 x (4 x 64), 16 parked: 144 registers, 1.25, but half the bytes in flight a program
+# while it streams the unparked stages: 4 x 8 KiB, ~2.7 TB/s over 128 SMs at ~1.5 us of
+# latency, where 4 x 16 KiB covers the copy rate); the CUDA-core
 # kernel, 8 x 256 stages, 16 parked, 2 warps (64 KiB, two programs an SM), 238 registers: 7.96
 # (~4 us of issue for an XS-2.1 o_proj on 132 SMs, against ~1.8 us for the one-row kernel at one
 # row), 9.6 with 8 x 512 x 4 warps. The first 2-4 row kernel kept four rows of x in shared
 # memory next to full-size accumulators (one program an SM, 9.3 instructions a weight element)
 # and lost in every config (fourteenth and sixty-third passes, docs/PERFORMANCE.md).
-MULTI_ROW_CONFIG: tuple = (16, 64, 16, 4, True)
+MULTI_ROW_CONFIG: tuple = (16, 128, 8, 4, True)
 # One row (the decode's o_proj): 8 x 512 stages, 8 parked (64 KiB), 4 warps: two programs an SM
 # next to attention (thirteenth pass, docs/PERFORMANCE.md). 10 and 12 parked stages made the
 # decode replay 0.03-0.04 ms slower (nineteenth pass): they crowd out attention and the merge.

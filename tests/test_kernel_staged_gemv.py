@@ -221,12 +221,15 @@ def test_cuda_s21_o_proj_matches_the_fp64_reference(n, k, m):
 
 @needs_sm90
 @pytest.mark.parametrize("early", [False, True])
-def test_cuda_o_proj_after_attention_reads_this_replays_output(early):
+@pytest.mark.parametrize("tokens,cfg", [(1, None), (4, None), (4, _CUDA_CORE_ROWS)],
+                         ids=["one-row", "4-rows-tensor-cores", "4-rows-cuda-cores"])
+def test_cuda_o_proj_after_attention_reads_this_replays_output(early, tokens, cfg):
     """Q/K kernel -> attention -> split merge -> staged o_proj in one graph, PDL-launched, with
     ``early_signal`` (o_proj resident while attention runs, as the engine launches it) and
-    without. Every replay gets new q/k/v; o_proj must read the merge's output of the same replay
-    (a read before its wait would see the previous one): 30 replays, each bitwise against an
-    eager o_proj of the attention output the replay left."""
+    without; one token (decode) and four (the K = 3 verify, each 2-4 row kernel). Every replay
+    gets new q/k/v; o_proj must read the merge's output of the same replay (a read before its
+    wait would see the previous one): 30 replays, each bitwise against an eager o_proj of the
+    attention output the replay left."""
     from test_kernel_paged_attention import NUM_HEADS, make_case
 
     from laguna_dflash.kernels import paged_attention as pa
@@ -236,14 +239,14 @@ def test_cuda_o_proj_after_attention_reads_this_replays_output(early):
     if not pdl.active(torch.device("cuda"), False):
         pytest.skip("needs programmatic dependent launch")
     dtype, kv_heads, head_dim = torch.bfloat16, 2, 128
-    _, kc, vc, meta, _ = make_case([(700, 1)], kv_heads, head_dim, dtype, True, device="cuda", seed=3)
+    _, kc, vc, meta, _ = make_case([(700, tokens)], kv_heads, head_dim, dtype, True, device="cuda", seed=3)
     g = torch.Generator(device="cuda").manual_seed(3)
-    qkv = torch.randn(1, (NUM_HEADS + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
+    qkv = torch.randn(tokens, (NUM_HEADS + 2 * kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
     qw = torch.ones(head_dim, device="cuda", dtype=dtype)
     angles = torch.arange(1024, device="cuda")[:, None] * torch.rand(head_dim, device="cuda", generator=g)
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     w = (torch.randn(512, NUM_HEADS * head_dim, device="cuda", generator=g) * 0.02).to(dtype)
-    assert stg.supports(w)
+    assert stg.supports(w, cfg, m=tokens)
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
         q = qnrc.qk_norm_rope_cache(qkv, NUM_HEADS, kv_heads, head_dim, qw, qw, 1e-6, cos, sin,
@@ -251,7 +254,7 @@ def test_cuda_o_proj_after_attention_reads_this_replays_output(early):
         out = pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
                                  meta.seq_lens, scale=head_dim ** -0.5, causal=True, num_splits=4,
                                  early_signal=early)
-        return out, stg.staged_gemv(out.reshape(1, -1), w)
+        return out, stg.staged_gemv(out.reshape(tokens, -1), w, cfg)
 
     forward()
     torch.cuda.synchronize()
@@ -262,4 +265,4 @@ def test_cuda_o_proj_after_attention_reads_this_replays_output(early):
         qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=g).to(dtype))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, stg.staged_gemv(out.reshape(1, -1), w))
+        assert torch.equal(y, stg.staged_gemv(out.reshape(tokens, -1), w, cfg))

@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass104 [CFG]  # goal 2's cell at 65 new tokens, defaults against the
 #                                           # staged o_proj at 4 rows (MULTI_ROW_CONFIG CFG if given,
-#                                           # e.g. [8,256,16,2]), two processes each (~6 min)
+#                                           # e.g. [8,256,16,2]), two processes each, then the decode
+#                                           # graph with the tensor-core kernel at one row (~8 min)
 #   bash benchmarks/gpu_check.sh pass103    # the skinny GEMM's GEMV at 4 rows with sum_vectors (1/8
 #                                           # accumulators): its CUDA tests, a quick 4-row sweep of the
 #                                           # o_proj / down, gate_up and lm_head shapes, then the
@@ -473,7 +474,12 @@ case "$stage" in
     for i in 1 2; do
       echo "-- defaults, process $i"; goal_cell 85 --new-tokens 65
       echo "-- $st$cfg, process $i"; goal_cell 85 --new-tokens 65 --switch "$st$cfg"
-    done ;;
+    done
+    echo "-- the decode graph: the one-row kernel (default) against the tensor-core kernel at one row"
+    one="laguna_dflash.kernels.staged_gemv:ONE_ROW_CONFIG"
+    timeout 100 python benchmarks/profile_decode_xs.py --q 1 --top 4 --new-tokens 8 \
+      --switch "$one=[16,128,8,4,true]" --switch "$one=[16,64,16,4,true]" 2>&1 | quiet \
+      | grep -E "^## |^\| [0-9]|staged|equal|failed|rror" | head -20 ;;
   pass101)
     echo "== (sixty-third pass) goal 2's cell, tokens delivered over decode time: 64 new tokens, then 65 twice"
     echo "-- 64 new tokens"; goal_cell 95

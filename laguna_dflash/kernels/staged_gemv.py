@@ -231,6 +231,30 @@ def _kernel():
         return v
 
     @gluon.jit
+    def _next_stage(q0, q1, q2, q3, w_tile, i, STAGE, NUM_K):
+        # (the stage in q0, the three behind it, stage i + 4's loads): the four in flight move on
+        # (STAGE and NUM_K reach _stage_load as the constexprs they are)
+        return q0, q1, q2, q3, _stage_load(w_tile, i + 4, STAGE, NUM_K, q0)
+
+    @gluon.jit
+    def _park(parked, w_tile, PRE: gl.constexpr, STAGE: gl.constexpr, NUM_K: gl.constexpr,
+              GROUP: gl.constexpr):
+        # stages 0 .. PRE - 1 into the parked buffer (entry i, or GROUP entries from i GROUP when
+        # GROUP > 0), stages PRE .. PRE + 3 left in flight (returned). The weight is never
+        # written in a forward (kernels/pdl.py rule 3): this runs before the PDL wait
+        q0 = gl.load(w_tile, eviction_policy="evict_first")
+        q1 = _stage_load(w_tile, 1, STAGE, NUM_K, q0)
+        q2 = _stage_load(w_tile, 2, STAGE, NUM_K, q0)
+        q3 = _stage_load(w_tile, 3, STAGE, NUM_K, q0)
+        for i in gl.static_range(PRE):
+            w, q0, q1, q2, q3 = _next_stage(q0, q1, q2, q3, w_tile, i, STAGE, NUM_K)
+            if GROUP > 0:
+                parked.slice(i * GROUP, GROUP).store(w)
+            else:
+                parked.index(i).store(w)
+        return q0, q1, q2, q3
+
+    @gluon.jit
     def _x_to_shared(x_ptr, m, stride_xm, xr, cols, STAGE_K: gl.constexpr, NUM_K: gl.constexpr,
                      X_ROWS: gl.constexpr, flat: gl.constexpr):
         # row m of x [K] -> shared [X_ROWS, STAGE_K] (NUM_K rows of a stage each, padded)
@@ -260,18 +284,7 @@ def _kernel():
         cols = gl.arange(0, STAGE_K, layout=gl.SliceLayout(0, w_layout))
         w_tile = w_ptr + rows[:, None].to(gl.int64) * K + cols[None, :]
         parked = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PRE, BLOCK_N, STAGE_K], flat)
-        q0 = gl.load(w_tile, eviction_policy="evict_first")
-        q1 = _stage_load(w_tile, 1, STAGE_K, NUM_K, q0)
-        q2 = _stage_load(w_tile, 2, STAGE_K, NUM_K, q0)
-        q3 = _stage_load(w_tile, 3, STAGE_K, NUM_K, q0)
-        # the weight is never written in a forward (kernels/pdl.py rule 3): parked before the wait
-        for i in gl.static_range(PRE):
-            w = q0
-            q0 = q1
-            q1 = q2
-            q2 = q3
-            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
-            parked.index(i).store(w)
+        q0, q1, q2, q3 = _park(parked, w_tile, PRE, STAGE_K, NUM_K, 0)
         if PDL:
             _gdc_wait()  # x is the previous kernel's output
         xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))
@@ -282,11 +295,7 @@ def _kernel():
             wf = parked.index(i).load(w_layout).to(gl.float32)
             acc0 += wf * x0.slice(i, 1).load(w_layout).to(gl.float32)
         for i in gl.static_range(PRE, NUM_K):
-            w = q0
-            q0 = q1
-            q1 = q2
-            q2 = q3
-            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+            w, q0, q1, q2, q3 = _next_stage(q0, q1, q2, q3, w_tile, i, STAGE_K, NUM_K)
             acc0 += w.to(gl.float32) * x0.slice(i, 1).load(w_layout).to(gl.float32)
         if PDL:
             _gdc_launch_dependents()  # the weights are read
@@ -343,18 +352,7 @@ def _kernel():
         x_offs = (gl.expand_dims(gl.arange(0, SUB, layout=gl.SliceLayout(1, x_l)), 1) * 8
                   + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, x_l)), 0))  # [SUB, 8]
         parked = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PRE, BLOCK_N, SUB, 8], flat)
-        q0 = gl.load(w_tile, eviction_policy="evict_first")
-        q1 = _stage_load(w_tile, 1, STAGE_K, NUM_K, q0)
-        q2 = _stage_load(w_tile, 2, STAGE_K, NUM_K, q0)
-        q3 = _stage_load(w_tile, 3, STAGE_K, NUM_K, q0)
-        # the weight is never written in a forward (kernels/pdl.py rule 3): parked before the wait
-        for i in gl.static_range(PRE):
-            w = q0
-            q0 = q1
-            q1 = q2
-            q2 = q3
-            q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
-            parked.index(i).store(w)
+        q0, q1, q2, q3 = _park(parked, w_tile, PRE, STAGE_K, NUM_K, 0)
         if PDL:
             _gdc_wait()  # x is the previous kernel's output
         x0 = gl.load(x_ptr + x_offs)
@@ -386,11 +384,7 @@ def _kernel():
             if i < PRE:
                 wf = parked.index(i).load(w3).to(gl.float32)
             else:
-                w = q0
-                q0 = q1
-                q1 = q2
-                q2 = q3
-                q3 = _stage_load(w_tile, i + 4, STAGE_K, NUM_K, w)
+                w, q0, q1, q2, q3 = _next_stage(q0, q1, q2, q3, w_tile, i, STAGE_K, NUM_K)
                 wf = w.to(gl.float32)
             acc0, acc1, acc2, acc3 = _dot_rows(wf, c0, c1, c2, c3, acc0, acc1, acc2, acc3, M)
         if PDL:
@@ -430,18 +424,7 @@ def _kernel():
         w_tile = (w_ptr + (n0 + ri)[None, :, None].to(gl.int64) * K + wi[:, None, None] * STAGE_K
                   + ci[None, None, :])  # [num_warps, BLOCK_N, STAGE_K]
         parked = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PRE * num_warps, BLOCK_N, STAGE_K], swizzled)
-        q0 = gl.load(w_tile, eviction_policy="evict_first")
-        q1 = _stage_load(w_tile, 1, SUPER, NUM_K, q0)
-        q2 = _stage_load(w_tile, 2, SUPER, NUM_K, q0)
-        q3 = _stage_load(w_tile, 3, SUPER, NUM_K, q0)
-        # the weight is never written in a forward (kernels/pdl.py rule 3): parked before the wait
-        for i in gl.static_range(PRE):
-            w = q0
-            q0 = q1
-            q1 = q2
-            q2 = q3
-            q3 = _stage_load(w_tile, i + 4, SUPER, NUM_K, w)
-            parked.slice(i * num_warps, num_warps).store(w)
+        q0, q1, q2, q3 = _park(parked, w_tile, PRE, SUPER, NUM_K, num_warps)
         if PDL:
             _gdc_wait()  # x is the previous kernel's output
         # x^T slices [num_warps, STAGE_K, 8]: element (w, k, m) = x[m, w STAGE_K + k] (0 past M)
@@ -457,11 +440,7 @@ def _kernel():
             if i < PRE:
                 a = parked.slice(i * num_warps, num_warps).load(a_l)
             else:
-                w = q0
-                q0 = q1
-                q1 = q2
-                q2 = q3
-                q3 = _stage_load(w_tile, i + 4, SUPER, NUM_K, w)
+                w, q0, q1, q2, q3 = _next_stage(q0, q1, q2, q3, w_tile, i, SUPER, NUM_K)
                 a = gl.convert_layout(w, a_l)
             acc = mma_v2(a, xs, acc)
         if PDL:

@@ -20,19 +20,21 @@ split-K, no workspace). A stage is ``[BLOCK_N, STAGE_K]``, ``NUM_K = K / STAGE_K
 loads are ``evict_first`` (each byte is read once: measured, a weight stream left at the default
 L2 priority slowed the next layers' attention by ~1 us a layer). Each thread stores and later reads
 back exactly the bytes it loaded (one register layout for both), so no barrier guards the parked
-stages. Two kernels:
+stages (the tensor-core kernel reads them in the mma operand layout, after one barrier). Three
+kernels:
 
 * one row (``M = 1``, the batch-1 decode's o_proj, the engine's default): x goes through shared
   memory once (one barrier); one accumulator ``[BLOCK_N, STAGE_K]`` fp32 in the weight tile's
   layout (one FMA per weight element); the K reduction once, at the end.
-* 2-4 rows (the K = 3 verify's and the drafter block's o_proj; ``layers.staged_o_proj_max_rows``
-  turns it on, off by default until timed): the same weight side, but a stage is viewed
-  ``[BLOCK_N, STAGE_K / 8, 8]`` (a thread's 16-byte vector on the last axis), each row of x is
-  read from global memory (L1 / L2; a stage ahead) instead of shared memory, and row ``m`` keeps
-  ``acc_m [BLOCK_N, STAGE_K / 8]`` fp32, to which each step adds the sum of a vector's 8
-  products (in order). Shared memory then holds only the parked weight, as much a program as the
-  one-row kernel (64 KiB at the default 8 x 256, 16 parked, 2 warps), and ptxas gives it 238
-  registers at 4 rows: two programs an SM, as the one-row kernel runs next to attention. The
+* 2-4 rows on CUDA cores (for the K = 3 verify's and the drafter block's o_proj, as the
+  tensor-core kernel below; ``layers.staged_o_proj_max_rows`` turns them on, off until timed):
+  the same weight side, but a stage is viewed ``[BLOCK_N, STAGE_K / 8, 8]`` (a thread's 16-byte
+  vector on the last axis), each row of x is read from global memory (L1 / L2; a stage ahead)
+  instead of shared memory, and row ``m`` keeps ``acc_m [BLOCK_N, STAGE_K / 8]`` fp32, to which
+  each step adds the sum of a vector's 8 products (in order). Shared memory then holds only the
+  parked weight, as much a program as the one-row kernel (64 KiB at 8 x 256, 16 parked, 2
+  warps), and ptxas gives it 238 registers at 4 rows: two programs an SM, as the one-row kernel
+  runs next to attention. The
   first 2-4 row design kept four rows of x in shared memory next to full-size accumulators
   (201-255 registers, 96-192 KiB, one program an SM) and lost in every config in the 4-token
   verify graph (docs/PERFORMANCE.md, fourteenth and sixty-third passes).

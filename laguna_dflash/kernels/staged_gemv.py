@@ -130,8 +130,8 @@ class StagedConfig:
 # happens (the parked stages need x): the tensor-core kernel, 16 x (4 warps x 128) stages, 8
 # parked (128 KiB, and 16 KiB of scratch; 128 programs for N = 2048, one an SM), 246 registers:
 # 1.18 (16 x (4 x 64), 16 parked: 144 registers, 1.25, but half the bytes in flight a program
-# while it streams the unparked stages: 4 x 8 KiB, ~2.7 TB/s over 128 SMs at ~1.5 us of
-# latency, where 4 x 16 KiB covers the copy rate); the CUDA-core
+# while it streams the unparked stages: 4 x 8 KiB, estimated ~2.7 TB/s over 128 SMs at an
+# assumed ~1.5 us of latency, where 4 x 16 KiB would cover the copy rate); the CUDA-core
 # kernel, 8 x 256 stages, 16 parked, 2 warps (64 KiB, two programs an SM), 238 registers: 7.96
 # (~4 us of issue for an XS-2.1 o_proj on 132 SMs, against ~1.8 us for the one-row kernel at one
 # row), 9.6 with 8 x 512 x 4 warps. The first 2-4 row kernel kept four rows of x in shared

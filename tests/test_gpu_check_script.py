@@ -53,3 +53,60 @@ def test_every_switch_resolves():
         for part in attr.split("."):
             assert hasattr(obj, part), f"{target}: {part} is gone (gpu_check.sh would fail on the GPU)"
             obj = getattr(obj, part)
+
+
+# shell helpers that run a benchmark script with the arguments they are given
+_HELPER_SCRIPTS = {"goal_cell": "benchmarks/bench_gpu_xs.py", "base_goal_cell": "benchmarks/bench_gpu_xs.py"}
+
+
+def _script_source(path: str, seen: set[str] | None = None) -> str:
+    """The script's text and that of the sibling benchmark modules it imports (their argparse
+    helpers, e.g. ``bench_gpu_xs.add_xs_pair_args``), recursively."""
+    seen = set() if seen is None else seen
+    if path in seen:
+        return ""
+    seen.add(path)
+    text = (REPO / path).read_text()
+    for module in re.findall(r"^(?:from|import) (\w+)", text, re.M):
+        sibling = f"benchmarks/{module}.py"
+        if (REPO / sibling).is_file():
+            text += _script_source(sibling, seen)
+    return text
+
+
+def _benchmark_flags(text: str) -> list[tuple[str, str, str]]:
+    """``(script, --flag, command)`` for every literal flag the script passes a benchmark script
+    (continued lines joined; a command ends at a pipe, a redirect of stderr, ``;`` or ``&&``)."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    found = []
+    for line in joined.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for m in re.finditer(r"\b(benchmarks/\w+\.py)\b|\b(goal_cell|base_goal_cell) \S+", line):
+            script = m.group(1) or _HELPER_SCRIPTS[m.group(2)]
+            command = re.split(r"\s(?:\||2>&1|;|&&|\|\|)|\)\s*$|;;", line[m.end():])[0]
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", command):
+                found.append((script, flag, line.strip()[:100]))
+    return found
+
+
+def _unknown_flags(text: str) -> list[tuple[str, str, str]]:
+    sources: dict[str, str] = {}
+    unknown = []
+    for script, flag, command in _benchmark_flags(text):
+        source = sources.setdefault(script, _script_source(script))
+        if f'"{flag}"' not in source and f"'{flag}'" not in source:
+            unknown.append((script, flag, command))
+    return unknown
+
+
+def test_every_flag_it_passes_a_benchmark_exists():
+    """A misspelt or removed flag would stop a stage only on the GPU, after its cold start."""
+    assert len(_benchmark_flags(TEXT)) > 300
+    unknown = _unknown_flags(TEXT)
+    assert not unknown, unknown
+    # the check catches one: a misspelt flag in a continued command, and one given to a helper
+    typo = TEXT.replace("--new-tokens 8 \\\n", "--new-tokenz 8 \\\n", 1)
+    assert [f for _, f, _ in _unknown_flags(typo)] == ["--new-tokenz"]
+    typo = TEXT.replace("goal_cell 85 --new-tokens 65", "goal_cell 85 --new-token 65", 1)
+    assert [f for _, f, _ in _unknown_flags(typo)] == ["--new-token"]

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass105 [CFG]  # the engine's CUDA tests with the staged o_proj at 2-4
+#                                           # rows on (pytest --switch; MULTI_ROW_CONFIG CFG if given),
+#                                           # after the staged GEMV's CUDA tests with it: what a default
+#                                           # of 4 rows needs before it lands (~8 min)
 #   bash benchmarks/gpu_check.sh pass104 [CFG]  # goal 2's cell at 65 new tokens, defaults against the
 #                                           # staged o_proj at 4 rows (MULTI_ROW_CONFIG CFG if given,
 #                                           # e.g. [8,256,16,2]), two processes each, then the decode
@@ -359,12 +363,13 @@ gpu_tests() {
   rm -f "$log"
   return 0
 }
-# engine_cuda_tests SECONDS: the engine's CUDA tests (graphs against eager, the float32 lossless
+# engine_cuda_tests SECONDS [PYTEST_ARGS...]: the engine's CUDA tests (graphs against eager, the float32 lossless
 # test at XS-2.1 and S-2.1 widths, prefix caching, chunked prefill, prefill graphs), 6 workers
 engine_cuda_tests() {
-  gpu_tests "$1" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
+  local limit=$1; shift
+  gpu_tests "$limit" -n 6 -m "not exclusive_gpu" tests/test_cuda_xs_lossless.py tests/test_cuda_graphs.py \
     tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
-    -k "cuda or xs_widths" | tail -70
+    -k "cuda or xs_widths" "$@" | tail -70
 }
 # every_test LOG FILES...: every test in FILES on 12 pytest-xdist workers (carry the pytest-xdist
 # and execnet wheels in .whl/), full log in $OUT/LOG. -v: a run cut by the limit still names each
@@ -466,6 +471,13 @@ case "$stage" in
         --switch "$st;$cf=[16,64,16,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
     done ;;
+  pass105)
+    echo "== (sixty-fifth pass) the staged o_proj at 2-4 rows as the default would run it: its CUDA tests, then"
+    echo "   the engine's CUDA tests, with laguna_dflash.models.layers:staged_o_proj_max_rows=4${2:+ and MULTI_ROW_CONFIG=$2}"
+    sw=(--switch "laguna_dflash.models.layers:staged_o_proj_max_rows=4")
+    [ -n "${2:-}" ] && sw+=(--switch "laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=$2")
+    gpu_tests 150 -n 4 tests/test_kernel_staged_gemv.py -k cuda "${sw[@]}" | grep -v PASSED | tail -8
+    engine_cuda_tests 400 "${sw[@]}" | grep -v PASSED | tail -12 ;;
   pass104)
     echo "== (sixty-fourth pass) goal 2's cell at 65 new tokens: defaults and the staged o_proj at 4 rows"
     echo "   (MULTI_ROW_CONFIG: set it with a second argument, e.g. [8,256,16,2]), two processes each"

@@ -1,5 +1,6 @@
 """Shared test setup: one torch thread (the tiny models thrash with more), fixture paths, RoPE
-tables exactly as long as asked for, and a short engine warm-up (below)."""
+tables exactly as long as asked for, a short engine warm-up (below), and ``--switch
+module:attr=value`` to run the tests with a candidate setting."""
 
 from __future__ import annotations
 
@@ -12,6 +13,49 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--switch", action="append", default=[], metavar="MODULE:ATTR=VALUE",
+        help="set a module attribute for the whole run, as the benchmarks' --switch does (value as "
+             "JSON; repeatable), e.g. --switch laguna_dflash.models.layers:staged_o_proj_max_rows=4: "
+             "a GPU run tests a candidate setting before it becomes the default")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Apply ``--switch`` settings (restored at the end of the run); each xdist worker applies
+    them too, as it configures."""
+    texts = config.getoption("switch", default=[]) or []
+    if not texts:
+        return
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_gpu_xs import parse_switch, switch_error
+
+    errors = [e for e in map(switch_error, texts) if e is not None]
+    if errors:
+        raise pytest.UsageError("--switch: " + "; ".join(errors))
+    saved = []
+    for text in texts:
+        obj, name, value = parse_switch(text)
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+    config.stash[_SAVED_SWITCHES] = saved
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for obj, name, value in reversed(config.stash.get(_SAVED_SWITCHES, [])):
+        setattr(obj, name, value)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    texts = config.getoption("switch", default=[]) or []
+    return [f"switches: {'; '.join(texts)}"] if texts else []
+
+
+_SAVED_SWITCHES = pytest.StashKey[list]()
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter children (interpreter_child.py)
     import interpreter_bounds

@@ -1,13 +1,16 @@
 """kernels/staged_gemv.py: the batch-1 GEMV that parks its weight in shared memory before the PDL wait.
 
-Gluon has no interpreter: on the CPU the sm_90 build is checked offline (what is issued before
-``griddepcontrol.wait``, no spills); on a GPU the values against an fp64 reference, determinism,
-CUDA-graph replays, and the attention -> merge -> o_proj chain with early signals (a race would
-read the previous replay's attention output).
+Gluon has no interpreter. On the CPU: the values of every kernel's Python body, run by
+tests/gluon_emulator.py (index arithmetic, masks, the staging, the stores: not the compiler or
+races), and the sm_90 build checked offline (what is issued before ``griddepcontrol.wait``, no
+spills). On a GPU: the values against an fp64 reference, determinism, CUDA-graph replays, and the
+attention -> merge -> o_proj chain with early signals (a race would read the previous replay's
+attention output).
 """
 
 from __future__ import annotations
 
+import gluon_emulator
 import pytest
 import torch
 from interpreter_child import HAS_TRITON, INTERPRETED
@@ -21,16 +24,10 @@ needs_sm90 = pytest.mark.skipif(
 
 
 def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True, m: int = 1) -> str:
-    num_k = k // cfg.stage_cols
-    consts = dict(K=k, M=m, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.parked(k), NUM_K=num_k,
-                  PDL=pdl, num_warps=cfg.num_warps)
-    one_row, rows, mma = stg._kernel()
-    if cfg.tensor_cores:
-        kernel = mma
-    elif m == 1:
-        kernel, consts["X_ROWS"] = one_row, stg._next_pow2(num_k)
-    else:
-        kernel = rows
+    # staged_gemv's own launch arguments (shapes only: meta tensors), PDL as asked
+    w, x = torch.empty(cfg.block_n, k, device="meta"), torch.empty(m, k, device="meta")
+    kernel, _, _, consts = stg._launch_arguments(x, w, cfg, torch.empty(m, cfg.block_n, device="meta"))
+    consts["PDL"] = pdl
     types = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "stride_xm": "i32", "stride_ym": "i32"}
     # the engine's x and y have 16-divisible row strides (triton specialises them at the launch)
     return compile_gluon_sm90(kernel, types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl},
@@ -166,6 +163,62 @@ def test_cpu_tensors_are_refused_with_a_fix():
 def _ulps(y: torch.Tensor, want: torch.Tensor) -> float:
     # |y - want| in units of want's bf16 spacing (2^-7 relative), plus a floor for values near 0
     return ((y.float() - want).abs() / (want.abs() * 2.0**-7 + 1e-3)).max().item()
+
+
+def _emulated(x: torch.Tensor, w: torch.Tensor, cfg: stg.StagedConfig) -> torch.Tensor:
+    """:func:`staged_gemv`'s launch run by tests/gluon_emulator.py on the CPU; y starts as NaN,
+    so an element no program writes shows."""
+    y = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
+    kernel, grid, args, kwargs = stg._launch_arguments(x, w, cfg, y)
+    gluon_emulator.run(kernel, grid, *args, **kwargs)
+    return y
+
+
+@pytest.mark.skipif(not stg._has_gluon(), reason="needs triton's Gluon (triton 3.6)")
+@pytest.mark.parametrize("n,k,m,cfg", [
+    (64, 8192, 1, None), (32, 6144, 1, None), (64, 1024, 1, None),
+    (32, 8192, 1, stg.StagedConfig(16, 512, 6, 8)), (16, 128, 1, stg.StagedConfig(8, 64, 1, 4)),
+    (64, 8192, 4, None), (32, 6144, 3, None), (48, 9216, 4, None), (32, 1024, 2, None),
+    (32, 8192, 1, stg.StagedConfig(16, 64, 16, 4, True)), (32, 1024, 4, stg.StagedConfig(16, 64, 16, 2, True)),
+    (32, 3072, 4, stg.StagedConfig(16, 128, 8, 4, True)),
+    (32, 8192, 4, _CUDA_CORE_ROWS), (32, 8192, 2, _CUDA_CORE_ROWS), (48, 9216, 3, _CUDA_CORE_ROWS),
+    (32, 6144, 4, stg.StagedConfig(16, 256, 8, 4)), (32, 8192, 4, stg.StagedConfig(8, 512, 8, 4)),
+], ids=lambda v: str(v) if not isinstance(v, stg.StagedConfig) else
+    f"{v.block_n}x{v.stage_k}-{v.stages}-w{v.num_warps}{'-tc' if v.tensor_cores else ''}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_kernels_match_the_fp64_reference(n, k, m, cfg, dtype):
+    """Each kernel (one row, 2-4 rows on CUDA cores, 1-4 rows on the tensor cores) run on the
+    CPU by the Gluon emulation: within one output ulp of the exact sum, every y element written,
+    no access outside w, x (a row-strided view: rows past M are outside it) or y."""
+    cfg = cfg or stg.default_config(n, k, m)
+    g = torch.Generator().manual_seed(n + k + m)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
+    x = torch.randn(m, k + 64, generator=g).to(dtype)[:, :k]  # row stride k + 64
+    y = _emulated(x, w, cfg)
+    assert not y.isnan().any()
+    assert _ulps(y, (x.double() @ w.double().T).float()) <= 1.0
+
+
+@pytest.mark.skipif(not stg._has_gluon(), reason="needs triton's Gluon (triton 3.6)")
+def test_emulation_reports_reads_of_unstored_shared_memory_and_out_of_bounds():
+    """The emulation's own checks fail where a kernel would be wrong on the GPU: shared memory
+    read before any store is NaN, and an access outside a tensor raises."""
+    smem = gluon_emulator._allocate_shared_memory(torch.bfloat16, [2, 4])
+    smem.index(1).store(torch.ones(4, dtype=torch.bfloat16))
+    assert smem.index(0).load().isnan().all() and (smem.index(1).load() == 1).all()
+    x = torch.zeros(2, 8)[:, :4]  # extent 12 elements: offsets 0..11
+    ptr = gluon_emulator.Pointer(x)
+    assert gluon_emulator._load(ptr + torch.arange(12)).shape == (12,)
+    with pytest.raises(gluon_emulator.OutOfBounds, match="1 accesses"):
+        gluon_emulator._load(ptr + torch.arange(13))
+    assert (gluon_emulator._load(ptr + torch.arange(13), mask=torch.arange(13) < 12, other=5.0)[12] == 5.0)
+    with pytest.raises(gluon_emulator.OutOfBounds):
+        gluon_emulator._store(ptr + 12, torch.tensor(1.0))
+    # values are immutable, as in Triton: "+=" rebinds and leaves another name bound to the tensor
+    a = gluon_emulator._value(torch.zeros(3))
+    b = a
+    a += 1
+    assert (b == 0).all() and (a == 1).all()
 
 
 @needs_sm90

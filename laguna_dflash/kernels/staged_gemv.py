@@ -53,8 +53,10 @@ capturable, no host sync. Every kernel sums in fp32 and rounds y once; each is b
 reproducible for a config, and the three give different summation orders.
 
 Written in Gluon (triton.experimental.gluon, pinned with triton 3.6), which exposes shared
-memory; it has no interpreter: CPU tests check the sm_90 build offline, GPU tests the values
-against an fp64 reference (tests/test_kernel_staged_gemv.py). Other ways of filling the stages
+memory; it has no interpreter: CPU tests check the sm_90 build offline and the values of the
+kernels' Python bodies run on torch tensors (tests/gluon_emulator.py: the index arithmetic,
+masks, staging and stores, not the compiler or races), GPU tests the values against an fp64
+reference (tests/test_kernel_staged_gemv.py). Other ways of filling the stages
 (TMA boxes, ``cp.async``) measured slower in the decode graph; they are on the branch
 ``exp/staged-o-proj``.
 """
@@ -477,6 +479,15 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | No
         raise ValueError(f"staged_gemv cannot run x {tuple(x.shape)} {x.dtype} @ weight {tuple(weight.shape)} "
                          f"{weight.dtype} with {cfg}; check can_use() first and fall back to F.linear")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    kernel, grid, args, kwargs = _launch_arguments(x, weight, cfg, y)
+    kernel[grid](*args, **kwargs)
+    return y
+
+
+def _launch_arguments(x: torch.Tensor, weight: torch.Tensor, cfg: StagedConfig, y: torch.Tensor):
+    """``(kernel, grid, args, kwargs)`` of :func:`staged_gemv`'s launch writing ``y [M, N]``
+    (the CPU tests run the same call through tests/gluon_emulator.py)."""
+    (n, k), m = weight.shape, x.shape[0]
     use_pdl = pdl.active(x.device, False)
     num_k = k // cfg.stage_cols
     one_row, rows, mma = _kernel()
@@ -488,5 +499,4 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, config: StagedConfig | No
         kernel, consts["X_ROWS"] = one_row, _next_pow2(num_k)
     else:
         kernel = rows
-    kernel[(n // cfg.block_n,)](weight, x, y, x.stride(0), n, **consts, **pdl.launch_options(use_pdl))
-    return y
+    return kernel, (n // cfg.block_n,), (weight, x, y, x.stride(0), n), {**consts, **pdl.launch_options(use_pdl)}

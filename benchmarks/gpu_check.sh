@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass106    # the DFlash step's host path (its sync to the next verify's
+#                                           # launch) against the drafter block queued ahead, GPU gap
+#                                           # by CUDA events, at batch 1, 16 and 64 (~4 min)
 #   bash benchmarks/gpu_check.sh pass105 [CFG]  # the engine's CUDA tests with the staged o_proj at 2-4
 #                                           # rows on (pytest --switch; MULTI_ROW_CONFIG CFG if given),
 #                                           # after the staged GEMV's CUDA tests with it: what a default
@@ -471,6 +474,12 @@ case "$stage" in
         --switch "$st;$cf=[16,64,16,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
     done ;;
+  pass106)
+    echo "== (sixty-fifth pass) the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64"
+    timeout 300 python benchmarks/host_timeline.py --rounds 1 --top 4 --gaps --gap-batches 1,16,64 \
+      >"${OUT:-/tmp}/pass106.log" 2>&1
+    echo "exit $?"; quiet <"${OUT:-/tmp}/pass106.log" \
+      | grep -E "^\| defaults|^\| (batch|[0-9]+) \||steps with drafts|Error" | tail -12 ;;
   pass105)
     echo "== (sixty-fifth pass) the staged o_proj at 2-4 rows as the default would run it: its CUDA tests, then"
     echo "   the engine's CUDA tests, with laguna_dflash.models.layers:staged_o_proj_max_rows=4${2:+ and MULTI_ROW_CONFIG=$2}"

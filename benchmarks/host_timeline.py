@@ -1,4 +1,5 @@
-"""Where the GPU waits for the host in a batch-1 decode step (Laguna-XS-2.1 size, one GPU).
+"""Where the GPU waits for the host in a decode step (Laguna-XS-2.1 size, one GPU; batch 1, and
+the DFlash step's host path at other batch sizes with ``--gaps``).
 
 The engine step takes longer than the GPU work it queues (fifth pass: 2.58 ms target-only
 against a 2.30 ms graph replay; a K = 3 DFlash step 5.39 ms against 4.72 ms of synchronised
@@ -15,11 +16,18 @@ phases). This script finds where that time goes:
   per step, each marked as run inside a CUDA graph replay or launched eagerly (a kernel name
   seen when the captured graphs are replayed alone counts as a graph kernel);
 * ``lm_head`` (100352 x 2048, 411 MB) at M = 1, 3, 4: ``F.linear`` (cuBLAS, what
-  ``lm_head_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated.
+  ``lm_head_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated;
+* with ``--gaps`` (``--gap-batches 1,16,64``): per DFlash step with drafts queued ahead, the
+  host's time from the step's sync to the next verify's launch, and (CUDA events) the GPU's
+  wait for that launch after the drafter block queued ahead. The block is all the GPU has
+  queued while the host commits and schedules, so a host path longer than the block is idle
+  GPU time; the host path grows with the batch (on the CPU the table has the host column only).
 
     python benchmarks/host_timeline.py                     # H200
     python benchmarks/host_timeline.py --switch laguna_dflash.engine.engine:store_context_in_verify=False
     python benchmarks/host_timeline.py --layers 4          # quicker, same phases
+    python benchmarks/host_timeline.py --gaps --gap-batches 1,16,64 --rounds 1
+    python benchmarks/host_timeline.py --device cpu --layers 2 --context 64 --gaps --gap-batches 1,16,64
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -38,6 +48,7 @@ from bench_gpu_xs import parse_switch, step_time, sync, xs_draft_config, xs_targ
 from laguna_dflash import LLM
 from laguna_dflash.engine import context_graph, cuda_graph, scheduler, spec_decode
 from laguna_dflash.engine import engine as engine_mod
+from laguna_dflash.engine.runner import HostCopy
 
 
 def label(obj, attr: str, name: str) -> None:
@@ -201,23 +212,37 @@ def print_profile(title: str, result: tuple, top: int, num_kernels: int = 0,
                   f"{kernel_count[name] / steps:.1f} | {us / steps:.1f} |")
 
 
-def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int) -> list[tuple[float, float]]:
-    """Per DFlash step with drafts queued ahead, without the profiler: (the GPU's gap between the
-    end of the drafter block queued by the step before and the first work of the verify, the
-    drafter block's GPU span) in us, from CUDA events: one recorded after ``propose_ahead``'s
-    last launch, one just before the verify graph's replay (it runs when the host reaches it,
-    so a late host shows as a gap; the replay call's own latency is not in it), one before
-    ``propose_ahead``'s first launch."""
+def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) -> list[tuple[float, float, float]]:
+    """Per DFlash step of ``batch`` requests with drafts queued ahead, without the profiler, in
+    us: (the host's time from the step's sync returning to the next verify's launch, the GPU's
+    gap between the end of the drafter block queued ahead and the first work of that verify, the
+    drafter block's GPU span). The GPU columns come from CUDA events, one recorded after
+    ``propose_ahead``'s last launch, one just before the verify graph's replay (it runs when the
+    host reaches it, so a late host shows as a gap; the replay call's own latency is not in it),
+    one before ``propose_ahead``'s first launch; on the CPU (graph runners attached: the same
+    host path, the forwards inline) they are NaN. While the GPU runs the block queued ahead the
+    host commits the step, schedules the next and prepares its verify: where that takes longer
+    than the block, the GPU waits."""
     engine = llm.engine
     proposer, graphs = engine.proposer, engine.runner.graphs
-    pending: list[torch.cuda.Event] = []
-    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
-    propose_ahead, forward, replay = proposer.propose_ahead, graphs.forward, torch.cuda.CUDAGraph.replay
+    is_cuda = llm.config.device.startswith("cuda")
+    pending: list = []
+    rows: list[tuple] = []
+    synced: list[float] = []  # when the last step's host sync returned (perf_counter)
+    propose_ahead, forward = proposer.propose_ahead, graphs.forward
+    replay, run_model, tolist = torch.cuda.CUDAGraph.replay, graphs._run_model, HostCopy.tolist
 
-    def event() -> torch.cuda.Event:
+    def event() -> torch.cuda.Event | None:
+        if not is_cuda:
+            return None
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
+
+    def timed_tolist(copy):
+        out = tolist(copy)
+        synced[:] = [time.perf_counter()]
+        return out
 
     def timed_propose_ahead(*args, **kwargs):
         start = event()
@@ -234,21 +259,50 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int) -> list[tuple[floa
         finally:
             is_verify.clear()
 
-    def timed_replay(graph):  # the verify's: an event just before its launch
-        if is_verify and is_verify[0]:
-            pairs.append((*pending, event()))
+    def launching() -> None:  # the verify's launch: the host's time since the sync, an event
+        if is_verify and is_verify[0] and synced:
+            rows.append((1e6 * (time.perf_counter() - synced[0]), *pending, event()))
             pending.clear()
+
+    def timed_replay(graph):
+        launching()
         return replay(graph)
 
-    proposer.propose_ahead, graphs.forward = timed_propose_ahead, timed_forward
+    def timed_run_model(*args, **kwargs):  # the CPU's "replay": the padded forward, inline
+        launching()
+        return run_model(*args, **kwargs)
+
+    # the batch's graphs captured first, untimed (and no state left from a run before: the timed
+    # run's first step proposes, so its verify follows no block queued ahead and is not counted)
+    step_time(llm, prompt, new_tokens, batch, warm=False)
+    proposer.propose_ahead, graphs.forward, HostCopy.tolist = timed_propose_ahead, timed_forward, timed_tolist
     torch.cuda.CUDAGraph.replay = timed_replay
+    if not is_cuda:
+        graphs._run_model = timed_run_model
     try:
-        step_time(llm, prompt, new_tokens, warm=False)
+        step_time(llm, prompt, new_tokens, batch, warm=False)
         sync(llm.config.device)
     finally:
-        proposer.propose_ahead, graphs.forward = propose_ahead, forward
+        proposer.propose_ahead, graphs.forward, HostCopy.tolist = propose_ahead, forward, tolist
         torch.cuda.CUDAGraph.replay = replay
-    return [(1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done)) for start, done, verify in pairs]
+        if not is_cuda:
+            del graphs._run_model
+    if not is_cuda:
+        return [(host, math.nan, math.nan) for host, *_ in rows]
+    return [(host, 1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done))
+            for host, start, done, verify in rows]
+
+
+def print_gaps(k: int, batch: int, rows: list[tuple[float, float, float]]) -> None:
+    """One row of the gaps table: medians (min-max) over the steps of one batch size."""
+    def spread(values: list[float]) -> str:
+        values = sorted(values)
+        return "n/a" if math.isnan(values[0]) else f"{values[len(values) // 2]:.1f} ({values[0]:.1f}-{values[-1]:.1f})"
+    if rows:
+        host, gap, span = zip(*rows)
+        print(f"| {batch} | {len(rows)} | {spread(list(host))} | {spread(list(gap))} | {spread(list(span))} |")
+    else:
+        print(f"| {batch} | 0 (no drafts ahead at DFlash K={k}) | | | |")
 
 
 def lm_head_table(device: str, n: int = 100352, k: int = 2048, copies: int = 3) -> list[tuple]:
@@ -293,13 +347,20 @@ def main() -> None:
                     help="also list the N kernels with the most GPU time per profiled step")
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check at small widths")
     ap.add_argument("--gaps", action="store_true",
-                    help="also time, without the profiler, the GPU's wait for the verify's launch "
-                         "after the drafter block queued ahead (CUDA events)")
+                    help="also time, without the profiler, the host's path from a DFlash step's sync "
+                         "to the next verify's launch and the GPU's wait for that launch after the "
+                         "drafter block queued ahead (CUDA events; on the CPU the host's time only)")
+    ap.add_argument("--gap-batches", default="1",
+                    help="batch sizes of the --gaps table (default 1), e.g. 1,16,64")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value]: a row against the defaults "
                          "(repeatable; the first also gets the profile tables)")
     args = ap.parse_args()
     cpu = args.device == "cpu"
+    gap_batches = [int(b) for b in args.gap_batches.split(",")] if args.gaps else []
+    if any(b < 1 for b in gap_batches):
+        ap.error(f"--gap-batches takes batch sizes >= 1, got {args.gap_batches!r}")
+    max_batch = max(gap_batches, default=1)
     if not cpu:  # before the engine takes the memory
         print("| lm_head M | kernel | us | TB/s |\n|---:|---|---:|---:|")
         for m, name, us, tbs in lm_head_table("cuda"):
@@ -319,11 +380,11 @@ def main() -> None:
         (ddir / "config.json").write_text(json.dumps(dcfg))
         llm = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
                   device=args.device, load_format="dummy", enforce_eager=cpu,
-                  max_model_len=args.context + 256, max_num_seqs=1,
+                  max_model_len=args.context + 256, max_num_seqs=max_batch,
                   # room for the hybrid layout at any --layers: its sliding groups each hold the
                   # whole 1k context (window >= context), so a few layers' groups need more
                   # blocks than the unified layout (8 layers: 327 where x 2 gave 312)
-                  num_kv_blocks=(args.context + 320) // 16 * 4)
+                  num_kv_blocks=(args.context + 320) // 16 * max(4, max_batch + 1))
         engine = llm.engine
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
@@ -368,13 +429,16 @@ def main() -> None:
         for name, _ in variants:
             base, spec = best[name, "target-only"], best[name, f"DFlash K={args.k}"]
             print(f"| {name} | {base:.2f} | {spec:.2f} | {(args.k + 1) * base / spec:.2f} |")
-        if args.gaps and not cpu:
-            gaps = sorted(verify_gaps(llm, prompt, args.new_tokens))
-            if gaps:
-                mid = gaps[len(gaps) // 2]
-                print(f"\nDFlash K={args.k}, {len(gaps)} steps with drafts ahead (no profiler): GPU gap "
-                      f"between the drafter block queued ahead and the verify: median {mid[0]:.1f} us, "
-                      f"min {gaps[0][0]:.1f}, max {gaps[-1][0]:.1f}; that step's drafter block span {mid[1]:.1f} us")
+        if gap_batches:
+            if cpu:  # the graph runners' host path (on the CPU they run the padded forwards inline)
+                engine.attach_graph_runners()
+            print(f"\nDFlash K={args.k}, steps with drafts ahead (no profiler), us: median (min-max)\n\n"
+                  "| batch | steps | host: sync -> next verify launch | GPU gap: drafter block queued "
+                  "ahead -> verify | drafter block span |\n|---:|---:|---|---|---|")
+            for batch in gap_batches:
+                print_gaps(args.k, batch, verify_gaps(llm, prompt, args.new_tokens, batch))
+            if cpu:
+                engine.runner.graphs = proposer.runner.graphs = None
         install_labels(llm)
         for name, texts in variants[:2]:
             with switched(texts):

@@ -31,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     texts = config.getoption("switch", default=[]) or []
     if not texts:
         return
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.append(str(REPO / "benchmarks"))  # after tests/: a benchmark module shadows no test helper
     from bench_gpu_xs import parse_switch, switch_error
 
     errors = [e for e in map(switch_error, texts) if e is not None]

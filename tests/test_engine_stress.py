@@ -15,7 +15,8 @@ context K/V are what later prompts reuse). At the end every block is free.
 Configurations: target-only; DFlash at fixed K, whole-prompt prefills; a scripted per-step K
 (0: target-only steps whose taps wait as pending taps) with the drafter context stored by the
 next step instead of the verify; the graph runners' padded path on CPU (drafts queued ahead;
-with the scripted K, target forwards queued ahead too). The fixture's drafter is random (almost
+with the scripted K, target forwards queued ahead too), whose block-table rows, written
+incrementally, must equal a full rewrite after every forward. The fixture's drafter is random (almost
 never accepted), so all but the fixed-K run replace the draft values by :class:`OracleDrafts`:
 every acceptance count happens, and requests end inside accepted blocks (on a stop token, at
 max_tokens, at max_model_len), also across a KV block boundary.
@@ -275,6 +276,43 @@ class OracleDrafts:
         return torch.tensor(rows, dtype=torch.long)
 
 
+class RowsChecked:
+    """Every graph runner's block-table rows (engine/host_rows.py: rows written incrementally)
+    compared after each forward with the same rows rewritten from the request lists (the
+    reference); counts the rows the incremental path kept (only new block ids written) and
+    rewrote."""
+
+    def __init__(self, monkeypatch) -> None:
+        from laguna_dflash.engine import host_rows
+
+        self.num_forwards = self.num_kept = self.num_rewritten = 0
+        write, rewrite = host_rows.RowTables.write, host_rows.RowTables._rewrite
+
+        def counted_rewrite(tables, *args):
+            self.num_rewritten += 1
+            return rewrite(tables, *args)
+
+        def checked_write(tables, items, r_pad, nb):
+            before = self.num_rewritten
+            write(tables, items, r_pad, nb)
+            self.num_forwards += 1
+            self.num_kept += r_pad - (self.num_rewritten - before)
+            fresh = host_rows.RowTables(tables.rows.copy(), tables.num_tables, tables.max_blocks,
+                                        tables.scratch_block)
+            monkeypatch.setattr(host_rows, "incremental", False)
+            try:
+                rewrite_before = self.num_rewritten
+                write(fresh, items, r_pad, nb)  # the unpatched write
+                self.num_rewritten = rewrite_before  # the reference's rewrites are not counted
+            finally:
+                monkeypatch.setattr(host_rows, "incremental", True)
+            end = 2 + tables.num_tables * tables.max_blocks
+            assert (tables.rows[:r_pad, 2:end] == fresh.rows[:r_pad, 2:end]).all(), "stale block-table rows"
+
+        monkeypatch.setattr(host_rows.RowTables, "write", checked_write)
+        monkeypatch.setattr(host_rows.RowTables, "_rewrite", counted_rewrite)
+
+
 def _engine(pair, monkeypatch, options: dict) -> LLM:
     from laguna_dflash.engine import engine as engine_module
 
@@ -310,6 +348,7 @@ def test_random_load_gives_each_requests_alone_output(pair, requests, monkeypatc
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]
     check = Invariants(engine)
+    rows = RowsChecked(monkeypatch) if CONFIGS[name].get("graphs") else None
     rng = random.Random(name)
     expected: dict[int, list[int]] = {}  # request id -> its continuation alone
     oracle = OracleDrafts(engine, expected, name) if CONFIGS[name].get("oracle") else None
@@ -356,6 +395,8 @@ def test_random_load_gives_each_requests_alone_output(pair, requests, monkeypatc
     assert preempted, "no preemption: the KV cache is too large for this workload"
     assert engine.scheduler.num_prefix_hits > 0 and check.num_compared > 0
     assert any(s.finish_reason == "stop" for s, _ in added)
+    if rows is not None:  # rows written incrementally, each forward equal to a full rewrite
+        assert rows.num_forwards > 0 and rows.num_kept > 0 and rows.num_rewritten > 0, vars(rows)
     if oracle is not None:  # every acceptance count, and requests ending inside a block
         metrics = llm.get_metrics()
         assert metrics["num_accepted_tokens_per_pos"][-1] > 0 and oracle.num_cut_inside > 0

@@ -53,6 +53,7 @@ from ..kernels.availability import triton_importable
 from ..kernels.rewind_rows import rewind_rows
 from ..models.layers import ForwardContext, building_cuda_graph
 from .attention import AttentionBackend, AttentionMetadata
+from .host_rows import RowTables
 from .kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -307,6 +308,7 @@ class CUDAGraphRunner:
         pin = device.type == "cuda"
         self.host_state = torch.zeros(max_r, width, dtype=torch.long, pin_memory=pin)
         self.host_rows = self.host_state.numpy()
+        self.tables = RowTables(self.host_rows, self.num_tables, self.max_blocks, self.scratch_block)
         self.copied = torch.cuda.Event() if pin else None  # the last copy out of host_state
         self.state = torch.zeros(max_r, width, dtype=torch.long, device=device)
         self.start_pos = self.state[:, 0]
@@ -395,6 +397,7 @@ class CUDAGraphRunner:
                 rows[:, : self.ids_offset + q] = 0
                 rows[:, 1] = q
                 rows[:, 2 : self.ids_offset] = self.scratch_block
+                self.tables.forget()  # every table column rewritten here
                 self.state.copy_(self.host_state)
             self.graphs[(r, q, num_keys, is_causal, taps, store is not None)] = self._capture(
                 r, q, num_keys, is_causal, taps, store, build_first=False)  # built ahead already
@@ -509,24 +512,19 @@ class CUDAGraphRunner:
         if self.copied is not None:
             self.copied.synchronize()  # the previous forward's copy has left the buffer
         rows = self.host_rows
-        rows[:r_pad, : self.ids_offset + q] = 0
+        rows[:r_pad, :2] = 0
+        rows[:r_pad, self.ids_offset : self.ids_offset + q] = 0
         rows[r:r_pad, 1] = q
-        for table in range(self.num_tables):
-            col = 2 + table * self.max_blocks
-            rows[:r_pad, col : col + nb] = self.scratch_block
+        # the block tables: an SWA table's entries before swa_start are the scratch block (a
+        # long context copies its window, not its length, per SWA group); a row that holds the
+        # same request as the last forward gets only its new block ids (engine/host_rows.py)
+        self.tables.write(items, r_pad, nb)
         # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
         # copied tensor to tensor, never read back on the host (no sync on the step path)
         is_tensor = isinstance(input_ids, torch.Tensor)
         offset = 0
         for i, it in enumerate(items):
             rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
-            assert len(it.swa_block_tables) == self.num_tables - 1, "a hybrid layout's item needs every table"
-            for table, blocks in enumerate((it.block_table, *it.swa_block_tables)):
-                # an SWA table's entries before swa_start are the scratch block, as the row is
-                # already: a long context copies its window, not its length, per SWA group
-                first = min(it.swa_start, nb) if table or it.is_window_table else 0
-                n, col = min(len(blocks), nb), 2 + table * self.max_blocks
-                rows[i, col + first : col + n] = blocks[first:n]
             if not is_tensor:
                 rows[i, self.ids_offset : self.ids_offset + it.num_tokens] = input_ids[offset : offset + it.num_tokens]
             offset += it.num_tokens

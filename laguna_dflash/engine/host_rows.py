@@ -12,8 +12,9 @@ with ``n = min(len(table), nb)`` and ``first`` the window's first block (``swa_s
 sliding group's table, else 0; a padding row (past the batch) holds only the scratch block.
 
 Rewriting every row from its Python lists costs a numpy conversion per request and table: ~350 us
-a DFlash step at batch 64 with a 1k context on a 2-core VM (docs/PERFORMANCE.md, sixty-fifth
-pass), while the GPU has only the drafter block queued. Between consecutive forwards a request's
+a step at batch 64 with a 1k context on a 2-core VM (the fill timed on its own, docs/PERFORMANCE.md,
+sixty-fifth pass), during a DFlash step's host path, while the GPU has only the drafter block
+queued. Between consecutive forwards a request's
 row changes little: its table grows by a block every ``block_size`` tokens. So a row that holds
 the same request's tables (the same list objects), with the same ``nb`` and window start, gets
 only its new block ids. That is exact because the scheduler only appends to a table list at or

@@ -47,8 +47,16 @@ class Table:
     def readmit(self) -> None:  # release, then admission: new lists
         self.full, self.swa, self.swa_start = [], ([], []), 0
 
-    def item(self) -> ForwardItem:
-        return ForwardItem(1, 0, 1, self.full, self.swa, self.swa_start)
+    def grow_sliding(self, n: int) -> None:  # the sliding tables alone (any list may grow)
+        for table in self.swa:
+            table += list(range(self.next, self.next + n))
+            self.next += n
+
+    def new_sliding_lists(self) -> None:  # other sliding lists, as long, the full list kept
+        self.swa = tuple([b + 1000 for b in table] for table in self.swa)
+
+    def item(self) -> ForwardItem:  # a new tuple of the same lists each forward, as forward_item
+        return ForwardItem(1, 0, 1, self.full, tuple(self.swa), self.swa_start)
 
 
 @pytest.mark.parametrize("incremental", [True, False])
@@ -78,6 +86,8 @@ def test_rows_equal_a_full_rewrite_through_every_change(monkeypatch, incremental
         ("another writer", [a, c], 4, 8),
         ("nothing changed", [a, c], 4, 8),
         ("fewer padding rows", [a, c], 2, 8),
+        ("c's sliding tables grow alone", [a, c], 2, 8),
+        ("c's sliding lists are others, as long", [a, c], 2, 8),
     ]
     for name, reqs, r_pad, nb in steps:
         if name == "a grows, b is unchanged":
@@ -91,6 +101,10 @@ def test_rows_equal_a_full_rewrite_through_every_change(monkeypatch, incremental
         elif name == "c is admitted again: new lists, as long":
             c.readmit()
             c.grow(2)  # same window start, bucket and length: only the lists' identity tells
+        elif name == "c's sliding tables grow alone":
+            c.grow_sliding(1)
+        elif name == "c's sliding lists are others, as long":
+            c.new_sliding_lists()
         elif name == "another writer":
             rows[:, 2:end] = 7
             tables.forget()
@@ -105,7 +119,8 @@ def test_rows_equal_a_full_rewrite_through_every_change(monkeypatch, incremental
                         "b leaves: its row is padding": [1], "c takes b's row": [1],
                         "c is admitted again: new lists, as long": [1],
                         "a is admitted again (new lists) and grows": [0, 1, 2, 3],
-                        "another writer": [0, 1, 2, 3], "nothing changed": [], "fewer padding rows": []}[name]
+                        "another writer": [0, 1, 2, 3], "nothing changed": [], "fewer padding rows": [],
+                        "c's sliding tables grow alone": [], "c's sliding lists are others, as long": [1]}[name]
             assert rewrites == expected, name
         else:
             assert rewrites == list(range(r_pad)), name

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import torch
 
 from ..kernels import decode_metadata, precompile
@@ -512,9 +513,11 @@ class CUDAGraphRunner:
         if self.copied is not None:
             self.copied.synchronize()  # the previous forward's copy has left the buffer
         rows = self.host_rows
-        rows[:r_pad, :2] = 0
-        rows[:r_pad, self.ids_offset : self.ids_offset + q] = 0
+        rows[:r, 0] = [it.start_pos for it in items]
+        rows[:r, 1] = [it.seq_len for it in items]
+        rows[r:r_pad, 0] = 0
         rows[r:r_pad, 1] = q
+        rows[:r_pad, self.ids_offset : self.ids_offset + q] = 0
         # the block tables: an SWA table's entries before swa_start are the scratch block (a
         # long context copies its window, not its length, per SWA group); a row that holds the
         # same request as the last forward gets only its new block ids (engine/host_rows.py)
@@ -522,12 +525,13 @@ class CUDAGraphRunner:
         # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
         # copied tensor to tensor, never read back on the host (no sync on the step path)
         is_tensor = isinstance(input_ids, torch.Tensor)
-        offset = 0
-        for i, it in enumerate(items):
-            rows[i, 0], rows[i, 1] = it.start_pos, it.seq_len
-            if not is_tensor:
+        if not is_tensor and shape is None:  # decode phase: every request q tokens, in order
+            rows[:r, self.ids_offset : self.ids_offset + q] = np.asarray(input_ids, dtype=np.int64).reshape(r, q)
+        elif not is_tensor:  # a padded prefill: request i's num_tokens, then zeros
+            offset = 0
+            for i, it in enumerate(items):
                 rows[i, self.ids_offset : self.ids_offset + it.num_tokens] = input_ids[offset : offset + it.num_tokens]
-            offset += it.num_tokens
+                offset += it.num_tokens
         self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
         if self.copied is not None:
             self.copied.record()

@@ -950,7 +950,8 @@ class LLMEngine:
         # No host sync between draft and verify: the host prepares the verify launch while the
         # drafter runs. The bonus tokens go up with the request rows; the drafts (placeholders
         # 0 here) are copied device to device after them
-        ids = [t for s in seqs for t in [s.last_token] + [0] * k]
+        ids = [0] * (len(seqs) * (k + 1))
+        ids[:: k + 1] = [s.last_token for s in seqs]
         items = [forward_item(s, k + 1, p, p + k + 1) for p, s in zip(anchors, seqs)]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids, store_context=store_context_in_verify,
                                            tail_ids=drafts, copy_hidden=False)  # consumed by the lm_head
@@ -982,18 +983,19 @@ class LLMEngine:
             ahead.anchors = [p + a + 1 for p, a in zip(anchors, accepted_list)]
             self._ahead = ahead
         logprob_rows = []  # logits [R * (K+1), V]: request i's rows from i * (K+1)
+        max_k, is_traced, num_kept = self.num_speculative_tokens, self.config.trace, 0
         for i, s in enumerate(seqs):
             a, p = accepted_list[i], anchors[i]
             s.num_drafts += 1
             s.num_draft_tokens += k
             s.num_accepted_tokens += a
-            max_k = self.num_speculative_tokens
-            if len(s.num_accepted_tokens_per_pos) < max_k:
-                s.num_accepted_tokens_per_pos += [0] * (max_k - len(s.num_accepted_tokens_per_pos))
+            per_pos = s.num_accepted_tokens_per_pos
+            if len(per_pos) < max_k:
+                per_pos += [0] * (max_k - len(per_pos))
             for j in range(a):
-                s.num_accepted_tokens_per_pos[j] += 1
+                per_pos[j] += 1
             self.spec_stats.observe(a, k)
-            if self.config.trace:
+            if is_traced:
                 s.trace.append({"anchor_position": p, "draft_tokens": draft_list[i], "num_accepted": a})
             # Committed: the bonus and the a accepted drafts (positions P..P+a) now have target
             # KV (and drafter context: stored by the verify, or pending below). Rows beyond are
@@ -1006,7 +1008,7 @@ class LLMEngine:
             # d_j == t_{j-1}, so this is t_0..t_a; with simulated acceptance it keeps the
             # committed tokens equal to the verified rows whose KV is kept)
             # the decode tokens delivered: a + 1, fewer where the request finished inside them
-            self.timings.num_decode_tokens += self._commit(
-                s, draft_list[i][:a] + [target_list[i][a]], i * (k + 1), logprob_rows)
+            num_kept += self._commit(s, draft_list[i][:a] + [target_list[i][a]], i * (k + 1), logprob_rows)
+        self.timings.num_decode_tokens += num_kept
         self._add_logprobs(logits, logprob_rows)
         return accepted_list

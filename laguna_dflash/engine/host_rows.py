@@ -25,6 +25,8 @@ which moves ``first``: a full rewrite), and gives a request new lists when it is
 
 from __future__ import annotations
 
+from operator import is_
+
 import numpy as np
 
 # False: every row rewritten from its lists in every forward (the reference the tests compare
@@ -45,43 +47,46 @@ class RowTables:
 
     def forget(self) -> None:
         """Trust no row: the next :meth:`write` rewrites each one (after another writer)."""
-        # per row: (nb, the table lists or None for a padding row, ((first, n) per table))
+        # per row: (nb, None) for a padding row, else (nb, the full table's list, the sliding
+        # tables' lists, the window start, is_window_table, each list's length when written)
         self._held: list[tuple | None] = [None] * len(self.rows)
 
     def write(self, items: list, r_pad: int, nb: int) -> None:
         """Rows ``:r_pad`` for a forward of ``nb`` key blocks: row ``i < len(items)`` the tables
         of ``items[i]`` (``ForwardItem``), the rest padding (module docstring)."""
+        # The common case, a row that holds the same lists at the same nb and window, costs a
+        # few comparisons: ~64 of them a DFlash step at batch 64 run while the GPU has only the
+        # drafter block queued (docs/PERFORMANCE.md, sixty-sixth pass)
         held = self._held
+        num_items = len(items)
         for i in range(r_pad):
-            if i < len(items):
-                it = items[i]
-                tables = (it.block_table, *it.swa_block_tables)
-                assert len(tables) == self.num_tables, "a hybrid layout's item needs every table"
-                window = min(it.swa_start, nb)
-                spans = tuple((window if t or it.is_window_table else 0, min(len(blocks), nb))
-                              for t, blocks in enumerate(tables))
-            else:
-                tables, spans = None, ()
             before = held[i]
-            if incremental and before is not None and before[0] == nb and self._grows(before, tables, spans):
-                for t, blocks in enumerate(tables or ()):
-                    n, was = spans[t][1], before[2][t][1]
-                    if n > was:
-                        col = 2 + t * self.max_blocks
-                        self.rows[i, col + was : col + n] = blocks[was:n]
-            else:
-                self._rewrite(i, tables, spans, nb)
-            held[i] = (nb, tables, spans)
-
-    @staticmethod
-    def _grows(before: tuple, tables: tuple | None, spans: tuple) -> bool:
-        # the row holds these very lists (or padding again), each from the same first block and
-        # up to at most its new end
-        _, held_tables, held_spans = before
-        if tables is None or held_tables is None:
-            return tables is None and held_tables is None
-        return all(a is b for a, b in zip(held_tables, tables)) and all(
-            first == held_first and n >= held_n for (first, n), (held_first, held_n) in zip(spans, held_spans))
+            if i >= num_items:  # padding
+                if not (incremental and before is not None and before[0] == nb and before[1] is None):
+                    self._rewrite(i, None, (), nb)
+                    held[i] = (nb, None)
+                continue
+            it = items[i]
+            full, swa = it.block_table, it.swa_block_tables
+            assert len(swa) + 1 == self.num_tables, "a hybrid layout's item needs every table"
+            window = it.swa_start if it.swa_start < nb else nb
+            lengths = (len(full), *map(len, swa))
+            if (incremental and before is not None and before[0] == nb and before[1] is full
+                    and before[3] == window and before[4] == it.is_window_table
+                    and all(map(is_, before[2], swa))):
+                if lengths == before[5]:
+                    continue  # the same lists, none longer: the row is current
+                if all(n >= was for n, was in zip(lengths, before[5])):  # only appended to
+                    for t, blocks in enumerate((full, *swa)):
+                        was, n = min(before[5][t], nb), min(lengths[t], nb)
+                        if n > was:
+                            col = 2 + t * self.max_blocks
+                            self.rows[i, col + was : col + n] = blocks[was:n]
+                    held[i] = (*before[:5], lengths)
+                    continue
+            spans = tuple((window if t or it.is_window_table else 0, min(n, nb)) for t, n in enumerate(lengths))
+            self._rewrite(i, (full, *swa), spans, nb)
+            held[i] = (nb, full, swa, window, it.is_window_table, lengths)
 
     def _rewrite(self, i: int, tables: tuple | None, spans: tuple, nb: int) -> None:
         row = self.rows[i]

@@ -106,6 +106,9 @@ class Scheduler:
             table += self.allocator.allocate(self.allocator.blocks_needed(num_positions, len(table)))
 
     def _reserve(self, seq: Sequence, num_positions: int) -> bool:
+        held = -(-num_positions // self.allocator.block_size)
+        if len(seq.block_table) >= held and (not seq.swa_block_tables or len(seq.swa_block_tables[0]) >= held):
+            return True  # most steps: every table covers the positions already
         need = self.allocator.blocks_needed(num_positions, len(seq.block_table))
         if not self.allocator.can_allocate(need + self._swa_needed(seq, num_positions)):
             return False
@@ -359,15 +362,17 @@ class Scheduler:
                 )
             return None
         scheduled: list[Sequence] = []
+        preempted: set[Sequence] = set()  # identity-hashed: no scans of the running list
         for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted below
+            if seq in preempted:
+                continue
             while not self._reserve(seq, seq.num_tokens + self.num_lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq not in preempted:
                 scheduled.append(seq)
         return ScheduledBatch(scheduled, is_prefill=False) if scheduled else self.schedule()
 

@@ -110,14 +110,13 @@ class Sequence:
         Returns how many were kept; sets ``finish_reason`` when the request ends.
         """
         p = self.params
-        stops = set(p.stop_token_ids or ())
-        if not p.ignore_eos:
-            stops.update(self.eos_token_ids)
+        stop_ids = p.stop_token_ids or ()  # searched as they are: no set built every step
+        eos_ids = () if p.ignore_eos else self.eos_token_ids
         kept = 0
         for tok in tokens:
             self.output_token_ids.append(tok)
             kept += 1
-            if tok in stops:
+            if tok in stop_ids or tok in eos_ids:
                 self.finish_reason = "stop"
             elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
                 self.finish_reason = "length"

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass108    # batch 16 and 64 at L = 4 (K = 3) against target-only, 65 new
+#                                           # tokens, this tree and .ab/base in turn, two processes
+#                                           # each (~8 min)
+#   bash benchmarks/gpu_check.sh pass107    # the engine's CUDA tests, then pass106's host path table
+#                                           # from this tree and from .ab/base (~7 min)
 #   bash benchmarks/gpu_check.sh pass106    # the DFlash step's host path (its sync to the next verify's
 #                                           # launch) against the drafter block queued ahead, GPU gap
 #                                           # by CUDA events, at batch 1, 16 and 64 (~4 min)
@@ -473,6 +478,24 @@ case "$stage" in
       timeout 190 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
         --switch "$st;$cf=[16,64,16,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
+    done ;;
+  pass107)
+    echo "== (sixty-sixth pass) the engine's CUDA tests"
+    engine_cuda_tests 230 | grep -v PASSED | tail -8
+    for tree in . .ab/base; do
+      echo "== the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64: $tree"
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 200 python benchmarks/host_timeline.py \
+        --rounds 1 --top 4 --gaps --gap-batches 1,16,64 2>&1) | quiet | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||rror" | tail -6
+    done ;;
+  pass108)
+    echo "== (sixty-sixth pass) batch 16 and 64, L = 4 (K = 3) against target-only, this tree and .ab/base"
+    for i in 1 2; do
+      for tree in . .ab/base; do
+        echo "-- $tree, process $i"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 130 python benchmarks/bench_gpu_xs.py \
+          --new-tokens 65 --ks 3 --batches 16,64 --simulated 4 --sim-ks 3 --rounds 2 2>&1) | quiet \
+          | grep -E "^\| (16|64) \| [0-9.]+ \| [0-9.]+ \(|rror" | head -3
+      done
     done ;;
   pass106)
     echo "== (sixty-fifth pass) the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64"

@@ -39,7 +39,9 @@ and the rows of ``x`` over the same K range (L2-resident, re-read by every colum
   accumulator registers (82 against 172 a thread at 4 rows, 16 x 256, 8 warps; ptxas for sm_90),
   the same loop shape (16-byte loads, no shared memory), ~1.1 instructions a product and row.
   Four rows of full accumulators made the GEMV twice as slow in the verify graph as the dot path
-  (fifty-fifth pass); this is its register fix, built to be timed (``gpu_check.sh pass103``).
+  (fifty-fifth pass); this is its register fix, and it lost too (``gpu_check.sh pass103``,
+  sixty-sixth pass: the 4-token verify graph 3.70-4.17 ms against 3.68 with the dot path, the
+  drafter block 0.44-0.58 against 0.33), so no default config uses it.
 * ``USE_DOT = True`` (default for ``M > 4``): ``acc [BLOCK_N, M_PAD] += W_tile @ x_tile^T`` on
   the tensor cores, with ``M_PAD = 16`` (tl.dot's minimum) and the weight as the wide operand
   ("swap AB": the padding falls on the 16-wide side). Triton stages the weight tiles through

@@ -126,8 +126,10 @@ class StagedConfig:
         return (parked * self.block_n + x_rows) * self.stage_k * elem_bytes
 
 
-# 2-4 rows: (block_n, stage_k, stages, num_warps[, tensor_cores]). Neither 2-4 row kernel is
-# timed yet (gpu_check.sh pass102 A/Bs them). Offline (ptxas / cuobjdump, sm_90a, 4 rows, K =
+# 2-4 rows: (block_n, stage_k, stages, num_warps[, tensor_cores]). Both 2-4 row kernels lost in
+# the graphs (gpu_check.sh pass102, sixty-sixth pass: 4-token verify 3.79-3.81 ms on the tensor
+# cores, 4.52-4.55 on CUDA cores, against 3.68 with the skinny GEMM), so o_proj takes them only
+# where models/layers.py's staged_o_proj_max_rows is raised. Offline (ptxas / cuobjdump, sm_90a, 4 rows, K =
 # 8192), SASS instructions a weight element after the PDL wait, where all of the 2-4 row work
 # happens (the parked stages need x): the tensor-core kernel, 16 x (4 warps x 128) stages, 8
 # parked (128 KiB, and 16 KiB of scratch; 128 programs for N = 2048, one an SM), 246 registers:

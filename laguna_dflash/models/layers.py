@@ -52,10 +52,11 @@ use_staged_o_proj = True
 # config (3.95 -> 4.09-4.41 ms; gpu_check.sh staged4, docs/PERFORMANCE.md, fourteenth pass), and
 # again with attention's pre-wait loads at 4 tokens: 3.79-3.83 against 3.66 ms, drafter block
 # 0.35-0.36 against 0.33 (gpu_check.sh pass97, sixty-third pass). Those ran the first 2-4 row
-# kernel (x in shared memory, full accumulators: one program an SM); its replacements, on the
-# tensor cores (the default 2-4 row config) and on CUDA cores (x from global memory, 1/8
-# accumulators; kernels/staged_gemv.py), are built and not yet timed: gpu_check.sh pass102 and
-# pass104 time them with this at 4.
+# kernel (x in shared memory, full accumulators: one program an SM); its replacements lost too
+# (gpu_check.sh pass102, sixty-sixth pass): the 4-token verify graph 3.79-3.81 ms on the tensor
+# cores and 4.52-4.55 on CUDA cores (x from global memory, 1/8 accumulators) against 3.68, the
+# drafter block 0.35-0.46 against 0.33, though the tensor-core kernel beat the skinny GEMM alone
+# behind a busy window (16.5 against 17.4 us).
 staged_o_proj_max_rows = 1
 # The dense MLPs' SwiGLU (the drafter's layers, the target's first layer) as the epilogue of the
 # skinny gate|up GEMM (skinny_gemm(..., glu=True): bitwise the GEMM then kernels/silu_mul.py, in

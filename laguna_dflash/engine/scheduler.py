@@ -106,11 +106,11 @@ class Scheduler:
             table += self.allocator.allocate(self.allocator.blocks_needed(num_positions, len(table)))
 
     def _reserve(self, seq: Sequence, num_positions: int) -> bool:
-        held = -(-num_positions // self.allocator.block_size)
-        if len(seq.block_table) >= held and (not seq.swa_block_tables or len(seq.swa_block_tables[0]) >= held):
-            return True  # most steps: every table covers the positions already
         need = self.allocator.blocks_needed(num_positions, len(seq.block_table))
-        if not self.allocator.can_allocate(need + self._swa_needed(seq, num_positions)):
+        swa_need = self._swa_needed(seq, num_positions)
+        if need == swa_need == 0:
+            return True  # most steps: every table covers the positions already
+        if not self.allocator.can_allocate(need + swa_need):
             return False
         seq.block_table += self.allocator.allocate(need)
         self._swa_grow(seq, num_positions)

@@ -5,7 +5,8 @@
 #                                           # tokens, this tree and .ab/base in turn, two processes
 #                                           # each (~8 min)
 #   bash benchmarks/gpu_check.sh pass107    # the engine's CUDA tests, then pass106's host path table
-#                                           # from this tree and from .ab/base (~7 min)
+#                                           # from this tree (with and without --gc-freeze: the
+#                                           # collections during it) and from .ab/base (~8 min)
 #   bash benchmarks/gpu_check.sh pass106    # the DFlash step's host path (its sync to the next verify's
 #                                           # launch) against the drafter block queued ahead, GPU gap
 #                                           # by CUDA events, at batch 1, 16 and 64 (~4 min)
@@ -480,12 +481,15 @@ case "$stage" in
         | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
     done ;;
   pass107)
-    echo "== (sixty-sixth pass) the engine's CUDA tests"
+    echo "== (sixty-seventh pass) the engine's CUDA tests"
     engine_cuda_tests 230 | grep -v PASSED | tail -8
-    for tree in . .ab/base; do
-      echo "== the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64: $tree"
-      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 200 python benchmarks/host_timeline.py \
-        --rounds 1 --top 4 --gaps --gap-batches 1,16,64 2>&1) | quiet | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||rror" | tail -6
+    for run in ".:130:" ".:130:--gc-freeze" ".ab/base:170:"; do
+      IFS=: read -r tree limit extra <<<"$run"
+      echo "== the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64: $tree $extra"
+      [ "$tree" = . ] && extra="--no-profile $extra"
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout $limit python -u benchmarks/host_timeline.py \
+        --rounds 1 --top 4 --gaps --gap-batches 1,16,64 $extra 2>&1) | quiet \
+        | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||^gc|rror" | tail -9
     done ;;
   pass108)
     echo "== (sixty-sixth pass) batch 16 and 64, L = 4 (K = 3) against target-only, this tree and .ab/base"

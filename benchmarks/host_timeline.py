@@ -22,11 +22,16 @@ phases). This script finds where that time goes:
   wait for that launch after the drafter block queued ahead. The block is all the GPU has
   queued while the host commits and schedules, so a host path longer than the block is idle
   GPU time; the host path grows with the batch (on the CPU the table has the host column only).
+  After the table, the garbage collections that ran during each row's steps (count and longest
+  pause a generation, from ``gc.callbacks``); ``--gc-freeze`` runs ``gc.collect(); gc.freeze()`` once
+  the engine is built, as ``laguna-dflash serve`` does at start-up, so the start-up heap
+  (modules, weights' Python objects, captured graphs) is no longer scanned.
 
     python benchmarks/host_timeline.py                     # H200
     python benchmarks/host_timeline.py --switch laguna_dflash.engine.engine:store_context_in_verify=False
     python benchmarks/host_timeline.py --layers 4          # quicker, same phases
     python benchmarks/host_timeline.py --gaps --gap-batches 1,16,64 --rounds 1
+    python benchmarks/host_timeline.py --gaps --gap-batches 64 --rounds 1 --gc-freeze
     python benchmarks/host_timeline.py --device cpu --layers 2 --context 64 --gaps --gap-batches 1,16,64
 """
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import math
 import tempfile
@@ -293,6 +299,33 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) ->
             for host, start, done, verify in rows]
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Yields ``{generation: [pause us, ...]}``, filled by ``gc.callbacks`` with every garbage
+    collection that runs inside the block (the host time each took, in us)."""
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started: list[float] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            pauses[info["generation"]].append(1e6 * (time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(record)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(record)
+
+
+def print_gc(batch: int, pauses: dict[int, list[float]]) -> None:
+    """One line: the collections of each generation during a batch size's steps, and the
+    longest pause."""
+    parts = [f"gen {g}: {len(p)}" + (f" (longest {max(p):.0f} us)" if p else "") for g, p in pauses.items()]
+    print(f"gc during batch {batch}: " + ", ".join(parts))
+
+
 def print_gaps(k: int, batch: int, rows: list[tuple[float, float, float]]) -> None:
     """One row of the gaps table: medians (min-max) over the steps of one batch size."""
     def spread(values: list[float]) -> str:
@@ -352,6 +385,11 @@ def main() -> None:
                          "drafter block queued ahead (CUDA events; on the CPU the host's time only)")
     ap.add_argument("--gap-batches", default="1",
                     help="batch sizes of the --gaps table (default 1), e.g. 1,16,64")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the profiled steps (the step times and --gaps only)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.collect(); gc.freeze() once the engine is built (what `serve` does at "
+                         "start-up)")
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value[;module:attr=value]: a row against the defaults "
                          "(repeatable; the first also gets the profile tables)")
@@ -386,6 +424,10 @@ def main() -> None:
                   # blocks than the unified layout (8 layers: 327 where x 2 gave 312)
                   num_kv_blocks=(args.context + 320) // 16 * max(4, max_batch + 1))
         engine = llm.engine
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+            print(f"gc.freeze(): {gc.get_freeze_count()} objects of the start-up heap frozen")
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
         proposer, taps = engine.proposer, engine.tap_layer_ids
@@ -435,10 +477,18 @@ def main() -> None:
             print(f"\nDFlash K={args.k}, steps with drafts ahead (no profiler), us: median (min-max)\n\n"
                   "| batch | steps | host: sync -> next verify launch | GPU gap: drafter block queued "
                   "ahead -> verify | drafter block span |\n|---:|---:|---|---|---|")
+            collections = {}
             for batch in gap_batches:
-                print_gaps(args.k, batch, verify_gaps(llm, prompt, args.new_tokens, batch))
+                with gc_pauses() as collections[batch]:
+                    rows = verify_gaps(llm, prompt, args.new_tokens, batch)
+                print_gaps(args.k, batch, rows)
+            print()
+            for batch, pauses in collections.items():
+                print_gc(batch, pauses)
             if cpu:
                 engine.runner.graphs = proposer.runner.graphs = None
+        if args.no_profile:
+            return
         install_labels(llm)
         for name, texts in variants[:2]:
             with switched(texts):

@@ -31,6 +31,18 @@ def test_gaps_table_has_a_row_a_batch_size_with_the_host_path():
         assert 0 < float(low) <= float(median) <= float(high) and float(median) < 2_000
 
 
+def test_gc_freeze_and_the_collections_during_each_batch_size():
+    done = _run("--new-tokens", "9", "--rounds", "1", "--gaps", "--gap-batches", "1,3", "--gc-freeze",
+                "--no-profile")
+    assert done.returncode == 0, done.stderr[-3000:]
+    frozen = re.search(r"^gc.freeze\(\): (\d+) objects of the start-up heap frozen$", done.stdout, re.M)
+    assert frozen and int(frozen.group(1)) > 10_000, done.stdout[-3000:]  # modules, the engine
+    lines = re.findall(r"^gc during batch (\d+): gen 0: (\d+)(?: \(longest \d+ us\))?, gen 1: \d+.*, gen 2: \d+",
+                       done.stdout, re.M)
+    assert [b for b, _ in lines] == ["1", "3"], done.stdout[-3000:]
+    assert "profiled" not in done.stdout  # --no-profile
+
+
 def test_bad_gap_batches_name_the_flag():
     done = _run("--gaps", "--gap-batches", "1,0")
     assert done.returncode == 2 and "--gap-batches takes batch sizes >= 1" in done.stderr

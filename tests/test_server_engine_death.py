@@ -1,8 +1,10 @@
 """``serve`` exits (code 1) when its engine loop dies, instead of answering 503 forever; it
-still exits 0 when stopped normally. Runs ``launcher.serve`` in a thread on a random tiny pair."""
+still exits 0 when stopped normally, and it freezes its start-up heap for the garbage collector
+before serving. Runs ``launcher.serve`` in a thread on a random tiny pair."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -23,6 +25,13 @@ def config(tmp_path_factory):
     args = build_parser().parse_args(["serve", "--model", str(target), "--port", "0",
                                       "--max-model-len", "64", "--log-level", "warning"])
     return resolve_server_config(args)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze():
+    # serve() freezes the heap of the process it runs in: give the test process its heap back
+    yield
+    gc.unfreeze()
 
 
 def _serve_in_thread(config) -> tuple[threading.Thread, dict]:
@@ -48,6 +57,7 @@ def test_serve_exits_1_when_the_engine_loop_dies(config, monkeypatch, caplog):
 
 
 def test_serve_exits_0_when_stopped(config, monkeypatch):
+    gc.unfreeze()
     servers = []
     real_server = launcher.uvicorn.Server
 
@@ -62,6 +72,7 @@ def test_serve_exits_0_when_stopped(config, monkeypatch):
         time.sleep(0.05)
     port = servers[0].servers[0].sockets[0].getsockname()[1]
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    assert gc.get_freeze_count() > 10_000  # the start-up heap (modules, the engine), frozen
     time.sleep(0.2)  # a few watchdog rounds on a live engine: it must not stop the server
     assert thread.is_alive()
     servers[0].should_exit = True

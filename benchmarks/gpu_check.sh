@@ -17,10 +17,6 @@
 #                                           # staged o_proj at 4 rows (MULTI_ROW_CONFIG CFG if given,
 #                                           # e.g. [8,256,16,2]), two processes each, then the decode
 #                                           # graph with the tensor-core kernel at one row (~8 min)
-#   bash benchmarks/gpu_check.sh pass103    # the skinny GEMM's GEMV at 4 rows with sum_vectors (1/8
-#                                           # accumulators): its CUDA tests, a quick 4-row sweep of the
-#                                           # o_proj / down, gate_up and lm_head shapes, then the
-#                                           # 4-token verify and drafter block graphs with it (~8 min)
 #   bash benchmarks/gpu_check.sh pass102    # the staged o_proj's 2-4 row kernels (tensor cores, the
 #                                           # default; CUDA cores): their CUDA tests, 4 rows behind a
 #                                           # busy window, the 4-token verify and drafter block graphs
@@ -443,29 +439,6 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
-  pass103)
-    echo "== (sixty-fourth pass) the skinny GEMM's GEMV at 4 rows with sum_vectors: CUDA tests"
-    gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "cuda and (explicit or real_shapes or graph)" \
-      | grep -v PASSED | tail -6
-    echo "== quick 4-row sweep (sum_vectors candidates included; the table's config is the default row)"
-    timeout 170 python benchmarks/bench_skinny_gemm.py --quick --only --m 4 \
-      --shapes 2048x8192,16384x2048,100352x2048 --budget 140 2>&1 | quiet \
-      | grep -E "^\| |runners-up|M=4|sumvec" | head -24
-    o="laguna_dflash.kernels.skinny_gemm:CONFIG_OVERRIDES"
-    g='"use_dot": false, "sum_vectors": true, "num_stages": 2'
-    a="\"4,2048,8192\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 8}"
-    b="\"4,2048,8192\": {$g, \"block_n\": 8, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 4}"
-    c="\"4,16384,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
-    # the drafter's context path in the verify graph: fc (2048 x 6144) and the context K/V (10240 x 2048)
-    d="\"4,2048,6144\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 8}"
-    e="\"4,10240,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
-    for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, 2048x8192 16x256 w8, 8x256 w4, gate_up 16x256 w8, those two, all four shapes"
-      timeout 160 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
-        --switch "$o={$a}" --switch "$o={$b}" --switch "$o={$c}" --switch "$o={$a, $c}" \
-        --switch "$o={$a, $c, $d, $e}" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|skinny|equal|failed|rror" | head -40
-    done ;;
   pass102)
     echo "== (sixty-fourth pass) the staged o_proj's 2-4 row kernels: CUDA tests"
     gpu_tests 130 -n 4 tests/test_kernel_staged_gemv.py -k cuda | grep -v PASSED | tail -8

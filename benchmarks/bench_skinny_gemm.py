@@ -83,8 +83,7 @@ def gemv_regs(m: int, cfg: SkinnyConfig) -> float:
     per = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)  # tile elements a thread
     m_pad = next_pow2(m)
     bufs = 2 if cfg.num_stages > 1 else 1
-    acc = m_pad * per / (8 if cfg.sum_vectors else 1)  # sum_vectors: 1/8 of the accumulators
-    return acc + per * (1 + (m_pad if cfg.x_bcast else 0)) / 2 * bufs + 16
+    return m_pad * per + per * (1 + (m_pad if cfg.x_bcast else 0)) / 2 * bufs + 16
 
 
 def fits(m: int, n: int, k: int, cfg: SkinnyConfig, use_dot: bool) -> bool:
@@ -94,15 +93,9 @@ def fits(m: int, n: int, k: int, cfg: SkinnyConfig, use_dot: bool) -> bool:
     return gemv_regs(m, cfg) <= 200  # beyond: spills / one CTA an SM
 
 
-def base_config(bn: int, bk: int, split: int, use_dot: bool, sum_vectors: bool = False) -> SkinnyConfig:
+def base_config(bn: int, bk: int, split: int, use_dot: bool) -> SkinnyConfig:
     # phase A: GEMV with the register prefetch (2 stages), dot with 3 cp.async stages
-    return SkinnyConfig(bn, bk, split, 4, 3 if use_dot else 2, use_dot=use_dot, sum_vectors=sum_vectors)
-
-
-def gemv_modes(m: int) -> tuple[bool, ...]:
-    """``sum_vectors`` settings phase A sweeps on the GEMV path: both from 2 rows (a row's
-    accumulators shrink 8x), only off for one."""
-    return (False,) if m <= 1 else (False, True)
+    return SkinnyConfig(bn, bk, split, 4, 3 if use_dot else 2, use_dot=use_dot)
 
 
 def phase_a(m: int, n: int, k: int, quick: bool) -> list[SkinnyConfig]:
@@ -119,17 +112,14 @@ def phase_a(m: int, n: int, k: int, quick: bool) -> list[SkinnyConfig]:
             for bk in bks:
                 # split-K 8 only where even 4 leaves most SMs without a program (the router)
                 for split in (1, 2, 4, 8) if tiles * 4 < NUM_SMS // 2 else (1, 2, 4):
-                    for sv in (False,) if use_dot else gemv_modes(m):
-                        cfg = base_config(bn, bk, split, use_dot, sv)
-                        if not fits(m, n, k, cfg, use_dot) or bk * split > k:
-                            continue
-                        if not use_dot and next_pow2(m) * bn * bk // (8 if sv else 1) > 64 * 32 * 4:
-                            continue  # accumulators
-                        if sv and bn * bk < 8 * 32 * 4:  # a 16-byte vector a thread at least
-                            continue
-                        if split > 1 and tiles >= 2 * NUM_SMS:  # enough programs without splitting
-                            continue
-                        out.append(cfg)
+                    cfg = base_config(bn, bk, split, use_dot)
+                    if not fits(m, n, k, cfg, use_dot) or bk * split > k:
+                        continue
+                    if not use_dot and next_pow2(m) * bn * bk > 64 * 32 * 4:  # accumulators
+                        continue
+                    if split > 1 and tiles >= 2 * NUM_SMS:  # enough programs without splitting
+                        continue
+                    out.append(cfg)
     # drop grids that leave most SMs idle, unless nothing else is left; small weights (the
     # router: ~1 MiB, launch-latency bound) keep every candidate
     if n * k * 2 < 16 * 2**20:
@@ -151,7 +141,7 @@ def phase_b(m: int, n: int, k: int, best: list[SkinnyConfig]) -> list[SkinnyConf
                     out.append(cfg)
     if best:
         out.append(dataclasses.replace(best[0], evict_first=not best[0].evict_first))
-        if not best[0].use_dot and not best[0].sum_vectors:  # sum_vectors needs x_bcast
+        if not best[0].use_dot:
             out.append(dataclasses.replace(best[0], x_bcast=not best[0].x_bcast))
     return out
 
@@ -357,8 +347,7 @@ def run_phase(cases: list[Case], lists: list[list[SkinnyConfig]], args, deadline
 def fmt_cfg(cfg: SkinnyConfig) -> str:
     dot = "dot" if cfg.use_dot else "gemv"
     ev = "" if cfg.evict_first else " keep"
-    sv = " sumvec" if cfg.sum_vectors else ""
-    return f"{dot} {cfg.block_n}x{cfg.block_k} sk{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{ev}{sv}"
+    return f"{dot} {cfg.block_n}x{cfg.block_k} sk{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{ev}"
 
 
 def main(argv: list[str] | None = None) -> int:

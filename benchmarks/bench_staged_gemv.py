@@ -11,7 +11,6 @@ what the GEMV costs past the window. Values are checked against an fp64 referenc
 
     python benchmarks/bench_staged_gemv.py                # o_proj 2048 x 8192, bf16, H200
     python benchmarks/bench_staged_gemv.py --windows 0,4
-    python benchmarks/bench_staged_gemv.py --m 4 --windows 0,8,16   # the K = 3 verify's o_proj
 """
 
 from __future__ import annotations
@@ -34,16 +33,11 @@ from laguna_dflash.kernels import staged_gemv as stg  # noqa: E402
 ROTATE_BYTES = 256 * 2**20
 # (block_n, stage_k, stages, num_warps)
 CONFIGS = [(8, 512, 8, 4), (8, 512, 12, 4), (8, 1024, 4, 4), (16, 512, 6, 8), (8, 512, 4, 4)]
-# for 2-4 rows (--m): the tensor-core kernel (5th field True; the default), then the CUDA-core
-# rows kernel (two programs an SM by registers: ptxas, 4 rows, K = 8192)
-MULTI_ROW_CONFIGS = [(16, 128, 8, 4, True), (16, 64, 16, 4, True), (16, 128, 4, 4, True),
-                     (8, 256, 16, 2), (8, 256, 8, 2), (16, 256, 8, 4)]
 
 
 def config_label(c: tuple) -> str:
     cfg = stg.StagedConfig(*c)
-    kind = f"tensor cores, 16 x ({cfg.num_warps} x {cfg.stage_k})" if cfg.tensor_cores else f"{c[0]}x{c[1]}"
-    return f"staged {kind}, {cfg.stages} parked, {cfg.num_warps} warps"
+    return f"staged {cfg.block_n}x{cfg.stage_k}, {cfg.stages} parked, {cfg.num_warps} warps"
 
 
 @functools.cache
@@ -78,23 +72,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="2048x8192", help="N x K of the weight")
     ap.add_argument("--windows", default="0,2,4,8", help="busy-kernel durations, us")
-    ap.add_argument("--m", type=int, default=1, help=f"rows of x (1..{stg.MAX_M})")
     args = ap.parse_args()
-    if not 1 <= args.m <= stg.MAX_M:
-        raise SystemExit(f"--m {args.m}: the staged GEMV takes 1..{stg.MAX_M} rows")
     n, k = (int(v) for v in args.shape.split("x"))
     windows = [float(v) for v in args.windows.split(",")]
     copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
     gen = torch.Generator(device="cpu").manual_seed(0)
     ws = [(torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(args.m, k, generator=gen).to("cuda", torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to("cuda", torch.bfloat16)
     want = (x.double() @ ws[0].double().T).float()
     ulp = want.abs() * 2.0**-7 + 1e-3
 
     rows = [("skinny_gemm default", sg.skinny_gemm, ())]
-    rows += [(config_label(c), stg.staged_gemv, (stg.StagedConfig(*c),))
-             for c in (CONFIGS if args.m == 1 else MULTI_ROW_CONFIGS)]
-    print(f"weight {n}x{k} bf16, x {args.m} rows, {copies} copies; us per (busy + GEMV) minus the window")
+    rows += [(config_label(c), stg.staged_gemv, (stg.StagedConfig(*c),)) for c in CONFIGS]
+    print(f"weight {n}x{k} bf16, {copies} copies; us per (busy + GEMV) minus the window")
     print("| GEMV | " + " | ".join(f"W={w:g} us" for w in windows) + " | max err / ulp | smem KiB |")
     print("|---|" + "---:|" * (len(windows) + 2))
     for label, fn, extra in rows:
@@ -116,7 +106,7 @@ def main() -> None:
                 fns.append(functools.partial(fn, x, w, *extra))
             us = time_graph(fns) * 2 - w_us  # time_graph divides by the launches (2 a pair)
             cells.append(f"{us:.2f}")
-        smem = extra[0].smem_bytes(k, args.m) / 1024 if extra else 0
+        smem = extra[0].smem_bytes(k) / 1024 if extra else 0
         print(f"| {label} | " + " | ".join(cells) + f" | {err:.2f} | {smem:.0f} |", flush=True)
 
 

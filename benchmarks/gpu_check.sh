@@ -10,23 +10,6 @@
 #   bash benchmarks/gpu_check.sh pass106    # the DFlash step's host path (its sync to the next verify's
 #                                           # launch) against the drafter block queued ahead, GPU gap
 #                                           # by CUDA events, at batch 1, 16 and 64 (~4 min)
-#   bash benchmarks/gpu_check.sh pass105 [CFG]  # the engine's CUDA tests with the staged o_proj at 2-4
-#                                           # rows on (pytest --switch; MULTI_ROW_CONFIG CFG if given),
-#                                           # after the staged GEMV's CUDA tests with it: what a default
-#                                           # of 4 rows needs before it lands (~8 min)
-#   bash benchmarks/gpu_check.sh pass104 [CFG]  # goal 2's cell at 65 new tokens, defaults against the
-#                                           # staged o_proj at 4 rows (MULTI_ROW_CONFIG CFG if given,
-#                                           # e.g. [8,256,16,2]), two processes each, then the decode
-#                                           # graph with the tensor-core kernel at one row (~8 min)
-#   bash benchmarks/gpu_check.sh pass103    # the skinny GEMM's GEMV at 4 rows with sum_vectors (1/8
-#                                           # accumulators): its CUDA tests, a quick 4-row sweep of the
-#                                           # o_proj / down, gate_up and lm_head shapes, then the
-#                                           # 4-token verify and drafter block graphs with it (~8 min)
-#   bash benchmarks/gpu_check.sh pass102    # the staged o_proj's 2-4 row kernels (tensor cores, the
-#                                           # default; CUDA cores): their CUDA tests, 4 rows behind a
-#                                           # busy window, the 4-token verify and drafter block graphs
-#                                           # with them (four configs; ~9 min); pass104 times goal 2's
-#                                           # cell with them
 #   bash benchmarks/gpu_check.sh pass101    # goal 2's cell with the simulated cells' tokens counted as
 #                                           # delivered (token_time): 64 new tokens (63 decode tokens,
 #                                           # the last step keeps 3 of 4), then 65 (64: every step
@@ -43,11 +26,6 @@
 #                                           # 4-token verify's on 8 layers, then goal 3's batch-1 row
 #                                           # (K = 0 against target-only) in 5 rounds, two processes
 #                                           # (~6 min)
-#   bash benchmarks/gpu_check.sh pass97     # the staged o_proj at 4 rows re-timed (slower in the
-#                                           # fourteenth pass, before attention's pre-wait loads at 4
-#                                           # query tokens): the 4-token verify and the drafter block
-#                                           # with it (three configs), then goal 2's cell off / on
-#                                           # (~7 min)
 #   bash benchmarks/gpu_check.sh trees16    # L = 4 at batch 16 against target-only for every tree in
 #                                           # .ab/trees/*/ in name order (a bisect of the batch-16
 #                                           # DFlash step; make them with: git archive C laguna_dflash
@@ -264,9 +242,6 @@
 #   bash benchmarks/gpu_check.sh metadata   # the attention metadata in one kernel: tests, decode A/B (~5 min)
 #   bash benchmarks/gpu_check.sh packz      # the router's chosen logits out of the top-k key:
 #                                           # tests, decode and verify A/B (~6 min)
-#   bash benchmarks/gpu_check.sh staged4    # the staged GEMV up to 4 rows (the verify's o_proj):
-#                                           # tests, 4-row micro-benchmark, verify A/B of
-#                                           # MULTI_ROW_CONFIGs (~7 min)
 #   bash benchmarks/gpu_check.sh drafter    # the drafter block's graph by kernel, skinny GEMM
 #                                           # against cuBLAS in it (~3 min)
 #   bash benchmarks/gpu_check.sh attnq      # the verify and drafter graphs with smaller attention
@@ -444,42 +419,6 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
-  pass103)
-    echo "== (sixty-fourth pass) the skinny GEMM's GEMV at 4 rows with sum_vectors: CUDA tests"
-    gpu_tests 90 tests/test_kernel_skinny_gemm.py -k "cuda and (explicit or real_shapes or graph)" \
-      | grep -v PASSED | tail -6
-    echo "== quick 4-row sweep (sum_vectors candidates included; the table's config is the default row)"
-    timeout 170 python benchmarks/bench_skinny_gemm.py --quick --only --m 4 \
-      --shapes 2048x8192,16384x2048,100352x2048 --budget 140 2>&1 | quiet \
-      | grep -E "^\| |runners-up|M=4|sumvec" | head -24
-    o="laguna_dflash.kernels.skinny_gemm:CONFIG_OVERRIDES"
-    g='"use_dot": false, "sum_vectors": true, "num_stages": 2'
-    a="\"4,2048,8192\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 8}"
-    b="\"4,2048,8192\": {$g, \"block_n\": 8, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 4}"
-    c="\"4,16384,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
-    # the drafter's context path in the verify graph: fc (2048 x 6144) and the context K/V (10240 x 2048)
-    d="\"4,2048,6144\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 4, \"num_warps\": 8}"
-    e="\"4,10240,2048\": {$g, \"block_n\": 16, \"block_k\": 256, \"split_k\": 1, \"num_warps\": 8}"
-    for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, 2048x8192 16x256 w8, 8x256 w4, gate_up 16x256 w8, those two, all four shapes"
-      timeout 160 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 \
-        --switch "$o={$a}" --switch "$o={$b}" --switch "$o={$c}" --switch "$o={$a, $c}" \
-        --switch "$o={$a, $c, $d, $e}" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|skinny|equal|failed|rror" | head -40
-    done ;;
-  pass102)
-    echo "== (sixty-fourth pass) the staged o_proj's 2-4 row kernels: CUDA tests"
-    gpu_tests 130 -n 4 tests/test_kernel_staged_gemv.py -k cuda | grep -v PASSED | tail -8
-    echo "== 4-row o_proj behind a busy window (us past the window)"
-    timeout 60 python benchmarks/bench_staged_gemv.py --m 4 --windows 0,8 2>&1 | quiet | tail -8
-    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
-    cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
-    for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults, tensor cores (16 x (4 x 128), 8 parked), 16 x (4 x 64) 16 parked, CUDA cores 8x256 x 2 warps, 16x256 x 4"
-      timeout 190 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
-        --switch "$st;$cf=[16,64,16,4,true]" --switch "$st;$cf=[8,256,16,2]" --switch "$st;$cf=[16,256,8,4]" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
-    done ;;
   pass107)
     echo "== (sixty-seventh pass) the engine's CUDA tests"
     engine_cuda_tests 230 | grep -v PASSED | tail -8
@@ -507,27 +446,6 @@ case "$stage" in
       >"${OUT:-/tmp}/pass106.log" 2>&1
     echo "exit $?"; quiet <"${OUT:-/tmp}/pass106.log" \
       | grep -E "^\| defaults|^\| (batch|[0-9]+) \||steps with drafts|Error" | tail -12 ;;
-  pass105)
-    echo "== (sixty-fifth pass) the staged o_proj at 2-4 rows as the default would run it: its CUDA tests, then"
-    echo "   the engine's CUDA tests, with laguna_dflash.models.layers:staged_o_proj_max_rows=4${2:+ and MULTI_ROW_CONFIG=$2}"
-    sw=(--switch "laguna_dflash.models.layers:staged_o_proj_max_rows=4")
-    [ -n "${2:-}" ] && sw+=(--switch "laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=$2")
-    gpu_tests 150 -n 4 tests/test_kernel_staged_gemv.py -k cuda "${sw[@]}" | grep -v PASSED | tail -8
-    engine_cuda_tests 400 "${sw[@]}" | grep -v PASSED | tail -12 ;;
-  pass104)
-    echo "== (sixty-fourth pass) goal 2's cell at 65 new tokens: defaults and the staged o_proj at 4 rows"
-    echo "   (MULTI_ROW_CONFIG: set it with a second argument, e.g. [8,256,16,2]), two processes each"
-    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
-    cfg=${2:+;laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=$2}
-    for i in 1 2; do
-      echo "-- defaults, process $i"; goal_cell 85 --new-tokens 65
-      echo "-- $st$cfg, process $i"; goal_cell 85 --new-tokens 65 --switch "$st$cfg"
-    done
-    echo "-- the decode graph: the one-row kernel (default) against the tensor-core kernel at one row"
-    one="laguna_dflash.kernels.staged_gemv:ONE_ROW_CONFIG"
-    timeout 100 python benchmarks/profile_decode_xs.py --q 1 --top 4 --new-tokens 8 \
-      --switch "$one=[16,128,8,4,true]" --switch "$one=[16,64,16,4,true]" 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|staged|equal|failed|rror" | head -20 ;;
   pass101)
     echo "== (sixty-third pass) goal 2's cell, tokens delivered over decode time: 64 new tokens, then 65 twice"
     echo "-- 64 new tokens"; goal_cell 95
@@ -565,18 +483,6 @@ case "$stage" in
       timeout 120 python benchmarks/bench_gpu_xs.py --new-tokens 64 --ks 3 --batches 1 --simulated 1 \
         --sim-ks 0 --rounds 5 2>&1 | quiet | grep -E "^\| 1 \||target-only decode" | head -3
     done ;;
-  pass97)
-    echo "== (sixty-second pass) the staged o_proj at 4 rows (attention signalling early): 4-token verify"
-    echo "   and drafter block graphs, then goal 2's cell without and with it"
-    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
-    cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
-    for mode in "--q 4" "--drafter --k 3"; do
-      timeout 140 python benchmarks/profile_decode_xs.py $mode --top 4 --new-tokens 8 --switch "$st" \
-        --switch "$st;$cf=[8,256,8,4]" --switch "$st;$cf=[16,256,12,8]" --switch "$st" 2>&1 | quiet \
-        | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
-    done
-    echo "-- goal cell, defaults"; goal_cell 85
-    echo "-- goal cell, $st"; goal_cell 85 --switch "$st" ;;
   trees16)
     echo "== L = 4 at batch 16 for each tree in .ab/trees/ (name order)"
     for tree in .ab/trees/*/; do
@@ -773,17 +679,6 @@ case "$stage" in
     timeout 200 python benchmarks/profile_decode_xs.py --top 10 --sequence 40 \
       --switch "laguna_dflash.models.layers:use_staged_o_proj=False" 2>&1 | quiet \
       | grep -E "^##|^\| [0-9]|kernels per|equal|failed" | grep -v "^| [0-9] |\|^| [12][0-9] |" | head -50 ;;
-  staged4)
-    echo "== the staged GEMV for 1-4 rows: values"
-    gpu_tests 60 tests/test_kernel_staged_gemv.py | tail -3
-    echo "== 4-row o_proj behind a busy window: skinny GEMM against staged configs (us past the window)"
-    timeout 90 python benchmarks/bench_staged_gemv.py --m 4 --windows 0,8,16 2>&1 | quiet | tail -8
-    echo "== the 4-token verify forward: skinny o_proj (default) against the staged GEMV's 4-row configs"
-    s="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
-    c="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
-    timeout 240 python benchmarks/profile_decode_xs.py --top 8 --q 4 --switch "$s" \
-      --switch "$s;$c=[16,256,12,8]" --switch "$s;$c=[8,256,8,4]" --switch "$s;$c=[8,256,16,4]" 2>&1 \
-      | quiet | grep -E "^##|^\| [0-9]|kernels per|equal|staged|skinny|failed" | head -40 ;;
   drafter)
     echo "== the batch-1 drafter block graph (K = 3: 4 tokens) by kernel; skinny GEMM against cuBLAS"
     timeout 300 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 14 --sequence 24 \

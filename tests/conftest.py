@@ -21,7 +21,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--switch", action="append", default=[], metavar="MODULE:ATTR=VALUE",
         help="set a module attribute for the whole run, as the benchmarks' --switch does (value as "
-             "JSON; repeatable), e.g. --switch laguna_dflash.models.layers:staged_o_proj_max_rows=4: "
+             "JSON; repeatable), e.g. --switch laguna_dflash.kernels.staged_gemv:ONE_ROW_CONFIG=[8,512,12,4]: "
              "a GPU run tests a candidate setting before it becomes the default")
 
 

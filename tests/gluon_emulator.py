@@ -11,9 +11,8 @@ them and runs the kernel's Python function once a program, in grid order, on tor
   :class:`OutOfBounds` (on a GPU: an illegal address, or another tensor's bytes);
 * shared memory is a tensor filled with NaN at allocation (:class:`SharedMemory`), so a read of
   a slot no thread stored poisons the result; ``index``, ``slice``, ``load``, ``store`` act on it;
-* ``mma_v2`` is a batched fp32 matmul added to the accumulator;
-* layouts, ``thread_barrier``, ``convert_layout`` and ``inline_asm_elementwise`` (the PDL
-  instructions) do nothing to values.
+* layouts, ``thread_barrier`` and ``inline_asm_elementwise`` (the PDL instructions) do nothing
+  to values.
 
 What it checks: the code we write (index arithmetic, masks, which stage is where when, the
 accumulation and the stores). What it cannot: the compiler, the layouts' own correctness, the
@@ -155,7 +154,6 @@ class _Program:
     float16, bfloat16, float32 = torch.float16, torch.bfloat16, torch.float32
     int32, int64 = torch.int32, torch.int64
     BlockedLayout = SliceLayout = SwizzledSharedLayout = NVMMASharedLayout = staticmethod(_layout)
-    NVMMADistributedLayout = DotOperandLayout = staticmethod(_layout)
     load, store = staticmethod(_load), staticmethod(_store)
     allocate_shared_memory = staticmethod(_allocate_shared_memory)
 
@@ -182,16 +180,8 @@ class _Program:
         return _value(torch.zeros_like(x))
 
     @staticmethod
-    def expand_dims(x: torch.Tensor, axis: int) -> torch.Tensor:
-        return x.unsqueeze(axis)
-
-    @staticmethod
     def sum(x: torch.Tensor, axis: int) -> torch.Tensor:
         return x.sum(axis)
-
-    @staticmethod
-    def convert_layout(x: torch.Tensor, layout=None) -> torch.Tensor:
-        return x
 
     @staticmethod
     def thread_barrier() -> None:
@@ -202,14 +192,9 @@ class _Program:
         return _value(torch.zeros((), dtype=torch.int32))  # the PDL instructions: no value
 
 
-def _mma_v2(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, input_precision=None) -> torch.Tensor:
-    assert a.shape[-2] % 16 == 0 and b.shape[-1] % 8 == 0 and a.shape[-1] % 16 == 0, (a.shape, b.shape)
-    return _value(acc + torch.matmul(a.float(), b.float()))
-
-
 def _python_function(jit_fn, program: _Program, memo: dict) -> Callable:
-    """``jit_fn``'s Python function with its closure's ``gl``, ``mma_v2`` and jitted helpers
-    replaced by the emulation's (a copy: the real kernel's closure is left alone)."""
+    """``jit_fn``'s Python function with its closure's ``gl`` and jitted helpers replaced by the
+    emulation's (a copy: the real kernel's closure is left alone)."""
     fn = jit_fn.fn
     if fn in memo:
         return memo[fn]
@@ -218,8 +203,6 @@ def _python_function(jit_fn, program: _Program, memo: dict) -> Callable:
         value = cell.cell_contents
         if name == "gl":
             value = program
-        elif name == "mma_v2":
-            value = _mma_v2
         elif hasattr(value, "fn") and callable(value.fn):  # a jitted helper
             value = _python_function(value, program, memo)
         elif isinstance(value, types.ModuleType):

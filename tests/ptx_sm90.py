@@ -154,11 +154,6 @@ def ptxas_spills(ptx: str) -> list[int]:
     return [int(x) for x in re.findall(r"(\d+) bytes spill stores", _ptxas_report(ptx))]
 
 
-def ptxas_registers(ptx: str) -> list[int]:
-    """``ptxas -v`` on ``ptx`` for sm_90a: the registers a thread of each function."""
-    return [int(x) for x in re.findall(r"Used (\d+) registers", _ptxas_report(ptx))]
-
-
 def compile_sm90_spills(kernel, types: dict[str, str], constexprs: dict, options: dict) -> tuple[str, list[int]]:
     """:func:`compile_sm90`, then ``ptxas -v`` (triton's own) on the PTX: (PTX, spill-store bytes
     of each function)."""

@@ -108,5 +108,5 @@ def test_every_flag_it_passes_a_benchmark_exists():
     # the check catches one: a misspelt flag in a continued command, and one given to a helper
     typo = TEXT.replace("--new-tokens 8 \\\n", "--new-tokenz 8 \\\n", 1)
     assert [f for _, f, _ in _unknown_flags(typo)] == ["--new-tokenz"]
-    typo = TEXT.replace("goal_cell 85 --new-tokens 65", "goal_cell 85 --new-token 65", 1)
+    typo = TEXT.replace("goal_cell 95 --new-tokens 65", "goal_cell 95 --new-token 65", 1)
     assert [f for _, f, _ in _unknown_flags(typo)] == ["--new-token"]

@@ -38,13 +38,7 @@ from interpreter_child import (
     run_interpreted_child,
     run_interpreted_script,
 )
-from ptx_sm90 import (
-    can_compile_sm90,
-    compile_sm90,
-    loads_before_pdl_wait,
-    ptxas_registers,
-    ptxas_spills,
-)
+from ptx_sm90 import can_compile_sm90, compile_sm90, loads_before_pdl_wait
 
 from laguna_dflash.kernels import pdl
 from laguna_dflash.kernels import skinny_gemm as sg
@@ -118,33 +112,6 @@ def test_interpreted_matches_reference(bn, bk, split, stages, use_dot, x_bcast, 
     _assert_close_to_exact(y, x, w)
     ref = sg.skinny_gemm_reference(x, w)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2 * _U[dtype] + 1e-5, atol=1e-5)
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("bn,bk,split,stages", [(16, 32, 1, 1), (8, 64, 3, 2), (8, 16, 4, 2)])
-def test_interpreted_sum_vectors_matches_reference(bn, bk, split, stages, m, dtype) -> None:
-    """``sum_vectors``: the GEMV on ``[BLOCK_N, BLOCK_K / 8, 8]`` tiles, each vector's products
-    summed into a ``[BLOCK_N, BLOCK_K / 8]`` accumulator a row; N = 40 and K = 100 leave a
-    ragged column tile and a K tail inside one vector (100 = 12 x 8 + 4), masked."""
-    x, w = _problem(m, 40, 100, dtype, seed=m * 5 + bn)
-    cfg = SkinnyConfig(bn, bk, split, num_warps=2, num_stages=stages, use_dot=False, sum_vectors=True)
-    y = skinny_gemm(x, w, cfg)
-    _assert_close_to_exact(y, x, w)
-    # another summation order than the plain GEMV, and the same where every sum is exact
-    xi, wi = x.round(), (w * 8).round()  # small integers: every partial sum exact in fp32
-    assert torch.equal(skinny_gemm(xi, wi, cfg).double(), xi.double() @ wi.double().T)
-
-
-@interpreted
-@pytest.mark.parametrize("m", [1, 4])
-def test_interpreted_sum_vectors_glu_is_silu_mul_of_the_gemm(m) -> None:
-    from laguna_dflash.kernels.silu_mul import silu_mul
-
-    x, w = _problem(m, 48, 96, torch.bfloat16, seed=m)
-    cfg = SkinnyConfig(16, 32, 2, num_warps=2, num_stages=2, use_dot=False, sum_vectors=True)
-    assert torch.equal(skinny_gemm(x, w, cfg, glu=True), silu_mul(skinny_gemm(x, w, cfg)))
 
 
 @interpreted
@@ -262,8 +229,6 @@ def test_rejects_bad_inputs() -> None:
         (SkinnyConfig(16, 32, split_k=True), "config.split_k"),
         (SkinnyConfig(16, 32, num_warps=3), "config.num_warps"),
         (SkinnyConfig(16, 32, num_stages=0), "config.num_stages"),
-        (SkinnyConfig(16, 32, use_dot=True, sum_vectors=True), "config.sum_vectors=True .*use_dot=False"),
-        (SkinnyConfig(16, 32, x_bcast=False, sum_vectors=True), "config.sum_vectors=True .*x_bcast=True"),
         ((16, 32, 1, 4, 3), "config must be a SkinnyConfig"),
     ]
     for cfg, match in bad_configs:
@@ -400,18 +365,6 @@ def test_sm90_code_shape() -> None:
         (body,) = _loop_bodies(ptx)
         assert "bar.sync" not in body and "st.shared" not in body, cfg
         assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in body, cfg
-    # sum_vectors at 4 rows: the same loop shape (16-byte vectors, nothing through shared
-    # memory) in well under the plain 4-row GEMV's registers (fifty-fifth pass: that one lost)
-    plain, vec = (SkinnyConfig(16, 256, 4, 8, 2, use_dot=False, sum_vectors=sv) for sv in (False, True))
-    regs = []
-    for cfg in (plain, vec):
-        ptx = _compile_sm90(4, 2048, 8192, cfg)
-        (body,) = _loop_bodies(ptx)
-        assert "bar.sync" not in body and "st.shared" not in body, cfg
-        assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in body, cfg
-        assert max(ptxas_spills(ptx)) == 0
-        regs.append(max(ptxas_registers(ptx)))
-    assert 2 * regs[1] <= regs[0], regs
     ptx = _compile_sm90(1, 2048, 2048, SkinnyConfig(32, 128, 1, 4, 1, use_dot=False, x_bcast=False))
     assert "st.shared" in _loop_bodies(ptx)[0]  # the documented alternative: x through smem
     ptx = _compile_sm90(16, 2048, 8192, SkinnyConfig(64, 128, 4, 4, 4, use_dot=True))
@@ -510,8 +463,6 @@ def test_cuda_s21_shapes(n, k, m) -> None:
 @pytest.mark.parametrize("cfg", [
     SkinnyConfig(32, 128, 1, 4, 3, use_dot=False),
     SkinnyConfig(16, 256, 4, 4, 3, use_dot=False),
-    SkinnyConfig(16, 256, 4, 8, 2, use_dot=False, sum_vectors=True),
-    SkinnyConfig(8, 256, 1, 4, 2, use_dot=False, sum_vectors=True),
     SkinnyConfig(64, 128, 1, 4, 4, use_dot=True),
     SkinnyConfig(64, 128, 4, 4, 4, use_dot=True, evict_first=False),
     SkinnyConfig(128, 64, 2, 8, 3, use_dot=True),

@@ -12,9 +12,9 @@ from pathlib import Path
 from laguna_dflash.kernels import staged_gemv
 
 REPO = Path(__file__).resolve().parents[1]
-# a test that pins the default 2-4 row config: it fails when the switch below is in effect
+# a test that pins the default one-row config: it fails when the switch below is in effect
 PINNED = "tests/test_kernel_staged_gemv.py::test_default_config_and_shared_memory"
-SWITCH = "laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=[16,64,16,4,true]"
+SWITCH = "laguna_dflash.kernels.staged_gemv:ONE_ROW_CONFIG=[8,512,12,4]"
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess:
@@ -26,11 +26,11 @@ def test_switch_reaches_the_tests_and_a_bad_one_names_the_fix():
     assert _pytest(PINNED).returncode == 0
     switched = _pytest(PINNED, "--switch", SWITCH)
     assert switched.returncode == 1 and "1 failed" in switched.stdout, switched.stdout[-2000:]
-    assert "stage_k: 64 != 128" in switched.stdout  # the switched config, not the default
+    assert "stages: 12 != 8" in switched.stdout  # the switched config, not the default
     # the header names it; a switch to the value it has changes nothing
-    same = _pytest(PINNED, "-v", "--switch", "laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=[16,128,8,4,true]")
-    assert same.returncode == 0 and "switches: laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG" in same.stdout
+    same = _pytest(PINNED, "-v", "--switch", "laguna_dflash.kernels.staged_gemv:ONE_ROW_CONFIG=[8,512,8,4]")
+    assert same.returncode == 0 and "switches: laguna_dflash.kernels.staged_gemv:ONE_ROW_CONFIG" in same.stdout
     bad = _pytest(PINNED, "--switch", "laguna_dflash.kernels.staged_gemv:NO_SUCH_CONFIG=1")
     assert bad.returncode == 4, bad.stdout + bad.stderr
     assert "--switch" in bad.stderr and "NO_SUCH_CONFIG" in bad.stderr and "module:attr=value" in bad.stderr
-    assert tuple(staged_gemv.MULTI_ROW_CONFIG) == (16, 128, 8, 4, True)  # this process: untouched
+    assert tuple(staged_gemv.ONE_ROW_CONFIG) == (8, 512, 8, 4)  # this process: untouched

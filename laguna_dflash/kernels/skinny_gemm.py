@@ -33,15 +33,11 @@ and the rows of ``x`` over the same K range (L2-resident, re-read by every colum
   that feed ``tl.dot``, so the GEMV double-buffers in registers). Checked on the sm_90 PTX
   (offline compile): no shared memory or barrier in the loop, 16-byte loads; a 3-D
   ``[M, BLOCK_N, BLOCK_K]`` formulation instead round-trips the weight tile itself through
-  shared memory every step. With ``sum_vectors`` (a config field, off in the measured table) the
-  tile is ``[BLOCK_N, BLOCK_K / 8, 8]``, a thread's 16-byte vector on the last axis, and each
-  step adds a vector's 8 products (in order) to ``acc [BLOCK_N, BLOCK_K / 8]`` a row: 1/8 of the
-  accumulator registers (82 against 172 a thread at 4 rows, 16 x 256, 8 warps; ptxas for sm_90),
-  the same loop shape (16-byte loads, no shared memory), ~1.1 instructions a product and row.
-  Four rows of full accumulators made the GEMV twice as slow in the verify graph as the dot path
-  (fifty-fifth pass); this is its register fix, and it lost too (``gpu_check.sh pass103``,
-  sixty-sixth pass: the 4-token verify graph 3.70-4.17 ms against 3.68 with the dot path, the
-  drafter block 0.44-0.58 against 0.33), so no default config uses it.
+  shared memory every step. At 4 rows the GEMV's full accumulators made it twice as slow in the
+  verify graph as the dot path (fifty-fifth pass); its register fix, ``[BLOCK_N, BLOCK_K / 8, 8]``
+  tiles adding each 16-byte vector's 8 products to 1/8 of the accumulators, lost too (sixty-sixth
+  pass: the 4-token verify graph 3.70-4.17 ms against 3.68 with the dot path, the drafter block
+  0.44-0.58 against 0.33 ms) and was removed (commit 5d91d44 is the last tree with it).
 * ``USE_DOT = True`` (default for ``M > 4``): ``acc [BLOCK_N, M_PAD] += W_tile @ x_tile^T`` on
   the tensor cores, with ``M_PAD = 16`` (tl.dot's minimum) and the weight as the wide operand
   ("swap AB": the padding falls on the 16-wide side). Triton stages the weight tiles through
@@ -148,11 +144,6 @@ class SkinnyConfig:
         evict_first: load the weight with ``eviction_policy="evict_first"`` (streamed once).
         x_bcast: GEMV path only: load x in the weight tile's shape (True) or as a vector
             broadcast through shared memory (False); see the module docstring.
-        sum_vectors: GEMV path only (needs ``x_bcast``): view a step's weight tile as
-            ``[BLOCK_N, BLOCK_K / 8, 8]`` (a thread's 16-byte vector on the last axis) and add
-            each vector's 8 products to a ``[BLOCK_N, BLOCK_K / 8]`` fp32 accumulator a row,
-            1/8 of the plain GEMV's registers a row (what 4 rows of accumulators cost it:
-            docs/PERFORMANCE.md, fifty-fifth pass); another fp32 summation order.
     """
 
     block_n: int
@@ -163,7 +154,6 @@ class SkinnyConfig:
     use_dot: bool | None = None
     evict_first: bool = True
     x_bcast: bool = True
-    sum_vectors: bool = False
 
 
 # Measured best configs, keyed by (m_bucket, N, K) with m_bucket = next_pow2(M) (1, 2, 4, 8, 16).
@@ -373,72 +363,35 @@ def _load_w(ptrs, mask, MASKED: tl.constexpr, EVICT_FIRST: tl.constexpr):
     return w
 
 
-def _col(v, SUM_VECTORS: tl.constexpr):
-    # a [BLOCK_N] vector as the weight tile's column: [BLOCK_N, 1], or [BLOCK_N, 1, 1]
-    if SUM_VECTORS:
-        c = v[:, None, None]
-    else:
-        c = v[:, None]
-    return c
-
-
-def _k_offs(k0, BLOCK_K: tl.constexpr, SUM_VECTORS: tl.constexpr):
-    # a step's K offsets from k0: [BLOCK_K], or [BLOCK_K / 8, 8] (16-byte vectors on the last axis)
-    if SUM_VECTORS:
-        v = tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
-        offs = tl.max_contiguous(tl.multiple_of(k0 + v, [8, 8]), [1, 8])
-    else:
-        offs = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    return offs
-
-
-def _row(offs_k, SUM_VECTORS: tl.constexpr):
-    # K offsets as the weight tile's row: [1, BLOCK_K], or [1, BLOCK_K / 8, 8]
-    if SUM_VECTORS:
-        r = offs_k[None, :, :]
-    else:
-        r = offs_k[None, :]
-    return r
-
-
-def _vsum(p, SUM_VECTORS: tl.constexpr):
-    # products [BLOCK_N, BLOCK_K] as they are, or [BLOCK_N, BLOCK_K / 8, 8] summed over each
-    # thread's vector (in order, fp32) to [BLOCK_N, BLOCK_K / 8]
-    if SUM_VECTORS:
-        p = tl.sum(p, axis=2)
-    return p
-
-
 def _gemv_w_load(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr, MASK_W: tl.constexpr,
-                 EVICT_FIRST: tl.constexpr, SUM_VECTORS: tl.constexpr):
-    # the weight tile [BLOCK_N, BLOCK_K] (SUM_VECTORS: [BLOCK_N, BLOCK_K / 8, 8]) at k0; ok = False
-    # masks it off (a prefetch past the chunk)
-    offs_k = _row(_k_offs(k0, BLOCK_K, SUM_VECTORS), SUM_VECTORS)
-    return _load_w(w_rows + offs_k, (_col(offs_n, SUM_VECTORS) < N) & (offs_k < K) & ok,
+                 EVICT_FIRST: tl.constexpr):
+    # the weight tile [BLOCK_N, BLOCK_K] at k0; ok = False masks it off (a prefetch past the chunk)
+    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    return _load_w(w_rows + offs_k[None, :], (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
                    MASK_W, EVICT_FIRST)
 
 
 def _gemv_loads(
     w_rows, x_ptr, k0, ok, offs_n, zero_n, M, N, K, stride_xm, stride_xk,
     BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr,
-    X_BCAST: tl.constexpr, SUM_VECTORS: tl.constexpr,
+    X_BCAST: tl.constexpr,
 ):
     # the weight tile [BLOCK_N, BLOCK_K] at k0 and the x rows' slices (rows past M_PAD: row 0's,
     # unused); ok = False masks everything off (a prefetch past the chunk)
-    w = _gemv_w_load(w_rows, k0, ok, offs_n, N, K, BLOCK_K, MASK_W, EVICT_FIRST, SUM_VECTORS)
+    w = _gemv_w_load(w_rows, k0, ok, offs_n, N, K, BLOCK_K, MASK_W, EVICT_FIRST)
     x0, x1, x2, x3 = _gemv_x_loads(x_ptr, k0, ok, zero_n, M, K, stride_xm, stride_xk, BLOCK_K,
-                                   M_PAD, X_BCAST, SUM_VECTORS)
+                                   M_PAD, X_BCAST)
     return w, x0, x1, x2, x3
 
 
 def _gemv_x_loads(x_ptr, k0, ok, zero_n, M, K, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
-                  M_PAD: tl.constexpr, X_BCAST: tl.constexpr, SUM_VECTORS: tl.constexpr):
+                  M_PAD: tl.constexpr, X_BCAST: tl.constexpr):
     # the x rows' slices at k0 for _gemv_loads
-    offs_k = _k_offs(k0, BLOCK_K, SUM_VECTORS)
+    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     if X_BCAST:
         # x rows loaded with the weight tile's shape (stride 0 along n): the same layout as w, no
         # shared-memory shuffle or barrier in the loop; the redundant lanes hit L1
-        kk = _row(offs_k, SUM_VECTORS) + zero_n
+        kk = offs_k[None, :] + zero_n
     else:
         # x rows as [BLOCK_K] vectors, broadcast after the load (the compiler spreads them
         # through shared memory: one store, a few loads, two barriers per step)
@@ -507,7 +460,7 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, glu_inter,
     K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, SUM_VECTORS: tl.constexpr, PREFETCH: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     GLU: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
@@ -551,44 +504,41 @@ def _skinny_gemm_kernel(
         # GEMV, M_PAD <= 4 rows: one [BLOCK_N, BLOCK_K] fp32 accumulator per row, all in the
         # weight tile's layout (one FMA per element and row; the K reduction once, at the end).
         # PREFETCH: the loads of step i + 1 are issued before the FMAs of step i (a register
-        # double buffer; Triton's pipeliner only stages loads that feed tl.dot). SUM_VECTORS:
-        # the tiles are [BLOCK_N, BLOCK_K / 8, 8] and each step adds a vector's 8 products (in
-        # order) to acc [BLOCK_N, BLOCK_K / 8]
+        # double buffer; Triton's pipeliner only stages loads that feed tl.dot)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        w_rows = w_ptr + _col(_weight_rows(offs_n, glu_inter, GLU), SUM_VECTORS).to(tl.int64) * stride_wn
-        zero_n = _col(offs_n, SUM_VECTORS) * 0
-        ACC_K: tl.constexpr = BLOCK_K // 8 if SUM_VECTORS else BLOCK_K
-        acc0 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+        w_rows = w_ptr + _weight_rows(offs_n, glu_inter, GLU)[:, None].to(tl.int64) * stride_wn
+        zero_n = offs_n[:, None] * 0
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if M_PAD > 1:
-            acc1 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if M_PAD > 2:
-            acc2 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-            acc3 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
             # PDL: the first weight tile is loaded while the previous kernel may still run (the
             # weights are never written in a forward); x, its output, only after gdc_wait
-            w = _gemv_w_load(w_rows, k_start, True, offs_n, N, K, BLOCK_K, MASK_W, EVICT_FIRST, SUM_VECTORS)
+            w = _gemv_w_load(w_rows, k_start, True, offs_n, N, K, BLOCK_K, MASK_W, EVICT_FIRST)
             if PDL:
                 tl.extra.cuda.gdc_wait()
             x0, x1, x2, x3 = _gemv_x_loads(x_ptr, k_start, True, zero_n, M, K, stride_xm, stride_xk,
-                                           BLOCK_K, M_PAD, X_BCAST, SUM_VECTORS)
+                                           BLOCK_K, M_PAD, X_BCAST)
         for i in range(K_ITERS):
             if PREFETCH:
                 cw, c0, c1, c2, c3 = w, x0, x1, x2, x3
                 w, x0, x1, x2, x3 = _gemv_loads(
                     w_rows, x_ptr, k_start + (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n,
-                    M, N, K, stride_xm, stride_xk, BLOCK_K, M_PAD, True, EVICT_FIRST, X_BCAST, SUM_VECTORS)
+                    M, N, K, stride_xm, stride_xk, BLOCK_K, M_PAD, True, EVICT_FIRST, X_BCAST)
             else:
                 cw, c0, c1, c2, c3 = _gemv_loads(
                     w_rows, x_ptr, k_start + i * BLOCK_K, True, offs_n, zero_n, M, N, K,
-                    stride_xm, stride_xk, BLOCK_K, M_PAD, MASK_W, EVICT_FIRST, X_BCAST, SUM_VECTORS)
+                    stride_xm, stride_xk, BLOCK_K, M_PAD, MASK_W, EVICT_FIRST, X_BCAST)
             cw = cw.to(tl.float32)
-            acc0 += _vsum(cw * _bcast(c0, X_BCAST), SUM_VECTORS)
+            acc0 += cw * _bcast(c0, X_BCAST)
             if M_PAD > 1:
-                acc1 += _vsum(cw * _bcast(c1, X_BCAST), SUM_VECTORS)
+                acc1 += cw * _bcast(c1, X_BCAST)
             if M_PAD > 2:
-                acc2 += _vsum(cw * _bcast(c2, X_BCAST), SUM_VECTORS)
-                acc3 += _vsum(cw * _bcast(c3, X_BCAST), SUM_VECTORS)
+                acc2 += cw * _bcast(c2, X_BCAST)
+                acc3 += cw * _bcast(c3, X_BCAST)
         rows = tl.arange(0, M_PAD)[:, None]
         out = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)  # [M_PAD, BLOCK_N]
         if M_PAD > 1:
@@ -624,9 +574,8 @@ def _skinny_gemm_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _load_w, _dot_acc, _col, _k_offs, _row, _vsum, _gemv_w_load,
-                                         _gemv_x_loads, _gemv_loads, _bcast, _weight_rows, _store_y,
-                                         _skinny_gemm_kernel))
+    namespace = jit_functions(__name__, (_round_to, _load_w, _dot_acc, _gemv_w_load, _gemv_x_loads, _gemv_loads,
+                                         _bcast, _weight_rows, _store_y, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -679,9 +628,6 @@ def _check_config(cfg: SkinnyConfig, use_dot: bool, m: int) -> None:
         raise ValueError(f"config.split_k must be an int in [1, 64], got {cfg.split_k!r}")
     if cfg.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"config.num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps!r}")
-    if cfg.sum_vectors and (use_dot or not cfg.x_bcast):
-        raise ValueError("config.sum_vectors=True is a GEMV option that loads x in the weight tile's "
-                         "shape: pass use_dot=False and x_bcast=True with it, or sum_vectors=False")
     if isinstance(cfg.num_stages, bool) or not isinstance(cfg.num_stages, int) or cfg.num_stages < 1:
         raise ValueError(f"config.num_stages must be an int >= 1, got {cfg.num_stages!r}")
 
@@ -821,7 +767,6 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         USE_DOT=use_dot, IEEE=use_dot and (dtype == torch.float32 or interpret),
         MASK_W=n % cfg.block_n != 0 or k != split_k * k_per_split,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
-        SUM_VECTORS=bool(cfg.sum_vectors) and not use_dot,
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl, ROW_BLOCKS=row_blocks > 0,
         GLU=bool(glu), LIBDEVICE=not interpret,

@@ -47,17 +47,11 @@ _num_graph_builds = 0
 # where it runs (sm_90+, bf16 / fp16, tiling shapes) and a CUDA graph is built. On the H200 at
 # Laguna-XS-2.1 size: decode graph 2.22 -> 2.19 ms (docs/PERFORMANCE.md, thirteenth pass).
 use_staged_o_proj = True
-# Rows up to which o_proj takes the staged GEMV: 1 (batch-1 decode). 4 would take the K = 3
-# verify's o_proj too: timed on the H200, the 4-token verify graph got slower with every 2-4 row
-# config (3.95 -> 4.09-4.41 ms; gpu_check.sh staged4, docs/PERFORMANCE.md, fourteenth pass), and
-# again with attention's pre-wait loads at 4 tokens: 3.79-3.83 against 3.66 ms, drafter block
-# 0.35-0.36 against 0.33 (gpu_check.sh pass97, sixty-third pass). Those ran the first 2-4 row
-# kernel (x in shared memory, full accumulators: one program an SM); its replacements lost too
-# (gpu_check.sh pass102, sixty-sixth pass): the 4-token verify graph 3.79-3.81 ms on the tensor
-# cores and 4.52-4.55 on CUDA cores (x from global memory, 1/8 accumulators) against 3.68, the
-# drafter block 0.35-0.46 against 0.33, though the tensor-core kernel beat the skinny GEMM alone
-# behind a busy window (16.5 against 17.4 us).
-staged_o_proj_max_rows = 1
+# One token only (the staged GEMV is a one-row kernel): the K = 3 verify's and the drafter
+# block's o_proj go through row_parallel_linear (the skinny GEMM in the graphs). Every staged
+# 2-4 row kernel tried made those graphs slower on the H200 (docs/PERFORMANCE.md, fourteenth,
+# sixty-third and sixty-sixth passes; in the last, 4-token verify 3.79-4.55 against 3.68 ms,
+# drafter block 0.35-0.46 against 0.33 ms).
 # The dense MLPs' SwiGLU (the drafter's layers, the target's first layer) as the epilogue of the
 # skinny gate|up GEMM (skinny_gemm(..., glu=True): bitwise the GEMM then kernels/silu_mul.py, in
 # one launch) wherever :func:`linear` takes the skinny GEMM for that gate|up; False: the GEMM and
@@ -349,10 +343,10 @@ class Attention(nn.Module):
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
         prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
-        staged = (t <= staged_o_proj_max_rows and use_staged_o_proj and is_building_cuda_graph()
+        staged = (t == 1 and use_staged_o_proj and is_building_cuda_graph()
                   and not batch_invariant.is_active()
                   and self.o_proj.bias is None and not torch.is_grad_enabled()
-                  and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight, m=t))
+                  and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight))
         out = ctx.backend.attend(
             q, k_cache, v_cache, meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass108    # batch 16 and 64 at L = 4 (K = 3) against target-only, 65 new
-#                                           # tokens, this tree and .ab/base in turn, two processes
-#                                           # each (~8 min)
+#   bash benchmarks/gpu_check.sh pass108    # the staged GEMV's CUDA tests, then batch 16 and 64 at
+#                                           # L = 4 (K = 3) against target-only, 65 new tokens, this
+#                                           # tree and .ab/base in turn, two processes each (~9 min)
 #   bash benchmarks/gpu_check.sh pass107    # the engine's CUDA tests, then pass106's host path table
 #                                           # from this tree (with and without --gc-freeze: the
 #                                           # collections during it) and from .ab/base (~8 min)
@@ -431,7 +431,9 @@ case "$stage" in
         | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||^gc|rror" | tail -9
     done ;;
   pass108)
-    echo "== (sixty-sixth pass) batch 16 and 64, L = 4 (K = 3) against target-only, this tree and .ab/base"
+    echo "== (sixty-seventh pass) the one-row staged GEMV's CUDA tests (its 2-4 row kernels removed)"
+    gpu_tests 60 -n 4 tests/test_kernel_staged_gemv.py -k cuda | grep -v PASSED | tail -6
+    echo "== batch 16 and 64, L = 4 (K = 3) against target-only, this tree and .ab/base"
     for i in 1 2; do
       for tree in . .ab/base; do
         echo "-- $tree, process $i"

@@ -319,6 +319,16 @@ def gc_pauses():
         gc.callbacks.remove(record)
 
 
+def full_collection_ms(repeats: int = 3) -> float:
+    """Median host time of ``gc.collect()`` (all generations), ms."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        gc.collect()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
 def print_gc(batch: int, pauses: dict[int, list[float]]) -> None:
     """One line: the collections of each generation during a batch size's steps, and the
     longest pause."""
@@ -425,9 +435,10 @@ def main() -> None:
                   num_kv_blocks=(args.context + 320) // 16 * max(4, max_batch + 1))
         engine = llm.engine
         if args.gc_freeze:
-            gc.collect()
+            before = full_collection_ms()
             gc.freeze()
-            print(f"gc.freeze(): {gc.get_freeze_count()} objects of the start-up heap frozen")
+            print(f"gc.freeze(): {gc.get_freeze_count()} objects of the start-up heap frozen; a full "
+                  f"collection took {before:.2f} ms before, {full_collection_ms():.2f} ms after (median of 3)")
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
         proposer, taps = engine.proposer, engine.tap_layer_ids

@@ -35,8 +35,11 @@ def test_gc_freeze_and_the_collections_during_each_batch_size():
     done = _run("--new-tokens", "9", "--rounds", "1", "--gaps", "--gap-batches", "1,3", "--gc-freeze",
                 "--no-profile")
     assert done.returncode == 0, done.stderr[-3000:]
-    frozen = re.search(r"^gc.freeze\(\): (\d+) objects of the start-up heap frozen$", done.stdout, re.M)
+    frozen = re.search(r"^gc.freeze\(\): (\d+) objects of the start-up heap frozen; a full collection took "
+                       r"([\d.]+) ms before, ([\d.]+) ms after \(median of 3\)$", done.stdout, re.M)
     assert frozen and int(frozen.group(1)) > 10_000, done.stdout[-3000:]  # modules, the engine
+    # the frozen heap is not scanned: a full collection then walks only what was made since
+    assert float(frozen.group(3)) < float(frozen.group(2)), frozen.group(0)
     lines = re.findall(r"^gc during batch (\d+): gen 0: (\d+)(?: \(longest \d+ us\))?, gen 1: \d+.*, gen 2: \d+",
                        done.stdout, re.M)
     assert [b for b, _ in lines] == ["1", "3"], done.stdout[-3000:]

@@ -41,7 +41,7 @@ def freeze_startup_heap() -> int:
     models' Python objects, captured graphs, the tokenizer) moves to the collector's permanent
     generation, which no collection scans again (vLLM's engine freezes its start-up heap too).
     Without it, each full collection a long-running server triggers walks that whole heap while a
-    step waits: ~160 ms for a 40-layer engine's ~305k start-up objects on a 2-core CPU VM, against
+    step waits: ~150 ms for a 40-layer engine's ~305k start-up objects on a 2-core CPU VM, against
     ~0 ms once frozen (``benchmarks/host_timeline.py --gc-freeze``, docs/PERFORMANCE.md,
     sixty-seventh pass). Frozen objects are never collected: only a process that exists to serve
     calls this. Returns the number of objects frozen."""

@@ -11,7 +11,7 @@ time of its kernels. This script measures that, two ways, for each mode and row 
   largest kernels by name.
 
 Compare two trees by running it in each (the claim is the ratio of the two, on one device; the
-thirty-second pass ran the two-stage top-k candidate, on the branch ``exp/two-stage-topk``).
+thirty-second pass ran the two-stage top-k candidate, on a branch not kept).
 
     python benchmarks/profile_sampler.py                          # on the H200, V = 100352
     python benchmarks/profile_sampler.py --device cpu --vocab 4096 --rows 1 --iters 3  # wiring

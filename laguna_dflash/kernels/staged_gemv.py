@@ -40,8 +40,8 @@ memory; it has no interpreter: CPU tests check the sm_90 build offline and the v
 kernel's Python body run on torch tensors (tests/gluon_emulator.py: the index arithmetic,
 masks, staging and stores, not the compiler or races), GPU tests the values against an fp64
 reference (tests/test_kernel_staged_gemv.py). Other ways of filling the stages
-(TMA boxes, ``cp.async``) measured slower in the decode graph; they are on the branch
-``exp/staged-o-proj``.
+(TMA boxes, ``cp.async``) measured slower in the decode graph (docs/PERFORMANCE.md, thirteenth
+pass; their branch was not kept).
 """
 
 from __future__ import annotations

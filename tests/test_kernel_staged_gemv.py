@@ -28,10 +28,8 @@ def _build(cfg: stg.StagedConfig, k: int, pdl: bool = True) -> str:
     w, x = torch.empty(cfg.block_n, k, device="meta"), torch.empty(1, k, device="meta")
     kernel, _, _, consts = stg._launch_arguments(x, w, cfg, torch.empty(1, cfg.block_n, device="meta"))
     consts["PDL"] = pdl
-    types = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "stride_xm": "i32", "stride_ym": "i32"}
-    # the engine's x and y have 16-divisible row strides (triton specialises them at the launch)
-    return compile_gluon_sm90(kernel, types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl},
-                              divisible=("stride_xm", "stride_ym"))
+    types = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"}
+    return compile_gluon_sm90(kernel, types, consts, {"num_warps": cfg.num_warps, "launch_pdl": pdl})
 
 
 @pytest.mark.skipif(not can_compile_sm90() or INTERPRETED, reason="needs triton's nvidia backend")

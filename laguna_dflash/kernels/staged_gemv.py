@@ -195,25 +195,25 @@ def _kernel():
         return q0, q1, q2, q3
 
     @gluon.jit
-    def _x_to_shared(x_ptr, m, stride_xm, xr, cols, STAGE_K: gl.constexpr, NUM_K: gl.constexpr,
+    def _x_to_shared(x_ptr, xr, cols, STAGE_K: gl.constexpr, NUM_K: gl.constexpr,
                      X_ROWS: gl.constexpr, flat: gl.constexpr):
-        # row m of x [K] -> shared [X_ROWS, STAGE_K] (NUM_K rows of a stage each, padded)
-        xv = gl.load(x_ptr + m * stride_xm + xr[:, None] * STAGE_K + cols[None, :],
+        # x [K] -> shared [X_ROWS, STAGE_K] (NUM_K rows of a stage each, padded)
+        xv = gl.load(x_ptr + xr[:, None] * STAGE_K + cols[None, :],
                      mask=xr[:, None] < NUM_K, other=0.0)
         return gl.allocate_shared_memory(xv.dtype, [X_ROWS, STAGE_K], flat, xv)
 
     @gluon.jit
-    def _store_row(y_ptr, m, stride_ym, rows, acc):
-        out = gl.sum(acc, axis=1)  # [BLOCK_N], row m of y
-        gl.store(y_ptr + m * stride_ym + rows, out.to(y_ptr.dtype.element_ty))
+    def _store_row(y_ptr, rows, acc):
+        out = gl.sum(acc, axis=1)  # [BLOCK_N] of y
+        gl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty))
 
     @gluon.jit
     def _staged_gemv_kernel(
-        w_ptr, x_ptr, y_ptr, stride_xm, stride_ym, K: gl.constexpr, M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr, NUM_K: gl.constexpr,
-        X_ROWS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+        w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, STAGE_K: gl.constexpr,
+        STAGES: gl.constexpr, NUM_K: gl.constexpr, X_ROWS: gl.constexpr, PDL: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
-        # one row of x (M = 1): stages 0 .. PRE - 1 parked in shared memory before the wait, the
+        # x [K] (one row): stages 0 .. PRE - 1 parked in shared memory before the wait, the
         # rest consumed from registers after it; q0..q3 always hold the next four stages' loads
         # (in flight); x in shared memory, one accumulator [BLOCK_N, STAGE_K]
         PRE: gl.constexpr = STAGES if STAGES < NUM_K else NUM_K
@@ -228,7 +228,7 @@ def _kernel():
         if PDL:
             _gdc_wait()  # x is the previous kernel's output
         xr = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, w_layout))
-        x0 = _x_to_shared(x_ptr, 0, stride_xm, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
+        x0 = _x_to_shared(x_ptr, xr, cols, STAGE_K, NUM_K, X_ROWS, flat)
         acc0 = gl.zeros([BLOCK_N, STAGE_K], gl.float32, w_layout)
         gl.thread_barrier()  # x in shared memory, written by every thread
         for i in gl.static_range(PRE):
@@ -239,7 +239,7 @@ def _kernel():
             acc0 += w.to(gl.float32) * x0.slice(i, 1).load(w_layout).to(gl.float32)
         if PDL:
             _gdc_launch_dependents()  # the weights are read
-        _store_row(y_ptr, 0, stride_ym, rows, acc0)
+        _store_row(y_ptr, rows, acc0)
 
     return _staged_gemv_kernel
 
@@ -278,6 +278,6 @@ def _launch_arguments(x: torch.Tensor, weight: torch.Tensor, cfg: StagedConfig, 
     n, k = weight.shape
     use_pdl = pdl.active(x.device, False)
     num_k = k // cfg.stage_k
-    consts = dict(K=k, M=1, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.parked(k), NUM_K=num_k,
+    consts = dict(K=k, BLOCK_N=cfg.block_n, STAGE_K=cfg.stage_k, STAGES=cfg.parked(k), NUM_K=num_k,
                   X_ROWS=_next_pow2(num_k), PDL=use_pdl, num_warps=cfg.num_warps)
-    return _kernel(), (n // cfg.block_n,), (weight, x, y, x.stride(0), n), {**consts, **pdl.launch_options(use_pdl)}
+    return _kernel(), (n // cfg.block_n,), (weight, x, y), {**consts, **pdl.launch_options(use_pdl)}

@@ -39,7 +39,8 @@ def build_serving(config: ServerConfig, engine: LLMEngine | None = None,
 def freeze_startup_heap() -> int:
     """``gc.collect(); gc.freeze()``: every object alive once the server is built (modules, the
     models' Python objects, captured graphs, the tokenizer) moves to the collector's permanent
-    generation, which no collection scans again (vLLM's engine freezes its start-up heap too).
+    generation, which no collection scans again (vLLM 0.34's engine core and API server call
+    their ``freeze_gc_heap`` at start-up too).
     Without it, each full collection a long-running server triggers walks that whole heap while a
     step waits: ~150 ms for a 40-layer engine's ~305k start-up objects on a 2-core CPU VM, against
     ~0 ms once frozen (``benchmarks/host_timeline.py --gc-freeze``, docs/PERFORMANCE.md,

@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass109    # the tensor-core 2-4 row staged o_proj at footprints like
+#                                           # the one-row kernel's (72-80 KiB, 140-240 registers;
+#                                           # pass102 timed 136-144 KiB) in the 4-token verify and
+#                                           # drafter graphs, run from .ab/old, the last tree with
+#                                           # those kernels (~7 min); carry it, made by
+#                                           # git archive 5d91d44 laguna_dflash benchmarks | tar -x -C .ab/old
+#   bash benchmarks/gpu_check.sh pass110 CFG  # goal 2's cell at 65 new tokens from .ab/old: defaults
+#                                           # and the staged o_proj at 4 rows with MULTI_ROW_CONFIG =
+#                                           # CFG (e.g. [16,64,8,4,true]), two processes each (~6 min)
 #   bash benchmarks/gpu_check.sh pass108    # the staged GEMV's CUDA tests, then batch 16 and 64 at
 #                                           # L = 4 (K = 3) against target-only, 65 new tokens, this
 #                                           # tree and .ab/base in turn, two processes each (~9 min)
@@ -419,6 +428,29 @@ case "$stage" in
     timeout 300 python benchmarks/bench_skinny_gemm.py --only --m 1,4 --budget 240 \
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
+  pass109)
+    echo "== (sixty-eighth pass) the tensor-core 2-4 row staged o_proj at one-row-like footprints, 4-token verify"
+    echo "   and drafter graphs, from .ab/old (5d91d44); KiB / registers from offline sm_90a builds"
+    st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
+    cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
+    for mode in "--q 4" "--drafter --k 3"; do
+      echo "-- $mode: defaults (skinny GEMM), 16 x (4 x 128) 8 parked (144 KiB / 246: pass102's), 16 x (4 x 64) 8 parked"
+      echo "   (72 / 140), 16 x (4 x 128) 4 parked (80 / 240), 16 x (4 x 64) 4 parked (40 / 140)"
+      (cd .ab/old && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 240 python benchmarks/profile_decode_xs.py \
+        $mode --top 4 --new-tokens 8 --switch "$st" --switch "$st;$cf=[16,64,8,4,true]" \
+        --switch "$st;$cf=[16,128,4,4,true]" --switch "$st;$cf=[16,64,4,4,true]" 2>&1) | quiet \
+        | grep -E "^## |^\| [0-9]|staged|skinny|equal|failed|rror" | head -40
+    done ;;
+  pass110)
+    [ -n "${2:-}" ] || { echo "pass110 needs MULTI_ROW_CONFIG, e.g. [16,64,8,4,true]"; exit 2; }
+    echo "== (sixty-eighth pass) goal 2's cell at 65 new tokens from .ab/old (5d91d44): defaults and the staged"
+    echo "   o_proj at 4 rows with MULTI_ROW_CONFIG=$2, two processes each"
+    sw="laguna_dflash.models.layers:staged_o_proj_max_rows=4;laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG=$2"
+    for i in 1 2; do
+      echo "-- defaults, process $i"; (cd .ab/old && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell 85 --new-tokens 65)
+      echo "-- staged at 4 rows, process $i"
+      (cd .ab/old && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell 85 --new-tokens 65 --switch "$sw")
+    done ;;
   pass107)
     echo "== (sixty-seventh pass) the engine's CUDA tests"
     engine_cuda_tests 230 | grep -v PASSED | tail -8

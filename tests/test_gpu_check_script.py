@@ -9,6 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 TEXT = SCRIPT.read_text()
@@ -44,8 +46,22 @@ def _switch_targets() -> set[str]:
     return set(re.findall(r"(laguna_dflash(?:\.\w+)+:[A-Za-z_][\w.]*)", text))
 
 
+# The switches of the stages that run from .ab/old (a carried archive of an older commit, where
+# code since removed still is): they resolve at that commit, not in this tree.
+_OLD_TREE_COMMIT = "5d91d44"
+_OLD_TREE_STAGES = ("pass109", "pass110")
+_OLD_TREE_SWITCHES = {"laguna_dflash.models.layers:staged_o_proj_max_rows",
+                      "laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"}
+
+
+def _stage_body(stage: str) -> str:
+    body = TEXT[TEXT.index('case "$stage" in'):]
+    start = body.index(f"\n  {stage})\n")
+    return body[start : body.index(";;", start)]
+
+
 def test_every_switch_resolves():
-    targets = _switch_targets()
+    targets = _switch_targets() - _OLD_TREE_SWITCHES
     assert len(targets) > 15
     for target in sorted(targets):
         module, attr = target.split(":")
@@ -53,6 +69,29 @@ def test_every_switch_resolves():
         for part in attr.split("."):
             assert hasattr(obj, part), f"{target}: {part} is gone (gpu_check.sh would fail on the GPU)"
             obj = getattr(obj, part)
+
+
+def test_old_tree_switches_resolve_at_its_commit_and_run_only_from_its_tree():
+    """pass109 / pass110 flip settings of the staged o_proj's 2-4 row kernels, removed from this
+    tree: each must name an attribute that the commit archived into .ab/old assigns, and be used
+    only by the stages that run from .ab/old."""
+    assert f"git archive {_OLD_TREE_COMMIT} laguna_dflash benchmarks | tar -x -C .ab/old" in TEXT
+    assert _OLD_TREE_SWITCHES <= _switch_targets()
+    stages = [_stage_body(stage) for stage in _OLD_TREE_STAGES]
+    for stage in stages:
+        assert "cd .ab/old &&" in stage
+    for line in TEXT.splitlines():
+        for target in _OLD_TREE_SWITCHES:
+            if target in line:  # in those stages' bodies only
+                assert any(line in stage for stage in stages), line
+    for target in sorted(_OLD_TREE_SWITCHES):
+        module, attr = target.split(":")
+        proc = subprocess.run(["git", "show", f"{_OLD_TREE_COMMIT}:{module.replace('.', '/')}.py"],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        if proc.returncode != 0:  # a clone without that history
+            pytest.skip(f"commit {_OLD_TREE_COMMIT} is not in this clone: {proc.stderr.strip()}")
+        assert re.search(rf"^{attr}\b[^=\n]*=", proc.stdout, re.M), f"{target} is not assigned at {_OLD_TREE_COMMIT}"
+        assert not hasattr(importlib.import_module(module), attr), f"{target} is back in this tree: drop it here"
 
 
 # shell helpers that run a benchmark script with the arguments they are given

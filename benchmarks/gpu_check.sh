@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass109    # the tensor-core 2-4 row staged o_proj at footprints like
-#                                           # the one-row kernel's (72-80 KiB, 140-240 registers;
-#                                           # pass102 timed 136-144 KiB) in the 4-token verify and
+#   bash benchmarks/gpu_check.sh pass109    # the tensor-core 2-4 row staged o_proj parking 4.2-8.4 MB
+#                                           # a launch (40-80 KiB a program; pass102's configs parked
+#                                           # 16.8 MB, 136-144 KiB) in the 4-token verify and
 #                                           # drafter graphs, run from .ab/old, the last tree with
 #                                           # those kernels (~7 min); carry it, made by
 #                                           # git archive 5d91d44 laguna_dflash benchmarks | tar -x -C .ab/old
@@ -429,13 +429,13 @@ case "$stage" in
       --shapes 100352x3072,50176x2048,50176x3072 2>&1 | quiet \
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
   pass109)
-    echo "== (sixty-eighth pass) the tensor-core 2-4 row staged o_proj at one-row-like footprints, 4-token verify"
-    echo "   and drafter graphs, from .ab/old (5d91d44); KiB / registers from offline sm_90a builds"
+    echo "== (sixty-eighth pass) the tensor-core 2-4 row staged o_proj parking less, 4-token verify and drafter"
+    echo "   graphs, from .ab/old (5d91d44); parked MB, shared KiB / registers from offline sm_90a builds"
     st="laguna_dflash.models.layers:staged_o_proj_max_rows=4"
     cf="laguna_dflash.kernels.staged_gemv:MULTI_ROW_CONFIG"
     for mode in "--q 4" "--drafter --k 3"; do
-      echo "-- $mode: defaults (skinny GEMM), 16 x (4 x 128) 8 parked (144 KiB / 246: pass102's), 16 x (4 x 64) 8 parked"
-      echo "   (72 / 140), 16 x (4 x 128) 4 parked (80 / 240), 16 x (4 x 64) 4 parked (40 / 140)"
+      echo "-- $mode: defaults (skinny GEMM), 16 x (4 x 128) 8 parked (16.8 MB, 144 KiB / 246: pass102's),"
+      echo "   16 x (4 x 64) 8 parked (8.4, 72 / 140), 16 x (4 x 128) 4 parked (8.4, 80 / 240), 16 x (4 x 64) 4 parked (4.2, 40 / 140)"
       (cd .ab/old && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout 240 python benchmarks/profile_decode_xs.py \
         $mode --top 4 --new-tokens 8 --switch "$st" --switch "$st;$cf=[16,64,8,4,true]" \
         --switch "$st;$cf=[16,128,4,4,true]" --switch "$st;$cf=[16,64,4,4,true]" 2>&1) | quiet \

@@ -29,7 +29,9 @@ cores: ``mma.sync m16n8k16``) both lost in the H200's CUDA graphs: the 4-token v
 3.79-3.81 ms with the tensor-core kernel and 4.52-4.55 with the CUDA-core one, against 3.68 with
 the skinny GEMM; the drafter block 0.35-0.46 against 0.33 ms (docs/PERFORMANCE.md, sixty-sixth
 pass). An earlier 2-4 row design (x in shared memory, full accumulators) lost in the fourteenth
-and sixty-third passes. Commit 5d91d44 is the last tree with the 2-4 row kernels.
+and sixty-third passes. Commit 5d91d44 is the last tree with the 2-4 row kernels; they were
+timed only at configs parking 16.8 MB a launch, and ``benchmarks/gpu_check.sh pass109`` times
+the tensor-core one at 4.2-8.4 MB from that tree (docs/PERFORMANCE.md, sixty-eighth pass).
 
 The grid and every launch argument depend only on the shapes and the config: CUDA-graph
 capturable, no host sync. The kernel sums in fp32 and rounds y once; it is bitwise reproducible

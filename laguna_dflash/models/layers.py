@@ -51,7 +51,9 @@ use_staged_o_proj = True
 # block's o_proj go through row_parallel_linear (the skinny GEMM in the graphs). Every staged
 # 2-4 row kernel tried made those graphs slower on the H200 (docs/PERFORMANCE.md, fourteenth,
 # sixty-third and sixty-sixth passes; in the last, 4-token verify 3.79-4.55 against 3.68 ms,
-# drafter block 0.35-0.46 against 0.33 ms).
+# drafter block 0.35-0.46 against 0.33 ms). Those configs parked as much as the one-row kernel
+# (16.8 MB a launch); benchmarks/gpu_check.sh pass109 times the tensor-core one parking less,
+# from 5d91d44, the last tree with it (sixty-eighth pass).
 # The dense MLPs' SwiGLU (the drafter's layers, the target's first layer) as the epilogue of the
 # skinny gate|up GEMM (skinny_gemm(..., glu=True): bitwise the GEMM then kernels/silu_mul.py, in
 # one launch) wherever :func:`linear` takes the skinny GEMM for that gate|up; False: the GEMM and

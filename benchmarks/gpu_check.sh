@@ -15,7 +15,8 @@
 #                                           # tree and .ab/base in turn, two processes each (~9 min)
 #   bash benchmarks/gpu_check.sh pass107    # the engine's CUDA tests, then pass106's host path table
 #                                           # from this tree (with and without --gc-freeze: the
-#                                           # collections during it) and from .ab/base (~8 min)
+#                                           # collections during it; batch 64 step by step with the
+#                                           # block work in each window) and from .ab/base (~8 min)
 #   bash benchmarks/gpu_check.sh pass106    # the DFlash step's host path (its sync to the next verify's
 #                                           # launch) against the drafter block queued ahead, GPU gap
 #                                           # by CUDA events, at batch 1, 16 and 64 (~4 min)
@@ -454,13 +455,19 @@ case "$stage" in
   pass107)
     echo "== (sixty-seventh pass) the engine's CUDA tests"
     engine_cuda_tests 230 | grep -v PASSED | tail -8
-    for run in ".:130:" ".:130:--gc-freeze" ".ab/base:170:"; do
+    n=0
+    for run in ".:130:--gap-steps" ".:130:--gc-freeze" ".ab/base:170:"; do
       IFS=: read -r tree limit extra <<<"$run"
       echo "== the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64: $tree $extra"
       [ "$tree" = . ] && extra="--no-profile $extra"
+      n=$((n + 1)); log="$(cd "${OUT:-/tmp}" && pwd)/pass107-$n.log"
       (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks timeout $limit python -u benchmarks/host_timeline.py \
-        --rounds 1 --top 4 --gaps --gap-batches 1,16,64 $extra 2>&1) | quiet \
-        | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||^gc|rror" | tail -9
+        --rounds 1 --top 4 --gaps --gap-batches 1,16,64 $extra >"$log" 2>&1)
+      quiet <"$log" | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||^gc|rror" | tail -9
+      if [[ "$extra" == *--gap-steps* ]]; then  # batch 64 step by step: do slow windows meet block work?
+        echo "-- batch 64: step | host us | GPU gap us | KV blocks allocated | full blocks registered"
+        sed -n '/^batch 64, step by step/,$p' "$log" | grep -E "^\| [0-9]+ \| [0-9.]+ \|" | head -24
+      fi
     done ;;
   pass108)
     echo "== (sixty-seventh pass) the one-row staged GEMV's CUDA tests (its 2-4 row kernels removed)"

@@ -25,13 +25,18 @@ phases). This script finds where that time goes:
   After the table, the garbage collections that ran during each row's steps (count and longest
   pause a generation, from ``gc.callbacks``); ``--gc-freeze`` runs ``gc.collect(); gc.freeze()`` once
   the engine is built, as ``laguna-dflash serve`` does at start-up, so the start-up heap
-  (modules, weights' Python objects, captured graphs) is no longer scanned.
+  (modules, weights' Python objects, captured graphs) is no longer scanned. ``--gap-steps`` lists
+  every step in order with the KV blocks the host allocated and the full blocks it registered
+  for prefix caching in its window: with equal prompt lengths a batch's requests cross block
+  boundaries in the same steps, and on the CPU those windows took 1.5-1.8x the median at batch 64
+  (docs/PERFORMANCE.md, sixty-eighth pass).
 
     python benchmarks/host_timeline.py                     # H200
     python benchmarks/host_timeline.py --switch laguna_dflash.engine.engine:store_context_in_verify=False
     python benchmarks/host_timeline.py --layers 4          # quicker, same phases
     python benchmarks/host_timeline.py --gaps --gap-batches 1,16,64 --rounds 1
     python benchmarks/host_timeline.py --gaps --gap-batches 64 --rounds 1 --gc-freeze
+    python benchmarks/host_timeline.py --gaps --gap-batches 64 --rounds 1 --no-profile --gap-steps
     python benchmarks/host_timeline.py --device cpu --layers 2 --context 64 --gaps --gap-batches 1,16,64
 """
 
@@ -218,11 +223,14 @@ def print_profile(title: str, result: tuple, top: int, num_kernels: int = 0,
                   f"{kernel_count[name] / steps:.1f} | {us / steps:.1f} |")
 
 
-def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) -> list[tuple[float, float, float]]:
-    """Per DFlash step of ``batch`` requests with drafts queued ahead, without the profiler, in
-    us: (the host's time from the step's sync returning to the next verify's launch, the GPU's
-    gap between the end of the drafter block queued ahead and the first work of that verify, the
-    drafter block's GPU span). The GPU columns come from CUDA events, one recorded after
+def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
+                batch: int = 1) -> list[tuple[float, float, float, int, int]]:
+    """Per DFlash step of ``batch`` requests with drafts queued ahead, without the profiler: (the
+    host's time from the step's sync returning to the next verify's launch, the GPU's gap between
+    the end of the drafter block queued ahead and the first work of that verify, the drafter
+    block's GPU span; us), then the KV blocks the host allocated and the full blocks it
+    registered for prefix caching in that window (block-boundary work, which a batch of equal
+    prompts does in the same steps). The GPU columns come from CUDA events, one recorded after
     ``propose_ahead``'s last launch, one just before the verify graph's replay (it runs when the
     host reaches it, so a late host shows as a gap; the replay call's own latency is not in it),
     one before ``propose_ahead``'s first launch; on the CPU (graph runners attached: the same
@@ -237,6 +245,17 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) ->
     synced: list[float] = []  # when the last step's host sync returned (perf_counter)
     propose_ahead, forward = proposer.propose_ahead, graphs.forward
     replay, run_model, tolist = torch.cuda.CUDAGraph.replay, graphs._run_model, HostCopy.tolist
+    allocator = engine.scheduler.allocator
+    allocate, register = allocator.allocate, allocator.register
+    blocks = [0, 0]  # allocated, registered since the last sync
+
+    def counted_allocate(num_blocks: int) -> list[int]:
+        blocks[0] += num_blocks
+        return allocate(num_blocks)
+
+    def counted_register(*args) -> None:
+        blocks[1] += 1
+        return register(*args)
 
     def event() -> torch.cuda.Event | None:
         if not is_cuda:
@@ -248,6 +267,7 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) ->
     def timed_tolist(copy):
         out = tolist(copy)
         synced[:] = [time.perf_counter()]
+        blocks[:] = [0, 0]
         return out
 
     def timed_propose_ahead(*args, **kwargs):
@@ -267,7 +287,7 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) ->
 
     def launching() -> None:  # the verify's launch: the host's time since the sync, an event
         if is_verify and is_verify[0] and synced:
-            rows.append((1e6 * (time.perf_counter() - synced[0]), *pending, event()))
+            rows.append((1e6 * (time.perf_counter() - synced[0]), *pending, event(), *blocks))
             pending.clear()
 
     def timed_replay(graph):
@@ -282,6 +302,7 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) ->
     # run's first step proposes, so its verify follows no block queued ahead and is not counted)
     step_time(llm, prompt, new_tokens, batch, warm=False)
     proposer.propose_ahead, graphs.forward, HostCopy.tolist = timed_propose_ahead, timed_forward, timed_tolist
+    allocator.allocate, allocator.register = counted_allocate, counted_register
     torch.cuda.CUDAGraph.replay = timed_replay
     if not is_cuda:
         graphs._run_model = timed_run_model
@@ -290,13 +311,15 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int, batch: int = 1) ->
         sync(llm.config.device)
     finally:
         proposer.propose_ahead, graphs.forward, HostCopy.tolist = propose_ahead, forward, tolist
+        del allocator.allocate, allocator.register  # the class's methods again
         torch.cuda.CUDAGraph.replay = replay
         if not is_cuda:
             del graphs._run_model
     if not is_cuda:
-        return [(host, math.nan, math.nan) for host, *_ in rows]
-    return [(host, 1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done))
-            for host, start, done, verify in rows]
+        return [(host, math.nan, math.nan, allocated, registered)
+                for host, _, _, _, allocated, registered in rows]
+    return [(host, 1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done), allocated, registered)
+            for host, start, done, verify, allocated, registered in rows]
 
 
 @contextlib.contextmanager
@@ -336,16 +359,25 @@ def print_gc(batch: int, pauses: dict[int, list[float]]) -> None:
     print(f"gc during batch {batch}: " + ", ".join(parts))
 
 
-def print_gaps(k: int, batch: int, rows: list[tuple[float, float, float]]) -> None:
+def print_gaps(k: int, batch: int, rows: list[tuple[float, float, float, int, int]]) -> None:
     """One row of the gaps table: medians (min-max) over the steps of one batch size."""
     def spread(values: list[float]) -> str:
         values = sorted(values)
         return "n/a" if math.isnan(values[0]) else f"{values[len(values) // 2]:.1f} ({values[0]:.1f}-{values[-1]:.1f})"
     if rows:
-        host, gap, span = zip(*rows)
+        host, gap, span = list(zip(*rows))[:3]
         print(f"| {batch} | {len(rows)} | {spread(list(host))} | {spread(list(gap))} | {spread(list(span))} |")
     else:
         print(f"| {batch} | 0 (no drafts ahead at DFlash K={k}) | | | |")
+
+
+def print_gap_steps(batch: int, rows: list[tuple[float, float, float, int, int]]) -> None:
+    """The steps of one batch size in order: host window, GPU gap, and the block work in the
+    window (where a slow window meets an allocation or prefix-cache registration)."""
+    print(f"\nbatch {batch}, step by step\n\n| step | host us | GPU gap us | KV blocks allocated | "
+          "full blocks registered |\n|---:|---:|---:|---:|---:|")
+    for i, (host, gap, _, allocated, registered) in enumerate(rows):
+        print(f"| {i} | {host:.1f} | {'n/a' if math.isnan(gap) else f'{gap:.1f}'} | {allocated} | {registered} |")
 
 
 def lm_head_table(device: str, n: int = 100352, k: int = 2048, copies: int = 3) -> list[tuple]:
@@ -395,6 +427,9 @@ def main() -> None:
                          "drafter block queued ahead (CUDA events; on the CPU the host's time only)")
     ap.add_argument("--gap-batches", default="1",
                     help="batch sizes of the --gaps table (default 1), e.g. 1,16,64")
+    ap.add_argument("--gap-steps", action="store_true",
+                    help="with --gaps: also list every step of each batch size (host window, GPU gap, "
+                         "the KV blocks allocated and registered in the window)")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the profiled steps (the step times and --gaps only)")
     ap.add_argument("--gc-freeze", action="store_true",
@@ -408,6 +443,8 @@ def main() -> None:
     gap_batches = [int(b) for b in args.gap_batches.split(",")] if args.gaps else []
     if any(b < 1 for b in gap_batches):
         ap.error(f"--gap-batches takes batch sizes >= 1, got {args.gap_batches!r}")
+    if args.gap_steps and not args.gaps:
+        ap.error("--gap-steps lists the steps of --gaps: add --gaps")
     max_batch = max(gap_batches, default=1)
     if not cpu:  # before the engine takes the memory
         print("| lm_head M | kernel | us | TB/s |\n|---:|---|---:|---:|")
@@ -488,14 +525,17 @@ def main() -> None:
             print(f"\nDFlash K={args.k}, steps with drafts ahead (no profiler), us: median (min-max)\n\n"
                   "| batch | steps | host: sync -> next verify launch | GPU gap: drafter block queued "
                   "ahead -> verify | drafter block span |\n|---:|---:|---|---|---|")
-            collections = {}
+            collections, steps = {}, {}
             for batch in gap_batches:
                 with gc_pauses() as collections[batch]:
-                    rows = verify_gaps(llm, prompt, args.new_tokens, batch)
-                print_gaps(args.k, batch, rows)
+                    steps[batch] = verify_gaps(llm, prompt, args.new_tokens, batch)
+                print_gaps(args.k, batch, steps[batch])
             print()
             for batch, pauses in collections.items():
                 print_gc(batch, pauses)
+            if args.gap_steps:
+                for batch, rows in steps.items():
+                    print_gap_steps(batch, rows)
             if cpu:
                 engine.runner.graphs = proposer.runner.graphs = None
         if args.no_profile:

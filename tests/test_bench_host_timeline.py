@@ -49,3 +49,26 @@ def test_gc_freeze_and_the_collections_during_each_batch_size():
 def test_bad_gap_batches_name_the_flag():
     done = _run("--gaps", "--gap-batches", "1,0")
     assert done.returncode == 2 and "--gap-batches takes batch sizes >= 1" in done.stderr
+
+
+def test_gap_steps_list_each_step_with_its_block_work():
+    # a 60-token prompt: its fourth block fills at position 63 and the fifth is needed from 64,
+    # both inside the 20 decode steps of 21 new tokens (one token a step)
+    done = _run("--context", "60", "--new-tokens", "21", "--rounds", "1", "--gaps", "--gap-batches", "1,3",
+                "--no-profile", "--gap-steps")
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = dict(re.findall(r"^\| (\d+) \| (\d+) \| [\d.]+ \(", done.stdout, re.M))
+    tables = re.split(r"^batch (\d+), step by step$", done.stdout, flags=re.M)[1:]
+    assert [tables[i] for i in range(0, len(tables), 2)] == ["1", "3"], done.stdout[-3000:]
+    for batch, text in zip(tables[0::2], tables[1::2]):
+        rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| n/a \| (\d+) \| (\d+) \|$", text, re.M)
+        assert [int(r[0]) for r in rows] == list(range(int(counts[batch]))), text
+        allocated, registered = (sum(int(r[k]) for r in rows) for k in (2, 3))
+        # every request of the batch crosses the same boundaries (equal prompts) in these windows
+        assert allocated > 0 and registered > 0 and allocated % int(batch) == registered % int(batch) == 0, text
+        assert all(float(r[1]) > 0 for r in rows)
+
+
+def test_gap_steps_need_gaps():
+    done = _run("--gap-steps")
+    assert done.returncode == 2 and "--gap-steps lists the steps of --gaps: add --gaps" in done.stderr

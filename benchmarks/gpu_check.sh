@@ -14,9 +14,9 @@
 #                                           # L = 4 (K = 3) against target-only, 65 new tokens, this
 #                                           # tree and .ab/base in turn, two processes each (~9 min)
 #   bash benchmarks/gpu_check.sh pass107    # the engine's CUDA tests, then pass106's host path table
-#                                           # from this tree (with and without --gc-freeze: the
-#                                           # collections during it; batch 64 step by step with the
-#                                           # block work in each window) and from .ab/base (~8 min)
+#                                           # from this tree (--gc-freeze: a full collection's time
+#                                           # before and after; batch 64 step by step with the block
+#                                           # work in each window) and from .ab/base (~8 min)
 #   bash benchmarks/gpu_check.sh pass106    # the DFlash step's host path (its sync to the next verify's
 #                                           # launch) against the drafter block queued ahead, GPU gap
 #                                           # by CUDA events, at batch 1, 16 and 64 (~4 min)
@@ -456,7 +456,8 @@ case "$stage" in
     echo "== (sixty-seventh pass) the engine's CUDA tests"
     engine_cuda_tests 230 | grep -v PASSED | tail -8
     n=0
-    for run in ".:130:--gap-steps" ".:130:--gc-freeze" ".ab/base:170:"; do
+    # limits: 230 + 150 + 170 s, inside one 600 s call
+    for run in ".:150:--gap-steps --gc-freeze" ".ab/base:170:"; do
       IFS=: read -r tree limit extra <<<"$run"
       echo "== the DFlash step's host path against the drafter block queued ahead, batch 1 / 16 / 64: $tree $extra"
       [ "$tree" = . ] && extra="--no-profile $extra"

@@ -466,7 +466,7 @@ case "$stage" in
         --rounds 1 --top 4 --gaps --gap-batches 1,16,64 $extra >"$log" 2>&1)
       quiet <"$log" | grep -E "^\| defaults|^\| [0-9]+ \| [0-9]+ \||^gc|rror" | tail -9
       if [[ "$extra" == *--gap-steps* ]]; then  # batch 64 step by step: do slow windows meet block work?
-        echo "-- batch 64: step | host us | GPU gap us | KV blocks allocated | full blocks registered"
+        echo "-- batch 64: step | host us | GPU gap us | KV blocks allocated | full blocks offered to the prefix cache"
         sed -n '/^batch 64, step by step/,$p' "$log" | grep -E "^\| [0-9]+ \| [0-9.]+ \|" | head -24
       fi
     done ;;

@@ -26,8 +26,8 @@ phases). This script finds where that time goes:
   pause a generation, from ``gc.callbacks``); ``--gc-freeze`` runs ``gc.collect(); gc.freeze()`` once
   the engine is built, as ``laguna-dflash serve`` does at start-up, so the start-up heap
   (modules, weights' Python objects, captured graphs) is no longer scanned. ``--gap-steps`` lists
-  every step in order with the KV blocks the host allocated and the full blocks it registered
-  for prefix caching in its window: with equal prompt lengths a batch's requests cross block
+  every step in order with the KV blocks the host allocated and the full blocks it offered the
+  prefix cache (hashed and registered, or found cached) in its window: with equal prompt lengths a batch's requests cross block
   boundaries in the same steps, and on the CPU those windows took 1.5-1.8x the median at batch 64
   (docs/PERFORMANCE.md, sixty-eighth pass).
 
@@ -228,8 +228,8 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
     """Per DFlash step of ``batch`` requests with drafts queued ahead, without the profiler: (the
     host's time from the step's sync returning to the next verify's launch, the GPU's gap between
     the end of the drafter block queued ahead and the first work of that verify, the drafter
-    block's GPU span; us), then the KV blocks the host allocated and the full blocks it
-    registered for prefix caching in that window (block-boundary work, which a batch of equal
+    block's GPU span; us), then the KV blocks the host allocated and the full blocks it offered
+    the prefix cache in that window (``register`` calls: a prefix already cached is a no-op) (block-boundary work, which a batch of equal
     prompts does in the same steps). The GPU columns come from CUDA events, one recorded after
     ``propose_ahead``'s last launch, one just before the verify graph's replay (it runs when the
     host reaches it, so a late host shows as a gap; the replay call's own latency is not in it),
@@ -375,7 +375,7 @@ def print_gap_steps(batch: int, rows: list[tuple[float, float, float, int, int]]
     """The steps of one batch size in order: host window, GPU gap, and the block work in the
     window (where a slow window meets an allocation or prefix-cache registration)."""
     print(f"\nbatch {batch}, step by step\n\n| step | host us | GPU gap us | KV blocks allocated | "
-          "full blocks registered |\n|---:|---:|---:|---:|---:|")
+          "full blocks offered to the prefix cache |\n|---:|---:|---:|---:|---:|")
     for i, (host, gap, _, allocated, registered) in enumerate(rows):
         print(f"| {i} | {host:.1f} | {'n/a' if math.isnan(gap) else f'{gap:.1f}'} | {allocated} | {registered} |")
 
@@ -429,7 +429,7 @@ def main() -> None:
                     help="batch sizes of the --gaps table (default 1), e.g. 1,16,64")
     ap.add_argument("--gap-steps", action="store_true",
                     help="with --gaps: also list every step of each batch size (host window, GPU gap, "
-                         "the KV blocks allocated and registered in the window)")
+                         "the KV blocks allocated and offered to the prefix cache in the window)")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the profiled steps (the step times and --gaps only)")
     ap.add_argument("--gc-freeze", action="store_true",

@@ -72,3 +72,26 @@ def test_a_body_nested_past_the_parsers_recursion_limit_is_a_400(bare_server):
     assert error["type"] == "BadRequestError" and "nested too deeply" in error["message"]
     ok = bare_server.post("/v1/completions", json={"prompt": [7, 8], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_400_on_every_body_route(bare_server):
+    """``json.loads`` raises a plain ValueError (not a JSONDecodeError) for an integer literal of
+    more than 4300 digits, which was answered as a 500 internal error; it is a 400 on every
+    route that reads a body, wherever the number stands (an ignored field too)."""
+    huge = "1" * 5000
+    bodies = {
+        "/v1/completions": ['{"prompt": "hi", "max_tokens": %s}', '{"prompt": [1, %s]}',
+                            '{"prompt": [1, 2], "junk": %s}'],
+        "/v1/chat/completions": ['{"messages": [{"role": "user", "content": "hi"}], "max_tokens": %s}'],
+        "/tokenize": ['{"prompt": "hi", "junk": %s}'],
+        "/detokenize": ['{"tokens": [1, %s]}'],
+    }
+    for route, templates in bodies.items():
+        for template in templates:
+            r = bare_server.post(route, content=(template % huge).encode(),
+                                 headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (route, template, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "BadRequestError" and "malformed JSON body" in error["message"], error
+    ok = bare_server.post("/v1/completions", json={"prompt": [7, 8], "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

@@ -122,7 +122,8 @@ class Serving:
         raw = await request.body()
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer literal
+            # past Python's digit limit (4300), which json.loads raises as a plain ValueError
             raise bad_request(f"malformed JSON body: {e}") from e
         except RecursionError:  # the parser recurses once per nested array or object
             raise bad_request("the JSON body is nested too deeply to parse; no request field "

@@ -465,6 +465,9 @@ def main() -> None:
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value set for the whole run before the engine is built "
                          "(repeatable), e.g. laguna_dflash.kernels.pdl:USE_PDL=True")
+    ap.add_argument("--draft-quantization", choices=("fp8",), default=None,
+                    help="the drafter's o_proj, MLP and lm_head copy in fp8 (models/fp8.py); "
+                         "target-only is the same either way")
     args = ap.parse_args()
     for text in args.switch:
         obj, name, value = parse_switch(text)
@@ -482,7 +485,7 @@ def main() -> None:
                       num_kv_blocks=(args.context + 320) // 16 * (max_batch + 1),
                       cuda_graph_capture="lazy")  # every timed cell runs warm first
         t0 = time.perf_counter()
-        spec = LLM(str(tdir), draft=str(ddir), **common)
+        spec = LLM(str(tdir), draft=str(ddir), draft_quantization=args.draft_quantization, **common)
         load_s = time.perf_counter() - t0
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()

@@ -25,7 +25,13 @@ us and TB/s, default-config us, best Triton config, its us and TB/s, cuBLAS / Tr
     python benchmarks/bench_skinny_gemm.py --quick --m 1,16   # smaller sweep
     python benchmarks/bench_skinny_gemm.py --shapes 4096x2048,2048x4096   # extra (drafter) shapes
     python benchmarks/bench_skinny_gemm.py --only --shapes 100352x2048 --m 1,4   # the lm_head alone
+    python benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --shapes 100352x2048,16384x2048,2048x8192
     TRITON_INTERPRET=1 python benchmarks/bench_skinny_gemm.py --device cpu --tiny   # wiring check
+
+``--fp8``: the weights quantized to e4m3 rows with fp32 scales (``models/fp8.py``; the drafter's
+``draft_quantization="fp8"``), the kernel's ``scale=`` path swept; the baselines stay bf16 (cuBLAS
+on the unquantized weight, and the bf16 kernel's default config, its own column), the table's
+TB/s counts one byte a weight element, and the printed dict is the fp8 configs'.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from laguna_dflash.kernels import skinny_gemm as sg  # noqa: E402
 from laguna_dflash.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
+from laguna_dflash.models.fp8 import quantize_rows  # noqa: E402
 
 SHAPES = [
     ("qkvg", 10304, 2048),
@@ -86,10 +93,13 @@ def gemv_regs(m: int, cfg: SkinnyConfig) -> float:
     return m_pad * per + per * (1 + (m_pad if cfg.x_bcast else 0)) / 2 * bufs + 16
 
 
-def fits(m: int, n: int, k: int, cfg: SkinnyConfig, use_dot: bool) -> bool:
+def fits(m: int, n: int, k: int, cfg: SkinnyConfig, use_dot: bool, weight_bytes: int = 2) -> bool:
     if use_dot:
-        # W tiles of all stages in shared memory (bf16) under ~200 KiB
-        return cfg.block_n >= 16 and cfg.block_n * cfg.block_k * 2 * cfg.num_stages <= 200 * 1024
+        # W tiles of all stages in shared memory under ~200 KiB; fp8 tiles are widened in
+        # registers: at most 64 x 256 of them
+        if weight_bytes == 1 and cfg.block_n * cfg.block_k > 64 * 256:
+            return False
+        return cfg.block_n >= 16 and cfg.block_n * cfg.block_k * weight_bytes * cfg.num_stages <= 200 * 1024
     return gemv_regs(m, cfg) <= 200  # beyond: spills / one CTA an SM
 
 
@@ -98,7 +108,7 @@ def base_config(bn: int, bk: int, split: int, use_dot: bool) -> SkinnyConfig:
     return SkinnyConfig(bn, bk, split, 4, 3 if use_dot else 2, use_dot=use_dot)
 
 
-def phase_a(m: int, n: int, k: int, quick: bool) -> list[SkinnyConfig]:
+def phase_a(m: int, n: int, k: int, quick: bool, weight_bytes: int = 2) -> list[SkinnyConfig]:
     """(block_n, block_k, split_k, use_dot) at 4 warps, pruned; the default config first."""
     out = []
     for use_dot in dot_modes(m):
@@ -113,7 +123,7 @@ def phase_a(m: int, n: int, k: int, quick: bool) -> list[SkinnyConfig]:
                 # split-K 8 only where even 4 leaves most SMs without a program (the router)
                 for split in (1, 2, 4, 8) if tiles * 4 < NUM_SMS // 2 else (1, 2, 4):
                     cfg = base_config(bn, bk, split, use_dot)
-                    if not fits(m, n, k, cfg, use_dot) or bk * split > k:
+                    if not fits(m, n, k, cfg, use_dot, weight_bytes) or bk * split > k:
                         continue
                     if not use_dot and next_pow2(m) * bn * bk > 64 * 32 * 4:  # accumulators
                         continue
@@ -128,7 +138,7 @@ def phase_a(m: int, n: int, k: int, quick: bool) -> list[SkinnyConfig]:
     return filled or out
 
 
-def phase_b(m: int, n: int, k: int, best: list[SkinnyConfig]) -> list[SkinnyConfig]:
+def phase_b(m: int, n: int, k: int, best: list[SkinnyConfig], weight_bytes: int = 2) -> list[SkinnyConfig]:
     """Warps x stages around the best phase-A configs; evict_first (and x_bcast) flipped on the
     best one."""
     out = []
@@ -137,7 +147,7 @@ def phase_b(m: int, n: int, k: int, best: list[SkinnyConfig]) -> list[SkinnyConf
         for warps in (2, 4, 8):
             for stages in ((2, 3, 4) if use_dot else (1, 2)):  # GEMV: prefetch off / on
                 cfg = dataclasses.replace(base, num_warps=warps, num_stages=stages)
-                if fits(m, n, k, cfg, use_dot):
+                if fits(m, n, k, cfg, use_dot, weight_bytes):
                     out.append(cfg)
     if best:
         out.append(dataclasses.replace(best[0], evict_first=not best[0].evict_first))
@@ -220,25 +230,29 @@ def time_cpu(fns: list[Callable[[], object]], reps: int = 2) -> float:
 # ---- parallel compilation -------------------------------------------------------------------------
 
 
-def _compile_worker(tasks: list[tuple[int, int, int, dict]]) -> int:
-    """Runs each ``(m, n, k, config fields)`` once on same-shaped bf16 CUDA tensors: Triton
-    compiles it into its on-disk cache, which the parent then hits. Returns the failures."""
+def _compile_worker(tasks: list[tuple[int, int, int, dict]], fp8: bool = False) -> int:
+    """Runs each ``(m, n, k, config fields)`` once on same-shaped bf16 CUDA tensors (an e4m3
+    weight and scales with ``fp8``): Triton compiles it into its on-disk cache, which the parent
+    then hits. Returns the failures."""
     torch.cuda.init()
-    weights: dict[tuple[int, int], torch.Tensor] = {}
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     failed = 0
     for m, n, k, fields in tasks:
         if (n, k) not in weights:
-            weights[(n, k)] = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
+            w = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
+            weights[(n, k)] = quantize_rows(w) if fp8 else (w, None)
         x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
         try:
-            sg.skinny_gemm(x, weights[(n, k)], SkinnyConfig(**fields))
+            w, scale = weights[(n, k)]
+            sg.skinny_gemm(x, w, SkinnyConfig(**fields), scale=scale)
         except Exception:  # compile errors (e.g. out of resources): the parent reports them
             failed += 1
     torch.cuda.synchronize()
     return failed
 
 
-def precompile(tasks: list[tuple[int, int, int, SkinnyConfig]], jobs: int, deadline: float) -> str:
+def precompile(tasks: list[tuple[int, int, int, SkinnyConfig]], jobs: int, deadline: float,
+               fp8: bool = False) -> str:
     """Compile the distinct candidates in ``jobs`` processes; returns a one-line summary."""
     seen, uniq = set(), []
     for m, n, k, cfg in tasks:
@@ -252,7 +266,7 @@ def precompile(tasks: list[tuple[int, int, int, SkinnyConfig]], jobs: int, deadl
     chunks = [uniq[i::jobs] for i in range(jobs)]
     t0 = time.time()
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
-    futures = [pool.submit(_compile_worker, chunk) for chunk in chunks]
+    futures = [pool.submit(_compile_worker, chunk, fp8) for chunk in chunks]
     done, pending = wait(futures, timeout=max(1.0, deadline - time.time()))
     if pending:  # out of time: stop the workers (our own children, by pid); the rest compiles lazily
         for proc in list(getattr(pool, "_processes", {}).values()):
@@ -272,18 +286,28 @@ def precompile(tasks: list[tuple[int, int, int, SkinnyConfig]], jobs: int, deadl
 class Case:
     """One (shape, M): inputs, the W copies to rotate through, the reference, the results."""
 
-    def __init__(self, name: str, n: int, k: int, m: int, device: torch.device, tiny: bool):
-        self.name, self.n, self.k, self.m = name, n, k, m
+    def __init__(self, name: str, n: int, k: int, m: int, device: torch.device, tiny: bool,
+                 fp8: bool = False):
+        self.name, self.n, self.k, self.m, self.fp8 = name, n, k, m, fp8
         g = torch.Generator(device=device).manual_seed(n * 31 + k + m)
         dtype = torch.bfloat16
         self.x = torch.randn(m, k, generator=g, device=device).to(dtype)
         w0 = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
-        copies = 1 if tiny else max(2, min(128, cdiv(ROTATE_BYTES, n * k * 2)))
-        self.weights = [w0] + [w0.clone() for _ in range(copies - 1)]
-        ref = self.x.float() @ w0.float().T
-        absprod = self.x.float().abs() @ w0.float().abs().T
+        weight_bytes = 1 if fp8 else 2
+        copies = 1 if tiny else max(2, min(128, cdiv(ROTATE_BYTES, n * k * weight_bytes)))
+        self.bf16_weights = [w0] + [w0.clone() for _ in range(copies - 1)]  # cuBLAS's, the bf16 kernel's
+        if fp8:  # (Wq, scale) copies; the reference multiplies out the dequantized weight
+            q, scale = quantize_rows(w0)
+            self.weights = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(copies - 1)]
+            w_ref = q.float() * scale[:, None]
+        else:
+            self.weights = [(w, None) for w in self.bf16_weights]
+            w_ref = w0.float()
+        ref = self.x.float() @ w_ref.T
+        absprod = self.x.float().abs() @ w_ref.abs().T
         self.ref, self.tol = ref, 2.0**-7 * ref.abs() + 1e-5 * absprod + 1e-6
-        self.bytes = (n * k + m * k + m * n) * 2
+        self.bytes = n * k * weight_bytes + (m * k + m * n) * 2 + (4 * n if fp8 else 0)
+        self.bf16_default_us = float("nan")
         self.results: dict[SkinnyConfig, float] = {}
         self.wrong: list[str] = []
         self.skipped = 0
@@ -296,14 +320,19 @@ class Case:
         return time_graph if self.x.is_cuda else time_cpu
 
     def time_cublas(self) -> None:
-        assert self.correct(F.linear(self.x, self.weights[0])), f"{self.name} M={self.m}: cuBLAS wrong?"
-        self.cublas_us = self.timer()([lambda w=w: F.linear(self.x, w) for w in self.weights])
+        if not self.fp8:  # the unquantized product: the fp8 reference is another weight
+            assert self.correct(F.linear(self.x, self.bf16_weights[0])), f"{self.name} M={self.m}: cuBLAS wrong?"
+        self.cublas_us = self.timer()([lambda w=w: F.linear(self.x, w) for w in self.bf16_weights])
+        if self.fp8:  # the bf16 kernel at its default config, for the fp8 one to beat
+            cfg = sg.default_config(self.m, self.n, self.k)
+            self.bf16_default_us = self.timer()([lambda w=w: sg.skinny_gemm(self.x, w, cfg)
+                                                 for w in self.bf16_weights])
 
     def time_config(self, cfg: SkinnyConfig) -> float | None:
         if cfg in self.results:
             return self.results[cfg]
         try:
-            y = sg.skinny_gemm(self.x, self.weights[0], cfg)
+            y = sg.skinny_gemm(self.x, *self.weights[0][:1], cfg, scale=self.weights[0][1])
         except Exception as exc:  # compile failure (resources): not a candidate
             self.wrong.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}")
             return None
@@ -312,13 +341,13 @@ class Case:
             self.wrong.append(f"{cfg}: WRONG RESULT ({err:.3g} x tolerance)")
             return None
         try:
-            us = self.timer()([lambda w=w: sg.skinny_gemm(self.x, w, cfg) for w in self.weights])
+            us = self.timer()([lambda w=w, s=s: sg.skinny_gemm(self.x, w, cfg, scale=s) for w, s in self.weights])
         except Exception as exc:
             self.wrong.append(f"{cfg}: timing failed: {type(exc).__name__}: {str(exc)[:120]}")
             return None
         # after many replays: still the same bits (split-K sums in a fixed order; a race in the
         # in-kernel reduction would show here)
-        if not torch.equal(sg.skinny_gemm(self.x, self.weights[0], cfg), y):
+        if not torch.equal(sg.skinny_gemm(self.x, self.weights[0][0], cfg, scale=self.weights[0][1]), y):
             self.wrong.append(f"{cfg}: NOT REPRODUCIBLE after the timing replays")
             return None
         self.results[cfg] = us
@@ -332,7 +361,7 @@ def run_phase(cases: list[Case], lists: list[list[SkinnyConfig]], args, deadline
     tasks = [(c.m, c.n, c.k, cfg) for c, cfgs in zip(cases, lists) for cfg in cfgs if cfg not in c.results]
     if args.device == "cuda":
         try:
-            summary = precompile(tasks, args.jobs, deadline - 20)
+            summary = precompile(tasks, args.jobs, deadline - 20, args.fp8)
         except Exception as exc:  # the timing loop compiles whatever is missing
             summary = f"parallel compile failed ({type(exc).__name__}: {exc}); compiling on first use"
         print(f"{label}: {summary}", flush=True)
@@ -364,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, 2 configs each (CPU wiring check)")
     ap.add_argument("--json", default="", help="also write every timing to this file")
+    ap.add_argument("--fp8", action="store_true",
+                    help="e4m3 weights with row scales (the kernel's scale= path; module docstring)")
     args = ap.parse_args(argv)
+    weight_bytes = 1 if args.fp8 else 2
     t_start = time.time()
     deadline = t_start + args.budget
     device = torch.device(args.device)
@@ -389,25 +421,33 @@ def main(argv: list[str] | None = None) -> int:
         bw = float("nan")
         print("device cpu (Triton interpreter): wiring check only, times are meaningless", flush=True)
 
-    cases = [Case(name, n, k, m, device, args.tiny) for name, n, k in shapes for m in ms]
+    cases = [Case(name, n, k, m, device, args.tiny, args.fp8) for name, n, k in shapes for m in ms]
     for case in cases:
         case.time_cublas()
+
+    def default(c: Case) -> SkinnyConfig:
+        return explicit(sg.default_config(c.m, c.n, c.k, fp8=args.fp8), c.m)
+
     if args.tiny:
-        lists = [[explicit(sg.default_config(c.m, c.n, c.k), c.m), SkinnyConfig(16, 32, 2, 2, 1, use_dot=True)]
-                 for c in cases]
+        lists = [[default(c), SkinnyConfig(16, 32, 2, 2, 1, use_dot=True)] for c in cases]
     else:
-        lists = [[explicit(sg.default_config(c.m, c.n, c.k), c.m)] + phase_a(c.m, c.n, c.k, args.quick)
-                 for c in cases]
+        lists = [[default(c)] + phase_a(c.m, c.n, c.k, args.quick, weight_bytes) for c in cases]
     run_phase(cases, lists, args, deadline, "phase A")
     for case in cases:
-        case.default_us = case.results.get(explicit(sg.default_config(case.m, case.n, case.k), case.m),
-                                           float("nan"))
+        case.default_us = case.results.get(default(case), float("nan"))
     if not args.tiny:
         top = 1 if args.quick else args.top_b
-        lists = [phase_b(c.m, c.n, c.k, [cfg for _, cfg in c.ranked()[:top]]) for c in cases]
+        lists = [phase_b(c.m, c.n, c.k, [cfg for _, cfg in c.ranked()[:top]], weight_bytes) for c in cases]
         run_phase(cases, lists, args, deadline, "phase B")
 
     # ---- report ----
+    if args.fp8:
+        print("\nfp8 weights (e4m3 rows, fp32 scales) against the bf16 kernel's default config (us):")
+        for c in cases:
+            ranked = c.ranked()
+            best_us = ranked[0][0] if ranked else float("nan")
+            print(f"  {c.name} {c.n} x {c.k} M={c.m}: bf16 default {c.bf16_default_us:.2f}, fp8 default "
+                  f"{c.default_us:.2f}, fp8 best {best_us:.2f} ({c.bf16_default_us / best_us:.2f}x)")
     print(f"\n{sum(len(c.results) for c in cases)} configs timed in {time.time() - t_start:.0f} s "
           f"(budget {args.budget:.0f} s, {sum(c.skipped for c in cases)} skipped at it); "
           "times in us per call (CUDA graph replay, W cycling through > L2); TB/s over W + x + y\n")
@@ -439,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c.name} M={c.m}: {w}")
 
     print("\n# paste into laguna_dflash/kernels/skinny_gemm.py (keys: (next_pow2(M), N, K))")
-    print("_MEASURED = {")
+    print("_MEASURED_FP8 = {" if args.fp8 else "_MEASURED = {")
     for (mb, n, k), (cfg, us, cub) in sorted(best.items()):
         fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
         print(f"    ({mb}, {n}, {k}): SkinnyConfig({fields}),  # {us:.2f} us, cuBLAS {cub:.2f} us")

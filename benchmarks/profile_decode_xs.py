@@ -208,7 +208,9 @@ def drafter_graph(llm: LLM, k: int):
 def drafter_layer_bytes(llm: LLM) -> int:
     """Weight bytes the drafter block's graph reads: the drafter's layers (its fc and context
     projection run in the context store, the lm_head after the graph)."""
-    return sum(p.numel() * p.element_size() for p in llm.engine.drafter.layers.parameters())
+    layers = llm.engine.drafter.layers
+    fp8 = [b for name, b in layers.named_buffers() if name.endswith(("weight", "weight_scale"))]  # models/fp8.py
+    return sum(t.numel() * t.element_size() for t in [*layers.parameters(), *fp8])
 
 
 def replay_ms(graph, n: int = 50) -> float:
@@ -426,6 +428,8 @@ def main() -> None:
     ap.add_argument("--drafter", action="store_true",
                     help="profile the drafter block's graph of a DFlash K step instead (module docstring)")
     ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per step")
+    ap.add_argument("--draft-quantization", choices=("fp8",), default=None,
+                    help="with --drafter: its o_proj and MLP (and lm_head copy) in fp8 (models/fp8.py)")
     ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                     help="the engine option (0: prefills eager; a narrower request-state row "
                          "for the decode graphs), for a decode A/B in two processes")
@@ -453,7 +457,7 @@ def main() -> None:
         if args.drafter:
             (Path(tmp) / "draft").mkdir()
             (Path(tmp) / "draft" / "config.json").write_text(json.dumps(xs_draft_config(args.layers)))
-            draft = {"draft": str(Path(tmp) / "draft")}
+            draft = {"draft": str(Path(tmp) / "draft"), "draft_quantization": args.draft_quantization}
         t0 = time.perf_counter()
         longest = max([args.context, *args.also_context])
 

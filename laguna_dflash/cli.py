@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--adaptive-k", action="store_true",
                    help="pick the draft length per step (<= K, 0 = no drafting) from measured "
                         "acceptance and step cost")
+    p.add_argument("--draft-quantization", choices=("fp8",), default=None,
+                   help="fp8: the drafter's o_proj, MLP and lm_head copy as fp8 rows with scales "
+                        "(half the bytes a draft streams; drafts may change, the output does not)")
     p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "
                         "torch_dtype, else bfloat16, on a GPU)")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")
@@ -283,10 +286,15 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
     """(model, draft, is_demo): the embedded pair when no --model is given. serve's vLLM and
     SGLang spellings of the drafter and K are merged into ``args.draft`` and
     ``args.num_speculative_tokens`` first."""
-    from .server.args import merge_draft_tensor_parallel_size, merge_speculative_spellings
+    from .server.args import (
+        merge_draft_quantization,
+        merge_draft_tensor_parallel_size,
+        merge_speculative_spellings,
+    )
 
     draft_flag, args.draft, _, args.num_speculative_tokens = merge_speculative_spellings(args)
     args.draft_tensor_parallel_size = merge_draft_tensor_parallel_size(args)
+    args.draft_quantization = merge_draft_quantization(args)
     check_checkpoint_dir("--model", args.model, "the target model's directory")
     if not args.no_spec:
         check_checkpoint_dir(draft_flag or "--draft", args.draft, "the DFlash drafter's directory")
@@ -326,6 +334,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_flags(args)
     for flag, is_given in (("--num-speculative-tokens", args.num_speculative_tokens is not None),
                            ("--adaptive-k", args.adaptive_k),
+                           ("--draft-quantization", args.draft_quantization is not None),
                            ("--simulate-acceptance-length", args.simulate_acceptance_length is not None),
                            ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size is not None)):
         if is_given and draft is None:  # they act on draft tokens: without a drafter, nothing
@@ -344,7 +353,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=model, draft=draft, **engine_options(args), max_num_seqs=1,
               num_speculative_tokens=args.num_speculative_tokens,
               adaptive_k=args.adaptive_k, simulate_acceptance_length=args.simulate_acceptance_length,
-              draft_tensor_parallel_size=args.draft_tensor_parallel_size, trace=args.trace)
+              draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+              draft_quantization=args.draft_quantization, trace=args.trace)
     load_s = time.perf_counter() - t0
     run = functools.partial(_request_tokens_per_s, prompt=prompt, prompt_ids=args.prompt_ids, params=params)
     out, decode_tps = run(llm)
@@ -430,7 +440,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
                        args.num_speculative_tokens, args.adaptive_k,
-                       draft_tensor_parallel_size=args.draft_tensor_parallel_size, **engine_options(args))
+                       draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+                       draft_quantization=args.draft_quantization, **engine_options(args))
     if not is_rank_zero():
         return 0
     # the numbers first: a plot that fails to save must not lose a finished benchmark

@@ -200,7 +200,19 @@ class SamplingParams:
 
 
 #: The keys of vLLM's ``speculative_config`` this engine reads; others are logged and ignored.
-VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size")
+VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
+                         "quantization")
+DRAFT_QUANTIZATIONS = ("fp8",)  # SpeculativeConfig.draft_quantization (models/fp8.py)
+
+
+def vllm_draft_quantization(cfg: dict, where: str) -> str | None:
+    """vLLM's ``speculative_config["quantization"]`` (the drafter's quantization) -> "fp8" or
+    None; ``where`` names it in errors."""
+    value = cfg.get("quantization")
+    if value is None or value in DRAFT_QUANTIZATIONS:
+        return value
+    raise ValueError(f"{where} quantization {value!r} is not supported for the drafter; use "
+                     f"{' or '.join(map(repr, DRAFT_QUANTIZATIONS))} (weight-only, models/fp8.py) or leave it out")
 
 
 def from_vllm_speculative_config(cfg: object, where: str) -> tuple[str, int | None, int | None]:
@@ -250,8 +262,15 @@ class SpeculativeConfig:
     # tensor_parallel_size shards its layers as the target's are; None: sharded where its heads
     # and MLP width divide the ranks, else replicated
     draft_tensor_parallel_size: int | None = None
+    # "fp8": the drafter's o_proj, MLP and its use of the shared lm_head as fp8 rows with fp32
+    # scales (models/fp8.py: half the bytes a drafter block and its lm_head stream; drafts may
+    # change, the output does not); None: the drafter in the engine's dtype
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_quantization is not None and self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be 'fp8' or unset (--draft-quantization), got "
+                             f"{self.draft_quantization!r}")
         dtp = self.draft_tensor_parallel_size
         if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
             raise ValueError("draft_tensor_parallel_size must be an integer >= 1 (--draft-tensor-"

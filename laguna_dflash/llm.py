@@ -7,7 +7,13 @@ import numbers
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import EngineConfig, SamplingParams, SpeculativeConfig, from_vllm_speculative_config
+from .config import (
+    EngineConfig,
+    SamplingParams,
+    SpeculativeConfig,
+    from_vllm_speculative_config,
+    vllm_draft_quantization,
+)
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
 from .server.detokenizer import IncrementalDetokenizer, OutputText
@@ -86,12 +92,14 @@ class LLM:
 
     ``LLM(model=DIR, draft=None, dtype="float32", device="cpu", max_model_len=None,
     num_speculative_tokens=None, adaptive_k=False, draft_tensor_parallel_size=None,
-    **engine_options)``; vLLM's ``speculative_config={"method": "dflash", "model": DIR,
+    draft_quantization=None, **engine_options)``; vLLM's ``speculative_config={"method": "dflash", "model": DIR,
     "num_speculative_tokens": K, "draft_tensor_parallel_size": N}`` may stand for ``draft``,
     ``num_speculative_tokens`` and ``draft_tensor_parallel_size`` (with tensor parallelism: 1
     replicates the drafter on every rank, the target's size shards it; unset: sharded where its
     widths divide the ranks); ``adaptive_k`` picks
-    K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting); engine options are the fields of
+    K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting);
+    ``draft_quantization="fp8"`` stores the drafter's o_proj, MLP and lm_head copy as fp8 rows
+    (models/fp8.py; drafts may change, the output does not); engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
 
@@ -107,6 +115,7 @@ class LLM:
         simulate_acceptance_length: float | None = None,
         speculative_config: dict | None = None,
         draft_tensor_parallel_size: int | None = None,
+        draft_quantization: str | None = None,
         **engine_options,
     ) -> None:
         if speculative_config is not None:  # vLLM's spelling of draft= / num_speculative_tokens=
@@ -117,16 +126,22 @@ class LLM:
                                  "not both")
             draft, num_speculative_tokens, draft_tensor_parallel_size = from_vllm_speculative_config(
                 speculative_config, "speculative_config=")
+            if draft_quantization is not None:
+                raise ValueError("give the drafter's quantization once: speculative_config's "
+                                 '"quantization" (vLLM\'s spelling) or draft_quantization=, not both')
+            draft_quantization = vllm_draft_quantization(speculative_config, "speculative_config=")
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
                                             adaptive=adaptive_k,
                                             simulate_acceptance_length=simulate_acceptance_length,
-                                            draft_tensor_parallel_size=draft_tensor_parallel_size)
+                                            draft_tensor_parallel_size=draft_tensor_parallel_size,
+                                            draft_quantization=draft_quantization)
         else:  # these act on draft tokens: without a drafter they would silently do nothing
             for name, is_given in (("num_speculative_tokens", num_speculative_tokens is not None),
                                    ("draft_tensor_parallel_size", draft_tensor_parallel_size is not None),
                                    ("adaptive_k", adaptive_k),
+                                   ("draft_quantization", draft_quantization is not None),
                                    ("simulate_acceptance_length", simulate_acceptance_length is not None)):
                 if is_given:
                     raise ValueError(f"{name} was given without draft=; pass a DFlash drafter directory")

@@ -169,10 +169,10 @@ def _qkv_norm_rope_cache_kernel(
         if PRELOAD >= 2:
             acc = _peeled_dot(acc, w1, x_rows, BLOCK_K + offs_k, rows_ok, K, stride_xk, IEEE)
         acc = _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, PRELOAD * BLOCK_K, M, N, K, stride_xk,
-                       K_ITERS - PRELOAD, BLOCK_K, IEEE, MASK_W, True)
+                       K_ITERS - PRELOAD, BLOCK_K, IEEE, MASK_W, True, False)
     else:
         acc = _dot_acc(tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
-                       0, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, True)
+                       0, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, True, False)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()  # the weight rows are read: let attention launch
     x = _round_to(tl.trans(acc), DTYPE)  # [M_PAD, HEAD_DIM]: the GEMM output, as the GEMM rounds it

@@ -76,6 +76,11 @@ Gate and up are rounded where the plain GEMM stores them, then activated as
 ``kernels/silu_mul.py`` does: bitwise ``silu_mul(skinny_gemm(x, W))`` under the same config,
 with one launch fewer and no ``[M, 2I]`` round trip.
 
+``scale=`` with a ``float8_e4m3fn`` weight (weight-only fp8, a drafter's option:
+``models/fp8.py``): ``y[m, n] = scale[n] * sum_k x[m, k] Wq[n, k]``, the weight streamed at one
+byte an element (half of bf16's bytes) and widened to x's dtype in registers (exact), fp32
+accumulation as above, the row scale applied before the split-K partials and the rounding.
+
 The grid and every launch argument depend only on the shapes and the config (no host sync, no
 data-dependent sizes): capturable. fp32 inputs accumulate exact products (``tl.dot`` in "ieee"
 precision, not tf32). Under Triton's CPU interpreter the dot path also runs in fp32 (its bf16
@@ -103,6 +108,7 @@ if TYPE_CHECKING:
     import triton.language as tl
 
 __all__ = [
+    "FP8_DTYPE",
     "MAX_M",
     "MAX_ROW_BLOCKS",
     "SkinnyConfig",
@@ -119,6 +125,7 @@ MAX_ROW_BLOCKS = 64  # 16-row blocks of one skinny_gemm_rows launch (its workspa
 _MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
 _MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPE = torch.float8_e4m3fn  # a weight of this dtype comes with per-row fp32 scales
 _NUM_SMS_H200 = 132
 
 
@@ -260,19 +267,28 @@ def is_tuned(m: int, n: int, k: int) -> bool:
 # need not win (the head GEMM's did not: docs/PERFORMANCE.md, fifty-eighth pass):
 # ``"M_BUCKET,N,K"`` (M_BUCKET = next_pow2(M), as in ``_MEASURED``) -> SkinnyConfig fields that
 # replace those of the config :func:`default_config` would give, e.g.
-# ``{"4,2048,8192": {"split_k": 8}}``. Empty: the table and the heuristic alone. The 4-row
+# ``{"4,2048,8192": {"split_k": 8}}`` (an e4m3 weight's: ``"fp8,4,2048,8192"``). Empty: the
+# table and the heuristic alone. The 4-row
 # N 2048 x K 8192 entry (the verify's o_proj, the drafter's o_proj and down) swept this way:
 # none of split 8, block_n 32, block_k 128 x 4 stages x split 8, 8 warps or 4 stages beat the
 # table's config in the verify or drafter graphs (fifty-ninth pass).
 CONFIG_OVERRIDES: dict[str, dict] = {}
 
 
-def default_config(m: int, n: int, k: int) -> SkinnyConfig:
+def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
     """Config for ``x [m, k] @ W[n, k]^T``: the measured table (``_MEASURED``, smallest bucket
     ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic; with the fields of a
-    :data:`CONFIG_OVERRIDES` entry for this shape replaced. ``1 <= m <= 16``."""
+    :data:`CONFIG_OVERRIDES` entry for this shape replaced. ``1 <= m <= 16``.
+
+    ``fp8`` (an e4m3 weight, one byte an element): the bf16 config with ``block_k`` doubled, so
+    that a tile and a K step move the same bytes (the dot path's at most 256: its tiles are
+    widened in registers); not measured yet (``bench_skinny_gemm.py --fp8`` sweeps them); its
+    override key is ``"fp8,M_BUCKET,N,K"``."""
     cfg = _table_config(m, n, k)
-    fields = CONFIG_OVERRIDES.get(f"{_next_pow2(max(1, m))},{n},{k}") if CONFIG_OVERRIDES else None
+    if fp8:  # the dot path widens each tile in registers: at most 64 x 256 of them (~64 a thread)
+        cfg = dataclasses.replace(cfg, block_k=min(2 * cfg.block_k, 256 if _use_dot(cfg, m) else 4096))
+    key = f"{'fp8,' if fp8 else ''}{_next_pow2(max(1, m))},{n},{k}"
+    fields = CONFIG_OVERRIDES.get(key) if CONFIG_OVERRIDES else None
     if fields is None:
         return cfg
     try:
@@ -299,15 +315,20 @@ def is_available(device: torch.device | str) -> bool:
     return triton_can_run(device, min_major=8)
 
 
-def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`skinny_gemm` accepts ``(x, weight)`` and can run where they live: both 2-D
-    on one device where :func:`is_available`, ``1 <= M <= 16`` (``M = 0`` is also accepted),
-    matching K, one dtype of fp32 / bf16 / fp16, weight with unit column stride. (Any K and N;
-    ragged tiles are masked.)"""
+def can_use(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Whether :func:`skinny_gemm` accepts ``(x, weight, scale)`` and can run where they live: both
+    2-D on one device where :func:`is_available`, ``1 <= M <= 16`` (``M = 0`` is also accepted),
+    matching K, x of fp32 / bf16 / fp16 and weight of x's dtype, or e4m3 with ``scale [N]``
+    fp32 (contiguous, same device), weight with unit column stride. (Any K and N; ragged tiles
+    are masked.)"""
+    is_fp8 = weight.dtype == FP8_DTYPE
     return (
         x.dim() == 2 and weight.dim() == 2
         and x.shape[0] <= MAX_M and x.shape[1] == weight.shape[1]
-        and x.dtype in _DTYPES and weight.dtype == x.dtype
+        and x.dtype in _DTYPES and (weight.dtype == x.dtype or is_fp8)
+        and (scale is not None) == is_fp8
+        and (scale is None or (scale.shape == (weight.shape[0],) and scale.dtype == torch.float32
+                               and scale.is_contiguous() and scale.device == x.device))
         and x.device == weight.device
         and (weight.stride(1) == 1 or weight.shape[1] <= 1)
         and is_available(x.device)
@@ -317,9 +338,13 @@ def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # ---- torch reference ------------------------------------------------------------------------------
 
 
-def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)``: ``x [M, K] @ weight[N, K]^T -> [M, N]`` in x.dtype."""
-    return F.linear(x, weight)
+def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor,
+                          scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)``: ``x [M, K] @ weight[N, K]^T -> [M, N]`` in x.dtype; an e4m3
+    ``weight`` with ``scale [N]``: its rows times their scales, in fp32, then rounded once."""
+    if scale is None:
+        return F.linear(x, weight)
+    return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
 
 
 # ---- Triton kernel ----------------------------------------------------------------------------------
@@ -330,10 +355,13 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 def _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K_ITERS: tl.constexpr,
-             BLOCK_K: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr):
+             BLOCK_K: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr, EVICT_FIRST: tl.constexpr,
+             W_FP8: tl.constexpr):
     # the dot path's K loop: acc[n, m] += W[n, k] x[m, k], K_ITERS steps of BLOCK_K from k_start,
     # in order, into acc (fp32 [BLOCK_N, M_PAD]); w_rows / x_rows: row pointers [BLOCK_N, 1] /
     # [M_PAD, 1]. The weight is the wide (MMA M-side) operand; Triton's pipeliner stages its loads.
+    # W_FP8: the tile is e4m3, widened to x's dtype in registers (exact: e4m3's 3 mantissa bits
+    # fit bf16's 7 and fp16's 10; its exponents fit both) before the dot
     for i in range(K_ITERS):
         k0 = k_start + i * BLOCK_K
         offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
@@ -343,6 +371,8 @@ def _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        elif W_FP8:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
         else:
             acc = tl.dot(w, tl.trans(x), acc)
     return acc
@@ -456,13 +486,13 @@ def _store_y(acc, y_ptr, stride_ym, pid_n, M, N, M_PAD: tl.constexpr, BLOCK_N: t
 
 
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, scale_ptr,
     M, N, K, stride_xm, stride_xk, stride_wn, stride_ym, glu_inter,
     K_ITERS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, MASK_W: tl.constexpr,
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-    GLU: tl.constexpr, LIBDEVICE: tl.constexpr,
+    GLU: tl.constexpr, LIBDEVICE: tl.constexpr, W_FP8: tl.constexpr,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
@@ -474,6 +504,9 @@ def _skinny_gemm_kernel(
     # N = 2I counts VIRTUAL rows v = 2c + h of weight row h I + c (_weight_rows): a column tile
     # holds the gate and up rows of BLOCK_N / 2 output columns, and the epilogue stores
     # silu(gate) * up of them into y [M, I] (_store_y)
+    # W_FP8 (an e4m3 weight, skinny_gemm(..., scale=)): acc[n, m] = sum_k x[m, k] Wq[n, k] as
+    # above (the e4m3 values are exact in fp32 and in x's dtype), then times the fp32 scale of
+    # weight row n, before the split-K partials or the store
     if ROW_BLOCKS:
         pid_b = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
@@ -498,7 +531,7 @@ def _skinny_gemm_kernel(
         w_rows = w_ptr + _weight_rows(offs_n, glu_inter, GLU)[:, None].to(tl.int64) * stride_wn
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         acc = _dot_acc(tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
-                       k_start, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, EVICT_FIRST)
+                       k_start, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, EVICT_FIRST, W_FP8)
         out = tl.trans(acc)  # [M_PAD, BLOCK_N]
     else:
         # GEMV, M_PAD <= 4 rows: one [BLOCK_N, BLOCK_K] fp32 accumulator per row, all in the
@@ -549,6 +582,10 @@ def _skinny_gemm_kernel(
 
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the weights are read: let the next kernel start
+    if W_FP8:  # the per-row scales, once a column (weight rows: _weight_rows)
+        offs_ns = n0 + tl.arange(0, BLOCK_N)
+        row_scale = tl.load(scale_ptr + _weight_rows(offs_ns, glu_inter, GLU), mask=offs_ns < N, other=0.0)
+        out = out * row_scale[None, :]
     offs_mo = tl.arange(0, M_PAD)[:, None]
     offs_no = (n0 + tl.arange(0, BLOCK_N))[None, :]
     o_mask = (offs_mo < M) & (offs_no < N)
@@ -632,7 +669,7 @@ def _check_config(cfg: SkinnyConfig, use_dot: bool, m: int) -> None:
         raise ValueError(f"config.num_stages must be an int >= 1, got {cfg.num_stages!r}")
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [M, K], got shape {tuple(getattr(x, 'shape', ()))}; "
                          "flatten the leading dims first")
@@ -646,7 +683,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"x [M, K={x.shape[1]}] and weight [N, K={weight.shape[1]}] disagree on K")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if weight.dtype != x.dtype:
+    if weight.dtype == FP8_DTYPE:
+        if scale is None:
+            raise ValueError("an float8_e4m3fn weight needs scale= (its per-row fp32 scales [N]); "
+                             "quantize with models/fp8.py quantize_rows")
+        if (not isinstance(scale, torch.Tensor) or scale.shape != (weight.shape[0],)
+                or scale.dtype != torch.float32 or not scale.is_contiguous() or scale.device != x.device):
+            raise ValueError(f"scale must be a contiguous float32 tensor [N={weight.shape[0]}] on "
+                             f"{x.device}, got {getattr(scale, 'dtype', type(scale).__name__)} "
+                             f"{tuple(getattr(scale, 'shape', ()))}")
+    elif scale is not None:
+        raise ValueError(f"scale= is for float8_e4m3fn weights; this weight is {weight.dtype} (drop scale)")
+    elif weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}; cast one")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}; move them to one device")
@@ -656,19 +704,25 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                glu: bool = False) -> torch.Tensor:
+                glu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T`` for at most 16 rows in one Triton launch (see the module docstring);
     with ``glu``, the SwiGLU of it in the same launch.
 
     Args:
         x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= 16``, any strides.
-        weight: ``[N, K]`` of x's dtype and device, unit column stride (any row stride).
+        weight: ``[N, K]`` of x's dtype and device, unit column stride (any row stride); or
+            ``float8_e4m3fn`` with ``scale``.
         config: tiles and launch options; ``None``: :func:`default_config` ``(M, N, K)``.
         glu: ``weight`` is a SwiGLU MLP's ``gate_up [2I, K]`` (gate rows first, ``N = 2I`` even)
             and the result is ``silu(x W_gate^T) * (x W_up^T)`` ``[M, I]``: bitwise
             ``kernels.silu_mul.silu_mul(skinny_gemm(x, weight, config))`` (the gate and up rows
             of an output column share a column tile; the activation is the epilogue), without
             the second launch and the ``[M, 2I]`` round trip. Same config table (the gate_up's).
+        scale: ``[N]`` fp32, with an e4m3 ``weight`` only: row ``n`` stands for
+            ``scale[n] * weight[n]`` (per output row, as ``models/fp8.py`` quantizes). The weight
+            streams at one byte an element; each tile is widened to x's dtype in registers
+            (exact) and the fp32 sum of row ``n`` is multiplied by ``scale[n]`` before the
+            rounding (with ``glu``: before the activation).
 
     Returns:
         ``[M, N]`` (``[M, N / 2]`` with ``glu``) contiguous in x.dtype: ``F.linear(x, weight)``
@@ -676,13 +730,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         reproducible for a given config. Runs where :func:`is_available` says (CUDA sm80+, or a
         CPU under the interpreter); check :func:`can_use` first to fall back to ``F.linear``.
     """
-    _check(x, weight)
+    _check(x, weight, scale)
     m, k = x.shape
     n = weight.shape[0]
+    is_fp8 = scale is not None
     if glu and n % 2:
         raise ValueError(f"glu=True needs weight [2I, K] (gate rows, then up rows), got {n} rows: "
                          "an odd count; pass the fused gate_up weight")
-    cfg = default_config(m, n, k) if config is None else config
+    cfg = default_config(m, n, k, fp8=is_fp8) if config is None else config
     if not isinstance(cfg, SkinnyConfig):
         raise ValueError(f"config must be a SkinnyConfig or None, got {type(cfg).__name__}")
     y = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)
@@ -691,20 +746,21 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         return y.zero_()  # with glu and K = 0: gate = up = 0, silu(0) * 0 = 0
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret),
-                                glu=glu)
+                                glu=glu, w_fp8=is_fp8)
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
         part = counters = y  # unused
     _kernels(interpret)[grid](
-        x, weight, y, part, counters,
+        x, weight, y, part, counters, scale if is_fp8 else y,
         m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0), n // 2,
         **meta,
     )
     return y
 
 
-def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T`` for up to ``MAX_ROW_BLOCKS * 16`` rows in ONE launch: the tensor-core
     path of :func:`skinny_gemm` (``config.use_dot`` must not be False) on each 16-row block of
     x, the blocks on a grid axis of their own. Each block is computed exactly as
@@ -714,7 +770,8 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
 
     Args:
         x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= MAX_ROW_BLOCKS * 16``, any strides.
-        weight: ``[N, K]`` of x's dtype and device, unit column stride.
+        weight: ``[N, K]`` of x's dtype and device, unit column stride; or ``float8_e4m3fn``
+            with ``scale [N]`` fp32 (as :func:`skinny_gemm`).
         config: tiles and launch options (the dot path).
 
     Returns:
@@ -726,7 +783,7 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
                          f"{tuple(x.shape)}; split the rows")
     if config.use_dot is False:
         raise ValueError("skinny_gemm_rows runs the tensor-core path only; pass a config with use_dot=True")
-    _check(x[:MAX_M], weight)
+    _check(x[:MAX_M], weight, scale)
     k, n = x.shape[1], weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
@@ -734,10 +791,10 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
     blocks = _cdiv(m, MAX_M)
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, config, interpret, pdl.active(x.device, interpret),
-                                row_blocks=blocks)
+                                row_blocks=blocks, w_fp8=scale is not None)
     part, counters = _workspace(x.device, n, split_k, blocks) if split_k > 1 else (y, y)
     _kernels(interpret)[grid](
-        x, weight, y, part, counters,
+        x, weight, y, part, counters, scale if scale is not None else y,
         m, n, k, x.stride(0), x.stride(1), weight.stride(0), y.stride(0), 0,
         **meta,
     )
@@ -751,11 +808,11 @@ def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
           interpret: bool, pdl: bool = False, row_blocks: int = 0,
-          glu: bool = False) -> tuple[tuple[int, ...], int, dict]:
+          glu: bool = False, w_fp8: bool = False) -> tuple[tuple[int, ...], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
     (cached per shape and config: the eager host path is a dict lookup and one launch).
     ``row_blocks`` > 0: a :func:`skinny_gemm_rows` launch over that many 16-row blocks; ``glu``:
-    the SwiGLU epilogue of :func:`skinny_gemm`."""
+    the SwiGLU epilogue of :func:`skinny_gemm`; ``w_fp8``: an e4m3 weight with row scales."""
     use_dot = True if row_blocks else _use_dot(cfg, m)
     _check_config(cfg, use_dot, m)
     block_k = cfg.block_k
@@ -769,7 +826,7 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl, ROW_BLOCKS=row_blocks > 0,
-        GLU=bool(glu), LIBDEVICE=not interpret,
+        GLU=bool(glu), LIBDEVICE=not interpret, W_FP8=bool(w_fp8),
         num_warps=cfg.num_warps, num_stages=_dot_stages(cfg, dtype) if use_dot else cfg.num_stages,
         **launch_options(pdl),
     )

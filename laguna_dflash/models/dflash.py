@@ -25,6 +25,7 @@ from ..distributed import SINGLE, TensorParallel
 from ..kernels import context_kv as context_kv_kernels
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
+from .fp8 import fp8_linear
 from .fusion import rms_norm_grouped
 from .layers import (
     MLP,
@@ -272,6 +273,9 @@ class DFlashDraftModel(nn.Module):
         object.__setattr__(self, "target", target)
         self.mask_embedding: torch.Tensor | None = None
         self.checkpoint_dir: Path | None = None
+        # (Wq [V, H] float8_e4m3fn, scale [V] float32): the drafter's fp8 copy of the shared
+        # lm_head (models/fp8.py quantize_drafter); None: the target's
+        self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _make_attention(self, index: int, layer: DraftLayerSpec) -> Attention:
         s = self.spec
@@ -476,8 +480,13 @@ class DFlashDraftModel(nn.Module):
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype
-        (each tensor-parallel rank's vocabulary columns, gathered)."""
-        return self.target.tp.all_gather_last(lm_head_linear(hidden, self.lm_head_weight))
+        (each tensor-parallel rank's vocabulary columns, gathered); through the drafter's fp8
+        copy of it where ``fp8.quantize_drafter`` made one (``lm_head_fp8``)."""
+        if self.lm_head_fp8 is not None:
+            logits = fp8_linear(hidden, *self.lm_head_fp8)
+        else:
+            logits = lm_head_linear(hidden, self.lm_head_weight)
+        return self.target.tp.all_gather_last(logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""

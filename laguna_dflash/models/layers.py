@@ -30,7 +30,7 @@ from ..kernels import (
     skinny_gemm,
     staged_gemv,
 )
-from . import fusion
+from . import fp8, fusion
 from .rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -83,12 +83,16 @@ def is_building_cuda_graph() -> bool:
     return _num_graph_builds > 0
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype. Inference on CUDA
     while a CUDA graph is built, with M <= 16, no bias and a shape the skinny GEMM was tuned for
     (where it beat cuBLAS on the H200: it streams the weight once, split-K reduced in the same
     launch); otherwise ``F.linear``. Inside ``batch_invariant.scope``: always
-    :func:`batch_invariant.linear` (row results independent of ``M``)."""
+    :func:`batch_invariant.linear` (row results independent of ``M``). ``scale [N]``: ``weight``
+    is fp8 rows with these scales (``models/fp8.py``, :func:`fp8.fp8_linear`)."""
+    if scale is not None:
+        return fp8.fp8_linear(x, weight, scale, bias)
     if batch_invariant.is_active():
         return batch_invariant.linear(x, weight, bias)
     if _takes_skinny(x, weight, bias):
@@ -103,11 +107,17 @@ def _takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             and skinny_gemm.is_tuned(x.shape[0], weight.shape[0], weight.shape[1]))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of a dense MLP: ``silu(g) * u`` of ``[g | u] = x [M, K] @ weight [2I, K]^T (+ bias)``
     -> ``[M, I]`` in x's dtype. Where :func:`linear` takes the skinny GEMM for this gate|up and
     :data:`use_glu_epilogue` is on: one launch with the activation as its epilogue (bitwise
-    the two-launch result); otherwise :func:`linear` then ``fusion.silu_mul``."""
+    the two-launch result); otherwise :func:`linear` then ``fusion.silu_mul``. ``scale``: fp8
+    rows (:func:`fp8.fp8_linear`, the epilogue wherever its skinny GEMM runs)."""
+    if scale is not None:
+        if use_glu_epilogue:
+            return fp8.fp8_linear(x, weight, scale, bias, glu=True)
+        return fusion.silu_mul(fp8.fp8_linear(x, weight, scale, bias))
     if use_glu_epilogue and not batch_invariant.is_active() and _takes_skinny(x, weight, bias):
         return skinny_gemm.skinny_gemm(x, weight, glu=True)
     return fusion.silu_mul(linear(x, weight, bias))
@@ -393,9 +403,10 @@ def row_parallel_linear(x: torch.Tensor, layer: nn.Linear, tp: TensorParallel,
                         reduce_results: bool = True) -> torch.Tensor:
     """``x [M, K / world_size] @ layer.weight [N, K / world_size]^T``, summed over the ranks
     (with ``reduce_results``), plus the bias once -> ``[M, N]``. One rank: :func:`linear`."""
+    scale = getattr(layer, "weight_scale", None)  # an fp8 layer (models/fp8.py)
     if not tp.is_parallel:
-        return linear(x, layer.weight, layer.bias)
-    out = linear(x, layer.weight)
+        return linear(x, layer.weight, layer.bias, scale)
+    out = linear(x, layer.weight, scale=scale)
     if reduce_results:
         out = tp.all_reduce(out)
     return out if layer.bias is None else out + layer.bias
@@ -420,7 +431,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        h = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        h = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                         getattr(self.gate_up_proj, "weight_scale", None))
         return row_parallel_linear(h, self.down_proj, self.tp, self.reduce_results)
 
 

@@ -24,9 +24,11 @@ from pathlib import Path
 
 from ..config import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
+    DRAFT_QUANTIZATIONS,
     EngineConfig,
     SpeculativeConfig,
     from_vllm_speculative_config,
+    vllm_draft_quantization,
 )
 from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
 from ..models.dflash import dflash_value
@@ -107,6 +109,7 @@ class ServerConfig:
             "speculative_method": "dflash" if spec.config is not None else "off",
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
+            "draft_quantization": spec.config.draft_quantization if spec.config is not None else None,
             "num_speculative_tokens": k if k is not None else (
                 "drafter block_size - 1" if spec.config is not None else 0),
             "num_speculative_tokens_from": spec.tokens_flag or (
@@ -177,6 +180,9 @@ def add_speculative_spelling_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang: verify width incl. the bonus token (K + 1)")
     g.add_argument("--speculative-dflash-block-size", type=int, default=None,
                    help="SGLang: DFlash block size (must equal --speculative-num-draft-tokens)")
+    g.add_argument("--speculative-draft-model-quantization", default=None,
+                   help="SGLang: fp8 (as --draft-quantization fp8), or unquant (the drafter in the "
+                        "engine's dtype)")
 
 
 def _agree(kind: str, candidates: list[tuple[str, object]]) -> tuple[str | None, object]:
@@ -192,16 +198,19 @@ def _agree(kind: str, candidates: list[tuple[str, object]]) -> tuple[str | None,
     return first_flag, first
 
 
+def _vllm_json(text: str) -> object:
+    """``--speculative-config``'s JSON, parsed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e}); e.g. "
+                         '\'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'') from e
+
+
 def _vllm_spec(text: str) -> tuple[str, int | None, int | None]:
     """``--speculative-config`` JSON -> (drafter directory, K or None, its
     draft_tensor_parallel_size or None)."""
-    flag = "--speculative-config"
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} is not valid JSON ({e}); e.g. "
-                         '\'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'') from e
-    return from_vllm_speculative_config(cfg, flag)
+    return from_vllm_speculative_config(_vllm_json(text), "--speculative-config")
 
 
 def _draft_block_size(draft: str) -> int | None:
@@ -280,6 +289,27 @@ def merge_draft_tensor_parallel_size(args: argparse.Namespace) -> int | None:
     return _agree("drafter tensor-parallel sizes", sizes)[1]
 
 
+def merge_draft_quantization(args: argparse.Namespace) -> str | None:
+    """``--draft-quantization``, SGLang's ``--speculative-draft-model-quantization`` (``unquant``:
+    none) and ``--speculative-config``'s ``quantization`` -> "fp8" or None (an error where they
+    disagree or name another method)."""
+    choices: list[tuple[str, object]] = []
+    if getattr(args, "draft_quantization", None) is not None:
+        choices.append(("--draft-quantization", args.draft_quantization))
+    sglang = getattr(args, "speculative_draft_model_quantization", None)
+    if sglang is not None:
+        if sglang not in (*DRAFT_QUANTIZATIONS, "unquant"):
+            raise ValueError(f"--speculative-draft-model-quantization {sglang} is not supported for the "
+                             "drafter; use fp8 (weight-only, models/fp8.py) or unquant")
+        choices.append(("--speculative-draft-model-quantization", None if sglang == "unquant" else sglang))
+    if getattr(args, "speculative_config", None):
+        cfg = _vllm_json(args.speculative_config)
+        if isinstance(cfg, dict) and "quantization" in cfg:
+            choices.append(("--speculative-config quantization",
+                            vllm_draft_quantization(cfg, "--speculative-config")))
+    return _agree("drafter quantizations", choices)[1]
+
+
 def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
     draft_flag, draft, tokens_flag, k = merge_speculative_spellings(args)
@@ -287,6 +317,7 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         needs_drafter = [tokens_flag.split(" ")[0]] if tokens_flag is not None else []
         needs_drafter += [flag for flag, is_given in (
             ("--adaptive-k", getattr(args, "adaptive_k", False)),
+            ("--draft-quantization", merge_draft_quantization(args) is not None),
             ("--simulate-acceptance-length", getattr(args, "simulate_acceptance_length", None) is not None),
             ("--draft-tensor-parallel-size", merge_draft_tensor_parallel_size(args) is not None))
             if is_given]
@@ -301,7 +332,8 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
                                                adaptive=bool(getattr(args, "adaptive_k", False)),
                                                simulate_acceptance_length=getattr(
                                                    args, "simulate_acceptance_length", None),
-                                               draft_tensor_parallel_size=merge_draft_tensor_parallel_size(args)),
+                                               draft_tensor_parallel_size=merge_draft_tensor_parallel_size(args),
+                                               draft_quantization=merge_draft_quantization(args)),
                              draft_flag=draft_flag, tokens_flag=tokens_flag,
                              block_size=_draft_block_size(str(draft)))
 

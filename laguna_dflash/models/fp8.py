@@ -1,0 +1,119 @@
+"""Weight-only fp8 for the drafter's streamed weights (``SpeculativeConfig.draft_quantization``).
+
+A weight ``W [N, K]`` is stored as ``Wq [N, K]`` float8_e4m3fn and one fp32 scale a row::
+
+    scale[n] = max_k |W[n, k]| / 448        (448: e4m3's largest finite value)
+    Wq[n, k] = e4m3(W[n, k] / scale[n])     (round to nearest even; |W / scale| <= 448)
+
+and a product reads ``y[m, n] = scale[n] * sum_k x[m, k] Wq[n, k]`` (activations stay in the
+model's dtype: W8A16). At batch 1 the drafter block streams its weights once and the lm_head's
+(its ~0.33 ms block at XS-2.1 size read 0.21 ms of weight bytes, and each of its lm_heads 411 MB:
+docs/PERFORMANCE.md, sixty-eighth and sixty-ninth passes), so one byte an element instead of two
+halves what the drafter reads a step. Only drafts change, never the output: the verify is the
+target's, in its own dtype (speculative decoding stays lossless; acceptance may move a little,
+measured on the demo pair in the sixty-ninth pass).
+
+Quantized: each drafter layer's ``o_proj``, the MLP's ``gate_up_proj`` and ``down_proj``, and the
+drafter's use of the shared lm_head (an fp8 copy of the target's; the target keeps its own).
+Not quantized: the Q|K|V|gate projection (the head GEMM with the norm / RoPE / cache-write
+epilogue, ``kernels/qkv_norm_rope_cache.py``), the context path (``fc`` and the context K/V
+GEMM), norms and embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import batch_invariant, skinny_gemm
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+QUANTIZATIONS = ("fp8",)  # draft_quantization's values
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` (any float dtype) -> (``Wq [N, K]`` float8_e4m3fn, ``scale [N]``
+    float32), on weight's device (module docstring). An all-zero row gets scale 1."""
+    amax = weight.detach().float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (weight.detach().float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return quantized.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale[n] * Wq[n]`` as a ``[N, K]`` tensor of ``dtype`` (one rounding of each product)."""
+    return (quantized.float() * scale[:, None]).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """``x [M, K] @ (scale * Wq) [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype; ``glu``: the
+    SwiGLU ``silu(g) * u`` of ``[g | u]`` -> ``[M, N / 2]``.
+
+    On CUDA (no bias, outside ``batch_invariant.scope``): the skinny GEMM streaming the fp8
+    weight (graphs and eager forwards alike: there is no cuBLAS path for it), ``M <= 16`` in
+    one launch (with ``glu``, the SwiGLU as its epilogue), more rows as 16-row blocks
+    (``skinny_gemm_rows``, ``MAX_ROW_BLOCKS * 16`` rows a launch; the SwiGLU after it): never
+    a dequantized copy of the weight, which for the lm_head would be a transient 1.2 GB at
+    XS-2.1 size. Otherwise (CPU, a bias, the batch-invariant scope) ``F.linear`` (or
+    ``batch_invariant.linear``) on the dequantized weight: the same values, another summation
+    order."""
+    from . import fusion
+
+    m = x.shape[0]
+    if (x.is_cuda and bias is None and not batch_invariant.is_active()
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and skinny_gemm.can_use(x[: skinny_gemm.MAX_M], quantized, scale)):
+        if m <= skinny_gemm.MAX_M:
+            return skinny_gemm.skinny_gemm(x, quantized, glu=glu, scale=scale)
+        cfg = skinny_gemm.default_config(skinny_gemm.MAX_M, quantized.shape[0], quantized.shape[1], fp8=True)
+        step = skinny_gemm.MAX_ROW_BLOCKS * skinny_gemm.MAX_M
+        parts = [skinny_gemm.skinny_gemm_rows(x[i : i + step], quantized, cfg, scale=scale)
+                 for i in range(0, m, step)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    else:
+        weight = dequantize_rows(quantized, scale, x.dtype)
+        y = batch_invariant.linear(x, weight, bias) if batch_invariant.is_active() else F.linear(x, weight, bias)
+    return fusion.silu_mul(y) if glu else y
+
+
+class Fp8Linear(nn.Module):
+    """An ``nn.Linear`` (no bias) whose weight is stored as fp8 rows with scales: ``weight``
+    ``[N, K]`` float8_e4m3fn and ``weight_scale [N]`` float32 (buffers, not trained). Callers
+    that take a layer's ``weight`` pass ``weight_scale`` along (``layers.linear``'s ``scale=``)."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        if layer.bias is not None:
+            raise ValueError("fp8 draft quantization covers bias-free projections; this layer has a "
+                             "bias (leave draft_quantization unset)")
+        quantized, scale = quantize_rows(layer.weight)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.register_buffer("weight", quantized)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale).view(*x.shape[:-1], -1)
+
+
+def quantize_drafter(drafter: nn.Module) -> int:
+    """Quantize ``drafter``'s streamed weights in place (module docstring): every layer's
+    ``self_attn.o_proj``, ``mlp.gate_up_proj`` and ``mlp.down_proj`` become :class:`Fp8Linear`
+    and the drafter keeps an fp8 copy of the shared lm_head (``lm_head_fp8``). Inference only,
+    after ``layers.fuse_for_inference``. Returns the bytes of weights the drafter's forward
+    no longer reads in bf16 (what one block and one lm_head stream less)."""
+    saved = 0
+    for layer in drafter.layers:
+        for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            old = getattr(owner, name)
+            setattr(owner, name, Fp8Linear(old))
+            saved += old.weight.numel() * (old.weight.element_size() - 1)
+            del old
+    head = drafter.lm_head_weight
+    drafter.lm_head_fp8 = quantize_rows(head)
+    saved += head.numel() * (head.element_size() - 1)
+    if any(p.is_cuda for p in drafter.parameters()):
+        torch.cuda.empty_cache()  # the replaced weights' blocks, before the KV cache is sized
+    return saved

@@ -1,0 +1,188 @@
+"""The skinny GEMM with an fp8 weight (``skinny_gemm(x, w8, scale=s)``, kernels/skinny_gemm.py):
+``y[m, n] = s[n] * sum_k x[m, k] w8[n, k]`` with ``w8`` float8_e4m3fn and per-row fp32 scales.
+
+* Under Triton's CPU interpreter (a child pytest, as in ``test_kernel_skinny_gemm.py``): against
+  an fp64 bound, both paths (GEMV, tensor-core dot), split-K, ragged tiles, the SwiGLU epilogue
+  (bitwise the plain fp8 GEMM then ``silu_mul``), the row-block launch (bitwise the plain launch
+  a 16-row block at a time).
+* Offline sm_90 compile: the fp8 default configs at the XS-2.1 drafter's shapes build without
+  spills, widen e4m3 in registers, and run the dot path on wgmma.
+* On CUDA (skipped without one): those shapes against the reference, and a graph replay.
+* Everywhere: the argument checks and the fp8 configs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from ptx_sm90 import _ptxas_report, can_compile_sm90, compile_sm90
+
+from laguna_dflash.kernels import skinny_gemm as sg
+from laguna_dflash.kernels.silu_mul import silu_mul
+from laguna_dflash.kernels.skinny_gemm import SkinnyConfig, skinny_gemm, skinny_gemm_rows
+from laguna_dflash.models.fp8 import quantize_rows
+
+HAS_CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETED, reason="needs CUDA and triton")
+_U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def _problem(m: int, n: int, k: int, dtype: torch.dtype, seed: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    w8, scale = quantize_rows((torch.randn(n, k, generator=g) * k**-0.5).to(device))
+    return x, w8, scale
+
+
+def _assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> None:
+    """``y`` is ``scale[n] * sum_k x w8`` summed in fp32 in some order, times the fp32 scale (one
+    more fp32 rounding), rounded once to y.dtype."""
+    xd, wd = x.double(), w8.double()
+    sd = scale.double()[None, :]
+    exact = (xd @ wd.T) * sd
+    absprod = (xd.abs() @ wd.abs().T) * sd
+    g = x.shape[1] * 2.0**-24 / (1 - x.shape[1] * 2.0**-24) + 2.0**-24
+    bound = g * absprod + _U[y.dtype] * (exact.abs() + g * absprod) + 1e-30
+    worst = ((y.double() - exact).abs() / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g} x the bound"
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
+def test_kernel_under_triton_interpreter() -> None:
+    run_interpreted_child(__file__)
+
+
+# (block_n, block_k, split_k, num_stages, use_dot) on N = 40, K = 100: ragged tiles
+_CONFIGS = [(16, 32, 1, 1, False), (8, 64, 3, 2, False), (16, 32, 1, 2, True), (32, 16, 4, 3, True)]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("bn,bk,split,stages,use_dot", _CONFIGS)
+def test_interpreted_matches_the_bound(bn, bk, split, stages, use_dot, m, dtype) -> None:
+    if not use_dot and m > 4:
+        return  # the GEMV has at most 4 rows (test_kernel_skinny_gemm.py checks the error)
+    x, w8, scale = _problem(m, 40, 100, dtype, seed=m * 5 + bn)
+    cfg = SkinnyConfig(bn, bk, split, num_warps=2, num_stages=stages, use_dot=use_dot)
+    y = skinny_gemm(x, w8, cfg, scale=scale)
+    _assert_close_to_exact(y, x, w8, scale)
+    glu = skinny_gemm(x, w8, cfg, glu=True, scale=scale)  # the activation reads the scaled sums
+    assert torch.equal(glu, silu_mul(y))
+
+
+@interpreted
+def test_interpreted_scales_reach_every_row() -> None:
+    # a scale of 0 zeroes its column and only that one; doubling a scale doubles its column
+    x, w8, scale = _problem(4, 40, 64, torch.float32, seed=3)
+    cfg = SkinnyConfig(16, 32, 2, use_dot=True)
+    y = skinny_gemm(x, w8, cfg, scale=scale)
+    changed = scale.clone()
+    changed[7], changed[33] = 0.0, 2 * scale[33]
+    y2 = skinny_gemm(x, w8, cfg, scale=changed)
+    assert torch.equal(y2[:, 7], torch.zeros(4)) and torch.equal(y2[:, 33], 2 * y[:, 33])
+    keep = [i for i in range(40) if i not in (7, 33)]
+    assert torch.equal(y2[:, keep], y[:, keep])
+
+
+@interpreted
+def test_interpreted_row_blocks_equal_the_plain_launch() -> None:
+    x, w8, scale = _problem(40, 24, 96, torch.bfloat16, seed=9)
+    cfg = SkinnyConfig(16, 32, 2, num_stages=2, use_dot=True)
+    y = skinny_gemm_rows(x, w8, cfg, scale=scale)
+    for b in range(0, 40, 16):
+        assert torch.equal(y[b : b + 16], skinny_gemm(x[b : b + 16], w8, cfg, scale=scale))
+    _assert_close_to_exact(y, x, w8, scale)
+
+
+# ---- everywhere ---------------------------------------------------------------------------------------
+
+
+def test_rejects_bad_scales() -> None:
+    x = torch.zeros(2, 16)
+    w8, scale = quantize_rows(torch.randn(8, 16))
+    for kwargs, match in [
+        ({"weight": w8}, "needs scale="),
+        ({"weight": w8, "scale": scale[:4]}, r"scale must be a contiguous float32 tensor \[N=8\]"),
+        ({"weight": w8, "scale": scale.double()}, "scale must be"),
+        ({"weight": w8, "scale": torch.zeros(8, 2)[:, 0]}, "scale must be"),
+        ({"weight": torch.zeros(8, 16), "scale": scale}, "scale= is for float8_e4m3fn weights"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            skinny_gemm(x, **kwargs)
+    assert not sg.can_use(x, w8) and not sg.can_use(x, torch.zeros(8, 16), scale)
+    assert not sg.can_use(x, w8, scale[:4])
+
+
+def test_fp8_configs_move_the_bf16_bytes_and_take_their_own_overrides(monkeypatch) -> None:
+    for m, n, k in [(1, 100352, 2048), (4, 100352, 2048), (4, 16384, 2048), (4, 2048, 8192), (16, 2048, 8192)]:
+        bf16, fp8 = sg.default_config(m, n, k), sg.default_config(m, n, k, fp8=True)
+        assert dataclasses_equal_but_block_k(bf16, fp8)
+        dot = sg._use_dot(bf16, m)
+        assert fp8.block_k == (min(2 * bf16.block_k, 256) if dot else 2 * bf16.block_k)
+    monkeypatch.setattr(sg, "CONFIG_OVERRIDES", {"fp8,4,2048,8192": {"split_k": 8}})
+    assert sg.default_config(4, 2048, 8192, fp8=True).split_k == 8
+    assert sg.default_config(4, 2048, 8192).split_k == 4  # bf16 keeps its table entry
+
+
+def dataclasses_equal_but_block_k(a: SkinnyConfig, b: SkinnyConfig) -> bool:
+    return a == SkinnyConfig(**{**b.__dict__, "block_k": a.block_k})
+
+
+# ---- offline sm_90 compile ----------------------------------------------------------------------------
+
+
+def _compile_fp8(m: int, n: int, k: int, glu: bool) -> tuple[str, str]:
+    cfg = sg.default_config(m, n, k, fp8=True)
+    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, True, glu=glu, w_fp8=True)[2])
+    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages"),
+               "launch_pdl": meta.pop("launch_pdl")}
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "y_ptr": "*bf16", "part_ptr": "*fp32",
+             "count_ptr": "*i32", "scale_ptr": "*fp32"}
+    ptx = compile_sm90(sg._kernels(False), types, {"stride_xk": 1, **meta}, options)
+    return ptx, _ptxas_report(ptx)
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("m,n,k,glu", [(4, 100352, 2048, False), (4, 16384, 2048, True), (4, 2048, 8192, False),
+                                       (1, 100352, 2048, False), (1, 2048, 8192, False)],
+                         ids=["lm_head4", "gate_up4", "down4", "lm_head1", "down1"])
+def test_sm90_fp8_builds_widen_in_registers_without_spills(m, n, k, glu) -> None:
+    """The XS-2.1 drafter's streamed shapes (lm_head 100352 x 2048, the MLP's gate|up 16384 x 2048
+    with the SwiGLU, down and o_proj 2048 x 8192) at their fp8 default configs."""
+    ptx, report = _compile_fp8(m, n, k, glu)
+    assert "cvt.rn.bf16x2.e4m3x2" in ptx or "e4m3" in ptx  # the weight widened from e4m3
+    assert re.findall(r"(\d+) bytes spill stores", report) == ["0"]
+    if sg._use_dot(sg.default_config(m, n, k, fp8=True), m):
+        assert "wgmma.mma_async" in ptx
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("m,n,k,glu", [(4, 100352, 2048, False), (4, 16384, 2048, True), (4, 2048, 8192, False),
+                                       (1, 2048, 8192, False), (16, 2048, 8192, False)])
+def test_cuda_drafter_shapes(m, n, k, glu) -> None:
+    x, w8, scale = _problem(m, n, k, torch.bfloat16, seed=m + n, device="cuda")
+    y = skinny_gemm(x, w8, glu=glu, scale=scale)
+    if glu:
+        assert torch.equal(y, silu_mul(skinny_gemm(x, w8, scale=scale)))
+    else:
+        _assert_close_to_exact(y.cpu(), x.cpu(), w8.cpu(), scale.cpu())
+
+
+@cuda
+def test_cuda_graph_replay() -> None:
+    x, w8, scale = _problem(4, 2048, 8192, torch.bfloat16, seed=1, device="cuda")
+    expected = skinny_gemm(x, w8, scale=scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_gemm(x, w8, scale=scale)
+    x.copy_(_problem(4, 2048, 8192, torch.bfloat16, seed=2, device="cuda")[0])
+    graph.replay()
+    assert not torch.equal(y, expected)
+    assert torch.equal(y, skinny_gemm(x, w8, scale=scale))

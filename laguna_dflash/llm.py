@@ -274,6 +274,10 @@ class LLM:
             finish, stop_reason = "stop", text.stop_hit
         elif text is not None:
             text.finish()
+            if text.stop_hit is not None:  # in the tail held back until the end (an unfinished
+                # multi-byte character): the text is cut there; the tokens stay, as the server
+                # reports them (serving.generate), since the flush does not say which one
+                finish, stop_reason = "stop", text.stop_hit
         if finish == "stop" and stop_reason is None and tokens and tokens[-1] in (
                 s.params.stop_token_ids or ()):
             stop_reason = tokens[-1]

@@ -67,6 +67,26 @@ def test_laguna_drafter_config_errors(ckpts, tmp_path, changes, needle):
         load_model(bad, target=target)
 
 
+def test_a_drafter_of_another_width_is_refused_at_load(ckpts, tmp_path):
+    """A drafter built for a target of another hidden size (its config and weights agreeing)
+    loaded and failed at its first step with a shape error naming neither model; now the load
+    names the field and both widths, for the Laguna and the Qwen3 flavour."""
+    import dflash_fixtures as df
+
+    target = load_model(ckpts["target"])
+    width = target.spec.hidden_size
+    wide = df.make_poolside_laguna_drafter(tmp_path / "wide", ckpts["target"], seed=1, block_size=4,
+                                           hidden_size=2 * width, intermediate_size=4 * width, head_dim=16)
+    with pytest.raises(ValueError, match=f"hidden_size {2 * width} differs from the target's hidden_size {width}"):
+        load_model(wide, target=target)
+    for name in ("poolside", "zlab"):
+        bad = _copy_with_config(ckpts[name], tmp_path / f"{name}_taps", target_hidden_size=2 * width)
+        with pytest.raises(ValueError, match=f"target_hidden_size {2 * width} differs"):
+            load_model(bad, target=target)
+    with pytest.raises(ValueError, match="pair it with the target it was trained for"):
+        LLM(str(ckpts["target"]), draft=str(wide))
+
+
 def test_fc_width_mismatch_names_tensor(ckpts, tmp_path):
     bad = _copy_with_config(ckpts["zlab"], tmp_path / "bad", dflash_config={"target_layer_ids": [1]})
     target = load_model(ckpts["target"])

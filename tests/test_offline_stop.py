@@ -87,3 +87,20 @@ def test_stop_field_errors(tmp_path):
     target, _ = write_random_pair(tmp_path)  # no tokenizer
     with pytest.raises(ValueError, match="SamplingParams.stop: .*no tokenizer"):
         LLM(str(target)).generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(stop="x"))
+
+
+def test_a_stop_string_in_the_tail_held_to_the_end_stops_the_request():
+    """The demo target's token 3947 decodes to a space and the first byte of an unfinished
+    character: its text is held back (it ends in U+FFFD) until the request ends, and only the
+    final flush shows the stop string " ". The text was cut there, but the output said
+    finish_reason "length"; it says "stop" and names the string, as the server does."""
+    from laguna_dflash.demo import demo_pair
+
+    target, _ = demo_pair()
+    llm = LLM(target, max_model_len=256)
+    assert llm.tokenizer.decode([3947]) == " \ufffd"
+    params = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={3947: 100.0})
+    plain = llm.generate(["def f(x):"], SamplingParams(**params))[0]
+    assert plain.token_ids == [3947] * 3 and plain.finish_reason == "length"
+    got = llm.generate(["def f(x):"], SamplingParams(**params, stop=[" "]))[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == ("", "stop", " ")

@@ -134,6 +134,17 @@ def check_target_compat(cfg: dict, target: nn.Module | None, taps: list[int], ar
     if not taps:
         raise ValueError(f"{arch}: dflash_config.target_layer_ids is empty; list the tapped target layers")
     if target is not None:
+        width = target.spec.hidden_size
+        # the block is embedded with the target's embed_tokens and drafted through its lm_head,
+        # and fc reads the target's hidden states: a drafter for another target fails only at
+        # its first step (a shape error naming neither model)
+        for key in ("hidden_size", "target_hidden_size"):
+            value = cfg.get(key)
+            if value is not None and value != width:
+                raise ValueError(
+                    f"{arch}: config.json {key} {value} differs from the target's hidden_size {width}; "
+                    "a DFlash drafter shares the target's embeddings and lm_head and reads its hidden "
+                    "states: pair it with the target it was trained for")
         depth = target.spec.num_layers
         bad = [t for t in taps if not 0 <= t < depth]
         if bad:

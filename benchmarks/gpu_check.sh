@@ -2,13 +2,13 @@
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass111    # the drafter in fp8 (models/fp8.py): the fp8 skinny GEMM's
-#                                           # and the engine's fp8 CUDA tests, the fp8 config sweep at
-#                                           # the drafter's 4-row shapes against the bf16 kernel, the
-#                                           # drafter block graph bf16 / fp8 (~9 min)
-#   bash benchmarks/gpu_check.sh pass112 [OVR]  # goal 2's cell at 65 new tokens, the drafter bf16 and
-#                                           # fp8 in turn, two processes each; OVR: a skinny_gemm
-#                                           # CONFIG_OVERRIDES JSON for the fp8 runs, e.g.
-#                                           # '{"fp8,4,2048,8192":{"split_k":8}}' (~7 min)
+#                                           # and the engine's fp8 CUDA tests, the drafter block graph
+#                                           # bf16 / fp8, goal 2's cell at 65 new tokens with the
+#                                           # drafter bf16 and fp8, one process each (~8 min)
+#   bash benchmarks/gpu_check.sh pass112 [OVR]  # the fp8 config sweep at the drafter's 4-row shapes
+#                                           # against the bf16 kernel, then goal 2's cell bf16 / fp8
+#                                           # again; OVR: a skinny_gemm CONFIG_OVERRIDES JSON for the
+#                                           # fp8 run, e.g. '{"fp8,4,2048,8192":{"split_k":8}}' (~8 min)
 #   bash benchmarks/gpu_check.sh pass109    # the tensor-core 2-4 row staged o_proj parking 4.2-8.4 MB
 #                                           # a launch (40-80 KiB a program; pass102's configs parked
 #                                           # 16.8 MB, 136-144 KiB) in the 4-token verify and
@@ -439,24 +439,25 @@ case "$stage" in
       | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(" | head -30 ;;
   pass111)
     echo "== (sixty-ninth pass) the drafter in fp8: CUDA tests"
-    gpu_tests 120 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
-    echo "== the fp8 skinny GEMM at the XS-2.1 drafter's 4-row shapes (lm_head, gate|up, down / o_proj)"
-    timeout 260 python benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --budget 220 \
-      --shapes 100352x2048,16384x2048,2048x8192 2>&1 | quiet \
-      | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(|bf16 default|failed" | head -30
+    gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
     for q in "" "--draft-quantization fp8"; do
       echo "-- the drafter block graph (K = 3, 5 layers) ${q:-bf16}"
       timeout 100 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 $q 2>&1 \
         | quiet | grep -E "^## |^\| [0-9]|skinny|floor|rror" | head -14
-    done ;;
+    done
+    echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
+    echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
   pass112)
-    echo "== (sixty-ninth pass) goal 2's cell at 65 new tokens: the drafter bf16, then fp8${2:+ with CONFIG_OVERRIDES $2}"
+    echo "== (sixty-ninth pass) the fp8 skinny GEMM at the XS-2.1 drafter's 4-row shapes (lm_head, gate|up, down / o_proj)"
+    timeout 230 python benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --budget 190 \
+      --shapes 100352x2048,16384x2048,2048x8192 2>&1 | quiet \
+      | grep -E "copy bandwidth|configs timed|^\| |^  extra|^    \(|bf16 default|failed" | head -30
     ovr=()
     [ -n "${2:-}" ] && ovr=(--switch "laguna_dflash.kernels.skinny_gemm:CONFIG_OVERRIDES=$2")
-    for i in 1 2; do
-      echo "-- drafter bf16, process $i"; goal_cell 85 --new-tokens 65
-      echo "-- drafter fp8, process $i"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 "${ovr[@]}"
-    done ;;
+    echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
+    echo "-- goal 2's cell at 65 new tokens, drafter fp8${2:+ with CONFIG_OVERRIDES $2}"
+    goal_cell 85 --new-tokens 65 --draft-quantization fp8 "${ovr[@]}"
+    echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65 ;;
   pass109)
     echo "== (sixty-eighth pass) the tensor-core 2-4 row staged o_proj parking less, 4-token verify and drafter"
     echo "   graphs, from .ab/old (5d91d44); parked MB, shared KiB / registers from offline sm_90a builds"

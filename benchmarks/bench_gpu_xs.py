@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.config import DRAFT_QUANTIZATIONS
 from laguna_dflash.engine import engine as engine_module
 from laguna_dflash.engine.adaptive_k import AdaptiveK
 from laguna_dflash.engine.attention import get_attention_backend
@@ -465,7 +466,7 @@ def main() -> None:
     ap.add_argument("--switch", action="append", default=[],
                     help="module:attr=value set for the whole run before the engine is built "
                          "(repeatable), e.g. laguna_dflash.kernels.pdl:USE_PDL=True")
-    ap.add_argument("--draft-quantization", choices=("fp8",), default=None,
+    ap.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
                     help="the drafter's o_proj, MLP and lm_head copy in fp8 (models/fp8.py); "
                          "target-only is the same either way")
     args = ap.parse_args()

@@ -332,7 +332,7 @@ class Case:
         if cfg in self.results:
             return self.results[cfg]
         try:
-            y = sg.skinny_gemm(self.x, *self.weights[0][:1], cfg, scale=self.weights[0][1])
+            y = sg.skinny_gemm(self.x, self.weights[0][0], cfg, scale=self.weights[0][1])
         except Exception as exc:  # compile failure (resources): not a candidate
             self.wrong.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}")
             return None

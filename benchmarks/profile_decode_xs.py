@@ -47,6 +47,7 @@ from bench_gpu_xs import (
 )
 
 from laguna_dflash import LLM, SamplingParams
+from laguna_dflash.config import DRAFT_QUANTIZATIONS
 from laguna_dflash.engine.cuda_graph import CUDAGraphRunner
 from laguna_dflash.engine.runner import ForwardItem
 
@@ -428,7 +429,7 @@ def main() -> None:
     ap.add_argument("--drafter", action="store_true",
                     help="profile the drafter block's graph of a DFlash K step instead (module docstring)")
     ap.add_argument("--k", type=int, default=3, help="with --drafter: draft tokens per step")
-    ap.add_argument("--draft-quantization", choices=("fp8",), default=None,
+    ap.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
                     help="with --drafter: its o_proj and MLP (and lm_head copy) in fp8 (models/fp8.py)")
     ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                     help="the engine option (0: prefills eager; a narrower request-state row "

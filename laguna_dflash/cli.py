@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import EngineConfig, SamplingParams
+from .config import DRAFT_QUANTIZATIONS, EngineConfig, SamplingParams
 from .config import flag as config_flag
 
 if typing.TYPE_CHECKING:
@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--adaptive-k", action="store_true",
                    help="pick the draft length per step (<= K, 0 = no drafting) from measured "
                         "acceptance and step cost")
-    p.add_argument("--draft-quantization", choices=("fp8",), default=None,
+    p.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
                    help="fp8: the drafter's o_proj, MLP and lm_head copy as fp8 rows with scales "
                         "(half the bytes a draft streams; drafts may change, the output does not)")
     p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "

@@ -284,9 +284,7 @@ def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
     that a tile and a K step move the same bytes (the dot path's at most 256: its tiles are
     widened in registers); not measured yet (``bench_skinny_gemm.py --fp8`` sweeps them); its
     override key is ``"fp8,M_BUCKET,N,K"``."""
-    cfg = _table_config(m, n, k)
-    if fp8:  # the dot path widens each tile in registers: at most 64 x 256 of them (~64 a thread)
-        cfg = dataclasses.replace(cfg, block_k=min(2 * cfg.block_k, 256 if _use_dot(cfg, m) else 4096))
+    cfg = _table_config(m, n, k, fp8)
     key = f"{'fp8,' if fp8 else ''}{_next_pow2(max(1, m))},{n},{k}"
     fields = CONFIG_OVERRIDES.get(key) if CONFIG_OVERRIDES else None
     if fields is None:
@@ -299,11 +297,11 @@ def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
 
 
 @functools.lru_cache(maxsize=1024)
-def _table_config(m: int, n: int, k: int) -> SkinnyConfig:
-    cfg = _measured(m, n, k)
-    if cfg is not None:
-        return cfg
-    return _heuristic_config(m, n, k)
+def _table_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
+    cfg = _measured(m, n, k) or _heuristic_config(m, n, k)
+    if fp8:  # the dot path widens each tile in registers: at most 64 x 256 of them (~64 a thread)
+        cfg = dataclasses.replace(cfg, block_k=min(2 * cfg.block_k, 256 if _use_dot(cfg, m) else 4096))
+    return cfg
 
 
 # ---- availability -----------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import batch_invariant, skinny_gemm
+from . import fusion
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-QUANTIZATIONS = ("fp8",)  # draft_quantization's values
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +59,6 @@ def fp8_linear(x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
     XS-2.1 size. Otherwise (CPU, a bias, the batch-invariant scope) ``F.linear`` (or
     ``batch_invariant.linear``) on the dequantized weight: the same values, another summation
     order."""
-    from . import fusion
-
     m = x.shape[0]
     if (x.is_cuda and bias is None and not batch_invariant.is_active()
             and not (torch.is_grad_enabled() and x.requires_grad)

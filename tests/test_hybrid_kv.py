@@ -290,6 +290,46 @@ def test_a_chunked_prefill_short_of_sliding_blocks_shrinks_its_chunk_then_preemp
     alloc.free(held)
 
 
+def test_a_last_prompt_token_whose_lookahead_needs_more_sliding_blocks_than_free_preempts():
+    """A chunk holding a prompt's last token reserves the decode lookahead too, which can take
+    more sliding blocks than a one-token chunk elsewhere: with one block free (as many as the
+    sliding groups) and two needed, and nothing decoding, the newest chunked request goes back
+    to waiting so the other finishes its prompt; before, schedule() returned None with work
+    left, and the engine's loop spun forever. One alone that cannot fit is an error."""
+    from laguna_dflash.engine.kv_cache import BlockAllocator
+    from laguna_dflash.engine.scheduler import Scheduler
+    from laguna_dflash.engine.sequence import Sequence, Status
+
+    layout = HybridLayout.for_layers([None, 4])  # one sliding group, window 4
+    alloc = BlockAllocator(40, 4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=True,
+                      layout=layout, num_lookahead=7)
+    a, b = (Sequence(i, list(range(9)), SamplingParams(temperature=0, max_tokens=4)) for i in range(2))
+    for seq in (a, b):  # sliding blocks reserved for positions < 12, 8 of 9 prompt tokens computed
+        assert sched._admit(seq, [], [[]], 4)
+        seq.num_computed, seq.status = 8, Status.RUNNING
+        sched.trim_window(seq)
+        sched.prefilling.append(seq)
+    held = alloc.allocate(alloc.num_free_blocks - 1)
+    assert sched._swa_needed(a, 9 + 1 + 7) == 2  # the last token and the lookahead: 17 positions
+    batch = sched.schedule()
+    assert batch is not None and batch.sequences == [a] and batch.num_new_tokens == [1]
+    assert b in sched.waiting and b.num_preemptions == 1 and not b.block_table
+    sched.running.clear()  # a alone, short of one block: an error, not a stall
+    sched.prefilling.clear()
+    sched.waiting.clear()
+    sched.release(a)
+    assert sched._admit(a, [], [[]], 4)
+    a.num_computed = 8
+    sched.trim_window(a)
+    sched.prefilling.append(a)
+    held += alloc.allocate(alloc.num_free_blocks - 1)
+    with pytest.raises(RuntimeError, match="raise num_kv_blocks"):  # its own blocks too few
+        sched.schedule()
+    assert a.num_preemptions == 1 and a in sched.waiting
+    alloc.free(held)
+
+
 def test_drafter_context_within_its_window_equals_the_unified_layouts(pair):
     """The drafter's layers (all sliding, window 8, longer than the target's 4) keep their
     context K/V in a sliding group of their own: run step by step beside the unified layout

@@ -331,10 +331,12 @@ class Scheduler:
             prefill.append(seq)
             counts.append(count)
             budget -= count
-        if not prefill and not self.running and self.prefilling and not self.allocator.can_allocate(
-                self.num_swa_groups):
-            # a chunked prefill cannot get its SWA blocks, and no decode will free any: the
-            # newest chunked request goes back to waiting (its blocks free), as a preemption
+        if not prefill and not self.running and self.prefilling:
+            # a chunked prefill cannot get its SWA blocks (not even for one token: a last
+            # token's chunk also reserves the decode lookahead, which may take more blocks than
+            # are free), and no decode will free any: the newest chunked request goes back to
+            # waiting (its blocks free), as a preemption; one alone that still cannot fit is
+            # refused by _schedule_decode's error, never left to stall
             self._preempt(self.prefilling[-1])
             return self.schedule()
         if prefill:

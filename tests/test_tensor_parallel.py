@@ -85,6 +85,12 @@ def _generate_jobs(c: dict) -> dict[str, dict]:
         "qwen3+zlab lead/follow, a failed step": {
             **job, "kind": "lead", "model": str(c["qwen3"]), "draft": str(c["zlab"]),
             "fail_step": 3},
+        # the drafter's fp8 weights: each rank quantizes its own shard (row-parallel layers'
+        # rows over their K shard, its vocabulary rows of the lm_head copy)
+        "qwen3+zlab K=3 fp8": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
+                               "options": {"draft_quantization": "fp8"}},
+        "laguna+poolside K=3 fp8": {**job, "model": str(c["laguna"]), "draft": str(c["poolside"]),
+                                    "options": {"draft_quantization": "fp8"}},
         "qwen3+zlab sampled": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
                                "temperature": 0.8},
         # each step's drafts: the sharded drafter against one process's (and the replicated one)
@@ -252,14 +258,15 @@ def test_followers_survive_a_failed_step(two_ranks):
 
 def test_sharded_dflash_is_lossless_and_accepts_drafts(two_ranks):
     by_name, _ = two_ranks
-    for target, spec_names in (("qwen3", ("qwen3+zlab K=3", "qwen3+zlab adaptive")),
-                               ("laguna", ("laguna+poolside K=3",))):
+    for target, spec_names in (("qwen3", ("qwen3+zlab K=3", "qwen3+zlab adaptive", "qwen3+zlab K=3 fp8")),
+                               ("laguna", ("laguna+poolside K=3", "laguna+poolside K=3 fp8"))):
         want = by_name[f"{target} target-only"][0][0]
         for name in spec_names:
             assert by_name[name][0][0] == want, f"{name} differs from target-only on the ranks"
     # the distilled drafter's drafts are accepted, so the multi-token accept path ran sharded
-    acceptance = by_name["qwen3+zlab K=3"][0][1]
-    assert sum(acceptance) / len(acceptance) > 1.3, acceptance
+    for name in ("qwen3+zlab K=3", "qwen3+zlab K=3 fp8"):  # fp8 drafts are still accepted
+        acceptance = by_name[name][0][1]
+        assert sum(acceptance) / len(acceptance) > 1.3, (name, acceptance)
 
 
 def test_the_drafter_is_sharded_as_the_target_and_keeps_its_context_in_the_pool(two_ranks, checkpoints):

@@ -206,6 +206,14 @@ class Scheduler:
                 return n, groups
         return 0, [[] for _ in range(self.num_swa_groups)]
 
+    def _admission_count(self, seq: Sequence, cached: list[int], budget: int, has_prefill: bool) -> int | None:
+        """The tokens of ``seq``'s first prefill step past its ``cached`` blocks within ``budget``
+        (all of them without chunked prefill); None: the whole prompt waits for a later step."""
+        num_new = seq.num_tokens - len(cached) * self.allocator.block_size
+        if num_new > budget and has_prefill and not self.enable_chunked_prefill:
+            return None
+        return min(num_new, budget) if self.enable_chunked_prefill else num_new
+
     def _admit(self, seq: Sequence, cached: list[int], swa_cached: list[list[int]], num_compute: int) -> bool:
         """Give ``seq`` its block table for a prefill (``cached`` shared at its head; each SWA
         group's ``swa_cached`` at the end of its cached prefix, then blocks for the
@@ -318,12 +326,18 @@ class Scheduler:
             if self._waits_for_prefix(seq, cached, in_flight):
                 i += 1
                 continue
-            num_new = seq.num_tokens - len(cached) * self.allocator.block_size
-            if num_new > budget and prefill and not self.enable_chunked_prefill:
+            count = self._admission_count(seq, cached, budget, bool(prefill))
+            if count is None:
                 break
-            count = min(num_new, budget) if self.enable_chunked_prefill else num_new
             if not self._admit(seq, cached, swa_cached, count):
-                break
+                if not cached or self.running or self.prefilling or num_admitted:
+                    break
+                # alone, a cached prefix can need more blocks than a cold start (its sliding
+                # groups' window before the prefix end, then a whole chunk): compute it all
+                cached, swa_cached = [], [[] for _ in range(self.num_swa_groups)]
+                count = self._admission_count(seq, cached, budget, bool(prefill))
+                if count is None or not self._admit(seq, cached, swa_cached, count):
+                    break
             del self.waiting[i]
             in_flight.update(self._uncached_prompt_blocks(seq))
             seq.status = Status.RUNNING
@@ -335,8 +349,16 @@ class Scheduler:
             # a chunked prefill cannot get its SWA blocks (not even for one token: a last
             # token's chunk also reserves the decode lookahead, which may take more blocks than
             # are free), and no decode will free any: the newest chunked request goes back to
-            # waiting (its blocks free), as a preemption; one alone that still cannot fit is
-            # refused by _schedule_decode's error, never left to stall
+            # waiting (its blocks free), as a preemption. One alone holds every block in use:
+            # its last token needs at least what this one-token chunk does, so recomputing it
+            # would come back here; it is refused instead of stalling or cycling
+            if len(self.prefilling) == 1:
+                seq = self.prefilling[0]
+                raise RuntimeError(
+                    f"request {seq.request_id}'s prompt ({seq.num_tokens} tokens) needs more KV "
+                    f"blocks than the cache's {self.allocator.num_blocks} of "
+                    f"{self.allocator.block_size} with its sliding window and decode lookahead; "
+                    "raise num_kv_blocks or lower max_num_batched_tokens")
             self._preempt(self.prefilling[-1])
             return self.schedule()
         if prefill:

@@ -88,13 +88,13 @@ def test_the_engine_quantizes_the_drafter_streamed_weights(demo_runs) -> None:
     plain, fp8 = demo_runs["plain"][0].engine.drafter, demo_runs["fp8"][0].engine.drafter
     assert plain.lm_head_fp8 is None
     for layer, ref in zip(fp8.layers, plain.layers):
-        for module, before in ((layer.self_attn.o_proj, ref.self_attn.o_proj),
-                               (layer.mlp.gate_up_proj, ref.mlp.gate_up_proj),
-                               (layer.mlp.down_proj, ref.mlp.down_proj)):
-            assert isinstance(module, Fp8Linear) and module.weight.shape == before.weight.shape
-            torch.testing.assert_close(dequantize_rows(module.weight, module.weight_scale, torch.float32),
-                                       before.weight, rtol=2.0**-4, atol=module.weight_scale.max().item() * 2.0**-10)
-        assert layer.self_attn.qkv_proj.weight.dtype == torch.float32  # the head GEMM's stays
+        module, before = layer.mlp.gate_up_proj, ref.mlp.gate_up_proj
+        assert isinstance(module, Fp8Linear) and module.weight.shape == before.weight.shape
+        torch.testing.assert_close(dequantize_rows(module.weight, module.weight_scale, torch.float32),
+                                   before.weight, rtol=2.0**-4, atol=module.weight_scale.max().item() * 2.0**-10)
+        # the head GEMM's, o_proj and down (slower in fp8 at N 2048 x K 8192) stay
+        for kept in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert kept.weight.dtype == torch.float32
     head_q, head_scale = fp8.lm_head_fp8
     assert head_q.shape == fp8.lm_head_weight.shape and fp8.lm_head_weight.dtype == torch.float32  # the target's own
 
@@ -122,7 +122,7 @@ def test_cuda_greedy_output_is_the_target_s_with_graphs() -> None:
     common = dict(dtype="float32", device="cuda", max_num_seqs=4)
     expected = [o.token_ids for o in LLM(target, **common).generate(prompts, params)]
     llm = LLM(target, draft, num_speculative_tokens=7, draft_quantization="fp8", **common)
-    assert isinstance(llm.engine.drafter.layers[0].mlp.down_proj, Fp8Linear)
+    assert isinstance(llm.engine.drafter.layers[0].mlp.gate_up_proj, Fp8Linear)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
     assert llm.get_metrics()["mean_acceptance_length"] > 1.5

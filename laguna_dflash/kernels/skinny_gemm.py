@@ -246,11 +246,25 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
 
 
-def _measured(m: int, n: int, k: int) -> SkinnyConfig | None:
-    """The measured config of the smallest bucket ``>= next_pow2(m)`` of this ``(n, k)``, or None."""
+# Measured best configs for an e4m3 weight (weight-only fp8, models/fp8.py), keyed as _MEASURED:
+# the XS-2.1 drafter's 4-row shapes, on an H200 (2026-12-05, benchmarks/bench_skinny_gemm.py --fp8
+# --only --m 4 --shapes 100352x2048,16384x2048,2048x8192; docs/PERFORMANCE.md, seventieth pass).
+# The comment gives the bf16 kernel's time at the shape: fp8 pays at the lm_head (1.39x) and the
+# gate|up GEMM (1.11x), not at N 2048 x K 8192 (0.81x: the drafter keeps o_proj / down in bf16).
+_MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
+    (4, 2048, 8192): SkinnyConfig(block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 13.16 us, bf16 10.62 us
+    (4, 16384, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=False, x_bcast=True),  # 15.69 us, bf16 17.43 us
+    (4, 100352, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 67.14 us, bf16 93.13 us
+}
+
+
+def _measured(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig | None:
+    """The measured config (``fp8``: an e4m3 weight's) of the smallest bucket ``>= next_pow2(m)``
+    of this ``(n, k)``, or None."""
+    table = _MEASURED_FP8 if fp8 else _MEASURED
     bucket = _next_pow2(max(1, m))
     while bucket <= MAX_M:
-        cfg = _MEASURED.get((bucket, n, k))
+        cfg = table.get((bucket, n, k))
         if cfg is not None:
             return cfg
         bucket *= 2
@@ -280,10 +294,10 @@ def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
     ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic; with the fields of a
     :data:`CONFIG_OVERRIDES` entry for this shape replaced. ``1 <= m <= 16``.
 
-    ``fp8`` (an e4m3 weight, one byte an element): the bf16 config with ``block_k`` doubled, so
-    that a tile and a K step move the same bytes (the dot path's at most 256: its tiles are
-    widened in registers); not measured yet (``bench_skinny_gemm.py --fp8`` sweeps them); its
-    override key is ``"fp8,M_BUCKET,N,K"``."""
+    ``fp8`` (an e4m3 weight, one byte an element): its own measured table (``_MEASURED_FP8``),
+    else the bf16 config with ``block_k`` doubled, so that a tile and a K step move the same
+    bytes (the dot path's at most 256: its tiles are widened in registers); its override key is
+    ``"fp8,M_BUCKET,N,K"``."""
     cfg = _table_config(m, n, k, fp8)
     key = f"{'fp8,' if fp8 else ''}{_next_pow2(max(1, m))},{n},{k}"
     fields = CONFIG_OVERRIDES.get(key) if CONFIG_OVERRIDES else None
@@ -298,6 +312,8 @@ def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
 
 @functools.lru_cache(maxsize=1024)
 def _table_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
+    if fp8 and (cfg := _measured(m, n, k, fp8=True)) is not None:
+        return cfg
     cfg = _measured(m, n, k) or _heuristic_config(m, n, k)
     if fp8:  # the dot path widens each tile in registers: at most 64 x 256 of them (~64 a thread)
         cfg = dataclasses.replace(cfg, block_k=min(2 * cfg.block_k, 256 if _use_dot(cfg, m) else 4096))

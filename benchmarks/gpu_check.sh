@@ -2,10 +2,11 @@
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass113    # the drafter in fp8 where it pays (the MLP's gate|up and
-#                                           # the lm_head copy, _MEASURED_FP8's configs): the fp8
-#                                           # CUDA tests, the drafter block graph bf16 / fp8, goal
-#                                           # 2's cell at 65 new tokens bf16, fp8, bf16, fp8, one
-#                                           # process each (~6 min)
+#                                           # the lm_head copy, _MEASURED_FP8's configs), its tiles
+#                                           # widened to fp16 (FP8_DOT_F16): the fp8 CUDA tests, the
+#                                           # fp8 sweep at the 4-row shapes, the drafter block graph
+#                                           # bf16 / fp8, goal 2's cell at 65 new tokens bf16, fp8,
+#                                           # fp8 widened to bf16, bf16, fp8, one process each (~7 min)
 #   bash benchmarks/gpu_check.sh pass111    # the drafter in fp8 (models/fp8.py): the fp8 skinny GEMM's
 #                                           # and the engine's fp8 CUDA tests, the drafter block graph
 #                                           # bf16 / fp8, goal 2's cell at 65 new tokens with the
@@ -455,12 +456,15 @@ case "$stage" in
   pass113)
     echo "== (seventieth pass) the drafter in fp8 where it pays (gate|up, lm_head): CUDA tests"
     gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    timeout 100 python benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --budget 60 \
+      --shapes 100352x2048,16384x2048,2048x8192 2>&1 | quiet | grep -E "bf16 default|^\| extra|^    \(|failed"
     for q in "" "--draft-quantization fp8"; do
       echo "-- the drafter block graph (K = 3, 5 layers) ${q:-bf16}"
       timeout 100 python benchmarks/profile_decode_xs.py --drafter --k 3 --top 6 --new-tokens 8 $q 2>&1 \
         | quiet | grep -E "^\| [0-9]|skinny|rror" | head -8
     done
-    for q in "" "--draft-quantization fp8" "" "--draft-quantization fp8"; do
+    f16="laguna_dflash.kernels.skinny_gemm:FP8_DOT_F16=False"
+    for q in "" "--draft-quantization fp8" "--draft-quantization fp8 --switch $f16" "" "--draft-quantization fp8"; do
       echo "-- goal 2's cell at 65 new tokens, drafter ${q:-bf16}"; goal_cell 85 --new-tokens 65 $q
     done ;;
   pass112)

@@ -141,7 +141,8 @@ def dataclasses_equal_but_block_k(a: SkinnyConfig, b: SkinnyConfig) -> bool:
 
 def _compile_fp8(m: int, n: int, k: int, glu: bool) -> tuple[str, str]:
     cfg = sg.default_config(m, n, k, fp8=True)
-    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, True, glu=glu, w_fp8=True)[2])
+    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, True, glu=glu,
+                         w_fp8=sg.fp8_mode(True, torch.bfloat16))[2])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages"),
                "launch_pdl": meta.pop("launch_pdl")}
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "y_ptr": "*bf16", "part_ptr": "*fp32",

@@ -374,8 +374,12 @@ def _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K
     # the dot path's K loop: acc[n, m] += W[n, k] x[m, k], K_ITERS steps of BLOCK_K from k_start,
     # in order, into acc (fp32 [BLOCK_N, M_PAD]); w_rows / x_rows: row pointers [BLOCK_N, 1] /
     # [M_PAD, 1]. The weight is the wide (MMA M-side) operand; Triton's pipeliner stages its loads.
-    # W_FP8: the tile is e4m3, widened to x's dtype in registers (exact: e4m3's 3 mantissa bits
-    # fit bf16's 7 and fp16's 10; its exponents fit both) before the dot
+    # W_FP8: the tile is e4m3, widened in registers (exact: e4m3's 3 mantissa bits fit bf16's 7
+    # and fp16's 10; its exponents fit both) before the dot: 1, to x's dtype; 2 (x bf16,
+    # FP8_DOT_F16), to fp16 with x rounded to fp16 too: e4m3 -> f16x2 is one instruction a pair
+    # on sm_90, where bf16 takes a scalar f16 -> bf16 more an element. x to fp16 is exact for
+    # |x| in [2^-14, 65504] (10 mantissa bits hold bf16's 7), saturated past it (the drafter's
+    # fp8 inputs are RMS-normed: |x| <= sqrt(H) max|w|), flushed below 2^-24
     for i in range(K_ITERS):
         k0 = k_start + i * BLOCK_K
         offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
@@ -385,6 +389,9 @@ def _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        elif W_FP8 == 2:
+            x16 = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+            acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
         elif W_FP8:
             acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
         else:
@@ -760,7 +767,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         return y.zero_()  # with glu and K = 0: gate = up = 0, silu(0) * 0 = 0
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret),
-                                glu=glu, w_fp8=is_fp8)
+                                glu=glu, w_fp8=fp8_mode(is_fp8, x.dtype))
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
@@ -805,7 +812,7 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
     blocks = _cdiv(m, MAX_M)
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, config, interpret, pdl.active(x.device, interpret),
-                                row_blocks=blocks, w_fp8=scale is not None)
+                                row_blocks=blocks, w_fp8=fp8_mode(scale is not None, x.dtype))
     part, counters = _workspace(x.device, n, split_k, blocks) if split_k > 1 else (y, y)
     _kernels(interpret)[grid](
         x, weight, y, part, counters, scale if scale is not None else y,
@@ -815,6 +822,19 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
     return y
 
 
+# The dot path's e4m3 weight tiles widen to fp16 (x rounded to fp16) where x is bf16: half the
+# conversions of widening to bf16 (the kernel's _dot_acc). False: to x's dtype (an A/B knob).
+FP8_DOT_F16 = True
+
+
+def fp8_mode(is_fp8: bool, dtype: torch.dtype) -> int:
+    """The kernel's ``W_FP8``: 0 (the weight in x's dtype), 1 (e4m3 widened to x's dtype), 2
+    (e4m3 and a bf16 x both to fp16 for the dot: :data:`FP8_DOT_F16`)."""
+    if not is_fp8:
+        return 0
+    return 2 if FP8_DOT_F16 and dtype == torch.bfloat16 else 1
+
+
 def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
     return _dot_auto(m) if cfg.use_dot is None else bool(cfg.use_dot)
 
@@ -822,11 +842,12 @@ def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
           interpret: bool, pdl: bool = False, row_blocks: int = 0,
-          glu: bool = False, w_fp8: bool = False) -> tuple[tuple[int, ...], int, dict]:
+          glu: bool = False, w_fp8: int = 0) -> tuple[tuple[int, ...], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
     (cached per shape and config: the eager host path is a dict lookup and one launch).
     ``row_blocks`` > 0: a :func:`skinny_gemm_rows` launch over that many 16-row blocks; ``glu``:
-    the SwiGLU epilogue of :func:`skinny_gemm`; ``w_fp8``: an e4m3 weight with row scales."""
+    the SwiGLU epilogue of :func:`skinny_gemm`; ``w_fp8``: an e4m3 weight with row scales
+    (:func:`fp8_mode`)."""
     use_dot = True if row_blocks else _use_dot(cfg, m)
     _check_config(cfg, use_dot, m)
     block_k = cfg.block_k
@@ -840,7 +861,7 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         EVICT_FIRST=bool(cfg.evict_first), X_BCAST=bool(cfg.x_bcast),
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl, ROW_BLOCKS=row_blocks > 0,
-        GLU=bool(glu), LIBDEVICE=not interpret, W_FP8=bool(w_fp8),
+        GLU=bool(glu), LIBDEVICE=not interpret, W_FP8=int(w_fp8),
         num_warps=cfg.num_warps, num_stages=_dot_stages(cfg, dtype) if use_dot else cfg.num_stages,
         **launch_options(pdl),
     )

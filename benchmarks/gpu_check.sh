@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass114    # pass113's fp8 configs re-swept with the fp16 widening in
+#                                           # _MEASURED_FP8: the fp8 CUDA tests, then goal 2's cell
+#                                           # at 65 new tokens fp8, bf16, fp8, one process each (~4 min)
 #   bash benchmarks/gpu_check.sh pass113    # the drafter in fp8 where it pays (the MLP's gate|up and
 #                                           # the lm_head copy, _MEASURED_FP8's configs), its tiles
 #                                           # widened to fp16 (FP8_DOT_F16): the fp8 CUDA tests, the
@@ -453,6 +456,12 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass114)
+    echo "== (seventieth pass) _MEASURED_FP8 re-swept with the fp16 widening: CUDA tests, goal 2's cell"
+    gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    for q in "--draft-quantization fp8" "" "--draft-quantization fp8"; do
+      echo "-- goal 2's cell at 65 new tokens, drafter ${q:-bf16}"; goal_cell 85 --new-tokens 65 $q
+    done ;;
   pass113)
     echo "== (seventieth pass) the drafter in fp8 where it pays (gate|up, lm_head): CUDA tests"
     gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8

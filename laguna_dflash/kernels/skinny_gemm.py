@@ -247,14 +247,15 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
 
 
 # Measured best configs for an e4m3 weight (weight-only fp8, models/fp8.py), keyed as _MEASURED:
-# the XS-2.1 drafter's 4-row shapes, on an H200 (2026-12-05, benchmarks/bench_skinny_gemm.py --fp8
-# --only --m 4 --shapes 100352x2048,16384x2048,2048x8192; docs/PERFORMANCE.md, seventieth pass).
-# The comment gives the bf16 kernel's time at the shape: fp8 pays at the lm_head (1.39x) and the
-# gate|up GEMM (1.11x), not at N 2048 x K 8192 (0.81x: the drafter keeps o_proj / down in bf16).
+# the XS-2.1 drafter's 4-row shapes, tiles widened to fp16 (FP8_DOT_F16), on an H200 (2026-12-05,
+# benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --shapes 100352x2048,16384x2048,2048x8192;
+# docs/PERFORMANCE.md, seventieth pass). The comment gives the bf16 kernel's default at the shape
+# in the same run: fp8 pays at the lm_head (1.70x) and the gate|up GEMM (1.48x), not at N 2048 x
+# K 8192 (1.02x: the drafter keeps o_proj / down in bf16).
 _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
-    (4, 2048, 8192): SkinnyConfig(block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 13.16 us, bf16 10.62 us
-    (4, 16384, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True, evict_first=False, x_bcast=True),  # 15.69 us, bf16 17.43 us
-    (4, 100352, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 67.14 us, bf16 93.13 us
+    (4, 2048, 8192): SkinnyConfig(block_n=128, block_k=128, split_k=8, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 10.58 us, bf16 10.84 us
+    (4, 16384, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 11.97 us, bf16 17.70 us
+    (4, 100352, 2048): SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=2, use_dot=True, evict_first=True, x_bcast=True),  # 55.70 us, bf16 94.76 us
 }
 
 

@@ -16,10 +16,9 @@ measured on the demo pair in the sixty-ninth pass).
 
 Quantized: each drafter layer's MLP ``gate_up_proj`` and the drafter's use of the shared lm_head
 (an fp8 copy of the target's; the target keeps its own): where the fp8 skinny GEMM beats the bf16
-one at the XS-2.1 drafter's 4-row shapes on an H200 (lm_head 67 against 93 us, gate|up 15.7
-against 17.4). Not quantized: ``o_proj`` and ``down_proj`` (N 2048 x K 8192: 13.2 against 10.6
-us, the widening in registers costs more than the bytes save there; docs/PERFORMANCE.md,
-seventieth pass), the Q|K|V|gate projection (the head GEMM with the norm / RoPE / cache-write
+one at the XS-2.1 drafter's 4-row shapes on an H200 (lm_head 55.7 against 94.8 us, gate|up 12.0
+against 17.7). Not quantized: ``o_proj`` and ``down_proj`` (N 2048 x K 8192: 10.6 against 10.8
+us, not worth the drafts' rounding; docs/PERFORMANCE.md, seventieth pass), the Q|K|V|gate projection (the head GEMM with the norm / RoPE / cache-write
 epilogue, ``kernels/qkv_norm_rope_cache.py``), the context path (``fc`` and the context K/V
 GEMM), norms and embeddings.
 """

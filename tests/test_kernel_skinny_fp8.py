@@ -194,3 +194,22 @@ def test_cuda_graph_replay() -> None:
     graph.replay()
     assert not torch.equal(y, expected)
     assert torch.equal(y, skinny_gemm(x, w8, scale=scale))
+
+
+@cuda
+def test_cuda_fp16_widening_matches_bf16_widening_and_saturates(monkeypatch) -> None:
+    """FP8_DOT_F16 (the dot path's e4m3 tiles and a bf16 x in fp16): within the rounding of the
+    bf16 widening's result for ordinary x (the products are exact in both, only the fp32 order
+    and x's tails differ); an x beyond fp16's 65504 saturates instead of turning inf."""
+    x, w8, scale = _problem(4, 16384, 2048, torch.bfloat16, seed=3, device="cuda")
+    assert sg.fp8_mode(True, torch.bfloat16) == 2
+    widened16 = skinny_gemm(x, w8, scale=scale)
+    monkeypatch.setattr(sg, "FP8_DOT_F16", False)
+    assert sg.fp8_mode(True, torch.bfloat16) == 1
+    widened_bf16 = skinny_gemm(x, w8, scale=scale)
+    torch.testing.assert_close(widened16.float(), widened_bf16.float(), rtol=2.0**-7, atol=1e-2)
+    monkeypatch.setattr(sg, "FP8_DOT_F16", True)
+    x[0, 0] = 1e6  # bf16 holds it, fp16 does not
+    y = skinny_gemm(x, w8, scale=scale)
+    assert torch.isfinite(y).all()
+    _assert_close_to_exact(y[1:].cpu(), x[1:].cpu(), w8.cpu(), scale.cpu())

@@ -63,8 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="pick the draft length per step (<= K, 0 = no drafting) from measured "
                         "acceptance and step cost")
     p.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
-                   help="fp8: the drafter's o_proj, MLP and lm_head copy as fp8 rows with scales "
-                        "(half the bytes a draft streams; drafts may change, the output does not)")
+                   help="fp8: the drafter's MLP gate|up and lm_head copy as fp8 rows with scales "
+                        "(half their bytes; drafts may change, the output does not)")
     p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "
                         "torch_dtype, else bfloat16, on a GPU)")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")

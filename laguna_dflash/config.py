@@ -262,9 +262,9 @@ class SpeculativeConfig:
     # tensor_parallel_size shards its layers as the target's are; None: sharded where its heads
     # and MLP width divide the ranks, else replicated
     draft_tensor_parallel_size: int | None = None
-    # "fp8": the drafter's o_proj, MLP and its use of the shared lm_head as fp8 rows with fp32
-    # scales (models/fp8.py: half the bytes a drafter block and its lm_head stream; drafts may
-    # change, the output does not); None: the drafter in the engine's dtype
+    # "fp8": the drafter's MLP gate|up and its use of the shared lm_head as fp8 rows with fp32
+    # scales (models/fp8.py: half the bytes those stream; drafts may change, the output does
+    # not); None: the drafter in the engine's dtype
     draft_quantization: str | None = None
 
     def __post_init__(self) -> None:

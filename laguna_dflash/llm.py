@@ -98,7 +98,7 @@ class LLM:
     replicates the drafter on every rank, the target's size shards it; unset: sharded where its
     widths divide the ranks); ``adaptive_k`` picks
     K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting);
-    ``draft_quantization="fp8"`` stores the drafter's o_proj, MLP and lm_head copy as fp8 rows
+    ``draft_quantization="fp8"`` stores the drafter's MLP gate|up and lm_head copy as fp8 rows
     (models/fp8.py; drafts may change, the output does not); engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """

@@ -12,15 +12,16 @@ docs/PERFORMANCE.md, sixty-eighth and sixty-ninth passes), so one byte an elemen
 halves what those weights cost where the kernel streams fp8 at the bf16 rate (not everywhere:
 below). Only drafts change, never the output: the verify is the
 target's, in its own dtype (speculative decoding stays lossless; acceptance may move a little,
-measured on the demo pair in the sixty-ninth pass).
+measured on the demo pair by ``benchmarks/bench_draft_quantization.py``).
 
 Quantized: each drafter layer's MLP ``gate_up_proj`` and the drafter's use of the shared lm_head
 (an fp8 copy of the target's; the target keeps its own): where the fp8 skinny GEMM beats the bf16
 one at the XS-2.1 drafter's 4-row shapes on an H200 (lm_head 55.7 against 94.8 us, gate|up 12.0
 against 17.7). Not quantized: ``o_proj`` and ``down_proj`` (N 2048 x K 8192: 10.6 against 10.8
-us, not worth the drafts' rounding; docs/PERFORMANCE.md, seventieth pass), the Q|K|V|gate projection (the head GEMM with the norm / RoPE / cache-write
-epilogue, ``kernels/qkv_norm_rope_cache.py``), the context path (``fc`` and the context K/V
-GEMM), norms and embeddings.
+us, not worth the drafts' rounding; docs/PERFORMANCE.md, seventieth pass), the Q|K|V|gate
+projection (the head GEMM with the norm / RoPE / cache-write epilogue,
+``kernels/qkv_norm_rope_cache.py``), the context path (``fc`` and the context K/V GEMM), norms
+and embeddings.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass115    # the fp8 drafter past batch 1: L = 4 (K = 3) at batch 4,
+#                                           # 16 and 64 against target-only, 32 new tokens, drafter
+#                                           # bf16, then fp8, one process each (~4 min)
 #   bash benchmarks/gpu_check.sh pass114    # pass113's fp8 configs re-swept with the fp16 widening in
 #                                           # _MEASURED_FP8: the fp8 CUDA tests, then goal 2's cell
 #                                           # at 65 new tokens fp8, bf16, fp8, one process each (~4 min)
@@ -456,6 +459,13 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass115)
+    echo "== (seventy-first pass) the fp8 drafter at batch 4, 16 and 64 (L = 4) against the bf16 drafter"
+    for q in "" "--draft-quantization fp8"; do
+      echo "-- L = 4 at batch 4, 16, 64, drafter ${q:-bf16}"
+      timeout 140 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 4,16,64 \
+        --simulated 4 --sim-ks 3 --rounds 1 $q 2>&1 | quiet | grep -E "^\| (4|16|64) \||rror" | head -4
+    done ;;
   pass114)
     echo "== (seventieth pass) _MEASURED_FP8 re-swept with the fp16 widening: CUDA tests, goal 2's cell"
     gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8

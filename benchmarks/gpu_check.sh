@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass116    # the fp8 drafter past 16 rows on the unquantized weight
+#                                           # (cuBLAS): the fp8 CUDA tests, bench_fp8_rows.py at 8 and
+#                                           # 16 rows, then pass115's cells bf16 / fp8 (~5 min)
 #   bash benchmarks/gpu_check.sh pass115    # the fp8 drafter past batch 1: L = 4 (K = 3) at batch 4,
 #                                           # 16 and 64 against target-only, 32 new tokens, drafter
 #                                           # bf16, then fp8, one process each (~4 min)
@@ -459,6 +462,12 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass116)
+    echo "== (seventy-first pass) the fp8 drafter past 16 rows on its unquantized weight: CUDA tests"
+    gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    echo "-- bench_fp8_rows.py at 8 and 16 rows (one launch's sizes)"
+    timeout 60 python benchmarks/bench_fp8_rows.py --m 8,16 2>&1 | quiet | grep -E "^\||rror" | tail -6
+    bash "$0" pass115 ;;
   pass115)
     echo "== (seventy-first pass) the fp8 drafter at batch 4, 16 and 64 (L = 4) against the bf16 drafter"
     for q in "" "--draft-quantization fp8"; do

@@ -173,6 +173,64 @@ def test_cli_flag_needs_a_drafter_and_reaches_the_engine(capsys) -> None:
     assert code == 0 and len(out["token_ids"]) == 8
 
 
+def test_fp8_linear_keeps_its_unquantized_weight_for_cuda_only() -> None:
+    """Fp8Linear keeps the layer's weight (not in its state dict) and hands it to fp8_linear;
+    on the CPU every row count still multiplies the dequantized fp8 values (what the acceptance
+    benchmark measures), 40 rows included."""
+    g = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(32, 24, bias=False)
+    linear.weight.data.copy_(torch.randn(24, 32, generator=g))
+    fp8 = Fp8Linear(linear)
+    assert torch.equal(fp8.weight_unquantized, linear.weight) and "weight_unquantized" not in fp8.state_dict()
+    x = torch.randn(40, 32, generator=g)
+    dequantized = F.linear(x, dequantize_rows(fp8.weight, fp8.weight_scale, torch.float32))
+    assert torch.equal(fp8(x), dequantized) and not torch.equal(dequantized, F.linear(x, linear.weight))
+    assert torch.equal(fp8_linear(x, fp8.weight, fp8.weight_scale, unquantized=linear.weight), dequantized)
+
+
+def test_the_mlp_and_the_drafter_lm_head_pass_their_unquantized_weights(monkeypatch) -> None:
+    """MLP.forward and DFlashDraftModel.lm_head_logits hand fp8_linear the weight before
+    quantization (the gate|up's own, the target's lm_head), for its CUDA launches past 16 rows."""
+    from laguna_dflash.models import dflash, fp8
+
+    seen, original_fp8_linear = [], fp8.fp8_linear
+
+    def spy(x, quantized, scale, bias=None, glu=False, unquantized=None):
+        seen.append(unquantized)
+        return original_fp8_linear(x, quantized, scale, bias, glu=glu, unquantized=unquantized)
+
+    monkeypatch.setattr(layers.fp8, "fp8_linear", spy)
+    monkeypatch.setattr(dflash, "fp8_linear", spy)
+    mlp = layers.MLP(16, 8)
+    original = mlp.gate_up_proj.weight
+    mlp.gate_up_proj = Fp8Linear(mlp.gate_up_proj)
+    mlp(torch.randn(3, 16))
+    assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], original)
+    target, draft = demo_pair()
+    llm = LLM(target, draft, num_speculative_tokens=3, draft_quantization="fp8")
+    drafter = llm.engine.drafter
+    seen.clear()
+    drafter.lm_head_logits(torch.randn(2, drafter.lm_head_weight.shape[1]))
+    assert len(seen) == 1 and seen[0] is drafter.lm_head_weight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [3, 40])
+def test_cuda_fp8_linear_past_16_rows_runs_the_unquantized_weight(m) -> None:
+    """With ``unquantized``: up to 16 rows the fp8 kernel (its values), more rows cuBLAS on the
+    unquantized weight, bitwise F.linear (the SwiGLU on top bitwise silu_mul)."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 512, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(256, 512, generator=g) * 512**-0.5).to("cuda", torch.bfloat16)
+    q, scale = quantize_rows(w)
+    y = fp8_linear(x, q, scale, unquantized=w)
+    if m > skinny_gemm.MAX_M:
+        assert torch.equal(y, F.linear(x, w))
+        assert torch.equal(fp8_linear(x, q, scale, glu=True, unquantized=w), silu_mul(F.linear(x, w)))
+    else:
+        assert torch.equal(y, fp8_linear(x, q, scale))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [3, 40, 1100])
 def test_cuda_fp8_linear_streams_the_fp8_weight_at_any_row_count(m) -> None:

@@ -89,6 +89,18 @@ def test_interpreted_scales_reach_every_row() -> None:
 
 
 @interpreted
+def test_interpreted_rows_config_is_exact_to_the_bound() -> None:
+    # fp8.ROWS_CONFIG (the 16-row blocks' measured tile) on a ragged problem: 40 rows, N and K
+    # not multiples of its 128 x 128 tile
+    from laguna_dflash.models.fp8 import ROWS_CONFIG
+
+    x, w8, scale = _problem(40, 200, 300, torch.bfloat16, seed=11)
+    y = skinny_gemm_rows(x, w8, ROWS_CONFIG, scale=scale)
+    _assert_close_to_exact(y, x, w8, scale)
+    assert torch.equal(y[16:32], skinny_gemm(x[16:32], w8, ROWS_CONFIG, scale=scale))
+
+
+@interpreted
 def test_interpreted_row_blocks_equal_the_plain_launch() -> None:
     x, w8, scale = _problem(40, 24, 96, torch.bfloat16, seed=9)
     cfg = SkinnyConfig(16, 32, 2, num_stages=2, use_dot=True)

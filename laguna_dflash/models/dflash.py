@@ -492,9 +492,10 @@ class DFlashDraftModel(nn.Module):
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype
         (each tensor-parallel rank's vocabulary columns, gathered); through the drafter's fp8
-        copy of it where ``fp8.quantize_drafter`` made one (``lm_head_fp8``)."""
+        copy of it where ``fp8.quantize_drafter`` made one (``lm_head_fp8``; past 16 rows on
+        CUDA the target's own, as :func:`fp8.fp8_linear` says)."""
         if self.lm_head_fp8 is not None:
-            logits = fp8_linear(hidden, *self.lm_head_fp8)
+            logits = fp8_linear(hidden, *self.lm_head_fp8, unquantized=self.lm_head_weight)
         else:
             logits = lm_head_linear(hidden, self.lm_head_weight)
         return self.target.tp.all_gather_last(logits)

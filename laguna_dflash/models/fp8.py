@@ -22,6 +22,15 @@ us, not worth the drafts' rounding; docs/PERFORMANCE.md, seventieth pass), the Q
 projection (the head GEMM with the norm / RoPE / cache-write epilogue,
 ``kernels/qkv_norm_rope_cache.py``), the context path (``fc`` and the context K/V GEMM), norms
 and embeddings.
+
+The fp8 kernel pays only in one launch of at most 16 rows. Past that (batch 5 and more at
+K = 3) it runs 16-row blocks, each widening the weight's tiles again, and on the H200 it took
+1.2-7x cuBLAS's time on the bf16 weight at 48-256 rows (``benchmarks/bench_fp8_rows.py``,
+docs/PERFORMANCE.md, seventy-first pass). So a quantized weight keeps its unquantized tensor
+(:class:`Fp8Linear`'s ``weight_unquantized``; the lm_head's is the target's own) and a CUDA
+launch of more than 16 rows multiplies that one with cuBLAS, as the drafter as loaded does.
+Elsewhere (the CPU, a bias, the batch-invariant scope) every row count takes the dequantized
+weight: the fp8 values, so the acceptance benchmark on the CPU measures fp8 at every batch.
 """
 
 from __future__ import annotations
@@ -52,26 +61,39 @@ def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     return (quantized.float() * scale[:, None]).to(dtype)
 
 
+# The 16-row blocks' tile where no unquantized weight is given: the best of the eight
+# bench_fp8_rows.py timed at the XS-2.1 lm_head and gate|up at 48, 192 and 256 rows on the H200
+# (all six cells; 1.5-2x faster than the config derived from the bf16 table), still slower
+# than cuBLAS on bf16 there.
+ROWS_CONFIG = skinny_gemm.SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=4,
+                                       use_dot=True, evict_first=True, x_bcast=True)
+
+
 def fp8_linear(x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+               bias: torch.Tensor | None = None, glu: bool = False,
+               unquantized: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ (scale * Wq) [N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype; ``glu``: the
     SwiGLU ``silu(g) * u`` of ``[g | u]`` -> ``[M, N / 2]``.
 
-    On CUDA (no bias, outside ``batch_invariant.scope``): the skinny GEMM streaming the fp8
-    weight (graphs and eager forwards alike: there is no cuBLAS path for it), ``M <= 16`` in
-    one launch (with ``glu``, the SwiGLU as its epilogue), more rows as 16-row blocks
-    (``skinny_gemm_rows``, ``MAX_ROW_BLOCKS * 16`` rows a launch; the SwiGLU after it): never
-    a dequantized copy of the weight, which for the lm_head would be a transient 1.2 GB at
-    XS-2.1 size. Otherwise (CPU, a bias, the batch-invariant scope) ``F.linear`` (or
-    ``batch_invariant.linear``) on the dequantized weight: the same values, another summation
-    order."""
+    On CUDA (no bias, outside ``batch_invariant.scope``): ``M <= 16``, the skinny GEMM
+    streaming the fp8 weight in one launch (with ``glu``, the SwiGLU as its epilogue); more
+    rows, ``F.linear`` on ``unquantized [N, K]`` (x's dtype: the weight before quantization)
+    where given (module docstring), else the skinny GEMM on 16-row blocks
+    (``skinny_gemm_rows`` at :data:`ROWS_CONFIG`, ``MAX_ROW_BLOCKS * 16`` rows a launch; the
+    SwiGLU after it): never a dequantized copy of the weight, which for the lm_head would be a
+    transient 1.2 GB at XS-2.1 size. Otherwise (CPU, a bias, the batch-invariant scope)
+    ``F.linear`` (or ``batch_invariant.linear``) on the dequantized weight at every ``M``: the
+    same values as the kernel's, another summation order."""
     m = x.shape[0]
     if (x.is_cuda and bias is None and not batch_invariant.is_active()
             and not (torch.is_grad_enabled() and x.requires_grad)
             and skinny_gemm.can_use(x[: skinny_gemm.MAX_M], quantized, scale)):
         if m <= skinny_gemm.MAX_M:
             return skinny_gemm.skinny_gemm(x, quantized, glu=glu, scale=scale)
-        cfg = skinny_gemm.default_config(skinny_gemm.MAX_M, quantized.shape[0], quantized.shape[1], fp8=True)
+        if unquantized is not None:
+            y = F.linear(x, unquantized)
+            return fusion.silu_mul(y) if glu else y
+        cfg = ROWS_CONFIG
         step = skinny_gemm.MAX_ROW_BLOCKS * skinny_gemm.MAX_M
         parts = [skinny_gemm.skinny_gemm_rows(x[i : i + step], quantized, cfg, scale=scale)
                  for i in range(0, m, step)]
@@ -84,8 +106,10 @@ def fp8_linear(x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
 
 class Fp8Linear(nn.Module):
     """An ``nn.Linear`` (no bias) whose weight is stored as fp8 rows with scales: ``weight``
-    ``[N, K]`` float8_e4m3fn and ``weight_scale [N]`` float32 (buffers, not trained). Callers
-    that take a layer's ``weight`` pass ``weight_scale`` along (``layers.linear``'s ``scale=``)."""
+    ``[N, K]`` float8_e4m3fn and ``weight_scale [N]`` float32 (buffers, not trained), and
+    ``weight_unquantized`` the layer's own weight, kept for CUDA launches past 16 rows
+    (:func:`fp8_linear`; not saved with the state dict). Callers that take a layer's ``weight``
+    pass ``weight_scale`` and ``weight_unquantized`` along (``layers.gate_up_silu``)."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
@@ -96,10 +120,12 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.register_buffer("weight", quantized)
         self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_unquantized", layer.weight.detach(), persistent=False)
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale).view(*x.shape[:-1], -1)
+        return fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale,
+                          unquantized=self.weight_unquantized).view(*x.shape[:-1], -1)
 
 
 def quantize_drafter(drafter: nn.Module) -> int:

@@ -108,16 +108,17 @@ def _takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: torch.Tensor | None = None, unquantized: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of a dense MLP: ``silu(g) * u`` of ``[g | u] = x [M, K] @ weight [2I, K]^T (+ bias)``
     -> ``[M, I]`` in x's dtype. Where :func:`linear` takes the skinny GEMM for this gate|up and
     :data:`use_glu_epilogue` is on: one launch with the activation as its epilogue (bitwise
     the two-launch result); otherwise :func:`linear` then ``fusion.silu_mul``. ``scale``: fp8
-    rows (:func:`fp8.fp8_linear`, the epilogue wherever its skinny GEMM runs)."""
+    rows (:func:`fp8.fp8_linear`, the epilogue wherever its skinny GEMM runs; ``unquantized``:
+    the weight before quantization, for CUDA launches past 16 rows)."""
     if scale is not None:
         if use_glu_epilogue:
-            return fp8.fp8_linear(x, weight, scale, bias, glu=True)
-        return fusion.silu_mul(fp8.fp8_linear(x, weight, scale, bias))
+            return fp8.fp8_linear(x, weight, scale, bias, glu=True, unquantized=unquantized)
+        return fusion.silu_mul(fp8.fp8_linear(x, weight, scale, bias, unquantized=unquantized))
     if use_glu_epilogue and not batch_invariant.is_active() and _takes_skinny(x, weight, bias):
         return skinny_gemm.skinny_gemm(x, weight, glu=True)
     return fusion.silu_mul(linear(x, weight, bias))
@@ -432,7 +433,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         h = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
-                         getattr(self.gate_up_proj, "weight_scale", None))
+                         getattr(self.gate_up_proj, "weight_scale", None),
+                         getattr(self.gate_up_proj, "weight_unquantized", None))
         return row_parallel_linear(h, self.down_proj, self.tp, self.reduce_results)
 
 

@@ -64,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "acceptance and step cost")
     p.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
                    help="fp8: the drafter's MLP gate|up and lm_head copy as fp8 rows with scales "
-                        "(half their bytes; drafts may change, the output does not)")
+                        "(half their bytes in launches of up to 16 rows, e.g. batch <= 4 at K = 3; "
+                        "drafts may change, the output does not)")
     p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "
                         "torch_dtype, else bfloat16, on a GPU)")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")

@@ -263,8 +263,9 @@ class SpeculativeConfig:
     # and MLP width divide the ranks, else replicated
     draft_tensor_parallel_size: int | None = None
     # "fp8": the drafter's MLP gate|up and its use of the shared lm_head as fp8 rows with fp32
-    # scales (models/fp8.py: half the bytes those stream; drafts may change, the output does
-    # not); None: the drafter in the engine's dtype
+    # scales (models/fp8.py: half the bytes those stream in CUDA launches of up to 16 rows, the
+    # unquantized weights past them; drafts may change, the output does not); None: the
+    # drafter in the engine's dtype
     draft_quantization: str | None = None
 
     def __post_init__(self) -> None:

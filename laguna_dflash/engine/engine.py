@@ -181,7 +181,7 @@ class LLMEngine:
         if self.drafter is not None and config.speculative.draft_quantization == "fp8":
             saved = quantize_drafter(self.drafter)  # before the KV cache is sized
             logger.info("drafter quantized to fp8 (MLP gate|up, lm_head copy): %.1f MiB fewer bytes "
-                        "a block and its lm_head stream", saved / 2**20)
+                        "a block and its lm_head stream in launches of up to 16 rows", saved / 2**20)
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         if self.drafter is not None:

@@ -132,8 +132,10 @@ def quantize_drafter(drafter: nn.Module) -> int:
     """Quantize ``drafter``'s streamed weights in place (module docstring): every layer's
     :data:`QUANTIZED_PROJECTIONS` (``mlp.gate_up_proj``) become :class:`Fp8Linear` and the
     drafter keeps an fp8 copy of the shared lm_head (``lm_head_fp8``). Inference only,
-    after ``layers.fuse_for_inference``. Returns the bytes of weights the drafter's forward
-    no longer reads in bf16 (what one block and one lm_head stream less)."""
+    after ``layers.fuse_for_inference``. Memory grows by the fp8 copies (the unquantized
+    weights stay for launches past 16 rows). Returns the bytes of weights the drafter's
+    forward no longer reads in bf16 in a launch of up to 16 rows (what one block and one
+    lm_head stream less there)."""
     saved = 0
     for layer in drafter.layers:
         for path, name in QUANTIZED_PROJECTIONS:
@@ -146,5 +148,5 @@ def quantize_drafter(drafter: nn.Module) -> int:
     drafter.lm_head_fp8 = quantize_rows(head)
     saved += head.numel() * (head.element_size() - 1)
     if any(p.is_cuda for p in drafter.parameters()):
-        torch.cuda.empty_cache()  # the replaced weights' blocks, before the KV cache is sized
+        torch.cuda.empty_cache()  # quantize_rows' float32 temporaries, before the KV cache is sized
     return saved

@@ -14,10 +14,17 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
-from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+from interpreter_child import (
+    HAS_TRITON,
+    INTERPRETED,
+    interpreted,
+    run_interpreted_child,
+    run_interpreted_script,
+)
 from ptx_sm90 import _ptxas_report, can_compile_sm90, compile_sm90
 
 from laguna_dflash.kernels import skinny_gemm as sg
@@ -225,3 +232,15 @@ def test_cuda_fp16_widening_matches_bf16_widening_and_saturates(monkeypatch) -> 
     y = skinny_gemm(x, w8, scale=scale)
     assert torch.isfinite(y).all()
     _assert_close_to_exact(y[1:].cpu(), x[1:].cpu(), w8.cpu(), scale.cpu())
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
+def test_rows_benchmark_cpu_wiring_check() -> None:
+    """``bench_fp8_rows.py --device cpu --tiny`` runs under the interpreter: a table row per
+    row count, each candidate checked against the fp32 product (none reported wrong)."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = run_interpreted_script(repo / "benchmarks" / "bench_fp8_rows.py", "--device", "cpu", "--tiny", cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 x 128 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["17", "40"], proc.stdout
+    assert "wrong" not in proc.stdout

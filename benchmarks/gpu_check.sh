@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass118    # the fp8 table's 8- and 16-row entries (the drafter at
+#                                           # batch 2-5): the fp8 CUDA tests, bench_fp8_rows.py --each
+#                                           # at 6, 8, 12, 16 rows (the one-launch kernel), then L = 4
+#                                           # at batch 2 and 4 with the fp8 drafter (~5 min)
+#   bash benchmarks/gpu_check.sh pass117    # the CUDA cases of the test files outside all-tests and
+#                                           # all-tests-engine, then the OpenAI server at XS-2.1 size
+#                                           # with the fp8 drafter against target-only (serve_smoke_xs
+#                                           # --modes dflash-fp8; carry .whl/serve/, ~3 min)
 #   bash benchmarks/gpu_check.sh pass116    # the fp8 drafter past 16 rows on the unquantized weight
 #                                           # (cuBLAS): the fp8 CUDA tests, bench_fp8_rows.py at 8 and
 #                                           # 16 rows, then pass115's cells bf16 / fp8 (~5 min)
@@ -462,6 +470,24 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass118)
+    echo "== (seventy-second pass) the fp8 table at 8 and 16 rows: CUDA tests"
+    gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    echo "-- bench_fp8_rows.py --each at 6, 8, 12, 16 rows (one launch)"
+    timeout 90 python benchmarks/bench_fp8_rows.py --m 6,8,12,16 --each 2>&1 | quiet | grep -E "^\||rows \(us\)|rror" | tail -20
+    echo "-- L = 4 at batch 2 and 4, drafter fp8"
+    timeout 120 python benchmarks/bench_gpu_xs.py --new-tokens 32 --ks 3 --batches 2,4 \
+      --simulated 4 --sim-ks 3 --rounds 1 --draft-quantization fp8 2>&1 | quiet | grep -E "^\| (2|4) \| [0-9.]+ \| [0-9.]+ \(|rror" | head -4 ;;
+  pass117)
+    echo "== (seventy-second pass) the CUDA cases outside all-tests / all-tests-engine"
+    if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
+      python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
+    fi
+    gpu_tests 200 -n 4 tests/test_batch_invariant.py tests/test_device_selection.py tests/test_server_args.py \
+      tests/test_hybrid_kv.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    echo "-- the OpenAI server at XS-2.1 size, the fp8 drafter against target-only"
+    timeout 300 python benchmarks/serve_smoke_xs.py --modes dflash-fp8 --log-dir "${OUT:-/tmp}/serve-logs" \
+      2>&1 | quiet | tail -20 ;;
   pass116)
     echo "== (seventy-first pass) the fp8 drafter past 16 rows on its unquantized weight: CUDA tests"
     gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8

@@ -169,6 +169,7 @@ MODES = {
     "dflash": ("DFlash", ["--draft", "DRAFT"]),
     "target-only": ("target-only", []),
     "adaptive": ("DFlash, adaptive K", ["--draft", "DRAFT", "--adaptive-k"]),
+    "dflash-fp8": ("DFlash, fp8 drafter", ["--draft", "DRAFT", "--draft-quantization", "fp8"]),
     "target-only-no-prefix-caching": ("target-only, no prefix caching", ["--no-enable-prefix-caching"]),
 }
 

@@ -118,6 +118,13 @@ def test_modes_pick_the_servers_and_the_stream_is_checked_against_the_repeat(mon
     out = capsys.readouterr().out
     assert ("| the same request again (a prefix-cache hit) = the first | measured: 3 of 3 differ, "
             "first at token 0 |") in out
+    started.clear()  # the fp8 drafter's server: the drafter and its quantization flag
+    monkeypatch.setattr(sys, "argv", ["serve_smoke_xs.py", *bf16, "--modes", "dflash-fp8"])
+    assert serve_smoke_xs.main() == 0
+    assert "| DFlash, fp8 drafter |" in capsys.readouterr().out
+    assert [log for _, log in started] == ["server-target-only.log", "server-dflash-fp8.log"]
+    flags = started[1][0]
+    assert "--draft" in flags and flags[flags.index("--draft-quantization") + 1] == "fp8"
     monkeypatch.setattr(sys, "argv", ["serve_smoke_xs.py", *bf16, "--modes", "dflash,fast"])
     with pytest.raises(SystemExit):
         serve_smoke_xs.main()

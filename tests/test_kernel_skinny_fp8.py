@@ -137,10 +137,14 @@ def test_rejects_bad_scales() -> None:
 
 
 def test_fp8_configs_move_the_bf16_bytes_and_take_their_own_overrides(monkeypatch) -> None:
-    for (m, n, k), cfg in sg._MEASURED_FP8.items():  # measured: its own table, any row count up to M
-        for rows in range(1, m + 1):
-            assert sg.default_config(rows, n, k, fp8=True) == cfg
-    for m, n, k in [(1, 8240, 2048), (8, 100352, 2048), (8, 16384, 2048), (16, 2048, 8192), (1, 2048, 4096)]:
+    # measured: its own table, the smallest bucket >= next_pow2(rows) of the shape
+    for n, k in {(n, k) for _, n, k in sg._MEASURED_FP8}:
+        buckets = sorted(m for m, n2, k2 in sg._MEASURED_FP8 if (n2, k2) == (n, k))
+        for rows in range(1, buckets[-1] + 1):
+            bucket = next(b for b in buckets if b >= sg._next_pow2(rows))
+            assert sg.default_config(rows, n, k, fp8=True) == sg._MEASURED_FP8[bucket, n, k]
+    assert sg.default_config(4, 100352, 2048, fp8=True) != sg.default_config(5, 100352, 2048, fp8=True)
+    for m, n, k in [(1, 8240, 2048), (8, 100352, 4096), (8, 2048, 8192), (16, 2048, 8192), (1, 2048, 4096)]:
         assert (m, n, k) not in sg._MEASURED_FP8
         bf16, fp8 = sg.default_config(m, n, k), sg.default_config(m, n, k, fp8=True)
         assert dataclasses_equal_but_block_k(bf16, fp8)
@@ -172,8 +176,9 @@ def _compile_fp8(m: int, n: int, k: int, glu: bool) -> tuple[str, str]:
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
 @pytest.mark.parametrize("m,n,k,glu", [(4, 100352, 2048, False), (4, 16384, 2048, True), (4, 2048, 8192, False),
-                                       (1, 100352, 2048, False), (1, 2048, 8192, False)],
-                         ids=["lm_head4", "gate_up4", "down4", "lm_head1", "down1"])
+                                       (1, 100352, 2048, False), (1, 2048, 8192, False),
+                                       (12, 100352, 2048, False), (8, 16384, 2048, True)],
+                         ids=["lm_head4", "gate_up4", "down4", "lm_head1", "down1", "lm_head12", "gate_up8"])
 def test_sm90_fp8_builds_widen_in_registers_without_spills(m, n, k, glu) -> None:
     """The XS-2.1 drafter's streamed shapes (lm_head 100352 x 2048, the MLP's gate|up 16384 x 2048
     with the SwiGLU, down and o_proj 2048 x 8192) at their fp8 default configs: the dot path on
@@ -192,7 +197,8 @@ def test_sm90_fp8_builds_widen_in_registers_without_spills(m, n, k, glu) -> None
 
 @cuda
 @pytest.mark.parametrize("m,n,k,glu", [(4, 100352, 2048, False), (4, 16384, 2048, True), (4, 2048, 8192, False),
-                                       (1, 2048, 8192, False), (16, 2048, 8192, False)])
+                                       (1, 2048, 8192, False), (16, 2048, 8192, False), (6, 100352, 2048, False),
+                                       (16, 100352, 2048, False), (8, 16384, 2048, True), (12, 16384, 2048, True)])
 def test_cuda_drafter_shapes(m, n, k, glu) -> None:
     x, w8, scale = _problem(m, n, k, torch.bfloat16, seed=m + n, device="cuda")
     y = skinny_gemm(x, w8, glu=glu, scale=scale)
@@ -236,11 +242,18 @@ def test_cuda_fp16_widening_matches_bf16_widening_and_saturates(monkeypatch) -> 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
 def test_rows_benchmark_cpu_wiring_check() -> None:
-    """``bench_fp8_rows.py --device cpu --tiny`` runs under the interpreter: a table row per
-    row count, each candidate checked against the fp32 product (none reported wrong)."""
+    """``bench_fp8_rows.py --device cpu --tiny --each`` runs under the interpreter: a table row
+    per row count (5: the one-launch kernel; 17, 40: row blocks), each candidate checked against
+    the fp32 product (none reported wrong) and timed (``--each``: the configured one and both
+    candidates)."""
     repo = Path(__file__).resolve().parent.parent
-    proc = run_interpreted_script(repo / "benchmarks" / "bench_fp8_rows.py", "--device", "cpu", "--tiny", cwd=repo)
+    proc = run_interpreted_script(repo / "benchmarks" / "bench_fp8_rows.py", "--device", "cpu", "--tiny",
+                                  "--each", cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 x 128 |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["17", "40"], proc.stdout
+    assert [row.split("|")[2].strip() for row in rows] == ["5", "17", "40"], proc.stdout
+    each = [line for line in proc.stdout.splitlines() if line.startswith("  256 x 128, ")]
+    assert [line.split(" rows")[0].split(", ")[1] for line in each] == ["5", "17", "40"], each
+    assert all(line.split(": ", 1)[1].startswith("configured ") and len(line.split("; ")) == 3
+               for line in each), each
     assert "wrong" not in proc.stdout

@@ -251,11 +251,18 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
 # benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --shapes 100352x2048,16384x2048,2048x8192;
 # docs/PERFORMANCE.md, seventieth pass). The comment gives the bf16 kernel's default at the shape
 # in the same run: fp8 pays at the lm_head (1.70x) and the gate|up GEMM (1.48x), not at N 2048 x
-# K 8192 (1.02x: the drafter keeps o_proj / down in bf16).
+# K 8192 (1.02x: the drafter keeps o_proj / down in bf16). The 8- and 16-row entries (the
+# drafter at batch 2-5, K = 3: gate|up 4 rows a request, the lm_head 3) are the best of the eight
+# tiles benchmarks/bench_fp8_rows.py --m 8,16 times, on an H200 (2026-12-05, seventy-second
+# pass); the comment gives the config the table gave before (4 warps, 64 x 256) in the same run.
 _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
     (4, 2048, 8192): SkinnyConfig(block_n=128, block_k=128, split_k=8, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 10.58 us, bf16 10.84 us
     (4, 16384, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 11.97 us, bf16 17.70 us
     (4, 100352, 2048): SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=2, use_dot=True, evict_first=True, x_bcast=True),  # 55.70 us, bf16 94.76 us
+    (8, 16384, 2048): SkinnyConfig(block_n=64, block_k=256, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 12.8 us, before 15.0 us
+    (8, 100352, 2048): SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 57.2 us, before 76.6 us
+    (16, 16384, 2048): SkinnyConfig(block_n=64, block_k=256, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 11.8 us, before 14.6 us
+    (16, 100352, 2048): SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 57.4 us, before 76.0 us
 }
 
 

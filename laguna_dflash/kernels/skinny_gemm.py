@@ -253,8 +253,9 @@ def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
 # in the same run: fp8 pays at the lm_head (1.70x) and the gate|up GEMM (1.48x), not at N 2048 x
 # K 8192 (1.02x: the drafter keeps o_proj / down in bf16). The 8- and 16-row entries (the
 # drafter at batch 2-5, K = 3: gate|up 4 rows a request, the lm_head 3) are the best of the eight
-# tiles benchmarks/bench_fp8_rows.py --m 8,16 times, on an H200 (2026-12-05, seventy-second
-# pass); the comment gives the config the table gave before (4 warps, 64 x 256) in the same run.
+# tiles benchmarks/bench_fp8_rows.py --m 8,16 then timed (one 16-row block), on an H200
+# (2026-12-05, seventy-second pass); the comment gives the tile the table gave before (64 x 256,
+# 4 warps) in the same run.
 _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
     (4, 2048, 8192): SkinnyConfig(block_n=128, block_k=128, split_k=8, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 10.58 us, bf16 10.84 us
     (4, 16384, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 11.97 us, bf16 17.70 us

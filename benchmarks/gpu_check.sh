@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass119    # pass107's host path timings without its tests (this tree
+#                                           # with --gap-steps --gc-freeze, then .ab/base), then
+#                                           # pass118's two timings without its tests (~9 min)
 #   bash benchmarks/gpu_check.sh pass118    # the fp8 table's 8- and 16-row entries (the drafter at
 #                                           # batch 2-5): the fp8 CUDA tests, bench_fp8_rows.py --each
 #                                           # at 6, 8, 12, 16 rows (the one-launch kernel), then L = 4
@@ -470,9 +473,13 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass119)
+    echo "== (seventy-third pass) pass107 and pass118 without their tests (both ran them before)"
+    SKIP_TESTS=1 bash "$0" pass107
+    SKIP_TESTS=1 bash "$0" pass118 ;;
   pass118)
     echo "== (seventy-second pass) the fp8 table at 8 and 16 rows: CUDA tests"
-    gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    [ -n "${SKIP_TESTS:-}" ] || gpu_tests 150 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
     echo "-- bench_fp8_rows.py --each at 6, 8, 12, 16 rows (one launch)"
     timeout 90 python benchmarks/bench_fp8_rows.py --m 6,8,12,16 --each 2>&1 | quiet | grep -E "^\||rows \(us\)|rror" | tail -20
     echo "-- L = 4 at batch 2 and 4, drafter fp8"
@@ -557,7 +564,7 @@ case "$stage" in
     done ;;
   pass107)
     echo "== (sixty-seventh pass) the engine's CUDA tests"
-    engine_cuda_tests 230 | grep -v PASSED | tail -8
+    [ -n "${SKIP_TESTS:-}" ] || engine_cuda_tests 230 | grep -v PASSED | tail -8
     n=0
     # limits: 230 + 150 + 170 s, inside one 600 s call
     for run in ".:150:--gap-steps --gc-freeze" ".ab/base:170:"; do

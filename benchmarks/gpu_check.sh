@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass120    # the twelfth pass's ablation bound on this build: the
+#                                           # decode step with the routing, the split merge and both
+#                                           # norms removed, alone and together (timing only, ~2 min)
 #   bash benchmarks/gpu_check.sh pass119    # pass107's host path timings without its tests (this tree
 #                                           # with --gap-steps --gc-freeze, then .ab/base), then
 #                                           # pass118's two timings without its tests (~9 min)
@@ -473,6 +476,11 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass120)
+    echo "== (seventy-third pass) batch-1 decode with latency-bound kernels removed, this build (an upper bound)"
+    timeout 300 python benchmarks/profile_decode_xs.py --top 3 --ablate post_norm+input_norm \
+      --ablate routing --ablate routing+merge --ablate routing+merge+post_norm+input_norm 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|failed|rror" | head -40 ;;
   pass119)
     echo "== (seventy-third pass) pass107 and pass118 without their tests (both ran them before)"
     SKIP_TESTS=1 bash "$0" pass107

@@ -13,6 +13,9 @@ work cost nothing on the chain, whatever fusion or persistent kernel took it ove
 * ``qk``: the Q/K RMSNorm + RoPE + K/V cache write: attention reads q straight from the
   Q|K|V|gate GEMV's output.
 * ``routing``: the router GEMV + top-k: fixed expert ids (0..k-1 plus the shared expert).
+* ``routing_spread``, ``routing_fixed_ops``, ``routing_moving``: the same, with ids spread over
+  the experts, or ids 0..k-1 set by three small launches a layer that either keep them or move
+  them by k experts at every call (``_moving_routing``).
 """
 
 from __future__ import annotations
@@ -76,12 +79,45 @@ def _routing(original):
     return route
 
 
+def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Callable], Callable]:
+    # fixed-weight routes whose routed ids either stay put (``step_experts`` False) or move by k
+    # experts at every call (so every layer of every step reads experts the call before did not);
+    # both forms run the same three small launches a call, so they differ only in the ids.
+    # ``spread`` (no launches): ids 0, E/k, 2E/k, ... every call. Together with ``routing``
+    # (ids 0..k-1) they tell whether the MoE GEMVs' speed with fixed routes comes from the ids
+    # being contiguous (spread slow) or the same from step to step (moving slow).
+    def make(original):
+        state: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+        def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
+            n, k, num_experts = x.shape[0], top_k + num_shared, weight.shape[0]
+            key = (n, top_k, num_shared, x.device, x.dtype, num_experts)
+            if key not in state:  # made in the eager warm-up, before the capture
+                stride = num_experts // top_k if spread else 1
+                base = (torch.arange(top_k, device=x.device) * stride).repeat(n, 1)
+                ids = torch.full((n, k), num_experts, device=x.device, dtype=torch.long)
+                ids[:, :top_k] = base
+                offset = torch.zeros((), device=x.device, dtype=torch.long)
+                weights = torch.full((n, k), 1.0 / k, device=x.device, dtype=x.dtype)
+                state[key] = (weights, ids, base, offset)
+            weights, ids, base, offset = state[key]
+            if not spread:
+                offset.add_(top_k if step_experts else 0)
+                torch.remainder(base + offset, num_experts, out=ids[:, :top_k])
+            return weights, ids
+        return route
+    return make
+
+
 ABLATIONS: dict[str, tuple[object, str, Callable]] = {
     "post_norm": (fusion, "add_rms_norm", _skip_norm(2)),
     "input_norm": (fusion, "add_rms_norm", _skip_norm(3)),
     "merge": (paged_attention, "_kernels", _merge),
     "qk": (qk_norm_rope_cache, "qk_norm_rope_cache", _qk),
     "routing": (moe_routing, "fused_router_route", _routing),
+    "routing_spread": (moe_routing, "fused_router_route", _moving_routing(False, spread=True)),
+    "routing_fixed_ops": (moe_routing, "fused_router_route", _moving_routing(False)),
+    "routing_moving": (moe_routing, "fused_router_route", _moving_routing(True)),
 }
 
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass121    # why fixed routes make the MoE GEMVs faster: the decode
+#                                           # step with the router replaced by fixed ids 0..k-1, ids
+#                                           # spread over the experts, and ids set by three launches
+#                                           # that keep them or move them every call (~3 min)
 #   bash benchmarks/gpu_check.sh pass120    # the twelfth pass's ablation bound on this build: the
 #                                           # decode step with the routing, the split merge and both
 #                                           # norms removed, alone and together (timing only, ~2 min)
@@ -476,6 +480,11 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass121)
+    echo "== (seventy-third pass) fixed against moving expert ids (timing only; the router replaced)"
+    timeout 400 python benchmarks/profile_decode_xs.py --top 12 --ablate routing --ablate routing_spread \
+      --ablate routing_fixed_ops --ablate routing_moving 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|gemv|router|remainder|elementwise|failed|rror" | head -70 ;;
   pass120)
     echo "== (seventy-third pass) batch-1 decode with latency-bound kernels removed, this build (an upper bound)"
     timeout 300 python benchmarks/profile_decode_xs.py --top 3 --ablate post_norm+input_norm \

@@ -23,7 +23,8 @@ def _originals():
 
 def test_every_ablation_applies_and_undoes() -> None:
     before = _originals()
-    undo = ablations.apply("+".join(ablations.ABLATIONS))
+    # the routing_* variants replace the same function as "routing" (tested below)
+    undo = ablations.apply("+".join(n for n in ablations.ABLATIONS if not n.startswith("routing_")))
     try:
         h, d, pairs = torch.randn(1, 8), torch.randn(1, 8), torch.randn(1, 3, 8)
         assert fusion.add_rms_norm(h, d, None, 0.0) == (h, d)  # post_norm: the MLP reads delta
@@ -44,3 +45,21 @@ def test_unknown_ablation_names_the_choices() -> None:
     with pytest.raises(ValueError, match="unknown ablation 'attention'; choose from post_norm"):
         ablations.apply("routing+attention")
     assert _originals() == before  # nothing left replaced
+
+
+def test_routing_variants_keep_spread_or_move_their_ids() -> None:
+    x, w = torch.randn(1, 8), torch.randn(16, 8)
+    seen = {}
+    for name in ("routing_spread", "routing_fixed_ops", "routing_moving"):
+        undo = ablations.apply(name)
+        try:
+            calls = [moe_routing.fused_router_route(x, w, None, 4, 0.0, "sigmoid", True, scale=1.0,
+                                                    num_shared=1)[1].tolist() for _ in range(5)]
+        finally:
+            undo()
+        seen[name] = calls
+    assert seen["routing_spread"] == [[[0, 4, 8, 12, 16]]] * 5
+    assert seen["routing_fixed_ops"] == [[[0, 1, 2, 3, 16]]] * 5
+    # moved by k = 4 at every call, modulo the 16 experts; the shared expert's id stays 16
+    assert [c[0] for c in seen["routing_moving"]] == [
+        [4, 5, 6, 7, 16], [8, 9, 10, 11, 16], [12, 13, 14, 15, 16], [0, 1, 2, 3, 16], [4, 5, 6, 7, 16]]

@@ -16,6 +16,9 @@ work cost nothing on the chain, whatever fusion or persistent kernel took it ove
 * ``routing_spread``, ``routing_fixed_ops``, ``routing_moving``: the same, with ids spread over
   the experts, or ids 0..k-1 set by three small launches a layer that either keep them or move
   them by k experts at every call (``_moving_routing``).
+* ``routing_recorded``: each layer's real routes from its first call, replayed with no router
+  launch; ``routing_dropped``: the router runs, its routes replaced by ids 0..k-1
+  (``_recorded_routing``).
 """
 
 from __future__ import annotations
@@ -109,6 +112,32 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
     return make
 
 
+def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
+    # ``keep_router`` False: each layer's routes as the router chose them on its first call (the
+    # eager warm-up), replayed without a router launch: real ids, fixed. True: the router runs
+    # as always (its launch and PDL hand-offs unchanged) but its output is dropped for fixed ids
+    # 0..k-1. Which of the two is slow tells whether the real routes' ids or the router's
+    # launch make the expert GEMVs slower than with ``routing``.
+    def make(original):
+        state: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
+            key = (weight.data_ptr(), x.shape[0])  # one router weight a layer
+            routes = original(x, weight, bias, top_k, *args, scale=scale, num_shared=num_shared) \
+                if keep_router or key not in state else None
+            if key not in state:
+                weights, ids = routes
+                if keep_router:
+                    k = top_k + num_shared
+                    ids = torch.arange(k, device=x.device).repeat(x.shape[0], 1)
+                    ids[:, top_k:] = weight.shape[0]
+                    weights = torch.full_like(weights, 1.0 / k)
+                state[key] = (weights.clone(), ids.clone())
+            return state[key]
+        return route
+    return make
+
+
 ABLATIONS: dict[str, tuple[object, str, Callable]] = {
     "post_norm": (fusion, "add_rms_norm", _skip_norm(2)),
     "input_norm": (fusion, "add_rms_norm", _skip_norm(3)),
@@ -118,6 +147,8 @@ ABLATIONS: dict[str, tuple[object, str, Callable]] = {
     "routing_spread": (moe_routing, "fused_router_route", _moving_routing(False, spread=True)),
     "routing_fixed_ops": (moe_routing, "fused_router_route", _moving_routing(False)),
     "routing_moving": (moe_routing, "fused_router_route", _moving_routing(True)),
+    "routing_recorded": (moe_routing, "fused_router_route", _recorded_routing(False)),
+    "routing_dropped": (moe_routing, "fused_router_route", _recorded_routing(True)),
 }
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass122    # fixed routes, continued: each layer's real routes
+#                                           # recorded and replayed without the router, and the
+#                                           # router kept with its routes dropped for ids 0..k-1 (~2 min)
 #   bash benchmarks/gpu_check.sh pass121    # why fixed routes make the MoE GEMVs faster: the decode
 #                                           # step with the router replaced by fixed ids 0..k-1, ids
 #                                           # spread over the experts, and ids set by three launches
@@ -480,6 +483,11 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass122)
+    echo "== (seventy-third pass) recorded real routes / the router kept, its routes dropped (timing only)"
+    timeout 400 python benchmarks/profile_decode_xs.py --top 12 --ablate routing --ablate routing_recorded \
+      --ablate routing_dropped 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|gemv|router|failed|rror" | head -60 ;;
   pass121)
     echo "== (seventy-third pass) fixed against moving expert ids (timing only; the router replaced)"
     timeout 400 python benchmarks/profile_decode_xs.py --top 12 --ablate routing --ablate routing_spread \

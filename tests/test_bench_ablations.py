@@ -63,3 +63,45 @@ def test_routing_variants_keep_spread_or_move_their_ids() -> None:
     # moved by k = 4 at every call, modulo the 16 experts; the shared expert's id stays 16
     assert [c[0] for c in seen["routing_moving"]] == [
         [4, 5, 6, 7, 16], [8, 9, 10, 11, 16], [12, 13, 14, 15, 16], [0, 1, 2, 3, 16], [4, 5, 6, 7, 16]]
+
+
+def test_recorded_routes_replay_the_first_call_and_dropped_routes_keep_the_router() -> None:
+    calls = []
+
+    def router(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
+        # a stand-in for the Triton router (the ablations wrap whatever is installed): top-k of
+        # x W^T, the shared expert's id E appended
+        calls.append(weight.data_ptr())
+        logits = x @ weight.T
+        values, ids = logits.topk(top_k, dim=-1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :num_shared], weight.shape[0])], dim=1)
+        return torch.cat([values.softmax(-1), torch.ones_like(values[:, :num_shared])], 1), ids
+
+    original = moe_routing.fused_router_route
+    moe_routing.fused_router_route = router
+    try:
+        w1, w2 = torch.randn(16, 8), torch.randn(16, 8)
+        x1, x2 = torch.randn(1, 8), torch.randn(1, 8)
+        first = {w.data_ptr(): router(x1, w, None, 4, num_shared=1) for w in (w1, w2)}
+        calls.clear()
+        undo = ablations.apply("routing_recorded")
+        try:
+            for x in (x1, x2, x1):  # layers 1 and 2 in turn; x2 alone would route elsewhere
+                for w in (w1, w2):
+                    weights, ids = moe_routing.fused_router_route(x, w, None, 4, num_shared=1)
+                    assert torch.equal(ids, first[w.data_ptr()][1])
+                    assert torch.equal(weights, first[w.data_ptr()][0])
+        finally:
+            undo()
+        assert calls == [w1.data_ptr(), w2.data_ptr()]  # the router ran once a layer
+        calls.clear()
+        undo = ablations.apply("routing_dropped")
+        try:
+            for _ in range(3):
+                weights, ids = moe_routing.fused_router_route(x2, w1, None, 4, num_shared=1)
+                assert ids.tolist() == [[0, 1, 2, 3, 16]] and torch.allclose(weights, torch.full((1, 5), 0.2))
+        finally:
+            undo()
+        assert calls == [w1.data_ptr()] * 3  # the router still runs at every call
+    finally:
+        moe_routing.fused_router_route = original

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass123    # the expert GEMVs alone (39 XS-2.1 MoE layers, one graph):
+#                                           # fixed ids against fresh ones every replay, fresh ones
+#                                           # with their pages touched first, fresh contiguous ones
+#                                           # (bench_expert_tlb.py, ~2 min)
 #   bash benchmarks/gpu_check.sh pass122    # fixed routes, continued: each layer's real routes
 #                                           # recorded and replayed without the router, and the
 #                                           # router kept with its routes dropped for ids 0..k-1 (~2 min)
@@ -483,6 +487,10 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass123)
+    echo "== (seventy-third pass) the expert GEMVs with fixed against fresh ids (bench_expert_tlb.py)"
+    timeout 300 python benchmarks/bench_expert_tlb.py 2>&1 | quiet | tail -9
+    timeout 200 python benchmarks/bench_expert_tlb.py --touch-kb 2048 2>&1 | quiet | tail -6 ;;
   pass122)
     echo "== (seventy-third pass) recorded real routes / the router kept, its routes dropped (timing only)"
     timeout 400 python benchmarks/profile_decode_xs.py --top 12 --ablate routing --ablate routing_recorded \

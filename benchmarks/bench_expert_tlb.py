@@ -1,0 +1,143 @@
+"""Are the batch-1 expert GEMVs slower when a step's experts differ from the step before's?
+
+The seventy-third pass found (``profile_decode_xs.py --ablate``, H100) that the decode graph's
+MoE GEMVs run about twice as fast whenever every layer's expert ids are the same at every step
+(fixed, spread over the experts, or the router's real ids recorded once), and only ~10% slower
+when they move to other experts at every call in groups of k contiguous ones, against the
+router's fresh scattered ids every step. Same bytes either way. This script isolates that
+without the engine: ``--layers`` MoE layers at XS-2.1 shapes (``gate_up [E + 1, 2I, H]``,
+``down [E + 1, H, I]``, bf16, the shared expert folded in as id E), one CUDA graph of their
+``moe_gemv_experts`` calls reading ids from a static buffer a layer, timed a replay at a time
+(CUDA events) after an L2 flush, with the ids before each replay:
+
+* ``fixed``: the same random ids at every replay;
+* ``fresh``: new random distinct ids (copied in before the timing);
+* ``fresh, touched``: the same, then, before the timing, one 2-byte load every ``--touch-kb`` KiB
+  of each newly chosen expert's gate_up and down (1-2 sectors a page: the L2 barely changes, the
+  address translations of those pages are made);
+* ``fresh, contiguous``: k - 1 contiguous experts at a new random place.
+
+If ``fresh`` is slow and ``fresh, touched`` as fast as ``fixed``, the cost is the translation of
+pages not used the step before (the GPU's TLBs), not the reads.
+
+    python benchmarks/bench_expert_tlb.py                  # 39 layers, 30 replays a row
+    python benchmarks/bench_expert_tlb.py --layers 8 --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from laguna_dflash.kernels.moe_gemv import moe_gemv_experts  # noqa: E402
+
+MODES = ("fixed", "fresh", "fresh, touched", "fresh, contiguous")
+
+
+def choose_ids(mode: str, num_experts: int, num_routed: int, generator: torch.Generator) -> torch.Tensor:
+    """``[1, num_routed + 1]`` int64: routed ids in ``[0, num_experts)``, distinct, then the
+    shared expert's id ``num_experts``. ``fresh, contiguous``: a run of ``num_routed`` ids."""
+    if mode == "fresh, contiguous":
+        start = int(torch.randint(0, num_experts - num_routed + 1, (1,), generator=generator))
+        routed = torch.arange(start, start + num_routed)
+    else:
+        routed = torch.randperm(num_experts, generator=generator)[:num_routed]
+    return torch.cat([routed, torch.tensor([num_experts])]).view(1, -1)
+
+
+def touch_offsets(ids: torch.Tensor, expert_numel: int, stride: int, num_experts: int) -> torch.Tensor:
+    """Flat element offsets of one element every ``stride`` elements of each routed expert's
+    block in a ``[E + 1, ...]`` tensor whose experts hold ``expert_numel`` elements each."""
+    routed = ids.view(-1)
+    routed = routed[routed < num_experts]
+    within = torch.arange(0, expert_numel, stride)
+    return (routed[:, None] * expert_numel + within[None, :]).reshape(-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=39, help="MoE layers (XS-2.1 has 39)")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=512, help="expert intermediate size")
+    ap.add_argument("--top-k", type=int, default=8, help="routed experts a token (the shared one is added)")
+    ap.add_argument("--reps", type=int, default=30, help="timed replays a row")
+    ap.add_argument("--touch-kb", type=int, default=64, help="KiB between touched elements")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_expert_tlb.py needs a CUDA device (it times CUDA-graph replays)")
+    if not 1 <= args.top_k <= args.experts:
+        raise SystemExit(f"--top-k must be in 1..--experts ({args.experts}), got {args.top_k}")
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    e, h, i = args.experts, args.hidden, args.inter
+    gen = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    gate_ups = [torch.empty((e + 1, 2 * i, h), device=dev, dtype=dt).normal_(0, 0.02) for _ in range(args.layers)]
+    downs = [torch.empty((e + 1, h, i), device=dev, dtype=dt).normal_(0, 0.02) for _ in range(args.layers)]
+    ids = [choose_ids("fixed", e, args.top_k, gen).to(dev) for _ in range(args.layers)]
+    weights = torch.full((1, args.top_k + 1), 1.0 / (args.top_k + 1), device=dev, dtype=dt)
+    x = torch.randn((1, h), device=dev, dtype=dt)
+    flush = torch.empty(256 * 2**20, device=dev, dtype=torch.uint8)  # 256 MiB: more than any L2
+    gib = sum(t.numel() * t.element_size() for t in gate_ups + downs) / 2**30
+    mb_read = args.layers * (args.top_k + 1) * 3 * h * i * 2 / 1e6
+    print(f"{args.layers} layers, {gib:.1f} GiB of experts, {mb_read:.0f} MB read a replay, "
+          f"{torch.cuda.get_device_name()}")
+
+    def forward() -> None:
+        out = x
+        for layer in range(args.layers):  # each layer's input is the last one's first pair
+            out = moe_gemv_experts(out, ids[layer], weights, gate_ups[layer], downs[layer])[:, 0]
+
+    for _ in range(2):  # builds, then a clean run
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    fixed = [t.clone() for t in ids]
+    stride_gu, stride_dn = args.touch_kb * 512, args.touch_kb * 512  # bf16 elements
+    rows = []
+    for mode in MODES:
+        times = []
+        for rep in range(args.reps + 2):
+            if mode == "fixed":
+                for layer in range(args.layers):
+                    ids[layer].copy_(fixed[layer])
+            else:
+                for layer in range(args.layers):
+                    ids[layer].copy_(choose_ids(mode, e, args.top_k, gen))
+            flush.zero_()
+            if mode == "fresh, touched":
+                sink = torch.zeros((), device=dev, dtype=torch.float32)
+                for layer in range(args.layers):
+                    host_ids = ids[layer].cpu()
+                    for t, numel, stride in ((gate_ups[layer], 2 * i * h, stride_gu),
+                                             (downs[layer], h * i, stride_dn)):
+                        offs = touch_offsets(host_ids, numel, stride, e).to(dev)
+                        sink += t.view(-1).index_select(0, offs).float().sum()
+                sink.item()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if rep >= 2:
+                times.append(start.elapsed_time(end) * 1e3)
+        rows.append((mode, statistics.median(times), min(times)))
+    print("\n| ids before each replay | median us a replay | min | us a layer (median) | x fixed |")
+    print("|---|---:|---:|---:|---:|")
+    base = rows[0][1]
+    for mode, med, low in rows:
+        print(f"| {mode} | {med:.1f} | {low:.1f} | {med / args.layers:.2f} | {med / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,12 @@ without the engine: ``--layers`` MoE layers at XS-2.1 shapes (``gate_up [E + 1, 
 If ``fresh`` is slow and ``fresh, touched`` as fast as ``fixed``, the cost is the translation of
 pages not used the step before (the GPU's TLBs), not the reads.
 
+``--router`` adds two rows with the engine's chain a layer, the fused router (one launch, PDL) on
+the layer's input and then the two expert GEMVs, each replay on a fresh random input:
+
+* ``router``: the GEMVs read the router's ids (as the engine does);
+* ``router, ids dropped``: the router runs, the GEMVs read the static fixed ids.
+
     python benchmarks/bench_expert_tlb.py                  # 39 layers, 30 replays a row
     python benchmarks/bench_expert_tlb.py --layers 8 --reps 10
 """
@@ -36,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts  # noqa: E402
+from laguna_dflash.kernels.moe_routing import fused_router_route  # noqa: E402
 
 MODES = ("fixed", "fresh", "fresh, touched", "fresh, contiguous")
 
@@ -70,6 +77,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="timed replays a row")
     ap.add_argument("--touch-kb", type=int, default=64, help="KiB between touched elements")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router", action="store_true", help="also the router -> GEMVs rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_expert_tlb.py needs a CUDA device (it times CUDA-graph replays)")
@@ -90,26 +98,45 @@ def main() -> None:
     print(f"{args.layers} layers, {gib:.1f} GiB of experts, {mb_read:.0f} MB read a replay, "
           f"{torch.cuda.get_device_name()}")
 
-    def forward() -> None:
+    routers = [torch.empty((e, h), device=dev, dtype=dt).normal_(0, 0.02) for _ in range(args.layers)]
+    bias = torch.zeros(e, device=dev, dtype=torch.float32)
+
+    def forward(router: str) -> None:
+        # router "": the ids buffers; "use": the router's ids; "drop": the router runs, its ids unused
         out = x
         for layer in range(args.layers):  # each layer's input is the last one's first pair
-            out = moe_gemv_experts(out, ids[layer], weights, gate_ups[layer], downs[layer])[:, 0]
+            layer_ids, layer_w = ids[layer], weights
+            if router:
+                rw, rids = fused_router_route(out, routers[layer], bias, args.top_k, 0.0, "sigmoid", True,
+                                              scale=2.5, num_shared=1)
+                if router == "use":
+                    layer_ids, layer_w = rids, rw
+            out = moe_gemv_experts(out, layer_ids, layer_w, gate_ups[layer], downs[layer])[:, 0]
 
-    for _ in range(2):  # builds, then a clean run
-        forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    def capture(router: str) -> torch.cuda.CUDAGraph:
+        for _ in range(2):  # builds, then a clean run
+            forward(router)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward(router)
+        return graph
+
+    graph = capture("")
     fixed = [t.clone() for t in ids]
     stride_gu, stride_dn = args.touch_kb * 512, args.touch_kb * 512  # bf16 elements
     rows = []
-    for mode in MODES:
+    modes = MODES + (("router", "router, ids dropped") if args.router else ())
+    for mode in modes:
+        if mode.startswith("router"):
+            graph = capture("use" if mode == "router" else "drop")
         times = []
         for rep in range(args.reps + 2):
-            if mode == "fixed":
+            if mode == "fixed" or mode.startswith("router"):
                 for layer in range(args.layers):
                     ids[layer].copy_(fixed[layer])
+                if mode.startswith("router"):  # fresh routes: a fresh input
+                    x.copy_(torch.randn((1, h), generator=gen).to(dt))
             else:
                 for layer in range(args.layers):
                     ids[layer].copy_(choose_ids(mode, e, args.top_k, gen))

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass124    # pass123's rows and the engine's chain a layer: the fused
+#                                           # router, then the expert GEMVs on its ids or on fixed
+#                                           # ids (bench_expert_tlb.py --router, ~2 min)
 #   bash benchmarks/gpu_check.sh pass123    # the expert GEMVs alone (39 XS-2.1 MoE layers, one graph):
 #                                           # fixed ids against fresh ones every replay, fresh ones
 #                                           # with their pages touched first, fresh contiguous ones
@@ -487,6 +490,9 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass124)
+    echo "== (seventy-third pass) the router -> expert GEMVs chain, its ids against fixed ones"
+    timeout 400 python benchmarks/bench_expert_tlb.py --router --reps 20 2>&1 | quiet | tail -11 ;;
   pass123)
     echo "== (seventy-third pass) the expert GEMVs with fixed against fresh ids (bench_expert_tlb.py)"
     timeout 300 python benchmarks/bench_expert_tlb.py 2>&1 | quiet | tail -9

@@ -18,7 +18,7 @@ work cost nothing on the chain, whatever fusion or persistent kernel took it ove
   them by k experts at every call (``_moving_routing``).
 * ``routing_recorded``: each layer's real routes from its first call, replayed with no router
   launch; ``routing_dropped``: the router runs, its routes replaced by ids 0..k-1
-  (``_recorded_routing``).
+  (``_recorded_routing``); ``routing_copied``: the router's routes through a copy.
 """
 
 from __future__ import annotations
@@ -138,6 +138,15 @@ def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
     return make
 
 
+def _copied_routing(original):
+    # the router's routes as always, handed to the expert GEMVs through a copy (two small torch
+    # launches): the same ids and weights, written by a kernel that is not the router
+    def route(*args, **kwargs):
+        weights, ids = original(*args, **kwargs)
+        return weights.clone(), ids.clone()
+    return route
+
+
 ABLATIONS: dict[str, tuple[object, str, Callable]] = {
     "post_norm": (fusion, "add_rms_norm", _skip_norm(2)),
     "input_norm": (fusion, "add_rms_norm", _skip_norm(3)),
@@ -149,6 +158,7 @@ ABLATIONS: dict[str, tuple[object, str, Callable]] = {
     "routing_moving": (moe_routing, "fused_router_route", _moving_routing(True)),
     "routing_recorded": (moe_routing, "fused_router_route", _recorded_routing(False)),
     "routing_dropped": (moe_routing, "fused_router_route", _recorded_routing(True)),
+    "routing_copied": (moe_routing, "fused_router_route", _copied_routing),
 }
 
 

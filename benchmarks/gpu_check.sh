@@ -10,7 +10,8 @@
 #                                           # (bench_expert_tlb.py, ~2 min)
 #   bash benchmarks/gpu_check.sh pass122    # fixed routes, continued: each layer's real routes
 #                                           # recorded and replayed without the router, and the
-#                                           # router kept with its routes dropped for ids 0..k-1 (~2 min)
+#                                           # router kept with its routes dropped for ids 0..k-1 (~2 min;
+#                                           # PASS122_MORE="--ablate routing_copied" adds rows)
 #   bash benchmarks/gpu_check.sh pass121    # why fixed routes make the MoE GEMVs faster: the decode
 #                                           # step with the router replaced by fixed ids 0..k-1, ids
 #                                           # spread over the experts, and ids set by three launches
@@ -500,7 +501,7 @@ case "$stage" in
   pass122)
     echo "== (seventy-third pass) recorded real routes / the router kept, its routes dropped (timing only)"
     timeout 400 python benchmarks/profile_decode_xs.py --top 12 --ablate routing --ablate routing_recorded \
-      --ablate routing_dropped 2>&1 | quiet \
+      --ablate routing_dropped ${PASS122_MORE:-} 2>&1 | quiet \
       | grep -E "^##|^\| [0-9]|kernels per|gemv|router|failed|rror" | head -60 ;;
   pass121)
     echo "== (seventy-third pass) fixed against moving expert ids (timing only; the router replaced)"

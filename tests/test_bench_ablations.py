@@ -105,3 +105,19 @@ def test_recorded_routes_replay_the_first_call_and_dropped_routes_keep_the_route
         assert calls == [w1.data_ptr()] * 3  # the router still runs at every call
     finally:
         moe_routing.fused_router_route = original
+
+
+def test_copied_routes_equal_the_routers_in_new_tensors() -> None:
+    original = moe_routing.fused_router_route
+    routes = (torch.tensor([[0.5, 0.5]]), torch.tensor([[3, 16]]))
+    moe_routing.fused_router_route = lambda *a, **k: routes
+    try:
+        undo = ablations.apply("routing_copied")
+        try:
+            weights, ids = moe_routing.fused_router_route(None)
+        finally:
+            undo()
+        assert torch.equal(weights, routes[0]) and torch.equal(ids, routes[1])
+        assert weights.data_ptr() != routes[0].data_ptr() and ids.data_ptr() != routes[1].data_ptr()
+    finally:
+        moe_routing.fused_router_route = original

@@ -15,7 +15,9 @@ without the engine: ``--layers`` MoE layers at XS-2.1 shapes (``gate_up [E + 1, 
 * ``fresh, touched``: the same, then, before the timing, one 2-byte load every ``--touch-kb`` KiB
   of each newly chosen expert's gate_up and down (1-2 sectors a page: the L2 barely changes, the
   address translations of those pages are made);
-* ``fresh, contiguous``: k - 1 contiguous experts at a new random place.
+* ``fresh, contiguous``: k - 1 contiguous experts at a new random place;
+* ``fixed, 0..k-1 in every layer``: ids 0..k-2 and the shared one in every layer at every replay
+  (what ``profile_decode_xs.py --ablate routing`` gives every layer).
 
 If ``fresh`` is slow and ``fresh, touched`` as fast as ``fixed``, the cost is the translation of
 pages not used the step before (the GPU's TLBs), not the reads.
@@ -44,13 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts  # noqa: E402
 from laguna_dflash.kernels.moe_routing import fused_router_route  # noqa: E402
 
-MODES = ("fixed", "fresh", "fresh, touched", "fresh, contiguous")
+MODES = ("fixed", "fresh", "fresh, touched", "fresh, contiguous", "fixed, 0..k-1 in every layer")
 
 
 def choose_ids(mode: str, num_experts: int, num_routed: int, generator: torch.Generator) -> torch.Tensor:
     """``[1, num_routed + 1]`` int64: routed ids in ``[0, num_experts)``, distinct, then the
     shared expert's id ``num_experts``. ``fresh, contiguous``: a run of ``num_routed`` ids."""
-    if mode == "fresh, contiguous":
+    if mode == "fixed, 0..k-1 in every layer":
+        routed = torch.arange(num_routed)
+    elif mode == "fresh, contiguous":
         start = int(torch.randint(0, num_experts - num_routed + 1, (1,), generator=generator))
         routed = torch.arange(start, start + num_routed)
     else:
@@ -132,7 +136,10 @@ def main() -> None:
             graph = capture("use" if mode == "router" else "drop")
         times = []
         for rep in range(args.reps + 2):
-            if mode == "fixed" or mode.startswith("router"):
+            if mode == "fixed, 0..k-1 in every layer":
+                for layer in range(args.layers):
+                    ids[layer].copy_(choose_ids(mode, e, args.top_k, gen))
+            elif mode == "fixed" or mode.startswith("router"):
                 for layer in range(args.layers):
                     ids[layer].copy_(fixed[layer])
                 if mode.startswith("router"):  # fresh routes: a fresh input

@@ -21,6 +21,8 @@ def test_ids_are_distinct_routed_experts_then_the_shared_one() -> None:
             assert len(set(routed)) == 5 and all(0 <= r < 16 for r in routed)
             if mode == "fresh, contiguous":
                 assert routed == list(range(routed[0], routed[0] + 5))
+            if mode == "fixed, 0..k-1 in every layer":
+                assert routed == [0, 1, 2, 3, 4]
 
 
 def test_touch_offsets_cover_each_routed_expert_block_at_the_stride() -> None:

@@ -82,6 +82,10 @@ def main() -> None:
     ap.add_argument("--touch-kb", type=int, default=64, help="KiB between touched elements")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router", action="store_true", help="also the router -> GEMVs rows")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="no L2 flush and no host sync between replays: --reps replays queued with "
+                         "their id copies between them, timed together (as profile_decode_xs.py "
+                         "replays a graph); the touched row is skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_expert_tlb.py needs a CUDA device (it times CUDA-graph replays)")
@@ -135,6 +139,29 @@ def main() -> None:
         if mode.startswith("router"):
             graph = capture("use" if mode == "router" else "drop")
         times = []
+        if args.back_to_back:
+            if mode == "fresh, touched":
+                continue
+            staged = [[(fixed[layer] if mode in ("fixed", "router", "router, ids dropped")
+                        else choose_ids(mode, e, args.top_k, gen).to(dev)) for layer in range(args.layers)]
+                      for _ in range(args.reps + 1)]
+            inputs = [torch.randn((1, h), generator=gen).to(dev, dt) for _ in range(args.reps + 1)]
+            for rep in range(args.reps + 1):  # staged ids and inputs copied in on the device
+                for layer in range(args.layers):
+                    ids[layer].copy_(staged[rep][layer])
+                if mode.startswith("router"):
+                    x.copy_(inputs[rep])
+                if rep == 0:
+                    graph.replay()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                else:
+                    graph.replay()
+            end.record()
+            end.synchronize()
+            per = start.elapsed_time(end) * 1e3 / args.reps  # includes each replay's id copies
+            rows.append((mode, per, per))
+            continue
         for rep in range(args.reps + 2):
             if mode == "fixed, 0..k-1 in every layer":
                 for layer in range(args.layers):

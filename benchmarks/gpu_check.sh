@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass125    # pass124's rows back to back (no flush, no sync between
+#                                           # replays, as profile_decode_xs.py times a graph; ~1 min)
 #   bash benchmarks/gpu_check.sh pass124    # pass123's rows and the engine's chain a layer: the fused
 #                                           # router, then the expert GEMVs on its ids or on fixed
 #                                           # ids (bench_expert_tlb.py --router, ~2 min)
@@ -491,6 +493,9 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass125)
+    echo "== (seventy-third pass) the expert GEMVs back to back: fixed against fresh ids, the router chain"
+    timeout 300 python benchmarks/bench_expert_tlb.py --back-to-back --router --reps 20 2>&1 | quiet | tail -10 ;;
   pass124)
     echo "== (seventy-third pass) the router -> expert GEMVs chain, its ids against fixed ones"
     timeout 400 python benchmarks/bench_expert_tlb.py --router --reps 20 2>&1 | quiet | tail -11 ;;

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass126    # the expert GEMVs' DRAM bytes and L2 hit rate under ncu
+#                                           # (L2 not flushed), decode graph with the router's routes
+#                                           # and with fixed routes (--ablate routing; ~4 min)
 #   bash benchmarks/gpu_check.sh pass125    # pass124's rows back to back (no flush, no sync between
 #                                           # replays, as profile_decode_xs.py times a graph; ~1 min)
 #   bash benchmarks/gpu_check.sh pass124    # pass123's rows and the engine's chain a layer: the fused
@@ -493,6 +496,19 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass126)
+    echo "== (seventy-third pass) the expert GEMVs under ncu: the router's routes against fixed ones"
+    command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+    dir=${OUT:-/tmp}/ncu126; mkdir -p "$dir"
+    for ab in "" "--ablate routing"; do
+      f="$dir/moe${ab:+_fixed}.csv"
+      timeout 200 ncu --clock-control none --cache-control none --nvtx --nvtx-include "measure/" \
+        --kernel-name regex:"gemv_kernel|router" --page raw --csv --print-units base \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
+        python benchmarks/profile_decode_xs.py --ncu $ab >"$f" 2>"$f.err" || tail -3 "$f.err"
+      echo "-- ${ab:-the routes of the router}"
+      python benchmarks/ncu_kernel_table.py "$f"
+    done ;;
   pass125)
     echo "== (seventy-third pass) the expert GEMVs back to back: fixed against fresh ids, the router chain"
     timeout 300 python benchmarks/bench_expert_tlb.py --back-to-back --router --reps 20 2>&1 | quiet | tail -10 ;;

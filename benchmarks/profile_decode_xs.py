@@ -438,7 +438,8 @@ def main() -> None:
                     help="the engine with EngineConfig.batch_invariant (kernels/batch_invariant.py)")
     ap.add_argument("--ncu", action="store_true",
                     help="only replay the graph once inside the NVTX range 'measure', for Nsight "
-                         "Compute (bash benchmarks/gpu_check.sh ncu-decode); prints no table")
+                         "Compute (bash benchmarks/gpu_check.sh ncu-decode); prints no table; with "
+                         "--ablate, the first ablation's graph")
     args = ap.parse_args()
     if args.drafter and not 1 <= args.k <= 15:
         raise SystemExit(f"--k {args.k}: the XS drafter drafts 1..15 tokens a step (block size 16)")
@@ -496,7 +497,10 @@ def main() -> None:
         # the host share was 0.3-0.4 ms in a row on the engine's warm-up graphs and 0.6-0.8 ms
         # in every row after a reset, whatever the switch (docs/PERFORMANCE.md)
         reset_graphs(llm)
-        if args.ncu:
+        if args.ncu:  # one graph: the defaults', or the first --ablate's
+            if args.ablate:
+                ablations.apply(args.ablate[0])
+                reset_graphs(llm)
             ncu_replay(llm, prompt, args)
             return
         rows(llm, prompt, args, floor_ms)

@@ -1,0 +1,28 @@
+"""benchmarks/ncu_kernel_table.py: an ncu raw CSV export grouped by kernel, means scaled."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from ncu_kernel_table import kernel_table  # noqa: E402
+
+CSV = '''==PROF== Connected to process 1
+"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum","lts__t_sector_hit_rate.pct"
+"","","byte","nsecond","%"
+"0","_gate_up_gemv_kernel","37748736","12000","10.5"
+"1","_down_gemv_kernel","18874368","7000","4.5"
+"2","_gate_up_gemv_kernel","18874368","8000","50.5"
+'''.splitlines(keepends=True)
+
+
+def test_rows_are_means_by_kernel_in_us_and_mb() -> None:
+    rows = kernel_table(CSV)
+    assert rows[0].startswith("| kernel | launches | dram__bytes_read.sum (MB)")
+    assert "| _down_gemv_kernel | 1 | 18.87 | 7.00 | 4.50 |" in rows
+    assert "| _gate_up_gemv_kernel | 2 | 28.31 | 10.00 | 30.50 |" in rows
+
+
+def test_an_empty_report_says_so() -> None:
+    assert kernel_table(["==PROF== nothing\n"]) == ["(no kernels in the report)"]

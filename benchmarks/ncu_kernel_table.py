@@ -21,8 +21,8 @@ def kernel_table(lines: list[str], width: int = 40) -> list[str]:
     if not rows:
         return ["(no kernels in the report)"]
     metrics = [k for k in rows[0] if "__" in k]
-    units, data = rows[0], rows[1:]  # ncu's first data row holds the units
-    del units
+    # ncu's first data row holds the units when it prints them (no kernel name there)
+    data = rows[1:] if not rows[0].get("Kernel Name") else rows
     by: dict[str, list[dict]] = defaultdict(list)
     for row in data:
         by[row["Kernel Name"][:width]].append(row)

@@ -26,3 +26,8 @@ def test_rows_are_means_by_kernel_in_us_and_mb() -> None:
 
 def test_an_empty_report_says_so() -> None:
     assert kernel_table(["==PROF== nothing\n"]) == ["(no kernels in the report)"]
+
+
+def test_a_report_without_a_units_row_keeps_its_first_kernel() -> None:
+    rows = kernel_table([CSV[1]] + CSV[3:])
+    assert "| _gate_up_gemv_kernel | 2 | 28.31 | 10.00 | 30.50 |" in rows

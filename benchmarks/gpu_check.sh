@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass127    # the expert GEMVs alone on the loaded engine's own expert
+#                                           # tensors: the router's ids against fixed ones
+#                                           # (profile_decode_xs.py --moe-only, ~2 min)
 #   bash benchmarks/gpu_check.sh pass126    # the expert GEMVs' DRAM bytes and L2 hit rate under ncu
 #                                           # (L2 not flushed), decode graph with the router's routes
 #                                           # and with fixed routes (--ablate routing; ~4 min)
@@ -496,6 +499,10 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass127)
+    echo "== (seventy-third pass) the expert GEMVs alone on the engine's tensors (profile_decode_xs --moe-only)"
+    timeout 300 python benchmarks/profile_decode_xs.py --top 2 --moe-only 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|^\| (the|fixed)|kernels per|failed|rror" | head -20 ;;
   pass126)
     echo "== (seventy-third pass) the expert GEMVs under ncu: the router's routes against fixed ones"
     command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }

@@ -436,6 +436,9 @@ def main() -> None:
                          "for the decode graphs), for a decode A/B in two processes")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the engine with EngineConfig.batch_invariant (kernels/batch_invariant.py)")
+    ap.add_argument("--moe-only", action="store_true",
+                    help="after the rows, the expert GEMVs alone on the engine's own expert tensors: "
+                         "the router's ids against fixed ones (moe_only)")
     ap.add_argument("--ncu", action="store_true",
                     help="only replay the graph once inside the NVTX range 'measure', for Nsight "
                          "Compute (bash benchmarks/gpu_check.sh ncu-decode); prints no table; with "
@@ -504,6 +507,8 @@ def main() -> None:
             ncu_replay(llm, prompt, args)
             return
         rows(llm, prompt, args, floor_ms)
+        if args.moe_only:
+            moe_only(llm)
         for context in args.also_context:
             args.context = context
             prompt = torch.randint(100, 100000, (context,),
@@ -521,6 +526,63 @@ def main() -> None:
         print("\n| GEMV M=1 | N | K | us | TB/s of weights |\n|---|---:|---:|---:|---:|")
         for name, n, k, us, tbs in gemv_table("cuda", shapes):
             print(f"| {name} | {n} | {k} | {us:.1f} | {tbs:.2f} |")
+
+
+def moe_layers(model: torch.nn.Module) -> list:
+    """The model's MoE blocks whose shared expert is folded in (the decode graph's expert GEMVs
+    run on their ``fused_experts()``), in layer order."""
+    from laguna_dflash.models.layers import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE) and m.gate_up_with_shared is not None]
+
+
+def moe_only(llm: LLM, reps: int = 20) -> None:
+    """The decode graph's expert GEMVs alone on the engine's own expert tensors (the loaded
+    model's allocations): one graph of every MoE layer's two GEMVs, replayed back to back, with
+    each layer's ids from its router on a random input (scattered, as real routes) or fixed
+    0..k-1, and with the fused router in front. ``bench_expert_tlb.py`` found no difference on
+    tensors of its own; if these do, the loaded model's memory is what differs."""
+    from laguna_dflash.kernels import moe_gemv, moe_routing
+
+    layers = moe_layers(llm.engine.target)
+    if not layers:
+        print("\n(no folded MoE layers: --moe-only has nothing to time)")
+        return
+    dev, dt = layers[0].gate.weight.device, layers[0].gate.weight.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn((1, m.gate.weight.shape[1]), generator=gen, device=dev, dtype=dt) for m in layers]
+
+    def route(m, x):
+        return moe_routing.fused_router_route(
+            x, m.gate.weight, m.e_score_correction_bias, m.top_k, m.logit_softcapping, m.score_func,
+            m.norm_topk_prob, scale=m.routed_scaling_factor, num_shared=1)
+
+    routed = [route(m, x) for m, x in zip(layers, xs)]
+    fixed = []
+    for (w, ids), m in zip(routed, layers):
+        f = torch.arange(ids.shape[1], device=dev)[None].clone()
+        f[:, m.top_k:] = m.num_experts  # the folded shared expert's id
+        fixed.append((w, f))
+    scattered = sum(int(ids[0, : m.top_k].max()) - int(ids[0, : m.top_k].min()) for (_, ids), m in zip(routed, layers))
+    print(f"\n## the expert GEMVs alone on the engine's tensors ({len(layers)} layers; router ids span "
+          f"{scattered / len(layers):.0f} experts a layer on average)\n")
+    print("| ids | us a replay | us a layer |\n|---|---:|---:|")
+    for label, with_router, table in (("the router's (random inputs)", False, routed),
+                                      ("fixed 0..k-1", False, fixed),
+                                      ("the router in front, its ids", True, None)):
+        def forward(with_router: bool = with_router, table: list | None = table) -> None:
+            for i, (m, x) in enumerate(zip(layers, xs)):
+                w, ids = route(m, x) if with_router else table[i]
+                moe_gemv.moe_gemv_experts(x, ids, w, *m.fused_experts())
+        for _ in range(2):
+            forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        ms = replay_ms(graph, reps)
+        print(f"| {label} | {ms * 1e3:.1f} | {ms * 1e3 / len(layers):.2f} |")
+        del graph
 
 
 def rows(llm: LLM, prompt: list[int], args, floor_ms: float) -> None:

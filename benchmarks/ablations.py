@@ -69,15 +69,21 @@ def _qk(original):
 _FIXED_ROUTES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _fixed_routes(x: torch.Tensor, num_experts: int, top_k: int, num_shared: int,
+                  stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` 1/k in x's dtype, ids ``[T, k]`` int64): routed ids 0, stride, ..,
+    (top_k - 1) stride, then the folded shared expert's id E, for every token of ``x [T, H]``."""
+    n, k = x.shape[0], top_k + num_shared
+    ids = torch.full((n, k), num_experts, device=x.device, dtype=torch.long)
+    ids[:, :top_k] = torch.arange(top_k, device=x.device) * stride
+    return torch.full((n, k), 1.0 / k, device=x.device, dtype=x.dtype), ids
+
+
 def _routing(original):
     def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
         key = (x.shape[0], top_k, num_shared, x.device, x.dtype, weight.shape[0])
         if key not in _FIXED_ROUTES:  # made in the eager warm-up, before the capture
-            k = top_k + num_shared
-            ids = torch.arange(k, device=x.device).repeat(x.shape[0], 1)
-            if num_shared:
-                ids[:, top_k:] = weight.shape[0]  # the folded shared expert's id is E
-            _FIXED_ROUTES[key] = (torch.full((x.shape[0], k), 1.0 / k, device=x.device, dtype=x.dtype), ids)
+            _FIXED_ROUTES[key] = _fixed_routes(x, weight.shape[0], top_k, num_shared)
         return _FIXED_ROUTES[key]
     return route
 
@@ -93,16 +99,13 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
         state: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
         def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
-            n, k, num_experts = x.shape[0], top_k + num_shared, weight.shape[0]
-            key = (n, top_k, num_shared, x.device, x.dtype, num_experts)
+            num_experts = weight.shape[0]
+            key = (x.shape[0], top_k, num_shared, x.device, x.dtype, num_experts)
             if key not in state:  # made in the eager warm-up, before the capture
                 stride = num_experts // top_k if spread else 1
-                base = (torch.arange(top_k, device=x.device) * stride).repeat(n, 1)
-                ids = torch.full((n, k), num_experts, device=x.device, dtype=torch.long)
-                ids[:, :top_k] = base
+                weights, ids = _fixed_routes(x, num_experts, top_k, num_shared, stride)
                 offset = torch.zeros((), device=x.device, dtype=torch.long)
-                weights = torch.full((n, k), 1.0 / k, device=x.device, dtype=x.dtype)
-                state[key] = (weights, ids, base, offset)
+                state[key] = (weights, ids, ids[:, :top_k].clone(), offset)
             weights, ids, base, offset = state[key]
             if not spread:
                 offset.add_(top_k if step_experts else 0)
@@ -126,12 +129,7 @@ def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
             routes = original(x, weight, bias, top_k, *args, scale=scale, num_shared=num_shared) \
                 if keep_router or key not in state else None
             if key not in state:
-                weights, ids = routes
-                if keep_router:
-                    k = top_k + num_shared
-                    ids = torch.arange(k, device=x.device).repeat(x.shape[0], 1)
-                    ids[:, top_k:] = weight.shape[0]
-                    weights = torch.full_like(weights, 1.0 / k)
+                weights, ids = _fixed_routes(x, weight.shape[0], top_k, num_shared) if keep_router else routes
                 state[key] = (weights.clone(), ids.clone())
             return state[key]
         return route

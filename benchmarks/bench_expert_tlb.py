@@ -132,7 +132,7 @@ def main() -> None:
 
     graph = capture("")
     fixed = [t.clone() for t in ids]
-    stride_gu, stride_dn = args.touch_kb * 512, args.touch_kb * 512  # bf16 elements
+    stride = args.touch_kb * 512  # bf16 elements between touched ones
     rows = []
     modes = MODES + (("router", "router, ids dropped") if args.router else ())
     for mode in modes:
@@ -179,8 +179,7 @@ def main() -> None:
                 sink = torch.zeros((), device=dev, dtype=torch.float32)
                 for layer in range(args.layers):
                     host_ids = ids[layer].cpu()
-                    for t, numel, stride in ((gate_ups[layer], 2 * i * h, stride_gu),
-                                             (downs[layer], h * i, stride_dn)):
+                    for t, numel in ((gate_ups[layer], 2 * i * h), (downs[layer], h * i)):
                         offs = touch_offsets(host_ids, numel, stride, e).to(dev)
                         sink += t.view(-1).index_select(0, offs).float().sum()
                 sink.item()

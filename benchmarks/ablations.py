@@ -69,7 +69,7 @@ def _qk(original):
 _FIXED_ROUTES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _fixed_routes(x: torch.Tensor, num_experts: int, top_k: int, num_shared: int,
+def fixed_routes(x: torch.Tensor, num_experts: int, top_k: int, num_shared: int,
                   stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[T, k]`` 1/k in x's dtype, ids ``[T, k]`` int64): routed ids 0, stride, ..,
     (top_k - 1) stride, then the folded shared expert's id E, for every token of ``x [T, H]``."""
@@ -83,7 +83,7 @@ def _routing(original):
     def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
         key = (x.shape[0], top_k, num_shared, x.device, x.dtype, weight.shape[0])
         if key not in _FIXED_ROUTES:  # made in the eager warm-up, before the capture
-            _FIXED_ROUTES[key] = _fixed_routes(x, weight.shape[0], top_k, num_shared)
+            _FIXED_ROUTES[key] = fixed_routes(x, weight.shape[0], top_k, num_shared)
         return _FIXED_ROUTES[key]
     return route
 
@@ -103,7 +103,7 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
             key = (x.shape[0], top_k, num_shared, x.device, x.dtype, num_experts)
             if key not in state:  # made in the eager warm-up, before the capture
                 stride = num_experts // top_k if spread else 1
-                weights, ids = _fixed_routes(x, num_experts, top_k, num_shared, stride)
+                weights, ids = fixed_routes(x, num_experts, top_k, num_shared, stride)
                 offset = torch.zeros((), device=x.device, dtype=torch.long)
                 state[key] = (weights, ids, ids[:, :top_k].clone(), offset)
             weights, ids, base, offset = state[key]
@@ -129,7 +129,7 @@ def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
             routes = original(x, weight, bias, top_k, *args, scale=scale, num_shared=num_shared) \
                 if keep_router or key not in state else None
             if key not in state:
-                weights, ids = _fixed_routes(x, weight.shape[0], top_k, num_shared) if keep_router else routes
+                weights, ids = fixed_routes(x, weight.shape[0], top_k, num_shared) if keep_router else routes
                 state[key] = (weights.clone(), ids.clone())
             return state[key]
         return route

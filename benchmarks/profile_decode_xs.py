@@ -558,7 +558,7 @@ def moe_only(llm: LLM, reps: int = 20) -> None:
             m.norm_topk_prob, scale=m.routed_scaling_factor, num_shared=1)
 
     routed = [route(m, x) for m, x in zip(layers, xs)]
-    fixed = [(w, ablations._fixed_routes(x, m.num_experts, m.top_k, 1)[1])
+    fixed = [(w, ablations.fixed_routes(x, m.num_experts, m.top_k, 1)[1])
              for (w, _), m, x in zip(routed, layers, xs)]
     scattered = sum(int(ids[0, : m.top_k].max()) - int(ids[0, : m.top_k].min()) for (_, ids), m in zip(routed, layers))
     print(f"\n## the expert GEMVs alone on the engine's tensors ({len(layers)} layers; router ids span "

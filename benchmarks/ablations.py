@@ -16,9 +16,16 @@ work cost nothing on the chain, whatever fusion or persistent kernel took it ove
 * ``routing_spread``, ``routing_fixed_ops``, ``routing_moving``: the same, with ids spread over
   the experts, or ids 0..k-1 set by three small launches a layer that either keep them or move
   them by k experts at every call (``_moving_routing``).
-* ``routing_recorded``: each layer's real routes from its first call, replayed with no router
-  launch; ``routing_dropped``: the router runs, its routes replaced by ids 0..k-1
+* ``routing_recorded``: each layer's real routes from its first call (:func:`prepare`'s random
+  input), replayed with no router launch; ``routing_dropped``: the router runs, its routes replaced by ids 0..k-1
   (``_recorded_routing``); ``routing_copied``: the router's routes through a copy.
+
+The routing ablations keep route tensors from call to call. Tensors made while a CUDA graph is
+captured hold nothing until that graph replays (a capture runs no kernel), so a graph captured
+later would read whatever their memory held: in the seventy-third pass every fixed id read 0,
+all nine pairs read one expert, and the GEMVs looked twice as fast (docs/PERFORMANCE.md,
+seventy-fourth pass). So they are made only outside a capture: call :func:`prepare` on the model
+after :func:`apply` and before capturing; a route tensor first asked for inside a capture raises.
 """
 
 from __future__ import annotations
@@ -79,10 +86,47 @@ def fixed_routes(x: torch.Tensor, num_experts: int, top_k: int, num_shared: int,
     return torch.full((n, k), 1.0 / k, device=x.device, dtype=x.dtype), ids
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _outside_capture(x: torch.Tensor, name: str) -> None:
+    # route tensors made inside a capture are unwritten in every other graph (module docstring)
+    if _capturing(x):
+        raise RuntimeError(f"ablation {name!r}: its route tensors for {x.shape[0]} token(s) would be "
+                           "made inside a CUDA graph capture and read as garbage by later graphs; "
+                           "call ablations.prepare(model) after ablations.apply() and before capturing")
+
+
+def prepare(model: torch.nn.Module, max_tokens: int = 16) -> int:
+    """Make the route tensors of the installed routing ablation eagerly: one call of the
+    (replaced) fused router a MoE layer for each token count ``1..max_tokens`` on a random
+    input, outside any capture. Harmless with no ablation installed. Returns the calls made."""
+    from laguna_dflash.models.layers import MoE
+
+    gen = None
+    calls = 0
+    for m in model.modules():
+        if not isinstance(m, MoE) or getattr(m, "gate", None) is None:
+            continue
+        w = m.gate.weight
+        gen = gen or torch.Generator(device=w.device).manual_seed(0)
+        for t in range(1, max_tokens + 1):
+            x = torch.randn((t, w.shape[1]), generator=gen, device=w.device, dtype=w.dtype)
+            if not moe_routing.can_fuse_router(x, w):
+                continue
+            moe_routing.fused_router_route(
+                x, w, m.e_score_correction_bias, m.top_k, m.logit_softcapping, m.score_func,
+                m.norm_topk_prob, scale=m.routed_scaling_factor, num_shared=int(m.gate_up_with_shared is not None))
+            calls += 1
+    return calls
+
+
 def _routing(original):
     def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
         key = (x.shape[0], top_k, num_shared, x.device, x.dtype, weight.shape[0])
-        if key not in _FIXED_ROUTES:  # made in the eager warm-up, before the capture
+        if key not in _FIXED_ROUTES:
+            _outside_capture(x, "routing")
             _FIXED_ROUTES[key] = fixed_routes(x, weight.shape[0], top_k, num_shared)
         return _FIXED_ROUTES[key]
     return route
@@ -101,7 +145,8 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
         def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
             num_experts = weight.shape[0]
             key = (x.shape[0], top_k, num_shared, x.device, x.dtype, num_experts)
-            if key not in state:  # made in the eager warm-up, before the capture
+            if key not in state:
+                _outside_capture(x, "routing_spread / routing_fixed_ops / routing_moving")
                 stride = num_experts // top_k if spread else 1
                 weights, ids = fixed_routes(x, num_experts, top_k, num_shared, stride)
                 offset = torch.zeros((), device=x.device, dtype=torch.long)
@@ -116,8 +161,8 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
 
 
 def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
-    # ``keep_router`` False: each layer's routes as the router chose them on its first call (the
-    # eager warm-up), replayed without a router launch: real ids, fixed. True: the router runs
+    # ``keep_router`` False: each layer's routes as the router chose them on its first call
+    # (prepare's random input), replayed without a router launch: real ids, fixed. True: the router runs
     # as always (its launch and PDL hand-offs unchanged) but its output is dropped for fixed ids
     # 0..k-1. Which of the two is slow tells whether the real routes' ids or the router's
     # launch make the expert GEMVs slower than with ``routing``.
@@ -129,6 +174,7 @@ def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
             routes = original(x, weight, bias, top_k, *args, scale=scale, num_shared=num_shared) \
                 if keep_router or key not in state else None
             if key not in state:
+                _outside_capture(x, "routing_recorded / routing_dropped")
                 weights, ids = fixed_routes(x, weight.shape[0], top_k, num_shared) if keep_router else routes
                 state[key] = (weights.clone(), ids.clone())
             return state[key]

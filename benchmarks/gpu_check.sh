@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass129    # the routing ablations with their route tensors made
+#                                           # before the capture: the ids the graph reads, then
+#                                           # pass120 / pass122's rows again (~7 min)
+#   bash benchmarks/gpu_check.sh pass128    # fixed routes at 8 layers: with and without PDL, the
+#                                           # GEMVs alone, then ncu DRAM bytes / L2 hits (~5 min)
 #   bash benchmarks/gpu_check.sh pass127    # the expert GEMVs alone on the loaded engine's own expert
 #                                           # tensors: the router's ids against fixed ones
 #                                           # (profile_decode_xs.py --moe-only, ~2 min)
@@ -499,6 +504,35 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass129)
+    echo "== (seventy-fourth pass) the ids the decode graph's expert GEMVs read, route tensors prepared"
+    timeout 120 python benchmarks/graph_routes_check.py --layers 4 --ablate routing --ablate routing_dropped \
+      --ablate routing_recorded 2>&1 | quiet | grep -E "^##|^layer [01]|rror" | head -16
+    echo "== the ablation bound again (pass120 / pass122 rows; routes prepared before the capture)"
+    timeout 420 python benchmarks/profile_decode_xs.py --top 8 --ablate post_norm+input_norm \
+      --ablate routing --ablate routing_recorded --ablate routing_dropped \
+      --ablate routing+merge+post_norm+input_norm 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|gemv|router|failed|rror" | head -70 ;;
+  pass128)
+    echo "== (seventy-fourth pass) the fixed-route effect at 8 layers: PDL on / off, the GEMVs alone"
+    for pdl in "" "--set laguna_dflash.kernels.pdl:USE_PDL=False"; do
+      echo "-- ${pdl:-PDL on (the default)}"
+      timeout 200 python benchmarks/profile_decode_xs.py --layers 8 --top 8 $pdl --ablate routing_dropped \
+        --ablate routing_copied 2>&1 | quiet | grep -E "^##|^\| [0-9]|gemv|router|failed|rror" | head -40
+    done
+    timeout 200 python benchmarks/profile_decode_xs.py --layers 8 --top 1 --moe-only 2>&1 | quiet \
+      | grep -E "^##|^\| (the|fixed)|failed|rror" | head -12
+    command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+    dir=${OUT:-/tmp}/ncu128; mkdir -p "$dir"
+    for ab in "" "--ablate routing_dropped"; do
+      f="$dir/moe${ab:+_fixed}.csv"
+      timeout 200 ncu --clock-control none --cache-control none --nvtx --nvtx-include "measure/" \
+        --kernel-name regex:"^_(gate_up_gemv|down_gemv|router_route)_kernel" --page raw --csv \
+        --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
+        python benchmarks/profile_decode_xs.py --layers 8 --ncu $ab >"$f" 2>"$f.err" || tail -3 "$f.err"
+      echo "-- ncu, ${ab:-the routes of the router}"
+      python benchmarks/ncu_kernel_table.py "$f"
+    done ;;
   pass127)
     echo "== (seventy-third pass) the expert GEMVs alone on the engine's tensors (profile_decode_xs --moe-only)"
     timeout 300 python benchmarks/profile_decode_xs.py --top 2 --moe-only 2>&1 | quiet \
@@ -510,7 +544,7 @@ case "$stage" in
     for ab in "" "--ablate routing"; do
       f="$dir/moe${ab:+_fixed}.csv"
       timeout 200 ncu --clock-control none --cache-control none --nvtx --nvtx-include "measure/" \
-        --kernel-name regex:"gemv_kernel|router" --page raw --csv --print-units base \
+        --kernel-name regex:"^_(gate_up_gemv|down_gemv|router_route)_kernel" --page raw --csv --print-units base \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
         python benchmarks/profile_decode_xs.py --ncu $ab >"$f" 2>"$f.err" || tail -3 "$f.err"
       echo "-- ${ab:-the routes of the router}"

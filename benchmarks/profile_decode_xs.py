@@ -503,6 +503,7 @@ def main() -> None:
         if args.ncu:  # one graph: the defaults', or the first --ablate's
             if args.ablate:
                 ablations.apply(args.ablate[0])
+                ablations.prepare(llm.engine.target)
                 reset_graphs(llm)
             ncu_replay(llm, prompt, args)
             return
@@ -548,6 +549,9 @@ def moe_only(llm: LLM, reps: int = 20) -> None:
     if not layers:
         print("\n(no folded MoE layers: --moe-only has nothing to time)")
         return
+    reset_graphs(llm)  # the engine's graph pools: room for this graph (40 layers on an H100)
+    gc.collect()
+    torch.cuda.empty_cache()
     dev, dt = layers[0].gate.weight.device, layers[0].gate.weight.dtype
     gen = torch.Generator(device=dev).manual_seed(0)
     xs = [torch.randn((1, m.gate.weight.shape[1]), generator=gen, device=dev, dtype=dt) for m in layers]
@@ -601,6 +605,7 @@ def rows(llm: LLM, prompt: list[int], args, floor_ms: float) -> None:
         reset_graphs(llm)
     for spec in args.ablate:
         undo = ablations.apply(spec)
+        ablations.prepare(llm.engine.target)  # route tensors made before any capture
         reset_graphs(llm)
         try:
             report(f"ablate {spec}", llm, prompt, args, floor_ms, reference)

@@ -12,15 +12,19 @@ import csv
 from collections import defaultdict
 
 SCALES = {"gpu__time_duration.sum": ("us", 1e-3), "dram__bytes_read.sum": ("MB", 1e-6)}
+# what gpu_check.sh asks ncu for; a raw export also holds ncu's own columns (device__*,
+# launch__*, ...), some of them not numbers ('No-CC'), so only the metrics named are averaged
+METRICS = ("dram__bytes_read.sum", "gpu__time_duration.sum", "lts__t_sector_hit_rate.pct")
 
 
-def kernel_table(lines: list[str], width: int = 40) -> list[str]:
+def kernel_table(lines: list[str], width: int = 40, metrics: tuple[str, ...] = METRICS) -> list[str]:
     """Markdown rows ``| kernel | launches | metric means... |`` (header first) from the CSV
-    lines ncu printed; lines before the CSV header (ncu's own log) are skipped."""
+    lines ncu printed, for those of ``metrics`` the export holds (in its column order); lines
+    before the CSV header (ncu's own log) are skipped."""
     rows = list(csv.DictReader(line for line in lines if line.startswith('"')))
     if not rows:
         return ["(no kernels in the report)"]
-    metrics = [k for k in rows[0] if "__" in k]
+    metrics = [k for k in rows[0] if k in metrics]
     # ncu's first data row holds the units when it prints them (no kernel name there)
     data = rows[1:] if not rows[0].get("Kernel Name") else rows
     by: dict[str, list[dict]] = defaultdict(list)
@@ -41,9 +45,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("report")
     ap.add_argument("--width", type=int, default=40, help="characters of the kernel name kept")
+    ap.add_argument("--metrics", default=",".join(METRICS), help="comma-separated metric columns")
     args = ap.parse_args()
     with open(args.report) as f:
-        print("\n".join(kernel_table(f.readlines(), args.width)))
+        print("\n".join(kernel_table(f.readlines(), args.width, tuple(args.metrics.split(",")))))
 
 
 if __name__ == "__main__":

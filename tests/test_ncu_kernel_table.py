@@ -8,12 +8,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from ncu_kernel_table import kernel_table  # noqa: E402
 
+# the layout of a real `--page raw --csv --print-units base` export (H100, ncu 2025): ncu's own
+# columns (some not numbers) around the metrics asked for, a units row, thousands separators
 CSV = '''==PROF== Connected to process 1
-"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum","lts__t_sector_hit_rate.pct"
-"","","byte","nsecond","%"
-"0","_gate_up_gemv_kernel","37748736","12000","10.5"
-"1","_down_gemv_kernel","18874368","7000","4.5"
-"2","_gate_up_gemv_kernel","18874368","8000","50.5"
+"ID","Kernel Name","c2clink__present","dram__bytes_read.sum","gpu__time_duration.sum","launch__func_cache_config","lts__t_sector_hit_rate.pct"
+"","","","byte","ns","","%"
+"0","_gate_up_gemv_kernel","No-CC","37,748,736","12,000","CachePreferNone","10.5"
+"1","_down_gemv_kernel","No-CC","18,874,368","7,000","CachePreferNone","4.5"
+"2","_gate_up_gemv_kernel","No-CC","18,874,368","8,000","CachePreferNone","50.5"
 '''.splitlines(keepends=True)
 
 
@@ -31,3 +33,9 @@ def test_an_empty_report_says_so() -> None:
 def test_a_report_without_a_units_row_keeps_its_first_kernel() -> None:
     rows = kernel_table([CSV[1]] + CSV[3:])
     assert "| _gate_up_gemv_kernel | 2 | 28.31 | 10.00 | 30.50 |" in rows
+
+
+def test_only_the_metrics_named_are_averaged() -> None:
+    rows = kernel_table(CSV, metrics=("gpu__time_duration.sum",))
+    assert rows[0] == "| kernel | launches | gpu__time_duration.sum (us) |"
+    assert "| _down_gemv_kernel | 1 | 7.00 |" in rows

@@ -11,7 +11,8 @@
 #                                           # (profile_decode_xs.py --moe-only, ~2 min)
 #   bash benchmarks/gpu_check.sh pass126    # the expert GEMVs' DRAM bytes and L2 hit rate under ncu
 #                                           # (L2 not flushed), decode graph with the router's routes
-#                                           # and with fixed routes (--ablate routing; ~4 min)
+#                                           # and with fixed routes (--ablate routing; ~4 min;
+#                                           # on an H100 ncu failed at 40 layers: pass128 runs 8)
 #   bash benchmarks/gpu_check.sh pass125    # pass124's rows back to back (no flush, no sync between
 #                                           # replays, as profile_decode_xs.py times a graph; ~1 min)
 #   bash benchmarks/gpu_check.sh pass124    # pass123's rows and the engine's chain a layer: the fused

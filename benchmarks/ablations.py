@@ -12,7 +12,8 @@ work cost nothing on the chain, whatever fusion or persistent kernel took it ove
 * ``merge``: the attention split merge: o_proj reads the (unwritten) merged output buffer.
 * ``qk``: the Q/K RMSNorm + RoPE + K/V cache write: attention reads q straight from the
   Q|K|V|gate GEMV's output.
-* ``routing``: the router GEMV + top-k: fixed expert ids (0..k-1 plus the shared expert).
+* ``routing``: the router GEMV + top-k: fixed expert ids (0..k-1 plus the shared expert for
+  one token; each further token the next k experts, so a verify reads as many experts).
 * ``routing_spread``, ``routing_fixed_ops``, ``routing_moving``: the same, with ids spread over
   the experts, or ids 0..k-1 set by three small launches a layer that either keep them or move
   them by k experts at every call (``_moving_routing``).
@@ -78,11 +79,15 @@ _FIXED_ROUTES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def fixed_routes(x: torch.Tensor, num_experts: int, top_k: int, num_shared: int,
                   stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[T, k]`` 1/k in x's dtype, ids ``[T, k]`` int64): routed ids 0, stride, ..,
-    (top_k - 1) stride, then the folded shared expert's id E, for every token of ``x [T, H]``."""
+    """(weights ``[T, k]`` 1/k in x's dtype, ids ``[T, k]`` int64): token t's routed ids
+    ``t top_k + j stride`` (mod E) for j < top_k, then the folded shared expert's id E, for the
+    tokens of ``x [T, H]``. Token 0 gets 0, stride, .., (top_k - 1) stride; with stride 1 the
+    tokens' experts are distinct up to E / top_k tokens, so a verify-sized forward still reads
+    as many experts as real (random-weight) routes do, not one token's worth."""
     n, k = x.shape[0], top_k + num_shared
     ids = torch.full((n, k), num_experts, device=x.device, dtype=torch.long)
-    ids[:, :top_k] = torch.arange(top_k, device=x.device) * stride
+    token = torch.arange(n, device=x.device)[:, None] * top_k
+    ids[:, :top_k] = (token + torch.arange(top_k, device=x.device) * stride) % num_experts
     return torch.full((n, k), 1.0 / k, device=x.device, dtype=x.dtype), ids
 
 

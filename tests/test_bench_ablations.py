@@ -40,6 +40,15 @@ def test_every_ablation_applies_and_undoes() -> None:
     assert _originals() == before
 
 
+def test_fixed_routes_give_each_token_its_own_experts() -> None:
+    # a 3-token forward (a verify) reads 3 tokens' experts, as real routes mostly do, not one's
+    weights, ids = ablations.fixed_routes(torch.randn(3, 8), 16, 4, 1)
+    assert ids.tolist() == [[0, 1, 2, 3, 16], [4, 5, 6, 7, 16], [8, 9, 10, 11, 16]]
+    assert torch.allclose(weights, torch.full((3, 5), 0.2))
+    assert ablations.fixed_routes(torch.randn(2, 8), 16, 4, 0, stride=4)[1].tolist() == [
+        [0, 4, 8, 12], [4, 8, 12, 0]]
+
+
 def test_unknown_ablation_names_the_choices() -> None:
     before = _originals()
     with pytest.raises(ValueError, match="unknown ablation 'attention'; choose from post_norm"):

@@ -17,16 +17,18 @@ work cost nothing on the chain, whatever fusion or persistent kernel took it ove
 * ``routing_spread``, ``routing_fixed_ops``, ``routing_moving``: the same, with ids spread over
   the experts, or ids 0..k-1 set by three small launches a layer that either keep them or move
   them by k experts at every call (``_moving_routing``).
-* ``routing_recorded``: each layer's real routes from its first call (:func:`prepare`'s random
-  input), replayed with no router launch; ``routing_dropped``: the router runs, its routes replaced by ids 0..k-1
+* ``routing_recorded``: each layer's real routes from its first call (the capture's eager
+  warm-up), replayed with no router launch; ``routing_dropped``: the router runs, its routes replaced by ids 0..k-1
   (``_recorded_routing``); ``routing_copied``: the router's routes through a copy.
 
-The routing ablations keep route tensors from call to call. Tensors made while a CUDA graph is
-captured hold nothing until that graph replays (a capture runs no kernel), so a graph captured
-later would read whatever their memory held: in the seventy-third pass every fixed id read 0,
-all nine pairs read one expert, and the GEMVs looked twice as fast (docs/PERFORMANCE.md,
-seventy-fourth pass). So they are made only outside a capture: call :func:`prepare` on the model
-after :func:`apply` and before capturing; a route tensor first asked for inside a capture raises.
+The routing ablations keep route tensors from call to call, in one cache registered with the
+engine's first-use state (``kernels.precompile.register_state``), as the router's own workspace
+is. The engine records each forward into a throwaway CUDA graph before its capture, to build the
+Triton kernels ahead; tensors made there are never written (nothing runs), and the build pass
+drops what the registered caches gained, so the capture's eager warm-up makes them anew. Before
+they were registered, every fixed id read 0 inside the decode graph, all nine pairs read one
+expert, and the GEMVs looked twice as fast (docs/PERFORMANCE.md, seventy-fourth pass). A route
+tensor first asked for inside a real capture (no warm-up before it) raises.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from laguna_dflash.kernels import moe_routing, paged_attention, qk_norm_rope_cache
+from laguna_dflash.kernels import moe_routing, paged_attention, precompile, qk_norm_rope_cache
 from laguna_dflash.models import fusion
 
 
@@ -74,7 +76,9 @@ def _qk(original):
     return qk
 
 
-_FIXED_ROUTES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# every routing ablation's route tensors, keyed by (ablation, shapes / layer); registered so a
+# build-only pass drops what it put here (module docstring); emptied by each apply's undo
+_ROUTE_STATE: dict[tuple, tuple[torch.Tensor, ...]] = precompile.register_state({})
 
 
 def fixed_routes(x: torch.Tensor, num_experts: int, top_k: int, num_shared: int,
@@ -95,45 +99,25 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _outside_capture(x: torch.Tensor, name: str) -> None:
-    # route tensors made inside a capture are unwritten in every other graph (module docstring)
-    if _capturing(x):
-        raise RuntimeError(f"ablation {name!r}: its route tensors for {x.shape[0]} token(s) would be "
-                           "made inside a CUDA graph capture and read as garbage by later graphs; "
-                           "call ablations.prepare(model) after ablations.apply() and before capturing")
-
-
-def prepare(model: torch.nn.Module, max_tokens: int = 16) -> int:
-    """Make the route tensors of the installed routing ablation eagerly: one call of the
-    (replaced) fused router a MoE layer for each token count ``1..max_tokens`` on a random
-    input, outside any capture. Harmless with no ablation installed. Returns the calls made."""
-    from laguna_dflash.models.layers import MoE
-
-    gen = None
-    calls = 0
-    for m in model.modules():
-        if not isinstance(m, MoE) or getattr(m, "gate", None) is None:
-            continue
-        w = m.gate.weight
-        gen = gen or torch.Generator(device=w.device).manual_seed(0)
-        for t in range(1, max_tokens + 1):
-            x = torch.randn((t, w.shape[1]), generator=gen, device=w.device, dtype=w.dtype)
-            if not moe_routing.can_fuse_router(x, w):
-                continue
-            moe_routing.fused_router_route(
-                x, w, m.e_score_correction_bias, m.top_k, m.logit_softcapping, m.score_func,
-                m.norm_topk_prob, scale=m.routed_scaling_factor, num_shared=int(m.gate_up_with_shared is not None))
-            calls += 1
-    return calls
+def _route_state(key: tuple, x: torch.Tensor, make: Callable[[], tuple]) -> tuple:
+    """The route tensors cached under ``key``, made by ``make()`` on first use. Inside a
+    build-only pass (the engine's throwaway recording) they are made and then dropped by it;
+    inside a real capture they would be recorded, never run, for every later graph: refused."""
+    state = _ROUTE_STATE.get(key)
+    if state is None:
+        if _capturing(x) and not precompile.is_build_only():
+            raise RuntimeError(f"ablation {key[0]!r}: its route tensors for {x.shape[0]} token(s) "
+                               "would be made inside a CUDA graph capture and read as garbage by "
+                               "later graphs; capture with at least one eager warm-up run "
+                               "(engine.cuda_graph.num_capture_warmups >= 1)")
+        state = _ROUTE_STATE[key] = make()
+    return state
 
 
 def _routing(original):
     def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
-        key = (x.shape[0], top_k, num_shared, x.device, x.dtype, weight.shape[0])
-        if key not in _FIXED_ROUTES:
-            _outside_capture(x, "routing")
-            _FIXED_ROUTES[key] = fixed_routes(x, weight.shape[0], top_k, num_shared)
-        return _FIXED_ROUTES[key]
+        key = ("routing", x.shape[0], top_k, num_shared, x.device, x.dtype, weight.shape[0])
+        return _route_state(key, x, lambda: fixed_routes(x, weight.shape[0], top_k, num_shared))
     return route
 
 
@@ -144,19 +128,19 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
     # ``spread`` (no launches): ids 0, E/k, 2E/k, ... every call. Together with ``routing``
     # (ids 0..k-1) they tell whether the MoE GEMVs' speed with fixed routes comes from the ids
     # being contiguous (spread slow) or the same from step to step (moving slow).
-    def make(original):
-        state: dict[tuple, tuple[torch.Tensor, ...]] = {}
+    name = "routing_spread" if spread else "routing_moving" if step_experts else "routing_fixed_ops"
 
+    def make(original):
         def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
             num_experts = weight.shape[0]
-            key = (x.shape[0], top_k, num_shared, x.device, x.dtype, num_experts)
-            if key not in state:
-                _outside_capture(x, "routing_spread / routing_fixed_ops / routing_moving")
+
+            def new() -> tuple[torch.Tensor, ...]:
                 stride = num_experts // top_k if spread else 1
                 weights, ids = fixed_routes(x, num_experts, top_k, num_shared, stride)
-                offset = torch.zeros((), device=x.device, dtype=torch.long)
-                state[key] = (weights, ids, ids[:, :top_k].clone(), offset)
-            weights, ids, base, offset = state[key]
+                return weights, ids, ids[:, :top_k].clone(), torch.zeros((), device=x.device, dtype=torch.long)
+
+            key = (name, x.shape[0], top_k, num_shared, x.device, x.dtype, num_experts)
+            weights, ids, base, offset = _route_state(key, x, new)
             if not spread:
                 offset.add_(top_k if step_experts else 0)
                 torch.remainder(base + offset, num_experts, out=ids[:, :top_k])
@@ -167,22 +151,22 @@ def _moving_routing(step_experts: bool, spread: bool = False) -> Callable[[Calla
 
 def _recorded_routing(keep_router: bool) -> Callable[[Callable], Callable]:
     # ``keep_router`` False: each layer's routes as the router chose them on its first call
-    # (prepare's random input), replayed without a router launch: real ids, fixed. True: the router runs
+    # (the capture's eager warm-up), replayed without a router launch: real ids, fixed. True: the router runs
     # as always (its launch and PDL hand-offs unchanged) but its output is dropped for fixed ids
     # 0..k-1. Which of the two is slow tells whether the real routes' ids or the router's
     # launch make the expert GEMVs slower than with ``routing``.
-    def make(original):
-        state: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    name = "routing_dropped" if keep_router else "routing_recorded"
 
+    def make(original):
         def route(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
-            key = (weight.data_ptr(), x.shape[0])  # one router weight a layer
+            key = (name, weight.data_ptr(), x.shape[0])  # one router weight a layer
             routes = original(x, weight, bias, top_k, *args, scale=scale, num_shared=num_shared) \
-                if keep_router or key not in state else None
-            if key not in state:
-                _outside_capture(x, "routing_recorded / routing_dropped")
+                if keep_router or key not in _ROUTE_STATE else None
+
+            def new() -> tuple[torch.Tensor, torch.Tensor]:
                 weights, ids = fixed_routes(x, weight.shape[0], top_k, num_shared) if keep_router else routes
-                state[key] = (weights.clone(), ids.clone())
-            return state[key]
+                return weights.clone(), ids.clone()
+            return _route_state(key, x, new)
         return route
     return make
 
@@ -225,4 +209,5 @@ def apply(spec: str) -> Callable[[], None]:
     def undo() -> None:
         for u in reversed(undos):
             u()
+        _ROUTE_STATE.clear()
     return undo

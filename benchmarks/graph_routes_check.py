@@ -4,9 +4,9 @@ The seventy-third pass found the expert GEMVs ~2x faster in the decode graph wit
 (``ablations.py`` ``routing*``), and Nsight Compute (``gpu_check.sh pass128``) found them reading
 one expert's bytes from DRAM a layer instead of nine. This prints the ids each layer's GEMVs got
 in a replay of the captured batch-1 decode graph: a copy of them is taken inside the graph right
-after the GEMVs (one more small kernel a layer), so it holds what they read. Before
-``ablations.prepare`` existed every fixed id read 0 here (docs/PERFORMANCE.md, seventy-fourth
-pass); the check that they now read what the ablation means is this script's output.
+after the GEMVs (one more small kernel a layer), so it holds what they read. Before the
+ablations' route tensors were registered with ``kernels.precompile.register_state`` every fixed
+id read 0 here (docs/PERFORMANCE.md, seventy-fourth pass).
 
     python benchmarks/graph_routes_check.py [--layers 4] [--ablate routing ...]
 """
@@ -56,9 +56,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--ablate", action="append", default=[], help="ablations.py NAME (repeatable)")
-    ap.add_argument("--unprepared", action="store_true",
-                    help="skip ablations.prepare (the route tensors are then first asked for in a "
-                         "capture, which ablations.py refuses)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(xs_target_config(args.layers)))
@@ -68,8 +65,6 @@ def main() -> None:
                                generator=torch.Generator().manual_seed(0)).tolist()
         for spec in [None, *args.ablate]:
             undo = ablations.apply(spec) if spec else (lambda: None)
-            if spec and not args.unprepared:
-                ablations.prepare(llm.engine.target)
             try:
                 routes = captured_routes(llm, prompt, args.context)
             finally:

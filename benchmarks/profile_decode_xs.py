@@ -503,7 +503,6 @@ def main() -> None:
         if args.ncu:  # one graph: the defaults', or the first --ablate's
             if args.ablate:
                 ablations.apply(args.ablate[0])
-                ablations.prepare(llm.engine.target)
                 reset_graphs(llm)
             ncu_replay(llm, prompt, args)
             return
@@ -541,8 +540,8 @@ def moe_only(llm: LLM, reps: int = 20) -> None:
     """The decode graph's expert GEMVs alone on the engine's own expert tensors (the loaded
     model's allocations): one graph of every MoE layer's two GEMVs, replayed back to back, with
     each layer's ids from its router on a random input (scattered, as real routes) or fixed
-    0..k-1, and with the fused router in front. ``bench_expert_tlb.py`` found no difference on
-    tensors of its own; if these do, the loaded model's memory is what differs."""
+    0..k-1, and with the fused router in front (no difference in the seventy-fourth pass, as in
+    ``bench_expert_tlb.py`` on tensors of its own)."""
     from laguna_dflash.kernels import moe_gemv, moe_routing
 
     layers = moe_layers(llm.engine.target)
@@ -605,7 +604,6 @@ def rows(llm: LLM, prompt: list[int], args, floor_ms: float) -> None:
         reset_graphs(llm)
     for spec in args.ablate:
         undo = ablations.apply(spec)
-        ablations.prepare(llm.engine.target)  # route tensors made before any capture
         reset_graphs(llm)
         try:
             report(f"ablate {spec}", llm, prompt, args, floor_ms, reference)

@@ -132,58 +132,42 @@ def test_copied_routes_equal_the_routers_in_new_tensors() -> None:
         moe_routing.fused_router_route = original
 
 
-def _tiny_moe_model():
-    from laguna_dflash.models.laguna import LagunaForCausalLM
-    from laguna_dflash.models.random_init import randomize_, tiny_laguna_config
-
-    model = LagunaForCausalLM.from_config(tiny_laguna_config())
-    randomize_(model, 0)
-    model.eval().requires_grad_(False)
-    for m in model.modules():  # the shared expert folded in (route num_shared = 1), as the engine does
-        if hasattr(m, "fold_shared_expert"):
-            m.fold_shared_expert()
-    return model
-
-
 @pytest.mark.parametrize("name", ["routing", "routing_moving", "routing_recorded", "routing_dropped"])
-def test_route_tensors_are_refused_inside_a_capture_and_made_by_prepare(name, monkeypatch) -> None:
-    # a route tensor first made inside a CUDA graph capture holds nothing in any later graph (the
-    # seventy-third pass's fixed ids all read 0): asked for in a capture, it raises; prepare()
-    # makes every layer's eagerly, so the calls in a capture find them
-    monkeypatch.setattr(moe_routing, "can_fuse_router", lambda x, w: True)
-    calls = []
+def test_route_tensors_made_in_a_build_pass_are_dropped_and_refused_in_a_capture(name, monkeypatch) -> None:
+    # the engine records each forward into a throwaway graph before capturing it: route tensors
+    # made there are never written (the seventy-third pass's fixed ids all read 0), so the build
+    # pass must drop them (register_state) and the capture's eager warm-up make them anew; made
+    # first inside a real capture, they are refused
+    from laguna_dflash.kernels import precompile
+
+    made = []
 
     def router(x, weight, bias, top_k, *args, scale=1.0, num_shared=0):
-        calls.append((weight.data_ptr(), x.shape[0]))
+        made.append(x.shape[0])
         ids = torch.cat([torch.arange(top_k).expand(x.shape[0], top_k) + 1,
                          torch.full((x.shape[0], num_shared), weight.shape[0])], 1)
         return torch.full(ids.shape, 0.5), ids
 
     monkeypatch.setattr(moe_routing, "fused_router_route", router)
-    ablations._FIXED_ROUTES.clear()
-    model = _tiny_moe_model()
-    moes = [m for m in model.modules() if type(m).__name__ == "MoE"]
-    assert moes and all(m.gate_up_with_shared is not None for m in moes)
-    w, num_experts = moes[0].gate.weight, moes[0].gate.weight.shape[0]
-    x = torch.randn(1, w.shape[1])
+    w, x = torch.randn(16, 8), torch.randn(2, 8)
     undo = ablations.apply(name)
     try:
         monkeypatch.setattr(ablations, "_capturing", lambda x: True)
-        with pytest.raises(RuntimeError, match=r"call ablations.prepare\(model\) after ablations.apply"):
-            moe_routing.fused_router_route(x, w, None, moes[0].top_k, num_shared=1)
+        with precompile.launches_build_only():  # the throwaway recording
+            moe_routing.fused_router_route(x, w, None, 4, num_shared=1)
+            assert ablations._ROUTE_STATE
+        assert not ablations._ROUTE_STATE  # dropped with the pass
+        with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*num_capture_warmups"):
+            moe_routing.fused_router_route(x, w, None, 4, num_shared=1)
         monkeypatch.setattr(ablations, "_capturing", lambda x: False)
-        made = ablations.prepare(model, max_tokens=2)
-        assert made == 2 * len(moes)
+        first = moe_routing.fused_router_route(x, w, None, 4, num_shared=1)  # the eager warm-up
         monkeypatch.setattr(ablations, "_capturing", lambda x: True)
-        for m in moes:  # every layer at 1 and 2 tokens: found, not made
-            for t in (1, 2):
-                weights, ids = moe_routing.fused_router_route(torch.randn(t, w.shape[1]), m.gate.weight,
-                                                              None, m.top_k, num_shared=1)
-                assert ids.shape == (t, m.top_k + 1) and (ids[:, -1] == num_experts).all()
-                if name == "routing_recorded":  # the router's routes from prepare's call
-                    assert ids[:, 0].tolist() == [1] * t
-                else:
-                    assert ids[0, : m.top_k].unique().numel() == m.top_k  # distinct experts
+        again = moe_routing.fused_router_route(x, w, None, 4, num_shared=1)  # the capture: found
+        assert again[1] is first[1] and (first[1][:, -1] == 16).all()
+        if name == "routing_recorded":  # the router's routes from the warm-up
+            assert first[1][:, 0].tolist() == [1, 1]
+        else:  # each token its own four experts
+            assert first[1][:, :4].flatten().unique().numel() == 8
     finally:
         undo()
-        ablations._FIXED_ROUTES.clear()
+    assert not ablations._ROUTE_STATE

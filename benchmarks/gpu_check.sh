@@ -506,10 +506,10 @@ case "$stage" in
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
   pass129)
-    echo "== (seventy-fourth pass) the ids the decode graph's expert GEMVs read, route tensors prepared"
+    echo "== (seventy-fourth pass) the ids the decode graph's expert GEMVs read, route tensors registered (made in the warm-up)"
     timeout 120 python benchmarks/graph_routes_check.py --layers 4 --ablate routing --ablate routing_dropped \
       --ablate routing_recorded 2>&1 | quiet | grep -E "^##|^layer [01]|rror" | head -16
-    echo "== the ablation bound again (pass120 / pass122 rows; routes prepared before the capture)"
+    echo "== the ablation bound again (pass120 / pass122 rows; route tensors made in the warm-up)"
     timeout 420 python benchmarks/profile_decode_xs.py --top 8 --ablate post_norm+input_norm \
       --ablate routing --ablate routing_recorded --ablate routing_dropped \
       --ablate routing+merge+post_norm+input_norm 2>&1 | quiet \

@@ -99,7 +99,14 @@ def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexp
     return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
-def _routed_pair(p, part_ptr, bias_ptr, stride_b, softcap, scale, K_TOP: tl.constexpr,
+def _routing_bias(bias_ptr, stride_b, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
+    # the selection bias [1, BLOCK_E] fp32: a parameter (no kernel writes it), loadable before a
+    # PDL wait (kernels/pdl.py, rule 3)
+    offs_e = tl.arange(0, BLOCK_E)[None, :]
+    return tl.load(bias_ptr + offs_e * stride_b, mask=offs_e < NUM_EXPERTS, other=0.0).to(tl.float32)
+
+
+def _routed_pair(p, part_ptr, bias, softcap, scale, K_TOP: tl.constexpr,
                  NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
                  NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -110,7 +117,6 @@ def _routed_pair(p, part_ptr, bias_ptr, stride_b, softcap, scale, K_TOP: tl.cons
     # fused router's own routing code (moe_routing._route_rows), then column p % K_TOP
     offs_e = tl.arange(0, BLOCK_E)[None, :]
     valid = offs_e < NUM_EXPERTS
-    bias = tl.load(bias_ptr + offs_e * stride_b, mask=valid, other=0.0).to(tl.float32)
     row = tl.zeros([1, 1], dtype=tl.int64) + p // K_TOP
     # _route_rows: moe_routing's, put in this module's jit namespace by _kernels
     w, ids = _route_rows(  # noqa: F821
@@ -133,10 +139,12 @@ def _gate_up_gemv_kernel(
     BITONIC: tl.constexpr, SEL_K: tl.constexpr, SPLIT_K: tl.constexpr, SLAB: tl.constexpr,
 ):
     p = tl.program_id(0)
+    if ROUTE_IN:
+        bias = _routing_bias(bias_ptr, stride_b, NUM_EXPERTS, BLOCK_E)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids (or the router's partials) are the previous kernel's output
     if ROUTE_IN:
-        expert, _ = _routed_pair(p, part_ptr, bias_ptr, stride_b, softcap, scale, K_TOP, NUM_EXPERTS,
+        expert, _ = _routed_pair(p, part_ptr, bias, softcap, scale, K_TOP, NUM_EXPERTS,
                                  BLOCK_E, TOP_K, NUM_SHARED, K_PAD, HAS_SOFTCAP, SQRT_SOFTPLUS, NORM,
                                  OUT_DTYPE, PACK_DTYPE, BITONIC, SEL_K, SPLIT_K, SLAB)
     else:
@@ -188,7 +196,8 @@ def _down_gemv_kernel(
         # the router's partials, two launches back, complete once every gate_up program passed
         # its wait (kernels/pdl.py, rule 3): this pair routed again before the wait, off the
         # critical path, with gate_up's code and so gate_up's expert
-        expert, pair_weight = _routed_pair(p, part_ptr, bias_ptr, stride_b, softcap, scale, K_TOP,
+        expert, pair_weight = _routed_pair(p, part_ptr, _routing_bias(bias_ptr, stride_b, NUM_EXPERTS, BLOCK_E),
+                                           softcap, scale, K_TOP,
                                            NUM_EXPERTS, BLOCK_E, TOP_K, NUM_SHARED, K_PAD,
                                            HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE, PACK_DTYPE,
                                            BITONIC, SEL_K, SPLIT_K, SLAB)
@@ -241,7 +250,7 @@ def _kernels(interpret: bool):
 
     routing = tuple(f.fn for f in (mr._tanh, mr._scores, mr._unpack_keys, mr._select_top_k,
                                    mr._route_weights, mr._sum_partials, mr._route_rows))
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, *routing, _routed_pair,
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, *routing, _routing_bias, _routed_pair,
                                   _gate_up_gemv_kernel, _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 

@@ -183,6 +183,12 @@ def test_routed_validation() -> None:
         moe_gemv_routed_experts(x, router, bias, 2, 0.0, "softmax", True, 1.0, 1, gate_up, down)
     with pytest.raises(ValueError, match="share a dtype"):
         moe_gemv_routed_experts(x, router, bias, 2, 0.0, "sigmoid", True, 1.0, 1, gate_up.double(), down)
+    from laguna_dflash.kernels.moe_routing import fused_router_partials
+
+    with pytest.raises(ValueError, match="no tokens"):
+        fused_router_partials(x[:0], router)
+    with pytest.raises(ValueError, match="disagree"):
+        fused_router_partials(x[:, :8], router)
 
 
 @cuda

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass131    # pass130's switch end to end: goal 2's cell (its
+#                                           # target-only decode is goal 1's number), defaults and
+#                                           # MoE.route_in_experts in turn, two processes each (~5 min)
 #   bash benchmarks/gpu_check.sh pass130    # the expert GEMVs routing their own token from the
 #                                           # router's partials (MoE.route_in_experts, off): CUDA /
 #                                           # sm_90 tests, then the decode and 4-token verify graphs
-#                                           # against it on, and goal 1 / 2's cell both ways (~8 min)
+#                                           # against it on (~6 min)
 #   bash benchmarks/gpu_check.sh pass129    # the routing ablations with their route tensors made
 #                                           # before the capture: the ids the graph reads, then
 #                                           # pass120 / pass122's rows again (~7 min)
@@ -518,12 +521,14 @@ case "$stage" in
     off="laguna_dflash.models.layers:MoE.route_in_experts=False"
     for q in 1 4; do
       echo "-- $q-token graph: defaults, on, off again, on again (replay ms; tokens against the defaults)"
-      timeout 150 python benchmarks/profile_decode_xs.py --q $q --top 8 --new-tokens 8 --switch "$on" \
+      timeout 170 python benchmarks/profile_decode_xs.py --q $q --top 8 --new-tokens 8 --switch "$on" \
         --switch "$off" --switch "$on" 2>&1 | quiet | grep -E "^## |^\| [0-9]|gemv|router|equal|rror" | head -40
-    done
+    done ;;
+  pass131)
+    echo "== (seventy-fifth pass) MoE.route_in_experts end to end: goal 2's cell, defaults and the switch in turn"
     for i in 1 2; do
-      echo "-- goal cell (target-only decode = goal 1), defaults"; goal_cell 90
-      echo "-- goal cell, route_in_experts"; goal_cell 90 --switch "$on"
+      echo "-- goal cell (target-only decode = goal 1), defaults"; goal_cell 100
+      echo "-- goal cell, route_in_experts"; goal_cell 100 --switch "laguna_dflash.models.layers:MoE.route_in_experts=True"
     done ;;
   pass129)
     echo "== (seventy-fourth pass) the ids the decode graph's expert GEMVs read, route tensors registered (made in the warm-up)"

@@ -196,11 +196,11 @@ def _down_gemv_kernel(
         # the router's partials, two launches back, complete once every gate_up program passed
         # its wait (kernels/pdl.py, rule 3): this pair routed again before the wait, off the
         # critical path, with gate_up's code and so gate_up's expert
-        expert, pair_weight = _routed_pair(p, part_ptr, _routing_bias(bias_ptr, stride_b, NUM_EXPERTS, BLOCK_E),
-                                           softcap, scale, K_TOP,
-                                           NUM_EXPERTS, BLOCK_E, TOP_K, NUM_SHARED, K_PAD,
-                                           HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE, PACK_DTYPE,
-                                           BITONIC, SEL_K, SPLIT_K, SLAB)
+        bias = _routing_bias(bias_ptr, stride_b, NUM_EXPERTS, BLOCK_E)
+        expert, pair_weight = _routed_pair(p, part_ptr, bias, softcap, scale, K_TOP, NUM_EXPERTS,
+                                           BLOCK_E, TOP_K, NUM_SHARED, K_PAD, HAS_SOFTCAP,
+                                           SQRT_SOFTPLUS, NORM, OUT_DTYPE, PACK_DTYPE, BITONIC, SEL_K,
+                                           SPLIT_K, SLAB)
     elif PDL:
         # launched while gate_up may still run, but after every gate_up program passed its wait:
         # the routing kernel's ids are complete; read them through L2 (kernels/pdl.py, rule 3)
@@ -250,8 +250,8 @@ def _kernels(interpret: bool):
 
     routing = tuple(f.fn for f in (mr._tanh, mr._scores, mr._unpack_keys, mr._select_top_k,
                                    mr._route_weights, mr._sum_partials, mr._route_rows))
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, *routing, _routing_bias, _routed_pair,
-                                  _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, *routing, _routing_bias,
+                                  _routed_pair, _gate_up_gemv_kernel, _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 

@@ -302,9 +302,10 @@ def moe_gemv_experts(
     return out
 
 
-# the routing constexprs / arguments of a launch without ROUTE_IN (dead code there)
+# the routing constexprs of a launch without ROUTE_IN (dead code there), and with it
 _NO_ROUTE = dict(NUM_EXPERTS=1, BLOCK_E=1, TOP_K=1, NUM_SHARED=0, K_PAD=1, HAS_SOFTCAP=False,
                  SQRT_SOFTPLUS=False, NORM=False, PACK_DTYPE=0, BITONIC=False, SEL_K=1, SPLIT_K=1, SLAB=1)
+_NO_ROUTE_META = dict(_NO_ROUTE, ROUTE_IN=False)
 
 
 def _launch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor,
@@ -318,7 +319,7 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: tor
     x = x.contiguous()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     if route is None:
-        route_args, route_meta = (out, out, 0, 0.0, 1.0), dict(_NO_ROUTE, ROUTE_IN=False)
+        route_args, route_meta = (out, out, 0, 0.0, 1.0), _NO_ROUTE_META
         ids_arg, rw_arg = ids, rw
     else:
         route_args, route_meta = route[0], dict(route[1], ROUTE_IN=True)

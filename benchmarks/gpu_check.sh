@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass132    # pass130 and pass131 cut to one call: the CUDA tests,
-#                                           # goal 2's cell once each way, the decode graph's A/B (~9 min)
+#   bash benchmarks/gpu_check.sh pass132    # pass130 and pass131 cut to one call: goal 2's cell
+#                                           # once each way, the decode graph's A/B, the CUDA tests (~9 min)
 #   bash benchmarks/gpu_check.sh pass131    # pass130's switch end to end: goal 2's cell (its
 #                                           # target-only decode is goal 1's number), defaults and
 #                                           # MoE.route_in_experts in turn, two processes each (~5 min)
@@ -527,9 +527,7 @@ case "$stage" in
         --switch "$off" --switch "$on" 2>&1 | quiet | grep -E "^## |^\| [0-9]|gemv|router|equal|rror" | head -40
     done ;;
   pass132)
-    echo "== (seventy-sixth pass) MoE.route_in_experts in one call: CUDA tests, goal cell each way, decode graph"
-    gpu_tests 150 -n 4 tests/test_kernel_moe_gemv.py tests/test_kernel_moe_routing.py \
-      tests/test_inference_fusion.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    echo "== (seventy-sixth pass) MoE.route_in_experts in one call: goal cell each way, decode graph, CUDA tests"
     echo "-- goal cell (target-only decode = goal 1), defaults"; goal_cell 100
     echo "-- goal cell, route_in_experts"; goal_cell 100 --switch "laguna_dflash.models.layers:MoE.route_in_experts=True"
     echo "-- 1-token graph: defaults, on, off again, on again (replay ms; tokens against the defaults)"
@@ -537,7 +535,10 @@ case "$stage" in
       --switch "laguna_dflash.models.layers:MoE.route_in_experts=True" \
       --switch "laguna_dflash.models.layers:MoE.route_in_experts=False" \
       --switch "laguna_dflash.models.layers:MoE.route_in_experts=True" 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|gemv|router|equal|rror" | head -40 ;;
+      | grep -E "^## |^\| [0-9]|gemv|router|equal|rror" | head -40
+    echo "-- the CUDA / sm_90 tests (last: a short call cuts them first)"
+    gpu_tests 150 -n 4 tests/test_kernel_moe_gemv.py tests/test_kernel_moe_routing.py \
+      tests/test_inference_fusion.py -k "cuda or sm90" | grep -v PASSED | tail -8 ;;
   pass131)
     echo "== (seventy-fifth pass) MoE.route_in_experts end to end: goal 2's cell, defaults and the switch in turn"
     for i in 1 2; do

@@ -1,15 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass132    # pass130 and pass131 cut to one call: goal 2's cell
-#                                           # once each way, the decode graph's A/B, the CUDA tests (~9 min)
-#   bash benchmarks/gpu_check.sh pass131    # pass130's switch end to end: goal 2's cell (its
-#                                           # target-only decode is goal 1's number), defaults and
-#                                           # MoE.route_in_experts in turn, two processes each (~5 min)
-#   bash benchmarks/gpu_check.sh pass130    # the expert GEMVs routing their own token from the
-#                                           # router's partials (MoE.route_in_experts, off): CUDA /
-#                                           # sm_90 tests, then the decode and 4-token verify graphs
-#                                           # against it on (~6 min)
 #   bash benchmarks/gpu_check.sh pass129    # the routing ablations with their route tensors made
 #                                           # before the capture: the ids the graph reads, then
 #                                           # pass120 / pass122's rows again (~7 min)
@@ -514,37 +505,6 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
-  pass130)
-    echo "== (seventy-fifth pass) MoE.route_in_experts: the router launch stores its partials, the expert"
-    echo "   GEMVs route their own token from them (no arrival atomic, no last program): CUDA tests"
-    [ -n "${SKIP_TESTS:-}" ] || gpu_tests 200 -n 4 tests/test_kernel_moe_gemv.py tests/test_kernel_moe_routing.py \
-      tests/test_inference_fusion.py -k "cuda or sm90" | grep -v PASSED | tail -8
-    on="laguna_dflash.models.layers:MoE.route_in_experts=True"
-    off="laguna_dflash.models.layers:MoE.route_in_experts=False"
-    for q in 1 4; do
-      echo "-- $q-token graph: defaults, on, off again, on again (replay ms; tokens against the defaults)"
-      timeout 170 python benchmarks/profile_decode_xs.py --q $q --top 8 --new-tokens 8 --switch "$on" \
-        --switch "$off" --switch "$on" 2>&1 | quiet | grep -E "^## |^\| [0-9]|gemv|router|equal|rror" | head -40
-    done ;;
-  pass132)
-    echo "== (seventy-sixth pass) MoE.route_in_experts in one call: goal cell each way, decode graph, CUDA tests"
-    echo "-- goal cell (target-only decode = goal 1), defaults"; goal_cell 100
-    echo "-- goal cell, route_in_experts"; goal_cell 100 --switch "laguna_dflash.models.layers:MoE.route_in_experts=True"
-    echo "-- 1-token graph: defaults, on, off again, on again (replay ms; tokens against the defaults)"
-    timeout 170 python benchmarks/profile_decode_xs.py --q 1 --top 8 --new-tokens 8 \
-      --switch "laguna_dflash.models.layers:MoE.route_in_experts=True" \
-      --switch "laguna_dflash.models.layers:MoE.route_in_experts=False" \
-      --switch "laguna_dflash.models.layers:MoE.route_in_experts=True" 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|gemv|router|equal|rror" | head -40
-    echo "-- the CUDA / sm_90 tests (last: a short call cuts them first)"
-    gpu_tests 150 -n 4 tests/test_kernel_moe_gemv.py tests/test_kernel_moe_routing.py \
-      tests/test_inference_fusion.py -k "cuda or sm90" | grep -v PASSED | tail -8 ;;
-  pass131)
-    echo "== (seventy-fifth pass) MoE.route_in_experts end to end: goal 2's cell, defaults and the switch in turn"
-    for i in 1 2; do
-      echo "-- goal cell (target-only decode = goal 1), defaults"; goal_cell 100
-      echo "-- goal cell, route_in_experts"; goal_cell 100 --switch "laguna_dflash.models.layers:MoE.route_in_experts=True"
-    done ;;
   pass129)
     echo "== (seventy-fourth pass) the ids the decode graph's expert GEMVs read, route tensors registered (made in the warm-up)"
     timeout 120 python benchmarks/graph_routes_check.py --layers 4 --ablate routing --ablate routing_dropped \

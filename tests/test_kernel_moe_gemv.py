@@ -116,47 +116,6 @@ def test_interpreted_s21_eleven_pairs_width_1024(monkeypatch) -> None:
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-def _routed_problem(t, e, top_k, num_shared, dtype, seed, device="cpu"):
-    """x, router weight, bias and the stacked ``[E + num_shared, ...]`` experts."""
-    g = torch.Generator().manual_seed(seed)
-    hidden, inter = 80, 40
-    x = torch.randn(t, hidden, generator=g).to(dtype)
-    router = (torch.randn(e, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    bias = torch.randn(e, generator=g) * 0.1
-    gate_up = (torch.randn(e + num_shared, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    down = (torch.randn(e + num_shared, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
-    return [a.to(device) for a in (x, router, bias, gate_up, down)]
-
-
-def _check_routed(t, e, top_k, num_shared, score_func, softcap, norm, dtype, seed, device="cpu"):
-    """moe_gemv_routed_experts against the fused router then moe_gemv_experts: the same bits."""
-    from laguna_dflash.kernels.moe_gemv import moe_gemv_routed_experts
-    from laguna_dflash.kernels.moe_routing import fused_router_route
-
-    x, router, bias, gate_up, down = _routed_problem(t, e, top_k, num_shared, dtype, seed, device)
-    route = (bias, top_k, softcap, score_func, norm, 2.5, num_shared)
-    weights, ids = fused_router_route(x, router, *route)
-    want = moe_gemv_experts(x, ids, weights, gate_up, down)
-    got = moe_gemv_routed_experts(x, router, *route, gate_up, down)
-    assert got.shape == (t, top_k + num_shared, x.shape[1]) and got.dtype == dtype
-    assert torch.equal(got, want)
-    # the routing really ran in the kernels: the same call with another bias picks other experts
-    other = moe_gemv_routed_experts(x, router, -bias, *route[1:], gate_up, down)
-    assert not torch.equal(other, want)
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,top_k,num_shared,score_func,softcap,norm", [
-    (1, 12, 4, 1, "sigmoid", 0.0, True),        # decode with the folded shared expert
-    (3, 12, 4, 0, "sqrtsoftplus", 0.0, False),  # a verify's tokens, no shared column
-    (4, 20, 3, 1, "sigmoid", 4.0, True),        # softcap; E not a power of two
-])
-def test_interpreted_routed_in_kernel_equals_router_then_gemv(t, e, top_k, num_shared, score_func, softcap,
-                                                              norm, dtype) -> None:
-    _check_routed(t, e, top_k, num_shared, score_func, softcap, norm, dtype, seed=t)
-
-
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -171,50 +130,6 @@ def test_validation() -> None:
         moe_gemv_experts(x.double(), ids, w, gu.double(), dn)
     with pytest.raises(ValueError, match="contiguous"):
         moe_gemv_experts(x, ids, w, gu.transpose(1, 2).contiguous().transpose(1, 2), dn)
-
-
-def test_routed_validation() -> None:
-    from laguna_dflash.kernels.moe_gemv import moe_gemv_routed_experts
-
-    x, router, bias, gate_up, down = _routed_problem(1, 6, 2, 1, torch.float32, 0)
-    with pytest.raises(ValueError, match="E \\+ num_shared"):
-        moe_gemv_routed_experts(x, router, bias, 2, 0.0, "sigmoid", True, 1.0, 1, gate_up[:6], down[:6])
-    with pytest.raises(ValueError, match="score_func"):
-        moe_gemv_routed_experts(x, router, bias, 2, 0.0, "softmax", True, 1.0, 1, gate_up, down)
-    with pytest.raises(ValueError, match="share a dtype"):
-        moe_gemv_routed_experts(x, router, bias, 2, 0.0, "sigmoid", True, 1.0, 1, gate_up.double(), down)
-    from laguna_dflash.kernels.moe_routing import fused_router_partials
-
-    with pytest.raises(ValueError, match="no tokens"):
-        fused_router_partials(x[:0], router)
-    with pytest.raises(ValueError, match="disagree"):
-        fused_router_partials(x[:, :8], router)
-
-
-@cuda
-def test_cuda_routed_in_kernel_xs21_and_graph_capture() -> None:
-    """XS-2.1 routing (256 experts, top-8, the shared expert folded) at 1 and 4 tokens: the same
-    bits as the fused router then the GEMVs, eager and replayed in a CUDA graph on new x."""
-    from laguna_dflash.kernels.moe_gemv import moe_gemv_routed_experts
-    from laguna_dflash.kernels.moe_routing import fused_router_route
-
-    g = torch.Generator().manual_seed(5)
-    router = (torch.randn(256, 2048, generator=g) / 45).to("cuda", torch.bfloat16)
-    bias = (torch.randn(256, generator=g) * 0.01).cuda()
-    _, _, _, gate_up, down = _problem(1, 9, 257, 2048, 512, torch.bfloat16, seed=5, device="cuda")
-    route = (bias, 8, 0.0, "sigmoid", True, 2.5, 1)
-    for t in (1, 4):
-        x = torch.randn(t, 2048, generator=g).to("cuda", torch.bfloat16)
-        weights, ids = fused_router_route(x, router, *route)
-        assert torch.equal(moe_gemv_routed_experts(x, router, *route, gate_up, down),
-                           moe_gemv_experts(x, ids, weights, gate_up, down))
-        eager, static_out, graph = eager_then_graphed(
-            lambda x=x: moe_gemv_routed_experts(x, router, *route, gate_up, down))
-        assert torch.equal(static_out, eager)
-        x.copy_(torch.randn(t, 2048, generator=g).to("cuda", torch.bfloat16))
-        graph.replay()
-        weights, ids = fused_router_route(x, router, *route)
-        assert torch.equal(static_out, moe_gemv_experts(x, ids, weights, gate_up, down))
 
 
 @cuda
@@ -299,29 +214,20 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     assert torch.equal(static_out, moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
 
 
-def _compile_sm90(which: int, pdl: bool, skip: bool = False, route_in: bool = False) -> str:
-    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline);
-    ``route_in``: the build that routes its pair from the router's partials (the fused router's
-    decode plan: 4 splits, top-8 of 256 plus the shared expert)."""
+def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> str:
+    """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
     kernel = moe_gemv._kernels(False)[which]
     bn, bk, nw = (moe_gemv.GATE_UP_CONFIG, moe_gemv.DOWN_CONFIG)[which]
     h, inter = 2048, 512
-    pointers = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "softcap": "fp32", "scale": "fp32"}
     if which == 0:
-        pointers.update({"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"})
-        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-h // bk))
+        pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
+        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
-        pointers.update({"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16",
-                         "out_ptr": "*bf16"})
+        pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
-    route = (dict(NUM_EXPERTS=256, BLOCK_E=256, TOP_K=8, NUM_SHARED=1, K_PAD=16, HAS_SOFTCAP=False,
-                  SQRT_SOFTPLUS=False, NORM=True, PACK_DTYPE=1, BITONIC=True, SEL_K=8, SPLIT_K=4,
-                  SLAB=16 * 256, stride_b=1)
-             if route_in else dict(moe_gemv._NO_ROUTE, stride_b=0))
-    constexprs.update(K_TOP=9, BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, SKIP_NEGATIVE=skip,
-                      ROUTE_IN=route_in, **route)
+    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, SKIP_NEGATIVE=skip)
     return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
@@ -339,25 +245,4 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
         else:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
-            assert any("evict_first" in line for line in early)  # the first weight tile
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_routed_in_kernel_pdl_order_and_no_spills() -> None:
-    """The ``route_in`` builds (``moe_gemv_routed_experts``): gate_up loads only the selection
-    bias (a parameter) before its wait, and sums the router's partials after it; down routes
-    before its wait, reading the bias, the 4 splits' partials through L2 and its first weight
-    tile (``evict_first``); neither spills."""
-    from ptx_sm90 import ptxas_spills
-
-    for which in (0, 1):
-        ptx = _compile_sm90(which, True, route_in=True)
-        early = loads_before_pdl_wait(ptx)
-        assert ptxas_spills(ptx) == [0] * len(ptxas_spills(ptx)), ptxas_spills(ptx)
-        if which == 0:
-            assert len(early) == 1 and ".cg" not in early[0] and "evict_first" not in early[0], early
-        else:
-            plain = [line for line in early if ".cg" not in line and "evict_first" not in line]
-            assert len(plain) == 1, early  # the bias: a parameter, no kernel writes it
-            assert sum(".cg" in line for line in early) == 4, early  # one load a split's partials
             assert any("evict_first" in line for line in early)  # the first weight tile

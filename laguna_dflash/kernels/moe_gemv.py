@@ -28,18 +28,6 @@ is on another rank): the ``SKIP_NEGATIVE`` build's gate_up program returns at on
 program stores zeros after its wait; neither reads a weight tile of it. The default build has
 no such check (the constexpr compiles it out).
 
-Routed in the kernels (:func:`moe_gemv_routed_experts`, ``ROUTE_IN``; ``MoE.route_in_experts``,
-off by default, not yet timed): the ids and weights need not come from a routing launch. The
-fused router then only stores its split-K partial logits (``moe_routing.fused_router_partials``),
-and each gate_up program sums its token's partials after its wait and routes the token with the
-fused router's own routing code (``moe_routing._route_rows``: the same sums, rounding, top-k and
-weights), keeping column ``p % k``; each down program does the same before its wait (the
-partials are two launches back: kernels/pdl.py, rule 3). The pairs are bitwise the routed
-launch's. What it removes from the chain between the post-attention norm and the first expert
-weight: the router's CTA barrier and arrival atomic, its last program's dependent read of the
-partials and its store of the routes (the gate_up programs' read of the ids becomes their read
-of the partials, one L2 round trip either way).
-
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
 ``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
@@ -66,7 +54,7 @@ from .jit import DTYPE_CODE, _round_to, jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts", "moe_gemv_routed_experts"]
+__all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 
 # (BLOCK_N, BLOCK_K, num_warps) per kernel: the best of 36 pairs swept on the H200 at XS-2.1
 # shapes, H = 2048, I = 512 (bench_fused_moe.py --tokens 1 --sweep: 19.8 us per layer; the
@@ -99,56 +87,16 @@ def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexp
     return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
-def _routing_bias(bias_ptr, stride_b, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
-    # the selection bias [1, BLOCK_E] fp32: a parameter (no kernel writes it), loadable before a
-    # PDL wait (kernels/pdl.py, rule 3)
-    offs_e = tl.arange(0, BLOCK_E)[None, :]
-    return tl.load(bias_ptr + offs_e * stride_b, mask=offs_e < NUM_EXPERTS, other=0.0).to(tl.float32)
-
-
-def _routed_pair(p, part_ptr, bias, softcap, scale, K_TOP: tl.constexpr,
-                 NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-                 NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 PACK_DTYPE: tl.constexpr, BITONIC: tl.constexpr, SEL_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, SLAB: tl.constexpr):
-    # ROUTE_IN: pair p's (expert id int64, routing weight fp32) routed here: token p // K_TOP from
-    # the router's split-K partials (moe_routing.fused_router_partials; read through L2), with the
-    # fused router's own routing code (moe_routing._route_rows), then column p % K_TOP
-    offs_e = tl.arange(0, BLOCK_E)[None, :]
-    valid = offs_e < NUM_EXPERTS
-    row = tl.zeros([1, 1], dtype=tl.int64) + p // K_TOP
-    # _route_rows: moe_routing's, put in this module's jit namespace by _kernels
-    w, ids = _route_rows(  # noqa: F821
-        part_ptr, row, row >= 0, bias, valid, offs_e, softcap, scale, NUM_EXPERTS, BLOCK_E, TOP_K,
-        NUM_SHARED, K_PAD, HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE, PACK_DTYPE, BITONIC, SEL_K,
-        SPLIT_K, SLAB)
-    col = tl.arange(0, K_PAD)[None, :] == p % K_TOP
-    return tl.sum(tl.where(col, ids, 0)).to(tl.int64), tl.sum(tl.where(col, w, 0.0))
-
-
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
-    part_ptr, bias_ptr, stride_b, softcap, scale,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, ROUTE_IN: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr, PACK_DTYPE: tl.constexpr,
-    BITONIC: tl.constexpr, SEL_K: tl.constexpr, SPLIT_K: tl.constexpr, SLAB: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
-    if ROUTE_IN:
-        bias = _routing_bias(bias_ptr, stride_b, NUM_EXPERTS, BLOCK_E)
     if PDL:
-        tl.extra.cuda.gdc_wait()  # the ids (or the router's partials) are the previous kernel's output
-    if ROUTE_IN:
-        expert, _ = _routed_pair(p, part_ptr, bias, softcap, scale, K_TOP, NUM_EXPERTS,
-                                 BLOCK_E, TOP_K, NUM_SHARED, K_PAD, HAS_SOFTCAP, SQRT_SOFTPLUS, NORM,
-                                 OUT_DTYPE, PACK_DTYPE, BITONIC, SEL_K, SPLIT_K, SLAB)
-    else:
-        expert = tl.load(ids_ptr + p).to(tl.int64)
+        tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
+    expert = tl.load(ids_ptr + p).to(tl.int64)
     if SKIP_NEGATIVE:
         # a skipped pair (id -1): its h row stays unwritten, and the down kernel never reads it
         if expert < 0:
@@ -182,26 +130,12 @@ def _gate_up_gemv_kernel(
 
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
-    part_ptr, bias_ptr, stride_b, softcap, scale,
-    K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, ROUTE_IN: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr, PACK_DTYPE: tl.constexpr,
-    BITONIC: tl.constexpr, SEL_K: tl.constexpr, SPLIT_K: tl.constexpr, SLAB: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
-    if ROUTE_IN:
-        # the router's partials, two launches back, complete once every gate_up program passed
-        # its wait (kernels/pdl.py, rule 3): this pair routed again before the wait, off the
-        # critical path, with gate_up's code and so gate_up's expert
-        bias = _routing_bias(bias_ptr, stride_b, NUM_EXPERTS, BLOCK_E)
-        expert, pair_weight = _routed_pair(p, part_ptr, bias, softcap, scale, K_TOP, NUM_EXPERTS,
-                                           BLOCK_E, TOP_K, NUM_SHARED, K_PAD, HAS_SOFTCAP,
-                                           SQRT_SOFTPLUS, NORM, OUT_DTYPE, PACK_DTYPE, BITONIC, SEL_K,
-                                           SPLIT_K, SLAB)
-    elif PDL:
+    if PDL:
         # launched while gate_up may still run, but after every gate_up program passed its wait:
         # the routing kernel's ids are complete; read them through L2 (kernels/pdl.py, rule 3)
         expert = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
@@ -235,9 +169,7 @@ def _down_gemv_kernel(
         acc += cw.to(tl.float32) * ch.to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if not ROUTE_IN:
-        pair_weight = tl.load(rw_ptr + p).to(tl.float32)
-    out = tl.sum(acc, axis=1) * pair_weight
+    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
              mask=offs_n < H)
 
@@ -246,12 +178,8 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    from . import moe_routing as mr  # its triton.jit routing helpers, recompiled in this namespace
-
-    routing = tuple(f.fn for f in (mr._tanh, mr._scores, mr._unpack_keys, mr._select_top_k,
-                                   mr._route_weights, mr._sum_partials, mr._route_rows))
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, *routing, _routing_bias,
-                                  _routed_pair, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
+                                  _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -297,106 +225,22 @@ def moe_gemv_experts(
     out = torch.empty((t, k, hidden), dtype=x.dtype, device=x.device)
     if p == 0:
         return out
-    _launch(x, gate_up, down, out, expert_ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
-            skip_negative=bool(has_skipped_pairs), route=None)
-    return out
-
-
-# the routing constexprs of a launch without ROUTE_IN (dead code there), and with it
-_NO_ROUTE = dict(NUM_EXPERTS=1, BLOCK_E=1, TOP_K=1, NUM_SHARED=0, K_PAD=1, HAS_SOFTCAP=False,
-                 SQRT_SOFTPLUS=False, NORM=False, PACK_DTYPE=0, BITONIC=False, SEL_K=1, SPLIT_K=1, SLAB=1)
-_NO_ROUTE_META = dict(_NO_ROUTE, ROUTE_IN=False)
-
-
-def _launch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor,
-            ids: torch.Tensor | None, rw: torch.Tensor | None, *, skip_negative: bool,
-            route: tuple[tuple, dict] | None) -> None:
-    """The two kernels over ``out [T, k, H]``'s pairs: from the routing's flat ``ids`` / ``rw``,
-    or (``route``: the partials' kernel arguments and the routing constexprs) routed in-kernel."""
-    t, k, hidden = out.shape
-    p = t * k
-    inter = gate_up.shape[1] // 2
     x = x.contiguous()
+    ids = expert_ids.reshape(-1).contiguous()
+    rw = weights.reshape(-1).contiguous()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
-    if route is None:
-        route_args, route_meta = (out, out, 0, 0.0, 1.0), _NO_ROUTE_META
-        ids_arg, rw_arg = ids, rw
-    else:
-        route_args, route_meta = route[0], dict(route[1], ROUTE_IN=True)
-        ids_arg = rw_arg = out  # unread
     interpret = interpret_mode()
     gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
     use_pdl = pdl.active(x.device, interpret)
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
-        x, gate_up, ids_arg, h, *route_args, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
-        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=skip_negative,
-        **route_meta, num_warps=nw, **pdl.launch_options(use_pdl))
+        x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
+        num_warps=nw, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
-        h, down, ids_arg, rw_arg, out, *route_args, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn,
-        BLOCK_K=bk, K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=skip_negative,
-        **route_meta, num_warps=nw, **pdl.launch_options(use_pdl))
-
-
-def moe_gemv_routed_experts(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    bias: torch.Tensor,
-    top_k: int,
-    softcap: float,
-    score_func: str,
-    norm_topk_prob: bool,
-    scale: float,
-    num_shared: int,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """The router GEMM, the routing and the per-pair GEMVs in three launches, with no routing
-    launch or last program between them: ``moe_gemv_experts(x, ids, weights, gate_up, down)``
-    for ``(weights, ids) = moe_routing.fused_router_route(x, router_weight, bias, top_k, softcap,
-    score_func, norm_topk_prob, scale, num_shared)``.
-
-    The router launch stores its split-K partial logits and ends
-    (``moe_routing.fused_router_partials``). Every gate_up program then sums its token's
-    partials, routes the token with the fused router's own code and multiplies the expert of
-    its column; every down program does the same before its PDL wait. At batch-1 decode this
-    takes the fused router's arrival atomic and its last program's dependent L2 reads off the
-    chain between the post-attention norm and the expert weights (``MoE.route_in_experts``).
-
-    Args:
-        x: ``[T, H]`` bf16 / fp16 / fp32, ``1 <= T <= 16``.
-        router_weight: ``[E, H]`` contiguous, x's dtype.
-        bias, top_k, softcap, score_func, norm_topk_prob, scale, num_shared: as in
-            ``moe_routing.fused_moe_route`` (``num_shared`` 0 or 1: the shared expert stacked
-            as expert ``E``).
-        gate_up, down: ``[E', 2I, H]`` / ``[E', H, I]`` contiguous, ``E' >= E + num_shared``.
-
-    Returns:
-        ``[T, top_k + num_shared, H]``, bit for bit what the two-step call gives where the fused
-        router's weights equal the ones routed here (always under the interpreter; on the GPU
-        ``norm_topk_prob``'s fp32 sum may take another order: 1 ulp, see moe_routing).
-    """
-    from . import moe_routing as mr
-
-    e = router_weight.shape[0] if router_weight.dim() == 2 else -1
-    mr._check_routing(e, x.device, bias, top_k, softcap, score_func, num_shared)
-    k = top_k + num_shared
-    t, hidden = x.shape if x.dim() == 2 else (-1, -1)
-    if (gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] < e + num_shared
-            or gate_up.shape[2] != hidden or down.shape[:2] != (gate_up.shape[0], hidden)
-            or down.shape[2] * 2 != gate_up.shape[1]):
-        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, router_weight "
-                         f"{tuple(router_weight.shape)}, gate_up {tuple(gate_up.shape)}, down "
-                         f"{tuple(down.shape)} (gate_up needs E + num_shared experts)")
-    if not (x.dtype == gate_up.dtype == down.dtype) or not (gate_up.is_contiguous() and down.is_contiguous()):
-        raise ValueError("x, gate_up and down must share a dtype, and gate_up / down be contiguous")
-    partials = mr.fused_router_partials(x, router_weight)  # checks x, router_weight and 1 <= T <= 16
-    out = torch.empty((t, k, hidden), dtype=x.dtype, device=x.device)
-    route_meta = mr.routing_constexprs(e, top_k, num_shared, softcap, score_func, norm_topk_prob, x.dtype)
-    del route_meta["OUT_DTYPE"]  # the kernels' own (x's dtype, the same code)
-    route_meta.update(SPLIT_K=partials.split_k, SLAB=mr.MAX_ROUTER_TOKENS * e)
-    route_args = (partials.part, bias, bias.stride(0), float(softcap), float(scale))
-    _launch(x, gate_up, down, out, None, None, skip_negative=False, route=(route_args, route_meta))
+        h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
+        num_warps=nw, **pdl.launch_options(use_pdl))
     return out

@@ -85,9 +85,6 @@ PDL; this is one launch.
   dependent L2 round trip), stores weights and ids, and resets the counter to 0
   (relaxed exchange). The partials need no reset: a call overwrites every slab entry it reads.
   No memset launch, no host sync: CUDA-graph capturable and replayable.
-* Without the routing (``ROUTE`` False, :func:`fused_router_partials`): the programs store their
-  partials and the launch ends; its consumer sums and routes them with the same ``_route_rows``
-  (``kernels/moe_gemv.py``'s routed GEMVs).
 * The workspace (partials and the counter, zeroed once) is cached per ``(device, E, SPLIT_K)``
   and never freed (graphs point at it). Make the first call of a shape outside a graph capture;
   two calls with the same key must not run concurrently on different streams.
@@ -125,11 +122,8 @@ __all__ = [
     "can_fuse_router",
     "default_router_config",
     "fused_moe_route",
-    "RouterPartials",
-    "fused_router_partials",
     "fused_router_route",
     "is_available",
-    "routing_constexprs",
 ]
 
 MAX_EXPERTS = 1024
@@ -156,20 +150,6 @@ TOPK_BITONIC = True
 def _pack_dtype(dtype: torch.dtype) -> int:
     # the PACK_DTYPE constexpr: the dtype code of 16-bit logits when packed, else 0
     return DTYPE_CODE[dtype] if PACK_LOGITS and dtype != torch.float32 else 0
-
-
-def routing_constexprs(e: int, top_k: int, num_shared: int, softcap: float, score_func: str,
-                       norm_topk_prob: bool, dtype: torch.dtype, *, one_row: bool = True) -> dict:
-    """The routing helpers' constexprs for ``e`` experts and logits of ``dtype`` (its dtype code
-    is the rounding target): every launch that routes passes these. ``one_row``: a program
-    routes one token at a time, so 16-bit logits ride in the top-k keys (``PACK_DTYPE``)."""
-    return dict(
-        NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
-        K_PAD=_next_pow2(top_k + num_shared), HAS_SOFTCAP=softcap > 0,
-        SQRT_SOFTPLUS=score_func == "sqrtsoftplus", NORM=bool(norm_topk_prob),
-        OUT_DTYPE=DTYPE_CODE[dtype], PACK_DTYPE=_pack_dtype(dtype) if one_row else 0,
-        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k),
-    )
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -361,34 +341,6 @@ if HAS_TRITON:
         return _round_to(total, OUT_DTYPE)
 
     @triton.jit
-    def _route_rows(part_ptr, rows, row_ok, bias, valid, offs_e, softcap, scale,
-                    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
-                    NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                    PACK_DTYPE: tl.constexpr, BITONIC: tl.constexpr, SEL_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, SLAB: tl.constexpr):
-        # rows / row_ok [ROWS, 1] of the router's partial logits (part[s, row, e], split slabs of
-        # SLAB elements, other programs' or another kernel's stores: read through L2), bias
-        # [1, BLOCK_E] fp32 -> (weights [ROWS, K_PAD] rounded, in fp32; ids [ROWS, K_PAD]): the
-        # logits summed in split order and rounded once, then routed. Shared by the fused router's
-        # last program and the expert GEMVs that route their own token (kernels/moe_gemv.py).
-        z = _sum_partials(part_ptr + rows * NUM_EXPERTS + offs_e, row_ok & valid, SPLIT_K, SLAB,
-                          OUT_DTYPE)
-        s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
-        ids, z_sel = _select_top_k(s + bias, z, valid, offs_e, BLOCK_E, TOP_K, K_PAD, PACK_DTYPE,
-                                   BITONIC, SEL_K)
-        if PACK_DTYPE == 0:
-            # fp32 logits do not fit the packed key: the same sums of the same partials
-            # again (bitwise the same values), one more dependent L2 round trip. (A
-            # variant gathering them from registers, tl.gather, together with a
-            # fixed-order norm sum, timed ~2 us slower at T = 1 on the H200.)
-            routed = tl.arange(0, K_PAD)[None, :] < TOP_K
-            z_sel = _sum_partials(part_ptr + rows * NUM_EXPERTS + ids, row_ok & routed, SPLIT_K, SLAB,
-                                  OUT_DTYPE)
-        return _route_weights(z_sel, ids, softcap, scale, NUM_EXPERTS, TOP_K, NUM_SHARED, K_PAD,
-                              HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE)
-
-    @triton.jit
     def _router_route_kernel(
         x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, part_ptr, count_ptr,
         T, stride_xt, stride_b,
@@ -400,7 +352,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
         M_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
         X_GROUP: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
-        BITONIC: tl.constexpr, SEL_K: tl.constexpr, ROUTE: tl.constexpr,
+        BITONIC: tl.constexpr, SEL_K: tl.constexpr,
     ):
         # program (j, s): experts [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Kc, (s + 1) Kc) with
         # Kc = K_STEPS * BLOCK_K: the weight as one [BLOCK_N, K_STEPS, 1, BLOCK_K] tile, x rows as
@@ -442,26 +394,34 @@ if HAS_TRITON:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the weights and x are read
 
-        # ROUTE False (fused_router_partials): the partials are this launch's output; the expert
-        # GEMVs after it sum them and route their own token (no semaphore, no last program)
-        if ROUTE:
-            # semaphore: the last program to arrive reduces and routes (the skinny GEMM's split-K
-            # pattern: every thread's partials stored, CTA barrier, one acq_rel atomic)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(0) * SPLIT_K - 1:
-                offs_e = tl.arange(0, BLOCK_E)[None, :]
-                valid = offs_e < NUM_EXPERTS
-                bias = tl.load(bias_ptr + offs_e * stride_b, mask=valid, other=0.0).to(tl.float32)
-                for r0 in tl.static_range(0, M_PAD, ROUTE_ROWS):
-                    rows = r0 + tl.arange(0, ROUTE_ROWS)[:, None]
-                    row_ok = rows < T
-                    w, ids = _route_rows(part_ptr, rows, row_ok, bias, valid, offs_e, softcap, scale,
-                                         NUM_EXPERTS, BLOCK_E, TOP_K, NUM_SHARED, K_PAD, HAS_SOFTCAP,
-                                         SQRT_SOFTPLUS, NORM, OUT_DTYPE, PACK_DTYPE, BITONIC, SEL_K,
-                                         SPLIT_K, PART_ROWS * NUM_EXPERTS)
-                    _store_routes(weights_ptr, ids_ptr, rows, row_ok, w, ids, TOP_K, NUM_SHARED, K_PAD)
-                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
+        # semaphore: the last program to arrive reduces and routes (the skinny GEMM's split-K
+        # pattern: every thread's partials stored, CTA barrier, one acq_rel atomic)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) * SPLIT_K - 1:
+            offs_e = tl.arange(0, BLOCK_E)[None, :]
+            valid = offs_e < NUM_EXPERTS
+            bias = tl.load(bias_ptr + offs_e * stride_b, mask=valid, other=0.0).to(tl.float32)
+            for r0 in tl.static_range(0, M_PAD, ROUTE_ROWS):
+                rows = r0 + tl.arange(0, ROUTE_ROWS)[:, None]
+                row_ok = rows < T
+                z = _sum_partials(part_ptr + rows * NUM_EXPERTS + offs_e, row_ok & valid, SPLIT_K,
+                                  PART_ROWS * NUM_EXPERTS, OUT_DTYPE)
+                s = _scores(z, softcap, HAS_SOFTCAP, SQRT_SOFTPLUS)
+                ids, z_sel = _select_top_k(s + bias, z, valid, offs_e, BLOCK_E, TOP_K, K_PAD,
+                                           PACK_DTYPE, BITONIC, SEL_K)
+                if PACK_DTYPE == 0:
+                    # fp32 logits do not fit the packed key: the same sums of the same partials
+                    # again (bitwise the same values), one more dependent L2 round trip. (A
+                    # variant gathering them from registers, tl.gather, together with a
+                    # fixed-order norm sum, timed ~2 us slower at T = 1 on the H200.)
+                    routed = tl.arange(0, K_PAD)[None, :] < TOP_K
+                    z_sel = _sum_partials(part_ptr + rows * NUM_EXPERTS + ids, row_ok & routed,
+                                          SPLIT_K, PART_ROWS * NUM_EXPERTS, OUT_DTYPE)
+                w, ids = _route_weights(z_sel, ids, softcap, scale, NUM_EXPERTS, TOP_K, NUM_SHARED,
+                                        K_PAD, HAS_SOFTCAP, SQRT_SOFTPLUS, NORM, OUT_DTYPE)
+                _store_routes(weights_ptr, ids_ptr, rows, row_ok, w, ids, TOP_K, NUM_SHARED, K_PAD)
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
 
 def _check_routing(e: int, device: torch.device, bias: torch.Tensor, top_k: int, softcap: float,
@@ -537,8 +497,13 @@ def fused_moe_route(
         logits, bias, weights, ids,
         logits.stride(0), logits.stride(1), bias.stride(0),
         float(softcap), float(scale),
-        **routing_constexprs(e, top_k, num_shared, softcap, score_func, norm_topk_prob, logits.dtype),
-        PDL=use_pdl, num_warps=max(1, min(4, block_e // 256)),  # 8 keys a thread; one warp up to E = 256
+        NUM_EXPERTS=e, BLOCK_E=block_e, TOP_K=top_k, NUM_SHARED=num_shared,
+        K_PAD=triton.next_power_of_2(k_out),
+        HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
+        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[logits.dtype],
+        PACK_DTYPE=_pack_dtype(logits.dtype), PDL=use_pdl,
+        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k),
+        num_warps=max(1, min(4, block_e // 256)),  # 8 keys a thread; one warp up to E = 256
         **pdl.launch_options(use_pdl),
     )
     return weights, ids
@@ -742,45 +707,10 @@ def fused_router_route(
         x, router_weight, bias, weights, ids, part, counter,
         t, x.stride(0), bias.stride(0),
         float(softcap), float(scale),
-        **routing_constexprs(e, top_k, num_shared, softcap, score_func, norm_topk_prob, x.dtype,
-                             one_row=meta["ROUTE_ROWS"] == 1), ROUTE=True, **meta,
+        NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
+        K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
+        NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
+        PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0,
+        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k), **meta,
     )
     return weights, ids
-
-
-@dataclass(frozen=True)
-class RouterPartials:
-    """The router GEMM's split-K partial logits, summed and routed by their consumer.
-
-    ``part [split_k, MAX_ROUTER_TOKENS, E]`` fp32: ``part[s, t, e]`` is token ``t``'s dot with
-    expert ``e``'s row over the K chunk ``s`` (rows ``>= T`` unwritten). Summed in split order and
-    rounded once to the tokens' dtype (``_route_rows``) they are :func:`fused_router_route`'s
-    logits bit for bit. ``part`` is the router's cached workspace: the next router call of the
-    same ``(device, E, split_k)`` overwrites it, so read it before then (stream order)."""
-
-    part: torch.Tensor
-    split_k: int
-
-
-def fused_router_partials(x: torch.Tensor, router_weight: torch.Tensor, *,
-                          config: RouterConfig | None = None) -> RouterPartials:
-    """The router GEMM of :func:`fused_router_route` alone, its partials left unsummed: the same
-    launch without the arrival counter and the last program's routing, for consumers that route
-    their own tokens from them (``moe_gemv.moe_gemv_routed_experts``). ``x [T, H]`` with ``1 <= T
-    <= 16`` and ``router_weight [E, H]`` as :func:`fused_router_route` takes them."""
-    _check_router_inputs(x, router_weight)
-    t, h = x.shape
-    e = router_weight.shape[0]
-    if t == 0:
-        raise ValueError("x has no tokens: fused_router_partials needs 1 <= T <= 16")
-    assert HAS_TRITON, "fused_router_partials needs triton (check is_available first)"
-    use_pdl = pdl.active(x.device, interpret_mode())
-    grid, meta = _router_plan(t, e, h, x.dtype, config or default_router_config(t), use_pdl)
-    part, counter = _router_workspace(x.device, e, meta["SPLIT_K"])
-    _router_route_kernel[grid](
-        x, router_weight, part, part, part, part, counter,  # bias / weights / ids: unread
-        t, x.stride(0), 0, 0.0, 1.0,
-        **routing_constexprs(e, 1, 0, 0.0, "sigmoid", False, x.dtype, one_row=False), ROUTE=False,
-        **meta,
-    )
-    return RouterPartials(part, meta["SPLIT_K"])

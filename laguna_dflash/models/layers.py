@@ -544,13 +544,6 @@ class MoE(nn.Module):
     # False: the two-launch path everywhere (the A/B baseline).
     use_fused_router: bool = True
     fused_router_max_tokens: int = 4
-    # With the fused router and the GEMV experts (both token limits): the router launch only
-    # stores its split-K partial logits, and every expert GEMV program routes its own token from
-    # them with the fused router's code (moe_gemv.moe_gemv_routed_experts): the router's arrival
-    # atomic, its last program and one dependent L2 round trip leave the chain between the
-    # post-attention norm and the expert weights; the same ids, weights and pairs. Off: an A/B
-    # switch not yet timed on a GPU (docs/PERFORMANCE.md, seventy-fifth pass).
-    route_in_experts: bool = False
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None
@@ -650,14 +643,8 @@ class MoE(nn.Module):
         route = (self.e_score_correction_bias, self.top_k, self.logit_softcapping, self.score_func,
                  self.norm_topk_prob)
         invariant = batch_invariant.is_active()  # per-token paths only (no GEMV variants)
-        fused_router = (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
-                        and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight))
-        gemv = self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens
-        if fused_router and gemv and self.route_in_experts and not self.tp.shards_experts:
-            pairs = moe_gemv.moe_gemv_routed_experts(x, self.gate.weight, *route, self.routed_scaling_factor,
-                                                     int(folded), *self.fused_experts())
-            return self._sum_pairs(x, pairs, folded, keep_pairs)
-        if fused_router:
+        if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
+                and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
             weights, ids = moe_routing.fused_router_route(
                 x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
         else:
@@ -669,17 +656,13 @@ class MoE(nn.Module):
         experts = (x, self.local_ids(ids), weights, *self.fused_experts())
         if invariant:
             pairs = batch_invariant.moe_experts(*experts, **skips)
-        elif gemv:
+        elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
             pairs = moe_gemv.moe_gemv_experts(*experts, **skips)
         elif ids.numel() > self.fused_moe_max_pairs:
             pairs = grouped_moe.sorted_moe_experts(
                 *experts, block_m=grouped_moe.block_m_for(x.shape[0]), **skips)
         else:
             pairs = fused_moe.fused_moe_experts(*experts, reduce=False, **skips)
-        return self._sum_pairs(x, pairs, folded, keep_pairs)
-
-    def _sum_pairs(self, x: torch.Tensor, pairs: torch.Tensor, folded: bool, keep_pairs: bool) -> torch.Tensor:
-        # the fused path's weighted pairs [T, P, H] -> [T, H] (or the pairs, see fused_forward)
         if folded and keep_pairs:
             return pairs
         if not folded and self.shared_expert is not None:

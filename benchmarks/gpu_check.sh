@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass133    # the goals on this card: goal 2's cell at 65 new tokens with
+#                                           # the drafter bf16, fp8, bf16 (its target-only decode is
+#                                           # goal 1's number), then pass129's ablation bound (~7 min)
 #   bash benchmarks/gpu_check.sh pass129    # the routing ablations with their route tensors made
 #                                           # before the capture: the ids the graph reads, then
 #                                           # pass120 / pass122's rows again (~7 min)
@@ -505,6 +508,16 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass133)
+    echo "== (seventy-seventh pass) the goals on this card"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    for q in "" "--draft-quantization fp8" ""; do
+      echo "-- goal 2's cell at 65 new tokens, drafter ${q:-bf16}"; goal_cell 85 --new-tokens 65 $q
+    done
+    echo "== the ablation bound on this card (pass129's rows)"
+    timeout 300 python benchmarks/profile_decode_xs.py --top 8 --ablate post_norm+input_norm \
+      --ablate routing --ablate routing_recorded --ablate routing+merge+post_norm+input_norm 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|kernels per|gemv|router|failed|rror" | head -60 ;;
   pass129)
     echo "== (seventy-fourth pass) the ids the decode graph's expert GEMVs read, route tensors registered (made in the warm-up)"
     timeout 120 python benchmarks/graph_routes_check.py --layers 4 --ablate routing --ablate routing_dropped \

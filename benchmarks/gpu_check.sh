@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass133    # the goals on this card: goal 2's cell at 65 new tokens with
 #                                           # the drafter bf16, fp8, bf16 (its target-only decode is
-#                                           # goal 1's number), then pass129's ablation bound (~7 min)
+#                                           # goal 1's number), then pass129's ablation rows less
+#                                           # routing_dropped (118 s on an H100)
 #   bash benchmarks/gpu_check.sh pass129    # the routing ablations with their route tensors made
 #                                           # before the capture: the ids the graph reads, then
 #                                           # pass120 / pass122's rows again (~7 min)
@@ -514,7 +515,7 @@ case "$stage" in
     for q in "" "--draft-quantization fp8" ""; do
       echo "-- goal 2's cell at 65 new tokens, drafter ${q:-bf16}"; goal_cell 85 --new-tokens 65 $q
     done
-    echo "== the ablation bound on this card (pass129's rows)"
+    echo "== the ablation bound on this card (pass129's rows less routing_dropped)"
     timeout 300 python benchmarks/profile_decode_xs.py --top 8 --ablate post_norm+input_norm \
       --ablate routing --ablate routing_recorded --ablate routing+merge+post_norm+input_norm 2>&1 | quiet \
       | grep -E "^##|^\| [0-9]|kernels per|gemv|router|failed|rror" | head -60 ;;

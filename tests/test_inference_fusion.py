@@ -111,6 +111,69 @@ def test_fold_needs_a_shared_expert_of_the_expert_width() -> None:
     assert moe.gate_up_with_shared is None
 
 
+def _decoder_layers(gatings: list[str | None], sparse: list[bool]) -> torch.nn.ModuleList:
+    out = []
+    for i, (gating, is_moe) in enumerate(zip(gatings, sparse, strict=True)):
+        attn = _attention(32, 4, 2, 8, 1.0, None, gating, torch.float32, seed=i)
+        mlp = _moe(32, 8, 2, 16, 16, torch.float32, seed=i) if is_moe else layers.MLP(32, 64)
+        out.append(layers.DecoderLayer(attn, mlp, 32, 1e-6))
+    return torch.nn.ModuleList(out)
+
+
+def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
+    """``fuse_for_inference`` points every sparse layer's router prefetch at the weight the next
+    layer's first GEMM reads: the fused Q|K|V|gate one, or Q|K|V without gating; the last
+    layer's at nothing."""
+    model = torch.nn.Module()
+    model.layers = _decoder_layers(["per-head", "per-head", None, "per-element"], [False, True, True, True])
+    fuse_for_inference(model)
+    attn = [layer.self_attn for layer in model.layers]
+    mlps = [layer.mlp for layer in model.layers]
+    assert not hasattr(mlps[0], "prefetch_next")  # a dense layer
+    assert attn[2].qkvg_weight is None and attn[3].qkvg_weight is not None
+    for moe, weight in ((mlps[1], attn[2].qkv_proj.weight), (mlps[2], attn[3].qkvg_weight)):
+        assert moe.prefetch_next.data_ptr() == weight.data_ptr() and moe.prefetch_next.shape == weight.shape
+        assert not isinstance(moe.prefetch_next, torch.nn.Parameter)
+    assert mlps[3].prefetch_next is None
+    # not registered: each parameter still belongs to one module
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert not any("prefetch" in n for n in names)
+    assert MoE.prefetch_next_bytes == 0  # off by default
+
+
+def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> None:
+    """With ``prefetch_next_bytes`` set, the fused router is handed that many bytes of the next
+    layer's weight, its tail by default (its head with ``prefetch_next_from_end`` False);
+    with it 0, no region."""
+    from laguna_dflash.kernels import moe_routing
+
+    class Called(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args, prefetch=None, **kwargs):
+        seen.append(prefetch)
+        raise Called
+
+    moe = _moe(32, 8, 2, 16, 16, torch.float32)
+    moe.prefetch_next = torch.randn(40, 32)  # 5120 bytes
+    monkeypatch.setattr(moe_routing, "can_fuse_router", lambda x, w: True)
+    monkeypatch.setattr(moe_routing, "fused_router_route", spy)
+    x = torch.randn(1, 32)
+    for nbytes, from_end in ((0, True), (1000, True), (1000, False), (10**9, True)):
+        monkeypatch.setattr(MoE, "prefetch_next_bytes", nbytes)
+        monkeypatch.setattr(MoE, "prefetch_next_from_end", from_end)
+        with pytest.raises(Called):
+            moe.fused_forward(x)
+    flat = moe.prefetch_next.reshape(-1)
+    assert seen[0] is None
+    # 1000 bytes -> 992 (a whole number of 16-byte units): 248 floats
+    assert seen[1].data_ptr() == flat[-248:].data_ptr() and seen[1].numel() == 248
+    assert seen[2].data_ptr() == flat.data_ptr() and seen[2].numel() == 248
+    assert seen[3].numel() == flat.numel()
+
+
 @pytest.mark.parametrize("gating", ["per-head", "per-element"])
 def test_fuse_projections_keeps_values_and_outputs(gating: str) -> None:
     attn = _attention(64, 4, 2, 16, 1.0, None, gating, torch.float32)

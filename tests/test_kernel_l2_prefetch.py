@@ -40,6 +40,31 @@ def test_plan_is_none_where_the_prefetch_cannot_run():
     assert not l2_prefetch.prefetch_l2(w)
 
 
+def test_region_is_a_whole_number_of_16_byte_units_from_either_end():
+    w = torch.arange(100 * 8, dtype=torch.bfloat16).view(100, 8)  # 1600 bytes
+    tail = l2_prefetch.region(w, 1000, from_end=True)
+    head = l2_prefetch.region(w, 1000)
+    assert tail.numel() == head.numel() == 496  # 992 bytes
+    assert torch.equal(tail, w.reshape(-1)[-496:]) and torch.equal(head, w.reshape(-1)[:496])
+    assert tail.data_ptr() - w.data_ptr() == (800 - 496) * 2  # a multiple of 16 from the start
+    assert l2_prefetch.region(w, 10**6).numel() == w.numel()
+    assert l2_prefetch.region(w, 15) is None and l2_prefetch.region(w, 0) is None
+    assert l2_prefetch.region(w[:, 1:], 1000) is None  # not contiguous
+
+
+@pytest.mark.parametrize("nbytes,num_parts,lanes", [(16_000_000, 128, 2), (16_000_000, 128, 1), (4096, 3, 2)])
+def test_lanes_plan_covers_every_byte_once(nbytes, num_parts, lanes):
+    """``_prefetch_l2_lanes``: lane ``l < LANES`` of program ``p`` takes chunk ``p * LANES + l`` of
+    a plan made with ``block=LANES``; the other lanes issue nothing."""
+    chunk = l2_prefetch.chunk_bytes(nbytes, num_parts, lanes)
+    covered = 0
+    for off, size in _chunks(nbytes, chunk, num_parts, lanes):
+        if size:
+            assert off == covered and size % 16 == 0
+            covered += size
+    assert covered == nbytes
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_plan_on_cuda():
     w = torch.zeros(128, 64, dtype=torch.bfloat16, device="cuda")

@@ -555,18 +555,21 @@ def test_interpreted_can_fuse_router() -> None:
     assert not moe_routing.can_fuse_router(torch.zeros(0, 32), torch.zeros(16, 32))
 
 
-def _router_ptx(t: int, e: int, h: int, pdl: bool) -> tuple[str, list[int]]:
+def _router_ptx(t: int, e: int, h: int, pdl: bool, prefetch_lanes: int = 0) -> tuple[str, list[int]]:
     """sm_90 PTX of the fused router kernel as ``fused_router_route`` launches it for bf16 x
-    (constexprs from ``_router_plan``), and ptxas's spill-store bytes."""
+    (constexprs from ``_router_plan``; ``prefetch_lanes`` > 0: with an L2 prefetch), and
+    ptxas's spill-store bytes."""
     meta = dict(moe_routing._router_plan(t, e, h, torch.bfloat16, moe_routing.default_router_config(t), pdl)[1])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*bf16",
-             "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "softcap": "fp32", "scale": "fp32"}
+             "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "softcap": "fp32", "scale": "fp32",
+             "pf_ptr": "*bf16"}
     constexprs = dict(stride_b=1, NUM_EXPERTS=e, BLOCK_E=moe_routing._next_pow2(e), TOP_K=8,
                       NUM_SHARED=1, K_PAD=16, HAS_SOFTCAP=True, SQRT_SOFTPLUS=False, NORM=True,
-                      OUT_DTYPE=1, BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8, **meta)
+                      OUT_DTYPE=1, BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8,
+                      PF_BLOCK=32 * options["num_warps"], PF_LANES=prefetch_lanes, **meta)
     return compile_sm90_spills(moe_routing._router_route_kernel, types, constexprs, options)
 
 
@@ -598,6 +601,27 @@ def test_sm90_router_route_code(t, e) -> None:
     assert "shfl.sync.bfly" in gemm and gemm.count("bar.sync") <= 2 * groups - 1
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert "atom.global.gpu.relaxed.exch" in ptx
+    assert "prefetch" not in ptx
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("t", [1, 4])
+def test_sm90_router_prefetch_is_issued_before_the_pdl_wait(t) -> None:
+    """With a region to prefetch (``MoE.prefetch_next_bytes``) the router issues TMA bulk L2
+    prefetches, predicated per lane, before its one PDL wait, next to its weight tile's loads
+    (the same loads as without); nothing after the wait changes and nothing spills."""
+    plain, _ = _router_ptx(t, 256, 2048, pdl=True)
+    ptx, spills = _router_ptx(t, 256, 2048, pdl=True, prefetch_lanes=moe_routing.PREFETCH_LANES)
+    assert spills and max(spills) == 0, spills
+    before_wait = loads_before_pdl_wait(ptx)
+    prefetches = [line for line in before_wait if "cp.async.bulk.prefetch.L2.global" in line]
+    assert prefetches and ptx.count("cp.async.bulk.prefetch.L2.global") == len(prefetches)
+    weight_loads = [line for line in before_wait if line not in prefetches]
+    assert len(weight_loads) == len(loads_before_pdl_wait(plain))
+    assert all("evict_first" in line and ".v4." in line for line in weight_loads), weight_loads
+    assert ptx.count("griddepcontrol.wait") == 1
+    after = ptx[ptx.index("griddepcontrol.wait"):]
+    assert after.count("ld.global") == plain[plain.index("griddepcontrol.wait"):].count("ld.global")
 
 
 # ---- fused_router_route on CUDA ---------------------------------------------------------------------
@@ -664,6 +688,36 @@ def test_cuda_router_route_graph_replays() -> None:
         want = _two_kernel_path(x, w, *args, scale=SCALE, num_shared=1)
         assert torch.equal(gids, want[1])
         _assert_same_weights(gw, want[0])
+
+
+@cuda
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
+@pytest.mark.parametrize("t", [1, 4])
+def test_cuda_router_prefetch_changes_no_value(t) -> None:
+    """An L2 prefetch from the router programs (``MoE.prefetch_next_bytes``: a region of the next
+    layer's Q|K|V|gate weight) leaves the routes bitwise equal and the weight untouched, eagerly
+    and in a CUDA graph."""
+    from laguna_dflash.kernels import l2_prefetch
+
+    e, h, k = 256, 2048, 8
+    x, w, bias = _router_problem(t, e, h, torch.bfloat16, seed=t, device="cuda")
+    args = (bias, k, 0.0, "sigmoid", True)
+    nxt = torch.randn(10304, 2048, device="cuda").to(torch.bfloat16)  # XS-2.1's Q|K|V|gate
+    before = nxt.clone()
+    want = fused_router_route(x, w, *args, scale=SCALE, num_shared=1)
+    for nbytes, from_end in ((16 << 20, True), (8 << 20, False), (nxt.numel() * 2, True)):
+        region = l2_prefetch.region(nxt, nbytes, from_end)
+        assert l2_prefetch.plan(region, 128, block=moe_routing.PREFETCH_LANES) is not None  # it runs
+        got = fused_router_route(x, w, *args, scale=SCALE, num_shared=1, prefetch=region)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gw, gids = fused_router_route(x, w, *args, scale=SCALE, num_shared=1, prefetch=region)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gw, want[0]) and torch.equal(gids, want[1])
+    assert torch.equal(nxt, before)
 
 
 # ---- Laguna-S-2.1: top-10 routing plus the shared expert (11 pairs a token, K_PAD = SEL_K = 16)

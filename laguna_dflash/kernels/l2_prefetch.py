@@ -41,18 +41,27 @@ from .jit import jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["PREFETCH_BLOCK", "chunk_bytes", "plan", "prefetch_function", "prefetch_l2"]
+__all__ = ["PREFETCH_BLOCK", "chunk_bytes", "plan", "prefetch_function", "prefetch_l2", "prefetch_lanes_function",
+           "region"]
 
 # chunks per issuing program: >= the threads of the issuing kernels (8 warps = 256 lanes)
 PREFETCH_BLOCK = 256
 
 
 def _prefetch_l2(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr):
-    # bytes [c * chunk, (c + 1) * chunk) of [0, nbytes) for the BLOCK chunks c of program ``part``;
-    # empty chunks (past nbytes) are predicated off inside the asm
-    c = part.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # bytes [c * chunk, (c + 1) * chunk) of [0, nbytes) for the BLOCK chunks c of program ``part``
+    _prefetch_l2_lanes(base_ptr, nbytes, chunk, part, BLOCK, BLOCK)
+
+
+def _prefetch_l2_lanes(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr, LANES: tl.constexpr):
+    # the first LANES of BLOCK lanes prefetch chunks c = part * LANES + lane; the other lanes and
+    # empty chunks (past nbytes) are predicated off inside the asm (BLOCK >= the program's
+    # threads, so no two threads issue the same chunk)
+    lane = tl.arange(0, BLOCK)
+    c = part.to(tl.int64) * LANES + lane
     off = c * chunk
     size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
+    size = tl.where(lane < LANES, size, 0)
     ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
@@ -66,14 +75,21 @@ def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
 
 @functools.cache
 def _kernels():
-    namespace = jit_functions(__name__, (_prefetch_l2, _prefetch_l2_kernel))
-    return namespace["_prefetch_l2"], namespace["_prefetch_l2_kernel"]
+    namespace = jit_functions(__name__, (_prefetch_l2_lanes, _prefetch_l2, _prefetch_l2_kernel))
+    return namespace["_prefetch_l2"], namespace["_prefetch_l2_kernel"], namespace["_prefetch_l2_lanes"]
 
 
 def prefetch_function():
     """The ``triton.jit`` helper for issuing kernels: ``_prefetch_l2(base_ptr, nbytes, chunk,
     part, BLOCK)`` (program ``part``'s share of a :func:`plan`)."""
     return _kernels()[0]
+
+
+def prefetch_lanes_function():
+    """The ``triton.jit`` helper issuing from a few lanes a program: ``_prefetch_l2_lanes(base_ptr,
+    nbytes, chunk, part, BLOCK, LANES)`` (program ``part``'s share of a :func:`plan` made with
+    ``block=LANES``; ``BLOCK`` >= the program's threads)."""
+    return _kernels()[2]
 
 
 def plan(weight: torch.Tensor | None, num_parts: int, block: int = PREFETCH_BLOCK) -> tuple[int, int] | None:
@@ -91,6 +107,20 @@ def plan(weight: torch.Tensor | None, num_parts: int, block: int = PREFETCH_BLOC
     if nbytes == 0:
         return None
     return nbytes, chunk_bytes(nbytes, num_parts, block)
+
+
+def region(weight: torch.Tensor, max_bytes: int, from_end: bool = False) -> torch.Tensor | None:
+    """The first (``from_end``: last) ``max_bytes`` of a contiguous ``weight`` as a flat view
+    (a whole number of 16-byte units, so a view from the end stays 16-byte aligned when the
+    weight is), or ``None`` when that is empty or ``weight`` is not contiguous."""
+    if not weight.is_contiguous():
+        return None
+    flat = weight.reshape(-1)
+    unit = max(1, 16 // weight.element_size())
+    n = min(flat.numel(), max(0, max_bytes) // weight.element_size()) // unit * unit
+    if n == 0:
+        return None
+    return flat[flat.numel() - n:] if from_end else flat[:n]
 
 
 def chunk_bytes(nbytes: int, num_parts: int, block: int = PREFETCH_BLOCK) -> int:

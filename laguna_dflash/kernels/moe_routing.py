@@ -106,7 +106,7 @@ from dataclasses import dataclass
 import torch
 
 from . import jit as _jit
-from . import pdl
+from . import l2_prefetch, pdl
 from .availability import import_triton, interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, jit_functions
 from .precompile import register_state
@@ -145,6 +145,10 @@ PACK_LOGITS = True
 # and the 4-token verify graph in 3.82 against 3.84 (docs/PERFORMANCE.md, sixteenth pass: a
 # top-k of all K_PAD keys measured between the two and was removed).
 TOPK_BITONIC = True
+# Lanes a program of the fused router that issue its share of an L2 prefetch
+# (``fused_router_route(prefetch=...)``; kernels/l2_prefetch.py): a few large TMA bulk prefetches
+# a program rather than one small one per thread, so issuing them costs the program little.
+PREFETCH_LANES = 2
 
 
 def _pack_dtype(dtype: torch.dtype) -> int:
@@ -159,6 +163,8 @@ def is_available(device: torch.device | str) -> bool:
 
 
 if HAS_TRITON:
+    _prefetch_l2_lanes = l2_prefetch.prefetch_lanes_function()  # the router's L2 prefetch
+
 
     @triton.jit
     def _tanh(x):
@@ -344,7 +350,7 @@ if HAS_TRITON:
     def _router_route_kernel(
         x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, part_ptr, count_ptr,
         T, stride_xt, stride_b,
-        softcap, scale,
+        softcap, scale, pf_ptr, pf_nbytes, pf_chunk,
         HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
@@ -352,7 +358,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
         M_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
         X_GROUP: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
-        BITONIC: tl.constexpr, SEL_K: tl.constexpr,
+        BITONIC: tl.constexpr, SEL_K: tl.constexpr, PF_BLOCK: tl.constexpr, PF_LANES: tl.constexpr,
     ):
         # program (j, s): experts [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Kc, (s + 1) Kc) with
         # Kc = K_STEPS * BLOCK_K: the weight as one [BLOCK_N, K_STEPS, 1, BLOCK_K] tile, x rows as
@@ -371,6 +377,10 @@ if HAS_TRITON:
                          eviction_policy="evict_first")
         else:
             wt = tl.load(w_ptrs, eviction_policy="evict_first")
+        if PF_LANES > 0:
+            # a weight a later kernel reads (never written: before the wait, kernels/pdl.py rule
+            # 3) into L2 while this latency-bound launch leaves the HBM idle; a hint, no value
+            _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_chunk, pid_n * SPLIT_K + pid_k, PF_BLOCK, PF_LANES)
         wt = wt.to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
@@ -670,6 +680,7 @@ def fused_router_route(
     num_shared: int = 0,
     *,
     config: RouterConfig | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router GEMM and routing in one Triton launch: ``fused_moe_route(F.linear(x, router_weight),
     bias, ...)`` (module docstring, "Router GEMM fused").
@@ -681,6 +692,9 @@ def fused_router_route(
         bias, top_k, softcap, score_func, norm_topk_prob, scale, num_shared: as in
             :func:`fused_moe_route`.
         config: tiles (:class:`RouterConfig`); ``None``: :func:`default_router_config` ``(T)``.
+        prefetch: a contiguous weight region a later kernel reads (``l2_prefetch.region``), or
+            ``None``: the programs bring its bytes into L2 before their PDL wait, each a share
+            from :data:`PREFETCH_LANES` lanes (CUDA sm90+; elsewhere ignored). No value changes.
 
     Returns:
         ``(weights [T, top_k + num_shared] in x.dtype, ids [T, top_k + num_shared] int64)``,
@@ -703,14 +717,17 @@ def fused_router_route(
     use_pdl = pdl.active(x.device, interpret_mode())
     grid, meta = _router_plan(t, e, h, x.dtype, config or default_router_config(t), use_pdl)
     part, counter = _router_workspace(x.device, e, meta["SPLIT_K"])
+    lanes = PREFETCH_LANES if prefetch is not None else 0
+    pf_plan = l2_prefetch.plan(prefetch, grid[0] * grid[1], block=lanes) if lanes > 0 else None
     _router_route_kernel[grid](
         x, router_weight, bias, weights, ids, part, counter,
         t, x.stride(0), bias.stride(0),
-        float(softcap), float(scale),
+        float(softcap), float(scale), prefetch if pf_plan else x, *(pf_plan or (0, 0)),
         NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
         NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
         PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0,
-        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k), **meta,
+        BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k),
+        PF_BLOCK=32 * meta["num_warps"], PF_LANES=lanes if pf_plan else 0, **meta,
     )
     return weights, ids

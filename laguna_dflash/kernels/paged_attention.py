@@ -84,7 +84,8 @@ if TYPE_CHECKING:
 
 __all__ = ["choose_num_splits", "is_available", "paged_attention"]
 
-_prefetch_l2 = l2_prefetch._prefetch_l2  # a helper of the attention kernel (jitted with it)
+_prefetch_l2 = l2_prefetch._prefetch_l2  # helpers of the attention kernel (jitted with it)
+_prefetch_l2_lanes = l2_prefetch._prefetch_l2_lanes
 
 
 # ---- availability ---------------------------------------------------------------------------------
@@ -402,7 +403,7 @@ def _kernels(interpret: bool):
     the environment)."""
     del interpret
     namespace = jit_functions(__name__, (_mma, _softplus_rounded, _tile_slots, _load_keys,
-                                         _tile_logits, _softmax_step, _attend_tile, _prefetch_l2,
+                                         _tile_logits, _softmax_step, _attend_tile, _prefetch_l2_lanes, _prefetch_l2,
                                          _paged_attention_kernel, _merge_splits_kernel))
     return namespace["_paged_attention_kernel"], namespace["_merge_splits_kernel"]
 

@@ -22,6 +22,7 @@ from ..kernels import (
     batch_invariant,
     fused_moe,
     grouped_moe,
+    l2_prefetch,
     moe_gemv,
     moe_routing,
     precompile,
@@ -544,6 +545,13 @@ class MoE(nn.Module):
     # False: the two-launch path everywhere (the A/B baseline).
     use_fused_router: bool = True
     fused_router_max_tokens: int = 4
+    # > 0: the fused router's programs prefetch this many bytes of :attr:`prefetch_next` (the next
+    # layer's Q|K|V|gate weight, :func:`link_next_weights`) into L2 while the router and routing
+    # leave the HBM idle; its tail (``prefetch_next_from_end``, the rows the GEMM reaches last)
+    # or its head. The expert GEMVs in between stream with ``evict_first``. 0: off (an A/B switch).
+    prefetch_next_bytes: int = 0
+    prefetch_next_from_end: bool = True
+    prefetch_next: torch.Tensor | None = None
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
     gate_up_with_shared: torch.Tensor | None = None
     down_with_shared: torch.Tensor | None = None
@@ -645,8 +653,13 @@ class MoE(nn.Module):
         invariant = batch_invariant.is_active()  # per-token paths only (no GEMV variants)
         if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
+            prefetch = None
+            if self.prefetch_next is not None and self.prefetch_next_bytes > 0:
+                prefetch = l2_prefetch.region(self.prefetch_next, self.prefetch_next_bytes,
+                                              self.prefetch_next_from_end)
             weights, ids = moe_routing.fused_router_route(
-                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded))
+                x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded),
+                prefetch=prefetch)
         else:
             weights, ids = moe_routing.fused_moe_route(
                 linear(x, self.gate.weight), *route, scale=self.routed_scaling_factor,
@@ -804,6 +817,25 @@ def fuse_for_inference(model: nn.Module) -> None:
             continue
         if is_cuda:
             torch.cuda.empty_cache()
+    link_next_weights(model)
+
+
+def link_next_weights(model: nn.Module) -> None:
+    """Point each sparse layer's MoE at the next layer's Q|K|V|gate weight (``prefetch_next``),
+    within each list of decoder layers of ``model``; the last layer's gets ``None``. Call after
+    :func:`fuse_for_inference` (the fused weight is the one the next GEMM reads)."""
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        decoder_layers = [m for m in module if isinstance(m, DecoderLayer)]
+        for layer, following in zip(decoder_layers, [*decoder_layers[1:], None], strict=True):
+            if not isinstance(layer.mlp, MoE):
+                continue
+            attn = following.self_attn if following is not None else None
+            weight = None if attn is None else (
+                attn.qkvg_weight if attn.qkvg_weight is not None else attn.qkv_proj.weight)
+            # a plain tensor view (not a Parameter: the module would register it as its own)
+            layer.mlp.prefetch_next = None if weight is None else weight.detach()
 
 
 class DecoderLayer(nn.Module):

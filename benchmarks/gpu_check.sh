@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass134    # the fused router prefetching the next layer's Q|K|V|gate
 #                                           # weight into L2 (MoE.prefetch_next_bytes): its CUDA
-#                                           # tests, then the decode graph with it off and with 16 MB
-#                                           # of the tail, of the head, 32 MB, the whole (~3 min)
+#                                           # tests, then the decode graph with it off, the end of
+#                                           # every row (16 MB, 32 MB, all), a 16 MB tail, off (~3 min)
 #   bash benchmarks/gpu_check.sh pass133    # the goals on this card: goal 2's cell at 65 new tokens with
 #                                           # the drafter bf16, fp8, bf16 (its target-only decode is
 #                                           # goal 1's number), then pass129's ablation rows less
@@ -518,11 +518,11 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_routing.py \
       tests/test_kernel_l2_prefetch.py -k "prefetch or graph_replays" 2>&1 | tail -3
-    echo "== the decode graph: off (defaults), 16 MB of the tail, 16 MB of the head, 32 MB, all, off"
+    echo "== the decode graph: off (defaults), the end of every row (16 MB, 32 MB, all), a 16 MB tail, off"
     P=laguna_dflash.models.layers:MoE.prefetch_next
     timeout 330 python benchmarks/profile_decode_xs.py --top 10 --switch "${P}_bytes=16777216" \
-      --switch "${P}_bytes=16777216;${P}_from_end=False" --switch "${P}_bytes=33554432" \
-      --switch "${P}_bytes=67108864" --switch "${P}_bytes=0" 2>&1 | quiet \
+      --switch "${P}_bytes=33554432" --switch "${P}_bytes=67108864" \
+      --switch "${P}_bytes=16777216;${P}_rows=False" --switch "${P}_bytes=0" 2>&1 | quiet \
       | grep -E "^##|^\| [0-9]|greedy|kernels per|gemv|router|qkv|staged|failed|rror" | head -90 ;;
   pass133)
     echo "== (seventy-seventh pass) the goals on this card"

@@ -143,9 +143,9 @@ def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
 
 def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> None:
     """With ``prefetch_next_bytes`` set, the fused router is handed that many bytes of the next
-    layer's weight, its tail by default (its head with ``prefetch_next_from_end`` False);
-    with it 0, no region."""
-    from laguna_dflash.kernels import moe_routing
+    layer's weight: the end of every row by default, else its tail (or its head with
+    ``prefetch_next_from_end`` False); with it 0, nothing."""
+    from laguna_dflash.kernels import l2_prefetch, moe_routing
 
     class Called(Exception):
         pass
@@ -157,21 +157,27 @@ def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> No
         raise Called
 
     moe = _moe(32, 8, 2, 16, 16, torch.float32)
-    moe.prefetch_next = torch.randn(40, 32)  # 5120 bytes
+    moe.prefetch_next = torch.randn(40, 32)  # 5120 bytes, rows of 128
     monkeypatch.setattr(moe_routing, "can_fuse_router", lambda x, w: True)
     monkeypatch.setattr(moe_routing, "fused_router_route", spy)
     x = torch.randn(1, 32)
-    for nbytes, from_end in ((0, True), (1000, True), (1000, False), (10**9, True)):
+    for nbytes, rows, from_end in ((0, True, True), (2000, True, True), (1000, False, True),
+                                   (1000, False, False), (10**9, False, True)):
         monkeypatch.setattr(MoE, "prefetch_next_bytes", nbytes)
+        monkeypatch.setattr(MoE, "prefetch_next_rows", rows)
         monkeypatch.setattr(MoE, "prefetch_next_from_end", from_end)
         with pytest.raises(Called):
             moe.fused_forward(x)
     flat = moe.prefetch_next.reshape(-1)
     assert seen[0] is None
+    # 2000 bytes over 40 rows: the last 48 bytes (50 rounded down to 16) of each row of 128
+    assert isinstance(seen[1], l2_prefetch.Spread)
+    assert (seen[1].stride, seen[1].size, seen[1].num_pieces) == (128, 48, 40)
+    assert seen[1].base.data_ptr() == flat[20:].data_ptr()
     # 1000 bytes -> 992 (a whole number of 16-byte units): 248 floats
-    assert seen[1].data_ptr() == flat[-248:].data_ptr() and seen[1].numel() == 248
-    assert seen[2].data_ptr() == flat.data_ptr() and seen[2].numel() == 248
-    assert seen[3].numel() == flat.numel()
+    assert seen[2].data_ptr() == flat[-248:].data_ptr() and seen[2].numel() == 248
+    assert seen[3].data_ptr() == flat.data_ptr() and seen[3].numel() == 248
+    assert seen[4].numel() == flat.numel()
 
 
 @pytest.mark.parametrize("gating", ["per-head", "per-element"])

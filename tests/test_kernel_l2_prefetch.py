@@ -52,17 +52,45 @@ def test_region_is_a_whole_number_of_16_byte_units_from_either_end():
     assert l2_prefetch.region(w[:, 1:], 1000) is None  # not contiguous
 
 
+def _pieces(spread: l2_prefetch.Spread, num_parts: int, lanes: int) -> list[tuple[int, int]]:
+    # ``_prefetch_l2_lanes``' (offset, size) per issuing lane: lane l < LANES of program p takes
+    # piece p * LANES + l, size clamp(nbytes - offset, 0, size)
+    out = []
+    for c in range(num_parts * lanes):
+        off = c * spread.stride
+        out.append((off, min(max(spread.nbytes - off, 0), spread.size)))
+    return out
+
+
 @pytest.mark.parametrize("nbytes,num_parts,lanes", [(16_000_000, 128, 2), (16_000_000, 128, 1), (4096, 3, 2)])
-def test_lanes_plan_covers_every_byte_once(nbytes, num_parts, lanes):
-    """``_prefetch_l2_lanes``: lane ``l < LANES`` of program ``p`` takes chunk ``p * LANES + l`` of
-    a plan made with ``block=LANES``; the other lanes issue nothing."""
-    chunk = l2_prefetch.chunk_bytes(nbytes, num_parts, lanes)
+def test_contiguous_spread_covers_every_byte_once(nbytes, num_parts, lanes):
+    w = torch.zeros(nbytes // 2, dtype=torch.bfloat16)
+    spread = l2_prefetch.contiguous_spread(w, num_parts * lanes)
+    assert spread.num_pieces <= num_parts * lanes and spread.stride == spread.size
     covered = 0
-    for off, size in _chunks(nbytes, chunk, num_parts, lanes):
+    for off, size in _pieces(spread, num_parts, lanes):
         if size:
             assert off == covered and size % 16 == 0
             covered += size
     assert covered == nbytes
+
+
+def test_row_suffixes_cover_the_end_of_every_row():
+    """One piece a row: the last ``max_bytes / N`` bytes (a multiple of 16) of each row, so
+    the bytes covered are exactly those of ``w[:, K - piece:]``."""
+    w = torch.zeros(10, 64, dtype=torch.bfloat16)  # rows of 128 bytes
+    spread = l2_prefetch.row_suffixes(w, 500)  # 50 a row -> 48
+    assert (spread.stride, spread.size, spread.num_pieces) == (128, 48, 10)
+    start = spread.base.data_ptr() - w.data_ptr()
+    covered = set()
+    for off, size in _pieces(spread, 4, 3):  # 12 lanes for 10 pieces: two issue nothing
+        covered.update(range(start + off, start + off + size))
+    want = {r * 128 + b for r in range(10) for b in range(128 - 48, 128)}
+    assert covered == want
+    assert l2_prefetch.row_suffixes(w, 10**6).size == 128  # whole rows at most
+    assert l2_prefetch.row_suffixes(w, 100) is None  # under 16 bytes a row
+    assert l2_prefetch.row_suffixes(w.t(), 500) is None and l2_prefetch.row_suffixes(w[0], 500) is None
+    assert not l2_prefetch.can_run(spread)  # CPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

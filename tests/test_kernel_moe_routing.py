@@ -605,13 +605,14 @@ def test_sm90_router_route_code(t, e) -> None:
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("lanes", [moe_routing.PREFETCH_LANES, 81])  # a contiguous region; XS-2.1's rows
 @pytest.mark.parametrize("t", [1, 4])
-def test_sm90_router_prefetch_is_issued_before_the_pdl_wait(t) -> None:
+def test_sm90_router_prefetch_is_issued_before_the_pdl_wait(t, lanes) -> None:
     """With a region to prefetch (``MoE.prefetch_next_bytes``) the router issues TMA bulk L2
     prefetches, predicated per lane, before its one PDL wait, next to its weight tile's loads
     (the same loads as without); nothing after the wait changes and nothing spills."""
     plain, _ = _router_ptx(t, 256, 2048, pdl=True)
-    ptx, spills = _router_ptx(t, 256, 2048, pdl=True, prefetch_lanes=moe_routing.PREFETCH_LANES)
+    ptx, spills = _router_ptx(t, 256, 2048, pdl=True, prefetch_lanes=lanes)
     assert spills and max(spills) == 0, spills
     before_wait = loads_before_pdl_wait(ptx)
     prefetches = [line for line in before_wait if "cp.async.bulk.prefetch.L2.global" in line]
@@ -695,7 +696,7 @@ def test_cuda_router_route_graph_replays() -> None:
 @pytest.mark.parametrize("t", [1, 4])
 def test_cuda_router_prefetch_changes_no_value(t) -> None:
     """An L2 prefetch from the router programs (``MoE.prefetch_next_bytes``: a region of the next
-    layer's Q|K|V|gate weight) leaves the routes bitwise equal and the weight untouched, eagerly
+    layer's Q|K|V|gate weight, or the end of each of its rows) leaves the routes bitwise equal and the weight untouched, eagerly
     and in a CUDA graph."""
     from laguna_dflash.kernels import l2_prefetch
 
@@ -705,9 +706,12 @@ def test_cuda_router_prefetch_changes_no_value(t) -> None:
     nxt = torch.randn(10304, 2048, device="cuda").to(torch.bfloat16)  # XS-2.1's Q|K|V|gate
     before = nxt.clone()
     want = fused_router_route(x, w, *args, scale=SCALE, num_shared=1)
-    for nbytes, from_end in ((16 << 20, True), (8 << 20, False), (nxt.numel() * 2, True)):
-        region = l2_prefetch.region(nxt, nbytes, from_end)
-        assert l2_prefetch.plan(region, 128, block=moe_routing.PREFETCH_LANES) is not None  # it runs
+    regions = [l2_prefetch.region(nxt, nbytes, from_end)
+               for nbytes, from_end in ((16 << 20, True), (8 << 20, False), (nxt.numel() * 2, True))]
+    regions += [l2_prefetch.row_suffixes(nxt, 16 << 20), l2_prefetch.row_suffixes(nxt, nxt.numel() * 2)]
+    for region in regions:
+        spread = region if isinstance(region, l2_prefetch.Spread) else l2_prefetch.contiguous_spread(region, 256)
+        assert l2_prefetch.can_run(spread)  # the prefetch really runs here
         got = fused_router_route(x, w, *args, scale=SCALE, num_shared=1, prefetch=region)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.cuda.synchronize()

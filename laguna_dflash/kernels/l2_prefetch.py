@@ -31,6 +31,7 @@ Only compiled for CUDA sm90+ (the CPU interpreter cannot run inline PTX): :func:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,8 +42,8 @@ from .jit import jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["PREFETCH_BLOCK", "chunk_bytes", "plan", "prefetch_function", "prefetch_l2", "prefetch_lanes_function",
-           "region"]
+__all__ = ["PREFETCH_BLOCK", "Spread", "can_run", "chunk_bytes", "contiguous_spread", "plan", "prefetch_function",
+           "prefetch_l2", "prefetch_lanes_function", "region", "row_suffixes"]
 
 # chunks per issuing program: >= the threads of the issuing kernels (8 warps = 256 lanes)
 PREFETCH_BLOCK = 256
@@ -50,22 +51,23 @@ PREFETCH_BLOCK = 256
 
 def _prefetch_l2(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr):
     # bytes [c * chunk, (c + 1) * chunk) of [0, nbytes) for the BLOCK chunks c of program ``part``
-    _prefetch_l2_lanes(base_ptr, nbytes, chunk, part, BLOCK, BLOCK)
+    _prefetch_l2_lanes(base_ptr, nbytes, chunk, chunk, part, BLOCK, BLOCK)
 
 
-def _prefetch_l2_lanes(base_ptr, nbytes, chunk, part, BLOCK: tl.constexpr, LANES: tl.constexpr):
-    # the first LANES of BLOCK lanes prefetch chunks c = part * LANES + lane; the other lanes and
-    # empty chunks (past nbytes) are predicated off inside the asm (BLOCK >= the program's
-    # threads, so no two threads issue the same chunk)
+def _prefetch_l2_lanes(base_ptr, nbytes, stride, size, part, BLOCK: tl.constexpr, LANES: tl.constexpr):
+    # the first LANES of BLOCK lanes prefetch pieces c = part * LANES + lane, bytes
+    # [c * stride, c * stride + min(size, nbytes - c * stride)) (a :class:`Spread`); the other
+    # lanes and empty pieces (past nbytes) are predicated off inside the asm (BLOCK >= the
+    # program's threads, so no two threads issue the same piece)
     lane = tl.arange(0, BLOCK)
     c = part.to(tl.int64) * LANES + lane
-    off = c * chunk
-    size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
-    size = tl.where(lane < LANES, size, 0)
+    off = c * stride
+    n = tl.minimum(tl.maximum(nbytes - off, 0), size).to(tl.int32)
+    n = tl.where(lane < LANES, n, 0)
     ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r", [ptrs, n], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _prefetch_l2_kernel(base_ptr, nbytes, chunk, BLOCK: tl.constexpr):
@@ -86,9 +88,9 @@ def prefetch_function():
 
 
 def prefetch_lanes_function():
-    """The ``triton.jit`` helper issuing from a few lanes a program: ``_prefetch_l2_lanes(base_ptr,
-    nbytes, chunk, part, BLOCK, LANES)`` (program ``part``'s share of a :func:`plan` made with
-    ``block=LANES``; ``BLOCK`` >= the program's threads)."""
+    """The ``triton.jit`` helper issuing a :class:`Spread` from ``LANES`` lanes a program:
+    ``_prefetch_l2_lanes(base_ptr, nbytes, stride, size, part, BLOCK, LANES)`` (program
+    ``part``'s pieces; ``BLOCK`` >= the program's threads)."""
     return _kernels()[2]
 
 
@@ -121,6 +123,57 @@ def region(weight: torch.Tensor, max_bytes: int, from_end: bool = False) -> torc
     if n == 0:
         return None
     return flat[flat.numel() - n:] if from_end else flat[:n]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Pieces ``c = 0 .. num_pieces - 1`` of a weight to prefetch: bytes ``[c * stride, c * stride
+    + min(size, nbytes - c * stride))`` from ``base``'s first byte (``stride`` and ``size``
+    multiples of 16; ``base`` 16-byte aligned where it runs)."""
+
+    base: torch.Tensor
+    nbytes: int
+    stride: int
+    size: int
+
+    @property
+    def num_pieces(self) -> int:
+        return -(-self.nbytes // self.stride)
+
+
+def contiguous_spread(region_view: torch.Tensor, num_pieces: int) -> Spread | None:
+    """``region_view`` (contiguous, e.g. from :func:`region`) cut into at most ``num_pieces``
+    equal chunks (a multiple of 16 bytes each; the last cut short)."""
+    nbytes = region_view.numel() * region_view.element_size() // 16 * 16
+    if nbytes == 0 or not region_view.is_contiguous() or num_pieces < 1:
+        return None
+    chunk = chunk_bytes(nbytes, num_pieces, 1)
+    return Spread(region_view, nbytes, chunk, chunk)
+
+
+def row_suffixes(weight: torch.Tensor, max_bytes: int) -> Spread | None:
+    """The last ``max_bytes / N`` bytes (rounded down to 16) of every row of a contiguous 2-D
+    ``weight [N, K]``: one piece a row. A GEMV whose programs each walk their rows' K from the
+    start finds the end of every row in L2, so every program gains, not only those whose rows a
+    contiguous region covers."""
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] == 0:
+        return None
+    row_bytes = weight.shape[1] * weight.element_size()
+    piece = min(row_bytes, max(0, max_bytes) // weight.shape[0]) // 16 * 16
+    if piece == 0 or row_bytes % 16:
+        return None
+    base = weight.reshape(-1)[(row_bytes - piece) // weight.element_size():]
+    return Spread(base, (weight.shape[0] - 1) * row_bytes + piece, row_bytes, piece)
+
+
+def can_run(spread: Spread | None) -> bool:
+    """Whether ``spread`` can be issued here: CUDA sm90+, compiled (not the interpreter), its
+    base 16-byte aligned (see :func:`plan`)."""
+    if spread is None or spread.base.device.type != "cuda":
+        return False
+    if not triton_importable() or interpret_mode() or cuda_capability(spread.base.device.index) < (9, 0):
+        return False
+    return spread.base.data_ptr() % 16 == 0 and spread.stride % 16 == 0 and spread.size % 16 == 0
 
 
 def chunk_bytes(nbytes: int, num_parts: int, block: int = PREFETCH_BLOCK) -> int:

@@ -350,7 +350,7 @@ if HAS_TRITON:
     def _router_route_kernel(
         x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, part_ptr, count_ptr,
         T, stride_xt, stride_b,
-        softcap, scale, pf_ptr, pf_nbytes, pf_chunk,
+        softcap, scale, pf_ptr, pf_nbytes, pf_stride, pf_size,
         HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
         NUM_SHARED: tl.constexpr, K_PAD: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr, NORM: tl.constexpr,
@@ -380,7 +380,8 @@ if HAS_TRITON:
         if PF_LANES > 0:
             # a weight a later kernel reads (never written: before the wait, kernels/pdl.py rule
             # 3) into L2 while this latency-bound launch leaves the HBM idle; a hint, no value
-            _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_chunk, pid_n * SPLIT_K + pid_k, PF_BLOCK, PF_LANES)
+            _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_stride, pf_size, pid_n * SPLIT_K + pid_k, PF_BLOCK,
+                               PF_LANES)
         wt = wt.to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
@@ -668,6 +669,17 @@ def can_fuse_router(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
     )
 
 
+def _router_prefetch(prefetch: torch.Tensor | l2_prefetch.Spread | None, num_programs: int,
+                     threads: int) -> tuple[l2_prefetch.Spread | None, int]:
+    # (the spread, lanes a program issuing it: the PF_LANES constexpr; 0: none)
+    if isinstance(prefetch, torch.Tensor):
+        prefetch = l2_prefetch.contiguous_spread(prefetch, num_programs * PREFETCH_LANES)
+    if not l2_prefetch.can_run(prefetch):
+        return None, 0
+    lanes = -(-prefetch.num_pieces // num_programs)
+    return (prefetch, lanes) if lanes <= threads else (None, 0)
+
+
 def fused_router_route(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -680,7 +692,7 @@ def fused_router_route(
     num_shared: int = 0,
     *,
     config: RouterConfig | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | l2_prefetch.Spread | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router GEMM and routing in one Triton launch: ``fused_moe_route(F.linear(x, router_weight),
     bias, ...)`` (module docstring, "Router GEMM fused").
@@ -692,9 +704,11 @@ def fused_router_route(
         bias, top_k, softcap, score_func, norm_topk_prob, scale, num_shared: as in
             :func:`fused_moe_route`.
         config: tiles (:class:`RouterConfig`); ``None``: :func:`default_router_config` ``(T)``.
-        prefetch: a contiguous weight region a later kernel reads (``l2_prefetch.region``), or
-            ``None``: the programs bring its bytes into L2 before their PDL wait, each a share
-            from :data:`PREFETCH_LANES` lanes (CUDA sm90+; elsewhere ignored). No value changes.
+        prefetch: bytes of a weight a later kernel reads, brought into L2 by the programs
+            before their PDL wait: a contiguous region (``l2_prefetch.region``; each program a
+            share from :data:`PREFETCH_LANES` lanes) or an ``l2_prefetch.Spread`` (its pieces over
+            the programs' lanes; ignored if it has more pieces than lanes); ``None``: nothing.
+            CUDA sm90+ only (elsewhere ignored). No value changes.
 
     Returns:
         ``(weights [T, top_k + num_shared] in x.dtype, ids [T, top_k + num_shared] int64)``,
@@ -717,17 +731,17 @@ def fused_router_route(
     use_pdl = pdl.active(x.device, interpret_mode())
     grid, meta = _router_plan(t, e, h, x.dtype, config or default_router_config(t), use_pdl)
     part, counter = _router_workspace(x.device, e, meta["SPLIT_K"])
-    lanes = PREFETCH_LANES if prefetch is not None else 0
-    pf_plan = l2_prefetch.plan(prefetch, grid[0] * grid[1], block=lanes) if lanes > 0 else None
+    spread, lanes = _router_prefetch(prefetch, grid[0] * grid[1], 32 * meta["num_warps"])
     _router_route_kernel[grid](
         x, router_weight, bias, weights, ids, part, counter,
         t, x.stride(0), bias.stride(0),
-        float(softcap), float(scale), prefetch if pf_plan else x, *(pf_plan or (0, 0)),
+        float(softcap), float(scale),
+        *((spread.base, spread.nbytes, spread.stride, spread.size) if lanes else (x, 0, 16, 0)),
         NUM_EXPERTS=e, BLOCK_E=_next_pow2(e), TOP_K=top_k, NUM_SHARED=num_shared,
         K_PAD=_next_pow2(k_out), HAS_SOFTCAP=softcap > 0, SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
         NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
         PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0,
         BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k),
-        PF_BLOCK=32 * meta["num_warps"], PF_LANES=lanes if pf_plan else 0, **meta,
+        PF_BLOCK=32 * meta["num_warps"], PF_LANES=lanes, **meta,
     )
     return weights, ids

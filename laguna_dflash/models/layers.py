@@ -547,9 +547,12 @@ class MoE(nn.Module):
     fused_router_max_tokens: int = 4
     # > 0: the fused router's programs prefetch this many bytes of :attr:`prefetch_next` (the next
     # layer's Q|K|V|gate weight, :func:`link_next_weights`) into L2 while the router and routing
-    # leave the HBM idle; its tail (``prefetch_next_from_end``, the rows the GEMM reaches last)
-    # or its head. The expert GEMVs in between stream with ``evict_first``. 0: off (an A/B switch).
+    # leave the HBM idle: the end of every row (``prefetch_next_rows``: the head GEMM's programs
+    # each walk a head's rows, all at once, so each gains), else a contiguous tail
+    # (``prefetch_next_from_end``) or head. The expert GEMVs in between stream with
+    # ``evict_first``. 0: off (an A/B switch).
     prefetch_next_bytes: int = 0
+    prefetch_next_rows: bool = True
     prefetch_next_from_end: bool = True
     prefetch_next: torch.Tensor | None = None
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
@@ -655,8 +658,10 @@ class MoE(nn.Module):
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
             prefetch = None
             if self.prefetch_next is not None and self.prefetch_next_bytes > 0:
-                prefetch = l2_prefetch.region(self.prefetch_next, self.prefetch_next_bytes,
-                                              self.prefetch_next_from_end)
+                prefetch = (l2_prefetch.row_suffixes(self.prefetch_next, self.prefetch_next_bytes)
+                            if self.prefetch_next_rows else
+                            l2_prefetch.region(self.prefetch_next, self.prefetch_next_bytes,
+                                               self.prefetch_next_from_end))
             weights, ids = moe_routing.fused_router_route(
                 x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded),
                 prefetch=prefetch)

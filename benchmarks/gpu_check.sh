@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass135    # pass134's prefetch issued at three places in the router
+#                                           # (moe_routing.PREFETCH_AT: before its PDL wait, after it,
+#                                           # after the semaphore): CUDA tests, then the decode graph
+#                                           # with a 16 / 32 MB tail and the rows' ends (~3 min)
 #   bash benchmarks/gpu_check.sh pass134    # the fused router prefetching the next layer's Q|K|V|gate
 #                                           # weight into L2 (MoE.prefetch_next_bytes): its CUDA
 #                                           # tests, then the decode graph with it off, the end of
@@ -513,6 +517,18 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass135)
+    echo "== (seventy-eighth pass) the router's L2 prefetch issued before the wait, after it, after the semaphore"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_routing.py -k prefetch 2>&1 | tail -3
+    P=laguna_dflash.models.layers:MoE.prefetch_next
+    A=laguna_dflash.kernels.moe_routing:PREFETCH_AT
+    T16="${P}_bytes=16777216;${P}_rows=False"
+    T32="${P}_bytes=33554432;${P}_rows=False"
+    timeout 420 python benchmarks/profile_decode_xs.py --top 10 --switch "$T16;$A=0" --switch "$T16;$A=1" \
+      --switch "$T16;$A=2" --switch "$T32;$A=2" --switch "${P}_bytes=33554432;$A=1" \
+      --switch "${P}_bytes=33554432;$A=2" --switch "${P}_bytes=67108864;$A=2" --switch "${P}_bytes=0" 2>&1 \
+      | quiet | grep -E "^##|^\| [0-9]|greedy|kernels per|gemv|router|qkv|staged|failed|rror" | head -120 ;;
   pass134)
     echo "== (seventy-eighth pass) the router's L2 prefetch of the next Q|K|V|gate weight: CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

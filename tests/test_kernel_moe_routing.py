@@ -555,7 +555,8 @@ def test_interpreted_can_fuse_router() -> None:
     assert not moe_routing.can_fuse_router(torch.zeros(0, 32), torch.zeros(16, 32))
 
 
-def _router_ptx(t: int, e: int, h: int, pdl: bool, prefetch_lanes: int = 0) -> tuple[str, list[int]]:
+def _router_ptx(t: int, e: int, h: int, pdl: bool, prefetch_lanes: int = 0,
+                prefetch_at: int = 0) -> tuple[str, list[int]]:
     """sm_90 PTX of the fused router kernel as ``fused_router_route`` launches it for bf16 x
     (constexprs from ``_router_plan``; ``prefetch_lanes`` > 0: with an L2 prefetch), and
     ptxas's spill-store bytes."""
@@ -569,7 +570,7 @@ def _router_ptx(t: int, e: int, h: int, pdl: bool, prefetch_lanes: int = 0) -> t
     constexprs = dict(stride_b=1, NUM_EXPERTS=e, BLOCK_E=moe_routing._next_pow2(e), TOP_K=8,
                       NUM_SHARED=1, K_PAD=16, HAS_SOFTCAP=True, SQRT_SOFTPLUS=False, NORM=True,
                       OUT_DTYPE=1, BITONIC=moe_routing.TOPK_BITONIC, SEL_K=8,
-                      PF_BLOCK=32 * options["num_warps"], PF_LANES=prefetch_lanes, **meta)
+                      PF_BLOCK=32 * options["num_warps"], PF_LANES=prefetch_lanes, PF_AT=prefetch_at, **meta)
     return compile_sm90_spills(moe_routing._router_route_kernel, types, constexprs, options)
 
 
@@ -623,6 +624,21 @@ def test_sm90_router_prefetch_is_issued_before_the_pdl_wait(t, lanes) -> None:
     assert ptx.count("griddepcontrol.wait") == 1
     after = ptx[ptx.index("griddepcontrol.wait"):]
     assert after.count("ld.global") == plain[plain.index("griddepcontrol.wait"):].count("ld.global")
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_router_prefetch_placements() -> None:
+    """``PREFETCH_AT`` 1: the prefetches right after the PDL wait, before the x loads; 2: after
+    the semaphore's atomic (the programs that do not route). No spills either way."""
+    for at in (1, 2):
+        ptx, spills = _router_ptx(1, 256, 2048, pdl=True, prefetch_lanes=2, prefetch_at=at)
+        assert spills and max(spills) == 0, (at, spills)
+        first = ptx.index("cp.async.bulk.prefetch.L2.global")
+        assert ptx.index("griddepcontrol.wait") < first
+        if at == 1:
+            assert first < ptx.index("ld.global", ptx.index("griddepcontrol.wait"))
+        else:
+            assert ptx.index("atom.global.gpu.acq_rel.add") < first
 
 
 # ---- fused_router_route on CUDA ---------------------------------------------------------------------
@@ -693,13 +709,15 @@ def test_cuda_router_route_graph_replays() -> None:
 
 @cuda
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
+@pytest.mark.parametrize("at", [0, 1, 2])
 @pytest.mark.parametrize("t", [1, 4])
-def test_cuda_router_prefetch_changes_no_value(t) -> None:
+def test_cuda_router_prefetch_changes_no_value(t, at, monkeypatch) -> None:
     """An L2 prefetch from the router programs (``MoE.prefetch_next_bytes``: a region of the next
     layer's Q|K|V|gate weight, or the end of each of its rows) leaves the routes bitwise equal and the weight untouched, eagerly
     and in a CUDA graph."""
     from laguna_dflash.kernels import l2_prefetch
 
+    monkeypatch.setattr(moe_routing, "PREFETCH_AT", at)
     e, h, k = 256, 2048, 8
     x, w, bias = _router_problem(t, e, h, torch.bfloat16, seed=t, device="cuda")
     args = (bias, k, 0.0, "sigmoid", True)

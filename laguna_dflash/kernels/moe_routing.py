@@ -149,6 +149,10 @@ TOPK_BITONIC = True
 # (``fused_router_route(prefetch=...)``; kernels/l2_prefetch.py): a few large TMA bulk prefetches
 # a program rather than one small one per thread, so issuing them costs the program little.
 PREFETCH_LANES = 2
+# Where the router's programs issue that prefetch: 0 before their PDL wait (right after their own
+# weight tile's loads), 1 just after the wait, 2 after their arrival at the semaphore (every
+# program but the last, which routes). An A/B switch.
+PREFETCH_AT = 0
 
 
 def _pack_dtype(dtype: torch.dtype) -> int:
@@ -359,6 +363,7 @@ if HAS_TRITON:
         M_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
         X_GROUP: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr,
         BITONIC: tl.constexpr, SEL_K: tl.constexpr, PF_BLOCK: tl.constexpr, PF_LANES: tl.constexpr,
+        PF_AT: tl.constexpr,
     ):
         # program (j, s): experts [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Kc, (s + 1) Kc) with
         # Kc = K_STEPS * BLOCK_K: the weight as one [BLOCK_N, K_STEPS, 1, BLOCK_K] tile, x rows as
@@ -377,14 +382,17 @@ if HAS_TRITON:
                          eviction_policy="evict_first")
         else:
             wt = tl.load(w_ptrs, eviction_policy="evict_first")
-        if PF_LANES > 0:
-            # a weight a later kernel reads (never written: before the wait, kernels/pdl.py rule
-            # 3) into L2 while this latency-bound launch leaves the HBM idle; a hint, no value
+        # a weight a later kernel reads into L2 while this latency-bound launch leaves the HBM
+        # idle (never written, so also before the wait: kernels/pdl.py rule 3); a hint, no value
+        if PF_LANES > 0 and PF_AT == 0:
             _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_stride, pf_size, pid_n * SPLIT_K + pid_k, PF_BLOCK,
                                PF_LANES)
         wt = wt.to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        if PF_LANES > 0 and PF_AT == 1:
+            _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_stride, pf_size, pid_n * SPLIT_K + pid_k, PF_BLOCK,
+                               PF_LANES)
         # x in the weight tile's layout (stride 0 along n: no shuffle; the redundant lanes hit
         # L1), X_GROUP rows per load so that their L2 latencies overlap
         x_k = k4 + n4 * 0
@@ -409,6 +417,10 @@ if HAS_TRITON:
         # pattern: every thread's partials stored, CTA barrier, one acq_rel atomic)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if PF_LANES > 0 and PF_AT == 2:
+            if arrived != tl.num_programs(0) * SPLIT_K - 1:
+                _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_stride, pf_size, pid_n * SPLIT_K + pid_k,
+                                   PF_BLOCK, PF_LANES)
         if arrived == tl.num_programs(0) * SPLIT_K - 1:
             offs_e = tl.arange(0, BLOCK_E)[None, :]
             valid = offs_e < NUM_EXPERTS
@@ -742,6 +754,6 @@ def fused_router_route(
         NORM=bool(norm_topk_prob), OUT_DTYPE=DTYPE_CODE[x.dtype],
         PACK_DTYPE=_pack_dtype(x.dtype) if meta["ROUTE_ROWS"] == 1 else 0,
         BITONIC=TOPK_BITONIC, SEL_K=_next_pow2(top_k),
-        PF_BLOCK=32 * meta["num_warps"], PF_LANES=lanes, **meta,
+        PF_BLOCK=32 * meta["num_warps"], PF_LANES=lanes, PF_AT=PREFETCH_AT, **meta,
     )
     return weights, ids

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass136    # pass135's best (a contiguous tail, issued after the
+#                                           # semaphore) swept: 8 to 24 MB, a 16 MB head, 1 and 4
+#                                           # lanes a program; then goal 2's cell with and without
+#                                           # it, one process each (~5 min)
 #   bash benchmarks/gpu_check.sh pass135    # pass134's prefetch issued at three places in the router
 #                                           # (moe_routing.PREFETCH_AT: before its PDL wait, after it,
 #                                           # after the semaphore): CUDA tests, then the decode graph
@@ -517,6 +521,20 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass136)
+    echo "== (seventy-eighth pass) the router's L2 prefetch after the semaphore: a tail of 8-24 MB, a head, lanes"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    P=laguna_dflash.models.layers:MoE.prefetch_next
+    R=laguna_dflash.kernels.moe_routing
+    C="${P}_rows=False;$R:PREFETCH_AT=2"
+    timeout 420 python benchmarks/profile_decode_xs.py --top 10 --switch "${P}_bytes=8388608;$C" \
+      --switch "${P}_bytes=12582912;$C" --switch "${P}_bytes=16777216;$C" --switch "${P}_bytes=20971520;$C" \
+      --switch "${P}_bytes=25165824;$C" --switch "${P}_bytes=16777216;$C;${P}_from_end=False" \
+      --switch "${P}_bytes=16777216;$C;$R:PREFETCH_LANES=1" --switch "${P}_bytes=16777216;$C;$R:PREFETCH_LANES=4" \
+      --switch "${P}_bytes=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|qkv|router|failed|rror" | head -120
+    for on in "" "--switch ${P}_bytes=16777216 --switch ${P}_rows=False --switch $R:PREFETCH_AT=2" ""; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass135)
     echo "== (seventy-eighth pass) the router's L2 prefetch issued before the wait, after it, after the semaphore"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -139,6 +139,10 @@ def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert not any("prefetch" in n for n in names)
     assert MoE.prefetch_next_bytes == 0  # off by default
+    # lists of other modules (a drafter's, an empty one) are left alone
+    other = torch.nn.Module()
+    other.blocks, other.empty = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.ModuleList()
+    fuse_for_inference(other)
 
 
 def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> None:

@@ -833,7 +833,8 @@ def link_next_weights(model: nn.Module) -> None:
         if not isinstance(module, nn.ModuleList):
             continue
         decoder_layers = [m for m in module if isinstance(m, DecoderLayer)]
-        for layer, following in zip(decoder_layers, [*decoder_layers[1:], None], strict=True):
+        for layer, following in zip(decoder_layers, [*decoder_layers[1:], None][:len(decoder_layers)],
+                                    strict=True):
             if not isinstance(layer.mlp, MoE):
                 continue
             attn = following.self_attn if following is not None else None

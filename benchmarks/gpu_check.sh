@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass137    # the router's prefetch on by default (a 16 MB tail after
+#                                           # the semaphore, decode only): the CUDA graph and XS
+#                                           # lossless tests, then goal 2's cell with it and without
+#                                           # (MoE.prefetch_next_bytes=0), twice each (~6 min)
 #   bash benchmarks/gpu_check.sh pass136    # pass135's best (a contiguous tail, issued after the
 #                                           # semaphore) swept: 8 to 24 MB, a 16 MB head, 1 and 4
 #                                           # lanes a program; then goal 2's cell with and without
@@ -521,6 +525,15 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass137)
+    echo "== (seventy-eighth pass) the router's prefetch on by default: CUDA tests"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 240 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_kernel_moe_routing.py \
+      -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -20
+    OFF="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
+    for on in "" "$OFF" "" "$OFF"; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (prefetch on)}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass136)
     echo "== (seventy-eighth pass) the router's L2 prefetch after the semaphore: a tail of 8-24 MB, a head, lanes"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

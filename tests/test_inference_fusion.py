@@ -138,7 +138,7 @@ def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
     # not registered: each parameter still belongs to one module
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert not any("prefetch" in n for n in names)
-    assert MoE.prefetch_next_bytes == 0  # off by default
+    assert MoE.prefetch_next_bytes > 0 and MoE.prefetch_next_max_tokens == 1  # on at decode
     # lists of other modules (a drafter's, an empty one) are left alone
     other = torch.nn.Module()
     other.blocks, other.empty = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.ModuleList()
@@ -147,8 +147,8 @@ def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
 
 def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> None:
     """With ``prefetch_next_bytes`` set, the fused router is handed that many bytes of the next
-    layer's weight: the end of every row by default, else its tail (or its head with
-    ``prefetch_next_from_end`` False); with it 0, nothing."""
+    layer's weight: the end of every row (``prefetch_next_rows``), else its tail (or its head with
+    ``prefetch_next_from_end`` False); with it 0, or past ``prefetch_next_max_tokens``, nothing."""
     from laguna_dflash.kernels import l2_prefetch, moe_routing
 
     class Called(Exception):
@@ -166,7 +166,9 @@ def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> No
     monkeypatch.setattr(moe_routing, "fused_router_route", spy)
     x = torch.randn(1, 32)
     for nbytes, rows, from_end in ((0, True, True), (2000, True, True), (1000, False, True),
-                                   (1000, False, False), (10**9, False, True)):
+                                   (1000, False, False), (10**9, False, True), (1000, False, True)):
+        if len(seen) == 5:
+            x = torch.randn(2, 32)  # past prefetch_next_max_tokens: nothing
         monkeypatch.setattr(MoE, "prefetch_next_bytes", nbytes)
         monkeypatch.setattr(MoE, "prefetch_next_rows", rows)
         monkeypatch.setattr(MoE, "prefetch_next_from_end", from_end)
@@ -182,6 +184,7 @@ def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> No
     assert seen[2].data_ptr() == flat[-248:].data_ptr() and seen[2].numel() == 248
     assert seen[3].data_ptr() == flat.data_ptr() and seen[3].numel() == 248
     assert seen[4].numel() == flat.numel()
+    assert seen[5] is None
 
 
 @pytest.mark.parametrize("gating", ["per-head", "per-element"])

@@ -151,8 +151,11 @@ TOPK_BITONIC = True
 PREFETCH_LANES = 2
 # Where the router's programs issue that prefetch: 0 before their PDL wait (right after their own
 # weight tile's loads), 1 just after the wait, 2 after their arrival at the semaphore (every
-# program but the last, which routes). An A/B switch.
-PREFETCH_AT = 0
+# program but the last, which routes). On an H100 (XS-2.1 decode graph, a 16 MB tail of the next
+# Q|K|V|gate weight) 2.40, 2.42 and 2.36 ms a replay against 2.41-2.42 without: before or just
+# after the wait, the prefetch's traffic delays the router's own loads (docs/PERFORMANCE.md,
+# seventy-eighth pass).
+PREFETCH_AT = 2
 
 
 def _pack_dtype(dtype: torch.dtype) -> int:

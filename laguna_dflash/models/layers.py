@@ -545,14 +545,20 @@ class MoE(nn.Module):
     # False: the two-launch path everywhere (the A/B baseline).
     use_fused_router: bool = True
     fused_router_max_tokens: int = 4
-    # > 0: the fused router's programs prefetch this many bytes of :attr:`prefetch_next` (the next
-    # layer's Q|K|V|gate weight, :func:`link_next_weights`) into L2 while the router and routing
-    # leave the HBM idle: the end of every row (``prefetch_next_rows``: the head GEMM's programs
-    # each walk a head's rows, all at once, so each gains), else a contiguous tail
-    # (``prefetch_next_from_end``) or head. The expert GEMVs in between stream with
-    # ``evict_first``. 0: off (an A/B switch).
-    prefetch_next_bytes: int = 0
-    prefetch_next_rows: bool = True
+    # > 0: up to ``prefetch_next_max_tokens`` tokens, the fused router's programs prefetch this
+    # many bytes of :attr:`prefetch_next` (the next layer's Q|K|V|gate weight,
+    # :func:`link_next_weights`) into L2 after their arrival at its semaphore
+    # (moe_routing.PREFETCH_AT), while the routing and the hand-off to the expert GEMVs leave the
+    # HBM idle; the GEMVs stream with ``evict_first``, so the bytes are still in L2 when the next
+    # layer's head GEMM reads them. A contiguous tail (``prefetch_next_from_end``) or head, or
+    # the end of every row (``prefetch_next_rows``). On an H100 the decode graph replayed in
+    # 2.36 against 2.42 ms with 8 to 24 MB of a tail or a head; the end of every row and a
+    # prefetch before the router's PDL wait or just after it gained little or nothing, since the
+    # router's own span grew by about what the head GEMM's fell (docs/PERFORMANCE.md,
+    # seventy-eighth pass). 0: off (the A/B baseline).
+    prefetch_next_bytes: int = 16 << 20
+    prefetch_next_max_tokens: int = 1
+    prefetch_next_rows: bool = False
     prefetch_next_from_end: bool = True
     prefetch_next: torch.Tensor | None = None
     # [E + 1, 2I, H] / [E + 1, H, I]: the routed experts then the shared expert (fold_shared_expert)
@@ -657,7 +663,8 @@ class MoE(nn.Module):
         if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
             prefetch = None
-            if self.prefetch_next is not None and self.prefetch_next_bytes > 0:
+            if (self.prefetch_next is not None and self.prefetch_next_bytes > 0
+                    and x.shape[0] <= self.prefetch_next_max_tokens):
                 prefetch = (l2_prefetch.row_suffixes(self.prefetch_next, self.prefetch_next_bytes)
                             if self.prefetch_next_rows else
                             l2_prefetch.region(self.prefetch_next, self.prefetch_next_bytes,

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass138    # the router's prefetch in the verify too
+#                                           # (MoE.prefetch_next_max_tokens=4) against the default
+#                                           # (decode only): goal 2's cell, twice each (~3 min)
 #   bash benchmarks/gpu_check.sh pass137    # the router's prefetch on by default (a 16 MB tail after
 #                                           # the semaphore, decode only): the CUDA graph and XS
 #                                           # lossless tests, then goal 2's cell with it and without
@@ -525,6 +528,13 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass138)
+    echo "== (seventy-eighth pass) the router's prefetch in the verify too, against decode only"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    V4="--switch laguna_dflash.models.layers:MoE.prefetch_next_max_tokens=4"
+    for on in "$V4" "" "$V4" ""; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (decode only)}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass137)
     echo "== (seventy-eighth pass) the router's prefetch on by default: CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass139    # the router's prefetch at decode and verify (the final
+#                                           # defaults): pass137's CUDA tests, then goal 2's cell
+#                                           # with it and without (~5 min)
 #   bash benchmarks/gpu_check.sh pass138    # the router's prefetch in the verify too
 #                                           # (MoE.prefetch_next_max_tokens=4) against the default
 #                                           # (decode only): goal 2's cell, twice each (~3 min)
@@ -528,6 +531,15 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass139)
+    echo "== (seventy-eighth pass) the router's prefetch at decode and verify (defaults): CUDA tests"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 240 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_kernel_moe_routing.py \
+      -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -20
+    OFF="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
+    for on in "" "$OFF"; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (prefetch on)}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass138)
     echo "== (seventy-eighth pass) the router's prefetch in the verify too, against decode only"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -138,7 +138,7 @@ def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
     # not registered: each parameter still belongs to one module
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert not any("prefetch" in n for n in names)
-    assert MoE.prefetch_next_bytes > 0 and MoE.prefetch_next_max_tokens == 1  # on at decode
+    assert MoE.prefetch_next_bytes > 0 and MoE.prefetch_next_max_tokens == 4  # on: decode and verify
     # lists of other modules (a drafter's, an empty one) are left alone
     other = torch.nn.Module()
     other.blocks, other.empty = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.ModuleList()
@@ -168,7 +168,7 @@ def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> No
     for nbytes, rows, from_end in ((0, True, True), (2000, True, True), (1000, False, True),
                                    (1000, False, False), (10**9, False, True), (1000, False, True)):
         if len(seen) == 5:
-            x = torch.randn(2, 32)  # past prefetch_next_max_tokens: nothing
+            x = torch.randn(MoE.prefetch_next_max_tokens + 1, 32)  # past it: nothing
         monkeypatch.setattr(MoE, "prefetch_next_bytes", nbytes)
         monkeypatch.setattr(MoE, "prefetch_next_rows", rows)
         monkeypatch.setattr(MoE, "prefetch_next_from_end", from_end)

@@ -555,9 +555,11 @@ class MoE(nn.Module):
     # 2.36 against 2.42 ms with 8 to 24 MB of a tail or a head; the end of every row and a
     # prefetch before the router's PDL wait or just after it gained little or nothing, since the
     # router's own span grew by about what the head GEMM's fell (docs/PERFORMANCE.md,
-    # seventy-eighth pass). 0: off (the A/B baseline).
+    # seventy-eighth pass). In the same call the target-only decode step took 2.53 against 2.58 ms
+    # and, with the verify prefetching too (up to 4 tokens), the DFlash K = 3 step 5.27-5.29
+    # against 5.32-5.33 (decode only). 0: off (the A/B baseline).
     prefetch_next_bytes: int = 16 << 20
-    prefetch_next_max_tokens: int = 1
+    prefetch_next_max_tokens: int = 4
     prefetch_next_rows: bool = False
     prefetch_next_from_end: bool = True
     prefetch_next: torch.Tensor | None = None

@@ -168,7 +168,8 @@ def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> No
     for nbytes, rows, from_end in ((0, True, True), (2000, True, True), (1000, False, True),
                                    (1000, False, False), (10**9, False, True), (1000, False, True)):
         if len(seen) == 5:
-            x = torch.randn(MoE.prefetch_next_max_tokens + 1, 32)  # past it: nothing
+            monkeypatch.setattr(MoE, "prefetch_next_max_tokens", 1)
+            x = torch.randn(2, 32)  # past prefetch_next_max_tokens: nothing
         monkeypatch.setattr(MoE, "prefetch_next_bytes", nbytes)
         monkeypatch.setattr(MoE, "prefetch_next_rows", rows)
         monkeypatch.setattr(MoE, "prefetch_next_from_end", from_end)

@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass140    # the attention programs prefetching o_proj's unparked
-#                                           # half (Attention.prefetch_o_proj_bytes): the attention
-#                                           # prefetch tests, then the decode graph with the rows'
-#                                           # ends (16, 8 MB), a tail (8, 16 MB), before the wait (~3 min)
 #   bash benchmarks/gpu_check.sh pass139    # the router's prefetch at decode and verify (the final
 #                                           # defaults): pass137's CUDA tests, then goal 2's cell
 #                                           # with it and without (~5 min)
@@ -535,16 +531,6 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
-  pass140)
-    echo "== (seventy-eighth pass) the attention programs prefetch o_proj's unparked half: tests"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernel_paged_attention.py -k "prefetch" 2>&1 | tail -2
-    O=laguna_dflash.models.layers:Attention.prefetch_o_proj
-    timeout 400 python benchmarks/profile_decode_xs.py --top 10 --switch "${O}_bytes=16777216" \
-      --switch "${O}_bytes=8388608" --switch "${O}_bytes=8388608;${O}_rows=False" \
-      --switch "${O}_bytes=16777216;${O}_rows=False" \
-      --switch "${O}_bytes=16777216;laguna_dflash.kernels.paged_attention:SPREAD_PREFETCH_LATE=False" \
-      --switch "${O}_bytes=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|staged|attention|merge|failed|rror" | head -100 ;;
   pass139)
     echo "== (seventy-eighth pass) the router's prefetch at decode and verify (defaults): CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

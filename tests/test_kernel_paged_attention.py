@@ -520,8 +520,7 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True, early_signal: bool = False, invariant: bool = False,
-                 prefetch_late: bool = False):
+                 preload: bool = True, early_signal: bool = False, invariant: bool = False):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches
     them; ``invariant``: as with ``batch_invariant=True`` (one query a tile, partials and the
     split-order merge even for one split)."""
@@ -533,14 +532,13 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                   BLOCK_M=block_m, BLOCK_N=64, CAUSAL=causal, HAS_WINDOW=window, HAS_SINKS=sinks,
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
                   HAS_GATE=not partials,  # the engine gates Laguna's output in the last store
-                  PDL=pdl, PREFETCH=(16 if prefetch_late else 256) if prefetch else 0,
-                  PRELOAD=preload and not invariant, EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS,
-                  PARTIALS=partials, PREFETCH_BLOCK=256, PREFETCH_LATE=prefetch_late)
+                  PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload and not invariant,
+                  EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS, PARTIALS=partials)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
                                      "prefetch_ptr")}
-    ptrs.update(prefetch_nbytes="i64", prefetch_stride="i64", prefetch_size="i64")
+    ptrs.update(prefetch_nbytes="i64", prefetch_chunk="i64")
     ptrs.update({n: "*i64" for n in ("query_index_ptr", "query_pos_ptr", "key_slots_ptr", "seq_lens_ptr")})
     ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
@@ -645,20 +643,6 @@ def test_sm90_l2_prefetch_is_issued_before_the_pdl_wait():
     assert spills and max(spills) == 0, spills
 
 
-@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
-def test_sm90_late_prefetch_is_issued_after_the_stores():
-    """A :class:`~laguna_dflash.kernels.l2_prefetch.Spread` (``Attention.prefetch_o_proj_bytes``)
-    with ``SPREAD_PREFETCH_LATE``: the prefetches come after the program's last store (its
-    split's partials at decode), none before the PDL wait; no spills."""
-    cfg = ("bf16", 128, 8, 1, 4, True, False, True)  # batch-1 decode with split-K and sinks
-    (compiled, spills), _ = _sm90_builds(*cfg, pdl=True, prefetch=True, prefetch_late=True)
-    ptx = compiled.asm["ptx"]
-    assert not [line for line in loads_before_pdl_wait(ptx) if "prefetch" in line]
-    first = ptx.index("cp.async.bulk.prefetch.L2.global")
-    assert ptx.rindex("st.global") < first
-    assert spills and max(spills) == 0, spills
-
-
 # ---- CUDA ----------------------------------------------------------------------------------------------
 
 
@@ -744,12 +728,6 @@ def test_cuda_l2_prefetch_changes_no_value(splits):
     assert torch.equal(got, want) and torch.equal(graphed, want)
     assert torch.equal(weight, before)
     assert l2_prefetch.prefetch_l2(weight) and torch.equal(weight, before)
-    # pieces (Attention.prefetch_o_proj_bytes): the end of every row, a tail; after the stores
-    for spread in (l2_prefetch.row_suffixes(weight, 16 << 20),
-                   l2_prefetch.contiguous_spread(l2_prefetch.region(weight, 8 << 20, from_end=True), 512)):
-        assert l2_prefetch.can_run(spread)
-        assert torch.equal(pa.paged_attention(*args, **kwargs, prefetch=spread), want)
-    assert torch.equal(weight, before)
 
 
 @cuda

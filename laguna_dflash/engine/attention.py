@@ -15,13 +15,9 @@ window includes the current token).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from ..kernels.l2_prefetch import Spread
 
 
 @dataclass
@@ -111,15 +107,15 @@ class AttentionBackend:
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
-        prefetch: torch.Tensor | Spread | None = None,
+        prefetch: torch.Tensor | None = None,
         early_signal: bool = False,
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
 
         ``gate``: output-gate logits ``[T, num_heads]`` (per head) or ``[T, num_heads, head_dim]``
         (per element); the output is multiplied by ``softplus(gate)`` (:func:`apply_output_gate`).
-        ``prefetch``: a weight the next kernel reads (``o_proj``'s), or pieces of it (a
-        ``Spread``); a backend may bring them into L2 while it attends (kernels/l2_prefetch.py). ``early_signal``: the next launch reads
+        ``prefetch``: a weight the next kernel reads (``o_proj``'s); a backend may bring it into
+        L2 while it attends (kernels/l2_prefetch.py). ``early_signal``: the next launch reads
         only weights before its PDL wait, so a backend may let it start early
         (kernels/paged_attention.py). Both are hints: no value changes, and backends that
         cannot use them ignore them.
@@ -149,7 +145,7 @@ class TorchSDPABackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
-        prefetch: torch.Tensor | Spread | None = None,
+        prefetch: torch.Tensor | None = None,
         early_signal: bool = False,
     ) -> torch.Tensor:
         """Same contract as :meth:`AttentionBackend.attend` (the hints ignored)."""

@@ -27,7 +27,6 @@ import torch
 
 from ..kernels import batch_invariant
 from ..kernels import paged_attention as pa
-from ..kernels.l2_prefetch import Spread
 from ..models import layers
 from . import attention
 from .attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
@@ -66,7 +65,7 @@ class TritonPagedBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         is_causal: bool | None = None,
         gate: torch.Tensor | None = None,
-        prefetch: torch.Tensor | Spread | None = None,
+        prefetch: torch.Tensor | None = None,
         early_signal: bool = False,
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.

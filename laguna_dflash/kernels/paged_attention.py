@@ -188,7 +188,7 @@ def _attend_tile(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, gate_ptr,
     query_index_ptr, query_pos_ptr, key_slots_ptr, seq_lens_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, prefetch_ptr, prefetch_nbytes, prefetch_stride, prefetch_size,
+    part_acc_ptr, part_m_ptr, part_l_ptr, prefetch_ptr, prefetch_nbytes, prefetch_chunk,
     stride_qt, stride_qh, stride_qd,
     stride_kc_s, stride_kc_h, stride_kc_d,
     stride_vc_s, stride_vc_h, stride_vc_d,
@@ -201,19 +201,16 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
     SKIP_EMPTY: tl.constexpr, PARTIALS: tl.constexpr, RELATIVE: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr, PREFETCH_LATE: tl.constexpr,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split).
     # PARTIALS: store (acc, m, l) for the merge kernel (split-K; and batch-invariant, one split too)
     if PDL and EARLY_SIGNAL:  # EARLY_SIGNAL below: the next kernel reads nothing before its wait
         tl.extra.cuda.gdc_launch_dependents()
-    # the next kernel's weight into L2, PREFETCH lanes a program (kernels/l2_prefetch.py): never
-    # written, so issued before the PDL wait, or (PREFETCH_LATE) once this program has stored
-    part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
-            + tl.program_id(2))
-    if PREFETCH > 0 and not PREFETCH_LATE:
-        _prefetch_l2_lanes(prefetch_ptr, prefetch_nbytes, prefetch_stride, prefetch_size, part,
-                           PREFETCH_BLOCK, PREFETCH)
+    if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
+        # (kernels/l2_prefetch.py); never written, so issued before the PDL wait
+        part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+                + tl.program_id(2))
+        _prefetch_l2(prefetch_ptr, prefetch_nbytes, prefetch_chunk, part, PREFETCH)
     if PDL and not PRELOAD:  # kernels/pdl.py: q and the new keys are the previous kernel's output
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
@@ -341,9 +338,6 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=acc_mask)
         tl.store(part_m_ptr + prow, m_i, mask=row_ok)
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
-    if PREFETCH > 0 and PREFETCH_LATE:
-        _prefetch_l2_lanes(prefetch_ptr, prefetch_nbytes, prefetch_stride, prefetch_size, part,
-                           PREFETCH_BLOCK, PREFETCH)
 
 
 def _merge_splits_kernel(
@@ -438,10 +432,6 @@ PRELOAD_OLD_KEYS = True
 # against 6.20-6.22 ms, the 16-token one in 8.50 against 8.48-8.70 (fifty-eighth pass). More
 # than 16 tokens: not timed.
 PRELOAD_MAX_QUERIES: int | None = 16
-# An ``l2_prefetch.Spread`` to prefetch (``Attention.prefetch_o_proj_bytes``) is issued by each
-# program once it has stored its output (True), while the merge and the hand-off to o_proj leave
-# the HBM idle, or before its PDL wait (False), alongside the staged o_proj's parking loads.
-SPREAD_PREFETCH_LATE = True
 # Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
 # the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
@@ -625,7 +615,7 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     gate: torch.Tensor | None = None,
-    prefetch: torch.Tensor | l2_prefetch.Spread | None = None,
+    prefetch: torch.Tensor | None = None,
     early_signal: bool = False,
     batch_invariant: bool = False,
     fixed_splits: bool = False,
@@ -654,9 +644,7 @@ def paged_attention(
         prefetch: a weight the kernels after this one read (``o_proj``'s at decode), or
             ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
             before they wait for the previous kernel (kernels/l2_prefetch.py; CUDA sm90+ and a
-            contiguous, 16-byte aligned weight, else ignored); an ``l2_prefetch.Spread``: its
-            pieces, from as few lanes a program as cover them, issued where
-            :data:`SPREAD_PREFETCH_LATE` says. Changes no value.
+            contiguous, 16-byte aligned weight, else ignored). Changes no value.
         early_signal: with PDL, the attention and split-merge programs signal their dependents
             first thing, before their own wait (an exception to kernels/pdl.py rule 2), so the
             launch after the merge may be resident, loading its weight, while attention runs.
@@ -757,20 +745,13 @@ def paged_attention(
         part_acc = part_m = part_l = out  # unused
     attn_kernel, merge_kernel = _kernels(interpret)
     grid = (r, kv_heads, q_tiles * num_splits)
-    num_programs = grid[0] * grid[1] * grid[2]
-    spread, lanes, late = None, 0, False
-    if isinstance(prefetch, l2_prefetch.Spread):
-        if l2_prefetch.can_run(prefetch) and prefetch.num_pieces <= num_programs * l2_prefetch.PREFETCH_BLOCK:
-            spread, lanes, late = prefetch, -(-prefetch.num_pieces // num_programs), SPREAD_PREFETCH_LATE
-    elif prefetch is not None and l2_prefetch.plan(prefetch, num_programs) is not None:
-        lanes = l2_prefetch.PREFETCH_BLOCK  # the whole weight, a chunk a lane, before the wait
-        spread = l2_prefetch.contiguous_spread(prefetch, num_programs * lanes)
+    prefetch_plan = l2_prefetch.plan(prefetch, grid[0] * grid[1] * grid[2])
     attn_kernel[grid](
         q, k_cache, v_cache, out, sinks if sinks is not None else out,
         gate if gate is not None else out,
         query_index, query_positions, key_slots, seq_lens,
         part_acc, part_m, part_l,
-        *((spread.base, spread.nbytes, spread.stride, spread.size) if spread else (out, 0, 16, 0)),
+        prefetch if prefetch_plan is not None else out, *(prefetch_plan or (0, 0)),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *query_index.stride(), *query_positions.stride(), *key_slots.stride(),
         *(gate.stride() if gate is not None else (0, 0)), t, qmax, split_len, float(scale) * 1.4426950408889634, window,
@@ -779,8 +760,7 @@ def paged_attention(
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         HAS_GATE=gate is not None and not partials, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
-        PDL=use_pdl, PREFETCH=lanes if spread else 0, PREFETCH_BLOCK=l2_prefetch.PREFETCH_BLOCK,
-        PREFETCH_LATE=late,
+        PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
         PRELOAD=(PRELOAD_OLD_KEYS and not batch_invariant
                  and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES)),
         EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS, PARTIALS=partials,

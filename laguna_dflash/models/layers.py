@@ -293,13 +293,6 @@ class Attention(nn.Module):
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
     # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
     prefetch_o_proj: bool = False
-    # > 0: at batch-1 decode with the staged o_proj, the attention programs prefetch this many
-    # bytes of ``o_proj.weight`` into L2 once they have stored (paged_attention.
-    # SPREAD_PREFETCH_LATE): the end of every row (``prefetch_o_proj_rows``: the staged GEMV parks
-    # the first half of each row's K in shared memory during attention and streams the rest
-    # after its wait) or a contiguous tail. 0: off (an A/B switch).
-    prefetch_o_proj_bytes: int = 0
-    prefetch_o_proj_rows: bool = True
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -368,10 +361,6 @@ class Attention(nn.Module):
                   and not batch_invariant.is_active()
                   and self.o_proj.bias is None and not torch.is_grad_enabled()
                   and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight))
-        if staged and self.prefetch_o_proj_bytes > 0:
-            prefetch = (l2_prefetch.row_suffixes(self.o_proj.weight, self.prefetch_o_proj_bytes)
-                        if self.prefetch_o_proj_rows else
-                        l2_prefetch.region(self.o_proj.weight, self.prefetch_o_proj_bytes, from_end=True))
         out = ctx.backend.attend(
             q, k_cache, v_cache, meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,

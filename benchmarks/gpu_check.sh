@@ -1,28 +1,15 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass139    # the router's prefetch at decode and verify (the final
-#                                           # defaults): pass137's CUDA tests, then goal 2's cell
-#                                           # with it and without (~5 min)
-#   bash benchmarks/gpu_check.sh pass138    # the router's prefetch in the verify too
-#                                           # (MoE.prefetch_next_max_tokens=4) against the default
-#                                           # (decode only): goal 2's cell, twice each (~3 min)
-#   bash benchmarks/gpu_check.sh pass137    # the router's prefetch on by default (a 16 MB tail after
-#                                           # the semaphore, decode only): the CUDA graph and XS
-#                                           # lossless tests, then goal 2's cell with it and without
-#                                           # (MoE.prefetch_next_bytes=0), twice each (~6 min)
-#   bash benchmarks/gpu_check.sh pass136    # pass135's best (a contiguous tail, issued after the
-#                                           # semaphore) swept: 8 to 24 MB, a 16 MB head, 1 and 4
-#                                           # lanes a program; then goal 2's cell with and without
-#                                           # it, one process each (~5 min)
-#   bash benchmarks/gpu_check.sh pass135    # pass134's prefetch issued at three places in the router
-#                                           # (moe_routing.PREFETCH_AT: before its PDL wait, after it,
-#                                           # after the semaphore): CUDA tests, then the decode graph
-#                                           # with a 16 / 32 MB tail and the rows' ends (~3 min)
-#   bash benchmarks/gpu_check.sh pass134    # the fused router prefetching the next layer's Q|K|V|gate
-#                                           # weight into L2 (MoE.prefetch_next_bytes): its CUDA
-#                                           # tests, then the decode graph with it off, the end of
-#                                           # every row (16 MB, 32 MB, all), a 16 MB tail, off (~3 min)
+#   bash benchmarks/gpu_check.sh pass139    # the fused router's L2 prefetch of the next layer's
+#                                           # Q|K|V|gate weight (MoE.prefetch_next_bytes, on by
+#                                           # default): the CUDA graph, XS lossless and routing tests,
+#                                           # then goal 2's cell with it and without (~5 min; 119 s on
+#                                           # a warm H100)
+#   bash benchmarks/gpu_check.sh pass136    # that prefetch swept, issued after the router's
+#                                           # semaphore: a tail of 8 to 24 MB, a 16 MB head, 1 and 4
+#                                           # lanes a program (profile_decode_xs.py rows), then goal
+#                                           # 2's cell with and without it (~5 min)
 #   bash benchmarks/gpu_check.sh pass133    # the goals on this card: goal 2's cell at 65 new tokens with
 #                                           # the drafter bf16, fp8, bf16 (its target-only decode is
 #                                           # goal 1's number), then pass129's ablation rows less
@@ -532,28 +519,12 @@ case "$stage" in
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
   pass139)
-    echo "== (seventy-eighth pass) the router's prefetch at decode and verify (defaults): CUDA tests"
+    echo "== (seventy-eighth pass) the router's L2 prefetch at decode and verify (defaults): CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 240 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_kernel_moe_routing.py \
       -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -20
     OFF="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
     for on in "" "$OFF"; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (prefetch on)}"; goal_cell 85 --new-tokens 65 $on
-    done ;;
-  pass138)
-    echo "== (seventy-eighth pass) the router's prefetch in the verify too, against decode only"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    V4="--switch laguna_dflash.models.layers:MoE.prefetch_next_max_tokens=4"
-    for on in "$V4" "" "$V4" ""; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (decode only)}"; goal_cell 85 --new-tokens 65 $on
-    done ;;
-  pass137)
-    echo "== (seventy-eighth pass) the router's prefetch on by default: CUDA tests"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 240 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_kernel_moe_routing.py \
-      -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -20
-    OFF="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
-    for on in "" "$OFF" "" "$OFF"; do
       echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (prefetch on)}"; goal_cell 85 --new-tokens 65 $on
     done ;;
   pass136)
@@ -567,32 +538,9 @@ case "$stage" in
       --switch "${P}_bytes=25165824;$C" --switch "${P}_bytes=16777216;$C;${P}_from_end=False" \
       --switch "${P}_bytes=16777216;$C;$R:PREFETCH_LANES=1" --switch "${P}_bytes=16777216;$C;$R:PREFETCH_LANES=4" \
       --switch "${P}_bytes=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|qkv|router|failed|rror" | head -120
-    for on in "" "--switch ${P}_bytes=16777216 --switch ${P}_rows=False --switch $R:PREFETCH_AT=2" ""; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+    for on in "" "--switch ${P}_bytes=0" ""; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults (prefetch on)}"; goal_cell 85 --new-tokens 65 $on
     done ;;
-  pass135)
-    echo "== (seventy-eighth pass) the router's L2 prefetch issued before the wait, after it, after the semaphore"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_routing.py -k prefetch 2>&1 | tail -3
-    P=laguna_dflash.models.layers:MoE.prefetch_next
-    A=laguna_dflash.kernels.moe_routing:PREFETCH_AT
-    T16="${P}_bytes=16777216;${P}_rows=False"
-    T32="${P}_bytes=33554432;${P}_rows=False"
-    timeout 420 python benchmarks/profile_decode_xs.py --top 10 --switch "$T16;$A=0" --switch "$T16;$A=1" \
-      --switch "$T16;$A=2" --switch "$T32;$A=2" --switch "${P}_bytes=33554432;$A=1" \
-      --switch "${P}_bytes=33554432;$A=2" --switch "${P}_bytes=67108864;$A=2" --switch "${P}_bytes=0" 2>&1 \
-      | quiet | grep -E "^##|^\| [0-9]|greedy|kernels per|gemv|router|qkv|staged|failed|rror" | head -120 ;;
-  pass134)
-    echo "== (seventy-eighth pass) the router's L2 prefetch of the next Q|K|V|gate weight: CUDA tests"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernel_moe_routing.py \
-      tests/test_kernel_l2_prefetch.py -k "prefetch or graph_replays" 2>&1 | tail -3
-    echo "== the decode graph: off (defaults), the end of every row (16 MB, 32 MB, all), a 16 MB tail, off"
-    P=laguna_dflash.models.layers:MoE.prefetch_next
-    timeout 330 python benchmarks/profile_decode_xs.py --top 10 --switch "${P}_bytes=16777216" \
-      --switch "${P}_bytes=33554432" --switch "${P}_bytes=67108864" \
-      --switch "${P}_bytes=16777216;${P}_rows=False" --switch "${P}_bytes=0" 2>&1 | quiet \
-      | grep -E "^##|^\| [0-9]|greedy|kernels per|gemv|router|qkv|staged|failed|rror" | head -90 ;;
   pass133)
     echo "== (seventy-seventh pass) the goals on this card"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass141    # the goals with the router's prefetch and without:
+#                                           # goal 2's cell at 65 new tokens, drafter bf16 then fp8,
+#                                           # each with MoE.prefetch_next_bytes default then 0 (its
+#                                           # target-only decode is goal 1's number; ~3 min)
 #   bash benchmarks/gpu_check.sh pass139    # the fused router's L2 prefetch of the next layer's
 #                                           # Q|K|V|gate weight (MoE.prefetch_next_bytes, on by
 #                                           # default): the CUDA graph, XS lossless and routing tests,
@@ -518,6 +522,16 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass141)
+    echo "== (seventy-eighth pass) the goals with the router's prefetch (defaults) and without"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    OFF="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
+    for q in "" "--draft-quantization fp8"; do
+      for on in "" "$OFF"; do
+        echo "-- goal 2's cell at 65 new tokens, drafter ${q:-bf16}, ${on:-prefetch on}"
+        goal_cell 85 --new-tokens 65 $q $on
+      done
+    done ;;
   pass139)
     echo "== (seventy-eighth pass) the router's L2 prefetch at decode and verify (defaults): CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

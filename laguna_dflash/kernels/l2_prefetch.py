@@ -11,8 +11,16 @@ Measured (H200, ``benchmarks/bench_l2_prefetch.py``, docs/PERFORMANCE.md "Sevent
 lands (1 or 8 issuing programs do as well as 132), but an L2-resident weight makes the batch-1
 skinny GEMM only ~15% faster (``o_proj`` 15.1 -> 12.4 us event-timed: the GEMV is bound by its
 load latency, not by HBM), and issuing it from the attention programs slowed attention by about
-as much: the decode replay went 2.26 -> 2.29 ms. So the decode path leaves it off
+as much: the decode replay went 2.26 -> 2.29 ms. So the decode path leaves that one off
 (``Attention.prefetch_o_proj``).
+
+What pays (seventy-eighth pass, H100): the fused router's programs, each from 2 lanes once it has
+arrived at the router's semaphore, prefetch a 16 MB tail of the NEXT layer's Q|K|V|gate weight
+(``models.layers.MoE.prefetch_next_bytes``, a :class:`Spread` over the programs): the routing
+and the hand-off to the expert GEMVs leave the HBM idle, the GEMVs stream with ``evict_first``,
+and the head GEMM then finds those bytes in L2. The decode graph replayed in 2.36-2.40 against
+2.41-2.45 ms without it. Issued before the router's PDL wait or just after it, the same bytes
+slowed the router by about what they saved the head GEMM (``moe_routing.PREFETCH_AT``).
 
 Mechanism (sm90+): ``cp.async.bulk.prefetch.L2.global [addr], size`` (PTX ISA 8.0), a TMA bulk
 prefetch: fire and forget, no registers or shared memory held, the issuing program goes on at

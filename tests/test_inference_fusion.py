@@ -186,6 +186,16 @@ def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> No
     assert seen[3].data_ptr() == flat.data_ptr() and seen[3].numel() == 248
     assert seen[4].numel() == flat.numel()
     assert seen[5] is None
+    # the same switches again: the same region object (kept), a new weight: a new one
+    monkeypatch.setattr(MoE, "prefetch_next_max_tokens", 4)
+    for _ in range(2):
+        with pytest.raises(Called):
+            moe.fused_forward(x)
+    assert seen[6] is seen[7] and seen[6].data_ptr() == flat[-248:].data_ptr()
+    moe.prefetch_next = torch.randn(40, 32)
+    with pytest.raises(Called):
+        moe.fused_forward(x)
+    assert seen[8].data_ptr() == moe.prefetch_next.reshape(-1)[-248:].data_ptr()
 
 
 @pytest.mark.parametrize("gating", ["per-head", "per-element"])

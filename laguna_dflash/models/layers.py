@@ -653,6 +653,24 @@ class MoE(nn.Module):
             out = fusion.scale_add(routed, self.routed_scaling_factor, self.shared_expert(x))
         return out
 
+    _region_cache: tuple | None = None
+
+    def _next_weight_region(self) -> torch.Tensor | l2_prefetch.Spread | None:
+        """What :attr:`prefetch_next_bytes` and its switches say to prefetch of
+        :attr:`prefetch_next`, or None; kept until a switch or the weight changes (a few us of
+        host work a layer otherwise, on the eager path)."""
+        if self.prefetch_next is None or self.prefetch_next_bytes <= 0:
+            return None
+        key = (self.prefetch_next_bytes, self.prefetch_next_rows, self.prefetch_next_from_end)
+        cached = self._region_cache
+        if cached is None or cached[0] != key or cached[1] is not self.prefetch_next:
+            region = (l2_prefetch.row_suffixes(self.prefetch_next, self.prefetch_next_bytes)
+                      if self.prefetch_next_rows else
+                      l2_prefetch.region(self.prefetch_next, self.prefetch_next_bytes,
+                                         self.prefetch_next_from_end))
+            cached = self._region_cache = (key, self.prefetch_next, region)
+        return cached[2]
+
     def fused_forward(self, x: torch.Tensor, keep_pairs: bool = False) -> torch.Tensor:
         """The GPU small-batch path: router GEMM and routing (weights already times the routed
         scaling factor; one launch with :attr:`use_fused_router`), the two fused expert kernels
@@ -664,13 +682,7 @@ class MoE(nn.Module):
         invariant = batch_invariant.is_active()  # per-token paths only (no GEMV variants)
         if (self.use_fused_router and not invariant and x.shape[0] <= self.fused_router_max_tokens
                 and self.gate.bias is None and moe_routing.can_fuse_router(x, self.gate.weight)):
-            prefetch = None
-            if (self.prefetch_next is not None and self.prefetch_next_bytes > 0
-                    and x.shape[0] <= self.prefetch_next_max_tokens):
-                prefetch = (l2_prefetch.row_suffixes(self.prefetch_next, self.prefetch_next_bytes)
-                            if self.prefetch_next_rows else
-                            l2_prefetch.region(self.prefetch_next, self.prefetch_next_bytes,
-                                               self.prefetch_next_from_end))
+            prefetch = self._next_weight_region() if x.shape[0] <= self.prefetch_next_max_tokens else None
             weights, ids = moe_routing.fused_router_route(
                 x, self.gate.weight, *route, scale=self.routed_scaling_factor, num_shared=int(folded),
                 prefetch=prefetch)

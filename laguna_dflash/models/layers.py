@@ -552,12 +552,13 @@ class MoE(nn.Module):
     # HBM idle; the GEMVs stream with ``evict_first``, so the bytes are still in L2 when the next
     # layer's head GEMM reads them. A contiguous tail (``prefetch_next_from_end``) or head, or
     # the end of every row (``prefetch_next_rows``). On an H100 the decode graph replayed in
-    # 2.36 against 2.42 ms with 8 to 24 MB of a tail or a head; the end of every row and a
+    # 2.36-2.38 against 2.42 ms with 8 to 24 MB of a tail or a head; the end of every row and a
     # prefetch before the router's PDL wait or just after it gained little or nothing, since the
     # router's own span grew by about what the head GEMM's fell (docs/PERFORMANCE.md,
-    # seventy-eighth pass). In the same call the target-only decode step took 2.53 against 2.58 ms
-    # and, with the verify prefetching too (up to 4 tokens), the DFlash K = 3 step 5.27-5.29
-    # against 5.32-5.33 (decode only). 0: off (the A/B baseline).
+    # seventy-eighth pass). In goal 2's cell (benchmarks/gpu_check.sh pass139) the target-only
+    # decode step took 2.53 against 2.58 ms; prefetching in the verify too (up to 4 tokens) made
+    # the DFlash K = 3 step 5.27-5.29 against 5.32-5.33 ms (pass138's stage, decode only
+    # prefetching). 0: off (the A/B baseline).
     prefetch_next_bytes: int = 16 << 20
     prefetch_next_max_tokens: int = 4
     prefetch_next_rows: bool = False

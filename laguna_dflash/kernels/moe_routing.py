@@ -720,9 +720,10 @@ def fused_router_route(
             :func:`fused_moe_route`.
         config: tiles (:class:`RouterConfig`); ``None``: :func:`default_router_config` ``(T)``.
         prefetch: bytes of a weight a later kernel reads, brought into L2 by the programs
-            before their PDL wait: a contiguous region (``l2_prefetch.region``; each program a
-            share from :data:`PREFETCH_LANES` lanes) or an ``l2_prefetch.Spread`` (its pieces over
-            the programs' lanes; ignored if it has more pieces than lanes); ``None``: nothing.
+            where :data:`PREFETCH_AT` says (by default once each has arrived at the semaphore):
+            a contiguous region (``l2_prefetch.region``; each program a share from
+            :data:`PREFETCH_LANES` lanes) or an ``l2_prefetch.Spread`` (its pieces over the
+            programs' lanes; ignored if it has more pieces than lanes); ``None``: nothing.
             CUDA sm90+ only (elsewhere ignored). No value changes.
 
     Returns:

@@ -855,15 +855,15 @@ def link_next_weights(model: nn.Module) -> None:
         if not isinstance(module, nn.ModuleList):
             continue
         decoder_layers = [m for m in module if isinstance(m, DecoderLayer)]
-        for layer, following in zip(decoder_layers, [*decoder_layers[1:], None][:len(decoder_layers)],
-                                    strict=True):
+        for i, layer in enumerate(decoder_layers):
             if not isinstance(layer.mlp, MoE):
                 continue
-            attn = following.self_attn if following is not None else None
-            weight = None if attn is None else (
-                attn.qkvg_weight if attn.qkvg_weight is not None else attn.qkv_proj.weight)
-            # a plain tensor view (not a Parameter: the module would register it as its own)
-            layer.mlp.prefetch_next = None if weight is None else weight.detach()
+            weight = None
+            if i + 1 < len(decoder_layers):
+                attn = decoder_layers[i + 1].self_attn
+                # a plain tensor view (not a Parameter: the module would register it as its own)
+                weight = (attn.qkvg_weight if attn.qkvg_weight is not None else attn.qkv_proj.weight).detach()
+            layer.mlp.prefetch_next = weight
 
 
 class DecoderLayer(nn.Module):

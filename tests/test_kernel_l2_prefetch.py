@@ -93,6 +93,22 @@ def test_row_suffixes_cover_the_end_of_every_row():
     assert not l2_prefetch.can_run(spread)  # CPU
 
 
+def test_issue_plan_lanes_per_program(monkeypatch):
+    """A region is cut into ``region_lanes`` pieces a program; a spread keeps its pieces, spread
+    over the programs (ceil); more lanes than a program's threads, no program, or a prefetch that
+    cannot run here: ``(None, 0)``."""
+    w = torch.zeros(2048, 8192, dtype=torch.bfloat16)
+    rows = l2_prefetch.row_suffixes(w, 16 << 20)
+    assert l2_prefetch.issue_plan(rows, 51, 256, 2) == (None, 0)  # CPU: cannot run
+    monkeypatch.setattr(l2_prefetch, "can_run", lambda spread: spread is not None)
+    assert l2_prefetch.issue_plan(rows, 51, 256, 2) == (rows, 41)  # 2048 rows over 51 programs
+    assert l2_prefetch.issue_plan(rows, 4, 256, 2) == (None, 0)  # 512 lanes a program
+    assert l2_prefetch.issue_plan(rows, 0, 256, 2) == (None, 0)
+    assert l2_prefetch.issue_plan(None, 8, 256, 2) == (None, 0)
+    spread, lanes = l2_prefetch.issue_plan(l2_prefetch.region(w, 1 << 20), 128, 256, 2)
+    assert lanes == 2 and spread.num_pieces == 256 and spread.nbytes == 1 << 20
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_plan_on_cuda():
     w = torch.zeros(128, 64, dtype=torch.bfloat16, device="cuda")

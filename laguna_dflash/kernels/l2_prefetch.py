@@ -50,8 +50,8 @@ from .jit import jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["PREFETCH_BLOCK", "Spread", "can_run", "chunk_bytes", "contiguous_spread", "plan", "prefetch_function",
-           "prefetch_l2", "prefetch_lanes_function", "region", "row_suffixes"]
+__all__ = ["PREFETCH_BLOCK", "Spread", "can_run", "chunk_bytes", "contiguous_spread", "issue_plan", "plan",
+           "prefetch_function", "prefetch_l2", "prefetch_lanes_function", "region", "row_suffixes"]
 
 # chunks per issuing program: >= the threads of the issuing kernels (8 warps = 256 lanes)
 PREFETCH_BLOCK = 256
@@ -182,6 +182,23 @@ def can_run(spread: Spread | None) -> bool:
     if not triton_importable() or interpret_mode() or cuda_capability(spread.base.device.index) < (9, 0):
         return False
     return spread.base.data_ptr() % 16 == 0 and spread.stride % 16 == 0 and spread.size % 16 == 0
+
+
+def issue_plan(prefetch: torch.Tensor | Spread | None, num_programs: int, threads: int,
+               region_lanes: int) -> tuple[Spread | None, int]:
+    """How ``num_programs`` programs of ``threads`` threads issue ``prefetch``: ``(spread, lanes a
+    program)`` for :func:`_prefetch_l2_lanes` (program ``part`` issues pieces ``part * lanes ..``),
+    or ``(None, 0)`` where it cannot run (:func:`can_run`) or needs more lanes than a program has.
+    A contiguous region (a tensor, e.g. from :func:`region`) is cut into ``region_lanes`` pieces a
+    program; a :class:`Spread` keeps its pieces."""
+    if num_programs < 1:
+        return None, 0
+    if isinstance(prefetch, torch.Tensor):
+        prefetch = contiguous_spread(prefetch, num_programs * region_lanes)
+    if not can_run(prefetch):
+        return None, 0
+    lanes = -(-prefetch.num_pieces // num_programs)
+    return (prefetch, lanes) if lanes <= threads else (None, 0)
 
 
 def chunk_bytes(nbytes: int, num_parts: int, block: int = PREFETCH_BLOCK) -> int:

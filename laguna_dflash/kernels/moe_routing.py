@@ -684,17 +684,6 @@ def can_fuse_router(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
     )
 
 
-def _router_prefetch(prefetch: torch.Tensor | l2_prefetch.Spread | None, num_programs: int,
-                     threads: int) -> tuple[l2_prefetch.Spread | None, int]:
-    # (the spread, lanes a program issuing it: the PF_LANES constexpr; 0: none)
-    if isinstance(prefetch, torch.Tensor):
-        prefetch = l2_prefetch.contiguous_spread(prefetch, num_programs * PREFETCH_LANES)
-    if not l2_prefetch.can_run(prefetch):
-        return None, 0
-    lanes = -(-prefetch.num_pieces // num_programs)
-    return (prefetch, lanes) if lanes <= threads else (None, 0)
-
-
 def fused_router_route(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -747,7 +736,7 @@ def fused_router_route(
     use_pdl = pdl.active(x.device, interpret_mode())
     grid, meta = _router_plan(t, e, h, x.dtype, config or default_router_config(t), use_pdl)
     part, counter = _router_workspace(x.device, e, meta["SPLIT_K"])
-    spread, lanes = _router_prefetch(prefetch, grid[0] * grid[1], 32 * meta["num_warps"])
+    spread, lanes = l2_prefetch.issue_plan(prefetch, grid[0] * grid[1], 32 * meta["num_warps"], PREFETCH_LANES)
     _router_route_kernel[grid](
         x, router_weight, bias, weights, ids, part, counter,
         t, x.stride(0), bias.stride(0),

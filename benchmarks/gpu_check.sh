@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass142    # the head GEMM's prefetch programs (Attention.head_prefetch_bytes,
-#                                           # off by default): its CUDA tests, then the decode graph with
-#                                           # o_proj's streamed row ends (16, 8 MB; 16 programs) or the
-#                                           # head weight's own row ends prefetched, and off (~6 min)
 #   bash benchmarks/gpu_check.sh pass141    # the goals with the router's prefetch and without:
 #                                           # goal 2's cell at 65 new tokens, drafter bf16 then fp8,
 #                                           # each with MoE.prefetch_next_bytes default then 0 (its
@@ -526,17 +522,6 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
-  pass142)
-    echo "== (seventy-ninth pass) the head GEMM's prefetch programs: CUDA tests, then the decode graph"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 200 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_kernel_l2_prefetch.py -k cuda \
-      | grep -v PASSED | tail -8
-    B=laguna_dflash.models.layers:Attention.head_prefetch_bytes
-    T=laguna_dflash.models.layers:Attention.head_prefetch_target
-    timeout 380 python benchmarks/profile_decode_xs.py --top 10 --switch "$B=16777216" --switch "$B=8388608" \
-      --switch "$B=16777216;$T=\"qkvg\"" \
-      --switch "$B=16777216;laguna_dflash.kernels.qkv_norm_rope_cache:PREFETCH_PROGRAMS=16" \
-      --switch "$B=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|qkv|staged|attention|merge|failed|rror" | head -90 ;;
   pass141)
     echo "== (seventy-eighth pass) the goals with the router's prefetch (defaults) and without"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -371,34 +371,3 @@ if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-cases"]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)
     print(json.dumps({**_moe_cases("cpu"), **_attention_cases("cpu")}))
-
-
-def test_head_prefetch_spread_follows_the_switches(monkeypatch) -> None:
-    """``Attention.head_prefetch_bytes`` > 0: the head GEMM's prefetch programs get the ends of
-    ``o_proj``'s rows, capped to what the staged o_proj streams after its wait where it runs, or
-    of the Q|K|V|gate weight's own rows (``head_prefetch_target = "qkvg"``); 0: nothing; another
-    target: a ValueError naming the attribute. The spread is kept until a switch changes."""
-    from laguna_dflash.kernels import l2_prefetch, staged_gemv
-
-    attn = _attention(32, 4, 2, 8, 1.0, None, "per-head", torch.float32, seed=0)
-    attn.fuse_projections()
-    assert Attention.head_prefetch_bytes == 0 and attn._head_prefetch() is None
-    monkeypatch.setattr(Attention, "head_prefetch_bytes", 2048)  # 64 bytes of each o_proj row of 128
-    spread = attn._head_prefetch()
-    assert isinstance(spread, l2_prefetch.Spread) and attn._head_prefetch() is spread
-    assert (spread.stride, spread.size, spread.num_pieces) == (128, 64, 32)
-    assert spread.base.data_ptr() == attn.o_proj.weight.reshape(-1)[16:].data_ptr()
-    monkeypatch.setattr(Attention, "head_prefetch_target", "qkvg")  # 68 rows of 128 bytes: 30 -> 16 a row
-    spread = attn._head_prefetch()
-    assert (spread.stride, spread.size, spread.num_pieces) == (128, 16, 68)
-    assert spread.base.data_ptr() == attn.qkvg_weight.reshape(-1)[28:].data_ptr()
-    monkeypatch.setattr(Attention, "head_prefetch_target", "o_proj")
-    monkeypatch.setattr(staged_gemv, "supports", lambda w, *a, **k: True)
-    assert attn._head_prefetch() is None  # a 32-column o_proj is parked whole: nothing streams
-    monkeypatch.setattr(Attention, "head_prefetch_target", "down")
-    with pytest.raises(ValueError, match="head_prefetch_target"):
-        attn._head_prefetch()
-    # what the staged o_proj streams after its wait at XS-2.1's shapes: half the 64-head layers'
-    # rows (4096 of 8192 columns parked), a third of the 48-head ones' (4096 of 6144)
-    assert staged_gemv.streamed_columns(2048, 8192) == 4096
-    assert staged_gemv.streamed_columns(2048, 6144) == 2048

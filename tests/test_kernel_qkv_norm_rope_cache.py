@@ -218,18 +218,17 @@ def test_can_use_needs_a_power_of_two_head_dim():
 # ---- offline sm_90 build ---------------------------------------------------------------------------
 
 
-def _sm90_build(dtype: str, preload: int = 0, early: bool = False, prefetch_lanes: int = 0) -> tuple[str, list[int]]:
+def _sm90_build(dtype: str, preload: int = 0, early: bool = False) -> tuple[str, list[int]]:
     # the XS-2.1 sliding layer's build (64 / 8 heads, 2048 hidden) with the default tile (fp32: its
     # own): (PTX, spill bytes)
     cfg = fused.DEFAULT_CONFIG if dtype == "bf16" else fused.FP32_CONFIG
     types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "qw_ptr", "kw_ptr", "q_ptr", "g_ptr", "kc_ptr", "vc_ptr")}
-    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32", pf_ptr=f"*{dtype}")
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
     constexprs = dict(stride_xk=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
                       N=10304, K=2048, GATE_DIM=64, NUM_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128,
                       ROT_DIM=128, M_PAD=16, BLOCK_K=cfg.block_k, K_ITERS=2048 // cfg.block_k,
                       IEEE=dtype == "fp32", MASK_W=True, DTYPE=1 if dtype == "bf16" else 0,
-                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early,
-                      NUM_MAIN=81, PF_BLOCK=32 * cfg.num_warps, PF_LANES=prefetch_lanes)
+                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early)
     return compile_sm90_spills(
         fused._kernels(False), types, constexprs,
         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False,
@@ -271,26 +270,6 @@ def test_sm90_switches_move_the_first_tiles_and_the_signal():
         assert "cp.async" not in build[:signal] and "cp.async" in build[signal:]
 
 
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_prefetch_programs_only_prefetch_then_wait():
-    """With a prefetch (``qkv_norm_rope_cache(prefetch=...)``) the programs past the head grid
-    issue TMA bulk L2 prefetches, predicated per lane, then their one PDL wait and signal, and
-    return; the head programs' code is the build without it (the same loads before and after
-    their wait); nothing spills."""
-    plain, _ = _sm90_build("bf16", preload=1, early=True)
-    ptx, spills = _sm90_build("bf16", preload=1, early=True, prefetch_lanes=41)
-    assert spills == [0], spills
-    assert "prefetch" not in plain
-    first_prefetch = ptx.index("cp.async.bulk.prefetch.L2.global")
-    assert first_prefetch < ptx.index("griddepcontrol.wait")
-    assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 2
-    # the prefetch programs' wait and signal come right after their prefetches, before any load
-    helper = ptx[first_prefetch:ptx.index("griddepcontrol.launch_dependents") + 1]
-    assert "ld.global" not in helper and "cp.async.cg" not in helper and "st.global" not in helper
-    for kind in ("ld.global", "cp.async.cg", "st.global", "mma", "bar.sync"):
-        assert ptx.count(kind) == plain.count(kind), kind
-
-
 # ---- CUDA -----------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(INTERPRETED or not fused.can_use(torch.zeros(1, 16, device="cuda"),
@@ -312,46 +291,6 @@ def test_cuda_two_preloaded_tiles_equal_two_launches(t, monkeypatch):
     """``PRELOAD_TILES = 2`` (two weight tiles before the PDL wait) at XS-2.1 shapes."""
     monkeypatch.setattr(fused, "PRELOAD_TILES", 2)
     check(problem(t, 64, 8, 128, 64, torch.bfloat16, hidden=2048, num_slots=1024, device="cuda", seed=t))
-
-
-@cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs sm90+ (the TMA bulk prefetch)")
-@pytest.mark.parametrize("t", [1, 4])
-def test_cuda_prefetch_programs_change_no_value(t):
-    """The prefetch programs (the ends of an o_proj-shaped weight's rows, a contiguous region,
-    the head weight's own rows' ends) leave q, the gate and both caches bitwise as without them,
-    eagerly and in a graph, and the prefetched weights untouched."""
-    from laguna_dflash.kernels import l2_prefetch
-
-    a = problem(t, 64, 8, 128, 64, torch.bfloat16, hidden=2048, num_slots=1024, device="cuda", seed=t)
-    o_proj = torch.randn(2048, 8192, device="cuda").to(torch.bfloat16)
-    before = o_proj.clone()
-    k0, v0 = a["k_cache"].clone(), a["v_cache"].clone()
-    want = fused.qkv_norm_rope_cache(**a)
-    k_want, v_want = a["k_cache"].clone(), a["v_cache"].clone()
-    prefetches = [l2_prefetch.row_suffixes(o_proj, 16 << 20), l2_prefetch.region(o_proj, 8 << 20),
-                  l2_prefetch.row_suffixes(a["weight"], 16 << 20)]
-    for prefetch in prefetches:
-        spread, lanes = l2_prefetch.issue_plan(prefetch, fused.prefetch_programs(o_proj.device, 81), 256,
-                                               fused.PREFETCH_LANES)
-        assert lanes > 0  # the prefetch really runs here
-        a["k_cache"].copy_(k0)
-        a["v_cache"].copy_(v0)
-        got = fused.qkv_norm_rope_cache(**a, prefetch=prefetch)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert torch.equal(a["k_cache"], k_want) and torch.equal(a["v_cache"], v_want)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q, gate = fused.qkv_norm_rope_cache(**a, prefetch=prefetches[0])
-    a["k_cache"].copy_(k0)
-    a["v_cache"].copy_(v0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(q, want[0]) and torch.equal(gate, want[1])
-    assert torch.equal(a["k_cache"], k_want) and torch.equal(a["v_cache"], v_want)
-    assert torch.equal(o_proj, before)
 
 
 @cuda

@@ -21,6 +21,10 @@ and the hand-off to the expert GEMVs leave the HBM idle, the GEMVs stream with `
 and the head GEMM then finds those bytes in L2. The decode graph replayed in 2.36-2.40 against
 2.41-2.45 ms without it. Issued before the router's PDL wait or just after it, the same bytes
 slowed the router by about what they saved the head GEMM (``moe_routing.PREFETCH_AT``).
+Programs appended to the head GEMM's grid, on the ~51 SMs its 81 programs leave idle, that
+prefetched 8-16 MB (the part of ``o_proj``'s rows the staged o_proj streams after its wait, or
+the head weight's own row ends) made the replay 0.17-0.24 ms slower (seventy-ninth pass, commit
+0bd4191): the head GEMM's and the o_proj's spans both grew.
 
 Mechanism (sm90+): ``cp.async.bulk.prefetch.L2.global [addr], size`` (PTX ISA 8.0), a TMA bulk
 prefetch: fire and forget, no registers or shared memory held, the issuing program goes on at

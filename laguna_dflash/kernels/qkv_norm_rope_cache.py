@@ -41,12 +41,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import l2_prefetch, pdl
+from . import pdl
 from . import qk_norm_rope_cache as _qk
 from . import skinny_gemm as _sg
 from .availability import interpret_mode
 from .jit import DTYPE_CODE, _round_to, jit_functions
-from .l2_prefetch import _prefetch_l2_lanes
 from .qk_norm_rope_cache import _norm_rope, _norm_rope_params, _rope_partner
 from .skinny_gemm import _dot_acc, _load_w
 
@@ -72,12 +71,6 @@ MAX_M = _sg.MAX_M  # tokens a launch (x is padded to 16 rows for tl.dot)
 # (docs/PERFORMANCE.md, fifty-ninth pass); one tile stays.
 PRELOAD_TILES = 1
 EARLY_SIGNAL = True
-# qkv_norm_rope_cache(prefetch=...): programs appended to the grid that only prefetch a weight a
-# later kernel reads into L2 (kernels/l2_prefetch.py) from the SMs the head grid leaves idle
-# (~51 of 132 at XS-2.1's 81 programs a sliding layer), before their PDL wait. None: one a
-# program the grid leaves idle on the device (at least 1); an int: that many.
-PREFETCH_PROGRAMS: int | None = None
-PREFETCH_LANES = 2  # lanes a prefetch program issues a contiguous region from
 
 
 @dataclass(frozen=True)
@@ -129,27 +122,16 @@ def _qkv_norm_rope_cache_kernel(
     M, stride_xm, stride_xk, stride_wn, stride_qw, stride_kw, stride_cos, stride_sin, stride_pos,
     stride_slot, stride_qt, stride_qh, stride_gt,
     stride_kcs, stride_kch, stride_kcd, stride_vcs, stride_vch, stride_vcd,
-    eps, pf_ptr, pf_nbytes, pf_stride, pf_size,
+    eps,
     N: tl.constexpr, K: tl.constexpr, GATE_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
     IEEE: tl.constexpr, MASK_W: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
     PDL: tl.constexpr, PRELOAD: tl.constexpr, EARLY: tl.constexpr,
-    NUM_MAIN: tl.constexpr, PF_BLOCK: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     # program p: rows [p HEAD_DIM, (p + 1) HEAD_DIM) of W: Q head p, K head p - NUM_HEADS, V head
     # p - NUM_HEADS - NUM_KV_HEADS, or a gate tile past them (module docstring)
     p = tl.program_id(0)
-    if PF_LANES > 0:
-        if p >= NUM_MAIN:
-            # a prefetch program, on an SM the head grid leaves idle: its share of a weight a
-            # later kernel reads, into L2 (never written in a forward, so before the wait:
-            # kernels/pdl.py rule 3), then the one wait every program makes (rule 1)
-            _prefetch_l2_lanes(pf_ptr, pf_nbytes, pf_stride, pf_size, p - NUM_MAIN, PF_BLOCK, PF_LANES)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-            return
     n0 = p * HEAD_DIM
     offs_m = tl.arange(0, M_PAD)
     rows = offs_m[:, None]
@@ -229,7 +211,7 @@ def _kernels(interpret: bool):
     del interpret
     namespace = jit_functions(__name__, (
         _round_to, _load_w, _dot_acc, _peeled_dot, _rope_partner, _norm_rope_params, _norm_rope,
-        _prefetch_l2_lanes, _qkv_norm_rope_cache_kernel))
+        _qkv_norm_rope_cache_kernel))
     return namespace["_qkv_norm_rope_cache_kernel"]
 
 
@@ -242,21 +224,6 @@ def preload_tiles(k_iters: int) -> int:
 
 
 # ---- host side ------------------------------------------------------------------------------------
-
-
-def prefetch_programs(device: torch.device, num_main: int) -> int:
-    """Prefetch programs a launch of ``num_main`` head programs appends (:data:`PREFETCH_PROGRAMS`)."""
-    if PREFETCH_PROGRAMS is not None:
-        if isinstance(PREFETCH_PROGRAMS, bool) or not isinstance(PREFETCH_PROGRAMS, int) or PREFETCH_PROGRAMS < 1:
-            raise ValueError("qkv_norm_rope_cache.PREFETCH_PROGRAMS must be None or a positive int, "
-                             f"got {PREFETCH_PROGRAMS!r}")
-        return PREFETCH_PROGRAMS
-    return max(1, _num_sms(device) - num_main)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def qkv_norm_rope_cache(
@@ -276,7 +243,6 @@ def qkv_norm_rope_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     config: HeadGemmConfig | None = None,
-    prefetch: torch.Tensor | l2_prefetch.Spread | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight^T`` split into heads, Q/K normed and rotated, K/V written to the cache: one launch.
 
@@ -290,11 +256,6 @@ def qkv_norm_rope_cache(
         v_cache: as :func:`qk_norm_rope_cache.qk_norm_rope_cache` takes them (``positions`` and
             ``slot_mapping`` ``[M]``).
         config: the K loop's tile; None: :data:`DEFAULT_CONFIG` (:data:`FP32_CONFIG` for fp32).
-        prefetch: bytes of a weight a later kernel reads (``Attention.head_prefetch_bytes``: the
-            part of ``o_proj``'s rows the staged o_proj streams after its wait), brought into L2
-            by :data:`PREFETCH_PROGRAMS` programs appended to the grid, before their PDL wait: a
-            contiguous region or an ``l2_prefetch.Spread``; ``None``: nothing. CUDA sm90+ only
-            (elsewhere ignored). No value changes.
 
     Returns:
         ``(q [M, num_heads, head_dim], gate [M, gate_dim])`` contiguous in x's dtype; writes
@@ -330,10 +291,7 @@ def qkv_norm_rope_cache(
     interpret = interpret_mode()
     use_pdl = pdl.active(x.device, interpret)
     block_k = min(cfg.block_k, max(16, 1 << (h - 1).bit_length()))
-    num_main = num_heads + 2 * num_kv_heads + -(-gate_dim // head_dim)
-    spread, lanes = (None, 0) if prefetch is None else l2_prefetch.issue_plan(
-        prefetch, prefetch_programs(x.device, num_main), 32 * cfg.num_warps, PREFETCH_LANES)
-    grid = (num_main + (-(-spread.num_pieces // lanes) if lanes else 0),)
+    grid = (num_heads + 2 * num_kv_heads + -(-gate_dim // head_dim),)
     _kernels(interpret)[grid](
         x, weight, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, q, gate,
         k_cache, v_cache,
@@ -341,14 +299,13 @@ def qkv_norm_rope_cache(
         cos_table.stride(0), sin_table.stride(0), positions.stride(0), slot_mapping.stride(0),
         q.stride(0), q.stride(1), gate.stride(0),
         *k_cache.stride(), *v_cache.stride(),
-        float(eps), *((spread.base, spread.nbytes, spread.stride, spread.size) if lanes else (x, 0, 16, 0)),
+        float(eps),
         N=n, K=h, GATE_DIM=gate_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, ROT_DIM=rot, M_PAD=max(16, 1 << (m - 1).bit_length()), BLOCK_K=block_k,
         K_ITERS=-(-h // block_k), IEEE=x.dtype == torch.float32 or interpret,
         MASK_W=n % head_dim != 0 or h % block_k != 0,
         DTYPE=DTYPE_CODE[x.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype], PDL=use_pdl,
         PRELOAD=preload_tiles(-(-h // block_k)), EARLY=EARLY_SIGNAL,
-        NUM_MAIN=num_main, PF_BLOCK=32 * cfg.num_warps, PF_LANES=lanes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False,  # no FMA contraction in the epilogue: it rounds as qk_norm_rope_cache
         **pdl.launch_options(use_pdl),

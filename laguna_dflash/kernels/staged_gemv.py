@@ -57,8 +57,7 @@ import torch.nn.functional as F
 
 from . import pdl
 
-__all__ = ["StagedConfig", "can_use", "default_config", "staged_gemv", "staged_gemv_reference", "streamed_columns",
-           "supports"]
+__all__ = ["StagedConfig", "can_use", "default_config", "staged_gemv", "staged_gemv_reference", "supports"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_SMEM = 220 * 1024  # of the 227 KiB a program may have on sm_90
@@ -106,13 +105,6 @@ def default_config(n: int, k: int) -> StagedConfig:
     while cfg.stage_k > 64 and k % cfg.stage_k:
         cfg = dataclasses.replace(cfg, stage_k=cfg.stage_k // 2)
     return cfg
-
-
-def streamed_columns(n: int, k: int) -> int:
-    """Columns of every row that :func:`default_config` ``(n, k)`` streams after the PDL wait
-    (the rest is parked before it)."""
-    cfg = default_config(n, k)
-    return max(0, k - cfg.parked(k) * cfg.stage_k)
 
 
 def _next_pow2(v: int) -> int:

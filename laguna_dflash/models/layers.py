@@ -293,16 +293,6 @@ class Attention(nn.Module):
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
     # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
     prefetch_o_proj: bool = False
-    # > 0: up to ``head_prefetch_max_tokens`` tokens, the head GEMM (kernels/qkv_norm_rope_cache.py)
-    # appends programs on the SMs its grid leaves idle that prefetch this many bytes into L2,
-    # before their PDL wait: of ``o_proj``'s weight the part of every row the staged o_proj
-    # streams after its wait (``head_prefetch_target = "o_proj"``; at 2 to 4 tokens the skinny
-    # GEMM's o_proj reads whole rows, so the ends of the rows), or the ends of the head GEMM's
-    # own rows ("qkvg"). 0: off.
-    head_prefetch_bytes: int = 0
-    head_prefetch_target: str = "o_proj"
-    head_prefetch_max_tokens: int = 1
-    _head_prefetch_cache: tuple | None = None
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -340,8 +330,7 @@ class Attention(nn.Module):
             q, gate = qkv_norm_rope_cache.qkv_norm_rope_cache(
                 x, self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
-                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache,
-                prefetch=self._head_prefetch() if t <= self.head_prefetch_max_tokens else None)
+                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
             if self.gating != "per-head":
                 gate = gate.view(t, self.num_heads, self.head_dim)
             return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
@@ -381,27 +370,6 @@ class Attention(nn.Module):
         if staged and staged_gemv.can_use(out, self.o_proj.weight):
             return self.tp.all_reduce(staged_gemv.staged_gemv(out, self.o_proj.weight))
         return row_parallel_linear(out, self.o_proj, self.tp)
-
-    def _head_prefetch(self) -> l2_prefetch.Spread | None:
-        """What :attr:`head_prefetch_bytes` and :attr:`head_prefetch_target` say the head GEMM's
-        spare programs prefetch, or None; kept until a switch or the weight changes."""
-        if self.head_prefetch_bytes <= 0:
-            return None
-        target = self.head_prefetch_target
-        if target not in ("o_proj", "qkvg"):
-            raise ValueError(f"Attention.head_prefetch_target must be 'o_proj' or 'qkvg', got {target!r}")
-        weight = self.o_proj.weight if target == "o_proj" else self.qkvg_weight
-        key = (self.head_prefetch_bytes, target)
-        cached = self._head_prefetch_cache
-        if cached is None or cached[0] != key or cached[1] is not weight:
-            nbytes = self.head_prefetch_bytes
-            if target == "o_proj" and staged_gemv.supports(weight):
-                # only what the staged o_proj does not park before its wait
-                n, k = weight.shape
-                nbytes = min(nbytes, n * staged_gemv.streamed_columns(n, k) * weight.element_size())
-            spread = l2_prefetch.row_suffixes(weight, nbytes) if weight is not None else None
-            cached = self._head_prefetch_cache = (key, weight, spread)
-        return cached[2]
 
     def _head_gemm_runs(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         # The projection with the Q/K norm, RoPE and cache write in its epilogue: where the

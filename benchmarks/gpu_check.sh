@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass143    # for an H200: goal 2's cell at 65 new tokens (drafter bf16
+#                                           # with the router's prefetch and without, fp8 with it; its
+#                                           # target-only decode is goal 1's number), then the decode
+#                                           # graph with that prefetch at 16 (default), 24, 32 MB and off
+#                                           # (~8 min)
 #   bash benchmarks/gpu_check.sh pass141    # the goals with the router's prefetch and without:
 #                                           # goal 2's cell at 65 new tokens, drafter bf16 then fp8,
 #                                           # each with MoE.prefetch_next_bytes default then 0 (its
@@ -522,6 +527,15 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass143)
+    echo "== (seventy-ninth pass) the goals on this card, then the router's prefetch size"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    P=laguna_dflash.models.layers:MoE.prefetch_next_bytes
+    for on in "" "--switch $P=0" "--draft-quantization fp8"; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+    done
+    timeout 300 python benchmarks/profile_decode_xs.py --top 10 --switch "$P=25165824" --switch "$P=33554432" \
+      --switch "$P=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|qkv|router|gate_up|failed|rror" | head -60 ;;
   pass141)
     echo "== (seventy-eighth pass) the goals with the router's prefetch (defaults) and without"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass144    # greedy tokens through the lm_head's int8 copy with exact
+#                                           # bounds (engine.greedy_int8_lm_head): its CUDA tests, the
+#                                           # lm_head alone (bench_greedy_lm_head.py), then goal 2's
+#                                           # cell at 65 new tokens with it and without (~6 min)
 #   bash benchmarks/gpu_check.sh pass143    # for an H200: goal 2's cell at 65 new tokens (drafter bf16
 #                                           # with the router's prefetch and without, fp8 with it; its
 #                                           # target-only decode is goal 1's number), then the decode
@@ -527,6 +531,16 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass144)
+    echo "== (seventy-ninth pass) greedy tokens through the lm_head's int8 copy: CUDA tests, the lm_head, goal cells"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 200 tests/test_kernel_greedy_lm_head.py tests/test_kernel_skinny_fp8.py -k "cuda or int8" \
+      | grep -v PASSED | tail -8
+    timeout 120 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -6
+    G=laguna_dflash.engine.engine:greedy_int8_lm_head
+    for on in "--switch $G=True" "" "--switch $G=True"; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass143)
     echo "== (seventy-ninth pass) the goals on this card, then the router's prefetch size"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -82,6 +82,31 @@ def test_interpreted_matches_the_bound(bn, bk, split, stages, use_dot, m, dtype)
 
 
 @interpreted
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("bn,bk,split,stages,use_dot", _CONFIGS)
+def test_interpreted_int8_weight_matches_the_bound(bn, bk, split, stages, use_dot, m) -> None:
+    """An int8 weight with row scales (kernels/greedy_lm_head.py's lm_head copy) takes the same
+    path: exact products, fp32 sums, the scale, one rounding."""
+    from laguna_dflash.kernels.greedy_lm_head import quantize
+
+    if not use_dot and m > 4:
+        return
+    g = torch.Generator().manual_seed(m + bn)
+    x = torch.randn(m, 100, generator=g).to(torch.bfloat16)
+    head = quantize(torch.randn(40, 100, generator=g).to(torch.bfloat16))
+    y = skinny_gemm(x, head.q, SkinnyConfig(bn, bk, split, num_warps=2, num_stages=stages, use_dot=use_dot),
+                    scale=head.scale)
+    _assert_close_to_exact(y, x, head.q, head.scale)
+
+
+def test_int8_weights_never_round_x() -> None:
+    # the fp16 widening (FP8_DOT_F16) rounds x: only e4m3 takes it
+    assert sg.fp8_mode(True, torch.bfloat16) == sg.fp8_mode(True, torch.bfloat16, torch.float8_e4m3fn) == 2
+    assert sg.fp8_mode(True, torch.bfloat16, torch.int8) == 1
+    assert sg.fp8_mode(False, torch.bfloat16, torch.int8) == 0
+
+
+@interpreted
 def test_interpreted_scales_reach_every_row() -> None:
     # a scale of 0 zeroes its column and only that one; doubling a scale doubles its column
     x, w8, scale = _problem(4, 40, 64, torch.float32, seed=3)
@@ -128,7 +153,8 @@ def test_rejects_bad_scales() -> None:
         ({"weight": w8, "scale": scale[:4]}, r"scale must be a contiguous float32 tensor \[N=8\]"),
         ({"weight": w8, "scale": scale.double()}, "scale must be"),
         ({"weight": w8, "scale": torch.zeros(8, 2)[:, 0]}, "scale must be"),
-        ({"weight": torch.zeros(8, 16), "scale": scale}, "scale= is for float8_e4m3fn weights"),
+        ({"weight": torch.zeros(8, 16), "scale": scale}, "scale= is for float8_e4m3fn / int8 weights"),
+        ({"weight": torch.zeros(8, 16, dtype=torch.int8)}, "int8 weight needs scale="),
     ]:
         with pytest.raises(ValueError, match=match):
             skinny_gemm(x, **kwargs)

@@ -80,6 +80,13 @@ draft_ahead = True
 # request stops. True: always (the CPU tests run it eagerly). False: never (A/B switch).
 decode_ahead: bool | None = None
 
+# True: a step whose requests are all greedy (temperature 0) with no logprobs and no penalties
+# takes its tokens from the lm_head's int8 copy with exact bounds (kernels/greedy_lm_head.py:
+# the argmax of the full-precision logits, about half the lm_head's bytes) instead of the logits
+# and the sampler; the copy is built at start-up, before the KV cache is sized. False: the
+# logits every step (an A/B switch).
+greedy_int8_lm_head = False
+
 # Prompt-length batches the warm-up prefills (one token each, after its two decoding requests),
 # so that the first real prompts of these kinds build no kernel. Triton compiles a kernel per
 # constexpr set and per specialisation of its integer arguments (== 1, a multiple of 16, other):
@@ -182,6 +189,10 @@ class LLMEngine:
             saved = quantize_drafter(self.drafter)  # before the KV cache is sized
             logger.info("drafter quantized to fp8 (MLP gate|up, lm_head copy): %.1f MiB fewer bytes "
                         "a block and its lm_head stream in launches of up to 16 rows", saved / 2**20)
+        if greedy_int8_lm_head:
+            nbytes = self.target.quantize_lm_head_int8()  # before the KV cache is sized
+            if nbytes:
+                logger.info("lm_head int8 copy for greedy steps: %.1f MiB", nbytes / 2**20)
         max_positions = self.max_model_len + k + 1
         self.target.prepare_rope(max_positions, self.device)
         if self.drafter is not None:
@@ -785,11 +796,32 @@ class LLMEngine:
             logprob_rows.append((seq, first_row, tokens[:kept]))
         return kept
 
-    def _add_logprobs(self, logits: torch.Tensor, logprob_rows: list[tuple[Sequence, int, list[int]]]) -> None:
+    def _step_tokens(self, hidden: torch.Tensor, seqs: list[Sequence], rows_per_request: int = 1,
+                     drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(tokens [R * rows_per_request] int64, logits or None)`` of a decode step's or a
+        verify's rows ``hidden`` (request-major): with :data:`greedy_int8_lm_head`, a step whose
+        requests are all greedy without logprobs or penalties takes the argmax through the
+        lm_head's int8 copy and has no logits; otherwise the logits and the sampler (``drafts``:
+        the verify's, for the penalties)."""
+        if greedy_int8_lm_head and self.target.lm_head_int8 is not None and all(
+                s.params.is_greedy and s.params.logprobs is None and not s.params.has_penalties
+                and len(s.output_token_ids) >= s.params.min_tokens for s in seqs):
+            tokens = self.target.greedy_tokens(hidden)
+            if tokens is not None:
+                return tokens, None
+        logits = self.target.lm_head_logits(hidden)
+        tokens = sample_rows(logits, [s.params for s in seqs], self._positions(seqs), rows_per_request,
+                             replaced=penalized_rows(logits, seqs, rows_per_request, drafts),
+                             global_generator=self.generator)
+        return tokens, logits
+
+    def _add_logprobs(self, logits: torch.Tensor | None, logprob_rows: list[tuple[Sequence, int, list[int]]]) -> None:
         """Extend each request's ``logprobs`` from ``logits [rows, V]``: one pass and one host
-        copy for the whole step (``logprob_rows`` from :meth:`_commit`), not one a request."""
+        copy for the whole step (``logprob_rows`` from :meth:`_commit`), not one a request.
+        ``logits`` is None only in a step without logprobs (:meth:`_step_tokens`)."""
         if not logprob_rows:
             return
+        assert logits is not None, "a step with logprobs computes its logits"
         rows = [r + j for _, r, toks in logprob_rows for j in range(len(toks))]
         entries = iter(top_logprobs(
             logits.index_select(0, to_device_async(torch.tensor(rows), logits.device)),
@@ -870,9 +902,7 @@ class LLMEngine:
             taps, tap_rows = ahead.taps, rows  # pending taps reference rows of the ahead's taps
             hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
-        logits = self.target.lm_head_logits(hidden)
-        sampled = sample_rows(logits, [s.params for s in seqs], self._positions(seqs),
-                              replaced=penalized_rows(logits, seqs), global_generator=self.generator)
+        sampled, logits = self._step_tokens(hidden, seqs)
         if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
             self._ahead = self._queue_forward_ahead(seqs, sampled)
@@ -960,13 +990,11 @@ class LLMEngine:
         items = [forward_item(s, k + 1, p, p + k + 1) for p, s in zip(anchors, seqs)]
         hidden, taps = self.runner.forward(ids, items, self.tap_layer_ids, store_context=store_context_in_verify,
                                            tail_ids=drafts, copy_hidden=False)  # consumed by the lm_head
-        logits = self.target.lm_head_logits(hidden)  # [R*(K+1), V], the weights' dtype
-        # penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless).
+        # logits [R*(K+1), V] in the weights' dtype, or None (greedy tokens from the int8 copy).
+        # Penalties: row j counts drafts d_1..d_j as outputs (engine/penalties.py: lossless).
         # Seeded requests: row j takes the noise of output position len(output) + j, the one a
         # target-only step would use there (engine/sampler.py), whichever rows are accepted
-        target_tokens = sample_rows(logits, [s.params for s in seqs], self._positions(seqs), k + 1,
-                                    replaced=penalized_rows(logits, seqs, k + 1, drafts),
-                                    global_generator=self.generator)
+        target_tokens, logits = self._step_tokens(hidden, seqs, k + 1, drafts)
         target_tokens = target_tokens.view(len(seqs), k + 1)
         simulated = None
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it

@@ -77,9 +77,10 @@ Gate and up are rounded where the plain GEMM stores them, then activated as
 with one launch fewer and no ``[M, 2I]`` round trip.
 
 ``scale=`` with a ``float8_e4m3fn`` weight (weight-only fp8, a drafter's option:
-``models/fp8.py``): ``y[m, n] = scale[n] * sum_k x[m, k] Wq[n, k]``, the weight streamed at one
-byte an element (half of bf16's bytes) and widened to x's dtype in registers (exact), fp32
-accumulation as above, the row scale applied before the split-K partials and the rounding.
+``models/fp8.py``) or an ``int8`` one (the lm_head copy of ``kernels/greedy_lm_head.py``):
+``y[m, n] = scale[n] * sum_k x[m, k] Wq[n, k]``, the weight streamed at one byte an element (half
+of bf16's bytes) and widened to x's dtype in registers (exact), fp32 accumulation as above, the
+row scale applied before the split-K partials and the rounding.
 
 The grid and every launch argument depend only on the shapes and the config (no host sync, no
 data-dependent sizes): capturable. fp32 inputs accumulate exact products (``tl.dot`` in "ieee"
@@ -126,6 +127,7 @@ _MAX_GEMV_M = 4  # rows of the GEMV path (one accumulator each)
 _MIN_BLOCK_N = 8  # counters per N: ceil(N / _MIN_BLOCK_N) covers every allowed block_n
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn  # a weight of this dtype comes with per-row fp32 scales
+QUANT_DTYPES = (FP8_DTYPE, torch.int8)  # one-byte weights, each with per-row fp32 scales
 _NUM_SMS_H200 = 132
 
 
@@ -341,10 +343,10 @@ def is_available(device: torch.device | str) -> bool:
 def can_use(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     """Whether :func:`skinny_gemm` accepts ``(x, weight, scale)`` and can run where they live: both
     2-D on one device where :func:`is_available`, ``1 <= M <= 16`` (``M = 0`` is also accepted),
-    matching K, x of fp32 / bf16 / fp16 and weight of x's dtype, or e4m3 with ``scale [N]``
+    matching K, x of fp32 / bf16 / fp16 and weight of x's dtype, or e4m3 / int8 with ``scale [N]``
     fp32 (contiguous, same device), weight with unit column stride. (Any K and N; ragged tiles
     are masked.)"""
-    is_fp8 = weight.dtype == FP8_DTYPE
+    is_fp8 = weight.dtype in QUANT_DTYPES
     return (
         x.dim() == 2 and weight.dim() == 2
         and x.shape[0] <= MAX_M and x.shape[1] == weight.shape[1]
@@ -713,17 +715,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         raise ValueError(f"x [M, K={x.shape[1]}] and weight [N, K={weight.shape[1]}] disagree on K")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if weight.dtype == FP8_DTYPE:
+    if weight.dtype in QUANT_DTYPES:
         if scale is None:
-            raise ValueError("an float8_e4m3fn weight needs scale= (its per-row fp32 scales [N]); "
-                             "quantize with models/fp8.py quantize_rows")
+            raise ValueError(f"a {weight.dtype} weight needs scale= (its per-row fp32 scales [N]); "
+                             "quantize with models/fp8.py quantize_rows or greedy_lm_head.quantize")
         if (not isinstance(scale, torch.Tensor) or scale.shape != (weight.shape[0],)
                 or scale.dtype != torch.float32 or not scale.is_contiguous() or scale.device != x.device):
             raise ValueError(f"scale must be a contiguous float32 tensor [N={weight.shape[0]}] on "
                              f"{x.device}, got {getattr(scale, 'dtype', type(scale).__name__)} "
                              f"{tuple(getattr(scale, 'shape', ()))}")
     elif scale is not None:
-        raise ValueError(f"scale= is for float8_e4m3fn weights; this weight is {weight.dtype} (drop scale)")
+        raise ValueError(f"scale= is for float8_e4m3fn / int8 weights; this weight is {weight.dtype} (drop scale)")
     elif weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}; cast one")
     if weight.device != x.device:
@@ -741,7 +743,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
     Args:
         x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= 16``, any strides.
         weight: ``[N, K]`` of x's dtype and device, unit column stride (any row stride); or
-            ``float8_e4m3fn`` with ``scale``.
+            ``float8_e4m3fn`` or ``int8`` with ``scale``.
         config: tiles and launch options; ``None``: :func:`default_config` ``(M, N, K)``.
         glu: ``weight`` is a SwiGLU MLP's ``gate_up [2I, K]`` (gate rows first, ``N = 2I`` even)
             and the result is ``silu(x W_gate^T) * (x W_up^T)`` ``[M, I]``: bitwise
@@ -776,7 +778,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         return y.zero_()  # with glu and K = 0: gate = up = 0, silu(0) * 0 = 0
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret),
-                                glu=glu, w_fp8=fp8_mode(is_fp8, x.dtype))
+                                glu=glu, w_fp8=fp8_mode(is_fp8, x.dtype, weight.dtype))
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
@@ -800,7 +802,7 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
 
     Args:
         x: ``[M, K]`` fp32 / bf16 / fp16, ``M <= MAX_ROW_BLOCKS * 16``, any strides.
-        weight: ``[N, K]`` of x's dtype and device, unit column stride; or ``float8_e4m3fn``
+        weight: ``[N, K]`` of x's dtype and device, unit column stride; or ``float8_e4m3fn`` / ``int8``
             with ``scale [N]`` fp32 (as :func:`skinny_gemm`).
         config: tiles and launch options (the dot path).
 
@@ -821,7 +823,7 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
     blocks = _cdiv(m, MAX_M)
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, config, interpret, pdl.active(x.device, interpret),
-                                row_blocks=blocks, w_fp8=fp8_mode(scale is not None, x.dtype))
+                                row_blocks=blocks, w_fp8=fp8_mode(scale is not None, x.dtype, weight.dtype))
     part, counters = _workspace(x.device, n, split_k, blocks) if split_k > 1 else (y, y)
     _kernels(interpret)[grid](
         x, weight, y, part, counters, scale if scale is not None else y,
@@ -836,12 +838,14 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
 FP8_DOT_F16 = True
 
 
-def fp8_mode(is_fp8: bool, dtype: torch.dtype) -> int:
-    """The kernel's ``W_FP8``: 0 (the weight in x's dtype), 1 (e4m3 widened to x's dtype), 2
-    (e4m3 and a bf16 x both to fp16 for the dot: :data:`FP8_DOT_F16`)."""
+def fp8_mode(is_fp8: bool, dtype: torch.dtype, weight_dtype: torch.dtype = FP8_DTYPE) -> int:
+    """The kernel's ``W_FP8``: 0 (the weight in x's dtype), 1 (a one-byte weight widened to x's
+    dtype), 2 (e4m3 and a bf16 x both to fp16 for the dot: :data:`FP8_DOT_F16`). An int8 weight
+    always takes 1: x is never rounded (kernels/greedy_lm_head.py bounds the error of exact
+    products)."""
     if not is_fp8:
         return 0
-    return 2 if FP8_DOT_F16 and dtype == torch.bfloat16 else 1
+    return 2 if FP8_DOT_F16 and dtype == torch.bfloat16 and weight_dtype == FP8_DTYPE else 1
 
 
 def _use_dot(cfg: SkinnyConfig, m: int) -> bool:

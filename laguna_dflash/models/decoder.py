@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..distributed import SINGLE, Split, TensorParallel
-from ..kernels import batch_invariant
+from ..kernels import batch_invariant, greedy_lm_head
+from ..kernels.availability import triton_can_run
 from .layers import (
     MLP,
     Attention,
@@ -175,6 +176,29 @@ class DecoderLM(nn.Module):
         if batch_invariant.is_active():
             return self.tp.all_gather_last(batch_invariant.linear(hidden, self.lm_head_weight))
         return self.tp.all_gather_last(lm_head_linear(hidden, self.lm_head_weight))
+
+    lm_head_int8: greedy_lm_head.Int8LmHead | None = None
+
+    def quantize_lm_head_int8(self) -> int:
+        """Build the lm_head's int8 copy for :meth:`greedy_tokens` (kernels/greedy_lm_head.py):
+        its bytes, or 0 where it does not apply (tensor parallelism, a weight that is not bf16 /
+        fp16 and contiguous, or a device Triton does not run on)."""
+        weight = self.lm_head_weight
+        if (self.tp.is_parallel or weight.dtype not in (torch.bfloat16, torch.float16)
+                or not weight.is_contiguous() or not triton_can_run(weight.device)):
+            return 0
+        self.lm_head_int8 = greedy_lm_head.quantize(weight)
+        return self.lm_head_int8.nbytes
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``torch.argmax`` of the logits of ``hidden [N, H]`` (final-normed), each row's, through
+        the int8 copy (:meth:`quantize_lm_head_int8`) -> ``[N]`` int64; None where that copy is
+        missing or does not take ``hidden`` (then the caller computes the logits)."""
+        head = self.lm_head_int8
+        if (head is None or batch_invariant.is_active()
+                or not greedy_lm_head.can_use(hidden, self.lm_head_weight, head)):
+            return None
+        return greedy_lm_head.greedy_tokens(hidden, self.lm_head_weight, head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""

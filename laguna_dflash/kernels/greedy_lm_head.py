@@ -1,0 +1,264 @@
+"""Greedy tokens through an int8 copy of the lm_head: the exact argmax, about half the bytes.
+
+A greedy step needs only ``argmax_v logits[v]``, not the logits. At batch 1 the lm_head's
+weight (``[V, H]``, 411 MB at Laguna-XS-2.1 size in bf16) is ~8% of a decode step's bytes, and
+its GEMM runs at the copy bandwidth. Here the step streams a per-row int8 copy instead (half the
+bytes) and reads the full-precision rows only for the few tokens the int8 logits cannot rule out.
+The result is the argmax of the full-precision logits, bit for bit: nothing is approximated.
+
+For a row ``x [H]`` of the final-normed hidden state and vocabulary row ``w_v``:
+
+* ``q_v = round(w_v / s_v)``, ``s_v = max|w_v| / 127`` (:func:`quantize`, once); the error norm
+  ``err_v >= ||w_v - s_v q_v||_2`` and ``norm_v >= ||w_v||_2`` are kept (fp32, rounded up).
+* ``i_v``: the int8 logit, ``s_v * sum_k x_k q_vk`` (``skinny_gemm`` with ``scale=``: exact
+  products, fp32 sums), rounded to x's dtype.
+* ``e_v``: the exact logit, ``sum_k x_k w_vk`` in fp32 (this module's last kernel), rounded to
+  x's dtype. These are the logits whose argmax the step returns.
+* Bound: ``|e_v - i_v| <= B_v = c (err_v + SLACK norm_v) + 2^-7 |i_v|``, ``c = 1.001 ||x||_2``.
+  Cauchy-Schwarz gives ``||x|| err_v`` for the quantization. ``SLACK = 1e-3`` covers the fp32
+  sums of both logits, whatever their order or the tensor cores' alignment (at most about
+  ``K 2^-22 ||x|| ||w_v||`` each, 4.9e-4 at K = 2048). The last term covers rounding ``i_v``.
+* ``lo = max_v (i_v - B_v) <= max_v e_v``, and ``mag = max_v (|i_v| + B_v) >= |max_v e_v|``.
+  A token is a candidate when ``i_v + B_v >= lo - 2^-6 mag``. Every other token has
+  ``e_v < max e - 2^-6 |max e|``. That is at least two units in the last place of the
+  output dtype (bf16 / fp16) below the maximum, so its rounded logit is strictly below the
+  maximum's. The argmax of the candidates' rounded exact logits, lowest index on ties, is
+  therefore ``torch.argmax`` over all the exact logits.
+* A row whose ``x`` or int8 logits hold a NaN or an infinity takes every token as a candidate
+  (the full-precision lm_head for that row; NaN first, as ``torch.argmax`` ranks it).
+
+With random weights at XS-2.1 size, ``B_v`` is about a third of the logits' spread, which leaves
+a few dozen candidates in 100352 tokens. A trained head's peaked logits leave fewer.
+
+Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
+
+1. the int8 GEMM (``skinny_gemm``, the e4m3 table's tiles: same bytes);
+2. ``_bounds_kernel``, grid ``(M, V / CHUNK)``: ``c`` and the chunk's ``lo`` / ``mag``;
+3. ``_exact_kernel``, grid ``(M, V / SUB)``: the row's threshold from the chunks. The exact
+   logits of the candidate rows only (masked loads of the others read nothing). The block's
+   (max, first index), as ``kernels/argmax.py``'s chunk kernel does, NaN included;
+4. ``argmax``'s finish kernel over the blocks.
+
+Runs on CUDA, and on the CPU under Triton's interpreter (the tests). For bf16 / fp16 weights
+only: an fp32 model's logits would need another tie margin, so it keeps the full GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import argmax as _argmax
+from . import skinny_gemm as _sg
+from .availability import interpret_mode, triton_can_run
+from .jit import DTYPE_CODE, _round_to, jit_functions
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+__all__ = ["Int8LmHead", "can_use", "greedy_tokens", "greedy_tokens_reference", "quantize"]
+
+MAX_M = 16  # rows a call (the skinny GEMM's)
+SLACK = 1e-3  # the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)
+CHUNK = 2048  # tokens a bounds program
+SUB = 64  # tokens an exact program
+_BLOCK_K = 64  # the exact kernel's K step
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Int8LmHead:
+    """A per-row int8 copy of an lm_head weight ``[V, H]`` and its error bounds (:func:`quantize`).
+
+    Attributes:
+        q: ``[V, H]`` int8, ``round(w_v / scale_v)`` in ``[-127, 127]``.
+        scale: ``[V]`` fp32, ``max|w_v| / 127`` (1 for an all-zero row).
+        err: ``[V]`` fp32, at least ``||w_v - scale_v q_v||_2``.
+        norm: ``[V]`` fp32, at least ``||w_v||_2``.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    err: torch.Tensor
+    norm: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.err, self.norm))
+
+
+def _round_up_f32(v: torch.Tensor) -> torch.Tensor:
+    # float64 -> the smallest float32 >= v
+    f = v.float()
+    return torch.where(f.double() < v, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
+
+
+@torch.no_grad()
+def quantize(weight: torch.Tensor, rows_per_step: int = 8192) -> Int8LmHead:
+    """The int8 copy of ``weight [V, H]`` (bf16 / fp16) and its bounds, on its device, a block of
+    ``rows_per_step`` rows at a time (the float64 norms of one block at most in memory)."""
+    if weight.dim() != 2 or weight.dtype not in _DTYPES:
+        raise ValueError(f"weight must be [V, H] bf16 / fp16, got {tuple(weight.shape)} {weight.dtype}")
+    v, h = weight.shape
+    q = torch.empty((v, h), dtype=torch.int8, device=weight.device)
+    scale = torch.empty(v, dtype=torch.float32, device=weight.device)
+    err = torch.empty(v, dtype=torch.float32, device=weight.device)
+    norm = torch.empty(v, dtype=torch.float32, device=weight.device)
+    for r0 in range(0, v, rows_per_step):
+        w = weight[r0 : r0 + rows_per_step].float()
+        s = w.abs().amax(dim=1) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        qi = torch.clamp(torch.round(w / s[:, None]), -127, 127)
+        q[r0 : r0 + rows_per_step] = qi.to(torch.int8)
+        scale[r0 : r0 + rows_per_step] = s
+        w64 = w.double()
+        err[r0 : r0 + rows_per_step] = _round_up_f32((w64 - s.double()[:, None] * qi.double()).norm(dim=1))
+        norm[r0 : r0 + rows_per_step] = _round_up_f32(w64.norm(dim=1))
+    return Int8LmHead(q, scale, err, norm)
+
+
+def can_use(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead | None) -> bool:
+    """Whether :func:`greedy_tokens` takes ``x [M, H]`` here: a copy of ``weight``, ``1 <= M <=
+    16``, bf16 / fp16 of weight's dtype with unit column stride, contiguous weight, where the
+    skinny GEMM runs (CUDA, or the CPU under the interpreter)."""
+    return (
+        head is not None and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and weight.dim() == 2
+        and x.dtype in _DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+        and x.shape[1] == weight.shape[1] and head.q.shape == weight.shape and x.stride(1) == 1
+        and x.device == weight.device == head.q.device
+        and _sg.can_use(x, head.q, head.scale) and triton_can_run(x.device)
+    )
+
+
+def greedy_tokens_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax`` of ``x @ weight^T`` rounded to x's dtype (float64 sums): what
+    :func:`greedy_tokens` returns up to the fp32 summation order of the logits."""
+    return torch.argmax((x.double() @ weight.double().T).to(x.dtype), dim=-1)
+
+
+# ---- Triton kernels ---------------------------------------------------------------------------------
+
+
+def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, V, stride_xm, stride_im,
+                   num_chunks, SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    # program (m, c): c = 1.001 ||x_m|| (stored by chunk 0) and, over tokens [c CHUNK, (c+1) CHUNK),
+    # lo = max(i - B), mag = max(|i| + B); lo = -inf where x_m or an int8 logit is not finite
+    # (every token a candidate)
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + m * stride_xm + offs_h, mask=offs_h < K, other=0.0).to(tl.float32)
+    finite = tl.min((tl.abs(x) < float("inf")).to(tl.int32), 0)  # 0: a NaN or an infinity
+    cx = 1.001 * tl.math.sqrt_rn(tl.sum(x * x, 0))
+    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs_v < V
+    i = tl.load(i_ptr + m * stride_im + offs_v, mask=ok, other=0.0).to(tl.float32)
+    b = cx * (tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0))
+    b += 0.0078125 * tl.abs(i)  # 2^-7 |i|: i's rounding to x's dtype
+    finite = tl.minimum(finite, tl.min(tl.where(ok, (tl.abs(i) < float("inf")).to(tl.int32), 1), 0))
+    lo = tl.max(tl.where(ok, i - b, float("-inf")), 0)
+    mag = tl.max(tl.where(ok, tl.abs(i) + b, 0.0), 0)
+    tl.store(lo_ptr + m * num_chunks + c, tl.where(finite > 0, lo, float("-inf")))
+    tl.store(mag_ptr + m * num_chunks + c, mag)
+    if c == 0:
+        tl.store(cx_ptr + m, cx)
+
+
+def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, part_v_ptr, part_i_ptr,
+                  V, stride_xm, stride_w, stride_im, num_chunks, num_blocks,
+                  SLACK: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+                  SUB: tl.constexpr, BLOCK_C: tl.constexpr, DTYPE: tl.constexpr):
+    # program (m, s): tokens [s SUB, (s+1) SUB): the candidates' exact logits, rounded to DTYPE,
+    # then the block's (max, first index of it), or (NaN, first NaN's index) as argmax's chunk
+    # kernel; (-inf, the block's first token) without a candidate
+    m = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    lo = tl.max(tl.load(lo_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=float("-inf")), 0)
+    mag = tl.max(tl.load(mag_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=0.0), 0)
+    threshold = lo - 0.015625 * mag  # 2^-6 mag: two units in the last place of the maximum
+    cx = tl.load(cx_ptr + m)
+    offs_v = s.to(tl.int64) * SUB + tl.arange(0, SUB)
+    ok = offs_v < V
+    i = tl.load(i_ptr + m * stride_im + offs_v, mask=ok, other=0.0).to(tl.float32)
+    b = cx * (tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0))
+    b += 0.0078125 * tl.abs(i)
+    # lo = -inf: a row with a NaN or an infinity (_bounds_kernel), every token a candidate
+    every = (lo == float("-inf")).to(tl.int32)
+    cand = ok & (tl.maximum((i + b >= threshold).to(tl.int32), every) > 0)
+    val = tl.full([SUB], float("-inf"), tl.float32)
+    if tl.max(cand.to(tl.int32), 0) > 0:
+        acc = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
+        rows = w_ptr + offs_v[:, None] * stride_w
+        for kk in range(K_ITERS):
+            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            w = tl.load(rows + offs_k[None, :], mask=cand[:, None] & k_ok[None, :], other=0.0)
+            xk = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+        val = tl.where(cand, _round_to(tl.sum(acc, 1), DTYPE), float("-inf"))
+    is_nan = val != val
+    has_nan = tl.max(is_nan.to(tl.int32), 0) > 0
+    top = tl.max(tl.where(is_nan, float("-inf"), val), 0)
+    hit = tl.where(has_nan, is_nan, val == top)
+    first = tl.min(tl.where(hit, offs_v, V), 0)
+    first = tl.where(first == V, s.to(tl.int64) * SUB, first)  # no candidate: a real token
+    tl.store(part_v_ptr + m * num_blocks + s, tl.where(has_nan, float("nan"), top))
+    tl.store(part_i_ptr + m * num_blocks + s, first)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """(bounds kernel, exact kernel) for one mode (``interpret`` is the cache key)."""
+    del interpret
+    ns = jit_functions(__name__, (_round_to, _bounds_kernel, _exact_kernel))
+    return ns["_bounds_kernel"], ns["_exact_kernel"]
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> torch.Tensor:
+    """``torch.argmax`` over the logits ``x @ weight^T`` (fp32 sums, rounded to x's dtype), each
+    row's, through the int8 copy ``head`` (module docstring) -> ``[M]`` int64.
+
+    Args:
+        x: ``[M, H]`` bf16 / fp16 (the final-normed hidden states), ``1 <= M <= 16``.
+        weight: ``[V, H]`` contiguous, x's dtype: the lm_head weight ``head`` was made from.
+        head: :func:`quantize` ``(weight)``.
+
+    Raises:
+        ValueError: where :func:`can_use` does not hold.
+    """
+    if not can_use(x, weight, head):
+        raise ValueError(f"greedy_tokens takes x [1..{MAX_M}, H] bf16 / fp16 of weight's dtype with "
+                         f"weight's int8 copy, on a device Triton runs on; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}: use the lm_head GEMM and argmax")
+    m, h = x.shape
+    v = weight.shape[0]
+    i = _sg.skinny_gemm(x, head.q, _sg.default_config(m, v, h, fp8=True), scale=head.scale)  # [M, V]
+    num_chunks = -(-v // CHUNK)
+    num_blocks = -(-v // SUB)
+    dev = x.device
+    lo = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
+    mag = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
+    cx = torch.empty(m, dtype=torch.float32, device=dev)
+    part_v = torch.empty((m, num_blocks), dtype=torch.float32, device=dev)
+    part_i = torch.empty((m, num_blocks), dtype=torch.int64, device=dev)
+    out = torch.empty(m, dtype=torch.int64, device=dev)
+    interpret = interpret_mode()
+    bounds, exact = _kernels(interpret)
+    bounds[(m, num_chunks)](x, i, head.err, head.norm, lo, mag, cx, v, x.stride(0), i.stride(0), num_chunks,
+                            SLACK=SLACK, K=h, BLOCK_H=_next_pow2(h), CHUNK=CHUNK, num_warps=4)
+    exact[(m, num_blocks)](x, weight, i, head.err, head.norm, lo, mag, cx, part_v, part_i,
+                           v, x.stride(0), weight.stride(0), i.stride(0), num_chunks, num_blocks,
+                           SLACK=SLACK, K=h, BLOCK_K=_BLOCK_K, K_ITERS=-(-h // _BLOCK_K), SUB=SUB,
+                           BLOCK_C=max(2, _next_pow2(num_chunks)), DTYPE=DTYPE_CODE[x.dtype], num_warps=4)
+    finish = _argmax._kernels(interpret)[1]
+    finish[(m,)](part_v, part_i, out, num_blocks, BLOCK_C=max(2, _next_pow2(num_blocks)), num_warps=4)
+    return out

@@ -1,0 +1,223 @@
+"""Greedy tokens through the lm_head's int8 copy (``kernels/greedy_lm_head.py``).
+
+The oracle is ``torch.argmax`` over the exact logits. The problems are built so that every logit
+is exact in fp32 whatever the summation order: small integer weights and activations, scaled by
+powers of two. So the kernel's answer must equal ``torch.argmax`` of the float64 logits rounded to
+the dtype, ties (lowest index) included. The int8 copy is not exact on these weights, so the
+bounds and the full-precision pass are exercised. One case checks that the int8 argmax alone gets
+it wrong.
+
+* Here: :func:`quantize`'s copy and bounds against float64; bad inputs.
+* Under Triton's CPU interpreter (a child pytest): M = 1, 3 and 16; vocabularies not a multiple of
+  the chunk or block; duplicate rows (exact ties); NaN and infinite activations.
+* On CUDA: the same at Laguna-XS-2.1's lm_head shape (100352 x 2048), random weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreter_child import HAS_TRITON, INTERPRETED, interpreted, run_interpreted_child
+
+from laguna_dflash.kernels import greedy_lm_head as glh
+
+
+def exact_problem(m: int, v: int, h: int, dtype: torch.dtype, seed: int, device: str = "cpu"):
+    """(x, weight): integer-valued multiples of powers of two, so that each logit (at most h * 16
+    * 8 in units of 2^-7) is exact in fp32 and in the dtype's rounding of it."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-8, 9, (m, h), generator=g) / 8).to(dtype)
+    w = (torch.randint(-15, 16, (v, h), generator=g) / 16).to(dtype)
+    return x.to(device), w.to(device)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.argmax((x.double() @ w.double().T).to(x.dtype), dim=-1)
+
+
+# ---- quantize ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_bounds_hold_in_float64(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 96, generator=g) * 0.05).to(dtype)
+    w[7] = 0  # an all-zero row
+    head = glh.quantize(w, rows_per_step=128)  # three blocks
+    assert head.q.dtype == torch.int8 and head.q.shape == w.shape
+    assert int(head.q.abs().max()) == 127 and int(head.q[7].abs().max()) == 0 and head.scale[7] == 1
+    w64 = w.double()
+    deq = head.scale.double()[:, None] * head.q.double()
+    assert torch.all(head.err.double() >= (w64 - deq).norm(dim=1))
+    assert torch.all(head.norm.double() >= w64.norm(dim=1))
+    assert torch.all(head.err.double() <= (w64 - deq).norm(dim=1) * (1 + 1e-6) + 1e-30)
+    # the copy's error is what int8 gives: at most half a step a weight
+    assert torch.all((w64 - deq).abs() <= head.scale.double()[:, None] / 2 * (1 + 1e-5))
+    assert head.nbytes == 300 * 96 + 3 * 300 * 4
+
+
+def test_quantize_and_can_use_reject_other_weights():
+    with pytest.raises(ValueError, match="bf16 / fp16"):
+        glh.quantize(torch.zeros(4, 8))
+    x, w = exact_problem(1, 64, 32, torch.bfloat16, seed=0)
+    head = glh.quantize(w)
+    assert not glh.can_use(x, w, None)
+    assert not glh.can_use(x.float(), w, head)
+    assert not glh.can_use(torch.zeros(17, 32, dtype=torch.bfloat16), w, head)  # past 16 rows
+    assert not glh.can_use(x, w[:, :16], head)
+    if not INTERPRETED:  # the CPU without the interpreter runs no Triton
+        assert not glh.can_use(x, w, head)
+        with pytest.raises(ValueError, match="lm_head GEMM and argmax"):
+            glh.greedy_tokens(x, w, head)
+
+
+# ---- Triton kernels (CPU interpreter) ------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="triton not installed / already the child")
+def test_kernel_under_triton_interpreter():
+    run_interpreted_child(__file__, timeout=600)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,v,h", [(1, 5000, 256), (3, 4160, 96), (16, 700, 64)])
+def test_interpreted_equals_argmax_of_exact_logits(m, v, h, dtype):
+    x, w = exact_problem(m, v, h, dtype, seed=m + v)
+    # exact ties: copies of the best rows later in the vocabulary (the first must win), and a
+    # copy of row 0's best at the very last token
+    best = reference(x, w)
+    for r, t in enumerate(best.tolist()):
+        w[v - 1 - r] = w[t]
+    head = glh.quantize(w)
+    got = glh.greedy_tokens(x, w, head)
+    assert got.dtype == torch.int64 and got.shape == (m,)
+    assert torch.equal(got, reference(x, w))
+    assert torch.equal(got, best)  # the copies come later: the first index wins
+
+
+@interpreted
+def test_interpreted_exact_pass_corrects_the_int8_argmax():
+    """Two tokens whose int8 logits rank them the wrong way round: the full-precision rows decide."""
+    h = 64
+    x = torch.ones(1, h, dtype=torch.bfloat16)
+    w = torch.zeros(8, h, dtype=torch.bfloat16)
+    w[:, 0] = 1.0  # every row's max|w| is 1: scale 1 / 127, logit 1 + the rest
+    w[2, 1:] = 0.4 / 127  # q = 0: int8 logit 1, exact 1 + 63 * 0.4 / 127 = 1.198
+    w[5, 33:] = 0.6 / 127  # q = 1: int8 logit 1 + 31 / 127 = 1.244, exact 1 + 31 * 0.6 / 127 = 1.146
+    head = glh.quantize(w)
+    int8_logits = (x.float() @ (head.scale[:, None] * head.q.float()).T)[0]
+    assert int(torch.argmax(int8_logits)) == 5  # the int8 copy alone picks row 5
+    want = reference(x, w)
+    assert int(want[0]) == 2
+    assert torch.equal(glh.greedy_tokens(x, w, head), want)
+
+
+@interpreted
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_interpreted_non_finite_rows_take_the_full_logits(value):
+    """A NaN or an infinity in a row of x: every token is a candidate, and the answer is
+    ``torch.argmax`` of the full logits (a NaN ranks first); the other rows are unaffected."""
+    x, w = exact_problem(2, 3000, 64, torch.bfloat16, seed=5)
+    x[1, 3] = value
+    head = glh.quantize(w)
+    got = glh.greedy_tokens(x, w, head)
+    logits = (x.double() @ w.double().T).to(torch.bfloat16)
+    assert torch.equal(got, torch.argmax(logits, dim=-1))
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_cuda_xs_lm_head_equals_argmax_of_exact_logits(m):
+    x, w = exact_problem(m, 100352, 2048, torch.bfloat16, seed=m, device="cuda")
+    head = glh.quantize(w)
+    assert glh.can_use(x, w, head)
+    assert torch.equal(glh.greedy_tokens(x, w, head), reference(x, w))
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 4])
+def test_cuda_random_weights_pick_a_maximal_logit(m):
+    """Gaussian weights and activations as the dummy XS-2.1 engine has them: the token's exact
+    logit is the row's maximum (float64 sums rounded to bf16; another fp32 order can move a
+    logit by one unit in the last place, so ties with the float64 argmax are allowed)."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(100352, 2048, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    head = glh.quantize(w)
+    got = glh.greedy_tokens(x, w, head)
+    logits = (x.double() @ w.double().T)
+    top = logits.max(dim=-1).values
+    picked = logits.gather(1, got[:, None])[:, 0]
+    assert torch.all(picked >= top - top.abs() * 2**-7), (picked, top)
+    assert torch.equal(got, torch.argmax(logits.to(torch.bfloat16), dim=-1)) or m > 1
+
+
+# ---- the engine (CPU interpreter) ------------------------------------------------------------------
+
+
+@interpreted
+def test_interpreted_engine_greedy_steps_take_the_int8_copy(tmp_path, monkeypatch):
+    """With ``engine.greedy_int8_lm_head`` a bf16 engine's all-greedy steps take their tokens from
+    the int8 copy (target-only and DFlash, batch 2) and give the tokens the logits path gives. A
+    batch with a logprobs request takes the logits (and still the same tokens)."""
+    import dflash_fixtures as df
+
+    from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine import engine as engine_module
+    from laguna_dflash.models.decoder import DecoderLM
+
+    target, draft = df.make_laguna_poolside_pair(tmp_path, block_size=4)
+    calls = []
+    real = DecoderLM.greedy_tokens
+    monkeypatch.setattr(DecoderLM, "greedy_tokens", lambda self, h: calls.append(h.shape[0]) or real(self, h))
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+
+    def run(switch: bool, params: list[SamplingParams], **options) -> list[list[int]]:
+        monkeypatch.setattr(engine_module, "greedy_int8_lm_head", switch)
+        llm = LLM(target, dtype="bfloat16", block_size=4, max_num_seqs=2, **options)
+        assert (llm.engine.target.lm_head_int8 is not None) == switch
+        return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+    for options in ({}, {"draft": draft, "num_speculative_tokens": 3}):
+        want = run(False, [greedy, greedy], **options)
+        assert not calls
+        assert run(True, [greedy, greedy], **options) == want
+        assert calls and max(calls) == (8 if options else 2)  # a verify's 2 x 4 rows, a decode's 2
+        calls.clear()
+    # a request with logprobs in the batch: the logits path for every step, the same tokens
+    assert run(True, [greedy, with_logprobs], **options) == want
+    assert not calls
+
+
+# ---- offline sm_90 build -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton's CUDA backend (and not the interpreter)")
+def test_sm90_builds_without_spills():
+    """Both kernels build for sm_90 at XS-2.1's lm_head (2048 hidden, bf16) with no spills; the
+    exact kernel's weight loads are predicated (a row outside the candidates reads nothing)."""
+    from ptx_sm90 import can_compile_sm90, compile_sm90_spills
+
+    if not can_compile_sm90():
+        pytest.skip("needs triton's CUDA backend")
+    bounds, exact = glh._kernels(False)
+    common = {"SLACK": glh.SLACK, "K": 2048}
+    types = {"x_ptr": "*bf16", "i_ptr": "*bf16", "err_ptr": "*fp32", "norm_ptr": "*fp32", "lo_ptr": "*fp32",
+             "mag_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*bf16", "part_v_ptr": "*fp32", "part_i_ptr": "*i64"}
+    _, spills_b = compile_sm90_spills(bounds, types, {**common, "BLOCK_H": 2048, "CHUNK": glh.CHUNK},
+                                      {"num_warps": 4})
+    ptx_e, spills_e = compile_sm90_spills(exact, types, {**common, "BLOCK_K": glh._BLOCK_K,
+                                                         "K_ITERS": 2048 // glh._BLOCK_K, "SUB": glh.SUB,
+                                                         "BLOCK_C": 64, "DTYPE": 1}, {"num_warps": 4})
+    assert spills_b == [0] and spills_e == [0], (spills_b, spills_e)
+    # the weight rows' 16-byte loads: every one under a predicate (the candidate mask)
+    loads = [line.strip() for line in ptx_e.splitlines() if "ld.global.v4" in line]
+    assert loads and all(line.startswith("@") for line in loads), loads

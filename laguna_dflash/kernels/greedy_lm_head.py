@@ -34,10 +34,11 @@ Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
 
 1. the int8 GEMM (``skinny_gemm``, the e4m3 table's tiles: same bytes);
 2. ``_bounds_kernel``, grid ``(M, V / CHUNK)``: ``c`` and the chunk's ``lo`` / ``mag``;
-3. ``_exact_kernel``, grid ``(M, V / SUB)``: the row's threshold from the chunks. The exact
-   logits of the candidate rows only (masked loads of the others read nothing). The block's
-   (max, first index), as ``kernels/argmax.py``'s chunk kernel does, NaN included;
-4. ``argmax``'s finish kernel over the blocks.
+3. ``_exact_kernel``, the same grid: the row's threshold from the chunks, then the chunk's
+   candidates in token order, one whole weight row a candidate (a loop whose trip count is the
+   candidate count), and the chunk's (max, first index), as ``kernels/argmax.py``'s chunk kernel
+   gives them, NaN included;
+4. ``argmax``'s finish kernel over the chunks.
 
 Runs on CUDA, and on the CPU under Triton's interpreter (the tests). For bf16 / fp16 weights
 only: an fp32 model's logits would need another tie margin, so it keeps the full GEMM.
@@ -63,9 +64,7 @@ __all__ = ["Int8LmHead", "can_use", "greedy_tokens", "greedy_tokens_reference", 
 
 MAX_M = 16  # rows a call (the skinny GEMM's)
 SLACK = 1e-3  # the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)
-CHUNK = 2048  # tokens a bounds program
-SUB = 64  # tokens an exact program
-_BLOCK_K = 64  # the exact kernel's K step
+CHUNK = 2048  # tokens a program of the bounds and exact kernels
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -169,46 +168,46 @@ def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, V, 
 
 
 def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, part_v_ptr, part_i_ptr,
-                  V, stride_xm, stride_w, stride_im, num_chunks, num_blocks,
-                  SLACK: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-                  SUB: tl.constexpr, BLOCK_C: tl.constexpr, DTYPE: tl.constexpr):
-    # program (m, s): tokens [s SUB, (s+1) SUB): the candidates' exact logits, rounded to DTYPE,
-    # then the block's (max, first index of it), or (NaN, first NaN's index) as argmax's chunk
-    # kernel; (-inf, the block's first token) without a candidate
+                  V, stride_xm, stride_w, stride_im, num_chunks,
+                  SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_C: tl.constexpr, DTYPE: tl.constexpr):
+    # program (m, c): the candidates among tokens [c CHUNK, (c+1) CHUNK), one whole weight row
+    # each in token order (a row is one load a thread: candidates are few, so the loop's trip
+    # count, not its loads, is short); their exact logits rounded to DTYPE; the chunk's (max,
+    # first index of it), or (NaN, first NaN's index) as argmax's chunk kernel, or (-inf, the
+    # chunk's first token) without a candidate
     m = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
+    c = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
     lo = tl.max(tl.load(lo_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=float("-inf")), 0)
     mag = tl.max(tl.load(mag_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=0.0), 0)
     threshold = lo - 0.015625 * mag  # 2^-6 mag: two units in the last place of the maximum
     cx = tl.load(cx_ptr + m)
-    offs_v = s.to(tl.int64) * SUB + tl.arange(0, SUB)
+    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     ok = offs_v < V
     i = tl.load(i_ptr + m * stride_im + offs_v, mask=ok, other=0.0).to(tl.float32)
     b = cx * (tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0))
     b += 0.0078125 * tl.abs(i)
     # lo = -inf: a row with a NaN or an infinity (_bounds_kernel), every token a candidate
     every = (lo == float("-inf")).to(tl.int32)
-    cand = ok & (tl.maximum((i + b >= threshold).to(tl.int32), every) > 0)
-    val = tl.full([SUB], float("-inf"), tl.float32)
-    if tl.max(cand.to(tl.int32), 0) > 0:
-        acc = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
-        rows = w_ptr + offs_v[:, None] * stride_w
-        for kk in range(K_ITERS):
-            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            w = tl.load(rows + offs_k[None, :], mask=cand[:, None] & k_ok[None, :], other=0.0)
-            xk = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-        val = tl.where(cand, _round_to(tl.sum(acc, 1), DTYPE), float("-inf"))
-    is_nan = val != val
-    has_nan = tl.max(is_nan.to(tl.int32), 0) > 0
-    top = tl.max(tl.where(is_nan, float("-inf"), val), 0)
-    hit = tl.where(has_nan, is_nan, val == top)
-    first = tl.min(tl.where(hit, offs_v, V), 0)
-    first = tl.where(first == V, s.to(tl.int64) * SUB, first)  # no candidate: a real token
-    tl.store(part_v_ptr + m * num_blocks + s, tl.where(has_nan, float("nan"), top))
-    tl.store(part_i_ptr + m * num_blocks + s, first)
+    left = tl.where(ok, tl.maximum((i + b >= threshold).to(tl.int32), every), 0)
+    offs_h = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + m * stride_xm + offs_h, mask=offs_h < K, other=0.0).to(tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_at = c.to(tl.int64) * CHUNK
+    found_nan = tl.full([], 0, tl.int32)
+    while tl.max(left, 0) > 0:
+        v = tl.min(tl.where(left > 0, offs_v, V), 0)  # the next candidate, in token order
+        left = tl.where(offs_v == v, 0, left)
+        w = tl.load(w_ptr + v * stride_w + offs_h, mask=offs_h < K, other=0.0).to(tl.float32)
+        e = _round_to(tl.sum(w * x, 0), DTYPE)
+        # a NaN wins (the first one), else a strictly larger logit (the first maximal index)
+        take = (found_nan == 0) & ((e != e) | (e > best))
+        best = tl.where(take, e, best)
+        best_at = tl.where(take, v, best_at)
+        found_nan = tl.where(e != e, 1, found_nan)
+    tl.store(part_v_ptr + m * num_chunks + c, best)
+    tl.store(part_i_ptr + m * num_chunks + c, best_at)
 
 
 @functools.lru_cache(maxsize=2)
@@ -243,22 +242,22 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
     v = weight.shape[0]
     i = _sg.skinny_gemm(x, head.q, _sg.default_config(m, v, h, fp8=True), scale=head.scale)  # [M, V]
     num_chunks = -(-v // CHUNK)
-    num_blocks = -(-v // SUB)
     dev = x.device
     lo = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
     mag = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
     cx = torch.empty(m, dtype=torch.float32, device=dev)
-    part_v = torch.empty((m, num_blocks), dtype=torch.float32, device=dev)
-    part_i = torch.empty((m, num_blocks), dtype=torch.int64, device=dev)
+    part_v = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
+    part_i = torch.empty((m, num_chunks), dtype=torch.int64, device=dev)
     out = torch.empty(m, dtype=torch.int64, device=dev)
     interpret = interpret_mode()
     bounds, exact = _kernels(interpret)
+    block_h = _next_pow2(h)
     bounds[(m, num_chunks)](x, i, head.err, head.norm, lo, mag, cx, v, x.stride(0), i.stride(0), num_chunks,
-                            SLACK=SLACK, K=h, BLOCK_H=_next_pow2(h), CHUNK=CHUNK, num_warps=4)
-    exact[(m, num_blocks)](x, weight, i, head.err, head.norm, lo, mag, cx, part_v, part_i,
-                           v, x.stride(0), weight.stride(0), i.stride(0), num_chunks, num_blocks,
-                           SLACK=SLACK, K=h, BLOCK_K=_BLOCK_K, K_ITERS=-(-h // _BLOCK_K), SUB=SUB,
+                            SLACK=SLACK, K=h, BLOCK_H=block_h, CHUNK=CHUNK, num_warps=4)
+    exact[(m, num_chunks)](x, weight, i, head.err, head.norm, lo, mag, cx, part_v, part_i,
+                           v, x.stride(0), weight.stride(0), i.stride(0), num_chunks,
+                           SLACK=SLACK, K=h, BLOCK_H=block_h, CHUNK=CHUNK,
                            BLOCK_C=max(2, _next_pow2(num_chunks)), DTYPE=DTYPE_CODE[x.dtype], num_warps=4)
     finish = _argmax._kernels(interpret)[1]
-    finish[(m,)](part_v, part_i, out, num_blocks, BLOCK_C=max(2, _next_pow2(num_blocks)), num_warps=4)
+    finish[(m,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, _next_pow2(num_chunks)), num_warps=1)
     return out

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass145    # pass144's tests and lm_head rows, then goal 2's cell at 65
+#                                           # new tokens: defaults, the int8 lm_head copy, the router's
+#                                           # prefetch off, the fp8 drafter with the int8 copy (~8 min)
 #   bash benchmarks/gpu_check.sh pass144    # greedy tokens through the lm_head's int8 copy with exact
 #                                           # bounds (engine.greedy_int8_lm_head): its CUDA tests, the
 #                                           # lm_head alone (bench_greedy_lm_head.py), then goal 2's
@@ -531,6 +534,16 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass145)
+    echo "== (seventy-ninth pass) the int8 lm_head copy and the goals on this card"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 120 tests/test_kernel_greedy_lm_head.py -k cuda | grep -v PASSED | tail -6
+    timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -4
+    G="--switch laguna_dflash.engine.engine:greedy_int8_lm_head=True"
+    P="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
+    for on in "" "$G" "$P" "--draft-quantization fp8 $G"; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass144)
     echo "== (seventy-ninth pass) greedy tokens through the lm_head's int8 copy: CUDA tests, the lm_head, goal cells"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,22 +1,16 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass145    # pass144's tests and lm_head rows, then goal 2's cell at 65
-#                                           # new tokens: defaults, the int8 lm_head copy, the router's
-#                                           # prefetch off, the fp8 drafter with the int8 copy (~8 min)
-#   bash benchmarks/gpu_check.sh pass144    # greedy tokens through the lm_head's int8 copy with exact
-#                                           # bounds (engine.greedy_int8_lm_head): its CUDA tests, the
-#                                           # lm_head alone (bench_greedy_lm_head.py), then goal 2's
-#                                           # cell at 65 new tokens with it and without (~6 min)
+#   bash benchmarks/gpu_check.sh pass145    # for an H200: the int8 lm_head copy's CUDA tests and the lm_head
+#                                           # alone (bench_greedy_lm_head.py), then goal 2's cell at 65 new
+#                                           # tokens (its target-only decode is goal 1's number): defaults,
+#                                           # the int8 copy off, the router's prefetch off, the fp8 drafter
+#                                           # (~8 min)
 #   bash benchmarks/gpu_check.sh pass143    # for an H200: goal 2's cell at 65 new tokens (drafter bf16
 #                                           # with the router's prefetch and without, fp8 with it; its
 #                                           # target-only decode is goal 1's number), then the decode
 #                                           # graph with that prefetch at 16 (default), 24, 32 MB and off
 #                                           # (~8 min)
-#   bash benchmarks/gpu_check.sh pass141    # the goals with the router's prefetch and without:
-#                                           # goal 2's cell at 65 new tokens, drafter bf16 then fp8,
-#                                           # each with MoE.prefetch_next_bytes default then 0 (its
-#                                           # target-only decode is goal 1's number; ~3 min)
 #   bash benchmarks/gpu_check.sh pass139    # the fused router's L2 prefetch of the next layer's
 #                                           # Q|K|V|gate weight (MoE.prefetch_next_bytes, on by
 #                                           # default): the CUDA graph, XS lossless and routing tests,
@@ -539,19 +533,9 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 120 tests/test_kernel_greedy_lm_head.py -k cuda | grep -v PASSED | tail -6
     timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -4
-    G="--switch laguna_dflash.engine.engine:greedy_int8_lm_head=True"
+    G="--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False"
     P="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
-    for on in "" "$G" "$P" "--draft-quantization fp8 $G"; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
-    done ;;
-  pass144)
-    echo "== (seventy-ninth pass) greedy tokens through the lm_head's int8 copy: CUDA tests, the lm_head, goal cells"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 200 tests/test_kernel_greedy_lm_head.py tests/test_kernel_skinny_fp8.py -k "cuda or int8" \
-      | grep -v PASSED | tail -8
-    timeout 120 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -6
-    G=laguna_dflash.engine.engine:greedy_int8_lm_head
-    for on in "--switch $G=True" "" "--switch $G=True"; do
+    for on in "" "$G" "$P" "--draft-quantization fp8"; do
       echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
     done ;;
   pass143)
@@ -563,16 +547,6 @@ case "$stage" in
     done
     timeout 300 python benchmarks/profile_decode_xs.py --top 10 --switch "$P=25165824" --switch "$P=33554432" \
       --switch "$P=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|qkv|router|gate_up|failed|rror" | head -60 ;;
-  pass141)
-    echo "== (seventy-eighth pass) the goals with the router's prefetch (defaults) and without"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    OFF="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
-    for q in "" "--draft-quantization fp8"; do
-      for on in "" "$OFF"; do
-        echo "-- goal 2's cell at 65 new tokens, drafter ${q:-bf16}, ${on:-prefetch on}"
-        goal_cell 85 --new-tokens 65 $q $on
-      done
-    done ;;
   pass139)
     echo "== (seventy-eighth pass) the router's L2 prefetch at decode and verify (defaults): CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

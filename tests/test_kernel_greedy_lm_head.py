@@ -164,8 +164,9 @@ def test_cuda_random_weights_pick_a_maximal_logit(m):
 @interpreted
 def test_interpreted_engine_greedy_steps_take_the_int8_copy(tmp_path, monkeypatch):
     """With ``engine.greedy_int8_lm_head`` a bf16 engine's all-greedy steps take their tokens from
-    the int8 copy (target-only and DFlash, batch 2) and give the tokens the logits path gives. A
-    batch with a logprobs request takes the logits (and still the same tokens)."""
+    the int8 copy (target-only and DFlash, batch 2), and the drafter its drafts: the tokens and
+    drafts the logits path gives. A batch with a logprobs request takes the logits for its
+    verify (and still the same tokens)."""
     import dflash_fixtures as df
 
     from laguna_dflash import LLM, SamplingParams
@@ -175,47 +176,34 @@ def test_interpreted_engine_greedy_steps_take_the_int8_copy(tmp_path, monkeypatc
     target, draft = df.make_laguna_poolside_pair(tmp_path, block_size=4)
     calls = []
     real = DecoderLM.greedy_tokens
-    monkeypatch.setattr(DecoderLM, "greedy_tokens", lambda self, h: calls.append(h.shape[0]) or real(self, h))
+    def spy(self, hidden):  # the rows of each call that took the copy
+        tokens = real(self, hidden)
+        if tokens is not None:
+            calls.append(hidden.shape[0])
+        return tokens
+
+    monkeypatch.setattr(DecoderLM, "greedy_tokens", spy)
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     with_logprobs = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
 
-    def run(switch: bool, params: list[SamplingParams], **options) -> list[list[int]]:
+    def run(switch: bool, params: list[SamplingParams], **options) -> list[tuple]:
         monkeypatch.setattr(engine_module, "greedy_int8_lm_head", switch)
-        llm = LLM(target, dtype="bfloat16", block_size=4, max_num_seqs=2, **options)
+        llm = LLM(target, dtype="bfloat16", block_size=4, max_num_seqs=2, trace=True, **options)
         assert (llm.engine.target.lm_head_int8 is not None) == switch
-        return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        # the tokens, and each DFlash step's drafts (the drafter's argmax: the same either way)
+        return [(o.token_ids, [t["draft_tokens"] for t in o.metrics.get("trace", [])]) for o in outs]
 
     for options in ({}, {"draft": draft, "num_speculative_tokens": 3}):
         want = run(False, [greedy, greedy], **options)
         assert not calls
         assert run(True, [greedy, greedy], **options) == want
-        assert calls and max(calls) == (8 if options else 2)  # a verify's 2 x 4 rows, a decode's 2
+        # a decode's 2 rows; a verify's 2 x 4 and a drafter block's 2 x 3
+        assert sorted(set(calls)) == ([6, 8] if options else [2]), calls
         calls.clear()
-    # a request with logprobs in the batch: the logits path for every step, the same tokens
+    assert all(drafts for _, drafts in want)
+    # a request with logprobs in the batch: the logits path for the verify (the drafts still take
+    # the copy), the same tokens
     assert run(True, [greedy, with_logprobs], **options) == want
-    assert not calls
-
-
-# ---- offline sm_90 build -------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_builds_without_spills():
-    """Both kernels build for sm_90 at XS-2.1's lm_head (2048 hidden, bf16) with no spills; the
-    exact kernel loads a candidate's weight row in 16-byte pieces, inside its candidate loop."""
-    from ptx_sm90 import can_compile_sm90, compile_sm90_spills
-
-    if not can_compile_sm90():
-        pytest.skip("needs triton's CUDA backend")
-    bounds, exact = glh._kernels(False)
-    common = {"SLACK": glh.SLACK, "K": 2048}
-    types = {"x_ptr": "*bf16", "i_ptr": "*bf16", "err_ptr": "*fp32", "norm_ptr": "*fp32", "lo_ptr": "*fp32",
-             "mag_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*bf16", "part_v_ptr": "*fp32", "part_i_ptr": "*i64"}
-    _, spills_b = compile_sm90_spills(bounds, types, {**common, "BLOCK_H": 2048, "CHUNK": glh.CHUNK},
-                                      {"num_warps": 4})
-    ptx_e, spills_e = compile_sm90_spills(exact, types, {**common, "BLOCK_H": 2048, "CHUNK": glh.CHUNK,
-                                                         "BLOCK_C": 64, "DTYPE": 1}, {"num_warps": 4})
-    assert spills_b == [0] and spills_e == [0], (spills_b, spills_e)
-    loop = ptx_e[ptx_e.index("$L__BB"):]
-    assert "ld.global.v4" in loop or "ld.global.nc.v4" in loop
+    assert set(calls) == {6}

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..kernels.argmax import argmax_rows
 from .ahead import DraftsAhead
 from .context_graph import ContextGraphRunner
 from .cuda_graph import DeviceStart
@@ -192,5 +191,4 @@ class DFlashProposer:
         hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, device_start=device_start,
                                      copy_hidden=False)[0]  # consumed at once by the lm_head
         hidden = hidden.view(r, k + 1, -1)[:, 1:]
-        logits = self.drafter.lm_head_logits(hidden.reshape(r * k, -1))  # argmax: no float32 copy
-        return argmax_rows(logits).view(r, k)
+        return self.drafter.draft_tokens(hidden.reshape(r * k, -1)).view(r, k)

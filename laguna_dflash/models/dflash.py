@@ -23,6 +23,7 @@ from torch import nn
 
 from ..distributed import SINGLE, TensorParallel
 from ..kernels import context_kv as context_kv_kernels
+from ..kernels.argmax import argmax_rows
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
 from .fp8 import fp8_linear
@@ -499,6 +500,17 @@ class DFlashDraftModel(nn.Module):
         else:
             logits = lm_head_linear(hidden, self.lm_head_weight)
         return self.target.tp.all_gather_last(logits)
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of :meth:`lm_head_logits` ``(hidden [N, H])`` -> ``[N]`` int64: through the
+        target's int8 lm_head copy where it has one and takes these rows (the exact argmax, the
+        same drafts for half the lm_head's bytes: kernels/greedy_lm_head.py), else the logits.
+        The fp8 copy (``lm_head_fp8``) keeps its own logits: the drafter chose them."""
+        if self.lm_head_fp8 is None:
+            tokens = self.target.greedy_tokens(hidden)
+            if tokens is not None:
+                return tokens
+        return argmax_rows(self.lm_head_logits(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""

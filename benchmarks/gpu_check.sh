@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass146    # the drafter's drafts through the int8 lm_head copy: the CUDA
+#                                           # graph and XS lossless tests, then goal 2's cell at 65 new
+#                                           # tokens with the defaults and with the copy off (~5 min)
 #   bash benchmarks/gpu_check.sh pass145    # for an H200: the int8 lm_head copy's CUDA tests and the lm_head
 #                                           # alone (bench_greedy_lm_head.py), then goal 2's cell at 65 new
 #                                           # tokens (its target-only decode is goal 1's number): defaults,
@@ -528,6 +531,14 @@ case "$stage" in
     done
     echo "-- goal 2's cell at 65 new tokens, drafter bf16"; goal_cell 85 --new-tokens 65
     echo "-- goal 2's cell at 65 new tokens, drafter fp8"; goal_cell 85 --new-tokens 65 --draft-quantization fp8 ;;
+  pass146)
+    echo "== (seventy-ninth pass) the drafts through the int8 lm_head copy: CUDA tests, goal cells"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
+      -m "not exclusive_gpu" | grep -v PASSED | tail -8
+    for on in "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False"; do
+      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+    done ;;
   pass145)
     echo "== (seventy-ninth pass) the int8 lm_head copy and the goals on this card"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -84,9 +84,9 @@ decode_ahead: bool | None = None
 # takes its tokens from the lm_head's int8 copy with exact bounds (kernels/greedy_lm_head.py:
 # the argmax of the full-precision logits, about half the lm_head's bytes) instead of the logits
 # and the sampler; the copy is built at start-up, before the KV cache is sized (XS-2.1: 207 MB).
-# On an H100 the batch-1 XS-2.1 decode step took 2.49 against 2.53 ms, the DFlash K = 3 step
-# 5.24 against 5.29, tokens equal (docs/PERFORMANCE.md, seventy-ninth pass). False: the logits
-# every step (an A/B switch).
+# The bf16 drafter's drafts take it too (DFlashDraftModel.draft_tokens). On an H100 the batch-1
+# XS-2.1 decode step took 2.48 against 2.53 ms, the DFlash K = 3 step 5.18 against 5.28, tokens
+# equal (docs/PERFORMANCE.md, seventy-ninth pass). False: the logits every step (an A/B switch).
 greedy_int8_lm_head = True
 
 # Prompt-length batches the warm-up prefills (one token each, after its two decoding requests),

@@ -56,6 +56,14 @@ def test_quantize_bounds_hold_in_float64(dtype):
     assert head.nbytes == 300 * 96 + 3 * 300 * 4
 
 
+def test_slack_covers_both_fp32_sums():
+    # two sums of k terms, each off by at most k 2^-23 of ||x|| ||w_v|| (truncating adds)
+    for k in (64, 2048, 3072, 4096, 8192, 16384):
+        assert glh.slack(k) >= 2 * k * 2.0**-23
+    assert glh.slack(2048) == glh.slack(3072) == glh.SLACK  # Laguna's hidden sizes
+    assert glh.slack(8192) > glh.SLACK
+
+
 def test_quantize_and_can_use_reject_other_weights():
     with pytest.raises(ValueError, match="bf16 / fp16"):
         glh.quantize(torch.zeros(4, 8))

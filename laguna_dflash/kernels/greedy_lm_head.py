@@ -14,12 +14,14 @@ For a row ``x [H]`` of the final-normed hidden state and vocabulary row ``w_v``:
   products, fp32 sums), rounded to x's dtype.
 * ``e_v``: the exact logit, ``sum_k x_k w_vk`` in fp32 (this module's last kernel), rounded to
   x's dtype. These are the logits whose argmax the step returns.
-* Bound: ``|e_v - i_v| <= B_v = c (err_v + SLACK norm_v) + 2^-7 |i_v|``, ``c = 1.001 ||x||_2``.
-  Cauchy-Schwarz gives ``||x|| err_v`` for the quantization. ``SLACK = 1e-3`` covers the fp32
-  sums of both logits, whatever their order or the tensor cores' alignment (at most about
-  ``K 2^-22 ||x|| ||w_v||`` each, 4.9e-4 at K = 2048). The last term covers rounding ``i_v``.
-* ``lo = max_v (i_v - B_v) <= max_v e_v``, and ``mag = max_v (|i_v| + B_v) >= |max_v e_v|``.
-  A token is a candidate when ``i_v + B_v >= lo - 2^-6 mag``. Every other token has
+* Bound: ``|e_v - i_v| <= B_v = c (err_v + slack norm_v) + 2^-7 |i_v|``, ``c = 1.001 ||x||_2``.
+  Cauchy-Schwarz gives ``||x|| err_v`` for the quantization. ``slack`` (:func:`slack`: 1e-3 up
+  to K = 3355, then ``1.25 K 2^-22``) covers the fp32 sums of both logits, whatever their order
+  or the tensor cores' alignment: at most ``K 2^-23 ||x|| ||w_v||`` each (4.9e-4 for both at
+  K = 2048). The last term covers rounding ``i_v`` to x's dtype.
+* ``lo = max_v (i_v - B_v) <= max_v e_v <= hi = max_v (i_v + B_v)``, so
+  ``mag = max(|lo|, |hi|) >= |max_v e_v|``. A token is a candidate when
+  ``i_v + B_v >= lo - 2^-6 mag``. Every other token has
   ``e_v < max e - 2^-6 |max e|``. That is at least two units in the last place of the
   output dtype (bf16 / fp16) below the maximum, so its rounded logit is strictly below the
   maximum's. The argmax of the candidates' rounded exact logits, lowest index on ties, is
@@ -33,7 +35,7 @@ a few dozen candidates in 100352 tokens. A trained head's peaked logits leave fe
 Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
 
 1. the int8 GEMM (``skinny_gemm``, the e4m3 table's tiles: same bytes);
-2. ``_bounds_kernel``, grid ``(M, V / CHUNK)``: ``c`` and the chunk's ``lo`` / ``mag``;
+2. ``_bounds_kernel``, grid ``(M, V / CHUNK)``: ``c`` and the chunk's ``lo`` / ``hi``;
 3. ``_exact_kernel``, the same grid: the row's threshold from the chunks, then the chunk's
    candidates in token order, one whole weight row a candidate (a loop whose trip count is the
    candidate count), and the chunk's (max, first index), as ``kernels/argmax.py``'s chunk kernel
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
 __all__ = ["Int8LmHead", "can_use", "greedy_tokens", "greedy_tokens_reference", "quantize"]
 
 MAX_M = 16  # rows a call (the skinny GEMM's)
-SLACK = 1e-3  # the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)
+SLACK = 1e-3  # the least slack for the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)
 CHUNK = 2048  # tokens a program of the bounds and exact kernels
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -141,11 +143,11 @@ def greedy_tokens_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 # ---- Triton kernels ---------------------------------------------------------------------------------
 
 
-def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, V, stride_xm, stride_im,
+def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, V, stride_xm, stride_im,
                    num_chunks, SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
                    CHUNK: tl.constexpr):
     # program (m, c): c = 1.001 ||x_m|| (stored by chunk 0) and, over tokens [c CHUNK, (c+1) CHUNK),
-    # lo = max(i - B), mag = max(|i| + B); lo = -inf where x_m or an int8 logit is not finite
+    # lo = max(i - B), hi = max(i + B); lo = -inf where x_m or an int8 logit is not finite
     # (every token a candidate)
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -160,14 +162,14 @@ def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, V, 
     b += 0.0078125 * tl.abs(i)  # 2^-7 |i|: i's rounding to x's dtype
     finite = tl.minimum(finite, tl.min(tl.where(ok, (tl.abs(i) < float("inf")).to(tl.int32), 1), 0))
     lo = tl.max(tl.where(ok, i - b, float("-inf")), 0)
-    mag = tl.max(tl.where(ok, tl.abs(i) + b, 0.0), 0)
+    hi = tl.max(tl.where(ok, i + b, float("-inf")), 0)
     tl.store(lo_ptr + m * num_chunks + c, tl.where(finite > 0, lo, float("-inf")))
-    tl.store(mag_ptr + m * num_chunks + c, mag)
+    tl.store(hi_ptr + m * num_chunks + c, hi)
     if c == 0:
         tl.store(cx_ptr + m, cx)
 
 
-def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_ptr, part_v_ptr, part_i_ptr,
+def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, part_v_ptr, part_i_ptr,
                   V, stride_xm, stride_w, stride_im, num_chunks,
                   SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
                   BLOCK_C: tl.constexpr, DTYPE: tl.constexpr):
@@ -180,7 +182,8 @@ def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, mag_ptr, cx_pt
     c = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
     lo = tl.max(tl.load(lo_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=float("-inf")), 0)
-    mag = tl.max(tl.load(mag_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=0.0), 0)
+    hi = tl.max(tl.load(hi_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=float("-inf")), 0)
+    mag = tl.maximum(tl.abs(lo), tl.abs(hi))  # >= |the maximal logit|, in [lo, hi]
     threshold = lo - 0.015625 * mag  # 2^-6 mag: two units in the last place of the maximum
     cx = tl.load(cx_ptr + m)
     offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
@@ -218,6 +221,13 @@ def _kernels(interpret: bool):
     return ns["_bounds_kernel"], ns["_exact_kernel"]
 
 
+def slack(k: int) -> float:
+    """The bound's allowance for the fp32 sums of both logits over ``k`` terms, relative to
+    ``||x|| ||w_v||``: ``k 2^-23`` each at worst (serial round-to-nearest is half that), with a
+    quarter more, and never under :data:`SLACK`."""
+    return max(SLACK, 1.25 * k * 2.0**-22)
+
+
 def _next_pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
@@ -244,7 +254,7 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
     num_chunks = -(-v // CHUNK)
     dev = x.device
     lo = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
-    mag = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
+    hi = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
     cx = torch.empty(m, dtype=torch.float32, device=dev)
     part_v = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
     part_i = torch.empty((m, num_chunks), dtype=torch.int64, device=dev)
@@ -252,11 +262,11 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
     interpret = interpret_mode()
     bounds, exact = _kernels(interpret)
     block_h = _next_pow2(h)
-    bounds[(m, num_chunks)](x, i, head.err, head.norm, lo, mag, cx, v, x.stride(0), i.stride(0), num_chunks,
-                            SLACK=SLACK, K=h, BLOCK_H=block_h, CHUNK=CHUNK, num_warps=4)
-    exact[(m, num_chunks)](x, weight, i, head.err, head.norm, lo, mag, cx, part_v, part_i,
+    bounds[(m, num_chunks)](x, i, head.err, head.norm, lo, hi, cx, v, x.stride(0), i.stride(0), num_chunks,
+                            SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK, num_warps=4)
+    exact[(m, num_chunks)](x, weight, i, head.err, head.norm, lo, hi, cx, part_v, part_i,
                            v, x.stride(0), weight.stride(0), i.stride(0), num_chunks,
-                           SLACK=SLACK, K=h, BLOCK_H=block_h, CHUNK=CHUNK,
+                           SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK,
                            BLOCK_C=max(2, _next_pow2(num_chunks)), DTYPE=DTYPE_CODE[x.dtype], num_warps=4)
     finish = _argmax._kernels(interpret)[1]
     finish[(m,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, _next_pow2(num_chunks)), num_warps=1)

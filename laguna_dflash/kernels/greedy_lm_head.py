@@ -1,7 +1,7 @@
 """Greedy tokens through an int8 copy of the lm_head: the exact argmax, about half the bytes.
 
 A greedy step needs only ``argmax_v logits[v]``, not the logits. At batch 1 the lm_head's
-weight (``[V, H]``, 411 MB at Laguna-XS-2.1 size in bf16) is ~8% of a decode step's bytes, and
+weight (``[V, H]``, 411 MB at Laguna-XS-2.1 size in bf16) is ~7% of a decode step's bytes, and
 its GEMM runs at the copy bandwidth. Here the step streams a per-row int8 copy instead (half the
 bytes) and reads the full-precision rows only for the few tokens the int8 logits cannot rule out.
 The result is the argmax of the full-precision logits, bit for bit: nothing is approximated.
@@ -29,8 +29,9 @@ For a row ``x [H]`` of the final-normed hidden state and vocabulary row ``w_v``:
 * A row whose ``x`` or int8 logits hold a NaN or an infinity takes every token as a candidate
   (the full-precision lm_head for that row; NaN first, as ``torch.argmax`` ranks it).
 
-With random weights at XS-2.1 size, ``B_v`` is about a third of the logits' spread, which leaves
-a few dozen candidates in 100352 tokens. A trained head's peaked logits leave fewer.
+An estimate, not counted on a GPU: with random Gaussian weights at XS-2.1 size, ``B_v`` is about
+a third of the logits' spread, which leaves a few dozen candidates in 100352 tokens, and a
+trained head's peaked logits would leave fewer.
 
 Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
 
@@ -62,7 +63,7 @@ from .jit import DTYPE_CODE, _round_to, jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["Int8LmHead", "can_use", "greedy_tokens", "greedy_tokens_reference", "quantize"]
+__all__ = ["Int8LmHead", "can_use", "greedy_tokens", "greedy_tokens_reference", "quantize", "slack"]
 
 MAX_M = 16  # rows a call (the skinny GEMM's)
 SLACK = 1e-3  # the least slack for the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)

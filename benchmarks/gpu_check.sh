@@ -502,6 +502,13 @@ goal_cell() {
     --sim-ks 0,3 --rounds 3 "$@" 2>&1 | quiet \
     | grep -E "^\| 1 .*x, K|target-only decode|DFlash K=3 \(|greedy tokens" | head -5
 }
+# goal_cells_65 VARIANT...: goal 2's cell at 65 new tokens once per variant, each its own process
+# (a variant is bench_gpu_xs.py arguments; "" is the defaults)
+goal_cells_65() {
+  for on in "$@"; do
+    echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
+  done
+}
 # base_goal_cell LIMIT [ARGS...]: goal_cell run from the tree in .ab/base (an older commit's
 # laguna_dflash and benchmarks, carried), in its own process on the same machine
 base_goal_cell() {
@@ -536,9 +543,7 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
-    for on in "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False"; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
-    done ;;
+    goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
   pass145)
     echo "== (seventy-ninth pass) the int8 lm_head copy and the goals on this card"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -546,16 +551,12 @@ case "$stage" in
     timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -4
     G="--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False"
     P="--switch laguna_dflash.models.layers:MoE.prefetch_next_bytes=0"
-    for on in "" "$G" "$P" "--draft-quantization fp8"; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
-    done ;;
+    goal_cells_65 "" "$G" "$P" "--draft-quantization fp8" ;;
   pass143)
     echo "== (seventy-ninth pass) the goals on this card, then the router's prefetch size"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     P=laguna_dflash.models.layers:MoE.prefetch_next_bytes
-    for on in "" "--switch $P=0" "--draft-quantization fp8"; do
-      echo "-- goal 2's cell at 65 new tokens, ${on:-defaults}"; goal_cell 85 --new-tokens 65 $on
-    done
+    goal_cells_65 "" "--switch $P=0" "--draft-quantization fp8"
     timeout 300 python benchmarks/profile_decode_xs.py --top 10 --switch "$P=25165824" --switch "$P=33554432" \
       --switch "$P=0" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy|qkv|router|gate_up|failed|rror" | head -60 ;;
   pass139)

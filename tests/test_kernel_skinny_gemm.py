@@ -641,6 +641,10 @@ def test_lm_head_off_cuda_is_f_linear() -> None:
     x, w = _problem(2, 64, 32, torch.float32, seed=0)
     assert torch.equal(layers.lm_head_linear(x, w), F.linear(x, w))
     assert layers.build_lm_head_ahead(w) == 0
+    from laguna_dflash.kernels.greedy_lm_head import quantize
+
+    w16 = w.to(torch.bfloat16)
+    assert layers.build_lm_head_ahead(w16, quantize(w16)) == 0  # the int8 copy's launches too: CUDA only
 
 
 @pytest.mark.parametrize("vocab, hidden", [(100352, 2048), (100352, 3072), (50176, 2048), (50176, 3072)],

@@ -365,8 +365,9 @@ class LLMEngine:
         # first sampled request (seeded noise, the race's argmax, top-k values)
         num_built = sampler.build_ahead(self.target.spec.vocab_size, self.device)
         logger.debug("built %d sampling kernel variants ahead", num_built)
-        # the lm_head's skinny GEMM at the row counts a first batch size brings (models/layers.py)
-        num_built = build_lm_head_ahead(self.target.lm_head_weight)
+        # the lm_head's skinny GEMM at the row counts a first batch size brings, and its int8
+        # copy's greedy launches (models/layers.py)
+        num_built = build_lm_head_ahead(self.target.lm_head_weight, self.target.lm_head_int8)
         logger.debug("built %d lm_head GEMM variants ahead", num_built)
         # the sorted MoE kernels of every tile height (past 256 pairs a forward; the height
         # follows the token count): built now, not by a first long eager prefill (half

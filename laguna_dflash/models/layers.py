@@ -21,6 +21,7 @@ from ..engine.attention import AttentionBackend, AttentionMetadata
 from ..kernels import (
     batch_invariant,
     fused_moe,
+    greedy_lm_head,
     grouped_moe,
     l2_prefetch,
     moe_gemv,
@@ -142,18 +143,23 @@ def _skinny_lm_head(m: int, weight: torch.Tensor) -> bool:
             and skinny_gemm.is_tuned(m, weight.shape[0], weight.shape[1]))
 
 
-def build_lm_head_ahead(weight: torch.Tensor) -> int:
+def build_lm_head_ahead(weight: torch.Tensor, int8: greedy_lm_head.Int8LmHead | None = None) -> int:
     """Build the skinny GEMM variants :func:`lm_head_linear` launches for 1..16 rows of this
-    lm_head ``[V, H]`` on a thread pool (:func:`kernels.precompile.launches_build_only`), so that
-    a first batch size does not wait for them. Only a speed-up: an error is logged. -> the
-    variants submitted (0 off CUDA or when none is tuned)."""
+    lm_head ``[V, H]``, and with ``int8`` (its copy) the launches of
+    :func:`kernels.greedy_lm_head.greedy_tokens` for 1..16 rows, on a thread pool
+    (:func:`kernels.precompile.launches_build_only`), so that a first batch size does not wait
+    for them. Only a speed-up: an error is logged. -> the variants submitted (0 off CUDA or when
+    none is tuned)."""
     if not weight.is_cuda or not skinny_gemm.is_available(weight.device):
         return 0
     try:
         with torch.inference_mode(), precompile.launches_build_only() as builds:
             for m in range(1, skinny_gemm.MAX_M + 1):
+                x = weight.new_zeros(m, weight.shape[1])
                 if _skinny_lm_head(m, weight):
-                    skinny_gemm.skinny_gemm(weight.new_zeros(m, weight.shape[1]), weight)
+                    skinny_gemm.skinny_gemm(x, weight)
+                if int8 is not None and greedy_lm_head.can_use(x, weight, int8):
+                    greedy_lm_head.greedy_tokens(x, weight, int8)
     except Exception as e:  # noqa: BLE001 - only a speed-up: the first launch still builds
         logger.warning("building the lm_head's GEMM kernels ahead failed (the first use builds "
                        "them): %s", e)

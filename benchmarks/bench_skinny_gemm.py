@@ -26,12 +26,15 @@ us and TB/s, default-config us, best Triton config, its us and TB/s, cuBLAS / Tr
     python benchmarks/bench_skinny_gemm.py --shapes 4096x2048,2048x4096   # extra (drafter) shapes
     python benchmarks/bench_skinny_gemm.py --only --shapes 100352x2048 --m 1,4   # the lm_head alone
     python benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --shapes 100352x2048,16384x2048,2048x8192
+    python benchmarks/bench_skinny_gemm.py --int8 --only --m 1,4 --shapes 100352x2048   # greedy lm_head copy
     TRITON_INTERPRET=1 python benchmarks/bench_skinny_gemm.py --device cpu --tiny   # wiring check
 
 ``--fp8``: the weights quantized to e4m3 rows with fp32 scales (``models/fp8.py``; the drafter's
 ``draft_quantization="fp8"``), the kernel's ``scale=`` path swept; the baselines stay bf16 (cuBLAS
 on the unquantized weight, and the bf16 kernel's default config, its own column), the table's
 TB/s counts one byte a weight element, and the printed dict is the fp8 configs'.
+``--int8``: the same with the greedy lm_head's per-row int8 copy (``kernels/greedy_lm_head.py``
+:func:`quantize`), which takes the e4m3 table's configs (``default_config(..., fp8=True)``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from laguna_dflash.kernels import skinny_gemm as sg  # noqa: E402
+from laguna_dflash.kernels.greedy_lm_head import quantize as quantize_int8  # noqa: E402
 from laguna_dflash.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
 from laguna_dflash.models.fp8 import quantize_rows  # noqa: E402
 
@@ -67,6 +71,15 @@ SHAPES = [
 TINY_SHAPES = [("tiny a", 40, 96), ("tiny b", 24, 160)]
 NUM_SMS = 132  # H200; replaced by the device's count at run time
 ROTATE_BYTES = 256 * 2**20
+
+
+def quantize_weight(w: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(one-byte weight [N, K], fp32 row scales [N])`` of ``w`` for ``quant`` ``"fp8"`` (e4m3,
+    models/fp8.py) or ``"int8"`` (the greedy lm_head's copy)."""
+    if quant == "int8":
+        head = quantize_int8(w)
+        return head.q, head.scale
+    return quantize_rows(w)
 
 
 def next_pow2(n: int) -> int:
@@ -230,17 +243,17 @@ def time_cpu(fns: list[Callable[[], object]], reps: int = 2) -> float:
 # ---- parallel compilation -------------------------------------------------------------------------
 
 
-def _compile_worker(tasks: list[tuple[int, int, int, dict]], fp8: bool = False) -> int:
-    """Runs each ``(m, n, k, config fields)`` once on same-shaped bf16 CUDA tensors (an e4m3
-    weight and scales with ``fp8``): Triton compiles it into its on-disk cache, which the parent
-    then hits. Returns the failures."""
+def _compile_worker(tasks: list[tuple[int, int, int, dict]], quant: str = "") -> int:
+    """Runs each ``(m, n, k, config fields)`` once on same-shaped bf16 CUDA tensors (a one-byte
+    weight and scales with ``quant`` "fp8" / "int8"): Triton compiles it into its on-disk cache,
+    which the parent then hits. Returns the failures."""
     torch.cuda.init()
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     failed = 0
     for m, n, k, fields in tasks:
         if (n, k) not in weights:
             w = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
-            weights[(n, k)] = quantize_rows(w) if fp8 else (w, None)
+            weights[(n, k)] = quantize_weight(w, quant) if quant else (w, None)
         x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
         try:
             w, scale = weights[(n, k)]
@@ -252,7 +265,7 @@ def _compile_worker(tasks: list[tuple[int, int, int, dict]], fp8: bool = False) 
 
 
 def precompile(tasks: list[tuple[int, int, int, SkinnyConfig]], jobs: int, deadline: float,
-               fp8: bool = False) -> str:
+               quant: str = "") -> str:
     """Compile the distinct candidates in ``jobs`` processes; returns a one-line summary."""
     seen, uniq = set(), []
     for m, n, k, cfg in tasks:
@@ -266,7 +279,7 @@ def precompile(tasks: list[tuple[int, int, int, SkinnyConfig]], jobs: int, deadl
     chunks = [uniq[i::jobs] for i in range(jobs)]
     t0 = time.time()
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
-    futures = [pool.submit(_compile_worker, chunk, fp8) for chunk in chunks]
+    futures = [pool.submit(_compile_worker, chunk, quant) for chunk in chunks]
     done, pending = wait(futures, timeout=max(1.0, deadline - time.time()))
     if pending:  # out of time: stop the workers (our own children, by pid); the rest compiles lazily
         for proc in list(getattr(pool, "_processes", {}).values()):
@@ -287,8 +300,9 @@ class Case:
     """One (shape, M): inputs, the W copies to rotate through, the reference, the results."""
 
     def __init__(self, name: str, n: int, k: int, m: int, device: torch.device, tiny: bool,
-                 fp8: bool = False):
-        self.name, self.n, self.k, self.m, self.fp8 = name, n, k, m, fp8
+                 quant: str = ""):
+        self.name, self.n, self.k, self.m, self.quant = name, n, k, m, quant
+        self.fp8 = fp8 = bool(quant)  # a one-byte weight with row scales (e4m3 or int8)
         g = torch.Generator(device=device).manual_seed(n * 31 + k + m)
         dtype = torch.bfloat16
         self.x = torch.randn(m, k, generator=g, device=device).to(dtype)
@@ -297,7 +311,7 @@ class Case:
         copies = 1 if tiny else max(2, min(128, cdiv(ROTATE_BYTES, n * k * weight_bytes)))
         self.bf16_weights = [w0] + [w0.clone() for _ in range(copies - 1)]  # cuBLAS's, the bf16 kernel's
         if fp8:  # (Wq, scale) copies; the reference multiplies out the dequantized weight
-            q, scale = quantize_rows(w0)
+            q, scale = quantize_weight(w0, quant)
             self.weights = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(copies - 1)]
             w_ref = q.float() * scale[:, None]
         else:
@@ -361,7 +375,7 @@ def run_phase(cases: list[Case], lists: list[list[SkinnyConfig]], args, deadline
     tasks = [(c.m, c.n, c.k, cfg) for c, cfgs in zip(cases, lists) for cfg in cfgs if cfg not in c.results]
     if args.device == "cuda":
         try:
-            summary = precompile(tasks, args.jobs, deadline - 20, args.fp8)
+            summary = precompile(tasks, args.jobs, deadline - 20, args.quant)
         except Exception as exc:  # the timing loop compiles whatever is missing
             summary = f"parallel compile failed ({type(exc).__name__}: {exc}); compiling on first use"
         print(f"{label}: {summary}", flush=True)
@@ -393,9 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, 2 configs each (CPU wiring check)")
     ap.add_argument("--json", default="", help="also write every timing to this file")
-    ap.add_argument("--fp8", action="store_true",
-                    help="e4m3 weights with row scales (the kernel's scale= path; module docstring)")
+    quant = ap.add_mutually_exclusive_group()
+    quant.add_argument("--fp8", action="store_true",
+                       help="e4m3 weights with row scales (the kernel's scale= path; module docstring)")
+    quant.add_argument("--int8", action="store_true",
+                       help="the greedy lm_head's int8 rows with scales (module docstring)")
     args = ap.parse_args(argv)
+    args.quant = "int8" if args.int8 else "fp8" if args.fp8 else ""
+    args.fp8 = bool(args.quant)  # one byte a weight element: the e4m3 table's configs
     weight_bytes = 1 if args.fp8 else 2
     t_start = time.time()
     deadline = t_start + args.budget
@@ -421,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         bw = float("nan")
         print("device cpu (Triton interpreter): wiring check only, times are meaningless", flush=True)
 
-    cases = [Case(name, n, k, m, device, args.tiny, args.fp8) for name, n, k in shapes for m in ms]
+    cases = [Case(name, n, k, m, device, args.tiny, args.quant) for name, n, k in shapes for m in ms]
     for case in cases:
         case.time_cublas()
 
@@ -442,12 +461,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- report ----
     if args.fp8:
-        print("\nfp8 weights (e4m3 rows, fp32 scales) against the bf16 kernel's default config (us):")
+        kind = "int8" if args.int8 else "fp8"
+        rows = "int8 rows" if args.int8 else "e4m3 rows"
+        print(f"\n{kind} weights ({rows}, fp32 scales) against the bf16 kernel's default config (us):")
         for c in cases:
             ranked = c.ranked()
             best_us = ranked[0][0] if ranked else float("nan")
-            print(f"  {c.name} {c.n} x {c.k} M={c.m}: bf16 default {c.bf16_default_us:.2f}, fp8 default "
-                  f"{c.default_us:.2f}, fp8 best {best_us:.2f} ({c.bf16_default_us / best_us:.2f}x)")
+            print(f"  {c.name} {c.n} x {c.k} M={c.m}: bf16 default {c.bf16_default_us:.2f}, {kind} default "
+                  f"{c.default_us:.2f}, {kind} best {best_us:.2f} ({c.bf16_default_us / best_us:.2f}x)")
     print(f"\n{sum(len(c.results) for c in cases)} configs timed in {time.time() - t_start:.0f} s "
           f"(budget {args.budget:.0f} s, {sum(c.skipped for c in cases)} skipped at it); "
           "times in us per call (CUDA graph replay, W cycling through > L2); TB/s over W + x + y\n")

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass147    # the int8 lm_head copy's tiles: its CUDA tests, the int8 sweep
+#                                           # at 1 and 4 rows of the lm_head shape (bench_skinny_gemm.py
+#                                           # --int8), then the lm_head alone (bench_greedy_lm_head.py;
+#                                           # ~5 min)
 #   bash benchmarks/gpu_check.sh pass146    # the drafter's drafts through the int8 lm_head copy: the CUDA
 #                                           # graph and XS lossless tests, then goal 2's cell at 65 new
 #                                           # tokens with the defaults and with the copy off (~5 min)
@@ -544,6 +548,13 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass147)
+    echo "== (eightieth pass) the int8 lm_head copy's tiles on this card"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 120 tests/test_kernel_greedy_lm_head.py tests/test_kernel_skinny_fp8.py -k cuda | grep -v PASSED | tail -6
+    timeout 240 python benchmarks/bench_skinny_gemm.py --int8 --only --m 1,4 --shapes 100352x2048 --budget 200 \
+      2>&1 | quiet | grep -vE "^\| ---|^$" | tail -30
+    timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -4 ;;
   pass145)
     echo "== (seventy-ninth pass) the int8 lm_head copy and the goals on this card"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass148    # the int8 copy's exact pass in smaller chunks (EXACT_CHUNK) and
+#                                           # a one-row GEMV tile: its CUDA tests, bench_greedy_lm_head.py
+#                                           # at 2048-256 token chunks, with the tile, then goal 2's cell
+#                                           # at 65 new tokens, defaults and 256-token chunks (~6 min)
 #   bash benchmarks/gpu_check.sh pass147    # the int8 lm_head copy's tiles: its CUDA tests, the int8 sweep
 #                                           # at 1 and 4 rows of the lm_head shape (bench_skinny_gemm.py
 #                                           # --int8), then the lm_head alone (bench_greedy_lm_head.py;
@@ -548,6 +552,14 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass148)
+    echo "== (eightieth pass) the int8 copy's exact pass in smaller chunks, a one-row GEMV tile"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 120 tests/test_kernel_greedy_lm_head.py -k cuda | grep -v PASSED | tail -6
+    timeout 120 python benchmarks/bench_greedy_lm_head.py --m 1,4 --exact-chunks 2048,1024,512,256 2>&1 | quiet | tail -4
+    T='{"fp8,1,100352,2048": {"block_n": 16, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 2, "use_dot": false, "x_bcast": false}}'
+    timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1 --exact-chunks 2048,256 --overrides "$T" 2>&1 | quiet | tail -3
+    goal_cells_65 "" "--switch laguna_dflash.kernels.greedy_lm_head:EXACT_CHUNK=256" "" ;;
   pass147)
     echo "== (eightieth pass) the int8 lm_head copy's tiles on this card"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,5 +1,6 @@
 """benchmarks/bench_greedy_lm_head.py's wiring on the CPU, under Triton's interpreter: the table's
-rows, and the int8 path's tokens equal to the bf16 path's and the float64 argmax's."""
+rows, and the int8 path's tokens (at two exact-pass chunk sizes) equal to the bf16 path's and the
+float64 argmax's, and the candidate counts."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_greedy_l
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton (runs its own interpreter child)")
 def test_bench_greedy_lm_head_tokens_on_the_cpu():
     proc = run_interpreted_script(SCRIPT, "--device", "cpu", "--vocab", "3000", "--hidden", "64", "--m", "1,3",
-                                  timeout=300)
+                                  "--exact-chunks", "2048,256", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "3"]
     for r, m in zip(rows, (1, 3)):
         cells = [c.strip() for c in r.strip("|").split("|")]
-        assert cells[5] == f"{m} of {m}" and cells[6] == f"{m} of {m}", r
+        # rows, bf16, int8 alone, one time per exact chunk (2), ratio, then the tokens' columns
+        assert cells[6] == f"{m} of {m} / {m} of {m}" and cells[7] == cells[6], r
+        assert all(1 <= int(n) < 3000 for n in cells[8].split(",")) and "(256)" in cells[9], r

@@ -79,6 +79,24 @@ def test_quantize_and_can_use_reject_other_weights():
             glh.greedy_tokens(x, w, head)
 
 
+def test_candidates_reference_keeps_the_argmax_and_few_others():
+    """The torch form of the bound: the exact argmax is always a candidate; on Gaussian weights
+    (the benchmarks') the candidates are a small share of the vocabulary; a non-finite row takes
+    every token."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    w = (torch.randn(20000, 256, generator=g) * 0.02).to(torch.bfloat16)
+    head = glh.quantize(w)
+    mask = glh.candidates_reference(x, head)
+    assert mask.shape == (3, 20000) and mask.dtype == torch.bool
+    best = reference(x, w)
+    assert bool(mask.gather(1, best[:, None]).all())
+    assert 1 <= int(mask.sum(dim=1).max()) < 2000, mask.sum(dim=1)
+    x[1, 0] = float("nan")
+    mask = glh.candidates_reference(x, head)
+    assert bool(mask[1].all()) and int(mask[0].sum()) < 2000
+
+
 # ---- Triton kernels (CPU interpreter) ------------------------------------------------------------
 
 
@@ -102,6 +120,19 @@ def test_interpreted_equals_argmax_of_exact_logits(m, v, h, dtype):
     assert got.dtype == torch.int64 and got.shape == (m,)
     assert torch.equal(got, reference(x, w))
     assert torch.equal(got, best)  # the copies come later: the first index wins
+
+
+@interpreted
+@pytest.mark.parametrize("exact_chunk", [256, 1024])
+def test_interpreted_exact_pass_in_smaller_chunks(exact_chunk, monkeypatch):
+    """The exact pass's chunk (``EXACT_CHUNK``) apart from the bounds' (``CHUNK``): the same
+    tokens, ties and a ragged last chunk included."""
+    monkeypatch.setattr(glh, "EXACT_CHUNK", exact_chunk)
+    x, w = exact_problem(3, 4160, 96, torch.bfloat16, seed=11)
+    best = reference(x, w)
+    for r, t in enumerate(best.tolist()):
+        w[4160 - 1 - r] = w[t]
+    assert torch.equal(glh.greedy_tokens(x, w, glh.quantize(w)), best)
 
 
 @interpreted

@@ -63,11 +63,15 @@ from .jit import DTYPE_CODE, _round_to, jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["Int8LmHead", "can_use", "greedy_tokens", "greedy_tokens_reference", "quantize", "slack"]
+__all__ = ["Int8LmHead", "can_use", "candidates_reference", "greedy_tokens", "greedy_tokens_reference",
+           "quantize", "slack"]
 
 MAX_M = 16  # rows a call (the skinny GEMM's)
 SLACK = 1e-3  # the least slack for the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)
-CHUNK = 2048  # tokens a program of the bounds and exact kernels
+CHUNK = 2048  # tokens a program of the bounds kernel
+# tokens a program of the exact kernel (a power of two; its candidates are a serial loop, so a
+# smaller chunk shortens the longest loop for more programs)
+EXACT_CHUNK = 2048
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -171,19 +175,21 @@ def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, V, s
 
 
 def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, part_v_ptr, part_i_ptr,
-                  V, stride_xm, stride_w, stride_im, num_chunks,
+                  V, stride_xm, stride_w, stride_im, num_bound_chunks, num_chunks,
                   SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_C: tl.constexpr, DTYPE: tl.constexpr):
+                  BLOCK_B: tl.constexpr, DTYPE: tl.constexpr):
     # program (m, c): the candidates among tokens [c CHUNK, (c+1) CHUNK), one whole weight row
     # each in token order (a row is one load a thread: candidates are few, so the loop's trip
     # count, not its loads, is short); their exact logits rounded to DTYPE; the chunk's (max,
     # first index of it), or (NaN, first NaN's index) as argmax's chunk kernel, or (-inf, the
-    # chunk's first token) without a candidate
+    # chunk's first token) without a candidate. lo / hi: the bounds kernel's num_bound_chunks
+    # partials a row
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    lo = tl.max(tl.load(lo_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=float("-inf")), 0)
-    hi = tl.max(tl.load(hi_ptr + m * num_chunks + offs_c, mask=offs_c < num_chunks, other=float("-inf")), 0)
+    offs_c = tl.arange(0, BLOCK_B)
+    ok_c = offs_c < num_bound_chunks
+    lo = tl.max(tl.load(lo_ptr + m * num_bound_chunks + offs_c, mask=ok_c, other=float("-inf")), 0)
+    hi = tl.max(tl.load(hi_ptr + m * num_bound_chunks + offs_c, mask=ok_c, other=float("-inf")), 0)
     mag = tl.maximum(tl.abs(lo), tl.abs(hi))  # >= |the maximal logit|, in [lo, hi]
     threshold = lo - 0.015625 * mag  # 2^-6 mag: two units in the last place of the maximum
     cx = tl.load(cx_ptr + m)
@@ -222,6 +228,22 @@ def _kernels(interpret: bool):
     return ns["_bounds_kernel"], ns["_exact_kernel"]
 
 
+def candidates_reference(x: torch.Tensor, head: Int8LmHead) -> torch.Tensor:
+    """``[M, V]`` bool: the tokens whose full-precision rows :func:`greedy_tokens` reads for ``x
+    [M, H]``, by the module docstring's bound in torch (the int8 logits summed in float64, so a
+    token at the threshold may differ from the kernels' choice; a diagnostic: how many rows the
+    exact pass reads)."""
+    h = x.shape[1]
+    i = ((x.double() @ head.q.double().T) * head.scale.double()).to(x.dtype).double()  # [M, V]
+    cx = 1.001 * x.double().norm(dim=1, keepdim=True)
+    b = cx * (head.err.double() + slack(h) * head.norm.double()) + 2.0**-7 * i.abs()
+    lo = (i - b).max(dim=1, keepdim=True).values
+    hi = (i + b).max(dim=1, keepdim=True).values
+    threshold = lo - 2.0**-6 * torch.maximum(lo.abs(), hi.abs())
+    every = ~torch.isfinite(x.double()).all(dim=1, keepdim=True) | ~torch.isfinite(i).all(dim=1, keepdim=True)
+    return (i + b >= threshold) | every
+
+
 def slack(k: int) -> float:
     """The bound's allowance for the fp32 sums of both logits over ``k`` terms, relative to
     ``||x|| ||w_v||``: ``k 2^-23`` each at worst (serial round-to-nearest is half that), with a
@@ -252,10 +274,11 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
     m, h = x.shape
     v = weight.shape[0]
     i = _sg.skinny_gemm(x, head.q, _sg.default_config(m, v, h, fp8=True), scale=head.scale)  # [M, V]
-    num_chunks = -(-v // CHUNK)
+    num_bound_chunks = -(-v // CHUNK)
+    num_chunks = -(-v // EXACT_CHUNK)
     dev = x.device
-    lo = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
-    hi = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
+    lo = torch.empty((m, num_bound_chunks), dtype=torch.float32, device=dev)
+    hi = torch.empty((m, num_bound_chunks), dtype=torch.float32, device=dev)
     cx = torch.empty(m, dtype=torch.float32, device=dev)
     part_v = torch.empty((m, num_chunks), dtype=torch.float32, device=dev)
     part_i = torch.empty((m, num_chunks), dtype=torch.int64, device=dev)
@@ -263,12 +286,12 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
     interpret = interpret_mode()
     bounds, exact = _kernels(interpret)
     block_h = _next_pow2(h)
-    bounds[(m, num_chunks)](x, i, head.err, head.norm, lo, hi, cx, v, x.stride(0), i.stride(0), num_chunks,
-                            SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK, num_warps=4)
+    bounds[(m, num_bound_chunks)](x, i, head.err, head.norm, lo, hi, cx, v, x.stride(0), i.stride(0),
+                                  num_bound_chunks, SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK, num_warps=4)
     exact[(m, num_chunks)](x, weight, i, head.err, head.norm, lo, hi, cx, part_v, part_i,
-                           v, x.stride(0), weight.stride(0), i.stride(0), num_chunks,
-                           SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK,
-                           BLOCK_C=max(2, _next_pow2(num_chunks)), DTYPE=DTYPE_CODE[x.dtype], num_warps=4)
+                           v, x.stride(0), weight.stride(0), i.stride(0), num_bound_chunks, num_chunks,
+                           SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=EXACT_CHUNK,
+                           BLOCK_B=max(2, _next_pow2(num_bound_chunks)), DTYPE=DTYPE_CODE[x.dtype], num_warps=4)
     finish = _argmax._kernels(interpret)[1]
     finish[(m,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, _next_pow2(num_chunks)), num_warps=1)
     return out

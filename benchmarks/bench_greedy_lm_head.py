@@ -17,10 +17,10 @@ and prints the tokens' agreement with a float64 reference:
 
     python benchmarks/bench_greedy_lm_head.py --m 1,4
     python benchmarks/bench_greedy_lm_head.py --m 1,4 --exact-chunks 2048,512,256
-    python benchmarks/bench_greedy_lm_head.py --m 1 --overrides '{"fp8,1,100352,2048": {"use_dot": false}}'
+    python benchmarks/bench_greedy_lm_head.py --m 1 --overrides '{"int8,1,100352,2048": {"use_dot": true}}'
 
 ``--overrides``: a ``skinny_gemm.CONFIG_OVERRIDES`` JSON for this run (the int8 copy's GEMM takes
-the ``"fp8,M_BUCKET,N,K"`` entries).
+the ``"int8,M_BUCKET,N,K"`` entries).
     TRITON_INTERPRET=1 python benchmarks/bench_greedy_lm_head.py --device cpu --vocab 3000 --hidden 64  # wiring
 
 On the CPU (under Triton's interpreter) nothing is timed: the table gives the tokens only.
@@ -99,7 +99,7 @@ def main() -> None:
         fast = {c: float("nan") for c in chunks}
         if timed:
             base = graph_us(lambda x=x: argmax_rows(lm_head_linear(x, w)), args.iters, args.rounds)
-            cfg = sg.default_config(m, args.vocab, args.hidden, fp8=True)
+            cfg = sg.default_config(m, args.vocab, args.hidden, int8=True)
             int8 = graph_us(lambda x=x, cfg=cfg: sg.skinny_gemm(x, head.q, cfg, scale=head.scale), args.iters,
                             args.rounds)
         want = argmax_rows(lm_head_linear(x, w))

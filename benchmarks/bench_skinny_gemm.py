@@ -34,7 +34,8 @@ us and TB/s, default-config us, best Triton config, its us and TB/s, cuBLAS / Tr
 on the unquantized weight, and the bf16 kernel's default config, its own column), the table's
 TB/s counts one byte a weight element, and the printed dict is the fp8 configs'.
 ``--int8``: the same with the greedy lm_head's per-row int8 copy (``kernels/greedy_lm_head.py``
-:func:`quantize`), which takes the e4m3 table's configs (``default_config(..., fp8=True)``).
+:func:`quantize`) and its table (``default_config(..., int8=True)``: ``_MEASURED_INT8``, else the
+e4m3 table's configs); the printed dict is ``_MEASURED_INT8``'s.
 """
 
 from __future__ import annotations
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         case.time_cublas()
 
     def default(c: Case) -> SkinnyConfig:
-        return explicit(sg.default_config(c.m, c.n, c.k, fp8=args.fp8), c.m)
+        return explicit(sg.default_config(c.m, c.n, c.k, fp8=args.fp8, int8=args.int8), c.m)
 
     if args.tiny:
         lists = [[default(c), SkinnyConfig(16, 32, 2, 2, 1, use_dot=True)] for c in cases]
@@ -500,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c.name} M={c.m}: {w}")
 
     print("\n# paste into laguna_dflash/kernels/skinny_gemm.py (keys: (next_pow2(M), N, K))")
-    print("_MEASURED_FP8 = {" if args.fp8 else "_MEASURED = {")
+    print("_MEASURED_INT8 = {" if args.int8 else "_MEASURED_FP8 = {" if args.fp8 else "_MEASURED = {")
     for (mb, n, k), (cfg, us, cub) in sorted(best.items()):
         fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
         print(f"    ({mb}, {n}, {k}): SkinnyConfig({fields}),  # {us:.2f} us, cuBLAS {cub:.2f} us")

@@ -181,6 +181,20 @@ def test_fp8_configs_move_the_bf16_bytes_and_take_their_own_overrides(monkeypatc
     assert sg.default_config(4, 2048, 8192).split_k == 4  # bf16 keeps its table entry
 
 
+def test_int8_configs_take_their_table_then_the_e4m3_one(monkeypatch) -> None:
+    """An int8 weight (the greedy lm_head's copy): ``_MEASURED_INT8`` where it has the shape's
+    bucket (the one-row lm_head's GEMV), else the e4m3 weight's config; its own override key. The
+    e4m3 weight's configs do not change."""
+    assert sg.default_config(1, 100352, 2048, int8=True) == sg._MEASURED_INT8[1, 100352, 2048]
+    assert not sg.default_config(1, 100352, 2048, int8=True).use_dot
+    assert sg.default_config(1, 100352, 2048, fp8=True) == sg._MEASURED_FP8[4, 100352, 2048]
+    for m, n, k in [(2, 100352, 2048), (4, 100352, 2048), (1, 100352, 3072), (16, 16384, 2048)]:
+        assert sg.default_config(m, n, k, int8=True) == sg.default_config(m, n, k, fp8=True), (m, n, k)
+    monkeypatch.setattr(sg, "CONFIG_OVERRIDES", {"int8,1,100352,2048": {"block_n": 32}})
+    assert sg.default_config(1, 100352, 2048, int8=True).block_n == 32
+    assert sg.default_config(1, 100352, 2048, fp8=True) == sg._MEASURED_FP8[4, 100352, 2048]
+
+
 def dataclasses_equal_but_block_k(a: SkinnyConfig, b: SkinnyConfig) -> bool:
     return a == SkinnyConfig(**{**b.__dict__, "block_k": a.block_k})
 
@@ -216,6 +230,23 @@ def test_sm90_fp8_builds_widen_in_registers_without_spills(m, n, k, glu) -> None
     cfg = sg.default_config(m, n, k, fp8=True)
     if sg._use_dot(cfg, m):
         assert ("wgmma.mma_async" if cfg.num_warps >= 4 else "mma.sync.aligned") in ptx
+
+
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("m", [1, 4])
+def test_sm90_int8_lm_head_builds_without_spills(m) -> None:
+    """The greedy lm_head's int8 copy at its default configs (a GEMV at one row, the e4m3 table's
+    dot tile at four, mma.sync at its 2 warps): nothing spilled."""
+    cfg = sg.default_config(m, 100352, 2048, int8=True)
+    meta = dict(sg._plan(m, 100352, 2048, torch.bfloat16, cfg, False, True,
+                         w_fp8=sg.fp8_mode(True, torch.bfloat16, torch.int8))[2])
+    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages"),
+               "launch_pdl": meta.pop("launch_pdl")}
+    types = {"x_ptr": "*bf16", "w_ptr": "*i8", "y_ptr": "*bf16", "part_ptr": "*fp32",
+             "count_ptr": "*i32", "scale_ptr": "*fp32"}
+    ptx = compile_sm90(sg._kernels(False), types, {"stride_xk": 1, **meta}, options)
+    assert re.findall(r"(\d+) bytes spill stores", _ptxas_report(ptx)) == ["0"]
+    assert sg._use_dot(cfg, m) == (m > 1) == ("mma.sync.aligned" in ptx)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------------

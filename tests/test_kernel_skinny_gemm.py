@@ -332,7 +332,7 @@ def test_benchmark_cpu_wiring_check() -> None:
 def test_benchmark_cpu_wiring_check_one_byte_weights(flag) -> None:
     """``--fp8`` / ``--int8``: the one-byte weights are checked against their own dequantized
     reference (no candidate reported wrong), the bf16 kernel is timed beside them, and the printed
-    dict is the e4m3 table's (``_MEASURED_FP8``, which the int8 copy shares)."""
+    dict is the e4m3 table's (``_MEASURED_FP8``) or the int8 copy's (``_MEASURED_INT8``)."""
     proc = run_interpreted_script(REPO / "benchmarks" / "bench_skinny_gemm.py", "--device", "cpu",
                                   "--tiny", "--m", "1", flag, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -340,7 +340,7 @@ def test_benchmark_cpu_wiring_check_one_byte_weights(flag) -> None:
     kind = flag[2:]
     assert f"{kind} weights ({'int8' if kind == 'int8' else 'e4m3'} rows, fp32 scales)" in out
     assert "candidates failed" not in out, out[-3000:]
-    block = out[out.index("_MEASURED_FP8 = {"):]
+    block = out[out.index("_MEASURED_INT8 = {" if kind == "int8" else "_MEASURED_FP8 = {"):]
     block = block[: block.index("\n}") + 2]
     table = eval(block.split("=", 1)[1], {"SkinnyConfig": SkinnyConfig})  # noqa: S307 - our own output
     assert set(table) == {(1, 40, 96), (1, 24, 160)}

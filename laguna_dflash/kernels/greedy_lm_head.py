@@ -35,9 +35,9 @@ trained head's peaked logits would leave fewer.
 
 Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
 
-1. the int8 GEMM (``skinny_gemm``, the e4m3 table's tiles: same bytes);
+1. the int8 GEMM (``skinny_gemm``: its int8 table, else the e4m3 table's tiles: same bytes);
 2. ``_bounds_kernel``, grid ``(M, V / CHUNK)``: ``c`` and the chunk's ``lo`` / ``hi``;
-3. ``_exact_kernel``, the same grid: the row's threshold from the chunks, then the chunk's
+3. ``_exact_kernel``, grid ``(M, V / EXACT_CHUNK)``: the row's threshold from the bounds' chunks, then its
    candidates in token order, one whole weight row a candidate (a loop whose trip count is the
    candidate count), and the chunk's (max, first index), as ``kernels/argmax.py``'s chunk kernel
    gives them, NaN included;
@@ -71,7 +71,7 @@ SLACK = 1e-3  # the least slack for the fp32 sums' error, relative to ||x|| ||w_
 CHUNK = 2048  # tokens a program of the bounds kernel
 # tokens a program of the exact kernel (a power of two; its candidates are a serial loop, so a
 # smaller chunk shortens the longest loop for more programs)
-EXACT_CHUNK = 2048
+EXACT_CHUNK = 256  # 1-1.3 us faster than 2048 at 1 and 4 rows on an H100 (PERFORMANCE.md, eightieth pass)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -273,7 +273,7 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
                          f"weight {tuple(weight.shape)} {weight.dtype}: use the lm_head GEMM and argmax")
     m, h = x.shape
     v = weight.shape[0]
-    i = _sg.skinny_gemm(x, head.q, _sg.default_config(m, v, h, fp8=True), scale=head.scale)  # [M, V]
+    i = _sg.skinny_gemm(x, head.q, _sg.default_config(m, v, h, int8=True), scale=head.scale)  # [M, V]
     num_bound_chunks = -(-v // CHUNK)
     num_chunks = -(-v // EXACT_CHUNK)
     dev = x.device

@@ -269,10 +269,21 @@ _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
 }
 
 
-def _measured(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig | None:
-    """The measured config (``fp8``: an e4m3 weight's) of the smallest bucket ``>= next_pow2(m)``
-    of this ``(n, k)``, or None."""
-    table = _MEASURED_FP8 if fp8 else _MEASURED
+# Measured best configs for the greedy lm_head's int8 copy (kernels/greedy_lm_head.py), keyed as
+# _MEASURED; other shapes and buckets take the e4m3 table's (same bytes). The one-row lm_head:
+# a GEMV, where the e4m3 table's 4-row dot tile computes 15 padded rows; on an H100 80GB
+# (2026-12-06, benchmarks/bench_skinny_gemm.py --int8 --only --m 1,4 --shapes 100352x2048, then
+# bench_greedy_lm_head.py with and without it in the same call; docs/PERFORMANCE.md, eightieth
+# pass). The comment gives the e4m3 table's tile in the same run.
+_MEASURED_INT8: dict[tuple[int, int, int], SkinnyConfig] = {
+    (1, 100352, 2048): SkinnyConfig(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=2, use_dot=False, evict_first=True, x_bcast=False),  # 70.40 us, dot 128x128 72.69 us
+}
+
+
+def _measured(m: int, n: int, k: int, fp8: bool = False, int8: bool = False) -> SkinnyConfig | None:
+    """The measured config (``fp8``: an e4m3 weight's, ``int8``: an int8 one's) of the smallest
+    bucket ``>= next_pow2(m)`` of this ``(n, k)``, or None."""
+    table = _MEASURED_INT8 if int8 else _MEASURED_FP8 if fp8 else _MEASURED
     bucket = _next_pow2(max(1, m))
     while bucket <= MAX_M:
         cfg = table.get((bucket, n, k))
@@ -300,7 +311,7 @@ def is_tuned(m: int, n: int, k: int) -> bool:
 CONFIG_OVERRIDES: dict[str, dict] = {}
 
 
-def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
+def default_config(m: int, n: int, k: int, fp8: bool = False, int8: bool = False) -> SkinnyConfig:
     """Config for ``x [m, k] @ W[n, k]^T``: the measured table (``_MEASURED``, smallest bucket
     ``>= next_pow2(m)`` of this ``(n, k)``), else a shape heuristic; with the fields of a
     :data:`CONFIG_OVERRIDES` entry for this shape replaced. ``1 <= m <= 16``.
@@ -308,9 +319,11 @@ def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
     ``fp8`` (an e4m3 weight, one byte an element): its own measured table (``_MEASURED_FP8``),
     else the bf16 config with ``block_k`` doubled, so that a tile and a K step move the same
     bytes (the dot path's at most 256: its tiles are widened in registers); its override key is
-    ``"fp8,M_BUCKET,N,K"``."""
-    cfg = _table_config(m, n, k, fp8)
-    key = f"{'fp8,' if fp8 else ''}{_next_pow2(max(1, m))},{n},{k}"
+    ``"fp8,M_BUCKET,N,K"``. ``int8`` (an int8 weight, implies one byte an element): its own table
+    (``_MEASURED_INT8``) first, else the e4m3 weight's config; override key ``"int8,M_BUCKET,N,K"``."""
+    fp8 = fp8 or int8
+    cfg = _table_config(m, n, k, fp8, int8)
+    key = f"{'int8,' if int8 else 'fp8,' if fp8 else ''}{_next_pow2(max(1, m))},{n},{k}"
     fields = CONFIG_OVERRIDES.get(key) if CONFIG_OVERRIDES else None
     if fields is None:
         return cfg
@@ -322,7 +335,9 @@ def default_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
 
 
 @functools.lru_cache(maxsize=1024)
-def _table_config(m: int, n: int, k: int, fp8: bool = False) -> SkinnyConfig:
+def _table_config(m: int, n: int, k: int, fp8: bool = False, int8: bool = False) -> SkinnyConfig:
+    if int8 and (cfg := _measured(m, n, k, int8=True)) is not None:
+        return cfg
     if fp8 and (cfg := _measured(m, n, k, fp8=True)) is not None:
         return cfg
     cfg = _measured(m, n, k) or _heuristic_config(m, n, k)
@@ -769,7 +784,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
     if glu and n % 2:
         raise ValueError(f"glu=True needs weight [2I, K] (gate rows, then up rows), got {n} rows: "
                          "an odd count; pass the fused gate_up weight")
-    cfg = default_config(m, n, k, fp8=is_fp8) if config is None else config
+    cfg = default_config(m, n, k, fp8=is_fp8, int8=weight.dtype == torch.int8) if config is None else config
     if not isinstance(cfg, SkinnyConfig):
         raise ValueError(f"config must be a SkinnyConfig or None, got {type(cfg).__name__}")
     y = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)

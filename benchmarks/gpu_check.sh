@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass149    # the int8 copy's new defaults (one-row GEMV tile, 256-token exact
-#                                           # chunks) and the last layer's router prefetching it: the CUDA
-#                                           # graph, XS lossless, greedy and int8 GEMM tests, the lm_head
-#                                           # alone (a 4-row tile too), then goal 2's cell at 65 new
-#                                           # tokens: defaults, that prefetch off, defaults (~8 min)
+#   bash benchmarks/gpu_check.sh pass150    # the int8 copy's final defaults (its tiles at 1 and 4 rows):
+#                                           # the CUDA graph, XS lossless, greedy and int8 GEMM tests, the
+#                                           # lm_head alone, then goal 2's cell at 65 new tokens: defaults,
+#                                           # the copy off, defaults (~8 min)
+#   bash benchmarks/gpu_check.sh pass149    # the int8 copy's one-row GEMV tile, 256-token exact chunks: the
+#                                           # CUDA graph, XS lossless, greedy and int8 GEMM tests, the
+#                                           # lm_head alone (a 4-row tile too), then goal 2's cell at 65
+#                                           # new tokens (at 1de5160 also with the last router's prefetch
+#                                           # of the copy off: that prefetch is removed; ~6 min)
 #   bash benchmarks/gpu_check.sh pass148    # the int8 copy's exact pass in smaller chunks (EXACT_CHUNK) and
 #                                           # a one-row GEMV tile: its CUDA tests, bench_greedy_lm_head.py
 #                                           # at 2048-256 token chunks, with the tile, then goal 2's cell
@@ -557,6 +561,13 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass150)
+    echo "== (eightieth pass) the int8 copy's final defaults"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 200 -n 6 tests/test_kernel_greedy_lm_head.py tests/test_kernel_skinny_fp8.py tests/test_cuda_xs_lossless.py \
+      tests/test_cuda_graphs.py -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -8
+    timeout 60 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -3
+    goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" "" ;;
   pass149)
     echo "== (eightieth pass) the int8 copy's defaults, the last router prefetching it"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -565,7 +576,9 @@ case "$stage" in
     timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1,4 --exact-chunks 256,2048 2>&1 | quiet | tail -4
     T='{"int8,4,100352,2048": {"block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 2, "num_stages": 3, "use_dot": true, "x_bcast": true}}'
     timeout 60 python benchmarks/bench_greedy_lm_head.py --m 4 --overrides "$T" 2>&1 | quiet | tail -3
-    goal_cells_65 "" "--switch laguna_dflash.models.decoder:DecoderLM.prefetch_lm_head_int8=False" "" ;;
+    # then with the last router prefetching the copy off (DecoderLM.prefetch_lm_head_int8,
+    # tree 1de5160; removed since) and the defaults again
+    goal_cells_65 "" ;;
   pass148)
     echo "== (eightieth pass) the int8 copy's exact pass in smaller chunks, a one-row GEMV tile"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -70,8 +70,11 @@ MAX_M = 16  # rows a call (the skinny GEMM's)
 SLACK = 1e-3  # the least slack for the fp32 sums' error, relative to ||x|| ||w_v|| (module docstring)
 CHUNK = 2048  # tokens a program of the bounds kernel
 # tokens a program of the exact kernel (a power of two; its candidates are a serial loop, so a
-# smaller chunk shortens the longest loop for more programs)
-EXACT_CHUNK = 256  # 1-1.3 us faster than 2048 at 1 and 4 rows on an H100 (PERFORMANCE.md, eightieth pass)
+# smaller chunk shortens the longest loop, for more programs). On H100s with Gaussian weights
+# (at most 3 candidates a 2048-token chunk, 2 a 256-token one) 256 was 0.1-1.3 us faster than
+# 2048 a call in three runs (docs/PERFORMANCE.md, eightieth pass): the three small launches
+# cost ~9-11 us whatever the chunk. Kept for flatter logits, whose candidates would crowd.
+EXACT_CHUNK = 256
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -178,25 +178,16 @@ class DecoderLM(nn.Module):
         return self.tp.all_gather_last(lm_head_linear(hidden, self.lm_head_weight))
 
     lm_head_int8: greedy_lm_head.Int8LmHead | None = None
-    # True: the last layer's MoE router prefetches the int8 copy into L2 as the other layers'
-    # routers prefetch the next layer's Q|K|V|gate weight (MoE.prefetch_next_bytes), for the
-    # greedy lm_head right after the forward. False: nothing (the A/B baseline).
-    prefetch_lm_head_int8: bool = True
 
     def quantize_lm_head_int8(self) -> int:
         """Build the lm_head's int8 copy for :meth:`greedy_tokens` (kernels/greedy_lm_head.py):
         its bytes, or 0 where it does not apply (tensor parallelism, a weight that is not bf16 /
-        fp16 and contiguous, or a device Triton does not run on). With
-        :attr:`prefetch_lm_head_int8`, a last layer with a MoE and no next weight of its own
-        prefetches the copy (``MoE.prefetch_next``)."""
+        fp16 and contiguous, or a device Triton does not run on)."""
         weight = self.lm_head_weight
         if (self.tp.is_parallel or weight.dtype not in (torch.bfloat16, torch.float16)
                 or not weight.is_contiguous() or not triton_can_run(weight.device)):
             return 0
         self.lm_head_int8 = greedy_lm_head.quantize(weight)
-        last = self.layers[-1].mlp if len(self.layers) else None
-        if self.prefetch_lm_head_int8 and isinstance(last, MoE) and last.prefetch_next is None:
-            last.prefetch_next = self.lm_head_int8.q
         return self.lm_head_int8.nbytes
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:

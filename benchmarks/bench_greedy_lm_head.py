@@ -74,7 +74,10 @@ def main() -> None:
     ap.add_argument("--exact-chunks", default=str(glh.EXACT_CHUNK),
                     help="EXACT_CHUNK values to time (comma list of powers of two)")
     ap.add_argument("--overrides", default="", help="skinny_gemm.CONFIG_OVERRIDES as JSON (module docstring)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="the int8 path's bounds, exact and finish as plain launches (greedy_lm_head.USE_PDL)")
     args = ap.parse_args()
+    glh.USE_PDL = not args.no_pdl
     if args.overrides:
         sg.CONFIG_OVERRIDES.update(json.loads(args.overrides))
     chunks = [int(v) for v in args.exact_chunks.split(",") if v]
@@ -88,7 +91,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if timed else "CPU (not timed)"
     print(f"{name}, torch {torch.__version__}, lm_head {args.vocab} x {args.hidden} "
           f"bf16 ({w.numel() * 2 / 1e6:.0f} MB; int8 copy and bounds {head.nbytes / 1e6:.0f} MB)"
-          f"{', overrides ' + args.overrides if args.overrides else ''}\n")
+          f"{', overrides ' + args.overrides if args.overrides else ''}"
+          f"{', plain launches after the int8 GEMM' if args.no_pdl else ''}\n")
     chunk_cols = "".join(f" int8 + exact ({c}) us |" for c in chunks)
     print(f"| rows | bf16 GEMM + argmax us | int8 GEMM alone us |{chunk_cols} ratio | tokens = bf16 path's "
           "| = float64 argmax | candidates a row | most in one chunk |")

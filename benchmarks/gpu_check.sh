@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass151    # the int8 copy's three small launches as PDL kernels
+#                                           # (greedy_lm_head.USE_PDL): the greedy and XS lossless CUDA
+#                                           # tests, the lm_head alone with and without, then goal 2's
+#                                           # cell at 65 new tokens: defaults, without, defaults (~8 min)
 #   bash benchmarks/gpu_check.sh pass150    # the int8 copy's final defaults (its tiles at 1 and 4 rows):
 #                                           # the CUDA graph, XS lossless, greedy and int8 GEMM tests, the
 #                                           # lm_head alone, then goal 2's cell at 65 new tokens: defaults,
@@ -561,6 +565,15 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass151)
+    echo "== (eightieth pass) the int8 copy's small launches as PDL kernels"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 110 -n 4 tests/test_kernel_greedy_lm_head.py tests/test_cuda_xs_lossless.py tests/test_kernel_argmax.py \
+      -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -8
+    for flag in "" --no-pdl; do
+      timeout 50 python benchmarks/bench_greedy_lm_head.py --m 1,4 $flag 2>&1 | quiet | tail -2
+    done
+    goal_cells_65 "" "--switch laguna_dflash.kernels.greedy_lm_head:USE_PDL=False" "" ;;
   pass150)
     echo "== (eightieth pass) the int8 copy's final defaults"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

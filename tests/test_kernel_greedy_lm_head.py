@@ -165,6 +165,48 @@ def test_interpreted_non_finite_rows_take_the_full_logits(value):
     assert torch.equal(got, torch.argmax(logits, dim=-1))
 
 
+# ---- offline sm_90 builds ------------------------------------------------------------------------
+
+
+def _sm90(kernel, constexprs: dict, num_warps: int) -> tuple[str, list[int]]:
+    from ptx_sm90 import compile_sm90_spills
+
+    types = {"x_ptr": "*bf16", "i_ptr": "*bf16", "err_ptr": "*fp32", "norm_ptr": "*fp32", "lo_ptr": "*fp32",
+             "hi_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*bf16", "part_v_ptr": "*fp32",
+             "part_i_ptr": "*i64", "out_ptr": "*i64"}
+    options = {"num_warps": num_warps, "num_stages": 1, "launch_pdl": constexprs["PDL"]}
+    return compile_sm90_spills(kernel, types, constexprs, options)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "plain"])
+def test_sm90_builds_read_only_the_bounds_before_the_pdl_wait(use_pdl):
+    """At XS-2.1's lm_head shape the bounds, exact and finish kernels build for sm_90 without
+    spills; as programmatic dependent launches (kernels/pdl.py) each waits once, signals after
+    it, and reads before it only the copy's err and norm rows (the bounds kernel's 2048 tokens:
+    four 16-byte loads of each a thread; the exact kernel's 256: one 8-byte load of each)."""
+    from ptx_sm90 import can_compile_sm90, loads_before_pdl_wait
+
+    from laguna_dflash.kernels import argmax
+    from laguna_dflash.kernels.jit import DTYPE_CODE
+
+    if not can_compile_sm90():
+        pytest.skip("needs triton's CUDA backend")
+    bounds, exact = glh._kernels(False)
+    common = dict(stride_xm=2048, stride_im=100352, SLACK=glh.slack(2048), K=2048, BLOCK_H=2048, PDL=use_pdl)
+    builds = [
+        (_sm90(bounds, dict(common, CHUNK=2048), 4), 8),
+        (_sm90(exact, dict(common, stride_w=2048, CHUNK=256, BLOCK_B=64, DTYPE=DTYPE_CODE[torch.bfloat16]), 4), 2),
+        (_sm90(argmax._kernels(False)[1], dict(BLOCK_C=512, PDL=use_pdl), 1), 0),
+    ]
+    for (ptx, spills), loads in builds:
+        assert spills == [0]
+        if use_pdl:
+            assert len(loads_before_pdl_wait(ptx)) == loads
+        else:
+            assert "griddepcontrol" not in ptx
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")

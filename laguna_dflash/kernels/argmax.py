@@ -60,10 +60,14 @@ def _chunk_argmax_kernel(x_ptr, part_v_ptr, part_i_ptr, num_cols, stride_xn, num
     tl.store(part_i_ptr + n * num_chunks + c, first)
 
 
-def _finish_argmax_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _finish_argmax_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                          PDL: tl.constexpr):
     # program n: the row's chunks in order; a NaN chunk wins (the first NaN of the row has the
     # smallest index among the NaN chunks' first NaNs), else the smallest index among the chunks
-    # that reached the row's maximum
+    # that reached the row's maximum. PDL: a programmatic dependent launch (kernels/pdl.py)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     ok = c < num_chunks
@@ -117,5 +121,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     chunk_kernel[(n, num_chunks)](logits, part_v, part_i, v, logits.stride(0), num_chunks, CHUNK=CHUNK,
                                   num_warps=4)
     finish_kernel[(n,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, 1 << (num_chunks - 1).bit_length()),
-                        num_warps=1)
+                        PDL=False, num_warps=1)
     return out

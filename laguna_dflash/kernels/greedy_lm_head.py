@@ -43,6 +43,10 @@ Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
    gives them, NaN included;
 4. ``argmax``'s finish kernel over the chunks.
 
+With ``kernels.pdl.USE_PDL`` (sm90+) all four are programmatic dependent launches
+(kernels/pdl.py's rules): each launches while the one before drains, and reads only the
+copy's bounds before its wait.
+
 Runs on CUDA, and on the CPU under Triton's interpreter (the tests). For bf16 / fp16 weights
 only: an fp32 model's logits would need another tie margin, so it keeps the full GEMM.
 """
@@ -56,6 +60,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import argmax as _argmax
+from . import pdl
 from . import skinny_gemm as _sg
 from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
@@ -75,6 +80,9 @@ CHUNK = 2048  # tokens a program of the bounds kernel
 # 2048 a call in three runs (docs/PERFORMANCE.md, eightieth pass): the three small launches
 # cost ~9-11 us whatever the chunk. Kept for flatter logits, whose candidates would crowd.
 EXACT_CHUNK = 256
+# The bounds, exact and finish launches as programmatic dependent launches where kernels.pdl
+# is active (module docstring); False: plain launches (the A/B baseline).
+USE_PDL = True
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -153,21 +161,24 @@ def greedy_tokens_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, V, stride_xm, stride_im,
                    num_chunks, SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   CHUNK: tl.constexpr, PDL: tl.constexpr):
     # program (m, c): c = 1.001 ||x_m|| (stored by chunk 0) and, over tokens [c CHUNK, (c+1) CHUNK),
     # lo = max(i - B), hi = max(i + B); lo = -inf where x_m or an int8 logit is not finite
-    # (every token a candidate)
+    # (every token a candidate). PDL: the copy's bounds (never written) are read before the wait
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
+    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs_v < V
+    bound = tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_h = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + m * stride_xm + offs_h, mask=offs_h < K, other=0.0).to(tl.float32)
     finite = tl.min((tl.abs(x) < float("inf")).to(tl.int32), 0)  # 0: a NaN or an infinity
     cx = 1.001 * tl.math.sqrt_rn(tl.sum(x * x, 0))
-    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    ok = offs_v < V
     i = tl.load(i_ptr + m * stride_im + offs_v, mask=ok, other=0.0).to(tl.float32)
-    b = cx * (tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0))
-    b += 0.0078125 * tl.abs(i)  # 2^-7 |i|: i's rounding to x's dtype
+    b = cx * bound + 0.0078125 * tl.abs(i)  # 2^-7 |i|: i's rounding to x's dtype
     finite = tl.minimum(finite, tl.min(tl.where(ok, (tl.abs(i) < float("inf")).to(tl.int32), 1), 0))
     lo = tl.max(tl.where(ok, i - b, float("-inf")), 0)
     hi = tl.max(tl.where(ok, i + b, float("-inf")), 0)
@@ -180,15 +191,21 @@ def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, V, s
 def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, part_v_ptr, part_i_ptr,
                   V, stride_xm, stride_w, stride_im, num_bound_chunks, num_chunks,
                   SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_B: tl.constexpr, DTYPE: tl.constexpr):
+                  BLOCK_B: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr):
     # program (m, c): the candidates among tokens [c CHUNK, (c+1) CHUNK), one whole weight row
     # each in token order (a row is one load a thread: candidates are few, so the loop's trip
     # count, not its loads, is short); their exact logits rounded to DTYPE; the chunk's (max,
     # first index of it), or (NaN, first NaN's index) as argmax's chunk kernel, or (-inf, the
     # chunk's first token) without a candidate. lo / hi: the bounds kernel's num_bound_chunks
-    # partials a row
+    # partials a row. PDL: the copy's bounds (never written) are read before the wait
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
+    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs_v < V
+    bound = tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_c = tl.arange(0, BLOCK_B)
     ok_c = offs_c < num_bound_chunks
     lo = tl.max(tl.load(lo_ptr + m * num_bound_chunks + offs_c, mask=ok_c, other=float("-inf")), 0)
@@ -196,11 +213,8 @@ def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr
     mag = tl.maximum(tl.abs(lo), tl.abs(hi))  # >= |the maximal logit|, in [lo, hi]
     threshold = lo - 0.015625 * mag  # 2^-6 mag: two units in the last place of the maximum
     cx = tl.load(cx_ptr + m)
-    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    ok = offs_v < V
     i = tl.load(i_ptr + m * stride_im + offs_v, mask=ok, other=0.0).to(tl.float32)
-    b = cx * (tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0))
-    b += 0.0078125 * tl.abs(i)
+    b = cx * bound + 0.0078125 * tl.abs(i)
     # lo = -inf: a row with a NaN or an infinity (_bounds_kernel), every token a candidate
     every = (lo == float("-inf")).to(tl.int32)
     left = tl.where(ok, tl.maximum((i + b >= threshold).to(tl.int32), every), 0)
@@ -287,14 +301,18 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
     part_i = torch.empty((m, num_chunks), dtype=torch.int64, device=dev)
     out = torch.empty(m, dtype=torch.int64, device=dev)
     interpret = interpret_mode()
+    use_pdl = USE_PDL and pdl.active(dev, interpret)
+    launch = dict(PDL=use_pdl, **pdl.launch_options(use_pdl))
     bounds, exact = _kernels(interpret)
     block_h = _next_pow2(h)
     bounds[(m, num_bound_chunks)](x, i, head.err, head.norm, lo, hi, cx, v, x.stride(0), i.stride(0),
-                                  num_bound_chunks, SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK, num_warps=4)
+                                  num_bound_chunks, SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=CHUNK,
+                                  num_warps=4, **launch)
     exact[(m, num_chunks)](x, weight, i, head.err, head.norm, lo, hi, cx, part_v, part_i,
                            v, x.stride(0), weight.stride(0), i.stride(0), num_bound_chunks, num_chunks,
                            SLACK=slack(h), K=h, BLOCK_H=block_h, CHUNK=EXACT_CHUNK,
-                           BLOCK_B=max(2, _next_pow2(num_bound_chunks)), DTYPE=DTYPE_CODE[x.dtype], num_warps=4)
+                           BLOCK_B=max(2, _next_pow2(num_bound_chunks)), DTYPE=DTYPE_CODE[x.dtype],
+                           num_warps=4, **launch)
     finish = _argmax._kernels(interpret)[1]
-    finish[(m,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, _next_pow2(num_chunks)), num_warps=1)
+    finish[(m,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, _next_pow2(num_chunks)), num_warps=1, **launch)
     return out

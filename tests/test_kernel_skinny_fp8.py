@@ -190,7 +190,8 @@ def test_int8_configs_take_their_table_then_the_e4m3_one(monkeypatch) -> None:
     for m in (2, 3, 4):
         assert sg.default_config(m, 100352, 2048, int8=True) == sg._MEASURED_INT8[4, 100352, 2048]
     assert sg.default_config(1, 100352, 2048, fp8=True) == sg._MEASURED_FP8[4, 100352, 2048]
-    for m, n, k in [(5, 100352, 2048), (16, 100352, 2048), (1, 100352, 3072), (16, 16384, 2048)]:
+    assert sg.default_config(3, 100352, 3072, int8=True) == sg._MEASURED_INT8[4, 100352, 3072]
+    for m, n, k in [(5, 100352, 2048), (16, 100352, 2048), (5, 100352, 3072), (16, 16384, 2048)]:
         assert sg.default_config(m, n, k, int8=True) == sg.default_config(m, n, k, fp8=True), (m, n, k)
     monkeypatch.setattr(sg, "CONFIG_OVERRIDES", {"int8,1,100352,2048": {"block_n": 32}})
     assert sg.default_config(1, 100352, 2048, int8=True).block_n == 32

@@ -271,7 +271,8 @@ _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
 
 # Measured best configs for the greedy lm_head's int8 copy (kernels/greedy_lm_head.py), keyed as
 # _MEASURED; other shapes and buckets take the e4m3 table's (same bytes). XS-2.1's lm_head at one
-# row (a GEMV, where the e4m3 table's 4-row dot tile computes 15 padded rows) and at 2-4 rows, on
+# row (a GEMV, where the e4m3 table's 4-row dot tile computes 15 padded rows) and at 2-4 rows
+# (S-2.1's, K = 3072, from one sweep: "default" is the bf16 table's tile with block_k doubled), on
 # H100 80GB cards (2026-12-06, benchmarks/bench_skinny_gemm.py --int8 --only --m 1,4 --shapes
 # 100352x2048, then bench_greedy_lm_head.py with the tile and without it in the same calls:
 # 71.3-71.5 against 74.4-74.7 us at one row, 72.2 against 75.0 us at four; docs/PERFORMANCE.md,
@@ -279,6 +280,8 @@ _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
 _MEASURED_INT8: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 100352, 2048): SkinnyConfig(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=2, use_dot=False, evict_first=True, x_bcast=False),  # 70.40 us, dot 128x128 72.69 us
     (4, 100352, 2048): SkinnyConfig(block_n=32, block_k=256, split_k=1, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 71.86 us, dot 128x128 73.77 us
+    (1, 100352, 3072): SkinnyConfig(block_n=8, block_k=512, split_k=1, num_warps=4, num_stages=2, use_dot=False, evict_first=True, x_bcast=False),  # 108.44 us, default 114.74 us
+    (4, 100352, 3072): SkinnyConfig(block_n=32, block_k=256, split_k=1, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 107.23 us, default 127.53 us
 }
 
 

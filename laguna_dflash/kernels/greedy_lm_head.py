@@ -29,9 +29,10 @@ For a row ``x [H]`` of the final-normed hidden state and vocabulary row ``w_v``:
 * A row whose ``x`` or int8 logits hold a NaN or an infinity takes every token as a candidate
   (the full-precision lm_head for that row; NaN first, as ``torch.argmax`` ranks it).
 
-An estimate, not counted on a GPU: with random Gaussian weights at XS-2.1 size, ``B_v`` is about
-a third of the logits' spread, which leaves a few dozen candidates in 100352 tokens, and a
-trained head's peaked logits would leave fewer.
+With random Gaussian weights at XS-2.1 size ``B_v`` is about a third of the logits' spread: 9-45
+candidates a row in 100352 tokens (39-80 at S-2.1's width), counted by
+:func:`candidates_reference` in ``benchmarks/bench_greedy_lm_head.py``. A trained head's peaked
+logits would leave fewer (an expectation, not counted: no trained head here).
 
 Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
 

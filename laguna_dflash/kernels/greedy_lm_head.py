@@ -160,6 +160,19 @@ def greedy_tokens_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 # ---- Triton kernels ---------------------------------------------------------------------------------
 
 
+def _chunk_start(err_ptr, norm_ptr, c, V, SLACK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    # a program's tokens [c CHUNK, (c+1) CHUNK), which are in the vocabulary, and their
+    # err + SLACK norm (the copy's bounds, never written: read before the PDL wait); then the
+    # wait and the signal (kernels/pdl.py's rules 1 and 2)
+    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs_v < V
+    bound = tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return offs_v, ok, bound
+
+
 def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, V, stride_xm, stride_im,
                    num_chunks, SLACK: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
                    CHUNK: tl.constexpr, PDL: tl.constexpr):
@@ -168,12 +181,7 @@ def _bounds_kernel(x_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr, V, s
     # (every token a candidate). PDL: the copy's bounds (never written) are read before the wait
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    ok = offs_v < V
-    bound = tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    offs_v, ok, bound = _chunk_start(err_ptr, norm_ptr, c, V, SLACK, CHUNK, PDL)
     offs_h = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + m * stride_xm + offs_h, mask=offs_h < K, other=0.0).to(tl.float32)
     finite = tl.min((tl.abs(x) < float("inf")).to(tl.int32), 0)  # 0: a NaN or an infinity
@@ -201,12 +209,7 @@ def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr
     # partials a row. PDL: the copy's bounds (never written) are read before the wait
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    offs_v = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    ok = offs_v < V
-    bound = tl.load(err_ptr + offs_v, mask=ok, other=0.0) + SLACK * tl.load(norm_ptr + offs_v, mask=ok, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    offs_v, ok, bound = _chunk_start(err_ptr, norm_ptr, c, V, SLACK, CHUNK, PDL)
     offs_c = tl.arange(0, BLOCK_B)
     ok_c = offs_c < num_bound_chunks
     lo = tl.max(tl.load(lo_ptr + m * num_bound_chunks + offs_c, mask=ok_c, other=float("-inf")), 0)
@@ -242,7 +245,7 @@ def _exact_kernel(x_ptr, w_ptr, i_ptr, err_ptr, norm_ptr, lo_ptr, hi_ptr, cx_ptr
 def _kernels(interpret: bool):
     """(bounds kernel, exact kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _bounds_kernel, _exact_kernel))
+    ns = jit_functions(__name__, (_round_to, _chunk_start, _bounds_kernel, _exact_kernel))
     return ns["_bounds_kernel"], ns["_exact_kernel"]
 
 

@@ -24,3 +24,20 @@ def test_bench_greedy_lm_head_tokens_on_the_cpu():
         # rows, bf16, int8 alone, one time per exact chunk (2), ratio, then the tokens' columns
         assert cells[6] == f"{m} of {m} / {m} of {m}" and cells[7] == cells[6], r
         assert all(1 <= int(n) < 3000 for n in cells[8].split(",")) and "(256)" in cells[9], r
+
+
+def test_count_greedy_candidates_on_the_demo_target():
+    """benchmarks/count_greedy_candidates.py on the embedded demo target (a trained model): every
+    step's exact argmax is a candidate and the generated token (else it exits 1), and the summary
+    gives this model's counts and the Gaussian baseline's."""
+    import re
+    import subprocess
+    import sys
+
+    script = SCRIPT.parent / "count_greedy_candidates.py"
+    proc = subprocess.run([sys.executable, str(script), "--prompts", "1", "--new-tokens", "4"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = re.search(r"prompt 0: candidates a step \[([0-9, ]+)\]", proc.stdout)
+    assert row and len(row.group(1).split(",")) == 4 and all(int(c) >= 1 for c in row.group(1).split(","))
+    assert "this model: median" in proc.stdout and "Gaussian weights of the same shape: median" in proc.stdout

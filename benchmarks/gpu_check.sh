@@ -19,9 +19,9 @@
 #                                           # at 2048-256 token chunks, with the tile, then goal 2's cell
 #                                           # at 65 new tokens, defaults and 256-token chunks (~6 min)
 #   bash benchmarks/gpu_check.sh pass147    # the int8 lm_head copy's tiles: its CUDA tests, the int8 sweep
-#                                           # at 1 and 4 rows of the lm_head shape (bench_skinny_gemm.py
-#                                           # --int8), then the lm_head alone (bench_greedy_lm_head.py;
-#                                           # ~5 min)
+#                                           # at 1 and 4 rows of XS-2.1's and S-2.1's lm_head shapes
+#                                           # (bench_skinny_gemm.py --int8; XS-2.1's only until f56c54c),
+#                                           # then the lm_head alone (bench_greedy_lm_head.py; ~5 min)
 #   bash benchmarks/gpu_check.sh pass146    # the drafter's drafts through the int8 lm_head copy: the CUDA
 #                                           # graph and XS lossless tests, then goal 2's cell at 65 new
 #                                           # tokens with the defaults and with the copy off (~5 min)
@@ -604,8 +604,8 @@ case "$stage" in
     echo "== (eightieth pass) the int8 lm_head copy's tiles on this card"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 120 tests/test_kernel_greedy_lm_head.py tests/test_kernel_skinny_fp8.py -k cuda | grep -v PASSED | tail -6
-    timeout 240 python benchmarks/bench_skinny_gemm.py --int8 --only --m 1,4 --shapes 100352x2048 --budget 200 \
-      2>&1 | quiet | grep -vE "^\| ---|^$" | tail -30
+    timeout 240 python benchmarks/bench_skinny_gemm.py --int8 --only --m 1,4 --shapes 100352x2048,100352x3072 \
+      --budget 200 2>&1 | quiet | grep -vE "^\| ---|^$" | tail -34
     timeout 90 python benchmarks/bench_greedy_lm_head.py --m 1,4 2>&1 | quiet | tail -4 ;;
   pass145)
     echo "== (seventy-ninth pass) the int8 lm_head copy and the goals on this card"

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass152    # the shortest goal check: goal 2's cell at 65 new tokens (its
+#                                           # target-only decode is goal 1's number), defaults then the
+#                                           # int8 lm_head copy off (~3 min)
 #   bash benchmarks/gpu_check.sh pass151    # the int8 copy's three small launches as PDL kernels
 #                                           # (greedy_lm_head.USE_PDL): the greedy and XS lossless CUDA
 #                                           # tests, the lm_head alone with and without, then goal 2's
@@ -564,6 +567,10 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
+    goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass152)
+    echo "== (eightieth pass) goals 1 and 2 on this card: defaults, the int8 copy off"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
   pass151)
     echo "== (eightieth pass) the int8 copy's small launches as PDL kernels"

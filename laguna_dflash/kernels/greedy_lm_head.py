@@ -40,9 +40,9 @@ Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
 1. the int8 GEMM (``skinny_gemm``: its int8 table, else the e4m3 table's tiles: same bytes);
 2. ``_bounds_kernel``, grid ``(M, V / CHUNK)``: ``c`` and the chunk's ``lo`` / ``hi``;
 3. ``_exact_kernel``, grid ``(M, V / EXACT_CHUNK)``: the row's threshold from the bounds'
-   chunks, then its candidates in token order, one whole weight row a candidate (a loop whose trip count is the
-   candidate count), and the chunk's (max, first index), as ``kernels/argmax.py``'s chunk kernel
-   gives them, NaN included;
+   chunks, then its candidates in token order, one whole weight row a candidate (a loop whose
+   trip count is the candidate count), and the chunk's (max, first index), as
+   ``kernels/argmax.py``'s chunk kernel gives them, NaN included;
 4. ``argmax``'s finish kernel over the chunks.
 
 With ``kernels.pdl.USE_PDL`` (sm90+) all four are programmatic dependent launches

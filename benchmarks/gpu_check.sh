@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass154    # the next decode's rows staged before the lm_head, its ids
+#                                           # written by the argmax, the host copy on a side stream: the
+#                                           # CUDA tests, host_timeline.py step A/B and --sequence, then
+#                                           # goal 2's cell at 65 new tokens here and from .ab/base (~9 min)
+#   bash benchmarks/gpu_check.sh pass153    # what the GPU runs between two replays, target-only and DFlash
+#                                           # K = 3, with the idle time before each op (host_timeline.py
+#                                           # --sequence; ~4 min)
 #   bash benchmarks/gpu_check.sh pass152    # the shortest goal check: goal 2's cell at 65 new tokens (its
 #                                           # target-only decode is goal 1's number), defaults, the int8
 #                                           # lm_head copy off, defaults; 150 s a cell, so that a fresh
@@ -571,6 +578,21 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass154)
+    echo "== (eighty-first pass) staged decode rows, ids in place, the host copy on a side stream"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 200 -n 6 tests/test_kernel_greedy_lm_head.py tests/test_kernel_argmax.py tests/test_cuda_graphs.py \
+      tests/test_cuda_xs_lossless.py -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -8
+    S=laguna_dflash.engine.engine:stage_forward_ahead=False
+    H=laguna_dflash.engine.runner:host_copy_on_side_stream=False
+    timeout 200 python benchmarks/host_timeline.py --rounds 2 --top 2 --sequence --switch "$S;$H" --switch "$H" \
+      2>&1 | quiet | grep -vE "^\| (host phase|lm_head M|1 |3 |4 )|^\|---|capture_end"
+    echo "-- goal 2's cell at 65 new tokens, this tree"; goal_cell 90 --new-tokens 65
+    echo "-- goal 2's cell at 65 new tokens, .ab/base"; base_goal_cell 90 --new-tokens 65 ;;
+  pass153)
+    echo "== (eighty-first pass) the GPU ops between two replays"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 420 python benchmarks/host_timeline.py --rounds 1 --top 3 --sequence 2>&1 | quiet ;;
   pass152)
     echo "== (eightieth pass) goals 1 and 2 on this card: defaults, the int8 copy off"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -185,7 +185,8 @@ def switched(texts: list[str]):
             setattr(obj, name, value)
 
 
-def profile_steps(llm: LLM, prompt: list[int], new_tokens: int) -> tuple:
+def profile_steps(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[tuple, list[tuple[float, float, str]]]:
+    """(:func:`idle_by_phase`'s tuple, the profile's GPU events ``(start us, end us, name)``)."""
     from torch.profiler import ProfilerActivity, profile
 
     step_time(llm, prompt, new_tokens, warm=False)
@@ -194,7 +195,75 @@ def profile_steps(llm: LLM, prompt: list[int], new_tokens: int) -> tuple:
     with profile(activities=activities) as prof:
         step_time(llm, prompt, new_tokens, warm=False)
         sync(llm.config.device)
-    return idle_by_phase(prof)
+    gpu = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("H ")]
+    return idle_by_phase(prof), gpu
+
+
+def between_replays(gpu: list[tuple[float, float, str]], in_graphs: set[str], min_replay: int = 20,
+                    max_join_us: float = 1.0) -> list[tuple[list[tuple[str, float, float]], int, float, float]]:
+    """What the GPU runs from the end of one graph replay to the start of the next, with the
+    idle gap before each op, one entry per distinct op sequence, the most common first:
+    ``([(name, gap before us, duration us), ...], segments, replay span us, replay start to next
+    replay start us)``, medians over that sequence's segments. The last row is the next replay's
+    start (its gap only).
+
+    A replay is a run of at least ``min_replay`` kernels named as graph kernels (``in_graphs``),
+    each starting at most ``max_join_us`` after the run's end so far (PDL kernels overlap: a
+    negative gap). A shorter run keeps its kernels' names: an eager launch of a kernel that the
+    graphs also run (the lm_head's GEMM) is listed, not merged into the replay."""
+    runs: list[list] = []  # [start, end, name, kernels, is_graph]
+    for s, e, name in sorted(gpu):
+        is_graph = name in in_graphs
+        last = runs[-1] if runs else None
+        if is_graph and last is not None and last[4] and s - last[1] <= max_join_us:
+            last[1], last[3] = max(last[1], e), last[3] + 1
+        else:
+            runs.append([s, e, name, 1, is_graph])
+    ops = []  # (start, end, name); a replay is named None
+    for s, e, name, count, is_graph in runs:
+        if is_graph and count >= min_replay:
+            ops.append((s, e, None))
+        elif is_graph:  # too short for a replay: its kernels one by one (their own names kept)
+            ops.extend(g for g in sorted(gpu) if s <= g[0] and g[1] <= e and g[2] in in_graphs)
+        else:
+            ops.append((s, e, name))
+    replays = [i for i, op in enumerate(ops) if op[2] is None]
+    groups: dict[tuple, list] = {}  # op names -> [(gaps, durations, replay span, period), ...]
+    for a, b in zip(replays, replays[1:]):
+        prev_end, gaps, durations = ops[a][1], [], []
+        for s, e, _ in ops[a + 1 : b + 1]:
+            gaps.append(s - prev_end)
+            durations.append(e - s)
+            prev_end = max(prev_end, e)
+        names = tuple(op[2] for op in ops[a + 1 : b])
+        groups.setdefault(names, []).append((gaps, durations, ops[a][1] - ops[a][0], ops[b][0] - ops[a][0]))
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    out = []
+    for names, segs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        rows = [(name, median([g[0][i] for g in segs]), median([g[1][i] for g in segs]))
+                for i, name in enumerate(names)]
+        rows.append(("(next replay starts)", median([g[0][-1] for g in segs]), 0.0))
+        out.append((rows, len(segs), median([g[2] for g in segs]), median([g[3] for g in segs])))
+    return out
+
+
+def print_between_replays(title: str, gpu: list[tuple[float, float, str]], in_graphs: set[str],
+                          max_sequences: int = 2) -> None:
+    """The tables of :func:`between_replays` (``--sequence``): its ``max_sequences`` most common
+    op sequences (a DFlash step has two: after the verify, after the drafter block)."""
+    groups = between_replays(gpu, in_graphs)
+    if not groups:
+        print(f"\n{title}: no two graph replays in the profile")
+    for rows, segments, span, period in groups[:max_sequences]:
+        print(f"\n{title}, from a replay's end to the next replay (median of {segments} alike; that "
+              f"replay's span {span:.1f} us, replay start to next replay start {period:.1f} us, GPU idle "
+              f"{sum(r[1] for r in rows if r[1] > 0):.1f} us)\n\n| GPU op | idle us before | us |\n|---|---:|---:|")
+        for name, gap, us in rows:
+            print(f"| `{name[:80]}` | {gap:.1f} | {us:.1f} |")
 
 
 def print_profile(title: str, result: tuple, top: int, num_kernels: int = 0,
@@ -420,6 +489,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--kernels", type=int, default=0,
                     help="also list the N kernels with the most GPU time per profiled step")
+    ap.add_argument("--sequence", action="store_true",
+                    help="also list, per profiled mode, the GPU ops between two graph replays in order "
+                         "with the idle time before each (the eager lm_head, copies, uploads)")
     ap.add_argument("--device", default="cuda", help="cpu: a wiring check at small widths")
     ap.add_argument("--gaps", action="store_true",
                     help="also time, without the profiler, the host's path from a DFlash step's sync "
@@ -544,13 +616,13 @@ def main() -> None:
         for name, texts in variants[:2]:
             with switched(texts):
                 reset_graphs()
-                with target_only():
-                    result = profile_steps(llm, prompt, args.new_tokens)
-                    print_profile(f"{name}: target-only decode", result, args.top, args.kernels,
-                                  graph_kernel_names(llm) if args.kernels else None)
-                result = profile_steps(llm, prompt, args.new_tokens)
-                print_profile(f"{name}: DFlash K={args.k}", result, args.top, args.kernels,
-                              graph_kernel_names(llm) if args.kernels else None)
+                for mode in ("target-only decode", f"DFlash K={args.k}"):
+                    with target_only() if mode == "target-only decode" else contextlib.nullcontext():
+                        result, gpu = profile_steps(llm, prompt, args.new_tokens)
+                        in_graphs = graph_kernel_names(llm) if args.kernels or args.sequence else None
+                    print_profile(f"{name}: {mode}", result, args.top, args.kernels, in_graphs)
+                    if args.sequence:
+                        print_between_replays(f"{name}: {mode}", gpu, in_graphs)
             reset_graphs()
 
 if __name__ == "__main__":

@@ -72,3 +72,35 @@ def test_gap_steps_list_each_step_with_its_block_work():
 def test_gap_steps_need_gaps():
     done = _run("--gap-steps")
     assert done.returncode == 2 and "--gap-steps lists the steps of --gaps: add --gaps" in done.stderr
+
+
+def test_between_replays_lists_the_eager_ops_and_idle_time_between_two_replays():
+    sys.path.insert(0, str(BENCH))
+    from host_timeline import between_replays
+
+    graph = {"layer", "gemm"}  # "gemm" also runs eagerly (the lm_head) after each replay
+    gpu = []
+    t = 0.0
+    for step in range(5):
+        for _ in range(25):  # a replay of PDL kernels: each starts before the last one ends
+            gpu.append((t, t + 2.0, "layer"))
+            t += 1.5
+        end = t + 0.5
+        gpu += [(end + 3.0, end + 83.0, "gemm"), (end + 84.0, end + 86.0, "finish"),
+                (end + 87.5, end + 89.0, "Memcpy DtoH"), (end + 90.0, end + 92.0, "Memcpy HtoD")]
+        t = end + 96.0 + step % 2  # the next replay starts 4 or 5 us after the upload
+    [(rows, segments, span, period)] = between_replays(gpu, graph)
+    assert segments == 4
+    names = [r[0] for r in rows]
+    assert names == ["gemm", "finish", "Memcpy DtoH", "Memcpy HtoD", "(next replay starts)"]
+    gaps = [round(r[1], 3) for r in rows]
+    assert gaps == [3.0, 1.0, 1.5, 1.0, 5.0]  # the median of 4, 5, 4, 5: the upper middle
+    assert [round(r[2], 3) for r in rows[:-1]] == [80.0, 2.0, 1.5, 2.0]
+    assert round(span, 3) == 24 * 1.5 + 2.0
+    assert period > span + 92
+
+
+def test_sequence_on_the_cpu_has_no_replays():
+    done = _run("--new-tokens", "5", "--rounds", "1", "--sequence")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "target-only decode: no two graph replays in the profile" in done.stdout, done.stdout[-3000:]

@@ -1383,6 +1383,13 @@ def test_forward_ahead_keeps_every_token(pair, monkeypatch, graphs):
             return forward(input_ids, *args, **kwargs)
 
         engine.runner.forward = spy
+        run_staged = engine.runner.run_staged
+
+        def staged_spy(staged, ids, *args, run_staged=run_staged, queued=queued, **kwargs):
+            queued.append(len(staged.items))  # rows uploaded before the lm_head (stage_decode)
+            return run_staged(staged, ids, *args, **kwargs)
+
+        engine.runner.run_staged = staged_spy
         out = []
         for batch_size in (1, 3, 5):
             prompts = _prompts(batch_size, seed=40 + batch_size)

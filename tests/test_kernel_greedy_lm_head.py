@@ -136,6 +136,28 @@ def test_interpreted_exact_pass_in_smaller_chunks(exact_chunk, monkeypatch):
 
 
 @interpreted
+def test_interpreted_also_into_gets_the_same_tokens():
+    """``also_into``: the finish kernel stores the tokens there too (a decode graph's input ids),
+    and only its first M entries; the returned tensor is a separate one."""
+    x, w = exact_problem(3, 4160, 96, torch.bfloat16, seed=12)
+    into = torch.full((5,), -7, dtype=torch.int64)
+    got = glh.greedy_tokens(x, w, glh.quantize(w), also_into=into[:3])
+    assert torch.equal(got, reference(x, w))
+    assert torch.equal(into[:3], got) and into[3:].tolist() == [-7, -7]
+    assert got.data_ptr() != into.data_ptr()
+
+
+def test_also_into_of_the_wrong_shape_or_dtype_is_refused(monkeypatch):
+    x, w = exact_problem(2, 300, 64, torch.bfloat16, seed=13)
+    head = glh.quantize(w)
+    monkeypatch.setattr(glh, "can_use", lambda *args: True)  # the check before any launch
+    for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
+                torch.zeros(2, 2, dtype=torch.int64)[:, 0]):
+        with pytest.raises(ValueError, match="also_into must be \\[2\\] int64 contiguous"):
+            glh.greedy_tokens(x, w, head, also_into=bad)
+
+
+@interpreted
 def test_interpreted_exact_pass_corrects_the_int8_argmax():
     """Two tokens whose int8 logits rank them the wrong way round: the full-precision rows decide."""
     h = 64
@@ -173,7 +195,7 @@ def _sm90(kernel, constexprs: dict, num_warps: int) -> tuple[str, list[int]]:
 
     types = {"x_ptr": "*bf16", "i_ptr": "*bf16", "err_ptr": "*fp32", "norm_ptr": "*fp32", "lo_ptr": "*fp32",
              "hi_ptr": "*fp32", "cx_ptr": "*fp32", "w_ptr": "*bf16", "part_v_ptr": "*fp32",
-             "part_i_ptr": "*i64", "out_ptr": "*i64"}
+             "part_i_ptr": "*i64", "out_ptr": "*i64", "out2_ptr": "*i64"}
     options = {"num_warps": num_warps, "num_stages": 1, "launch_pdl": constexprs["PDL"]}
     return compile_sm90_spills(kernel, types, constexprs, options)
 
@@ -197,7 +219,7 @@ def test_sm90_builds_read_only_the_bounds_before_the_pdl_wait(use_pdl):
     builds = [
         (_sm90(bounds, dict(common, CHUNK=2048), 4), 8),
         (_sm90(exact, dict(common, stride_w=2048, CHUNK=256, BLOCK_B=64, DTYPE=DTYPE_CODE[torch.bfloat16]), 4), 2),
-        (_sm90(argmax._kernels(False)[1], dict(BLOCK_C=512, PDL=use_pdl), 1), 0),
+        (_sm90(argmax._kernels(False)[1], dict(BLOCK_C=512, PDL=use_pdl, HAS_OUT2=True), 1), 0),
     ]
     for (ptx, spills), loads in builds:
         assert spills == [0]
@@ -257,8 +279,8 @@ def test_interpreted_engine_greedy_steps_take_the_int8_copy(tmp_path, monkeypatc
     target, draft = df.make_laguna_poolside_pair(tmp_path, block_size=4)
     calls = []
     real = DecoderLM.greedy_tokens
-    def spy(self, hidden):  # the rows of each call that took the copy
-        tokens = real(self, hidden)
+    def spy(self, hidden, also_into=None):  # the rows of each call that took the copy
+        tokens = real(self, hidden, also_into)
         if tokens is not None:
             calls.append(hidden.shape[0])
         return tokens
@@ -288,3 +310,43 @@ def test_interpreted_engine_greedy_steps_take_the_int8_copy(tmp_path, monkeypatc
     # the copy), the same tokens
     assert run(True, [greedy, with_logprobs], **options) == want
     assert set(calls) == {6}
+
+
+@interpreted
+def test_interpreted_staged_decode_takes_the_argmax_in_place(tmp_path, monkeypatch):
+    """Target-only greedy steps through the graph runner's padded path (run eagerly here) with
+    the forward queued ahead: its rows staged before the lm_head (``stage_forward_ahead``), the
+    int8 argmax writing the next forward's ids in place (no copy), at batch 1 and 2 (padded to
+    2): the tokens of the engine without staging."""
+    import dflash_fixtures as df
+
+    from laguna_dflash import LLM, SamplingParams
+    from laguna_dflash.engine import engine as engine_module
+
+    target, _ = df.make_laguna_poolside_pair(tmp_path, block_size=4)
+    monkeypatch.setattr(engine_module, "decode_ahead", True)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    params = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+
+    def run(staging: bool) -> tuple[list, list]:
+        monkeypatch.setattr(engine_module, "stage_forward_ahead", staging)
+        llm = LLM(target, dtype="bfloat16", block_size=4, max_num_seqs=2)
+        llm.engine.attach_graph_runners()
+        in_place = []
+        run_staged = llm.engine.runner.run_staged
+
+        def spy(staged, ids, *args, **kwargs):
+            in_place.append(ids.data_ptr() == staged.ids.data_ptr())
+            return run_staged(staged, ids, *args, **kwargs)
+
+        llm.engine.runner.run_staged = spy
+        outs = [o.token_ids for p in ([params[0]], params)
+                for o in llm.generate(prompt_token_ids=prompts[: len(p)], sampling_params=p)]
+        return outs, in_place
+
+    want, never = run(False)
+    assert never == []
+    got, in_place = run(True)
+    assert got == want
+    assert len(in_place) >= 6 and all(in_place), in_place

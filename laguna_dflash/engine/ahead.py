@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graph import StagedDecode
 from .sequence import Sequence
 
 
@@ -62,3 +63,15 @@ class ForwardAhead:
                 return None
             rows.append(i)
         return rows
+
+
+@dataclass(frozen=True)
+class PlannedForward:
+    """The next step's target forward, planned by a target-only step before its own tokens
+    exist: request ``request_ids[i]`` computes position ``positions[i]`` (``items``: the runner's
+    forward items), its rows already uploaded where ``staged`` is not None."""
+
+    request_ids: tuple[int, ...]
+    positions: list[int]
+    items: list
+    staged: StagedDecode | None

@@ -91,6 +91,9 @@ num_capture_warmups = 1
 # (the start-up capture) only the first capture empties it, and the scope's end empties it once.
 # False: every capture empties it (the default until the thirty-eighth pass; an A/B switch).
 keep_cache_between_captures = True
+# stage_decode uploads the next decode's rows on a side stream, while the current stream runs
+# the lm_head whose argmax gives that decode's ids; False: on the current stream (A/B baseline)
+stage_uploads_on_side_stream = True
 
 
 @dataclass
@@ -261,6 +264,18 @@ class _Captured:
     taps: torch.Tensor | None  # [R_pad * q, n_taps * H] static output
 
 
+@dataclass(frozen=True)
+class StagedDecode:
+    """A one-token-a-request forward whose rows are uploaded (``CUDAGraphRunner.stage_decode``)
+    and whose token ids are not known yet."""
+
+    items: list
+    r_pad: int
+    num_keys: int
+    tap_layer_ids: tuple[int, ...]
+    ids: torch.Tensor  # [R] int64 view of the runner's decode_ids: where the ids go
+
+
 class CUDAGraphRunner:
     """Replays decode-phase forwards of ``model`` from CUDA graphs (see the module docstring).
 
@@ -312,6 +327,12 @@ class CUDAGraphRunner:
         self.tables = RowTables(self.host_rows, self.num_tables, self.max_blocks, self.scratch_block)
         self.copied = torch.cuda.Event() if pin else None  # the last copy out of host_state
         self.state = torch.zeros(max_r, width, dtype=torch.long, device=device)
+        # The token ids of a forward of one token a request (target decode): its graphs read
+        # them here, not from state, so that the lm_head's argmax can write them in place while
+        # the next rows' upload (stage_decode) runs on a side stream
+        self.decode_ids = torch.zeros(max_r, dtype=torch.long, device=device)
+        self._upload_stream: torch.cuda.Stream | None = None
+        self._staged_upload: torch.cuda.Event | None = None  # a staged upload not replayed yet
         self.start_pos = self.state[:, 0]
         self.seq_lens = self.state[:, 1]
         self.block_tables = self.state[:, 2 : 2 + self.max_blocks]  # the full layers' tables
@@ -467,7 +488,8 @@ class CUDAGraphRunner:
         meta, *swa_metas = self._metadata(r, q, num_keys, is_causal)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_cache.layers, backend=self.backend,
                              swa_metas=tuple(swa_metas), group_of_layer=self.kv_cache.group_of_layer)
-        input_ids = self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)  # [r * q]
+        # [r * q]: one token a request from decode_ids (the lm_head's argmax writes them there)
+        input_ids = self.decode_ids[:r] if q == 1 else self.state[:r, self.ids_offset : self.ids_offset + q].reshape(-1)
         hidden, taps = self.model(input_ids, ctx, tap_layer_ids)
         if context_store is not None:  # padding requests' rows go to the scratch slots
             # at the slots of the drafter's table (kv_cache.draft_group: a sliding group's)
@@ -484,28 +506,20 @@ class CUDAGraphRunner:
                     ", with the drafter's context store" if context_store is not None else "")
         return _Captured(graph, hidden, taps)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
-                is_causal: bool, context_store: ContextStore | None = None,
-                tail_ids: torch.Tensor | None = None, device_start: DeviceStart | None = None,
-                shape: tuple[int, int] | None = None,
-                copy_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
-        (``context_store``: captured into the graph, after the forward; ``tail_ids``,
-        ``device_start``: written into the request rows after their upload; ``copy_hidden``:
-        False returns a view of the static output, which any later replay of this runner's
-        graphs may overwrite), or a prefill of :meth:`prefill_shape` ``shape`` (token ids a
-        list; no context store)."""
+    def _batch(self, items: list, shape: tuple[int, int] | None) -> tuple[int, int, int, int]:
+        """``(R, R_pad, q, num_keys)`` of a forward of ``items`` (``shape``: a padded prefill's)."""
         r = len(items)
         if shape is None:
             q = items[0].num_tokens
             r_pad = next(b for b in self.batch_sizes if b >= r)
         else:
             r_pad, q = shape
-            assert (not isinstance(input_ids, torch.Tensor) and context_store is None and tail_ids is None
-                    and device_start is None)
-        num_keys = self.key_bucket(max(it.start_pos for it in items) + q)
-        nb = num_keys // self.block_size
+        return r, r_pad, q, self.key_bucket(max(it.start_pos for it in items) + q)
+
+    def _write_rows(self, input_ids: list[int] | torch.Tensor | None, items: list, r: int, r_pad: int, q: int,
+                    num_keys: int, shape: tuple[int, int] | None) -> None:
+        """Fill the host rows of a forward (token ids from a list; a tensor's or None leave the
+        ids columns 0)."""
         # Request state on the host, padded: padding requests sit at positions 0..q-1 of the
         # scratch block, with token id 0; a request of n < q tokens (a prefill) has q - n padding
         # tokens (id 0) at positions seq_len.. (its own unused slots, or the scratch block past
@@ -521,36 +535,114 @@ class CUDAGraphRunner:
         # the block tables: an SWA table's entries before swa_start are the scratch block (a
         # long context copies its window, not its length, per SWA group); a row that holds the
         # same request as the last forward gets only its new block ids (engine/host_rows.py)
-        self.tables.write(items, r_pad, nb)
-        # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
-        # copied tensor to tensor, never read back on the host (no sync on the step path)
-        is_tensor = isinstance(input_ids, torch.Tensor)
-        if not is_tensor and shape is None:  # decode phase: every request q tokens, in order
+        self.tables.write(items, r_pad, num_keys // self.block_size)
+        if input_ids is None or isinstance(input_ids, torch.Tensor):
+            return
+        if shape is None:  # decode phase: every request q tokens, in order
             rows[:r, self.ids_offset : self.ids_offset + q] = np.asarray(input_ids, dtype=np.int64).reshape(r, q)
-        elif not is_tensor:  # a padded prefill: request i's num_tokens, then zeros
+        else:  # a padded prefill: request i's num_tokens, then zeros
             offset = 0
             for i, it in enumerate(items):
                 rows[i, self.ids_offset : self.ids_offset + it.num_tokens] = input_ids[offset : offset + it.num_tokens]
                 offset += it.num_tokens
+
+    def _wait_for_staged_upload(self) -> None:
+        """Order the current stream after a staged upload not replayed yet (it writes ``state``)."""
+        if self._staged_upload is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._staged_upload)
+            self._staged_upload = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int] | torch.Tensor, items: list, tap_layer_ids: tuple[int, ...],
+                is_causal: bool, context_store: ContextStore | None = None,
+                tail_ids: torch.Tensor | None = None, device_start: DeviceStart | None = None,
+                shape: tuple[int, int] | None = None,
+                copy_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as ``ModelRunner.forward`` for a batch where ``can_run`` holds
+        (``context_store``: captured into the graph, after the forward; ``tail_ids``,
+        ``device_start``: written into the request rows after their upload; ``copy_hidden``:
+        False returns a view of the static output, which any later replay of this runner's
+        graphs may overwrite), or a prefill of :meth:`prefill_shape` ``shape`` (token ids a
+        list; no context store)."""
+        r, r_pad, q, num_keys = self._batch(items, shape)
+        assert shape is None or (not isinstance(input_ids, torch.Tensor) and context_store is None
+                                 and tail_ids is None and device_start is None)
+        self._write_rows(input_ids, items, r, r_pad, q, num_keys, shape)
+        self._wait_for_staged_upload()
         self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        if is_tensor:
-            self.state[:r, self.ids_offset : self.ids_offset + q].copy_(input_ids.view(r, q))
-        if tail_ids is not None:  # one copy (the verify's drafts after the bonus uploaded above)
-            self.state[:r, self.ids_offset + q - tail_ids.shape[1] : self.ids_offset + q].copy_(tail_ids)
-        if device_start is not None:  # one launch
-            rewind_rows(self.state, device_start.accepted, device_start.tokens, self.ids_offset)
-        if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
-            hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tuple(tap_layer_ids),
-                                           context_store)
+        # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
+        # copied tensor to tensor, never read back on the host (no sync on the step path)
+        is_tensor = isinstance(input_ids, torch.Tensor)
+        if q == 1 and is_tensor and tail_ids is None and device_start is None:
+            self.decode_ids[:r].copy_(input_ids.view(r))
         else:
-            key = (r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store is not None)
+            if is_tensor:
+                self.state[:r, self.ids_offset : self.ids_offset + q].copy_(input_ids.view(r, q))
+            if tail_ids is not None:  # one copy (the verify's drafts after the bonus uploaded above)
+                self.state[:r, self.ids_offset + q - tail_ids.shape[1] : self.ids_offset + q].copy_(tail_ids)
+            if device_start is not None:  # one launch
+                rewind_rows(self.state, device_start.accepted, device_start.tokens, self.ids_offset)
+            if q == 1:  # a forward of one token a request reads its ids from decode_ids
+                self.decode_ids[:r_pad].copy_(self.state[:r_pad, self.ids_offset])
+        return self._replay(items, r_pad, q, num_keys, is_causal, tuple(tap_layer_ids), context_store, shape,
+                            copy_hidden)
+
+    @torch.inference_mode()
+    def stage_decode(self, items: list, tap_layer_ids: tuple[int, ...]) -> StagedDecode:
+        """Upload the rows of a one-token-a-request forward (``can_run`` holds, every item one
+        token) before its token ids exist: on CUDA on a side stream behind the current stream's
+        work so far, so the copy runs while the current stream computes those ids. The caller
+        writes the ids into ``staged.ids`` (the lm_head's argmax ``also_into``) or passes them to
+        :meth:`run_staged`, which replays; until then, nothing else may replay here."""
+        r, r_pad, q, num_keys = self._batch(items, None)
+        assert q == 1, "stage_decode takes forwards of one token a request"
+        self._write_rows(None, items, r, r_pad, q, num_keys, None)
+        self._wait_for_staged_upload()
+        if self.copied is not None and stage_uploads_on_side_stream:
+            side = self._upload_stream
+            if side is None:
+                side = self._upload_stream = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))  # the last replay read state
+            with torch.cuda.stream(side):
+                self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
+                self.copied.record(side)
+                self._staged_upload = torch.cuda.Event()
+                self._staged_upload.record(side)
+        else:
+            self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
+            if self.copied is not None:
+                self.copied.record()
+        return StagedDecode(list(items), r_pad, num_keys, tuple(tap_layer_ids), self.decode_ids[:r])
+
+    @torch.inference_mode()
+    def run_staged(self, staged: StagedDecode, ids: torch.Tensor,
+                   copy_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the forward :meth:`stage_decode` staged, with token ids ``ids [R]`` int64 on the
+        device (``staged.ids`` itself where they were written there: no copy) -> ``forward``'s
+        outputs."""
+        if ids.data_ptr() != staged.ids.data_ptr():
+            staged.ids.copy_(ids.view(-1))
+        self._wait_for_staged_upload()
+        return self._replay(staged.items, staged.r_pad, 1, staged.num_keys, True, staged.tap_layer_ids, None, None,
+                            copy_hidden)
+
+    def _replay(self, items: list, r_pad: int, q: int, num_keys: int, is_causal: bool,
+                tap_layer_ids: tuple[int, ...], context_store: ContextStore | None, shape: tuple[int, int] | None,
+                copy_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of the rows in ``state`` (and ``decode_ids``): its graph's replay (captured
+        first where missing; on the CPU the same padded forward, eagerly) -> its outputs."""
+        r = len(items)
+        if self.device.type != "cuda":  # CPU: the same padded forward, eagerly (tests the padding)
+            hidden, taps = self._run_model(r_pad, q, num_keys, is_causal, tap_layer_ids, context_store)
+        else:
+            key = (r_pad, q, num_keys, is_causal, tap_layer_ids, context_store is not None)
             kind = key[1:2] + key[3:]
             captured = self.graphs.get(key)
             if captured is None:
                 captured = self.graphs[key] = self._capture(r_pad, q, num_keys, is_causal,
-                                                            tuple(tap_layer_ids), context_store)
+                                                            tap_layer_ids, context_store)
                 self._add_kind(kind, context_store, is_prefill=shape is not None)
             elif shape is None and kind in self.prefill_only_kinds:  # a prefill's graph, decoding
                 self.prefill_only_kinds.discard(kind)

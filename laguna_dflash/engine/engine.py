@@ -28,7 +28,7 @@ from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from . import cuda_graph, sampler
 from .adaptive_k import AdaptiveK, FixedK
-from .ahead import DraftsAhead, ForwardAhead
+from .ahead import DraftsAhead, ForwardAhead, PlannedForward
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
 from .cuda_graph import CUDAGraphRunner, build_kernels_ahead
@@ -79,6 +79,12 @@ draft_ahead = True
 # docs/PERFORMANCE.md); elsewhere the queued forward would only run early, and is wasted when a
 # request stops. True: always (the CPU tests run it eagerly). False: never (A/B switch).
 decode_ahead: bool | None = None
+# True: that forward's rows are uploaded before the step's lm_head (on a side stream, while the
+# lm_head runs; CUDAGraphRunner.stage_decode), and a greedy step's argmax writes the tokens into
+# the decode graph's input ids itself: after the argmax the GPU only waits for an event before
+# the replay, where it ran a row upload and an id copy (~10-20 us a step with their copy-engine
+# gaps, docs/PERFORMANCE.md, eighty-first pass). False: upload and copy after the lm_head (A/B).
+stage_forward_ahead = True
 
 # True: a step whose requests are all greedy (temperature 0) with no logprobs and no penalties
 # takes its tokens from the lm_head's int8 copy with exact bounds (kernels/greedy_lm_head.py:
@@ -800,16 +806,18 @@ class LLMEngine:
         return kept
 
     def _step_tokens(self, hidden: torch.Tensor, seqs: list[Sequence], rows_per_request: int = 1,
-                     drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     drafts: torch.Tensor | None = None,
+                     ids_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(tokens [R * rows_per_request] int64, logits or None)`` of a decode step's or a
         verify's rows ``hidden`` (request-major): with :data:`greedy_int8_lm_head`, a step whose
         requests are all greedy without logprobs or penalties takes the argmax through the
-        lm_head's int8 copy and has no logits; otherwise the logits and the sampler (``drafts``:
-        the verify's, for the penalties)."""
+        lm_head's int8 copy and has no logits (and the argmax stores the tokens into ``ids_out``
+        too, if given); otherwise the logits and the sampler (``drafts``: the verify's, for the
+        penalties), and ``ids_out`` is not written."""
         if greedy_int8_lm_head and self.target.lm_head_int8 is not None and all(
                 s.params.is_greedy and s.params.logprobs is None and not s.params.has_penalties
                 and len(s.output_token_ids) >= s.params.min_tokens for s in seqs):
-            tokens = self.target.greedy_tokens(hidden)
+            tokens = self.target.greedy_tokens(hidden, also_into=ids_out)
             if tokens is not None:
                 return tokens, None
         logits = self.target.lm_head_logits(hidden)
@@ -899,16 +907,21 @@ class LLMEngine:
         rows = ahead.rows_for(seqs) if fits else None
         if rows is None:
             items = [forward_item(s, 1, s.num_tokens - 1, s.num_tokens) for s in seqs]
-            hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids)
+            hidden, taps = self.runner.forward([s.last_token for s in seqs], items, self.tap_layer_ids,
+                                               copy_hidden=False)  # consumed by the lm_head below
             tap_rows = range(len(seqs))
         else:
             taps, tap_rows = ahead.taps, rows  # pending taps reference rows of the ahead's taps
             hidden = (ahead.hidden if rows == list(range(len(ahead.request_ids)))
                       else ahead.hidden.index_select(0, to_device_async(torch.tensor(rows), self.device)))
-        sampled, logits = self._step_tokens(hidden, seqs)
-        if self._queues_forward_ahead(len(seqs)):  # the wait excludes the forward queued ahead
+        plan = self._plan_forward_ahead(seqs) if self._queues_forward_ahead(len(seqs)) else None
+        staged = plan.staged if plan is not None else None
+        sampled, logits = self._step_tokens(hidden, seqs, ids_out=staged.ids if staged is not None else None)
+        if plan is not None:  # the wait excludes the forward queued ahead
             result = HostCopy(sampled)
-            self._ahead = self._queue_forward_ahead(seqs, sampled)
+            # logits None: the int8 argmax ran, and wrote the tokens into staged.ids too
+            self._ahead = self._queue_forward_ahead(plan, staged.ids if staged is not None and logits is None
+                                                    else sampled)
             tokens = result.tolist()
         else:
             tokens = sampled.tolist()
@@ -939,18 +952,30 @@ class LLMEngine:
             return self.adaptive_k.expects_target_only(batch_size)
         return self.num_speculative_tokens == 0
 
-    def _queue_forward_ahead(self, seqs: list[Sequence], sampled: torch.Tensor) -> ForwardAhead | None:
-        """Queue the next step's target forward: request ``i``'s token ``sampled[i]`` (device)
-        at position ``num_tokens`` (its block table grown to hold it; no preemption: when
-        blocks are short, nothing is queued). Not when every request ends with this token."""
+    def _plan_forward_ahead(self, seqs: list[Sequence]) -> PlannedForward | None:
+        """The next step's target forward, before this step's tokens exist: request ``i`` at
+        position ``num_tokens`` (its block table grown to hold it; no preemption: when blocks are
+        short, nothing is queued), its rows uploaded now where a graph runs it
+        (:data:`stage_forward_ahead`). None when every request ends with this step's token."""
         if all(len(s.output_token_ids) + 1 >= s.params.max_tokens for s in seqs):
             return None
         positions = [s.num_tokens for s in seqs]
         if not all(self.scheduler.reserve(s, p + 1) for s, p in zip(seqs, positions)):
             return None
         items = [forward_item(s, 1, p, p + 1) for p, s in zip(positions, seqs)]
-        hidden, taps = self.runner.forward(sampled, items, self.tap_layer_ids)
-        return ForwardAhead(tuple(s.request_id for s in seqs), positions, hidden, taps)
+        staged = self.runner.stage_decode(items, self.tap_layer_ids) if stage_forward_ahead else None
+        return PlannedForward(tuple(s.request_id for s in seqs), positions, items, staged)
+
+    def _queue_forward_ahead(self, plan: PlannedForward, sampled: torch.Tensor) -> ForwardAhead:
+        """Queue the planned forward with this step's tokens ``sampled [R]`` (device) as ids."""
+        # hidden: a view of the graph's output, valid until the runner's next replay; the next
+        # step queues its lm_head before any (it runs its own forward where this one does not
+        # fit, and a step that is no decode drops it)
+        if plan.staged is not None:
+            hidden, taps = self.runner.run_staged(plan.staged, sampled, copy_hidden=False)
+        else:
+            hidden, taps = self.runner.forward(sampled, plan.items, self.tap_layer_ids, copy_hidden=False)
+        return ForwardAhead(plan.request_ids, plan.positions, hidden, taps)
 
     def _queue_drafts_ahead(self, seqs: list[Sequence], k: int, anchors: list[int],
                             accepted: torch.Tensor, target_tokens: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 
 from ..models.layers import ForwardContext
 from .attention import AttentionBackend, AttentionMetadata
-from .cuda_graph import CUDAGraphRunner, DeviceStart
+from .cuda_graph import CUDAGraphRunner, DeviceStart, StagedDecode
 from .kv_cache import KVCache
 
 
@@ -64,18 +64,44 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+# True: HostCopy's device-to-host copy runs on a side stream (behind an event on the current
+# stream), so the next step's work queued behind it does not wait for the copy engine; False:
+# on the current stream (the A/B baseline)
+host_copy_on_side_stream = True
+
+
+@functools.cache
+def _host_copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 class HostCopy:
-    """A device tensor's copy to the host, queued now; :meth:`tolist` waits for the stream only
-    up to this point, so work queued after it (the next step's draft) keeps the GPU busy while
-    the host reads the result. On CPU it is the tensor itself."""
+    """A device tensor's copy to the host, queued now; :meth:`tolist` waits only for that copy,
+    so work queued after it (the next step's forward or drafter block) keeps the GPU busy while
+    the host reads the result. On CPU it is the tensor itself.
+
+    With :data:`host_copy_on_side_stream` the copy runs on a side stream that first waits for
+    the current stream's work so far: the current stream's next launch need not wait for the
+    copy (~5-6 us a step of copy-engine latency on the critical path, docs/PERFORMANCE.md,
+    eighty-first pass). ``t``'s memory is not reused before the copy ran (``record_stream``),
+    and ``t`` must not be written by later work before :meth:`tolist` (or :attr:`done`) says the
+    copy ran: the step's own tokens, fresh each step, are never written again."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.done = None
         if t.is_cuda:
             self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.host.copy_(t, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            if host_copy_on_side_stream:
+                side = _host_copy_stream(t.device)
+                side.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(side):
+                    self.host.copy_(t, non_blocking=True)
+                    self.done.record(side)
+                t.record_stream(side)
+            else:
+                self.host.copy_(t, non_blocking=True)
+                self.done.record()
         else:
             self.host = t
 
@@ -170,6 +196,21 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None  # set by the engine on CUDA unless enforce_eager
         # set by the engine with a drafter: what ``forward(store_context=True)`` hands its taps to
         self.context_store: ContextStore | None = None
+
+    def stage_decode(self, items: list[ForwardItem], tap_layer_ids: tuple[int, ...] = ()) -> StagedDecode | None:
+        """Upload the rows of a target decode forward (one token a request, causal, no context
+        store) whose token ids are still being computed (``CUDAGraphRunner.stage_decode``); None
+        where a graph would not run it (use :meth:`forward`). Then :meth:`run_staged`."""
+        if self.graphs is None or not items or any(it.num_tokens != 1 for it in items):
+            return None
+        if not self.graphs.can_run(items, len(items)):
+            return None
+        return self.graphs.stage_decode(items, tuple(tap_layer_ids))
+
+    def run_staged(self, staged: StagedDecode, ids: torch.Tensor,
+                   copy_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` of the staged rows with token ids ``ids [R]`` int64 on the device."""
+        return self.graphs.run_staged(staged, ids, copy_hidden)
 
     def context(self, items: list[ForwardItem], is_causal: bool = True) -> ForwardContext:
         meta, swa_metas = build_group_metadata(items, self.kv_cache.block_size, self.kv_cache.scratch_slot,

@@ -60,11 +60,12 @@ def _chunk_argmax_kernel(x_ptr, part_v_ptr, part_i_ptr, num_cols, stride_xn, num
     tl.store(part_i_ptr + n * num_chunks + c, first)
 
 
-def _finish_argmax_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr,
-                          PDL: tl.constexpr):
+def _finish_argmax_kernel(part_v_ptr, part_i_ptr, out_ptr, out2_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                          PDL: tl.constexpr, HAS_OUT2: tl.constexpr):
     # program n: the row's chunks in order; a NaN chunk wins (the first NaN of the row has the
     # smallest index among the NaN chunks' first NaNs), else the smallest index among the chunks
-    # that reached the row's maximum. PDL: a programmatic dependent launch (kernels/pdl.py)
+    # that reached the row's maximum. PDL: a programmatic dependent launch (kernels/pdl.py).
+    # HAS_OUT2: the index is stored at out2_ptr + n too (a graph's input ids, greedy_lm_head)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -77,7 +78,10 @@ def _finish_argmax_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, BLOCK_C: 
     has_nan = tl.max(is_nan.to(tl.int32), 0) > 0
     top = tl.max(tl.where(is_nan, float("-inf"), v), 0)
     hit = tl.where(has_nan, is_nan, (v == top) & ok)
-    tl.store(out_ptr + n, tl.min(tl.where(hit, i, _NO_INDEX), 0))
+    index = tl.min(tl.where(hit, i, _NO_INDEX), 0)
+    tl.store(out_ptr + n, index)
+    if HAS_OUT2:
+        tl.store(out2_ptr + n, index)
 
 
 @functools.lru_cache(maxsize=2)
@@ -120,6 +124,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     chunk_kernel, finish_kernel = _kernels(interpret_mode())
     chunk_kernel[(n, num_chunks)](logits, part_v, part_i, v, logits.stride(0), num_chunks, CHUNK=CHUNK,
                                   num_warps=4)
-    finish_kernel[(n,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, 1 << (num_chunks - 1).bit_length()),
-                        PDL=False, num_warps=1)
+    finish_kernel[(n,)](part_v, part_i, out, out, num_chunks, BLOCK_C=max(2, 1 << (num_chunks - 1).bit_length()),
+                        PDL=False, HAS_OUT2=False, num_warps=1)
     return out

@@ -43,7 +43,8 @@ Launches (eager: the lm_head runs outside the CUDA graphs, engine/engine.py):
    chunks, then its candidates in token order, one whole weight row a candidate (a loop whose
    trip count is the candidate count), and the chunk's (max, first index), as
    ``kernels/argmax.py``'s chunk kernel gives them, NaN included;
-4. ``argmax``'s finish kernel over the chunks.
+4. ``argmax``'s finish kernel over the chunks (and, with ``also_into``, the tokens stored a
+   second time: the decode graph's input ids, engine/cuda_graph.py's ``decode_ids``).
 
 With ``kernels.pdl.USE_PDL`` (sm90+) all four are programmatic dependent launches
 (kernels/pdl.py's rules): each launches while the one before drains, and reads only the
@@ -277,7 +278,8 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
 
-def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> torch.Tensor:
+def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead,
+                  also_into: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.argmax`` over the logits ``x @ weight^T`` (fp32 sums, rounded to x's dtype), each
     row's, through the int8 copy ``head`` (module docstring) -> ``[M]`` int64.
 
@@ -285,14 +287,21 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
         x: ``[M, H]`` bf16 / fp16 (the final-normed hidden states), ``1 <= M <= 16``.
         weight: ``[V, H]`` contiguous, x's dtype: the lm_head weight ``head`` was made from.
         head: :func:`quantize` ``(weight)``.
+        also_into: ``[M]`` int64 contiguous on x's device, or None: the finish kernel stores the
+            tokens there too (a CUDA graph's input ids: no copy launch after it).
 
     Raises:
-        ValueError: where :func:`can_use` does not hold.
+        ValueError: where :func:`can_use` does not hold, or ``also_into`` is not ``[M]`` int64
+            contiguous on x's device.
     """
     if not can_use(x, weight, head):
         raise ValueError(f"greedy_tokens takes x [1..{MAX_M}, H] bf16 / fp16 of weight's dtype with "
                          f"weight's int8 copy, on a device Triton runs on; got x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}: use the lm_head GEMM and argmax")
+    if also_into is not None and (also_into.shape != (x.shape[0],) or also_into.dtype != torch.int64
+                                  or not also_into.is_contiguous() or also_into.device != x.device):
+        raise ValueError(f"also_into must be [{x.shape[0]}] int64 contiguous on {x.device}, got "
+                         f"{tuple(also_into.shape)} {also_into.dtype} on {also_into.device}")
     m, h = x.shape
     v = weight.shape[0]
     i = _sg.skinny_gemm(x, head.q, _sg.default_config(m, v, h, int8=True), scale=head.scale)  # [M, V]
@@ -319,5 +328,6 @@ def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, head: Int8LmHead) -> to
                            BLOCK_B=max(2, _next_pow2(num_bound_chunks)), DTYPE=DTYPE_CODE[x.dtype],
                            num_warps=4, **launch)
     finish = _argmax._kernels(interpret)[1]
-    finish[(m,)](part_v, part_i, out, num_chunks, BLOCK_C=max(2, _next_pow2(num_chunks)), num_warps=1, **launch)
+    finish[(m,)](part_v, part_i, out, out if also_into is None else also_into, num_chunks,
+                 BLOCK_C=max(2, _next_pow2(num_chunks)), HAS_OUT2=also_into is not None, num_warps=1, **launch)
     return out

@@ -190,15 +190,16 @@ class DecoderLM(nn.Module):
         self.lm_head_int8 = greedy_lm_head.quantize(weight)
         return self.lm_head_int8.nbytes
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def greedy_tokens(self, hidden: torch.Tensor, also_into: torch.Tensor | None = None) -> torch.Tensor | None:
         """``torch.argmax`` of the logits of ``hidden [N, H]`` (final-normed), each row's, through
-        the int8 copy (:meth:`quantize_lm_head_int8`) -> ``[N]`` int64; None where that copy is
-        missing or does not take ``hidden`` (then the caller computes the logits)."""
+        the int8 copy (:meth:`quantize_lm_head_int8`) -> ``[N]`` int64, also stored into
+        ``also_into`` (``[N]`` int64) if given; None where that copy is missing or does not take
+        ``hidden`` (then the caller computes the logits, and ``also_into`` is not written)."""
         head = self.lm_head_int8
         if (head is None or batch_invariant.is_active()
                 or not greedy_lm_head.can_use(hidden, self.lm_head_weight, head)):
             return None
-        return greedy_lm_head.greedy_tokens(hidden, self.lm_head_weight, head)
+        return greedy_lm_head.greedy_tokens(hidden, self.lm_head_weight, head, also_into)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (final-normed) -> logits ``[N, V]`` float32."""

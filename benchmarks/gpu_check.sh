@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass155    # pass154's change through the other CUDA test files that run the
+#                                           # engine's graphs, then goal 2's cell at 65 new tokens from this
+#                                           # tree and .ab/base in turn, twice (~9 min)
 #   bash benchmarks/gpu_check.sh pass154    # the next decode's rows staged before the lm_head, its ids
 #                                           # written by the argmax, the host copy on a side stream: the
 #                                           # CUDA tests, host_timeline.py step A/B and --sequence, then
@@ -578,6 +581,15 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass155)
+    echo "== (eighty-first pass) staged decode rows: the other engine CUDA tests, goal cells against .ab/base"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 260 -n 6 tests/test_batch_invariant.py tests/test_chunked_prefill.py tests/test_draft_fp8.py \
+      tests/test_engine_units.py tests/test_kernel_accept_pack.py tests/test_kernel_decode_metadata.py \
+      tests/test_kernel_rewind_rows.py tests/test_prefill_graphs.py tests/test_prefix_caching.py \
+      tests/test_review_sampling.py tests/test_spec_edge_cases.py -k "cuda and not interpret" -m "not exclusive_gpu" \
+      | grep -v PASSED | tail -12
+    goal_cells_against_base 2 ;;
   pass154)
     echo "== (eighty-first pass) staged decode rows, ids in place, the host copy on a side stream"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -12,9 +12,12 @@ captured for the key ``(R_pad, q, L_pad, is_causal, taps, stores context)``:
 
 Everything the forward reads lives in one persistent device buffer, a row per request (first
 position, visible length, block table, token ids), filled in a reused pinned host buffer and
-shipped with ONE copy; the attention metadata (positions, slot mapping, key slots, query index)
-is recomputed from it *inside* the graph, so a replay needs no device-to-host read. Its columns
-are strided views: kernels must honour their strides (or get contiguous copies). Graphs are captured
+shipped with ONE copy; but a forward of one token a request (target decode) reads its token ids
+from ``decode_ids``, where the previous step's argmax writes them while these rows' upload
+runs on a side stream (``stage_decode``, ``run_staged``). The attention metadata (positions,
+slot mapping, key slots, query index) is recomputed from it *inside* the graph, so a replay
+needs no device-to-host read. Its columns are strided views: kernels must honour their strides
+(or get contiguous copies). Graphs are captured
 at start-up (``capture_all``, after one parallel build of their Triton kernels) or the first time
 a key is seen (its kernels built in parallel first), after :data:`num_capture_warmups` eager
 warm-up runs on a side stream; all graphs share one memory pool. Outputs are copied out of the graph's static

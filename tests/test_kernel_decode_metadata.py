@@ -205,3 +205,59 @@ def test_cuda_equals_the_torch_ops_in_a_graph(r, q, num_keys, bs) -> None:
     torch.cuda.synchronize()
     for g, w in zip(outs, decode_metadata_reference(state, q, num_keys, bs, scratch)):
         assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton's CUDA backend (and not the interpreter)")
+@pytest.mark.parametrize("signal", [True, False], ids=["signal", "plain"])
+def test_sm90_build_signals_its_dependents_first(signal) -> None:
+    """``SIGNAL``: every program executes ``griddepcontrol.launch_dependents`` before anything
+    else, and never waits (the kernel is launched normally); without it, no griddepcontrol."""
+    from ptx_sm90 import can_compile_sm90, compile_sm90
+
+    from laguna_dflash.kernels import decode_metadata as module
+
+    if not can_compile_sm90():
+        pytest.skip("needs triton's CUDA backend")
+    types = {"state_ptr": "*i64", "q_pos_ptr": "*i64", "slots_ptr": "*i64", "key_slots_ptr": "*i64",
+             "seq_lens_ptr": "*i64"}
+    constexprs = dict(q=1, num_keys=1024, KV_BLOCK=16, TABLE_COL=2, TABLE_STRIDE=64, BLOCK_Q=1, BLOCK_L=1024,
+                      SIGNAL=signal)
+    ptx = compile_sm90(module._kernel(False), types, constexprs, {"num_warps": 4, "num_stages": 1})
+    if not signal:
+        assert "griddepcontrol" not in ptx
+        return
+    assert "griddepcontrol.wait" not in ptx
+    body = ptx[ptx.index("griddepcontrol.launch_dependents"):]
+    # nothing is loaded or stored before the signal
+    head = ptx[: ptx.index("griddepcontrol.launch_dependents")]
+    assert "ld.global" not in head and "st.global" not in head
+    assert "st.global" in body
+
+
+def test_graph_runner_asks_for_the_early_signal(monkeypatch) -> None:
+    """The graph runner's metadata launch passes ``signal_dependents=True`` (its next launch is
+    the model's token embedding); the kernel takes it only where PDL is active (not here)."""
+    from laguna_dflash.engine import cuda_graph
+    from laguna_dflash.kernels import decode_metadata as module
+
+    seen = []
+    monkeypatch.setattr(module, "is_available", lambda device: True)
+    monkeypatch.setattr(module, "decode_metadata_tables",
+                        lambda *args, **kwargs: seen.append(kwargs) or module.decode_metadata_tables_reference(
+                            *args[:5], table_col=2))
+
+    class Runner:
+        device = torch.device("cpu")
+        block_size = 16
+        num_tables = 1
+        max_blocks = 4
+        flat_index = torch.arange(4)
+
+        class kv_cache:
+            scratch_slot = 80
+
+    runner = Runner()
+    runner.state = torch.zeros(2, 8, dtype=torch.int64)
+    runner.state[:, 1] = 1
+    cuda_graph.CUDAGraphRunner._metadata(runner, 2, 1, 64, True)
+    assert seen == [{"signal_dependents": True}]

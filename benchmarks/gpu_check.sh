@@ -2,9 +2,10 @@
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass156    # the attention metadata kernel signalling the token embedding
-#                                           # to launch early (decode_metadata.SIGNAL_EARLY): its CUDA
-#                                           # tests, then the decode graph's first kernels and replay
-#                                           # with it off, on, off (profile_decode_xs.py; ~6 min)
+#                                           # to launch early (decode_metadata.SIGNAL_EARLY, tree 751ad6f;
+#                                           # no gain, removed since): its CUDA tests, then the decode
+#                                           # graph's first kernels and replay with it off, on, off
+#                                           # (profile_decode_xs.py; now the defaults only; ~6 min)
 #   bash benchmarks/gpu_check.sh pass155    # pass154's change through the other CUDA test files that run the
 #                                           # engine's graphs, then goal 2's cell at 65 new tokens from this
 #                                           # tree and .ab/base in turn, twice (~9 min)
@@ -590,9 +591,9 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 200 -n 6 tests/test_kernel_decode_metadata.py tests/test_kernel_embedding.py tests/test_cuda_graphs.py \
       tests/test_cuda_xs_lossless.py -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -8
-    M=laguna_dflash.kernels.decode_metadata:SIGNAL_EARLY
-    timeout 300 python benchmarks/profile_decode_xs.py --top 2 --sequence 4 --switch "$M=False" --switch "$M=True" \
-      --switch "$M=False" 2>&1 | quiet | grep -E "^##|^\| [0-9]|greedy tokens|rror" | head -60 ;;
+    # at 751ad6f also with the SIGNAL_EARLY switch of kernels/decode_metadata.py off, on, off
+    timeout 300 python benchmarks/profile_decode_xs.py --top 2 --sequence 4 2>&1 | quiet \
+      | grep -E "^##|^\| [0-9]|greedy tokens|rror" | head -60 ;;
   pass155)
     echo "== (eighty-first pass) staged decode rows: the other engine CUDA tests, goal cells against .ab/base"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

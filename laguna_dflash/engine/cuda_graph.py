@@ -476,9 +476,7 @@ class CUDAGraphRunner:
         args = (self.state[:r], q, num_keys, self.block_size, self.kv_cache.scratch_slot, self.num_tables,
                 2, self.max_blocks)
         if use_metadata_kernel and decode_metadata.is_available(self.device):
-            # the model's first launch comes next: the token embedding, which waits before its
-            # reads (a PDL launch) or is launched normally: it may launch early
-            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_tables(*args, signal_dependents=True)
+            q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_tables(*args)
         else:
             q_pos, slots, key_slots, seq_lens = decode_metadata.decode_metadata_tables_reference(*args)
         flat = self.flat_index[: r * q]  # a view of a constant: no kernel in the graph

@@ -22,12 +22,6 @@ had four launches at their head, 1.4-2.0 us of span each (docs/PERFORMANCE.md, s
 Integer arithmetic only: bitwise the torch reference (:func:`decode_metadata_reference`). Grid
 ``(R, ceil(num_keys / BLOCK_L), num_tables)``; the programs of key chunk 0 also write the query
 rows. Launched normally (no PDL): its input is the host-to-device copy of the state just before it.
-With ``signal_dependents`` (and :data:`SIGNAL_EARLY`, where PDL is active) every program first
-executes ``griddepcontrol.launch_dependents``, so the graph's next kernel, a PDL launch (the
-token embedding), launches while this one runs; it must wait before it reads these outputs
-(kernels/pdl.py's rule 1: the embedding waits before it reads anything). Being launched
-normally, this kernel starts after everything before it completed, so rule 2's ordering holds
-for the kernels after the embedding.
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import pdl
 from .availability import interpret_mode, triton_can_run
 from .jit import jit_functions
 
@@ -48,8 +41,6 @@ __all__ = ["decode_metadata", "decode_metadata_reference", "decode_metadata_tabl
            "decode_metadata_tables_reference", "is_available"]
 
 BLOCK_L = 1024  # keys a program
-# False: the kernel never signals its dependents early (the A/B baseline of signal_dependents)
-SIGNAL_EARLY = True
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -61,10 +52,8 @@ def _decode_metadata_kernel(
     state_ptr, q_pos_ptr, slots_ptr, key_slots_ptr, seq_lens_ptr,
     stride_state, q, num_keys, scratch_slot,
     KV_BLOCK: tl.constexpr, TABLE_COL: tl.constexpr, TABLE_STRIDE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_L: tl.constexpr, SIGNAL: tl.constexpr,
+    BLOCK_L: tl.constexpr,
 ):
-    if SIGNAL:  # the next kernel (PDL) may launch now; it waits for this one before its reads
-        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     table = tl.program_id(2)
@@ -117,8 +106,7 @@ def _check(state: torch.Tensor, q: int, num_keys: int, block_size: int, table_co
 
 
 def decode_metadata_tables(state: torch.Tensor, q: int, num_keys: int, block_size: int,
-                           scratch_slot: int, num_tables: int = 1, table_col: int = 2, table_stride: int = 0,
-                           signal_dependents: bool = False
+                           scratch_slot: int, num_tables: int = 1, table_col: int = 2, table_stride: int = 0
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_pos [R, q], slots [T, R, q], key_slots [T, R, num_keys], seq_lens [R])``, int64,
     contiguous, for ``T = num_tables`` block tables in one launch.
@@ -128,8 +116,6 @@ def decode_metadata_tables(state: torch.Tensor, q: int, num_keys: int, block_siz
             ``t`` from column ``table_col + t * table_stride`` (unit column stride; any row stride).
         q: new tokens a request; num_keys: the key axis (a multiple of ``block_size``).
         scratch_slot: the cache slot of keys at or past ``seq_len``.
-        signal_dependents: let the next kernel launch early (module docstring): only where that
-            kernel waits before reading anything this one writes.
     """
     _check(state, q, num_keys, block_size, table_col, num_tables, table_stride)
     r = state.shape[0]
@@ -144,8 +130,7 @@ def decode_metadata_tables(state: torch.Tensor, q: int, num_keys: int, block_siz
     _kernel(interpret_mode())[(r, -(-num_keys // BLOCK_L), num_tables)](
         state, q_pos, slots, key_slots, seq_lens, state.stride(0), q, num_keys, scratch_slot,
         KV_BLOCK=block_size, TABLE_COL=table_col, TABLE_STRIDE=table_stride if num_tables > 1 else 0,
-        BLOCK_Q=block_q, BLOCK_L=BLOCK_L,
-        SIGNAL=signal_dependents and SIGNAL_EARLY and pdl.active(dev, interpret_mode()), num_warps=4)
+        BLOCK_Q=block_q, BLOCK_L=BLOCK_L, num_warps=4)
     return q_pos, slots, key_slots, seq_lens
 
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass157    # goal 2's cell at 65 new tokens with the fp8 drafter: on an H200
+#                                           # the defaults and fp8 (its target-only decode is goal 1's
+#                                           # number; 140 s a cell, a fresh machine's first fills Triton's
+#                                           # cache), elsewhere fp8 from this tree and .ab/base (~5 min)
 #   bash benchmarks/gpu_check.sh pass156    # the attention metadata kernel signalling the token embedding
 #                                           # to launch early (decode_metadata.SIGNAL_EARLY, tree 751ad6f;
 #                                           # no gain, removed since): its CUDA tests, then the decode
@@ -586,6 +590,15 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass157)
+    echo "== (eighty-first pass) goal 2's cell with the fp8 drafter"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      GOAL_LIMIT=140 goal_cells_65 "" "--draft-quantization fp8"
+    else
+      echo "-- this tree, fp8 drafter"; goal_cell 120 --new-tokens 65 --draft-quantization fp8
+      echo "-- .ab/base, fp8 drafter"; base_goal_cell 100 --new-tokens 65 --draft-quantization fp8
+    fi ;;
   pass156)
     echo "== (eighty-first pass) the metadata kernel signals the embedding early"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass158    # every forward's rows uploaded on a side stream behind the
+#                                           # runner's last replay (cuda_graph.side_stream_uploads, off,
+#                                           # never run on a GPU yet): the engine's CUDA tests with it on,
+#                                           # host_timeline.py --sequence and goal 2's cell at 65 new
+#                                           # tokens with it off and on (~8 min)
 #   bash benchmarks/gpu_check.sh pass157    # goal 2's cell at 65 new tokens with the fp8 drafter: on an H200
 #                                           # the defaults and fp8 (its target-only decode is goal 1's
 #                                           # number; 140 s a cell, a fresh machine's first fills Triton's
@@ -590,6 +595,16 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass158)
+    echo "== (eighty-first pass, for the next device time) every forward's rows uploaded on a side stream"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    U=laguna_dflash.engine.cuda_graph:side_stream_uploads=True
+    gpu_tests 220 -n 6 --switch "$U" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_prefill_graphs.py \
+      tests/test_spec_edge_cases.py tests/test_kernel_greedy_lm_head.py -k "cuda and not interpret" -m "not exclusive_gpu" \
+      | grep -v PASSED | tail -8
+    timeout 200 python benchmarks/host_timeline.py --rounds 2 --top 2 --sequence --switch "$U" \
+      2>&1 | quiet | grep -vE "^\| (host phase|lm_head M|1 |3 |4 )|^\|---|capture_end"
+    goal_cells_65 "" "--switch $U" ;;
   pass157)
     echo "== (eighty-first pass) goal 2's cell with the fp8 drafter"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -97,6 +97,107 @@ def test_padded_metadata_matches_build_metadata():
     assert all(int(s) in scratch for s in meta.slot_mapping[9:])
 
 
+class _StreamLog:
+    """Fake ``torch.cuda`` streams and events that log what the graph runner orders (a CPU check
+    of its CUDA-only upload paths: the copies themselves run on the CPU)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.main = self.Stream("main", self)
+        self.current = self.main
+        self.num_events = 0
+
+    class Stream:
+        def __init__(self, name: str, owner: _StreamLog) -> None:
+            self.name, self.owner = name, owner
+
+        def wait_event(self, event) -> None:
+            self.owner.log.append((self.name, "waits for", event.name))
+
+        def wait_stream(self, other) -> None:
+            self.owner.log.append((self.name, "waits for stream", other.name))
+
+    class Event:
+        def __init__(self, name: str, owner: _StreamLog) -> None:
+            self.name, self.owner = name, owner
+
+        def record(self, stream=None) -> None:
+            self.owner.log.append(((stream or self.owner.current).name, "records", self.name))
+
+        def synchronize(self) -> None:  # the host's wait (the copies ran already, on the CPU)
+            pass
+
+    def install(self, monkeypatch) -> None:
+        def new_event():
+            self.num_events += 1
+            return self.Event(f"event{self.num_events}", self)
+
+        @contextlib.contextmanager
+        def on(stream):
+            before, self.current = self.current, stream
+            try:
+                yield
+            finally:
+                self.current = before
+
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: self.Stream("side", self))
+        monkeypatch.setattr(torch.cuda, "Event", new_event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", on)
+
+
+@pytest.mark.parametrize("side", [True, False], ids=["side-stream", "current-stream"])
+def test_uploads_are_ordered_between_the_last_replay_and_the_next_write(monkeypatch, side):
+    """``side_stream_uploads``: a forward's rows go up on a side stream that waits only for the
+    runner's last replay (an event recorded after it); the current stream waits for the copy
+    before it writes the rows (a drafter block's rewind) and replays, and the replay records the
+    event again. Off: the copy on the current stream, no event recorded after a replay.
+    ``stage_decode`` always waits for the whole current stream (its lm_head has not run yet)."""
+    import types
+
+    from laguna_dflash.engine import cuda_graph
+    from laguna_dflash.engine.cuda_graph import DeviceStart, _Captured
+    from laguna_dflash.engine.kv_cache import KVCache
+
+    monkeypatch.setattr(cuda_graph, "side_stream_uploads", side)
+    kv = KVCache(1, 40, 4, 1, 8, torch.float32, "cpu")
+    runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=2,
+                             max_model_len=100, max_tokens_per_request=3)
+    streams = _StreamLog()
+    streams.install(monkeypatch)
+    runner.copied = streams.Event("copied", streams)
+    runner._last_read = streams.Event("replayed", streams) if side else None
+    monkeypatch.setattr(runner, "device", types.SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(cuda_graph, "rewind_rows", lambda *args: streams.log.append((streams.current.name, "rewinds")))
+
+    class Graph:
+        def replay(self) -> None:
+            streams.log.append((streams.current.name, "replays"))
+
+    q, num_keys = 3, runner.key_bucket(13)
+    runner.graphs[(1, q, num_keys, True, (), False)] = _Captured(Graph(), torch.zeros(3, 4), None)
+    items = [ForwardItem(q, 10, 13, [5, 2, 9, 7])]
+    start = DeviceStart(torch.zeros(1, dtype=torch.long), torch.zeros(1, q + 1, dtype=torch.long))
+    hidden, _ = runner.forward([1, 2, 3], items, (), True, device_start=start)
+    assert hidden.shape == (3, 4)
+    assert runner.state[0, 0] == 10 and runner.state[0, 1] == 13  # the rows went up
+    if side:
+        assert streams.log == [
+            ("side", "waits for", "replayed"),  # not the whole current stream
+            ("side", "records", "copied"), ("side", "records", "event1"),
+            ("main", "waits for", "event1"),  # before the rows are written or read
+            ("main", "rewinds"), ("main", "replays"), ("main", "records", "replayed"),
+        ]
+    else:
+        assert streams.log == [("main", "records", "copied"), ("main", "rewinds"), ("main", "replays")]
+        assert runner._last_read is None
+    streams.log.clear()
+    staged = runner.stage_decode([ForwardItem(1, 13, 14, [5, 2, 9, 7])], ())
+    assert streams.log[:2] == [("side", "waits for stream", "main"), ("side", "records", "copied")]
+    assert runner._staged_upload is not None  # run_staged's replay waits for it
+    assert staged.ids.shape == (1,)
+
+
 def test_key_buckets_cover_every_length_up_to_the_limit():
     from laguna_dflash.engine.kv_cache import KVCache
 

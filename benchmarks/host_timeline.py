@@ -15,6 +15,9 @@ phases). This script finds where that time goes:
 * with ``--kernels N``: the N GPU kernels (and copies) of the profiled steps with the most time,
   per step, each marked as run inside a CUDA graph replay or launched eagerly (a kernel name
   seen when the captured graphs are replayed alone counts as a graph kernel);
+* with ``--sequence``: per profiled mode, the GPU ops from the end of one graph replay to the
+  start of the next, in order, with the GPU's idle time before each (the eager lm_head, the
+  copies and uploads; a DFlash step lists its two such sequences);
 * ``lm_head`` (100352 x 2048, 411 MB) at M = 1, 3, 4: ``F.linear`` (cuBLAS, what
   ``lm_head_logits`` calls) against the skinny GEMM, in a CUDA graph, weights rotated;
 * with ``--gaps`` (``--gap-batches 1,16,64``): per DFlash step with drafts queued ahead, the
@@ -34,6 +37,7 @@ phases). This script finds where that time goes:
     python benchmarks/host_timeline.py                     # H200
     python benchmarks/host_timeline.py --switch laguna_dflash.engine.engine:store_context_in_verify=False
     python benchmarks/host_timeline.py --layers 4          # quicker, same phases
+    python benchmarks/host_timeline.py --rounds 1 --sequence   # what runs between two replays
     python benchmarks/host_timeline.py --gaps --gap-batches 1,16,64 --rounds 1
     python benchmarks/host_timeline.py --gaps --gap-batches 64 --rounds 1 --gc-freeze
     python benchmarks/host_timeline.py --gaps --gap-batches 64 --rounds 1 --no-profile --gap-steps

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass159    # pass158 for less device time: the same CUDA tests (180 s), then
+#                                           # goal 2's cell at 65 new tokens with the switch on, off, on
+#                                           # (~7.5 min)
 #   bash benchmarks/gpu_check.sh pass158    # every forward's rows uploaded on a side stream behind the
 #                                           # runner's last replay (cuda_graph.side_stream_uploads, off,
 #                                           # never run on a GPU yet): the engine's CUDA tests with it on,
@@ -597,6 +600,14 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass159)
+    echo "== (eighty-second pass) pass158 in less device time: its CUDA tests, then goal 2's cell on, off, on"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    U=laguna_dflash.engine.cuda_graph:side_stream_uploads=True
+    gpu_tests 180 -n 6 --switch "$U" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_prefill_graphs.py \
+      tests/test_spec_edge_cases.py tests/test_kernel_greedy_lm_head.py -k "cuda and not interpret" -m "not exclusive_gpu" \
+      | grep -v PASSED | tail -8
+    goal_cells_65 "--switch $U" "" "--switch $U" ;;
   pass158)
     echo "== (eighty-first pass, for the next device time) every forward's rows uploaded on a side stream"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

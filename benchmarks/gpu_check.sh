@@ -578,6 +578,13 @@ goal_cells_against_base() {
     echo "-- goal cell, .ab/base"; base_goal_cell 85
   done
 }
+# side_upload_tests SECONDS SWITCH: the engine's graph, XS lossless, prefill graph, speculative edge-case
+# and greedy lm_head CUDA tests with SWITCH on (pass158, pass159)
+side_upload_tests() {
+  gpu_tests "$1" -n 6 --switch "$2" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_prefill_graphs.py \
+    tests/test_spec_edge_cases.py tests/test_kernel_greedy_lm_head.py -k "cuda and not interpret" -m "not exclusive_gpu" \
+    | grep -v PASSED | tail -8
+}
 case "$stage" in
   lmhead-sweep)
     echo "== the lm_head shapes the skinny GEMM's table does not cover yet (S-2.1; two-rank shards)"
@@ -604,17 +611,13 @@ case "$stage" in
     echo "== (eighty-second pass) pass158 in less device time: its CUDA tests, then goal 2's cell on, off, on"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     U=laguna_dflash.engine.cuda_graph:side_stream_uploads=True
-    gpu_tests 180 -n 6 --switch "$U" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_prefill_graphs.py \
-      tests/test_spec_edge_cases.py tests/test_kernel_greedy_lm_head.py -k "cuda and not interpret" -m "not exclusive_gpu" \
-      | grep -v PASSED | tail -8
+    side_upload_tests 180 "$U"
     goal_cells_65 "--switch $U" "" "--switch $U" ;;
   pass158)
     echo "== (eighty-first pass, for the next device time) every forward's rows uploaded on a side stream"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     U=laguna_dflash.engine.cuda_graph:side_stream_uploads=True
-    gpu_tests 220 -n 6 --switch "$U" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_prefill_graphs.py \
-      tests/test_spec_edge_cases.py tests/test_kernel_greedy_lm_head.py -k "cuda and not interpret" -m "not exclusive_gpu" \
-      | grep -v PASSED | tail -8
+    side_upload_tests 220 "$U"
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       # where the goals are defined: the fp8 drafter with the switch off and on, then the bf16 one
       GOAL_LIMIT=95 goal_cells_65 "--draft-quantization fp8" "--draft-quantization fp8 --switch $U" ""

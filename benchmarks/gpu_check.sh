@@ -1,16 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass159    # pass158 for less device time: the same CUDA tests (180 s), then
-#                                           # goal 2's cell at 65 new tokens with the switch on, off, on
-#                                           # (~7.5 min)
-#   bash benchmarks/gpu_check.sh pass158    # every forward's rows uploaded on a side stream behind the
-#                                           # runner's last replay (cuda_graph.side_stream_uploads, off,
-#                                           # never run on a GPU yet): the engine's CUDA tests with it on,
-#                                           # host_timeline.py --sequence and goal 2's cell at 65 new
-#                                           # tokens with it off and on; on an H200 instead of the
-#                                           # timeline, goal 2's cell with the fp8 drafter too (its
-#                                           # target-only decode is goal 1's number; ~9 min)
 #   bash benchmarks/gpu_check.sh pass157    # goal 2's cell at 65 new tokens with the fp8 drafter: on an H200
 #                                           # the defaults and fp8 (its target-only decode is goal 1's
 #                                           # number; 140 s a cell, a fresh machine's first fills Triton's
@@ -578,13 +568,6 @@ goal_cells_against_base() {
     echo "-- goal cell, .ab/base"; base_goal_cell 85
   done
 }
-# side_upload_tests SECONDS SWITCH: the engine's graph, XS lossless, prefill graph, speculative edge-case
-# and greedy lm_head CUDA tests with SWITCH on (pass158, pass159)
-side_upload_tests() {
-  gpu_tests "$1" -n 6 --switch "$2" tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py tests/test_prefill_graphs.py \
-    tests/test_spec_edge_cases.py tests/test_kernel_greedy_lm_head.py -k "cuda and not interpret" -m "not exclusive_gpu" \
-    | grep -v PASSED | tail -8
-}
 case "$stage" in
   lmhead-sweep)
     echo "== the lm_head shapes the skinny GEMM's table does not cover yet (S-2.1; two-rank shards)"
@@ -607,25 +590,6 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
-  pass159)
-    echo "== (eighty-second pass) pass158 in less device time: its CUDA tests, then goal 2's cell on, off, on"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    U=laguna_dflash.engine.cuda_graph:side_stream_uploads=True
-    side_upload_tests 180 "$U"
-    goal_cells_65 "--switch $U" "" "--switch $U" ;;
-  pass158)
-    echo "== (eighty-first pass, for the next device time) every forward's rows uploaded on a side stream"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    U=laguna_dflash.engine.cuda_graph:side_stream_uploads=True
-    side_upload_tests 220 "$U"
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-      # where the goals are defined: the fp8 drafter with the switch off and on, then the bf16 one
-      GOAL_LIMIT=95 goal_cells_65 "--draft-quantization fp8" "--draft-quantization fp8 --switch $U" ""
-    else
-      timeout 200 python benchmarks/host_timeline.py --rounds 2 --top 2 --sequence --switch "$U" \
-        2>&1 | quiet | grep -vE "^\| (host phase|lm_head M|1 |3 |4 )|^\|---|capture_end"
-      goal_cells_65 "" "--switch $U"
-    fi ;;
   pass157)
     echo "== (eighty-first pass) goal 2's cell with the fp8 drafter"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

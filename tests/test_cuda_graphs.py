@@ -146,27 +146,23 @@ class _StreamLog:
         monkeypatch.setattr(torch.cuda, "stream", on)
 
 
-@pytest.mark.parametrize("side", [True, False], ids=["side-stream", "current-stream"])
-def test_uploads_are_ordered_between_the_last_replay_and_the_next_write(monkeypatch, side):
-    """``side_stream_uploads``: a forward's rows go up on a side stream that waits only for the
-    runner's last replay (an event recorded after it); the current stream waits for the copy
-    before it writes the rows (a drafter block's rewind) and replays, and the replay records the
-    event again. Off: the copy on the current stream, no event recorded after a replay.
-    ``stage_decode`` always waits for the whole current stream (its lm_head has not run yet)."""
+def test_uploads_are_ordered_before_the_next_write_and_replay(monkeypatch):
+    """A forward's rows go up on the current stream, behind any staged side-stream upload, before
+    the rows are written (a drafter block's rewind) and replayed. ``stage_decode`` uploads on a
+    side stream that waits for the whole current stream (its lm_head has not run yet, the last
+    replay read the rows), and records the event ``run_staged``'s replay waits for."""
     import types
 
     from laguna_dflash.engine import cuda_graph
     from laguna_dflash.engine.cuda_graph import DeviceStart, _Captured
     from laguna_dflash.engine.kv_cache import KVCache
 
-    monkeypatch.setattr(cuda_graph, "side_stream_uploads", side)
     kv = KVCache(1, 40, 4, 1, 8, torch.float32, "cpu")
     runner = CUDAGraphRunner(torch.nn.Identity(), kv, None, torch.device("cpu"), max_num_seqs=2,
                              max_model_len=100, max_tokens_per_request=3)
     streams = _StreamLog()
     streams.install(monkeypatch)
     runner.copied = streams.Event("copied", streams)
-    runner._last_read = streams.Event("replayed", streams) if side else None
     monkeypatch.setattr(runner, "device", types.SimpleNamespace(type="cuda"))
     monkeypatch.setattr(cuda_graph, "rewind_rows", lambda *args: streams.log.append((streams.current.name, "rewinds")))
 
@@ -181,21 +177,17 @@ def test_uploads_are_ordered_between_the_last_replay_and_the_next_write(monkeypa
     hidden, _ = runner.forward([1, 2, 3], items, (), True, device_start=start)
     assert hidden.shape == (3, 4)
     assert runner.state[0, 0] == 10 and runner.state[0, 1] == 13  # the rows went up
-    if side:
-        assert streams.log == [
-            ("side", "waits for", "replayed"),  # not the whole current stream
-            ("side", "records", "copied"), ("side", "records", "event1"),
-            ("main", "waits for", "event1"),  # before the rows are written or read
-            ("main", "rewinds"), ("main", "replays"), ("main", "records", "replayed"),
-        ]
-    else:
-        assert streams.log == [("main", "records", "copied"), ("main", "rewinds"), ("main", "replays")]
-        assert runner._last_read is None
+    assert streams.log == [("main", "records", "copied"), ("main", "rewinds"), ("main", "replays")]
     streams.log.clear()
     staged = runner.stage_decode([ForwardItem(1, 13, 14, [5, 2, 9, 7])], ())
-    assert streams.log[:2] == [("side", "waits for stream", "main"), ("side", "records", "copied")]
+    assert streams.log == [("side", "waits for stream", "main"), ("side", "records", "copied"),
+                           ("side", "records", "event1")]
     assert runner._staged_upload is not None  # run_staged's replay waits for it
     assert staged.ids.shape == (1,)
+    streams.log.clear()
+    runner.forward([4, 5, 6], items, (), True, device_start=start)  # waits for the staged upload first
+    assert streams.log[:2] == [("main", "waits for", "event1"), ("main", "records", "copied")]
+    assert runner._staged_upload is None
 
 
 def test_key_buckets_cover_every_length_up_to_the_limit():

@@ -97,13 +97,6 @@ keep_cache_between_captures = True
 # stage_decode uploads the next decode's rows on a side stream, while the current stream runs
 # the lm_head whose argmax gives that decode's ids; False: on the current stream (A/B baseline)
 stage_uploads_on_side_stream = True
-# True: every forward uploads its rows on a side stream that waits only for this runner's last
-# replay (the last read of its rows), so the copy runs under work queued before it on the
-# current stream (a DFlash verify's rows under the drafter block and its lm_head, the next
-# drafter block's under the verify's lm_head); the current stream waits for the copy before it
-# writes the rows (drafts, rewind) or replays. Off: not yet timed or run on a GPU (built in the
-# eighty-first pass for the next device time, docs/PERFORMANCE.md; gpu_check.sh pass158).
-side_stream_uploads = False
 
 
 @dataclass
@@ -343,8 +336,6 @@ class CUDAGraphRunner:
         self.decode_ids = torch.zeros(max_r, dtype=torch.long, device=device)
         self._upload_stream: torch.cuda.Stream | None = None
         self._staged_upload: torch.cuda.Event | None = None  # a side-stream upload not waited for
-        # recorded after each replay with side_stream_uploads (None: wait for the whole stream)
-        self._last_read: torch.cuda.Event | None = None
         self.start_pos = self.state[:, 0]
         self.seq_lens = self.state[:, 1]
         self.block_tables = self.state[:, 2 : 2 + self.max_blocks]  # the full layers' tables
@@ -359,7 +350,6 @@ class CUDAGraphRunner:
     def reset(self) -> None:
         """Drop every captured graph and their memory pool (the next forward recaptures, e.g.
         after a fast-path switch changed what a forward launches)."""
-        self._last_read = None
         self.graphs.clear()
         self.kinds.clear()
         self.prefill_only_kinds.clear()
@@ -438,7 +428,6 @@ class CUDAGraphRunner:
                 r, q, num_keys, is_causal, taps, store, build_first=False)  # built ahead already
             if progress is not None:
                 progress.update(1)
-        self._last_read = None  # the captures read the rows too: the next upload waits for them all
         return len(todo)
 
     def key_bucket(self, num_keys: int) -> int:
@@ -567,12 +556,12 @@ class CUDAGraphRunner:
             torch.cuda.current_stream(self.device).wait_event(self._staged_upload)
             self._staged_upload = None
 
-    def _upload(self, r_pad: int, on_side_stream: bool, after: torch.cuda.Event | None = None) -> None:
+    def _upload(self, r_pad: int, on_side_stream: bool) -> None:
         """Ship the host rows ``[:r_pad]`` into ``state``: on the current stream (after any
         side-stream upload not waited for), or, on CUDA with ``on_side_stream``, on a side stream
-        that first waits for ``after`` (the last work that read ``state``; None: the current
-        stream's work so far). Then the current stream must :meth:`_wait_for_staged_upload`
-        before it writes ``state`` or replays."""
+        that first waits for the current stream's work so far (the last replay read ``state``).
+        Then the current stream must :meth:`_wait_for_staged_upload` before it writes ``state``
+        or replays."""
         if self.copied is None or not on_side_stream:
             self._wait_for_staged_upload()
             self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
@@ -582,10 +571,7 @@ class CUDAGraphRunner:
         side = self._upload_stream
         if side is None:
             side = self._upload_stream = torch.cuda.Stream(self.device)
-        if after is None:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-        else:
-            side.wait_event(after)
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # FIFO behind any upload not waited for yet
             self.state[:r_pad].copy_(self.host_state[:r_pad], non_blocking=True)
             self.copied.record(side)
@@ -608,8 +594,7 @@ class CUDAGraphRunner:
         assert shape is None or (not isinstance(input_ids, torch.Tensor) and context_store is None
                                  and tail_ids is None and device_start is None)
         self._write_rows(input_ids, items, r, r_pad, q, num_keys, shape)
-        self._upload(r_pad, side_stream_uploads, self._last_read)
-        self._wait_for_staged_upload()
+        self._upload(r_pad, False)
         # token ids given as a tensor (the verify batch: bonus + drafts, on the device) are
         # copied tensor to tensor, never read back on the host (no sync on the step path)
         is_tensor = isinstance(input_ids, torch.Tensor)
@@ -637,7 +622,6 @@ class CUDAGraphRunner:
         r, r_pad, q, num_keys = self._batch(items, None)
         assert q == 1, "stage_decode takes forwards of one token a request"
         self._write_rows(None, items, r, r_pad, q, num_keys, None)
-        # behind all the current stream's work so far: the last replay read state
         self._upload(r_pad, stage_uploads_on_side_stream)
         return StagedDecode(list(items), r_pad, num_keys, tuple(tap_layer_ids), self.decode_ids[:r])
 
@@ -672,12 +656,6 @@ class CUDAGraphRunner:
             elif shape is None and kind in self.prefill_only_kinds:  # a prefill's graph, decoding
                 self.prefill_only_kinds.discard(kind)
             captured.graph.replay()
-            if side_stream_uploads:  # the next upload waits for this replay only
-                if self._last_read is None:
-                    self._last_read = torch.cuda.Event()
-                self._last_read.record()
-            else:
-                self._last_read = None
             hidden, taps = captured.hidden, captured.taps
         # copied out: the graph's next replay overwrites its static outputs
         if shape is None or r == 1:  # decode phase (every request q tokens), or one prefill

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass160    # goal 2's cell at 65 new tokens with the fp8 drafter from this
+#                                           # tree and from .ab/old (the seventy-second pass's f2bf086,
+#                                           # where the H200 gave 2.02-2.03x) in turn, twice: how far the
+#                                           # decode's gains since moved goal 2's ratio on this card; on an
+#                                           # H200 this tree's target-only decode is goal 1's number (~9 min)
 #   bash benchmarks/gpu_check.sh pass157    # goal 2's cell at 65 new tokens with the fp8 drafter: on an H200
 #                                           # the defaults and fp8 (its target-only decode is goal 1's
 #                                           # number; 140 s a cell, a fresh machine's first fills Triton's
@@ -556,10 +561,11 @@ goal_cells_65() {
   done
 }
 # base_goal_cell LIMIT [ARGS...]: goal_cell run from the tree in .ab/base (an older commit's
-# laguna_dflash and benchmarks, carried), in its own process on the same machine
+# laguna_dflash and benchmarks, carried; BASE_TREE names another such folder), in its own process
+# on the same machine
 base_goal_cell() {
   local limit=$1; shift
-  (cd .ab/base && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
+  (cd "${BASE_TREE:-.ab/base}" && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks goal_cell "$limit" "$@")
 }
 # goal_cells_against_base N: goal_cell from this tree and from .ab/base in turn, N processes each
 goal_cells_against_base() {
@@ -590,6 +596,15 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass160)
+    echo "== (eighty-third pass) goal 2's cell, fp8 drafter: this tree against the seventy-second pass's"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    cat .ab/old/COMMIT
+    for limit in 150 100; do  # a fresh machine's first process of each tree fills Triton's cache
+      echo "-- this tree, fp8 drafter"; goal_cell "$limit" --new-tokens 65 --draft-quantization fp8
+      echo "-- .ab/old, fp8 drafter"
+      BASE_TREE=.ab/old base_goal_cell "$limit" --new-tokens 65 --draft-quantization fp8
+    done ;;
   pass157)
     echo "== (eighty-first pass) goal 2's cell with the fp8 drafter"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

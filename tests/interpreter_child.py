@@ -24,7 +24,14 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INT
 
 def run_interpreted_child(test_file: str, timeout: int = 300) -> None:
     """Every ``interpreted`` test of ``test_file`` passes in the child, and none is skipped."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    # The interpreter runs tl.dot as numpy's matmul, so an fp32 dot's bits are OpenBLAS's, and
+    # OpenBLAS picks its sgemm kernel by CPU. The Zen / Haswell and SkylakeX kernels give an
+    # element other bits when its column sits elsewhere in an operand of the same shape. The
+    # fused SwiGLU's interleaved weight rows against the plain GEMM's then differ in the last
+    # bit (on an AMD EPYC, 2026-12-06), and the tests' bitwise claims would depend on the CPU.
+    # The SSE3 kernel (Prescott) gave every element the same bits wherever its column sat, at
+    # every shape tried (1-16 rows, 8-64 columns, K 16-32), and runs on any x86-64 CPU.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Prescott"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", test_file],
         env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(test_file),

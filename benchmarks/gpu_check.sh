@@ -5,7 +5,8 @@
 #                                           # tree and from .ab/old (the seventy-second pass's f2bf086,
 #                                           # where the H200 gave 2.02-2.03x) in turn, twice: how far the
 #                                           # decode's gains since moved goal 2's ratio on this card; on an
-#                                           # H200 this tree's target-only decode is goal 1's number (~9 min)
+#                                           # H200 this tree's target-only decode is goal 1's number (~3-9
+#                                           # min; PASS160_LIMITS="150" runs one round)
 #   bash benchmarks/gpu_check.sh pass157    # goal 2's cell at 65 new tokens with the fp8 drafter: on an H200
 #                                           # the defaults and fp8 (its target-only decode is goal 1's
 #                                           # number; 140 s a cell, a fresh machine's first fills Triton's
@@ -600,7 +601,8 @@ case "$stage" in
     echo "== (eighty-third pass) goal 2's cell, fp8 drafter: this tree against the seventy-second pass's"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     cat .ab/old/COMMIT
-    for limit in 150 100; do  # a fresh machine's first process of each tree fills Triton's cache
+    # a fresh machine's first process of each tree fills Triton's cache; PASS160_LIMITS="150": one round
+    for limit in ${PASS160_LIMITS:-150 100}; do
       echo "-- this tree, fp8 drafter"; goal_cell "$limit" --new-tokens 65 --draft-quantization fp8
       echo "-- .ab/old, fp8 drafter"
       BASE_TREE=.ab/old base_goal_cell "$limit" --new-tokens 65 --draft-quantization fp8

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass162    # the fp8 drafter's Q|K|V|gate (fp8.QUANTIZE_QKVG): the head
+#                                           # GEMM, fp8 and skinny fp8 CUDA tests, then goal 2's cell at
+#                                           # 65 new tokens with the fp8 drafter: defaults, the switch
+#                                           # off, defaults (~9 min on a fresh machine)
+#   bash benchmarks/gpu_check.sh pass161    # where the fp8 drafter's DFlash step goes: the drafter block's
+#                                           # launch timeline (8 layers' engine, 5 drafter layers), then
+#                                           # host_timeline.py --sequence with the fp8 drafter: the ops
+#                                           # between the verify and drafter graphs (~6 min)
 #   bash benchmarks/gpu_check.sh pass160    # goal 2's cell at 65 new tokens with the fp8 drafter from this
 #                                           # tree and from .ab/old (the seventy-second pass's f2bf086,
 #                                           # where the H200 gave 2.02-2.03x) in turn, twice: how far the
@@ -597,6 +605,21 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass162)
+    echo "== (eighty-fourth pass) the fp8 drafter's Q|K|V|gate in fp8"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 150 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_draft_fp8.py tests/test_kernel_skinny_fp8.py \
+      -k "cuda or sm90" -m "not exclusive_gpu" | grep -v PASSED | tail -8
+    echo "-- fp8 drafter, defaults"; goal_cell 150 --new-tokens 65 --draft-quantization fp8
+    echo "-- fp8 drafter, Q|K|V|gate in bf16"
+    goal_cell 110 --new-tokens 65 --draft-quantization fp8 --switch laguna_dflash.models.fp8:QUANTIZE_QKVG=False
+    echo "-- fp8 drafter, defaults"; goal_cell 110 --new-tokens 65 --draft-quantization fp8 ;;
+  pass161)
+    echo "== (eighty-fourth pass) the fp8 drafter's DFlash step: its block's launches, the eager ops"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 150 python benchmarks/profile_decode_xs.py --layers 8 --drafter --k 3 --top 14 --sequence 40 \
+      --draft-quantization fp8 2>&1 | quiet
+    timeout 300 python benchmarks/host_timeline.py --rounds 1 --top 3 --sequence --draft-quantization fp8 2>&1 | quiet ;;
   pass160)
     echo "== (eighty-third pass) goal 2's cell, fp8 drafter: this tree against the seventy-second pass's"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -61,6 +61,7 @@ import torch
 from bench_gpu_xs import parse_switch, step_time, sync, xs_draft_config, xs_target_config
 
 from laguna_dflash import LLM
+from laguna_dflash.config import DRAFT_QUANTIZATIONS
 from laguna_dflash.engine import context_graph, cuda_graph, scheduler, spec_decode
 from laguna_dflash.engine import engine as engine_mod
 from laguna_dflash.engine.runner import HostCopy
@@ -489,6 +490,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
+                    help="the drafter's streamed weights (LLM(draft_quantization=...); fp8: models/fp8.py)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--kernels", type=int, default=0,
@@ -539,7 +542,8 @@ def main() -> None:
             tcfg.update(num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
         (tdir / "config.json").write_text(json.dumps(tcfg))
         (ddir / "config.json").write_text(json.dumps(dcfg))
-        llm = LLM(str(tdir), draft=str(ddir), dtype="float32" if cpu else "bfloat16",
+        llm = LLM(str(tdir), draft=str(ddir), draft_quantization=args.draft_quantization,
+                  dtype="float32" if cpu else "bfloat16",
                   device=args.device, load_format="dummy", enforce_eager=cpu,
                   max_model_len=args.context + 256, max_num_seqs=max_batch,
                   # room for the hybrid layout at any --layers: its sliding groups each hold the

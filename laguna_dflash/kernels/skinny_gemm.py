@@ -418,15 +418,23 @@ def _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, k_start, M, N, K, stride_xk, K
                     MASK_W, EVICT_FIRST)
         x = tl.load(x_rows + offs_k[None, :] * stride_xk,
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
-            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        elif W_FP8 == 2:
-            x16 = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-            acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
-        elif W_FP8:
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+        acc = _dot_step(acc, w, x, IEEE, W_FP8)
+    return acc
+
+
+def _dot_step(acc, w, x, IEEE: tl.constexpr, W_FP8: tl.constexpr):
+    # one K step of the dot path: acc [BLOCK_N, M_PAD] += w [BLOCK_N, BLOCK_K] x [M_PAD, BLOCK_K]^T,
+    # the weight widened as _dot_acc's W_FP8 says
+    # (one return: Triton builds the statements after a constexpr branch's return too)
+    if IEEE:  # fp32 inputs (no tf32), and the interpreter (its bf16 dot is wrong)
+        acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    elif W_FP8 == 2:
+        x16 = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
+    elif W_FP8:
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    else:
+        acc = tl.dot(w, tl.trans(x), acc)
     return acc
 
 
@@ -663,7 +671,7 @@ def _skinny_gemm_kernel(
 def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
-    namespace = jit_functions(__name__, (_round_to, _load_w, _dot_acc, _gemv_w_load, _gemv_x_loads, _gemv_loads,
+    namespace = jit_functions(__name__, (_round_to, _load_w, _dot_step, _dot_acc, _gemv_w_load, _gemv_x_loads, _gemv_loads,
                                          _bcast, _weight_rows, _store_y, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 

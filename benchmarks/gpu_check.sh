@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass162    # the fp8 drafter's Q|K|V|gate (fp8.QUANTIZE_QKVG): the head
-#                                           # GEMM, fp8 and skinny fp8 CUDA tests, then goal 2's cell at
-#                                           # 65 new tokens with the fp8 drafter: defaults, the switch
-#                                           # off, the fp8 head GEMM at block_k 256 (~8 min fresh)
 #   bash benchmarks/gpu_check.sh pass161    # where the fp8 drafter's DFlash step goes: the drafter block's
 #                                           # launch timeline (8 layers' engine, 5 drafter layers), then
 #                                           # host_timeline.py --sequence with the fp8 drafter: the ops
@@ -605,17 +601,6 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
-  pass162)
-    echo "== (eighty-fourth pass) the fp8 drafter's Q|K|V|gate in fp8"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 120 -n 4 tests/test_kernel_qkv_norm_rope_cache.py tests/test_draft_fp8.py tests/test_kernel_skinny_fp8.py \
-      -k "cuda or sm90" -m "not exclusive_gpu" | grep -v PASSED | tail -8
-    echo "-- fp8 drafter, defaults"; goal_cell 150 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, Q|K|V|gate in bf16"
-    goal_cell 100 --new-tokens 65 --draft-quantization fp8 --switch laguna_dflash.models.fp8:QUANTIZE_QKVG=False
-    echo "-- fp8 drafter, the fp8 head GEMM at block_k 256 (a stage: bf16's bytes)"
-    goal_cell 100 --new-tokens 65 --draft-quantization fp8 \
-      --switch 'laguna_dflash.kernels.qkv_norm_rope_cache:FP8_CONFIG={"block_k": 256}' ;;
   pass161)
     echo "== (eighty-fourth pass) the fp8 drafter's DFlash step: its block's launches, the eager ops"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

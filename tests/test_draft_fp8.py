@@ -92,17 +92,8 @@ def test_the_engine_quantizes_the_drafter_streamed_weights(demo_runs) -> None:
         assert isinstance(module, Fp8Linear) and module.weight.shape == before.weight.shape
         torch.testing.assert_close(dequantize_rows(module.weight, module.weight_scale, torch.float32),
                                    before.weight, rtol=2.0**-4, atol=module.weight_scale.max().item() * 2.0**-10)
-        # Q|K|V|gate gets an fp8 copy (the head GEMM's weight in the drafter block's graphs);
-        # its weight stays for CUDA products past 16 rows; o_proj and down (no faster in fp8 at
-        # N 2048 x K 8192) stay
-        attn, ref_attn = layer.self_attn, ref.self_attn
-        assert ref_attn.qkvg_fp8 is None and attn.qkvg_weight is not None
-        q, scale = attn.qkvg_fp8
-        assert q.dtype == torch.float8_e4m3fn and q.shape == attn.qkvg_weight.shape
-        unfused = torch.cat([ref_attn.qkv_proj.weight, ref_attn.g_proj.weight])  # the CPU keeps them apart
-        torch.testing.assert_close(dequantize_rows(q, scale, torch.float32), unfused,
-                                   rtol=2.0**-4, atol=scale.max().item() * 2.0**-10)
-        for kept in (attn.qkv_proj, attn.o_proj, layer.mlp.down_proj):
+        # the head GEMM's, o_proj and down (no faster in fp8 at N 2048 x K 8192) stay
+        for kept in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
             assert kept.weight.dtype == torch.float32
     head_q, head_scale = fp8.lm_head_fp8
     assert head_q.shape == fp8.lm_head_weight.shape and fp8.lm_head_weight.dtype == torch.float32  # the target's own
@@ -221,15 +212,6 @@ def test_the_mlp_and_the_drafter_lm_head_pass_their_unquantized_weights(monkeypa
     seen.clear()
     drafter.lm_head_logits(torch.randn(2, drafter.lm_head_weight.shape[1]))
     assert len(seen) == 1 and seen[0] is drafter.lm_head_weight
-    # the attention's Q|K|V|gate: its fused bf16 weight, and on the CPU the dequantized product
-    attn = drafter.layers[0].self_attn
-    seen.clear()
-    x = torch.randn(3, attn.qkvg_weight.shape[1])
-    qkv, gate = attn.project(x)
-    assert len(seen) == 1 and seen[0] is attn.qkvg_weight
-    product = F.linear(x, dequantize_rows(*attn.qkvg_fp8, torch.float32))
-    assert torch.equal(torch.cat([qkv, gate.reshape(3, -1)], dim=1), product)
-    assert not torch.equal(product, F.linear(x, attn.qkvg_weight))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -261,16 +243,3 @@ def test_cuda_fp8_linear_streams_the_fp8_weight_at_any_row_count(m) -> None:
     y = fp8_linear(x, q, scale)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2.0**-7, atol=1e-3)
     assert torch.equal(fp8_linear(x, q, scale, glu=True), silu_mul(y))  # the epilogue is bitwise silu_mul
-
-
-def test_the_qkvg_switch_leaves_the_attention_in_the_model_dtype(monkeypatch) -> None:
-    """``fp8.QUANTIZE_QKVG = False`` (the A/B baseline): gate|up and the lm_head copy in fp8,
-    Q|K|V|gate not."""
-    from laguna_dflash.models import fp8
-
-    monkeypatch.setattr(fp8, "QUANTIZE_QKVG", False)
-    target, draft = demo_pair()
-    drafter = LLM(target, draft, num_speculative_tokens=3, draft_quantization="fp8").engine.drafter
-    assert drafter.lm_head_fp8 is not None
-    for layer in drafter.layers:
-        assert isinstance(layer.mlp.gate_up_proj, Fp8Linear) and layer.self_attn.qkvg_fp8 is None

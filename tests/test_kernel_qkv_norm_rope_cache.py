@@ -33,17 +33,15 @@ from test_kernel_qk_norm_rope_cache import (
 from laguna_dflash.kernels import qk_norm_rope_cache as qnrc
 from laguna_dflash.kernels import qkv_norm_rope_cache as fused
 from laguna_dflash.kernels import skinny_gemm as sg
-from laguna_dflash.models.fp8 import quantize_rows
 
 EPS = 1e-6
 
 
 def problem(t: int, nh: int, nkv: int, rot: int, gate_dim: int, dtype: torch.dtype, *,
             hidden: int = 256, cache_dtype: torch.dtype | None = None, num_slots: int = 64,
-            device: str = "cpu", seed: int = 0, fp8: bool = False) -> dict:
+            device: str = "cpu", seed: int = 0) -> dict:
     """Arguments of one fused call (head_dim 128): x, the stacked Q|K|V|gate weight, caches
-    pre-filled with random values, scattered positions and slots; ``fp8``: the weight as the fp8
-    drafter stores it (e4m3 rows and their fp32 ``scale``, models/fp8.py)."""
+    pre-filled with random values, scattered positions and slots."""
     hd = 128
     g = torch.Generator().manual_seed(seed)
     n = (nh + 2 * nkv) * hd + gate_dim
@@ -64,16 +62,7 @@ def problem(t: int, nh: int, nkv: int, rot: int, gate_dim: int, dtype: torch.dty
         "k_cache": torch.randn(num_slots, nkv, hd, generator=g).to(cache_dtype),
         "v_cache": torch.randn(num_slots, nkv, hd, generator=g).to(cache_dtype),
     }
-    if fp8:
-        args["weight"], args["scale"] = quantize_rows(args["weight"])
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-
-
-def dense_weight(a: dict) -> torch.Tensor:
-    """The weight the GEMM multiplies by, in float64 (an fp8 weight times its row scales)."""
-    if "scale" in a:
-        return a["weight"].double() * a["scale"].double()[:, None]
-    return a["weight"].double()
 
 
 def two_launches(a: dict, config: fused.HeadGemmConfig) -> tuple[torch.Tensor, ...]:
@@ -82,7 +71,7 @@ def two_launches(a: dict, config: fused.HeadGemmConfig) -> tuple[torch.Tensor, .
     interpreter's dot, numpy's, sums in an order that depends on the tile's shape)."""
     cfg = sg.SkinnyConfig(block_n=a["head_dim"], block_k=config.block_k, split_k=1,
                           num_warps=config.num_warps, num_stages=config.num_stages, use_dot=True)
-    out = sg.skinny_gemm(a["x"], a["weight"], cfg, scale=a.get("scale"))
+    out = sg.skinny_gemm(a["x"], a["weight"], cfg)
     width = (a["num_heads"] + 2 * a["num_kv_heads"]) * a["head_dim"]
     k_cache, v_cache = a["k_cache"].clone(), a["v_cache"].clone()
     q = qnrc.qk_norm_rope_cache(
@@ -93,10 +82,7 @@ def two_launches(a: dict, config: fused.HeadGemmConfig) -> tuple[torch.Tensor, .
 
 
 def check(a: dict) -> None:
-    if a["x"].dtype == torch.float32:
-        cfg = fused.FP32_CONFIG
-    else:
-        cfg = fused.FP8_CONFIG if "scale" in a else fused.DEFAULT_CONFIG
+    cfg = fused.FP32_CONFIG if a["x"].dtype == torch.float32 else fused.DEFAULT_CONFIG
     q_two, gate_two, k_two, v_two = two_launches(a, cfg)
     k_before, v_before = a["k_cache"].clone(), a["v_cache"].clone()
     q, gate = fused.qkv_norm_rope_cache(**a)
@@ -120,7 +106,7 @@ def check(a: dict) -> None:
     assert not torch.equal(a["k_cache"][slots], k_before[slots])
     # and within the Q/K kernel's tolerance of the eager reference on that GEMM output
     width = (a["num_heads"] + 2 * a["num_kv_heads"]) * a["head_dim"]
-    gemm = (a["x"].double() @ dense_weight(a).T).to(a["x"].dtype)
+    gemm = (a["x"].double() @ a["weight"].double().T).to(a["x"].dtype)
     ref = {"qkv": gemm[:, :width], "k_cache": k_before, "v_cache": v_before,
            **{k: a[k] for k in ("num_heads", "num_kv_heads", "head_dim", "q_weight", "k_weight", "eps",
                                 "cos_table", "sin_table", "positions", "rot", "slot_mapping")}}
@@ -183,15 +169,6 @@ def test_preload_tiles_rejects_other_values(tiles, monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("t", [1, 4])
-def test_interpreted_fp8_weight_equals_two_launches(t, dtype):
-    """The fp8 drafter's weight (e4m3 rows, fp32 scales): the fp8 skinny GEMM with this tile and
-    the Q/K kernel, bit for bit in V and the gate; 8 / 2 heads, a per-head gate."""
-    check(problem(t, 8, 2, 128, 8, dtype, seed=20 + t, fp8=True))
-
-
-@interpreted
 def test_interpreted_bf16_cache_under_fp32():
     check(problem(3, 4, 1, 64, 4, torch.float32, cache_dtype=torch.bfloat16, seed=9))
 
@@ -217,8 +194,6 @@ def _bad(**changes) -> dict:
         ({"k_cache": torch.zeros(8, 4, 128)}, "k_cache"),
         ({"q_weight": torch.ones(128, dtype=torch.bfloat16)}, "q_weight"),
         ({"config": "128"}, "config"),
-        ({"weight": torch.zeros(1032, 256, dtype=torch.float8_e4m3fn)}, "scale"),
-        ({"scale": torch.ones(1032)}, "scale"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -243,21 +218,17 @@ def test_can_use_needs_a_power_of_two_head_dim():
 # ---- offline sm_90 build ---------------------------------------------------------------------------
 
 
-def _sm90_build(dtype: str, preload: int = 0, early: bool = False, fp8: bool = False) -> tuple[str, list[int]]:
+def _sm90_build(dtype: str, preload: int = 0, early: bool = False) -> tuple[str, list[int]]:
     # the XS-2.1 sliding layer's build (64 / 8 heads, 2048 hidden) with the default tile (fp32: its
-    # own; fp8: an e4m3 weight widened to fp16, FP8_CONFIG): (PTX, spill bytes)
-    cfg = fused.FP32_CONFIG if dtype == "fp32" else fused.FP8_CONFIG if fp8 else fused.DEFAULT_CONFIG
+    # own): (PTX, spill bytes)
+    cfg = fused.DEFAULT_CONFIG if dtype == "bf16" else fused.FP32_CONFIG
     types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "qw_ptr", "kw_ptr", "q_ptr", "g_ptr", "kc_ptr", "vc_ptr")}
-    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32",
-                 scale_ptr="*fp32")
-    if fp8:
-        types["w_ptr"] = "*fp8e4nv"
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", eps="fp32")
     constexprs = dict(stride_xk=1, stride_qw=1, stride_kw=1, stride_kcd=1, stride_vcd=1,
                       N=10304, K=2048, GATE_DIM=64, NUM_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=128,
                       ROT_DIM=128, M_PAD=16, BLOCK_K=cfg.block_k, K_ITERS=2048 // cfg.block_k,
                       IEEE=dtype == "fp32", MASK_W=True, DTYPE=1 if dtype == "bf16" else 0,
-                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early,
-                      W_FP8=2 if fp8 else 0)
+                      CACHE_DTYPE=1 if dtype == "bf16" else 0, PDL=True, PRELOAD=preload, EARLY=early)
     return compile_sm90_spills(
         fused._kernels(False), types, constexprs,
         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False,
@@ -299,18 +270,6 @@ def test_sm90_switches_move_the_first_tiles_and_the_signal():
         assert "cp.async" not in build[:signal] and "cp.async" in build[signal:]
 
 
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_fp8_build_widens_to_fp16_and_keeps_the_preload():
-    """The fp8 weight's build at the defaults: no spills; the e4m3 pairs widen to fp16 in one
-    instruction a pair and none goes on to bf16; the first weight tile still loads before the
-    wait (more loads there than in the fp8 build without the preload)."""
-    ptx, spills = _sm90_build("bf16", preload=1, early=True, fp8=True)
-    plain, plain_spills = _sm90_build("bf16", fp8=True)
-    assert spills == [0] and plain_spills == [0], (spills, plain_spills)
-    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
-    assert len(loads_before_pdl_wait(ptx)) > len(loads_before_pdl_wait(plain))
-
-
 # ---- CUDA -----------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(INTERPRETED or not fused.can_use(torch.zeros(1, 16, device="cuda"),
@@ -324,16 +283,6 @@ cuda = pytest.mark.skipif(INTERPRETED or not fused.can_use(torch.zeros(1, 16, de
 @pytest.mark.parametrize("t", [1, 4, 16])
 def test_cuda_xs_shapes_equal_two_launches(t, nh, rot, gate, dtype):
     check(problem(t, nh, 8, rot, gate, dtype, hidden=2048, num_slots=1024, device="cuda", seed=t + nh))
-
-
-@cuda
-@pytest.mark.parametrize("nh,rot,gate", [(64, 128, 64), (48, 64, 48)], ids=["xs_sliding", "xs_full_yarn"])
-@pytest.mark.parametrize("t", [1, 4, 16])
-def test_cuda_fp8_weight_equals_two_launches(t, nh, rot, gate):
-    """The fp8 drafter's Q|K|V|gate at XS-2.1 widths (bf16 activations: the weight widened to
-    fp16 with x, FP8_DOT_F16): the fp8 skinny GEMM with this tile and the Q/K kernel."""
-    check(problem(t, nh, 8, rot, gate, torch.bfloat16, hidden=2048, num_slots=1024, device="cuda",
-                  seed=30 + t + nh, fp8=True))
 
 
 @cuda

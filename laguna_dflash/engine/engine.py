@@ -195,7 +195,7 @@ class LLMEngine:
             torch.cuda.empty_cache()  # the replaced tensors' blocks: free for the KV cache sizing
         if self.drafter is not None and config.speculative.draft_quantization == "fp8":
             saved = quantize_drafter(self.drafter)  # before the KV cache is sized
-            logger.info("drafter quantized to fp8 (MLP gate|up, Q|K|V|gate, lm_head copy): %.1f MiB fewer bytes "
+            logger.info("drafter quantized to fp8 (MLP gate|up, lm_head copy): %.1f MiB fewer bytes "
                         "a block and its lm_head stream in launches of up to 16 rows", saved / 2**20)
         if greedy_int8_lm_head:
             nbytes = self.target.quantize_lm_head_int8()  # before the KV cache is sized

@@ -98,20 +98,17 @@ class HeadGemmConfig:
 
 
 DEFAULT_CONFIG = HeadGemmConfig()
-# a one-byte (fp8) weight: the bf16 tile, so a stage holds half the bytes (untimed alternatives:
-# block_k 256, the same bytes a stage as bf16's)
-FP8_CONFIG = HeadGemmConfig()
 # fp32 operands ("ieee" dot: FMAs unrolled in the build, 4-byte tiles in shared memory) take a
 # shorter K step and two stages
 FP32_CONFIG = HeadGemmConfig(block_k=32, num_stages=2, num_warps=4)
 
 
-def can_use(x: torch.Tensor, weight: torch.Tensor, head_dim: int, scale: torch.Tensor | None = None) -> bool:
-    """Whether :func:`qkv_norm_rope_cache` takes ``x [M, H]`` and ``weight [N, H]`` (with its row
-    ``scale`` where it is fp8) where they live: what :func:`skinny_gemm.can_use` accepts,
-    ``M >= 1``, and a power-of-two ``head_dim`` of at least 16 (a head is one dot tile)."""
+def can_use(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`qkv_norm_rope_cache` takes ``x [M, H]`` and ``weight [N, H]`` where they
+    live: what :func:`skinny_gemm.can_use` accepts, ``M >= 1``, and a power-of-two ``head_dim`` of
+    at least 16 (a head is one dot tile)."""
     return (
-        _sg.can_use(x, weight, scale) and x.shape[0] >= 1
+        _sg.can_use(x, weight) and x.shape[0] >= 1
         and isinstance(head_dim, int) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
         and _qk.is_available(x.device)
     )
@@ -121,7 +118,7 @@ def can_use(x: torch.Tensor, weight: torch.Tensor, head_dim: int, scale: torch.T
 
 
 def _qkv_norm_rope_cache_kernel(
-    x_ptr, w_ptr, scale_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, g_ptr, kc_ptr, vc_ptr,
+    x_ptr, w_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, g_ptr, kc_ptr, vc_ptr,
     M, stride_xm, stride_xk, stride_wn, stride_qw, stride_kw, stride_cos, stride_sin, stride_pos,
     stride_slot, stride_qt, stride_qh, stride_gt,
     stride_kcs, stride_kch, stride_kcd, stride_vcs, stride_vch, stride_vcd,
@@ -130,7 +127,7 @@ def _qkv_norm_rope_cache_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
     IEEE: tl.constexpr, MASK_W: tl.constexpr, DTYPE: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, PRELOAD: tl.constexpr, EARLY: tl.constexpr, W_FP8: tl.constexpr,
+    PDL: tl.constexpr, PRELOAD: tl.constexpr, EARLY: tl.constexpr,
 ):
     # program p: rows [p HEAD_DIM, (p + 1) HEAD_DIM) of W: Q head p, K head p - NUM_HEADS, V head
     # p - NUM_HEADS - NUM_KV_HEADS, or a gate tile past them (module docstring)
@@ -152,8 +149,6 @@ def _qkv_norm_rope_cache_kernel(
                                     cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, rows_ok, d,
                                     HEAD_DIM, ROT_DIM, DTYPE)
     offs_n = n0 + tl.arange(0, HEAD_DIM)
-    if W_FP8:  # an fp8 weight's row scales (a parameter: read before the wait)
-        row_scale = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + rows * stride_xm
     if PRELOAD:
@@ -170,18 +165,16 @@ def _qkv_norm_rope_cache_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     if PRELOAD:
         acc = _peeled_dot(tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32), w0, x_rows, offs_k, rows_ok, K,
-                          stride_xk, IEEE, W_FP8)
+                          stride_xk, IEEE)
         if PRELOAD >= 2:
-            acc = _peeled_dot(acc, w1, x_rows, BLOCK_K + offs_k, rows_ok, K, stride_xk, IEEE, W_FP8)
+            acc = _peeled_dot(acc, w1, x_rows, BLOCK_K + offs_k, rows_ok, K, stride_xk, IEEE)
         acc = _dot_acc(acc, w_rows, x_rows, offs_n, offs_m, PRELOAD * BLOCK_K, M, N, K, stride_xk,
-                       K_ITERS - PRELOAD, BLOCK_K, IEEE, MASK_W, True, W_FP8)
+                       K_ITERS - PRELOAD, BLOCK_K, IEEE, MASK_W, True, False)
     else:
         acc = _dot_acc(tl.zeros([HEAD_DIM, M_PAD], dtype=tl.float32), w_rows, x_rows, offs_n, offs_m,
-                       0, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, True, W_FP8)
+                       0, M, N, K, stride_xk, K_ITERS, BLOCK_K, IEEE, MASK_W, True, False)
     if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()  # the weight rows are read: let attention launch
-    if W_FP8:  # y = scale[n] * sum_k x Wq, before the rounding (skinny_gemm's order)
-        acc = acc * row_scale[:, None]
     x = _round_to(tl.trans(acc), DTYPE)  # [M_PAD, HEAD_DIM]: the GEMM output, as the GEMM rounds it
     if is_q | is_k:
         # the rotate-half partner of each column, from registers (0 past ROT_DIM, as _norm_rope takes it)
@@ -203,11 +196,11 @@ def _qkv_norm_rope_cache_kernel(
         tl.store(g_ptr + rows * stride_gt + col, x, mask=rows_ok & (col < GATE_DIM))
 
 
-def _peeled_dot(acc, w, x_rows, offs_k, rows_ok, K, stride_xk, IEEE: tl.constexpr, W_FP8: tl.constexpr):
+def _peeled_dot(acc, w, x_rows, offs_k, rows_ok, K, stride_xk, IEEE: tl.constexpr):
     # one peeled K step: acc [HEAD_DIM, M_PAD] += w [HEAD_DIM, BLOCK_K] x[:, offs_k]^T, the dot
     # _dot_acc's loop body does (so the sums are the loop's, step for step)
     x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=rows_ok & (offs_k[None, :] < K), other=0.0)
-    return _dot_step(acc, w, x, IEEE, W_FP8)
+    return _dot_step(acc, w, x, IEEE, False)
 
 
 @functools.lru_cache(maxsize=2)
@@ -248,7 +241,6 @@ def qkv_norm_rope_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     config: HeadGemmConfig | None = None,
-    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight^T`` split into heads, Q/K normed and rotated, K/V written to the cache: one launch.
 
@@ -261,12 +253,7 @@ def qkv_norm_rope_cache(
         q_weight, k_weight, eps, cos_table, sin_table, positions, rot, slot_mapping, k_cache,
         v_cache: as :func:`qk_norm_rope_cache.qk_norm_rope_cache` takes them (``positions`` and
             ``slot_mapping`` ``[M]``).
-        config: the K loop's tile; None: :data:`DEFAULT_CONFIG` (:data:`FP32_CONFIG` for fp32,
-            :data:`FP8_CONFIG` for a one-byte weight).
-        scale: ``[N]`` fp32 row scales where ``weight`` is float8_e4m3fn (a drafter's fp8 copy,
-            ``models/fp8.py``'s ``quantize_rows``): the GEMM is ``scale[n] sum_k x Wq[n, k]``,
-            the weight widened as ``skinny_gemm`` widens it, the scale applied before the
-            rounding (so the outputs are ``skinny_gemm(x, Wq, scale=scale)``'s with this tile).
+        config: the K loop's tile; None: :data:`DEFAULT_CONFIG` (:data:`FP32_CONFIG` for fp32).
 
     Returns:
         ``(q [M, num_heads, head_dim], gate [M, gate_dim])`` contiguous in x's dtype; writes
@@ -276,7 +263,7 @@ def qkv_norm_rope_cache(
     Raises:
         ValueError: on a shape, dtype, layout or device the kernel does not take.
     """
-    _sg._check(x, weight, scale)
+    _sg._check(x, weight)
     _qk._check_heads(num_heads, num_kv_heads, head_dim)
     m, h = x.shape
     n = weight.shape[0]
@@ -291,11 +278,7 @@ def qkv_norm_rope_cache(
                          f"got {n}")
     _qk._check_norm_rope_cache("x", x, num_kv_heads, head_dim, q_weight, k_weight, cos_table,
                                sin_table, positions, rot, slot_mapping, k_cache, v_cache)
-    quantized = weight.dtype in _sg.QUANT_DTYPES
-    if config is None:
-        cfg = FP32_CONFIG if x.dtype == torch.float32 else FP8_CONFIG if quantized else DEFAULT_CONFIG
-    else:
-        cfg = config
+    cfg = (FP32_CONFIG if x.dtype == torch.float32 else DEFAULT_CONFIG) if config is None else config
     if not isinstance(cfg, HeadGemmConfig):
         raise ValueError(f"config must be a HeadGemmConfig or None, got {type(cfg).__name__}")
     gate_dim = n - width
@@ -308,7 +291,7 @@ def qkv_norm_rope_cache(
     block_k = min(cfg.block_k, max(16, 1 << (h - 1).bit_length()))
     grid = (num_heads + 2 * num_kv_heads + -(-gate_dim // head_dim),)
     _kernels(interpret)[grid](
-        x, weight, weight if scale is None else scale, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, q, gate,
+        x, weight, q_weight, k_weight, cos_table, sin_table, positions, slot_mapping, q, gate,
         k_cache, v_cache,
         m, x.stride(0), x.stride(1), weight.stride(0), q_weight.stride(0), k_weight.stride(0),
         cos_table.stride(0), sin_table.stride(0), positions.stride(0), slot_mapping.stride(0),
@@ -321,7 +304,6 @@ def qkv_norm_rope_cache(
         MASK_W=n % head_dim != 0 or h % block_k != 0,
         DTYPE=DTYPE_CODE[x.dtype], CACHE_DTYPE=DTYPE_CODE[k_cache.dtype], PDL=use_pdl,
         PRELOAD=preload_tiles(-(-h // block_k)), EARLY=EARLY_SIGNAL,
-        W_FP8=_sg.fp8_mode(quantized, x.dtype, weight.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=False,  # no FMA contraction in the epilogue: it rounds as qk_norm_rope_cache
         **pdl.launch_options(use_pdl),

@@ -17,13 +17,11 @@ measured on the demo pair by ``benchmarks/bench_draft_quantization.py``).
 Quantized: each drafter layer's MLP ``gate_up_proj`` and the drafter's use of the shared lm_head
 (an fp8 copy of the target's; the target keeps its own): where the fp8 skinny GEMM beats the bf16
 one at the XS-2.1 drafter's 4-row shapes on an H200 (lm_head 55.7 against 94.8 us, gate|up 12.0
-against 17.7); and each layer's Q|K|V|gate projection (``Attention.qkvg_fp8``), which in the
-drafter block's CUDA graphs is the head GEMM with the norm / RoPE / cache-write epilogue
-(``kernels/qkv_norm_rope_cache.py``, ``scale=``): one program a head, so ~80 of the SMs stream
-it, and halving its bytes halves each program's stream (docs/PERFORMANCE.md, eighty-fourth
-pass). Not quantized: ``o_proj`` and ``down_proj`` (N 2048 x K 8192: 10.6 against 10.8 us, not
-worth the drafts' rounding; docs/PERFORMANCE.md, seventieth pass), the context path (``fc`` and
-the context K/V GEMM: the context K/V stay the bf16 projection's), norms and embeddings.
+against 17.7). Not quantized: ``o_proj`` and ``down_proj`` (N 2048 x K 8192: 10.6 against 10.8
+us, not worth the drafts' rounding; docs/PERFORMANCE.md, seventieth pass), the Q|K|V|gate
+projection (the head GEMM with the norm / RoPE / cache-write epilogue,
+``kernels/qkv_norm_rope_cache.py``), the context path (``fc`` and the context K/V GEMM), norms
+and embeddings.
 
 The fp8 kernel pays only in one launch of at most 16 rows. Past that (batch 5 and more at
 K = 3) it runs 16-row blocks, each widening the weight's tiles again, and on the H200 it took
@@ -47,9 +45,6 @@ from . import fusion
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 # (submodule of a drafter layer, attribute) of each projection quantize_drafter stores in fp8
 QUANTIZED_PROJECTIONS: tuple[tuple[str, str], ...] = (("mlp", "gate_up_proj"),)
-# each gated attention's Q|K|V|gate gets an fp8 copy (Attention.qkvg_fp8); False: it stays in the
-# model's dtype (the A/B baseline of docs/PERFORMANCE.md, eighty-fourth pass)
-QUANTIZE_QKVG = True
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +130,9 @@ class Fp8Linear(nn.Module):
 
 def quantize_drafter(drafter: nn.Module) -> int:
     """Quantize ``drafter``'s streamed weights in place (module docstring): every layer's
-    :data:`QUANTIZED_PROJECTIONS` (``mlp.gate_up_proj``) become :class:`Fp8Linear`, every
-    layer's attention with a fused Q|K|V|gate weight gets its fp8 copy (``qkvg_fp8``), and the
+    :data:`QUANTIZED_PROJECTIONS` (``mlp.gate_up_proj``) become :class:`Fp8Linear` and the
     drafter keeps an fp8 copy of the shared lm_head (``lm_head_fp8``). Inference only,
-    after ``layers.fuse_for_inference`` where that runs (CUDA; elsewhere the gated attentions'
-    projections are fused here, values unchanged). Memory grows by the fp8 copies (the unquantized
+    after ``layers.fuse_for_inference``. Memory grows by the fp8 copies (the unquantized
     weights stay for launches past 16 rows). Returns the bytes of weights the drafter's
     forward no longer reads in bf16 in a launch of up to 16 rows (what one block and one
     lm_head stream less there)."""
@@ -151,13 +144,6 @@ def quantize_drafter(drafter: nn.Module) -> int:
             setattr(owner, name, Fp8Linear(old))
             saved += old.weight.numel() * (old.weight.element_size() - 1)
             del old
-        attn = layer.self_attn
-        if not QUANTIZE_QKVG:
-            continue
-        attn.fuse_projections()  # where gated (values unchanged; on CUDA the engine already did)
-        if attn.qkvg_weight is not None:  # the bf16 weight stays: past 16 rows on CUDA (fp8_linear)
-            attn.qkvg_fp8 = quantize_rows(attn.qkvg_weight)
-            saved += attn.qkvg_weight.numel() * (attn.qkvg_weight.element_size() - 1)
     head = drafter.lm_head_weight
     drafter.lm_head_fp8 = quantize_rows(head)
     saved += head.numel() * (head.element_size() - 1)

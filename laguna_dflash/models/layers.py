@@ -286,10 +286,6 @@ class Attention(nn.Module):
     # Q/K norm + RoPE + K/V cache write in one kernel; Q|K|V|gate as one GEMM once fused.
     use_fused_qk_cache: bool = True
     qkvg_weight: torch.Tensor | None = None
-    # (e4m3 rows [q + 2kv + gate, H], their fp32 scales [q + 2kv + gate]): an fp8 drafter's copy
-    # of qkvg_weight (models/fp8.py quantize_drafter), which then takes every product of
-    # Q|K|V|gate but those of more than 16 rows on CUDA (fp8.fp8_linear); None: bf16
-    qkvg_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
     # In CUDA graphs of this many tokens up to 16 (decode, verify, the drafter block), Q|K|V|gate,
     # the Q/K norm + RoPE and the K/V write are one launch (kernels/qkv_norm_rope_cache.py: a
     # program a head, its first weight tile before the PDL wait, attention signalled early)
@@ -318,11 +314,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [T, H]`` -> (``qkv [T, q + 2kv]``, gate logits ``[T, nh]`` / ``[T, nh, hd]`` or None)."""
-        if self.qkvg_fp8 is not None:
-            out = fp8.fp8_linear(x, *self.qkvg_fp8, unquantized=self.qkvg_weight)
-            n = self.q_size + 2 * self.kv_size
-            qkv, gate = out[:, :n], out[:, n:]
-        elif self.qkvg_weight is not None:
+        if self.qkvg_weight is not None:
             out = linear(x, self.qkvg_weight)
             n = self.q_size + 2 * self.kv_size
             qkv, gate = out[:, :n], out[:, n:]
@@ -341,11 +333,10 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         rot = self.rotary
         if self._head_gemm_runs(x, ctx):
-            weight, scale = self._head_gemm_weight()
             q, gate = qkv_norm_rope_cache.qkv_norm_rope_cache(
-                x, weight, self.num_heads, self.num_kv_heads, self.head_dim,
+                x, self.qkvg_weight, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin, positions,
-                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache, scale=scale)
+                rot.spec.rotary_dim, meta.slot_mapping, k_cache, v_cache)
             if self.gating != "per-head":
                 gate = gate.view(t, self.num_heads, self.head_dim)
             return self._attend_and_project(q, gate, k_cache, v_cache, ctx)
@@ -391,20 +382,13 @@ class Attention(nn.Module):
         # skinny GEMM would take the projection (a CUDA-graph build of at most 16 tokens, the
         # fused Q|K|V|gate weight) and the Q/K kernel would follow it; not in batch-invariant mode
         # (its GEMMs keep one tile for every row count).
-        weight, scale = self._head_gemm_weight()
         return (
-            self.fuse_qk_min_tokens is not None and use_skinny_gemm and weight is not None
+            self.fuse_qk_min_tokens is not None and use_skinny_gemm and self.qkvg_weight is not None
             and is_building_cuda_graph() and not batch_invariant.is_active()
             and self.fuse_qk_min_tokens <= x.shape[0] <= qkv_norm_rope_cache.MAX_M
             and self._fused_qk_cache_runs(x, ctx)
-            and qkv_norm_rope_cache.can_use(x, weight, self.head_dim, scale)
+            and qkv_norm_rope_cache.can_use(x, self.qkvg_weight, self.head_dim)
         )
-
-    def _head_gemm_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # (the weight the head GEMM streams, its row scales or None): the fp8 copy where present
-        if self.qkvg_fp8 is not None:
-            return self.qkvg_fp8
-        return self.qkvg_weight, None
 
     def _fused_qk_cache_runs(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
         # Only where the backend stores K/V the standard way (training backends keep them

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
+#                                           # two tokens share (bench_moe_duplicates.py; ~1 min)
 #   bash benchmarks/gpu_check.sh pass161    # where the fp8 drafter's DFlash step goes: the drafter block's
 #                                           # launch timeline (8 layers' engine, 5 drafter layers), then
 #                                           # host_timeline.py --sequence with the fp8 drafter: the ops
@@ -601,6 +603,10 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass164)
+    echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 200 python benchmarks/bench_moe_duplicates.py 2>&1 | quiet ;;
   pass161)
     echo "== (eighty-fourth pass) the fp8 drafter's DFlash step: its block's launches, the eager ops"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

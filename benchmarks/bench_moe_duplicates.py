@@ -17,7 +17,9 @@ with the same 36 pairs:
 * ``shared by all``: the 4 tokens route to the same 8 experts (9 distinct with the shared).
 
 If repeats cost nothing, a layout's time follows its distinct experts' bytes; if they come from
-HBM, every layout takes the ``distinct`` time.
+HBM, every layout takes the ``distinct`` time. Each layout is timed with the kernels' defaults
+and with ``moe_gemv.REPEATED_EXPERTS_IN_L2`` (a repeated expert's tiles loaded with the default
+L2 policy instead of ``evict_first``), graphs captured for each.
 
     python benchmarks/bench_moe_duplicates.py
 """
@@ -29,6 +31,7 @@ import argparse
 import torch
 from bench_gpu_xs import copy_bandwidth
 
+from laguna_dflash.kernels import moe_gemv
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
 
 HIDDEN, INTER, ROUTED, TOP_K, TOKENS = 2048, 512, 256, 8, 4
@@ -99,14 +102,20 @@ def main() -> None:
     expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"{TOKENS} tokens x {TOP_K + 1} pairs, {expert_bytes / 1e6:.2f} MB an expert\n")
-    print("| layout | distinct experts | us a layer | distinct bytes' floor us | pair bytes' floor us | "
-          "TB/s on distinct bytes |\n|---|---:|---:|---:|---:|---:|")
+    print("| layout | distinct experts | us a layer | with REPEATED_EXPERTS_IN_L2 | distinct bytes' floor us | "
+          "pair bytes' floor us | TB/s on distinct bytes |\n|---|---:|---:|---:|---:|---:|---:|")
     pairs = TOKENS * (TOP_K + 1)
     for layout in ("distinct", "verify", "verify, shared once", "shared by all"):
-        us, distinct = time_layout(draws(layout, args.sets, gen), x, w, gate_up, down, args.replays)
+        sets = draws(layout, args.sets, gen)
+        us, distinct = time_layout(sets, x, w, gate_up, down, args.replays)
+        moe_gemv.REPEATED_EXPERTS_IN_L2 = True
+        try:
+            us_l2, _ = time_layout(sets, x, w, gate_up, down, args.replays)
+        finally:
+            moe_gemv.REPEATED_EXPERTS_IN_L2 = False
         floor_distinct = 1e6 * distinct * expert_bytes / bandwidth
         floor_pairs = 1e6 * pairs * expert_bytes / bandwidth
-        print(f"| {layout} | {distinct:.1f} | {us:.1f} | {floor_distinct:.1f} | {floor_pairs:.1f} | "
+        print(f"| {layout} | {distinct:.1f} | {us:.1f} | {us_l2:.1f} | {floor_distinct:.1f} | {floor_pairs:.1f} | "
               f"{distinct * expert_bytes / us / 1e6:.2f} |")
 
 

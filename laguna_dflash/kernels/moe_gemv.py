@@ -29,7 +29,8 @@ program stores zeros after its wait; neither reads a weight tile of it. The defa
 no such check (the constexpr compiles it out).
 
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
-``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
+``fused_moe`` is the better choice; :data:`REPEATED_EXPERTS_IN_L2`, off, gives such pairs'
+loads the default L2 policy, so the repeats may come from L2). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
 cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (on by default) both kernels
 use programmatic dependent launch; the down kernel reads its expert ids and first weight tile
@@ -61,6 +62,15 @@ __all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 # next five within 4%).
 GATE_UP_CONFIG = (8, 256, 4)
 DOWN_CONFIG = (32, 128, 4)
+# At more than one token, a pair whose expert another pair of the call also reads (the folded
+# shared expert at every token, a routed expert two tokens picked) loads its weight tiles with
+# the default L2 policy instead of evict_first, so the other pairs' programs, which run beside it
+# (the grid's first axis is the pair), may find the tiles in L2. Values unchanged. Off: untimed
+# (docs/PERFORMANCE.md, eighty-fourth pass: at 4 tokens the pairs read 36 experts' bytes where
+# the union is ~30.7, ~0.27 ms of a DFlash step at the H200's copy rate if every repeat reads HBM;
+# benchmarks/bench_moe_duplicates.py measures whether they do).
+REPEATED_EXPERTS_IN_L2 = False
+_MAX_REPEAT_PAIRS = 128
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -68,11 +78,15 @@ def is_available(device: torch.device | str) -> bool:
     return triton_can_run(device)
 
 
-def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
-    # weight tile [BLOCK_N, BLOCK_K] at column k0; ok = False masks it (the prefetch past the end)
+def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr = True):
+    # weight tile [BLOCK_N, BLOCK_K] at column k0; ok = False masks it (the prefetch past the end).
+    # EVICT_FIRST: streamed once (every byte read by one program); False: the default L2 policy,
+    # for an expert other pairs of the call read too (REPEATED_EXPERTS_IN_L2)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    return tl.load(w_rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
-                   other=0.0, eviction_policy="evict_first")
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok
+    if EVICT_FIRST:
+        return tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0)
 
 
 def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
@@ -82,16 +96,64 @@ def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
     return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
 
 
-def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
+def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr,
+               EVICT_FIRST: tl.constexpr = True):
     # weight tile and x slice at column k0 (see _tile_w, _tile_x)
-    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
+    return (_tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K, EVICT_FIRST),
+            _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K))
+
+
+def _is_repeated(ids_ptr, expert, P, P_PAD: tl.constexpr, CG: tl.constexpr):
+    # whether another pair of the call reads this pair's expert (its id more than once in
+    # ids[0:P]); CG: through L2 (the down kernel reads the ids before its PDL wait)
+    offs_p = tl.arange(0, P_PAD)
+    if CG:
+        ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-2, cache_modifier=".cg")
+    else:
+        ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-2)
+    return tl.sum((ids.to(tl.int64) == expert).to(tl.int32), 0) > 1
+
+
+def _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H: tl.constexpr, INTER: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+                 EVICT_FIRST: tl.constexpr):
+    # the gate and up accumulators [BLOCK_N, BLOCK_K] over H, the next step's tiles loaded before
+    # this step's FMAs
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
+    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
+    for i in range(K_ITERS):
+        cg, cu, cx = wg, wu, xs
+        ok = i + 1 < K_ITERS
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
+        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
+        xf = cx.to(tl.float32)
+        acc_g += cg.to(tl.float32) * xf
+        acc_u += cu.to(tl.float32) * xf
+    return acc_g, acc_u
+
+
+def _down_acc(rows, h_row, w, offs_n, zero_n, H: tl.constexpr, INTER: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+              EVICT_FIRST: tl.constexpr):
+    # the down accumulator [BLOCK_N, BLOCK_K] over INTER from the first weight tile w (loaded
+    # before the PDL wait), the next step's tiles loaded before this step's FMAs
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
+    for i in range(K_ITERS):
+        cw, ch = w, hs
+        w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
+                           BLOCK_K, EVICT_FIRST)
+        acc += cw.to(tl.float32) * ch.to(tl.float32)
+    return acc
 
 
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr,
+    x_ptr, w_ptr, ids_ptr, h_ptr, P,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = False, P_PAD: tl.constexpr = 2,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -107,18 +169,15 @@ def _gate_up_gemv_kernel(
     base = w_ptr + expert * (2 * INTER * H)
     g_rows = base + offs_n[:, None].to(tl.int64) * H
     u_rows = g_rows + INTER * H
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-    for i in range(K_ITERS):
-        cg, cu, cx = wg, wu, xs
-        ok = i + 1 < K_ITERS
-        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-        xf = cx.to(tl.float32)
-        acc_g += cg.to(tl.float32) * xf
-        acc_u += cu.to(tl.float32) * xf
+    repeated = False
+    if REPEATS:
+        repeated = _is_repeated(ids_ptr, expert, P, P_PAD, False)
+    if repeated:
+        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
+                                    K_ITERS, False)
+    else:
+        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
+                                    K_ITERS, True)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1)
@@ -129,10 +188,10 @@ def _gate_up_gemv_kernel(
 
 
 def _down_gemv_kernel(
-    h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
+    h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, P,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = False, P_PAD: tl.constexpr = 2,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -145,12 +204,16 @@ def _down_gemv_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
     rows = w_ptr + expert * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    first_ok = True
     if SKIP_NEGATIVE:
-        # a skipped pair (id -1) masks off its first weight tile: no read below w_ptr
-        w = _tile_w(rows, 0, expert >= 0, offs_n, H, INTER, BLOCK_K)
+        first_ok = expert >= 0  # a skipped pair (id -1) masks off its first weight tile: no read below w_ptr
+    repeated = False
+    if REPEATS:
+        repeated = _is_repeated(ids_ptr, expert, P, P_PAD, PDL)
+    if repeated:
+        w = _tile_w(rows, 0, first_ok, offs_n, H, INTER, BLOCK_K, False)
     else:
-        w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
+        w = _tile_w(rows, 0, first_ok, offs_n, H, INTER, BLOCK_K, True)
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
     if SKIP_NEGATIVE:
@@ -161,12 +224,10 @@ def _down_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * H + offs_n,
                      tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < H)
             return
-    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
-    for i in range(K_ITERS):
-        cw, ch = w, hs
-        w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
-                           BLOCK_K)
-        acc += cw.to(tl.float32) * ch.to(tl.float32)
+    if repeated:
+        acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, False)
+    else:
+        acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, True)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
@@ -178,8 +239,8 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
-                                  _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _is_repeated, _gate_up_acc,
+                                  _down_acc, _gate_up_gemv_kernel, _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -233,14 +294,18 @@ def moe_gemv_experts(
     gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
     use_pdl = pdl.active(x.device, interpret)
+    # several tokens: a pair may share its expert with another (REPEATED_EXPERTS_IN_L2; each
+    # program scans the call's ids, so only up to _MAX_REPEAT_PAIRS pairs: the verify's sizes)
+    repeats = dict(REPEATS=bool(REPEATED_EXPERTS_IN_L2) and 1 < t and p <= _MAX_REPEAT_PAIRS,
+                   P_PAD=max(2, 1 << (p - 1).bit_length()))
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
-        x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        x, gate_up, ids, h, p, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
-        num_warps=nw, **pdl.launch_options(use_pdl))
+        num_warps=nw, **repeats, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
-        h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        h, down, ids, rw, out, p, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
-        num_warps=nw, **pdl.launch_options(use_pdl))
+        num_warps=nw, **repeats, **pdl.launch_options(use_pdl))
     return out

@@ -34,28 +34,30 @@ from bench_gpu_xs import copy_bandwidth
 from laguna_dflash.kernels import moe_gemv
 from laguna_dflash.kernels.moe_gemv import moe_gemv_experts
 
-HIDDEN, INTER, ROUTED, TOP_K, TOKENS = 2048, 512, 256, 8, 4
-SHARED = ROUTED  # the folded shared expert's id
+HIDDEN, INTER, ROUTED, TOP_K, TOKENS = 2048, 512, 256, 8, 4  # ROUTED + 1 experts: the folded shared one
 
 
 def draws(layout: str, sets: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """``sets`` id tensors ``[TOKENS, TOP_K + 1]`` of one layout (module docstring)."""
+    """``sets`` id tensors ``[TOKENS, TOP_K + 1]`` of one layout (module docstring). Each draw
+    plays the shared expert with another expert id, as each layer has its own: a fixed one
+    would stay in L2 from one replay to the next where its loads keep the default policy."""
     out = []
     for _ in range(sets):
+        order = torch.randperm(ROUTED + 1, generator=gen)
+        shared, pool = int(order[0]), order[1:]  # this draw's shared expert, the routed ones
         if layout == "distinct":
-            ids = torch.randperm(ROUTED + 1, generator=gen)[: TOKENS * (TOP_K + 1)].view(TOKENS, TOP_K + 1)
+            ids = order[: TOKENS * (TOP_K + 1)].view(TOKENS, TOP_K + 1)
         elif layout == "shared by all":
-            row = torch.cat([torch.randperm(ROUTED, generator=gen)[:TOP_K], torch.tensor([SHARED])])
+            row = torch.cat([pool[:TOP_K], torch.tensor([shared])])
             ids = row.repeat(TOKENS, 1)
         else:
-            routed = torch.stack([torch.randperm(ROUTED, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+            routed = torch.stack([pool[torch.randperm(ROUTED, generator=gen)[:TOP_K]] for _ in range(TOKENS)])
             if layout == "verify":
-                shared = torch.full((TOKENS, 1), SHARED)
+                last = torch.full((TOKENS, 1), shared)
             else:  # "verify, shared once": each token's last pair an expert nobody else reads
                 taken = set(routed.flatten().tolist())
-                unused = [e for e in torch.randperm(ROUTED, generator=gen).tolist() if e not in taken]
-                shared = torch.tensor(unused[:TOKENS]).view(TOKENS, 1)
-            ids = torch.cat([routed, shared], dim=1)
+                last = torch.tensor([e for e in pool.tolist() if e not in taken][:TOKENS]).view(TOKENS, 1)
+            ids = torch.cat([routed, last], dim=1)
         out.append(ids.to(torch.int32))
     return out
 

@@ -2,9 +2,10 @@
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
-#                                           # two tokens share, and moe_gemv.REPEATED_EXPERTS_IN_L2 (off):
-#                                           # bench_moe_duplicates.py, the MoE GEMV CUDA tests, then goal
-#                                           # 2's cell at 65 new tokens (fp8 drafter) off, on (~6 min)
+#                                           # two tokens share, and moe_gemv's REPEATED_EXPERTS_IN_L2 and
+#                                           # READ_EXPERTS_ONCE (both off): bench_moe_duplicates.py, the
+#                                           # MoE GEMV CUDA tests, then goal 2's cell at 65 new tokens
+#                                           # (fp8 drafter): defaults, each switch (~8 min)
 #   bash benchmarks/gpu_check.sh pass161    # where the fp8 drafter's DFlash step goes: the drafter block's
 #                                           # launch timeline (8 layers' engine, 5 drafter layers), then
 #                                           # host_timeline.py --sequence with the fp8 drafter: the ops
@@ -611,8 +612,9 @@ case "$stage" in
     timeout 150 python benchmarks/bench_moe_duplicates.py 2>&1 | quiet
     gpu_tests 90 tests/test_kernel_moe_gemv.py -k "cuda or sm90" | grep -v PASSED | tail -6
     echo "-- fp8 drafter, defaults"; goal_cell 130 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, REPEATED_EXPERTS_IN_L2"
-    goal_cell 100 --new-tokens 65 --draft-quantization fp8 --switch laguna_dflash.kernels.moe_gemv:REPEATED_EXPERTS_IN_L2=True ;;
+    for sw in laguna_dflash.kernels.moe_gemv:REPEATED_EXPERTS_IN_L2 laguna_dflash.kernels.moe_gemv:READ_EXPERTS_ONCE; do
+      echo "-- fp8 drafter, $sw"; goal_cell 100 --new-tokens 65 --draft-quantization fp8 --switch "$sw=True"
+    done ;;
   pass161)
     echo "== (eighty-fourth pass) the fp8 drafter's DFlash step: its block's launches, the eager ops"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

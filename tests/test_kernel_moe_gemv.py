@@ -126,16 +126,22 @@ def _verify_like(t, k, e, hidden, inter, dtype, seed, device="cpu"):
     return x, ids, w, gate_up, down
 
 
+REPEAT_SWITCHES = ["REPEATED_EXPERTS_IN_L2", "READ_EXPERTS_ONCE"]
+
+
 @interpreted
+@pytest.mark.parametrize("switch", REPEAT_SWITCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t,k,e,hidden,inter", [
     (4, 3, 6, 272, 40),   # a 4-token verify: the shared expert at every token, routed repeats
     (2, 9, 12, 80, 24),   # two tokens, nine pairs each
 ])
-def test_interpreted_repeated_experts_in_l2_change_no_bit(t, k, e, hidden, inter, dtype, monkeypatch) -> None:
-    """``REPEATED_EXPERTS_IN_L2`` only changes the L2 policy of a repeated expert's loads: the
-    same bits as without it (both branches of the repeat check run: a unique expert and a
-    repeated one), within the reference's tolerance; and a skipped pair's row is still zero."""
+def test_interpreted_repeated_experts_change_no_bit(t, k, e, hidden, inter, dtype, switch, monkeypatch) -> None:
+    """``REPEATED_EXPERTS_IN_L2`` changes only the L2 policy of a repeated expert's loads, and
+    ``READ_EXPERTS_ONCE`` only which program computes a pair (an expert's first pair, for all of
+    that expert's pairs, one row at a time): the same bits as the default (the calls hold unique
+    experts and repeated ones), within the reference's tolerance; a skipped pair's row is still
+    zero."""
     from laguna_dflash.kernels import moe_gemv
 
     args = _verify_like(t, k, e, hidden, inter, dtype, seed=t * k)
@@ -143,7 +149,7 @@ def test_interpreted_repeated_experts_in_l2_change_no_bit(t, k, e, hidden, inter
     assert len(set(ids.flatten().tolist())) < ids.numel()  # repeats ...
     assert any(int((ids == v).sum()) == 1 for v in ids.flatten().tolist())  # ... and unique experts
     plain = moe_gemv_experts(*args)
-    monkeypatch.setattr(moe_gemv, "REPEATED_EXPERTS_IN_L2", True)
+    monkeypatch.setattr(moe_gemv, switch, True)
     got = moe_gemv_experts(*args)
     assert torch.equal(got, plain)
     want = _pairs_reference(*args)
@@ -200,14 +206,15 @@ def test_cuda_s21_shapes_match_reference_and_fused_moe(inter) -> None:
 
 
 @cuda
-def test_cuda_repeated_experts_in_l2_change_no_bit(monkeypatch) -> None:
-    """``REPEATED_EXPERTS_IN_L2`` at XS-2.1 shapes, a 4-token verify's pairs (the shared expert
+@pytest.mark.parametrize("switch", REPEAT_SWITCHES)
+def test_cuda_repeated_experts_change_no_bit(switch, monkeypatch) -> None:
+    """Each repeated-expert switch at XS-2.1 shapes, a 4-token verify's pairs (the shared expert
     at every token): eagerly and replayed from a CUDA graph, the bits of the default build."""
     from laguna_dflash.kernels import moe_gemv
 
     args = _verify_like(4, 9, 257, 2048, 512, torch.bfloat16, seed=5, device="cuda")
     plain = moe_gemv_experts(*args)
-    monkeypatch.setattr(moe_gemv, "REPEATED_EXPERTS_IN_L2", True)
+    monkeypatch.setattr(moe_gemv, switch, True)
     assert torch.equal(moe_gemv_experts(*args), plain)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -270,7 +277,7 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     assert torch.equal(static_out, moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
 
 
-def _compile_sm90(which: int, pdl: bool, skip: bool = False, repeats: bool = False) -> str:
+def _compile_sm90(which: int, pdl: bool, skip: bool = False, repeats: int = 0) -> str:
     """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
@@ -282,9 +289,9 @@ def _compile_sm90(which: int, pdl: bool, skip: bool = False, repeats: bool = Fal
         constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
-        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
+        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-inter // bk))
     constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, SKIP_NEGATIVE=skip, REPEATS=repeats,
-                      P_PAD=64 if repeats else 2)
+                      P_PAD=64 if repeats else 2, T_TOKENS=4 if repeats == 2 else 1)
     return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
@@ -306,12 +313,14 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_repeated_experts_build_keeps_both_policies_and_the_pdl_order() -> None:
-    """The ``REPEATED_EXPERTS_IN_L2`` build (36 pairs, padded to 64): weight loads with
-    ``evict_first`` (a unique expert) and without it (a repeated one); the down kernel reads
-    only the ids (through L2) and its first weight tile before the wait."""
+@pytest.mark.parametrize("mode", [1, 2], ids=["in_l2", "once"])
+def test_sm90_repeated_experts_build_keeps_both_policies_and_the_pdl_order(mode) -> None:
+    """The repeated-expert builds (36 pairs, padded to 64; 1: ``REPEATED_EXPERTS_IN_L2``, 2:
+    ``READ_EXPERTS_ONCE``): weight loads with ``evict_first`` (a unique expert) and without it (a
+    repeated one); the down kernel reads only the ids (through L2) and its first weight tile
+    before the wait."""
     for which in (0, 1):
-        ptx = _compile_sm90(which, True, repeats=True)
+        ptx = _compile_sm90(which, True, repeats=mode)
         loads = [line for line in ptx.splitlines() if "ld.global" in line and ".v4" in line]
         assert any("evict_first" in line for line in loads), loads
         assert any("evict_first" not in line and "L2::" not in line for line in loads), loads

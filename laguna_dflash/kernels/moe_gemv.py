@@ -29,8 +29,9 @@ program stores zeros after its wait; neither reads a weight tile of it. The defa
 no such check (the constexpr compiles it out).
 
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
-``fused_moe`` is the better choice; :data:`REPEATED_EXPERTS_IN_L2`, off, gives such pairs'
-loads the default L2 policy, so the repeats may come from L2). Grids depend only on ``P`` and the shapes (CUDA-graph
+``fused_moe`` is the better choice; two switches, both off and untimed, aim at the repeats:
+:data:`REPEATED_EXPERTS_IN_L2` gives such pairs' loads the default L2 policy, so the repeats may
+come from L2, and :data:`READ_EXPERTS_ONCE` has an expert's first pair compute all of its pairs). Grids depend only on ``P`` and the shapes (CUDA-graph
 capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
 cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (on by default) both kernels
 use programmatic dependent launch; the down kernel reads its expert ids and first weight tile
@@ -70,6 +71,11 @@ DOWN_CONFIG = (32, 128, 4)
 # the union is ~30.7, ~0.27 ms of a DFlash step at the H200's copy rate if every repeat reads HBM;
 # benchmarks/bench_moe_duplicates.py measures whether they do).
 REPEATED_EXPERTS_IN_L2 = False
+# At more than one token, only the first pair of an expert runs its programs, over every pair
+# of that expert in token order (the tiles from HBM once, then from L2; one row at a time, so
+# no more registers than one pair's). Values unchanged. Off: untimed (the same pass). Wins over
+# REPEATED_EXPERTS_IN_L2 where both are set.
+READ_EXPERTS_ONCE = False
 _MAX_REPEAT_PAIRS = 128
 
 
@@ -103,15 +109,24 @@ def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexp
             _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K))
 
 
-def _is_repeated(ids_ptr, expert, P, P_PAD: tl.constexpr, CG: tl.constexpr):
-    # whether another pair of the call reads this pair's expert (its id more than once in
-    # ids[0:P]); CG: through L2 (the down kernel reads the ids before its PDL wait)
+def _expert_group(ids_ptr, expert, P, P_PAD: tl.constexpr, CG: tl.constexpr):
+    # (the first of the call's P pairs that reads this expert, how many read it, which read it
+    # [P_PAD] bool), from the ids; CG: through L2 (the down kernel reads them before its PDL wait)
     offs_p = tl.arange(0, P_PAD)
     if CG:
         ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-2, cache_modifier=".cg")
     else:
         ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-2)
-    return tl.sum((ids.to(tl.int64) == expert).to(tl.int32), 0) > 1
+    same = ids.to(tl.int64) == expert
+    return tl.min(tl.where(same, offs_p, P_PAD), 0), tl.sum(same.to(tl.int32), 0), same
+
+
+def _member(same, t, K_TOP: tl.constexpr, P_PAD: tl.constexpr):
+    # (whether token t has a pair on the group's expert, that pair): a token's pairs are
+    # K_TOP consecutive ids, each expert at most once among them
+    offs_p = tl.arange(0, P_PAD)
+    in_t = same & (offs_p // K_TOP == t)
+    return tl.max(in_t.to(tl.int32), 0) > 0, tl.sum(tl.where(in_t, offs_p, 0), 0)
 
 
 def _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H: tl.constexpr, INTER: tl.constexpr,
@@ -153,7 +168,8 @@ def _gate_up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, P,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = False, P_PAD: tl.constexpr = 2,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = 0, P_PAD: tl.constexpr = 2,
+    T_TOKENS: tl.constexpr = 1,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -169,29 +185,54 @@ def _gate_up_gemv_kernel(
     base = w_ptr + expert * (2 * INTER * H)
     g_rows = base + offs_n[:, None].to(tl.int64) * H
     u_rows = g_rows + INTER * H
-    repeated = False
-    if REPEATS:
-        repeated = _is_repeated(ids_ptr, expert, P, P_PAD, False)
-    if repeated:
-        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
-                                    K_ITERS, False)
+    if REPEATS == 2:
+        # only the expert's first pair (its leader) runs, over every pair of that expert in
+        # token order: the tiles come from HBM once, then from L2
+        leader, count, same = _expert_group(ids_ptr, expert, P, P_PAD, False)
+        if leader == p:
+            for t in range(T_TOKENS):  # no loads: the group is in registers
+                has, q = _member(same, t, K_TOP, P_PAD)
+                if has:
+                    xq_row = x_ptr + t * H
+                    if count > 1:
+                        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, xq_row, offs_n, zero_n, H, INTER, BLOCK_N,
+                                                    BLOCK_K, K_ITERS, False)
+                    else:
+                        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, xq_row, offs_n, zero_n, H, INTER, BLOCK_N,
+                                                    BLOCK_K, K_ITERS, True)
+                    _store_h(acc_g, acc_u, h_ptr, q, offs_n, INTER, OUT_DTYPE)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
     else:
-        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
-                                    K_ITERS, True)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        repeated = False
+        if REPEATS == 1:
+            repeated = _expert_group(ids_ptr, expert, P, P_PAD, False)[1] > 1
+        if repeated:
+            acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
+                                        K_ITERS, False)
+        else:
+            acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
+                                        K_ITERS, True)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        _store_h(acc_g, acc_u, h_ptr, p, offs_n, INTER, OUT_DTYPE)
+
+
+def _store_h(acc_g, acc_u, h_ptr, q, offs_n, INTER: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    # pair q's h tile from its gate and up accumulators
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
-    tl.store(h_ptr + p.to(tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
+    tl.store(h_ptr + tl.cast(q, tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
              mask=offs_n < INTER)
 
 
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, P,
-    H: tl.constexpr, INTER: tl.constexpr,
+    K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = False, P_PAD: tl.constexpr = 2,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = 0, P_PAD: tl.constexpr = 2,
+    T_TOKENS: tl.constexpr = 1,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -208,12 +249,16 @@ def _down_gemv_kernel(
     if SKIP_NEGATIVE:
         first_ok = expert >= 0  # a skipped pair (id -1) masks off its first weight tile: no read below w_ptr
     repeated = False
+    is_leader = True
     if REPEATS:
-        repeated = _is_repeated(ids_ptr, expert, P, P_PAD, PDL)
+        leader, count, same = _expert_group(ids_ptr, expert, P, P_PAD, PDL)
+        repeated = count > 1
+        if REPEATS == 2:
+            is_leader = leader == p  # only an expert's leader reads it (the gate_up kernel's note)
     if repeated:
-        w = _tile_w(rows, 0, first_ok, offs_n, H, INTER, BLOCK_K, False)
+        w = _tile_w(rows, 0, first_ok & is_leader, offs_n, H, INTER, BLOCK_K, False)
     else:
-        w = _tile_w(rows, 0, first_ok, offs_n, H, INTER, BLOCK_K, True)
+        w = _tile_w(rows, 0, first_ok & is_leader, offs_n, H, INTER, BLOCK_K, True)
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
     if SKIP_NEGATIVE:
@@ -224,14 +269,34 @@ def _down_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * H + offs_n,
                      tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < H)
             return
-    if repeated:
-        acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, False)
+    if REPEATS == 2:
+        if is_leader:
+            for t in range(T_TOKENS):  # no loads: the group is in registers
+                has, q = _member(same, t, K_TOP, P_PAD)
+                if has:
+                    # w: the expert's first tile, loaded before the wait, for each of its pairs
+                    hq_row = h_ptr + tl.cast(q, tl.int64) * INTER
+                    if repeated:
+                        acc = _down_acc(rows, hq_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, False)
+                    else:
+                        acc = _down_acc(rows, hq_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, True)
+                    _store_out(acc, rw_ptr, out_ptr, q, offs_n, H, OUT_DTYPE)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
     else:
-        acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, True)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
-    tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
+        if repeated:
+            acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, False)
+        else:
+            acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, True)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        _store_out(acc, rw_ptr, out_ptr, p, offs_n, H, OUT_DTYPE)
+
+
+def _store_out(acc, rw_ptr, out_ptr, q, offs_n, H: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    # pair q's weighted output tile from its down accumulator
+    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + q).to(tl.float32)
+    tl.store(out_ptr + tl.cast(q, tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
              mask=offs_n < H)
 
 
@@ -239,8 +304,8 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _is_repeated, _gate_up_acc,
-                                  _down_acc, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _expert_group, _member, _gate_up_acc,
+                                  _down_acc, _store_h, _store_out, _gate_up_gemv_kernel, _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -296,8 +361,10 @@ def moe_gemv_experts(
     use_pdl = pdl.active(x.device, interpret)
     # several tokens: a pair may share its expert with another (REPEATED_EXPERTS_IN_L2; each
     # program scans the call's ids, so only up to _MAX_REPEAT_PAIRS pairs: the verify's sizes)
-    repeats = dict(REPEATS=bool(REPEATED_EXPERTS_IN_L2) and 1 < t and p <= _MAX_REPEAT_PAIRS,
-                   P_PAD=max(2, 1 << (p - 1).bit_length()))
+    mode = (2 if READ_EXPERTS_ONCE else 1 if REPEATED_EXPERTS_IN_L2 else 0) if 1 < t and p <= _MAX_REPEAT_PAIRS else 0
+    # (the default build's constexprs stay those of every call: one build per shape, as before)
+    repeats = dict(REPEATS=mode, P_PAD=max(2, 1 << (p - 1).bit_length()) if mode else 2,
+                   T_TOKENS=t if mode == 2 else 1)
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
         x, gate_up, ids, h, p, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
@@ -305,7 +372,7 @@ def moe_gemv_experts(
         num_warps=nw, **repeats, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
-        h, down, ids, rw, out, p, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        h, down, ids, rw, out, p, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
         num_warps=nw, **repeats, **pdl.launch_options(use_pdl))
     return out

@@ -29,10 +29,10 @@ program stores zeros after its wait; neither reads a weight tile of it. The defa
 no such check (the constexpr compiles it out).
 
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
-``fused_moe`` is the better choice; two switches, both off and untimed, aim at the repeats:
+``fused_moe`` is the better choice). Two switches, both off and untimed, aim at those repeats:
 :data:`REPEATED_EXPERTS_IN_L2` gives such pairs' loads the default L2 policy, so the repeats may
-come from L2, and :data:`READ_EXPERTS_ONCE` has an expert's first pair compute all of its pairs). Grids depend only on ``P`` and the shapes (CUDA-graph
-capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
+come from L2; :data:`READ_EXPERTS_ONCE` has an expert's first pair compute all of its pairs.
+Grids depend only on ``P`` and the shapes (CUDA-graph capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
 cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (on by default) both kernels
 use programmatic dependent launch; the down kernel reads its expert ids and first weight tile
 before it waits for gate_up's ``h`` (kernels/pdl.py). On the H200 at Laguna-XS-2.1 shapes (9 pairs per token: top-8
@@ -87,7 +87,7 @@ def is_available(device: torch.device | str) -> bool:
 def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr = True):
     # weight tile [BLOCK_N, BLOCK_K] at column k0; ok = False masks it (the prefetch past the end).
     # EVICT_FIRST: streamed once (every byte read by one program); False: the default L2 policy,
-    # for an expert other pairs of the call read too (REPEATED_EXPERTS_IN_L2)
+    # for an expert other pairs of the call read too (REPEATED_EXPERTS_IN_L2, READ_EXPERTS_ONCE)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok
     if EVICT_FIRST:
@@ -359,8 +359,9 @@ def moe_gemv_experts(
     gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
     use_pdl = pdl.active(x.device, interpret)
-    # several tokens: a pair may share its expert with another (REPEATED_EXPERTS_IN_L2; each
-    # program scans the call's ids, so only up to _MAX_REPEAT_PAIRS pairs: the verify's sizes)
+    # several tokens: a pair may share its expert with another (REPEATED_EXPERTS_IN_L2,
+    # READ_EXPERTS_ONCE; each program scans the call's ids, so only up to _MAX_REPEAT_PAIRS pairs:
+    # the verify's sizes)
     mode = (2 if READ_EXPERTS_ONCE else 1 if REPEATED_EXPERTS_IN_L2 else 0) if 1 < t and p <= _MAX_REPEAT_PAIRS else 0
     # (the default build's constexprs stay those of every call: one build per shape, as before)
     repeats = dict(REPEATS=mode, P_PAD=max(2, 1 << (p - 1).bit_length()) if mode else 2,

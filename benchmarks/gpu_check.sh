@@ -2,10 +2,10 @@
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
-#                                           # two tokens share, and moe_gemv's REPEATED_EXPERTS_IN_L2 and
-#                                           # READ_EXPERTS_ONCE (both off): bench_moe_duplicates.py, the
-#                                           # MoE GEMV CUDA tests, then goal 2's cell at 65 new tokens
-#                                           # (fp8 drafter): defaults, each switch (~8 min)
+#                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
+#                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's
+#                                           # REPEATED_EXPERTS_IN_L2 and READ_EXPERTS_ONCE: both slower,
+#                                           # removed since)
 #   bash benchmarks/gpu_check.sh pass161    # where the fp8 drafter's DFlash step goes: the drafter block's
 #                                           # launch timeline (8 layers' engine, 5 drafter layers), then
 #                                           # host_timeline.py --sequence with the fp8 drafter: the ops
@@ -609,12 +609,7 @@ case "$stage" in
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    timeout 150 python benchmarks/bench_moe_duplicates.py 2>&1 | quiet
-    gpu_tests 90 tests/test_kernel_moe_gemv.py -k "cuda or sm90" | grep -v PASSED | tail -6
-    echo "-- fp8 drafter, defaults"; goal_cell 130 --new-tokens 65 --draft-quantization fp8
-    for sw in laguna_dflash.kernels.moe_gemv:REPEATED_EXPERTS_IN_L2 laguna_dflash.kernels.moe_gemv:READ_EXPERTS_ONCE; do
-      echo "-- fp8 drafter, $sw"; goal_cell 100 --new-tokens 65 --draft-quantization fp8 --switch "$sw=True"
-    done ;;
+    timeout 150 python benchmarks/bench_moe_duplicates.py 2>&1 | quiet ;;
   pass161)
     echo "== (eighty-fourth pass) the fp8 drafter's DFlash step: its block's launches, the eager ops"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -116,50 +116,6 @@ def test_interpreted_s21_eleven_pairs_width_1024(monkeypatch) -> None:
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-def _verify_like(t, k, e, hidden, inter, dtype, seed, device="cpu"):
-    """A verify's pairs: each token ``k - 1`` routed experts drawn independently (repeats across
-    tokens likely with few experts) and the folded shared expert (id ``e - 1``) last."""
-    x, _, w, gate_up, down = _problem(t, k, e, hidden, inter, dtype, seed, device)
-    g = torch.Generator().manual_seed(seed)
-    routed = torch.stack([torch.randperm(e - 1, generator=g)[: k - 1] for _ in range(t)])
-    ids = torch.cat([routed, torch.full((t, 1), e - 1)], dim=1).to(device)
-    return x, ids, w, gate_up, down
-
-
-REPEAT_SWITCHES = ["REPEATED_EXPERTS_IN_L2", "READ_EXPERTS_ONCE"]
-
-
-@interpreted
-@pytest.mark.parametrize("switch", REPEAT_SWITCHES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("t,k,e,hidden,inter", [
-    (4, 3, 6, 272, 40),   # a 4-token verify: the shared expert at every token, routed repeats
-    (2, 9, 12, 80, 24),   # two tokens, nine pairs each
-])
-def test_interpreted_repeated_experts_change_no_bit(t, k, e, hidden, inter, dtype, switch, monkeypatch) -> None:
-    """``REPEATED_EXPERTS_IN_L2`` changes only the L2 policy of a repeated expert's loads, and
-    ``READ_EXPERTS_ONCE`` only which program computes a pair (an expert's first pair, for all of
-    that expert's pairs, one row at a time): the same bits as the default (the calls hold unique
-    experts and repeated ones), within the reference's tolerance; a skipped pair's row is still
-    zero."""
-    from laguna_dflash.kernels import moe_gemv
-
-    args = _verify_like(t, k, e, hidden, inter, dtype, seed=t * k)
-    ids = args[1]
-    assert len(set(ids.flatten().tolist())) < ids.numel()  # repeats ...
-    assert any(int((ids == v).sum()) == 1 for v in ids.flatten().tolist())  # ... and unique experts
-    plain = moe_gemv_experts(*args)
-    monkeypatch.setattr(moe_gemv, switch, True)
-    got = moe_gemv_experts(*args)
-    assert torch.equal(got, plain)
-    want = _pairs_reference(*args)
-    assert ((got.float() - want).abs().max() / want.abs().max()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
-    skipped = ids.clone()
-    skipped[0, 0] = -1
-    out = moe_gemv_experts(args[0], skipped, *args[2:], has_skipped_pairs=True)
-    assert torch.all(out[0, 0] == 0) and torch.equal(out[1:], plain[1:])
-
-
 def test_interpreter_child() -> None:
     if INTERPRETED or not HAS_TRITON:
         pytest.skip("this is the parent: needs triton, and not already interpreted")
@@ -203,25 +159,6 @@ def test_cuda_s21_shapes_match_reference_and_fused_moe(inter) -> None:
         assert ((got.float().cpu() - want).abs().max() / want.abs().max()).item() < 2e-2
         fused = fused_moe_experts(*args, reduce=False)
         assert ((got.float() - fused.float()).abs().max() / fused.float().abs().max()).item() < 2e-2
-
-
-@cuda
-@pytest.mark.parametrize("switch", REPEAT_SWITCHES)
-def test_cuda_repeated_experts_change_no_bit(switch, monkeypatch) -> None:
-    """Each repeated-expert switch at XS-2.1 shapes, a 4-token verify's pairs (the shared expert
-    at every token): eagerly and replayed from a CUDA graph, the bits of the default build."""
-    from laguna_dflash.kernels import moe_gemv
-
-    args = _verify_like(4, 9, 257, 2048, 512, torch.bfloat16, seed=5, device="cuda")
-    plain = moe_gemv_experts(*args)
-    monkeypatch.setattr(moe_gemv, switch, True)
-    assert torch.equal(moe_gemv_experts(*args), plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = moe_gemv_experts(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, plain)
 
 
 @cuda
@@ -277,7 +214,7 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     assert torch.equal(static_out, moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
 
 
-def _compile_sm90(which: int, pdl: bool, skip: bool = False, repeats: int = 0) -> str:
+def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> str:
     """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
@@ -289,9 +226,8 @@ def _compile_sm90(which: int, pdl: bool, skip: bool = False, repeats: int = 0) -
         constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
-        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-inter // bk))
-    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, SKIP_NEGATIVE=skip, REPEATS=repeats,
-                      P_PAD=64 if repeats else 2, T_TOKENS=4 if repeats == 2 else 1)
+        constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
+    constexprs.update(BLOCK_N=bn, BLOCK_K=bk, OUT_DTYPE=1, PDL=pdl, SKIP_NEGATIVE=skip)
     return compile_sm90(kernel, pointers, constexprs, {"num_warps": nw, "launch_pdl": pdl})
 
 
@@ -310,23 +246,3 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
             assert any("evict_first" in line for line in early)  # the first weight tile
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-@pytest.mark.parametrize("mode", [1, 2], ids=["in_l2", "once"])
-def test_sm90_repeated_experts_build_keeps_both_policies_and_the_pdl_order(mode) -> None:
-    """The repeated-expert builds (36 pairs, padded to 64; 1: ``REPEATED_EXPERTS_IN_L2``, 2:
-    ``READ_EXPERTS_ONCE``): weight loads with ``evict_first`` (a unique expert) and without it (a
-    repeated one); the down kernel reads only the ids (through L2) and its first weight tile
-    before the wait."""
-    for which in (0, 1):
-        ptx = _compile_sm90(which, True, repeats=mode)
-        loads = [line for line in ptx.splitlines() if "ld.global" in line and ".v4" in line]
-        assert any("evict_first" in line for line in loads), loads
-        assert any("evict_first" not in line and "L2::" not in line for line in loads), loads
-        early = loads_before_pdl_wait(ptx)
-        if which == 0:
-            assert early == []
-        else:
-            assert sum(".cg" in line for line in early) >= 2, early  # its id, the call's ids
-            assert all(".cg" in line or ".v4" in line for line in early), early

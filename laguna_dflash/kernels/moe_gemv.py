@@ -29,10 +29,8 @@ program stores zeros after its wait; neither reads a weight tile of it. The defa
 no such check (the constexpr compiles it out).
 
 Correct for any ``T`` (pairs that share an expert read its weights once each, so for ``T > 1``
-``fused_moe`` is the better choice). Two switches, both off and untimed, aim at those repeats:
-:data:`REPEATED_EXPERTS_IN_L2` gives such pairs' loads the default L2 policy, so the repeats may
-come from L2; :data:`READ_EXPERTS_ONCE` has an expert's first pair compute all of its pairs.
-Grids depend only on ``P`` and the shapes (CUDA-graph capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
+``fused_moe`` is the better choice). Grids depend only on ``P`` and the shapes (CUDA-graph
+capturable, no host sync); loop trip counts are compile-time constants (the CPU interpreter
 cannot loop to a runtime bound). With ``kernels.pdl.USE_PDL`` (on by default) both kernels
 use programmatic dependent launch; the down kernel reads its expert ids and first weight tile
 before it waits for gate_up's ``h`` (kernels/pdl.py). On the H200 at Laguna-XS-2.1 shapes (9 pairs per token: top-8
@@ -63,20 +61,6 @@ __all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 # next five within 4%).
 GATE_UP_CONFIG = (8, 256, 4)
 DOWN_CONFIG = (32, 128, 4)
-# At more than one token, a pair whose expert another pair of the call also reads (the folded
-# shared expert at every token, a routed expert two tokens picked) loads its weight tiles with
-# the default L2 policy instead of evict_first, so the other pairs' programs, which run beside it
-# (the grid's first axis is the pair), may find the tiles in L2. Values unchanged. Off: untimed
-# (docs/PERFORMANCE.md, eighty-fourth pass: at 4 tokens the pairs read 36 experts' bytes where
-# the union is ~30.7, ~0.27 ms of a DFlash step at the H200's copy rate if every repeat reads HBM;
-# benchmarks/bench_moe_duplicates.py measures whether they do).
-REPEATED_EXPERTS_IN_L2 = False
-# At more than one token, only the first pair of an expert runs its programs, over every pair
-# of that expert in token order (the tiles from HBM once, then from L2; one row at a time, so
-# no more registers than one pair's). Values unchanged. Off: untimed (the same pass). Wins over
-# REPEATED_EXPERTS_IN_L2 where both are set.
-READ_EXPERTS_ONCE = False
-_MAX_REPEAT_PAIRS = 128
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -84,15 +68,11 @@ def is_available(device: torch.device | str) -> bool:
     return triton_can_run(device)
 
 
-def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr = True):
-    # weight tile [BLOCK_N, BLOCK_K] at column k0; ok = False masks it (the prefetch past the end).
-    # EVICT_FIRST: streamed once (every byte read by one program); False: the default L2 policy,
-    # for an expert other pairs of the call read too (REPEATED_EXPERTS_IN_L2, READ_EXPERTS_ONCE)
+def _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K: tl.constexpr):
+    # weight tile [BLOCK_N, BLOCK_K] at column k0; ok = False masks it (the prefetch past the end)
     offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K) & ok
-    if EVICT_FIRST:
-        return tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    return tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0)
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K) & ok,
+                   other=0.0, eviction_policy="evict_first")
 
 
 def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
@@ -102,74 +82,16 @@ def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
     return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
 
 
-def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr,
-               EVICT_FIRST: tl.constexpr = True):
+def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
     # weight tile and x slice at column k0 (see _tile_w, _tile_x)
-    return (_tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K, EVICT_FIRST),
-            _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K))
-
-
-def _expert_group(ids_ptr, expert, P, P_PAD: tl.constexpr, CG: tl.constexpr):
-    # (the first of the call's P pairs that reads this expert, how many read it, which read it
-    # [P_PAD] bool), from the ids; CG: through L2 (the down kernel reads them before its PDL wait)
-    offs_p = tl.arange(0, P_PAD)
-    if CG:
-        ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-2, cache_modifier=".cg")
-    else:
-        ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-2)
-    same = ids.to(tl.int64) == expert
-    return tl.min(tl.where(same, offs_p, P_PAD), 0), tl.sum(same.to(tl.int32), 0), same
-
-
-def _member(same, t, K_TOP: tl.constexpr, P_PAD: tl.constexpr):
-    # (whether token t has a pair on the group's expert, that pair): a token's pairs are
-    # K_TOP consecutive ids, each expert at most once among them
-    offs_p = tl.arange(0, P_PAD)
-    in_t = same & (offs_p // K_TOP == t)
-    return tl.max(in_t.to(tl.int32), 0) > 0, tl.sum(tl.where(in_t, offs_p, 0), 0)
-
-
-def _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H: tl.constexpr, INTER: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-                 EVICT_FIRST: tl.constexpr):
-    # the gate and up accumulators [BLOCK_N, BLOCK_K] over H, the next step's tiles loaded before
-    # this step's FMAs
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
-    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
-    for i in range(K_ITERS):
-        cg, cu, cx = wg, wu, xs
-        ok = i + 1 < K_ITERS
-        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
-        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K, EVICT_FIRST)
-        xf = cx.to(tl.float32)
-        acc_g += cg.to(tl.float32) * xf
-        acc_u += cu.to(tl.float32) * xf
-    return acc_g, acc_u
-
-
-def _down_acc(rows, h_row, w, offs_n, zero_n, H: tl.constexpr, INTER: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-              EVICT_FIRST: tl.constexpr):
-    # the down accumulator [BLOCK_N, BLOCK_K] over INTER from the first weight tile w (loaded
-    # before the PDL wait), the next step's tiles loaded before this step's FMAs
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
-    for i in range(K_ITERS):
-        cw, ch = w, hs
-        w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
-                           BLOCK_K, EVICT_FIRST)
-        acc += cw.to(tl.float32) * ch.to(tl.float32)
-    return acc
+    return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, P,
+    x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = 0, P_PAD: tl.constexpr = 2,
-    T_TOKENS: tl.constexpr = 1,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -185,54 +107,32 @@ def _gate_up_gemv_kernel(
     base = w_ptr + expert * (2 * INTER * H)
     g_rows = base + offs_n[:, None].to(tl.int64) * H
     u_rows = g_rows + INTER * H
-    if REPEATS == 2:
-        # only the expert's first pair (its leader) runs, over every pair of that expert in
-        # token order: the tiles come from HBM once, then from L2
-        leader, count, same = _expert_group(ids_ptr, expert, P, P_PAD, False)
-        if leader == p:
-            for t in range(T_TOKENS):  # no loads: the group is in registers
-                has, q = _member(same, t, K_TOP, P_PAD)
-                if has:
-                    xq_row = x_ptr + t * H
-                    if count > 1:
-                        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, xq_row, offs_n, zero_n, H, INTER, BLOCK_N,
-                                                    BLOCK_K, K_ITERS, False)
-                    else:
-                        acc_g, acc_u = _gate_up_acc(g_rows, u_rows, xq_row, offs_n, zero_n, H, INTER, BLOCK_N,
-                                                    BLOCK_K, K_ITERS, True)
-                    _store_h(acc_g, acc_u, h_ptr, q, offs_n, INTER, OUT_DTYPE)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-    else:
-        repeated = False
-        if REPEATS == 1:
-            repeated = _expert_group(ids_ptr, expert, P, P_PAD, False)[1] > 1
-        if repeated:
-            acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
-                                        K_ITERS, False)
-        else:
-            acc_g, acc_u = _gate_up_acc(g_rows, u_rows, x_row, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K,
-                                        K_ITERS, True)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        _store_h(acc_g, acc_u, h_ptr, p, offs_n, INTER, OUT_DTYPE)
-
-
-def _store_h(acc_g, acc_u, h_ptr, q, offs_n, INTER: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    # pair q's h tile from its gate and up accumulators
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    for i in range(K_ITERS):
+        cg, cu, cx = wg, wu, xs
+        ok = i + 1 < K_ITERS
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        xf = cx.to(tl.float32)
+        acc_g += cg.to(tl.float32) * xf
+        acc_u += cu.to(tl.float32) * xf
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u  # silu(g) * u, fp32, rounded once (as fused_moe)
-    tl.store(h_ptr + tl.cast(q, tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
+    tl.store(h_ptr + p.to(tl.int64) * INTER + offs_n, _round_to(h, OUT_DTYPE).to(h_ptr.dtype.element_ty),
              mask=offs_n < INTER)
 
 
 def _down_gemv_kernel(
-    h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, P,
-    K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
+    H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, REPEATS: tl.constexpr = 0, P_PAD: tl.constexpr = 2,
-    T_TOKENS: tl.constexpr = 1,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -245,20 +145,12 @@ def _down_gemv_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     zero_n = offs_n[:, None] * 0
     rows = w_ptr + expert * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER
-    first_ok = True
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SKIP_NEGATIVE:
-        first_ok = expert >= 0  # a skipped pair (id -1) masks off its first weight tile: no read below w_ptr
-    repeated = False
-    is_leader = True
-    if REPEATS:
-        leader, count, same = _expert_group(ids_ptr, expert, P, P_PAD, PDL)
-        repeated = count > 1
-        if REPEATS == 2:
-            is_leader = leader == p  # only an expert's leader reads it (the gate_up kernel's note)
-    if repeated:
-        w = _tile_w(rows, 0, first_ok & is_leader, offs_n, H, INTER, BLOCK_K, False)
+        # a skipped pair (id -1) masks off its first weight tile: no read below w_ptr
+        w = _tile_w(rows, 0, expert >= 0, offs_n, H, INTER, BLOCK_K)
     else:
-        w = _tile_w(rows, 0, first_ok & is_leader, offs_n, H, INTER, BLOCK_K, True)
+        w = _tile_w(rows, 0, True, offs_n, H, INTER, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()  # h is gate_up's output
     if SKIP_NEGATIVE:
@@ -269,34 +161,16 @@ def _down_gemv_kernel(
             tl.store(out_ptr + p.to(tl.int64) * H + offs_n,
                      tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < H)
             return
-    if REPEATS == 2:
-        if is_leader:
-            for t in range(T_TOKENS):  # no loads: the group is in registers
-                has, q = _member(same, t, K_TOP, P_PAD)
-                if has:
-                    # w: the expert's first tile, loaded before the wait, for each of its pairs
-                    hq_row = h_ptr + tl.cast(q, tl.int64) * INTER
-                    if repeated:
-                        acc = _down_acc(rows, hq_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, False)
-                    else:
-                        acc = _down_acc(rows, hq_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, True)
-                    _store_out(acc, rw_ptr, out_ptr, q, offs_n, H, OUT_DTYPE)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-    else:
-        if repeated:
-            acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, False)
-        else:
-            acc = _down_acc(rows, h_row, w, offs_n, zero_n, H, INTER, BLOCK_N, BLOCK_K, K_ITERS, True)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        _store_out(acc, rw_ptr, out_ptr, p, offs_n, H, OUT_DTYPE)
-
-
-def _store_out(acc, rw_ptr, out_ptr, q, offs_n, H: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    # pair q's weighted output tile from its down accumulator
-    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + q).to(tl.float32)
-    tl.store(out_ptr + tl.cast(q, tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
+    hs = _tile_x(h_row, 0, True, zero_n, INTER, BLOCK_K)
+    for i in range(K_ITERS):
+        cw, ch = w, hs
+        w, hs = _tile_gemv(rows, h_row, (i + 1) * BLOCK_K, i + 1 < K_ITERS, offs_n, zero_n, H, INTER,
+                           BLOCK_K)
+        acc += cw.to(tl.float32) * ch.to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = tl.sum(acc, axis=1) * tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * H + offs_n, _round_to(out, OUT_DTYPE).to(out_ptr.dtype.element_ty),
              mask=offs_n < H)
 
 
@@ -304,8 +178,8 @@ def _store_out(acc, rw_ptr, out_ptr, q, offs_n, H: tl.constexpr, OUT_DTYPE: tl.c
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _expert_group, _member, _gate_up_acc,
-                                  _down_acc, _store_h, _store_out, _gate_up_gemv_kernel, _down_gemv_kernel))
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
+                                  _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
 
@@ -359,21 +233,14 @@ def moe_gemv_experts(
     gate_up_kernel, down_kernel = _kernels(interpret)
     code = DTYPE_CODE[x.dtype]
     use_pdl = pdl.active(x.device, interpret)
-    # several tokens: a pair may share its expert with another (REPEATED_EXPERTS_IN_L2,
-    # READ_EXPERTS_ONCE; each program scans the call's ids, so only up to _MAX_REPEAT_PAIRS pairs:
-    # the verify's sizes)
-    mode = (2 if READ_EXPERTS_ONCE else 1 if REPEATED_EXPERTS_IN_L2 else 0) if 1 < t and p <= _MAX_REPEAT_PAIRS else 0
-    # (the default build's constexprs stay those of every call: one build per shape, as before)
-    repeats = dict(REPEATS=mode, P_PAD=max(2, 1 << (p - 1).bit_length()) if mode else 2,
-                   T_TOKENS=t if mode == 2 else 1)
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
-        x, gate_up, ids, h, p, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
-        num_warps=nw, **repeats, **pdl.launch_options(use_pdl))
+        num_warps=nw, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
-        h, down, ids, rw, out, p, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-inter // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
-        num_warps=nw, **repeats, **pdl.launch_options(use_pdl))
+        num_warps=nw, **pdl.launch_options(use_pdl))
     return out

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass165    # o_proj's weight prefetched into L2 by the attention programs at
+#                                           # 2-4 rows only (Attention.prefetch_o_proj_min_tokens = 2), issued
+#                                           # before their PDL wait or after it (paged_attention.
+#                                           # PREFETCH_AFTER_WAIT): the prefetch CUDA tests, then the
+#                                           # 4-token verify graph and the fp8 drafter's block graph,
+#                                           # defaults / before / after (~6 min)
+#   bash benchmarks/gpu_check.sh pass165-goal  # goal 2's cell at 65 new tokens, fp8 drafter: defaults, the
+#                                           # prefetch after the wait, defaults (~6 min)
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
 #                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
 #                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's
@@ -606,6 +614,30 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass165)
+    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows, before or after attention's PDL wait"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 150 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -6
+    echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
+    timeout 200 python benchmarks/profile_decode_xs.py --q 4 --top 8 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
+      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|replay|failed|Error" | head -90
+    echo "-- the fp8 drafter's block graph (K = 3): the same three"
+    timeout 160 python benchmarks/profile_decode_xs.py --drafter --k 3 --draft-quantization fp8 --top 8 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
+      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|replay|failed|Error" | head -90 ;;
+  pass165-goal)
+    echo "== (eighty-fifth pass) goal 2's cell with o_proj's L2 prefetch at 2-4 rows after attention's wait"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    echo "-- fp8 drafter, defaults"; goal_cell 150 --new-tokens 65 --draft-quantization fp8
+    echo "-- fp8 drafter, the prefetch after the wait"
+    goal_cell 110 --new-tokens 65 --draft-quantization fp8 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+      --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True"
+    echo "-- fp8 drafter, defaults"; goal_cell 110 --new-tokens 65 --draft-quantization fp8 ;;
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

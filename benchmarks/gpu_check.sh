@@ -9,6 +9,8 @@
 #                                           # defaults / before / after (~6 min)
 #   bash benchmarks/gpu_check.sh pass165-goal  # goal 2's cell at 65 new tokens, fp8 drafter: defaults, the
 #                                           # prefetch after the wait, defaults (~6 min)
+#   bash benchmarks/gpu_check.sh pass165-all   # one call for both: the prefetch CUDA tests, the verify graph's
+#                                           # three rows, goal 2's cell defaults / after the wait (~9 min)
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
 #                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
 #                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's
@@ -638,6 +640,21 @@ case "$stage" in
       --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
       --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True"
     echo "-- fp8 drafter, defaults"; goal_cell 110 --new-tokens 65 --draft-quantization fp8 ;;
+  pass165-all)
+    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows: tests, the verify graph, goal 2's cell"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 80 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -4
+    echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
+    timeout 180 python benchmarks/profile_decode_xs.py --q 4 --top 6 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
+      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -60
+    echo "-- fp8 drafter, defaults"; goal_cell 120 --new-tokens 65 --draft-quantization fp8
+    echo "-- fp8 drafter, the prefetch after the wait"
+    goal_cell 110 --new-tokens 65 --draft-quantization fp8 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+      --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" ;;
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -594,6 +594,23 @@ goal_cells_against_base() {
     echo "-- goal cell, .ab/base"; base_goal_cell 85
   done
 }
+# o_proj_prefetch_rows LIMIT ARGS...: profile_decode_xs.py ARGS with the defaults, o_proj's L2
+# prefetch at 2-4 rows issued before attention's PDL wait, and after it (eighty-fifth pass)
+o_proj_prefetch_rows() {
+  local limit=$1; shift
+  timeout "$limit" python benchmarks/profile_decode_xs.py --top 6 "$@" \
+    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
+    2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -60
+}
+# o_proj_prefetch_goal_cell LIMIT: goal 2's cell at 65 new tokens, fp8 drafter, with that prefetch
+# after the wait
+o_proj_prefetch_goal_cell() {
+  goal_cell "$1" --new-tokens 65 --draft-quantization fp8 \
+    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" \
+    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
+    --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True"
+}
 case "$stage" in
   lmhead-sweep)
     echo "== the lm_head shapes the skinny GEMM's table does not cover yet (S-2.1; two-rank shards)"
@@ -645,16 +662,23 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     gpu_tests 80 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -4
     echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
-    timeout 180 python benchmarks/profile_decode_xs.py --q 4 --top 6 \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
-      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -60
+    o_proj_prefetch_rows 180 --q 4
     echo "-- fp8 drafter, defaults"; goal_cell 120 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, the prefetch after the wait"
-    goal_cell 110 --new-tokens 65 --draft-quantization fp8 \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-      --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" ;;
+    echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 110 ;;
+  pass165)
+    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows, before or after attention's PDL wait"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 150 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -6
+    echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
+    o_proj_prefetch_rows 200 --q 4
+    echo "-- the fp8 drafter's block graph (K = 3): the same three"
+    o_proj_prefetch_rows 160 --drafter --k 3 --draft-quantization fp8 ;;
+  pass165-goal)
+    echo "== (eighty-fifth pass) goal 2's cell with o_proj's L2 prefetch at 2-4 rows after attention's wait"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    echo "-- fp8 drafter, defaults"; goal_cell 150 --new-tokens 65 --draft-quantization fp8
+    echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 110
+    echo "-- fp8 drafter, defaults"; goal_cell 110 --new-tokens 65 --draft-quantization fp8 ;;
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

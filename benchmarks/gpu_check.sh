@@ -11,6 +11,8 @@
 #                                           # prefetch after the wait, defaults (~6 min)
 #   bash benchmarks/gpu_check.sh pass165-all   # one call for both: goal 2's cell defaults / after the wait,
 #                                           # the verify graph's three rows, the prefetch CUDA tests (~9 min)
+#   bash benchmarks/gpu_check.sh pass165-lean  # for a short budget: the verify graph, defaults against the
+#                                           # prefetch after the wait only, then pass165-all's goal cells
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
 #                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
 #                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's
@@ -633,6 +635,14 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass165-lean)
+    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows after attention's wait: the verify graph"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 150 python benchmarks/profile_decode_xs.py --top 6 --q 4 \
+      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
+      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -40
+    echo "-- fp8 drafter, defaults"; goal_cell 100 --new-tokens 65 --draft-quantization fp8
+    echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 100 ;;
   pass165)
     echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows, before or after attention's PDL wait"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

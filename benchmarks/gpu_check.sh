@@ -7,8 +7,6 @@
 #                                           # PREFETCH_AFTER_WAIT): the prefetch CUDA tests, then the
 #                                           # 4-token verify graph and the fp8 drafter's block graph,
 #                                           # defaults / before / after (~6 min)
-#   bash benchmarks/gpu_check.sh pass165-goal  # goal 2's cell at 65 new tokens, fp8 drafter: defaults, the
-#                                           # prefetch after the wait, defaults (~6 min)
 #   bash benchmarks/gpu_check.sh pass165-all   # one call for both: goal 2's cell defaults / after the wait,
 #                                           # the verify graph's three rows, the prefetch CUDA tests (~9 min)
 #   bash benchmarks/gpu_check.sh pass165-lean  # for a short budget: the verify graph, defaults against the
@@ -643,32 +641,8 @@ case "$stage" in
       2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -40
     echo "-- fp8 drafter, defaults"; goal_cell 100 --new-tokens 65 --draft-quantization fp8
     echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 100 ;;
-  pass165)
-    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows, before or after attention's PDL wait"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 150 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -6
-    echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
-    timeout 200 python benchmarks/profile_decode_xs.py --q 4 --top 8 \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
-      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|replay|failed|Error" | head -90
-    echo "-- the fp8 drafter's block graph (K = 3): the same three"
-    timeout 160 python benchmarks/profile_decode_xs.py --drafter --k 3 --draft-quantization fp8 --top 8 \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
-      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|replay|failed|Error" | head -90 ;;
-  pass165-goal)
-    echo "== (eighty-fifth pass) goal 2's cell with o_proj's L2 prefetch at 2-4 rows after attention's wait"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    echo "-- fp8 drafter, defaults"; goal_cell 150 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, the prefetch after the wait"
-    goal_cell 110 --new-tokens 65 --draft-quantization fp8 \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-      --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True"
-    echo "-- fp8 drafter, defaults"; goal_cell 110 --new-tokens 65 --draft-quantization fp8 ;;
   pass165-all)
-    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows: tests, the verify graph, goal 2's cell"
+    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows: goal 2's cell, the verify graph, tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     # the decisive numbers first (a call cut short by the device budget keeps them)
     echo "-- fp8 drafter, defaults"; goal_cell 130 --new-tokens 65 --draft-quantization fp8
@@ -684,12 +658,6 @@ case "$stage" in
     o_proj_prefetch_rows 200 --q 4
     echo "-- the fp8 drafter's block graph (K = 3): the same three"
     o_proj_prefetch_rows 160 --drafter --k 3 --draft-quantization fp8 ;;
-  pass165-goal)
-    echo "== (eighty-fifth pass) goal 2's cell with o_proj's L2 prefetch at 2-4 rows after attention's wait"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    echo "-- fp8 drafter, defaults"; goal_cell 150 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 110
-    echo "-- fp8 drafter, defaults"; goal_cell 110 --new-tokens 65 --draft-quantization fp8 ;;
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

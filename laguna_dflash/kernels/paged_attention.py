@@ -437,10 +437,11 @@ PRELOAD_OLD_KEYS = True
 # against 6.20-6.22 ms, the 16-token one in 8.50 against 8.48-8.70 (fifty-eighth pass). More
 # than 16 tokens: not timed.
 PRELOAD_MAX_QUERIES: int | None = 16
-# With a weight to prefetch (``prefetch=``), the programs issue it after their PDL wait (and their
-# first key tile) instead of first thing: before the wait its bytes share the HBM with the previous kernel's
-# stream (the head GEMM, at 4 query tokens launched early beside it); after it the HBM is idle
-# but for attention's K/V. Off: untimed (benchmarks/gpu_check.sh pass165). Changes no value.
+# With a weight to prefetch (``prefetch=``), the programs issue it after their PDL wait (and
+# their first key tile) instead of first thing: before the wait its bytes share the HBM with the
+# previous kernel's stream (the head GEMM, at 4 query tokens launched early beside it); after it
+# the HBM is idle but for attention's K/V. Off: untimed (benchmarks/gpu_check.sh pass165-all).
+# Changes no value.
 PREFETCH_AFTER_WAIT = False
 # Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
 # the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
@@ -651,11 +652,11 @@ def paged_attention(
         gate: ``[T, num_heads]`` per-head output-gate logits (any float dtype, any strides) or
             ``None``: the output is multiplied by ``softplus(gate)`` in the store (Laguna's
             ``out * F.softplus(g.float()).to(out.dtype)``, one kernel less per layer).
-        prefetch: a weight the kernels after this one read (``o_proj``'s at decode), or
-            ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
-            before they wait for the previous kernel (:data:`PREFETCH_AFTER_WAIT`: after it and
-            their first key tile; kernels/l2_prefetch.py; CUDA sm90+ and a contiguous, 16-byte aligned weight, else
-            ignored). Changes no value.
+        prefetch: a weight the kernels after this one read (``o_proj``'s), or ``None``: its
+            bytes are prefetched into L2 by the attention programs, each a share, before they
+            wait for the previous kernel (:data:`PREFETCH_AFTER_WAIT`: after it and their first
+            key tile; kernels/l2_prefetch.py; CUDA sm90+ and a contiguous, 16-byte aligned
+            weight, else ignored). Changes no value.
         early_signal: with PDL, the attention and split-merge programs signal their dependents
             first thing, before their own wait (an exception to kernels/pdl.py rule 2), so the
             launch after the merge may be resident, loading its weight, while attention runs.

@@ -21,6 +21,13 @@ def _cases() -> set[str]:
     return set(re.findall(r"^  ([a-z0-9-]+)\)", body, re.M))
 
 
+def test_no_stage_label_is_repeated():
+    """bash runs the first matching case: a second copy of a stage would never run."""
+    body = TEXT[TEXT.index('case "$stage" in'):]
+    labels = re.findall(r"^  ([a-z0-9-]+)\)", body, re.M)
+    assert len(labels) == len(set(labels)), sorted({x for x in labels if labels.count(x) > 1})
+
+
 def test_documented_stages_exist_and_unknown_ones_are_refused():
     documented = set(re.findall(r"^#   bash benchmarks/gpu_check\.sh ([a-z0-9-]+)", TEXT, re.M))
     assert documented and documented <= _cases(), sorted(documented - _cases())

@@ -1,16 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass165    # o_proj's weight prefetched into L2 by the attention programs at
-#                                           # 2-4 rows only (Attention.prefetch_o_proj_min_tokens = 2), issued
-#                                           # before their PDL wait or after it (paged_attention.
-#                                           # PREFETCH_AFTER_WAIT): the prefetch CUDA tests, then the
-#                                           # 4-token verify graph and the fp8 drafter's block graph,
-#                                           # defaults / before / after (~6 min)
-#   bash benchmarks/gpu_check.sh pass165-all   # one call for both: goal 2's cell defaults / after the wait,
-#                                           # the verify graph's three rows, the prefetch CUDA tests (~9 min)
-#   bash benchmarks/gpu_check.sh pass165-lean  # for a short budget: the verify graph, defaults against the
-#                                           # prefetch after the wait only, then pass165-all's goal cells
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
 #                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
 #                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's
@@ -594,23 +584,6 @@ goal_cells_against_base() {
     echo "-- goal cell, .ab/base"; base_goal_cell 85
   done
 }
-# o_proj_prefetch_rows LIMIT ARGS...: profile_decode_xs.py ARGS with the defaults, o_proj's L2
-# prefetch at 2-4 rows issued before attention's PDL wait, and after it (eighty-fifth pass)
-o_proj_prefetch_rows() {
-  local limit=$1; shift
-  timeout "$limit" python benchmarks/profile_decode_xs.py --top 6 "$@" \
-    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
-    2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -60
-}
-# o_proj_prefetch_goal_cell LIMIT: goal 2's cell at 65 new tokens, fp8 drafter, with that prefetch
-# after the wait
-o_proj_prefetch_goal_cell() {
-  goal_cell "$1" --new-tokens 65 --draft-quantization fp8 \
-    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True" \
-    --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2" \
-    --switch "laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True"
-}
 case "$stage" in
   lmhead-sweep)
     echo "== the lm_head shapes the skinny GEMM's table does not cover yet (S-2.1; two-rank shards)"
@@ -633,31 +606,6 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
-  pass165-lean)
-    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows after attention's wait: the verify graph"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    timeout 150 python benchmarks/profile_decode_xs.py --top 6 --q 4 \
-      --switch "laguna_dflash.models.layers:Attention.prefetch_o_proj=True;laguna_dflash.models.layers:Attention.prefetch_o_proj_min_tokens=2;laguna_dflash.kernels.paged_attention:PREFETCH_AFTER_WAIT=True" \
-      2>&1 | quiet | grep -E "^##|^\| |kernels per|equal|failed|Error" | grep -v "^|--" | head -40
-    echo "-- fp8 drafter, defaults"; goal_cell 100 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 100 ;;
-  pass165-all)
-    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows: goal 2's cell, the verify graph, tests"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    # the decisive numbers first (a call cut short by the device budget keeps them)
-    echo "-- fp8 drafter, defaults"; goal_cell 130 --new-tokens 65 --draft-quantization fp8
-    echo "-- fp8 drafter, the prefetch after the wait"; o_proj_prefetch_goal_cell 100
-    echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
-    o_proj_prefetch_rows 180 --q 4
-    gpu_tests 80 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -4 ;;
-  pass165)
-    echo "== (eighty-fifth pass) o_proj's L2 prefetch at 2-4 rows, before or after attention's PDL wait"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 150 tests/test_kernel_paged_attention.py -k "prefetch" | grep -v PASSED | tail -6
-    echo "-- the 4-token verify graph: defaults, prefetch before the wait, after it"
-    o_proj_prefetch_rows 200 --q 4
-    echo "-- the fp8 drafter's block graph (K = 3): the same three"
-    o_proj_prefetch_rows 160 --drafter --k 3 --draft-quantization fp8 ;;
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

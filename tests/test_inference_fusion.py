@@ -220,38 +220,6 @@ def test_fuse_projections_keeps_values_and_outputs(gating: str) -> None:
         torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-6)
 
 
-def test_o_proj_prefetch_hint_follows_its_switches(monkeypatch) -> None:
-    """``Attention.prefetch_o_proj`` hands the backend ``o_proj``'s weight as an L2 prefetch hint
-    for forwards of ``prefetch_o_proj_min_tokens`` to ``skinny_gemm.MAX_M`` tokens, and nothing
-    otherwise (off: never). The output is the same either way."""
-    from laguna_dflash.kernels import skinny_gemm
-
-    seen = []
-
-    class Spy(TorchSDPABackend):
-        def attend(self, *args, prefetch=None, **kwargs):
-            seen.append(prefetch)
-            return super().attend(*args, **kwargs)
-
-    attn = _attention(64, 4, 2, 16, 1.0, None, "per-head", torch.float32)
-    cases = [(False, 1, 1), (True, 1, 1), (True, 2, 1), (True, 2, 2), (True, 2, 4),
-             (True, 1, skinny_gemm.MAX_M + 1)]
-    outs = {}
-    for on, min_tokens, tokens in cases:
-        monkeypatch.setattr(Attention, "prefetch_o_proj", on)
-        monkeypatch.setattr(Attention, "prefetch_o_proj_min_tokens", min_tokens)
-        ctx = _context([(5, tokens)], 2, 16, torch.float32, "cpu")
-        ctx.backend = Spy()
-        with torch.no_grad():
-            out = attn(torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)), ctx)
-        outs.setdefault(tokens, []).append(out)
-    want = [False, True, False, True, True, False]
-    assert [p is attn.o_proj.weight for p in seen] == want
-    assert all(p is None for p, w in zip(seen, want) if not w)
-    for same_tokens in outs.values():
-        assert all(torch.equal(o, same_tokens[0]) for o in same_tokens)
-
-
 def test_ungated_attention_is_not_refused() -> None:
     attn = _attention(64, 4, 2, 16, 1.0, None, None, torch.float32)
     fuse_for_inference(attn)

@@ -520,8 +520,7 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True, early_signal: bool = False, invariant: bool = False,
-                 prefetch_late: bool = False):
+                 preload: bool = True, early_signal: bool = False, invariant: bool = False):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches
     them; ``invariant``: as with ``batch_invariant=True`` (one query a tile, partials and the
     split-order merge even for one split)."""
@@ -534,8 +533,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                   NUM_SPLITS=splits, IEEE=dtype == "fp32", DYNAMIC_LOOP=True, SPLIT_TILES=0,
                   HAS_GATE=not partials,  # the engine gates Laguna's output in the last store
                   PDL=pdl, PREFETCH=256 if prefetch else 0, PRELOAD=preload and not invariant,
-                  EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS, PARTIALS=partials,
-                  PREFETCH_LATE=prefetch and prefetch_late)
+                  EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS, PARTIALS=partials)
     consts.update({n: 1 for n in ("stride_qd", "stride_kc_d", "stride_vc_d", "stride_od",
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
@@ -645,25 +643,6 @@ def test_sm90_l2_prefetch_is_issued_before_the_pdl_wait():
     assert spills and max(spills) == 0, spills
 
 
-@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
-@pytest.mark.parametrize("qmax", [1, 4], ids=["decode", "verify"])
-def test_sm90_late_l2_prefetch_is_issued_after_the_pdl_wait(qmax):
-    """``PREFETCH_AFTER_WAIT`` (``PREFETCH_LATE``): the same TMA bulk L2 prefetches, none before
-    the PDL wait (where the pre-wait loads are the metadata's and old keys' only, through L2),
-    all of them after the first tile's MMAs. At one query no spills; at four, at most 16 bytes
-    (12 with the prefetch here; the default build of a 4-query full layer, no window or sinks,
-    already spills 12 bytes, with or without any prefetch)."""
-    cfg = ("bf16", 128, 8, qmax, 4, True, True, True)  # split-K, a window and sinks
-    (compiled, spills), _ = _sm90_builds(*cfg, pdl=True, prefetch=True, prefetch_late=True)
-    ptx = compiled.asm["ptx"]
-    before_wait = loads_before_pdl_wait(ptx)
-    assert before_wait and all("ld.global.cg" in line for line in before_wait)
-    after = ptx[ptx.index("griddepcontrol.wait"):]
-    assert "cp.async.bulk.prefetch.L2.global" in after
-    assert after.index("mma") < after.index("cp.async.bulk.prefetch.L2.global")
-    assert spills and max(spills) <= (0 if qmax == 1 else 16), spills
-
-
 # ---- CUDA ----------------------------------------------------------------------------------------------
 
 
@@ -725,15 +704,12 @@ def test_cuda_long_context(qlen, causal, window, sinks):
 
 @cuda
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
-@pytest.mark.parametrize("late", [False, True], ids=["before_wait", "after_wait"])
 @pytest.mark.parametrize("splits", [1, None])
-def test_cuda_l2_prefetch_changes_no_value(splits, late, monkeypatch):
-    """An L2 prefetch of a weight from the attention programs (the ``o_proj`` hint), issued
-    before or after their PDL wait (``PREFETCH_AFTER_WAIT``), leaves the output bitwise equal and
-    the weight untouched, with and without split-K, eagerly and in a CUDA graph."""
+def test_cuda_l2_prefetch_changes_no_value(splits):
+    """An L2 prefetch of a weight from the attention programs (the decode path's ``o_proj``
+    hint) leaves the output bitwise equal and the weight untouched, with and without split-K,
+    eagerly and in a CUDA graph."""
     from laguna_dflash.kernels import l2_prefetch
-
-    monkeypatch.setattr(pa, "PREFETCH_AFTER_WAIT", late)
 
     q, kc, vc, meta, _ = make_case([(1000, 1), (300, 4)], 8, 128, torch.bfloat16, True, device="cuda",
                                    num_heads=64)

@@ -201,16 +201,15 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, EARLY_SIGNAL: tl.constexpr,
     SKIP_EMPTY: tl.constexpr, PARTIALS: tl.constexpr, RELATIVE: tl.constexpr,
-    PREFETCH_LATE: tl.constexpr = False,
 ):
     # grid (R, KVH, ceil(Qmax / BLOCK_Q) * NUM_SPLITS): program (r, g, tile * S + split).
     # PARTIALS: store (acc, m, l) for the merge kernel (split-K; and batch-invariant, one split too)
     if PDL and EARLY_SIGNAL:  # EARLY_SIGNAL below: the next kernel reads nothing before its wait
         tl.extra.cuda.gdc_launch_dependents()
-    # the next kernel's weight into L2 in chunks of PREFETCH lanes a program (kernels/l2_prefetch.py)
-    part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
-            + tl.program_id(2))
-    if PREFETCH > 0 and not PREFETCH_LATE:  # never written, so issued before the PDL wait
+    if PREFETCH > 0:  # the next kernel's weight into L2 in chunks of PREFETCH lanes a program
+        # (kernels/l2_prefetch.py); never written, so issued before the PDL wait
+        part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+                + tl.program_id(2))
         _prefetch_l2(prefetch_ptr, prefetch_nbytes, prefetch_chunk, part, PREFETCH)
     if PDL and not PRELOAD:  # kernels/pdl.py: q and the new keys are the previous kernel's output
         tl.extra.cuda.gdc_wait()
@@ -293,10 +292,6 @@ def _paged_attention_kernel(
     m_i, l_i, p0, _ = _softmax_step(s0, tl.full([BLOCK_M], float("-inf"), tl.float32),
                                     tl.zeros([BLOCK_M], tl.float32))
     acc = _mma(p0.to(q.dtype), v0.to(q.dtype), IEEE)
-    if PREFETCH > 0 and PREFETCH_LATE:
-        # after the wait (the previous kernel's stream is done) and the first tile (its K/V no
-        # longer held in registers: issued beside them, the 4-query build spilled)
-        _prefetch_l2(prefetch_ptr, prefetch_nbytes, prefetch_chunk, part, PREFETCH)
     if DYNAMIC_LOOP:
         # compiled: the other tiles overlapping [lo, hi) (split_lo is tile-aligned)
         for start in range(start0 + BLOCK_N, hi, BLOCK_N):
@@ -437,12 +432,6 @@ PRELOAD_OLD_KEYS = True
 # against 6.20-6.22 ms, the 16-token one in 8.50 against 8.48-8.70 (fifty-eighth pass). More
 # than 16 tokens: not timed.
 PRELOAD_MAX_QUERIES: int | None = 16
-# With a weight to prefetch (``prefetch=``), the programs issue it after their PDL wait (and
-# their first key tile) instead of first thing: before the wait its bytes share the HBM with the
-# previous kernel's stream (the head GEMM, at 4 query tokens launched early beside it); after it
-# the HBM is idle but for attention's K/V. Off: untimed (benchmarks/gpu_check.sh pass165-all).
-# Changes no value.
-PREFETCH_AFTER_WAIT = False
 # Split-K programs whose key chunk holds no visible key (the graph's key bucket is up to twice
 # the context; sliding layers see only the window) store m and l but not their fp32 acc rows,
 # and the merge reads acc only where m > -inf: at 4 query tokens a layer's partials are
@@ -652,11 +641,10 @@ def paged_attention(
         gate: ``[T, num_heads]`` per-head output-gate logits (any float dtype, any strides) or
             ``None``: the output is multiplied by ``softplus(gate)`` in the store (Laguna's
             ``out * F.softplus(g.float()).to(out.dtype)``, one kernel less per layer).
-        prefetch: a weight the kernels after this one read (``o_proj``'s), or ``None``: its
-            bytes are prefetched into L2 by the attention programs, each a share, before they
-            wait for the previous kernel (:data:`PREFETCH_AFTER_WAIT`: after it and their first
-            key tile; kernels/l2_prefetch.py; CUDA sm90+ and a contiguous, 16-byte aligned
-            weight, else ignored). Changes no value.
+        prefetch: a weight the kernels after this one read (``o_proj``'s at decode), or
+            ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
+            before they wait for the previous kernel (kernels/l2_prefetch.py; CUDA sm90+ and a
+            contiguous, 16-byte aligned weight, else ignored). Changes no value.
         early_signal: with PDL, the attention and split-merge programs signal their dependents
             first thing, before their own wait (an exception to kernels/pdl.py rule 2), so the
             launch after the merge may be resident, loading its weight, while attention runs.
@@ -773,7 +761,6 @@ def paged_attention(
         HAS_GATE=gate is not None and not partials, NUM_SPLITS=num_splits, IEEE=ieee, DYNAMIC_LOOP=not interpret,
         SPLIT_TILES=split_tiles if interpret else 0,  # compiled: 0, no recompile per Lmax
         PDL=use_pdl, PREFETCH=l2_prefetch.PREFETCH_BLOCK if prefetch_plan else 0,
-        PREFETCH_LATE=bool(prefetch_plan) and PREFETCH_AFTER_WAIT,
         PRELOAD=(PRELOAD_OLD_KEYS and not batch_invariant
                  and (PRELOAD_MAX_QUERIES is None or qmax <= PRELOAD_MAX_QUERIES)),
         EARLY_SIGNAL=early_signal and use_pdl, SKIP_EMPTY=SKIP_EMPTY_SPLITS, PARTIALS=partials,

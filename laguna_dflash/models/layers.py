@@ -299,10 +299,6 @@ class Attention(nn.Module):
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
     # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
     prefetch_o_proj: bool = False
-    # ... only from this many tokens (2: the verify and the drafter block, whose o_proj is the
-    # skinny GEMM at 2-4 rows with nothing parked, not the decode's staged GEMV; untimed,
-    # benchmarks/gpu_check.sh pass165)
-    prefetch_o_proj_min_tokens: int = 1
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -366,8 +362,7 @@ class Attention(nn.Module):
         meta = ctx.meta_of(self.cache_index)
         # decode / verify / drafter-block sizes: o_proj streams its weight, which the attention
         # kernel may bring into L2 meanwhile (the HBM is idle during attention)
-        prefetch = (self.o_proj.weight if self.prefetch_o_proj
-                    and self.prefetch_o_proj_min_tokens <= t <= skinny_gemm.MAX_M else None)
+        prefetch = self.o_proj.weight if self.prefetch_o_proj and t <= skinny_gemm.MAX_M else None
         staged = (t == 1 and use_staged_o_proj and is_building_cuda_graph()
                   and not batch_invariant.is_active()
                   and self.o_proj.bias is None and not torch.is_grad_enabled()

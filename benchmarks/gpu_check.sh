@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass166    # whether the goal cell's slow processes are slow hosts: per process,
+#                                           # the batch-1 DFlash step, the host's path from its sync to the
+#                                           # next verify and the GPU's gap before it (host_timeline.py
+#                                           # --gaps, fp8 drafter; PASS166_PROCESSES="1 2 3"; ~5 min)
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
 #                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
 #                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's
@@ -606,6 +610,15 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass166)
+    echo "== (eighty-sixth pass) whether slow processes are slow hosts: the batch-1 DFlash step's host path"
+    echo "== against the drafter block queued ahead, fp8 drafter, in separate processes (~1.5 min each)"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    for i in ${PASS166_PROCESSES:-1 2 3}; do
+      echo "-- process $i"
+      timeout 100 python benchmarks/host_timeline.py --rounds 1 --top 1 --no-profile --gaps --gap-batches 1 \
+        --draft-quantization fp8 2>&1 | quiet | grep -E "^\| defaults|^\| (batch|[0-9]+) \||steps with drafts|Error"
+    done ;;
   pass164)
     echo "== (eighty-fourth pass) repeated experts in the 4-token expert GEMVs"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass167    # on an H200 only (elsewhere it names the card and stops): goal 2's
+#                                           # cell at 65 new tokens with the fp8 drafter from this tree, one
+#                                           # process; its target-only decode is goal 1's number (~3 min)
 #   bash benchmarks/gpu_check.sh pass166    # whether the goal cell's slow processes are slow hosts: per process,
 #                                           # the batch-1 DFlash step, the host's path from its sync to the
 #                                           # next verify and the GPU's gap before it (host_timeline.py
@@ -610,6 +613,14 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass167)
+    echo "== (eighty-seventh pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, this tree"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      goal_cell "${PASS167_LIMIT:-170}" --new-tokens 65 --draft-quantization fp8
+    else
+      echo "-- not an H200: nothing run"
+    fi ;;
   pass166)
     echo "== (eighty-sixth pass) whether slow processes are slow hosts: the batch-1 DFlash step's host path"
     echo "== against the drafter block queued ahead, fp8 drafter, in separate processes (~1.5 min each)"

@@ -6,8 +6,10 @@
 #                                           # process; its target-only decode is goal 1's number (~3 min)
 #   bash benchmarks/gpu_check.sh pass166    # whether the goal cell's slow processes are slow hosts: per process,
 #                                           # the batch-1 DFlash step, the host's path from its sync to the
-#                                           # next verify and the GPU's gap before it (host_timeline.py
-#                                           # --gaps, fp8 drafter; PASS166_PROCESSES="1 2 3"; ~5 min)
+#                                           # next verify, the GPU's gap before it and (since the
+#                                           # eighty-seventh pass) the host's time in the verify's replay
+#                                           # call (host_timeline.py --gaps, fp8 drafter;
+#                                           # PASS166_PROCESSES="1 2 3"; 20-60 s a process)
 #   bash benchmarks/gpu_check.sh pass164    # whether the verify's per-pair expert GEMVs pay HBM for an expert
 #                                           # two tokens share: bench_moe_duplicates.py (~1 min; at 831c5bd
 #                                           # also the MoE GEMV CUDA tests and goal 2's cell with moe_gemv's

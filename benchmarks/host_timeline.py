@@ -25,6 +25,8 @@ phases). This script finds where that time goes:
   wait for that launch after the drafter block queued ahead. The block is all the GPU has
   queued while the host commits and schedules, so a host path longer than the block is idle
   GPU time; the host path grows with the batch (on the CPU the table has the host column only).
+  The last column is the host's wall time in the verify graph's replay call, which the gap's
+  event (recorded before the call) cannot see.
   After the table, the garbage collections that ran during each row's steps (count and longest
   pause a generation, from ``gc.callbacks``); ``--gc-freeze`` runs ``gc.collect(); gc.freeze()`` once
   the engine is built, as ``laguna-dflash serve`` does at start-up, so the start-up heap
@@ -298,16 +300,17 @@ def print_profile(title: str, result: tuple, top: int, num_kernels: int = 0,
 
 
 def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
-                batch: int = 1) -> list[tuple[float, float, float, int, int]]:
+                batch: int = 1) -> list[tuple[float, float, float, float, int, int]]:
     """Per DFlash step of ``batch`` requests with drafts queued ahead, without the profiler: (the
     host's time from the step's sync returning to the next verify's launch, the GPU's gap between
     the end of the drafter block queued ahead and the first work of that verify, the drafter
-    block's GPU span; us), then the KV blocks the host allocated and the full blocks it offered
+    block's GPU span, the host's time in the verify graph's replay call; us), then the KV blocks the host allocated and the full blocks it offered
     the prefix cache in that window (``register`` calls: a prefix already cached is a no-op) (block-boundary work, which a batch of equal
     prompts does in the same steps). The GPU columns come from CUDA events, one recorded after
     ``propose_ahead``'s last launch, one just before the verify graph's replay (it runs when the
-    host reaches it, so a late host shows as a gap; the replay call's own latency is not in it),
-    one before ``propose_ahead``'s first launch; on the CPU (graph runners attached: the same
+    host reaches it, so a late host shows as a gap; the replay call's own latency is not in it,
+    hence its own column: a wall time, an upper bound on what the GPU can wait for it), one
+    before ``propose_ahead``'s first launch; on the CPU (graph runners attached: the same
     host path, the forwards inline) they are NaN. While the GPU runs the block queued ahead the
     host commits the step, schedules the next and prepares its verify: where that takes longer
     than the block, the GPU waits."""
@@ -322,6 +325,7 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
     allocator = engine.scheduler.allocator
     allocate, register = allocator.allocate, allocator.register
     blocks = [0, 0]  # allocated, registered since the last sync
+    replay_us: dict[int, float] = {}  # row -> the host's time in its verify's replay call (CUDA)
 
     def counted_allocate(num_blocks: int) -> list[int]:
         blocks[0] += num_blocks
@@ -359,14 +363,20 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
         finally:
             is_verify.clear()
 
-    def launching() -> None:  # the verify's launch: the host's time since the sync, an event
+    def launching() -> bool:  # the verify's launch: the host's time since the sync, an event
         if is_verify and is_verify[0] and synced:
             rows.append((1e6 * (time.perf_counter() - synced[0]), *pending, event(), *blocks))
             pending.clear()
+            return True
+        return False
 
     def timed_replay(graph):
-        launching()
-        return replay(graph)
+        is_counted = launching()
+        t0 = time.perf_counter()
+        out = replay(graph)
+        if is_counted:
+            replay_us[len(rows) - 1] = 1e6 * (time.perf_counter() - t0)
+        return out
 
     def timed_run_model(*args, **kwargs):  # the CPU's "replay": the padded forward, inline
         launching()
@@ -389,11 +399,12 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
         torch.cuda.CUDAGraph.replay = replay
         if not is_cuda:
             del graphs._run_model
-    if not is_cuda:
-        return [(host, math.nan, math.nan, allocated, registered)
+    if not is_cuda:  # the CPU's "replay" is the forward itself: no launch to time
+        return [(host, math.nan, math.nan, math.nan, allocated, registered)
                 for host, _, _, _, allocated, registered in rows]
-    return [(host, 1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done), allocated, registered)
-            for host, start, done, verify, allocated, registered in rows]
+    return [(host, 1e3 * done.elapsed_time(verify), 1e3 * start.elapsed_time(done), replay_us[i], allocated,
+             registered)
+            for i, (host, start, done, verify, allocated, registered) in enumerate(rows)]
 
 
 @contextlib.contextmanager
@@ -433,24 +444,25 @@ def print_gc(batch: int, pauses: dict[int, list[float]]) -> None:
     print(f"gc during batch {batch}: " + ", ".join(parts))
 
 
-def print_gaps(k: int, batch: int, rows: list[tuple[float, float, float, int, int]]) -> None:
+def print_gaps(k: int, batch: int, rows: list[tuple[float, float, float, float, int, int]]) -> None:
     """One row of the gaps table: medians (min-max) over the steps of one batch size."""
     def spread(values: list[float]) -> str:
         values = sorted(values)
         return "n/a" if math.isnan(values[0]) else f"{values[len(values) // 2]:.1f} ({values[0]:.1f}-{values[-1]:.1f})"
     if rows:
-        host, gap, span = list(zip(*rows))[:3]
-        print(f"| {batch} | {len(rows)} | {spread(list(host))} | {spread(list(gap))} | {spread(list(span))} |")
+        host, gap, span, replay_call = list(zip(*rows))[:4]
+        print(f"| {batch} | {len(rows)} | {spread(list(host))} | {spread(list(gap))} | {spread(list(span))} | "
+              f"{spread(list(replay_call))} |")
     else:
-        print(f"| {batch} | 0 (no drafts ahead at DFlash K={k}) | | | |")
+        print(f"| {batch} | 0 (no drafts ahead at DFlash K={k}) | | | | |")
 
 
-def print_gap_steps(batch: int, rows: list[tuple[float, float, float, int, int]]) -> None:
+def print_gap_steps(batch: int, rows: list[tuple[float, float, float, float, int, int]]) -> None:
     """The steps of one batch size in order: host window, GPU gap, and the block work in the
     window (where a slow window meets an allocation or prefix-cache registration)."""
     print(f"\nbatch {batch}, step by step\n\n| step | host us | GPU gap us | KV blocks allocated | "
           "full blocks offered to the prefix cache |\n|---:|---:|---:|---:|---:|")
-    for i, (host, gap, _, allocated, registered) in enumerate(rows):
+    for i, (host, gap, _, _, allocated, registered) in enumerate(rows):
         print(f"| {i} | {host:.1f} | {'n/a' if math.isnan(gap) else f'{gap:.1f}'} | {allocated} | {registered} |")
 
 
@@ -604,7 +616,8 @@ def main() -> None:
                 engine.attach_graph_runners()
             print(f"\nDFlash K={args.k}, steps with drafts ahead (no profiler), us: median (min-max)\n\n"
                   "| batch | steps | host: sync -> next verify launch | GPU gap: drafter block queued "
-                  "ahead -> verify | drafter block span |\n|---:|---:|---|---|---|")
+                  "ahead -> verify | drafter block span | host: the verify's replay call |\n"
+                  "|---:|---:|---|---|---|---|")
             collections, steps = {}, {}
             for batch in gap_batches:
                 with gc_pauses() as collections[batch]:

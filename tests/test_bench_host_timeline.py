@@ -21,7 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_gaps_table_has_a_row_a_batch_size_with_the_host_path():
     done = _run("--new-tokens", "9", "--rounds", "1", "--gaps", "--gap-batches", "1,3")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \| n/a \| n/a \|$", done.stdout, re.M)
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \| n/a \| n/a \| n/a \|$", done.stdout, re.M)
     assert [r[0] for r in rows] == ["1", "3"], done.stdout[-3000:]
     for _, steps, median, low, high in rows:
         # 9 new tokens at acceptance length 1: 8 decode steps, all but the first with drafts ahead

@@ -304,9 +304,10 @@ def verify_gaps(llm: LLM, prompt: list[int], new_tokens: int,
     """Per DFlash step of ``batch`` requests with drafts queued ahead, without the profiler: (the
     host's time from the step's sync returning to the next verify's launch, the GPU's gap between
     the end of the drafter block queued ahead and the first work of that verify, the drafter
-    block's GPU span, the host's time in the verify graph's replay call; us), then the KV blocks the host allocated and the full blocks it offered
-    the prefix cache in that window (``register`` calls: a prefix already cached is a no-op) (block-boundary work, which a batch of equal
-    prompts does in the same steps). The GPU columns come from CUDA events, one recorded after
+    block's GPU span, the host's time in the verify graph's replay call; us), then the KV blocks
+    the host allocated and the full blocks it offered the prefix cache in that window
+    (``register`` calls: a prefix already cached is a no-op) (block-boundary work, which a batch
+    of equal prompts does in the same steps). The GPU columns come from CUDA events, one recorded after
     ``propose_ahead``'s last launch, one just before the verify graph's replay (it runs when the
     host reaches it, so a late host shows as a gap; the replay call's own latency is not in it,
     hence its own column: a wall time, an upper bound on what the GPU can wait for it), one

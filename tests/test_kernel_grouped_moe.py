@@ -43,11 +43,12 @@ from test_kernel_fused_moe import (
     check_skipped_pairs,
     eager_then_graphed,
     ep_problem,
+    fp32_reference,
     s21_interpreter_tiles,
 )
 
 from laguna_dflash.kernels import grouped_moe
-from laguna_dflash.kernels.fused_moe import fused_moe_experts, moe_experts_reference
+from laguna_dflash.kernels.fused_moe import fused_moe_experts
 from laguna_dflash.kernels.grouped_moe import align_pairs, max_tiles, sorted_moe_experts
 
 cuda = pytest.mark.skipif(INTERPRETED or not grouped_moe.is_available("cuda"),
@@ -90,9 +91,15 @@ def _experts(e: int, hidden: int, inter: int, dtype: torch.dtype, seed: int,
              device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up ``[E, 2I, H]``, down ``[E, H, I]``, generated on ``device``."""
     g = torch.Generator(device).manual_seed(seed)
-    gate_up = torch.randn(e, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
-    down = torch.randn(e, hidden, inter, generator=g, device=device) / inter**0.5
-    return gate_up.to(dtype), down.to(dtype)
+    gate_up = torch.empty(e, 2 * inter, hidden, dtype=dtype, device=device)
+    down = torch.empty(e, hidden, inter, dtype=dtype, device=device)
+    # drawn in fp32 a few experts at a time: at S-2.1 size all of gate_up in fp32 is 6 GiB,
+    # which ran 12 pytest workers out of an 80 GB card
+    for w, width in ((gate_up, hidden), (down, inter)):
+        for lo in range(0, e, 16):
+            chunk = w[lo : lo + 16]
+            chunk.copy_(torch.randn(chunk.shape, generator=g, device=device) / width**0.5)
+    return gate_up, down
 
 
 def _problem(t, k, e, hidden, inter, dtype, seed, mode="random", device="cpu"):
@@ -114,19 +121,15 @@ def _pairs_reference(x, ids, weights, gate_up, down) -> torch.Tensor:
     ``h`` rounded to ``x.dtype`` where the kernels round it (small shapes: gathers every pair's
     expert weights)."""
     xf = x.float()
-    gu = torch.einsum("th,tknh->tkn", xf, gate_up.float()[ids])  # [T, k, 2I]
+    gu = torch.einsum("th,tknh->tkn", xf, gate_up[ids].float())  # [T, k, 2I]
     gate, up = gu.chunk(2, dim=-1)
     h = _round_like_kernels(F.silu(gate) * up, x.dtype)
-    y = torch.einsum("tki,tkhi->tkh", h, down.float()[ids])
+    y = torch.einsum("tki,tkhi->tkh", h, down[ids].float())
     return y * weights.float()[..., None]
 
 
 def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
-
-
-def _fp32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(a.float() if a.is_floating_point() else a for a in tensors)
 
 
 # ----------------------------------------------------------------------------- align_pairs (torch)
@@ -294,7 +297,7 @@ def _check_against_references(args, block_m: int = 16, vs_fused: bool = True) ->
     ref = _round_like_kernels(_pairs_reference(*args), x.dtype)
     assert _rel_err(out, ref) <= tol, _rel_err(out, ref)
     # the pair sum vs the torch path's reference (fp32 math: it does not round h)
-    summed = moe_experts_reference(*_fp32(*args))
+    summed = fp32_reference(*args)
     assert _rel_err(out.float().sum(1), summed) <= 2 * tol
     if vs_fused:
         fused = fused_moe_experts(*args, reduce=False)
@@ -489,7 +492,7 @@ def test_cuda_xs21_matches_fused_moe(t: int, xs_experts) -> None:
     assert out.shape == (t, XS["k"], XS["hidden"]) and out.dtype == torch.bfloat16
     fused = fused_moe_experts(*args, reduce=False)
     assert _rel_err(out, fused) <= 2e-2
-    ref = moe_experts_reference(*_fp32(*args))  # fp32 math, summed over the pairs
+    ref = fp32_reference(*args)  # fp32 math, summed over the pairs
     assert _rel_err(out.float().sum(1), ref) <= 2e-2
     assert _rel_err(fused.float().sum(1), ref) <= 2e-2
 
@@ -579,7 +582,7 @@ def test_cuda_xs21_engine_tiles_of_long_forwards(t: int, xs_experts) -> None:
     assert block_m > grouped_moe.DEFAULT_BLOCK_M
     out = sorted_moe_experts(*args, block_m=block_m)
     assert _rel_err(out, sorted_moe_experts(*args)) <= 1e-2
-    assert _rel_err(out.float().sum(1), moe_experts_reference(*_fp32(*args))) <= 2e-2
+    assert _rel_err(out.float().sum(1), fp32_reference(*args)) <= 2e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = sorted_moe_experts(*args, block_m=block_m)
@@ -627,5 +630,5 @@ def test_cuda_s21_matches_fused_moe(t: int, inter: int) -> None:
     assert out.shape == (t, S21["k"], S21["hidden"])
     fused = fused_moe_experts(*args, reduce=False)
     assert _rel_err(out, fused) <= 2e-2
-    ref = moe_experts_reference(*_fp32(*args))
+    ref = fp32_reference(*args)
     assert _rel_err(out.float().sum(1), ref) <= 2e-2

@@ -525,17 +525,24 @@ engine_cuda_tests() {
     tests/test_prefix_caching.py tests/test_chunked_prefill.py tests/test_prefill_graphs.py \
     -k "cuda or xs_widths" "$@" | tail -70
 }
-# every_test LOG FILES...: every test in FILES on 12 pytest-xdist workers (carry the pytest-xdist
+# every_test LOG FILES...: every test in FILES on pytest-xdist workers (carry the pytest-xdist
 # and execnet wheels in .whl/), full log in $OUT/LOG. -v: a run cut by the limit still names each
 # result. The interpreter children (one pytest under TRITON_INTERPRET=1 a file) are CPU CI's:
 # run here twelve at once, about 18 of them failed without names on 2026-12-01 (their 300 s
 # limit, presumably). Tests marked exclusive_gpu size memory from the device's free bytes, which
 # the other workers move (one read 0.5 GiB short on 2026-12-02): they run afterwards, one at a time.
-# MAIN_S / EXCLUSIVE_S: the two parts' limits (460 / 100 s unless set).
+# MAIN_S / EXCLUSIVE_S: the two parts' limits (460 / 100 s unless set). WORKERS: the parallel
+# part's workers: 12 on a card of 100 GB or more, else 8 (on an 80 GB H100 the kernel files'
+# 12 workers left one S-2.1 MoE case 5 GiB, an out-of-memory failure, on 2026-12-07).
 every_test() {
   local log=${OUT:-/tmp}/$1; shift
-  echo "== $* (CUDA and sm_90 cases; the interpreter ones are CPU CI's)"
-  timeout "${MAIN_S:-460}" python -m pytest -v -n 12 -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
+  local workers=${WORKERS:-12}
+  if [ -z "${WORKERS:-}" ] && [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits \
+      | head -1)" -lt 100000 ]; then
+    workers=8
+  fi
+  echo "== $* (CUDA and sm_90 cases; the interpreter ones are CPU CI's; $workers workers)"
+  timeout "${MAIN_S:-460}" python -m pytest -v -n "$workers" -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
     -k "not interpret" -m "not exclusive_gpu" >"$log" 2>&1
   echo "pytest exit ${?} (124: cut by the time limit)"
   grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40

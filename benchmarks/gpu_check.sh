@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass168    # any card: on an H200 goals 1 and 2 (pass160, one round; carry
+#                                           # .ab/old), elsewhere the MoE kernels' CUDA tests the eighty-
+#                                           # eighth pass lightened, then the CUDA cases outside all-tests /
+#                                           # all-tests-engine (carry .whl/serve; ~3-5 min)
 #   bash benchmarks/gpu_check.sh pass167    # on an H200 only (elsewhere it names the card and stops): goal 2's
 #                                           # cell at 65 new tokens with the fp8 drafter from this tree, one
 #                                           # process; its target-only decode is goal 1's number (~3 min)
@@ -622,6 +626,22 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass168)
+    echo "== (eighty-eighth pass) on an H200 goals 1 and 2 (pass160, one round); elsewhere CUDA tests"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
+    else
+      echo "-- the MoE kernel files' CUDA cases (their fp32 references over the routed experts only)"
+      gpu_tests 200 -n 4 tests/test_kernel_grouped_moe.py tests/test_kernel_fused_moe.py \
+        -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -8
+      if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
+        python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
+      fi
+      echo "-- the CUDA cases outside all-tests / all-tests-engine"
+      gpu_tests 200 -n 4 tests/test_batch_invariant.py tests/test_device_selection.py tests/test_server_args.py \
+        tests/test_hybrid_kv.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    fi ;;
   pass167)
     echo "== (eighty-seventh pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, this tree"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -554,6 +554,15 @@ every_test() {
   echo "-- the exclusive_gpu tests, one process"
   gpu_tests "${EXCLUSIVE_S:-100}" "$@" -k "not interpret" -m exclusive_gpu | tail -8
 }
+# outside_cuda_tests: the CUDA cases of the test files outside all-tests / all-tests-engine, with
+# the server's wheels (carried in .whl/serve/) installed for the server files
+outside_cuda_tests() {
+  if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
+    python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
+  fi
+  gpu_tests 200 -n 4 tests/test_batch_invariant.py tests/test_device_selection.py tests/test_server_args.py \
+    tests/test_hybrid_kv.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+}
 # step_ab PYTEST_K SWITCH: the CUDA graph tests selected by PYTEST_K (all when empty), then the
 # batch-1 step A/B of host_timeline.py (defaults against module:attr=value SWITCH) and the
 # profile of where the GPU waits for the host.
@@ -635,12 +644,8 @@ case "$stage" in
       echo "-- the MoE kernel files' CUDA cases (their fp32 references over the routed experts only)"
       gpu_tests 200 -n 4 tests/test_kernel_grouped_moe.py tests/test_kernel_fused_moe.py \
         -k "cuda and not interpret" -m "not exclusive_gpu" | grep -v PASSED | tail -8
-      if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
-        python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
-      fi
       echo "-- the CUDA cases outside all-tests / all-tests-engine"
-      gpu_tests 200 -n 4 tests/test_batch_invariant.py tests/test_device_selection.py tests/test_server_args.py \
-        tests/test_hybrid_kv.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+      outside_cuda_tests
     fi ;;
   pass167)
     echo "== (eighty-seventh pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, this tree"
@@ -899,11 +904,7 @@ case "$stage" in
       --simulated 4 --sim-ks 3 --rounds 1 --draft-quantization fp8 2>&1 | quiet | grep -E "^\| (2|4) \| [0-9.]+ \| [0-9.]+ \(|rror" | head -4 ;;
   pass117)
     echo "== (seventy-second pass) the CUDA cases outside all-tests / all-tests-engine"
-    if ! python -c "import fastapi, uvicorn" 2>/dev/null; then
-      python -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl
-    fi
-    gpu_tests 200 -n 4 tests/test_batch_invariant.py tests/test_device_selection.py tests/test_server_args.py \
-      tests/test_hybrid_kv.py tests/test_draft_fp8.py -k "cuda or sm90" | grep -v PASSED | tail -8
+    outside_cuda_tests
     echo "-- the OpenAI server at XS-2.1 size, the fp8 drafter against target-only"
     timeout 300 python benchmarks/serve_smoke_xs.py --modes dflash-fp8 --log-dir "${OUT:-/tmp}/serve-logs" \
       2>&1 | quiet | tail -20 ;;

@@ -160,21 +160,38 @@ def test_max_tokens_rules():
         resolve_max_tokens(-1, 10, 100, 16, allow_zero=True)
 
 
-@pytest.mark.parametrize("request_, param", [
-    (CompletionRequest(prompt="x", n=0), "n"),
-    (CompletionRequest(prompt="x", n=65), "n"),
-    (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                           tools=[{"type": "function"}]), "tools"),
-    (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                           response_format={"type": "json_object"}), "response_format"),
-    (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options"),
-    (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=False,
-                           stream_options={"include_usage": True}), "stream_options"),
+_USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("request_, param, fix", [
+    (CompletionRequest(prompt="x", n=0), "n", "must be in"),
+    (CompletionRequest(prompt="x", n=65), "n", "must be in"),
+    (CompletionRequest(prompt="x", best_of=2), "best_of", "set it to 1"),
+    (CompletionRequest(prompt="x", suffix="y"), "suffix", "leave suffix out"),
+    (ChatCompletionRequest(messages=_USER, tools=[{"type": "function"}]), "tools",
+     'tool_choice="none"'),
+    (ChatCompletionRequest(messages=_USER, response_format={"type": "json_object"}),
+     "response_format", "leave response_format out"),
+    (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options",
+     "set stream=true"),
+    (ChatCompletionRequest(messages=_USER, stream=False, stream_options={"include_usage": True}),
+     "stream_options", "set stream=true"),
 ])
-def test_unsupported_fields_are_rejected(request_, param):
+def test_unsupported_fields_are_rejected(request_, param, fix):
+    """Each rejection names its field and says how to fix the request."""
     with pytest.raises(APIError) as info:
         reject_unsupported(request_)
     assert info.value.status == 400 and info.value.param == param
+    assert fix in info.value.message
+
+
+@pytest.mark.parametrize("request_", [
+    CompletionRequest(prompt="x", best_of=1, suffix=""),
+    ChatCompletionRequest(messages=_USER, tools=[{"type": "function"}], tool_choice="none"),
+    ChatCompletionRequest(messages=_USER, response_format={"type": "text"}),
+])
+def test_default_valued_fields_are_accepted(request_):
+    reject_unsupported(request_)
 
 
 def test_stop_field_forms():

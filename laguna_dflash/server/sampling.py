@@ -57,15 +57,19 @@ def reject_unsupported(req: SamplingFields) -> None:
                           "leave stream_options out", "stream_options")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
-            raise bad_request(f"best_of={req.best_of} is not supported; only 1 is", "best_of")
+            raise bad_request(f"best_of={req.best_of} is not supported; leave best_of out or set it "
+                              "to 1 (n gives several completions)", "best_of")
         if req.suffix:
-            raise bad_request("suffix is not supported", "suffix")
+            raise bad_request("suffix is not supported (no fill-in-the-middle); leave suffix out",
+                              "suffix")
     if isinstance(req, ChatCompletionRequest):
         if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported", "tools")
+            raise bad_request("tool calling is not supported; leave tools out or set "
+                              'tool_choice="none"', "tools")
         kind = (req.response_format or {}).get("type", "text")
         if kind != "text":
-            raise bad_request(f"response_format type {kind!r} is not supported", "response_format")
+            raise bad_request(f"response_format type {kind!r} is not supported; leave "
+                              'response_format out or use {"type": "text"}', "response_format")
 
 
 def num_choices(req: SamplingFields) -> int:

@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("text", nargs="?", help="prompt text (same as --prompt)")
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in --model)")
     g.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", "--max-tokens", type=int, default=64,
+                   help="tokens to generate (--max-tokens: the OpenAI / vLLM spelling)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -203,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_spelling_args(b)
     b.add_argument("--prompts", help="JSON list / JSON Lines of prompts (default: held-out set)")
     b.add_argument("--num-prompts", type=int, default=None)
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128,
+                   help="tokens to generate per prompt (--max-tokens: the same)")
     b.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     b.add_argument("--plot", help="save the per-position acceptance plot to this PNG (needs "
                                   "matplotlib)")

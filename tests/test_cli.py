@@ -269,6 +269,15 @@ def test_log_level_is_checked_and_takes_any_case(command: list[str], capsys):
     assert parser.parse_args([*command, "--log-level", "debug"]).log_level == "DEBUG"
 
 
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_max_tokens_is_max_new_tokens(command: str):
+    """``--max-tokens`` (the OpenAI / vLLM name) sets the same value as ``--max-new-tokens``."""
+    parser = build_parser()
+    assert parser.parse_args([command, "--max-tokens", "7"]).max_new_tokens == 7
+    assert parser.parse_args([command, "--max-new-tokens", "9"]).max_new_tokens == 9
+    assert parser.parse_args([command]).max_new_tokens == (64 if command == "generate" else 128)
+
+
 def test_main_broken_checkpoint_is_one_error_line(ckpt: Path, tmp_path: Path, capsys):
     """A checkpoint that fails to load (invalid config.json) is reported on one error line."""
     d = Path(shutil.copytree(ckpt, tmp_path / "broken"))

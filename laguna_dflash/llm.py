@@ -176,6 +176,9 @@ class LLM:
             raise ValueError("pass exactly one of prompts= (text) or prompt_token_ids=")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if prompts is not None and not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, got "
+                             f"{type(prompts).__name__}; pass token ids as prompt_token_ids=")
         texts: list[str | None] = []
         token_lists: list[list[int]] = []
         if prompts is not None:
@@ -190,8 +193,10 @@ class LLM:
                     texts.append(p)
                     token_lists.append(self.encode(p))
                 else:
+                    hint = ("; pass token ids as prompt_token_ids=" if isinstance(p, numbers.Integral)
+                            else "")
                     raise ValueError(f"a prompt must be a string, {{'prompt': str}} or "
-                                     f"{{'prompt_token_ids': [int, ...]}}; got {p!r:.80}")
+                                     f"{{'prompt_token_ids': [int, ...]}}; got {p!r:.80}{hint}")
         else:
             if hasattr(prompt_token_ids, "tolist"):  # a numpy array or a tensor
                 prompt_token_ids = prompt_token_ids.tolist()

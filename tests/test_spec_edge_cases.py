@@ -387,3 +387,24 @@ def test_seeded_tokens_do_not_depend_on_k_on_cuda(pair):
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         assert got == want, k
         assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    ({}, ValueError, "exactly one of prompts="),
+    ({"prompts": ["x"], "prompt_token_ids": [[1]]}, ValueError, "exactly one of prompts="),
+    ({"prompts": 3}, ValueError, "pass token ids as prompt_token_ids="),
+    ({"prompts": [5, 6]}, ValueError, "pass token ids as prompt_token_ids="),
+    ({"prompts": [["a"]]}, ValueError, "a prompt must be a string"),
+    ({"prompt_token_ids": "12"}, ValueError, "pass text as prompts="),
+    ({"prompt_token_ids": [[1], [2]], "sampling_params": [SamplingParams()] * 3}, ValueError,
+     "3 sampling_params for 2 prompts"),
+    ({"prompt_token_ids": [[1]], "sampling_params": {"max_tokens": 3}}, TypeError,
+     "sampling_params must be a SamplingParams"),
+])
+def test_bad_generate_arguments_are_clear_errors(base, kwargs, error, needle):
+    """``LLM.generate`` refuses malformed arguments with a message that says what to pass, and
+    the engine is left as it was."""
+    with pytest.raises(error, match=needle):
+        base.generate(**kwargs)
+    _assert_blocks_back(base)
+    assert len(base.generate(prompt_token_ids=[[1, 2]], sampling_params=_greedy(2))[0].token_ids) == 2

@@ -604,7 +604,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias",
      "outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "messages", "text content"),
+     400, "messages", "'image_url' is not supported: only text content parts are; send"),
     ("/v1/nope", {}, 404, None, "Not Found"),
 ]
 

@@ -28,7 +28,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         texts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request("only text content parts are supported", "messages")
+                raise bad_request(f"content part type {part.get('type')!r} is not supported: only "
+                                  'text content parts are; send {"type": "text", "text": "..."} '
+                                  "parts or a string", "messages")
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
     elif content is None:

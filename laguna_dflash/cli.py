@@ -233,13 +233,18 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         required = f.default is dataclasses.MISSING
         default = None if required else f.default
+        text = f.metadata.get("help", "")
+        if required:
+            text += " (required)"
+        elif "default:" not in text:  # a field whose text explains its default says it itself
+            text += f" (default: {'unset' if default is None else default})"
         if base is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                           help=f"default: {default}")
+                           help=text)
             continue
-        p.add_argument(flag, dest=f.name, type=base, required=required, default=default,
-                       help=f"default: {default}" if not required else "required")
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+        p.add_argument(flag, dest=f.name, type=base, required=required, default=default, help=text)
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="logging level (default: INFO)")
     p.set_defaults(config_class=cls)
 
 

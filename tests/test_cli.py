@@ -269,6 +269,30 @@ def test_log_level_is_checked_and_takes_any_case(command: list[str], capsys):
     assert parser.parse_args([*command, "--log-level", "debug"]).log_level == "DEBUG"
 
 
+@pytest.mark.parametrize("command", ["train-target", "train-draft"])
+def test_training_flags_say_what_they_do(command: str):
+    """Every training flag's ``--help`` line says what it sets, then its default (or that it is
+    required): the configs' fields used to show only ``default: X``."""
+    import dataclasses
+
+    from laguna_dflash.train.draft import DraftTrainConfig
+    from laguna_dflash.train.target import TargetTrainConfig
+
+    cls = TargetTrainConfig if command == "train-target" else DraftTrainConfig
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # argparse has no public way
+    actions = {a.dest: a for a in sub._actions}
+    for f in dataclasses.fields(cls):
+        text = actions[f.name].help
+        words = text.split(" (")[0]
+        assert len(words.split()) >= 2 and not words.startswith("default"), f"{f.name}: {text!r}"
+        if f.default is dataclasses.MISSING:
+            assert text.endswith("(required)"), f"{f.name}: {text!r}"
+        else:
+            assert "default: " in text, f"{f.name}: {text!r}"
+            if f.default is not None:
+                assert text.endswith(f"(default: {f.default})"), f"{f.name}: {text!r}"
+
+
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_max_tokens_is_max_new_tokens(command: str):
     """``--max-tokens`` (the OpenAI / vLLM name) sets the same value as ``--max-new-tokens``."""

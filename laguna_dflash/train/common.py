@@ -7,6 +7,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import MISSING, field
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,12 @@ from ..config import flag
 from ..distributed import SINGLE, TensorParallel, init_data_parallel
 
 logger = logging.getLogger(__name__)
+
+
+def arg(text: str, default=MISSING):
+    """A config field with ``text`` as its flag's ``--help`` line (``cli.add_dataclass_args``
+    appends the default)."""
+    return field(default=default, metadata={"help": text})
 
 
 def require_at_least(c, **minimums: float) -> None:

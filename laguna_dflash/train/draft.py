@@ -41,6 +41,7 @@ from ..models.registry import DRAFT_ARCHITECTURES
 from ..models.writer import save_checkpoint
 from .backend import BlockTrainingBackend, DenseTrainingBackend, dense_metadata
 from .common import (
+    arg,
     autocast,
     check_device,
     check_out_dir,
@@ -56,33 +57,48 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DraftTrainConfig:
-    target: str
-    out_dir: str
-    flavour: str = "laguna"  # or "qwen3"
-    num_layers: int = 2
-    block_size: int = 16
-    num_taps: int | None = None  # None: 3, or as many distinct layers as a shallow target has
-    num_anchors: int = 32
-    gamma: float = 7.0
-    distill: bool = True  # soft labels: the target's own distribution at each labelled position
-    mask_token_id: int | None = None
-    prompt_len: int = 64
-    gen_len: int = 192
-    num_sequences: int = 2048
-    batch_size: int = 16
-    steps: int = 2000
-    lr: float = 1e-3
-    warmup: int = 100
-    seed: int = 0
-    device: str = "cpu"
-    gen_batch_size: int = 256
-    corpus_tokens: str | None = None  # a .npy token stream; default: the target's training corpus
-    regen_budget_s: float | None = None  # stop regenerating (keep what is done) after this long
-    init_from: str | None = None  # start from this drafter checkpoint (its config wins) instead of random
-    cache_target_states: bool = False  # one frozen-target pass over the data, kept in CPU memory
-    save_every: int = 500
-    log_every: int = 50
-    time_budget_s: float | None = None  # shrink the schedule so training ends within it
+    target: str = arg("the target checkpoint folder the drafter learns from (its embeddings and "
+                      "lm_head are shared, not trained)")
+    out_dir: str = arg("folder for the drafter checkpoint; its work/ subfolder keeps the "
+                       "regenerated data and the resumable training state")
+    flavour: str = arg("on-disk format: laguna (Poolside's DFlashLagunaForCausalLM) or qwen3 "
+                       "(z-lab's DFlashDraftModel)", "laguna")
+    num_layers: int = arg("drafter decoder layers", 2)
+    block_size: int = arg("tokens a block: the last accepted token plus block_size - 1 draft tokens",
+                          16)
+    num_taps: int | None = arg("target layers whose hidden states feed the drafter, evenly spaced "
+                               "(default: 3, fewer on a shallower target)", None)
+    num_anchors: int = arg("blocks a training sequence, each starting at a random position of the "
+                           "generated part", 32)
+    gamma: float = arg("slot k's loss weight is exp(-(k - 1) / gamma): larger weighs late draft "
+                       "tokens more", 7.0)
+    distill: bool = arg("soft labels (the target's distribution at each position) instead of its "
+                        "greedy tokens", True)
+    mask_token_id: int | None = arg("the token id that fills the block's draft slots (default: the "
+                                    "target config's mask_token_id)", None)
+    prompt_len: int = arg("corpus tokens a regenerated sequence starts from", 64)
+    gen_len: int = arg("tokens the target generates greedily after each prompt; the drafter "
+                       "trains on these", 192)
+    num_sequences: int = arg("sequences to regenerate", 2048)
+    batch_size: int = arg("sequences an optimizer step (split over the ranks under torchrun)", 16)
+    steps: int = arg("optimizer steps", 2000)
+    lr: float = arg("peak learning rate of the cosine schedule (AdamW)", 1e-3)
+    warmup: int = arg("linear warm-up steps before the cosine decay", 100)
+    seed: int = arg("seed of the weights, prompts, batches and anchors", 0)
+    device: str = arg("cpu, cuda or cuda:N", "cpu")
+    gen_batch_size: int = arg("sequences the target generates at once while regenerating", 256)
+    corpus_tokens: str | None = arg("a .npy token stream to cut prompts from (default: "
+                                    "TARGET/work/train_tokens.npy, left by train-target)", None)
+    regen_budget_s: float | None = arg("stop regenerating after this many seconds and train on the "
+                                       "sequences done so far", None)
+    init_from: str | None = arg("start from this drafter checkpoint (its config wins) instead of "
+                                "random weights", None)
+    cache_target_states: bool = arg("run the frozen target once over the data and keep its tapped "
+                                    "states in host memory, instead of every step", False)
+    save_every: int = arg("write the resumable training state every N steps", 500)
+    log_every: int = arg("show the mean loss of the last N steps every N steps", 50)
+    time_budget_s: float | None = arg("shrink the schedule so training ends within this many "
+                                      "seconds", None)
 
     def __post_init__(self) -> None:
         if self.flavour not in ("laguna", "qwen3"):

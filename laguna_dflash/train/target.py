@@ -25,6 +25,7 @@ from ..models.writer import save_checkpoint
 from . import data
 from .backend import DenseTrainingBackend, dense_metadata
 from .common import (
+    arg,
     autocast,
     balance_moe_,
     check_device,
@@ -41,27 +42,32 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TargetTrainConfig:
-    out_dir: str
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_experts: int = 8
-    top_k: int = 2
-    moe_intermediate_size: int = 256
-    sliding_window: int = 128
-    seq_len: int = 512
-    batch_size: int = 32
-    steps: int = 2000
-    lr: float = 3e-3
-    warmup: int = 100
-    weight_decay: float = 0.1
-    seed: int = 0
-    device: str = "cpu"
-    max_corpus_bytes: int | None = None
-    save_every: int = 500
-    log_every: int = 50
-    time_budget_s: float | None = None  # shrink the schedule so training ends within it
-    max_shard_bytes: int | None = 15 << 20
+    out_dir: str = arg("folder for the checkpoint and tokenizer; its work/ subfolder keeps the token "
+                       "cache and the resumable training state")
+    vocab_size: int = arg("tokens of the byte-level BPE tokenizer trained on the corpus", 4096)
+    hidden_size: int = arg("model width", 256)
+    num_layers: int = arg("decoder layers: full attention every third, sliding window otherwise; "
+                          "the first MLP dense, the rest MoE", 6)
+    num_experts: int = arg("routed experts an MoE layer", 8)
+    top_k: int = arg("routed experts a token", 2)
+    moe_intermediate_size: int = arg("width of each expert's and the shared expert's MLP", 256)
+    sliding_window: int = arg("tokens the sliding-window layers attend to", 128)
+    seq_len: int = arg("tokens a training sequence", 512)
+    batch_size: int = arg("sequences an optimizer step (split over the ranks under torchrun)", 32)
+    steps: int = arg("optimizer steps", 2000)
+    lr: float = arg("peak learning rate of the cosine schedule (AdamW)", 3e-3)
+    warmup: int = arg("linear warm-up steps before the cosine decay", 100)
+    weight_decay: float = arg("AdamW weight decay", 0.1)
+    seed: int = arg("seed of the weights and batches", 0)
+    device: str = arg("cpu, cuda or cuda:N", "cpu")
+    max_corpus_bytes: int | None = arg("read at most this many characters of source (default: the "
+                                       "whole standard library training split)", None)
+    save_every: int = arg("write the resumable training state every N steps", 500)
+    log_every: int = arg("show the mean loss of the last N steps every N steps", 50)
+    time_budget_s: float | None = arg("shrink the schedule so training ends within this many "
+                                      "seconds", None)
+    max_shard_bytes: int | None = arg("split model.safetensors into shards of at most this many bytes",
+                                      15 << 20)
 
     def __post_init__(self) -> None:
         require_at_least(self, vocab_size=256 + len(data.SPECIAL_TOKENS), hidden_size=1, num_layers=1,

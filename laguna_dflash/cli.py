@@ -144,7 +144,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most logprobs / prompt logprobs a request may ask for (-1: the whole "
                         "vocabulary; vLLM's flag)")
-    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="logging level (default: WARNING; INFO for serve)")
 
 
 def is_rank_zero() -> bool:
@@ -184,13 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", "--max-tokens", type=int, default=64,
                    help="tokens to generate (--max-tokens: the OpenAI / vLLM spelling)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches P (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest tokens (0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit once per time it was generated (0 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1 = off)")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=None,
+                   help="the request's sampling seed: the same seed gives the same tokens")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, to --max-new-tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true",
                    help="with --json: per step anchor position, draft tokens, accepted count")
@@ -203,13 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(b, model_required=False)
     add_speculative_spelling_args(b)
     b.add_argument("--prompts", help="JSON list / JSON Lines of prompts (default: held-out set)")
-    b.add_argument("--num-prompts", type=int, default=None)
+    b.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N prompts (default: all of them)")
     b.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128,
                    help="tokens to generate per prompt (--max-tokens: the same)")
     b.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     b.add_argument("--plot", help="save the per-position acceptance plot to this PNG (needs "
                                   "matplotlib)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print the result as one JSON object")
     from .train.draft import DraftTrainConfig
     from .train.target import TargetTrainConfig
 

@@ -9,6 +9,7 @@ traceback.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -267,6 +268,16 @@ def test_log_level_is_checked_and_takes_any_case(command: list[str], capsys):
         parser.parse_args([*command, "--log-level", "bogus"])
     assert info.value.code == 2 and "WARNING" in capsys.readouterr().err
     assert parser.parse_args([*command, "--log-level", "debug"]).log_level == "DEBUG"
+
+
+def test_every_flag_has_help():
+    """``--help`` explains every flag of every command, not only its name and default."""
+    parser = build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.help is not argparse.SUPPRESS:
+                text = action.help or ""
+                assert len(text.split()) >= 2 and not text.startswith("default"), (name, action.dest)
 
 
 @pytest.mark.parametrize("command", ["train-target", "train-draft"])

@@ -143,7 +143,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``serve`` beyond the shared engine flags (``cli.add_engine_args``)."""
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default loopback; use 0.0.0.0 to expose the server)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None,

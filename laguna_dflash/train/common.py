@@ -26,6 +26,24 @@ def arg(text: str, default=MISSING):
     return field(default=default, metadata={"help": text})
 
 
+#: ``--help`` lines of the fields both training configs have (their defaults differ).
+SHARED_HELP = {
+    "batch_size": "sequences an optimizer step (split over the ranks under torchrun)",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate of the cosine schedule (AdamW)",
+    "warmup": "linear warm-up steps before the cosine decay",
+    "device": "cpu, cuda or cuda:N",
+    "save_every": "write the resumable training state every N steps",
+    "log_every": "show the mean loss of the last N steps every N steps",
+    "time_budget_s": "shrink the schedule so training ends within this many seconds",
+}
+
+
+def shared_arg(name: str, default):
+    """A field of both training configs, with its :data:`SHARED_HELP` line."""
+    return arg(SHARED_HELP[name], default)
+
+
 def require_at_least(c, **minimums: float) -> None:
     """A ValueError naming the flag of the first field below its minimum (None: unset, allowed)."""
     for name, low in minimums.items():

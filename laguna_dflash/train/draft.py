@@ -50,6 +50,7 @@ from .common import (
     require_positive,
     run_training,
     seed_everything,
+    shared_arg,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,12 +81,12 @@ class DraftTrainConfig:
     gen_len: int = arg("tokens the target generates greedily after each prompt; the drafter "
                        "trains on these", 192)
     num_sequences: int = arg("sequences to regenerate", 2048)
-    batch_size: int = arg("sequences an optimizer step (split over the ranks under torchrun)", 16)
-    steps: int = arg("optimizer steps", 2000)
-    lr: float = arg("peak learning rate of the cosine schedule (AdamW)", 1e-3)
-    warmup: int = arg("linear warm-up steps before the cosine decay", 100)
+    batch_size: int = shared_arg("batch_size", 16)
+    steps: int = shared_arg("steps", 2000)
+    lr: float = shared_arg("lr", 1e-3)
+    warmup: int = shared_arg("warmup", 100)
     seed: int = arg("seed of the weights, prompts, batches and anchors", 0)
-    device: str = arg("cpu, cuda or cuda:N", "cpu")
+    device: str = shared_arg("device", "cpu")
     gen_batch_size: int = arg("sequences the target generates at once while regenerating", 256)
     corpus_tokens: str | None = arg("a .npy token stream to cut prompts from (default: "
                                     "TARGET/work/train_tokens.npy, left by train-target)", None)
@@ -95,10 +96,9 @@ class DraftTrainConfig:
                                 "random weights", None)
     cache_target_states: bool = arg("run the frozen target once over the data and keep its tapped "
                                     "states in host memory, instead of every step", False)
-    save_every: int = arg("write the resumable training state every N steps", 500)
-    log_every: int = arg("show the mean loss of the last N steps every N steps", 50)
-    time_budget_s: float | None = arg("shrink the schedule so training ends within this many "
-                                      "seconds", None)
+    save_every: int = shared_arg("save_every", 500)
+    log_every: int = shared_arg("log_every", 50)
+    time_budget_s: float | None = shared_arg("time_budget_s", None)
 
     def __post_init__(self) -> None:
         if self.flavour not in ("laguna", "qwen3"):

@@ -35,6 +35,7 @@ from .common import (
     require_positive,
     run_training,
     seed_everything,
+    shared_arg,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,19 +54,18 @@ class TargetTrainConfig:
     moe_intermediate_size: int = arg("width of each expert's and the shared expert's MLP", 256)
     sliding_window: int = arg("tokens the sliding-window layers attend to", 128)
     seq_len: int = arg("tokens a training sequence", 512)
-    batch_size: int = arg("sequences an optimizer step (split over the ranks under torchrun)", 32)
-    steps: int = arg("optimizer steps", 2000)
-    lr: float = arg("peak learning rate of the cosine schedule (AdamW)", 3e-3)
-    warmup: int = arg("linear warm-up steps before the cosine decay", 100)
+    batch_size: int = shared_arg("batch_size", 32)
+    steps: int = shared_arg("steps", 2000)
+    lr: float = shared_arg("lr", 3e-3)
+    warmup: int = shared_arg("warmup", 100)
     weight_decay: float = arg("AdamW weight decay", 0.1)
     seed: int = arg("seed of the weights and batches", 0)
-    device: str = arg("cpu, cuda or cuda:N", "cpu")
+    device: str = shared_arg("device", "cpu")
     max_corpus_bytes: int | None = arg("read at most this many characters of source (default: the "
                                        "whole standard library training split)", None)
-    save_every: int = arg("write the resumable training state every N steps", 500)
-    log_every: int = arg("show the mean loss of the last N steps every N steps", 50)
-    time_budget_s: float | None = arg("shrink the schedule so training ends within this many "
-                                      "seconds", None)
+    save_every: int = shared_arg("save_every", 500)
+    log_every: int = shared_arg("log_every", 50)
+    time_budget_s: float | None = shared_arg("time_budget_s", None)
     max_shard_bytes: int | None = arg("split model.safetensors into shards of at most this many bytes",
                                       15 << 20)
 

@@ -496,6 +496,11 @@
 #                                           # micro-benchmark, decode A/B (~5 min)
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
+# Triton's compiled kernels travel between sessions: carry ".tc" as well where it exists. A stage
+# starts from .tc/triton_cache.tgz.* and, when it ends, writes the whole cache back to $OUT in
+# 15 MiB parts; `bash benchmarks/keep_triton_cache.sh FILES_AT` keeps them in .tc/ (gitignored).
+# A fresh machine's first process otherwise compiles every kernel it launches (~1 min); a
+# kernel whose source or Triton's version changed misses the cache and compiles as before.
 set -u
 stage=${1:-tests}
 # the stages are this script's case labels (two-space indent, "name)" alone on the line)
@@ -507,6 +512,25 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .tc/triton_cache.tgz.* >/dev/null 2>&1; then
+  cat .tc/triton_cache.tgz.* | tar -xz -C "$TRITON_CACHE_DIR" \
+    && echo "-- Triton cache carried: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels"
+fi
+# save_triton_cache: the cache into $OUT as parts of at most 15 MiB (the device returns 8 files of
+# 16 MiB at most: a larger cache is not sent; delete .tc/ to start it afresh)
+save_triton_cache() {
+  [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
+  local tgz=/tmp/triton_cache.tgz
+  tar -cz -C "$TRITON_CACHE_DIR" . >"$tgz" || return 0
+  if [ "$(stat -c %s "$tgz")" -le $((7 * 15 * 1024 * 1024)) ]; then
+    split -b 15m -d "$tgz" "$OUT/triton_cache.tgz."
+  else
+    echo "-- Triton cache not sent: $(du -h "$tgz" | cut -f1) compressed; delete .tc/ to start it afresh"
+  fi
+}
+trap save_triton_cache EXIT
 quiet() { grep -Ev "warn|Warn"; }
 # gpu_tests SECONDS PYTEST_ARGS...: one line per test as it finishes (-v), so a run cut by the
 # timeout still shows which tests passed; the summary line only when it completes.

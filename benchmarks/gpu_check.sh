@@ -497,10 +497,12 @@
 # Run from the repository root on the H200; carry the dflash wheel (.whl/, see the device
 # README). Timeouts keep each stage inside a call; PYTHONUNBUFFERED keeps partial output.
 # Triton's compiled kernels travel between sessions: carry ".tc" as well where it exists. A stage
-# starts from .tc/triton_cache.tgz.* and, when it ends, writes the whole cache back to $OUT in
-# 15 MiB parts; `bash benchmarks/keep_triton_cache.sh FILES_AT` keeps them in .tc/ (gitignored).
-# A fresh machine's first process otherwise compiles every kernel it launches (~1 min); a
-# kernel whose source or Triton's version changed misses the cache and compiles as before.
+# starts from .tc/triton_cache.tgz.* and, when it ends, sends the cache's binaries back to $OUT;
+# `bash benchmarks/keep_triton_cache.sh FILES_AT` keeps them in .tc/ (gitignored). On an H100 a
+# goal-cell process took 14 s and compiled nothing with only these files in its cache; a call whose
+# one goal-cell process compiled its 149 kernels took 55 s (ninetieth pass). A kernel whose source
+# or Triton's version changed misses the cache and compiles as before. gpu_tests' kernels go to a
+# cache that is not sent.
 set -u
 stage=${1:-tests}
 # the stages are this script's case labels (two-space indent, "name)" alone on the line)
@@ -512,22 +514,27 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+# Triton's group files name their kernels' files by absolute path, so the carried cache only
+# works at the path it was written at: keep the default (tests set GPU_CHECK_TRITON_CACHE).
+export TRITON_CACHE_DIR=${GPU_CHECK_TRITON_CACHE:-/tmp/triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 if ls .tc/triton_cache.tgz.* >/dev/null 2>&1; then
   cat .tc/triton_cache.tgz.* | tar -xz -C "$TRITON_CACHE_DIR" \
     && echo "-- Triton cache carried: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels"
 fi
-# save_triton_cache: the cache into $OUT as parts of at most 15 MiB (the device returns 8 files of
-# 16 MiB at most: a larger cache is not sent; delete .tc/ to start it afresh)
+# save_triton_cache: the cache's binaries and metadata (*.cubin, *.json, the launchers' *.so: what
+# a cache hit reads; the PTX and IR beside them are 4x their size) into $OUT in parts of 15 MiB,
+# if they come to 20 MiB at most compressed: the working tree, .whl and .ab take ~37 of the 64
+# MiB a call carries
 save_triton_cache() {
   [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
   local tgz=/tmp/triton_cache.tgz
-  tar -cz -C "$TRITON_CACHE_DIR" . >"$tgz" || return 0
-  if [ "$(stat -c %s "$tgz")" -le $((7 * 15 * 1024 * 1024)) ]; then
+  (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) \
+    | tar -cz -T - -f "$tgz") || return 0
+  if [ "$(stat -c %s "$tgz")" -le $((20 * 1024 * 1024)) ]; then
     split -b 15m -d "$tgz" "$OUT/triton_cache.tgz."
   else
-    echo "-- Triton cache not sent: $(du -h "$tgz" | cut -f1) compressed; delete .tc/ to start it afresh"
+    echo "-- Triton cache not sent: $(du -h "$tgz" | cut -f1) compressed (delete .tc/ to start afresh)"
   fi
 }
 trap save_triton_cache EXIT
@@ -537,7 +544,8 @@ quiet() { grep -Ev "warn|Warn"; }
 gpu_tests() {
   local limit=$1; shift
   local log; log=$(mktemp)
-  timeout "$limit" python -m pytest -v -p no:cacheprovider --tb=short "$@" 2>&1 \
+  TRITON_CACHE_DIR=/tmp/triton_cache_tests timeout "$limit" python -m pytest -v -p no:cacheprovider \
+    --tb=short "$@" 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | grep -v "interpreted.*PASSED" \
     | sed -E 's/^tests\///; s/ +\[ *[0-9]+%\]$//' | tee "$log"
   # the count survives callers that filter out the PASSED lines

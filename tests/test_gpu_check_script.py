@@ -156,3 +156,46 @@ def test_every_flag_it_passes_a_benchmark_exists():
     assert [f for _, f, _ in _unknown_flags(typo)] == ["--new-tokenz"]
     typo = TEXT.replace("goal_cell 95 --new-tokens 65", "goal_cell 95 --new-token 65", 1)
     assert [f for _, f, _ in _unknown_flags(typo)] == ["--new-token"]
+
+
+def _run_stage(cwd: Path, cache: Path, out: Path) -> subprocess.CompletedProcess:
+    """``pass167`` under a stand-in ``nvidia-smi`` that names no H200: the stage runs nothing."""
+    bin_dir = cwd / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Stand-in GPU, 1 MiB, 1 MHz'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "GPU_CHECK_TRITON_CACHE": str(cache)}
+    return subprocess.run(["bash", str(SCRIPT), "pass167"], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=60)
+
+
+def test_triton_cache_goes_out_and_comes_back(tmp_path: Path):
+    """A stage sends its Triton cache's binaries and metadata to $OUT (not the PTX and IR);
+    keep_triton_cache.sh keeps them in .tc/, and the next stage starts with them in its cache."""
+    first = tmp_path / "first"
+    kernel = first / "cache" / "HASH"
+    kernel.mkdir(parents=True)
+    (kernel / "k.cubin").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    (kernel / "__grp__k.json").write_text('{"child_paths": {}}')
+    (kernel / "k.ptx").write_text("// ptx")
+    (first / "out").mkdir()
+    proc = _run_stage(first, first / "cache", first / "out")
+    assert proc.returncode == 0 and "not an H200" in proc.stdout, proc.stdout + proc.stderr
+    assert [p.name for p in (first / "out").iterdir()] == ["triton_cache.tgz.00"]
+
+    second = tmp_path / "second"
+    second.mkdir()
+    keep = subprocess.run(["bash", str(REPO / "benchmarks" / "keep_triton_cache.sh"), str(first / "out")],
+                          capture_output=True, text=True, cwd=second, timeout=60)
+    assert keep.returncode == 0 and (second / ".tc" / "triton_cache.tgz.00").is_file(), keep.stderr
+    (second / "out").mkdir()
+    proc = _run_stage(second, second / "cache", second / "out")
+    assert "Triton cache carried: 1 kernels" in proc.stdout, proc.stdout + proc.stderr
+    carried = second / "cache" / "HASH"
+    assert (carried / "k.cubin").read_bytes() == (kernel / "k.cubin").read_bytes()
+    assert (carried / "__grp__k.json").is_file() and not (carried / "k.ptx").exists()
+
+    nothing = subprocess.run(["bash", str(REPO / "benchmarks" / "keep_triton_cache.sh"), str(tmp_path)],
+                             capture_output=True, text=True, cwd=second, timeout=60)
+    assert nothing.returncode == 1 and "nothing kept" in nothing.stderr
+    assert (second / ".tc" / "triton_cache.tgz.00").is_file()  # the kept cache is untouched

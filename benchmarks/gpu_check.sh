@@ -501,8 +501,8 @@
 # `bash benchmarks/keep_triton_cache.sh FILES_AT` keeps them in .tc/ (gitignored). On an H100 a
 # goal-cell process took 14 s and compiled nothing with only these files in its cache; a call whose
 # one goal-cell process compiled its 149 kernels took 55 s (ninetieth pass). A kernel whose source
-# or Triton's version changed misses the cache and compiles as before. gpu_tests' kernels go to a
-# cache that is not sent.
+# or Triton's version changed misses the cache and compiles as before. gpu_tests' and every_test's
+# kernels go to a cache that is not sent.
 set -u
 stage=${1:-tests}
 # the stages are this script's case labels (two-space indent, "name)" alone on the line)
@@ -578,8 +578,8 @@ every_test() {
     workers=8
   fi
   echo "== $* (CUDA and sm_90 cases; the interpreter ones are CPU CI's; $workers workers)"
-  timeout "${MAIN_S:-460}" python -m pytest -v -n "$workers" -p no:cacheprovider --tb=line -rfE --durations=8 "$@" \
-    -k "not interpret" -m "not exclusive_gpu" >"$log" 2>&1
+  TRITON_CACHE_DIR=/tmp/triton_cache_tests timeout "${MAIN_S:-460}" python -m pytest -v -n "$workers" \
+    -p no:cacheprovider --tb=line -rfE --durations=8 "$@" -k "not interpret" -m "not exclusive_gpu" >"$log" 2>&1
   echo "pytest exit ${?} (124: cut by the time limit)"
   grep -c " PASSED " "$log"; grep -E " (FAILED|ERROR) |[0-9]+ (passed|failed)" "$log" | tail -40
   sed -n '/slowest/,/^$/p' "$log" | head -12

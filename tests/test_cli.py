@@ -10,6 +10,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,8 @@ import pytest
 
 from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.cli import build_parser, main
+from laguna_dflash.train.draft import DraftTrainConfig
+from laguna_dflash.train.target import TargetTrainConfig
 
 CONFIG = "xs_mini"
 PROMPT_IDS = [1, 2, 3, 17, 42, 99, 200, 311, 5, 8]  # longer than the window of 7
@@ -270,10 +273,14 @@ def test_log_level_is_checked_and_takes_any_case(command: list[str], capsys):
     assert parser.parse_args([*command, "--log-level", "debug"]).log_level == "DEBUG"
 
 
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    """The CLI's subcommand parsers by name (argparse has no public way to reach them)."""
+    return build_parser()._subparsers._group_actions[0].choices
+
+
 def test_every_flag_has_help():
     """``--help`` explains every flag of every command, not only its name and default."""
-    parser = build_parser()
-    for name, sub in parser._subparsers._group_actions[0].choices.items():
+    for name, sub in _subcommands().items():
         for action in sub._actions:
             if action.option_strings and action.help is not argparse.SUPPRESS:
                 text = action.help or ""
@@ -284,14 +291,8 @@ def test_every_flag_has_help():
 def test_training_flags_say_what_they_do(command: str):
     """Every training flag's ``--help`` line says what it sets, then its default (or that it is
     required): the configs' fields used to show only ``default: X``."""
-    import dataclasses
-
-    from laguna_dflash.train.draft import DraftTrainConfig
-    from laguna_dflash.train.target import TargetTrainConfig
-
     cls = TargetTrainConfig if command == "train-target" else DraftTrainConfig
-    sub = build_parser()._subparsers._group_actions[0].choices[command]  # argparse has no public way
-    actions = {a.dest: a for a in sub._actions}
+    actions = {a.dest: a for a in _subcommands()[command]._actions}
     for f in dataclasses.fields(cls):
         text = actions[f.name].help
         words = text.split(" (")[0]

@@ -44,6 +44,7 @@ from laguna_dflash.engine import engine as engine_module
 from laguna_dflash.engine.adaptive_k import AdaptiveK
 from laguna_dflash.engine.attention import get_attention_backend
 from laguna_dflash.models import fusion
+from laguna_dflash.models.draft_vocab import save_token_map
 from laguna_dflash.models.layers import MoE
 
 
@@ -469,6 +470,10 @@ def main() -> None:
     ap.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=None,
                     help="the drafter's o_proj, MLP and lm_head copy in fp8 (models/fp8.py); "
                          "target-only is the same either way")
+    ap.add_argument("--token-map-size", type=int, default=None, metavar="N",
+                    help="draft among N token ids only (--speculative-token-map; a seeded random N "
+                         "of the vocabulary: the drafts of random weights mean nothing, the lm_head "
+                         "rows read are what is timed); default: the whole vocabulary")
     args = ap.parse_args()
     for text in args.switch:
         obj, name, value = parse_switch(text)
@@ -486,7 +491,12 @@ def main() -> None:
                       num_kv_blocks=(args.context + 320) // 16 * (max_batch + 1),
                       cuda_graph_capture="lazy")  # every timed cell runs warm first
         t0 = time.perf_counter()
-        spec = LLM(str(tdir), draft=str(ddir), draft_quantization=args.draft_quantization, **common)
+        token_map = None
+        if args.token_map_size is not None:
+            ids = torch.randperm(tcfg["vocab_size"], generator=torch.Generator().manual_seed(0))
+            token_map = str(save_token_map(ids[: args.token_map_size], Path(tmp) / "token_map.pt"))
+        spec = LLM(str(tdir), draft=str(ddir), draft_quantization=args.draft_quantization,
+                   speculative_token_map=token_map, **common)
         load_s = time.perf_counter() - t0
         prompt = torch.randint(100, tcfg["vocab_size"] - 1, (args.context,),
                                generator=torch.Generator().manual_seed(0)).tolist()

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass169    # any card: a reduced draft vocabulary (--speculative-token-map): its
+#                                           # CUDA tests, the fp8 skinny GEMM at the maps' lm_head rows, then
+#                                           # goal 2's cell at 65 new tokens with the fp8 drafter over the whole
+#                                           # vocabulary and over 32768 and 16384 token ids, each its own
+#                                           # process (~6-8 min; PASS169_SWEEP=0 skips the sweep)
 #   bash benchmarks/gpu_check.sh pass168    # any card: on an H200 goals 1 and 2 (pass160, one round; carry
 #                                           # .ab/old), elsewhere the MoE kernels' CUDA tests the eighty-
 #                                           # eighth pass lightened, then the CUDA cases outside all-tests /
@@ -667,6 +672,16 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass169)
+    echo "== (ninety-first pass) the drafter's lm_head over a token map: CUDA tests, fp8 tiles, goal 2's cell"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    gpu_tests 120 tests/test_draft_vocab.py -k cuda | grep -v PASSED | tail -4
+    if [ "${PASS169_SWEEP:-1}" != 0 ]; then
+      timeout 150 python benchmarks/bench_skinny_gemm.py --fp8 --only --quick --m 4 --budget 120 \
+        --shapes 32768x2048,16384x2048 2>&1 | quiet | grep -E "copy bandwidth|configs timed|^\| |^    \(" | head -14
+    fi
+    GOAL_LIMIT="${GOAL_LIMIT:-100}" goal_cells_65 "--draft-quantization fp8" \
+      "--draft-quantization fp8 --token-map-size 32768" "--draft-quantization fp8 --token-map-size 16384" ;;
   pass168)
     echo "== (eighty-eighth pass) on an H200 goals 1 and 2 (pass160, one round); elsewhere CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -88,7 +88,8 @@ def _timed_batches(llm: LLM, prompts: list[str], params: SamplingParams, batch_s
 def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 128,
               batch_size: int = 1, num_speculative_tokens: int | None = None,
               adaptive_k: bool = False, draft_tensor_parallel_size: int | None = None,
-              draft_quantization: str | None = None, **engine_options) -> BenchResult:
+              draft_quantization: str | None = None, speculative_token_map: str | None = None,
+              **engine_options) -> BenchResult:
     """Greedy decode every prompt with and without the drafter; decode time excludes prefill.
 
     ``engine_options`` go to both ``LLM``s unchanged (``device``, ``dtype``, ``max_model_len``,
@@ -106,7 +107,8 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
     base = LLM(model, **engine_options)
     spec = LLM(model, draft=draft, **engine_options,
                num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k,
-               draft_tensor_parallel_size=draft_tensor_parallel_size, draft_quantization=draft_quantization)
+               draft_tensor_parallel_size=draft_tensor_parallel_size, draft_quantization=draft_quantization,
+               speculative_token_map=speculative_token_map)
     warm = prompts[: min(2, len(prompts))]
     _timed_batches(base, warm, params, batch_size)
     _timed_batches(spec, warm, params, batch_size)

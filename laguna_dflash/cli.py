@@ -1,4 +1,4 @@
-"""Command line: ``laguna-dflash generate | serve | bench | train-target | train-draft``.
+"""Command line: ``laguna-dflash generate | serve | bench | train-target | train-draft | token-map``.
 
 Also ``python -m laguna_dflash ...``. ``generate`` and ``bench`` without ``--model`` use the
 embedded demo pair.
@@ -228,6 +228,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     add_server_args(s)
     s.set_defaults(log_level="INFO")
+    t = sub.add_parser("token-map", help="count a corpus and write the token map of its most "
+                                         "frequent tokens (for --speculative-token-map)")
+    t.add_argument("--model", required=True,
+                   help="target checkpoint directory: its tokenizer counts the corpus, its "
+                        "config.json gives the vocabulary size and the end-of-sequence ids (always kept)")
+    t.add_argument("--data", required=True, nargs="+", metavar="PATH",
+                   help="corpus files or directories: .jsonl / .json records (a string, or an object "
+                        "with \"text\", \"prompt\"+\"completion\" or \"messages\"), other files as "
+                        "UTF-8 text; a directory: every file under it matching --glob")
+    t.add_argument("--glob", default="*",
+                   help="in --data directories, read the files (recursively) whose names match this "
+                        "pattern, e.g. '*.jsonl' (default: every file)")
+    t.add_argument("--num-tokens", required=True, type=int, metavar="N",
+                   help="token ids in the map, 1 to the vocabulary size (FR-Spec: 32k of Llama-3's 128k)")
+    t.add_argument("--output", required=True, metavar="FILE",
+                   help="the token map to write: .pt (torch.save of the ids, SGLang's format) or .json")
+    t.add_argument("--max-bytes", type=int, default=None, metavar="N",
+                   help="stop reading after this many characters of text in all (default: the whole corpus)")
+    t.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    t.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="logging level (default: WARNING)")
     return parser
 
 
@@ -350,6 +371,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for flag, is_given in (("--num-speculative-tokens", args.num_speculative_tokens is not None),
                            ("--adaptive-k", args.adaptive_k),
                            ("--draft-quantization", args.draft_quantization is not None),
+                           ("--speculative-token-map", args.speculative_token_map is not None),
                            ("--simulate-acceptance-length", args.simulate_acceptance_length is not None),
                            ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size is not None)):
         if is_given and draft is None:  # they act on draft tokens: without a drafter, nothing
@@ -369,7 +391,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               num_speculative_tokens=args.num_speculative_tokens,
               adaptive_k=args.adaptive_k, simulate_acceptance_length=args.simulate_acceptance_length,
               draft_tensor_parallel_size=args.draft_tensor_parallel_size,
-              draft_quantization=args.draft_quantization, trace=args.trace)
+              draft_quantization=args.draft_quantization,
+              speculative_token_map=args.speculative_token_map, trace=args.trace)
     load_s = time.perf_counter() - t0
     run = functools.partial(_request_tokens_per_s, prompt=prompt, prompt_ids=args.prompt_ids, params=params)
     out, decode_tps = run(llm)
@@ -456,7 +479,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(model, draft, prompts, args.max_new_tokens, args.batch_size,
                        args.num_speculative_tokens, args.adaptive_k,
                        draft_tensor_parallel_size=args.draft_tensor_parallel_size,
-                       draft_quantization=args.draft_quantization, **engine_options(args))
+                       draft_quantization=args.draft_quantization,
+                       speculative_token_map=args.speculative_token_map, **engine_options(args))
     if not is_rank_zero():
         return 0
     # the numbers first: a plot that fails to save must not lose a finished benchmark
@@ -507,6 +531,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def cmd_token_map(args: argparse.Namespace) -> int:
+    """``laguna-dflash token-map``: count the corpus, write the map, print the summary."""
+    from .token_map import build_token_map
+
+    summary = build_token_map(args.model, args.data, args.num_tokens, args.output, glob=args.glob,
+                              max_bytes=args.max_bytes)
+    if is_rank_zero():
+        print(json.dumps(summary.as_dict()) if args.json else summary.format())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -521,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command in ("train-target", "train-draft"):
             return cmd_train(args)
+        if args.command == "token-map":
+            return cmd_token_map(args)
     except (ValueError, RuntimeError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -267,8 +267,16 @@ class SpeculativeConfig:
     # unquantized weights past them; drafts may change, the output does not); None: the
     # drafter in the engine's dtype
     draft_quantization: str | None = None
+    # a token map file (SGLang's --speculative-token-map: a .pt of token ids, or a .json list):
+    # the drafter drafts among these tokens only, reading their rows of the lm_head instead of
+    # all of it (models/draft_vocab.py: drafts may change, the output does not); None: the
+    # whole vocabulary
+    speculative_token_map: str | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_token_map is not None and not isinstance(self.speculative_token_map, str):
+            raise ValueError("speculative_token_map must be a file path (str; --speculative-token-map), "
+                             f"got {type(self.speculative_token_map).__name__}")
         if self.draft_quantization is not None and self.draft_quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be 'fp8' or unset (--draft-quantization), got "
                              f"{self.draft_quantization!r}")

@@ -92,14 +92,16 @@ class LLM:
 
     ``LLM(model=DIR, draft=None, dtype="float32", device="cpu", max_model_len=None,
     num_speculative_tokens=None, adaptive_k=False, draft_tensor_parallel_size=None,
-    draft_quantization=None, **engine_options)``; vLLM's ``speculative_config={"method": "dflash", "model": DIR,
+    draft_quantization=None, speculative_token_map=None, **engine_options)``; vLLM's ``speculative_config={"method": "dflash", "model": DIR,
     "num_speculative_tokens": K, "draft_tensor_parallel_size": N}`` may stand for ``draft``,
     ``num_speculative_tokens`` and ``draft_tensor_parallel_size`` (with tensor parallelism: 1
     replicates the drafter on every rank, the target's size shards it; unset: sharded where its
     widths divide the ranks); ``adaptive_k`` picks
     K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting);
     ``draft_quantization="fp8"`` stores the drafter's MLP gate|up and lm_head copy as fp8 rows
-    (models/fp8.py; drafts may change, the output does not); engine options are the fields of
+    (models/fp8.py; drafts may change, the output does not); ``speculative_token_map=FILE``
+    (SGLang's name) drafts among that file's token ids only (models/draft_vocab.py; drafts may
+    change, the output does not); engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
 
@@ -116,6 +118,7 @@ class LLM:
         speculative_config: dict | None = None,
         draft_tensor_parallel_size: int | None = None,
         draft_quantization: str | None = None,
+        speculative_token_map: str | None = None,
         **engine_options,
     ) -> None:
         if speculative_config is not None:  # vLLM's spelling of draft= / num_speculative_tokens=
@@ -136,12 +139,15 @@ class LLM:
                                             adaptive=adaptive_k,
                                             simulate_acceptance_length=simulate_acceptance_length,
                                             draft_tensor_parallel_size=draft_tensor_parallel_size,
-                                            draft_quantization=draft_quantization)
+                                            draft_quantization=draft_quantization,
+                                            speculative_token_map=(None if speculative_token_map is None
+                                                                   else str(speculative_token_map)))
         else:  # these act on draft tokens: without a drafter they would silently do nothing
             for name, is_given in (("num_speculative_tokens", num_speculative_tokens is not None),
                                    ("draft_tensor_parallel_size", draft_tensor_parallel_size is not None),
                                    ("adaptive_k", adaptive_k),
                                    ("draft_quantization", draft_quantization is not None),
+                                   ("speculative_token_map", speculative_token_map is not None),
                                    ("simulate_acceptance_length", simulate_acceptance_length is not None)):
                 if is_given:
                     raise ValueError(f"{name} was given without draft=; pass a DFlash drafter directory")

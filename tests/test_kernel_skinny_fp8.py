@@ -170,7 +170,7 @@ def test_fp8_configs_move_the_bf16_bytes_and_take_their_own_overrides(monkeypatc
             bucket = next(b for b in buckets if b >= sg._next_pow2(rows))
             assert sg.default_config(rows, n, k, fp8=True) == sg._MEASURED_FP8[bucket, n, k]
     assert sg.default_config(4, 100352, 2048, fp8=True) != sg.default_config(5, 100352, 2048, fp8=True)
-    for m, n, k in [(1, 8240, 2048), (8, 100352, 4096), (8, 2048, 8192), (16, 2048, 8192), (1, 2048, 4096)]:
+    for m, n, k in [(1, 8240, 3072), (8, 100352, 4096), (8, 2048, 8192), (16, 2048, 8192), (1, 2048, 4096)]:
         assert (m, n, k) not in sg._MEASURED_FP8
         bf16, fp8 = sg.default_config(m, n, k), sg.default_config(m, n, k, fp8=True)
         assert dataclasses_equal_but_block_k(bf16, fp8)
@@ -179,6 +179,20 @@ def test_fp8_configs_move_the_bf16_bytes_and_take_their_own_overrides(monkeypatc
     monkeypatch.setattr(sg, "CONFIG_OVERRIDES", {"fp8,4,2048,8192": {"split_k": 2}})
     assert sg.default_config(4, 2048, 8192, fp8=True).split_k == 2
     assert sg.default_config(4, 2048, 8192).split_k == 4  # bf16 keeps its table entry
+
+
+def test_an_unmeasured_fp8_width_takes_the_nearest_measured_one_of_its_k() -> None:
+    """A draft vocabulary's lm_head (any number of rows, ``--speculative-token-map``): the e4m3
+    entry of the same K and row bucket with the nearest N by ratio, not the bf16 heuristic."""
+    table = sg._MEASURED_FP8
+    assert sg.default_config(3, 20000, 2048, fp8=True) == table[4, 16384, 2048]
+    assert sg.default_config(3, 50176, 2048, fp8=True) == table[4, 32768, 2048]
+    assert sg.default_config(4, 70000, 2048, fp8=True) == table[4, 100352, 2048]
+    assert sg.default_config(1, 4096, 2048, fp8=True) == table[4, 16384, 2048]  # up to bucket 4
+    assert sg.default_config(12, 30000, 2048, fp8=True) == table[16, 16384, 2048]  # bucket 16's own
+    assert sg.default_config(4, 4096, 8192, fp8=True) == table[4, 2048, 8192]
+    # no entry of this K: the bf16 config with block_k doubled, as before
+    assert dataclasses_equal_but_block_k(sg.default_config(4, 32768, 3072), sg.default_config(4, 32768, 3072, fp8=True))
 
 
 def test_int8_configs_take_their_table_then_the_e4m3_one(monkeypatch) -> None:

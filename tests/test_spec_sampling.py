@@ -155,3 +155,21 @@ def test_biased_acceptance_is_detected(pair, monkeypatch):
     biased = LLM(target, draft=draft, max_num_seqs=128)
     p_value = gof_pvalue(sampled_tokens(biased, params)[:, 2], p3)
     assert p_value < 1e-6, p_value
+
+
+def test_spec_sampling_with_a_draft_vocabulary_keeps_the_distribution(pair, tmp_path):
+    """Drafts from half the vocabulary only (``speculative_token_map``): a draft is still one
+    token the verify accepts with the target's probability, so the samples follow the target's
+    marginals; the odd ids come only from the verify's corrections and bonus tokens."""
+    from laguna_dflash.models.draft_vocab import save_token_map
+
+    target, draft = pair
+    params = SamplingParams(temperature=1.0)
+    p2, p3, _ = exact_token_distributions(LLM(target, max_num_seqs=128), params)
+    token_map = save_token_map(torch.arange(0, 24, 2), tmp_path / "even.pt")
+    spec = LLM(target, draft=draft, max_num_seqs=128, speculative_token_map=str(token_map))
+    tokens = sampled_tokens(spec, params)
+    for column, expected in ((1, p2), (2, p3)):
+        assert gof_pvalue(tokens[:, column], expected) > 1e-3, column
+    assert (tokens % 2 == 1).any()  # odd tokens still come out
+    assert spec.get_metrics()["num_accepted_tokens"] > 0

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from laguna_dflash.distributed import SINGLE, Split, TensorParallel, init_tensor_parallel
+from laguna_dflash.models.draft_vocab import save_token_map
 from laguna_dflash.models.laguna import LagunaForCausalLM
 from laguna_dflash.models.loader import load_model
 from laguna_dflash.models.random_init import randomize_, tiny_laguna_config
@@ -44,10 +45,14 @@ def checkpoints(tmp_path_factory):
     hf.rewrite_checkpoint_names(fused, "fused")  # experts [E, 2I, H] / [E, H, I] on disk
     laguna = df.make_tiny_laguna_target(root / "laguna", seed=0)
     qwen3 = df.make_tiny_qwen3_target(root / "qwen3", seed=0)
+    # a draft vocabulary of ids from both ranks' halves of the lm_head, out of order
+    token_map = save_token_map(torch.randperm(df.DEFAULT_VOCAB_SIZE, generator=torch.Generator().manual_seed(0))[:40],
+                               root / "token_map.pt")
     dummy = root / "dummy"  # config.json only: --load-format dummy
     dummy.mkdir()
     (dummy / "config.json").write_text(json.dumps(tiny_laguna_config()))
     return {
+        "token_map": token_map,
         "dummy": dummy,
         "sinks": sinks,
         "fused": fused,
@@ -101,6 +106,14 @@ def _generate_jobs(c: dict) -> dict[str, dict]:
             "options": {"trace": True, "draft_tensor_parallel_size": 1}},
         "qwen3+zlab traced": {**job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
                               "options": {"trace": True}},
+        # a draft vocabulary: each rank fills the map's rows it holds, one sum makes the table
+        "laguna+poolside token map, traced": {
+            **job, "model": str(c["laguna"]), "draft": str(c["poolside"]),
+            "options": {"trace": True, "speculative_token_map": str(c["token_map"])}},
+        "qwen3+zlab fp8 token map, traced": {
+            **job, "model": str(c["qwen3"]), "draft": str(c["zlab"]),
+            "options": {"trace": True, "speculative_token_map": str(c["token_map"]),
+                        "draft_quantization": "fp8"}},
     }
 
 
@@ -297,14 +310,22 @@ def test_the_sharded_drafter_drafts_what_one_process_drafts(two_ranks):
     import tp_worker
 
     by_name, jobs = two_ranks
-    for name in ("laguna+poolside traced", "laguna+poolside replicated, traced", "qwen3+zlab traced"):
+    kept = ("speculative_token_map", "draft_quantization")  # the drafter's options one process takes too
+    for name in ("laguna+poolside traced", "laguna+poolside replicated, traced", "qwen3+zlab traced",
+                 "laguna+poolside token map, traced", "qwen3+zlab fp8 token map, traced"):
         rank0, rank1 = by_name[name]
         assert rank0 == rank1, f"{name}: the ranks differ"
-        single = tp_worker.run_job({**jobs[name], "options": {"trace": True}}, tensor_parallel_size=1)
+        options = {key: value for key, value in jobs[name]["options"].items() if key in kept}
+        single = tp_worker.run_job({**jobs[name], "options": {**options, "trace": True}}, tensor_parallel_size=1)
         assert rank0[0] == single[0], f"{name}: tokens differ from one process"
         assert rank0[2] == single[2], f"{name}: drafts differ from one process"
         steps = [step for trace in rank0[2] for step in trace]
         assert len(steps) > 10 and sum(step["num_accepted"] for step in steps) > 0
+        if "token map" in name:  # drafted from the map only; the output is target-only's
+            allowed = set(torch.load(jobs[name]["options"]["speculative_token_map"]).tolist())
+            assert {t for step in steps for t in step["draft_tokens"]} <= allowed
+            base = "laguna target-only" if name.startswith("laguna") else "qwen3 target-only"
+            assert rank0[0] == by_name[base][0][0], f"{name}: not the target's tokens"
 
 
 # ---- no processes ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from ..distributed import SINGLE, TensorParallel, init_tensor_parallel
 from ..kernels import batch_invariant, paged_attention
 from ..kernels.accept_pack import accept_and_pack
 from ..models.config_utils import with_generation_eos_ids
+from ..models.draft_vocab import load_token_map
 from ..models.fp8 import quantize_drafter
 from ..models.layers import build_lm_head_ahead, build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
@@ -193,6 +194,11 @@ class LLMEngine:
                 if model is not None:
                     fuse_for_inference(model)
             torch.cuda.empty_cache()  # the replaced tensors' blocks: free for the KV cache sizing
+        if self.drafter is not None and config.speculative.speculative_token_map is not None:
+            ids = load_token_map(config.speculative.speculative_token_map, spec.vocab_size)
+            self.drafter.set_draft_vocab(ids)  # before the fp8 copy: it quantizes these rows
+            logger.info("draft vocabulary: %d of %d tokens (%s)", ids.numel(), spec.vocab_size,
+                        config.speculative.speculative_token_map)
         if self.drafter is not None and config.speculative.draft_quantization == "fp8":
             saved = quantize_drafter(self.drafter)  # before the KV cache is sized
             logger.info("drafter quantized to fp8 (MLP gate|up, lm_head copy): %.1f MiB fewer bytes "

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -266,6 +267,11 @@ _MEASURED_FP8: dict[tuple[int, int, int], SkinnyConfig] = {
     (8, 100352, 2048): SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 57.2 us, before 76.6 us
     (16, 16384, 2048): SkinnyConfig(block_n=64, block_k=256, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 11.8 us, before 14.6 us
     (16, 100352, 2048): SkinnyConfig(block_n=128, block_k=128, split_k=1, num_warps=2, num_stages=4, use_dot=True, evict_first=True, x_bcast=True),  # 57.4 us, before 76.0 us
+    # a draft vocabulary's lm_head rows (models/draft_vocab.py: 32768 of 100352 token ids), on an
+    # H100 80GB (2026-12-07, bench_skinny_gemm.py --fp8 --only --quick --m 4 --shapes
+    # 32768x2048; ninety-first pass); the comment gives the config the table gave before (the
+    # GEMV heuristic's) in the same run
+    (4, 32768, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=2, num_stages=3, use_dot=True, evict_first=True, x_bcast=True),  # 26.76 us, before 63.08 us
 }
 
 
@@ -294,6 +300,21 @@ def _measured(m: int, n: int, k: int, fp8: bool = False, int8: bool = False) -> 
         cfg = table.get((bucket, n, k))
         if cfg is not None:
             return cfg
+        bucket *= 2
+    return None
+
+
+def _nearest_measured_fp8(m: int, n: int, k: int) -> SkinnyConfig | None:
+    """For an e4m3 weight without its own entry: the entry of the same K and row bucket (the
+    smallest ``>= next_pow2(m)`` holding one) whose N is nearest ``n`` by ratio. A draft
+    vocabulary's lm_head has any number of rows (``--speculative-token-map``), and at 32768 x
+    2048 the bf16 heuristic's tile took 2.4x the measured one (ninety-first pass); a tile
+    measured at a neighbouring N streams at about its rate. None: no entry of this K."""
+    bucket = _next_pow2(max(1, m))
+    while bucket <= MAX_M:
+        same = [key for key in _MEASURED_FP8 if key[0] == bucket and key[2] == k]
+        if same:
+            return _MEASURED_FP8[min(same, key=lambda key: abs(math.log(key[1] / n)))]
         bucket *= 2
     return None
 
@@ -343,7 +364,7 @@ def default_config(m: int, n: int, k: int, fp8: bool = False, int8: bool = False
 def _table_config(m: int, n: int, k: int, fp8: bool = False, int8: bool = False) -> SkinnyConfig:
     if int8 and (cfg := _measured(m, n, k, int8=True)) is not None:
         return cfg
-    if fp8 and (cfg := _measured(m, n, k, fp8=True)) is not None:
+    if fp8 and (cfg := _measured(m, n, k, fp8=True) or _nearest_measured_fp8(m, n, k)) is not None:
         return cfg
     cfg = _measured(m, n, k) or _heuristic_config(m, n, k)
     if fp8:  # the dot path widens each tile in registers: at most 64 x 256 of them (~64 a thread)

@@ -26,6 +26,7 @@ from ..kernels import context_kv as context_kv_kernels
 from ..kernels.argmax import argmax_rows
 from .config_utils import ConfigReader
 from .decoder import Group, attention_groups, build_rotaries, mlp_groups
+from .draft_vocab import restrict_rows
 from .fp8 import fp8_linear
 from .fusion import rms_norm_grouped
 from .layers import (
@@ -288,6 +289,11 @@ class DFlashDraftModel(nn.Module):
         # (Wq [V, H] float8_e4m3fn, scale [V] float32): the drafter's fp8 copy of the shared
         # lm_head (models/fp8.py quantize_drafter); None: the target's
         self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a reduced draft vocabulary (models/draft_vocab.py, set_draft_vocab): the token ids
+        # [V_d] int64 drafts are picked among, and their lm_head rows [V_d, H] (the same on every
+        # rank); None: the whole vocabulary
+        self.draft_vocab_ids: torch.Tensor | None = None
+        self.draft_head: torch.Tensor | None = None
 
     def _make_attention(self, index: int, layer: DraftLayerSpec) -> Attention:
         s = self.spec
@@ -490,28 +496,44 @@ class DFlashDraftModel(nn.Module):
         """
         return run_layers(self.layers, self.embed(input_ids), ctx, self.norm)[0], None
 
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft among ``token_ids [V_d]`` (int64, distinct, inside the vocabulary:
+        ``draft_vocab.load_token_map`` checks a file) only: keeps their rows of the shared lm_head
+        (``draft_head``, the same on every rank, so the draft logits need no gather). Inference
+        only; before ``fp8.quantize_drafter``, which then quantizes these rows alone. The verify
+        is unchanged, so the output is too (models/draft_vocab.py)."""
+        assert self.lm_head_fp8 is None, "set the draft vocabulary before quantizing the drafter"
+        self.draft_head = restrict_rows(self.lm_head_weight, token_ids, self.target.tp)
+        self.draft_vocab_ids = token_ids.to(self.draft_head.device)
+
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` in its dtype
-        (each tensor-parallel rank's vocabulary columns, gathered); through the drafter's fp8
-        copy of it where ``fp8.quantize_drafter`` made one (``lm_head_fp8``; past 16 rows on
-        CUDA the target's own, as :func:`fp8.fp8_linear` says)."""
+        (each tensor-parallel rank's vocabulary columns, gathered), or ``[N, V_d]`` over the
+        draft vocabulary where :meth:`set_draft_vocab` set one (column ``j`` is token
+        ``draft_vocab_ids[j]``); through the drafter's fp8 copy of those rows where
+        ``fp8.quantize_drafter`` made one (``lm_head_fp8``; past 16 rows on CUDA the unquantized
+        rows, as :func:`fp8.fp8_linear` says)."""
+        weight = self.lm_head_weight if self.draft_head is None else self.draft_head
         if self.lm_head_fp8 is not None:
-            logits = fp8_linear(hidden, *self.lm_head_fp8, unquantized=self.lm_head_weight)
+            logits = fp8_linear(hidden, *self.lm_head_fp8, unquantized=weight)
         else:
-            logits = lm_head_linear(hidden, self.lm_head_weight)
-        return self.target.tp.all_gather_last(logits)
+            logits = lm_head_linear(hidden, weight)
+        return logits if self.draft_head is not None else self.target.tp.all_gather_last(logits)
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax of :meth:`lm_head_logits` ``(hidden [N, H])`` -> ``[N]`` int64: through the
-        target's int8 lm_head copy where it has one and takes these rows (the exact argmax, the
-        same drafts for half the lm_head's bytes: kernels/greedy_lm_head.py), else the logits.
-        The fp8 copy (``lm_head_fp8``) keeps its own logits: the drafter chose them."""
-        if self.lm_head_fp8 is None:
+        """The argmax of :meth:`lm_head_logits` ``(hidden [N, H])`` -> ``[N]`` int64 token ids
+        (mapped through ``draft_vocab_ids`` where a draft vocabulary is set): through the target's
+        int8 lm_head copy where it has one and takes these rows (the exact argmax, the same drafts
+        for half the lm_head's bytes: kernels/greedy_lm_head.py), else the logits. The fp8 copy
+        (``lm_head_fp8``) and the draft vocabulary keep their own logits: the drafter chose them."""
+        if self.lm_head_fp8 is None and self.draft_vocab_ids is None:
             tokens = self.target.greedy_tokens(hidden)
             if tokens is not None:
                 return tokens
-        return argmax_rows(self.lm_head_logits(hidden))
+        best = argmax_rows(self.lm_head_logits(hidden))
+        return best if self.draft_vocab_ids is None else self.draft_vocab_ids[best]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32."""
+        """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32 (``[N,
+        V_d]`` with a draft vocabulary, as :meth:`lm_head_logits`)."""
         return self.lm_head_logits(hidden).float()

@@ -144,7 +144,8 @@ def quantize_drafter(drafter: nn.Module) -> int:
             setattr(owner, name, Fp8Linear(old))
             saved += old.weight.numel() * (old.weight.element_size() - 1)
             del old
-    head = drafter.lm_head_weight
+    # the draft vocabulary's rows where one is set (models/draft_vocab.py), else the whole lm_head
+    head = drafter.lm_head_weight if drafter.draft_head is None else drafter.draft_head
     drafter.lm_head_fp8 = quantize_rows(head)
     saved += head.numel() * (head.element_size() - 1)
     if any(p.is_cuda for p in drafter.parameters()):

@@ -110,6 +110,7 @@ class ServerConfig:
             "draft": spec.config.draft if spec.config is not None else None,
             "draft_from": spec.draft_flag,
             "draft_quantization": spec.config.draft_quantization if spec.config is not None else None,
+            "speculative_token_map": spec.config.speculative_token_map if spec.config is not None else None,
             "num_speculative_tokens": k if k is not None else (
                 "drafter block_size - 1" if spec.config is not None else 0),
             "num_speculative_tokens_from": spec.tokens_flag or (
@@ -183,6 +184,11 @@ def add_speculative_spelling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-draft-model-quantization", default=None,
                    help="SGLang: fp8 (as --draft-quantization fp8), or unquant (the drafter in the "
                         "engine's dtype)")
+    g.add_argument("--speculative-token-map", default=None, metavar="FILE",
+                   help="SGLang: draft only among these token ids (a .pt of a 1-D tensor, or a "
+                        ".json list; `laguna-dflash token-map` writes one): the drafter reads their "
+                        "rows of the lm_head, not all of it (FR-Spec; drafts may change, the output "
+                        "does not)")
 
 
 def _agree(kind: str, candidates: list[tuple[str, object]]) -> tuple[str | None, object]:
@@ -318,6 +324,7 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         needs_drafter += [flag for flag, is_given in (
             ("--adaptive-k", getattr(args, "adaptive_k", False)),
             ("--draft-quantization", merge_draft_quantization(args) is not None),
+            ("--speculative-token-map", getattr(args, "speculative_token_map", None) is not None),
             ("--simulate-acceptance-length", getattr(args, "simulate_acceptance_length", None) is not None),
             ("--draft-tensor-parallel-size", merge_draft_tensor_parallel_size(args) is not None))
             if is_given]
@@ -333,7 +340,8 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
                                                simulate_acceptance_length=getattr(
                                                    args, "simulate_acceptance_length", None),
                                                draft_tensor_parallel_size=merge_draft_tensor_parallel_size(args),
-                                               draft_quantization=merge_draft_quantization(args)),
+                                               draft_quantization=merge_draft_quantization(args),
+                                               speculative_token_map=getattr(args, "speculative_token_map", None)),
                              draft_flag=draft_flag, tokens_flag=tokens_flag,
                              block_size=_draft_block_size(str(draft)))
 

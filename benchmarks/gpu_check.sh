@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass170    # any card: the bf16 skinny GEMM at a 32768-token map's lm_head rows,
+#                                           # then goal 2's cell at 65 new tokens, each its own process: fp8
+#                                           # drafter over the whole vocabulary, over 32768 and 16384 token ids
+#                                           # (the fp8 tiles of the ninety-first pass), bf16 over 32768 and the
+#                                           # whole vocabulary; on an H200 its decode is goal 1's number (~6 min)
 #   bash benchmarks/gpu_check.sh pass169    # any card: a reduced draft vocabulary (--speculative-token-map): its
 #                                           # CUDA tests, the fp8 skinny GEMM at the maps' lm_head rows, then
 #                                           # goal 2's cell at 65 new tokens with the fp8 drafter over the whole
@@ -672,6 +677,14 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass170)
+    echo "== (ninety-first pass) goal 2's cell with and without a token map, fp8 and bf16 drafters"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 100 python benchmarks/bench_skinny_gemm.py --only --quick --m 4 --budget 70 --shapes 32768x2048 \
+      2>&1 | quiet | grep -E "configs timed|^\| |^    \(" | head -8
+    GOAL_LIMIT="${GOAL_LIMIT:-100}" goal_cells_65 "--draft-quantization fp8" \
+      "--draft-quantization fp8 --token-map-size 32768" "--draft-quantization fp8 --token-map-size 16384" \
+      "--token-map-size 32768" "" ;;
   pass169)
     echo "== (ninety-first pass) the drafter's lm_head over a token map: CUDA tests, fp8 tiles, goal 2's cell"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass171    # any card: on an H200 first goals 1 and 2 against f2bf086 (pass160,
+#                                           # one round; carry .ab/old); then goal 2's cell at 65 new tokens
+#                                           # with the fp8 drafter over the whole vocabulary and over 16384 and
+#                                           # 32768 token ids in turn, twice, each its own process (~5-8 min)
 #   bash benchmarks/gpu_check.sh pass170    # any card: the bf16 skinny GEMM at a 32768-token map's lm_head rows,
 #                                           # then goal 2's cell at 65 new tokens, each its own process: fp8
 #                                           # drafter over the whole vocabulary, over 32768 and 16384 token ids
@@ -677,6 +681,16 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass171)
+    echo "== (ninety-first pass) the token maps' cells again, in turn; on an H200 goals 1 and 2 first"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
+    fi
+    for round in 1 2; do
+      GOAL_LIMIT="${GOAL_LIMIT:-90}" goal_cells_65 "--draft-quantization fp8" \
+        "--draft-quantization fp8 --token-map-size 16384" "--draft-quantization fp8 --token-map-size 32768"
+    done ;;
   pass170)
     echo "== (ninety-first pass) goal 2's cell with and without a token map, fp8 and bf16 drafters"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass172    # any card: the fp8 skinny GEMM at N 2048 x K 8192 (the drafter's o_proj
+#                                           # and down) against bf16, then goal 2's cell at 65 new tokens with the
+#                                           # fp8 drafter and a 16384-token map, without and with its o_proj and
+#                                           # down in fp8 too (fp8.QUANTIZED_PROJECTIONS), in turn, twice (~6 min)
 #   bash benchmarks/gpu_check.sh pass171    # any card: on an H200 first goals 1 and 2 against f2bf086 (pass160,
 #                                           # one round; carry .ab/old); then goal 2's cell at 65 new tokens
 #                                           # with the fp8 drafter over the whole vocabulary and over 16384 and
@@ -681,6 +685,18 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass172)
+    echo "== (ninety-first pass) the drafter's o_proj and down in fp8 as well, on this card"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    timeout 200 python benchmarks/bench_skinny_gemm.py --fp8 --only --m 4 --budget 150 --shapes 2048x8192 \
+      2>&1 | quiet | grep -E "copy bandwidth|configs timed|^\| |^    \(" | head -8
+    all_fp8='laguna_dflash.models.fp8:QUANTIZED_PROJECTIONS=[["mlp","gate_up_proj"],["mlp","down_proj"],["self_attn","o_proj"]]'
+    for round in 1 2; do
+      echo "-- goal 2's cell at 65 new tokens, fp8 drafter (gate|up), 16384-token map"
+      goal_cell 90 --new-tokens 65 --draft-quantization fp8 --token-map-size 16384
+      echo "-- goal 2's cell at 65 new tokens, fp8 drafter (gate|up, down, o_proj), 16384-token map"
+      goal_cell 90 --new-tokens 65 --draft-quantization fp8 --token-map-size 16384 --switch "$all_fp8"
+    done ;;
   pass171)
     echo "== (ninety-first pass) the token maps' cells again, in turn; on an H200 goals 1 and 2 first"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import _run_main
 
 from laguna_dflash import LLM, SamplingParams
-from laguna_dflash.cli import main
 from laguna_dflash.demo import demo_pair, heldout_prompts
 from laguna_dflash.llm import load_tokenizer
 from laguna_dflash.models.draft_vocab import load_token_map
@@ -70,15 +70,6 @@ def _write_corpus(root: Path) -> Path:
     (root / "pkg" / "notes.txt").write_text("plain notes, not python\n")
     (root / "pkg" / "sub" / "readme.md").write_text("# Title\n\nSome words.\n")
     return root / "pkg"
-
-
-def _run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse errors
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _one_error_line(result: tuple[int, str, str], *needles: str) -> str:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass173    # on an H200 only (elsewhere it names the card and stops): goals 1 and 2
-#                                           # against f2bf086 (pass160, one round; carry .ab/old), then goal 2's
-#                                           # cell with the fp8 drafter and a 16384-token map (~5-7 min)
+#   bash benchmarks/gpu_check.sh pass173    # on an H200: goals 1 and 2 against f2bf086 (pass160, one round; carry
+#                                           # .ab/old), then goal 2's cell with the fp8 drafter and a 16384-token
+#                                           # map (~5-7 min); elsewhere the fp8 skinny GEMM, fp8 drafter and
+#                                           # token map CUDA tests (~3 min)
 #   bash benchmarks/gpu_check.sh pass172    # any card: the fp8 skinny GEMM at N 2048 x K 8192 (the drafter's o_proj
 #                                           # and down) against bf16, then goal 2's cell at 65 new tokens with the
 #                                           # fp8 drafter and a 16384-token map, without and with its o_proj and
@@ -695,7 +696,9 @@ case "$stage" in
       PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
       GOAL_LIMIT="${GOAL_LIMIT:-90}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384"
     else
-      echo "-- not an H200: nothing run"
+      echo "-- not an H200: the fp8 skinny GEMM, fp8 drafter and token map CUDA tests"
+      gpu_tests 240 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py tests/test_draft_vocab.py \
+        -k "cuda or sm90" | grep -v PASSED | tail -6
     fi ;;
   pass172)
     echo "== (ninety-first pass) the drafter's o_proj and down in fp8 as well, on this card"

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh pass173    # on an H200: goals 1 and 2 against f2bf086 (pass160, one round; carry
 #                                           # .ab/old), then goal 2's cell with the fp8 drafter and a 16384-token
 #                                           # map (~5-7 min); elsewhere the fp8 skinny GEMM, fp8 drafter and
-#                                           # token map CUDA tests (~3 min)
+#                                           # token map CUDA tests (~3 min; PASS173_TESTS=0: nothing)
 #   bash benchmarks/gpu_check.sh pass172    # any card: the fp8 skinny GEMM at N 2048 x K 8192 (the drafter's o_proj
 #                                           # and down) against bf16, then goal 2's cell at 65 new tokens with the
 #                                           # fp8 drafter and a 16384-token map, without and with its o_proj and
@@ -695,6 +695,8 @@ case "$stage" in
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
       GOAL_LIMIT="${GOAL_LIMIT:-90}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384"
+    elif [ "${PASS173_TESTS:-1}" = 0 ]; then
+      echo "-- not an H200: nothing run (PASS173_TESTS=0)"
     else
       echo "-- not an H200: the fp8 skinny GEMM, fp8 drafter and token map CUDA tests"
       gpu_tests 240 -n 4 tests/test_kernel_skinny_fp8.py tests/test_draft_fp8.py tests/test_draft_vocab.py \

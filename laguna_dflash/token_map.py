@@ -111,13 +111,16 @@ def model_vocab(model: str | Path) -> tuple[int, tuple[int, ...]]:
     return vocab_size, with_generation_eos_ids(model, eos_ids(cfg, str(path)))
 
 
-def corpus_files(paths: Sequence[str | Path], glob: str = "*") -> list[Path]:
+def corpus_files(paths: Sequence[str | Path], glob: str = "*", exclude: Sequence[str | Path] = ()) -> list[Path]:
     """The files of ``paths`` in order: a file as it is, a directory as every file under it
-    (recursively) whose name matches ``glob``, sorted. A missing path is a ``ValueError``."""
+    (recursively) whose name matches ``glob``, sorted, but for the files ``exclude`` names (the
+    map being written, when ``--output`` lies under a ``--data`` directory). A missing path is
+    a ``ValueError``."""
+    skipped = {Path(f).resolve() for f in exclude}
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob(glob) if f.is_file())
+            found = sorted(f for f in p.rglob(glob) if f.is_file() and f.resolve() not in skipped)
             if not found:
                 logger.warning("--data %s: no file under it matches --glob %r", p, glob)
             files.extend(found)
@@ -197,7 +200,7 @@ def _parse_json(text: str, where: str) -> object:
 
 
 def iter_texts(paths: Sequence[str | Path], glob: str = "*", max_bytes: int | None = None,
-               stats: CorpusStats | None = None) -> Iterator[str]:
+               stats: CorpusStats | None = None, exclude: Sequence[str | Path] = ()) -> Iterator[str]:
     """The texts of the corpus ``paths`` (:func:`corpus_files`, :func:`file_texts`), in order,
     with a progress bar over the files; at most ``max_bytes`` characters in all (the last text
     cut short). A file that is not UTF-8 is skipped with a warning. ``stats`` is filled in."""
@@ -205,7 +208,7 @@ def iter_texts(paths: Sequence[str | Path], glob: str = "*", max_bytes: int | No
         raise ValueError(f"--max-bytes must be at least 1 (characters of text), got {max_bytes}; "
                          "leave it unset to read the whole corpus")
     stats = stats if stats is not None else CorpusStats()
-    files = corpus_files(paths, glob)
+    files = corpus_files(paths, glob, exclude)
     with tqdm(files, desc="counting tokens", unit="file", disable=None) as bar:
         for path in bar:
             left = None if max_bytes is None else max_bytes - stats.num_chars
@@ -286,7 +289,8 @@ def build_token_map(model: str | Path, data: Sequence[str | Path], num_tokens: i
     if hasattr(tokenizer, "model_max_length"):  # whole files are counted, not fed to the model:
         tokenizer.model_max_length = int(1e30)  # no "longer than the maximum" warning (transformers')
     stats = CorpusStats()
-    counts = count_tokens(iter_texts(data, glob, max_bytes, stats), tokenizer, vocab_size)
+    # a map written into a --data directory (by an earlier run) is not part of the corpus
+    counts = count_tokens(iter_texts(data, glob, max_bytes, stats, exclude=(output,)), tokenizer, vocab_size)
     num_corpus_tokens = int(counts.sum())
     if num_corpus_tokens == 0:
         raise ValueError(f"--data: no text found in {', '.join(map(str, data))} (read "

@@ -119,6 +119,18 @@ def test_counts_and_top_n_with_eos(tmp_path: Path, tokenizer, suffix: str):
         assert isinstance(raw, torch.Tensor) and raw.dtype == torch.int64
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".json"])
+def test_a_map_written_into_the_corpus_is_not_counted_again(tmp_path: Path, suffix: str):
+    """``--output`` under a ``--data`` directory: a second run reads the same corpus (the map of
+    the first is neither counted as text nor parsed as records) and writes the same map."""
+    corpus = _write_corpus(tmp_path)
+    out = corpus / f"map{suffix}"
+    first = build_token_map(TARGET, [corpus], 40, out)
+    ids = load_token_map(out, VOCAB).tolist()
+    second = build_token_map(TARGET, [corpus], 40, out)
+    assert second == first and load_token_map(out, VOCAB).tolist() == ids
+
+
 def test_generation_config_eos_ids_kept(tmp_path: Path):
     """generation_config.json's end-of-sequence ids are kept beside config.json's."""
     model = tmp_path / "model"

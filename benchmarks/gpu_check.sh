@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass174    # any card: the dot-path skinny GEMM's pre-wait L2 prefetch
-#                                           # (skinny_gemm.PRE_WAIT_L2_BYTES): its CUDA tests with it on, then
-#                                           # goal 2's cell at 65 new tokens (fp8 drafter, 16384-token map) off,
-#                                           # at 64 KiB a row (the whole K chunk) and at 1 KiB (~5 min)
 #   bash benchmarks/gpu_check.sh pass173    # on an H200: goals 1 and 2 against f2bf086 (pass160, one round; carry
 #                                           # .ab/old), then goal 2's cell with the fp8 drafter and a 16384-token
 #                                           # map (~5-7 min); elsewhere the fp8 skinny GEMM, fp8 drafter and
@@ -693,16 +689,6 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
-  pass174)
-    echo "== (ninety-first pass) the dot path's weights requested into L2 before its PDL wait"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    pre='laguna_dflash.kernels.skinny_gemm:PRE_WAIT_L2_BYTES'
-    gpu_tests 90 -n 4 tests/test_kernel_skinny_gemm.py tests/test_kernel_skinny_fp8.py -k "cuda and not interpret" \
-      --switch "$pre=65536" | grep -v PASSED | tail -4
-    for bytes in 0 65536 1024; do
-      echo "-- goal 2's cell at 65 new tokens, fp8 drafter, 16384-token map, PRE_WAIT_L2_BYTES=$bytes"
-      goal_cell 90 --new-tokens 65 --draft-quantization fp8 --token-map-size 16384 --switch "$pre=$bytes"
-    done ;;
   pass173)
     echo "== (ninety-first pass) goals 1 and 2 on an H200, and the token map's cell"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -349,10 +349,10 @@ def test_benchmark_cpu_wiring_check_one_byte_weights(flag) -> None:
 # ---- offline sm_90 compile (no GPU needed) -------------------------------------------------------------
 
 
-def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False, pre_l2: int = 0) -> str:
+def _compile_sm90(m: int, n: int, k: int, cfg: SkinnyConfig, pdl: bool = False) -> str:
     """PTX of the kernel compiled for an H100/H200 (sm_90) with bf16 inputs, through ptxas (the
     launch's own constexprs from ``_plan``); no driver or GPU involved."""
-    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl, pre_l2=pre_l2)[2])
+    meta = dict(sg._plan(m, n, k, torch.bfloat16, cfg, False, pdl)[2])
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     if "launch_pdl" in meta:
         options["launch_pdl"] = meta.pop("launch_pdl")
@@ -405,31 +405,6 @@ def test_sm90_programmatic_dependent_launch_code() -> None:
     assert ptx.index("griddepcontrol.wait") < ptx.index("Loop Header")  # the K loop after it
     ptx = _compile_sm90(16, 2048, 8192, SkinnyConfig(64, 128, 4, 4, 4, use_dot=True), pdl=True)
     assert loads_before_pdl_wait(ptx) == []
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_pre_wait_l2_prefetch_is_the_only_request_before_the_wait() -> None:
-    """``PRE_WAIT_L2_BYTES``: a dot-path program requests its rows' first bytes into L2 (TMA bulk
-    prefetches, no load into registers or shared memory) before griddepcontrol.wait, capped at
-    its K chunk (2048 columns a split of 8192 at split 4: 4 KiB a bf16 row); not without PDL,
-    not on the GEMV path."""
-    dot = SkinnyConfig(64, 128, 4, 4, 4, use_dot=True)
-    assert sg._plan(16, 2048, 8192, torch.bfloat16, dot, False, True, pre_l2=1 << 20)[2]["PRE_L2"] == 4096
-    assert sg._plan(16, 2048, 8192, torch.bfloat16, dot, False, True, pre_l2=1000)[2]["PRE_L2"] == 992
-    assert sg._plan(16, 2048, 8192, torch.bfloat16, dot, False, False, pre_l2=4096)[2]["PRE_L2"] == 0
-    gemv = SkinnyConfig(16, 256, 4, 4, 2, use_dot=False)
-    assert sg._plan(1, 2048, 8192, torch.bfloat16, gemv, False, True, pre_l2=4096)[2]["PRE_L2"] == 0
-    ptx = _compile_sm90(16, 2048, 8192, dot, pdl=True, pre_l2=4096)
-    early = loads_before_pdl_wait(ptx)
-    assert early and all("cp.async.bulk.prefetch.L2.global" in line for line in early)
-    assert "cp.async.bulk.prefetch" not in ptx[ptx.index("griddepcontrol.wait"):]
-
-
-def test_pre_wait_l2_needs_a_cuda_sm90_weight(monkeypatch) -> None:
-    monkeypatch.setattr(sg, "PRE_WAIT_L2_BYTES", 4096)
-    assert sg._pre_wait_l2_bytes(torch.zeros(8, 64), interpret=False) == 0  # a CPU tensor
-    monkeypatch.setattr(sg, "PRE_WAIT_L2_BYTES", 0)
-    assert sg._pre_wait_l2_bytes(torch.zeros(8, 64), interpret=False) == 0
 
 
 @pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")

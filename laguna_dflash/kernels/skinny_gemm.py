@@ -101,7 +101,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .availability import cuda_capability, interpret_mode, triton_can_run
+from .availability import interpret_mode, triton_can_run
 from .jit import DTYPE_CODE, _round_to, jit_functions
 from .pdl import launch_options
 from .precompile import register_state
@@ -536,21 +536,6 @@ def _weight_rows(offs_n, glu_inter, GLU: tl.constexpr):
     return offs_n
 
 
-def _pre_wait_l2(w_ptr, n0, k_start, N, K, stride_wn, glu_inter, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRE_L2: tl.constexpr, W_BYTES: tl.constexpr):
-    # the first PRE_L2 bytes of this program's K chunk of each of its weight rows, into L2 (one
-    # TMA bulk prefetch a row, fire and forget: kernels/l2_prefetch.py), issued before the PDL
-    # wait while the previous kernel still runs; a hint, no value changes (:data:`PRE_WAIT_L2_BYTES`)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    rows = _weight_rows(offs_n, glu_inter, GLU).to(tl.int64)
-    ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + (rows * stride_wn + k_start) * W_BYTES
-    size = tl.minimum(PRE_L2, (K - k_start) * W_BYTES) // 16 * 16
-    size = tl.where(offs_n < N, tl.maximum(size, 0), 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def _store_y(acc, y_ptr, stride_ym, pid_n, M, N, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
              OUT_DTYPE: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
     # y of column tile pid_n from acc [M_PAD, BLOCK_N] fp32, rounded once. GLU: virtual columns
@@ -589,7 +574,6 @@ def _skinny_gemm_kernel(
     EVICT_FIRST: tl.constexpr, X_BCAST: tl.constexpr, PREFETCH: tl.constexpr,
     OUT_DTYPE: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     GLU: tl.constexpr, LIBDEVICE: tl.constexpr, W_FP8: tl.constexpr,
-    PRE_L2: tl.constexpr = 0, W_BYTES: tl.constexpr = 2,
 ):
     # program (j, s): columns [j BLOCK_N, (j + 1) BLOCK_N), K chunk [s Ks, (s + 1) Ks) with
     # Ks = K_ITERS * BLOCK_K. The trip count is a constexpr (K is fixed per weight, and the
@@ -619,8 +603,6 @@ def _skinny_gemm_kernel(
     n0 = pid_n * BLOCK_N
     k_start = pid_k * (K_ITERS * BLOCK_K)
 
-    if PRE_L2 > 0:  # the dot path's first weight bytes, requested before the wait (sm_90, PDL)
-        _pre_wait_l2(w_ptr, n0, k_start, N, K, stride_wn, glu_inter, GLU, BLOCK_N, PRE_L2, W_BYTES)
     if PDL and (USE_DOT or not PREFETCH):
         tl.extra.cuda.gdc_wait()  # launched early (programmatic dependent launch): x is ready now
     if USE_DOT:
@@ -711,7 +693,7 @@ def _kernels(interpret: bool):
     """The JIT kernel for one mode (``interpret`` is the cache key; triton reads the environment)."""
     del interpret
     namespace = jit_functions(__name__, (_round_to, _load_w, _dot_step, _dot_acc, _gemv_w_load, _gemv_x_loads, _gemv_loads,
-                                         _bcast, _weight_rows, _pre_wait_l2, _store_y, _skinny_gemm_kernel))
+                                         _bcast, _weight_rows, _store_y, _skinny_gemm_kernel))
     return namespace["_skinny_gemm_kernel"]
 
 
@@ -845,8 +827,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         return y.zero_()  # with glu and K = 0: gate = up = 0, silu(0) * 0 = 0
     interpret = interpret_mode()
     grid, split_k, meta = _plan(m, n, k, x.dtype, cfg, interpret, pdl.active(x.device, interpret),
-                                glu=glu, w_fp8=fp8_mode(is_fp8, x.dtype, weight.dtype),
-                                pre_l2=_pre_wait_l2_bytes(weight, interpret))
+                                glu=glu, w_fp8=fp8_mode(is_fp8, x.dtype, weight.dtype))
     if split_k > 1:
         part, counters = _workspace(x.device, n, split_k)
     else:
@@ -901,24 +882,6 @@ def skinny_gemm_rows(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig
     return y
 
 
-# Bytes of each weight row's K chunk a dot-path program (M 2..16 rows: the verify's and the
-# drafter block's GEMMs) requests into L2 before its programmatic-dependent-launch wait, while
-# the kernel before it still runs (one TMA bulk prefetch a row; sm_90, PDL on). 0: off (the GEMV
-# path already loads its first tile before the wait). An A/B knob: the dot path otherwise waits
-# before its first weight load.
-PRE_WAIT_L2_BYTES = 0
-
-
-def _pre_wait_l2_bytes(weight: torch.Tensor, interpret: bool) -> int:
-    """:data:`PRE_WAIT_L2_BYTES` where the prefetch can run for ``weight``: CUDA sm_90+, compiled,
-    16-byte aligned rows; else 0."""
-    if PRE_WAIT_L2_BYTES <= 0 or interpret or weight.device.type != "cuda":
-        return 0
-    if cuda_capability(weight.device.index) < (9, 0) or weight.data_ptr() % 16:
-        return 0
-    return PRE_WAIT_L2_BYTES if (weight.stride(0) * weight.element_size()) % 16 == 0 else 0
-
-
 # The dot path's e4m3 weight tiles widen to fp16 (x rounded to fp16) where x is bf16: half the
 # conversions of widening to bf16 (the kernel's _dot_acc). False: to x's dtype (an A/B knob).
 FP8_DOT_F16 = True
@@ -941,17 +904,15 @@ def _use_dot(cfg: SkinnyConfig, m: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
           interpret: bool, pdl: bool = False, row_blocks: int = 0,
-          glu: bool = False, w_fp8: int = 0, pre_l2: int = 0) -> tuple[tuple[int, ...], int, dict]:
+          glu: bool = False, w_fp8: int = 0) -> tuple[tuple[int, ...], int, dict]:
     """(grid, effective split_k, constexpr and launch keywords) of one call; validates ``cfg``
     (cached per shape and config: the eager host path is a dict lookup and one launch).
     ``row_blocks`` > 0: a :func:`skinny_gemm_rows` launch over that many 16-row blocks; ``glu``:
     the SwiGLU epilogue of :func:`skinny_gemm`; ``w_fp8``: an e4m3 weight with row scales
-    (:func:`fp8_mode`); ``pre_l2``: bytes a weight row the dot path requests into L2 before its
-    PDL wait (:data:`PRE_WAIT_L2_BYTES`; the caller checks it can run)."""
+    (:func:`fp8_mode`)."""
     use_dot = True if row_blocks else _use_dot(cfg, m)
     _check_config(cfg, use_dot, m)
     block_k = cfg.block_k
-    w_bytes = 1 if w_fp8 else dtype.itemsize  # bytes a weight element
     k_per_split = _cdiv(_cdiv(k, cfg.split_k), block_k) * block_k  # K / split up to BLOCK_K
     split_k = _cdiv(k, k_per_split)  # drop chunks that would start past K
     meta = dict(
@@ -963,8 +924,6 @@ def _plan(m: int, n: int, k: int, dtype: torch.dtype, cfg: SkinnyConfig,
         PREFETCH=not use_dot and cfg.num_stages > 1,
         OUT_DTYPE=DTYPE_CODE[dtype], PART_ROWS=MAX_M, PDL=pdl, ROW_BLOCKS=row_blocks > 0,
         GLU=bool(glu), LIBDEVICE=not interpret, W_FP8=int(w_fp8),
-        PRE_L2=min(pre_l2, k_per_split * w_bytes) // 16 * 16 if use_dot and pdl and not row_blocks else 0,
-        W_BYTES=w_bytes,
         num_warps=cfg.num_warps, num_stages=_dot_stages(cfg, dtype) if use_dot else cfg.num_stages,
         **launch_options(pdl),
     )

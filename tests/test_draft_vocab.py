@@ -10,6 +10,7 @@ fp8. The sampled distribution: test_spec_sampling.py; two ranks: test_tensor_par
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,17 @@ def test_cuda_greedy_output_is_the_targets_with_a_map(pair, tmp_path, quantizati
     assert tokens == expected
     assert set(drafts) <= set(ids.tolist())
     assert llm.get_metrics()["mean_acceptance_length"] > 1.5
+
+
+def test_a_smaller_draft_vocab_size_in_the_config_points_to_the_token_map(pair, tmp_path) -> None:
+    """A Laguna drafter's config must keep the target's vocabulary (it shares the lm_head); the
+    error says how to draft among fewer tokens instead."""
+    import shutil
+
+    target, draft = pair
+    copy = Path(shutil.copytree(draft, tmp_path / "draft"))
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["draft_vocab_size"] = 2048
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_vocab_size=2048 differs .* pass --speculative-token-map"):
+        LLM(target, str(copy))

@@ -70,7 +70,9 @@ def laguna_draft_spec(cfg: dict, shapes: dict | None, target: nn.Module | None) 
         if draft_vocab != vocab:
             raise ValueError(
                 f"{arch}: draft_vocab_size={draft_vocab} differs from the target vocabulary {vocab}; "
-                "Laguna drafters share the target's embedding and lm_head, so they must be equal"
+                "Laguna drafters share the target's embedding and lm_head, so they must be equal "
+                "(to draft among fewer tokens, keep the target's vocabulary in config.json and pass "
+                "--speculative-token-map)"
             )
     mask_id = dflash_value(cfg, "mask_token_id")
     if mask_id is None:

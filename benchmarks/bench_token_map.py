@@ -27,9 +27,14 @@ import torch
 from laguna_dflash import LLM, SamplingParams
 from laguna_dflash.bench import load_prompts
 from laguna_dflash.demo import demo_pair, heldout_prompts
-from laguna_dflash.llm import load_tokenizer
 from laguna_dflash.models.draft_vocab import most_frequent_tokens, save_token_map
-from laguna_dflash.token_map import count_tokens, iter_texts, model_vocab, token_coverage
+from laguna_dflash.token_map import (
+    count_tokens,
+    counting_tokenizer,
+    iter_texts,
+    model_vocab,
+    token_coverage,
+)
 from laguna_dflash.train.data import stdlib_files
 
 
@@ -66,9 +71,7 @@ def main() -> None:
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     sizes = [int(v) for v in args.sizes.split(",")]
     vocab_size, eos = model_vocab(target)
-    tokenizer = load_tokenizer(target)
-    tokenizer.model_max_length = int(1e30)  # whole files are counted, never fed to the model
-    counts = count_tokens(iter_texts(data, args.glob, args.max_bytes), tokenizer, vocab_size)
+    counts = count_tokens(iter_texts(data, args.glob, args.max_bytes), counting_tokenizer(target), vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     engine_options = {"device": args.device, "dtype": args.dtype}
     base = [o.token_ids for o in LLM(target, **engine_options).generate(prompts, params)]

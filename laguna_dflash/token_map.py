@@ -29,7 +29,7 @@ from .models.draft_vocab import most_frequent_tokens, save_token_map
 logger = logging.getLogger(__name__)
 
 __all__ = ["TOKEN_MAP_SUFFIXES", "CorpusStats", "TokenMapSummary", "build_token_map",
-           "corpus_files", "count_tokens", "file_texts", "iter_texts", "model_vocab",
+           "corpus_files", "count_tokens", "counting_tokenizer", "file_texts", "iter_texts", "model_vocab",
            "record_text", "token_coverage"]
 
 #: the token map file formats ``save_token_map`` writes (SGLang's .pt, a JSON list)
@@ -265,13 +265,26 @@ def token_coverage(counts: torch.Tensor, token_ids: torch.Tensor) -> float:
     return int(counts[token_ids].sum()) / total if total else 0.0
 
 
+def counting_tokenizer(model: str | Path) -> Tokenizer:
+    """``model``'s tokenizer, set up to count whole files (they are never fed to the model, so no
+    "longer than the maximum" warning); a ``ValueError`` naming ``--model`` where it has none."""
+    from .llm import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(f"--model {model}: no tokenizer there (tokenizer.json or "
+                         "tokenizer_config.json), or transformers is not installed; the corpus is "
+                         "counted with the target's tokenizer")
+    if hasattr(tokenizer, "model_max_length"):
+        tokenizer.model_max_length = int(1e30)
+    return tokenizer
+
+
 def build_token_map(model: str | Path, data: Sequence[str | Path], num_tokens: int,
                     output: str | Path, glob: str = "*", max_bytes: int | None = None) -> TokenMapSummary:
     """Count the corpus ``data`` with ``model``'s tokenizer, keep the ``num_tokens`` most frequent
     ids plus the model's end-of-sequence ids (:func:`most_frequent_tokens`) and write them to
     ``output`` (.pt or .json) -> the summary. Errors are ``ValueError`` naming the flag."""
-    from .llm import load_tokenizer
-
     output = Path(output)
     if output.suffix not in TOKEN_MAP_SUFFIXES:
         raise ValueError(f"--output {output}: a token map is a .pt file (torch.save of the ids, "
@@ -281,13 +294,7 @@ def build_token_map(model: str | Path, data: Sequence[str | Path], num_tokens: i
     vocab_size, eos = model_vocab(model)
     # --num-tokens checked (and against the always-kept ids) before the corpus is counted
     most_frequent_tokens(torch.zeros(vocab_size, dtype=torch.int64), num_tokens, always=eos)
-    tokenizer = load_tokenizer(model)
-    if tokenizer is None:
-        raise ValueError(f"--model {model}: no tokenizer there (tokenizer.json or "
-                         "tokenizer_config.json), or transformers is not installed; the corpus is "
-                         "counted with the target's tokenizer")
-    if hasattr(tokenizer, "model_max_length"):  # whole files are counted, not fed to the model:
-        tokenizer.model_max_length = int(1e30)  # no "longer than the maximum" warning (transformers')
+    tokenizer = counting_tokenizer(model)
     stats = CorpusStats()
     # a map written into a --data directory (by an earlier run) is not part of the corpus
     counts = count_tokens(iter_texts(data, glob, max_bytes, stats, exclude=(output,)), tokenizer, vocab_size)

@@ -343,6 +343,7 @@ def default_config(m: int, n: int, k: int, fp8: bool = False, int8: bool = False
     :data:`CONFIG_OVERRIDES` entry for this shape replaced. ``1 <= m <= 16``.
 
     ``fp8`` (an e4m3 weight, one byte an element): its own measured table (``_MEASURED_FP8``),
+    else that table's entry of the same K with the nearest N (:func:`_nearest_measured_fp8`),
     else the bf16 config with ``block_k`` doubled, so that a tile and a K step move the same
     bytes (the dot path's at most 256: its tiles are widened in registers); its override key is
     ``"fp8,M_BUCKET,N,K"``. ``int8`` (an int8 weight, implies one byte an element): its own table

@@ -131,7 +131,8 @@ class Fp8Linear(nn.Module):
 def quantize_drafter(drafter: nn.Module) -> int:
     """Quantize ``drafter``'s streamed weights in place (module docstring): every layer's
     :data:`QUANTIZED_PROJECTIONS` (``mlp.gate_up_proj``) become :class:`Fp8Linear` and the
-    drafter keeps an fp8 copy of the shared lm_head (``lm_head_fp8``). Inference only,
+    drafter keeps an fp8 copy of the shared lm_head (``lm_head_fp8``; of its draft vocabulary's
+    rows only where ``set_draft_vocab`` set one: models/draft_vocab.py). Inference only,
     after ``layers.fuse_for_inference``. Memory grows by the fp8 copies (the unquantized
     weights stay for launches past 16 rows). Returns the bytes of weights the drafter's
     forward no longer reads in bf16 in a launch of up to 16 rows (what one block and one

@@ -1,11 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass175    # any card: the folded shared expert's gate_up programs streaming
-#                                           # before their PDL wait (moe_gemv.SHARED_BEFORE_WAIT): the MoE GEMV
-#                                           # CUDA and sm_90 tests, then goal 2's cell at 65 new tokens (fp8
-#                                           # drafter, 16384-token map) without and with it, in turn, each its
-#                                           # own process; on an H200 the decode is goal 1's number (~5 min)
 #   bash benchmarks/gpu_check.sh pass173    # on an H200: goals 1 and 2 against f2bf086 (pass160, one round; carry
 #                                           # .ab/old), then goal 2's cell with the fp8 drafter and a 16384-token
 #                                           # map (~5-7 min); elsewhere the fp8 skinny GEMM, fp8 drafter and
@@ -694,15 +689,6 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
-  pass175)
-    echo "== (ninety-second pass) the shared expert's gate_up before the routing kernel ends"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    gpu_tests 150 tests/test_kernel_moe_gemv.py -k "cuda or sm90" | grep -v PASSED | tail -4
-    early="laguna_dflash.kernels.moe_gemv:SHARED_BEFORE_WAIT=true"
-    for round in $(seq "${PASS175_ROUNDS:-1}"); do
-      GOAL_LIMIT="${GOAL_LIMIT:-90}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384" \
-        "--draft-quantization fp8 --token-map-size 16384 --switch $early"
-    done ;;
   pass173)
     echo "== (ninety-first pass) goals 1 and 2 on an H200, and the token map's cell"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

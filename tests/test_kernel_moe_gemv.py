@@ -122,40 +122,8 @@ def test_interpreter_child() -> None:
     run_interpreted_child(__file__)
 
 
-def _shared_last_problem(t, dtype, seed, device="cpu"):
-    """A problem whose every token's last pair is the stack's last expert (the folded shared one)."""
-    x, ids, w, gate_up, down = _problem(t, 9, 12, 80, 40, dtype, seed, device)
-    ids[:, -1] = gate_up.shape[0] - 1
-    w[:, -1] = 1.0
-    return x, ids, w, gate_up, down
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interpreted_shared_before_wait_changes_no_bit(dtype, monkeypatch) -> None:
-    from laguna_dflash.kernels import moe_gemv
-
-    for t in (1, 3):
-        args = _shared_last_problem(t, dtype, seed=t)
-        want = moe_gemv_experts(*args)
-        monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-        assert torch.equal(moe_gemv_experts(*args, shared_last=True), want)
-        monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", False)
-    # the early programs take the last expert without reading the id column: gate_up's h then
-    # comes from expert E - 1 while the down kernel reads the column's expert, so a column that
-    # names another expert changes those pairs only (and shows the early path ran)
-    x, ids, w, gate_up, down = _shared_last_problem(2, dtype, seed=5)
-    ids[:, -1] = 0
-    plain = moe_gemv_experts(x, ids, w, gate_up, down, shared_last=True)
-    monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-    early = moe_gemv_experts(x, ids, w, gate_up, down, shared_last=True)
-    assert torch.equal(early[:, :-1], plain[:, :-1]) and not torch.equal(early[:, -1], plain[:, -1])
-
-
 def test_validation() -> None:
     x, ids, w, gu, dn = _problem(1, 2, 3, 8, 4, torch.float32, 0)
-    with pytest.raises(ValueError, match="shared_last does not go with has_skipped_pairs"):
-        moe_gemv_experts(x, ids, w, gu, dn, has_skipped_pairs=True, shared_last=True)
     with pytest.raises(ValueError, match="shapes disagree"):
         moe_gemv_experts(x[:, :4], ids, w, gu, dn)
     with pytest.raises(ValueError, match="share one of"):
@@ -220,42 +188,6 @@ def test_cuda_moe_forward_with_gemv_and_graph_capture(monkeypatch) -> None:
 
 
 @cuda
-def test_cuda_shared_before_wait_changes_no_bit_eager_and_graphed(monkeypatch) -> None:
-    """XS-2.1 widths, 1 and 4 tokens, the folded shared expert last (id 32 of 33 experts): with
-    ``SHARED_BEFORE_WAIT`` its gate_up programs run before their PDL wait; the pairs are the
-    default's bits eagerly, in a captured graph and through ``MoE.forward``."""
-    import functools
-
-    from laguna_dflash.kernels import moe_gemv
-    from laguna_dflash.models.layers import MoE
-
-    for t in (1, 4):
-        x, ids, w, gate_up, down = _problem(t, 9, 33, 2048, 512, torch.bfloat16, seed=t, device="cuda")
-        ids[:, -1] = 32
-        w[:, -1] = 1.0
-        want = moe_gemv_experts(x, ids, w, gate_up, down)
-        monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-        eager, static_out, graph = eager_then_graphed(
-            functools.partial(moe_gemv_experts, x, ids, w, gate_up, down, shared_last=True))
-        assert torch.equal(eager, want) and torch.equal(static_out, want)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", False)
-        assert torch.equal(static_out, moe_gemv_experts(x, ids, w, gate_up, down))
-    torch.manual_seed(0)
-    moe = MoE(2048, 64, 8, 512, 512).to("cuda", torch.bfloat16).eval()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    moe.fold_shared_expert()
-    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        want = moe(x)
-        monkeypatch.setattr(moe_gemv, "SHARED_BEFORE_WAIT", True)
-        assert torch.equal(moe(x), want)
-
-
-@cuda
 def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     """XS-2.1 widths (9 pairs a token, 20 of 40 experts on this rank), bf16 and fp32: the rank's
     pairs are the global call's bits, the skipped ones zeros; a captured graph replays another
@@ -282,7 +214,7 @@ def test_cuda_skipped_pairs_xs21_and_graph_capture() -> None:
     assert torch.equal(static_out, moe_gemv_experts(x, local, w, gate_up, down, has_skipped_pairs=True))
 
 
-def _compile_sm90(which: int, pdl: bool, skip: bool = False, shared_early: bool = False) -> str:
+def _compile_sm90(which: int, pdl: bool, skip: bool = False) -> str:
     """PTX of the gate_up (0) or down (1) kernel at XS-2.1 shapes, bf16, for sm_90 (offline)."""
     from laguna_dflash.kernels import moe_gemv
 
@@ -291,7 +223,7 @@ def _compile_sm90(which: int, pdl: bool, skip: bool = False, shared_early: bool 
     h, inter = 2048, 512
     if which == 0:
         pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16"}
-        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk), SHARED_EARLY=shared_early)
+        constexprs = dict(K_TOP=9, H=h, INTER=inter, K_ITERS=-(-h // bk))
     else:
         pointers = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*bf16", "out_ptr": "*bf16"}
         constexprs = dict(H=h, INTER=inter, K_ITERS=-(-inter // bk))
@@ -314,16 +246,3 @@ def test_sm90_programmatic_dependent_launch_order() -> None:
             assert any(".cg" in line for line in early)  # the expert id, from L2
             assert all(".cg" in line or "evict_first" in line for line in early), early
             assert any("evict_first" in line for line in early)  # the first weight tile
-
-
-@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton's CUDA backend (and not the interpreter)")
-def test_sm90_shared_early_build_waits_once_on_each_path() -> None:
-    """The SHARED_EARLY gate_up build (``SHARED_BEFORE_WAIT``): a wait on each of its two paths
-    (the shared programs' after their loop), x read through L2 on the early path, and
-    ``launch_dependents`` only after a wait; the default build keeps its single wait first."""
-    ptx = _compile_sm90(0, True, shared_early=True)
-    assert ptx.count("griddepcontrol.wait") == 2
-    first_wait = ptx.index("griddepcontrol.wait")
-    assert first_wait < ptx.index("griddepcontrol.launch_dependents")
-    assert any("ld.global.cg" in line for line in ptx.splitlines())  # x, before the early path's wait
-    assert loads_before_pdl_wait(_compile_sm90(0, True)) == []

@@ -54,18 +54,13 @@ from .jit import DTYPE_CODE, _round_to, jit_functions
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "SHARED_BEFORE_WAIT", "is_available", "moe_gemv_experts"]
+__all__ = ["GATE_UP_CONFIG", "DOWN_CONFIG", "is_available", "moe_gemv_experts"]
 
 # (BLOCK_N, BLOCK_K, num_warps) per kernel: the best of 36 pairs swept on the H200 at XS-2.1
 # shapes, H = 2048, I = 512 (bench_fused_moe.py --tokens 1 --sweep: 19.8 us per layer; the
 # next five within 4%).
 GATE_UP_CONFIG = (8, 256, 4)
 DOWN_CONFIG = (32, 128, 4)
-
-# With ``shared_last`` (the folded shared expert is every token's last pair): its gate_up
-# programs stream their rows before the PDL wait, during the routing kernel's tail (an A/B knob,
-# ninety-second pass; ``moe_gemv_experts``)
-SHARED_BEFORE_WAIT = False
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -87,36 +82,21 @@ def _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
     return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0)
 
 
-def _tile_x_l2(x_row, k0, ok, zero_n, K, BLOCK_K: tl.constexpr):
-    # _tile_x through L2 (``.cg``): x read before the PDL wait, never from a stale L1 line
-    offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    kk = offs_k[None, :] + zero_n
-    return tl.load(x_row + kk, mask=(kk < K) & ok, other=0.0, cache_modifier=".cg")
-
-
 def _tile_gemv(w_rows, x_row, k0, ok, offs_n, zero_n, N, K, BLOCK_K: tl.constexpr):
     # weight tile and x slice at column k0 (see _tile_w, _tile_x)
     return _tile_w(w_rows, k0, ok, offs_n, N, K, BLOCK_K), _tile_x(x_row, k0, ok, zero_n, K, BLOCK_K)
 
 
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, shared_id,
+    x_ptr, w_ptr, ids_ptr, h_ptr,
     K_TOP: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr, SHARED_EARLY: tl.constexpr,
+    PDL: tl.constexpr, SKIP_NEGATIVE: tl.constexpr,
 ):
     p = tl.program_id(0)
-    # SHARED_EARLY: the last pair of every token is the folded shared expert (id shared_id, known
-    # without the routing kernel), so its programs stream their rows before the wait, while the
-    # routing kernel finishes: its weights are parameters and x, the kernel two launches back's
-    # output, is read through L2 (kernels/pdl.py, rule 3); they wait once before their store
-    is_early = SHARED_EARLY and (p % K_TOP == K_TOP - 1)
-    if PDL and not is_early:
+    if PDL:
         tl.extra.cuda.gdc_wait()  # the ids are the previous kernel's (routing) output
-    if is_early:
-        expert = tl.full([], shared_id, tl.int64)
-    else:
-        expert = tl.load(ids_ptr + p).to(tl.int64)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
     if SKIP_NEGATIVE:
         # a skipped pair (id -1): its h row stays unwritten, and the down kernel never reads it
         if expert < 0:
@@ -129,31 +109,16 @@ def _gate_up_gemv_kernel(
     u_rows = g_rows + INTER * H
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if is_early:
-        wg, xs = _tile_w(g_rows, 0, True, offs_n, INTER, H, BLOCK_K), _tile_x_l2(x_row, 0, True, zero_n, H, BLOCK_K)
-        wu = _tile_w(u_rows, 0, True, offs_n, INTER, H, BLOCK_K)
-        for i in range(K_ITERS):
-            cg, cu, cx = wg, wu, xs
-            ok = i + 1 < K_ITERS
-            wg = _tile_w(g_rows, (i + 1) * BLOCK_K, ok, offs_n, INTER, H, BLOCK_K)
-            xs = _tile_x_l2(x_row, (i + 1) * BLOCK_K, ok, zero_n, H, BLOCK_K)
-            wu = _tile_w(u_rows, (i + 1) * BLOCK_K, ok, offs_n, INTER, H, BLOCK_K)
-            xf = cx.to(tl.float32)
-            acc_g += cg.to(tl.float32) * xf
-            acc_u += cu.to(tl.float32) * xf
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # rule 1: once, before the store
-    else:
-        wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-        wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
-        for i in range(K_ITERS):
-            cg, cu, cx = wg, wu, xs
-            ok = i + 1 < K_ITERS
-            wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-            wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
-            xf = cx.to(tl.float32)
-            acc_g += cg.to(tl.float32) * xf
-            acc_u += cu.to(tl.float32) * xf
+    wg, xs = _tile_gemv(g_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    wu, _ = _tile_gemv(u_rows, x_row, 0, True, offs_n, zero_n, INTER, H, BLOCK_K)
+    for i in range(K_ITERS):
+        cg, cu, cx = wg, wu, xs
+        ok = i + 1 < K_ITERS
+        wg, xs = _tile_gemv(g_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        wu, _ = _tile_gemv(u_rows, x_row, (i + 1) * BLOCK_K, ok, offs_n, zero_n, INTER, H, BLOCK_K)
+        xf = cx.to(tl.float32)
+        acc_g += cg.to(tl.float32) * xf
+        acc_u += cu.to(tl.float32) * xf
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1)
@@ -213,7 +178,7 @@ def _down_gemv_kernel(
 def _kernels(interpret: bool):
     """(gate_up kernel, down kernel) for one mode (``interpret`` is the cache key)."""
     del interpret
-    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_x_l2, _tile_gemv, _gate_up_gemv_kernel,
+    ns = jit_functions(__name__, (_round_to, _tile_w, _tile_x, _tile_gemv, _gate_up_gemv_kernel,
                                   _down_gemv_kernel))
     return ns["_gate_up_gemv_kernel"], ns["_down_gemv_kernel"]
 
@@ -225,7 +190,6 @@ def moe_gemv_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     has_skipped_pairs: bool = False,
-    shared_last: bool = False,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output ``[T, k, H]`` in ``x.dtype``.
 
@@ -241,12 +205,6 @@ def moe_gemv_experts(
             expert weight is read for it. Every other pair's row is bitwise the one the same call
             gives it with no pair skipped (pairs are independent here). ``False`` compiles the
             kernels without the check (the tuned default).
-        shared_last: every token's last pair is the folded shared expert, the last of
-            ``gate_up``'s experts (``expert_ids[:, -1] == E - 1``, as ``MoE`` routes with
-            ``num_shared=1``): with :data:`SHARED_BEFORE_WAIT` its gate_up programs take that id
-            without reading ``expert_ids`` and stream before their PDL wait. The output is the
-            same bitwise; an id column that says otherwise is not read. Not with
-            ``has_skipped_pairs``.
 
     Returns:
         ``[T, k, H]``: pair ``(t, j)`` is ``w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, the
@@ -263,9 +221,6 @@ def moe_gemv_experts(
                          f"{x.dtype}, {gate_up.dtype}, {down.dtype}")
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("gate_up and down must be contiguous (the kernels address them by shape)")
-    if shared_last and has_skipped_pairs:
-        raise ValueError("shared_last does not go with has_skipped_pairs (expert parallelism maps the "
-                         "shared expert's id per rank); pass shared_last=False")
     p = t * k
     out = torch.empty((t, k, hidden), dtype=x.dtype, device=x.device)
     if p == 0:
@@ -280,9 +235,9 @@ def moe_gemv_experts(
     use_pdl = pdl.active(x.device, interpret)
     bn, bk, nw = GATE_UP_CONFIG
     gate_up_kernel[(p, -(-inter // bn))](
-        x, gate_up, ids, h, e - 1, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
+        x, gate_up, ids, h, K_TOP=k, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=-(-hidden // bk), OUT_DTYPE=code, PDL=use_pdl, SKIP_NEGATIVE=bool(has_skipped_pairs),
-        SHARED_EARLY=bool(shared_last and SHARED_BEFORE_WAIT), num_warps=nw, **pdl.launch_options(use_pdl))
+        num_warps=nw, **pdl.launch_options(use_pdl))
     bn, bk, nw = DOWN_CONFIG
     down_kernel[(p, -(-hidden // bn))](
         h, down, ids, rw, out, H=hidden, INTER=inter, BLOCK_N=bn, BLOCK_K=bk,

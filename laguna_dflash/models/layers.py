@@ -703,7 +703,7 @@ class MoE(nn.Module):
         if invariant:
             pairs = batch_invariant.moe_experts(*experts, **skips)
         elif self.use_moe_gemv and x.shape[0] <= self.moe_gemv_max_tokens:
-            pairs = moe_gemv.moe_gemv_experts(*experts, shared_last=folded and not skips, **skips)
+            pairs = moe_gemv.moe_gemv_experts(*experts, **skips)
         elif ids.numel() > self.fused_moe_max_pairs:
             pairs = grouped_moe.sorted_moe_experts(
                 *experts, block_m=grouped_moe.block_m_for(x.shape[0]), **skips)

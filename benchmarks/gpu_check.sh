@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass176    # on an H200 only (elsewhere it names the card and stops): goal 2's
+#                                           # cell at 65 new tokens with the fp8 drafter and a 16384-token map,
+#                                           # then with the fp8 drafter alone, each its own process; their
+#                                           # target-only decode is goal 1's number (carry .tc; ~1-3 min)
 #   bash benchmarks/gpu_check.sh pass173    # on an H200: goals 1 and 2 against f2bf086 (pass160, one round; carry
 #                                           # .ab/old), then goal 2's cell with the fp8 drafter and a 16384-token
 #                                           # map (~5-7 min); elsewhere the fp8 skinny GEMM, fp8 drafter and
@@ -689,6 +693,15 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass176)
+    echo "== (ninety-second pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, with and without a map"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      GOAL_LIMIT="${GOAL_LIMIT:-80}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384" \
+        "--draft-quantization fp8"
+    else
+      echo "-- not an H200: nothing run"
+    fi ;;
   pass173)
     echo "== (ninety-first pass) goals 1 and 2 on an H200, and the token map's cell"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -671,6 +671,8 @@ goal_cells_against_base() {
     echo "-- goal cell, .ab/base"; base_goal_cell 85
   done
 }
+# on_h200: whether this machine's card is an H200 (the goals' card)
+on_h200() { nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }
 case "$stage" in
   lmhead-sweep)
     echo "== the lm_head shapes the skinny GEMM's table does not cover yet (S-2.1; two-rank shards)"
@@ -696,7 +698,7 @@ case "$stage" in
   pass176)
     echo "== (ninety-second pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, with and without a map"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       GOAL_LIMIT="${GOAL_LIMIT:-80}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384" \
         "--draft-quantization fp8"
     else
@@ -705,7 +707,7 @@ case "$stage" in
   pass173)
     echo "== (ninety-first pass) goals 1 and 2 on an H200, and the token map's cell"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
       GOAL_LIMIT="${GOAL_LIMIT:-90}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384"
     elif [ "${PASS173_TESTS:-1}" = 0 ]; then
@@ -730,7 +732,7 @@ case "$stage" in
   pass171)
     echo "== (ninety-first pass) the token maps' cells again, in turn; on an H200 goals 1 and 2 first"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
     fi
     for round in 1 2; do
@@ -758,7 +760,7 @@ case "$stage" in
   pass168)
     echo "== (eighty-eighth pass) on an H200 goals 1 and 2 (pass160, one round); elsewhere CUDA tests"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       PASS160_LIMITS="${PASS160_LIMITS:-150}" bash "$0" pass160
     else
       echo "-- the MoE kernel files' CUDA cases (their fp32 references over the routed experts only)"
@@ -770,7 +772,7 @@ case "$stage" in
   pass167)
     echo "== (eighty-seventh pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, this tree"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       goal_cell "${PASS167_LIMIT:-170}" --new-tokens 65 --draft-quantization fp8
     else
       echo "-- not an H200: nothing run"
@@ -807,7 +809,7 @@ case "$stage" in
   pass157)
     echo "== (eighty-first pass) goal 2's cell with the fp8 drafter"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       GOAL_LIMIT=140 goal_cells_65 "" "--draft-quantization fp8"
     else
       echo "-- this tree, fp8 drafter"; goal_cell 120 --new-tokens 65 --draft-quantization fp8

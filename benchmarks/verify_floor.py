@@ -20,7 +20,8 @@ would need at that decode step.
 
 Counting only: no kernel is timed here. The target's bytes are those of
 ``bench_gpu_xs.active_bytes`` (weights except the embedding, KV of the visible context) with the
-expert share replaced by the union, and the lm_head in the format the step reads.
+expert share replaced by the union, and the lm_head in the format the step reads (with the
+bf16 lm_head and ``top_k`` experts, the decode step's count is ``active_bytes``: tested).
 """
 
 from __future__ import annotations
@@ -56,22 +57,6 @@ def meta_model(config: dict, **build_kwargs) -> torch.nn.Module:
     """The registered architecture of ``config`` on the meta device (shapes only, no memory)."""
     with torch.device("meta"):
         return resolve_architecture(config["architectures"][0]).from_config(config, {}, **build_kwargs)
-
-
-def target_bytes(target: torch.nn.Module, context: int, experts_per_layer: float) -> float:
-    """Bytes a target forward reads (``bench_gpu_xs.active_bytes`` with ``experts_per_layer``
-    routed experts of each MoE layer instead of ``top_k``), bf16."""
-    moe = target.spec.moe
-    total = 0.0
-    for name, p in target.named_parameters():
-        if name.startswith("embed_tokens"):
-            continue
-        n = p.numel() * 2
-        total += n * experts_per_layer / moe.num_experts if "experts_" in name else n
-    s = target.spec
-    per_token = 2 * s.num_kv_heads * s.head_dim * 2
-    return total + sum(per_token * (min(context, layer.sliding_window) if layer.sliding_window else context)
-                       for layer in s.layers)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""``benchmarks/verify_floor.py``: the expert-union counts and the byte count it builds its
-floors from (the whole script builds full-width layers: a GPU-session tool, not run here)."""
+"""``benchmarks/verify_floor.py``: the expert-union counts, the byte counts it builds its floors
+from (meta-built models), and its printed ratios with a given union (no routing run)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,17 @@ def test_expected_union_of_uniform_choices() -> None:
     assert verify_floor.expected_union(256, 8, 64) < 256
 
 
-def test_target_bytes_is_active_bytes_at_top_k_and_grows_by_whole_experts() -> None:
+def test_parts_are_active_bytes_at_top_k_and_grow_by_whole_experts() -> None:
     model = verify_floor.meta_model(xs_target_config(3)).to(torch.bfloat16)
+    drafter = verify_floor.meta_model(xs_draft_config(3), target=model).to(torch.bfloat16)
     moe = model.spec.moe
-    base = verify_floor.target_bytes(model, 1024, moe.top_k)
-    assert base == pytest.approx(active_bytes(model, 1024))
+    bf16 = verify_floor.Formats(lm_head="bf16")
+    base = verify_floor.step_parts(model, drafter, 1024, moe.top_k, bf16)
+    assert sum(p[1] for p in base) == pytest.approx(active_bytes(model, 1024))
+    more = verify_floor.step_parts(model, drafter, 1024, moe.top_k + 1, bf16)
     expert = 3 * 512 * 2048 * 2  # gate, up, down of one XS-2.1 expert in bf16
     num_sparse = xs_target_config(3)["mlp_layer_types"].count("sparse")
-    assert verify_floor.target_bytes(model, 1024, moe.top_k + 1) - base == pytest.approx(expert * num_sparse)
+    assert sum(p[2] for p in more) - sum(p[2] for p in base) == pytest.approx(expert * num_sparse)
 
 
 # ---- the engine's formats, part by part (meta-built models: shapes only) ----------------------
@@ -64,7 +67,7 @@ def test_decode_parts_in_bf16_are_the_active_parameters_and_the_kv(xs21_pair) ->
     # 10 full layers read 1024 tokens of K and V, 30 sliding ones their 512-token window (4096 B a token)
     kv = (10 * 1024 + 30 * 512) * 8 * 128 * 2 * 2
     assert decode == pytest.approx(2 * ACTIVE_PARAMS_XS21 + kv)
-    assert decode == pytest.approx(verify_floor.target_bytes(target, 1024, top_k))
+    assert decode == pytest.approx(active_bytes(target, 1024))
 
 
 def test_dflash_parts_read_the_union_and_every_drafter_weight_once(xs21_pair) -> None:

@@ -135,6 +135,34 @@ def test_simulated_acceptance_length_for_benchmarks(pairs):
         LLM(target, draft=draft, simulate_acceptance_length=0.5)
 
 
+def test_simulated_counts_upload_once_per_distinct_tuple(pairs, monkeypatch):
+    """A simulated step takes its accepted counts from a device tensor uploaded once per
+    distinct tuple: at an integer L over a fixed batch every step reuses one (no upload a step,
+    as with real acceptance), while a fractional L still averages to L."""
+    import laguna_dflash.engine.engine as engine_module
+
+    uploads = []
+    real = engine_module.to_device_async
+
+    def spy(t, device):
+        uploads.append(tuple(t.tolist()))
+        return real(t, device)
+
+    monkeypatch.setattr(engine_module, "to_device_async", spy)
+    target, draft = pairs["laguna+poolside"]
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    llm = LLM(target, draft=draft, num_speculative_tokens=3, simulate_acceptance_length=4)
+    uploads.clear()
+    llm.generate(prompt_token_ids=_prompts(2, seed=3), sampling_params=params)
+    stats = llm.get_metrics()
+    assert stats["num_drafts"] >= 2 * 5 and stats["mean_acceptance_length"] == 4.0
+    assert uploads.count((3, 3)) == 1
+    frac = LLM(target, draft=draft, num_speculative_tokens=3, simulate_acceptance_length=2.5)
+    frac.generate(prompt_token_ids=_prompts(1, seed=3), sampling_params=params)
+    assert frac.get_metrics()["mean_acceptance_length"] == pytest.approx(2.5, abs=0.1)
+    assert set(frac.engine._sim_counts_on_device) == {(1,), (2,)}
+
+
 def test_decode_token_count_is_the_tokens_delivered(pairs):
     """``num_decode_tokens`` (the benchmarks' tokens/s numerator) counts the tokens a request
     kept: a verify that accepts past max_tokens delivers only up to it. 6 accepted a step at

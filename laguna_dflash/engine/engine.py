@@ -250,6 +250,7 @@ class LLMEngine:
         sim = config.speculative.simulate_acceptance_length if config.speculative else None
         self.simulated_acceptance = sim if k else None
         self._sim_carry = 0.0
+        self._sim_counts_on_device: dict[tuple[int, ...], torch.Tensor] = {}  # read only, never written
         if self.simulated_acceptance is not None:
             logger.warning("simulated acceptance length %.2f: drafts are accepted without checking, "
                            "output is NOT the target's (benchmarking only)", sim)
@@ -1007,6 +1008,17 @@ class LLMEngine:
         self._sim_carry = want - a
         return max(0, min(k, a))
 
+    def _simulated_counts(self, counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``counts`` as a ``[R]`` int64 device tensor, uploaded once per distinct tuple: with
+        an integer L every step repeats one tuple, so a simulated step pays no upload (a real
+        one has none: its counts come from the verify) and times what real acceptance would."""
+        cached = self._sim_counts_on_device.get(counts)
+        if cached is None:
+            if len(self._sim_counts_on_device) >= 64:  # fractional L over changing batches
+                self._sim_counts_on_device.clear()
+            cached = self._sim_counts_on_device[counts] = to_device_async(torch.tensor(counts), device)
+        return cached
+
     def _spec_decode(self, seqs: list[Sequence], k: int, ahead: DraftsAhead | None = None) -> list[int]:
         """One DFlash step for the whole batch with ``k`` drafts each: draft (or take the drafts
         the previous step queued, ``ahead``), verify, accept, queue the next step's drafts,
@@ -1032,8 +1044,7 @@ class LLMEngine:
         target_tokens = target_tokens.view(len(seqs), k + 1)
         simulated = None
         if self.simulated_acceptance is not None:  # on the device too: the drafts ahead use it
-            simulated = to_device_async(torch.tensor([self._simulated_accept(k) for _ in seqs]),
-                                        drafts.device)
+            simulated = self._simulated_counts(tuple(self._simulated_accept(k) for _ in seqs), drafts.device)
         # the accepted counts (given when simulated) and the rows of the host copy, in one launch
         # where Triton runs (kernels/accept_pack.py); accepted [R] int64, contiguous
         packed, accepted = accept_and_pack(drafts, target_tokens, simulated)

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass177    # any card (ninety-third pass): on an H200 pass176, then pass173's goal
+#                                           # cells against f2bf086 (carry .ab/old, .tc; ~6-9 min); elsewhere the
+#                                           # DFlash step's eager ops between replays (host_timeline.py --sequence,
+#                                           # fp8 drafter: the simulated counts no longer go up each step) and
+#                                           # goal 2's cell with the fp8 drafter and a 16384-token map (~3 min)
 #   bash benchmarks/gpu_check.sh pass176    # on an H200 only (elsewhere it names the card and stops): goal 2's
 #                                           # cell at 65 new tokens with the fp8 drafter and a 16384-token map,
 #                                           # then with the fp8 drafter alone, each its own process; their
@@ -695,6 +700,17 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass177)
+    echo "== (ninety-third pass) goals 1 and 2 on an H200; elsewhere the DFlash step's eager ops"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    if on_h200; then
+      bash "$0" pass176
+      PASS160_LIMITS="${PASS160_LIMITS:-150}" timeout 330 bash "$0" pass160
+    else
+      timeout 200 python benchmarks/host_timeline.py --rounds 1 --top 3 --sequence --draft-quantization fp8 \
+        2>&1 | quiet
+      GOAL_LIMIT="${GOAL_LIMIT:-95}" goal_cells_65 "--draft-quantization fp8 --token-map-size 16384"
+    fi ;;
   pass176)
     echo "== (ninety-second pass) goals 1 and 2 on an H200: goal 2's cell, fp8 drafter, with and without a map"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

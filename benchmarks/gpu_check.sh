@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass178    # any card (ninety-fourth pass): on an H200 pass177; elsewhere the
+#                                           # DFlash-only spans by kernel on this tree: the 40-layer decode and
+#                                           # 4-token verify graphs and the fp8 drafter block, kernel sums and
+#                                           # span added per replay (profile_decode_xs.py; ~3-4 min)
 #   bash benchmarks/gpu_check.sh pass177    # any card (ninety-third pass): on an H200 pass176, then pass173's goal
 #                                           # cells against f2bf086 (carry .ab/old, .tc; ~6-9 min); elsewhere the
 #                                           # DFlash step's eager ops between replays (host_timeline.py --sequence,
@@ -700,6 +704,18 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass178)
+    echo "== (ninety-fourth pass) on an H200 pass177; elsewhere the decode, verify and drafter graphs by kernel"
+    if on_h200; then
+      bash "$0" pass177
+    else
+      nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+      for mode in "--q 1" "--q 4" "--drafter --k 3 --draft-quantization fp8"; do
+        echo "-- profile_decode_xs.py $mode"
+        timeout 120 python benchmarks/profile_decode_xs.py $mode --top 16 --new-tokens 8 2>&1 | quiet \
+          | grep -E "^\| |kernels per replay|^\(the engine" | head -44
+      done
+    fi ;;
   pass177)
     echo "== (ninety-third pass) goals 1 and 2 on an H200; elsewhere the DFlash step's eager ops"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

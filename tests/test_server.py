@@ -605,6 +605,10 @@ BAD_REQUESTS = [
      "outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages", "'image_url' is not supported: only text content parts are; send"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     "response_format", "leave response_format out"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "guided_regex": "[a-z]+"}, 400, "guided_regex", "leave guided_regex out"),
     ("/v1/nope", {}, 404, None, "Not Found"),
 ]
 

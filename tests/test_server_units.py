@@ -172,6 +172,19 @@ _USER = [{"role": "user", "content": "x"}]
      'tool_choice="none"'),
     (ChatCompletionRequest(messages=_USER, response_format={"type": "json_object"}),
      "response_format", "leave response_format out"),
+    (CompletionRequest(prompt="x", response_format={"type": "json_schema"}), "response_format",
+     "leave response_format out"),
+    (CompletionRequest(prompt="x", guided_json={"type": "object"}), "guided_json",
+     "leave guided_json out"),
+    (ChatCompletionRequest(messages=_USER, guided_choice=["a", "b"]), "guided_choice",
+     "leave guided_choice out"),
+    (ChatCompletionRequest(messages=_USER, structured_outputs={"regex": "a+"}),
+     "structured_outputs", "leave structured_outputs out"),
+    (CompletionRequest(prompt="x", prompt_logprobs=0), "prompt_logprobs",
+     "leave prompt_logprobs out"),
+    (CompletionRequest(prompt="x", bad_words=["a"]), "bad_words", "leave bad_words out"),
+    (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search",
+     "leave use_beam_search out"),
     (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options",
      "set stream=true"),
     (ChatCompletionRequest(messages=_USER, stream=False, stream_options={"include_usage": True}),
@@ -189,6 +202,8 @@ def test_unsupported_fields_are_rejected(request_, param, fix):
     CompletionRequest(prompt="x", best_of=1, suffix=""),
     ChatCompletionRequest(messages=_USER, tools=[{"type": "function"}], tool_choice="none"),
     ChatCompletionRequest(messages=_USER, response_format={"type": "text"}),
+    CompletionRequest(prompt="x", response_format={"type": "text"}, bad_words=[],
+                      use_beam_search=False, guided_json=None),
 ])
 def test_default_valued_fields_are_accepted(request_):
     reject_unsupported(request_)

@@ -48,6 +48,16 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 MIN_TEMPERATURE = 1e-5
 
 
+#: vLLM extension fields that change the output and that this server does not implement, with
+#: the value that means "off" (also accepted): structured outputs, prompt log-probabilities,
+#: token allow / ban lists, beam search, prompt truncation.
+UNSUPPORTED_EXTENSIONS = {
+    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+    "use_beam_search": False, "truncate_prompt_tokens": None,
+}
+
+
 def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields whose non-default values this server cannot honour."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
@@ -66,10 +76,15 @@ def reject_unsupported(req: SamplingFields) -> None:
         if req.tools and req.tool_choice != "none":
             raise bad_request("tool calling is not supported; leave tools out or set "
                               'tool_choice="none"', "tools")
-        kind = (req.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise bad_request(f"response_format type {kind!r} is not supported; leave "
-                              'response_format out or use {"type": "text"}', "response_format")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise bad_request(f"response_format type {kind!r} is not supported (no structured "
+                          'outputs); leave response_format out or use {"type": "text"}',
+                          "response_format")
+    for name, default in UNSUPPORTED_EXTENSIONS.items():
+        if getattr(req, name) not in (None, default):
+            raise bad_request(f"{name} is not supported by this server; leave {name} out",
+                              name)
 
 
 def num_choices(req: SamplingFields) -> int:

@@ -389,6 +389,17 @@ def test_tokenize_and_detokenize(stack):
         assert r["max_model_len"] == MAX_MODEL_LEN
         r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert r["tokens"][0] == tok.bos_token_id and r["tokens"][-1] == 6  # <|assistant|>
+        assert r["token_strs"] is None
+        # vLLM's return_token_strs and continue_final_message (both were ignored)
+        r = http.post("/tokenize", json={"prompt": "def f(x):", "return_token_strs": True}).json()
+        assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}]
+        r = http.post("/tokenize", json={"messages": turns, "add_generation_prompt": False,
+                                         "continue_final_message": True}).json()
+        closed = http.post("/tokenize", json={"messages": turns,
+                                              "add_generation_prompt": False}).json()
+        assert tok.decode(r["tokens"]).endswith("def")
+        assert r["tokens"] == closed["tokens"][: len(r["tokens"])] and r["count"] < closed["count"]
         assert http.post("/detokenize", json={"tokens": tok.encode("héllo")}).json() == {
             "prompt": "héllo"}
         assert http.post("/detokenize", json={"tokens": [9999]}).status_code == 400
@@ -609,6 +620,14 @@ BAD_REQUESTS = [
      "response_format", "leave response_format out"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "guided_regex": "[a-z]+"}, 400, "guided_regex", "leave guided_regex out"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice", "leave tool_choice out"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "functions": [{"name": "f"}]}, 400, "functions", "leave functions out"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
+     "echo", "leave echo out"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [5, 99999]}, 400, "stop_token_ids",
+     "outside the vocabulary"),
     ("/v1/nope", {}, 404, None, "Not Found"),
 ]
 

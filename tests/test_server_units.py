@@ -189,6 +189,17 @@ _USER = [{"role": "user", "content": "x"}]
      "set stream=true"),
     (ChatCompletionRequest(messages=_USER, stream=False, stream_options={"include_usage": True}),
      "stream_options", "set stream=true"),
+    # were ignored with a 200: a reply with no tool call, no function call, no echoed message
+    (ChatCompletionRequest(messages=_USER, tool_choice="required"), "tool_choice",
+     'set it to "none"'),
+    (ChatCompletionRequest(messages=_USER, tool_choice={"type": "function",
+                                                        "function": {"name": "f"}}),
+     "tool_choice", "leave tool_choice out"),
+    (ChatCompletionRequest(messages=_USER, functions=[{"name": "f", "parameters": {}}]),
+     "functions", "leave functions out"),
+    (ChatCompletionRequest(messages=_USER, function_call={"name": "f"}), "function_call",
+     "leave function_call out"),
+    (ChatCompletionRequest(messages=_USER, echo=True), "echo", "leave echo out"),
 ])
 def test_unsupported_fields_are_rejected(request_, param, fix):
     """Each rejection names its field and says how to fix the request."""
@@ -204,6 +215,8 @@ def test_unsupported_fields_are_rejected(request_, param, fix):
     ChatCompletionRequest(messages=_USER, response_format={"type": "text"}),
     CompletionRequest(prompt="x", response_format={"type": "text"}, bad_words=[],
                       use_beam_search=False, guided_json=None),
+    ChatCompletionRequest(messages=_USER, tool_choice="auto", functions=[], function_call="none",
+                          echo=False),
 ])
 def test_default_valued_fields_are_accepted(request_):
     reject_unsupported(request_)
@@ -517,3 +530,58 @@ def test_a_stop_string_inside_the_first_min_tokens_never_stops_the_request(token
     out, taken, streamed = _run(tokenizer, ids, ("b", "zzzzzzzzzz"), b_at + 1, block)
     assert out.stop_hit == "b" and streamed == out.text == "alpha beta gamma "
     assert tokenizer.decode(ids[:taken]).endswith("b") and taken < len(ids)
+
+
+def test_completions_logprobs_false_means_none():
+    """``logprobs: false`` on completions asks for no logprobs (pydantic made it 0: one
+    log-probability per token, sent back); ``true`` stays 1 and integers are kept, as in vLLM."""
+    assert CompletionRequest(prompt="x", logprobs=False).logprobs is None
+    assert CompletionRequest(prompt="x", logprobs=True).logprobs == 1
+    assert CompletionRequest(prompt="x", logprobs=0).logprobs == 0
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
+    """vLLM's ``return_tokens_as_token_ids``: logprob tokens are ``token_id:<id>`` (chat and
+    completions, the top ones too); it was ignored, giving the tokens' text."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from laguna_dflash.server import chat, completions
+    from laguna_dflash.server.serving import Serving
+
+    serving = SimpleNamespace(tokenizer=tokenizer)
+    serving.token_str = partial(Serving.token_str, serving)
+    ids = tokenizer.encode("ab", add_special_tokens=False)
+    lps = [{t: -0.5, 7: -1.0} for t in ids]
+    body, _ = completions._logprobs(serving, ids, lps, 0, as_ids=True)
+    assert body["tokens"] == [f"token_id:{t}" for t in ids]
+    assert set(body["top_logprobs"][0]) == {f"token_id:{ids[0]}", "token_id:7"}
+    assert completions._logprobs(serving, ids, lps, 0)[0]["tokens"] == [
+        tokenizer.decode([t]) for t in ids]
+    entries = chat._logprobs(serving, ids, lps, 2, as_ids=True)
+    assert entries[0]["token"] == f"token_id:{ids[0]}"
+    assert entries[0]["bytes"] == list(f"token_id:{ids[0]}".encode())
+    assert {e["token"] for e in entries[0]["top_logprobs"]} == {f"token_id:{ids[0]}", "token_id:7"}
+
+
+def test_request_tools_reach_the_chat_template(tokenizer):
+    """As vLLM, a request's ``tools`` (allowed with ``tool_choice: "none"``) reach the chat
+    template, which may describe them to the model; they were dropped, so the prompt differed
+    from vLLM's. ``chat_template_kwargs``' own ``tools`` win, as for every flag they set."""
+    from types import SimpleNamespace
+
+    from laguna_dflash.server.args import ServerConfig
+    from laguna_dflash.server.chat import render_chat
+    from laguna_dflash.server.protocol import ChatMessage
+
+    template = ("{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}"
+                "{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    serving = SimpleNamespace(config=ServerConfig(engine=None, chat_template=template),
+                              require_tokenizer=lambda what: tokenizer)
+    messages = [ChatMessage(role="user", content="hi")]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    assert render_chat(serving, messages) == "[hi]"
+    assert render_chat(serving, messages, tools=tools) == "<get_weather>[hi]"
+    other = [{"type": "function", "function": {"name": "other"}}]
+    assert render_chat(serving, messages, chat_template_kwargs={"tools": other},
+                       tools=tools) == "<other>[hi]"

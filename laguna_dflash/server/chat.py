@@ -46,11 +46,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "r
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
-                chat_template: str | None = None) -> str:
+                chat_template: str | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text a chat template makes of ``messages``: the request's ``chat_template``
     (only with ``--trust-request-chat-template``), else ``--chat-template``'s, else the
     tokenizer's; ``chat_template_kwargs`` go to the template after (and over) the flags, as in
-    vLLM."""
+    vLLM. ``tools`` reach the template as vLLM passes them (with ``tool_choice: "none"`` too:
+    the model sees the tools and is not asked to call one)."""
     tok = serving.require_tokenizer("chat")
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
@@ -72,6 +74,8 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
               "continue_final_message": continue_final_message, **kwargs}
     if template:
         kwargs["chat_template"] = template
+    if tools:  # chat_template_kwargs' own tools win, as every other flag they set
+        kwargs.setdefault("tools", tools)
     try:
         return tok.apply_chat_template([_message_dict(m) for m in messages], tokenize=False,
                                        **kwargs)
@@ -82,11 +86,12 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
 
 
 def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float]],
-              n: int) -> list[dict]:
-    """Chat ``logprobs.content`` entries: the chosen token and the ``n`` most likely ones."""
+              n: int, as_ids: bool = False) -> list[dict]:
+    """Chat ``logprobs.content`` entries: the chosen token and the ``n`` most likely ones;
+    ``as_ids``: tokens as ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
 
     def entry(token: int, value: float) -> dict:
-        s = serving.token_str(token)
+        s = serving.token_str(token, as_ids)
         return {"token": s, "logprob": value, "bytes": list(s.encode("utf-8"))}
 
     out = []
@@ -136,7 +141,8 @@ async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
                 continue
             lps = None
             if n_logprobs is not None and d.logprobs is not None:
-                lps = _logprobs(serving, d.token_ids, d.logprobs, n_logprobs)
+                lps = _logprobs(serving, d.token_ids, d.logprobs, n_logprobs,
+                                req.return_tokens_as_token_ids)
             yield chunk(i, {"content": d.text} if d.text else {}, lps, d.finish_reason,
                         d.stop_reason, d.token_ids if req.return_token_ids else None)
         if opts is not None and opts.include_usage:
@@ -159,7 +165,8 @@ def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
             "stop_reason": last.stop_reason}
         if n_logprobs is not None:
             lps = [lp for d in deltas for lp in (d.logprobs or [])]
-            choice["logprobs"] = {"content": _logprobs(serving, tokens, lps, n_logprobs)}
+            choice["logprobs"] = {"content": _logprobs(serving, tokens, lps, n_logprobs,
+                                                       req.return_tokens_as_token_ids)}
         if req.return_token_ids:
             choice["token_ids"] = tokens
             choice["prompt_token_ids"] = job.prompt_token_ids
@@ -176,7 +183,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     reject_unsupported(req)
     n_logprobs = _num_logprobs(req, serving.max_logprobs)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
-                       req.continue_final_message, req.chat_template_kwargs, req.chat_template)
+                       req.continue_final_message, req.chat_template_kwargs, req.chat_template,
+                       req.tools)
     ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, "messages"),
                               "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

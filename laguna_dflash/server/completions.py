@@ -66,10 +66,11 @@ def _echo(serving: Serving, req: CompletionRequest, ids: list[int], text: str | 
 
 
 def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float] | None],
-              offset: int) -> tuple[dict, int]:
+              offset: int, as_ids: bool = False) -> tuple[dict, int]:
     """The completions ``logprobs`` object for ``tokens``; ``offset`` is the text offset so far.
-    A ``None`` entry (an echoed prompt's first token) has no logprobs."""
-    strs = [serving.token_str(t) for t in tokens]
+    A ``None`` entry (an echoed prompt's first token) has no logprobs. ``as_ids``: tokens as
+    ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
+    strs = [serving.token_str(t, as_ids) for t in tokens]
     offsets = []
     for s in strs:
         offsets.append(offset)
@@ -77,7 +78,7 @@ def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, floa
     return {
         "tokens": strs,
         "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(tokens, logprobs)],
-        "top_logprobs": [None if lp is None else {serving.token_str(k): v for k, v in lp.items()}
+        "top_logprobs": [None if lp is None else {serving.token_str(k, as_ids): v for k, v in lp.items()}
                          for lp in logprobs],
         "text_offset": offsets,
     }, offset
@@ -90,12 +91,13 @@ def _choice(serving: Serving, req: CompletionRequest, index: int, text: str, tok
     choice = {"index": index, "text": text if echo is None else echo.text + text, "logprobs": None,
               "finish_reason": finish, "stop_reason": stop_reason}
     if req.logprobs is not None and logprobs is not None:
+        as_ids = req.return_tokens_as_token_ids
         if echo is not None and echo.logprobs is not None:
-            head, offset = _logprobs(serving, echo.token_ids, echo.logprobs, offset)
-            body, offset = _logprobs(serving, tokens, logprobs, offset)
+            head, offset = _logprobs(serving, echo.token_ids, echo.logprobs, offset, as_ids)
+            body, offset = _logprobs(serving, tokens, logprobs, offset, as_ids)
             choice["logprobs"] = {key: head[key] + body[key] for key in head}
         else:
-            choice["logprobs"], offset = _logprobs(serving, tokens, logprobs, offset)
+            choice["logprobs"], offset = _logprobs(serving, tokens, logprobs, offset, as_ids)
     if req.return_token_ids:
         choice["token_ids"] = tokens
     return choice, offset

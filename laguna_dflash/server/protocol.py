@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +47,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     # Fields that change the output and that this server does not implement: declared so that
     # a non-default value is a 400 (sampling.reject_unsupported), never silently dropped.
     response_format: dict[str, Any] | None = None
@@ -72,6 +73,13 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_no_logprobs(cls, value: Any) -> Any:
+        """``logprobs: false`` (chat's spelling of "none") means no logprobs, not zero top
+        log-probabilities per token, which pydantic would make of it; ``true`` stays 1."""
+        return None if value is False else value
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -89,6 +97,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    # OpenAI's deprecated function calling and vLLM's chat ``echo``: rejected unless off
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -106,8 +118,11 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -76,6 +76,17 @@ def reject_unsupported(req: SamplingFields) -> None:
         if req.tools and req.tool_choice != "none":
             raise bad_request("tool calling is not supported; leave tools out or set "
                               'tool_choice="none"', "tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request(f"tool_choice={req.tool_choice!r} asks for a tool call, and tool "
+                              'calling is not supported; leave tool_choice out or set it to "none"',
+                              "tool_choice")
+        for name in ("functions", "function_call"):
+            if getattr(req, name) not in (None, [], "none"):
+                raise bad_request(f"{name} (OpenAI's deprecated function calling) is not "
+                                  f"supported; leave {name} out", name)
+        if req.echo:
+            raise bad_request("echo on chat completions (vLLM's: the last message before the "
+                              "reply) is not supported; leave echo out", "echo")
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
         raise bad_request(f"response_format type {kind!r} is not supported (no structured "

@@ -173,8 +173,10 @@ class Serving:
                 "Please shorten the prompt.", param)
         return ids
 
-    def token_str(self, token_id: int) -> str:
-        if self.tokenizer is None:
+    def token_str(self, token_id: int, as_id: bool = False) -> str:
+        """A token's text in logprobs; ``as_id`` (vLLM's ``return_tokens_as_token_ids``), or a
+        model without a tokenizer: ``token_id:<id>``."""
+        if as_id or self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -186,10 +188,13 @@ class Serving:
         """Submit the ``n`` choices of one response (engine requests ``<id>``, ``<id>-1``, ...;
         with a seed, choice ``i`` samples with ``seed + i``) and wait until the engine accepted
         them (4xx/5xx otherwise; the accepted ones are then aborted)."""
-        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise bad_request(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
-                              f"[0, {self.vocab_size})", "logit_bias")
+        for param, ids in (("logit_bias", params.logit_bias or {}),
+                           ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise bad_request(f"{param} has token ids {bad[:5]} outside the vocabulary "
+                                  f"[0, {self.vocab_size}); send ids of this model's tokenizer",
+                                  param)
         if stop and self.tokenizer is None:  # stop strings are matched in the text (none here)
             raise bad_request("stop strings need a tokenizer, and the model has none; leave stop "
                               "out, or send the tokens to stop on as stop_token_ids", "stop")

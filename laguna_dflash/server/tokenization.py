@@ -18,15 +18,16 @@ async def tokenize(serving: Serving, request: Request) -> JSONResponse:
         raise bad_request("send exactly one of prompt or messages", "prompt")
     if req.messages is not None:
         text = render_chat(serving, req.messages, req.add_generation_prompt,
-                           chat_template_kwargs=req.chat_template_kwargs,
-                           chat_template=req.chat_template)
+                           req.continue_final_message, req.chat_template_kwargs,
+                           req.chat_template, req.tools)
         add_special = bool(req.add_special_tokens)  # the template already has them
     else:
         text = req.prompt
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
     ids = serving.encode(text, add_special, "messages" if req.messages is not None else "prompt")
+    strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len,
-                         "tokens": ids, "token_strs": None})
+                         "tokens": ids, "token_strs": strs})
 
 
 async def detokenize(serving: Serving, request: Request) -> JSONResponse:

@@ -173,6 +173,9 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="laguna-dflash", description=__doc__)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"laguna-dflash {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from .server.args import add_server_args, add_speculative_spelling_args
 
@@ -364,6 +367,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, draft, is_demo = resolve_pair(args)
     compare = is_demo if args.compare is None else args.compare
+    if args.prompt is not None and args.text is not None:  # one of them would be dropped
+        raise ValueError("give the prompt once: as TEXT or as --prompt, not both")
     prompt = args.prompt if args.prompt is not None else args.text
     if (prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of a prompt (TEXT or --prompt) or --prompt-ids")
@@ -373,7 +378,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            ("--draft-quantization", args.draft_quantization is not None),
                            ("--speculative-token-map", args.speculative_token_map is not None),
                            ("--simulate-acceptance-length", args.simulate_acceptance_length is not None),
-                           ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size is not None)):
+                           ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size is not None),
+                           ("--compare", args.compare is True)):
         if is_given and draft is None:  # they act on draft tokens: without a drafter, nothing
             raise ValueError(f"{flag} needs --draft DIR (and no --no-spec)")
     if args.trace and not args.json:

@@ -6,10 +6,12 @@ User input errors raise ``ValueError`` with the field name and how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
 import sys
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,42 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+_KIND_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_field_types(obj: object, skip: tuple[str, ...] = (),
+                      names: dict[str, str] | None = None) -> None:
+    """Each ``bool`` / ``int`` / ``float`` / ``str`` field of the dataclass ``obj`` holds that
+    type (or None where its annotation allows it), else a ``ValueError`` naming the field and its
+    flag: a string ``"16"`` would fail later in a comparison, a string ``"no"`` for a bool field
+    would silently count as True. ``skip``: fields checked elsewhere; ``names``: the name a user
+    gives a field by (``adaptive`` is ``adaptive_k``)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        if base not in _KIND_NAMES:
+            continue
+        value = getattr(obj, f.name)
+        if value is None and optional:
+            continue
+        if base is bool:
+            ok = isinstance(value, bool)
+        elif base is str:
+            ok = isinstance(value, str)
+        else:
+            ok = (isinstance(value, numbers.Integral if base is int else numbers.Real)
+                  and not isinstance(value, bool))
+        if not ok:
+            name = (names or {}).get(f.name, f.name)
+            raise ValueError(f"{name} must be {_KIND_NAMES[base]}{' or None' if optional else ''} "
+                             f"({flag(name)}), got {value!r:.80} ({type(value).__name__})")
+
+
 #: The most completions per prompt (``SamplingParams.n``), as the server's ``n``.
 MAX_N = 64
 
@@ -137,6 +175,10 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be "
                                  f"{'an integer' if kind is numbers.Integral else 'a number'}, got "
                                  f"{value!r} ({type(value).__name__})")
+        for name in ("ignore_eos", "include_stop_str_in_output"):  # "no" would count as True
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r} ({type(getattr(self, name)).__name__})")
         if self.top_k == -1:  # vLLM's "disabled"
             object.__setattr__(self, "top_k", 0)
         if not 1 <= self.n <= MAX_N:
@@ -170,7 +212,12 @@ class SamplingParams:
         if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"SamplingParams.repetition_penalty must be finite and > 0 (1 "
                              f"disables), got {self.repetition_penalty}")
-        bad_stops = [t for t in self.stop_token_ids or [] if not isinstance(t, numbers.Integral) or t < 0]
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (e.g. "
+                             f"[2], not 2), got {self.stop_token_ids!r:.80} "
+                             f"({type(self.stop_token_ids).__name__})")
+        bad_stops = [t for t in self.stop_token_ids or []
+                     if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
         if bad_stops:
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids (ints >= 0), got "
                              f"{bad_stops[:5]}")
@@ -182,8 +229,13 @@ class SamplingParams:
                                           and all(isinstance(x, str) and x for x in self.stop)):
             raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, "
                              f"got {self.stop!r:.80}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got "
+                             f"{type(self.logit_bias).__name__}")
         for token, bias in (self.logit_bias or {}).items():
-            if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
+            if (isinstance(token, bool) or not isinstance(token, int) or token < 0
+                    or isinstance(bias, bool) or not isinstance(bias, numbers.Real)
+                    or not -100.0 <= bias <= 100.0):
                 raise ValueError(f"SamplingParams.logit_bias maps token ids (ints >= 0) to biases in "
                                  f"[-100, 100]; got {token!r}: {bias!r}")
 
@@ -274,6 +326,8 @@ class SpeculativeConfig:
     speculative_token_map: str | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self, skip=("draft_tensor_parallel_size", "speculative_token_map"),
+                          names={"adaptive": "adaptive_k"})
         if self.speculative_token_map is not None and not isinstance(self.speculative_token_map, str):
             raise ValueError("speculative_token_map must be a file path (str; --speculative-token-map), "
                              f"got {type(self.speculative_token_map).__name__}")
@@ -413,6 +467,9 @@ class EngineConfig:
         return min(cap, self.max_num_seqs)
 
     def __post_init__(self) -> None:
+        if isinstance(self.device, torch.device):  # as torch takes it; stored as its string
+            object.__setattr__(self, "device", str(self.device))
+        check_field_types(self, skip=("dtype",))  # dtype: a string or a torch.dtype
         resolve_dtype(self.dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1 (--tensor-parallel-size), got "
@@ -463,6 +520,10 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not supported (--load-format); "
                              "use 'auto' or 'dummy'")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        try:
+            device_type = torch.device(self.device).type
+        except RuntimeError:  # torch's own message lists every device type it knows
+            device_type = None
+        if device_type not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported (--device); use 'cpu' or "
                              "'cuda[:N]'")

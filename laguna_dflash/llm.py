@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import numbers
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -48,6 +52,19 @@ class RequestOutput:
         """vLLM-style access (``out.outputs[i].text``): the ``n`` choices, this one first."""
         return [self, *self.other_choices]
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the generated tokens' logprobs; None unless the request asked for
+        ``logprobs`` (as vLLM's V1 engine)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for t, lp in zip(self.token_ids, self.logprobs)))
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: always True for what ``LLM.generate`` returns."""
+        return self.finish_reason is not None
+
 
 def _feed(text: OutputText, s: Sequence) -> bool:
     """Feed ``text`` the tokens of ``s`` it has not seen; True when a stop string ended it (then
@@ -69,6 +86,31 @@ def _token_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+#: ``generation_config.json`` keys that vLLM's ``LLM`` takes as its default sampling
+#: parameters (``get_default_sampling_params``), and the :class:`SamplingParams` field of each.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                           "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(directory: str | Path) -> dict:
+    """The :class:`SamplingParams` fields ``directory/generation_config.json`` sets (as vLLM
+    reads them: ``max_new_tokens`` is ``max_tokens``); ``{}`` without the file."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        logger.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+    if not isinstance(data, dict):
+        logger.warning("ignoring %s: not a JSON object", path)
+        return {}
+    return {field: data[key] for key, field in GENERATION_DEFAULT_KEYS.items()
+            if data.get(key) is not None}
+
+
 def has_tokenizer(path: str | Path) -> bool:
     """``path`` holds a tokenizer :func:`load_tokenizer` can read."""
     path = Path(path)
@@ -87,6 +129,46 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def _progress_bar(use_tqdm: bool | Callable, total: int):
+    """``generate``'s progress bar (vLLM's ``use_tqdm``): None when off, on ranks other than 0
+    of a tensor-parallel launch, or with no requests."""
+    if use_tqdm is False or not total or os.environ.get("RANK", "0") != "0":
+        return None
+    if use_tqdm is True:
+        from tqdm import tqdm
+
+        use_tqdm = tqdm
+    return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def _check_checkpoint_dir(name: str, path: str | Path, what: str) -> None:
+    """``path`` is a directory, or an error naming the argument that gave it (the loader's
+    own message says "model path" for the drafter too)."""
+    if not Path(path).is_dir():
+        raise ValueError(f"{name} {str(path)!r}: no such directory; pass {what} (a local Hugging "
+                         "Face checkpoint directory with config.json and *.safetensors)")
+
+
+#: Keyword arguments of vLLM's ``LLM`` that this one does not take, and why.
+_VLLM_ONLY_OPTIONS = {
+    "tokenizer": "the tokenizer is read from model=",
+    "trust_remote_code": "the model code is built in; drop it",
+    "speculative": "give the drafter as draft= or speculative_config=",
+}
+
+
+def _check_engine_options(options: dict) -> None:
+    """Every keyword argument past ``LLM``'s own is an :class:`EngineConfig` field, else a
+    ``TypeError`` naming it and the options there are."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "speculative"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        why = _VLLM_ONLY_OPTIONS.get(unknown[0])
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" ({why})" if why else "")
+                        + f"; the engine options are {', '.join(sorted(known))}")
+
+
 class LLM:
     """Offline batched generation with optional DFlash speculative decoding.
 
@@ -101,7 +183,10 @@ class LLM:
     ``draft_quantization="fp8"`` stores the drafter's MLP gate|up and lm_head copy as fp8 rows
     (models/fp8.py; drafts may change, the output does not); ``speculative_token_map=FILE``
     (SGLang's name) drafts among that file's token ids only (models/draft_vocab.py; drafts may
-    change, the output does not); engine options are the fields of
+    change, the output does not); ``generation_config`` (vLLM's): where :meth:`generate`
+    without ``sampling_params`` takes its defaults, ``"auto"`` the model's
+    ``generation_config.json``, ``"vllm"`` / ``"none"`` none (``SamplingParams()``), or a
+    directory holding a ``generation_config.json``; engine options are the fields of
     :class:`EngineConfig` (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
 
@@ -119,8 +204,13 @@ class LLM:
         draft_tensor_parallel_size: int | None = None,
         draft_quantization: str | None = None,
         speculative_token_map: str | None = None,
+        generation_config: str = "auto",
         **engine_options,
     ) -> None:
+        _check_engine_options(engine_options)
+        if not isinstance(model, (str, Path)):
+            raise ValueError(f"model= must be the target checkpoint directory (a str or Path), got "
+                             f"{model!r:.80}")
         if speculative_config is not None:  # vLLM's spelling of draft= / num_speculative_tokens=
             if (draft is not None or num_speculative_tokens is not None
                     or draft_tensor_parallel_size is not None):
@@ -133,6 +223,18 @@ class LLM:
                 raise ValueError("give the drafter's quantization once: speculative_config's "
                                  '"quantization" (vLLM\'s spelling) or draft_quantization=, not both')
             draft_quantization = vllm_draft_quantization(speculative_config, "speculative_config=")
+        draft_name = "speculative_config's \"model\"" if speculative_config is not None else "draft="
+        _check_checkpoint_dir("model=", model, "the target model's directory")
+        if draft is not None:
+            _check_checkpoint_dir(draft_name, draft, "the DFlash drafter's directory")
+        if not isinstance(generation_config, (str, Path)) or (
+                generation_config not in ("auto", "vllm", "none")
+                and not (Path(generation_config) / "generation_config.json").is_file()):
+            raise ValueError(f"generation_config={generation_config!r}: use 'auto' (the model's "
+                             "generation_config.json), 'vllm' or 'none' (no defaults), or a "
+                             "directory holding a generation_config.json")
+        self.generation_config = generation_config
+        self._default_sampling_params: SamplingParams | None = None
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
@@ -157,6 +259,26 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = load_tokenizer(model)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What :meth:`generate` samples with when given no ``sampling_params`` (vLLM's): the
+        ``generation_config.json`` fields ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+        ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``) over
+        ``SamplingParams()``'s defaults, per ``generation_config=``."""
+        if self._default_sampling_params is None:
+            choice = self.generation_config
+            source = (self.config.model if choice == "auto" else None if choice in ("vllm", "none")
+                      else choice)
+            values = generation_config_defaults(source) if source is not None else {}
+            try:
+                self._default_sampling_params = SamplingParams(**values)
+            except ValueError as e:
+                raise ValueError(f"{Path(source) / 'generation_config.json'}: {e}; fix the file, pass "
+                                 "sampling_params=, or LLM(..., generation_config='vllm')") from e
+            if values:
+                logger.info("default sampling parameters from %s's generation_config.json: %s "
+                            "(pass sampling_params= to override)", source, values)
+        return self._default_sampling_params
+
     def encode(self, text: str) -> list[int]:
         """Tokenize a text prompt the way vLLM's offline API and ``/v1/completions`` do (with
         the tokenizer's special tokens, e.g. BOS, when its post-processor adds them)."""
@@ -174,10 +296,13 @@ class LLM:
         prompts: str | list[str] | None = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | list[int] | None = None,
+        use_tqdm: bool | Callable = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, vLLM-style ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}`` dicts, or token ids); one :class:`RequestOutput` each, in
-        order."""
+        order. ``sampling_params=None``: :meth:`get_default_sampling_params` (the model's
+        ``generation_config.json``, as vLLM). ``use_tqdm`` (vLLM's; off by default here): a
+        progress bar of finished requests on stderr, or a ``tqdm``-like callable to make it."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts= (text) or prompt_token_ids=")
         if isinstance(prompts, (str, dict)):
@@ -199,8 +324,8 @@ class LLM:
                     texts.append(p)
                     token_lists.append(self.encode(p))
                 else:
-                    hint = ("; pass token ids as prompt_token_ids=" if isinstance(p, numbers.Integral)
-                            else "")
+                    is_ids = isinstance(p, (numbers.Integral, list, tuple)) or hasattr(p, "tolist")
+                    hint = "; pass token ids as prompt_token_ids=" if is_ids else ""
                     raise ValueError(f"a prompt must be a string, {{'prompt': str}} or "
                                      f"{{'prompt_token_ids': [int, ...]}}; got {p!r:.80}{hint}")
         else:
@@ -213,7 +338,7 @@ class LLM:
                 prompt_token_ids = [prompt_token_ids]
             token_lists = [_token_ids(t) for t in prompt_token_ids]
             texts = [None] * len(token_lists)
-        params = sampling_params or SamplingParams()
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
         bad = [p for p in params_list if not isinstance(p, SamplingParams)]
         if bad:
@@ -226,7 +351,10 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params_list):
             raise ValueError(f"SamplingParams.stop: {self.config.model} has no tokenizer to find stop "
                              "strings with; use stop_token_ids")
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm must be True, False or a tqdm-like callable, got {use_tqdm!r:.80}")
         seqs: list[list[Sequence]] = []  # per prompt, its n choices
+        bar = None
         texts_of: dict[int, OutputText] = {}  # request id -> its text, requests with stop strings
         # Every request of this call leaves the engine when the call does: an invalid prompt
         # (add_request), a failing step (StepError) or an interrupt aborts the ones not finished,
@@ -243,6 +371,7 @@ class LLM:
                             IncrementalDetokenizer(self.tokenizer), p.stop or (),
                             p.include_stop_str_in_output, p.min_tokens)
             watched = [s for choices in seqs for s in choices if s.params.stop]
+            bar = _progress_bar(use_tqdm, sum(len(c) for c in seqs))
             while self.engine.has_unfinished:
                 self.engine.step()
                 for s in watched:  # a stop string ends the request at the token that completed it
@@ -251,10 +380,15 @@ class LLM:
                         if not s.is_finished:
                             self.engine.abort(s)
                         del s.output_token_ids[text.num_tokens:]  # a verify's tokens past it
+                if bar is not None:
+                    bar.update(sum(s.is_finished for c in seqs for s in c) - bar.n)
         except BaseException:
             for s in (s for choices in seqs for s in choices if not s.is_finished):
                 self.engine.abort(s)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         outputs = []
         for choices in seqs:
             first, *others = [replace(self._output(s, texts_of.get(s.request_id)), index=i)

@@ -261,6 +261,39 @@ def test_main_needs_exactly_one_prompt(ckpt: Path, capsys: pytest.CaptureFixture
     _assert_one_error_line(code, err, "prompt")
 
 
+def test_main_prompt_given_twice_is_an_error(ckpt: Path, capsys: pytest.CaptureFixture):
+    """TEXT and ``--prompt`` together: TEXT used to be dropped silently."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "one", "--prompt", "other"], capsys)
+    _assert_one_error_line(code, err, "TEXT or as --prompt, not both")
+
+
+def test_main_compare_without_drafter_is_an_error(ckpt: Path, capsys: pytest.CaptureFixture):
+    """``--compare`` (run target-only too and compare) with no drafter, or with ``--no-spec``,
+    used to print a plain run's stats as if nothing had been asked."""
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2,3",
+                              "--compare"], capsys)
+    _assert_one_error_line(code, err, "--compare needs --draft DIR")
+    code, _, err = _run_main(["generate", "--model", str(ckpt), "--draft", str(ckpt), "--no-spec",
+                              "--prompt-ids", "1,2,3", "--compare"], capsys)
+    _assert_one_error_line(code, err, "--compare needs --draft DIR")
+
+
+def test_version_flag(capsys: pytest.CaptureFixture):
+    from laguna_dflash import __version__
+
+    code, out, _ = _run_main(["--version"], capsys)
+    assert code == 0 and out.strip() == f"laguna-dflash {__version__}"
+
+
+@pytest.mark.parametrize("command", [["train-target", "--out-dir", "o"],
+                                     ["train-draft", "--target", "t", "--out-dir", "o"]])
+def test_training_device_typo_names_the_flag(command: list[str], capsys, tmp_path: Path):
+    """``--device cudax`` used to end with torch's list of every device type it knows."""
+    argv = [a if a not in ("o", "t") else str(tmp_path / a) for a in command]
+    code, _, err = _run_main([*argv, "--device", "cudax"], capsys)
+    _assert_one_error_line(code, err, "--device 'cudax' is not supported")
+
+
 @pytest.mark.parametrize("command", [["generate", "--model", "m"], ["serve", "--model", "m"],
                                      ["train-draft", "--target", "t", "--out-dir", "o"]],
                          ids=["generate", "serve", "train-draft"])

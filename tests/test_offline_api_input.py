@@ -3,6 +3,8 @@ vLLM user writes works the same here, and bad input is a ``ValueError`` naming t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -147,3 +149,140 @@ def test_logprobs_are_capped_by_max_logprobs_as_in_vllm(llm):
         whole.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(logprobs=vocab + 1))
     with pytest.raises(ValueError, match="max_logprobs must be"):
         EngineConfig(model="m", max_logprobs=-2)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("ignore_eos", "no"), ("ignore_eos", 1), ("include_stop_str_in_output", "False"),
+    ("stop_token_ids", 5), ("stop_token_ids", [True]), ("logit_bias", [1, 2]),
+    ("logit_bias", {5: "1.0"}),
+])
+def test_sampling_params_container_and_bool_types_name_the_field(field, value):
+    """``ignore_eos="no"`` used to count as True silently; ``stop_token_ids=5`` and
+    ``logit_bias=[...]`` / ``{5: "1.0"}`` failed with TypeErrors naming no field."""
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("option,value,needle", [
+    ("enforce_eager", "no", r"enforce_eager must be True or False \(--enforce-eager\)"),
+    ("enable_prefix_caching", "False", "enable_prefix_caching must be True or False"),
+    ("block_size", "16", r"block_size must be an integer \(--block-size\)"),
+    ("block_size", 16.0, "block_size must be an integer"),
+    ("max_model_len", "256", "max_model_len must be an integer or None"),
+    ("mem_fraction_static", "0.5", "mem_fraction_static must be a number or None"),
+    ("tensor_parallel_size", True, "tensor_parallel_size must be an integer"),
+    ("device", "cudax", r"device='cudax' is not supported \(--device\)"),
+])
+def test_engine_options_of_the_wrong_type_name_the_field(llm, option, value, needle):
+    """A string for a bool option (``"no"``, ``"False"``) used to switch it on silently; a
+    string for a number failed with "'<' not supported between 'str' and 'int'"; ``"cudax"``
+    with torch's list of every device type."""
+    with pytest.raises(ValueError, match=needle):
+        LLM(llm.config.model, **{option: value})
+
+
+def test_speculative_options_of_the_wrong_type_name_the_argument(tmp_path):
+    target, draft = write_random_pair(tmp_path)
+    for kwargs, needle in (({"num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer"),
+                           ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer"),
+                           ({"adaptive_k": "yes"}, r"adaptive_k must be True or False \(--adaptive-k\)"),
+                           ({"simulate_acceptance_length": "2"}, "simulate_acceptance_length must be a number")):
+        with pytest.raises(ValueError, match=needle):
+            LLM(str(target), draft=str(draft), **kwargs)
+
+
+def test_device_may_be_a_torch_device(llm):
+    assert LLM(llm.config.model, device=torch.device("cpu")).config.device == "cpu"
+
+
+def test_missing_directories_name_the_argument(llm, tmp_path):
+    """The loader's message says "model path" whichever argument gave it; a missing drafter
+    directory now names ``draft=`` (or ``speculative_config``), ``model=None`` is not "'None'"."""
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"^draft= '.*missing': no such directory"):
+        LLM(llm.config.model, draft=missing)
+    with pytest.raises(ValueError, match=r"^speculative_config's \"model\" '.*missing'"):
+        LLM(llm.config.model, speculative_config={"model": missing})
+    with pytest.raises(ValueError, match=r"^model= '.*missing': no such directory"):
+        LLM(missing)
+    with pytest.raises(ValueError, match=r"^model= must be the target checkpoint directory"):
+        LLM(None)
+
+
+@pytest.mark.parametrize("option,needle", [
+    ("tokenizer", r"'tokenizer' \(the tokenizer is read from model=\)"),
+    ("max_num_seq", r"'max_num_seq'; the engine options are .*max_num_seqs"),
+])
+def test_unknown_engine_options_name_the_valid_ones(llm, option, needle):
+    """It used to be "EngineConfig.__init__() got an unexpected keyword argument" (no list)."""
+    with pytest.raises(TypeError, match=rf"LLM\(\) got an unexpected keyword argument {needle}"):
+        LLM(llm.config.model, **{option: 1})
+
+
+def test_cumulative_logprob_and_finished_as_in_vllm(llm):
+    """vLLM's ``outputs[i].cumulative_logprob`` (None without ``logprobs``) and ``finished``."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)[0]
+    assert plain.outputs[0].cumulative_logprob is None and plain.finished
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, n=2))[0]
+    for choice in out.outputs:
+        assert choice.cumulative_logprob == pytest.approx(
+            sum(lp[t] for t, lp in zip(choice.token_ids, choice.logprobs)))
+        assert choice.cumulative_logprob < 0
+
+
+def test_default_sampling_params_come_from_generation_config_as_in_vllm(llm, tmp_path):
+    """vLLM's ``LLM.generate(prompts)`` without sampling params samples with the model's
+    ``generation_config.json`` (temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens as max_tokens); it used to be ``SamplingParams()`` whatever the model said.
+    Explicit sampling params are untouched; ``generation_config="vllm"`` turns it off."""
+    import json
+    import shutil
+
+    d = Path(shutil.copytree(llm.config.model, tmp_path / "with-gen-config"))
+    (d / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.0, "top_k": 20, "max_new_tokens": 5}))
+    with_defaults = LLM(str(d))
+    got = with_defaults.get_default_sampling_params()
+    assert (got.temperature, got.top_k, got.max_tokens) == (0.0, 20, 5)
+    out = with_defaults.generate(prompt_token_ids=[[1, 2, 3]])[0]
+    greedy = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=5))[0]
+    assert out.token_ids == greedy.token_ids
+    assert LLM(str(d), generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config='nope'"):
+        LLM(str(d), generation_config="nope")
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: SamplingParams\.top_p"):
+        LLM(str(d)).generate(prompt_token_ids=[[1, 2]])
+
+
+def test_use_tqdm_as_in_vllm(llm):
+    """vLLM scripts pass ``use_tqdm=False`` (or True, or a tqdm-like callable); it used to be a
+    TypeError."""
+    made = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.closed = total, 0, False
+            made.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[[1, 2], [3]], sampling_params=params, use_tqdm=False)
+    outs = llm.generate(prompt_token_ids=[[1, 2], [3]], sampling_params=params, use_tqdm=Bar)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert len(made) == 1 and (made[0].total, made[0].n, made[0].closed) == (2, 2, True)
+    with pytest.raises(ValueError, match="use_tqdm"):
+        llm.generate(prompt_token_ids=[[1]], sampling_params=params, use_tqdm="yes")
+
+
+def test_token_ids_given_as_prompts_point_to_prompt_token_ids(llm):
+    with pytest.raises(ValueError, match="pass token ids as prompt_token_ids="):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

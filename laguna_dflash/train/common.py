@@ -61,7 +61,13 @@ def require_positive(c, *names: str) -> None:
 
 
 def check_device(device: str) -> None:
-    if not (device == "cpu" or device.startswith("cuda")):
+    """``--device`` names the CPU or a CUDA device torch can parse (``cudax`` is an error naming
+    the flag, not torch's list of every device type)."""
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
 
 

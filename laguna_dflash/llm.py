@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .chat_template import ChatTemplateError, read_chat_template, render_messages
 from .config import (
     EngineConfig,
     SamplingParams,
@@ -338,6 +339,61 @@ class LLM:
                 prompt_token_ids = [prompt_token_ids]
             token_lists = [_token_ids(t) for t in prompt_token_ids]
             texts = [None] * len(token_lists)
+        return self._generate(token_lists, texts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = False,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of ``{"role": ...,
+        "content": ...}`` dicts; content a string or OpenAI text parts) or a list of them. Each
+        is rendered by the tokenizer's chat template, or ``chat_template`` (the template text or
+        a file holding it), by the renderer ``/v1/chat/completions`` uses
+        (:func:`~laguna_dflash.chat_template.render_messages`: ``add_generation_prompt`` unless
+        ``continue_final_message``, ``tools`` and ``chat_template_kwargs`` passed to the
+        template), tokenized without adding special tokens (the template writes them), and
+        generated from as :meth:`generate` does: one :class:`RequestOutput` per conversation,
+        whose ``prompt`` is the rendered text."""
+        if self.tokenizer is None:
+            raise ValueError(f"LLM.chat needs a tokenizer, and {self.config.model} has none; use "
+                             "generate(prompt_token_ids=...)")
+        if (isinstance(messages, (list, tuple)) and messages
+                and all(isinstance(m, dict) for m in messages)):
+            conversations = [list(messages)]
+        elif isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
+            conversations = [list(c) for c in messages]
+        else:
+            raise ValueError('messages must be a conversation (a list of {"role": ..., "content": ...} '
+                             f"dicts) or a list of conversations, got {messages!r:.80}")
+        template = read_chat_template(chat_template, "chat_template=")
+        texts = []
+        for conversation in conversations:
+            try:
+                texts.append(render_messages(
+                    self.tokenizer, conversation, chat_template=template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    chat_template_kwargs=chat_template_kwargs))
+            except ChatTemplateError as e:
+                hint = ("; pass chat_template= (the template text or a file holding it)"
+                        if e.field == "chat_template" else "")
+                raise ValueError(f"LLM.chat {e.field}: {e}{hint}") from e
+        token_lists = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        return self._generate(token_lists, texts, sampling_params, use_tqdm)
+
+    def _generate(self, token_lists: list[list[int]], texts: list[str | None],
+                  sampling_params: SamplingParams | list[SamplingParams] | None,
+                  use_tqdm: bool | Callable) -> list[RequestOutput]:
+        """:meth:`generate` and :meth:`chat` past their inputs: the prompts as token ids (their
+        texts, or None, for the outputs), the sampling parameters as given to them."""
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
         bad = [p for p in params_list if not isinstance(p, SamplingParams)]

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..chat_template import read_chat_template
 from ..config import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     DRAFT_QUANTIZATIONS,
@@ -124,20 +125,6 @@ class ServerConfig:
             "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",
             "trust_request_chat_template": self.trust_request_chat_template,
         }
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the value itself when it is a Jinja template
-    (holds ``{{`` or ``{%``); a clear error for a path that does not exist."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either "
-                     "(pass a template file, or the template text itself)")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

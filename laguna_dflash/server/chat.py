@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..chat_template import ChatTemplateError, render_messages
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, ChatMessage
 from .sampling import (
@@ -20,45 +21,19 @@ from .sampling import (
 from .serving import SSE_DONE, Delta, Job, Serving, sse, usage
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as the template expects it; text parts of a list content are joined."""
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"content part type {part.get('type')!r} is not supported: only "
-                                  'text content parts are; send {"type": "text", "text": "..."} '
-                                  "parts or a string", "messages")
-            texts.append(part["text"])
-        data["content"] = "\n".join(texts)
-    elif content is None:
-        data["content"] = ""
-    return data
-
-
-#: ``apply_chat_template`` arguments the renderer owns: not settable by ``chat_template_kwargs``.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
-                                      "return_tensors", "return_assistant_tokens_mask"})
-
-
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
                 chat_template: str | None = None,
                 tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text a chat template makes of ``messages``: the request's ``chat_template``
-    (only with ``--trust-request-chat-template``), else ``--chat-template``'s, else the
-    tokenizer's; ``chat_template_kwargs`` go to the template after (and over) the flags, as in
-    vLLM. ``tools`` reach the template as vLLM passes them (with ``tool_choice: "none"`` too:
-    the model sees the tools and is not asked to call one)."""
+    """The prompt text a chat template makes of ``messages`` (chat_template.render_messages):
+    the request's ``chat_template`` (only with ``--trust-request-chat-template``), else
+    ``--chat-template``'s, else the tokenizer's; ``chat_template_kwargs`` go to the template
+    after (and over) the flags, as in vLLM. ``tools`` reach the template as vLLM passes them
+    (with ``tool_choice: "none"`` too: the model sees the tools and is not asked to call one).
+    What cannot be rendered is a 400 naming the field."""
     tok = serving.require_tokenizer("chat")
     kwargs = dict(chat_template_kwargs or {})
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server "
-                          "sets them itself", "chat_template_kwargs")
     in_kwargs = kwargs.pop("chat_template", None)
     param = "chat_template" if chat_template is not None else "chat_template_kwargs.chat_template"
     chat_template = chat_template if chat_template is not None else in_kwargs
@@ -66,23 +41,17 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
         raise bad_request(f"{param}: this server does not take chat templates from requests; "
                           "leave it out, or start the server with --trust-request-chat-template",
                           param)
-    template = chat_template or serving.config.chat_template  # None: the tokenizer's own
-    if not template and not getattr(tok, "chat_template", None):
-        raise bad_request("the model's tokenizer has no chat template; use /v1/completions, or "
-                          "start the server with --chat-template FILE")
-    kwargs = {"add_generation_prompt": add_generation_prompt and not continue_final_message,
-              "continue_final_message": continue_final_message, **kwargs}
-    if template:
-        kwargs["chat_template"] = template
-    if tools:  # chat_template_kwargs' own tools win, as every other flag they set
-        kwargs.setdefault("tools", tools)
     try:
-        return tok.apply_chat_template([_message_dict(m) for m in messages], tokenize=False,
-                                       **kwargs)
-    except APIError:
-        raise
-    except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
-        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
+        return render_messages(tok, [m.model_dump(exclude_none=True) for m in messages],
+                               chat_template=chat_template or serving.config.chat_template,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=kwargs)
+    except ChatTemplateError as e:
+        if e.field == "chat_template":  # none at all
+            raise bad_request(f"{e}; use /v1/completions, or start the server with "
+                              "--chat-template FILE") from e
+        raise bad_request(str(e), e.field) from e
 
 
 def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float]],

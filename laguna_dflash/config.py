@@ -163,6 +163,11 @@ class SamplingParams:
     # them: LLM.generate (and the server, from its own request fields) watch the output text
     stop: tuple[str, ...] | list[str] | str | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's request field ``cache_salt``: a request's prompt blocks are cached and found under
+    # hashes seeded with it, so only requests with the same salt share cached prefixes (one
+    # salt per tenant keeps a tenant from timing its way to another's prompts). None: unsalted.
+    # Changes no output.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -179,6 +184,9 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got "
                                  f"{getattr(self, name)!r} ({type(getattr(self, name)).__name__})")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError(f"SamplingParams.cache_salt must be a non-empty string or None, got "
+                             f"{self.cache_salt!r:.80}")
         if self.top_k == -1:  # vLLM's "disabled"
             object.__setattr__(self, "top_k", 0)
         if not 1 <= self.n <= MAX_N:

@@ -313,8 +313,13 @@ class LLM:
                              f"{type(prompts).__name__}; pass token ids as prompt_token_ids=")
         texts: list[str | None] = []
         token_lists: list[list[int]] = []
+        salts: list[str | None] = []  # vLLM's per-prompt cache_salt
         if prompts is not None:
             for p in prompts:
+                salt = p.get("cache_salt") if isinstance(p, dict) else None
+                if salt is not None and not (isinstance(salt, str) and salt):
+                    raise ValueError(f"a prompt's cache_salt must be a non-empty string, got {salt!r:.80}")
+                salts.append(salt)
                 if isinstance(p, dict) and "prompt_token_ids" in p:
                     texts.append(p.get("prompt"))
                     token_lists.append(_token_ids(p["prompt_token_ids"]))
@@ -339,7 +344,7 @@ class LLM:
                 prompt_token_ids = [prompt_token_ids]
             token_lists = [_token_ids(t) for t in prompt_token_ids]
             texts = [None] * len(token_lists)
-        return self._generate(token_lists, texts, sampling_params, use_tqdm)
+        return self._generate(token_lists, texts, sampling_params, use_tqdm, salts)
 
     def chat(
         self,
@@ -391,9 +396,10 @@ class LLM:
 
     def _generate(self, token_lists: list[list[int]], texts: list[str | None],
                   sampling_params: SamplingParams | list[SamplingParams] | None,
-                  use_tqdm: bool | Callable) -> list[RequestOutput]:
+                  use_tqdm: bool | Callable, salts: list[str | None] | None = None) -> list[RequestOutput]:
         """:meth:`generate` and :meth:`chat` past their inputs: the prompts as token ids (their
-        texts, or None, for the outputs), the sampling parameters as given to them."""
+        texts, or None, for the outputs), the sampling parameters as given to them; ``salts``:
+        a prompt's own ``cache_salt`` (over its parameters')."""
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
         bad = [p for p in params_list if not isinstance(p, SamplingParams)]
@@ -404,6 +410,8 @@ class LLM:
             raise ValueError(
                 f"got {len(params_list)} sampling_params for {len(token_lists)} prompts; pass one or one each"
             )
+        params_list = [p if not salt else replace(p, cache_salt=salt)
+                       for p, salt in zip(params_list, salts or [None] * len(params_list))]
         if self.tokenizer is None and any(p.stop for p in params_list):
             raise ValueError(f"SamplingParams.stop: {self.config.model} has no tokenizer to find stop "
                              "strings with; use stop_token_ids")

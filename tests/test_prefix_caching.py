@@ -38,6 +38,17 @@ def test_block_hashes_name_the_whole_prefix():
     assert block_hashes([5, 6, 7, 8], 4, [])[0] != a[1], "the same tokens at another offset"
 
 
+def test_a_cache_salt_seeds_the_whole_chain():
+    """vLLM's ``cache_salt``: the same tokens under another salt (or none) name other blocks,
+    every block of the chain, and the same salt names the same ones."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    plain, a, b = (block_hashes(tokens, 4, [], salt) for salt in (None, "tenant-a", "tenant-b"))
+    assert plain == block_hashes(tokens, 4, [])
+    assert all(x != y for x, y in zip(plain, a)) and all(x != y for x, y in zip(a, b))
+    assert block_hashes(tokens, 4, [], "tenant-a") == a
+    assert block_hashes(tokens + [9, 10, 11, 12], 4, a[:1], "tenant-a")[:2] == a  # extends
+
+
 def test_allocator_shares_evicts_least_recently_freed_and_resets():
     alloc = BlockAllocator(4, 2)
     t1 = alloc.allocate(2)
@@ -273,6 +284,28 @@ def test_choices_of_one_prompt_prefill_it_once(pair, num_speculative_tokens):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.num_cached_tokens for o in got] == [0, 40, 40, 40]
     assert cached.get_metrics()["num_prefill_tokens"] == 41 + 3 * 1
+
+
+def test_cache_salt_shares_prefixes_only_within_a_salt(pair):
+    """A prompt sent again under another ``cache_salt`` (vLLM's prompt-dict field, or on the
+    parameters) finds nothing cached; under the same salt it finds its blocks; the tokens are
+    those of an unsalted run. A bad salt is an error naming it."""
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, block_size=KV_BLOCK)
+    prompt = list(range(3, 30))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "a"}], greedy)[0]
+    other = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "b"}], greedy)[0]
+    unsalted = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0]
+    same = llm.generate(prompt_token_ids=[prompt],
+                        sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                       cache_salt="a"))[0]
+    assert [o.num_cached_tokens for o in (first, other, unsalted, same)] == [0, 0, 0, 24]
+    assert first.token_ids == other.token_ids == unsalted.token_ids == same.token_ids
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""}], greedy)
+    with pytest.raises(ValueError, match="SamplingParams.cache_salt"):
+        SamplingParams(cache_salt=5)
 
 
 def test_eviction_under_a_small_cache_keeps_the_tokens(pair):

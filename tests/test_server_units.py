@@ -112,6 +112,7 @@ def _completion(**fields):
     ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
     ({"logit_bias": {"3": -100.5}}, "logit_bias"),
     ({"min_tokens": 5}, "min_tokens"),  # above max_tokens (4)
+    ({"cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_sampling_values_are_400_naming_the_field(fields, param):
     with pytest.raises(APIError) as info:
@@ -126,6 +127,8 @@ def test_sampling_defaults_and_generation_config():
                               {"temperature": 0.7, "top_k": 20, "min_p": 0.05})
     assert (p.temperature, p.top_k, p.min_p) == (0.0, 20, 0.05)  # request wins, defaults fill
     assert build_sampling_params(_completion(min_p=0.1), 4, None, {"min_p": 0.05}).min_p == 0.1
+    assert build_sampling_params(_completion(cache_salt="tenant"), 4, None, {}).cache_salt == "tenant"
+    assert build_sampling_params(_completion(), 4, None, {}).cache_salt is None
     with pytest.raises(APIError, match="logprobs must be in"):
         build_sampling_params(_completion(), 4, 21, {})
 

@@ -18,14 +18,18 @@ from dataclasses import dataclass
 import torch
 
 
-def block_hashes(token_ids: list[int], block_size: int, known: list[bytes]) -> list[bytes]:
+def block_hashes(token_ids: list[int], block_size: int, known: list[bytes],
+                 salt: str | None = None) -> list[bytes]:
     """The content hashes of every full block of ``token_ids``: ``known`` (a prefix of the
     chain, reused) extended. Block ``i``'s hash is ``sha256(hash[i-1] | its token ids)``, so it
     names the whole prefix up to the block's end (equal hashes <=> equal token prefixes, barring
-    a SHA-256 collision), as vLLM's prefix caching names blocks."""
+    a SHA-256 collision), as vLLM's prefix caching names blocks. ``salt`` (a request's
+    ``cache_salt``) stands in for block 0's missing predecessor, so the chain names the salt
+    too: equal prefixes under different salts never share a block."""
     out = list(known)
+    seed = b"" if salt is None else b"cache_salt\0" + salt.encode("utf-8")
     for i in range(len(out), len(token_ids) // block_size):
-        digest = hashlib.sha256(out[-1] if out else b"")
+        digest = hashlib.sha256(out[-1] if out else seed)
         digest.update(array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
         out.append(digest.digest())
     return out

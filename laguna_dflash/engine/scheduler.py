@@ -174,7 +174,7 @@ class Scheduler:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return [], [[] for _ in range(self.num_swa_groups)]
         bs = self.allocator.block_size
-        seq.block_hashes = block_hashes(seq.token_ids, bs, seq.block_hashes)
+        seq.block_hashes = block_hashes(seq.token_ids, bs, seq.block_hashes, seq.params.cache_salt)
         cached = self.allocator.lookup(seq.block_hashes[: (seq.num_tokens - 1) // bs])
         if not self.num_swa_groups:
             return cached, []
@@ -274,7 +274,8 @@ class Scheduler:
         if num_full <= seq.num_registered_blocks:
             return
         # extended, never cut: a hash names its token prefix, and token ids are only appended
-        seq.block_hashes = block_hashes(seq.token_ids[: num_full * bs], bs, seq.block_hashes)
+        seq.block_hashes = block_hashes(seq.token_ids[: num_full * bs], bs, seq.block_hashes,
+                                        seq.params.cache_salt)
         for i in range(seq.num_registered_blocks, num_full):
             self.allocator.register(seq.block_table[i], seq.block_hashes[i])
             if i >= seq.swa_start:  # an SWA block not freed yet (else it stays unnamed)

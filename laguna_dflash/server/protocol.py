@@ -48,6 +48,8 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: prefix-cache blocks are shared only among requests with the same salt
+    cache_salt: str | None = None
     # Fields that change the output and that this server does not implement: declared so that
     # a non-default value is a 400 (sampling.reject_unsupported), never silently dropped.
     response_format: dict[str, Any] | None = None

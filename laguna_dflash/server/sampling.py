@@ -186,6 +186,8 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
     if num_logprobs is not None and not 0 <= num_logprobs <= max_logprobs:
         raise bad_request(f"{logprobs_param} must be in [0, {max_logprobs}] (the server's "
                           f"--max-logprobs), got {num_logprobs}", logprobs_param)
+    if req.cache_salt is not None and not req.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string (or left out: no salt)", "cache_salt")
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
     penalties = {}
@@ -209,7 +211,7 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
             stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=num_logprobs,
             repetition_penalty=repetition, logit_bias=logit_bias(req.logit_bias), **penalties,
-            min_tokens=req.min_tokens,
+            min_tokens=req.min_tokens, cache_salt=req.cache_salt,
         )
     except ValueError as e:  # SamplingParams' own checks; the message names the field
         raise bad_request(str(e)) from e

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import numbers
 import os
@@ -21,6 +20,7 @@ from .config import (
 )
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
+from .generation_config import sampling_defaults
 from .server.detokenizer import IncrementalDetokenizer, OutputText
 
 logger = logging.getLogger(__name__)
@@ -85,31 +85,6 @@ def _token_ids(ids) -> list[int]:
     if bad:
         raise ValueError(f"prompt_token_ids must hold integer token ids, got {bad[:5]!r}")
     return [int(t) for t in ids]
-
-
-#: ``generation_config.json`` keys that vLLM's ``LLM`` takes as its default sampling
-#: parameters (``get_default_sampling_params``), and the :class:`SamplingParams` field of each.
-GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                           "max_new_tokens": "max_tokens"}
-
-
-def generation_config_defaults(directory: str | Path) -> dict:
-    """The :class:`SamplingParams` fields ``directory/generation_config.json`` sets (as vLLM
-    reads them: ``max_new_tokens`` is ``max_tokens``); ``{}`` without the file."""
-    path = Path(directory) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        logger.warning("ignoring unreadable %s: %s", path, e)
-        return {}
-    if not isinstance(data, dict):
-        logger.warning("ignoring %s: not a JSON object", path)
-        return {}
-    return {field: data[key] for key, field in GENERATION_DEFAULT_KEYS.items()
-            if data.get(key) is not None}
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -228,13 +203,8 @@ class LLM:
         _check_checkpoint_dir("model=", model, "the target model's directory")
         if draft is not None:
             _check_checkpoint_dir(draft_name, draft, "the DFlash drafter's directory")
-        if not isinstance(generation_config, (str, Path)) or (
-                generation_config not in ("auto", "vllm", "none")
-                and not (Path(generation_config) / "generation_config.json").is_file()):
-            raise ValueError(f"generation_config={generation_config!r}: use 'auto' (the model's "
-                             "generation_config.json), 'vllm' or 'none' (no defaults), or a "
-                             "directory holding a generation_config.json")
         self.generation_config = generation_config
+        self._generation_defaults = sampling_defaults(generation_config, model, "generation_config=")
         self._default_sampling_params: SamplingParams | None = None
         speculative = None
         if draft is not None:
@@ -266,10 +236,8 @@ class LLM:
         ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``) over
         ``SamplingParams()``'s defaults, per ``generation_config=``."""
         if self._default_sampling_params is None:
-            choice = self.generation_config
-            source = (self.config.model if choice == "auto" else None if choice in ("vllm", "none")
-                      else choice)
-            values = generation_config_defaults(source) if source is not None else {}
+            values = self._generation_defaults
+            source = self.config.model if self.generation_config == "auto" else self.generation_config
             try:
                 self._default_sampling_params = SamplingParams(**values)
             except ValueError as e:

@@ -32,6 +32,7 @@ from ..config import (
     vllm_draft_quantization,
 )
 from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
+from ..generation_config import sampling_defaults
 from ..models.dflash import dflash_value
 
 logger = logging.getLogger(__name__)
@@ -217,19 +218,13 @@ def _draft_block_size(draft: str) -> int | None:
 
 
 def generation_defaults(choice: str, model: str) -> dict[str, float]:
-    """``--generation-config``: auto = ``model``'s ``generation_config.json``; vllm / none = no
-    defaults; else a directory that must hold a ``generation_config.json``."""
-    # .sampling imports the request models (pydantic): loaded for serve only
-    from .sampling import load_generation_defaults
-
-    if choice == "auto":
-        return load_generation_defaults(model)
-    if choice in ("vllm", "none"):
-        return {}
-    if not (Path(choice) / "generation_config.json").is_file():
-        raise ValueError(f"--generation-config {choice}: no generation_config.json there; pass "
-                         "auto (the model's), vllm / none (no defaults), or a directory holding one")
-    return load_generation_defaults(choice)
+    """``--generation-config`` (generation_config.sampling_defaults): auto = ``model``'s
+    ``generation_config.json``; vllm / none = no defaults; else a directory that must hold a
+    ``generation_config.json``. ``max_new_tokens`` is left out: the server's ``max_tokens``
+    defaults are its own (sampling.resolve_max_tokens)."""
+    defaults = sampling_defaults(choice, model)
+    defaults.pop("max_tokens", None)
+    return defaults
 
 
 def merge_speculative_spellings(args: argparse.Namespace) -> tuple[str | None, str | None,

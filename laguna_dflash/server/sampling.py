@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from pathlib import Path
 
 from ..config import EngineConfig, SamplingParams
 from .errors import bad_request
@@ -18,27 +16,6 @@ logger = logging.getLogger(__name__)
 MAX_LOGPROBS = EngineConfig.max_logprobs
 #: Default ``max_tokens`` of a completion request (OpenAI and vLLM).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-#: ``generation_config.json`` keys used as defaults for fields a request leaves out.
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
-    """Sampling defaults from the checkpoint's ``generation_config.json`` (as vLLM applies them).
-
-    A plain OpenAI client cannot send ``top_k``, so a model that recommends one (Laguna: 20)
-    only gets it this way. Missing file or keys -> ``{}``.
-    """
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        logger.warning("ignoring unreadable %s: %s", path, e)
-        return {}
-    return {k: data[k] for k in GENERATION_DEFAULT_KEYS if data.get(k) is not None}
-
-
 #: The most choices one request may ask for (``n``).
 MAX_CHOICES = 64
 #: Seeds a request may send: a signed 64-bit integer (as vLLM); choice ``i`` of ``n`` samples

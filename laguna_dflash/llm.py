@@ -21,6 +21,7 @@ from .config import (
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
 from .generation_config import sampling_defaults
+from .models.loader import CheckpointError
 from .server.detokenizer import IncrementalDetokenizer, OutputText
 
 logger = logging.getLogger(__name__)
@@ -118,11 +119,12 @@ def _progress_bar(use_tqdm: bool | Callable, total: int):
 
 
 def _check_checkpoint_dir(name: str, path: str | Path, what: str) -> None:
-    """``path`` is a directory, or an error naming the argument that gave it (the loader's
-    own message says "model path" for the drafter too)."""
+    """``path`` is a directory, or a :class:`CheckpointError` naming the argument that gave it
+    (the loader's own message says "model path" for the drafter too)."""
     if not Path(path).is_dir():
-        raise ValueError(f"{name} {str(path)!r}: no such directory; pass {what} (a local Hugging "
-                         "Face checkpoint directory with config.json and *.safetensors)")
+        why = "not a directory" if Path(path).exists() else "no such directory"
+        raise CheckpointError(f"{name} {str(path)!r}: {why}; pass {what} (a local Hugging Face "
+                              "checkpoint directory with config.json and *.safetensors)")
 
 
 #: Keyword arguments of vLLM's ``LLM`` that this one does not take, and why.
@@ -199,13 +201,6 @@ class LLM:
                 raise ValueError("give the drafter's quantization once: speculative_config's "
                                  '"quantization" (vLLM\'s spelling) or draft_quantization=, not both')
             draft_quantization = vllm_draft_quantization(speculative_config, "speculative_config=")
-        draft_name = "speculative_config's \"model\"" if speculative_config is not None else "draft="
-        _check_checkpoint_dir("model=", model, "the target model's directory")
-        if draft is not None:
-            _check_checkpoint_dir(draft_name, draft, "the DFlash drafter's directory")
-        self.generation_config = generation_config
-        self._generation_defaults = sampling_defaults(generation_config, model, "generation_config=")
-        self._default_sampling_params: SamplingParams | None = None
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
@@ -224,6 +219,15 @@ class LLM:
                                    ("simulate_acceptance_length", simulate_acceptance_length is not None)):
                 if is_given:
                     raise ValueError(f"{name} was given without draft=; pass a DFlash drafter directory")
+        # the directories once the arguments agree (the loader's own message would say "model
+        # path" for the drafter too)
+        _check_checkpoint_dir("model=", model, "the target model's directory")
+        if draft is not None:
+            draft_name = "speculative_config's \"model\"" if speculative_config is not None else "draft="
+            _check_checkpoint_dir(draft_name, draft, "the DFlash drafter's directory")
+        self.generation_config = generation_config
+        self._generation_defaults = sampling_defaults(generation_config, model, "generation_config=")
+        self._default_sampling_params: SamplingParams | None = None
         self.config = EngineConfig(model=str(model), dtype=dtype, device=device,
                                    max_model_len=max_model_len, speculative=speculative,
                                    **engine_options)

@@ -1,12 +1,6 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
-#   bash benchmarks/gpu_check.sh pass179    # any card (ninety-sixth pass): the verify's shared expert brought into
-#                                           # L2 by the split merge (Attention.prefetch_shared_expert_min_tokens):
-#                                           # its CUDA tests, the 4-token verify graph and goal 2's cell (fp8
-#                                           # drafter, 16384-token map) with it off and on, then the decode graph
-#                                           # with it at one token too; on an H200 pass176 first (carry .whl,
-#                                           # .tc; ~5-8 min)
 #   bash benchmarks/gpu_check.sh pass178    # any card (ninety-fourth pass): on an H200 pass177; elsewhere the
 #                                           # DFlash-only spans by kernel on this tree: the 40-layer decode and
 #                                           # 4-token verify graphs and the fp8 drafter block, kernel sums and
@@ -710,21 +704,6 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
-  pass179)
-    echo "== (ninety-sixth pass) the verify's shared expert into L2 by the split merge; on an H200 pass176 first"
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    on_h200 && bash "$0" pass176 | tail -n +3
-    shared="--switch laguna_dflash.models.layers:Attention.prefetch_shared_expert_min_tokens=2"
-    echo "-- profile_decode_xs.py --q 4: the 4-token verify graph, defaults then the merge prefetch"
-    timeout 120 python benchmarks/profile_decode_xs.py --q 4 --top 8 --new-tokens 8 $shared 2>&1 | quiet \
-      | grep -E "^## |^\| |kernels per replay|greedy tokens|rror" | head -40
-    gpu_tests 90 -n 4 tests/test_kernel_paged_attention.py tests/test_inference_fusion.py \
-      -k "merge_prefetch or l2_prefetch or links_each_attention" | grep -v PASSED | tail -4
-    fp8map="--draft-quantization fp8 --token-map-size 16384"
-    GOAL_LIMIT="${GOAL_LIMIT:-90}" goal_cells_65 "$fp8map" "$fp8map $shared" "$fp8map" "$fp8map $shared"
-    echo "-- profile_decode_xs.py --q 1: the decode graph, defaults then the merge prefetch at one token too"
-    timeout 100 python benchmarks/profile_decode_xs.py --q 1 --top 6 --new-tokens 8 ${shared%=2}=1 2>&1 | quiet \
-      | grep -E "^## |^\| [0-9]|greedy tokens|rror" | head -12 ;;
   pass178)
     echo "== (ninety-fourth pass) on an H200 pass177; elsewhere the decode, verify and drafter graphs by kernel"
     if on_h200; then

@@ -145,49 +145,6 @@ def test_fusing_links_each_moe_to_the_next_layers_qkvg_weight() -> None:
     fuse_for_inference(other)
 
 
-def test_fusing_links_each_attention_to_its_layers_shared_expert(monkeypatch) -> None:
-    """``fuse_for_inference`` hands each sparse layer's attention its MoE's folded shared expert
-    (gate|up and down, as the expert GEMVs read them: views, not registered) as
-    ``merge_prefetch``; dense layers get none. The backend sees them only from
-    ``prefetch_shared_expert_min_tokens`` to ``_max_tokens`` tokens, and never while the minimum
-    is None (the default until timed), and the output does not change."""
-    model = torch.nn.Module()
-    model.layers = _decoder_layers(["per-head", "per-head"], [False, True])
-    fuse_for_inference(model)
-    dense, sparse = model.layers
-    assert dense.self_attn.merge_prefetch == ()
-    moe = sparse.mlp
-    gate_up, down = sparse.self_attn.merge_prefetch
-    assert gate_up.data_ptr() == moe.shared_expert.gate_up_proj.weight.data_ptr()
-    assert down.data_ptr() == moe.shared_expert.down_proj.weight.data_ptr()
-    assert gate_up.shape == moe.shared_expert.gate_up_proj.weight.shape and gate_up.is_contiguous()
-    assert down.shape == moe.shared_expert.down_proj.weight.shape and down.is_contiguous()
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    assert not any("prefetch" in n for n in names)
-    assert Attention.prefetch_shared_expert_min_tokens is None  # off by default
-
-    seen = []
-
-    class Spy(TorchSDPABackend):
-        def attend(self, *args, merge_prefetch=(), **kwargs):
-            seen.append(merge_prefetch)
-            return super().attend(*args, **kwargs)
-
-    attn = sparse.self_attn
-    outputs = []
-    for lo, tokens in ((None, 4), (2, 1), (2, 4), (2, 5)):
-        monkeypatch.setattr(Attention, "prefetch_shared_expert_min_tokens", lo)
-        ctx = _context([(20, tokens)], 2, 8, torch.float32, "cpu")
-        ctx = ForwardContext(meta=ctx.meta, kv_caches=ctx.kv_caches, backend=Spy())
-        x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens))
-        with torch.no_grad():
-            outputs.append(attn(x, ctx))
-    assert [len(p) for p in seen] == [0, 0, 2, 0]
-    assert seen[2][0] is gate_up and seen[2][1] is down
-    # the hint changes no value: the 4-token forward with it equals the one without
-    assert torch.equal(outputs[0], outputs[2])
-
-
 def test_router_gets_the_configured_region_of_the_next_weight(monkeypatch) -> None:
     """With ``prefetch_next_bytes`` set, the fused router is handed that many bytes of the next
     layer's weight: the end of every row (``prefetch_next_rows``), else its tail (or its head with

@@ -520,12 +520,10 @@ def _aot_sm90(kernel, consts: dict, ptr_types: dict, aligned: tuple[str, ...], n
 
 def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, causal: bool,
                  window: bool, sinks: bool, pdl: bool = False, prefetch: bool = False,
-                 preload: bool = True, early_signal: bool = False, invariant: bool = False,
-                 merge_prefetch: int = 0):
+                 preload: bool = True, early_signal: bool = False, invariant: bool = False):
     """The attention kernel (and the merge kernel with split-K) as ``paged_attention`` launches
     them; ``invariant``: as with ``batch_invariant=True`` (one query a tile, partials and the
-    split-order merge even for one split); ``merge_prefetch``: the merge issuing that many
-    weights (0-2) into L2, one piece a program each."""
+    split-order merge even for one split)."""
     attn, merge = pa._kernels(False)
     block_q = 1 if invariant else pa._block_q(qmax, group)
     block_m = max(16, pa._next_pow2(block_q * group))
@@ -540,8 +538,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
                                   "stride_qi_q", "stride_qp_q", "stride_ks_j")})
     ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "sinks_ptr", "gate_ptr",
                                      "prefetch_ptr")}
-    ptrs.update(prefetch_nbytes="i64", prefetch_chunk="i64", pf_a_ptr=f"*{dtype}", pf_b_ptr=f"*{dtype}")
-    ptrs.update({f"pf_{w}_{n}": "i64" for w in "ab" for n in ("nbytes", "stride", "size")})
+    ptrs.update(prefetch_nbytes="i64", prefetch_chunk="i64")
     ptrs.update({n: "*i64" for n in ("query_index_ptr", "query_pos_ptr", "key_slots_ptr", "seq_lens_ptr")})
     ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     builds = [_aot_sm90(attn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kc_s", "stride_kc_h",
@@ -551,8 +548,7 @@ def _sm90_builds(dtype: str, head_dim: int, group: int, qmax: int, splits: int, 
         mconsts = dict(NUM_HEADS=group * 4, HEAD_DIM=head_dim, BLOCK_D=head_dim, NUM_SPLITS=splits,
                        BLOCK_S=max(2, pa._next_pow2(splits)), HAS_SINKS=sinks, stride_od=1, HAS_GATE=True,
                        PDL=pdl, EARLY_SIGNAL=early_signal, SKIP_EMPTY=pa.SKIP_EMPTY_SPLITS,
-                       SEQUENTIAL=invariant, PF_BLOCK=32 if head_dim <= 64 else 64,
-                       PF_LANES_A=int(merge_prefetch >= 1), PF_LANES_B=int(merge_prefetch >= 2))
+                       SEQUENTIAL=invariant)
         builds.append(_aot_sm90(merge, mconsts, ptrs, ("stride_ot", "stride_oh", "stride_gt"),
                                 1 if head_dim <= 64 else 2, pdl))
     return builds
@@ -704,65 +700,6 @@ def test_cuda_long_context(qlen, causal, window, sinks):
     compare(q, kc, vc, meta, window=window, sinks=sink)
     for splits in (1, 5):
         compare(q, kc, vc, meta, window=window, sinks=sink, num_splits=splits)
-
-
-@pytest.mark.skipif(not _PTXAS or INTERPRETED, reason="needs triton's nvidia backend (ptxas)")
-@pytest.mark.parametrize("num_weights", [1, 2])
-def test_sm90_merge_prefetch_is_issued_after_the_pdl_wait(num_weights):
-    """With ``merge_prefetch`` the split-merge kernel issues TMA bulk L2 prefetches (one
-    predicated instruction a weight) only after its PDL wait, when attention's K/V reads are
-    over; without it, none. Still no global load before the wait, and no spills."""
-    cfg = ("bf16", 128, 8, 4, 8, True, False, True)  # the 4-token verify, split-K, sinks
-    _, (plain, _) = _sm90_builds(*cfg, pdl=True)
-    assert "prefetch" not in plain.asm["ptx"]
-    _, (merge, spills) = _sm90_builds(*cfg, pdl=True, merge_prefetch=num_weights)
-    ptx = merge.asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    assert "cp.async.bulk.prefetch.L2.global" not in ptx[:wait]
-    assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == num_weights
-    assert loads_before_pdl_wait(ptx) == []
-    assert spills and max(spills) == 0, spills
-
-
-def test_merge_prefetch_plan_drops_what_cannot_be_issued() -> None:
-    """On the CPU (and under the interpreter) no weight can be issued: the merge gets no lanes
-    and placeholder arguments; more than two weights is an error naming the argument."""
-    dummy = torch.zeros(4)
-    weights = (torch.zeros(1024, dtype=torch.bfloat16), torch.zeros(512, dtype=torch.bfloat16))
-    args, lanes = pa._merge_prefetch_plan(weights, 256, 64, dummy)
-    assert lanes == (0, 0) and len(args) == 8 and args[0] is dummy and args[4] is dummy
-    q, kc, vc, meta, _ = make_case([(40, 4)], 2, 64, torch.float32, True)
-    with pytest.raises(ValueError, match="merge_prefetch takes at most two weights"):
-        pa.paged_attention(q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots,
-                           meta.seq_lens, scale=0.125, causal=True, merge_prefetch=weights * 2)
-
-
-@cuda
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+")
-@pytest.mark.parametrize("splits", [1, None])
-def test_cuda_merge_prefetch_changes_no_value(splits):
-    """The split merge's L2 prefetch of two weights (the verify's shared-expert hint) leaves the
-    output bitwise equal and the weights untouched, eagerly and in a CUDA graph; with one split
-    (no merge) it is dropped."""
-    from laguna_dflash.kernels import l2_prefetch
-
-    q, kc, vc, meta, _ = make_case([(1000, 4)], 8, 128, torch.bfloat16, True, device="cuda", num_heads=64)
-    gate_up = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)  # XS-2.1's shared expert
-    down = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
-    before = (gate_up.clone(), down.clone())
-    args = (q, kc, vc, meta.query_index, meta.query_positions, meta.key_slots, meta.seq_lens)
-    kwargs = dict(scale=128**-0.5, causal=True, num_splits=splits)
-    spread, lanes = l2_prefetch.issue_plan(gate_up, 4 * 64, 64, pa.MERGE_PREFETCH_LANES)
-    assert spread is not None and lanes == 1  # the prefetch path really runs here
-    want = pa.paged_attention(*args, **kwargs)
-    got = pa.paged_attention(*args, **kwargs, merge_prefetch=(gate_up, down))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = pa.paged_attention(*args, **kwargs, merge_prefetch=(gate_up, down))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(graphed, want)
-    assert torch.equal(gate_up, before[0]) and torch.equal(down, before[1])
 
 
 @cuda

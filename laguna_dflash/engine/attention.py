@@ -109,7 +109,6 @@ class AttentionBackend:
         gate: torch.Tensor | None = None,
         prefetch: torch.Tensor | None = None,
         early_signal: bool = False,
-        merge_prefetch: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
 
@@ -118,10 +117,8 @@ class AttentionBackend:
         ``prefetch``: a weight the next kernel reads (``o_proj``'s); a backend may bring it into
         L2 while it attends (kernels/l2_prefetch.py). ``early_signal``: the next launch reads
         only weights before its PDL wait, so a backend may let it start early
-        (kernels/paged_attention.py). ``merge_prefetch``: up to two weights a later kernel of
-        the layer reads (its shared expert's), which a backend may bring into L2 once its
-        K/V reads are over. All three are hints: no value changes, and backends that cannot
-        use them ignore them.
+        (kernels/paged_attention.py). Both are hints: no value changes, and backends that
+        cannot use them ignore them.
         """
         raise NotImplementedError
 
@@ -150,7 +147,6 @@ class TorchSDPABackend(AttentionBackend):
         gate: torch.Tensor | None = None,
         prefetch: torch.Tensor | None = None,
         early_signal: bool = False,
-        merge_prefetch: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """Same contract as :meth:`AttentionBackend.attend` (the hints ignored)."""
         num_heads, head_dim = q.shape[1], q.shape[2]

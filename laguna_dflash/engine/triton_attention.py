@@ -67,7 +67,6 @@ class TritonPagedBackend(AttentionBackend):
         gate: torch.Tensor | None = None,
         prefetch: torch.Tensor | None = None,
         early_signal: bool = False,
-        merge_prefetch: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """``q [T, num_heads, head_dim]`` -> ``[T, num_heads, head_dim]`` in q's dtype.
 
@@ -76,8 +75,7 @@ class TritonPagedBackend(AttentionBackend):
         ``is_causal=None`` takes ``meta.is_causal``. A per-head ``gate [T, num_heads]`` is applied
         in the kernel's store; a per-element one afterwards. ``prefetch`` (a weight) is brought
         into L2 by the attention programs on sm90+ (kernels/l2_prefetch.py); ``early_signal`` lets
-        the launch after the merge start early (kernels/paged_attention.py); ``merge_prefetch``
-        weights are brought into L2 by the split-merge programs after their wait. Inside
+        the launch after the merge start early (kernels/paged_attention.py). Inside
         :func:`~laguna_dflash.kernels.batch_invariant.scope` the kernel runs its one
         batch-invariant configuration (and never falls back to SDPA).
         """
@@ -94,8 +92,7 @@ class TritonPagedBackend(AttentionBackend):
             q, k_cache, v_cache, meta.query_index, meta.query_positions, meta.key_slots,
             meta.seq_lens, scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
             num_splits=self.num_splits, block_n=self.block_n, gate=gate if per_head else None,
-            prefetch=prefetch, early_signal=early_signal, merge_prefetch=merge_prefetch,
-            batch_invariant=invariant,
+            prefetch=prefetch, early_signal=early_signal, batch_invariant=invariant,
             fixed_splits=fixed_eager_splits and not layers.is_building_cuda_graph(),
         )
         return out if per_head else attention.apply_output_gate(out, gate)

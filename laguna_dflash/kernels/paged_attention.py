@@ -343,11 +343,9 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, gate_ptr, out_ptr,
     num_tokens, stride_ot, stride_oh, stride_od, stride_gt, stride_gh,
-    pf_a_ptr, pf_a_nbytes, pf_a_stride, pf_a_size, pf_b_ptr, pf_b_nbytes, pf_b_stride, pf_b_size,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     PDL: tl.constexpr, EARLY_SIGNAL: tl.constexpr, SKIP_EMPTY: tl.constexpr, SEQUENTIAL: tl.constexpr,
-    PF_BLOCK: tl.constexpr = 32, PF_LANES_A: tl.constexpr = 0, PF_LANES_B: tl.constexpr = 0,
 ):
     # program (t, h): out[t, h] = sum_s 2^(m_s - M) acc_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)
     if PDL and EARLY_SIGNAL:
@@ -357,14 +355,6 @@ def _merge_splits_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    # PF_LANES_A / _B > 0 (``merge_prefetch``): up to two weights a later kernel reads, into L2
-    # (kernels/l2_prefetch.py), PF_LANES_* pieces a program. After the wait: attention's K/V
-    # reads are over, and the merge itself reads only its partials (L2), so the HBM is idle
-    if PF_LANES_A > 0:
-        part = t * NUM_HEADS + h
-        _prefetch_l2_lanes(pf_a_ptr, pf_a_nbytes, pf_a_stride, pf_a_size, part, PF_BLOCK, PF_LANES_A)
-        if PF_LANES_B > 0:
-            _prefetch_l2_lanes(pf_b_ptr, pf_b_nbytes, pf_b_stride, pf_b_size, part, PF_BLOCK, PF_LANES_B)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
     prow = (offs_s.to(tl.int64) * num_tokens + t) * NUM_HEADS + h
@@ -629,7 +619,6 @@ def paged_attention(
     early_signal: bool = False,
     batch_invariant: bool = False,
     fixed_splits: bool = False,
-    merge_prefetch: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Attention of ``T`` flat queries over the paged cache (see the module docstring for the math).
 
@@ -656,12 +645,6 @@ def paged_attention(
             ``None``: its bytes are prefetched into L2 by the attention programs, each a share,
             before they wait for the previous kernel (kernels/l2_prefetch.py; CUDA sm90+ and a
             contiguous, 16-byte aligned weight, else ignored). Changes no value.
-        merge_prefetch: at most two weights that a later kernel reads (the layer's shared
-            expert: models/layers.py ``Attention.prefetch_shared_expert_min_tokens``), brought
-            into L2 by the split-merge programs after their PDL wait, when attention's K/V reads
-            are over and the HBM is idle (:data:`MERGE_PREFETCH_LANES` pieces a program;
-            kernels/l2_prefetch.py). Ignored where no merge runs (one split) or a weight cannot
-            be issued (CUDA sm90+, contiguous and 16-byte aligned only). Changes no value.
         early_signal: with PDL, the attention and split-merge programs signal their dependents
             first thing, before their own wait (an exception to kernels/pdl.py rule 2), so the
             launch after the merge may be resident, loading its weight, while attention runs.
@@ -694,8 +677,6 @@ def paged_attention(
     if gate is not None and (gate.shape != (t, num_heads) or gate.device != q.device):
         raise ValueError(f"gate must be [T, num_heads] = [{t}, {num_heads}] on {q.device}, got "
                          f"{tuple(gate.shape)} on {gate.device}")
-    if len(merge_prefetch) > 2:
-        raise ValueError(f"merge_prefetch takes at most two weights, got {len(merge_prefetch)}")
     kv_heads = k_cache.shape[1]
     r, qmax = query_index.shape
     lmax = key_slots.shape[1]
@@ -787,43 +768,14 @@ def paged_attention(
         **pdl.launch_options(use_pdl),
     )
     if partials:
-        merge_warps = 1 if block_d <= 64 else 2
-        pf_args, pf_lanes = _merge_prefetch_plan(merge_prefetch, t * num_heads, 32 * merge_warps, out)
         merge_kernel[(t, num_heads)](
             part_acc, part_m, part_l, sinks if sinks is not None else out,
             gate if gate is not None else out, out,
-            t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)), *pf_args,
+            t, *out.stride(), *(gate.stride() if gate is not None else (0, 0)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
             HAS_GATE=gate is not None, PDL=use_pdl, EARLY_SIGNAL=early_signal and use_pdl,
             SKIP_EMPTY=SKIP_EMPTY_SPLITS, SEQUENTIAL=batch_invariant,
-            PF_BLOCK=32 * merge_warps, PF_LANES_A=pf_lanes[0], PF_LANES_B=pf_lanes[1],
-            num_warps=merge_warps, **pdl.launch_options(use_pdl),
+            num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(use_pdl),
         )
     return out
-
-
-#: Pieces a merge program issues of each ``merge_prefetch`` weight (a contiguous one is cut into
-#: this many pieces a program: at 4 query tokens x 64 heads, a 4 MiB weight in 16 KiB pieces).
-MERGE_PREFETCH_LANES = 1
-
-
-def _merge_prefetch_plan(merge_prefetch: tuple, num_programs: int, threads: int,
-                         dummy: torch.Tensor) -> tuple[tuple, tuple[int, int]]:
-    """The merge kernel's eight prefetch arguments (base, nbytes, stride, size of weights A and
-    B) and its ``(PF_LANES_A, PF_LANES_B)``: a weight that cannot be issued here (CPU, the
-    interpreter, below sm90, misaligned: kernels/l2_prefetch.py) is dropped; B moves up to A."""
-    spreads = []
-    for weight in merge_prefetch:
-        spread, lanes = l2_prefetch.issue_plan(weight, num_programs, threads, MERGE_PREFETCH_LANES)
-        if spread is not None:
-            spreads.append((spread, lanes))
-    args, lanes = [], []
-    for spread, n in spreads + [(None, 0)] * (2 - len(spreads)):
-        if spread is None:
-            args += [dummy, 0, 16, 16]
-            lanes.append(0)
-        else:
-            args += [spread.base, spread.nbytes, spread.stride, spread.size]
-            lanes.append(n)
-    return tuple(args), (lanes[0], lanes[1])

@@ -299,16 +299,6 @@ class Attention(nn.Module):
     # 2.29 ms with it, 2.26 without; an L2-resident o_proj weight saves its GEMM ~2.5 of ~15 us,
     # while issuing the prefetch costs the attention kernel ~2 us; docs/PERFORMANCE.md)
     prefetch_o_proj: bool = False
-    # From ``prefetch_shared_expert_min_tokens`` to ``_max_tokens`` tokens (None: never), the
-    # split merge after attention brings ``merge_prefetch`` (the layer's shared expert, gate|up
-    # and down: :func:`link_shared_expert_prefetch`) into L2 once attention's K/V reads are over
-    # (kernels/paged_attention.py ``merge_prefetch``): the HBM idles through the merge, and the
-    # expert GEMVs after the router (their weights streamed ``evict_first``) then read the
-    # shared expert's 6 MiB at XS-2.1 size from L2. Aimed at the 4-token verify, whose expert
-    # GEMVs stream near the copy rate; off until timed on a GPU.
-    prefetch_shared_expert_min_tokens: int | None = None
-    prefetch_shared_expert_max_tokens: int = 4
-    merge_prefetch: tuple[torch.Tensor, ...] = ()
 
     def fuse_projections(self) -> None:
         """Inference: one GEMM for Q|K|V|gate. ``qkv_proj.weight`` and ``g_proj.weight`` become
@@ -377,14 +367,10 @@ class Attention(nn.Module):
                   and not batch_invariant.is_active()
                   and self.o_proj.bias is None and not torch.is_grad_enabled()
                   and q.dtype == self.o_proj.weight.dtype and staged_gemv.supports(self.o_proj.weight))
-        lo = self.prefetch_shared_expert_min_tokens
-        merge_prefetch = (self.merge_prefetch if lo is not None and lo <= t <= self.prefetch_shared_expert_max_tokens
-                          else ())
         out = ctx.backend.attend(
             q, k_cache, v_cache, meta, scale=self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks, is_causal=self.is_causal, gate=gate,
             prefetch=prefetch, early_signal=staged,  # the staged o_proj reads only its weight first
-            merge_prefetch=merge_prefetch,
         )
         out = out.reshape(t, self.q_size)
         if staged and staged_gemv.can_use(out, self.o_proj.weight):
@@ -865,23 +851,6 @@ def fuse_for_inference(model: nn.Module) -> None:
         if is_cuda:
             torch.cuda.empty_cache()
     link_next_weights(model)
-    link_shared_expert_prefetch(model)
-
-
-def link_shared_expert_prefetch(model: nn.Module) -> None:
-    """Point each layer's attention at its MoE's shared expert as folded into the stacked expert
-    weights (``merge_prefetch``: the gate|up ``[2I, H]`` and down ``[H, I]`` the expert GEMVs
-    read as pair ``E``; plain tensor views, not registered). Layers without a folded shared
-    expert (dense MLPs, expert parallelism) keep none. Call after :func:`fuse_for_inference`'s
-    folding."""
-    for layer in model.modules():
-        if not isinstance(layer, DecoderLayer):
-            continue
-        moe = layer.mlp
-        if isinstance(moe, MoE) and moe.gate_up_with_shared is not None:
-            e = moe.num_local_experts
-            layer.self_attn.merge_prefetch = (moe.gate_up_with_shared[e].detach(),
-                                              moe.down_with_shared[e].detach())
 
 
 def link_next_weights(model: nn.Module) -> None:

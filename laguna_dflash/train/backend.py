@@ -39,8 +39,7 @@ class DenseTrainingBackend(AttentionBackend):
         self._kv = (k, v)
 
     def attend(self, q, k_cache, v_cache, meta, *, scale, sliding_window=None, sinks=None,
-               is_causal=None, gate=None, prefetch=None, early_signal=False,
-               merge_prefetch=()) -> torch.Tensor:
+               is_causal=None, gate=None, prefetch=None, early_signal=False) -> torch.Tensor:
         if sinks is not None:
             raise NotImplementedError("training with attention sinks is not supported")
         k, v = self._kv
@@ -104,8 +103,7 @@ class BlockTrainingBackend(AttentionBackend):
         self._kv = (k, v)
 
     def attend(self, q, k_cache, v_cache, meta, *, scale, sliding_window=None, sinks=None,
-               is_causal=None, gate=None, prefetch=None, early_signal=False,
-               merge_prefetch=()) -> torch.Tensor:
+               is_causal=None, gate=None, prefetch=None, early_signal=False) -> torch.Tensor:
         k, v = self._kv
         b = self.anchors.shape[0]
         nq = q.shape[0] // b

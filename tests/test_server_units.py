@@ -203,6 +203,9 @@ _USER = [{"role": "user", "content": "x"}]
     (ChatCompletionRequest(messages=_USER, function_call={"name": "f"}), "function_call",
      "leave function_call out"),
     (ChatCompletionRequest(messages=_USER, echo=True), "echo", "leave echo out"),
+    # vLLM's 400: both sent true
+    (ChatCompletionRequest(messages=_USER, continue_final_message=True, add_generation_prompt=True),
+     "add_generation_prompt", "leave add_generation_prompt out"),
 ])
 def test_unsupported_fields_are_rejected(request_, param, fix):
     """Each rejection names its field and says how to fix the request."""
@@ -216,6 +219,8 @@ def test_unsupported_fields_are_rejected(request_, param, fix):
     CompletionRequest(prompt="x", best_of=1, suffix=""),
     ChatCompletionRequest(messages=_USER, tools=[{"type": "function"}], tool_choice="none"),
     ChatCompletionRequest(messages=_USER, response_format={"type": "text"}),
+    ChatCompletionRequest(messages=_USER, continue_final_message=True),  # the default yields
+    ChatCompletionRequest(messages=_USER, continue_final_message=True, add_generation_prompt=False),
     CompletionRequest(prompt="x", response_format={"type": "text"}, bad_words=[],
                       use_beam_search=False, guided_json=None),
     ChatCompletionRequest(messages=_USER, tool_choice="auto", functions=[], function_call="none",

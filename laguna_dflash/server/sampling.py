@@ -64,6 +64,13 @@ def reject_unsupported(req: SamplingFields) -> None:
         if req.echo:
             raise bad_request("echo on chat completions (vLLM's: the last message before the "
                               "reply) is not supported; leave echo out", "echo")
+        # as vLLM: a generation prompt after a message left open to continue is a contradiction
+        # (sent explicitly; its default True yields to continue_final_message)
+        if (req.continue_final_message and req.add_generation_prompt
+                and "add_generation_prompt" in req.model_fields_set):
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                              "true; leave add_generation_prompt out (or false) to continue the "
+                              "last message", "add_generation_prompt")
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
         raise bad_request(f"response_format type {kind!r} is not supported (no structured "

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass180    # any card (ninety-sixth pass): on an H200 pass176 first; then the
+#                                           # expert GEMVs of the decode and 4-token verify graphs under ncu
+#                                           # (8 layers, L2 not flushed): DRAM MB read, time, L2 hit rate and
+#                                           # DRAM throughput (% of peak) a launch (~3-5 min)
 #   bash benchmarks/gpu_check.sh pass178    # any card (ninety-fourth pass): on an H200 pass177; elsewhere the
 #                                           # DFlash-only spans by kernel on this tree: the 40-layer decode and
 #                                           # 4-token verify graphs and the fp8 drafter block, kernel sums and
@@ -704,6 +708,21 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass180)
+    echo "== (ninety-sixth pass) on an H200 pass176; then the expert GEMVs at 1 and 4 tokens under ncu"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    on_h200 && bash "$0" pass176 | tail -n +3
+    command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+    dir=${OUT:-/tmp}/ncu180; mkdir -p "$dir"
+    for q in 1 4; do
+      f="$dir/experts_q$q.csv"
+      timeout 200 ncu --clock-control none --cache-control none --nvtx --nvtx-include "measure/" \
+        --kernel-name regex:"^_(gate_up_gemv|down_gemv)_kernel" --page raw --csv --print-units base \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python benchmarks/profile_decode_xs.py --layers 8 --q "$q" --ncu >"$f" 2>"$f.err" || tail -3 "$f.err"
+      echo "-- ncu, the expert GEMVs of the $q-token graph (7 MoE layers)"
+      python benchmarks/ncu_kernel_table.py "$f"
+    done ;;
   pass178)
     echo "== (ninety-fourth pass) on an H200 pass177; elsewhere the decode, verify and drafter graphs by kernel"
     if on_h200; then

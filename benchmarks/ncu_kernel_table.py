@@ -1,6 +1,6 @@
 """Summarise an Nsight Compute ``--page raw --csv`` export by kernel: launches and the mean of
 each metric (``gpu__time_duration.sum`` in us, ``dram__bytes_read.sum`` in MB, percentages as
-they are). Used by ``gpu_check.sh pass126``.
+they are). Used by ``gpu_check.sh pass128`` and ``pass180``.
 
     python benchmarks/ncu_kernel_table.py report.csv [--width 40]
 """
@@ -14,7 +14,8 @@ from collections import defaultdict
 SCALES = {"gpu__time_duration.sum": ("us", 1e-3), "dram__bytes_read.sum": ("MB", 1e-6)}
 # what gpu_check.sh asks ncu for; a raw export also holds ncu's own columns (device__*,
 # launch__*, ...), some of them not numbers ('No-CC'), so only the metrics named are averaged
-METRICS = ("dram__bytes_read.sum", "gpu__time_duration.sum", "lts__t_sector_hit_rate.pct")
+METRICS = ("dram__bytes_read.sum", "gpu__time_duration.sum", "lts__t_sector_hit_rate.pct",
+           "dram__throughput.avg.pct_of_peak_sustained_elapsed")
 
 
 def kernel_table(lines: list[str], width: int = 40, metrics: tuple[str, ...] = METRICS) -> list[str]:

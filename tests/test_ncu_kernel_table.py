@@ -39,3 +39,13 @@ def test_only_the_metrics_named_are_averaged() -> None:
     rows = kernel_table(CSV, metrics=("gpu__time_duration.sum",))
     assert rows[0] == "| kernel | launches | gpu__time_duration.sum (us) |"
     assert "| _down_gemv_kernel | 1 | 7.00 |" in rows
+
+
+def test_dram_throughput_is_averaged_when_exported() -> None:
+    """``pass180`` also asks for the DRAM throughput (% of peak): averaged as it comes."""
+    lines = [CSV[0], CSV[1].rstrip("\n") + ',"dram__throughput.avg.pct_of_peak_sustained_elapsed"\n',
+             CSV[2].rstrip("\n") + ',"%"\n'] + [line.rstrip("\n") + f',"{pct}"\n'
+                                               for line, pct in zip(CSV[3:], ("80.0", "70.0", "90.0"))]
+    rows = kernel_table(lines)
+    assert rows[0].endswith("| dram__throughput.avg.pct_of_peak_sustained_elapsed (value) |")
+    assert "| _gate_up_gemv_kernel | 2 | 28.31 | 10.00 | 30.50 | 85.00 |" in rows

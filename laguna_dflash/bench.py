@@ -29,14 +29,22 @@ class BenchResult:
     per_position_acceptance_rate: list[float]
     outputs_identical: bool
     num_speculative_tokens: int
+    #: ``--simulate-acceptance-length``: drafts accepted blindly at this mean (else None)
+    simulate_acceptance_length: float | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def load_prompts(path: str | Path) -> list[str]:
-    """A prompt file: a JSON list of strings / {"prompt": ...}, or JSON Lines of those."""
-    text = Path(path).read_text()
+def load_prompts(path: str | Path) -> list[str | dict]:
+    """A prompt file (``--prompts``): a JSON list, or JSON Lines, of prompts, each a string,
+    ``{"prompt": string}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's spellings; token ids
+    need no tokenizer in the model). A ValueError naming the file (and line) otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {path}: not UTF-8 text ({e}); pass a JSON list or JSON Lines "
+                         "file of prompts") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -51,20 +59,32 @@ def load_prompts(path: str | Path) -> list[str]:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1} is not JSON; use a JSON list or JSON Lines of prompts") from e
+                raise ValueError(f"--prompts {path}:{i + 1} is not JSON; use a JSON list or JSON Lines "
+                                 "of prompts") from e
             prompts.append(_prompt(item, f"{path}:{i + 1}"))
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise ValueError(f"--prompts {path} holds no prompts")
     return prompts
 
 
-def _prompt(item, where: str) -> str:
-    """One prompt-file entry: a string or ``{"prompt": string}``."""
-    if isinstance(item, dict):
-        item = item.get("prompt")
-    if not isinstance(item, str):
-        raise ValueError(f'{where}: each prompt must be a string or {{"prompt": "..."}}, got {item!r:.80}')
-    return item
+def _prompt(item: object, where: str) -> str | dict:
+    """One prompt-file entry: a non-empty string, ``{"prompt": string}`` or
+    ``{"prompt_token_ids": [int, ...]}`` (returned as it is, for ``LLM.generate``)."""
+    expected = 'a string, {"prompt": "..."} or {"prompt_token_ids": [int, ...]}'
+    if isinstance(item, dict) and "prompt_token_ids" in item:
+        ids = item["prompt_token_ids"]
+        if (not isinstance(ids, list) or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) for t in ids)):
+            raise ValueError(f'--prompts {where}: "prompt_token_ids" must be a non-empty list of '
+                             f"token ids (ints), got {ids!r:.80}")
+        return {"prompt_token_ids": ids}
+    text = item.get("prompt") if isinstance(item, dict) else item
+    if not isinstance(text, str):
+        got = f"an object with keys {sorted(item)}" if isinstance(item, dict) else f"{item!r:.80}"
+        raise ValueError(f"--prompts {where}: each prompt must be {expected}, got {got}")
+    if not text:
+        raise ValueError(f"--prompts {where}: the prompt is empty; give it at least one character")
+    return text
 
 
 def timed_generate(llm: LLM, **generate_kwargs) -> tuple[list[RequestOutput], float]:
@@ -75,7 +95,7 @@ def timed_generate(llm: LLM, **generate_kwargs) -> tuple[list[RequestOutput], fl
     return outs, llm.engine.timings.decode_s - before
 
 
-def _timed_batches(llm: LLM, prompts: list[str], params: SamplingParams, batch_size: int):
+def _timed_batches(llm: LLM, prompts: list[str | dict], params: SamplingParams, batch_size: int):
     """:func:`timed_generate` over ``prompts`` in batches of ``batch_size``."""
     outs, t_decode = [], 0.0
     for i in range(0, len(prompts), batch_size):
@@ -85,12 +105,16 @@ def _timed_batches(llm: LLM, prompts: list[str], params: SamplingParams, batch_s
     return outs, t_decode
 
 
-def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 128,
+def run_bench(model: str, draft: str, prompts: list[str | dict], max_new_tokens: int = 128,
               batch_size: int = 1, num_speculative_tokens: int | None = None,
               adaptive_k: bool = False, draft_tensor_parallel_size: int | None = None,
               draft_quantization: str | None = None, speculative_token_map: str | None = None,
-              **engine_options) -> BenchResult:
+              simulate_acceptance_length: float | None = None, **engine_options) -> BenchResult:
     """Greedy decode every prompt with and without the drafter; decode time excludes prefill.
+
+    ``simulate_acceptance_length`` (``--simulate-acceptance-length``): the speculative run
+    accepts drafts blindly at this mean acceptance length, to time a drafter of that quality
+    (its output is then not the target's).
 
     ``engine_options`` go to both ``LLM``s unchanged (``device``, ``dtype``, ``max_model_len``,
     ``block_size``, ``num_kv_blocks``, ``attention_backend``, ``enforce_eager``, ``load_format``,
@@ -108,7 +132,8 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
     spec = LLM(model, draft=draft, **engine_options,
                num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k,
                draft_tensor_parallel_size=draft_tensor_parallel_size, draft_quantization=draft_quantization,
-               speculative_token_map=speculative_token_map)
+               speculative_token_map=speculative_token_map,
+               simulate_acceptance_length=simulate_acceptance_length)
     warm = prompts[: min(2, len(prompts))]
     _timed_batches(base, warm, params, batch_size)
     _timed_batches(spec, warm, params, batch_size)
@@ -129,6 +154,7 @@ def run_bench(model: str, draft: str, prompts: list[str], max_new_tokens: int = 
         per_position_acceptance_rate=[c / max(drafts, 1) for c in per_pos],
         outputs_identical=[o.token_ids for o in base_outs] == [o.token_ids for o in spec_outs],
         num_speculative_tokens=spec.engine.num_speculative_tokens,
+        simulate_acceptance_length=simulate_acceptance_length,
     )
 
 
@@ -142,7 +168,9 @@ def format_result(r: BenchResult) -> str:
         f"speedup {r.speedup:.2f}x, mean acceptance length {r.mean_acceptance_length:.2f}, "
         f"outputs identical: {r.outputs_identical}",
         f"per-position acceptance rate: {rates}",
-    ])
+    ] + ([f"simulated acceptance (--simulate-acceptance-length {r.simulate_acceptance_length}): "
+          "drafts accepted blindly, the dflash output is not the target's"]
+         if r.simulate_acceptance_length is not None else []))
 
 
 def save_acceptance_plot(r: BenchResult, path: str | Path) -> None:

@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="tokens/s with and without speculation on a prompt set")
     add_engine_args(b, model_required=False)
     add_speculative_spelling_args(b)
-    b.add_argument("--prompts", help="JSON list / JSON Lines of prompts (default: held-out set)")
+    b.add_argument("--prompts", help="JSON list / JSON Lines of prompts: strings, {\"prompt\": ...} or "
+                                     "{\"prompt_token_ids\": [...]} (for a model without a "
+                                     "tokenizer) (default: held-out set)")
     b.add_argument("--num-prompts", type=int, default=None,
                    help="use the first N prompts (default: all of them)")
     b.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128,
@@ -486,7 +488,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        args.num_speculative_tokens, args.adaptive_k,
                        draft_tensor_parallel_size=args.draft_tensor_parallel_size,
                        draft_quantization=args.draft_quantization,
-                       speculative_token_map=args.speculative_token_map, **engine_options(args))
+                       speculative_token_map=args.speculative_token_map,
+                       simulate_acceptance_length=args.simulate_acceptance_length, **engine_options(args))
     if not is_rank_zero():
         return 0
     # the numbers first: a plot that fails to save must not lose a finished benchmark

@@ -291,6 +291,12 @@ def build_token_map(model: str | Path, data: Sequence[str | Path], num_tokens: i
                          "SGLang's format) or a .json list; name it with one of those suffixes")
     if output.is_dir():
         raise ValueError(f"--output {output}: is a directory; pass a file path ending in .pt or .json")
+    # its folder is made if missing: one of the folders above it that is a file fails now, not
+    # after the corpus is counted
+    parent = next((p for p in output.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--output {output}: {parent} is a file, so the map cannot be written "
+                         "under it; pass a path in a directory")
     vocab_size, eos = model_vocab(model)
     # --num-tokens checked (and against the always-kept ids) before the corpus is counted
     most_frequent_tokens(torch.zeros(vocab_size, dtype=torch.int64), num_tokens, always=eos)
@@ -304,7 +310,12 @@ def build_token_map(model: str | Path, data: Sequence[str | Path], num_tokens: i
                          f"{stats.num_files} files, skipped {stats.num_skipped_files} not UTF-8"
                          f"; --glob {glob!r}); pass files of text, .jsonl or .json records")
     token_ids = most_frequent_tokens(counts, num_tokens, always=eos)
-    save_token_map(token_ids, output)
+    try:
+        save_token_map(token_ids, output)
+    except (OSError, RuntimeError) as e:  # torch.save: RuntimeError where the file can't open
+        reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[0]
+        raise ValueError(f"--output {output}: cannot write the token map ({reason}); pass a "
+                         "writable path") from e
     summary = TokenMapSummary(
         num_files=stats.num_files, num_skipped_files=stats.num_skipped_files,
         num_corpus_tokens=num_corpus_tokens, num_distinct_tokens=int((counts > 0).sum()),

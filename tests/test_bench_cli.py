@@ -44,6 +44,38 @@ def test_load_prompts_formats(tmp_path):
         load_prompts(tmp_path / "c.jsonl")
 
 
+def test_load_prompts_errors_name_the_flag_and_the_entry(tmp_path):
+    """A {"text": ...} record said "got None", an undecodable file gave a bare codec error and an
+    empty prompt failed in the engine after both models loaded; {"prompt_token_ids": [...]}
+    (for a model without a tokenizer) is a prompt, as in vLLM."""
+    cases = {"a.jsonl": ('{"prompt": "x"}\n{"text": "y"}\n', r"--prompts .*a\.jsonl:2: .*keys \['text'\]"),
+             "b.json": ('["x", ""]', r"--prompts .*b\.json\[1\]: the prompt is empty"),
+             "c.json": ('[{"prompt_token_ids": []}]', r"--prompts .*c\.json\[0\]: \"prompt_token_ids\""),
+             "d.json": ('[{"prompt_token_ids": [1, "2"]}]', r"--prompts .*d\.json\[0\]")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_prompts(tmp_path / name)
+    (tmp_path / "e.jsonl").write_bytes(b"\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"--prompts .*e\.jsonl: not UTF-8"):
+        load_prompts(tmp_path / "e.jsonl")
+    (tmp_path / "f.jsonl").write_text('{"prompt_token_ids": [5, 6]}\n"x"\n')
+    assert load_prompts(tmp_path / "f.jsonl") == [{"prompt_token_ids": [5, 6]}, "x"]
+
+
+def test_bench_simulated_acceptance_reaches_the_speculative_run(pair, tmp_path, capsys):
+    """``bench --simulate-acceptance-length 3`` was accepted and dropped: the run measured the
+    real drafter (mean acceptance length 1 on a random pair). Token-id prompts need no tokenizer."""
+    target, draft = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5, 6, 7, 8]}\n{"prompt_token_ids": [9, 10, 11]}\n')
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                 "--max-new-tokens", "17", "--simulate-acceptance-length", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["simulate_acceptance_length"] == 3.0
+    assert result["mean_acceptance_length"] == pytest.approx(3.0, abs=0.5)
+
+
 def test_generate_compare_reports_speedup(pair, capsys, monkeypatch):
     """``--compare`` runs DFlash and target-only in alternation (3 rounds by default,
     ``--compare-rounds``) and reports each one's best round, with every round's speed."""

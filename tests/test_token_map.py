@@ -319,6 +319,30 @@ def test_cli_errors_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert not (tmp_path / "m.pt").exists()  # no error wrote a map
 
 
+def test_unwritable_output_is_an_error_naming_it_before_counting(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch):
+    """An --output under a file was a bare "[Errno 17] File exists" after the whole corpus was
+    counted; a save that fails (a read-only folder) was an OSError (or torch's RuntimeError)
+    naming no flag."""
+    import laguna_dflash.token_map as token_map_module
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(CODE[0])
+    base = ["token-map", "--model", TARGET, "--data", str(corpus), "--num-tokens", "8"]
+    monkeypatch.setattr(token_map_module, "count_tokens",
+                        lambda *a, **k: pytest.fail("counted the corpus before checking --output"))
+    _one_error_line(_run_main([*base, "--output", str(corpus / "sub" / "m.pt")], capsys),
+                    "--output", "is a file")
+    monkeypatch.undo()
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(token_map_module, "save_token_map", read_only)
+    _one_error_line(_run_main([*base, "--output", str(tmp_path / "m.pt")], capsys),
+                    "--output", "Permission denied")
+
+
 def test_model_without_vocab_size(tmp_path: Path):
     model = tmp_path / "model"
     model.mkdir()

@@ -139,6 +139,8 @@ def test_train_draft_continues_from_a_checkpoint(tmp_path):
     ("save_every", 0), ("lr", 0.0), ("lr", -1.0), ("warmup", -1), ("top_k", 9), ("num_experts", 0),
     ("vocab_size", 100), ("time_budget_s", 0.0), ("device", "bogus"), ("num_layers", 0),
     ("sliding_window", 0),
+    # heads of 25 / 18 dims: RoPE's pairs did not fit, a shape error at the first step
+    ("hidden_size", 100), ("hidden_size", 72),
 ])
 def test_target_config_rejects_bad_flags(field, value):
     flag = "--" + field.replace("_", "-")
@@ -187,6 +189,28 @@ def test_out_dir_that_is_a_file_is_named(tmp_path):
         train_target(TargetTrainConfig(out_dir=str(f), steps=1))
     with pytest.raises(ValueError, match="--out-dir"):
         train_draft(DraftTrainConfig(target=str(tmp_path), out_dir=str(f), steps=1))
+    # under a file: a bare "[Errno 20] Not a directory" before; now named, before any work
+    with pytest.raises(ValueError, match=r"--out-dir .*afile is a file"):
+        train_target(TargetTrainConfig(out_dir=str(f / "sub"), steps=1))
+    with pytest.raises(ValueError, match=r"--out-dir .*afile is a file"):
+        train_draft(DraftTrainConfig(target=str(tmp_path), out_dir=str(f / "sub" / "d"), steps=1))
+
+
+def test_out_dir_that_cannot_be_made_is_named(tmp_path, monkeypatch):
+    """A directory the OS refuses (read-only or missing file system): a ValueError naming
+    --out-dir, not a bare OSError."""
+    from pathlib import Path
+
+    from laguna_dflash.train.common import make_work_dir
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ValueError, match=r"--out-dir .*Permission denied"):
+        make_work_dir(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"--out-dir .*Permission denied"):
+        train_target(TargetTrainConfig(out_dir=str(tmp_path / "t"), steps=1))
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +257,29 @@ def test_train_draft_checks_target_and_init_from_before_regenerating(random_pair
     text.write_text("not numpy")
     with pytest.raises(ValueError, match="--corpus-tokens"):
         train_draft(_draft_cfg(tmp_path, target, corpus_tokens=str(text)))
+    with pytest.raises(ValueError, match="--corpus-tokens .*missing.npy: no such file"):
+        train_draft(_draft_cfg(tmp_path, target, corpus_tokens=str(tmp_path / "missing.npy")))
+
+
+def test_init_from_is_checked_against_the_target_and_the_flags_before_regenerating(
+        random_pair, tmp_path, monkeypatch):
+    """An --init-from drafter of another target failed only after the regeneration, in a
+    message naming no flag; a drafter flag that contradicts it (its config wins) was silently
+    ignored: --block-size 4 wrote a drafter of block 8."""
+    import laguna_dflash.train.draft as draft_module
+    from laguna_dflash.demo import demo_pair
+
+    target, draft = random_pair  # its drafter: 2 layers, block 8, 3 taps, mask token 3
+    monkeypatch.setattr(draft_module, "_regenerate_part",
+                        lambda *a, **k: pytest.fail("regenerated before checking the flags"))
+    own = {"num_layers": 2, "block_size": 8}
+    with pytest.raises(ValueError, match="--init-from .*hidden_size 256 differs from --target's hidden_size 64"):
+        train_draft(_draft_cfg(tmp_path, target, init_from=demo_pair()[1], **own))
+    for flags, flag in (({"block_size": 4}, "--block-size 4"), ({"num_layers": 1}, "--num-layers 1"),
+                        ({"flavour": "qwen3"}, "--flavour qwen3"), ({"num_taps": 2}, "--num-taps 2"),
+                        ({"mask_token_id": 5}, "--mask-token-id 5")):
+        with pytest.raises(ValueError, match=f"{flag} contradicts --init-from"):
+            train_draft(_draft_cfg(tmp_path, target, init_from=str(draft), **{**own, **flags}))
 
 
 def test_resuming_with_other_model_flags_is_a_clear_error(tmp_path):

@@ -108,7 +108,9 @@ def test_continued_drafter_keeps_its_mask_embedding(random_pair, tmp_path):
     hidden = json.loads((target / "config.json").read_text())["hidden_size"]
     vector = torch.randn(hidden, generator=torch.Generator().manual_seed(7))
     torch.save(vector, init / "mask_embedding.pt")
-    out = train_draft(_config(target, tmp_path / "cont", init_from=str(init), steps=1, save_every=1))
+    # the drafter's own shape: a contradicting --num-layers / --block-size is an error
+    out = train_draft(_config(target, tmp_path / "cont", init_from=str(init), steps=1, save_every=1,
+                              num_layers=2, block_size=8))
     drafter = LLM(str(target), draft=str(out), max_model_len=64, max_num_seqs=2).engine.drafter
     assert drafter.mask_embedding is not None
     torch.testing.assert_close(drafter.mask_embedding.float().cpu(), vector, rtol=0, atol=0)
@@ -121,6 +123,20 @@ def test_regenerated_data_of_other_lengths_is_an_error_naming_the_flags(random_p
     c = _config(random_pair[0], tmp_path / "out", gen_len=8)
     with pytest.raises(ValueError, match=r"--prompt-len 16 \+ --gen-len 8 = 24.*delete it"):
         train_draft(c)
+
+
+def test_resuming_with_other_run_flags_is_an_error_naming_them(random_pair, tmp_path):
+    """A state written with --lr 3e-3 --block-size 4, resumed with other values of flags that
+    keep the shapes: the run silently mixed two runs' settings (README: a resumed run ends as an
+    uninterrupted one). Now a ValueError naming each flag; --steps and the reporting flags may
+    still change."""
+    target, _ = random_pair
+    train_draft(_config(target, tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"train_state\.pt.*--block-size 4 there, 8 now.*"
+                                         r"--lr 0\.003 there, 0\.01 now.*--out-dir"):
+        train_draft(_config(target, tmp_path / "d", lr=1e-2, block_size=8))
+    train_draft(_config(target, tmp_path / "d", steps=6, log_every=2))
+    assert _state(tmp_path / "d")["step"] == 6
 
 
 def test_anchors_are_distinct_in_a_row_and_inside_the_generated_part():

@@ -72,8 +72,26 @@ def check_device(device: str) -> None:
 
 
 def check_out_dir(out: Path) -> None:
+    """``--out-dir`` is a directory or can become one: a ValueError naming the flag where it, or
+    the nearest of its parents that exists, is a file (before any data is built)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir {out} is a file; pass a directory (new, or one to resume in)")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--out-dir {out}: {parent} is a file, so no directory can be made there; "
+                         "pass a directory path (new, or one to resume in)")
+
+
+def make_work_dir(out: Path) -> Path:
+    """Create ``out/work`` (and ``out``) -> it; a ValueError naming ``--out-dir`` where the
+    directory cannot be made (read-only or missing file system, permissions)."""
+    work = out / "work"
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out-dir {out}: cannot create {work} ({e.strerror or e}); pass a "
+                         "writable directory") from e
+    return work
 
 
 def join_data_parallel(device: torch.device, batch_size: int) -> tuple[TensorParallel, torch.device]:
@@ -117,11 +135,29 @@ def save_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     tmp.replace(path)
 
 
-def load_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict]:
-    """Resume from ``path`` if it exists: returns (next step, extra); (0, {}) otherwise."""
+def check_run_flags(path: Path, saved: dict | None, run_flags: dict | None) -> None:
+    """A resumed run's ``run_flags`` (config fields that shape the run: model, schedule, data
+    order) equal those the state at ``path`` was written with (``saved``; None in a state of an
+    older version, or where the caller checks none): a ValueError naming each flag that differs
+    otherwise (the resumed run would silently mix two runs' settings)."""
+    if not saved or run_flags is None:
+        return
+    diffs = [f"{flag(k)} {saved[k]!r} there, {v!r} now" for k, v in run_flags.items()
+             if k in saved and saved[k] != v]
+    if diffs:
+        raise ValueError(f"{path} is the training state of a run with other flags ({'; '.join(diffs)}); "
+                         "resume with that run's flags, or use a new --out-dir (or delete this file "
+                         "to start over)")
+
+
+def load_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               run_flags: dict | None = None) -> tuple[int, dict]:
+    """Resume from ``path`` if it exists: returns (next step, extra); (0, {}) otherwise.
+    ``run_flags``: checked against the ones the state was written with (:func:`check_run_flags`)."""
     if not path.is_file():
         return 0, {}
     state = torch.load(path, map_location="cpu", weights_only=False)
+    check_run_flags(path, state.get("extra", {}).get("run_flags"), run_flags)
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -169,6 +205,7 @@ def run_training(
     on_save: Callable[[], None] | None = None,
     dp: TensorParallel = SINGLE,
     generator: torch.Generator | None = None,
+    run_flags: dict | None = None,
 ) -> tuple[list[float], float]:
     """The shared optimisation loop: cosine LR, grad clip 1.0, resumable state, progress bar.
 
@@ -187,9 +224,12 @@ def run_training(
     ``generator``: the generator ``loss_fn`` draws its data from (batch rows, anchors). Its
     state is part of the training state, as are the losses so far, so a resumed run draws the
     batches an uninterrupted run would draw next and returns the whole run's losses.
+
+    ``run_flags``: the config fields a resumed run must keep (flag name -> value); saved in the
+    training state, and a resume with other values is a ValueError naming them.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    start, extra = load_state(state_path, model, optimizer)
+    start, extra = load_state(state_path, model, optimizer, run_flags)
     if start and generator is not None:
         if "generator" in extra:
             generator.set_state(extra["generator"])
@@ -229,7 +269,7 @@ def run_training(
             bar.set_postfix(loss=f"{np.mean(losses[-log_every:]):.3f}")
         if (step + 1) % save_every == 0 and dp.is_driver:
             extra = {"losses": list(losses), "elapsed_s": time.perf_counter() - t0,
-                     "planned_steps": total}
+                     "planned_steps": total, "run_flags": run_flags}
             if generator is not None:
                 extra["generator"] = generator.get_state()
             save_state(state_path, model, optimizer, step + 1, extra)

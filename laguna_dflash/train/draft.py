@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,12 @@ from tqdm import tqdm
 from ..config import resolve_device
 from ..distributed import SINGLE, TensorParallel
 from ..engine.attention import AttentionMetadata
-from ..models.dflash import DFlashDraftModel, qwen3_draft_spec
+from ..models.dflash import (
+    DFlashDraftModel,
+    dflash_value,
+    qwen3_draft_spec,
+    resolve_target_layer_ids,
+)
 from ..models.laguna_dflash import DFlashLaguna, laguna_draft_spec
 from ..models.layers import ForwardContext
 from ..models.loader import CheckpointError, load_model, read_config
@@ -46,6 +51,7 @@ from .common import (
     check_device,
     check_out_dir,
     join_data_parallel,
+    make_work_dir,
     require_at_least,
     require_positive,
     run_training,
@@ -92,8 +98,9 @@ class DraftTrainConfig:
                                     "TARGET/work/train_tokens.npy, left by train-target)", None)
     regen_budget_s: float | None = arg("stop regenerating after this many seconds and train on the "
                                        "sequences done so far", None)
-    init_from: str | None = arg("start from this drafter checkpoint (its config wins) instead of "
-                                "random weights", None)
+    init_from: str | None = arg("start from this drafter checkpoint (its config wins: a --flavour, "
+                                "--num-layers, --block-size, --num-taps or --mask-token-id that "
+                                "differs from it is an error) instead of random weights", None)
     cache_target_states: bool = arg("run the frozen target once over the data and keep its tapped "
                                     "states in host memory, instead of every step", False)
     save_every: int = shared_arg("save_every", 500)
@@ -109,6 +116,14 @@ class DraftTrainConfig:
         require_positive(self, "gamma", "lr", "regen_budget_s", "time_budget_s")
         check_device(self.device)
 
+
+#: Fields a resumed ``train-draft`` may change (the rest must equal the interrupted run's):
+#: where it runs and reports, how long, and how the data (kept in ``work/regenerated.npy``) and
+#: the first weights (replaced by the state's) were made.
+RESUMABLE_DRAFT_FIELDS = frozenset({
+    "target", "out_dir", "steps", "device", "save_every", "log_every", "time_budget_s",
+    "gen_batch_size", "regen_budget_s", "corpus_tokens", "num_sequences", "init_from",
+    "cache_target_states"})
 
 #: Target layers tapped when ``--num-taps`` is not given (fewer on a target too shallow for them).
 DEFAULT_NUM_TAPS = 3
@@ -163,7 +178,8 @@ def regenerate(c: DraftTrainConfig, work: Path, dp: TensorParallel = SINGLE) -> 
     Data parallel: rank ``r`` continues prompts ``r, r + N, ...`` on its device; rank 0 joins
     the parts (rank by rank) into the one cache every rank loads."""
     cache = work / "regenerated.npy"
-    if not cache.is_file():
+    reused = cache.is_file()
+    if not reused:
         part = _regenerate_part(c, work, dp)
         if dp.is_parallel:
             np.save(work / f"regenerated.rank{dp.rank}.npy", part)
@@ -183,6 +199,10 @@ def regenerate(c: DraftTrainConfig, work: Path, dp: TensorParallel = SINGLE) -> 
             f"--prompt-len {c.prompt_len} + --gen-len {c.gen_len} = {c.prompt_len + c.gen_len} "
             "tokens of this run (a run with other lengths made it): delete it to regenerate, or "
             "pass the lengths it was made with")
+    if reused and rows.shape[0] != c.num_sequences and dp.is_driver:
+        logger.warning("%s (from an earlier run) holds %d sequences, not --num-sequences %d: "
+                       "training on them; delete it to regenerate", cache, rows.shape[0],
+                       c.num_sequences)
     return torch.from_numpy(rows.astype(np.int64))
 
 
@@ -218,7 +238,11 @@ def corpus_stream(c: DraftTrainConfig, vocab_size: int | None = None) -> np.ndar
     array longer than ``--prompt-len`` (with ``vocab_size``: of ids inside it)."""
     path = Path(c.corpus_tokens) if c.corpus_tokens else Path(c.target) / "work" / "train_tokens.npy"
     if not path.is_file():
-        raise ValueError(f"no corpus token stream at {path}; pass --corpus-tokens FILE.npy")
+        if c.corpus_tokens:
+            raise ValueError(f"--corpus-tokens {path}: no such file; pass a .npy token stream (a "
+                             "1-D integer array of the target's token ids)")
+        raise ValueError(f"no corpus token stream at {path} (train-target leaves one there); pass "
+                         "--corpus-tokens FILE.npy")
     try:
         stream = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:
@@ -235,6 +259,49 @@ def corpus_stream(c: DraftTrainConfig, vocab_size: int | None = None) -> np.ndar
     return stream
 
 
+#: ``--flavour`` of each drafter architecture an ``--init-from`` checkpoint may hold.
+FLAVOUR_OF_ARCHITECTURE = {"DFlashLagunaForCausalLM": "laguna", "DFlashDraftModel": "qwen3",
+                           "DFlashQwen3ForCausalLM": "qwen3"}
+
+
+def check_init_from(c: DraftTrainConfig, init_cfg: dict, target_cfg: dict) -> None:
+    """An ``--init-from`` drafter (config ``init_cfg``) fits ``--target`` (its width, its
+    tapped layers) and no drafter flag given with it asks for another shape: its config wins,
+    so a ``--block-size`` (``--num-layers``, ``--flavour``, ``--num-taps``, ``--mask-token-id``)
+    other than its own would be ignored. Checked from the config files, before the (long)
+    regeneration; a ValueError naming the flag otherwise."""
+    where = f"--init-from {c.init_from}"
+    arch = init_cfg["architectures"][0]
+    width = target_cfg.get("hidden_size")
+    for key in ("hidden_size", "target_hidden_size"):
+        value = init_cfg.get(key)
+        if value is not None and isinstance(width, int) and value != width:
+            raise ValueError(f"{where}: its config.json {key} {value} differs from --target's "
+                             f"hidden_size {width}; it was trained for another target: pass a "
+                             "drafter of this target (or leave --init-from out)")
+    depth = target_cfg.get("num_hidden_layers")
+    try:
+        taps = resolve_target_layer_ids(init_cfg, arch) or []
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    if isinstance(depth, int) and any(not 0 <= t < depth for t in taps):
+        raise ValueError(f"{where}: it taps target layers {taps}, not all inside --target's {depth} "
+                         "layers; it was trained for another target: pass a drafter of this target")
+    defaults = {f.name: f.default for f in fields(DraftTrainConfig)}
+    own = {"flavour": FLAVOUR_OF_ARCHITECTURE.get(arch),
+           "num_layers": init_cfg.get("num_hidden_layers"),
+           "block_size": dflash_value(init_cfg, "block_size"),
+           "num_taps": len(taps) if taps else None,
+           "mask_token_id": dflash_value(init_cfg, "mask_token_id")}
+    for name, value in own.items():
+        given = getattr(c, name)
+        if given != defaults[name] and value is not None and given != value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {given} contradicts {where}, a drafter of {flag} {value} "
+                             "(a continued drafter keeps its checkpoint's config): drop "
+                             f"{flag}, or leave --init-from out to train a new drafter")
+
+
 def check_inputs(c: DraftTrainConfig, work: Path) -> dict:
     """Check the paths and the target-dependent flags before any regeneration or training ->
     the target's config.json."""
@@ -247,12 +314,14 @@ def check_inputs(c: DraftTrainConfig, work: Path) -> dict:
         raise ValueError(f"--target {c.target} holds a drafter ({arch}); pass the target checkpoint")
     if c.init_from:
         try:
-            init_arch = read_config(c.init_from)["architectures"][0]
+            init_cfg = read_config(c.init_from)
         except CheckpointError as e:
             raise ValueError(f"--init-from {c.init_from}: {e}") from e
+        init_arch = init_cfg["architectures"][0]
         if init_arch not in DRAFT_ARCHITECTURES:
             raise ValueError(f"--init-from {c.init_from} holds {init_arch}, not a DFlash drafter; pass "
                              "a drafter checkpoint (or leave it out to start from random weights)")
+        check_init_from(c, init_cfg, target_cfg)
     else:
         mask_id = c.mask_token_id if c.mask_token_id is not None else target_cfg.get("mask_token_id")
         if mask_id is None:
@@ -445,7 +514,7 @@ def train_draft(c: DraftTrainConfig) -> Path:
     work = out / "work"
     check_out_dir(out)
     target_cfg = check_inputs(c, work)
-    work.mkdir(parents=True, exist_ok=True)
+    make_work_dir(out)
     seed_everything(c.seed)
     resolve_device(c.device)  # a clear error where CUDA is asked for but missing
     dp, device = join_data_parallel(torch.device(c.device), c.batch_size)
@@ -495,6 +564,7 @@ def train_draft(c: DraftTrainConfig) -> Path:
         time_budget_s=c.time_budget_s,
         on_save=lambda: save_drafter(drafter, out, cfg), dp=dp,
         generator=gen,
+        run_flags={k: v for k, v in asdict(c).items() if k not in RESUMABLE_DRAFT_FIELDS},
     )
     drafter.eval()
     if dp.is_driver:

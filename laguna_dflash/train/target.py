@@ -31,6 +31,7 @@ from .common import (
     check_device,
     check_out_dir,
     join_data_parallel,
+    make_work_dir,
     require_at_least,
     require_positive,
     run_training,
@@ -86,9 +87,21 @@ class TargetTrainConfig:
         if heads < 2 or heads % 2:
             raise ValueError(f"--hidden-size {self.hidden_size} gives {heads} attention head(s) of "
                              f"{head_dim}; it needs an even number (e.g. a multiple of 128)")
+        if head_dim % 4:  # RoPE rotates pairs of dims: all of a sliding head, half of a full one
+            raise ValueError(f"--hidden-size {self.hidden_size} gives attention heads of {head_dim} "
+                             "dims; RoPE needs a multiple of 4 (the full-attention layers rotate "
+                             "half of each head in pairs): pick a multiple of 16 below 256 or of "
+                             "128 from 256")
 
 
 MAX_POSITIONS = 4096  # the demo target's max_position_embeddings
+
+#: Fields a resumed ``train-target`` may change (the rest must equal the interrupted run's):
+#: where it runs and reports, how long, and how the corpus (cached in ``work/``) and the
+#: checkpoint files are made.
+RESUMABLE_TARGET_FIELDS = frozenset({
+    "out_dir", "steps", "device", "save_every", "log_every", "time_budget_s", "max_corpus_bytes",
+    "max_shard_bytes"})
 
 
 def _head_dim(hidden_size: int) -> int:
@@ -132,8 +145,7 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def build_corpus(c: TargetTrainConfig, out: Path) -> np.ndarray:
     """Train the tokenizer (once) and encode the training split; cached under ``out/work``."""
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    work = make_work_dir(out)
     cache = work / "train_tokens.npy"
     texts = data.read_texts(data.stdlib_files("train"), c.max_corpus_bytes)
     if not (out / "tokenizer.json").is_file():
@@ -192,6 +204,7 @@ def train_target(c: TargetTrainConfig) -> Path:
         state_path=out / "work" / "train_state.pt", save_every=c.save_every,
         log_every=c.log_every, time_budget_s=c.time_budget_s,
         after_step=lambda: balance_moe_(model, 1e-3, dp), generator=gen, dp=dp,
+        run_flags={k: v for k, v in asdict(c).items() if k not in RESUMABLE_TARGET_FIELDS},
     )
     model.eval()
     if dp.is_driver:

@@ -21,6 +21,7 @@ import torch
 
 from .config import DRAFT_QUANTIZATIONS, EngineConfig, SamplingParams
 from .config import flag as config_flag
+from .distributed import is_rank_zero
 
 if typing.TYPE_CHECKING:
     from .llm import LLM, RequestOutput
@@ -146,11 +147,6 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "vocabulary; vLLM's flag)")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
                    help="logging level (default: WARNING; INFO for serve)")
-
-
-def is_rank_zero() -> bool:
-    """This process prints results: the only one, or rank 0 of a torchrun-style launch."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -34,6 +34,12 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
+def is_rank_zero() -> bool:
+    """This process reports results (prints, progress bars): the only one, or rank 0 of a
+    torchrun-style launch (``RANK`` unset or 0)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 @dataclass(frozen=True)
 class Split:
     """This rank's part of an on-disk tensor.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from .config import (
     from_vllm_speculative_config,
     vllm_draft_quantization,
 )
+from .distributed import is_rank_zero
 from .engine.engine import LLMEngine
 from .engine.sequence import Sequence
 from .generation_config import sampling_defaults
@@ -109,7 +109,7 @@ def load_tokenizer(path: str | Path):
 def _progress_bar(use_tqdm: bool | Callable, total: int):
     """``generate``'s progress bar (vLLM's ``use_tqdm``): None when off, on ranks other than 0
     of a tensor-parallel launch, or with no requests."""
-    if use_tqdm is False or not total or os.environ.get("RANK", "0") != "0":
+    if use_tqdm is False or not total or not is_rank_zero():
         return None
     if use_tqdm is True:
         from tqdm import tqdm

@@ -279,6 +279,13 @@ def test_generation_config_flag_takes_vllms_choices(tmp_path):
     assert defaults("--generation-config", str(other)) == {"top_k": 7, "temperature": 0.6}
     with pytest.raises(ValueError, match="--generation-config .*no generation_config.json there"):
         defaults("--generation-config", str(tmp_path))
+    # max_new_tokens is kept (it caps each request's max_tokens); a bad one fails at start-up
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64}))
+    assert defaults("--generation-config", str(other)) == {"max_tokens": 64}
+    for bad in (0, -1, 2.5, True, "64"):
+        (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": bad}))
+        with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1.*--generation-config vllm"):
+            defaults("--generation-config", str(other))
 
 
 def test_disable_hybrid_kv_cache_manager_flag_reaches_the_engine_config_and_generate():

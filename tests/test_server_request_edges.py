@@ -95,3 +95,44 @@ def test_an_integer_past_pythons_digit_limit_is_a_400_on_every_body_route(bare_s
             assert error["type"] == "BadRequestError" and "malformed JSON body" in error["message"], error
     ok = bare_server.post("/v1/completions", json={"prompt": [7, 8], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_generation_configs_max_new_tokens_caps_every_completion(tmp_path):
+    """vLLM's server caps a request's completion budget by the model's generation_config.json
+    ``max_new_tokens`` (the request's ``max_tokens`` when smaller, the default 16 when left out);
+    before, the server dropped the key. ``--generation-config vllm`` lifts the cap."""
+    import json
+
+    import dflash_fixtures as df
+
+    from laguna_dflash.cli import build_parser
+    from laguna_dflash.server.app import build_app
+    from laguna_dflash.server.args import resolve_server_config
+    from laguna_dflash.server.launcher import ServerThread, build_serving
+
+    target = df.make_tiny_laguna_target(tmp_path / "target", seed=0)
+    (target / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+
+    def served(*flags: str) -> dict[str, int]:
+        """usage.completion_tokens for max_tokens 10, 2 and left out."""
+        args = build_parser().parse_args([
+            "serve", "--model", str(target), "--max-model-len", "64", "--block-size", "8",
+            "--num-kv-blocks", "32", "--log-stats-interval", "0", *flags])
+        server = ServerThread(build_app(build_serving(resolve_server_config(args)))).start()
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as http:
+                counts = {}
+                for max_tokens in (10, 2, None):
+                    body = {"prompt": [3, 1, 4], "temperature": 0, "ignore_eos": True}
+                    if max_tokens is not None:
+                        body["max_tokens"] = max_tokens
+                    r = http.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["finish_reason"] == "length"
+                    counts[str(max_tokens)] = r.json()["usage"]["completion_tokens"]
+                return counts
+        finally:
+            server.stop()
+
+    assert served() == {"10": 3, "2": 2, "None": 3}
+    assert served("--generation-config", "vllm") == {"10": 10, "2": 2, "None": 16}

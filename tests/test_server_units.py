@@ -161,6 +161,15 @@ def test_max_tokens_rules():
     assert resolve_max_tokens(0, 10, 100, 16, allow_zero=True) == 0
     with pytest.raises(APIError, match="max_tokens must be at least 0, got -1"):
         resolve_max_tokens(-1, 10, 100, 16, allow_zero=True)
+    # the generation_config.json's max_new_tokens caps the budget, asked for or default; a
+    # request past the context is still an error, not silently capped
+    assert resolve_max_tokens(50, 10, 100, 16, cap=20) == 20
+    assert resolve_max_tokens(5, 10, 100, 16, cap=20) == 5
+    assert resolve_max_tokens(None, 10, 100, None, cap=20) == 20
+    assert resolve_max_tokens(None, 10, 100, 16, cap=4) == 4
+    assert resolve_max_tokens(0, 10, 100, 16, allow_zero=True, cap=4) == 0
+    with pytest.raises(APIError, match="maximum context length is 100"):
+        resolve_max_tokens(91, 10, 100, 16, cap=20)
 
 
 _USER = [{"role": "user", "content": "x"}]

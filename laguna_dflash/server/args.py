@@ -220,10 +220,15 @@ def _draft_block_size(draft: str) -> int | None:
 def generation_defaults(choice: str, model: str) -> dict[str, float]:
     """``--generation-config`` (generation_config.sampling_defaults): auto = ``model``'s
     ``generation_config.json``; vllm / none = no defaults; else a directory that must hold a
-    ``generation_config.json``. ``max_new_tokens`` is left out: the server's ``max_tokens``
-    defaults are its own (sampling.resolve_max_tokens)."""
+    ``generation_config.json``. Its ``max_new_tokens`` (key ``max_tokens``) caps every request's
+    completion budget, as vLLM's server does (sampling.resolve_max_tokens); it must be an
+    integer >= 1."""
     defaults = sampling_defaults(choice, model)
-    defaults.pop("max_tokens", None)
+    cap = defaults.get("max_tokens")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        source = model if choice == "auto" else choice
+        raise ValueError(f"{Path(source) / 'generation_config.json'}: max_new_tokens must be an "
+                         f"integer >= 1, got {cap!r}; fix the file or pass --generation-config vllm")
     return defaults
 
 

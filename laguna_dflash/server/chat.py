@@ -158,7 +158,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
                               "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param)
+    max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param,
+                                    cap=serving.config.generation_defaults.get("max_tokens"))
     params = build_sampling_params(req, max_tokens, n_logprobs, serving.config.generation_defaults,
                                    "top_logprobs", serving.max_logprobs)
     stop = stop_strings(req)

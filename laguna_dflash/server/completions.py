@@ -173,7 +173,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     try:
         for k, (ids, text) in enumerate(prompts):  # choices k * n .. k * n + n - 1 (vLLM's order)
             max_tokens = resolve_max_tokens(req.max_tokens, len(ids), serving.max_model_len,
-                                            DEFAULT_COMPLETION_MAX_TOKENS, allow_zero=bool(req.echo))
+                                            DEFAULT_COMPLETION_MAX_TOKENS, allow_zero=bool(req.echo),
+                                            cap=serving.config.generation_defaults.get("max_tokens"))
             # echo with max_tokens 0: the prompt only (the engine generates one token, not sent)
             params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
                                            serving.config.generation_defaults,

@@ -123,12 +123,20 @@ def _number(value: float, name: str) -> float:
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       default: int | None, param: str = "max_tokens", allow_zero: bool = False) -> int:
-    """The completion budget: the request's (checked against the context) or the default.
+                       default: int | None, param: str = "max_tokens", allow_zero: bool = False,
+                       cap: int | None = None) -> int:
+    """The completion budget: the request's (checked against the context) or the default, at
+    most ``cap`` (the ``generation_config.json``'s ``max_new_tokens``, as vLLM's server).
 
     ``default=None`` means "whatever the context leaves" (chat); a default never exceeds it.
     ``allow_zero``: 0 is accepted (completions with ``echo``: the prompt only).
     """
+    budget = _budget(requested, num_prompt_tokens, max_model_len, default, param, allow_zero)
+    return budget if cap is None else min(budget, cap)
+
+
+def _budget(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+            default: int | None, param: str, allow_zero: bool) -> int:
     room = max_model_len - num_prompt_tokens
     if requested is None:
         return room if default is None else max(1, min(default, room))

@@ -1,7 +1,8 @@
 """laguna-dflash: serve Poolside Laguna MoE models fast with DFlash speculative decoding."""
 
 from .config import SamplingParams
+from .engine.sampler import Logprob
 from .llm import LLM, RequestOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Logprob", "RequestOutput", "SamplingParams", "__version__"]

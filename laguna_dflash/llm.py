@@ -19,6 +19,7 @@ from .config import (
 )
 from .distributed import is_rank_zero
 from .engine.engine import LLMEngine
+from .engine.sampler import Logprob
 from .engine.sequence import Sequence
 from .generation_config import sampling_defaults
 from .models.loader import CheckpointError
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """Result of one prompt. ``logprobs``: per generated token ``{token_id: logprob}`` (the chosen
-    token plus the top-n); ``prompt_logprobs``: the same per prompt position (``None`` first);
+    """Result of one prompt. ``logprobs``: per generated token ``{token_id: Logprob}`` (the
+    chosen token plus the top-n; a :class:`Logprob` is the float log-probability with vLLM's
+    ``logprob``, ``rank`` and ``decoded_token`` fields); ``prompt_logprobs``: the same per prompt
+    position (``None`` first);
     ``num_cached_tokens``: prompt tokens taken from the prefix cache instead of computed."""
 
     request_id: int
@@ -39,8 +42,8 @@ class RequestOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0
     # with ``SamplingParams.n > 1``: this is choice 0; the others (``index`` 1..n-1) are here
@@ -468,13 +471,28 @@ class LLM:
             shown = tokens[:-1] if finish == "stop" and not s.params.include_stop_str_in_output \
                 else tokens
             out_text = self.decode(shown)
-        logprobs = s.logprobs if s.logprobs is None else s.logprobs[: len(tokens)]
+        logprobs = s.logprobs if s.logprobs is None else self._decoded(s.logprobs[: len(tokens)])
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
             token_ids=tokens, text=out_text, finish_reason=finish,
-            logprobs=logprobs, prompt_logprobs=s.prompt_logprobs, metrics=metrics,
+            logprobs=logprobs, prompt_logprobs=self._decoded(s.prompt_logprobs), metrics=metrics,
             num_cached_tokens=s.num_cached_tokens, stop_reason=stop_reason,
         )
+
+    def _decoded(self, entries: list[dict[int, Logprob] | None] | None) -> list[dict[int, Logprob] | None] | None:
+        """``entries`` with each :class:`Logprob`'s ``decoded_token`` filled, as vLLM's offline
+        outputs: the token decoded alone, special tokens kept (left None without a tokenizer)."""
+        if entries is None or self.tokenizer is None:
+            return entries
+        texts: dict[int, str] = {}
+
+        def text(token: int) -> str:
+            if token not in texts:
+                texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+            return texts[token]
+
+        return [None if e is None else {t: Logprob(v, v.rank, text(t)) for t, v in e.items()}
+                for e in entries]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``)."""

@@ -217,6 +217,16 @@ def test_logprobs_match_reference(ckpt: Path, llm: LLM):
             assert set(entry) == {tok, *top3}, f"token {j}: keys {sorted(entry)}"
             for t, v in entry.items():
                 assert abs(v - ref_logp[j, t].item()) <= 1e-4, f"token {j}, id {t}"
+                assert v.logprob == float(v)  # vLLM's Logprob fields on the float
+            # ranks (vLLM's: 1 + #tokens more likely; the top 3 are 1, 2, 3 in order), within
+            # the 1e-4 the values may differ from the reference by
+            assert [entry[t].rank for t in top3 if t != tok] == [r for r, t in enumerate(top3, 1) if t != tok]
+            value = ref_logp[j, tok].item()
+            assert int((ref_logp[j] > value + 1e-4).sum()) + 1 <= entry[tok].rank \
+                <= int((ref_logp[j] >= value - 1e-4).sum()), f"token {j}: rank {entry[tok].rank}"
+            assert entry[tok].decoded_token is None  # this checkpoint has no tokenizer
+        if not params.is_greedy:  # the sampled tokens reach past the top 3 at temperature 1.5
+            assert any(e[t].rank > 3 for t, e in zip(out.token_ids, out.logprobs))
         if params.is_greedy:
             assert all(len(e) == 3 for e in out.logprobs)
 

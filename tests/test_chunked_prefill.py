@@ -115,11 +115,13 @@ def test_chunked_prompts_give_the_unchunked_tokens_drafts_and_logprobs(pair, num
             assert len(og.prompt_logprobs) == len(ow.prompt_logprobs) == len(og.prompt_token_ids)
             for lg, lw in zip(og.prompt_logprobs[1:], ow.prompt_logprobs[1:]):
                 assert lg.keys() == lw.keys()
-                torch.testing.assert_close(list(lg.values()), list(lw.values()), atol=1e-4, rtol=1e-4)
+                # float(): assert_close takes plain numbers, not Logprob (a float subclass)
+                torch.testing.assert_close([float(v) for v in lg.values()], [float(v) for v in lw.values()],
+                                           atol=1e-4, rtol=1e-4)
             # against the prompt's logits from one whole forward: entry j scores token j
             scores = chunked.engine.prompt_logits(og.prompt_token_ids).log_softmax(-1)
             ids = og.prompt_token_ids
-            torch.testing.assert_close([og.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))],
+            torch.testing.assert_close([og.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))],
                                        [scores[j - 1, ids[j]].item() for j in range(1, len(ids))],
                                        atol=1e-4, rtol=1e-4)
     assert chunked.get_metrics()["num_steps"] > whole.get_metrics()["num_steps"]

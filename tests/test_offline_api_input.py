@@ -286,3 +286,33 @@ def test_use_tqdm_as_in_vllm(llm):
 def test_token_ids_given_as_prompts_point_to_prompt_token_ids(llm):
     with pytest.raises(ValueError, match="pass token ids as prompt_token_ids="):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_logprobs_are_vllms_logprob_objects_with_decoded_tokens():
+    """vLLM's offline outputs map token ids to ``Logprob(logprob, rank, decoded_token)``; ours
+    were bare floats, so ``lp[t].logprob`` (the vLLM spelling) raised AttributeError. A
+    :class:`Logprob` is still the float (sums, JSON, comparisons), pickles with its fields, and
+    ``decoded_token`` is the token decoded alone, for prompt logprobs too."""
+    import json
+    import pickle
+
+    from laguna_dflash import Logprob
+
+    demo = Path(__file__).resolve().parents[1] / "assets" / "demo" / "target"
+    llm = LLM(str(demo))
+    out, = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                            prompt_logprobs=1, ignore_eos=True))
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        lp = entry[tok]
+        assert isinstance(lp, Logprob) and lp.logprob == float(lp) < 0 and lp.rank == 1  # greedy
+        assert sorted(v.rank for v in entry.values()) == [1, 2]
+        for t, v in entry.items():
+            assert v.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+    assert out.prompt_logprobs[0] is None
+    for t, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert entry[t].decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+        assert entry[t].rank >= 1
+    lp = out.logprobs[0][out.token_ids[0]]
+    back = pickle.loads(pickle.dumps(lp))
+    assert (float(back), back.rank, back.decoded_token) == (float(lp), lp.rank, lp.decoded_token)
+    assert json.loads(json.dumps({"v": lp}))["v"] == float(lp) and str(lp) == repr(float(lp))

@@ -388,26 +388,56 @@ def sample_rows(
     return out.index_copy_(0, row_index, picks)
 
 
+class Logprob(float):
+    """A token's log-probability: a ``float`` (so ``entry[token]`` is the number) carrying
+    vLLM's ``Logprob`` fields: ``logprob`` (the same value), ``rank`` (1 = the most likely token;
+    a token tied with it counts as ahead, as vLLM's ``>=`` count) and ``decoded_token`` (its text;
+    None where nothing decoded it: the engine and the server leave it None, ``LLM`` fills it)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        value = super().__new__(cls, logprob)
+        value.rank, value.decoded_token = rank, decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    __str__ = float.__repr__  # str() and f"{x}" print the number, as for a float
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self):  # pickles (tensor-parallel ranks, multiprocessing) with its fields
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                 n: int | Sequence[int]) -> list[dict[int, float]]:
+                 n: int | Sequence[int]) -> list[dict[int, Logprob]]:
     """Per row of ``logits [N, V]``: ``{token: logprob}`` for the chosen token ``tokens [N]``
-    plus the ``n`` most likely ones (``n``: one count for every row, or one a row).
+    plus the ``n`` most likely ones (``n``: one count for every row, or one a row), as
+    :class:`Logprob` values with their ``rank`` (the top ones 1..n in order).
 
     Log-probabilities of the raw model distribution (before temperature / top-k / top-p). All
-    rows in one pass and one device-to-host copy (``[N, 1 + 2 max n]`` float32: the chosen
-    logprob, the top values, the top ids, exact below 2^24), however many requests they hold.
+    rows in one pass and one device-to-host copy (``[N, 2 + 2 max n]`` float32: the chosen
+    logprob, its rank, the top values, the top ids, exact below 2^24), however many requests
+    they hold.
     """
     counts = [min(c, logits.shape[-1]) for c in ([n] * logits.shape[0] if isinstance(n, int) else n)]
     max_n = max(counts, default=0)
     logp = torch.log_softmax(logits.float(), dim=-1)
     # the engine builds ``tokens`` on the host; gathering with it on a GPU needs it there
-    parts = [logp.gather(-1, to_device_async(tokens, logp.device).view(-1, 1))]
+    chosen = logp.gather(-1, to_device_async(tokens, logp.device).view(-1, 1))
+    # rank = #{v : logp_v >= logp_chosen} (vLLM's count: 1 for the argmax; ties count as ahead)
+    parts = [chosen, (logp >= chosen).sum(-1, keepdim=True).float()]
     if max_n > 0:
         # one top-k per distinct count: which of tied tokens a row reports depends on k, so a
         # row's entries must not depend on the counts its batch mates asked for
         if set(counts) == {max_n}:  # one count for every row (batch 1 always): one top-k, no buffers
             top = torch.topk(logp, max_n, dim=-1)
-            return _logprob_entries(torch.cat([parts[0], top.values, top.indices.float()], dim=1),
+            return _logprob_entries(torch.cat([*parts, top.values, top.indices.float()], dim=1),
                                     tokens, counts, max_n)
         vals = torch.zeros(logp.shape[0], max_n, device=logp.device)
         ids = torch.zeros(logp.shape[0], max_n, device=logp.device)
@@ -420,13 +450,15 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
 
 
 def _logprob_entries(table: torch.Tensor, tokens: torch.Tensor, counts: list[int],
-                     max_n: int) -> list[dict[int, float]]:
-    """``table [N, 1 + 2 max_n]`` (chosen logprob, top values, top ids as floats), brought to the
-    host in one copy -> one ``{token: logprob}`` dict a row, ``counts[r]`` top entries each."""
+                     max_n: int) -> list[dict[int, Logprob]]:
+    """``table [N, 2 + 2 max_n]`` (chosen logprob and rank, top values, top ids as floats),
+    brought to the host in one copy -> one ``{token: Logprob}`` dict a row, the chosen token
+    first, then ``counts[r]`` top entries (ranks 1..) not already there."""
     result = []
     for row, tok, count in zip(table.tolist(), tokens.tolist(), counts):
-        entry = {int(tok): row[0]}
-        for v, t in zip(row[1 : 1 + count], row[1 + max_n : 1 + max_n + count]):
-            entry.setdefault(int(t), v)
+        entry = {int(tok): Logprob(row[0], int(row[1]))}
+        for rank, (v, t) in enumerate(zip(row[2 : 2 + count], row[2 + max_n : 2 + max_n + count]), 1):
+            if int(t) not in entry:
+                entry[int(t)] = Logprob(v, rank)
         result.append(entry)
     return result

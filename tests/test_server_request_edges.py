@@ -136,3 +136,68 @@ def test_generation_configs_max_new_tokens_caps_every_completion(tmp_path):
 
     assert served() == {"10": 3, "2": 2, "None": 3}
     assert served("--generation-config", "vllm") == {"10": 10, "2": 2, "None": 16}
+
+
+@pytest.fixture(scope="module")
+def id_server(tmp_path_factory):
+    """A target-only server on a tokenizer-less checkpoint with ``--enable-request-id-headers``."""
+    import dflash_fixtures as df
+
+    from laguna_dflash.cli import build_parser
+    from laguna_dflash.server.app import build_app
+    from laguna_dflash.server.args import resolve_server_config
+    from laguna_dflash.server.launcher import ServerThread, build_serving
+
+    target = df.make_tiny_laguna_target(tmp_path_factory.mktemp("ids") / "target", seed=0)
+    args = build_parser().parse_args([
+        "serve", "--model", str(target), "--max-model-len", "64", "--block-size", "8",
+        "--num-kv-blocks", "32", "--log-stats-interval", "0", "--enable-request-id-headers"])
+    server = ServerThread(build_app(build_serving(resolve_server_config(args)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            yield http
+    finally:
+        server.stop()
+
+
+def test_request_ids_come_from_x_request_id_or_the_body_as_in_vllm(id_server, bare_server):
+    """vLLM's response ``id`` is ``cmpl-<X-Request-Id>`` (else the body's ``request_id``, else
+    random); ours was always random. Two prompts of one request, and n choices, share the
+    client's id, yet the engine's ids stay distinct (the same id twice would have crossed their
+    outputs). ``--enable-request-id-headers`` echoes the header, or sends a fresh one, on every
+    response (errors too); without the flag there is none."""
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = id_server.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-7"
+    assert r.headers["x-request-id"] == "trace-7"
+    alone = r.json()["choices"][0]["text"]
+    r = id_server.post("/v1/completions", json={**body, "request_id": "from-body"})
+    assert r.json()["id"] == "cmpl-from-body" and len(r.headers["x-request-id"]) == 32
+    r = id_server.post("/v1/completions", json={**body, "request_id": "from-body"},
+                       headers={"X-Request-Id": "from-header"})
+    assert r.json()["id"] == "cmpl-from-header"
+    r = id_server.post("/v1/completions", json=body)
+    assert r.json()["id"].startswith("cmpl-") and len(r.json()["id"]) == 5 + 32
+    # two prompts and n=2 under one client id: four engine requests, each its own output
+    other = id_server.post("/v1/completions", json={**body, "prompt": [9, 2, 6]}).json()
+    r = id_server.post("/v1/completions", json={**body, "prompt": [[3, 1, 4, 1, 5], [9, 2, 6]], "n": 2},
+                       headers={"X-Request-Id": "same"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-same"
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert texts == [alone, alone, other["choices"][0]["text"], other["choices"][0]["text"]]
+    bad = id_server.post("/v1/completions", json={**body, "max_tokens": 0},
+                         headers={"X-Request-Id": "bad-1"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
+    assert id_server.get("/health").headers["x-request-id"]
+    plain = bare_server.post("/v1/completions", json=body, headers={"X-Request-Id": "t"})
+    assert plain.json()["id"] == "cmpl-t" and "x-request-id" not in plain.headers
+
+
+def test_a_priority_other_than_zero_is_a_400(bare_server):
+    """vLLM refuses ``priority`` != 0 unless started with ``--scheduling-policy priority``; ours
+    took it silently (first come, first served anyway)."""
+    body = {"prompt": [3, 1, 4], "max_tokens": 2}
+    r = bare_server.post("/v1/completions", json={**body, "priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "leave priority out or 0" in r.json()["error"]["message"]
+    assert bare_server.post("/v1/completions", json={**body, "priority": 0}).status_code == 200

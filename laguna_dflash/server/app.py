@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -77,6 +78,29 @@ class InternalErrorMiddleware:
             await error.response()(scope, receive, send)
 
 
+class RequestIdHeaderMiddleware:
+    """Pure ASGI middleware (``--enable-request-id-headers``, vLLM's): every HTTP response
+    carries an ``X-Request-Id`` header, the request's own or a fresh random one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or ()).get(b"x-request-id")
+        value = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(serving: Serving) -> FastAPI:
     """The app around one :class:`Serving`; the engine thread runs for the app's lifespan."""
     engine = serving.engine
@@ -92,8 +116,10 @@ def build_app(serving: Serving) -> FastAPI:
     app = FastAPI(title="laguna-dflash", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(InternalErrorMiddleware)
-    if serving.config.api_key:  # outermost: a 401 needs nothing inside
+    if serving.config.api_key:  # a 401 needs nothing inside
         app.add_middleware(BearerAuthMiddleware, api_key=serving.config.api_key)
+    if serving.config.enable_request_id_headers:  # outermost: a 401 carries the id too
+        app.add_middleware(RequestIdHeaderMiddleware)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:

@@ -67,6 +67,8 @@ class ServerConfig:
     # the Jinja chat template to use instead of the tokenizer's (``--chat-template``), as text
     chat_template: str | None = field(default=None, repr=False)
     trust_request_chat_template: bool = False
+    # vLLM's ``--enable-request-id-headers``: an ``X-Request-Id`` header on every response
+    enable_request_id_headers: bool = False
 
     def describe(self) -> dict:
         """The resolved settings as plain values (logged at start-up, shown by /server_info)."""
@@ -125,6 +127,7 @@ class ServerConfig:
             "log_stats_interval_s": self.log_stats_interval_s,
             "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",
             "trust_request_chat_template": self.trust_request_chat_template,
+            "enable_request_id_headers": self.enable_request_id_headers,
         }
 
 
@@ -154,6 +157,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "the tokenizer's")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat_template (off: such requests get a 400)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="add an X-Request-Id header to every response: the request's own, or a "
+                        "random one (vLLM's flag)")
     add_speculative_spelling_args(p)
 
 
@@ -375,6 +381,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         uvicorn_log_level=str(args.log_level).lower(), speculative=spec,
         chat_template=chat_template,
         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+        enable_request_id_headers=bool(getattr(args, "enable_request_id_headers", False)),
     )
     logger.info("resolved serve configuration: %s",
                 ", ".join(f"{k}={v}" for k, v in config.describe().items()))

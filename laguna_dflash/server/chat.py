@@ -18,7 +18,7 @@ from .sampling import (
     resolve_max_tokens,
     stop_strings,
 )
-from .serving import SSE_DONE, Delta, Job, Serving, sse, usage
+from .serving import SSE_DONE, Delta, Job, Serving, base_request_id, sse, usage
 
 
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -164,7 +164,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
                                    "top_logprobs", serving.max_logprobs)
     stop = stop_strings(req)
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
-                               req.skip_special_tokens, req.include_stop_str_in_output)
+                               req.skip_special_tokens, req.include_stop_str_in_output,
+                               base_request_id(request, req.request_id))
     if req.stream:
         return serving.sse_response(_events(serving, jobs, req, n_logprobs), jobs)
     deltas = await serving.collect(jobs, request)

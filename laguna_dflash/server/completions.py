@@ -18,7 +18,7 @@ from .sampling import (
     resolve_max_tokens,
     stop_strings,
 )
-from .serving import SSE_DONE, Delta, Job, Serving, sse, usage
+from .serving import SSE_DONE, Delta, Job, Serving, base_request_id, sse, usage
 
 #: The most prompts one completions request may hold.
 MAX_PROMPTS = 256
@@ -182,7 +182,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
             if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
                 params = replace(params, prompt_logprobs=req.logprobs)
             started = await serving.start("cmpl", ids, params, num_choices(req), stop,
-                                          req.skip_special_tokens, req.include_stop_str_in_output)
+                                          req.skip_special_tokens, req.include_stop_str_in_output,
+                                          base_request_id(request, req.request_id))
             for job in started:
                 job.hides_output, job.prompt_index = max_tokens == 0, k
             jobs += started

@@ -50,6 +50,11 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = None
+    # vLLM's: the response's ``id`` is ``<cmpl|chatcmpl>-<request_id>`` (an ``X-Request-Id``
+    # header takes precedence); a random one when neither is sent
+    request_id: str | None = None
+    # vLLM's: only with ``--scheduling-policy priority``, which this server does not have
+    priority: int = 0
     # Fields that change the output and that this server does not implement: declared so that
     # a non-default value is a 400 (sampling.reject_unsupported), never silently dropped.
     response_format: dict[str, Any] | None = None

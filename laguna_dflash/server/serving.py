@@ -76,6 +76,12 @@ def usage(jobs: list[Job]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens for j in firsts)}}
 
 
+def base_request_id(request: Request, body_id: str | None) -> str | None:
+    """vLLM's: the client's id for a response, its ``X-Request-Id`` header, else the body's
+    ``request_id``; None (a random id) when it sent neither or an empty one."""
+    return request.headers.get("x-request-id") or body_id or None
+
+
 def sse(obj: Any) -> str:
     """One server-sent event: ``data: <json>`` and a blank line."""
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
@@ -184,10 +190,15 @@ class Serving:
 
     async def start(self, prefix: str, prompt_ids: list[int], params: SamplingParams, n: int,
                     stop: tuple[str, ...], skip_special_tokens: bool,
-                    include_stop_str: bool) -> list[Job]:
-        """Submit the ``n`` choices of one response (engine requests ``<id>``, ``<id>-1``, ...;
-        with a seed, choice ``i`` samples with ``seed + i``) and wait until the engine accepted
-        them (4xx/5xx otherwise; the accepted ones are then aborted)."""
+                    include_stop_str: bool, base_id: str | None = None) -> list[Job]:
+        """Submit the ``n`` choices of one response and wait until the engine accepted them
+        (4xx/5xx otherwise; the accepted ones are then aborted). With a seed, choice ``i``
+        samples with ``seed + i``.
+
+        The response's id is ``<prefix>-<base_id>`` (:func:`base_request_id`: the client's
+        ``X-Request-Id`` or ``request_id``), else ``<prefix>-<random hex>``. Engine request ids
+        are that id, ``<id>-1``, ... for the choices, with a random suffix after a client's
+        id: two requests may send the same one, and the engine's ids must differ."""
         for param, ids in (("logit_bias", params.logit_bias or {}),
                            ("stop_token_ids", params.stop_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
@@ -198,15 +209,17 @@ class Serving:
         if stop and self.tokenizer is None:  # stop strings are matched in the text (none here)
             raise bad_request("stop strings need a tokenizer, and the model has none; leave stop "
                               "out, or send the tokens to stop on as stop_token_ids", "stop")
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{base_id or uuid.uuid4().hex}"
+        engine_id = request_id if base_id is None else f"{request_id}-{uuid.uuid4().hex[:12]}"
         jobs: list[Job] = []
         try:
             for i in range(n):
                 detok = (IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
                          if self.tokenizer is not None else None)
                 p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-                rid = request_id if i == 0 else f"{request_id}-{i}"
-                jobs.append(Job(rid, int(time.time()), prompt_ids, p,
+                rid = engine_id if i == 0 else f"{engine_id}-{i}"
+                jobs.append(Job(request_id if i == 0 else f"{request_id}-{i}", int(time.time()),
+                                prompt_ids, p,
                                 OutputText(detok, stop, include_stop_str, params.min_tokens),
                                 self.engine.submit(rid, prompt_ids, p)))
                 await jobs[-1].stream.accepted()

@@ -697,7 +697,13 @@ def test_metrics_expose_the_vllm_names(stack):
                  "vllm:generation_tokens_total", "vllm:num_requests_running",
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
-                 "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_per_output_token_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_sum",
+                 "vllm:request_decode_time_seconds_bucket",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_prompt_tokens_sum",
+                 "vllm:request_generation_tokens_count", "vllm:request_params_max_tokens_count",
+                 "vllm:iteration_tokens_total_bucket"):
         assert name in names, name
 
 

@@ -29,9 +29,9 @@ import torch
 
 from ..config import SamplingParams
 from ..engine.engine import LLMEngine, StepError
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, Status
 from .errors import APIError
-from .metrics import EngineSnapshot, ServerMetrics, SpecCounters
+from .metrics import EngineSnapshot, RequestPhases, ServerMetrics, SpecCounters
 from .stats_log import StatsLogger
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ class _Request:
     arrival: float
     seq: Sequence | None = None
     num_sent: int = 0
+    # time.monotonic() at the start of the engine step that first computed any of its prompt,
+    # at the step that gave its first output tokens, and at the latest step that gave any
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
     last_token_time: float | None = None
 
 
@@ -140,6 +144,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Request] = {}
         self._thread: threading.Thread | None = None
+        max_model_len = getattr(engine, "max_model_len", None)
+        if max_model_len:  # the per-request token histograms' buckets reach it
+            metrics.set_max_model_len(max_model_len)
         self.snapshot = EngineSnapshot()
         self.fatal_error: BaseException | None = None
         self._publish_snapshot()
@@ -269,19 +276,38 @@ class AsyncEngine:
         self._finish(req, reason)
 
     def _finish(self, req: _Request, reason: str) -> None:
-        self.metrics.observe_finished(reason, time.monotonic() - req.arrival,
-                                      req.seq.num_preemptions if req.seq is not None else 0)
+        if req.seq is None:
+            self.metrics.observe_finished(reason, time.monotonic() - req.arrival, 0)
+            return
+        self.metrics.observe_finished(
+            reason, time.monotonic() - req.arrival, req.seq.num_preemptions,
+            phases=RequestPhases.from_times(req.arrival, req.scheduled_time,
+                                            req.first_token_time, req.last_token_time),
+            num_prompt_tokens=len(req.prompt_token_ids), num_generation_tokens=req.num_sent,
+            max_tokens=req.params.max_tokens)
+
+    @staticmethod
+    def _note_scheduled(req: _Request, step_start: float) -> None:
+        """After a step: a request first out of WAITING was admitted by that step's scheduler
+        (only a step admits, and every request it admits is in its batch; a preempted request
+        goes back to WAITING, but it was scheduled before). Host-side attributes only."""
+        if req.scheduled_time is None and req.seq.status is not Status.WAITING:
+            req.scheduled_time = step_start
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             self.engine.step()
         except Exception as e:
-            self._fail_step(e)
+            self._fail_step(e, start)
         now = time.monotonic()
         spec_on = self.engine.proposer is not None
         out: list[tuple[_Request, object]] = []
+        step_tokens = 0  # vLLM's iteration tokens: outputs, plus the prompts of first outputs
         for rid, req in list(self._active.items()):
             seq = req.seq
+            if req.scheduled_time is None:
+                self._note_scheduled(req, start)
             n = len(seq.output_token_ids)
             if n == req.num_sent and not seq.is_finished:
                 continue
@@ -292,6 +318,10 @@ class AsyncEngine:
                 first = req.last_token_time is None
                 self.metrics.observe_tokens(len(new), now - req.arrival if first else None,
                                             None if first else now - req.last_token_time)
+                if first:
+                    req.first_token_time = now
+                    step_tokens += len(req.prompt_token_ids)
+                step_tokens += len(new)
                 req.last_token_time = now
             req.num_sent = n
             spec = None
@@ -304,9 +334,11 @@ class AsyncEngine:
             if seq.is_finished:
                 del self._active[rid]
                 self._finish(req, seq.finish_reason or "stop")
+        if step_tokens:
+            self.metrics.observe_iteration(step_tokens)
         self._deliver(out)
 
-    def _fail_step(self, error: Exception) -> None:
+    def _fail_step(self, error: Exception, step_start: float) -> None:
         """``engine.step`` raised: fail the requests of that step, keep everyone else.
 
         A :class:`StepError` names the step's requests; any other error (raised before a batch
@@ -323,6 +355,7 @@ class AsyncEngine:
         out: list[tuple[_Request, object]] = []
         for rid, req in list(self._active.items()):
             if id(req.seq) in failed:
+                self._note_scheduled(req, step_start)  # a failed batch's requests were admitted
                 del self._active[rid]
                 out.append((req, _Failure(500, message)))
                 self._finish(req, "error")

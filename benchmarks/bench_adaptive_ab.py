@@ -86,10 +86,10 @@ def main() -> None:
                     drafter = name != "target-only"
                     engine.proposer, engine.tap_layer_ids = (proposer, taps) if drafter else (None, ())
                     engine.simulated_acceptance, engine._sim_carry = args.length, 0.0
-                    engine.adaptive_k = None
+                    engine.k_policy = None
                     if name == "adaptive":
                         engine.num_speculative_tokens = args.max_k
-                        engine.adaptive_k = AdaptiveK(args.max_k)
+                        engine.k_policy = AdaptiveK(args.max_k)
                         decode_tokens_per_s(llm, prompt, args.new_tokens, b)  # the policy learns
                     else:
                         engine.num_speculative_tokens = {"fixed K = 0": 0}.get(name, args.fixed_k)
@@ -100,7 +100,7 @@ def main() -> None:
                         if name == "adaptive":
                             diag[b] = (dict(sorted(log.ks.items())), log.num_ahead_taken,
                                        log.num_drafts_unused)
-        engine.proposer, engine.tap_layer_ids, engine.adaptive_k = proposer, taps, None
+        engine.proposer, engine.tap_layer_ids, engine.k_policy = proposer, taps, None
         print(f"device {args.device}, layers {args.layers}, context {args.context}, L = {args.length:g}, "
               f"{args.new_tokens} tokens a request a run, {args.rounds} rounds (best kept)\n")
         print("| batch | " + " | ".join(f"{v} tok/s (x target-only)" for v in variants) + " |")

@@ -573,7 +573,7 @@ def main() -> None:
             for b in batches:
                 for length in (float(x) for x in args.simulated.split(",")):
                     engine.num_speculative_tokens = max_k
-                    engine.adaptive_k = AdaptiveK(max_k)
+                    engine.k_policy = AdaptiveK(max_k)
                     engine.simulated_acceptance, engine._sim_carry = length, 0.0
                     decode_tokens_per_s(spec, prompt, 4 * args.new_tokens, b)  # learn
                     drafted = engine.spec_stats.num_draft_tokens, engine.timings.num_decode_steps
@@ -581,7 +581,7 @@ def main() -> None:
                     steps = engine.timings.num_decode_steps - drafted[1]
                     mean_k = (engine.spec_stats.num_draft_tokens - drafted[0]) / max(1, steps) / b
                     adaptive[b, length] = (rate, mean_k)
-            engine.adaptive_k = None
+            engine.k_policy = None
         # the batch-1 tokens of target-only and of the longest simulated cell, as digests: do
         # separate processes generate (and so route) the same? (their step times differ)
         digests = {}

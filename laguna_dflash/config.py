@@ -261,7 +261,9 @@ class SamplingParams:
 
 #: The keys of vLLM's ``speculative_config`` this engine reads; others are logged and ignored.
 VLLM_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
-                         "quantization")
+                         "quantization", "num_speculative_tokens_per_batch_size")
+#: A K schedule by batch size: ``(first batch size, last batch size, K)`` ranges, inclusive.
+KSchedule = tuple[tuple[int, int, int], ...]
 DRAFT_QUANTIZATIONS = ("fp8",)  # SpeculativeConfig.draft_quantization (models/fp8.py)
 
 
@@ -273,6 +275,42 @@ def vllm_draft_quantization(cfg: dict, where: str) -> str | None:
         return value
     raise ValueError(f"{where} quantization {value!r} is not supported for the drafter; use "
                      f"{' or '.join(map(repr, DRAFT_QUANTIZATIONS))} (weight-only, models/fp8.py) or leave it out")
+
+
+def k_schedule(value: object, where: str) -> KSchedule:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` (``[[lo, hi, k], ...]``: a step of
+    ``lo <= batch size <= hi`` requests drafts ``k`` tokens; 0 decodes without drafting) checked
+    and sorted by ``lo``; ``where`` names it in errors. Ranges may not overlap; whether they
+    cover every batch size the engine runs, and ``k <= num_speculative_tokens``, the engine
+    checks (it knows both)."""
+    example = "e.g. [[1, 4, 15], [5, 16, 7], [17, 256, 0]]"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{where} must be a non-empty list of [first batch size, last batch size, "
+                         f"K] ranges, got {value!r:.80}; {example}")
+    ranges = []
+    for item in value:
+        if (not isinstance(item, (list, tuple)) or len(item) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in item)):
+            raise ValueError(f"{where}: each range is three integers [first batch size, last batch "
+                             f"size, K], got {item!r:.80}; {example}")
+        lo, hi, k = item
+        if not 1 <= lo <= hi or k < 0:
+            raise ValueError(f"{where}: range {list(item)} needs 1 <= first <= last batch size and "
+                             f"K >= 0 (0: no drafting at those batch sizes); {example}")
+        ranges.append((lo, hi, k))
+    ranges.sort()
+    for (lo, hi, _), (next_lo, next_hi, _) in zip(ranges, ranges[1:]):
+        if next_lo <= hi:
+            raise ValueError(f"{where}: ranges [{lo}, {hi}] and [{next_lo}, {next_hi}] overlap; give "
+                             "each batch size one K")
+    return tuple(ranges)
+
+
+def vllm_k_schedule(cfg: dict, where: str) -> KSchedule | None:
+    """vLLM's ``speculative_config["num_speculative_tokens_per_batch_size"]`` checked
+    (:func:`k_schedule`), or None where it is left out."""
+    value = cfg.get("num_speculative_tokens_per_batch_size")
+    return None if value is None else k_schedule(value, f"{where} num_speculative_tokens_per_batch_size")
 
 
 def from_vllm_speculative_config(cfg: object, where: str) -> tuple[str, int | None, int | None]:
@@ -332,10 +370,23 @@ class SpeculativeConfig:
     # all of it (models/draft_vocab.py: drafts may change, the output does not); None: the
     # whole vocabulary
     speculative_token_map: str | None = None
+    # vLLM's num_speculative_tokens_per_batch_size: K by the step's batch size, ranges
+    # ``(lo, hi, k)`` (k <= num_speculative_tokens, every batch size up to max_num_seqs in one;
+    # engine/adaptive_k.BatchSizeK); None: K every step (or adaptive K's choice)
+    num_speculative_tokens_per_batch_size: KSchedule | None = None
 
     def __post_init__(self) -> None:
-        check_field_types(self, skip=("draft_tensor_parallel_size", "speculative_token_map"),
+        check_field_types(self, skip=("draft_tensor_parallel_size", "speculative_token_map",
+                                      "num_speculative_tokens_per_batch_size"),
                           names={"adaptive": "adaptive_k"})
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is not None:
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size",
+                               k_schedule(schedule, "num_speculative_tokens_per_batch_size"))
+            if self.adaptive:
+                raise ValueError("num_speculative_tokens_per_batch_size (a fixed K schedule) and "
+                                 "adaptive_k (--adaptive-k: K chosen from measurements) both pick "
+                                 "K each step; give one")
         if self.speculative_token_map is not None and not isinstance(self.speculative_token_map, str):
             raise ValueError("speculative_token_map must be a file path (str; --speculative-token-map), "
                              f"got {type(self.speculative_token_map).__name__}")

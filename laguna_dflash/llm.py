@@ -16,6 +16,7 @@ from .config import (
     SpeculativeConfig,
     from_vllm_speculative_config,
     vllm_draft_quantization,
+    vllm_k_schedule,
 )
 from .distributed import is_rank_zero
 from .engine.engine import LLMEngine
@@ -159,7 +160,9 @@ class LLM:
     "num_speculative_tokens": K, "draft_tensor_parallel_size": N}`` may stand for ``draft``,
     ``num_speculative_tokens`` and ``draft_tensor_parallel_size`` (with tensor parallelism: 1
     replicates the drafter on every rank, the target's size shards it; unset: sharded where its
-    widths divide the ranks); ``adaptive_k`` picks
+    widths divide the ranks), and its ``"num_speculative_tokens_per_batch_size": [[lo, hi, k],
+    ...]`` drafts ``k`` tokens in a step of ``lo..hi`` requests (every batch size up to
+    ``max_num_seqs`` in one range); ``adaptive_k`` picks
     K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting);
     ``draft_quantization="fp8"`` stores the drafter's MLP gate|up and lm_head copy as fp8 rows
     (models/fp8.py; drafts may change, the output does not); ``speculative_token_map=FILE``
@@ -204,10 +207,12 @@ class LLM:
                 raise ValueError("give the drafter's quantization once: speculative_config's "
                                  '"quantization" (vLLM\'s spelling) or draft_quantization=, not both')
             draft_quantization = vllm_draft_quantization(speculative_config, "speculative_config=")
+        schedule = None if speculative_config is None else vllm_k_schedule(
+            speculative_config, "speculative_config=")
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
-                                            adaptive=adaptive_k,
+                                            adaptive=adaptive_k, num_speculative_tokens_per_batch_size=schedule,
                                             simulate_acceptance_length=simulate_acceptance_length,
                                             draft_tensor_parallel_size=draft_tensor_parallel_size,
                                             draft_quantization=draft_quantization,

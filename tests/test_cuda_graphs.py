@@ -465,7 +465,7 @@ def test_padded_context_precompute_matches_eager_on_cpu(pair, monkeypatch):
     runner.run = lambda pending, slots_of: (calls.append(len(pending)), original(pending, slots_of))
     prompts = _prompts(3, seed=7)
     for llm in (plain, padded):  # target-only steps between the speculative ones: pending taps
-        llm.engine.adaptive_k = _Alternating(BLOCK_SIZE - 1)
+        llm.engine.k_policy = _Alternating(BLOCK_SIZE - 1)
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert calls and max(calls) == 3, calls
     for got, want in zip(_drafter_caches(padded), _drafter_caches(plain)):
@@ -499,7 +499,7 @@ def test_target_only_steps_keep_the_drafter_context_bounded(pair):
     want = [o.token_ids for o in base.generate(prompt_token_ids=prompts, sampling_params=params)]
     for llm in (plain, padded):
         engine = llm.engine
-        engine.adaptive_k = _AlwaysZero()
+        engine.k_policy = _AlwaysZero()
         seen = []
         decode = engine._decode
 
@@ -531,7 +531,7 @@ def test_warmup_leaves_no_trace(pair, adaptive):
     assert metrics["num_steps"] == metrics["num_prefill_tokens"] == metrics["num_drafts"] == 0
     assert not engine.has_unfinished
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
-    assert (engine.adaptive_k is not None) == adaptive
+    assert (engine.k_policy is not None) == adaptive
     prompts = _prompts(3, seed=2)
     want = fresh.generate(prompt_token_ids=prompts, sampling_params=params)
     got = warmed.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -557,9 +557,9 @@ def test_warmup_drafts_at_every_adaptive_k_level(pair, monkeypatch):
 
     monkeypatch.setattr(engine, "_spec_decode", watched)
     engine.warmup()
-    levels = engine.adaptive_k.levels
+    levels = engine.k_policy.levels
     assert len(levels) > 3 and set(drafted) == set(levels[1:]), (drafted, levels)
-    assert type(engine.adaptive_k) is AdaptiveK and engine.adaptive_k.num_steps == 0
+    assert type(engine.k_policy) is AdaptiveK and engine.k_policy.num_steps == 0
 
 
 def _spy_warmup(engine, monkeypatch) -> tuple[list[int], list[list[int]]]:
@@ -702,7 +702,7 @@ def test_graphed_context_precompute_matches_eager_on_cuda(pair, dtype, monkeypat
     graphed = LLM(target, device="cuda", graph_context_precompute=True, **kw)
     prompts = _prompts(5, seed=11)
     for llm in (eager, graphed):
-        llm.engine.adaptive_k = _Alternating(BLOCK_SIZE - 1)
+        llm.engine.k_policy = _Alternating(BLOCK_SIZE - 1)
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     runner = graphed.engine.proposer.context_graphs
     assert runner.graphs and not runner.is_broken
@@ -732,8 +732,8 @@ def test_startup_capture_leaves_no_capture_for_later_steps_on_cuda(pair, adaptiv
     assert counts[0] >= sizes * 2 and counts[1] >= sizes * 2 and counts[2] == sizes
     chosen = []
     if adaptive:  # the policy's choices, recorded
-        choose = engine.adaptive_k.choose
-        engine.adaptive_k.choose = lambda n: chosen.append(choose(n)) or chosen[-1]
+        choose = engine.k_policy.choose
+        engine.k_policy.choose = lambda n: chosen.append(choose(n)) or chosen[-1]
     _assert_same_greedy_tokens(lazy, at_start, (1, 3, 5), seed=3, length=230, step=7)
     assert [len(r.graphs) for r in runners] + [len(ctx.graphs)] == counts, "a step captured"
     assert not adaptive or len(set(chosen)) >= 2, set(chosen)
@@ -1303,7 +1303,7 @@ def test_drafter_reads_only_the_taps_of_committed_positions(pair, context_graphs
     if context_graphs:
         engine.attach_graph_runners()
         engine.attach_context_graphs()
-    engine.adaptive_k = _Alternating(k)
+    engine.k_policy = _Alternating(k)
     drafter, proposer = engine.drafter, engine.proposer
     assert engine.kv_layout.draft_group  # the drafter's context kept within the window
     window = max(layer.sliding_window for layer in drafter.spec.layers)

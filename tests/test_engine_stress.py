@@ -329,7 +329,7 @@ def _engine(pair, monkeypatch, options: dict) -> LLM:
         llm.engine.attach_graph_runners()  # CPU: the padded path the CUDA graphs replay
     if pattern is not None:  # adaptive K's choice follows step times: a fixed script instead
         ks = itertools.cycle(pattern)
-        llm.engine.adaptive_k.choose = lambda batch_size: next(ks)
+        llm.engine.k_policy.choose = lambda batch_size: next(ks)
     return llm
 
 

@@ -142,7 +142,7 @@ def test_dflash_with_penalties_equals_target_only(pair, adaptive):
     spec = LLM(target, draft=draft, num_speculative_tokens=BLOCK_SIZE - 1, block_size=4, max_num_seqs=8,
                adaptive_k=adaptive)
     if adaptive:
-        spec.engine.adaptive_k.explore_every = 2  # switch K often
+        spec.engine.k_policy.explore_every = 2  # switch K often
     rng = random.Random(2)
     prompts = [[rng.randrange(0, 60) for _ in range(n)] for n in (5, 12, 8, 20, 3, 9)]
     plist = [replace(p, max_tokens=24, ignore_eos=True) for p in PENALTIES]

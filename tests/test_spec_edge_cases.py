@@ -245,7 +245,7 @@ def test_preemption_with_mixed_greedy_and_sampled_requests(pair, base, adaptive)
     llm = LLM(target, draft=draft, num_speculative_tokens=K, block_size=4, num_kv_blocks=36,
               max_model_len=64, adaptive_k=adaptive)
     if adaptive:
-        llm.engine.adaptive_k.explore_every = 2
+        llm.engine.k_policy.explore_every = 2
     preempted = []
     preempt = llm.engine.scheduler._preempt
     llm.engine.scheduler._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]
@@ -304,7 +304,7 @@ def test_seeded_tokens_do_not_depend_on_k_acceptance_or_preemption(pair, base, p
     # adaptive K: the choice follows wall-clock step times; here a fixed irregular pattern
     llm = LLM(target, draft=draft, num_speculative_tokens=K, block_size=4, adaptive_k=True)
     pattern = iter([K, 0, 3, 1, 0, 0, 2, K, 4] * 10)
-    llm.engine.adaptive_k.choose = lambda batch_size: next(pattern)
+    llm.engine.k_policy.choose = lambda batch_size: next(pattern)
     assert llm.generate(prompt_token_ids=[prompts[J]], sampling_params=params)[0].token_ids == want
     # KV pressure: the seeded request is preempted and recomputed among greedy requests
     llm = LLM(target, draft=draft, num_speculative_tokens=K, block_size=4, num_kv_blocks=30,

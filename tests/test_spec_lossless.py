@@ -108,10 +108,10 @@ def test_adaptive_k_is_lossless_and_counts_drafted_tokens(pairs, pair_name):
     prompts = _prompts(8, seed=5)
     want = [o.token_ids for o in LLM(target).generate(prompt_token_ids=prompts, sampling_params=params)]
     llm = LLM(target, draft=draft, adaptive_k=True)
-    llm.engine.adaptive_k.explore_every = 3  # force frequent switching in a short run
+    llm.engine.k_policy.explore_every = 3  # force frequent switching in a short run
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in got] == want
-    seen_k = {k for k, _ in llm.engine.adaptive_k.step_time}
+    seen_k = {k for k, _ in llm.engine.k_policy.step_time}
     assert 0 in seen_k and BLOCK_SIZE - 1 in seen_k
     stats = llm.get_metrics()
     assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"] <= (BLOCK_SIZE - 1) * stats["num_drafts"]

@@ -97,7 +97,7 @@ def test_spec_sampling_matches_target_distribution(pair, params, adaptive):
     assert (p2 > 0.02).sum() >= 3 and (p3 > 0.02).sum() >= 3  # genuinely spread
     spec = LLM(target, draft=draft, max_num_seqs=128, adaptive_k=adaptive)
     if adaptive:
-        spec.engine.adaptive_k.explore_every = 2  # switch K often
+        spec.engine.k_policy.explore_every = 2  # switch K often
     for llm in (base, spec):
         tokens = sampled_tokens(llm, params)
         for column, expected in ((1, p2), (2, p3)):

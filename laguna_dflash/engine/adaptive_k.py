@@ -329,3 +329,27 @@ class FixedK:
 
     def expects_target_only(self, batch_size: int) -> bool:
         return self.k == 0
+
+
+class BatchSizeK:
+    """vLLM's ``num_speculative_tokens_per_batch_size``: K fixed by the step's batch size, from
+    ``schedule`` (``(lo, hi, k)`` ranges, inclusive, sorted, covering every batch size the engine
+    runs: config.k_schedule and ``LLMEngine`` check it). Deterministic, so a benchmark or a
+    tensor-parallel group sees the same K for the same batch; ``levels`` are its distinct K (the
+    warm-up drafts at each, as at adaptive K's)."""
+
+    def __init__(self, schedule: tuple[tuple[int, int, int], ...]) -> None:
+        self.schedule = schedule
+        self.levels = tuple(sorted({k for _, _, k in schedule}))
+
+    def choose(self, batch_size: int) -> int:
+        for lo, hi, k in self.schedule:
+            if lo <= batch_size <= hi:
+                return k
+        raise AssertionError(f"batch size {batch_size} is in no range of {self.schedule}")
+
+    def observe(self, k: int, batch_size: int, accepted: list[int], seconds: float) -> None:
+        pass
+
+    def expects_target_only(self, batch_size: int) -> bool:
+        return self.choose(batch_size) == 0

@@ -28,7 +28,7 @@ from ..models.layers import build_lm_head_ahead, build_sorted_moe_kernels_ahead,
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
 from . import cuda_graph, sampler
-from .adaptive_k import AdaptiveK, FixedK
+from .adaptive_k import AdaptiveK, BatchSizeK, FixedK
 from .ahead import DraftsAhead, ForwardAhead, PlannedForward
 from .attention import get_attention_backend, resolve_backend_name
 from .context_graph import ContextGraphRunner
@@ -254,8 +254,8 @@ class LLMEngine:
         if self.simulated_acceptance is not None:
             logger.warning("simulated acceptance length %.2f: drafts are accepted without checking, "
                            "output is NOT the target's (benchmarking only)", sim)
-        adaptive = config.speculative is not None and config.speculative.adaptive
-        self.adaptive_k = AdaptiveK(k) if adaptive and k else None
+        # the K policy a decode step asks (None: K every step): adaptive K, or a schedule by batch size
+        self.k_policy = self._k_policy(config, k)
         if self.drafter is not None:
             d = self.drafter
             dkv = (kv.drafter_view() if kv.draft_group else
@@ -360,18 +360,19 @@ class LLMEngine:
         for n in (8, 16):
             n = max(1, min(n, self.max_model_len - params.max_tokens - self.num_speculative_tokens - 1))
             self._serve_to_the_end([[0] * n], params)
-        if self.adaptive_k is not None:
-            # adaptive K drafts at each of its levels once (the requests above ran K = 0 and the
-            # full K), so the start-up capture below holds every verify and drafter-block shape
-            # it may choose: a level first chosen while serving would stall its step for the
-            # captures of its batch size and key bucket
-            policy = self.adaptive_k
+        if self.k_policy is not None:
+            # a K policy drafts at each of its levels once (adaptive K's first requests above
+            # ran K = 0 and the full K), so the start-up capture below holds every verify and
+            # drafter-block shape it may choose: a level first chosen while serving would stall
+            # its step for the captures of its batch size and key bucket
+            policy = self.k_policy
+            levels = policy.levels[1:-1] if isinstance(policy, AdaptiveK) else policy.levels
             try:
-                for level in policy.levels[1:-1]:
-                    self.adaptive_k = FixedK(level)
+                for level in levels:
+                    self.k_policy = FixedK(level)
                     self._serve_to_the_end([[0] * n], params)  # the second request's length
             finally:
-                self.adaptive_k = policy
+                self.k_policy = policy
         if warmup_eager_batches:
             self._warmup_eager_batches(params)
         # the kernels a sampled step launches and greedy ones do not: built now, not by the
@@ -406,7 +407,8 @@ class LLMEngine:
         k = self.num_speculative_tokens
         self.timings = EngineTimings()
         self.spec_stats = SpecDecodingStats(k) if k else None
-        self.adaptive_k = AdaptiveK(k) if self.adaptive_k is not None else None
+        if isinstance(self.k_policy, AdaptiveK):  # what the warm-up taught it is forgotten
+            self.k_policy = AdaptiveK(k)
         self._sim_carry = 0.0
         self._ids = itertools.count()
         self._ahead = None
@@ -437,19 +439,19 @@ class LLMEngine:
         k, bs = self.num_speculative_tokens, self.config.block_size
         capacity = self.allocator.num_blocks * bs
         batches = [(r, n) for n in (8, 2 * paged_attention._MIN_SPLIT_KEYS + 8) for r in sizes]
-        policy = self.adaptive_k
+        policy = self.k_policy
         levels = policy.levels if policy is not None else (k,)
         t0 = time.perf_counter()
         try:
             for level in levels:
                 if policy is not None:
-                    self.adaptive_k = FixedK(level)
+                    self.k_policy = FixedK(level)
                 for r, n in batches:
                     need = r * (n + params.max_tokens + k + 2 + bs)
                     if n + params.max_tokens + k + 1 < self.max_model_len and need <= capacity:
                         self._serve_to_the_end([[0] * n for _ in range(r)], params)
         finally:
-            self.adaptive_k = policy
+            self.k_policy = policy
         logger.info("served eager batches of %s requests (%s) in %.1fs", ", ".join(map(str, sizes)),
                     "--enforce-eager" if cap == 0 else f"above --cuda-graph-max-bs {cap}",
                     time.perf_counter() - t0)
@@ -554,6 +556,35 @@ class LLMEngine:
                 "acceptance will suffer", k, block - 1,
             )
         self.num_speculative_tokens = k
+
+    @staticmethod
+    def _k_policy(config: EngineConfig, k: int) -> AdaptiveK | BatchSizeK | None:
+        """``--adaptive-k``'s :class:`AdaptiveK`, a ``num_speculative_tokens_per_batch_size``
+        :class:`BatchSizeK` (a ``ValueError`` where it drafts more than K tokens or leaves a batch
+        size up to ``max_num_seqs`` out), or None (K every step)."""
+        sc = config.speculative
+        if sc is None or not k:
+            return None
+        if sc.adaptive:
+            return AdaptiveK(k)
+        schedule = sc.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return None
+        name = "num_speculative_tokens_per_batch_size"
+        too_many = [list(r) for r in schedule if r[2] > k]
+        if too_many:
+            raise ValueError(f"{name}: {too_many[0]} drafts more than num_speculative_tokens={k} "
+                             f"tokens; lower its K to at most {k}")
+        covered = 1  # the first batch size no range has reached yet
+        for lo, hi, _ in schedule:
+            if lo > covered:
+                break
+            covered = max(covered, hi + 1)
+        if covered <= config.max_num_seqs:
+            raise ValueError(f"{name}: no range holds batch size {covered}; every batch size from 1 "
+                             f"to max_num_seqs={config.max_num_seqs} (--max-num-seqs) needs one K "
+                             f"(0: no drafting), e.g. add [{covered}, {config.max_num_seqs}, 0]")
+        return BatchSizeK(schedule)
 
     def _draft_tp(self, sc: SpeculativeConfig) -> TensorParallel | None:
         """The drafter's tensor parallelism from ``draft_tensor_parallel_size``: 1 ``SINGLE``
@@ -779,17 +810,17 @@ class LLMEngine:
         else:
             seqs = batch.sequences
             k = self.num_speculative_tokens
-            if self.adaptive_k is not None:
-                k = self.adaptive_k.choose(len(seqs))
+            if self.k_policy is not None:
+                k = self.k_policy.choose(len(seqs))
             if self.proposer is not None and k > 0:
                 accepted = self._spec_decode(seqs, k, ahead if isinstance(ahead, DraftsAhead) else None)
             else:
                 accepted = self._decode(seqs, ahead if isinstance(ahead, ForwardAhead) else None)
             seconds = time.perf_counter() - t0
-            if self.adaptive_k is not None:
+            if self.k_policy is not None:
                 # rank 0's clock decides for every rank: the policies stay identical, so all
                 # ranks choose the same K and queue the same forwards ahead
-                self.adaptive_k.observe(k, len(seqs), accepted, self.tp.broadcast_object(seconds))
+                self.k_policy.observe(k, len(seqs), accepted, self.tp.broadcast_object(seconds))
             self.timings.decode_s += seconds
             self.timings.num_decode_steps += 1
         self.timings.num_steps += 1
@@ -955,8 +986,8 @@ class LLMEngine:
         on = on and not self.scheduler.prefilling
         if not on or self.proposer is None:
             return on
-        if self.adaptive_k is not None:
-            return self.adaptive_k.expects_target_only(batch_size)
+        if self.k_policy is not None:
+            return self.k_policy.expects_target_only(batch_size)
         return self.num_speculative_tokens == 0
 
     def _plan_forward_ahead(self, seqs: list[Sequence]) -> PlannedForward | None:

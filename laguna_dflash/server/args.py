@@ -30,6 +30,7 @@ from ..config import (
     SpeculativeConfig,
     from_vllm_speculative_config,
     vllm_draft_quantization,
+    vllm_k_schedule,
 )
 from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
 from ..generation_config import sampling_defaults
@@ -117,6 +118,10 @@ class ServerConfig:
             "speculative_token_map": spec.config.speculative_token_map if spec.config is not None else None,
             "num_speculative_tokens": k if k is not None else (
                 "drafter block_size - 1" if spec.config is not None else 0),
+            "num_speculative_tokens_per_batch_size": (
+                [list(r) for r in spec.config.num_speculative_tokens_per_batch_size]
+                if spec.config is not None and spec.config.num_speculative_tokens_per_batch_size
+                else None),
             "num_speculative_tokens_from": spec.tokens_flag or (
                 "drafter block_size" if spec.config is not None else None),
             "draft_tensor_parallel_size": (
@@ -312,6 +317,8 @@ def merge_draft_quantization(args: argparse.Namespace) -> str | None:
 def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
     draft_flag, draft, tokens_flag, k = merge_speculative_spellings(args)
+    cfg = _vllm_json(args.speculative_config) if getattr(args, "speculative_config", None) else None
+    schedule = vllm_k_schedule(cfg, "--speculative-config") if isinstance(cfg, dict) else None
     if draft is None:
         needs_drafter = [tokens_flag.split(" ")[0]] if tokens_flag is not None else []
         needs_drafter += [flag for flag, is_given in (
@@ -330,6 +337,7 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
         return SpeculativeChoice(None)
     return SpeculativeChoice(SpeculativeConfig(draft=str(draft), num_speculative_tokens=k,
                                                adaptive=bool(getattr(args, "adaptive_k", False)),
+                                               num_speculative_tokens_per_batch_size=schedule,
                                                simulate_acceptance_length=getattr(
                                                    args, "simulate_acceptance_length", None),
                                                draft_tensor_parallel_size=merge_draft_tensor_parallel_size(args),

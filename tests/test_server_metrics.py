@@ -40,7 +40,7 @@ PHASES = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"
 TOKEN_HISTOGRAMS = ("vllm:request_prompt_tokens", "vllm:request_generation_tokens",
                     "vllm:request_params_max_tokens")
 NEW_HISTOGRAMS = (*PHASES, *TOKEN_HISTOGRAMS, "vllm:iteration_tokens_total",
-                  "vllm:time_per_output_token_seconds")
+                  "vllm:time_per_output_token_seconds", "vllm:request_params_n")
 
 # ---- parsing the exposition --------------------------------------------------------------------
 
@@ -426,6 +426,10 @@ def test_live_request_histograms_match_the_responses(serial_server):
     assert queue > 0 and prefill > 0 and decode > 0
     old = [s[1:] for s in after["vllm:time_per_output_token_seconds"]["samples"]]
     assert old == [s[1:] for s in after["vllm:inter_token_latency_seconds"]["samples"]]
+    # n once per prompt of a request (vLLM's parent request), not once per choice
+    assert delta("vllm:request_params_n") == (sum(b.get("n", 1) for b in bodies), len(bodies))
+    n_buckets = dict(histogram(after, "vllm:request_params_n")[0])
+    assert list(n_buckets) == [1, 2, 5, 10, 20, math.inf]
 
 
 def _prometheus_parser():

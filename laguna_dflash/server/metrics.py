@@ -28,6 +28,8 @@ REQUEST_PHASE_BUCKETS = E2E_BUCKETS
 # vLLM's fixed list for tokens per engine step (some versions derive it from the CUDA graph
 # capture sizes instead; this server's graph sizes are not known here, so the fixed list)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's buckets for a request's ``n`` (its choices)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 # before the engine tells its max_model_len (AsyncEngine sets it): the engine's own default cap
 DEFAULT_MAX_MODEL_LEN = 8192
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -153,6 +155,7 @@ class ServerMetrics:
         self.decode_time = Histogram(REQUEST_PHASE_BUCKETS)
         self.inference_time = Histogram(REQUEST_PHASE_BUCKETS)
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self.params_n = Histogram(PARAMS_N_BUCKETS)
         self.set_max_model_len(DEFAULT_MAX_MODEL_LEN)
 
     def set_max_model_len(self, max_model_len: int) -> None:
@@ -178,6 +181,12 @@ class ServerMetrics:
                 self.ttft.observe(ttft_s)
             if itl_s is not None:
                 self.itl.observe(itl_s)
+
+    def observe_params_n(self, n: int) -> None:
+        """One prompt's ``n`` (its choices, each an engine request of its own), once when the
+        engine accepted them all (serving.Serving.start), as vLLM counts its parent request."""
+        with self._lock:
+            self.params_n.observe(n)
 
     def observe_iteration(self, num_tokens: int) -> None:
         """One engine step's tokens, vLLM's way: the new output tokens of every request, plus
@@ -287,6 +296,8 @@ class ServerMetrics:
                       "Generated tokens of each finished request.", self.request_generation_tokens)
             histogram("vllm:request_params_max_tokens",
                       "The max_tokens parameter of each finished request.", self.request_max_tokens)
+            histogram("vllm:request_params_n", "The n parameter of each prompt of a request.",
+                      self.params_n)
             histogram("vllm:iteration_tokens_total",
                       "Tokens per engine step: new output tokens, plus the prompts of requests "
                       "whose first token came in the step.", self.iteration_tokens)

@@ -227,6 +227,7 @@ class Serving:
             for job in jobs:
                 job.stream.abort()
             raise
+        self.engine.metrics.observe_params_n(n)
         return jobs
 
     async def merged(self, jobs: list[Job]) -> AsyncIterator[tuple[int, Delta]]:

@@ -67,8 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="fp8: the drafter's MLP gate|up and lm_head copy as fp8 rows with scales "
                         "(half their bytes in launches of up to 16 rows, e.g. batch <= 4 at K = 3; "
                         "drafts may change, the output does not)")
-    p.add_argument("--dtype", default=EngineConfig.dtype, help="auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, the checkpoint's "
-                        "torch_dtype, else bfloat16, on a GPU)")
+    # vLLM's default: a bf16 checkpoint runs in bf16 on a GPU (float32 there would double the
+    # weights' memory and bytes a step), and in float32 on the CPU, as before
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: "
+                        "float32 on the CPU, the checkpoint's torch_dtype, else bfloat16, on a GPU)")
     p.add_argument("--device", default=EngineConfig.device, help="cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the longest sequence, prompt plus output, in tokens (default: the "
@@ -450,7 +452,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             elif llm.engine.dtype == torch.float32 or args.batch_invariant:
                 stats += ", TOKENS DIFFER from target-only"  # exact there: an alarm
             else:  # matmuls of other shapes round differently in half precision (README)
-                stats += (f", tokens differ from target-only ({args.dtype} rounds differently "
+                name = str(llm.engine.dtype).removeprefix("torch.")
+                stats += (f", tokens differ from target-only ({name} rounds differently "
                           "per batch shape; exact in float32 or with --batch-invariant)")
     print(stats + "]", file=sys.stderr)
     return 0

@@ -298,3 +298,20 @@ def test_disable_hybrid_kv_cache_manager_flag_reaches_the_engine_config_and_gene
     assert config.describe()["disable_hybrid_kv_cache_manager"] is True
     args = build_parser().parse_args(["generate", "--model", "m", "--disable-hybrid-kv-cache-manager", "x"])
     assert engine_options(args)["disable_hybrid_kv_cache_manager"] is True
+
+
+def test_dtype_defaults_to_auto_as_in_vllm():
+    """``serve`` / ``generate`` / ``bench`` default to ``--dtype auto`` (vLLM's): float32 on the
+    CPU as before, the checkpoint's bf16 on a GPU (the default was float32 there, doubling the
+    weights' memory and the bytes a decode step reads)."""
+    import torch
+
+    from laguna_dflash.cli import build_parser
+    from laguna_dflash.config import resolve_dtype
+
+    for cmd in (["serve", "--model", "m"], ["generate", "--model", "m", "x"], ["bench", "--model", "m"]):
+        assert build_parser().parse_args(cmd).dtype == "auto", cmd
+    assert resolve_server_config(_args()).engine.dtype == "auto"
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, torch.device("cuda")) == torch.bfloat16

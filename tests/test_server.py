@@ -322,6 +322,53 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack):
     assert streamed == plain["choices"][0]["text"] and finish == plain["choices"][0]["finish_reason"]
 
 
+def test_prompt_logprobs_as_in_vllm(stack):
+    """vLLM's ``prompt_logprobs`` (it was a 400): per completions choice, and on the chat
+    response, one entry per prompt token, None first, ``{"<id>": {logprob, rank,
+    decoded_token}}`` with the prompt token and the n most likely, equal to the offline
+    engine's; with ``echo`` and a smaller ``logprobs`` the echoed prompt keeps its own count;
+    streaming it, or more than --max-logprobs, is a 400 naming the field."""
+    tok = stack.offline.tokenizer
+    ids = tok.encode("def add(a, b):\n    return a + b", add_special_tokens=False)
+    ref = stack.offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+
+    def check(entries: list, n: int = 3) -> None:
+        assert len(entries) == len(ids) and entries[0] is None
+        for tid, got, want in zip(ids[1:], entries[1:], ref.prompt_logprobs[1:]):
+            top = {t for t, v in want.items() if v.rank <= n}
+            assert set(got) == {str(t) for t in top | {tid}}
+            for key, entry in got.items():
+                t = int(key)
+                assert entry["logprob"] == pytest.approx(float(want[t]), abs=1e-4)
+                assert entry["rank"] == want[t].rank and entry["decoded_token"] == want[t].decoded_token
+
+    with stack.http() as http:
+        body = {"model": NAME, "prompt": [ids], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+        r = http.post("/v1/completions", json={**body, "n": 2}).json()
+        for choice in r["choices"]:
+            check(choice["prompt_logprobs"])
+        assert r["choices"][0]["text"] == tok.decode(ref.token_ids)
+        echoed = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()
+        choice = echoed["choices"][0]
+        check(choice["prompt_logprobs"])
+        assert all(t is None or len(t) <= 2 for t in choice["logprobs"]["top_logprobs"])  # its own 1
+        plain = http.post("/v1/completions", json={k: v for k, v in body.items() if k != "prompt_logprobs"})
+        assert "prompt_logprobs" not in plain.json()["choices"][0]
+        text = tok.decode(ids)
+        chat = http.post("/v1/chat/completions", json={
+            "model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 0}).json()
+        entries = chat["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == chat["usage"]["prompt_tokens"]
+        assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in entries[1:])
+        for extra, needle in (({"stream": True}, "stream=true"), ({"prompt_logprobs": 21}, "--max-logprobs"),
+                              ({"prompt_logprobs": -2}, "--max-logprobs")):
+            bad = http.post("/v1/completions", json={**body, **extra})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+            assert needle in bad.json()["error"]["message"]
+
+
 def test_several_prompts_in_one_completions_request(stack):
     """A list of prompts (strings or token ids) with ``n = 2``: choice ``k * n + j`` is prompt
     ``k``'s choice ``j``, each the offline greedy output, streamed and not; usage counts each

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -14,6 +15,7 @@ from .protocol import ChatCompletionRequest, ChatMessage
 from .sampling import (
     build_sampling_params,
     num_choices,
+    num_prompt_logprobs,
     reject_unsupported,
     resolve_max_tokens,
     stop_strings,
@@ -143,6 +145,11 @@ def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
     body = serving.response_body(jobs, "chat.completion", choices)
     if req.return_token_ids:  # vLLM's place for chat: the response's, as every choice shares it
         body["prompt_token_ids"] = jobs[0].prompt_token_ids
+    if req.prompt_logprobs is not None:  # the response's too (vLLM's)
+        body["prompt_logprobs"] = serving.prompt_logprobs_body(
+            jobs[0].prompt_token_ids, deltas_by_job[0][0].prompt_logprobs or [],
+            num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size),
+            req.return_tokens_as_token_ids)
     return body
 
 
@@ -151,6 +158,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     serving.check_model(req.model)
     reject_unsupported(req)
     n_logprobs = _num_logprobs(req, serving.max_logprobs)
+    n_prompt = num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
                        req.continue_final_message, req.chat_template_kwargs, req.chat_template,
                        req.tools)
@@ -162,6 +170,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
                                     cap=serving.config.generation_defaults.get("max_tokens"))
     params = build_sampling_params(req, max_tokens, n_logprobs, serving.config.generation_defaults,
                                    "top_logprobs", serving.max_logprobs)
+    if n_prompt is not None:
+        params = replace(params, prompt_logprobs=n_prompt)
     stop = stop_strings(req)
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output,

@@ -8,17 +8,19 @@ from dataclasses import dataclass, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..engine.sampler import Logprob
 from .errors import APIError, bad_request
 from .protocol import CompletionRequest
 from .sampling import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     build_sampling_params,
     num_choices,
+    num_prompt_logprobs,
     reject_unsupported,
     resolve_max_tokens,
     stop_strings,
 )
-from .serving import SSE_DONE, Delta, Job, Serving, base_request_id, sse, usage
+from .serving import SSE_DONE, Delta, Job, Serving, base_request_id, sse, top_entries, usage
 
 #: The most prompts one completions request may hold.
 MAX_PROMPTS = 256
@@ -63,6 +65,17 @@ def _echo(serving: Serving, req: CompletionRequest, ids: list[int], text: str | 
         text = (serving.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
                 if serving.tokenizer is not None else "")
     return Echo(text, ids, None)
+
+
+def _with_logprobs(echo: Echo | None, req: CompletionRequest,
+                   entries: list[dict[int, Logprob] | None] | None) -> Echo | None:
+    """``echo`` with its prompt's logprobs (the ``logprobs`` most likely at each position), or
+    None without an echo."""
+    if echo is None:
+        return None
+    if entries is not None and req.logprobs is not None:
+        entries = top_entries(entries, echo.token_ids, req.logprobs)
+    return replace(echo, logprobs=entries)
 
 
 def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float] | None],
@@ -124,7 +137,7 @@ async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest,
         async for i, d in serving.merged(jobs):
             d = _shown(jobs[i], d)
             wants_tokens = req.logprobs is not None or req.return_token_ids
-            echo = replace(echoes[i], logprobs=d.prompt_logprobs) if echoes[i] and first[i] else None
+            echo = _with_logprobs(echoes[i], req, d.prompt_logprobs) if first[i] else None
             if not (d.text or d.finish_reason or (d.token_ids and wants_tokens) or echo):
                 continue
             choice, offsets[i] = _choice(serving, req, i, d.text, d.token_ids, d.logprobs,
@@ -147,7 +160,7 @@ def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
               deltas_by_job: list[list[Delta]], echoes: list[Echo | None]) -> dict:
     choices = []
     for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
-        echo = replace(echoes[i], logprobs=deltas[0].prompt_logprobs) if echoes[i] else None
+        echo = _with_logprobs(echoes[i], req, deltas[0].prompt_logprobs)
         deltas = [_shown(job, d) for d in deltas]
         tokens = [t for d in deltas for t in d.token_ids]
         logprobs = None
@@ -158,6 +171,11 @@ def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
                             0, last.finish_reason, last.stop_reason, echo)
         if req.return_token_ids:
             choice["prompt_token_ids"] = job.prompt_token_ids
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = serving.prompt_logprobs_body(
+                job.prompt_token_ids, deltas[0].prompt_logprobs or [],
+                num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size),
+                req.return_tokens_as_token_ids)
         choices.append(choice)
     return serving.response_body(jobs, "text_completion", choices)
 
@@ -167,6 +185,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     serving.check_model(req.model)
     reject_unsupported(req)
     prompts = _prompts(serving, req)
+    n_prompt = num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size)
     stop = stop_strings(req)
     jobs: list[Job] = []
     echoes: list[Echo | None] = []
@@ -179,8 +198,11 @@ async def create_completion(serving: Serving, request: Request) -> Response:
             params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
                                            serving.config.generation_defaults,
                                            max_logprobs=serving.max_logprobs)
-            if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
-                params = replace(params, prompt_logprobs=req.logprobs)
+            # the prompt's logprobs for an echo with logprobs and for prompt_logprobs: the
+            # engine computes the larger count, each field shows its own (serving.top_entries)
+            counts = [c for c in (req.logprobs if req.echo else None, n_prompt) if c is not None]
+            if counts:
+                params = replace(params, prompt_logprobs=max(counts))
             started = await serving.start("cmpl", ids, params, num_choices(req), stop,
                                           req.skip_special_tokens, req.include_stop_str_in_output,
                                           base_request_id(request, req.request_id))

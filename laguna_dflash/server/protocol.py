@@ -50,6 +50,9 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = None
+    # vLLM's: each prompt token's logprob and the n most likely at its position (-1: the whole
+    # vocabulary); not with stream=true, as in vLLM
+    prompt_logprobs: int | None = None
     # vLLM's: the response's ``id`` is ``<cmpl|chatcmpl>-<request_id>`` (an ``X-Request-Id``
     # header takes precedence); a random one when neither is sent
     request_id: str | None = None
@@ -63,7 +66,6 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: bool = False

@@ -26,11 +26,11 @@ MIN_TEMPERATURE = 1e-5
 
 
 #: vLLM extension fields that change the output and that this server does not implement, with
-#: the value that means "off" (also accepted): structured outputs, prompt log-probabilities,
-#: token allow / ban lists, beam search, prompt truncation.
+#: the value that means "off" (also accepted): structured outputs, token allow / ban lists,
+#: beam search, prompt truncation.
 UNSUPPORTED_EXTENSIONS = {
     "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+    "guided_grammar": None, "allowed_token_ids": None, "bad_words": [],
     "use_beam_search": False, "truncate_prompt_tokens": None,
 }
 
@@ -124,6 +124,24 @@ def _number(value: float, name: str) -> float:
     if not math.isfinite(value):
         raise bad_request(f"{name} must be a finite number, got {value}", name)
     return float(value)
+
+
+def num_prompt_logprobs(req: SamplingFields, max_logprobs: int, vocab_size: int) -> int | None:
+    """vLLM's ``prompt_logprobs`` checked: None (off), or the count of most likely tokens each
+    prompt position lists (-1: the whole vocabulary), within the server's ``--max-logprobs``."""
+    n = req.prompt_logprobs
+    if n is None:
+        return None
+    if req.stream:
+        raise bad_request("prompt_logprobs are not available with stream=true (as in vLLM); "
+                          "send the request without streaming, or leave prompt_logprobs out",
+                          "prompt_logprobs")
+    count = vocab_size if n == -1 else n
+    if not 0 <= count <= max_logprobs:
+        raise bad_request(f"prompt_logprobs must be in [0, {max_logprobs}] (the server's "
+                          f"--max-logprobs) or -1 (the whole vocabulary, when --max-logprobs "
+                          f"allows it), got {n}", "prompt_logprobs")
+    return count
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from ..config import SamplingParams
+from ..engine.sampler import Logprob
 from .args import ServerConfig
 from .async_engine import AsyncEngine, ClientDisconnected, RequestStream
 from .detokenizer import IncrementalDetokenizer, OutputText
@@ -74,6 +75,15 @@ def usage(jobs: list[Job]) -> dict:
     c = sum(0 if j.hides_output else j.num_output_tokens for j in jobs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens for j in firsts)}}
+
+
+def top_entries(entries: list[dict[int, Logprob] | None], tokens: list[int],
+                n: int) -> list[dict[int, Logprob] | None]:
+    """Each position's ``{token: Logprob}`` cut to its own token plus the ``n`` most likely
+    (rank <= n): a request computes the most any of its fields asked for (completions' ``echo``
+    with ``logprobs`` and ``prompt_logprobs`` share the prompt's)."""
+    return [None if e is None else {t: v for t, v in e.items() if t == tok or v.rank <= n}
+            for e, tok in zip(entries, tokens)]
 
 
 def base_request_id(request: Request, body_id: str | None) -> str | None:
@@ -178,6 +188,16 @@ class Serving:
                 f"your prompt has {len(ids)} tokens, which leaves no room for the completion. "
                 "Please shorten the prompt.", param)
         return ids
+
+    def prompt_logprobs_body(self, tokens: list[int], entries: list[dict[int, Logprob] | None],
+                             n: int, as_ids: bool = False) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt position None (the first: nothing scores it)
+        or ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for its token and the ``n``
+        most likely; ``-inf`` is sent as -9999.0, as vLLM does (JSON has no infinity)."""
+        return [None if e is None else {
+            str(t): {"logprob": max(float(v), -9999.0), "rank": v.rank,
+                     "decoded_token": self.token_str(t, as_ids)} for t, v in e.items()}
+            for e in top_entries(entries, tokens, n)]
 
     def token_str(self, token_id: int, as_id: bool = False) -> str:
         """A token's text in logprobs; ``as_id`` (vLLM's ``return_tokens_as_token_ids``), or a

@@ -764,3 +764,26 @@ def make_served_pair(root: str | Path, block_size: int, distill_steps: int) -> t
                               distill_steps=distill_steps)
     hf.make_tokenizer(target, 384)
     return target, draft
+
+
+@contextlib.contextmanager
+def tiny_http_server(target: str | Path, *flags: str) -> Iterator[Any]:
+    """A live ``serve`` on ``target`` (e.g. :func:`make_tiny_laguna_target`'s checkpoint) with
+    8-token KV blocks, 32 of them, no periodic stats lines, and ``flags``; yields an
+    ``httpx.Client`` on it and stops the server after."""
+    import httpx
+
+    from laguna_dflash.cli import build_parser
+    from laguna_dflash.server.app import build_app
+    from laguna_dflash.server.args import resolve_server_config
+    from laguna_dflash.server.launcher import ServerThread, build_serving
+
+    args = build_parser().parse_args([
+        "serve", "--model", str(target), "--block-size", "8", "--num-kv-blocks", "32",
+        "--log-stats-interval", "0", *flags])
+    server = ServerThread(build_app(build_serving(resolve_server_config(args)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            yield http
+    finally:
+        server.stop()

@@ -322,21 +322,9 @@ def serial_server(tmp_path_factory):
     concurrent requests queue behind each other."""
     import dflash_fixtures as df
 
-    from laguna_dflash.cli import build_parser
-    from laguna_dflash.server.app import build_app
-    from laguna_dflash.server.args import resolve_server_config
-    from laguna_dflash.server.launcher import ServerThread, build_serving
-
     target = df.make_tiny_laguna_target(tmp_path_factory.mktemp("metrics") / "target", seed=0)
-    args = build_parser().parse_args([
-        "serve", "--model", str(target), "--max-model-len", str(MAX_MODEL_LEN), "--block-size",
-        "8", "--num-kv-blocks", "32", "--max-num-seqs", "1", "--log-stats-interval", "0"])
-    server = ServerThread(build_app(build_serving(resolve_server_config(args)))).start()
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            yield http
-    finally:
-        server.stop()
+    with df.tiny_http_server(target, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1") as http:
+        yield http
 
 
 def _scrape(http: httpx.Client) -> tuple[str, dict[str, dict]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 # ---- a live server on a model without a tokenizer ---------------------------------------------
@@ -16,23 +15,10 @@ def bare_server(tmp_path_factory):
     """A target-only server over a checkpoint without tokenizer files (token-id prompts only)."""
     import dflash_fixtures as df
 
-    from laguna_dflash.cli import build_parser
-    from laguna_dflash.server.app import build_app
-    from laguna_dflash.server.args import resolve_server_config
-    from laguna_dflash.server.launcher import ServerThread, build_serving
-
     target = df.make_tiny_laguna_target(tmp_path_factory.mktemp("bare") / "target", seed=0)
-    args = build_parser().parse_args([
-        "serve", "--model", str(target), "--max-model-len", "64", "--block-size", "8",
-        "--num-kv-blocks", "32", "--log-stats-interval", "0"])
-    serving = build_serving(resolve_server_config(args))
-    assert serving.tokenizer is None
-    server = ServerThread(build_app(serving)).start()
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            yield http
-    finally:
-        server.stop()
+    assert not (target / "tokenizer.json").exists() and not (target / "tokenizer_config.json").exists()
+    with df.tiny_http_server(target, "--max-model-len", "64") as http:
+        yield http
 
 
 def test_stop_strings_without_a_tokenizer_are_a_400_naming_stop(bare_server):
@@ -105,34 +91,22 @@ def test_generation_configs_max_new_tokens_caps_every_completion(tmp_path):
 
     import dflash_fixtures as df
 
-    from laguna_dflash.cli import build_parser
-    from laguna_dflash.server.app import build_app
-    from laguna_dflash.server.args import resolve_server_config
-    from laguna_dflash.server.launcher import ServerThread, build_serving
-
     target = df.make_tiny_laguna_target(tmp_path / "target", seed=0)
     (target / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
 
     def served(*flags: str) -> dict[str, int]:
         """usage.completion_tokens for max_tokens 10, 2 and left out."""
-        args = build_parser().parse_args([
-            "serve", "--model", str(target), "--max-model-len", "64", "--block-size", "8",
-            "--num-kv-blocks", "32", "--log-stats-interval", "0", *flags])
-        server = ServerThread(build_app(build_serving(resolve_server_config(args)))).start()
-        try:
-            with httpx.Client(base_url=server.url, timeout=60) as http:
-                counts = {}
-                for max_tokens in (10, 2, None):
-                    body = {"prompt": [3, 1, 4], "temperature": 0, "ignore_eos": True}
-                    if max_tokens is not None:
-                        body["max_tokens"] = max_tokens
-                    r = http.post("/v1/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    assert r.json()["choices"][0]["finish_reason"] == "length"
-                    counts[str(max_tokens)] = r.json()["usage"]["completion_tokens"]
-                return counts
-        finally:
-            server.stop()
+        with df.tiny_http_server(target, "--max-model-len", "64", *flags) as http:
+            counts = {}
+            for max_tokens in (10, 2, None):
+                body = {"prompt": [3, 1, 4], "temperature": 0, "ignore_eos": True}
+                if max_tokens is not None:
+                    body["max_tokens"] = max_tokens
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+                counts[str(max_tokens)] = r.json()["usage"]["completion_tokens"]
+            return counts
 
     assert served() == {"10": 3, "2": 2, "None": 3}
     assert served("--generation-config", "vllm") == {"10": 10, "2": 2, "None": 16}
@@ -143,21 +117,9 @@ def id_server(tmp_path_factory):
     """A target-only server on a tokenizer-less checkpoint with ``--enable-request-id-headers``."""
     import dflash_fixtures as df
 
-    from laguna_dflash.cli import build_parser
-    from laguna_dflash.server.app import build_app
-    from laguna_dflash.server.args import resolve_server_config
-    from laguna_dflash.server.launcher import ServerThread, build_serving
-
     target = df.make_tiny_laguna_target(tmp_path_factory.mktemp("ids") / "target", seed=0)
-    args = build_parser().parse_args([
-        "serve", "--model", str(target), "--max-model-len", "64", "--block-size", "8",
-        "--num-kv-blocks", "32", "--log-stats-interval", "0", "--enable-request-id-headers"])
-    server = ServerThread(build_app(build_serving(resolve_server_config(args)))).start()
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            yield http
-    finally:
-        server.stop()
+    with df.tiny_http_server(target, "--max-model-len", "64", "--enable-request-id-headers") as http:
+        yield http
 
 
 def test_request_ids_come_from_x_request_id_or_the_body_as_in_vllm(id_server, bare_server):

@@ -48,11 +48,9 @@ class BearerAuthMiddleware:
         await self.app(scope, receive, send)
 
 
-class InternalErrorMiddleware:
-    """Pure ASGI middleware: an unhandled exception becomes an OpenAI-shaped 500 for that request
-    alone. Unlike an ``exception_handler(Exception)`` (Starlette answers, then re-raises, and
-    uvicorn drops the connection) the exception stops here, so the client's keep-alive connection
-    stays usable. One raised after the response started can only be logged."""
+class _HTTPMiddleware:
+    """Pure ASGI middleware: :meth:`handle` sees the HTTP requests; anything else (lifespan)
+    passes through."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -61,6 +59,19 @@ class InternalErrorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class InternalErrorMiddleware(_HTTPMiddleware):
+    """An unhandled exception becomes an OpenAI-shaped 500 for that request alone. Unlike an
+    ``exception_handler(Exception)`` (Starlette answers, then re-raises, and uvicorn drops the
+    connection) the exception stops here, so the client's keep-alive connection stays usable.
+    One raised after the response started can only be logged."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def send_tracked(message: dict) -> None:
@@ -78,17 +89,11 @@ class InternalErrorMiddleware:
             await error.response()(scope, receive, send)
 
 
-class RequestIdHeaderMiddleware:
-    """Pure ASGI middleware (``--enable-request-id-headers``, vLLM's): every HTTP response
-    carries an ``X-Request-Id`` header, the request's own or a fresh random one."""
+class RequestIdHeaderMiddleware(_HTTPMiddleware):
+    """``--enable-request-id-headers`` (vLLM's): every HTTP response carries an
+    ``X-Request-Id`` header, the request's own or a fresh random one."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope.get("headers") or ()).get(b"x-request-id")
         value = given or uuid.uuid4().hex.encode()
 

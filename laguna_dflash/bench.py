@@ -109,12 +109,15 @@ def run_bench(model: str, draft: str, prompts: list[str | dict], max_new_tokens:
               batch_size: int = 1, num_speculative_tokens: int | None = None,
               adaptive_k: bool = False, draft_tensor_parallel_size: int | None = None,
               draft_quantization: str | None = None, speculative_token_map: str | None = None,
-              simulate_acceptance_length: float | None = None, **engine_options) -> BenchResult:
+              simulate_acceptance_length: float | None = None,
+              num_speculative_tokens_per_batch_size: list | tuple | None = None,
+              **engine_options) -> BenchResult:
     """Greedy decode every prompt with and without the drafter; decode time excludes prefill.
 
     ``simulate_acceptance_length`` (``--simulate-acceptance-length``): the speculative run
     accepts drafts blindly at this mean acceptance length, to time a drafter of that quality
-    (its output is then not the target's).
+    (its output is then not the target's). ``num_speculative_tokens_per_batch_size`` (vLLM's K
+    schedule, from ``--speculative-config``): the speculative run's K by batch size.
 
     ``engine_options`` go to both ``LLM``s unchanged (``device``, ``dtype``, ``max_model_len``,
     ``block_size``, ``num_kv_blocks``, ``attention_backend``, ``enforce_eager``, ``load_format``,
@@ -133,7 +136,8 @@ def run_bench(model: str, draft: str, prompts: list[str | dict], max_new_tokens:
                num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k,
                draft_tensor_parallel_size=draft_tensor_parallel_size, draft_quantization=draft_quantization,
                speculative_token_map=speculative_token_map,
-               simulate_acceptance_length=simulate_acceptance_length)
+               simulate_acceptance_length=simulate_acceptance_length,
+               num_speculative_tokens_per_batch_size=num_speculative_tokens_per_batch_size)
     warm = prompts[: min(2, len(prompts))]
     _timed_batches(base, warm, params, batch_size)
     _timed_batches(spec, warm, params, batch_size)

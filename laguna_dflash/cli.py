@@ -328,10 +328,12 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, bool]:
     from .server.args import (
         merge_draft_quantization,
         merge_draft_tensor_parallel_size,
+        merge_k_schedule,
         merge_speculative_spellings,
     )
 
     draft_flag, args.draft, _, args.num_speculative_tokens = merge_speculative_spellings(args)
+    args.num_speculative_tokens_per_batch_size = merge_k_schedule(args)
     args.draft_tensor_parallel_size = merge_draft_tensor_parallel_size(args)
     args.draft_quantization = merge_draft_quantization(args)
     check_checkpoint_dir("--model", args.model, "the target model's directory")
@@ -379,6 +381,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            ("--speculative-token-map", args.speculative_token_map is not None),
                            ("--simulate-acceptance-length", args.simulate_acceptance_length is not None),
                            ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size is not None),
+                           ("--speculative-config num_speculative_tokens_per_batch_size",
+                            args.num_speculative_tokens_per_batch_size is not None),
                            ("--compare", args.compare is True)):
         if is_given and draft is None:  # they act on draft tokens: without a drafter, nothing
             raise ValueError(f"{flag} needs --draft DIR (and no --no-spec)")
@@ -396,6 +400,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=model, draft=draft, **engine_options(args), max_num_seqs=1,
               num_speculative_tokens=args.num_speculative_tokens,
               adaptive_k=args.adaptive_k, simulate_acceptance_length=args.simulate_acceptance_length,
+              num_speculative_tokens_per_batch_size=args.num_speculative_tokens_per_batch_size,
               draft_tensor_parallel_size=args.draft_tensor_parallel_size,
               draft_quantization=args.draft_quantization,
               speculative_token_map=args.speculative_token_map, trace=args.trace)
@@ -488,7 +493,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        draft_tensor_parallel_size=args.draft_tensor_parallel_size,
                        draft_quantization=args.draft_quantization,
                        speculative_token_map=args.speculative_token_map,
-                       simulate_acceptance_length=args.simulate_acceptance_length, **engine_options(args))
+                       simulate_acceptance_length=args.simulate_acceptance_length,
+                       num_speculative_tokens_per_batch_size=args.num_speculative_tokens_per_batch_size,
+                       **engine_options(args))
     if not is_rank_zero():
         return 0
     # the numbers first: a plot that fails to save must not lose a finished benchmark

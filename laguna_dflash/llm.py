@@ -162,7 +162,8 @@ class LLM:
     replicates the drafter on every rank, the target's size shards it; unset: sharded where its
     widths divide the ranks), and its ``"num_speculative_tokens_per_batch_size": [[lo, hi, k],
     ...]`` drafts ``k`` tokens in a step of ``lo..hi`` requests (every batch size up to
-    ``max_num_seqs`` in one range); ``adaptive_k`` picks
+    ``max_num_seqs`` in one range; or ``num_speculative_tokens_per_batch_size=``);
+    ``adaptive_k`` picks
     K <= num_speculative_tokens per step from measured acceptance and step cost (0 = no drafting);
     ``draft_quantization="fp8"`` stores the drafter's MLP gate|up and lm_head copy as fp8 rows
     (models/fp8.py; drafts may change, the output does not); ``speculative_token_map=FILE``
@@ -188,6 +189,7 @@ class LLM:
         draft_tensor_parallel_size: int | None = None,
         draft_quantization: str | None = None,
         speculative_token_map: str | None = None,
+        num_speculative_tokens_per_batch_size: list | tuple | None = None,
         generation_config: str = "auto",
         **engine_options,
     ) -> None:
@@ -207,8 +209,12 @@ class LLM:
                 raise ValueError("give the drafter's quantization once: speculative_config's "
                                  '"quantization" (vLLM\'s spelling) or draft_quantization=, not both')
             draft_quantization = vllm_draft_quantization(speculative_config, "speculative_config=")
-        schedule = None if speculative_config is None else vllm_k_schedule(
-            speculative_config, "speculative_config=")
+        schedule = num_speculative_tokens_per_batch_size
+        if speculative_config is not None and "num_speculative_tokens_per_batch_size" in speculative_config:
+            if schedule is not None:
+                raise ValueError("give the K schedule once: speculative_config's "
+                                 '"num_speculative_tokens_per_batch_size" or the keyword, not both')
+            schedule = vllm_k_schedule(speculative_config, "speculative_config=")
         speculative = None
         if draft is not None:
             speculative = SpeculativeConfig(draft=str(draft), num_speculative_tokens=num_speculative_tokens,
@@ -224,6 +230,7 @@ class LLM:
                                    ("adaptive_k", adaptive_k),
                                    ("draft_quantization", draft_quantization is not None),
                                    ("speculative_token_map", speculative_token_map is not None),
+                                   ("num_speculative_tokens_per_batch_size", schedule is not None),
                                    ("simulate_acceptance_length", simulate_acceptance_length is not None)):
                 if is_given:
                     raise ValueError(f"{name} was given without draft=; pass a DFlash drafter directory")

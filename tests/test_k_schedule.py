@@ -98,3 +98,46 @@ def test_the_engine_checks_the_schedule_against_k_and_max_num_seqs(pair):
         SpeculativeConfig(draft="d", adaptive=True, num_speculative_tokens_per_batch_size=((1, 8, 2),))
     with pytest.raises(ValueError, match=f"speculative_config= {KEY}: each range"):
         _spec(pair, [[1, 8]])
+
+
+def test_generate_and_bench_take_the_schedule_from_speculative_config(pair, capsys):
+    """``generate`` / ``bench`` read ``--speculative-config``'s drafter and K and used to drop
+    its schedule silently (the key is one this engine reads, so not even a warning): a batch-1
+    schedule of K = 2 now drafts 2 tokens a step out of the drafter's 5; bench's speculative
+    engine gets it too."""
+    import json
+
+    from laguna_dflash import bench
+    from laguna_dflash.cli import main
+
+    target, draft = pair
+    spec = json.dumps({"method": "dflash", "model": str(draft), KEY: [[1, 1, 2]]})
+    assert main(["generate", "--model", str(target), "--speculative-config", spec, "--prompt-ids",
+                 "1,2,3", "--max-new-tokens", "12", "--json", "--no-compare"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_drafts"] > 0 and out["num_draft_tokens"] == 2 * out["num_drafts"]
+    seen = []
+    real = bench.LLM
+
+    def spy(*args, **kw):
+        seen.append(kw.get(KEY))
+        return real(*args, **kw)
+
+    bench.LLM = spy
+    try:
+        spec = json.dumps({"method": "dflash", "model": str(draft), KEY: [[1, 256, 1]]})
+        assert main(["bench", "--model", str(target), "--speculative-config", spec, "--prompts",
+                     str(_prompts_file(pair)), "--max-new-tokens", "4", "--json"]) == 0
+    finally:
+        bench.LLM = real
+    assert ((1, 256, 1),) in seen or [[1, 256, 1]] in seen, seen
+    assert json.loads(capsys.readouterr().out)["num_speculative_tokens"] == K
+
+
+def _prompts_file(pair) -> object:
+    import json
+    from pathlib import Path
+
+    path = Path(pair[0]).parent / "prompts.json"
+    path.write_text(json.dumps([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]))
+    return path

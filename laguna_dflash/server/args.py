@@ -314,11 +314,17 @@ def merge_draft_quantization(args: argparse.Namespace) -> str | None:
     return _agree("drafter quantizations", choices)[1]
 
 
+def merge_k_schedule(args: argparse.Namespace) -> tuple[tuple[int, int, int], ...] | None:
+    """``--speculative-config``'s ``num_speculative_tokens_per_batch_size`` (vLLM's K schedule
+    by batch size; config.k_schedule checks it), or None."""
+    cfg = _vllm_json(args.speculative_config) if getattr(args, "speculative_config", None) else None
+    return vllm_k_schedule(cfg, "--speculative-config") if isinstance(cfg, dict) else None
+
+
 def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
     """Merge the three speculative spellings into one :class:`SpeculativeChoice`."""
     draft_flag, draft, tokens_flag, k = merge_speculative_spellings(args)
-    cfg = _vllm_json(args.speculative_config) if getattr(args, "speculative_config", None) else None
-    schedule = vllm_k_schedule(cfg, "--speculative-config") if isinstance(cfg, dict) else None
+    schedule = merge_k_schedule(args)
     if draft is None:
         needs_drafter = [tokens_flag.split(" ")[0]] if tokens_flag is not None else []
         needs_drafter += [flag for flag, is_given in (

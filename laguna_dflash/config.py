@@ -155,6 +155,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these token ids can be generated (every other token's logit
+    # is -inf at every generated position, greedy and sampled; applied first, before min_tokens,
+    # logit_bias and the penalties, as vLLM). A non-empty list of ids in the vocabulary; None
+    # allows every token. Logprobs stay the model's raw ones.
+    allowed_token_ids: list[int] | None = None
     # vLLM's completions per prompt (LLM.generate: one engine request each, choice i seeded with
     # seed + i; the engine itself ignores it)
     n: int = 1
@@ -246,6 +251,16 @@ class SamplingParams:
                     or not -100.0 <= bias <= 100.0):
                 raise ValueError(f"SamplingParams.logit_bias maps token ids (ints >= 0) to biases in "
                                  f"[-100, 100]; got {token!r}: {bias!r}")
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, (list, tuple)) or not allowed:
+                raise ValueError(f"SamplingParams.allowed_token_ids must be a non-empty list of token "
+                                 f"ids (e.g. [5, 9]; None allows every token), got {allowed!r:.80}")
+            bad = [t for t in allowed if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+            if bad:
+                raise ValueError(f"SamplingParams.allowed_token_ids must be token ids (ints >= 0), got "
+                                 f"{bad[:5]}")
+            object.__setattr__(self, "allowed_token_ids", [int(t) for t in allowed])
 
     @property
     def is_greedy(self) -> bool:
@@ -254,9 +269,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """The logits are biased or penalised before sampling (engine/penalties.py)."""
+        """The logits are masked (allowed_token_ids), biased or penalised before sampling
+        (engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids)
 
 
 #: The keys of vLLM's ``speculative_config`` this engine reads; others are logged and ignored.

@@ -369,6 +369,17 @@ def test_prompt_logprobs_as_in_vllm(stack):
             assert needle in bad.json()["error"]["message"]
 
 
+def test_chat_truncate_prompt_tokens_keeps_the_rendered_prompts_tail(stack):
+    """Chat's ``truncate_prompt_tokens`` cuts the rendered conversation's tokens (vLLM's)."""
+    with stack.http() as http:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "def add(a, b): return a + b"}],
+                "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+        whole = http.post("/v1/chat/completions", json=body).json()
+        cut = http.post("/v1/chat/completions", json={**body, "truncate_prompt_tokens": 3}).json()
+    assert whole["usage"]["prompt_tokens"] > 3 and cut["usage"]["prompt_tokens"] == 3
+    assert cut["prompt_token_ids"] == whole["prompt_token_ids"][-3:]
+
+
 def test_several_prompts_in_one_completions_request(stack):
     """A list of prompts (strings or token ids) with ``n = 2``: choice ``k * n + j`` is prompt
     ``k``'s choice ``j``, each the offline greedy output, streamed and not; usage counts each

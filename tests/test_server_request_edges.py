@@ -163,3 +163,30 @@ def test_a_priority_other_than_zero_is_a_400(bare_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     assert "leave priority out or 0" in r.json()["error"]["message"]
     assert bare_server.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(bare_server):
+    """vLLM's ``truncate_prompt_tokens`` (a 400 before): only the prompt's last N tokens are
+    prefilled, so the output is that of the cut prompt; -1 keeps max_model_len of them (64
+    here: no room left, a 400 naming the prompt); outside [1, max_model_len] is a 400 naming
+    the field."""
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompt = [(5 * i + 3) % 60 for i in range(20)]
+    cut = bare_server.post("/v1/completions", json={**body, "prompt": prompt, "truncate_prompt_tokens": 4,
+                                                    "return_token_ids": True})
+    assert cut.status_code == 200, cut.text
+    alone = bare_server.post("/v1/completions", json={**body, "prompt": prompt[-4:], "return_token_ids": True})
+    whole = bare_server.post("/v1/completions", json={**body, "prompt": prompt, "return_token_ids": True})
+    assert cut.json()["usage"]["prompt_tokens"] == 4
+    assert cut.json()["choices"][0]["token_ids"] == alone.json()["choices"][0]["token_ids"]
+    assert cut.json()["choices"][0]["prompt_token_ids"] == prompt[-4:]
+    assert alone.json()["choices"][0]["token_ids"] != whole.json()["choices"][0]["token_ids"]
+    many = bare_server.post("/v1/completions", json={**body, "prompt": [prompt, prompt[:3]],
+                                                     "truncate_prompt_tokens": 4}).json()
+    assert many["usage"]["prompt_tokens"] == 4 + 3  # a shorter prompt is kept whole
+    long = bare_server.post("/v1/completions", json={**body, "prompt": prompt * 4, "truncate_prompt_tokens": -1})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+    assert "your prompt has 64 tokens" in long.json()["error"]["message"]
+    for bad in (0, -2, 65):
+        r = bare_server.post("/v1/completions", json={**body, "prompt": prompt, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)

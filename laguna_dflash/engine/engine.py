@@ -673,6 +673,17 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.allowed_token_ids or ()) if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids token ids {bad[:5]} are outside the vocabulary [0, "
+                             f"{vocab}); allow ids of this model's tokenizer only")
+        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= stops:
+            # min_tokens bans every stop token before it: no token would be left to generate
+            raise ValueError(f"allowed_token_ids {params.allowed_token_ids[:5]} are all stop tokens "
+                             f"(EOS unless ignore_eos, stop_token_ids), which min_tokens="
+                             f"{params.min_tokens} bans: nothing could be generated; allow another "
+                             "token, or drop min_tokens")
         most = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > most:

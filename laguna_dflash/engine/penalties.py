@@ -1,13 +1,21 @@
-"""Logit bias, presence / frequency / repetition penalties and min_tokens, per generated position.
+"""allowed_token_ids, logit bias, presence / frequency / repetition penalties and min_tokens, per
+generated position.
 
 For request ``i`` with :attr:`SamplingParams.has_penalties` (or fewer than ``min_tokens``
 outputs), the logits row that scores output position ``n`` (``n`` tokens generated before it)
-becomes, in float32 (vLLM's order)::
+becomes, in float32 (vLLM's order: the allowed-token mask first)::
 
-    z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, logits)
+    z = where(t in allowed_token_ids (every t when None), logits, -inf)
+    z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, z)
     z = z + logit_bias
     z = where(seen, where(z > 0, z * (1 / rep), z * rep), z)   seen: in the prompt or the n outputs
     z = z - frequency * count - presence * (count > 0)       count: occurrences in the n outputs
+
+A masked token stays -inf through every later line (-inf plus a finite bias or minus a finite
+penalty, times a positive 1 / rep or rep), so the mask's place in the order changes no output:
+it goes first as in vLLM. The sampler's filters and its race keep -inf tokens unpicked, greedy
+and sampled; ``allowed_token_ids`` is never empty and lies in the vocabulary (checked when the
+request is added, as is a list min_tokens would ban whole), so every row keeps a finite logit.
 
 A verify forward scores ``K + 1`` positions at once: its row ``j`` follows the bonus token and
 drafts ``d_1 .. d_j``, which are the request's outputs there if row ``j`` is reached at all (a
@@ -17,8 +25,10 @@ would sample that position from: speculation stays lossless with penalties, gree
 The drafter proposes without them (they change acceptance, never the output).
 
 Only the rows of requests with penalties are processed (copies, so logprobs stay the model's
-raw ones, as vLLM reports them by default), all of a step's at once; the counts are built on the
-device from one upload of the token ids per step, with no host sync.
+raw ones, as vLLM reports them by default), all of a step's at once; the counts and the allowed
+mask are built on the device from one upload of the token ids per step, with no host sync. The
+mask is per request, not per row: its ``K + 1`` verify rows share it (allowed_token_ids does not
+depend on the outputs), so the upload carries each request's list once.
 """
 
 from __future__ import annotations
@@ -40,7 +50,13 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     All the penalised requests of a step at once: their index tables go up in one int64 copy,
     the bias values and the penalties that differ between requests in a float32 copy each, and
     every op covers all their rows; per-row parameters that a request does not use are neutral
-    (repetition 1, frequency and presence 0: exact no-ops).
+    (repetition 1, frequency and presence 0, no allowed list: exact no-ops).
+
+    allowed_token_ids: a ``[M, V]`` bool ``banned`` (``M`` chosen requests) starts all True,
+    the flat entries ``pos * V + t`` of each request's allowed ids (int64, computed on the host)
+    and the whole rows of the chosen requests without a list are cleared, and ``banned``
+    broadcast over each request's ``rows_per_request`` rows fills them with -inf: a ``where``,
+    exact, so a request's rows are the same bits alone and batched.
     """
     n = rows_per_request
     chosen = [i for i, s in enumerate(seqs)
@@ -50,7 +66,7 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     vocab, device = logits.shape[-1], logits.device
     tables: dict[str, list] = {name: [] for name in (
         "rows", "ban_row", "ban_token", "bias_row", "bias_token", "bias_value", "out_token",
-        "draft_row", "draft_index")}
+        "draft_row", "draft_index", "allow_index", "allow_free")}
     tables["out_length"] = [0] * len(chosen)
     rep, freq, pres = [], [], []
     for pos, i in enumerate(chosen):
@@ -69,6 +85,12 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
             tables["bias_row"] += [pos * n + j] * len(p.logit_bias)
             tables["bias_token"] += list(p.logit_bias)
             tables["bias_value"] += list(p.logit_bias.values())
+        # the same check for the allowed ids (add_request refuses ids past the vocabulary)
+        assert all(0 <= t < vocab for t in p.allowed_token_ids or ()), "allowed id past the vocabulary"
+        if p.allowed_token_ids:  # entry (pos, t) of the [M, V] mask, flattened
+            tables["allow_index"] += [pos * vocab + t for t in p.allowed_token_ids]
+        else:
+            tables["allow_free"].append(pos)
         rep.append(p.repetition_penalty)
         freq.append(p.frequency_penalty)
         pres.append(p.presence_penalty)
@@ -80,12 +102,21 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
             for j in range(1, n):
                 tables["draft_row"] += [pos * n + j] * j
                 tables["draft_index"] += range(i * (n - 1), i * (n - 1) + j)
+    if not tables["allow_index"]:
+        tables["allow_free"] = []  # no request of the step has a list: no mask, nothing to upload
     values = tables.pop("bias_value")
     used = {name: v for name, v in tables.items() if v}  # one upload of every table in use
     ints = dict(zip(used, to_device_async(torch.tensor([t for v in used.values() for t in v], dtype=torch.long),
                                           device).split([len(v) for v in used.values()])))
     x = logits.index_select(0, ints["rows"]).float()  # a copy: logprobs stay the model's raw ones
     # every scatter below is into a flattened [rows * V] view: entry (r, t) is r * V + t
+    if tables["allow_index"]:  # first (vLLM's order): z = where(t allowed, z, -inf)
+        banned = torch.ones(len(chosen), vocab, dtype=torch.bool, device=device)
+        banned.view(-1)[ints["allow_index"]] = False  # a repeated id writes False twice: harmless
+        if tables["allow_free"]:  # a request without a list bans nothing
+            banned[ints["allow_free"]] = False
+        # [M, 1, V] over the [M, n, V] rows: each of a request's rows takes its request's mask
+        x.view(len(chosen), n, vocab).masked_fill_(banned.unsqueeze(1), float("-inf"))
     if tables["ban_row"]:
         x.view(-1)[ints["ban_row"] * vocab + ints["ban_token"]] = float("-inf")
     if values:  # one (row, token) pair a bias entry: adds, never two to one entry

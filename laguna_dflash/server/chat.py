@@ -163,7 +163,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
                        req.continue_final_message, req.chat_template_kwargs, req.chat_template,
                        req.tools)
     ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, "messages"),
-                              "messages")
+                              "messages", req.truncate_prompt_tokens)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param,

@@ -28,21 +28,27 @@ MAX_PROMPTS = 256
 
 def _prompts(serving: Serving, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
     """The request's prompts as (token ids, the text sent or None), each checked
-    (``Serving.check_prompt``): a string, token ids, or a list of strings or of id lists (a
-    batch, as vLLM accepts; an error names the entry, ``prompt.1``)."""
+    (``Serving.check_prompt``, which applies ``truncate_prompt_tokens``; a cut prompt's text is
+    None: its echo decodes the ids kept): a string, token ids, or a list of strings or of id
+    lists (a batch, as vLLM accepts; an error names the entry, ``prompt.1``)."""
     p = req.prompt
+
+    def checked(ids: list[int], text: str | None, param: str) -> tuple[list[int], str | None]:
+        kept = serving.check_prompt(ids, param, req.truncate_prompt_tokens)
+        return kept, text if len(kept) == len(ids) else None
+
     if isinstance(p, str):
-        return [(serving.check_prompt(serving.encode(p, req.add_special_tokens), "prompt"), p)]
+        return [checked(serving.encode(p, req.add_special_tokens), p, "prompt")]
     if not p:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(p[0], int):
-        return [(serving.check_prompt(list(p), "prompt"), None)]
+        return [checked(list(p), None, "prompt")]
     if len(p) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
     prompts = []
     for i, x in enumerate(p):
         ids = serving.encode(x, req.add_special_tokens, f"prompt.{i}") if isinstance(x, str) else list(x)
-        prompts.append((serving.check_prompt(ids, f"prompt.{i}"), x if isinstance(x, str) else None))
+        prompts.append(checked(ids, x if isinstance(x, str) else None, f"prompt.{i}"))
     return prompts
 
 

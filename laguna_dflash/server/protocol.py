@@ -43,6 +43,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # vLLM's: only these token ids can be generated (the others' logits are -inf)
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -53,6 +55,8 @@ class SamplingFields(BaseModel):
     # vLLM's: each prompt token's logprob and the n most likely at its position (-1: the whole
     # vocabulary); not with stream=true, as in vLLM
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: max_model_len of them)
+    truncate_prompt_tokens: int | None = None
     # vLLM's: the response's ``id`` is ``<cmpl|chatcmpl>-<request_id>`` (an ``X-Request-Id``
     # header takes precedence); a random one when neither is sent
     request_id: str | None = None
@@ -66,10 +70,8 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: bool = False
-    truncate_prompt_tokens: Any = None
 
 
 class CompletionRequest(SamplingFields):

@@ -26,12 +26,12 @@ MIN_TEMPERATURE = 1e-5
 
 
 #: vLLM extension fields that change the output and that this server does not implement, with
-#: the value that means "off" (also accepted): structured outputs, token allow / ban lists,
-#: beam search, prompt truncation.
+#: the value that means "off" (also accepted): structured outputs, word ban lists, beam
+#: search.
 UNSUPPORTED_EXTENSIONS = {
     "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "allowed_token_ids": None, "bad_words": [],
-    "use_beam_search": False, "truncate_prompt_tokens": None,
+    "guided_grammar": None, "bad_words": [],
+    "use_beam_search": False,
 }
 
 
@@ -204,6 +204,12 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
         raise bad_request("cache_salt must be a non-empty string (or left out: no salt)", "cache_salt")
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    allowed = req.allowed_token_ids
+    if allowed is not None and (not allowed or any(t < 0 for t in allowed)):
+        # ids past the vocabulary are refused by Serving.start, which knows its size
+        raise bad_request(f"allowed_token_ids must be a non-empty list of token ids >= 0 (leave it "
+                          f"out to allow every token), got {[t for t in allowed if t < 0][:5] or allowed}",
+                          "allowed_token_ids")
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(getattr(req, name) or 0.0, name)
@@ -226,6 +232,7 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=num_logprobs,
             repetition_penalty=repetition, logit_bias=logit_bias(req.logit_bias), **penalties,
             min_tokens=req.min_tokens, cache_salt=req.cache_salt,
+            allowed_token_ids=list(allowed) if allowed is not None else None,
         )
     except ValueError as e:  # SamplingParams' own checks; the message names the field
         raise bad_request(str(e)) from e

@@ -174,8 +174,17 @@ class Serving:
                 "\\ud83d\\ude00)", param) from None
         return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def check_prompt(self, ids: list[int], param: str) -> list[int]:
-        """400 unless the prompt is non-empty, in the vocabulary and leaves room for output."""
+    def check_prompt(self, ids: list[int], param: str, truncate_prompt_tokens: int | None = None) -> list[int]:
+        """400 unless the prompt is non-empty, in the vocabulary and leaves room for output.
+        ``truncate_prompt_tokens`` (vLLM's): only its last that many tokens are kept (-1:
+        ``max_model_len`` of them), before the checks."""
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if not 1 <= keep <= self.max_model_len:
+                raise bad_request(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, "
+                                  f"{self.max_model_len}] (max_model_len), got "
+                                  f"{truncate_prompt_tokens}", "truncate_prompt_tokens")
+            ids = ids[-keep:]
         if not ids:
             raise bad_request("the prompt is empty; send at least one token", param)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -220,7 +229,8 @@ class Serving:
         are that id, ``<id>-1``, ... for the choices, with a random suffix after a client's
         id: two requests may send the same one, and the engine's ids must differ."""
         for param, ids in (("logit_bias", params.logit_bias or {}),
-                           ("stop_token_ids", params.stop_token_ids or ())):
+                           ("stop_token_ids", params.stop_token_ids or ()),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise bad_request(f"{param} has token ids {bad[:5]} outside the vocabulary "

@@ -173,6 +173,12 @@ class SamplingParams:
     # salt per tenant keeps a tenant from timing its way to another's prompts). None: unsalted.
     # Changes no output.
     cache_salt: str | None = None
+    # vLLM's: special tokens (EOS, chat-turn markers) are left out of the output text; False keeps
+    # them (the token ids are the same either way)
+    skip_special_tokens: bool = True
+    # vLLM's: only the prompt's last this many tokens are used (-1: max_model_len of them);
+    # None: the whole prompt (:func:`truncated_prompt`)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -185,7 +191,12 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be "
                                  f"{'an integer' if kind is numbers.Integral else 'a number'}, got "
                                  f"{value!r} ({type(value).__name__})")
-        for name in ("ignore_eos", "include_stop_str_in_output"):  # "no" would count as True
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (isinstance(tpt, bool) or not isinstance(tpt, numbers.Integral)
+                                or not (tpt == -1 or tpt >= 1)):
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens must be an integer >= 1, -1 "
+                             f"(max_model_len) or None, got {tpt!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):  # "no" would count as True
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got "
                                  f"{getattr(self, name)!r} ({type(getattr(self, name)).__name__})")
@@ -273,6 +284,18 @@ class SamplingParams:
         (engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.allowed_token_ids)
+
+
+def truncated_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: ``ids``' last that many tokens (-1: ``max_model_len``
+    of them; None: all). A count past ``max_model_len`` is a ``ValueError`` naming the field."""
+    if truncate_prompt_tokens is None:
+        return ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if not 1 <= keep <= max_model_len:
+        raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, "
+                         f"{max_model_len}] (max_model_len), got {truncate_prompt_tokens}")
+    return ids[-keep:]
 
 
 #: The keys of vLLM's ``speculative_config`` this engine reads; others are logged and ignored.

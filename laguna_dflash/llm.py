@@ -15,6 +15,7 @@ from .config import (
     SamplingParams,
     SpeculativeConfig,
     from_vllm_speculative_config,
+    truncated_prompt,
     vllm_draft_quantization,
     vllm_k_schedule,
 )
@@ -274,10 +275,10 @@ class LLM:
             raise ValueError(f"{self.config.model} has no tokenizer; pass token ids instead of text (prompt_token_ids= or --prompt-ids)")
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def decode(self, token_ids: list[int]) -> str | None:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def generate(
         self,
@@ -412,6 +413,7 @@ class LLM:
         # so none of them runs (and holds KV blocks) inside a later generate()
         try:
             for ids, p, t in zip(token_lists, params_list, texts):
+                ids = truncated_prompt(ids, p.truncate_prompt_tokens, self.engine.max_model_len)
                 seqs.append([])
                 for i in range(p.n):  # choice i samples with seed + i, as the server's n
                     choice = p if i == 0 or p.seed is None else replace(p, seed=p.seed + i)
@@ -419,7 +421,7 @@ class LLM:
                     seqs[-1].append(seq)
                     if p.stop:
                         texts_of[seq.request_id] = OutputText(
-                            IncrementalDetokenizer(self.tokenizer), p.stop or (),
+                            IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens), p.stop or (),
                             p.include_stop_str_in_output, p.min_tokens)
             watched = [s for choices in seqs for s in choices if s.params.stop]
             bar = _progress_bar(use_tqdm, sum(len(c) for c in seqs))
@@ -482,7 +484,7 @@ class LLM:
         else:  # the engine's stop token adds no text (EOS is special and skipped anyway)
             shown = tokens[:-1] if finish == "stop" and not s.params.include_stop_str_in_output \
                 else tokens
-            out_text = self.decode(shown)
+            out_text = self.decode(shown, s.params.skip_special_tokens)
         logprobs = s.logprobs if s.logprobs is None else self._decoded(s.logprobs[: len(tokens)])
         return RequestOutput(
             request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,

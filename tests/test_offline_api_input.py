@@ -316,3 +316,32 @@ def test_logprobs_are_vllms_logprob_objects_with_decoded_tokens():
     back = pickle.loads(pickle.dumps(lp))
     assert (float(back), back.rank, back.decoded_token) == (float(lp), lp.rank, lp.decoded_token)
     assert json.loads(json.dumps({"v": lp}))["v"] == float(lp) and str(lp) == repr(float(lp))
+
+
+def test_skip_special_tokens_and_truncate_prompt_tokens_as_in_vllm():
+    """vLLM's ``SamplingParams.skip_special_tokens`` (False: special tokens stay in the text)
+    and ``truncate_prompt_tokens`` (the prompt's last N tokens; -1: max_model_len of them);
+    neither existed offline (a TypeError)."""
+    demo = Path(__file__).resolve().parents[1] / "assets" / "demo" / "target"
+    llm = LLM(str(demo), max_model_len=64)
+    special = llm.tokenizer.all_special_ids[0]
+    marker = llm.tokenizer.decode([special], skip_special_tokens=False)
+    base = dict(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[special])
+    shown, = llm.generate(["def f():"], SamplingParams(**base, skip_special_tokens=False))
+    hidden, = llm.generate(["def f():"], SamplingParams(**base))
+    assert shown.token_ids == hidden.token_ids == [special] * 3
+    assert shown.text == marker * 3 and marker and hidden.text == ""
+    prompt = list(range(5, 25))
+    greedy = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    cut, = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**greedy, truncate_prompt_tokens=4))
+    tail, = llm.generate(prompt_token_ids=[prompt[-4:]], sampling_params=SamplingParams(**greedy))
+    assert cut.prompt_token_ids == prompt[-4:] and cut.token_ids == tail.token_ids
+    with pytest.raises(ValueError, match="prompt"):  # -1 keeps 64 of 80 tokens: no room for output
+        llm.generate(prompt_token_ids=[prompt * 4], sampling_params=SamplingParams(**greedy, truncate_prompt_tokens=-1))
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 \(max_model_len\) or in \[1, 64\]"):
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**greedy, truncate_prompt_tokens=65))
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="SamplingParams.truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="SamplingParams.skip_special_tokens must be True or False"):
+        SamplingParams(skip_special_tokens="no")

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ..config import SamplingParams
+from ..config import SamplingParams, truncated_prompt
 from ..engine.sampler import Logprob
 from .args import ServerConfig
 from .async_engine import AsyncEngine, ClientDisconnected, RequestStream
@@ -178,13 +178,10 @@ class Serving:
         """400 unless the prompt is non-empty, in the vocabulary and leaves room for output.
         ``truncate_prompt_tokens`` (vLLM's): only its last that many tokens are kept (-1:
         ``max_model_len`` of them), before the checks."""
-        if truncate_prompt_tokens is not None:
-            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            if not 1 <= keep <= self.max_model_len:
-                raise bad_request(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, "
-                                  f"{self.max_model_len}] (max_model_len), got "
-                                  f"{truncate_prompt_tokens}", "truncate_prompt_tokens")
-            ids = ids[-keep:]
+        try:
+            ids = truncated_prompt(ids, truncate_prompt_tokens, self.max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), "truncate_prompt_tokens") from None
         if not ids:
             raise bad_request("the prompt is empty; send at least one token", param)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

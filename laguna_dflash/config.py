@@ -160,6 +160,20 @@ class SamplingParams:
     # logit_bias and the penalties, as vLLM). A non-empty list of ids in the vocabulary; None
     # allows every token. Logprobs stay the model's raw ones.
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: these words cannot be generated. Each word is tokenized as it would start
+    # the text and, where that gives another first token and as many tokens, as it would follow
+    # a space (tokenize_bad_words); the last token of such a sequence gets a -inf logit at every
+    # position whose preceding OUTPUT tokens (the prompt is not looked at) end with the rest of
+    # it, so a one-token word is banned everywhere. Applied right after allowed_token_ids (as
+    # vLLM), greedy and sampled, lossless under speculation; logprobs stay the model's raw ones.
+    # Non-empty strings (not only whitespace); None (or []) bans nothing. Needs a tokenizer.
+    bad_words: list[str] | None = None
+    # bad_words as token-id sequences, each ``(w_1, .., w_m)`` with every id >= 0: filled by
+    # LLM.generate and the server from bad_words (tokenize_bad_words), as the engine has no
+    # tokenizer; the engine applies these (engine/penalties.py). LLM.generate and the server
+    # replace it where bad_words is set; set directly (engine.add_request, or LLM without
+    # bad_words), it bans those sequences. Internal, as vLLM's ``_bad_words_token_ids``.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     # vLLM's completions per prompt (LLM.generate: one engine request each, choice i seeded with
     # seed + i; the engine itself ignores it)
     n: int = 1
@@ -272,6 +286,28 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.allowed_token_ids must be token ids (ints >= 0), got "
                                  f"{bad[:5]}")
             object.__setattr__(self, "allowed_token_ids", [int(t) for t in allowed])
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, (list, tuple)):
+                raise ValueError(f"SamplingParams.bad_words must be a list of words (e.g. [\"foo\", "
+                                 f"\"bar baz\"]), got {words!r:.80} ({type(words).__name__})")
+            bad = [w for w in words if not isinstance(w, str) or not w.strip()]
+            if bad:  # a word of whitespace only tokenizes to nothing once lstripped
+                raise ValueError(f"SamplingParams.bad_words must be non-empty strings (not only "
+                                 f"whitespace), got {bad[:5]!r:.80}")
+            object.__setattr__(self, "bad_words", list(words) or None)
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            ok = isinstance(seqs, (list, tuple)) and all(
+                isinstance(w, (list, tuple)) and w and all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in w)
+                for w in seqs)
+            if not ok:
+                raise ValueError(f"SamplingParams.bad_words_token_ids must be a list of non-empty "
+                                 f"token-id sequences (ints >= 0; filled from bad_words), got "
+                                 f"{seqs!r:.80}")
+            object.__setattr__(self, "bad_words_token_ids",
+                               tuple(tuple(int(t) for t in w) for w in seqs) or None)
 
     @property
     def is_greedy(self) -> bool:
@@ -280,10 +316,36 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """The logits are masked (allowed_token_ids), biased or penalised before sampling
-        (engine/penalties.py)."""
+        """The logits are masked (allowed_token_ids, bad_words), biased or penalised before
+        sampling (engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.allowed_token_ids)
+                    or self.logit_bias or self.allowed_token_ids or self.bad_words
+                    or self.bad_words_token_ids)
+
+
+def tokenize_bad_words(tokenizer: typing.Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as the token-id sequences the engine bans, with ``tokenizer``
+    (``encode(text, add_special_tokens=False)``), the one implementation LLM.generate and the
+    server share.
+
+    Per word: the ids of ``word.lstrip()`` (the word starting the text); then the ids of ``" " +
+    word.lstrip()`` (the word after a space, which many tokenizers spell with other tokens),
+    kept only when they are as many as the first and begin with another token (vLLM's rule: a
+    tokenizer that merges the space into the word's first token; a spaced form that is a space
+    token followed by the bare word's tokens is covered by the bare one, which bans the word
+    after any output token). Duplicates are dropped (they ban the same thing). A word that
+    tokenizes to nothing is a ``ValueError`` naming ``SamplingParams.bad_words``."""
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        bare = tuple(int(t) for t in tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise ValueError(f"SamplingParams.bad_words: {word!r:.80} tokenizes to no tokens; "
+                             "leave it out")
+        out[bare] = None
+        spaced = tuple(int(t) for t in tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out[spaced] = None
+    return tuple(out)
 
 
 def truncated_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:

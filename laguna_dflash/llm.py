@@ -15,6 +15,7 @@ from .config import (
     SamplingParams,
     SpeculativeConfig,
     from_vllm_speculative_config,
+    tokenize_bad_words,
     truncated_prompt,
     vllm_draft_quantization,
     vllm_k_schedule,
@@ -403,6 +404,7 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params_list):
             raise ValueError(f"SamplingParams.stop: {self.config.model} has no tokenizer to find stop "
                              "strings with; use stop_token_ids")
+        params_list = self._with_bad_words_ids(params_list)
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise ValueError(f"use_tqdm must be True, False or a tqdm-like callable, got {use_tqdm!r:.80}")
         seqs: list[list[Sequence]] = []  # per prompt, its n choices
@@ -448,6 +450,26 @@ class LLM:
                               for i, s in enumerate(choices)]
             outputs.append(replace(first, other_choices=others))
         return outputs
+
+    def _with_bad_words_ids(self, params_list: list[SamplingParams]) -> list[SamplingParams]:
+        """Each ``SamplingParams`` with ``bad_words`` gets their token ids
+        (``bad_words_token_ids``, :func:`~laguna_dflash.config.tokenize_bad_words` with this
+        model's tokenizer), which the engine bans; each distinct list is tokenized once."""
+        if not any(p.bad_words for p in params_list):
+            return params_list
+        if self.tokenizer is None:
+            raise ValueError(f"SamplingParams.bad_words: {self.config.model} has no tokenizer to "
+                             "tokenize the words with; pass their token ids as bad_words_token_ids")
+        ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
+        out = []
+        for p in params_list:
+            if p.bad_words:
+                key = tuple(p.bad_words)
+                if key not in ids:
+                    ids[key] = tokenize_bad_words(self.tokenizer, p.bad_words)
+                p = replace(p, bad_words_token_ids=ids[key])
+            out.append(p)
+        return out
 
     def _output(self, s: Sequence, text: OutputText | None) -> RequestOutput:
         """``s`` as a :class:`RequestOutput`. Its text leaves out the text of the token the

@@ -677,6 +677,14 @@ class LLMEngine:
         if bad:
             raise ValueError(f"allowed_token_ids token ids {bad[:5]} are outside the vocabulary [0, "
                              f"{vocab}); allow ids of this model's tokenizer only")
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("SamplingParams.bad_words are words: the engine bans their token ids "
+                             "(bad_words_token_ids), which LLM.generate and the server fill with "
+                             "the tokenizer (config.tokenize_bad_words); pass them, or use LLM")
+        bad = sorted({t for w in params.bad_words_token_ids or () for t in w if t >= vocab})
+        if bad:
+            raise ValueError(f"bad_words token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
+                             "the tokenizer gives ids this model does not have")
         stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= stops:
             # min_tokens bans every stop token before it: no token would be left to generate
@@ -684,6 +692,13 @@ class LLMEngine:
                              f"(EOS unless ignore_eos, stop_token_ids), which min_tokens="
                              f"{params.min_tokens} bans: nothing could be generated; allow another "
                              "token, or drop min_tokens")
+        single = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}  # banned everywhere
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= single | (
+                stops if params.min_tokens else set()):
+            raise ValueError(f"allowed_token_ids {params.allowed_token_ids[:5]} are all one-token "
+                             "bad_words (banned at every position) or, before min_tokens, stop "
+                             "tokens: nothing could be generated; allow another token, or drop "
+                             "those words")
         most = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > most:

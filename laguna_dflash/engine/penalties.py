@@ -1,34 +1,45 @@
-"""allowed_token_ids, logit bias, presence / frequency / repetition penalties and min_tokens, per
-generated position.
+"""allowed_token_ids, bad_words, logit bias, presence / frequency / repetition penalties and
+min_tokens, per generated position.
 
 For request ``i`` with :attr:`SamplingParams.has_penalties` (or fewer than ``min_tokens``
 outputs), the logits row that scores output position ``n`` (``n`` tokens generated before it)
 becomes, in float32 (vLLM's order: the allowed-token mask first)::
 
     z = where(t in allowed_token_ids (every t when None), logits, -inf)
+    z = where(t == w_m for a bad word w = (w_1 .. w_m) whose w_1 .. w_{m-1} are the last m - 1 of
+              the n outputs (always for m == 1; never when n < m - 1), -inf, z)
     z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, z)
     z = z + logit_bias
     z = where(seen, where(z > 0, z * (1 / rep), z * rep), z)   seen: in the prompt or the n outputs
     z = z - frequency * count - presence * (count > 0)       count: occurrences in the n outputs
 
 A masked token stays -inf through every later line (-inf plus a finite bias or minus a finite
-penalty, times a positive 1 / rep or rep), so the mask's place in the order changes no output:
-it goes first as in vLLM. The sampler's filters and its race keep -inf tokens unpicked, greedy
+penalty, times a positive 1 / rep or rep), so the masks' place in the order changes no output:
+they go first as in vLLM (allowed_token_ids, then bad_words, among its first processors; two
+-inf masks commute). The sampler's filters and its race keep -inf tokens unpicked, greedy
 and sampled; ``allowed_token_ids`` is never empty and lies in the vocabulary (checked when the
-request is added, as is a list min_tokens would ban whole), so every row keeps a finite logit.
+request is added, as is a list min_tokens or one-token bad words would ban whole), so every row
+keeps a finite logit. (Not caught, as in vLLM: a list that longer bad words ban whole only in
+some context, e.g. allowed [a, b] with words (b, a) and (b, b) once b is generated: that row is
+all -inf.)
 
 A verify forward scores ``K + 1`` positions at once: its row ``j`` follows the bonus token and
 drafts ``d_1 .. d_j``, which are the request's outputs there if row ``j`` is reached at all (a
 row is used only when every earlier draft was accepted). So row ``j`` counts the outputs so far
 plus ``d_1 .. d_j``, and the verify samples every row from the distribution target-only decoding
 would sample that position from: speculation stays lossless with penalties, greedy and sampled.
-The drafter proposes without them (they change acceptance, never the output).
+A bad word's prefix is matched against the same outputs-plus-drafts: row ``j``'s past ends
+``.., o_N, d_1, .., d_j``, so drafts that complete a word's prefix mid-block ban its last token
+at the very row after them, as target-only decoding would ban it at that position. The drafter
+proposes without any of this (it changes acceptance, never the output).
 
 Only the rows of requests with penalties are processed (copies, so logprobs stay the model's
 raw ones, as vLLM reports them by default), all of a step's at once; the counts and the allowed
 mask are built on the device from one upload of the token ids per step, with no host sync. The
 mask is per request, not per row: its ``K + 1`` verify rows share it (allowed_token_ids does not
-depend on the outputs), so the upload carries each request's list once.
+depend on the outputs), so the upload carries each request's list once. The bad words' prefix
+match runs on the device too: the drafts never come to the host, and the outputs' tails and the
+words' ids ride in the same upload.
 """
 
 from __future__ import annotations
@@ -57,6 +68,18 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     and the whole rows of the chosen requests without a list are cleared, and ``banned``
     broadcast over each request's ``rows_per_request`` rows fills them with -inf: a ``where``,
     exact, so a request's rows are the same bits alone and batched.
+
+    bad_words (``SamplingParams.bad_words_token_ids``, ``w = (w_1 .. w_m)``): a one-token word's
+    flat entries ``(pos * n + j) * V + w_1`` (every row ``j``) are set to -inf. The longer words
+    of the step share ``P``, the longest prefix ``m - 1`` among them; each request with one gets a
+    history row ``[P + n - 1]`` int64: its last ``P`` outputs (left-padded with -1, which no
+    prefix holds, so a history shorter than a prefix never matches) and then its drafts
+    ``d_1 .. d_{n-1}`` (gathered on the device). Row ``j``'s past ends with ``history[j : j + P]``
+    (the outputs' tail, then ``d_1 .. d_j``), an ``unfold`` window ``[B, n, P]``; a (request,
+    word) pair's prefix ``[P]`` is right-aligned, left-padded with -1 (a wildcard), and matches a
+    window where every non-pad entry is equal: ``match [Q, n]`` bool. The ``(row, w_m)`` entries
+    then take ``amin(z, -inf if match else +inf)`` in one ``scatter_reduce_``: -inf where a
+    prefix matched, the same bits elsewhere, and order-free when pairs share an entry.
     """
     n = rows_per_request
     chosen = [i for i, s in enumerate(seqs)
@@ -66,9 +89,11 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     vocab, device = logits.shape[-1], logits.device
     tables: dict[str, list] = {name: [] for name in (
         "rows", "ban_row", "ban_token", "bias_row", "bias_token", "bias_value", "out_token",
-        "draft_row", "draft_index", "allow_index", "allow_free")}
+        "draft_row", "draft_index", "allow_index", "allow_free", "bad_flat", "bad_history",
+        "bad_request", "bad_pair", "bad_prefix", "bad_target")}
     tables["out_length"] = [0] * len(chosen)
     rep, freq, pres = [], [], []
+    longer: list[tuple[int, int, tuple[int, ...]]] = []  # (pos, i, word): the bad words of m >= 2
     for pos, i in enumerate(chosen):
         seq, p = seqs[i], seqs[i].params
         tables["rows"] += range(i * n, (i + 1) * n)
@@ -91,6 +116,13 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
             tables["allow_index"] += [pos * vocab + t for t in p.allowed_token_ids]
         else:
             tables["allow_free"].append(pos)
+        words = p.bad_words_token_ids or ()
+        assert all(0 <= t < vocab for w in words for t in w), "bad_words id past the vocabulary"
+        for w in words:
+            if len(w) == 1:  # no prefix: banned at each of the request's n rows
+                tables["bad_flat"] += [(pos * n + j) * vocab + w[0] for j in range(n)]
+            else:
+                longer.append((pos, i, w))
         rep.append(p.repetition_penalty)
         freq.append(p.frequency_penalty)
         pres.append(p.presence_penalty)
@@ -104,6 +136,19 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
                 tables["draft_index"] += range(i * (n - 1), i * (n - 1) + j)
     if not tables["allow_index"]:
         tables["allow_free"] = []  # no request of the step has a list: no mask, nothing to upload
+    span = max((len(w) - 1 for _, _, w in longer), default=0)  # P: the step's longest prefix
+    history_row: dict[int, int] = {}  # pos -> its row of the history
+    for pos, i, w in longer:
+        if pos not in history_row:
+            history_row[pos] = len(history_row)
+            tail = seqs[i].output_token_ids[-span:]  # the last P outputs (fewer early on)
+            tables["bad_history"] += [-1] * (span - len(tail)) + tail
+            if n > 1:
+                assert drafts is not None, "verify rows with bad words need the drafts"
+                tables["bad_request"].append(i)  # its row of drafts [R, n - 1]
+        tables["bad_pair"].append(history_row[pos])
+        tables["bad_prefix"] += [-1] * (span - len(w) + 1) + list(w[:-1])  # right-aligned
+        tables["bad_target"].append(pos * n * vocab + w[-1])  # entry (row pos * n, w_m), flat
     values = tables.pop("bias_value")
     used = {name: v for name, v in tables.items() if v}  # one upload of every table in use
     ints = dict(zip(used, to_device_async(torch.tensor([t for v in used.values() for t in v], dtype=torch.long),
@@ -117,6 +162,20 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
             banned[ints["allow_free"]] = False
         # [M, 1, V] over the [M, n, V] rows: each of a request's rows takes its request's mask
         x.view(len(chosen), n, vocab).masked_fill_(banned.unsqueeze(1), float("-inf"))
+    if tables["bad_flat"]:  # next (vLLM's order): one-token bad words, every row
+        x.view(-1)[ints["bad_flat"]] = float("-inf")  # a repeated entry writes -inf twice: harmless
+    if longer:  # the last token of a bad word whose prefix ends the row's past
+        history = ints["bad_history"].view(-1, span)  # [B, P]: the outputs' tails
+        if n > 1:  # then d_1 .. d_{n-1}: [B, P + n - 1]
+            history = torch.cat([history, drafts.index_select(0, ints["bad_request"]).long()], dim=1)
+        windows = history.unfold(1, span, 1)  # [B, n, P]: row j's past's last P = history[j : j + P]
+        prefix = ints["bad_prefix"].view(-1, 1, span)  # [Q, 1, P], -1: no constraint (left pad)
+        match = ((windows.index_select(0, ints["bad_pair"]) == prefix) | (prefix < 0)).all(-1)  # [Q, n]
+        flat = ints["bad_target"].view(-1, 1) + torch.arange(n, device=device) * vocab  # [Q, n]
+        # amin(z, -inf) = -inf where matched, amin(z, +inf) = z (the same bits) elsewhere; a min
+        # is order-free, so pairs hitting one entry (a word's two spellings) give one result
+        cap = torch.where(match, float("-inf"), float("inf")).to(x.dtype)  # [Q, n]
+        x.view(-1).scatter_reduce_(0, flat.view(-1), cap.view(-1), "amin")
     if tables["ban_row"]:
         x.view(-1)[ints["ban_row"] * vocab + ints["ban_token"]] = float("-inf")
     if values:  # one (row, token) pair a bias entry: adds, never two to one entry

@@ -45,6 +45,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     # vLLM's: only these token ids can be generated (the others' logits are -inf)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: these words are never generated (their last token's logit is -inf right after the
+    # rest of them in the output; a one-token word everywhere); needs the model's tokenizer
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -70,7 +73,6 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    bad_words: Any = None
     use_beam_search: bool = False
 
 

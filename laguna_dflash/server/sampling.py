@@ -26,12 +26,10 @@ MIN_TEMPERATURE = 1e-5
 
 
 #: vLLM extension fields that change the output and that this server does not implement, with
-#: the value that means "off" (also accepted): structured outputs, word ban lists, beam
-#: search.
+#: the value that means "off" (also accepted): structured outputs, beam search.
 UNSUPPORTED_EXTENSIONS = {
     "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "bad_words": [],
-    "use_beam_search": False,
+    "guided_grammar": None, "use_beam_search": False,
 }
 
 
@@ -210,6 +208,10 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
         raise bad_request(f"allowed_token_ids must be a non-empty list of token ids >= 0 (leave it "
                           f"out to allow every token), got {[t for t in allowed if t < 0][:5] or allowed}",
                           "allowed_token_ids")
+    bad_words = req.bad_words or None  # [] (vLLM's default) bans nothing
+    if bad_words is not None and any(not w.strip() for w in bad_words):
+        raise bad_request("bad_words must be non-empty words (not only whitespace), got "
+                          f"{[w for w in bad_words if not w.strip()][:5]!r:.80}", "bad_words")
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(getattr(req, name) or 0.0, name)
@@ -233,6 +235,7 @@ def build_sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: in
             repetition_penalty=repetition, logit_bias=logit_bias(req.logit_bias), **penalties,
             min_tokens=req.min_tokens, cache_salt=req.cache_salt,
             allowed_token_ids=list(allowed) if allowed is not None else None,
+            bad_words=list(bad_words) if bad_words is not None else None,
         )
     except ValueError as e:  # SamplingParams' own checks; the message names the field
         raise bad_request(str(e)) from e

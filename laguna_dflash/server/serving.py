@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ..config import SamplingParams, truncated_prompt
+from ..config import SamplingParams, tokenize_bad_words, truncated_prompt
 from ..engine.sampler import Logprob
 from .args import ServerConfig
 from .async_engine import AsyncEngine, ClientDisconnected, RequestStream
@@ -174,6 +174,30 @@ class Serving:
                 "\\ud83d\\ude00)", param) from None
         return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's ``bad_words`` as the token-id sequences the engine bans
+        (:func:`~laguna_dflash.config.tokenize_bad_words`, as LLM.generate); 400 naming
+        ``bad_words`` without a tokenizer, for text that is not Unicode, or for ids past the
+        model's vocabulary."""
+        if self.tokenizer is None:
+            raise bad_request("bad_words need a tokenizer to find their tokens, and the model has "
+                              "none; leave bad_words out", "bad_words")
+        for word in words:
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("bad_words holds a lone UTF-16 surrogate, which is not Unicode "
+                                  "text; send valid UTF-8", "bad_words") from None
+        try:
+            ids = tokenize_bad_words(self.tokenizer, words)
+        except ValueError as e:
+            raise bad_request(str(e), "bad_words") from e
+        bad = sorted({t for w in ids for t in w if t >= self.vocab_size})
+        if bad:
+            raise bad_request(f"bad_words tokenize to ids {bad[:5]} outside the model's vocabulary "
+                              f"[0, {self.vocab_size})", "bad_words")
+        return ids
+
     def check_prompt(self, ids: list[int], param: str, truncate_prompt_tokens: int | None = None) -> list[int]:
         """400 unless the prompt is non-empty, in the vocabulary and leaves room for output.
         ``truncate_prompt_tokens`` (vLLM's): only its last that many tokens are kept (-1:
@@ -236,6 +260,8 @@ class Serving:
         if stop and self.tokenizer is None:  # stop strings are matched in the text (none here)
             raise bad_request("stop strings need a tokenizer, and the model has none; leave stop "
                               "out, or send the tokens to stop on as stop_token_ids", "stop")
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=self.bad_words_ids(params.bad_words))
         request_id = f"{prefix}-{base_id or uuid.uuid4().hex}"
         engine_id = request_id if base_id is None else f"{request_id}-{uuid.uuid4().hex[:12]}"
         jobs: list[Job] = []

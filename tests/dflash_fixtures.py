@@ -787,3 +787,12 @@ def tiny_http_server(target: str | Path, *flags: str) -> Iterator[Any]:
             yield http
     finally:
         server.stop()
+
+
+def make_small_vocab_pair(root: str | Path) -> tuple[Path, Path]:
+    """A tiny Qwen3 target with a 24-token vocabulary and a one-layer z-lab drafter on it (block
+    of 4, mask id 23) under ``root``: few enough tokens to check sampled distributions exactly."""
+    root = Path(root)
+    target = make_tiny_qwen3_target(root / "target", seed=0, vocab_size=24)
+    draft = make_zlab_drafter(root / "draft", target, seed=0, num_layers=1, block_size=4, mask_token_id=23)
+    return target, draft

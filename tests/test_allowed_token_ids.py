@@ -244,11 +244,7 @@ NUM_SAMPLES = 1200
 def small_vocab_pair(tmp_path_factory):
     import dflash_fixtures as df
 
-    root = tmp_path_factory.mktemp("allowed_sampling")
-    target = df.make_tiny_qwen3_target(root / "target", seed=0, vocab_size=24)
-    draft = df.make_zlab_drafter(root / "draft", target, seed=0, num_layers=1, block_size=4,
-                                 mask_token_id=23)
-    return target, draft
+    return df.make_small_vocab_pair(tmp_path_factory.mktemp("allowed_sampling"))
 
 
 def exact_third_token(llm: LLM, params: SamplingParams) -> np.ndarray:

@@ -55,11 +55,7 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """A tiny Qwen3 target (vocabulary 24) and a one-layer drafter on it (block of 4)."""
     import dflash_fixtures as df
 
-    root = tmp_path_factory.mktemp("review_sampling")
-    target = df.make_tiny_qwen3_target(root / "target", seed=0, vocab_size=24)
-    draft = df.make_zlab_drafter(root / "draft", target, seed=0, num_layers=1, block_size=4,
-                                 mask_token_id=23)
-    return target, draft
+    return df.make_small_vocab_pair(tmp_path_factory.mktemp("review_sampling"))
 
 
 def test_a_seeded_request_samples_the_same_beside_a_ranked_top_p_mate(tiny_pair, monkeypatch):

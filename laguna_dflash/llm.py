@@ -269,6 +269,11 @@ class LLM:
                             "(pass sampling_params= to override)", source, values)
         return self._default_sampling_params
 
+    def get_tokenizer(self):
+        """vLLM's ``LLM.get_tokenizer()``: the model's transformers tokenizer (read from
+        ``model``), e.g. for ``apply_chat_template``; None where the checkpoint has none."""
+        return self.tokenizer
+
     def encode(self, text: str) -> list[int]:
         """Tokenize a text prompt the way vLLM's offline API and ``/v1/completions`` do (with
         the tokenizer's special tokens, e.g. BOS, when its post-processor adds them)."""

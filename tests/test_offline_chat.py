@@ -109,3 +109,17 @@ def test_renderer_and_template_reader_alone(tmp_path):
         read_chat_template("plain")
     with pytest.raises(ValueError, match="chat_template= must be"):
         read_chat_template(3, "chat_template=")
+
+
+def test_get_tokenizer_is_the_models_as_in_vllm(llm, tmp_path):
+    """vLLM scripts render chats with ``llm.get_tokenizer().apply_chat_template(...)``; the
+    method did not exist. It is the tokenizer the engine encodes with, None without one."""
+    from laguna_dflash.models.random_init import write_random_pair
+
+    tok = llm.get_tokenizer()
+    assert tok is llm.tokenizer and tok.encode("def f():") == llm.tokenizer.encode("def f():")
+    text = "def add(a, b):"
+    out, = llm.generate([text], GREEDY)
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=True)
+    target, _ = write_random_pair(tmp_path / "pair")
+    assert LLM(str(target)).get_tokenizer() is None

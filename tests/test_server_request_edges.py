@@ -190,3 +190,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(bare_server):
     for bad in (0, -2, 65):
         r = bare_server.post("/v1/completions", json={**body, "prompt": prompt, "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)
+
+
+def test_several_served_model_names_as_in_vllm(tmp_path):
+    """vLLM's ``--served-model-name A B``: requests may name either, responses and the metrics
+    carry the first, /v1/models lists both; another name is a 404 naming ``model``. The flag
+    took one name only (a second was an argparse error)."""
+    import dflash_fixtures as df
+
+    target = df.make_tiny_laguna_target(tmp_path / "target", seed=0)
+    with df.tiny_http_server(target, "--max-model-len", "64", "--served-model-name", "laguna", "xs") as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["laguna", "xs"]
+        body = {"prompt": [3, 1, 4], "max_tokens": 2}
+        for name in ("laguna", "xs", None):
+            r = http.post("/v1/completions", json={**body, **({"model": name} if name else {})})
+            assert r.status_code == 200 and r.json()["model"] == "laguna", (name, r.text)
+        r = http.post("/v1/completions", json={**body, "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert 'model_name="laguna"' in http.get("/metrics").text

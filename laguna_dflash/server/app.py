@@ -144,10 +144,11 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": serving.model_name, "object": "model", "created": serving.created,
-                "owned_by": "laguna-dflash", "root": serving.config.engine.model, "parent": None,
-                "max_model_len": serving.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        names = dict.fromkeys([serving.model_name, *serving.config.served_model_aliases])
+        cards = [{"id": name, "object": "model", "created": serving.created,
+                  "owned_by": "laguna-dflash", "root": serving.config.engine.model, "parent": None,
+                  "max_model_len": serving.max_model_len} for name in names]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:

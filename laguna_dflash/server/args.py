@@ -60,6 +60,8 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)
     served_model_name: str = ""
+    # --served-model-name's further names: requests may name them too (responses say the first)
+    served_model_aliases: tuple[str, ...] = ()
     tokenizer: str | None = None
     generation_defaults: dict = field(default_factory=dict)
     log_stats_interval_s: float = 10.0
@@ -83,6 +85,7 @@ class ServerConfig:
         return {
             "model": e.model,
             "served_model_name": self.served_model_name,
+            "served_model_aliases": list(self.served_model_aliases),
             "tokenizer": self.tokenizer,
             "host": self.host,
             "port": self.port,
@@ -143,8 +146,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients send (default: the --model argument)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send (default: the --model argument); with "
+                        "several, requests may name any, responses carry the first (vLLM's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
                    help="most requests decoded together")
@@ -389,7 +393,8 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
     config = ServerConfig(
         engine=engine, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        served_model_name=args.served_model_name or str(args.model),
+        served_model_name=(args.served_model_name or [str(args.model)])[0],
+        served_model_aliases=tuple(dict.fromkeys((args.served_model_name or [])[1:])),
         tokenizer=args.tokenizer or str(args.model), generation_defaults=defaults,
         log_stats_interval_s=max(0.0, float(args.log_stats_interval)),
         uvicorn_log_level=str(args.log_level).lower(), speculative=spec,

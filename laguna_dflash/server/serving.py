@@ -152,7 +152,7 @@ class Serving:
             raise from_validation_error(e) from e
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.config.served_model_aliases:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
     def require_tokenizer(self, what: str) -> Any:

@@ -49,10 +49,11 @@ def _parse_ids(text: str) -> list[int]:
         ) from e
 
 
-def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
+                    model_default: str = "the embedded demo pair") -> None:
     p.add_argument("--model", required=model_required,
                    help="target checkpoint directory (HF layout)"
-                   + ("" if model_required else "; default: the embedded demo pair"))
+                   + ("" if model_required else f"; default: {model_default}"))
     p.add_argument("--draft", help="DFlash drafter checkpoint directory (enables speculation)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step K (default: the drafter's block_size - 1)")
@@ -228,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(sub.add_parser("train-draft", help="distil a DFlash drafter for a target"),
                        DraftTrainConfig)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_args(s)
+    s.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the target checkpoint directory, as vLLM's `vllm serve MODEL` (or --model)")
+    add_engine_args(s, model_required=False, model_default="the positional MODEL")
     add_server_args(s)
     s.set_defaults(log_level="INFO")
     t = sub.add_parser("token-map", help="count a corpus and write the token map of its most "

@@ -58,9 +58,11 @@ class Request:
 
 def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingParams]]:
     """Prompts (half start with one 15-token system prompt, cut anywhere) of 1 .. 41 tokens,
-    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed. Stop tokens
-    are chosen later from the reference output (random ids would rarely stop anything)."""
+    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed, about half with
+    logits processors (:func:`_processors`). Stop tokens and bad words are chosen later from the
+    reference output (random ids would rarely stop or ban anything)."""
     rng = random.Random(seed)
+    extra = random.Random(f"{seed}-processors")  # the prompts etc. stay those of the rng alone
     system = [rng.randrange(VOCAB) for _ in range(15)]
     out = []
     for _ in range(n):
@@ -71,9 +73,63 @@ def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingPar
         params = SamplingParams(temperature=0.9 if sampled else 0.0, max_tokens=max_tokens,
                                 ignore_eos=True, seed=rng.randrange(1000) if sampled else None,
                                 logprobs=2 if rng.random() < 0.2 else None,
-                                prompt_logprobs=1 if rng.random() < 0.15 else None)
+                                prompt_logprobs=1 if rng.random() < 0.15 else None,
+                                **(_processors(extra, max_tokens) if extra.random() < 0.5 else {}))
         out.append((tuple(prompt), params))
     return out
+
+
+def _processors(rng: random.Random, max_tokens: int | None) -> dict:
+    """Some of: allowed_token_ids (5 .. 9 ids: more than a row's bad words and stop token can
+    ban, so no row is left all -inf), presence / frequency / repetition penalties, a logit bias,
+    min_tokens (at most max_tokens; it matters once a stop token is chosen). Mostly on requests
+of 7 tokens or more, where verifies score several rows with them."""
+    fields: dict = {}
+    long = max_tokens is None or max_tokens >= 7  # a list that many verify rows share
+    if rng.random() < (0.6 if long else 0.15):
+        fields["allowed_token_ids"] = rng.sample(range(VOCAB), rng.randrange(5, 10))
+    if rng.random() < 0.5:
+        fields.update(presence_penalty=rng.choice([0.0, 0.5, -0.3, 1.5]),
+                      frequency_penalty=rng.choice([0.0, 0.4, 1.0, -0.2]),
+                      repetition_penalty=rng.choice([1.0, 1.3, 0.8, 2.0]))
+    if rng.random() < 0.3:
+        fields["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.0, 2.0, 5.0])
+                                for _ in range(rng.randrange(1, 4))}
+    if rng.random() < (0.6 if "allowed_token_ids" in fields else 0.3):  # a small alphabet stops early
+        fields["min_tokens"] = rng.randrange(1, min(max_tokens or 40, 40) + 1)
+    return fields
+
+
+def _bad_words(rng: random.Random, params: SamplingParams, output: list[int], stop: int | None
+               ) -> tuple[tuple[int, ...], ...]:
+    """1 .. 3 bad words of 1 .. 3 tokens, mostly windows of ``output`` (the request's reference
+    output without them, so they do ban what it would generate: the first one inside max_tokens),
+    else small random ids. Never the stop token as a one-token word; with allowed_token_ids,
+    at least 4 allowed ids stay unbanned by one-token words (a row's longer words and stop token
+    ban at most 3 more)."""
+    words: list[tuple[int, ...]] = []
+    single: set[int] = set()
+    allowed = set(params.allowed_token_ids or range(VOCAB))
+    for _ in range(rng.randrange(1, 4)):
+        m = rng.choice([1, 2, 2, 3, 3])
+        if output and rng.random() < 0.75:
+            last = max(1, min(len(output), params.max_tokens) - m + 1)  # windows inside max_tokens
+            i = rng.randrange(min(last, max(1, len(output) - m + 1)))
+            word = tuple(output[i : i + m])
+        else:
+            word = tuple(rng.randrange(VOCAB) for _ in range(m))
+        if word in words or len(word) == 1 and (word[0] == stop or len(allowed - single - set(word)) < 4):
+            continue
+        single |= set(word) if len(word) == 1 else set()
+        words.append(word)
+    return tuple(words)
+
+
+def _banned_in(output: list[int], words) -> list[tuple[int, ...]]:
+    """The bad words that appear as consecutive tokens of ``output`` (the definition checked
+    against the outputs alone: a word of m tokens as m consecutive output tokens)."""
+    return [w for w in words or () if any(tuple(output[i : i + len(w)]) == w
+                                          for i in range(len(output) - len(w) + 1))]
 
 
 @dataclass(frozen=True)
@@ -100,28 +156,58 @@ def requests(pair) -> list[tuple[Request, Expected]]:
 
 
 def expected_requests(target, seed: int) -> list[tuple[Request, Expected]]:
-    """The workload with stop tokens, and each request's target-only output alone (batch 1, no
-    prefix cache, no preemption): its tokens to max_model_len (a seeded request's too: its
-    noise is a function of the output position), cut at max_tokens and after the first
-    occurrence of its stop token. A stop token is taken from the request's own output, so it
-    does stop it (stop ids do not change the tokens before it: no min_tokens)."""
+    """The workload with stop tokens and bad words, and each request's target-only output alone
+    (batch 1, no prefix cache, no preemption, the request's own params: its logits processors
+    too): its tokens to max_model_len (a seeded request's too: its noise is a function of the
+    output position), cut at max_tokens and after the first occurrence of its stop token. A stop
+    token and the bad words are taken from the request's own output; where they change it (bad
+    words; a stop token under min_tokens, banned before it) the output is computed again with
+    them (a stop token alone changes no token before it, so the continuation runs past it)."""
     base = LLM(target, block_size=4, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+
+    def alone(prompt, params, **changes):
+        return base.generate(prompt_token_ids=[list(prompt)], sampling_params=SamplingParams(
+            **{**_fields(params), "max_tokens": None, **changes}))[0]
+
     rng = random.Random(seed + 1)
+    words_rng = random.Random(f"{seed}-bad-words")
     out = []
+    num_banning = 0  # requests whose bad words change their output
     for prompt, params in _workload(seed=seed):
-        alone = base.generate(prompt_token_ids=[list(prompt)],
-                              sampling_params=SamplingParams(**{**_fields(params), "max_tokens": None}))[0]
-        continuation = alone.token_ids
+        first = alone(prompt, params)
+        continuation = first.token_ids
         full = continuation[: params.max_tokens]
+        stop = None
         if len(full) > 2 and rng.random() < 0.4:
             stop = full[rng.randrange(1, len(full))]
             params = SamplingParams(**{**_fields(params), "stop_token_ids": [stop]})
-            full = full[: full.index(stop) + 1]
+        if words_rng.random() < 0.35:
+            words = _bad_words(words_rng, params, continuation, stop)
+            params = SamplingParams(**{**_fields(params), "bad_words_token_ids": words or None})
+        if params.bad_words_token_ids or (stop is not None and params.min_tokens):
+            # the stop token goes in where min_tokens bans it (the run ends on it there)
+            first = alone(prompt, params, **({} if params.min_tokens else {"stop_token_ids": None}))
+            num_banning += params.bad_words_token_ids is not None and first.token_ids != continuation
+            continuation = first.token_ids
+            full = continuation[: params.max_tokens]
+        if stop is not None and stop in full[params.min_tokens :]:
+            full = full[: full.index(stop, params.min_tokens) + 1]
+        assert not _banned_in(full, params.bad_words_token_ids)
+        assert set(full) <= set(params.allowed_token_ids or full)
+        assert stop not in full[: params.min_tokens]
         out.append((Request(prompt, params), Expected(
-            full, _chosen(alone.logprobs, full),
-            _chosen((alone.prompt_logprobs or [None])[1:], prompt[1:]) if params.prompt_logprobs else None,
+            full, _chosen(first.logprobs, full),
+            _chosen((first.prompt_logprobs or [None])[1:], prompt[1:]) if params.prompt_logprobs else None,
             continuation)))
     assert any(e.logprobs for _, e in out) and any(e.prompt_logprobs for _, e in out)
+    # the processors are there, and the bad words do ban what the requests would generate
+    chosen = [r.params for r, _ in out]
+    assert num_banning >= 3, num_banning
+    assert sum(p.allowed_token_ids is not None for p in chosen) >= 3
+    assert any(p.allowed_token_ids and p.bad_words_token_ids for p in chosen)
+    assert any(p.min_tokens and p.stop_token_ids for p in chosen)
+    assert any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in chosen)
+    assert any(p.logit_bias for p in chosen)
     return out
 
 
@@ -216,7 +302,7 @@ CONFIGS = {
     "target-only": dict(block_size=3, num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=7),
     "target-only-unified": dict(block_size=3, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=7,
                                 disable_hybrid_kv_cache_manager=True),
-    "dflash": dict(draft=True, num_speculative_tokens=5, block_size=4, num_kv_blocks=24,
+    "dflash": dict(draft=True, num_speculative_tokens=5, block_size=4, num_kv_blocks=22,
                    max_num_seqs=8, enable_chunked_prefill=False),
     "dflash-k-per-step-pending-taps": dict(draft=True, oracle=True, num_speculative_tokens=3, adaptive_k=True,
                                            k_pattern=(3, 0, 0, 1, 3, 2, 0), store_in_verify=False,
@@ -375,6 +461,9 @@ def test_random_load_gives_each_requests_alone_output(pair, requests, monkeypatc
     assert len(added) == len(requests)
     for s, want in added:
         got = s.output_token_ids
+        # the processors' definitions, on the outputs alone (the reference obeys them too)
+        assert set(got) <= set(s.params.allowed_token_ids or got), f"request {s.request_id}: not allowed"
+        assert not _banned_in(got, s.params.bad_words_token_ids), f"request {s.request_id}: bad word"
         if s.request_id in aborted:
             assert got == want.token_ids[: len(got)], f"aborted request {s.request_id}"
             assert s.finish_reason == "abort" or got == want.token_ids

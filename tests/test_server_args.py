@@ -315,3 +315,20 @@ def test_dtype_defaults_to_auto_as_in_vllm():
     assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", {"torch_dtype": "float32"}, torch.device("cuda")) == torch.bfloat16
+
+
+def test_serve_takes_the_model_positionally_as_vllm_serve_does(tmp_path):
+    """``laguna-dflash serve MODEL`` (vLLM's ``vllm serve MODEL``) equals ``--model MODEL``;
+    both agreeing is fine, disagreeing or neither is an error naming the fix."""
+    from laguna_dflash.cli import build_parser
+
+    def config(*argv: str):
+        return resolve_server_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config("/models/t").engine.model == config("--model", "/models/t").engine.model == "/models/t"
+    assert config("/models/t", "--model", "/models/t/").engine.model == "/models/t/"  # the same dir
+    assert config("/models/t", "--port", "9").served_model_name == "/models/t"
+    with pytest.raises(ValueError, match="give the model once: serve /a and --model /b disagree"):
+        config("/a", "--model", "/b")
+    with pytest.raises(ValueError, match="serve needs the target model: laguna-dflash serve MODEL_DIR"):
+        config()

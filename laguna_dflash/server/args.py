@@ -357,8 +357,21 @@ def resolve_speculative(args: argparse.Namespace) -> SpeculativeChoice:
                              block_size=_draft_block_size(str(draft)))
 
 
+def merge_model_spellings(args: argparse.Namespace) -> None:
+    """``serve MODEL`` (vLLM's positional form) and ``--model MODEL`` into ``args.model``: one
+    of them, or both naming the same directory; a ``ValueError`` otherwise."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and os.path.normpath(tag) != os.path.normpath(args.model):
+        raise ValueError(f"give the model once: serve {tag} and --model {args.model} disagree")
+    args.model = args.model if args.model is not None else tag
+    if args.model is None:
+        raise ValueError("serve needs the target model: laguna-dflash serve MODEL_DIR (or --model "
+                         "MODEL_DIR)")
+
+
 def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
     """Resolve every derived setting from parsed ``serve`` flags and log the result once."""
+    merge_model_spellings(args)
     spec = resolve_speculative(args)
     engine = EngineConfig(
         model=str(args.model), dtype=args.dtype, device=args.device,

@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
                    help="target checkpoint directory (HF layout)"
                    + ("" if model_required else f"; default: {model_default}"))
     p.add_argument("--draft", help="DFlash drafter checkpoint directory (enables speculation)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="taken for vLLM / SGLang launch lines; changes nothing: the Laguna and "
+                        "Qwen3 targets and the DFlash drafters are built in, and no code from a "
+                        "checkpoint is ever run")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step K (default: the drafter's block_size - 1)")
     p.add_argument("--no-spec", action="store_true", help="ignore --draft: target-only decoding")

@@ -332,3 +332,28 @@ def test_serve_takes_the_model_positionally_as_vllm_serve_does(tmp_path):
         config("/a", "--model", "/b")
     with pytest.raises(ValueError, match="serve needs the target model: laguna-dflash serve MODEL_DIR"):
         config()
+
+
+def test_vllm_launch_line_flags_run_unchanged(monkeypatch):
+    """Flags vLLM / SGLang launch lines carry: --trust-remote-code (no effect: nothing from a
+    checkpoint is run), --disable-log-stats (= --log-stats-interval 0), --disable-log-requests
+    (requests are not logged by default), --uvicorn-log-level, and vLLM's VLLM_API_KEY after
+    ours. Each used to be an argparse error (or, for the variable, ignored)."""
+    from laguna_dflash.cli import build_parser
+
+    monkeypatch.delenv("LAGUNA_DFLASH_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    plain = resolve_server_config(_args())
+    config = resolve_server_config(_args("--trust-remote-code", "--disable-log-stats",
+                                         "--disable-log-requests", "--uvicorn-log-level", "debug"))
+    assert plain.log_stats_interval_s == 10.0 and config.log_stats_interval_s == 0.0
+    assert plain.uvicorn_log_level == "info" and config.uvicorn_log_level == "debug"
+    assert not config.log_requests and resolve_server_config(_args("--enable-log-requests")).log_requests
+    assert plain.api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert resolve_server_config(_args()).api_key == "from-vllm"
+    monkeypatch.setenv("LAGUNA_DFLASH_API_KEY", "ours")
+    assert resolve_server_config(_args()).api_key == "ours"
+    assert resolve_server_config(_args("--api-key", "flag")).api_key == "flag"
+    for cmd in (["generate", "--trust-remote-code", "x"], ["bench", "--trust-remote-code"]):
+        assert build_parser().parse_args(cmd).trust_remote_code

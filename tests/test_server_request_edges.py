@@ -208,3 +208,23 @@ def test_several_served_model_names_as_in_vllm(tmp_path):
         r = http.post("/v1/completions", json={**body, "model": "other"})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
         assert 'model_name="laguna"' in http.get("/metrics").text
+
+
+def test_enable_log_requests_logs_one_line_a_request(tmp_path, caplog):
+    """vLLM's --enable-log-requests: an INFO line per request with its id, prompt length and
+    sampling parameters; off by default."""
+    import logging
+
+    import dflash_fixtures as df
+
+    target = df.make_tiny_laguna_target(tmp_path / "target", seed=0)
+    body = {"prompt": [3, 1, 4], "max_tokens": 2, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="laguna_dflash.server.serving"):
+        with df.tiny_http_server(target, "--max-model-len", "64") as http:
+            assert http.post("/v1/completions", json=body).status_code == 200
+        assert not [r for r in caplog.records if "prompt tokens" in r.getMessage()]
+        with df.tiny_http_server(target, "--max-model-len", "64", "--enable-log-requests") as http:
+            rid = http.post("/v1/completions", json=body, headers={"X-Request-Id": "logged"}).json()["id"]
+    lines = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"request {rid}: 3 prompt tokens, n=1")
+    assert "max_tokens=2" in lines[0]

@@ -39,6 +39,7 @@ from ..models.dflash import dflash_value
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "LAGUNA_DFLASH_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # read after ours, so a vLLM deployment's key carries over
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     # vLLM's ``--enable-request-id-headers``: an ``X-Request-Id`` header on every response
     enable_request_id_headers: bool = False
+    # vLLM's ``--enable-log-requests``: one INFO line per request (id, prompt length, params)
+    log_requests: bool = False
 
     def describe(self) -> dict:
         """The resolved settings as plain values (logged at start-up, shown by /server_info)."""
@@ -136,6 +139,7 @@ class ServerConfig:
             "chat_template": "--chat-template" if self.chat_template else "the tokenizer's",
             "trust_request_chat_template": self.trust_request_chat_template,
             "enable_request_id_headers": self.enable_request_id_headers,
+            "log_requests": self.log_requests,
         }
 
 
@@ -145,7 +149,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="bind address (default loopback; use 0.0.0.0 to expose the server)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, or vLLM's "
+                        f"${VLLM_API_KEY_ENV})")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients send (default: the --model argument); with "
                         "several, requests may name any, responses carry the first (vLLM's)")
@@ -169,6 +174,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="add an X-Request-Id header to every response: the request's own, or a "
                         "random one (vLLM's flag)")
+    # vLLM launch lines carry these; taken so that they run here unchanged
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine / SpecDecoding log lines (vLLM's; --log-stats-interval 0)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request: its id, prompt length and sampling parameters "
+                        "(vLLM's flag)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag: requests are not logged unless --enable-log-requests")
+    p.add_argument("--uvicorn-log-level", default=None,
+                   choices=("debug", "info", "warning", "error", "critical", "trace"),
+                   help="the HTTP server's own log level (default: --log-level's)")
     add_speculative_spelling_args(p)
 
 
@@ -405,15 +421,18 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
     defaults = generation_defaults(args.generation_config, args.model)
     config = ServerConfig(
         engine=engine, host=args.host, port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or None,
         served_model_name=(args.served_model_name or [str(args.model)])[0],
         served_model_aliases=tuple(dict.fromkeys((args.served_model_name or [])[1:])),
         tokenizer=args.tokenizer or str(args.model), generation_defaults=defaults,
-        log_stats_interval_s=max(0.0, float(args.log_stats_interval)),
-        uvicorn_log_level=str(args.log_level).lower(), speculative=spec,
+        log_stats_interval_s=(0.0 if getattr(args, "disable_log_stats", False)
+                              else max(0.0, float(args.log_stats_interval))),
+        uvicorn_log_level=str(getattr(args, "uvicorn_log_level", None) or args.log_level).lower(),
+        speculative=spec,
         chat_template=chat_template,
         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
         enable_request_id_headers=bool(getattr(args, "enable_request_id_headers", False)),
+        log_requests=bool(getattr(args, "enable_log_requests", False)),
     )
     logger.info("resolved serve configuration: %s",
                 ", ".join(f"{k}={v}" for k, v in config.describe().items()))

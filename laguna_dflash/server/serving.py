@@ -263,6 +263,8 @@ class Serving:
         if params.bad_words:
             params = replace(params, bad_words_token_ids=self.bad_words_ids(params.bad_words))
         request_id = f"{prefix}-{base_id or uuid.uuid4().hex}"
+        if self.config.log_requests:
+            logger.info("request %s: %d prompt tokens, n=%d, %s", request_id, len(prompt_ids), n, params)
         engine_id = request_id if base_id is None else f"{request_id}-{uuid.uuid4().hex[:12]}"
         jobs: list[Job] = []
         try:

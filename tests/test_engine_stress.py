@@ -58,8 +58,8 @@ class Request:
 
 def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingParams]]:
     """Prompts (half start with one 15-token system prompt, cut anywhere) of 1 .. 41 tokens,
-    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed, some with logits
-    processors (:func:`_processors`; most of the longer ones). Stop tokens and bad words are chosen later from the
+    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed, about half with
+    logits processors (:func:`_processors`). Stop tokens and bad words are chosen later from the
     reference output (random ids would rarely stop or ban anything)."""
     rng = random.Random(seed)
     extra = random.Random(f"{seed}-processors")  # the prompts etc. stay those of the rng alone
@@ -74,15 +74,9 @@ def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingPar
                                 ignore_eos=True, seed=rng.randrange(1000) if sampled else None,
                                 logprobs=2 if rng.random() < 0.2 else None,
                                 prompt_logprobs=1 if rng.random() < 0.15 else None,
-                                **(_processors(extra, max_tokens)
-                                   if extra.random() < (0.75 if _long(max_tokens) else 0.3) else {}))
+                                **(_processors(extra, max_tokens) if extra.random() < 0.5 else {}))
         out.append((tuple(prompt), params))
     return out
-
-
-def _long(max_tokens: int | None) -> bool:
-    """Long enough for verifies to score several rows with a request's processors."""
-    return max_tokens is None or max_tokens >= 7
 
 
 def _processors(rng: random.Random, max_tokens: int | None) -> dict:
@@ -91,12 +85,12 @@ def _processors(rng: random.Random, max_tokens: int | None) -> dict:
     min_tokens (at most max_tokens; it matters once a stop token is chosen). Mostly on requests
 of 7 tokens or more, where verifies score several rows with them."""
     fields: dict = {}
-    long = _long(max_tokens)
+    long = max_tokens is None or max_tokens >= 7  # a list that many verify rows share
     if rng.random() < (0.6 if long else 0.15):
         fields["allowed_token_ids"] = rng.sample(range(VOCAB), rng.randrange(5, 10))
-    if rng.random() < (0.6 if long else 0.3):  # strong enough to turn the looping outputs
-        fields.update(presence_penalty=rng.choice([0.0, 0.5, -0.5, 1.5]),
-                      frequency_penalty=rng.choice([0.0, 0.5, 1.0, 2.0, -0.5]),
+    if rng.random() < 0.5:
+        fields.update(presence_penalty=rng.choice([0.0, 0.5, -0.3, 1.5]),
+                      frequency_penalty=rng.choice([0.0, 0.4, 1.0, -0.2]),
                       repetition_penalty=rng.choice([1.0, 1.3, 0.8, 2.0]))
     if rng.random() < 0.3:
         fields["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.0, 2.0, 5.0])

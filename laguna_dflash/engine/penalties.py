@@ -161,7 +161,7 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
         if tables["allow_free"]:  # a request without a list bans nothing
             banned[ints["allow_free"]] = False
         # [M, 1, V] over the [M, n, V] rows: each of a request's rows takes its request's mask
-        x.view(len(chosen), n, vocab)[:, :1].masked_fill_(banned.unsqueeze(1), float("-inf"))
+        x.view(len(chosen), n, vocab).masked_fill_(banned.unsqueeze(1), float("-inf"))
     if tables["bad_flat"]:  # next (vLLM's order): one-token bad words, every row
         x.view(-1)[ints["bad_flat"]] = float("-inf")  # a repeated entry writes -inf twice: harmless
     if longer:  # the last token of a bad word whose prefix ends the row's past

@@ -2,15 +2,18 @@
 
 32 requests of very different lengths (half share a system prompt, so the prefix cache hits)
 and max_tokens (some run to max_model_len), some ending on a stop token, some seeded-sampled,
-some asking for logprobs or prompt logprobs, arrive at random steps into an engine whose KV
-cache holds a few sequences, so requests are preempted and recomputed; some are aborted
-mid-run, and the prefix cache is reset now and then. Every request must produce what
-target-only decoding of it alone produces (tokens, greedy and seeded alike, and the logprobs of
-its tokens; an aborted one a prefix of that). After every step the block bookkeeping must be
-exact (reference counts = block-table entries, the free pool = the unreferenced blocks, no
-block twice in a table, the prefix-cache maps inverse to each other), and no block registered
-in the prefix cache may be written while it keeps its hash (its target K/V and its drafter
-context K/V are what later prompts reuse). At the end every block is free.
+some asking for logprobs or prompt logprobs, some with logits processors (allowed_token_ids,
+bad words taken from their own output, logit bias, min_tokens before a stop token, presence /
+frequency / repetition penalties, mixed; a verify's rows must count its drafts), arrive at
+random steps into an engine whose KV cache holds a few sequences, so requests are preempted and
+recomputed; some are aborted mid-run, and the prefix cache is reset now and then. Every request
+must produce what target-only decoding of it alone produces (tokens, greedy and seeded alike,
+and the logprobs of its tokens; an aborted one a prefix of that), and no output may hold a token
+outside its allowed_token_ids or one of its bad words (m tokens: as m consecutive outputs).
+After every step the block bookkeeping must be exact (reference counts = block-table entries,
+the free pool = the unreferenced blocks, no block twice in a table, the prefix-cache maps
+inverse to each other), and no block registered in the prefix cache may be written while it
+keeps its hash (its target K/V and its drafter context K/V are what later prompts reuse). At the end every block is free.
 
 Configurations: target-only; DFlash at fixed K, whole-prompt prefills; a scripted per-step K
 (0: target-only steps whose taps wait as pending taps) with the drafter context stored by the
@@ -58,9 +61,9 @@ class Request:
 
 def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingParams]]:
     """Prompts (half start with one 15-token system prompt, cut anywhere) of 1 .. 41 tokens,
-    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed, about half with
-    logits processors (:func:`_processors`). Stop tokens and bad words are chosen later from the
-    reference output (random ids would rarely stop or ban anything)."""
+    max_tokens 1 .. 45 (None: up to max_model_len), a third sampled with a seed, some with logits
+    processors (:func:`_processors`; most of the longer ones). Stop tokens and bad words are
+    chosen later from the reference output (random ids would rarely stop or ban anything)."""
     rng = random.Random(seed)
     extra = random.Random(f"{seed}-processors")  # the prompts etc. stay those of the rng alone
     system = [rng.randrange(VOCAB) for _ in range(15)]
@@ -74,23 +77,28 @@ def _workload(seed: int, n: int = 32) -> list[tuple[tuple[int, ...], SamplingPar
                                 ignore_eos=True, seed=rng.randrange(1000) if sampled else None,
                                 logprobs=2 if rng.random() < 0.2 else None,
                                 prompt_logprobs=1 if rng.random() < 0.15 else None,
-                                **(_processors(extra, max_tokens) if extra.random() < 0.5 else {}))
+                                **(_processors(extra, max_tokens)
+                                   if extra.random() < (0.75 if _long(max_tokens) else 0.3) else {}))
         out.append((tuple(prompt), params))
     return out
+
+
+def _long(max_tokens: int | None) -> bool:
+    """Long enough for verifies to score several rows with a request's processors."""
+    return max_tokens is None or max_tokens >= 7
 
 
 def _processors(rng: random.Random, max_tokens: int | None) -> dict:
     """Some of: allowed_token_ids (5 .. 9 ids: more than a row's bad words and stop token can
     ban, so no row is left all -inf), presence / frequency / repetition penalties, a logit bias,
-    min_tokens (at most max_tokens; it matters once a stop token is chosen). Mostly on requests
-of 7 tokens or more, where verifies score several rows with them."""
+    min_tokens (at most max_tokens; it matters once a stop token is chosen)."""
     fields: dict = {}
-    long = max_tokens is None or max_tokens >= 7  # a list that many verify rows share
+    long = _long(max_tokens)
     if rng.random() < (0.6 if long else 0.15):
         fields["allowed_token_ids"] = rng.sample(range(VOCAB), rng.randrange(5, 10))
-    if rng.random() < 0.5:
-        fields.update(presence_penalty=rng.choice([0.0, 0.5, -0.3, 1.5]),
-                      frequency_penalty=rng.choice([0.0, 0.4, 1.0, -0.2]),
+    if rng.random() < (0.6 if long else 0.3):  # strong enough to turn the looping outputs
+        fields.update(presence_penalty=rng.choice([0.0, 0.5, -0.5, 1.5]),
+                      frequency_penalty=rng.choice([0.0, 0.5, 1.0, 2.0, -0.5]),
                       repetition_penalty=rng.choice([1.0, 1.3, 0.8, 2.0]))
     if rng.random() < 0.3:
         fields["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.0, 2.0, 5.0])
@@ -113,12 +121,11 @@ def _bad_words(rng: random.Random, params: SamplingParams, output: list[int], st
     for _ in range(rng.randrange(1, 4)):
         m = rng.choice([1, 2, 2, 3, 3])
         if output and rng.random() < 0.75:
-            last = max(1, min(len(output), params.max_tokens) - m + 1)  # windows inside max_tokens
-            i = rng.randrange(min(last, max(1, len(output) - m + 1)))
+            i = rng.randrange(max(1, min(len(output), params.max_tokens) - m + 1))  # inside max_tokens
             word = tuple(output[i : i + m])
         else:
             word = tuple(rng.randrange(VOCAB) for _ in range(m))
-        if word in words or len(word) == 1 and (word[0] == stop or len(allowed - single - set(word)) < 4):
+        if word in words or (len(word) == 1 and (word[0] == stop or len(allowed - single - set(word)) < 4)):
             continue
         single |= set(word) if len(word) == 1 else set()
         words.append(word)
@@ -172,7 +179,7 @@ def expected_requests(target, seed: int) -> list[tuple[Request, Expected]]:
     rng = random.Random(seed + 1)
     words_rng = random.Random(f"{seed}-bad-words")
     out = []
-    num_banning = 0  # requests whose bad words change their output
+    num_banning = 0  # requests whose output without their bad words holds one
     for prompt, params in _workload(seed=seed):
         first = alone(prompt, params)
         continuation = first.token_ids
@@ -183,11 +190,11 @@ def expected_requests(target, seed: int) -> list[tuple[Request, Expected]]:
             params = SamplingParams(**{**_fields(params), "stop_token_ids": [stop]})
         if words_rng.random() < 0.35:
             words = _bad_words(words_rng, params, continuation, stop)
+            num_banning += bool(_banned_in(full, words))  # it would generate one of them
             params = SamplingParams(**{**_fields(params), "bad_words_token_ids": words or None})
         if params.bad_words_token_ids or (stop is not None and params.min_tokens):
             # the stop token goes in where min_tokens bans it (the run ends on it there)
             first = alone(prompt, params, **({} if params.min_tokens else {"stop_token_ids": None}))
-            num_banning += params.bad_words_token_ids is not None and first.token_ids != continuation
             continuation = first.token_ids
             full = continuation[: params.max_tokens]
         if stop is not None and stop in full[params.min_tokens :]:
@@ -202,7 +209,7 @@ def expected_requests(target, seed: int) -> list[tuple[Request, Expected]]:
     assert any(e.logprobs for _, e in out) and any(e.prompt_logprobs for _, e in out)
     # the processors are there, and the bad words do ban what the requests would generate
     chosen = [r.params for r, _ in out]
-    assert num_banning >= 3, num_banning
+    assert num_banning >= 5, num_banning
     assert sum(p.allowed_token_ids is not None for p in chosen) >= 3
     assert any(p.allowed_token_ids and p.bad_words_token_ids for p in chosen)
     assert any(p.min_tokens and p.stop_token_ids for p in chosen)

@@ -136,14 +136,20 @@ def _check_checkpoint_dir(name: str, path: str | Path, what: str) -> None:
 #: Keyword arguments of vLLM's ``LLM`` that this one does not take, and why.
 _VLLM_ONLY_OPTIONS = {
     "tokenizer": "the tokenizer is read from model=",
-    "trust_remote_code": "the model code is built in; drop it",
     "speculative": "give the drafter as draft= or speculative_config=",
 }
+#: Keyword arguments of vLLM's ``LLM`` taken and ignored, so that vLLM scripts run unchanged:
+#: they change nothing here (no checkpoint code is ever run; this LLM logs no periodic stats).
+_VLLM_NO_OP_OPTIONS = ("trust_remote_code", "disable_log_stats")
 
 
 def _check_engine_options(options: dict) -> None:
-    """Every keyword argument past ``LLM``'s own is an :class:`EngineConfig` field, else a
-    ``TypeError`` naming it and the options there are."""
+    """Every keyword argument past ``LLM``'s own is an :class:`EngineConfig` field (or one of
+    :data:`_VLLM_NO_OP_OPTIONS`, removed from ``options``), else a ``TypeError`` naming it and
+    the options there are."""
+    for name in _VLLM_NO_OP_OPTIONS:
+        if options.pop(name, None):
+            logger.debug("LLM(%s=...): taken as in vLLM, changes nothing here", name)
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "speculative"}
     unknown = sorted(set(options) - known)
     if unknown:

@@ -345,3 +345,16 @@ def test_skip_special_tokens_and_truncate_prompt_tokens_as_in_vllm():
             SamplingParams(truncate_prompt_tokens=bad)
     with pytest.raises(ValueError, match="SamplingParams.skip_special_tokens must be True or False"):
         SamplingParams(skip_special_tokens="no")
+
+
+def test_vllm_no_op_options_are_taken(llm):
+    """``LLM(model, trust_remote_code=True, disable_log_stats=True)``, as vLLM scripts write it,
+    runs (trust_remote_code used to be a TypeError) and changes nothing; options vLLM has and
+    this engine lacks stay errors."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    vllm_style = LLM(llm.config.model, trust_remote_code=True, disable_log_stats=True)
+    assert vllm_style.config == llm.config
+    assert (vllm_style.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids
+            == llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kv_cache_dtype'"):
+        LLM(llm.config.model, kv_cache_dtype="fp8")

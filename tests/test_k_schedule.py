@@ -141,3 +141,25 @@ def _prompts_file(pair) -> object:
     path = Path(pair[0]).parent / "prompts.json"
     path.write_text(json.dumps([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]))
     return path
+
+
+def test_a_schedule_with_forwards_queued_ahead_is_lossless(pair):
+    """The graph runners' padded path on CPU queues the next step's forward ahead when the
+    policy expects a target-only step (``BatchSizeK.expects_target_only``: K = 0 at this batch
+    size). As requests finish the batch crosses the schedule's ranges (0 above 2 requests, K at
+    1-2), so a forward queued at one size may meet a step that drafts: the output must still be
+    target-only's, and some queued forwards must be taken."""
+    schedule = [[1, 2, K], [3, 8, 0]]
+    llm = _spec(pair, schedule)
+    engine = llm.engine
+    engine.attach_graph_runners()
+    taken, decode = [], engine._decode
+    engine._decode = lambda seqs, ahead=None: (
+        taken.append(ahead is not None and ahead.rows_for(seqs) is not None), decode(seqs, ahead))[1]
+    prompts = [[(5 * i + j) % 50 for j in range(2 + i)] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(5)]
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    want = LLM(pair[0], block_size=4, max_num_seqs=8).generate(prompt_token_ids=prompts,
+                                                              sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(taken) and sum(o.metrics["num_drafts"] for o in got) > 0

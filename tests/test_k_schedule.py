@@ -28,6 +28,20 @@ def _spec(pair, schedule, **kw) -> LLM:
                block_size=4, max_num_seqs=8, **kw)
 
 
+def _shrinking_batch(num_requests: int, first_len: int, step: int) -> tuple[list, list]:
+    """Prompts of different lengths and greedy max_tokens ``first_len + step * i``: the batch
+    shrinks one request at a time as they finish, crossing a schedule's ranges."""
+    prompts = [[(7 * i + j) % 50 for j in range(3 + i)] for i in range(num_requests)]
+    params = [SamplingParams(temperature=0, max_tokens=first_len + step * i, ignore_eos=True)
+              for i in range(num_requests)]
+    return prompts, params
+
+
+def _target_only(pair, prompts: list, params: list) -> list[list[int]]:
+    outs = LLM(pair[0], block_size=4, max_num_seqs=8).generate(prompt_token_ids=prompts, sampling_params=params)
+    return [o.token_ids for o in outs]
+
+
 def test_each_step_drafts_its_batch_sizes_k_and_the_output_is_the_targets(pair):
     schedule = [[4, 8, 0], [1, 1, K], [2, 3, 2]]  # any order
     llm = _spec(pair, schedule)
@@ -35,13 +49,9 @@ def test_each_step_drafts_its_batch_sizes_k_and_the_output_is_the_targets(pair):
     spec_decode, decode = llm.engine._spec_decode, llm.engine._decode
     llm.engine._spec_decode = lambda seqs, k, *a: steps.append((len(seqs), k)) or spec_decode(seqs, k, *a)
     llm.engine._decode = lambda seqs, *a: steps.append((len(seqs), 0)) or decode(seqs, *a)
-    prompts = [[(7 * i + j) % 50 for j in range(3 + i)] for i in range(6)]
-    # different lengths: the batch shrinks from 6 to 1 as requests finish
-    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(6)]
+    prompts, params = _shrinking_batch(6, 6, 5)
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    want = LLM(pair[0], block_size=4, max_num_seqs=8).generate(prompt_token_ids=prompts,
-                                                              sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in got] == _target_only(pair, prompts, params)
     expected = {b: k for lo, hi, k in schedule for b in range(lo, hi + 1)}
     assert steps and all(k == expected[b] for b, k in steps), steps
     assert {k for _, k in steps} == {0, 2, K}, steps  # every range was used
@@ -156,10 +166,7 @@ def test_a_schedule_with_forwards_queued_ahead_is_lossless(pair):
     taken, decode = [], engine._decode
     engine._decode = lambda seqs, ahead=None: (
         taken.append(ahead is not None and ahead.rows_for(seqs) is not None), decode(seqs, ahead))[1]
-    prompts = [[(5 * i + j) % 50 for j in range(2 + i)] for i in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(5)]
+    prompts, params = _shrinking_batch(5, 8, 6)
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    want = LLM(pair[0], block_size=4, max_num_seqs=8).generate(prompt_token_ids=prompts,
-                                                              sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in got] == _target_only(pair, prompts, params)
     assert any(taken) and sum(o.metrics["num_drafts"] for o in got) > 0

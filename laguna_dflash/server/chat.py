@@ -124,7 +124,9 @@ async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
 
 
 def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
-              deltas_by_job: list[list[Delta]], n_logprobs: int | None) -> dict:
+              deltas_by_job: list[list[Delta]], n_logprobs: int | None,
+              n_prompt: int | None = None) -> dict:
+    """The non-streamed body; ``n_prompt``: the checked ``prompt_logprobs`` count (None: off)."""
     choices = []
     for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
         tokens = [t for d in deltas for t in d.token_ids]
@@ -145,10 +147,9 @@ def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
     body = serving.response_body(jobs, "chat.completion", choices)
     if req.return_token_ids:  # vLLM's place for chat: the response's, as every choice shares it
         body["prompt_token_ids"] = jobs[0].prompt_token_ids
-    if req.prompt_logprobs is not None:  # the response's too (vLLM's)
+    if n_prompt is not None:  # the response's too (vLLM's)
         body["prompt_logprobs"] = serving.prompt_logprobs_body(
-            jobs[0].prompt_token_ids, deltas_by_job[0][0].prompt_logprobs or [],
-            num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size),
+            jobs[0].prompt_token_ids, deltas_by_job[0][0].prompt_logprobs or [], n_prompt,
             req.return_tokens_as_token_ids)
     return body
 
@@ -179,4 +180,4 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     if req.stream:
         return serving.sse_response(_events(serving, jobs, req, n_logprobs), jobs)
     deltas = await serving.collect(jobs, request)
-    return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs))
+    return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs, n_prompt))

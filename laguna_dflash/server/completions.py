@@ -163,7 +163,9 @@ async def _events(serving: Serving, jobs: list[Job], req: CompletionRequest,
 
 
 def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
-              deltas_by_job: list[list[Delta]], echoes: list[Echo | None]) -> dict:
+              deltas_by_job: list[list[Delta]], echoes: list[Echo | None],
+              n_prompt: int | None = None) -> dict:
+    """The non-streamed body; ``n_prompt``: the checked ``prompt_logprobs`` count (None: off)."""
     choices = []
     for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
         echo = _with_logprobs(echoes[i], req, deltas[0].prompt_logprobs)
@@ -177,10 +179,9 @@ def _response(serving: Serving, jobs: list[Job], req: CompletionRequest,
                             0, last.finish_reason, last.stop_reason, echo)
         if req.return_token_ids:
             choice["prompt_token_ids"] = job.prompt_token_ids
-        if req.prompt_logprobs is not None:
+        if n_prompt is not None:
             choice["prompt_logprobs"] = serving.prompt_logprobs_body(
-                job.prompt_token_ids, deltas[0].prompt_logprobs or [],
-                num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size),
+                job.prompt_token_ids, deltas[0].prompt_logprobs or [], n_prompt,
                 req.return_tokens_as_token_ids)
         choices.append(choice)
     return serving.response_body(jobs, "text_completion", choices)
@@ -222,4 +223,5 @@ async def create_completion(serving: Serving, request: Request) -> Response:
         raise
     if req.stream:
         return serving.sse_response(_events(serving, jobs, req, echoes), jobs)
-    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request), echoes))
+    return JSONResponse(_response(serving, jobs, req, await serving.collect(jobs, request), echoes,
+                                  n_prompt))

@@ -193,6 +193,14 @@ class SamplingParams:
     # vLLM's: only the prompt's last this many tokens are used (-1: max_model_len of them);
     # None: the whole prompt (:func:`truncated_prompt`)
     truncate_prompt_tokens: int | None = None
+    # vLLM's structured outputs: the output matches a JSON schema, a regex, one of a list of
+    # strings, or is any JSON object (structured_outputs.StructuredOutputsParams, or a dict of
+    # its fields); applied first with allowed_token_ids, greedy and sampled, lossless under
+    # speculation. Needs a tokenizer and outlines-core (``laguna-dflash[structured]``).
+    structured_outputs: typing.Any = None
+    # structured_outputs compiled against the tokenizer (structured_outputs.Grammar): filled
+    # by LLM.generate and the server, as the engine has no tokenizer. Internal.
+    structured_grammar: typing.Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -308,6 +316,9 @@ class SamplingParams:
                                  f"{seqs!r:.80}")
             object.__setattr__(self, "bad_words_token_ids",
                                tuple(tuple(int(t) for t in w) for w in seqs) or None)
+        if self.structured_outputs is not None:
+            from .structured_outputs import StructuredOutputsParams
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
 
     @property
     def is_greedy(self) -> bool:
@@ -316,11 +327,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """The logits are masked (allowed_token_ids, bad_words), biased or penalised before
-        sampling (engine/penalties.py)."""
+        """The logits are masked (structured outputs, allowed_token_ids, bad_words), biased or
+        penalised before sampling (engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.allowed_token_ids or self.bad_words
-                    or self.bad_words_token_ids)
+                    or self.bad_words_token_ids or self.structured_outputs is not None)
 
 
 def tokenize_bad_words(tokenizer: typing.Any, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -27,6 +27,7 @@ from .engine.sequence import Sequence
 from .generation_config import sampling_defaults
 from .models.loader import CheckpointError
 from .server.detokenizer import IncrementalDetokenizer, OutputText
+from .structured_outputs import StructuredOutputCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class LLM:
                                    **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = load_tokenizer(model)
+        self._grammar_compiler: StructuredOutputCompiler | None = None  # made on first use
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What :meth:`generate` samples with when given no ``sampling_params`` (vLLM's): the
@@ -415,7 +417,7 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params_list):
             raise ValueError(f"SamplingParams.stop: {self.config.model} has no tokenizer to find stop "
                              "strings with; use stop_token_ids")
-        params_list = self._with_bad_words_ids(params_list)
+        params_list = self._with_grammars(self._with_bad_words_ids(params_list))
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise ValueError(f"use_tqdm must be True, False or a tqdm-like callable, got {use_tqdm!r:.80}")
         seqs: list[list[Sequence]] = []  # per prompt, its n choices
@@ -481,6 +483,20 @@ class LLM:
                 p = replace(p, bad_words_token_ids=ids[key])
             out.append(p)
         return out
+
+    def _with_grammars(self, params_list: list[SamplingParams]) -> list[SamplingParams]:
+        """Each ``SamplingParams`` with ``structured_outputs`` gets its grammar compiled with this
+        model's tokenizer (``structured_grammar``; one compiler an LLM, which keeps the recent
+        grammars), which the engine enforces."""
+        if not any(p.structured_outputs is not None for p in params_list):
+            return params_list
+        if self.tokenizer is None:
+            raise ValueError(f"SamplingParams.structured_outputs: {self.config.model} has no "
+                             "tokenizer to compile the constraint with; leave it out")
+        if self._grammar_compiler is None:
+            self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, self.engine.target.spec.vocab_size)
+        return [replace(p, structured_grammar=self._grammar_compiler.compile(p.structured_outputs))
+                if p.structured_outputs is not None else p for p in params_list]
 
     def _output(self, s: Sequence, text: OutputText | None) -> RequestOutput:
         """``s`` as a :class:`RequestOutput`. Its text leaves out the text of the token the

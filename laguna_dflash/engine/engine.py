@@ -27,6 +27,7 @@ from ..models.fp8 import quantize_drafter
 from ..models.layers import build_lm_head_ahead, build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
+from ..structured_outputs import GrammarMatcher
 from . import cuda_graph, sampler
 from .adaptive_k import AdaptiveK, BatchSizeK, FixedK
 from .ahead import DraftsAhead, ForwardAhead, PlannedForward
@@ -699,6 +700,16 @@ class LLMEngine:
                              "bad_words (banned at every position) or, before min_tokens, stop "
                              "tokens: nothing could be generated; allow another token, or drop "
                              "those words")
+        grammar = params.structured_grammar
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("SamplingParams.structured_outputs is enforced through its grammar "
+                             "compiled with the tokenizer (structured_grammar), which LLM.generate "
+                             "and the server fill; use LLM, or compile it with structured_outputs."
+                             "StructuredOutputCompiler")
+        if grammar is not None and grammar.vocab_size != vocab:
+            raise ValueError(f"SamplingParams.structured_grammar was compiled for a vocabulary of "
+                             f"{grammar.vocab_size} tokens, and this model has {vocab}; compile it "
+                             "with this model's vocabulary size")
         most = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > most:
@@ -714,6 +725,8 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids, prompt=prompt)
         if params.logprobs is not None:
             seq.logprobs = []
+        if grammar is not None:  # in a final state the stop tokens are allowed too
+            seq.grammar = GrammarMatcher(grammar, tuple(sorted(stops)))
         self.scheduler.add(seq)
         if self._ops is not None:
             self._ops.append(("add", seq.prompt_token_ids, params, prompt))

@@ -1,11 +1,12 @@
-"""allowed_token_ids, bad_words, logit bias, presence / frequency / repetition penalties and
-min_tokens, per generated position.
+"""Structured outputs, allowed_token_ids, bad_words, logit bias, presence / frequency /
+repetition penalties and min_tokens, per generated position.
 
 For request ``i`` with :attr:`SamplingParams.has_penalties` (or fewer than ``min_tokens``
 outputs), the logits row that scores output position ``n`` (``n`` tokens generated before it)
 becomes, in float32 (vLLM's order: the allowed-token mask first)::
 
-    z = where(t in allowed_token_ids (every t when None), logits, -inf)
+    z = where(t allowed by the grammar in the state the n outputs reach, logits, -inf)
+    z = where(t in allowed_token_ids (every t when None), z, -inf)
     z = where(t == w_m for a bad word w = (w_1 .. w_m) whose w_1 .. w_{m-1} are the last m - 1 of
               the n outputs (always for m == 1; never when n < m - 1), -inf, z)
     z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, z)
@@ -37,7 +38,10 @@ Only the rows of requests with penalties are processed (copies, so logprobs stay
 raw ones, as vLLM reports them by default), all of a step's at once; the counts and the allowed
 mask are built on the device from one upload of the token ids per step, with no host sync. The
 mask is per request, not per row: its ``K + 1`` verify rows share it (allowed_token_ids does not
-depend on the outputs), so the upload carries each request's list once. The bad words' prefix
+depend on the outputs), so the upload carries each request's list once. The grammar's masks
+are per row: row ``j``'s state is the one the outputs and ``d_1 .. d_j`` reach, walked on the
+host (structured_outputs.GrammarMatcher), so a verify step with a constrained request brings
+its drafts to the host (one sync; requests without a constraint never do). The bad words' prefix
 match runs on the device too: the drafts never come to the host, and the outputs' tails and the
 words' ids ride in the same upload.
 """
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from ..structured_outputs import unpack_token_bits
 from .runner import to_device_async
 from .sampler import per_row_parameters
 from .sequence import Sequence
@@ -154,6 +159,11 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     ints = dict(zip(used, to_device_async(torch.tensor([t for v in used.values() for t in v], dtype=torch.long),
                                           device).split([len(v) for v in used.values()])))
     x = logits.index_select(0, ints["rows"]).float()  # a copy: logprobs stay the model's raw ones
+    grammar_pos = [pos for pos, i in enumerate(chosen) if seqs[i].grammar is not None]
+    if grammar_pos:  # first (vLLM's order: the grammar's bit mask before the processors)
+        _mask_grammar_rows(x, [seqs[chosen[pos]] for pos in grammar_pos], grammar_pos, n,
+                           None if n == 1 else drafts.index_select(0, to_device_async(
+                               torch.tensor([chosen[pos] for pos in grammar_pos]), device)))
     # every scatter below is into a flattened [rows * V] view: entry (r, t) is r * V + t
     if tables["allow_index"]:  # first (vLLM's order): z = where(t allowed, z, -inf)
         banned = torch.ones(len(chosen), vocab, dtype=torch.bool, device=device)
@@ -214,6 +224,26 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
         if any(pres):
             x -= pres_c * (counts > 0).float()
     return {i: x[pos * n : (pos + 1) * n] for pos, i in enumerate(chosen)}
+
+
+def _mask_grammar_rows(x: torch.Tensor, seqs: list[Sequence], positions: list[int], n: int,
+                       drafts: torch.Tensor | None) -> None:
+    """Structured outputs: ``-inf`` in ``x [M * n, V]`` float32 (in place) wherever request
+    ``seqs[g]`` (its rows start at ``positions[g] * n``) may not go, its row ``j`` in the state
+    its outputs and then drafts ``d_1 .. d_j`` (``drafts [G, n - 1]`` on the device; None when
+    ``n == 1``) reach (structured_outputs.GrammarMatcher). The automaton runs on the host: a
+    verify step with such a request brings its drafts to the host, the one host sync structured
+    outputs add; the rows' bit sets go up packed (``V / 8`` bytes a row) and are unpacked on
+    the device."""
+    draft_lists = drafts.tolist() if drafts is not None else [[] for _ in seqs]
+    bits = torch.stack([b for s, d in zip(seqs, draft_lists)
+                        for b in s.grammar.row_bits(s.output_token_ids, d)])  # [G * n, W] int32
+    allowed = unpack_token_bits(to_device_async(bits, x.device), x.shape[-1])  # [G * n, V]
+    if len(positions) * n == x.shape[0]:  # every request of x: no gather
+        x.masked_fill_(~allowed, float("-inf"))
+        return
+    rows = to_device_async(torch.tensor([p * n + j for p in positions for j in range(n)]), x.device)
+    x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
 
 
 def _prompt_mask(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,8 @@ class Sequence:
     # the repetition penalty's "in the prompt" mask [V] bool on the device, made on first use
     # (engine/penalties.py): the prompt goes up once, not every step
     prompt_mask: torch.Tensor | None = None
+    # structured outputs: the request's place in its grammar (structured_outputs.GrammarMatcher)
+    grammar: Any = None
 
     @property
     def num_final_positions(self) -> int:

@@ -1,0 +1,298 @@
+"""vLLM's structured outputs: JSON schema, regex, choice and any-JSON-object constraints, through
+outlines-core (``pip install 'laguna-dflash[structured]'``).
+
+A constraint compiles (:class:`StructuredOutputCompiler`, once per tokenizer) to a regular
+expression and then to a token-level automaton over the tokenizer's byte strings
+(``outlines_core.Index``): from state ``s`` token ``t`` is allowed iff a transition ``s -t-> s'``
+exists; in a final state the request's stop tokens are allowed too. The engine keeps one
+:class:`GrammarMatcher` per request; the logits row that scores output position ``n`` is masked
+to the tokens allowed in the state reached by the ``n`` outputs (engine/penalties.py), the
+row after verify drafts ``d_1 .. d_j`` in the state reached by the outputs and then those drafts
+(as target-only decoding would be, if the drafts are accepted; a draft the automaton refuses is
+never accepted, as its logit is -inf, so the rows after it are never used). Masks are built on
+the host from the state (cached per state, packed 32 tokens an int32) and unpacked on the device.
+
+Not here (as the 400s / ValueErrors say): EBNF/Lark grammars and structural tags (they need a
+context-free backend such as xgrammar). JSON schemas nest at most ``max_recursion_depth``
+levels where they recurse (outlines-core's regex translation), so ``json_object`` admits
+objects nested that deep.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: the PyPI package and version this is tested against (pyproject's ``structured`` extra)
+BACKEND_REQUIREMENT = "outlines-core==0.2.14"
+#: JSON nesting depth a recursive schema (or ``json_object``) is unrolled to
+MAX_JSON_DEPTH = 3
+
+
+def _backend() -> Any:
+    try:
+        import outlines_core
+    except ImportError:
+        raise ImportError(f"structured outputs need {BACKEND_REQUIREMENT}: pip install "
+                          "'laguna-dflash[structured]'") from None
+    return outlines_core
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a dict or
+    its text), ``regex``, ``choice`` (the output is one of these strings) or ``json_object`` (any
+    JSON object). ``whitespace_pattern`` (a regex) is the whitespace allowed between JSON tokens
+    (default: at most one space); ``disable_any_whitespace`` allows none. ``grammar`` and
+    ``structural_tag`` are vLLM's too but need a context-free backend: a ValueError."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"StructuredOutputsParams.{name} needs a context-free grammar "
+                                 "backend, which this engine does not have; express the output "
+                                 "as a JSON schema (json) or a regular expression (regex)")
+        given = [name for name in ("json", "regex", "choice", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice and "
+                             f"json_object, got {given or 'none'}")
+        if self.choice is not None and (isinstance(self.choice, str) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r:.80}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"StructuredOutputsParams.regex must be a string, got {self.regex!r:.80}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("StructuredOutputsParams.json must be a JSON schema (an object), "
+                                 f"got {self.json!r:.80}")
+
+    @classmethod
+    def of(cls, value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
+        """``value`` as params: a dict of the fields (vLLM's request field) is converted."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its "
+                             f"fields, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__) - _IGNORED_FIELDS)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**{k: v for k, v in value.items() if k not in _IGNORED_FIELDS})
+
+    def to_regex(self) -> str:
+        """The constraint as one regular expression (outlines-core's syntax, Rust's ``regex``)."""
+        if self.regex is not None:
+            return self.regex
+        if self.choice is not None:
+            return "(" + "|".join(re.escape(c) for c in self.choice) + ")"
+        whitespace = "" if self.disable_any_whitespace else self.whitespace_pattern
+        schema = {"type": "object"} if self.json_object else self.json
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return _backend().json_schema.build_regex_from_schema(text, whitespace, MAX_JSON_DEPTH)
+
+
+#: vLLM fields that choose among its backends' behaviours and change nothing here
+_IGNORED_FIELDS = {"disable_fallback", "disable_additional_properties", "backend"}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's characters -> bytes: the printable bytes ('!'..'~', '¡'..'¬', '®'..'ÿ')
+    stand for themselves, the other 68 for chr(256 + i) in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in kept}
+    for i, b in enumerate(b for b in range(256) if b not in set(kept)):
+        table[chr(256 + i)] = b
+    return table
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """The decoder types of a fast tokenizer (a Sequence's members too), e.g. {"ByteLevel"}."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    members = decoder.get("decoders") or [decoder]
+    return {d.get("type") for d in members if isinstance(d, dict)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_byte_strings(tokenizer: Any, vocab_size: int) -> dict[bytes, list[int]]:
+    """``{bytes: [token ids]}``: what each ordinary token id below ``vocab_size`` writes into
+    the output, as bytes (a byte-level BPE token may hold part of a UTF-8 character). Special
+    tokens are left out (the stop tokens are allowed separately)."""
+    kinds = _decoder_kinds(tokenizer)
+    byte_level = "ByteLevel" in kinds
+    decoder = _byte_decoder() if byte_level else {}
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            special.add(token_id)
+    out: dict[bytes, list[int]] = {}
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id >= vocab_size or token_id in special:
+            continue
+        if byte_level:
+            if any(c not in decoder for c in token):
+                continue  # an added non-special token outside the byte alphabet: its text
+            data = bytes(decoder[c] for c in token)
+        elif (m := _BYTE_TOKEN.fullmatch(token)) is not None:  # SentencePiece byte fallback
+            data = bytes([int(m.group(1), 16)])
+        else:
+            data = token.replace("▁", " ").encode("utf-8")  # Metaspace: "▁" is a space
+        if data:
+            out.setdefault(data, []).append(token_id)
+    return out
+
+
+class Grammar:
+    """A compiled constraint: outlines-core's token automaton over a model's vocabulary
+    (``vocab_size`` ids), shared by every request with the same constraint (and picklable, for
+    tensor-parallel ranks). ``allowed_bits(state)``: the state's allowed tokens packed 32 to an
+    int32 (``[ceil(V / 32)]``; bit ``t % 32`` of word ``t // 32``), cached per state."""
+
+    def __init__(self, index: Any, vocab_size: int, regex: str) -> None:
+        self.index = index
+        self.vocab_size = vocab_size
+        self.regex = regex
+        self._bits: dict[int, torch.Tensor] = {}  # one dict store: safe across threads
+
+    def __getstate__(self) -> dict:
+        return {"index": self.index, "vocab_size": self.vocab_size, "regex": self.regex}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["index"], state["vocab_size"], state["regex"])
+
+    @property
+    def initial_state(self) -> int:
+        return self.index.get_initial_state()
+
+    def next_state(self, state: int, token: int) -> int | None:
+        """The state after ``token`` from ``state``; None where the constraint refuses it."""
+        return self.index.get_next_state(state, token)
+
+    def is_final(self, state: int) -> bool:
+        return self.index.is_final_state(state)
+
+    def allowed_bits(self, state: int) -> torch.Tensor:
+        bits = self._bits.get(state)
+        if bits is None:
+            allowed = torch.tensor([t for t in self.index.get_allowed_tokens(state) if t < self.vocab_size],
+                                   dtype=torch.long)
+            bits = self._bits[state] = pack_token_bits(allowed, self.vocab_size)
+        return bits
+
+
+def pack_token_bits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``tokens [N]`` int64 (each < ``vocab_size``) as a ``[ceil(V / 32)]`` int32 bit set."""
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    # distinct tokens set distinct bits: a sum of powers of two is their OR
+    words.index_add_(0, tokens // 32, torch.ones_like(tokens) << (tokens % 32))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_token_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``bits [R, ceil(V / 32)]`` int32 -> ``[R, V]`` bool, True where a token's bit is set."""
+    t = torch.arange(vocab_size, device=bits.device)
+    return ((bits[:, t // 32] >> (t % 32)) & 1).bool()
+
+
+class GrammarMatcher:
+    """One request's place in its :class:`Grammar`: the state its outputs reached (caught up
+    lazily from ``outputs``), and the bit sets of the rows a step scores."""
+
+    def __init__(self, grammar: Grammar, stop_token_ids: tuple[int, ...]) -> None:
+        self.grammar = grammar
+        self.state: int | None = grammar.initial_state
+        self.num_consumed = 0  # outputs the state has taken in
+        stops = torch.tensor(sorted({t for t in stop_token_ids if 0 <= t < grammar.vocab_size}), dtype=torch.long)
+        self._stop_bits = pack_token_bits(stops, grammar.vocab_size)
+
+    def _walk(self, state: int | None, tokens: list[int]) -> int | None:
+        for t in tokens:
+            if state is None:
+                break
+            state = self.grammar.next_state(state, t)
+        return state
+
+    def row_bits(self, outputs: list[int], drafts: list[int]) -> list[torch.Tensor]:
+        """``len(drafts) + 1`` bit sets: row ``j`` allows what the constraint allows after
+        ``outputs`` then ``drafts[:j]``. A state the constraint left (a refused draft, or a
+        stop token generated with ignore_eos) allows every token: such a draft row is never
+        used, and past the constraint nothing is left to enforce."""
+        self.state = self._walk(self.state, outputs[self.num_consumed:])
+        self.num_consumed = len(outputs)
+        rows, state = [], self.state
+        for j in range(len(drafts) + 1):
+            if j:
+                state = self._walk(state, drafts[j - 1 : j])
+            if state is None:
+                rows.append(torch.full_like(self._stop_bits, -1))
+            else:
+                bits = self.grammar.allowed_bits(state)
+                rows.append(bits | self._stop_bits if self.grammar.is_final(state) else bits)
+        return rows
+
+
+class StructuredOutputCompiler:
+    """Compiles :class:`StructuredOutputsParams` against one tokenizer and model vocabulary,
+    keeping the last ``max_cached`` grammars (compiling walks the whole vocabulary: ~ms per
+    1k tokens and automaton states)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_cached: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compile_regex = functools.lru_cache(maxsize=max_cached)(self._compile_uncached)
+        self._vocabulary = None
+        self._lock = threading.Lock()
+
+    def vocabulary(self) -> Any:
+        with self._lock:
+            if self._vocabulary is None:
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                # outlines-core wants an EOS id outside the ordinary tokens; the stop tokens are
+                # the engine's to allow (GrammarMatcher), so any id not in the map serves
+                self._vocabulary = _backend().Vocabulary(
+                    eos if eos is not None else self.vocab_size, token_byte_strings(self.tokenizer, self.vocab_size))
+            return self._vocabulary
+
+    def _compile_uncached(self, regex: str) -> Grammar:
+        try:
+            index = _backend().Index(regex, self.vocabulary())
+        except ValueError as e:
+            raise ValueError(f"the constraint's regular expression {regex!r:.120} cannot be "
+                             f"compiled over this tokenizer's vocabulary: {e}") from None
+        return Grammar(index, self.vocab_size, regex)
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """The grammar of ``params``; ValueError naming the field for a bad schema or regex."""
+        try:
+            regex = params.to_regex()
+        except ValueError as e:
+            raise ValueError(f"StructuredOutputsParams.json: {e}") from None
+        return self._compile_regex(regex)

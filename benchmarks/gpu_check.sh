@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass181    # any card (ninety-eighth pass): structured outputs on the GPU (the
+#                                           # offline tests, CUDA cases included; outlines-core from
+#                                           # .whl/structured), then on an H200 pass176 (~2-4 min)
 #   bash benchmarks/gpu_check.sh pass180    # any card (ninety-sixth pass): on an H200 pass176 first; then the
 #                                           # expert GEMVs of the decode and 4-token verify graphs under ncu
 #                                           # (8 layers, L2 not flushed): DRAM MB read, time, L2 hit rate and
@@ -708,6 +711,12 @@ case "$stage" in
     gpu_tests 170 -n 4 tests/test_cuda_graphs.py tests/test_cuda_xs_lossless.py -k "cuda and not interpreted" \
       -m "not exclusive_gpu" | grep -v PASSED | tail -8
     goal_cells_65 "" "--switch laguna_dflash.engine.engine:greedy_int8_lm_head=False" ;;
+  pass181)
+    echo "== (ninety-eighth pass) structured outputs on the GPU; on an H200 pass176 after"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    python -m pip install -q --no-deps .whl/structured/outlines_core-*.whl 2>&1 | tail -2
+    gpu_tests 200 -n 4 tests/test_structured_outputs.py | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -12
+    on_h200 && bash "$0" pass176 | tail -n +3 ;;
   pass180)
     echo "== (ninety-sixth pass) on an H200 pass176; then the expert GEMVs at 1 and 4 tokens under ncu"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

@@ -173,6 +173,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
                                    "top_logprobs", serving.max_logprobs)
     if n_prompt is not None:
         params = replace(params, prompt_logprobs=n_prompt)
+    params = replace(params, **await serving.structured_constraint(req))
     stop = stop_strings(req)
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output,

@@ -194,6 +194,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     prompts = _prompts(serving, req)
     n_prompt = num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size)
     stop = stop_strings(req)
+    constraint = await serving.structured_constraint(req)  # compiled once for every prompt
     jobs: list[Job] = []
     echoes: list[Echo | None] = []
     try:
@@ -205,6 +206,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
             params = build_sampling_params(req, max(max_tokens, 1), req.logprobs,
                                            serving.config.generation_defaults,
                                            max_logprobs=serving.max_logprobs)
+            params = replace(params, **constraint)
             # the prompt's logprobs for an echo with logprobs and for prompt_logprobs: the
             # engine computes the larger count, each field shows its own (serving.top_entries)
             counts = [c for c in (req.logprobs if req.echo else None, n_prompt) if c is not None]

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (pydantic v2), with vLLM's extension fields.
 
 Unknown fields are ignored (clients send many); fields we cannot honour with a non-default value
-(tools, ``response_format``, ...) are rejected in :mod:`.sampling` with a 400
+(tools, ``use_beam_search``, ...) are rejected in :mod:`.sampling` with a 400
 rather than silently dropped.
 """
 
@@ -65,14 +65,19 @@ class SamplingFields(BaseModel):
     request_id: str | None = None
     # vLLM's: only with ``--scheduling-policy priority``, which this server does not have
     priority: int = 0
-    # Fields that change the output and that this server does not implement: declared so that
-    # a non-default value is a 400 (sampling.reject_unsupported), never silently dropped.
+    # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's guided_*
+    # fields and its newer structured_outputs dict; one constraint a request. guided_grammar is
+    # declared to be a 400 (no context-free backend), guided_decoding_backend to be ignored.
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: Any = None
+    # Changes the output and is not implemented: declared so that a non-default value is a 400
+    # (sampling.reject_unsupported), never silently dropped.
     use_beam_search: bool = False
 
 

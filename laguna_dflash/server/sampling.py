@@ -26,11 +26,9 @@ MIN_TEMPERATURE = 1e-5
 
 
 #: vLLM extension fields that change the output and that this server does not implement, with
-#: the value that means "off" (also accepted): structured outputs, beam search.
-UNSUPPORTED_EXTENSIONS = {
-    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "use_beam_search": False,
-}
+#: the value that means "off" (also accepted): beam search. (Structured outputs' fields are
+#: checked in server/structured.py.)
+UNSUPPORTED_EXTENSIONS = {"use_beam_search": False}
 
 
 def reject_unsupported(req: SamplingFields) -> None:
@@ -73,11 +71,6 @@ def reject_unsupported(req: SamplingFields) -> None:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be "
                               "true; leave add_generation_prompt out (or false) to continue the "
                               "last message", "add_generation_prompt")
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(f"response_format type {kind!r} is not supported (no structured "
-                          'outputs); leave response_format out or use {"type": "text"}',
-                          "response_format")
     for name, default in UNSUPPORTED_EXTENSIONS.items():
         if getattr(req, name) not in (None, default):
             raise bad_request(f"{name} is not supported by this server; leave {name} out",

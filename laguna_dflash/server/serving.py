@@ -23,10 +23,13 @@ from starlette.responses import StreamingResponse
 
 from ..config import SamplingParams, tokenize_bad_words, truncated_prompt
 from ..engine.sampler import Logprob
+from ..structured_outputs import StructuredOutputCompiler
 from .args import ServerConfig
 from .async_engine import AsyncEngine, ClientDisconnected, RequestStream
 from .detokenizer import IncrementalDetokenizer, OutputText
 from .errors import APIError, bad_request, from_validation_error
+from .protocol import SamplingFields
+from .structured import compile_error, requested_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,7 @@ class Serving:
         self.max_logprobs = engine.engine.max_logprobs  # --max-logprobs, resolved
         self.num_speculative_tokens = engine.engine.num_speculative_tokens
         self.created = int(time.time())
+        self._grammar_compiler: StructuredOutputCompiler | None = None  # made on first use
 
     # ---- request parsing -----------------------------------------------------------------
 
@@ -197,6 +201,27 @@ class Serving:
             raise bad_request(f"bad_words tokenize to ids {bad[:5]} outside the model's vocabulary "
                               f"[0, {self.vocab_size})", "bad_words")
         return ids
+
+    async def structured_constraint(self, req: SamplingFields) -> dict[str, Any]:
+        """The request's output constraint (server/structured.py) as SamplingParams fields:
+        ``structured_outputs`` and its ``structured_grammar``, compiled with the tokenizer off
+        the event loop (a big JSON schema takes seconds); ``{}`` without one. 400 naming the
+        field for a bad value, a constraint that does not compile, or a model without a
+        tokenizer."""
+        found = requested_constraint(req)
+        if found is None:
+            return {}
+        params, param = found
+        if self.tokenizer is None:
+            raise bad_request(f"{param} needs a tokenizer to compile the constraint over the "
+                              f"model's tokens, and the model has none; leave {param} out", param)
+        if self._grammar_compiler is None:
+            self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, self.vocab_size)
+        try:
+            grammar = await asyncio.to_thread(self._grammar_compiler.compile, params)
+        except (ValueError, TypeError, ImportError) as e:
+            raise compile_error(e, param) from e
+        return {"structured_outputs": params, "structured_grammar": grammar}
 
     def check_prompt(self, ids: list[int], param: str, truncate_prompt_tokens: int | None = None) -> list[int]:
         """400 unless the prompt is non-empty, in the vocabulary and leaves room for output.

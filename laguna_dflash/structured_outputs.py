@@ -14,8 +14,9 @@ the host from the state (cached per state, packed 32 tokens an int32) and unpack
 
 Not here (as the 400s / ValueErrors say): EBNF/Lark grammars and structural tags (they need a
 context-free backend such as xgrammar). JSON schemas nest at most ``max_recursion_depth``
-levels where they recurse (outlines-core's regex translation), so ``json_object`` admits
-objects nested that deep.
+levels where they recurse (outlines-core's regex translation); ``json_object`` admits objects
+whose values nest objects and arrays one level (``MAX_JSON_OBJECT_DEPTH``: deeper ones make the
+automaton too large to compile quickly).
 """
 
 from __future__ import annotations
@@ -110,9 +111,34 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "(" + "|".join(re.escape(c) for c in self.choice) + ")"
         whitespace = "" if self.disable_any_whitespace else self.whitespace_pattern
-        schema = {"type": "object"} if self.json_object else self.json
-        text = schema if isinstance(schema, str) else json.dumps(schema)
+        if self.json_object:
+            return json_object_regex(MAX_JSON_OBJECT_DEPTH, DEFAULT_WHITESPACE if whitespace is None else whitespace)
+        text = self.json if isinstance(self.json, str) else json.dumps(self.json)
         return _backend().json_schema.build_regex_from_schema(text, whitespace, MAX_JSON_DEPTH)
+
+
+#: whitespace allowed between JSON tokens unless a request says otherwise (outlines-core's)
+DEFAULT_WHITESPACE = "[ ]?"
+#: ``json_object``'s nesting: objects and arrays inside the object hold no deeper ones. Each
+#: level multiplies the automaton (and the compile, which walks the vocabulary from every
+#: state): 105, 449, 1825 and 7330 states at depths 1-4, compiled over a 4096-token vocabulary
+#: in 0.01, 0.13, 5.5 and 228 s (the demo tokenizer, one CPU core)
+MAX_JSON_OBJECT_DEPTH = 2
+_JSON_STRING = r'"([^"\\\x00-\x1F]|\\(["\\/bfnrt]|u[0-9a-fA-F]{4}))*"'
+_JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+
+
+def json_object_regex(depth: int, whitespace: str) -> str:
+    """Any JSON object whose values nest objects and arrays ``depth - 1`` levels deep, with
+    ``whitespace`` (a regex) around its punctuation."""
+    ws, scalar = f"({whitespace})", f"({_JSON_STRING}|{_JSON_NUMBER}|true|false|null)"
+    value, obj = scalar, ""
+    for _ in range(depth):
+        member = f"{_JSON_STRING}{ws}:{ws}{value}"
+        obj = rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
+        array = rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
+        value = f"({_JSON_STRING}|{_JSON_NUMBER}|true|false|null|{obj}|{array})"
+    return obj
 
 
 #: vLLM fields that choose among its backends' behaviours and change nothing here

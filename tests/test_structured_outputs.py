@@ -26,8 +26,10 @@ import torch
 
 from laguna_dflash import LLM, SamplingParams, StructuredOutputsParams
 from laguna_dflash.structured_outputs import (
+    MAX_JSON_OBJECT_DEPTH,
     GrammarMatcher,
     StructuredOutputCompiler,
+    json_object_regex,
     pack_token_bits,
     token_byte_strings,
     unpack_token_bits,
@@ -113,6 +115,22 @@ def test_params_from_a_request_dict():
     assert params.has_penalties  # the logits are processed: no int8 greedy shortcut
     with pytest.raises(ValueError, match=r"unknown fields \['choices'\]"):
         SamplingParams(structured_outputs={"choices": ["a"]})
+
+
+def test_json_object_regex_takes_json_objects_nested_once():
+    spaced = json_object_regex(MAX_JSON_OBJECT_DEPTH, "[ ]?")
+    compact = json_object_regex(MAX_JSON_OBJECT_DEPTH, "")
+    fits = [{}, {"a": 1}, {"a": -0.5e3, "b": "x\\y\"z\u00e9", "c": [1, "2", None, True]},
+            {"k": {"n": 1, "m": "s"}, "l": [None, 1.25], "e": {}, "f": []}, {"": ""}]
+    for value in fits:
+        assert re.fullmatch(spaced, json.dumps(value, ensure_ascii=True)), value
+        assert re.fullmatch(compact, json.dumps(value, separators=(",", ":"))), value
+        assert not re.fullmatch(compact, json.dumps(value, indent=1)) or value == {}
+    too_deep = [{"a": {"b": {}}}, {"a": [[]]}, {"a": [{"x": False}]}]
+    not_objects = ["[]", "1", '"s"', "null", '{"a":}', '{"a":1,}', "{'a': 1}", '{"a": 01}',
+                   r'{"a": "\u12"}', r'{"a": "\x"}', '{"a":1}{}']
+    for text in [json.dumps(v) for v in too_deep] + not_objects:
+        assert not re.fullmatch(spaced, text), text
 
 
 def test_compile_errors(compiler):

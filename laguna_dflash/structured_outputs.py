@@ -259,6 +259,11 @@ class GrammarMatcher:
         stops = torch.tensor(sorted({t for t in stop_token_ids if 0 <= t < grammar.vocab_size}), dtype=torch.long)
         self._stop_bits = pack_token_bits(stops, grammar.vocab_size)
 
+    def allows_only_stops(self, bits: torch.Tensor) -> bool:
+        """Whether row ``bits`` (from :meth:`row_bits`) allows stop tokens only: the output is
+        complete, and min_tokens does not ban them there (the constraint wins)."""
+        return not bool((bits & ~self._stop_bits).any())
+
     def _walk(self, state: int | None, tokens: list[int]) -> int | None:
         for t in tokens:
             if state is None:

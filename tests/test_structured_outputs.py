@@ -290,3 +290,18 @@ def test_cuda_dflash_equals_target_only_with_constraints(temperature, seed):
     for b, s in zip(base, out):
         assert s.token_ids == b.token_ids
     assert out[3].text in ("yes", "no", "maybe later")
+
+
+def test_min_tokens_yields_to_a_complete_constraint(target_only, dflash):
+    """min_tokens bans the stop tokens while the constraint could go on; once the constraint
+    allows only stop tokens (the output is complete) they stay allowed."""
+    cases = [({"choice": ["yes", "no"]}, "yes|no", 0), ({"regex": ""}, "", 0), ({"regex": "(ab)+"}, "(ab)+", 6)]
+    for fields, pattern, at_least in cases:
+        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, structured_outputs=fields)
+        base, spec = (llm.generate(PROMPTS[:2], params, use_tqdm=False) for llm in (target_only, dflash))
+        for b, s in zip(base, spec):
+            assert s.token_ids == b.token_ids
+            assert 0 not in s.token_ids  # no all -inf row (token 0 is what one would give)
+            if s.finish_reason == "stop":
+                assert re.fullmatch(pattern, s.text), (fields, s.text)
+                assert len(s.token_ids) - 1 >= at_least

@@ -10,6 +10,7 @@ becomes, in float32 (vLLM's order: the allowed-token mask first)::
     z = where(t == w_m for a bad word w = (w_1 .. w_m) whose w_1 .. w_{m-1} are the last m - 1 of
               the n outputs (always for m == 1; never when n < m - 1), -inf, z)
     z = where(n < min_tokens and t is a stop token (EOS unless ignore_eos, stop_token_ids), -inf, z)
+              (not in a row whose grammar allows stop tokens only: a complete output ends)
     z = z + logit_bias
     z = where(seen, where(z > 0, z * (1 / rep), z * rep), z)   seen: in the prompt or the n outputs
     z = z - frequency * count - presence * (count > 0)       count: occurrences in the n outputs
@@ -92,6 +93,7 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     if not chosen:
         return {}
     vocab, device = logits.shape[-1], logits.device
+    grammar_bits = _grammar_row_bits(seqs, chosen, n, drafts)  # {pos: n rows' bit sets}, host
     tables: dict[str, list] = {name: [] for name in (
         "rows", "ban_row", "ban_token", "bias_row", "bias_token", "bias_value", "out_token",
         "draft_row", "draft_index", "allow_index", "allow_free", "bad_flat", "bad_history",
@@ -106,6 +108,8 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
         stops = sorted({t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
                         if 0 <= t < vocab})
         for j in range(max(num_banned, 0) if stops else 0):
+            if pos in grammar_bits and seq.grammar.allows_only_stops(grammar_bits[pos][j]):
+                continue  # the constraint is complete: it wins over min_tokens
             tables["ban_row"] += [pos * n + j] * len(stops)
             tables["ban_token"] += stops
         # ids were checked against the vocabulary at add_request; a flat index past a row's end
@@ -159,11 +163,8 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     ints = dict(zip(used, to_device_async(torch.tensor([t for v in used.values() for t in v], dtype=torch.long),
                                           device).split([len(v) for v in used.values()])))
     x = logits.index_select(0, ints["rows"]).float()  # a copy: logprobs stay the model's raw ones
-    grammar_pos = [pos for pos, i in enumerate(chosen) if seqs[i].grammar is not None]
-    if grammar_pos:  # first (vLLM's order: the grammar's bit mask before the processors)
-        _mask_grammar_rows(x, [seqs[chosen[pos]] for pos in grammar_pos], grammar_pos, n,
-                           None if n == 1 else drafts.index_select(0, to_device_async(
-                               torch.tensor([chosen[pos] for pos in grammar_pos]), device)))
+    if grammar_bits:  # first (vLLM's order: the grammar's bit mask before the processors)
+        _mask_grammar_rows(x, grammar_bits, n)
     # every scatter below is into a flattened [rows * V] view: entry (r, t) is r * V + t
     if tables["allow_index"]:  # first (vLLM's order): z = where(t allowed, z, -inf)
         banned = torch.ones(len(chosen), vocab, dtype=torch.bool, device=device)
@@ -226,24 +227,37 @@ def penalized_rows(logits: torch.Tensor, seqs: list[Sequence], rows_per_request:
     return {i: x[pos * n : (pos + 1) * n] for pos, i in enumerate(chosen)}
 
 
-def _mask_grammar_rows(x: torch.Tensor, seqs: list[Sequence], positions: list[int], n: int,
-                       drafts: torch.Tensor | None) -> None:
-    """Structured outputs: ``-inf`` in ``x [M * n, V]`` float32 (in place) wherever request
-    ``seqs[g]`` (its rows start at ``positions[g] * n``) may not go, its row ``j`` in the state
-    its outputs and then drafts ``d_1 .. d_j`` (``drafts [G, n - 1]`` on the device; None when
-    ``n == 1``) reach (structured_outputs.GrammarMatcher). The automaton runs on the host: a
-    verify step with such a request brings its drafts to the host, the one host sync structured
-    outputs add; the rows' bit sets go up packed (``V / 8`` bytes a row) and are unpacked on
-    the device."""
-    draft_lists = drafts.tolist() if drafts is not None else [[] for _ in seqs]
-    bits = torch.stack([b for s, d in zip(seqs, draft_lists)
-                        for b in s.grammar.row_bits(s.output_token_ids, d)])  # [G * n, W] int32
-    allowed = unpack_token_bits(to_device_async(bits, x.device), x.shape[-1])  # [G * n, V]
-    if len(positions) * n == x.shape[0]:  # every request of x: no gather
-        x.masked_fill_(~allowed, float("-inf"))
+def _grammar_row_bits(seqs: list[Sequence], chosen: list[int], n: int,
+                      drafts: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
+    """Structured outputs: ``{pos: n bit sets [ceil(V / 32)] int32}`` for each request
+    ``seqs[chosen[pos]]`` with a grammar, its row ``j`` in the state its outputs and then drafts
+    ``d_1 .. d_j`` reach (``drafts [R, n - 1]`` on the device; structured_outputs.GrammarMatcher).
+    The automaton runs on the host: a verify step with such a request brings their drafts to
+    the host, the one host sync structured outputs add."""
+    positions = [pos for pos, i in enumerate(chosen) if seqs[i].grammar is not None]
+    if not positions:
+        return {}
+    requests = [chosen[pos] for pos in positions]
+    if n == 1:
+        draft_lists: list[list[int]] = [[] for _ in requests]
+    else:
+        assert drafts is not None, "verify rows with a grammar need the drafts"
+        draft_lists = drafts.index_select(0, to_device_async(torch.tensor(requests), drafts.device)).tolist()
+    return {pos: seqs[i].grammar.row_bits(seqs[i].output_token_ids, d)
+            for pos, i, d in zip(positions, requests, draft_lists)}
+
+
+def _mask_grammar_rows(x: torch.Tensor, bits_by_pos: dict[int, list[torch.Tensor]], n: int) -> None:
+    """``-inf`` in ``x [M * n, V]`` float32 (in place) at the tokens the grammar's bit sets
+    (:func:`_grammar_row_bits`; request ``pos``'s rows start at ``pos * n``) leave out; the bit
+    sets go up packed (``V / 8`` bytes a row) and are unpacked on the device."""
+    bits = torch.stack([b for rows in bits_by_pos.values() for b in rows])  # [G * n, W] int32
+    banned = ~unpack_token_bits(to_device_async(bits, x.device), x.shape[-1])  # [G * n, V]
+    if len(bits_by_pos) * n == x.shape[0]:  # every request of x: no gather
+        x.masked_fill_(banned, float("-inf"))
         return
-    rows = to_device_async(torch.tensor([p * n + j for p in positions for j in range(n)]), x.device)
-    x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+    rows = to_device_async(torch.tensor([p * n + j for p in bits_by_pos for j in range(n)]), x.device)
+    x.index_copy_(0, rows, x.index_select(0, rows).masked_fill_(banned, float("-inf")))
 
 
 def _prompt_mask(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:

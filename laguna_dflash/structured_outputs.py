@@ -141,6 +141,10 @@ def json_object_regex(depth: int, whitespace: str) -> str:
     return obj
 
 
+#: the largest count a counted repetition ``{m}``, ``{m,}``, ``{m,n}`` may have
+MAX_REPETITION = 4096
+_COUNTED = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+
 #: vLLM fields that choose among its backends' behaviours and change nothing here
 _IGNORED_FIELDS = {"disable_fallback", "disable_additional_properties", "backend"}
 
@@ -321,9 +325,19 @@ class StructuredOutputCompiler:
         return Grammar(index, self.vocab_size, regex)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
-        """The grammar of ``params``; ValueError naming the field for a bad schema or regex."""
+        """The grammar of ``params``; ValueError naming the field for a bad schema or regex, or
+        for a counted repetition over :data:`MAX_REPETITION` (e.g. a schema's ``minItems``:
+        each count is a copy of the piece in the automaton, and a server would compile it for
+        minutes)."""
         try:
             regex = params.to_regex()
         except ValueError as e:
             raise ValueError(f"StructuredOutputsParams.json: {e}") from None
+        counts = [int(c) for m in _COUNTED.finditer(regex) for c in m.groups() if c]
+        if counts and max(counts) > MAX_REPETITION:
+            field = "regex" if params.regex is not None else "json"
+            raise ValueError(f"StructuredOutputsParams.{field} repeats a piece {max(counts)} times, "
+                             f"over the {MAX_REPETITION} this engine compiles (each repetition is a "
+                             "copy in the automaton); lower the count (a schema's minItems, "
+                             "maxItems, minLength, maxLength) or leave it unbounded")
         return self._compile_regex(regex)

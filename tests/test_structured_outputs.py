@@ -138,6 +138,11 @@ def test_compile_errors(compiler):
         compiler.compile(StructuredOutputsParams(regex="(unclosed"))
     with pytest.raises(ValueError, match="StructuredOutputsParams.json: .*nonsense"):
         compiler.compile(StructuredOutputsParams(json={"type": "nonsense"}))
+    with pytest.raises(ValueError, match="regex repeats a piece 5000 times, over the 4096"):
+        compiler.compile(StructuredOutputsParams(regex="[ab]{2,5000}"))
+    with pytest.raises(ValueError, match="json repeats a piece 9999999 times"):
+        compiler.compile(StructuredOutputsParams(json={"type": "array", "minItems": 10**7}))
+    compiler.compile(StructuredOutputsParams(regex=r"\{[0-9]{1,4096}\}"))  # at the cap; braces literal
 
 
 def choice_oracle(spelled: dict[int, bytes], choices: list[str], past: bytes, stops: set[int]) -> set[int]:

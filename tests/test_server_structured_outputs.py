@@ -345,3 +345,40 @@ def test_requested_constraint_maps_the_fields():
         of(guided_regex="a", guided_json=SCHEMA, response_format={"type": "json_object"})
     assert info.value.param == "response_format"
     assert "(response_format, guided_json, guided_regex)" in info.value.message
+
+
+# ---- vLLM's launch flags ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("{not json", "is not valid JSON"),
+    ('["auto"]', "must be a JSON object"),
+    ('{"backend": "fast"}', "backend must be one of auto, outlines, xgrammar"),
+    ('{"backnd": "auto"}', r"unknown keys \['backnd'\]"),
+    ('{"disable_any_whitespace": "yes"}', "disable_any_whitespace must be true or false"),
+])
+def test_structured_outputs_config_errors_name_the_flag(raw, message):
+    from laguna_dflash.server.args import structured_outputs_defaults
+
+    with pytest.raises(ValueError, match=f"--structured-outputs-config .*{message}|{message}"):
+        structured_outputs_defaults(raw)
+    assert structured_outputs_defaults(None) == {}
+    assert structured_outputs_defaults('{"backend": "xgrammar", "disable_fallback": true}') == {}
+
+
+def test_server_wide_disable_any_whitespace(pair):
+    """``--structured-outputs-config '{"disable_any_whitespace": true}'`` (and vLLM's older
+    ``--guided-decoding-backend``) start a server whose JSON constraints allow no whitespace,
+    unless a request sends its own whitespace pattern."""
+    import dflash_fixtures as df
+
+    body = {"prompt": "def f(x):", "max_tokens": 80, "temperature": 0, "guided_json": SCHEMA}
+    with df.tiny_http_server(pair[0], "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "160",
+                             "--guided-decoding-backend",
+                             "xgrammar", "--structured-outputs-config",
+                             '{"backend": "xgrammar", "disable_any_whitespace": true}') as tight:
+        out = _ok(tight, "/v1/completions", body)["choices"][0]
+        assert out["finish_reason"] == "stop" and json.loads(out["text"]).keys() == SCHEMA["properties"].keys()
+        assert not re.search(r"\s", out["text"]), out["text"]
+        spaced = _ok(tight, "/v1/completions", {**body, "guided_whitespace_pattern": "[ ]"})["choices"][0]
+        assert ": " in spaced["text"] and json.loads(spaced["text"]) is not None

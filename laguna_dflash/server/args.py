@@ -75,6 +75,8 @@ class ServerConfig:
     enable_request_id_headers: bool = False
     # vLLM's ``--enable-log-requests``: one INFO line per request (id, prompt length, params)
     log_requests: bool = False
+    # --structured-outputs-config's request defaults ({"disable_any_whitespace": True} or {})
+    structured_outputs_defaults: dict = field(default_factory=dict)
 
     def describe(self) -> dict:
         """The resolved settings as plain values (logged at start-up, shown by /server_info)."""
@@ -185,7 +187,47 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default=None,
                    choices=("debug", "info", "warning", "error", "critical", "trace"),
                    help="the HTTP server's own log level (default: --log-level's)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='vLLM\'s: {"backend": ..., "disable_any_whitespace": true|false}; one '
+                        "backend serves every name (outlines-core); disable_any_whitespace is "
+                        "the default of JSON constraints")
+    p.add_argument("--guided-decoding-backend", default=None, choices=STRUCTURED_BACKENDS,
+                   help="vLLM's older flag: taken, and outlines-core serves every name")
     add_speculative_spelling_args(p)
+
+
+#: vLLM's structured-output backend names: taken, and outlines-core serves every one
+STRUCTURED_BACKENDS = ("auto", "outlines", "xgrammar", "guidance", "lm-format-enforcer")
+#: ``--structured-outputs-config`` keys that change nothing here (vLLM's backend tuning)
+_IGNORED_STRUCTURED_KEYS = ("disable_fallback", "disable_additional_properties", "reasoning_parser",
+                            "enable_in_reasoning")
+
+
+def structured_outputs_defaults(raw: str | None) -> dict[str, bool]:
+    """``--structured-outputs-config`` (vLLM's JSON) -> the request defaults it sets
+    (``{"disable_any_whitespace": True}`` or ``{}``); a ValueError
+    naming the flag for JSON that is not an object, an unknown key or backend, or a non-bool."""
+    if raw is None:
+        return {}
+    try:
+        config = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError('--structured-outputs-config must be a JSON object, e.g. {"backend": "auto"}')
+    known = ("backend", "disable_any_whitespace", *_IGNORED_STRUCTURED_KEYS)
+    unknown = sorted(set(config) - set(known))
+    if unknown:
+        raise ValueError(f"--structured-outputs-config has unknown keys {unknown}; it takes "
+                         f"{', '.join(known)}")
+    if config.get("backend", "auto") not in STRUCTURED_BACKENDS:
+        raise ValueError(f"--structured-outputs-config backend must be one of "
+                         f"{', '.join(STRUCTURED_BACKENDS)}, got {config['backend']!r}")
+    whitespace = config.get("disable_any_whitespace", False)
+    if not isinstance(whitespace, bool):
+        raise ValueError("--structured-outputs-config disable_any_whitespace must be true or false, "
+                         f"got {whitespace!r}")
+    return {"disable_any_whitespace": True} if whitespace else {}
 
 
 def add_speculative_spelling_args(p: argparse.ArgumentParser) -> None:
@@ -433,6 +475,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
         enable_request_id_headers=bool(getattr(args, "enable_request_id_headers", False)),
         log_requests=bool(getattr(args, "enable_log_requests", False)),
+        structured_outputs_defaults=structured_outputs_defaults(getattr(args, "structured_outputs_config", None)),
     )
     logger.info("resolved serve configuration: %s",
                 ", ".join(f"{k}={v}" for k, v in config.describe().items()))

@@ -212,6 +212,9 @@ class Serving:
         if found is None:
             return {}
         params, param = found
+        if (self.config.structured_outputs_defaults.get("disable_any_whitespace")
+                and params.whitespace_pattern is None):  # --structured-outputs-config's default
+            params = replace(params, disable_any_whitespace=True)
         if self.tokenizer is None:
             raise bad_request(f"{param} needs a tokenizer to compile the constraint over the "
                               f"model's tokens, and the model has none; leave {param} out", param)

@@ -125,6 +125,10 @@ _SAMPLING_FIELD_TYPES = {
 }
 
 
+#: vLLM's scheduling policies (``--scheduling-policy``)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM semantics). ``temperature < 1e-5`` (0 too) means greedy."""
@@ -552,6 +556,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (requests' priority,
+    # lower first, then arrival; engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -688,6 +695,9 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (--max-num-seqs: requests decoded "
                              f"together), got {self.max_num_seqs}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)} "
+                             f"(--scheduling-policy), got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not supported (--load-format); "
                              "use 'auto' or 'dummy'")

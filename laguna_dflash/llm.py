@@ -300,12 +300,15 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | list[int] | None = None,
         use_tqdm: bool | Callable = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, vLLM-style ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}`` dicts, or token ids); one :class:`RequestOutput` each, in
         order. ``sampling_params=None``: :meth:`get_default_sampling_params` (the model's
         ``generation_config.json``, as vLLM). ``use_tqdm`` (vLLM's; off by default here): a
-        progress bar of finished requests on stderr, or a ``tqdm``-like callable to make it."""
+        progress bar of finished requests on stderr, or a ``tqdm``-like callable to make it.
+        ``priority`` (vLLM's): one integer a prompt, lower scheduled first; needs
+        ``LLM(..., scheduling_policy="priority")`` unless all are 0."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts= (text) or prompt_token_ids=")
         if isinstance(prompts, (str, dict)):
@@ -346,7 +349,7 @@ class LLM:
                 prompt_token_ids = [prompt_token_ids]
             token_lists = [_token_ids(t) for t in prompt_token_ids]
             texts = [None] * len(token_lists)
-        return self._generate(token_lists, texts, sampling_params, use_tqdm, salts)
+        return self._generate(token_lists, texts, sampling_params, use_tqdm, salts, priority)
 
     def chat(
         self,
@@ -398,10 +401,14 @@ class LLM:
 
     def _generate(self, token_lists: list[list[int]], texts: list[str | None],
                   sampling_params: SamplingParams | list[SamplingParams] | None,
-                  use_tqdm: bool | Callable, salts: list[str | None] | None = None) -> list[RequestOutput]:
+                  use_tqdm: bool | Callable, salts: list[str | None] | None = None,
+                  priority: list[int] | None = None) -> list[RequestOutput]:
         """:meth:`generate` and :meth:`chat` past their inputs: the prompts as token ids (their
         texts, or None, for the outputs), the sampling parameters as given to them; ``salts``:
-        a prompt's own ``cache_salt`` (over its parameters')."""
+        a prompt's own ``cache_salt`` (over its parameters'); ``priority``: one a prompt."""
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(token_lists)):
+            raise ValueError(f"priority must be a list of one integer a prompt ({len(token_lists)}), "
+                             f"got {priority!r:.80}")
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
         bad = [p for p in params_list if not isinstance(p, SamplingParams)]
@@ -427,12 +434,12 @@ class LLM:
         # (add_request), a failing step (StepError) or an interrupt aborts the ones not finished,
         # so none of them runs (and holds KV blocks) inside a later generate()
         try:
-            for ids, p, t in zip(token_lists, params_list, texts):
+            for ids, p, t, rank in zip(token_lists, params_list, texts, priority or [0] * len(token_lists)):
                 ids = truncated_prompt(ids, p.truncate_prompt_tokens, self.engine.max_model_len)
                 seqs.append([])
                 for i in range(p.n):  # choice i samples with seed + i, as the server's n
                     choice = p if i == 0 or p.seed is None else replace(p, seed=p.seed + i)
-                    seq = self.engine.add_request(ids, choice, prompt=t)
+                    seq = self.engine.add_request(ids, choice, prompt=t, priority=rank)
                     seqs[-1].append(seq)
                     if p.stop:
                         texts_of[seq.request_id] = OutputText(

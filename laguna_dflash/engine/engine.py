@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -273,7 +274,7 @@ class LLMEngine:
             self.prefill_token_budget, num_lookahead=k,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            layout=self.kv_layout,
+            layout=self.kv_layout, scheduling_policy=config.scheduling_policy,
         )
         self.tap_layer_ids = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         self._ids = itertools.count()
@@ -664,7 +665,16 @@ class LLMEngine:
         return vocab if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> Sequence:
+                    prompt: str | None = None, priority: int = 0) -> Sequence:
+        """Queue a request -> its :class:`Sequence`. ``priority`` (vLLM's; lower goes first)
+        needs the ``priority`` scheduling policy unless it is 0. ValueError naming the field
+        for anything the engine cannot run."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"priority must be an integer (lower is scheduled first), got {priority!r}")
+        if priority != 0 and not self.scheduler.is_priority:
+            raise ValueError(f"priority={priority} needs the priority scheduling policy; start the "
+                             "engine with scheduling_policy='priority' (--scheduling-policy "
+                             "priority), or leave priority at 0")
         if not prompt_token_ids:
             raise ValueError("prompt is empty; pass at least one token")
         vocab = self.target.spec.vocab_size
@@ -722,14 +732,14 @@ class LLMEngine:
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len (--max-model-len)"
             )
         seq = Sequence(next(self._ids), [int(t) for t in prompt_token_ids], params,
-                       eos_token_ids=self.eos_token_ids, prompt=prompt)
+                       eos_token_ids=self.eos_token_ids, prompt=prompt, priority=int(priority))
         if params.logprobs is not None:
             seq.logprobs = []
         if grammar is not None:  # in a final state the stop tokens are allowed too
             seq.grammar = GrammarMatcher(grammar, tuple(sorted(stops)))
         self.scheduler.add(seq)
         if self._ops is not None:
-            self._ops.append(("add", seq.prompt_token_ids, params, prompt))
+            self._ops.append(("add", seq.prompt_token_ids, params, prompt, seq.priority))
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -769,7 +779,7 @@ class LLMEngine:
         while True:
             for op in self.tp.broadcast_object(None):
                 if op[0] == "add":
-                    seq = self.add_request(op[1], op[2], prompt=op[3])
+                    seq = self.add_request(op[1], op[2], prompt=op[3], priority=op[4])
                     seqs[seq.request_id] = seq
                 elif op[0] == "abort":
                     if op[1] in seqs:

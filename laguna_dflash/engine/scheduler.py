@@ -5,6 +5,11 @@ A step is either a prefill batch (newly admitted requests, whole prompt each) or
 (the bonus token plus K draft tokens when speculating). When blocks run out the most recently
 admitted request is preempted: its blocks are freed and it is recomputed later from its tokens.
 
+Scheduling policy (vLLM's ``--scheduling-policy``): ``fcfs`` admits in arrival order; ``priority``
+keeps the waiting, prefilling and running queues ordered by (``priority``, arrival), lower first,
+so the most urgent waiting request is admitted first and the least urgent running one is
+preempted first. A running request is never preempted to admit a waiting one.
+
 Prefix caching (``enable_prefix_caching``, vLLM's automatic prefix caching): a request is
 admitted with the cached blocks of its longest cached full-block prefix at the head of its
 block table (shared, never written: it writes only past them) and ``num_computed`` at their end,
@@ -69,8 +74,10 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
         layout: HybridLayout | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.allocator = allocator
+        self.is_priority = scheduling_policy == "priority"
         self.layout = layout
         self.num_swa_groups = layout.num_swa_groups if layout is not None else 0
         self.null_block = allocator.num_blocks  # the scratch block: an SWA table's freed entry
@@ -92,7 +99,21 @@ class Scheduler:
         return bool(self.waiting or self.running or self.prefilling)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
+
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """Append ``seq`` (first come, first served), or with the priority policy insert it
+        after every request of ``queue`` that goes before it: a lower ``priority`` value, or
+        the same and an earlier arrival (request ids increase). The queues stay ordered, so
+        admission takes them from the front and preemption from the back, under either policy."""
+        if not self.is_priority:
+            queue.append(seq)
+            return
+        key = (seq.priority, seq.request_id)
+        i = len(queue)
+        while i > 0 and (queue[i - 1].priority, queue[i - 1].request_id) > key:
+            i -= 1
+        queue.insert(i, seq)
 
     def _swa_needed(self, seq: Sequence, num_positions: int) -> int:
         """Blocks the SWA groups' tables of ``seq`` lack to cover ``num_positions`` positions
@@ -368,9 +389,9 @@ class Scheduler:
                 if completes and seq in self.prefilling:
                     self.prefilling.remove(seq)
                 if completes:
-                    self.running.append(seq)
+                    self._enqueue(self.running, seq)
                 elif seq not in self.prefilling:
-                    self.prefilling.append(seq)
+                    self._enqueue(self.prefilling, seq)
             # a chunked prompt still in progress: the running requests decode next
             self._decode_turn = bool(self.prefilling)
             return ScheduledBatch(prefill, is_prefill=True, num_new_tokens=counts)
@@ -407,7 +428,10 @@ class Scheduler:
         self.release(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.is_priority:
+            self._enqueue(self.waiting, seq)
+        else:  # first in line again: it arrived before every waiting request
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -69,6 +69,8 @@ class Sequence:
     prompt_mask: torch.Tensor | None = None
     # structured outputs: the request's place in its grammar (structured_outputs.GrammarMatcher)
     grammar: Any = None
+    # vLLM's request priority (lower first) under the priority scheduling policy
+    priority: int = 0
 
     @property
     def num_final_positions(self) -> int:

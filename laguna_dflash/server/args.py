@@ -26,6 +26,7 @@ from ..chat_template import read_chat_template
 from ..config import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     DRAFT_QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     EngineConfig,
     SpeculativeConfig,
     from_vllm_speculative_config,
@@ -161,6 +162,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="most requests decoded together")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens, help="prefill token budget per step")
+    p.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy,
+                   choices=SCHEDULING_POLICIES,
+                   help="fcfs: requests in arrival order; priority: by the request's priority "
+                        "field (lower first), then arrival (vLLM's)")
     p.add_argument("--seed", type=int, default=EngineConfig.seed, help="engine sampling seed")
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for fields a request leaves out: auto (the model's "
@@ -436,6 +441,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, speculative=spec.config,
+        scheduling_policy=getattr(args, "scheduling_policy", EngineConfig.scheduling_policy),
         seed=args.seed,
         attention_backend=getattr(args, "attention_backend", EngineConfig.attention_backend),
         enforce_eager=getattr(args, "enforce_eager", False),

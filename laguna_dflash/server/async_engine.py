@@ -73,6 +73,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     arrival: float
+    priority: int = 0
     seq: Sequence | None = None
     num_sent: int = 0
     # time.monotonic() at the start of the engine step that first computed any of its prompt,
@@ -171,12 +172,13 @@ class AsyncEngine:
         self._thread = None
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams) -> RequestStream:
-        """Queue a request (call from the event loop); await ``accepted()`` on the result."""
+               params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Queue a request (call from the event loop); await ``accepted()`` on the result.
+        ``priority``: vLLM's, for the priority scheduling policy (lower first)."""
         if not self.is_alive:
             raise APIError(503, "the engine is not running")
         req = _Request(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(),
-                       asyncio.Queue(), time.monotonic())
+                       asyncio.Queue(), time.monotonic(), priority=priority)
         self._commands.put(("add", req))
         return RequestStream(self, req)
 
@@ -255,7 +257,7 @@ class AsyncEngine:
 
     def _add(self, req: _Request) -> None:
         try:
-            req.seq = self.engine.add_request(req.prompt_token_ids, req.params)
+            req.seq = self.engine.add_request(req.prompt_token_ids, req.params, priority=req.priority)
         except ValueError as e:
             self._deliver([(req, _Failure(400, str(e)))])
             return

@@ -177,7 +177,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     stop = stop_strings(req)
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output,
-                               base_request_id(request, req.request_id))
+                               base_request_id(request, req.request_id), req.priority)
     if req.stream:
         return serving.sse_response(_events(serving, jobs, req, n_logprobs), jobs)
     deltas = await serving.collect(jobs, request)

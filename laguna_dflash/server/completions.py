@@ -214,7 +214,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
                 params = replace(params, prompt_logprobs=max(counts))
             started = await serving.start("cmpl", ids, params, num_choices(req), stop,
                                           req.skip_special_tokens, req.include_stop_str_in_output,
-                                          base_request_id(request, req.request_id))
+                                          base_request_id(request, req.request_id), req.priority)
             for job in started:
                 job.hides_output, job.prompt_index = max_tokens == 0, k
             jobs += started

@@ -35,10 +35,6 @@ def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields whose non-default values this server cannot honour."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n={req.n}: the number of choices must be in [1, {MAX_CHOICES}]", "n")
-    if req.priority != 0:
-        raise bad_request(f"priority={req.priority}: priority scheduling is not supported (the "
-                          "scheduler is first come, first served); leave priority out or 0",
-                          "priority")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only for streamed responses: set stream=true or "
                           "leave stream_options out", "stream_options")

@@ -268,7 +268,7 @@ class Serving:
 
     async def start(self, prefix: str, prompt_ids: list[int], params: SamplingParams, n: int,
                     stop: tuple[str, ...], skip_special_tokens: bool,
-                    include_stop_str: bool, base_id: str | None = None) -> list[Job]:
+                    include_stop_str: bool, base_id: str | None = None, priority: int = 0) -> list[Job]:
         """Submit the ``n`` choices of one response and wait until the engine accepted them
         (4xx/5xx otherwise; the accepted ones are then aborted). With a seed, choice ``i``
         samples with ``seed + i``.
@@ -276,7 +276,13 @@ class Serving:
         The response's id is ``<prefix>-<base_id>`` (:func:`base_request_id`: the client's
         ``X-Request-Id`` or ``request_id``), else ``<prefix>-<random hex>``. Engine request ids
         are that id, ``<id>-1``, ... for the choices, with a random suffix after a client's
-        id: two requests may send the same one, and the engine's ids must differ."""
+        id: two requests may send the same one, and the engine's ids must differ.
+        ``priority`` (vLLM's request field) orders the choices under ``--scheduling-policy
+        priority``; another value than 0 is a 400 without it."""
+        if priority != 0 and self.config.engine.scheduling_policy != "priority":
+            raise bad_request(f"priority={priority} needs priority scheduling, and this server "
+                              "schedules first come, first served; leave priority out or 0, or "
+                              "start the server with --scheduling-policy priority", "priority")
         for param, ids in (("logit_bias", params.logit_bias or {}),
                            ("stop_token_ids", params.stop_token_ids or ()),
                            ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -304,7 +310,7 @@ class Serving:
                 jobs.append(Job(request_id if i == 0 else f"{request_id}-{i}", int(time.time()),
                                 prompt_ids, p,
                                 OutputText(detok, stop, include_stop_str, params.min_tokens),
-                                self.engine.submit(rid, prompt_ids, p)))
+                                self.engine.submit(rid, prompt_ids, p, priority)))
                 await jobs[-1].stream.accepted()
         except BaseException:
             for job in jobs:

@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
 #   bash benchmarks/gpu_check.sh pass181    # any card (ninety-eighth pass): structured outputs on the GPU (the
 #                                           # offline tests, CUDA cases included; outlines-core from
-#                                           # .whl/structured), then on an H200 pass176 (~2-4 min)
+#                                           # .whl/structured), the constraint's cost at XS-2.1 size
+#                                           # (bench_structured_outputs.py), then on an H200 pass176 (~4-6 min)
 #   bash benchmarks/gpu_check.sh pass180    # any card (ninety-sixth pass): on an H200 pass176 first; then the
 #                                           # expert GEMVs of the decode and 4-token verify graphs under ncu
 #                                           # (8 layers, L2 not flushed): DRAM MB read, time, L2 hit rate and
@@ -716,6 +717,9 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
     python -m pip install -q --no-deps .whl/structured/outlines_core-*.whl 2>&1 | tail -2
     gpu_tests 200 -n 4 tests/test_structured_outputs.py | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -12
+    echo "-- an allow-all constraint against none, XS-2.1 size (bench_structured_outputs.py)"
+    timeout 240 python benchmarks/bench_structured_outputs.py --batches 1,4 --length 4 --rounds 3 2>&1 \
+      | quiet | grep -E "^\| |^decode|rror" | head -12
     on_h200 && bash "$0" pass176 | tail -n +3 ;;
   pass180)
     echo "== (ninety-sixth pass) on an H200 pass176; then the expert GEMVs at 1 and 4 tokens under ncu"

@@ -492,10 +492,10 @@ class LLM:
         return out
 
     def _with_grammars(self, params_list: list[SamplingParams]) -> list[SamplingParams]:
-        """Each ``SamplingParams`` with ``structured_outputs`` gets its grammar compiled with this
-        model's tokenizer (``structured_grammar``; one compiler an LLM, which keeps the recent
-        grammars), which the engine enforces."""
-        if not any(p.structured_outputs is not None for p in params_list):
+        """Each ``SamplingParams`` with ``structured_outputs`` and no ``structured_grammar`` gets
+        it compiled with this model's tokenizer (one compiler an LLM, which keeps the recent
+        grammars); the engine enforces it. A grammar given is used as it is."""
+        if not any(p.structured_outputs is not None and p.structured_grammar is None for p in params_list):
             return params_list
         if self.tokenizer is None:
             raise ValueError(f"SamplingParams.structured_outputs: {self.config.model} has no "
@@ -503,7 +503,8 @@ class LLM:
         if self._grammar_compiler is None:
             self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, self.engine.target.spec.vocab_size)
         return [replace(p, structured_grammar=self._grammar_compiler.compile(p.structured_outputs))
-                if p.structured_outputs is not None else p for p in params_list]
+                if p.structured_outputs is not None and p.structured_grammar is None else p
+                for p in params_list]
 
     def _output(self, s: Sequence, text: OutputText | None) -> RequestOutput:
         """``s`` as a :class:`RequestOutput`. Its text leaves out the text of the token the

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 #: the PyPI package and version this is tested against (pyproject's ``structured`` extra)
@@ -260,6 +261,10 @@ class GrammarMatcher:
         self.grammar = grammar
         self.state: int | None = grammar.initial_state
         self.num_consumed = 0  # outputs the state has taken in
+        self.stop_token_ids = frozenset(stop_token_ids)
+        # (outputs, drafts) of the last guided_drafts: the verify of the same step reads the
+        # drafts from here instead of from the device
+        self._drafted: tuple[int, list[int]] | None = None
         stops = torch.tensor(sorted({t for t in stop_token_ids if 0 <= t < grammar.vocab_size}), dtype=torch.long)
         self._stop_bits = pack_token_bits(stops, grammar.vocab_size)
 
@@ -267,6 +272,39 @@ class GrammarMatcher:
         """Whether row ``bits`` (from :meth:`row_bits`) allows stop tokens only: the output is
         complete, and min_tokens does not ban them there (the constraint wins)."""
         return not bool((bits & ~self._stop_bits).any())
+
+    def _catch_up(self, outputs: list[int]) -> None:
+        self.state = self._walk(self.state, outputs[self.num_consumed:])
+        self.num_consumed = len(outputs)
+
+    def guided_drafts(self, outputs: list[int], candidates: np.ndarray) -> list[int]:
+        """Drafts that stay inside the constraint after ``outputs``: at each position ``j`` the
+        first of ``candidates[j]`` (``[k, C]`` int64: the drafter's likeliest tokens, best first)
+        the state allows (stop tokens where it is final); where none is allowed, or once a stop
+        token was drafted or the state is gone, the position's likeliest (the target will not
+        accept it: such drafts only fill the block). Changes which drafts are proposed, never
+        what is accepted (the verify decides)."""
+        self._catch_up(outputs)
+        drafts, state = [], self.state
+        for choices in candidates:
+            pick = int(choices[0])
+            if state is not None:
+                allowed = self._bits_of(state).numpy()
+                ok = (allowed[choices // 32] >> (choices % 32)) & 1  # [C] in the state's bit set
+                if ok.any():
+                    pick = int(choices[int(ok.argmax())])
+                # past a stop token nothing is verified; past a refused token nothing accepted
+                state = None if pick in self.stop_token_ids else self.grammar.next_state(state, pick)
+            drafts.append(pick)
+        self._drafted = (len(outputs), drafts)
+        return drafts
+
+    def drafted(self, num_outputs: int, num_drafts: int) -> list[int] | None:
+        """The drafts :meth:`guided_drafts` chose after ``num_outputs`` outputs, if it chose
+        ``num_drafts`` there; else None (the drafts were not guided: read them off the device)."""
+        if self._drafted is None or self._drafted[0] != num_outputs or len(self._drafted[1]) != num_drafts:
+            return None
+        return self._drafted[1]
 
     def _walk(self, state: int | None, tokens: list[int]) -> int | None:
         for t in tokens:
@@ -280,18 +318,18 @@ class GrammarMatcher:
         ``outputs`` then ``drafts[:j]``. A state the constraint left (a refused draft, or a
         stop token generated with ignore_eos) allows every token: such a draft row is never
         used, and past the constraint nothing is left to enforce."""
-        self.state = self._walk(self.state, outputs[self.num_consumed:])
-        self.num_consumed = len(outputs)
+        self._catch_up(outputs)
         rows, state = [], self.state
         for j in range(len(drafts) + 1):
             if j:
                 state = self._walk(state, drafts[j - 1 : j])
-            if state is None:
-                rows.append(torch.full_like(self._stop_bits, -1))
-            else:
-                bits = self.grammar.allowed_bits(state)
-                rows.append(bits | self._stop_bits if self.grammar.is_final(state) else bits)
+            rows.append(torch.full_like(self._stop_bits, -1) if state is None else self._bits_of(state))
         return rows
+
+    def _bits_of(self, state: int) -> torch.Tensor:
+        """The tokens ``state`` allows, its stop tokens too where it is final (``[W]`` int32)."""
+        bits = self.grammar.allowed_bits(state)
+        return bits | self._stop_bits if self.grammar.is_final(state) else bits
 
 
 class StructuredOutputCompiler:

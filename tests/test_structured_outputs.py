@@ -20,6 +20,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import regex as partial_regex
 import torch
@@ -310,3 +311,58 @@ def test_min_tokens_yields_to_a_complete_constraint(target_only, dflash):
             if s.finish_reason == "stop":
                 assert re.fullmatch(pattern, s.text), (fields, s.text)
                 assert len(s.token_ids) - 1 >= at_least
+
+
+# ---- guided drafts ------------------------------------------------------------------------
+
+def test_guided_drafts_take_the_first_allowed_candidate(tokenizer, compiler):
+    grammar = compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    spelled = {b: ids[0] for b, ids in token_byte_strings(tokenizer, VOCAB).items()}
+    y, e, s, n, o, x = (spelled[c] for c in (b"y", b"e", b"s", b"n", b"o", b"x"))
+    matcher = GrammarMatcher(grammar, (2,))
+    cands = np.array([[x, y, n], [x, e, o], [s, x, e], [x, 5, 2], [y, n, x]])
+    # y (x refused), e, s, then the stop token (final: "yes"), then past the stop: the likeliest
+    assert matcher.guided_drafts([], cands) == [y, e, s, 2, y]
+    assert matcher.drafted(0, 5) == [y, e, s, 2, y] and matcher.drafted(0, 4) is None
+    assert matcher.drafted(1, 5) is None
+    # nothing allowed at a position: its likeliest, and the rest unguided (the state is gone)
+    assert matcher.guided_drafts([n], np.array([[x, y], [o, x]])) == [x, o]
+
+
+def test_a_verify_reads_guided_drafts_from_the_host(tokenizer, compiler):
+    """penalized_rows needs no device drafts for requests whose drafts were guided."""
+    from laguna_dflash.engine.penalties import penalized_rows
+    from laguna_dflash.engine.sequence import Sequence
+
+    grammar = compiler.compile(StructuredOutputsParams(regex=FUNCTION_REGEX))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=FUNCTION_REGEX),
+                            structured_grammar=grammar)
+    seq = Sequence(0, [5, 6], params, eos_token_ids=(2,))
+    seq.grammar = GrammarMatcher(grammar, (2,))
+    first = tokenizer.encode("def", add_special_tokens=False)[0]
+    drafts = seq.grammar.guided_drafts([], np.array([[first, 9], [7, 8]]))
+    rows = penalized_rows(torch.zeros(3, VOCAB), [seq], 3, drafts=None)[0]  # no device drafts given
+    expected = seq.grammar.row_bits([], drafts)
+    for row, bits in zip(rows, expected):
+        assert torch.equal(row > float("-inf"), unpack_token_bits(bits.view(1, -1), VOCAB)[0])
+
+
+def test_guided_drafts_raise_acceptance_under_a_schema(dflash, monkeypatch):
+    """Drafts chosen inside the constraint are accepted more often than the drafter's argmax
+    (which the constraint often refuses), and the outputs stay the same tokens."""
+    import laguna_dflash.engine.spec_decode as spec_decode
+
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+
+    def run() -> tuple[float, list]:
+        before = dflash.get_metrics()
+        out = dflash.generate(PROMPTS, params, use_tqdm=False)
+        after = dflash.get_metrics()
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        return 1 + accepted / (after["num_drafts"] - before["num_drafts"]), [o.token_ids for o in out]
+
+    guided, guided_tokens = run()
+    monkeypatch.setattr(spec_decode, "num_draft_candidates", 0)
+    argmax, argmax_tokens = run()
+    assert guided_tokens == argmax_tokens
+    assert guided > argmax + 0.3, (guided, argmax)

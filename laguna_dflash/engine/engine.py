@@ -1073,8 +1073,8 @@ class LLMEngine:
         (no preemption: when blocks are short, nothing is queued). Not while a chunked prefill
         is in progress (the next step is its chunk)."""
         if (not draft_ahead or taps is not None or self.proposer.runner.graphs is None
-                or self.scheduler.prefilling):
-            return None
+                or self.scheduler.prefilling or any(s.grammar for s in seqs)):
+            return None  # a constrained request's drafts are chosen on the host (propose)
         # the next block ends at P + a + 1 + k <= P + 2k + 1
         if not all(self.scheduler.reserve(s, p + 2 * k + 2) for s, p in zip(seqs, anchors)):
             return None
@@ -1103,7 +1103,7 @@ class LLMEngine:
         """One DFlash step for the whole batch with ``k`` drafts each: draft (or take the drafts
         the previous step queued, ``ahead``), verify, accept, queue the next step's drafts,
         commit, roll back. Returns the accepted-draft count per request."""
-        if ahead is not None and ahead.fits(seqs, k):
+        if ahead is not None and ahead.fits(seqs, k) and not any(s.grammar for s in seqs):
             drafts = ahead.drafts  # [R, k]
         else:
             drafts = self.proposer.propose(seqs, k)

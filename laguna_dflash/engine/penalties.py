@@ -233,13 +233,18 @@ def _grammar_row_bits(seqs: list[Sequence], chosen: list[int], n: int,
     ``seqs[chosen[pos]]`` with a grammar, its row ``j`` in the state its outputs and then drafts
     ``d_1 .. d_j`` reach (``drafts [R, n - 1]`` on the device; structured_outputs.GrammarMatcher).
     The automaton runs on the host: a verify step with such a request brings their drafts to
-    the host, the one host sync structured outputs add."""
+    the host (unless the drafter's guided choice left them there), the one host sync
+    structured outputs add."""
     positions = [pos for pos, i in enumerate(chosen) if seqs[i].grammar is not None]
     if not positions:
         return {}
     requests = [chosen[pos] for pos in positions]
+    # guided drafts are known on the host already (spec_decode.DFlashProposer._guide)
+    known = [seqs[i].grammar.drafted(len(seqs[i].output_token_ids), n - 1) for i in requests]
     if n == 1:
         draft_lists: list[list[int]] = [[] for _ in requests]
+    elif all(d is not None for d in known):
+        draft_lists = known
     else:
         assert drafts is not None, "verify rows with a grammar need the drafts"
         draft_lists = drafts.index_select(0, to_device_async(torch.tensor(requests), drafts.device)).tolist()

@@ -22,8 +22,12 @@ from .context_graph import ContextGraphRunner
 from .cuda_graph import DeviceStart
 from .kv_cache import KVCache
 from .pending_taps import gather_pending_taps, plan_rows
-from .runner import ForwardItem, ModelRunner
+from .runner import ForwardItem, ModelRunner, to_device_async
 from .sequence import Sequence
+
+#: the drafter's likeliest tokens a position that a constrained request's draft is chosen from
+#: (DFlashProposer._guide); 0 turns guided drafting off (the argmax, as unconstrained requests)
+num_draft_candidates = 1024
 
 
 def num_accepted(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
@@ -159,7 +163,7 @@ class DFlashProposer:
             p = s.num_tokens - 1  # position of the pending bonus token
             ids += [s.last_token] + [mask_id] * k
             items.append(self.forward_item(s, p, k + 1))
-        return self._drafts(ids, items, k)
+        return self._drafts(ids, items, k, seqs=seqs)
 
     @torch.inference_mode()
     def propose_ahead(self, seqs: list[Sequence], k: int, anchors: list[int], accepted: torch.Tensor,
@@ -185,10 +189,32 @@ class DFlashProposer:
                            self._drafts(ids, items, k, DeviceStart(accepted, target_tokens)))
 
     def _drafts(self, ids: list[int], items: list[ForwardItem], k: int,
-                device_start: DeviceStart | None = None) -> torch.Tensor:
-        """The drafter block forward and the argmax of its ``k`` mask rows -> ``[R, k]`` int64."""
+                device_start: DeviceStart | None = None, seqs: list[Sequence] | None = None) -> torch.Tensor:
+        """The drafter block forward and the argmax of its ``k`` mask rows -> ``[R, k]`` int64;
+        the rows of ``seqs`` with a structured-output constraint are chosen inside it instead
+        (:meth:`_guide`)."""
         r = len(items)
         hidden = self.runner.forward(ids, items, is_causal=self.drafter.is_causal, device_start=device_start,
                                      copy_hidden=False)[0]  # consumed at once by the lm_head
         hidden = hidden.view(r, k + 1, -1)[:, 1:]
-        return self.drafter.draft_tokens(hidden.reshape(r * k, -1)).view(r, k)
+        drafts = self.drafter.draft_tokens(hidden.reshape(r * k, -1)).view(r, k)
+        guided = [i for i, s in enumerate(seqs or ()) if s.grammar is not None] if num_draft_candidates else []
+        return self._guide(drafts, hidden, [seqs[i] for i in guided], guided) if guided else drafts
+
+    def _guide(self, drafts: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence],
+               rows: list[int]) -> torch.Tensor:
+        """Constrained requests' drafts (rows ``rows`` of ``drafts [R, k]``; ``hidden [R, k, H]``
+        the block's mask rows) taken from the drafter's ``num_draft_candidates`` likeliest
+        tokens a position, the first each position's grammar state allows
+        (GrammarMatcher.guided_drafts): a draft the constraint refuses is never accepted, so
+        the argmax would end the block there. The candidates come to the host (a sync the
+        verify then saves: it reads these drafts from the matchers), the chosen drafts go up
+        in place of the argmax."""
+        k = drafts.shape[1]
+        index = to_device_async(torch.tensor(rows), drafts.device)
+        candidates = self.drafter.draft_candidates(hidden.index_select(0, index).reshape(len(rows) * k, -1),
+                                                   num_draft_candidates).view(len(rows), k, -1).cpu().numpy()
+        chosen = [s.grammar.guided_drafts(s.output_token_ids, c) for s, c in zip(seqs, candidates)]
+        drafts = drafts.clone()  # the argmax may be a graph's output buffer
+        drafts.index_copy_(0, index, to_device_async(torch.tensor(chosen, dtype=drafts.dtype), drafts.device))
+        return drafts

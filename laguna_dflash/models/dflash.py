@@ -533,6 +533,15 @@ class DFlashDraftModel(nn.Module):
         best = argmax_rows(self.lm_head_logits(hidden))
         return best if self.draft_vocab_ids is None else self.draft_vocab_ids[best]
 
+    def draft_candidates(self, hidden: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` likeliest tokens of each row of :meth:`lm_head_logits` ``(hidden [N,
+        H])``, most likely first -> ``[N, count]`` int64 token ids (mapped through
+        ``draft_vocab_ids`` where a draft vocabulary is set): the choices a constrained
+        request's drafts are taken from (structured_outputs.GrammarMatcher.guided_drafts)."""
+        logits = self.lm_head_logits(hidden)
+        best = logits.topk(min(count, logits.shape[-1]), dim=-1).indices
+        return best if self.draft_vocab_ids is None else self.draft_vocab_ids[best]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head: ``[N, H]`` -> ``[N, V]`` float32 (``[N,
         V_d]`` with a draft vocabulary, as :meth:`lm_head_logits`)."""

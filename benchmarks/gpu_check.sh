@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh pass181    # any card (ninety-eighth pass): structured outputs on the GPU (the
 #                                           # offline tests, CUDA cases included; outlines-core from
 #                                           # .whl/structured), the constraint's cost at XS-2.1 size
-#                                           # (bench_structured_outputs.py), then on an H200 pass176 (~4-6 min)
+#                                           # (bench_structured_outputs.py), guided drafts against the
+#                                           # argmax (bench_guided_drafts.py), then on an H200 pass176 (~5-7 min)
 #   bash benchmarks/gpu_check.sh pass180    # any card (ninety-sixth pass): on an H200 pass176 first; then the
 #                                           # expert GEMVs of the decode and 4-token verify graphs under ncu
 #                                           # (8 layers, L2 not flushed): DRAM MB read, time, L2 hit rate and
@@ -720,6 +721,9 @@ case "$stage" in
     echo "-- an allow-all constraint against none, XS-2.1 size (bench_structured_outputs.py)"
     timeout 240 python benchmarks/bench_structured_outputs.py --batches 1,4 --length 4 --rounds 3 2>&1 \
       | quiet | grep -E "^\| |^decode|rror" | head -12
+    echo "-- guided drafts against the argmax, the demo pair (bench_guided_drafts.py)"
+    timeout 150 python benchmarks/bench_guided_drafts.py --device cuda --rounds 3 2>&1 | quiet \
+      | grep -E "^\| |^demo|rror" | head -8
     on_h200 && bash "$0" pass176 | tail -n +3 ;;
   pass180)
     echo "== (ninety-sixth pass) on an H200 pass176; then the expert GEMVs at 1 and 4 tokens under ncu"

@@ -40,3 +40,20 @@ def test_cpu_wiring_prints_every_row(monkeypatch, capsys) -> None:
         assert same == "yes"
         tolerance = printed_ratio_tolerance(float(constrained), float(free), 0.1, 0.1, 0.001)
         assert abs(float(ratio) - float(constrained) / float(free)) <= tolerance
+
+
+def test_guided_drafts_bench_prints_every_constraint(monkeypatch, capsys) -> None:
+    import bench_guided_drafts
+
+    monkeypatch.setattr(sys, "argv", ["bench_guided_drafts.py", "--device", "cpu", "--rounds", "1",
+                                      "--new-tokens", "24"])
+    bench_guided_drafts.main()
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| constraint")]
+    assert [r.split("|")[1].strip() for r in rows] == list(bench_guided_drafts.CONSTRAINTS)
+    for row in rows:
+        argmax_len, guided_len, argmax_rate, guided_rate, ratio, same = (c.strip() for c in row.strip("|").split("|")[1:])
+        assert same == "yes" and float(argmax_len) >= 1 and float(guided_len) >= 1
+        tolerance = printed_ratio_tolerance(float(guided_rate), float(argmax_rate), 0.1, 0.1, 0.01)
+        assert abs(float(ratio) - float(guided_rate) / float(argmax_rate)) <= tolerance
+    assert rows[0].split("|")[2] == rows[0].split("|")[3]  # free: nothing to guide

@@ -4,11 +4,12 @@ add only their own checks and error types around it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 __all__ = ["RESERVED_TEMPLATE_KWARGS", "ChatTemplateError", "message_dict", "read_chat_template",
-           "render_messages"]
+           "render_messages", "tool_calls_for_template"]
 
 #: ``apply_chat_template`` arguments the renderer owns: not settable by ``chat_template_kwargs``.
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
@@ -44,8 +45,9 @@ def read_chat_template(value: str | None, name: str = "--chat-template") -> str 
 
 def message_dict(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message as templates expect it: a ``content`` list of OpenAI text parts is joined
-    with newlines, a missing or None ``content`` is ``""``; anything else is a ``ValueError``
-    (non-text parts: no image or audio input here)."""
+    with newlines, a missing or None ``content`` is ``""``, an assistant's ``tool_calls`` carry
+    their ``arguments`` as dicts (:func:`tool_calls_for_template`); anything else is a
+    ``ValueError`` (non-text parts: no image or audio input here)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f'a chat message is a dict with a "role" (str) and a "content", '
                                 f"got {message!r:.80}", "messages")
@@ -67,7 +69,31 @@ def message_dict(message: dict[str, Any]) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise ChatTemplateError(f"a chat message's content must be a string or a list of text "
                                 f"parts, got {type(content).__name__}", "messages")
+    if data["role"] == "assistant" and isinstance(data.get("tool_calls"), list):
+        data["tool_calls"] = tool_calls_for_template(data["tool_calls"])
     return data
+
+
+def tool_calls_for_template(calls: list[Any]) -> list[Any]:
+    """An assistant message's OpenAI ``tool_calls`` with each ``function.arguments`` JSON string
+    parsed into a dict (an empty or missing one is ``{}``), as vLLM hands them to chat templates
+    (which write ``arguments`` as an object); a :class:`ChatTemplateError` for arguments that are
+    not JSON. Entries of another shape are left to the template."""
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and not isinstance(function.get("arguments"), dict):
+            arguments = function.get("arguments") or {}
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError as e:
+                    raise ChatTemplateError(f"a tool call's function.arguments is not valid JSON "
+                                            f"({e}): send the arguments as a JSON object's text, "
+                                            f"got {arguments!r:.80}", "messages") from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return out
 
 
 def render_messages(tokenizer, messages: list[dict[str, Any]], *, chat_template: str | None = None,

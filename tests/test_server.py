@@ -680,7 +680,7 @@ BAD_REQUESTS = [
                               "guided_grammar": "root ::= [a-z]+"}, 400, "guided_grammar",
      "guided_regex"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tool_choice": "required"}, 400, "tool_choice", "leave tool_choice out"),
+                              "tool_choice": "required"}, 400, "tool_choice", "needs tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "functions": [{"name": "f"}]}, 400, "functions", "leave functions out"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,

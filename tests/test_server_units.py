@@ -180,20 +180,14 @@ _USER = [{"role": "user", "content": "x"}]
     (CompletionRequest(prompt="x", n=65), "n", "must be in"),
     (CompletionRequest(prompt="x", best_of=2), "best_of", "set it to 1"),
     (CompletionRequest(prompt="x", suffix="y"), "suffix", "leave suffix out"),
-    (ChatCompletionRequest(messages=_USER, tools=[{"type": "function"}]), "tools",
-     'tool_choice="none"'),
     (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search",
      "leave use_beam_search out"),
     (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options",
      "set stream=true"),
     (ChatCompletionRequest(messages=_USER, stream=False, stream_options={"include_usage": True}),
      "stream_options", "set stream=true"),
-    # were ignored with a 200: a reply with no tool call, no function call, no echoed message
-    (ChatCompletionRequest(messages=_USER, tool_choice="required"), "tool_choice",
-     'set it to "none"'),
-    (ChatCompletionRequest(messages=_USER, tool_choice={"type": "function",
-                                                        "function": {"name": "f"}}),
-     "tool_choice", "leave tool_choice out"),
+    # were ignored with a 200: a reply with no function call, no echoed message (tools and
+    # tool_choice: tests/test_server_tool_calls.py)
     (ChatCompletionRequest(messages=_USER, functions=[{"name": "f", "parameters": {}}]),
      "functions", "leave functions out"),
     (ChatCompletionRequest(messages=_USER, function_call={"name": "f"}), "function_call",
@@ -213,7 +207,8 @@ def test_unsupported_fields_are_rejected(request_, param, fix):
 
 @pytest.mark.parametrize("request_", [
     CompletionRequest(prompt="x", best_of=1, suffix=""),
-    ChatCompletionRequest(messages=_USER, tools=[{"type": "function"}], tool_choice="none"),
+    ChatCompletionRequest(messages=_USER, tools=[{"type": "function", "function": {"name": "f"}}],
+                          tool_choice="none", parallel_tool_calls=False),
     ChatCompletionRequest(messages=_USER, response_format={"type": "text"}),
     ChatCompletionRequest(messages=_USER, continue_final_message=True),  # the default yields
     ChatCompletionRequest(messages=_USER, continue_final_message=True, add_generation_prompt=False),

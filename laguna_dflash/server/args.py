@@ -36,6 +36,7 @@ from ..config import (
 from ..engine.memory_profile import DEFAULT_KV_SHARE_OF_FREE
 from ..generation_config import sampling_defaults
 from ..models.dflash import dflash_value
+from .tool_calls import TOOL_CALL_PARSERS, check_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class ServerConfig:
     log_requests: bool = False
     # --structured-outputs-config's request defaults ({"disable_any_whitespace": True} or {})
     structured_outputs_defaults: dict = field(default_factory=dict)
+    # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (tools sent
+    # without a tool_choice too) parses the model's tool calls out of its text
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def describe(self) -> dict:
         """The resolved settings as plain values (logged at start-up, shown by /server_info)."""
@@ -143,6 +148,8 @@ class ServerConfig:
             "trust_request_chat_template": self.trust_request_chat_template,
             "enable_request_id_headers": self.enable_request_id_headers,
             "log_requests": self.log_requests,
+            "enable_auto_tool_choice": self.enable_auto_tool_choice,
+            "tool_call_parser": self.tool_call_parser,
         }
 
 
@@ -198,6 +205,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "the default of JSON constraints")
     p.add_argument("--guided-decoding-backend", default=None, choices=STRUCTURED_BACKENDS,
                    help="vLLM's older flag: taken, and outlines-core serves every name")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when a request sends tools): the model '
+                        "decides, and its tool calls are parsed out of its text by "
+                        "--tool-call-parser (vLLM's flag)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help=f"the format of the model's tool calls for --enable-auto-tool-choice: "
+                        f"{', '.join(TOOL_CALL_PARSERS)} (Hermes / Qwen <tool_call> blocks)")
     add_speculative_spelling_args(p)
 
 
@@ -233,6 +247,15 @@ def structured_outputs_defaults(raw: str | None) -> dict[str, bool]:
         raise ValueError("--structured-outputs-config disable_any_whitespace must be true or false, "
                          f"got {whitespace!r}")
     return {"disable_any_whitespace": True} if whitespace else {}
+
+
+def tool_call_settings(args: argparse.Namespace) -> dict:
+    """``--enable-auto-tool-choice`` and ``--tool-call-parser`` as ServerConfig fields; a
+    ValueError for an unknown parser, or auto tool choice without one."""
+    enabled = bool(getattr(args, "enable_auto_tool_choice", False))
+    parser = getattr(args, "tool_call_parser", None)
+    check_tool_call_parser(enabled, parser)
+    return {"enable_auto_tool_choice": enabled, "tool_call_parser": parser}
 
 
 def add_speculative_spelling_args(p: argparse.ArgumentParser) -> None:
@@ -482,6 +505,7 @@ def resolve_server_config(args: argparse.Namespace) -> ServerConfig:
         enable_request_id_headers=bool(getattr(args, "enable_request_id_headers", False)),
         log_requests=bool(getattr(args, "enable_log_requests", False)),
         structured_outputs_defaults=structured_outputs_defaults(getattr(args, "structured_outputs_config", None)),
+        **tool_call_settings(args),
     )
     logger.info("resolved serve configuration: %s",
                 ", ".join(f"{k}={v}" for k, v in config.describe().items()))

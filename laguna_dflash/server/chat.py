@@ -21,6 +21,8 @@ from .sampling import (
     stop_strings,
 )
 from .serving import SSE_DONE, Delta, Job, Serving, base_request_id, sse, usage
+from .structured import requested_constraint
+from .tool_calls import ToolPlan, ToolStreamer, final_message, plan_tools
 
 
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -82,8 +84,9 @@ def _num_logprobs(req: ChatCompletionRequest, max_logprobs: int) -> int | None:
 
 
 async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
-                  n_logprobs: int | None) -> AsyncIterator[str]:
-    """The assistant role for every choice, then one SSE chunk per delta of any choice."""
+                  n_logprobs: int | None, plan: ToolPlan) -> AsyncIterator[str]:
+    """The assistant role for every choice (and a named tool's call), then one SSE chunk per
+    delta of any choice, its text made a delta by the choice's :class:`ToolStreamer`."""
     opts = req.stream_options
     base = {"id": jobs[0].request_id, "object": "chat.completion.chunk",
             "created": jobs[0].created, "model": serving.model_name}
@@ -106,15 +109,21 @@ async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
             # vLLM's place for the prompt's ids: the first chunk's, beside its choices
             top = {"prompt_token_ids": jobs[0].prompt_token_ids} if req.return_token_ids and i == 0 else {}
             yield chunk(i, {"role": "assistant", "content": ""}, top=top)
+        streamers = [ToolStreamer(plan) for _ in jobs]
+        for i, streamer in enumerate(streamers):
+            header = streamer.header()
+            if header is not None:
+                yield chunk(i, header)
         async for i, d in serving.merged(jobs):
             wants_tokens = n_logprobs is not None or req.return_token_ids
-            if not (d.text or d.finish_reason or (d.token_ids and wants_tokens)):
+            delta = streamers[i].feed(d.text, d.finish_reason is not None)
+            if not (delta or d.finish_reason or (d.token_ids and wants_tokens)):
                 continue
             lps = None
             if n_logprobs is not None and d.logprobs is not None:
                 lps = _logprobs(serving, d.token_ids, d.logprobs, n_logprobs,
                                 req.return_tokens_as_token_ids)
-            yield chunk(i, {"content": d.text} if d.text else {}, lps, d.finish_reason,
+            yield chunk(i, delta, lps, streamers[i].finish_reason(d.finish_reason),
                         d.stop_reason, d.token_ids if req.return_token_ids else None)
         if opts is not None and opts.include_usage:
             yield sse(serving.usage_chunk(jobs, base))
@@ -125,16 +134,17 @@ async def _events(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
 
 def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
               deltas_by_job: list[list[Delta]], n_logprobs: int | None,
-              n_prompt: int | None = None) -> dict:
-    """The non-streamed body; ``n_prompt``: the checked ``prompt_logprobs`` count (None: off)."""
+              n_prompt: int | None = None, plan: ToolPlan | None = None) -> dict:
+    """The non-streamed body; ``n_prompt``: the checked ``prompt_logprobs`` count (None: off);
+    ``plan``: the request's tools (tool_calls.final_message makes each message)."""
     choices = []
     for i, (job, deltas) in enumerate(zip(jobs, deltas_by_job)):
         tokens = [t for d in deltas for t in d.token_ids]
         last = deltas[-1]
+        message, finish = final_message(plan or ToolPlan(), "".join(d.text for d in deltas),
+                                        last.finish_reason)
         choice: dict[str, Any] = {
-            "index": i,
-            "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-            "logprobs": None, "finish_reason": last.finish_reason,
+            "index": i, "message": message, "logprobs": None, "finish_reason": finish,
             "stop_reason": last.stop_reason}
         if n_logprobs is not None:
             lps = [lp for d in deltas for lp in (d.logprobs or [])]
@@ -158,6 +168,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     req = await serving.parse(request, ChatCompletionRequest)
     serving.check_model(req.model)
     reject_unsupported(req)
+    plan = plan_tools(req, serving.config.enable_auto_tool_choice)
     n_logprobs = _num_logprobs(req, serving.max_logprobs)
     n_prompt = num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
@@ -173,12 +184,25 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
                                    "top_logprobs", serving.max_logprobs)
     if n_prompt is not None:
         params = replace(params, prompt_logprobs=n_prompt)
-    params = replace(params, **await serving.structured_constraint(req))
+    params = replace(params, **await _constraint(serving, req, plan))
     stop = stop_strings(req)
     jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
                                req.skip_special_tokens, req.include_stop_str_in_output,
                                base_request_id(request, req.request_id), req.priority)
     if req.stream:
-        return serving.sse_response(_events(serving, jobs, req, n_logprobs), jobs)
+        return serving.sse_response(_events(serving, jobs, req, n_logprobs, plan), jobs)
     deltas = await serving.collect(jobs, request)
-    return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs, n_prompt))
+    return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs, n_prompt, plan))
+
+
+async def _constraint(serving: Serving, req: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
+    """The output constraint as SamplingParams fields: a named or required tool choice's, else
+    the request's own (structured outputs); 400 naming the other field for both at once."""
+    if plan.constraint is None:
+        return await serving.structured_constraint(req)
+    found = requested_constraint(req)
+    if found is not None:
+        raise bad_request(f"tool_choice {plan.name or plan.mode!r} constrains the output to the "
+                          f"tool call, and {found[1]} constrains it too; send one of them "
+                          f"(leave {found[1]} out)", found[1])
+    return await serving.compile_constraint(plan.constraint, "tools", plan.path)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (pydantic v2), with vLLM's extension fields.
 
 Unknown fields are ignored (clients send many); fields we cannot honour with a non-default value
-(tools, ``use_beam_search``, ...) are rejected in :mod:`.sampling` with a 400
+(``use_beam_search``, ...) are rejected in :mod:`.sampling` with a 400
 rather than silently dropped.
 """
 
@@ -100,6 +100,9 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; fields beyond these (an assistant's ``tool_calls``, a tool message's
+    ``tool_call_id`` and ``name``) reach the chat template as sent."""
+
     model_config = ConfigDict(extra="allow")
 
     role: str
@@ -113,8 +116,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    # OpenAI tool calling (server/tool_calls.py): checked there, a 400 naming the field
+    tools: list[Any] | None = None
     tool_choice: Any = None
+    # OpenAI's: false allows one call (tool_choice "required": maxItems 1; "auto": the first)
+    parallel_tool_calls: bool | None = None
     # OpenAI's deprecated function calling and vLLM's chat ``echo``: rejected unless off
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None

@@ -46,13 +46,7 @@ def reject_unsupported(req: SamplingFields) -> None:
             raise bad_request("suffix is not supported (no fill-in-the-middle); leave suffix out",
                               "suffix")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported; leave tools out or set "
-                              'tool_choice="none"', "tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request(f"tool_choice={req.tool_choice!r} asks for a tool call, and tool "
-                              'calling is not supported; leave tool_choice out or set it to "none"',
-                              "tool_choice")
+        # tools and tool_choice: server/tool_calls.py (plan_tools)
         for name in ("functions", "function_call"):
             if getattr(req, name) not in (None, [], "none"):
                 raise bad_request(f"{name} (OpenAI's deprecated function calling) is not "

@@ -23,7 +23,7 @@ from starlette.responses import StreamingResponse
 
 from ..config import SamplingParams, tokenize_bad_words, truncated_prompt
 from ..engine.sampler import Logprob
-from ..structured_outputs import StructuredOutputCompiler
+from ..structured_outputs import StructuredOutputCompiler, StructuredOutputsParams
 from .args import ServerConfig
 from .async_engine import AsyncEngine, ClientDisconnected, RequestStream
 from .detokenizer import IncrementalDetokenizer, OutputText
@@ -203,15 +203,19 @@ class Serving:
         return ids
 
     async def structured_constraint(self, req: SamplingFields) -> dict[str, Any]:
-        """The request's output constraint (server/structured.py) as SamplingParams fields:
-        ``structured_outputs`` and its ``structured_grammar``, compiled with the tokenizer off
-        the event loop (a big JSON schema takes seconds); ``{}`` without one. 400 naming the
-        field for a bad value, a constraint that does not compile, or a model without a
-        tokenizer."""
+        """The request's output constraint (server/structured.py) as SamplingParams fields
+        (:meth:`compile_constraint`); ``{}`` without one."""
         found = requested_constraint(req)
         if found is None:
             return {}
-        params, param = found
+        return await self.compile_constraint(*found)
+
+    async def compile_constraint(self, params: StructuredOutputsParams, param: str,
+                                 path: str | None = None) -> dict[str, Any]:
+        """``params`` as SamplingParams fields: ``structured_outputs`` and its
+        ``structured_grammar``, compiled with the tokenizer off the event loop (a big JSON
+        schema takes seconds). 400 naming ``param`` (``path``: where in it the schema is) for
+        a constraint that does not compile, or a model without a tokenizer."""
         if (self.config.structured_outputs_defaults.get("disable_any_whitespace")
                 and params.whitespace_pattern is None):  # --structured-outputs-config's default
             params = replace(params, disable_any_whitespace=True)
@@ -223,7 +227,7 @@ class Serving:
         try:
             grammar = await asyncio.to_thread(self._grammar_compiler.compile, params)
         except (ValueError, TypeError, ImportError) as e:
-            raise compile_error(e, param) from e
+            raise compile_error(e, param, path) from e
         return {"structured_outputs": params, "structured_grammar": grammar}
 
     def check_prompt(self, ids: list[int], param: str, truncate_prompt_tokens: int | None = None) -> list[int]:

@@ -91,23 +91,25 @@ def _params(param: str, fields: Any) -> StructuredOutputsParams:
 _SCHEMA_PATHS = {"response_format": "response_format.json_schema.schema"}
 
 
-def in_request_terms(message: str, param: str) -> str:
+def in_request_terms(message: str, param: str, path: str | None = None) -> str:
     """A StructuredOutputsParams error ``message`` in the terms of the request's field ``param``
-    (``StructuredOutputsParams.json`` is ``guided_json``, ``structured_outputs.json``, ...)."""
+    (``StructuredOutputsParams.json`` is ``guided_json``, ``structured_outputs.json``, ...);
+    ``path``: where in the request the schema is, for fields that hold it deeper (a tool's
+    ``tools[0].function.parameters``)."""
     if param == "structured_outputs":
         return message.replace("StructuredOutputsParams", "structured_outputs")
-    key = {**GUIDED_FIELDS, "response_format": "json"}[param]
-    return message.replace(f"StructuredOutputsParams.{key}", _SCHEMA_PATHS.get(param, param))
+    key = {**GUIDED_FIELDS, "response_format": "json"}.get(param, "json")
+    return message.replace(f"StructuredOutputsParams.{key}", path or _SCHEMA_PATHS.get(param, param))
 
 
-def compile_error(error: Exception, param: str) -> APIError:
+def compile_error(error: Exception, param: str, path: str | None = None) -> APIError:
     """The 400 for a constraint ``param`` sent that does not compile (a ValueError or TypeError:
     a bad schema, regex or whitespace pattern), or for a server without outlines-core (an
-    ImportError, whose message says what to install)."""
+    ImportError, whose message says what to install); ``path`` as :func:`in_request_terms`."""
     if isinstance(error, ImportError):
         return bad_request(f"{param}: {error} on the server (and restart it); until then leave "
                            f"{param} out", param)
-    message = in_request_terms(str(error), param)
+    message = in_request_terms(str(error), param, path)
     if not message.startswith(param):
         message = f"{param}: {message}"
     return bad_request(f"{message}; fix the constraint (outlines-core's JSON schema and regular "

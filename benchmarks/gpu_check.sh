@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU correctness first, then the numbers, one stage per device call (each fits the 10-minute limit):
 #   bash benchmarks/gpu_check.sh tests      # CUDA graphs, fast path, skinny GEMM (~4 min)
+#   bash benchmarks/gpu_check.sh pass182    # any card (ninety-eighth pass): pass181 trimmed for little device time: the
+#                                           # structured-output CUDA tests and bench_guided_drafts.py (~3 min)
 #   bash benchmarks/gpu_check.sh pass181    # any card (ninety-eighth pass): structured outputs on the GPU (the
 #                                           # offline tests, CUDA cases included; outlines-core from
 #                                           # .whl/structured), the constraint's cost at XS-2.1 size
@@ -725,6 +727,14 @@ case "$stage" in
     timeout 150 python benchmarks/bench_guided_drafts.py --device cuda --rounds 3 2>&1 | quiet \
       | grep -E "^\| |^demo|rror" | head -8
     on_h200 && bash "$0" pass176 | tail -n +3 ;;
+  pass182)
+    echo "== (ninety-eighth pass) pass181 trimmed to fit ~4 min: the CUDA tests, guided drafts"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    python -m pip install -q --no-deps .whl/structured/outlines_core-*.whl 2>&1 | tail -2
+    gpu_tests 120 -n 2 tests/test_structured_outputs.py -k cuda | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -6
+    echo "-- guided drafts against the argmax, the demo pair (bench_guided_drafts.py)"
+    timeout 90 python benchmarks/bench_guided_drafts.py --device cuda --rounds 2 2>&1 | quiet \
+      | grep -E "^\| |^demo|rror" | head -8 ;;
   pass180)
     echo "== (ninety-sixth pass) on an H200 pass176; then the expert GEMVs at 1 and 4 tokens under ncu"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

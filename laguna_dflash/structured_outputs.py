@@ -201,23 +201,46 @@ def token_byte_strings(tokenizer: Any, vocab_size: int) -> dict[bytes, list[int]
     return out
 
 
+#: The character every compiled regex is followed by (``(R)END``), spelled by a token past the
+#: model's vocabulary (``end_token``): a state completes ``R`` iff that token is allowed there.
+#: outlines-core 0.2.10-0.2.14 drop a one-byte token's transition out of a FINAL state into a
+#: non-final one (``(ab)+`` after "ab" refused "a"; a JSON number after "12" refused "."), so
+#: no state of ``R`` itself may be final. U+10FFFF is a noncharacter no text should hold.
+END_OF_MATCH = "\U0010FFFF"
+
+
 class Grammar:
     """A compiled constraint: outlines-core's token automaton over a model's vocabulary
     (``vocab_size`` ids), shared by every request with the same constraint (and picklable, for
     tensor-parallel ranks). ``allowed_bits(state)``: the state's allowed tokens packed 32 to an
-    int32 (``[ceil(V / 32)]``; bit ``t % 32`` of word ``t // 32``), cached per state."""
+    int32 (``[ceil(V / 32)]``; bit ``t % 32`` of word ``t // 32``), cached per state.
+    ``end_token``: the id spelling :data:`END_OF_MATCH` (:meth:`from_regex`), whose transition
+    marks the states that complete the regex; None: the index's own final states."""
 
-    def __init__(self, index: Any, vocab_size: int, regex: str) -> None:
+    def __init__(self, index: Any, vocab_size: int, regex: str, end_token: int | None = None) -> None:
         self.index = index
         self.vocab_size = vocab_size
         self.regex = regex
+        self.end_token = end_token
         self._bits: dict[int, torch.Tensor] = {}  # one dict store: safe across threads
 
+    @classmethod
+    def from_regex(cls, regex: str, vocabulary: Any, vocab_size: int) -> Grammar:
+        """``regex`` over ``vocabulary`` (:func:`terminated_vocabulary`: token ``vocab_size``
+        spells :data:`END_OF_MATCH`). ValueError where outlines-core cannot compile it."""
+        try:
+            index = _backend().Index(f"({regex}){END_OF_MATCH}", vocabulary)
+        except ValueError as e:
+            raise ValueError(f"the constraint's regular expression {regex!r:.120} cannot be "
+                             f"compiled over this tokenizer's vocabulary: {e}") from None
+        return cls(index, vocab_size, regex, end_token=vocab_size)
+
     def __getstate__(self) -> dict:
-        return {"index": self.index, "vocab_size": self.vocab_size, "regex": self.regex}
+        return {"index": self.index, "vocab_size": self.vocab_size, "regex": self.regex,
+                "end_token": self.end_token}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["index"], state["vocab_size"], state["regex"])
+        self.__init__(state["index"], state["vocab_size"], state["regex"], state["end_token"])
 
     @property
     def initial_state(self) -> int:
@@ -228,7 +251,10 @@ class Grammar:
         return self.index.get_next_state(state, token)
 
     def is_final(self, state: int) -> bool:
-        return self.index.is_final_state(state)
+        """Whether the tokens up to ``state`` complete the regex (the stop tokens are allowed)."""
+        if self.end_token is None:
+            return self.index.is_final_state(state)
+        return self.index.get_next_state(state, self.end_token) is not None
 
     def allowed_bits(self, state: int) -> torch.Tensor:
         bits = self._bits.get(state)
@@ -237,6 +263,21 @@ class Grammar:
                                    dtype=torch.long)
             bits = self._bits[state] = pack_token_bits(allowed, self.vocab_size)
         return bits
+
+
+def terminated_vocabulary(byte_strings: dict[bytes, list[int]], vocab_size: int) -> Any:
+    """outlines-core's vocabulary of ``byte_strings`` (:func:`token_byte_strings`) and the token
+    ``vocab_size`` spelling :data:`END_OF_MATCH`, for :meth:`Grammar.from_regex`. Its EOS id
+    (``vocab_size + 1``) is never reached (nothing follows the end mark): the stop tokens are
+    the engine's to allow (GrammarMatcher)."""
+    end = END_OF_MATCH.encode()
+    # a token ending with a proper prefix of the mark (a byte-level BPE's lone leading byte
+    # 0xF4, ...) could start spelling it, and one holding it could end the match mid-token:
+    # left out, so constrained outputs never hold the U+100000-U+10FFFF plane's characters
+    partial = tuple(end[:i] for i in range(1, len(end)))
+    spelled = {b: list(ids) for b, ids in byte_strings.items() if not b.endswith(partial) and end not in b}
+    spelled[end] = [vocab_size]
+    return _backend().Vocabulary(vocab_size + 1, spelled)
 
 
 def pack_token_bits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -347,20 +388,12 @@ class StructuredOutputCompiler:
     def vocabulary(self) -> Any:
         with self._lock:
             if self._vocabulary is None:
-                eos = getattr(self.tokenizer, "eos_token_id", None)
-                # outlines-core wants an EOS id outside the ordinary tokens; the stop tokens are
-                # the engine's to allow (GrammarMatcher), so any id not in the map serves
-                self._vocabulary = _backend().Vocabulary(
-                    eos if eos is not None else self.vocab_size, token_byte_strings(self.tokenizer, self.vocab_size))
+                self._vocabulary = terminated_vocabulary(token_byte_strings(self.tokenizer, self.vocab_size),
+                                                         self.vocab_size)
             return self._vocabulary
 
     def _compile_uncached(self, regex: str) -> Grammar:
-        try:
-            index = _backend().Index(regex, self.vocabulary())
-        except ValueError as e:
-            raise ValueError(f"the constraint's regular expression {regex!r:.120} cannot be "
-                             f"compiled over this tokenizer's vocabulary: {e}") from None
-        return Grammar(index, self.vocab_size, regex)
+        return Grammar.from_regex(regex, self.vocabulary(), self.vocab_size)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
         """The grammar of ``params``; ValueError naming the field for a bad schema or regex, or

@@ -157,7 +157,7 @@ def choice_oracle(spelled: dict[int, bytes], choices: list[str], past: bytes, st
 
 
 def test_row_bits_follow_the_choice_oracle(tokenizer, compiler):
-    choices = ["yes", "no", "maybe later", "naïve café", "return 42"]
+    choices = ["yes", "no", "nope", "maybe later", "naïve café", "return 42", "return 42.5"]
     stops = {2, 7}
     grammar = compiler.compile(StructuredOutputsParams(choice=choices))
     spelled = {i: b for b, ids in token_byte_strings(tokenizer, VOCAB).items() for i in ids}

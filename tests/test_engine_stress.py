@@ -47,7 +47,7 @@ import torch
 from laguna_dflash import LLM, SamplingParams, StructuredOutputsParams
 from laguna_dflash.engine.engine import LLMEngine
 from laguna_dflash.engine.sequence import Sequence
-from laguna_dflash.structured_outputs import Grammar, GrammarMatcher
+from laguna_dflash.structured_outputs import Grammar, GrammarMatcher, terminated_vocabulary
 
 BLOCK_SIZE = 6  # the drafter's block: K <= 5
 MAX_MODEL_LEN = 60
@@ -65,9 +65,9 @@ SPELLING: dict[int, str] = dict(zip([*range(60), 62, 63], [
     "12", "34", "56", "78", "90", "01", "42", "99", "07",
     "abc", "cab", "bad", "ace", "dad", "bead", " a", "a ", "-1", " b", "aq", "e ", " d", "d a", "0-"]))
 UNSPELLED = (60, 61)
-#: name -> regex. (outlines-core 0.2.14's automaton refuses a token that leaves a complete match
-#: for an incomplete one, e.g. "b" after "cab" in "words": only multi-character tokens such as
-#: " a" or "d a" go on from there; a regex's states that allow no token need a stop token)
+#: name -> regex, compiled as the engine's compiler does (Grammar.from_regex: with the end mark
+#: that keeps outlines-core from dropping one-character steps out of a complete match, e.g. "b"
+#: after "cab" in "words"); a regex's states that allow no token need a stop token
 REGEXES = {
     "words": r"(cab|bad|dace|abcd|ba)( (cab|bad|dace|abcd|ba))*",  # a loop of choices
     "choice": r"(abcd|bead|cab|dada|ba)",  # finite: ends on a stop token
@@ -102,12 +102,10 @@ class Constraint:
 @functools.cache
 def constraints() -> dict[str, Constraint]:
     """The :data:`REGEXES` compiled once for the module (each state's allowed tokens walked)."""
-    import outlines_core
-
-    vocabulary = outlines_core.Vocabulary(MODEL_VOCAB, {t.encode(): [i] for i, t in SPELLING.items()})
+    vocabulary = terminated_vocabulary({t.encode(): [i] for i, t in SPELLING.items()}, MODEL_VOCAB)
     out = {}
     for name, regex in REGEXES.items():
-        grammar = Grammar(outlines_core.Index(regex, vocabulary), MODEL_VOCAB, regex)
+        grammar = Grammar.from_regex(regex, vocabulary, MODEL_VOCAB)
         allowed, todo = {}, [grammar.initial_state]
         while todo:
             state = todo.pop()
@@ -119,7 +117,7 @@ def constraints() -> dict[str, Constraint]:
 
 
 def _allowed(grammar: Grammar, state: int) -> set[int]:
-    """The tokens ``state`` allows (outlines-core's EOS, the id past the vocabulary, left out)."""
+    """The tokens ``state`` allows (the end mark, the id past the vocabulary, left out)."""
     return {t for t in grammar.index.get_allowed_tokens(state) if t < grammar.vocab_size}
 
 

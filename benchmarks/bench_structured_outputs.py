@@ -23,18 +23,16 @@ import torch
 from bench_gpu_xs import add_xs_pair_args, batch_prompts, sync, xs_pair_llm
 
 from laguna_dflash import LLM, SamplingParams, StructuredOutputsParams
-from laguna_dflash.structured_outputs import Grammar
+from laguna_dflash.structured_outputs import Grammar, terminated_vocabulary
 
 ALLOW_ALL = "[<>0-9]*"
 
 
 def allow_all_grammar(vocab_size: int) -> Grammar:
-    """A grammar over ``vocab_size`` tokens, token ``i`` spelled ``<i>``, allowing them all."""
-    import outlines_core
-
+    """A grammar over ``vocab_size`` tokens, token ``i`` spelled ``<i>``, allowing them all
+    (compiled as the engine's compiler compiles)."""
     spelled = {f"<{i}>".encode(): [i] for i in range(vocab_size)}
-    index = outlines_core.Index(ALLOW_ALL, outlines_core.Vocabulary(vocab_size, spelled))
-    return Grammar(index, vocab_size, ALLOW_ALL)
+    return Grammar.from_regex(ALLOW_ALL, terminated_vocabulary(spelled, vocab_size), vocab_size)
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:

@@ -214,10 +214,10 @@ class Grammar:
     (``vocab_size`` ids), shared by every request with the same constraint (and picklable, for
     tensor-parallel ranks). ``allowed_bits(state)``: the state's allowed tokens packed 32 to an
     int32 (``[ceil(V / 32)]``; bit ``t % 32`` of word ``t // 32``), cached per state.
-    ``end_token``: the id spelling :data:`END_OF_MATCH` (:meth:`from_regex`), whose transition
-    marks the states that complete the regex; None: the index's own final states."""
+    ``end_token``: the id spelling :data:`END_OF_MATCH` (:meth:`from_regex`, the one way to
+    make one), whose transition marks the states that complete the regex."""
 
-    def __init__(self, index: Any, vocab_size: int, regex: str, end_token: int | None = None) -> None:
+    def __init__(self, index: Any, vocab_size: int, regex: str, end_token: int) -> None:
         self.index = index
         self.vocab_size = vocab_size
         self.regex = regex
@@ -252,8 +252,6 @@ class Grammar:
 
     def is_final(self, state: int) -> bool:
         """Whether the tokens up to ``state`` complete the regex (the stop tokens are allowed)."""
-        if self.end_token is None:
-            return self.index.is_final_state(state)
         return self.index.get_next_state(state, self.end_token) is not None
 
     def allowed_bits(self, state: int) -> torch.Tensor:

@@ -78,7 +78,7 @@ class RequestOutput:
 def _feed(text: OutputText, s: Sequence) -> bool:
     """Feed ``text`` the tokens of ``s`` it has not seen; True when a stop string ended it (then
     ``text.num_tokens`` is the tokens up to the one that completed it)."""
-    text.add_tokens(s.output_token_ids[text.num_tokens:], s.is_finished and s.finish_reason == "stop")
+    text.add_tokens(s.output_token_ids[text.num_tokens:], s.is_finished and s.is_stopped_on_token)
     return text.stop_hit is not None
 
 
@@ -539,7 +539,7 @@ class LLM:
         if text is not None:
             out_text = text.text
         else:  # the engine's stop token adds no text (EOS is special and skipped anyway)
-            shown = tokens[:-1] if finish == "stop" and not s.params.include_stop_str_in_output \
+            shown = tokens[:-1] if s.is_stopped_on_token and not s.params.include_stop_str_in_output \
                 else tokens
             out_text = self.decode(shown, s.params.skip_special_tokens)
         logprobs = s.logprobs if s.logprobs is None else self._decoded(s.logprobs[: len(tokens)])

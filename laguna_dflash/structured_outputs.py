@@ -304,6 +304,7 @@ class GrammarMatcher:
         # (outputs, drafts) of the last guided_drafts: the verify of the same step reads the
         # drafts from here instead of from the device
         self._drafted: tuple[int, list[int]] | None = None
+        self._empty: dict[int, bool] = {}  # state -> allows no token (allows_nothing)
         stops = torch.tensor(sorted({t for t in stop_token_ids if 0 <= t < grammar.vocab_size}), dtype=torch.long)
         self._stop_bits = pack_token_bits(stops, grammar.vocab_size)
 
@@ -311,6 +312,20 @@ class GrammarMatcher:
         """Whether row ``bits`` (from :meth:`row_bits`) allows stop tokens only: the output is
         complete, and min_tokens does not ban them there (the constraint wins)."""
         return not bool((bits & ~self._stop_bits).any())
+
+    def allows_nothing(self, outputs: list[int]) -> bool:
+        """Whether the constraint allows no token after ``outputs``: a complete output that
+        cannot go on, when no stop token may end it (ignore_eos, no stop_token_ids), or a
+        state the vocabulary cannot leave. The request ends there (Sequence.append_tokens);
+        its next row would be all ``-inf``."""
+        self._catch_up(outputs)
+        state = self.state
+        if state is None:  # past the constraint: every token is allowed
+            return False
+        empty = self._empty.get(state)
+        if empty is None:
+            empty = self._empty[state] = not bool(self._bits_of(state).any())
+        return empty
 
     def _catch_up(self, outputs: list[int]) -> None:
         self.state = self._walk(self.state, outputs[self.num_consumed:])

@@ -146,6 +146,20 @@ def test_guided_choice_gives_one_of_the_choices(http, offline):
     assert chat["choices"][0]["message"]["content"] in CHOICES
 
 
+def test_a_complete_choice_under_ignore_eos_keeps_its_last_token(http, offline):
+    """With ignore_eos nothing may follow a complete choice: the request ends with "stop" and
+    the whole choice as its text (the last token is not a stop token to leave out), streamed
+    or not, the target-only tokens."""
+    body = {"prompt": "hello", "max_tokens": 20, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True, "guided_choice": CHOICES}
+    choice = _ok(http, "/v1/completions", body)["choices"][0]
+    assert choice["text"] in CHOICES and choice["finish_reason"] == "stop", choice
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                            structured_outputs={"choice": CHOICES})
+    assert choice["token_ids"] == offline.generate(["hello"], params)[0].token_ids
+    assert _streamed(http, "/v1/completions", body) == (choice["text"], choice["token_ids"], "stop")
+
+
 # ---- chat and JSON ----------------------------------------------------------------------------
 
 

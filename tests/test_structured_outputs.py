@@ -313,6 +313,31 @@ def test_min_tokens_yields_to_a_complete_constraint(target_only, dflash):
                 assert len(s.token_ids) - 1 >= at_least
 
 
+def test_a_complete_constraint_under_ignore_eos_ends_the_request(target_only, dflash):
+    """ignore_eos takes EOS out of the stop tokens, so a complete choice allows no token at all:
+    the request ends there ("stop", its last token's text kept), not on an all -inf row's
+    token 0 with the constraint gone. A regex that can go on runs to max_tokens inside it; a
+    stop_token_ids token still ends one (its text left out). Greedy and seeded, DFlash equal
+    to target-only."""
+    for temperature, seed in ((0.0, None), (0.9, 3)):
+        base = dict(temperature=temperature, seed=seed, max_tokens=12, ignore_eos=True)
+        params = [SamplingParams(**base, structured_outputs={"choice": ["yes", "no"]}),
+                  SamplingParams(**base, structured_outputs={"regex": "(ab)+"}),
+                  SamplingParams(**base, stop_token_ids=[2], structured_outputs={"choice": ["yes", "no"]})]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+        ref, spec = (llm.generate(prompts, params, use_tqdm=False) for llm in (target_only, dflash))
+        for b, s in zip(ref, spec):
+            assert s.token_ids == b.token_ids and s.text == b.text
+            assert 0 not in s.token_ids
+        choice, pairs, stopped = spec
+        assert choice.finish_reason == "stop" and choice.text in ("yes", "no"), choice
+        assert choice.stop_reason is None
+        assert pairs.finish_reason == "length" and len(pairs.token_ids) == 12
+        assert re.fullmatch("(ab)+a?", pairs.text), pairs.text
+        assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == 2 and stopped.stop_reason == 2
+        assert stopped.text in ("yes", "no")
+
+
 # ---- guided drafts ------------------------------------------------------------------------
 
 def test_guided_drafts_take_the_first_allowed_candidate(tokenizer, compiler):

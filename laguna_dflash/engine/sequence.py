@@ -44,6 +44,9 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    # finished on a stop token (EOS or a stop_token_ids one), whose text outputs leave out;
+    # False for the other "stop", a constraint that allows nothing more
+    is_stopped_on_token: bool = False
     pending_taps: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     pending_start: int = 0
     num_pending: int = 0
@@ -110,7 +113,9 @@ class Sequence:
         self.num_pending = 0
 
     def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
-        """Append generated tokens, applying stop ids, EOS, max_tokens and max_model_len.
+        """Append generated tokens, applying stop ids, EOS, max_tokens, max_model_len and a
+        constraint that allows nothing more (a complete structured output under ignore_eos:
+        "stop", where the row after it would have no token to give).
 
         Returns how many were kept; sets ``finish_reason`` when the request ends.
         """
@@ -123,8 +128,11 @@ class Sequence:
             kept += 1
             if tok in stop_ids or tok in eos_ids:
                 self.finish_reason = "stop"
+                self.is_stopped_on_token = True
             elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
                 self.finish_reason = "length"
+            elif self.grammar is not None and self.grammar.allows_nothing(self.output_token_ids):
+                self.finish_reason = "stop"
             if self.finish_reason is not None:
                 self.status = Status.FINISHED
                 break

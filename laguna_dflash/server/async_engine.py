@@ -52,6 +52,8 @@ class EngineOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # with the request's first output, when it asked for them: per prompt position (None first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # the last new token is the stop token it finished on (Sequence.is_stopped_on_token)
+    ends_on_stop_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -332,7 +334,8 @@ class AsyncEngine:
                         "num_accepted_tokens": seq.num_accepted_tokens,
                         "num_accepted_tokens_per_pos": list(seq.num_accepted_tokens_per_pos)}
             out.append((req, EngineOutput(list(new), logprobs, seq.is_finished, seq.finish_reason,
-                                          n, spec, seq.num_cached_tokens, prompt_logprobs)))
+                                          n, spec, seq.num_cached_tokens, prompt_logprobs,
+                                          seq.is_stopped_on_token)))
             if seq.is_finished:
                 del self._active[rid]
                 self._finish(req, seq.finish_reason or "stop")

@@ -361,7 +361,7 @@ class Serving:
                 out = await stream.next(disconnected)
                 finish: str | None = None
                 stop_reason: str | int | None = None
-                taken = job.text.add_tokens(out.new_token_ids, out.finish_reason == "stop")
+                taken = job.text.add_tokens(out.new_token_ids, out.ends_on_stop_token)
                 tokens = list(out.new_token_ids[:taken])
                 logprobs = None if out.new_logprobs is None else list(out.new_logprobs[:taken])
                 if job.text.stop_hit is not None:

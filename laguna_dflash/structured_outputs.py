@@ -262,6 +262,10 @@ class Grammar:
             bits = self._bits[state] = pack_token_bits(allowed, self.vocab_size)
         return bits
 
+    def matcher(self, stop_token_ids: tuple[int, ...]) -> GrammarMatcher:
+        """A request's matcher; ``stop_token_ids`` are allowed where the regex is complete."""
+        return GrammarMatcher(self, stop_token_ids)
+
 
 def terminated_vocabulary(byte_strings: dict[bytes, list[int]], vocab_size: int) -> Any:
     """outlines-core's vocabulary of ``byte_strings`` (:func:`token_byte_strings`) and the token
@@ -292,21 +296,65 @@ def unpack_token_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bits[:, t // 32] >> (t % 32)) & 1).bool()
 
 
-class GrammarMatcher:
-    """One request's place in its :class:`Grammar`: the state its outputs reached (caught up
-    lazily from ``outputs``), and the bit sets of the rows a step scores."""
+class ConstraintMatcher:
+    """One request's place in its constraint: the state its outputs reached (caught up lazily
+    from ``outputs``), the bit sets of the rows a step scores, and the guided drafts. The
+    backends (:class:`GrammarMatcher`, outlines-core's automaton; structured_cfg.CfgMatcher,
+    llguidance's grammars) give a state that can take a token and give it back; the walks
+    over drafts are written once, here.
 
-    def __init__(self, grammar: Grammar, stop_token_ids: tuple[int, ...]) -> None:
-        self.grammar = grammar
-        self.state: int | None = grammar.initial_state
+    A stop token, or a token the constraint refuses, leaves it: past that (a stop token
+    generated with ignore_eos, a refused draft) every token is allowed, since such a draft row
+    is never used and past the constraint nothing is left to enforce."""
+
+    def __init__(self, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
         self.num_consumed = 0  # outputs the state has taken in
+        self.is_left = False  # the outputs left the constraint
         self.stop_token_ids = frozenset(stop_token_ids)
-        # (outputs, drafts) of the last guided_drafts: the verify of the same step reads the
-        # drafts from here instead of from the device
-        self._drafted: tuple[int, list[int]] | None = None
-        self._empty: dict[int, bool] = {}  # state -> allows no token (allows_nothing)
-        stops = torch.tensor(sorted({t for t in stop_token_ids if 0 <= t < grammar.vocab_size}), dtype=torch.long)
-        self._stop_bits = pack_token_bits(stops, grammar.vocab_size)
+        # (outputs, drafts, their rows' bit sets) of the last guided_drafts: the verify of the
+        # same step reads the drafts and rows from here instead of from the device
+        self._drafted: tuple[int, list[int], list[torch.Tensor]] | None = None
+        stops = torch.tensor(sorted({t for t in stop_token_ids if 0 <= t < vocab_size}), dtype=torch.long)
+        self._stop_bits = pack_token_bits(stops, vocab_size)
+        self._has_stops = bool(self._stop_bits.any())
+
+    # ---- the backend's state ----------------------------------------------------------
+    def _advance(self, token: int) -> bool:
+        """Take ``token`` into the state; False (the state unchanged) where it is refused."""
+        raise NotImplementedError
+
+    def _rewind(self, num_tokens: int) -> None:
+        """Give back the last ``num_tokens`` tokens :meth:`_advance` took since the outputs."""
+        raise NotImplementedError
+
+    def _commit(self) -> None:
+        """The tokens taken so far are outputs: never given back."""
+
+    def _allowed_bits(self) -> torch.Tensor:
+        """The vocabulary tokens the state allows, stop tokens aside (``[W]`` int32)."""
+        raise NotImplementedError
+
+    def _is_final(self) -> bool:
+        """Whether the tokens so far complete the constraint (its stop tokens are allowed)."""
+        raise NotImplementedError
+
+    def _is_exhausted(self) -> bool:
+        """Whether the state allows no vocabulary token (cheaply: it is asked every output)."""
+        return not bool(self._allowed_bits().any())
+
+    # ---- shared -----------------------------------------------------------------------
+    def _catch_up(self, outputs: list[int]) -> None:
+        for t in outputs[self.num_consumed:]:
+            if not self.is_left and (t in self.stop_token_ids or not self._advance(t)):
+                self.is_left = True
+        self.num_consumed = len(outputs)
+        self._commit()
+
+    def _bits(self) -> torch.Tensor:
+        """The tokens the state allows, its stop tokens too where it is final (``[W]`` int32)."""
+        bits = self._allowed_bits()
+        return bits | self._stop_bits if self._is_final() else bits
 
     def allows_only_stops(self, bits: torch.Tensor) -> bool:
         """Whether row ``bits`` (from :meth:`row_bits`) allows stop tokens only: the output is
@@ -319,17 +367,9 @@ class GrammarMatcher:
         state the vocabulary cannot leave. The request ends there (Sequence.append_tokens);
         its next row would be all ``-inf``."""
         self._catch_up(outputs)
-        state = self.state
-        if state is None:  # past the constraint: every token is allowed
+        if self.is_left:
             return False
-        empty = self._empty.get(state)
-        if empty is None:
-            empty = self._empty[state] = not bool(self._bits_of(state).any())
-        return empty
-
-    def _catch_up(self, outputs: list[int]) -> None:
-        self.state = self._walk(self.state, outputs[self.num_consumed:])
-        self.num_consumed = len(outputs)
+        return self._is_exhausted() and not (self._has_stops and self._is_final())
 
     def guided_drafts(self, outputs: list[int], candidates: np.ndarray) -> list[int]:
         """Drafts that stay inside the constraint after ``outputs``: at each position ``j`` the
@@ -337,20 +377,25 @@ class GrammarMatcher:
         the state allows (stop tokens where it is final); where none is allowed, or once a stop
         token was drafted or the state is gone, the position's likeliest (the target will not
         accept it: such drafts only fill the block). Changes which drafts are proposed, never
-        what is accepted (the verify decides)."""
+        what is accepted (the verify decides). The ``k + 1`` rows' bit sets the verify masks
+        with are kept for :meth:`row_bits`."""
         self._catch_up(outputs)
-        drafts, state = [], self.state
+        drafts, rows, num_taken, inside = [], [], 0, not self.is_left
         for choices in candidates:
             pick = int(choices[0])
-            if state is not None:
-                allowed = self._bits_of(state).numpy()
+            rows.append(self._bits() if inside else self._all_bits())
+            if inside:
+                allowed = rows[-1].numpy()
                 ok = (allowed[choices // 32] >> (choices % 32)) & 1  # [C] in the state's bit set
                 if ok.any():
                     pick = int(choices[int(ok.argmax())])
                 # past a stop token nothing is verified; past a refused token nothing accepted
-                state = None if pick in self.stop_token_ids else self.grammar.next_state(state, pick)
+                inside = pick not in self.stop_token_ids and self._advance(pick)
+                num_taken += inside
             drafts.append(pick)
-        self._drafted = (len(outputs), drafts)
+        rows.append(self._bits() if inside else self._all_bits())
+        self._rewind(num_taken)
+        self._drafted = (len(outputs), drafts, rows)
         return drafts
 
     def drafted(self, num_outputs: int, num_drafts: int) -> list[int] | None:
@@ -360,30 +405,60 @@ class GrammarMatcher:
             return None
         return self._drafted[1]
 
-    def _walk(self, state: int | None, tokens: list[int]) -> int | None:
-        for t in tokens:
-            if state is None:
-                break
-            state = self.grammar.next_state(state, t)
-        return state
-
     def row_bits(self, outputs: list[int], drafts: list[int]) -> list[torch.Tensor]:
         """``len(drafts) + 1`` bit sets: row ``j`` allows what the constraint allows after
-        ``outputs`` then ``drafts[:j]``. A state the constraint left (a refused draft, or a
-        stop token generated with ignore_eos) allows every token: such a draft row is never
-        used, and past the constraint nothing is left to enforce."""
+        ``outputs`` then ``drafts[:j]`` (every token once they left it)."""
+        if self._drafted is not None and self._drafted[0] == len(outputs) and self._drafted[1] == drafts:
+            return self._drafted[2]
         self._catch_up(outputs)
-        rows, state = [], self.state
+        rows, num_taken, inside = [], 0, not self.is_left
         for j in range(len(drafts) + 1):
-            if j:
-                state = self._walk(state, drafts[j - 1 : j])
-            rows.append(torch.full_like(self._stop_bits, -1) if state is None else self._bits_of(state))
+            if j and inside:
+                inside = drafts[j - 1] not in self.stop_token_ids and self._advance(drafts[j - 1])
+                num_taken += inside
+            rows.append(self._bits() if inside else self._all_bits())
+        self._rewind(num_taken)
         return rows
 
-    def _bits_of(self, state: int) -> torch.Tensor:
-        """The tokens ``state`` allows, its stop tokens too where it is final (``[W]`` int32)."""
-        bits = self.grammar.allowed_bits(state)
-        return bits | self._stop_bits if self.grammar.is_final(state) else bits
+    def _all_bits(self) -> torch.Tensor:
+        return torch.full_like(self._stop_bits, -1)
+
+
+class GrammarMatcher(ConstraintMatcher):
+    """A :class:`Grammar`'s matcher: the states are outlines-core's (ints), walked forwards on
+    a stack and popped to give tokens back; each state's bit set is cached by the grammar."""
+
+    def __init__(self, grammar: Grammar, stop_token_ids: tuple[int, ...]) -> None:
+        super().__init__(grammar.vocab_size, stop_token_ids)
+        self.grammar = grammar
+        self._states = [grammar.initial_state]
+        self._exhausted: dict[int, bool] = {}  # state -> allows no vocabulary token
+
+    def _advance(self, token: int) -> bool:
+        state = self.grammar.next_state(self._states[-1], token)
+        if state is not None:
+            self._states.append(state)
+        return state is not None
+
+    def _rewind(self, num_tokens: int) -> None:
+        if num_tokens:
+            del self._states[-num_tokens:]
+
+    def _commit(self) -> None:
+        del self._states[:-1]
+
+    def _allowed_bits(self) -> torch.Tensor:
+        return self.grammar.allowed_bits(self._states[-1])
+
+    def _is_final(self) -> bool:
+        return self.grammar.is_final(self._states[-1])
+
+    def _is_exhausted(self) -> bool:
+        state = self._states[-1]
+        exhausted = self._exhausted.get(state)
+        if exhausted is None:
+            exhausted = self._exhausted[state] = not bool(self._allowed_bits().any())
+        return exhausted
 
 
 class StructuredOutputCompiler:

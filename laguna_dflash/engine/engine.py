@@ -28,7 +28,6 @@ from ..models.fp8 import quantize_drafter
 from ..models.layers import build_lm_head_ahead, build_sorted_moe_kernels_ahead, fuse_for_inference
 from ..models.loader import describe_checkpoint, load_model
 from ..models.registry import DRAFT_ARCHITECTURES
-from ..structured_outputs import GrammarMatcher
 from . import cuda_graph, sampler
 from .adaptive_k import AdaptiveK, BatchSizeK, FixedK
 from .ahead import DraftsAhead, ForwardAhead, PlannedForward
@@ -736,7 +735,7 @@ class LLMEngine:
         if params.logprobs is not None:
             seq.logprobs = []
         if grammar is not None:  # in a final state the stop tokens are allowed too
-            seq.grammar = GrammarMatcher(grammar, tuple(sorted(stops)))
+            seq.grammar = grammar.matcher(tuple(sorted(stops)))
         self.scheduler.add(seq)
         if self._ops is not None:
             self._ops.append(("add", seq.prompt_token_ids, params, prompt, seq.priority))

@@ -1,5 +1,6 @@
 """vLLM's structured outputs: JSON schema, regex, choice and any-JSON-object constraints, through
-outlines-core (``pip install 'laguna-dflash[structured]'``).
+outlines-core (``pip install 'laguna-dflash[structured]'``); context-free grammars through
+llguidance (structured_cfg.py), under the same :class:`ConstraintMatcher`.
 
 A constraint compiles (:class:`StructuredOutputCompiler`, once per tokenizer) to a regular
 expression and then to a token-level automaton over the tokenizer's byte strings
@@ -12,8 +13,7 @@ row after verify drafts ``d_1 .. d_j`` in the state reached by the outputs and t
 never accepted, as its logit is -inf, so the rows after it are never used). Masks are built on
 the host from the state (cached per state, packed 32 tokens an int32) and unpacked on the device.
 
-Not here (as the 400s / ValueErrors say): EBNF/Lark grammars and structural tags (they need a
-context-free backend such as xgrammar). JSON schemas nest at most ``max_recursion_depth``
+Not here (as the 400s / ValueErrors say): xgrammar's structural tags. JSON schemas nest at most ``max_recursion_depth``
 levels where they recurse (outlines-core's regex translation); ``json_object`` admits objects
 whose values nest objects and arrays one level (``MAX_JSON_OBJECT_DEPTH``: deeper ones make the
 automaton too large to compile quickly).
@@ -49,10 +49,11 @@ def _backend() -> Any:
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a dict or
-    its text), ``regex``, ``choice`` (the output is one of these strings) or ``json_object`` (any
-    JSON object). ``whitespace_pattern`` (a regex) is the whitespace allowed between JSON tokens
-    (default: at most one space); ``disable_any_whitespace`` allows none. ``grammar`` and
-    ``structural_tag`` are vLLM's too but need a context-free backend: a ValueError."""
+    its text), ``regex``, ``choice`` (the output is one of these strings), ``json_object`` (any
+    JSON object) or ``grammar`` (a context-free grammar, Lark or GBNF text: structured_cfg.py).
+    ``whitespace_pattern`` (a regex) is the whitespace allowed between JSON tokens (default: at
+    most one space); ``disable_any_whitespace`` allows none. ``structural_tag`` is vLLM's too
+    (xgrammar's tags): a ValueError."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -64,16 +65,18 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("grammar", "structural_tag"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"StructuredOutputsParams.{name} needs a context-free grammar "
-                                 "backend, which this engine does not have; express the output "
-                                 "as a JSON schema (json) or a regular expression (regex)")
-        given = [name for name in ("json", "regex", "choice", "json_object")
+        if self.structural_tag is not None:
+            raise ValueError("StructuredOutputsParams.structural_tag (xgrammar's structural tags) is "
+                             "not supported; express the output as a grammar (Lark or GBNF), a "
+                             "JSON schema (json) or a regular expression (regex)")
+        given = [name for name in ("json", "regex", "choice", "json_object", "grammar")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice and "
-                             f"json_object, got {given or 'none'}")
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, "
+                             f"json_object and grammar, got {given or 'none'}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("StructuredOutputsParams.grammar must be a Lark or GBNF grammar (a "
+                             f"non-empty string), got {self.grammar!r:.80}")
         if self.choice is not None and (isinstance(self.choice, str) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty "
@@ -106,7 +109,9 @@ class StructuredOutputsParams:
         return cls(**{k: v for k, v in value.items() if k not in _IGNORED_FIELDS})
 
     def to_regex(self) -> str:
-        """The constraint as one regular expression (outlines-core's syntax, Rust's ``regex``)."""
+        """The constraint as one regular expression (outlines-core's syntax, Rust's ``regex``);
+        not for a ``grammar``."""
+        assert self.grammar is None, "a grammar is no regular expression"
         if self.regex is not None:
             return self.regex
         if self.choice is not None:
@@ -470,7 +475,9 @@ class StructuredOutputCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compile_regex = functools.lru_cache(maxsize=max_cached)(self._compile_uncached)
+        self._compile_grammar = functools.lru_cache(maxsize=max_cached)(self._compile_grammar_uncached)
         self._vocabulary = None
+        self._tokenizer_text: str | None = None
         self._lock = threading.Lock()
 
     def vocabulary(self) -> Any:
@@ -483,11 +490,22 @@ class StructuredOutputCompiler:
     def _compile_uncached(self, regex: str) -> Grammar:
         return Grammar.from_regex(regex, self.vocabulary(), self.vocab_size)
 
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
-        """The grammar of ``params``; ValueError naming the field for a bad schema or regex, or
-        for a counted repetition over :data:`MAX_REPETITION` (e.g. a schema's ``minItems``:
-        each count is a copy of the piece in the automaton, and a server would compile it for
-        minutes)."""
+    def _compile_grammar_uncached(self, text: str) -> Any:
+        from .structured_cfg import CfgGrammar, tokenizer_json
+
+        with self._lock:
+            if self._tokenizer_text is None:
+                self._tokenizer_text = tokenizer_json(self.tokenizer)
+        return CfgGrammar.compile(text, self._tokenizer_text, self.vocab_size,
+                                  getattr(self.tokenizer, "eos_token_id", None))
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The grammar of ``params`` (a :class:`Grammar`, or structured_cfg.CfgGrammar for a
+        ``grammar``); ValueError naming the field for a bad schema, regex or grammar, or for a
+        counted repetition over :data:`MAX_REPETITION` (e.g. a schema's ``minItems``: each count
+        is a copy of the piece in the automaton, and a server would compile it for minutes)."""
+        if params.grammar is not None:
+            return self._compile_grammar(params.grammar)
         try:
             regex = params.to_regex()
         except ValueError as e:

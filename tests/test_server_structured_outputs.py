@@ -160,6 +160,29 @@ def test_a_complete_choice_under_ignore_eos_keeps_its_last_token(http, offline):
     assert _streamed(http, "/v1/completions", body) == (choice["text"], choice["token_ids"], "stop")
 
 
+#: a context-free language (a^n c b^n): no regex describes it, so it takes the grammar backend
+NESTED_GBNF = 'root ::= "a" root "b" | "c"'
+
+
+def test_guided_grammar_matches_and_equals_target_only_streamed_or_not(http, offline):
+    """``guided_grammar`` (GBNF) and ``structured_outputs: {"grammar"}`` (Lark): the text is a
+    word of the grammar, ends with "stop", and is the target-only tokens, streamed the same."""
+    words = re.compile(r"(a*)c(b*)")
+    for extra in ({"guided_grammar": NESTED_GBNF},
+                  {"structured_outputs": {"grammar": 'start: "a" start "b" | "c"'}}):
+        body = {"prompt": "def f(x):", "max_tokens": 40, "temperature": 0, "return_token_ids": True, **extra}
+        choice = _ok(http, "/v1/completions", body)["choices"][0]
+        m = words.fullmatch(choice["text"])
+        assert m and len(m.group(1)) == len(m.group(2)) and choice["finish_reason"] == "stop", choice
+        assert choice["token_ids"] == _target_only(offline, "def f(x):", 40, {"grammar": NESTED_GBNF})
+        assert _streamed(http, "/v1/completions", body) == (choice["text"], choice["token_ids"], "stop")
+    chat = _ok(http, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40, "temperature": 1.0,
+                                              "seed": 5, "n": 3, "guided_grammar": NESTED_GBNF})
+    for c in chat["choices"]:
+        m = words.fullmatch(c["message"]["content"])
+        assert m and len(m.group(1)) == len(m.group(2)), c
+
+
 # ---- chat and JSON ----------------------------------------------------------------------------
 
 
@@ -219,11 +242,14 @@ def test_json_object_gives_a_json_object(http):
 # ---- errors -----------------------------------------------------------------------------------
 
 BAD = [
-    ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", "context-free"),
+    ({"guided_grammar": 'root ::= "a" undefined'}, "guided_grammar", "guided_grammar is not a valid Lark or GBNF"),
+    ({"guided_grammar": ["root"]}, "guided_grammar", "guided_grammar must be a Lark or GBNF grammar"),
+    ({"guided_grammar": "start: 'a'", "guided_regex": "a"}, "guided_regex", "guided_regex, guided_grammar"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
-    ({"response_format": {"type": "structural_tag", "structures": []}}, "response_format", "context-free"),
+    ({"response_format": {"type": "structural_tag", "structures": []}}, "response_format",
+     "structural tags) is not supported"),
     ({"response_format": {"type": "xml"}}, "response_format", "must be one of text, json_object, json_schema"),
     ({"response_format": {"json_schema": {"schema": SCHEMA}}}, "response_format", "response_format.type"),
     ({"response_format": "json"}, "response_format", "valid dictionary"),
@@ -243,8 +269,9 @@ BAD = [
     ({"guided_json": SCHEMA, "guided_whitespace_pattern": "("}, "guided_json", "cannot be compiled"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "context-free"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "context-free"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs",
+     "structured_outputs.grammar is not a valid Lark or GBNF"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
     ({"structured_outputs": {"pattern": "a"}}, "structured_outputs", "unknown fields ['pattern']"),
     ({"structured_outputs": "a+"}, "structured_outputs", "dict"),
     ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": 5}}, "structured_outputs",

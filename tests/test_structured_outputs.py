@@ -102,8 +102,10 @@ def test_byte_strings_spell_what_the_tokenizer_encodes(tokenizer):
     ({"json": "{not json"}, "json is not valid JSON"),
     ({"json": "[1, 2]"}, "must be a JSON schema"),
     ({"regex": 5}, "regex must be a string"),
-    ({"grammar": "root ::= 'a'"}, "grammar needs a context-free"),
-    ({"regex": "a", "structural_tag": "{}"}, "structural_tag needs a context-free"),
+    ({"grammar": "  "}, "grammar must be a Lark or GBNF grammar"),
+    ({"grammar": 5}, "grammar must be a Lark or GBNF grammar"),
+    ({"grammar": "start: 'a'", "regex": "a"}, "exactly one of json, regex, choice, json_object and grammar"),
+    ({"regex": "a", "structural_tag": "{}"}, "structural_tag .*is not supported"),
 ])
 def test_params_errors(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -63,11 +63,11 @@ class SamplingFields(BaseModel):
     # vLLM's: the response's ``id`` is ``<cmpl|chatcmpl>-<request_id>`` (an ``X-Request-Id``
     # header takes precedence); a random one when neither is sent
     request_id: str | None = None
-    # vLLM's: only with ``--scheduling-policy priority``, which this server does not have
+    # vLLM's: only with ``--scheduling-policy priority`` (lower first), else a 400
     priority: int = 0
     # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's guided_*
-    # fields and its newer structured_outputs dict; one constraint a request. guided_grammar is
-    # declared to be a 400 (no context-free backend), guided_decoding_backend to be ignored.
+    # fields and its newer structured_outputs dict; one constraint a request.
+    # guided_decoding_backend is declared to be ignored.
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None
     guided_json: Any = None

@@ -3,11 +3,11 @@ naming the field and the way to fix it.
 
 A request may constrain its output with one of: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``; ``text`` is no constraint), vLLM's older ``guided_json`` / ``guided_regex`` /
-``guided_choice`` (``guided_whitespace_pattern`` sets the whitespace a JSON constraint allows
-between tokens), or vLLM's ``structured_outputs`` (a dict of StructuredOutputsParams' fields).
-``guided_grammar``, ``structured_outputs.grammar`` and structural tags need a context-free
-backend, which this server does not have: a 400. ``guided_decoding_backend`` is ignored (one
-backend here). :meth:`Serving.structured_constraint` compiles the result.
+``guided_choice`` / ``guided_grammar`` (``guided_whitespace_pattern`` sets the whitespace a
+JSON constraint allows between tokens), or vLLM's ``structured_outputs`` (a dict of
+StructuredOutputsParams' fields). Structural tags (xgrammar's) are a 400.
+``guided_decoding_backend`` is ignored (regexes and schemas go through outlines-core, grammars
+through llguidance). :meth:`Serving.structured_constraint` compiles the result.
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ from .errors import APIError, bad_request
 from .protocol import SamplingFields
 
 #: vLLM's ``guided_*`` fields -> the StructuredOutputsParams field each sets
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 #: ``response_format`` types taken
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
-_NO_GRAMMARS = ("needs a context-free grammar backend, which this server does not have; express "
-                "the output as a JSON schema (guided_json, or response_format of type "
-                "json_schema) or a regular expression (guided_regex)")
+_NO_STRUCTURAL_TAGS = ("(xgrammar's structural tags) is not supported; express the output as a "
+                       "grammar (guided_grammar, Lark or GBNF), a JSON schema (guided_json, or "
+                       "response_format of type json_schema) or a regular expression (guided_regex)")
 
 
 def requested_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams, str] | None:
     """The request's output constraint and the field that sent it, or None without one; 400
-    naming the field for a bad value, for grammars, and for more than one constraint."""
-    if req.guided_grammar is not None:
-        raise bad_request(f"guided_grammar (an EBNF or Lark grammar) {_NO_GRAMMARS}", "guided_grammar")
+    naming the field for a bad value and for more than one constraint."""
     found: dict[str, StructuredOutputsParams] = {}
     from_format = response_format_params(req.response_format)
     if from_format is not None:
@@ -62,7 +61,7 @@ def response_format_params(value: dict[str, Any] | None) -> StructuredOutputsPar
         return None
     kind = value.get("type")
     if kind == "structural_tag":
-        raise bad_request(f"response_format of type 'structural_tag' {_NO_GRAMMARS}", "response_format")
+        raise bad_request(f"response_format of type 'structural_tag' {_NO_STRUCTURAL_TAGS}", "response_format")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise bad_request(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
                           f"got {kind!r:.80}", "response_format")
@@ -104,7 +103,8 @@ def in_request_terms(message: str, param: str, path: str | None = None) -> str:
 
 def compile_error(error: Exception, param: str, path: str | None = None) -> APIError:
     """The 400 for a constraint ``param`` sent that does not compile (a ValueError or TypeError:
-    a bad schema, regex or whitespace pattern), or for a server without outlines-core (an
+    a bad schema, regex, grammar or whitespace pattern), or for a server without outlines-core
+    or llguidance (an
     ImportError, whose message says what to install); ``path`` as :func:`in_request_terms`."""
     if isinstance(error, ImportError):
         return bad_request(f"{param}: {error} on the server (and restart it); until then leave "
@@ -113,4 +113,4 @@ def compile_error(error: Exception, param: str, path: str | None = None) -> APIE
     if not message.startswith(param):
         message = f"{param}: {message}"
     return bad_request(f"{message}; fix the constraint (outlines-core's JSON schema and regular "
-                       "expression syntax)", param)
+                       "expression syntax, llguidance's Lark or GBNF grammars)", param)

@@ -718,8 +718,9 @@ case "$stage" in
   pass181)
     echo "== (ninety-eighth pass) structured outputs on the GPU; on an H200 pass176 after"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    python -m pip install -q --no-deps .whl/structured/outlines_core-*.whl 2>&1 | tail -2
-    gpu_tests 200 -n 4 tests/test_structured_outputs.py | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -12
+    python -m pip install -q --no-deps .whl/structured/*.whl 2>&1 | tail -2
+    gpu_tests 200 -n 4 tests/test_structured_outputs.py tests/test_structured_cfg.py \
+      | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -12
     echo "-- an allow-all constraint against none, XS-2.1 size (bench_structured_outputs.py)"
     timeout 240 python benchmarks/bench_structured_outputs.py --batches 1,4 --length 4 --rounds 3 2>&1 \
       | quiet | grep -E "^\| |^decode|rror" | head -12
@@ -730,8 +731,9 @@ case "$stage" in
   pass182)
     echo "== (ninety-eighth pass) pass181 trimmed to fit ~4 min: the CUDA tests, guided drafts"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    python -m pip install -q --no-deps .whl/structured/outlines_core-*.whl 2>&1 | tail -2
-    gpu_tests 120 -n 2 tests/test_structured_outputs.py -k cuda | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -6
+    python -m pip install -q --no-deps .whl/structured/*.whl 2>&1 | tail -2
+    gpu_tests 150 -n 2 tests/test_structured_outputs.py tests/test_structured_cfg.py -k cuda \
+      | grep -E "cuda|passed|failed|FAILED|ERROR" | tail -8
     echo "-- guided drafts against the argmax, the demo pair (bench_guided_drafts.py)"
     timeout 90 python benchmarks/bench_guided_drafts.py --device cuda --rounds 2 2>&1 | quiet \
       | grep -E "^\| |^demo|rror" | head -8 ;;

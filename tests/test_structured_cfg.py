@@ -284,3 +284,17 @@ def test_a_model_without_a_tokenizer_says_so(tmp_path):
     with pytest.raises(ValueError, match="structured_outputs: .* has no tokenizer"):
         llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(
             structured_outputs=StructuredOutputsParams(grammar=NESTED_LARK)), use_tqdm=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.9, 5)])
+def test_cuda_dflash_equals_target_only_with_grammars(temperature, seed):
+    """On the GPU (CUDA graphs, pinned uploads, the drafts' host copy): the same."""
+    params = grammar_batch(temperature, seed)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    spec = LLM(str(DEMO_TARGET), draft=str(DEMO_DRAFT), num_speculative_tokens=7, device="cuda")
+    out = spec.generate(prompts, params, use_tqdm=False)
+    base = LLM(str(DEMO_TARGET), device="cuda").generate(prompts, params, use_tqdm=False)
+    for b, s in zip(base, out):
+        assert s.token_ids == b.token_ids
+    assert nested_prefix(out[3].text.encode())[0], out[3].text

@@ -2,7 +2,9 @@
 allows, ``spec_decode.num_draft_candidates`` of them looked at) against the drafter's argmax.
 
 The embedded demo pair (a 4096-token byte-level BPE, a trained drafter) decodes the same
-prompts greedily free, under a regex and under a JSON schema; per constraint and drafting mode:
+prompts greedily free, under a regex, under the same language as a context-free grammar (GBNF,
+through llguidance: masks computed per row, not cached per state) and under a JSON schema; per
+constraint and drafting mode:
 the mean acceptance length, decode tokens per second (the best of ``--rounds`` runs after a
 warm-up run) and whether the tokens equal the argmax mode's (they must: drafting changes what is
 proposed, never what is accepted).
@@ -28,6 +30,13 @@ CONSTRAINTS = {
     "free": None,
     "regex (a function)": StructuredOutputsParams(
         regex=r"def [a-z_]{1,30}\(([a-z_]{1,10}(, [a-z_]{1,10}){0,3})?\):\n(    [^\n]{0,60}\n){1,6}"),
+    "grammar (the same function, GBNF)": StructuredOutputsParams(grammar=r'''
+root ::= "def " name "(" args? "):\n" line{1,6}
+name ::= [a-z_]{1,30}
+args ::= arg (", " arg){0,3}
+arg ::= [a-z_]{1,10}
+line ::= "    " [^\n]{0,60} "\n"
+'''),
     "JSON schema": StructuredOutputsParams(json=SCHEMA),
 }
 

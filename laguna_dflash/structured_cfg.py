@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .structured_outputs import ConstraintMatcher
+from .structured_outputs import ConstraintMatcher, pack_token_bits
 
 #: the PyPI package and version this is tested against (pyproject's ``structured`` extra)
 CFG_BACKEND_REQUIREMENT = "llguidance==1.9.1"
@@ -56,9 +56,13 @@ def tokenizer_json(tokenizer: Any) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _ll_tokenizer(text: str, vocab_size: int, eos_token: int | None) -> Any:
-    """llguidance's tokenizer of ``tokenizer.json`` text over ``vocab_size`` ids (~ms per 1k
-    tokens: built once a process, for the compiler and for unpickled grammars alike)."""
-    return _llguidance().LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token)
+    """llguidance's tokenizer of ``tokenizer.json`` text over ``vocab_size`` ids, or over the
+    tokenizer's own ids where it has more (a model may leave added tokens out of its vocabulary;
+    their bits are cleared, CfgMatcher). ~ms per 1k tokens: built once a process, for the
+    compiler and for unpickled grammars alike."""
+    llg = _llguidance()
+    own = llg.LLTokenizer(text, eos_token=eos_token)
+    return own if own.vocab_size >= vocab_size else llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token)
 
 
 class CfgGrammar:
@@ -116,10 +120,11 @@ class CfgMatcher(ConstraintMatcher):
         self.grammar = grammar
         self._matcher = grammar._fresh.deep_copy()
         self._num_words = self._stop_bits.numel()
-        self._not_eos = torch.full_like(self._stop_bits, -1)
+        # the bits llguidance's masks keep: the vocabulary's ids, its EOS aside
+        keep = torch.ones(grammar.vocab_size, dtype=torch.bool)
         if 0 <= grammar.eos_token < grammar.vocab_size:
-            word, bit = divmod(grammar.eos_token, 32)
-            self._not_eos[word] = ~(1 << bit) if bit < 31 else 2**31 - 1
+            keep[grammar.eos_token] = False
+        self._keep = pack_token_bits(keep.nonzero().flatten(), grammar.vocab_size)
 
     def _advance(self, token: int) -> bool:
         if token == self.grammar.eos_token or self._matcher.validate_tokens([token]) != 1:
@@ -134,7 +139,7 @@ class CfgMatcher(ConstraintMatcher):
 
     def _allowed_bits(self) -> torch.Tensor:
         words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
-        return words[: self._num_words] & self._not_eos
+        return words[: self._num_words] & self._keep
 
     def _is_final(self) -> bool:
         return self._matcher.is_accepting()

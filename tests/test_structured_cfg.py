@@ -156,6 +156,16 @@ def test_the_stop_tokens_are_the_engines(compiler, spelled):
         assert matcher.allows_nothing(past + [ids[b"c"]]) == (not stops)
 
 
+@pytest.mark.parametrize("vocab", [VOCAB - 96, VOCAB + 104])
+def test_a_vocabulary_other_than_the_tokenizers(tokenizer, spelled, vocab):
+    """A model whose vocabulary leaves the tokenizer's last ids out (or pads past them): the
+    rows hold only the model's ids, the others as with the whole vocabulary."""
+    params = StructuredOutputsParams(grammar="start: /[a-z]+/")
+    rows = StructuredOutputCompiler(tokenizer, vocab).compile(params).matcher((2,)).row_bits([], [])
+    got = set(unpack_token_bits(rows[0].view(1, -1), vocab)[0].nonzero().flatten().tolist())
+    assert got == {i for i, b in spelled.items() if i < vocab and re.fullmatch(rb"[a-z]+", b)}
+
+
 def test_grammar_pickles(compiler, spelled):
     grammar = compiler.compile(StructuredOutputsParams(grammar=LIST_LARK))
     copy = pickle.loads(pickle.dumps(grammar))

@@ -20,6 +20,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError
 from .metrics import CONTENT_TYPE
+from .responses import create_response
 from .serving import Serving
 from .tokenization import detokenize, tokenize
 
@@ -141,6 +142,10 @@ def build_app(serving: Serving) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(serving, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(serving, request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

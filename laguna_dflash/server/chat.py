@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -29,13 +29,14 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
                 chat_template: str | None = None,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, messages_param: str = "messages") -> str:
     """The prompt text a chat template makes of ``messages`` (chat_template.render_messages):
     the request's ``chat_template`` (only with ``--trust-request-chat-template``), else
     ``--chat-template``'s, else the tokenizer's; ``chat_template_kwargs`` go to the template
     after (and over) the flags, as in vLLM. ``tools`` reach the template as vLLM passes them
     (with ``tool_choice: "none"`` too: the model sees the tools and is not asked to call one).
-    What cannot be rendered is a 400 naming the field."""
+    What cannot be rendered is a 400 naming the field (``messages_param`` for the messages:
+    ``input`` on /v1/responses)."""
     tok = serving.require_tokenizer("chat")
     kwargs = dict(chat_template_kwargs or {})
     in_kwargs = kwargs.pop("chat_template", None)
@@ -55,7 +56,7 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
         if e.field == "chat_template":  # none at all
             raise bad_request(f"{e}; use /v1/completions, or start the server with "
                               "--chat-template FILE") from e
-        raise bad_request(str(e), e.field) from e
+        raise bad_request(str(e), messages_param if e.field == "messages" else e.field) from e
 
 
 def _logprobs(serving: Serving, tokens: list[int], logprobs: list[dict[int, float]],
@@ -164,43 +165,90 @@ def _response(serving: Serving, jobs: list[Job], req: ChatCompletionRequest,
     return body
 
 
-async def create_chat_completion(serving: Serving, request: Request) -> Response:
-    req = await serving.parse(request, ChatCompletionRequest)
+@dataclass(frozen=True)
+class ChatFieldNames:
+    """The request fields a chat request's errors name: chat's own, or those of a route whose
+    requests are rendered as chats (/v1/responses: ``input``, ``max_output_tokens``,
+    ``text.format``, ``tools[i].parameters``)."""
+
+    messages: str = "messages"
+    #: None: chat's, ``max_completion_tokens`` when sent, else ``max_tokens``
+    max_tokens: str | None = None
+    response_format: str = "response_format"
+    #: where ``response_format``'s JSON schema is (None: chat's place)
+    response_format_schema: str | None = None
+    #: a tool's schema within ``tools[i]``
+    tool_parameters: str = "function.parameters"
+
+
+@dataclass
+class ChatRun:
+    """A started chat request: its jobs (one per choice), tool plan and checked logprob counts."""
+
+    jobs: list[Job]
+    plan: ToolPlan
+    n_logprobs: int | None
+    n_prompt: int | None
+
+
+async def start_chat(serving: Serving, request: Request, req: ChatCompletionRequest,
+                     prefix: str = "chatcmpl", names: ChatFieldNames = ChatFieldNames(),
+                     separator: str = "-") -> ChatRun:
+    """Check ``req``, render its messages through the chat template, build the sampling params
+    (with the tool choice's or the request's output constraint) and start its choices; 400s
+    name the fields as ``names`` says. The response id is ``<prefix><separator><id>``
+    (:meth:`Serving.start`)."""
     serving.check_model(req.model)
     reject_unsupported(req)
     plan = plan_tools(req, serving.config.enable_auto_tool_choice)
+    if plan.path is not None:
+        plan = replace(plan, path=plan.path.replace("function.parameters", names.tool_parameters))
     n_logprobs = _num_logprobs(req, serving.max_logprobs)
     n_prompt = num_prompt_logprobs(req, serving.max_logprobs, serving.vocab_size)
     text = render_chat(serving, req.messages, req.add_generation_prompt,
                        req.continue_final_message, req.chat_template_kwargs, req.chat_template,
-                       req.tools)
-    ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, "messages"),
-                              "messages", req.truncate_prompt_tokens)
+                       req.tools, names.messages)
+    ids = serving.check_prompt(serving.encode(text, req.add_special_tokens, names.messages),
+                              names.messages, req.truncate_prompt_tokens)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None, param,
+    max_tokens = resolve_max_tokens(requested, len(ids), serving.max_model_len, None,
+                                    names.max_tokens or param,
                                     cap=serving.config.generation_defaults.get("max_tokens"))
     params = build_sampling_params(req, max_tokens, n_logprobs, serving.config.generation_defaults,
                                    "top_logprobs", serving.max_logprobs)
     if n_prompt is not None:
         params = replace(params, prompt_logprobs=n_prompt)
-    params = replace(params, **await _constraint(serving, req, plan))
-    stop = stop_strings(req)
-    jobs = await serving.start("chatcmpl", ids, params, num_choices(req), stop,
+    params = replace(params, **await _constraint(serving, req, plan, names))
+    jobs = await serving.start(prefix, ids, params, num_choices(req), stop_strings(req),
                                req.skip_special_tokens, req.include_stop_str_in_output,
-                               base_request_id(request, req.request_id), req.priority)
+                               base_request_id(request, req.request_id), req.priority, separator)
+    return ChatRun(jobs, plan, n_logprobs, n_prompt)
+
+
+async def create_chat_completion(serving: Serving, request: Request) -> Response:
+    req = await serving.parse(request, ChatCompletionRequest)
+    run = await start_chat(serving, request, req)
     if req.stream:
-        return serving.sse_response(_events(serving, jobs, req, n_logprobs, plan), jobs)
-    deltas = await serving.collect(jobs, request)
-    return JSONResponse(_response(serving, jobs, req, deltas, n_logprobs, n_prompt, plan))
+        return serving.sse_response(_events(serving, run.jobs, req, run.n_logprobs, run.plan),
+                                    run.jobs)
+    deltas = await serving.collect(run.jobs, request)
+    return JSONResponse(_response(serving, run.jobs, req, deltas, run.n_logprobs, run.n_prompt,
+                                  run.plan))
 
 
-async def _constraint(serving: Serving, req: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
+async def _constraint(serving: Serving, req: ChatCompletionRequest, plan: ToolPlan,
+                      names: ChatFieldNames) -> dict[str, Any]:
     """The output constraint as SamplingParams fields: a named or required tool choice's, else
     the request's own (structured outputs); 400 naming the other field for both at once."""
-    if plan.constraint is None:
-        return await serving.structured_constraint(req)
     found = requested_constraint(req)
+    if found is not None and found[1] == "response_format":  # in the route's terms
+        found = (found[0], names.response_format)
+    if plan.constraint is None:
+        if found is None:
+            return {}
+        path = names.response_format_schema if found[1] == names.response_format else None
+        return await serving.compile_constraint(found[0], found[1], path)
     if found is not None:
         raise bad_request(f"tool_choice {plan.name or plan.mode!r} constrains the output to the "
                           f"tool call, and {found[1]} constrains it too; send one of them "

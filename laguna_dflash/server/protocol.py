@@ -132,6 +132,41 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (OpenAI's Responses API), rendered as a chat request
+    (server/responses_input.py). Other fields are kept as extras: vLLM's sampling extras and
+    chat completions' own fields are looked up there (taken, or a 400 saying what to send
+    instead); the rest are ignored, as the other routes ignore unknown fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; nothing is stored
+    # Change the output and are not implemented: a 400 naming the field unless off
+    # (responses_input.reject_unsupported), never silently dropped.
+    previous_response_id: str | None = None
+    reasoning: Any = None
+    include: list[Any] | None = None
+    background: bool | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt: Any = None
+    conversation: Any = None
+
+
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: either ``prompt`` (text) or ``messages`` (through the chat template)."""
 

@@ -272,13 +272,15 @@ class Serving:
 
     async def start(self, prefix: str, prompt_ids: list[int], params: SamplingParams, n: int,
                     stop: tuple[str, ...], skip_special_tokens: bool,
-                    include_stop_str: bool, base_id: str | None = None, priority: int = 0) -> list[Job]:
+                    include_stop_str: bool, base_id: str | None = None, priority: int = 0,
+                    separator: str = "-") -> list[Job]:
         """Submit the ``n`` choices of one response and wait until the engine accepted them
         (4xx/5xx otherwise; the accepted ones are then aborted). With a seed, choice ``i``
         samples with ``seed + i``.
 
         The response's id is ``<prefix>-<base_id>`` (:func:`base_request_id`: the client's
-        ``X-Request-Id`` or ``request_id``), else ``<prefix>-<random hex>``. Engine request ids
+        ``X-Request-Id`` or ``request_id``), else ``<prefix>-<random hex>`` (``separator``
+        instead of ``-``: ``resp_...`` on /v1/responses). Engine request ids
         are that id, ``<id>-1``, ... for the choices, with a random suffix after a client's
         id: two requests may send the same one, and the engine's ids must differ.
         ``priority`` (vLLM's request field) orders the choices under ``--scheduling-policy
@@ -300,7 +302,7 @@ class Serving:
                               "out, or send the tokens to stop on as stop_token_ids", "stop")
         if params.bad_words:
             params = replace(params, bad_words_token_ids=self.bad_words_ids(params.bad_words))
-        request_id = f"{prefix}-{base_id or uuid.uuid4().hex}"
+        request_id = f"{prefix}{separator}{base_id or uuid.uuid4().hex}"
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, n=%d, %s", request_id, len(prompt_ids), n, params)
         engine_id = request_id if base_id is None else f"{request_id}-{uuid.uuid4().hex[:12]}"

@@ -34,9 +34,12 @@ def read_chat_template(value: str | None, name: str = "--chat-template") -> str 
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a template file's path or the template text (a str), "
                          f"got {type(value).__name__}")
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    try:  # a long inline template is no path: the OS refuses the name (ENAMETOOLONG)
+        is_file = Path(value).expanduser().is_file()
+    except (OSError, ValueError):
+        is_file = False
+    if is_file:
+        return Path(value).expanduser().read_text(encoding="utf-8")
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"{name} {value!r}: no such file, and not a Jinja template either "

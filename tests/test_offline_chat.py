@@ -105,6 +105,8 @@ def test_renderer_and_template_reader_alone(tmp_path):
     path.write_text("{{ x }}")
     assert read_chat_template(str(path)) == "{{ x }}" and read_chat_template("{% x %}") == "{% x %}"
     assert read_chat_template(None) is None
+    long = "{% for m in messages %}{{ m['content'] }}{% endfor %}" * 8  # longer than a file name may be
+    assert read_chat_template(long) == long
     with pytest.raises(ValueError, match="--chat-template 'plain': no such file"):
         read_chat_template("plain")
     with pytest.raises(ValueError, match="chat_template= must be"):

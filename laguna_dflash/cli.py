@@ -22,6 +22,7 @@ import torch
 from .config import DRAFT_QUANTIZATIONS, EngineConfig, SamplingParams
 from .config import flag as config_flag
 from .distributed import is_rank_zero
+from .structured_outputs import StructuredOutputsParams
 
 if typing.TYPE_CHECKING:
     from .llm import LLM, RequestOutput
@@ -47,6 +48,18 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids must be comma-separated integers like 1,2,3 (got {text!r})"
         ) from e
+
+
+def _parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"regex\": \"[0-9]+\"}}' "
+                                         f"(got {text!r:.80}: {e})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"choice\": [\"yes\", "
+                                         f"\"no\"]}}' (got {text!r:.80})")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
@@ -203,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the request's sampling seed: the same seed gives the same tokens")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token, to --max-new-tokens")
+    g.add_argument("--structured-outputs", type=_parse_json_object, default=None, metavar="JSON",
+                   help="constrain the output as vLLM's structured_outputs, a JSON object of one "
+                        'constraint: {"regex": ...}, {"choice": [...]}, {"json": SCHEMA}, '
+                        '{"json_object": true} or {"grammar": LARK_OR_GBNF} (needs a tokenizer and '
+                        "laguna-dflash[structured])")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true",
                    help="with --json: per step anchor position, draft tokens, accepted count")
@@ -304,7 +322,11 @@ def sampling_params_from_flags(args: argparse.Namespace) -> SamplingParams:
             SamplingParams(**{field: values[field]})
         except ValueError as e:
             raise ValueError(f"{flag} {values[field]}: {e}") from e
-    return SamplingParams(**values, ignore_eos=args.ignore_eos)
+    try:
+        structured = StructuredOutputsParams.of(args.structured_outputs)
+    except ValueError as e:
+        raise ValueError(f"--structured-outputs: {e}") from e
+    return SamplingParams(**values, ignore_eos=args.ignore_eos, structured_outputs=structured)
 
 
 def check_checkpoint_dir(flag: str, path: str | None, what: str) -> None:

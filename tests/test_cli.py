@@ -417,3 +417,30 @@ def test_bench_bad_flags(bench_pair, capsys, flags, needle):
     code, _, err = _run_main(["bench", "--model", str(target), "--draft", str(draft), "--num-prompts", "2",
                               "--max-new-tokens", "4", *flags], capsys)
     _assert_one_error_line(code, err, needle)
+
+
+def test_main_structured_outputs(capsys: pytest.CaptureFixture):
+    """``--structured-outputs JSON`` (the demo pair, its tokenizer): a choice and a grammar give
+    matching text ending with "stop", DFlash's tokens those of LLM.generate with the constraint;
+    a bad value is one error line naming the flag."""
+    from laguna_dflash.demo import demo_pair
+
+    target, draft = demo_pair()
+    cases = [({"choice": ["yes", "no", "maybe"]}, r"yes|no|maybe"),
+             ({"grammar": 'root ::= "(" root ")" | "x"'}, r"\(*x\)*")]
+    for constraint, pattern in cases:
+        code, out, err = _run_main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "24", "--json",
+                                    "--no-compare", "--structured-outputs", json.dumps(constraint)], capsys)
+        assert code == 0, err
+        obj = json.loads(out)
+        assert obj["finish_reason"] == "stop" and re.fullmatch(pattern, obj["text"]), obj["text"]
+        ref = LLM(str(target)).generate(["def f(x):"], SamplingParams(
+            temperature=0, max_tokens=24, structured_outputs=constraint), use_tqdm=False)[0]
+        assert obj["token_ids"] == ref.token_ids
+    for bad, needle in (("[1]", "--structured-outputs: must be a JSON object"),
+                        ("{nope", "--structured-outputs: must be a JSON object"),
+                        ('{"regex": "a", "choice": ["b"]}', "--structured-outputs: StructuredOutputsParams takes "
+                                                          "exactly one")):
+        code, out, err = _run_main(["generate", "--prompt", "x", "--no-compare", "--structured-outputs", bad],
+                                   capsys)
+        assert code != 0 and needle in err and "Traceback" not in err, err

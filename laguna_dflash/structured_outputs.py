@@ -6,7 +6,7 @@ A constraint compiles (:class:`StructuredOutputCompiler`, once per tokenizer) to
 expression and then to a token-level automaton over the tokenizer's byte strings
 (``outlines_core.Index``): from state ``s`` token ``t`` is allowed iff a transition ``s -t-> s'``
 exists; in a final state the request's stop tokens are allowed too. The engine keeps one
-:class:`GrammarMatcher` per request; the logits row that scores output position ``n`` is masked
+:class:`ConstraintMatcher` per request; the logits row that scores output position ``n`` is masked
 to the tokens allowed in the state reached by the ``n`` outputs (engine/penalties.py), the
 row after verify drafts ``d_1 .. d_j`` in the state reached by the outputs and then those drafts
 (as target-only decoding would be, if the drafts are accepted; a draft the automaton refuses is
@@ -276,7 +276,7 @@ def terminated_vocabulary(byte_strings: dict[bytes, list[int]], vocab_size: int)
     """outlines-core's vocabulary of ``byte_strings`` (:func:`token_byte_strings`) and the token
     ``vocab_size`` spelling :data:`END_OF_MATCH`, for :meth:`Grammar.from_regex`. Its EOS id
     (``vocab_size + 1``) is never reached (nothing follows the end mark): the stop tokens are
-    the engine's to allow (GrammarMatcher)."""
+    the engine's to allow (ConstraintMatcher)."""
     end = END_OF_MATCH.encode()
     # a token ending with a proper prefix of the mark (a byte-level BPE's lone leading byte
     # 0xF4, ...) could start spelling it, and one holding it could end the match mid-token:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import pickle
 import random
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+# the demo pair, as the regex backend's tests use it
+from test_structured_outputs import DEMO_DRAFT, DEMO_TARGET, PROMPTS, VOCAB
 
 from laguna_dflash import LLM, SamplingParams, StructuredOutputsParams
 from laguna_dflash.structured_outputs import (
@@ -31,9 +33,6 @@ from laguna_dflash.structured_outputs import (
     unpack_token_bits,
 )
 
-DEMO_TARGET = Path(__file__).resolve().parents[1] / "assets" / "demo" / "target"
-DEMO_DRAFT = DEMO_TARGET.parent / "draft"
-VOCAB = 4096  # the demo target's
 NESTED_GBNF = 'root ::= "(" root ")" | "x"'
 NESTED_LARK = 'start: "(" start ")" | "x"'
 #: a Python function whose expression nests parentheses (GBNF, as llama.cpp writes it)
@@ -50,7 +49,6 @@ start: "x = " value
 value: NUMBER | "[" value ("," value)* "]"
 NUMBER: /[0-9]{1,3}/
 '''
-PROMPTS = ["def add(a, b):\n", "import os\n", "class Point:\n"]
 
 
 @pytest.fixture(scope="module")

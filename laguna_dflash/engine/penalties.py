@@ -41,7 +41,7 @@ mask are built on the device from one upload of the token ids per step, with no 
 mask is per request, not per row: its ``K + 1`` verify rows share it (allowed_token_ids does not
 depend on the outputs), so the upload carries each request's list once. The grammar's masks
 are per row: row ``j``'s state is the one the outputs and ``d_1 .. d_j`` reach, walked on the
-host (structured_outputs.GrammarMatcher), so a verify step with a constrained request brings
+host (structured_outputs.ConstraintMatcher), so a verify step with a constrained request brings
 its drafts to the host (one sync; requests without a constraint never do). The bad words' prefix
 match runs on the device too: the drafts never come to the host, and the outputs' tails and the
 words' ids ride in the same upload.
@@ -231,8 +231,8 @@ def _grammar_row_bits(seqs: list[Sequence], chosen: list[int], n: int,
                       drafts: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
     """Structured outputs: ``{pos: n bit sets [ceil(V / 32)] int32}`` for each request
     ``seqs[chosen[pos]]`` with a grammar, its row ``j`` in the state its outputs and then drafts
-    ``d_1 .. d_j`` reach (``drafts [R, n - 1]`` on the device; structured_outputs.GrammarMatcher).
-    The automaton runs on the host: a verify step with such a request brings their drafts to
+    ``d_1 .. d_j`` reach (``drafts [R, n - 1]`` on the device; structured_outputs.ConstraintMatcher).
+    The constraint runs on the host: a verify step with such a request brings their drafts to
     the host (unless the drafter's guided choice left them there), the one host sync
     structured outputs add."""
     positions = [pos for pos, i in enumerate(chosen) if seqs[i].grammar is not None]

@@ -70,7 +70,7 @@ class Sequence:
     # the repetition penalty's "in the prompt" mask [V] bool on the device, made on first use
     # (engine/penalties.py): the prompt goes up once, not every step
     prompt_mask: torch.Tensor | None = None
-    # structured outputs: the request's place in its grammar (structured_outputs.GrammarMatcher)
+    # structured outputs: the request's place in its grammar (structured_outputs.ConstraintMatcher)
     grammar: Any = None
     # vLLM's request priority (lower first) under the priority scheduling policy
     priority: int = 0

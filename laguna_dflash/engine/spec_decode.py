@@ -206,7 +206,7 @@ class DFlashProposer:
         """Constrained requests' drafts (rows ``rows`` of ``drafts [R, k]``; ``hidden [R, k, H]``
         the block's mask rows) taken from the drafter's ``num_draft_candidates`` likeliest
         tokens a position, the first each position's grammar state allows
-        (GrammarMatcher.guided_drafts): a draft the constraint refuses is never accepted, so
+        (ConstraintMatcher.guided_drafts): a draft the constraint refuses is never accepted, so
         the argmax would end the block there. The candidates come to the host (a sync the
         verify then saves: it reads these drafts from the matchers), the chosen drafts go up
         in place of the argmax."""

@@ -537,7 +537,7 @@ class DFlashDraftModel(nn.Module):
         """The ``count`` likeliest tokens of each row of :meth:`lm_head_logits` ``(hidden [N,
         H])``, most likely first -> ``[N, count]`` int64 token ids (mapped through
         ``draft_vocab_ids`` where a draft vocabulary is set): the choices a constrained
-        request's drafts are taken from (structured_outputs.GrammarMatcher.guided_drafts)."""
+        request's drafts are taken from (structured_outputs.ConstraintMatcher.guided_drafts)."""
         logits = self.lm_head_logits(hidden)
         best = logits.topk(min(count, logits.shape[-1]), dim=-1).indices
         return best if self.draft_vocab_ids is None else self.draft_vocab_ids[best]
